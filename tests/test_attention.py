@@ -77,7 +77,12 @@ def _expected(b, q_lens, scale):
         ([50, 9], [21, 9], 2, 2, 128, 4),
     ],
 )
-def test_reference_matches_dense(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("small_tiles", [False, True])
+def test_reference_matches_dense(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, small_tiles, monkeypatch):
+    if small_tiles:
+        # force the CPU path's query chunking (5-row chunks) and memory-bounded sub-batches
+        monkeypatch.setattr(ref, "_Q_CHUNK", 5)
+        monkeypatch.setattr(ref, "_SCORE_BUDGET", 400)
     b = _build(ctx_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                block_size=block_size)
     scale = 1.0 / math.sqrt(head_dim)

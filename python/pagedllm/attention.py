@@ -37,11 +37,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     _ref.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if meta.is_decode_only:
-        return _ref.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    # one vectorized path for decode, prefill and mixed batches (it groups decode rows itself)
     return _ref.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, scale, max_query_len=meta.max_query_len,
-                                max_seq_len=meta.max_seq_len)
+                                meta.block_tables, scale)
 
 
 def _paged_attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
