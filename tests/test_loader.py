@@ -9,7 +9,7 @@ import torch
 from model_factory import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from pagedllm.models import CheckpointError, CheckpointNotFoundError, load_model, load_model_config
+from pagedllm.models import CheckpointError, CheckpointNotFoundError, load_model, load_model_config, resolve_dtype
 from pagedllm.models import loader
 from pagedllm.models.config import parse_model_config
 
@@ -190,3 +190,11 @@ def test_generation_config_eos_list_wins(llama_copy):
     (llama_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 9]}))
     cfg = load_model_config(llama_copy)
     assert (cfg.eos_token_ids, cfg.eos_token_id) == ((1, 7, 9), 1)
+
+
+@pytest.mark.parametrize("saved, expected", [("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                                             ("float32", torch.bfloat16), (None, torch.bfloat16)])
+def test_dtype_auto_on_gpu_follows_the_checkpoint_in_half_precision(llama_copy, saved, expected):
+    edit_config(llama_copy, torch_dtype=saved, dtype=None)
+    cfg = load_model_config(llama_copy)
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == expected

@@ -7,7 +7,7 @@ checkpoints such as Llama 3.1) and `rope_parameters` (transformers 5.x).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,6 @@ class ModelConfig:
     pad_token_id: int | None = None
     checkpoint_dtype: str | None = None  # "float16" | "bfloat16" | "float32" as saved, if stated
     path: str | None = None  # checkpoint folder; None for built-in models
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -6,8 +6,10 @@ build the model on the meta device and stream each tensor to its device and dtyp
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -188,9 +190,18 @@ def _materialize(
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg)
     state = {}
-    with _OpenFiles(device) as files:
+    with ExitStack() as open_files:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            # each file is opened once; tensors are read straight onto the target device
+            file = tensors[name].file
+            if file not in handles:
+                handles[file] = open_files.enter_context(safe_open(file, framework="pt", device=str(device)))
+            return handles[file].get_tensor(name).to(dtype)
+
         for param, sources in checkpoint_layout(cfg).items():
-            parts = [files.get(tensors[name].file, name).to(dtype) for name in sources]
+            parts = [read(name) for name in sources]
             state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -198,24 +209,3 @@ def _materialize(
     model.tie_weights()
     model.reset_rotary()
     return model.requires_grad_(False).eval()
-
-
-class _OpenFiles:
-    """Keeps each safetensors file open once while tensors are read straight onto `device`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = str(device)
-        self.handles: dict[Path, object] = {}
-
-    def get(self, file: Path, name: str) -> torch.Tensor:
-        if file not in self.handles:
-            self.handles[file] = safe_open(file, framework="pt", device=self.device).__enter__()
-        return self.handles[file].get_tensor(name)
-
-    def __enter__(self) -> _OpenFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self.handles.values():
-            handle.__exit__(None, None, None)
-        self.handles.clear()
