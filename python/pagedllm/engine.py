@@ -311,15 +311,18 @@ class LLMEngine:
             request.finish_all("length", reason)
             touched[request_id] = request
         self._note_scheduled(step, t1)
-        logits = self.runner.execute(step)
+        inputs = self.runner.prepare_step(step)
         t2 = time.perf_counter()
-        t3 = t2
+        logits = self.runner.forward(inputs) if inputs is not None else None
+        t3 = time.perf_counter()
         if logits is not None:
             sampled = self._sample(step, logits)
-            t3 = time.perf_counter()
+            t4 = time.perf_counter()
             self._update(step, sampled, touched)
-        t4 = time.perf_counter()
-        self._account(step, t0, t1, t2, t3, t4)
+        else:
+            t4 = t3
+        t5 = time.perf_counter()
+        self._account(step, (t0, t1, t2, t3, t4, t5))
         outputs = [request.output() for request in touched.values()]
         for request in touched.values():
             if request.finished:
@@ -381,15 +384,14 @@ class LLMEngine:
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
 
-    def _account(self, step, t0, t1, t2, t3, t4) -> None:
+    def _account(self, step, marks: tuple[float, ...]) -> None:
+        """Add the phase times (schedule, prepare incl. block ops, forward, sample, update)."""
         t = self.timings
         t.steps += 1
-        t.schedule += t1 - t0
-        t.forward += t2 - t1  # block ops + input preparation + forward
-        t.sample += t3 - t2
-        t.update += t4 - t3
-        num_prompt = int(step.num_batched_tokens) - int(len(step.sample_rows)) if step.num_seqs else 0
-        self._stats.record(step, num_prompt, len(step.sample_rows), self)
+        for name, start, end in zip(("schedule", "prepare", "forward", "sample", "update"),
+                                    marks, marks[1:]):
+            setattr(t, name, getattr(t, name) + end - start)
+        self._stats.record(int(step.num_batched_tokens), len(step.sample_rows), self)
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -408,31 +410,32 @@ class _ThroughputStats:
         self.enabled = enabled
         self.started = time.perf_counter()
         self.last_log = self.started
-        self.prompt_tokens = self.generation_tokens = 0
-        self._window_prompt = self._window_generation = 0
+        self.processed_tokens = self.generation_tokens = 0
+        self._window_processed = self._window_generation = 0
 
-    def record(self, step, num_prompt_tokens: int, num_generated: int, engine: LLMEngine) -> None:
-        self.prompt_tokens += num_prompt_tokens
+    def record(self, num_batched_tokens: int, num_generated: int, engine: LLMEngine) -> None:
+        self.processed_tokens += num_batched_tokens
         self.generation_tokens += num_generated
-        self._window_prompt += num_prompt_tokens
+        self._window_processed += num_batched_tokens
         self._window_generation += num_generated
         now = time.perf_counter()
         if self.enabled and now - self.last_log >= self.interval:
             self._log(engine, now - self.last_log)
             self.last_log = now
-            self._window_prompt = self._window_generation = 0
+            self._window_processed = self._window_generation = 0
 
     def _log(self, engine: LLMEngine, elapsed: float) -> None:
         s = engine.scheduler.get_stats()
         logger.info(
-            "prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, swapped %d | "
+            "processed %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, swapped %d | "
             "KV usage %.1f%% | prefix hit rate %.1f%% | preemptions %d",
-            self._window_prompt / elapsed, self._window_generation / elapsed,
+            self._window_processed / elapsed, self._window_generation / elapsed,
             s["num_running"], s["num_waiting"], s["num_swapped"], 100 * s["kv_usage"],
             100 * s["prefix_cache_hit_rate"], s["num_preemptions"])
 
     def totals(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        return {"prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+        return {"processed_tokens": self.processed_tokens,
+                "generation_tokens": self.generation_tokens,
                 "generation_throughput": self.generation_tokens / elapsed,
-                "prompt_throughput": self.prompt_tokens / elapsed}
+                "processed_throughput": self.processed_tokens / elapsed}

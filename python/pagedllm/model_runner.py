@@ -47,14 +47,18 @@ class ModelRunner:
         return (_to_device(step.input_ids, device), _to_device(step.positions, device), meta,
                 _to_device(sample_rows, device))
 
-    @torch.inference_mode()
-    def execute(self, step) -> torch.Tensor | None:
-        """Apply the step's block operations, run the forward, return float32 logits [K, V]."""
+    def prepare_step(self, step):
+        """Run the step's block operations and build its inputs (None: nothing to compute)."""
         self.cache_engine.execute(step.blocks_to_swap_out, step.blocks_to_swap_in,
                                   step.blocks_to_copy)
         if step.num_seqs == 0:
             return None
-        input_ids, positions, meta, sample_rows = self.prepare(step)
+        return self.prepare(step)
+
+    @torch.inference_mode()
+    def forward(self, inputs) -> torch.Tensor | None:
+        """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0)."""
+        input_ids, positions, meta, sample_rows = inputs
         hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
         if sample_rows.numel() == 0:
             return None
