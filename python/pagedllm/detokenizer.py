@@ -8,6 +8,12 @@ Text is held back in two cases and released by later tokens or by `finish()`:
   next token may complete; a U+FFFD followed by other text is final and is emitted;
 - with stop strings, the last `max(len(stop)) - 1` characters, which may be the start of a stop
   string, so that streamed text is never taken back.
+
+The streamed text equals `decode(prompt + output)` minus the prompt's text for valid UTF-8, and
+for byte-level decoders (raw bytes, GPT-2 ByteLevel) for invalid bytes too. Decoders that decode
+a whole run of byte tokens at once (SentencePiece byte fallback) may turn characters already
+streamed into U+FFFD when an invalid byte follows them; streamed text cannot be taken back, so on
+such invalid output the U+FFFDs may differ from a full decode.
 """
 from __future__ import annotations
 
