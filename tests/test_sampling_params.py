@@ -1,8 +1,11 @@
 """SamplingParams: vLLM defaults, normalization, and a ValueError naming each bad field."""
+import os
 import subprocess
 import sys
 
 import pytest
+
+import pagedllm
 
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams
@@ -106,14 +109,8 @@ def test_completion_output_finished_follows_finish_reason():
 
 
 def test_params_and_outputs_import_without_torch():
+    package_root = os.path.dirname(os.path.dirname(pagedllm.__file__))
+    env = {**os.environ, "PYTHONPATH": package_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     code = ("import sys; import pagedllm.sampling_params, pagedllm.outputs; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, env=_python_path_env())
-
-
-def _python_path_env():
-    import os
-
-    import pagedllm
-    package_root = os.path.dirname(os.path.dirname(pagedllm.__file__))
-    return {**os.environ, "PYTHONPATH": package_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -5,7 +5,7 @@ Pure Python on purpose: importing it must not import torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
@@ -83,8 +83,6 @@ class SamplingParams:
     best_of: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Longest stop string, so a streamer knows how much text might still be cut; derived.
-    output_text_buffer_length: int = field(init=False, repr=False, default=0)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -93,8 +91,6 @@ class SamplingParams:
         self._check_flags()
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
-        if self.stop and not self.include_stop_str_in_output:
-            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
     def _check_counts(self) -> None:
         _check_int("n", self.n, 1)
