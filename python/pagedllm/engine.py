@@ -65,6 +65,7 @@ class _Request:
     params: SamplingParams
     seqs: list[_Sequence]
     metrics: RequestMetrics
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop ids
     num_cached_tokens: int = 0
 
     @property
@@ -247,7 +248,9 @@ class LLMEngine:
             for seq in seqs:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
         self.requests[request_id] = _Request(request_id, text, token_ids, params, seqs,
-                                             RequestMetrics(arrival_time=arrival))
+                                             RequestMetrics(arrival_time=arrival),
+                                             stop_token_ids=frozenset(
+                                                 stop_ids + ([] if params.ignore_eos or eos is None else [eos])))
 
     def _tokenize(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -366,7 +369,7 @@ class LLMEngine:
                 entry = logprobs.entry(k, token, request.params.logprobs, self._decode_one)
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token].logprob
-            if seq.detokenizer is not None:
+            if seq.detokenizer is not None and not self._ends_by_token(request, seq, token):
                 _, stop = seq.detokenizer.append(token)
                 if stop is not None:
                     stop_hits[k] = True
@@ -380,6 +383,14 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = time.time()
             touched[request_id] = request
+
+    def _ends_by_token(self, request: _Request, seq: _Sequence, token: int) -> bool:
+        """EOS or a stop token id that will end the sequence: its text is not part of the output
+        (vLLM), unless the request keeps stop strings in the output."""
+        params = request.params
+        if params.include_stop_str_in_output or len(seq.token_ids) < params.min_tokens:
+            return False
+        return token in request.stop_token_ids
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
