@@ -2,4 +2,37 @@
 
 Shipped inside the wheel as `pagedllm.kernels` (python/pagedllm/kernels is a
 symlink to this folder).
+
+Kernel entry points are resolved lazily: `pagedllm.kernels.reference` (the torch references and
+the CPU path) must import on machines without triton, so triton is only imported when a kernel
+name is first accessed.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> submodule defining it (module names differ from function names so that importing
+# a submodule, which sets it as a package attribute, never shadows a function)
+_LAZY = {
+    "store_kvcache": "store_kv",
+    "paged_decode_attention": "decode_attention",
+    "choose_num_splits": "decode_attention",
+    "paged_prefill_attention": "prefill_attention",
+    "copy_blocks": "block_copy",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "reference"])

@@ -1,8 +1,13 @@
-//! PyO3 bindings: the private `pagedllm._core` module.
+//! PyO3 bindings: the private `pagedllm._core` module. Each submodule registers its own names.
 use pyo3::prelude::*;
+
+mod errors;
+mod manager;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    manager::register(m)?;
     Ok(())
 }

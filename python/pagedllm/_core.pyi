@@ -1,0 +1,200 @@
+"""Type stubs for the compiled core `pagedllm._core` (Rust, PyO3)."""
+from __future__ import annotations
+
+from typing import ClassVar, final
+
+__version__: str
+
+# =============================================================================================
+# Memory manager (rust/src/bindings/manager.rs)
+# =============================================================================================
+
+class PagedLLMError(Exception):
+    """Error raised by the pagedllm core: out of blocks, invalid state, broken invariant.
+
+    Bad arguments (unknown or duplicate sequence ids, negative counts, out-of-range values)
+    raise ``ValueError`` instead.
+    """
+
+ROOT_HASH: int
+"""Parent hash of a sequence's first block in the prefix-cache hash chain."""
+
+@final
+class AllocStatus:
+    """Answer of the admission checks (`can_allocate`, `can_swap_in`)."""
+
+    OK: ClassVar[AllocStatus]
+    """Fits now."""
+    LATER: ClassVar[AllocStatus]
+    """Does not fit now (free blocks minus the watermark); may once blocks are freed."""
+    NEVER: ClassVar[AllocStatus]
+    """Can never fit in this pool."""
+    def __int__(self) -> int: ...
+
+@final
+class PrefixHit:
+    """Result of `KVCacheManager.lookup`."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens covered by `blocks` (``len(blocks) * block_size``)."""
+    @property
+    def blocks(self) -> list[int]:
+        """Device blocks of the longest run of leading cached full blocks (the block holding the
+        last token is never part of it: that token is always computed)."""
+    @property
+    def hashes(self) -> list[int]:
+        """Chain hashes of every full block of the looked-up tokens (empty with caching off)."""
+
+class KVCacheManager:
+    """Paged KV-cache memory manager: device and host block pools with ref-counted blocks,
+    per-sequence block tables, fork / copy-on-write, swap and a prefix cache.
+
+    Block ids of the two pools are independent (device ``0..num_gpu_blocks``, host
+    ``0..num_cpu_blocks``). The KV slot of token ``t`` of a sequence is
+    ``table[t // block_size] * block_size + t % block_size``.
+
+    Every call that fails (exception, or a ``None`` / ``False`` "not enough blocks" answer)
+    leaves the manager unchanged.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        """Raises ValueError for block_size 0, a negative count, or watermark outside [0, 1)."""
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate(
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        *,
+        num_slots: int | None = None,
+        extra_key: int = 0,
+        apply_watermark: bool = True,
+    ) -> int | None:
+        """Creates the block table of a new sequence, reusing the longest cached prefix.
+
+        `num_slots` (default: all tokens) is how many token slots the table must cover.
+        Counts one prefix-cache query. Returns the number of reused (cached) tokens, or None
+        when the free blocks (minus the watermark if `apply_watermark`) do not suffice.
+        Raises ValueError for an existing `seq_id`.
+        """
+    def allocate_hit(
+        self, seq_id: int, hit: PrefixHit, num_slots: int, *, apply_watermark: bool = True
+    ) -> bool:
+        """Allocates from a `lookup` result. False when out of blocks; ValueError when the hit is
+        stale (one of its blocks was evicted since) or covers more than `num_slots`."""
+    def lookup(self, token_ids: list[int], *, extra_key: int = 0, count: bool = False) -> PrefixHit:
+        """Prefix-cache query. Read-only unless `count`, which adds it to the hit/miss counters."""
+    def append_slots(
+        self, seq_id: int, first_new_slot: int, num_slots: int
+    ) -> list[tuple[int, int]] | None:
+        """Grows the table to cover `num_slots` slots. Each shared block that slots
+        ``[first_new_slot, num_slots)`` write into is copied first (copy-on-write). Returns the
+        ``(src, dst)`` block pairs to copy, or None (no change) when out of device blocks."""
+    def cache_full_blocks(
+        self, seq_id: int, token_ids: list[int], num_computed_tokens: int, *, extra_key: int = 0
+    ) -> int:
+        """Registers in the prefix cache every block fully inside
+        ``token_ids[:num_computed_tokens]`` not registered yet (call at schedule time). A hash
+        already mapped to another block is left as is. Returns the number newly registered."""
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """The child shares every block of the parent (ref count +1 each)."""
+    def free(self, seq_id: int) -> None:
+        """Releases the sequence's blocks (device or host). Cached full blocks keep their
+        contents and wait in the eviction queue. ValueError for an unknown id (double free)."""
+
+    # ---- admission -------------------------------------------------------------------------
+    def can_allocate(self, num_tokens: int) -> AllocStatus:
+        """NEVER: more blocks than the pool minus the watermark; LATER: not enough free blocks
+        now while keeping the watermark free; OK otherwise."""
+    def can_allocate_with_prefix(self, hit: PrefixHit, num_slots: int) -> AllocStatus:
+        """`can_allocate` counting only the blocks `allocate_hit(hit, num_slots)` would take."""
+    def can_append_slots(self, num_running_seqs: int, num_lookahead_slots: int = 0) -> bool:
+        """Conservative: one free block per running sequence plus its lookahead blocks."""
+
+    # ---- swap ------------------------------------------------------------------------------
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        """Whether the host pool can hold the group's distinct device blocks."""
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Moves the group's blocks to the host, each shared block once. Returns the
+        ``(device, host)`` pairs to copy. PagedLLMError when the host pool is too small."""
+    def can_swap_in(self, seq_ids: list[int], num_lookahead_slots: int = 0) -> AllocStatus:
+        """NEVER when the group's blocks exceed the device pool; LATER when they do not fit now
+        (watermark kept free); OK otherwise."""
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """The reverse of `swap_out`. Returns ``(host, device)`` pairs. PagedLLMError when the
+        device pool has too few free blocks."""
+
+    # ---- inspection ------------------------------------------------------------------------
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def is_swapped(self, seq_id: int) -> bool:
+        """True when the sequence's blocks are on the host. ValueError for an unknown id."""
+    def contains(self, seq_id: int) -> bool: ...
+    def __contains__(self, seq_id: int) -> bool: ...
+    def seq_ids(self) -> list[int]:
+        """Known sequence ids, sorted."""
+    def ref_count(self, block_id: int, *, device: bool = True) -> int: ...
+    def block_hash(self, block_id: int) -> int | None:
+        """Hash the device block is registered under in the prefix cache, or None."""
+    def evictable_blocks(self) -> list[int]:
+        """Cached device blocks with ref count 0, in eviction order (first evicted first)."""
+    def usage(self) -> float:
+        """Fraction of device blocks in use (cached-evictable blocks count as free)."""
+    def cpu_usage(self) -> float:
+        """Fraction of host blocks in use."""
+    def stats(self) -> dict[str, int | float]:
+        """block_size, num_gpu_blocks, num_cpu_blocks, num_free_gpu_blocks, num_free_cpu_blocks,
+        num_cached_gpu_blocks, num_registered_blocks, num_sequences, num_swapped_sequences,
+        gpu_usage, cpu_usage, watermark_blocks, prefix_cache_queries,
+        prefix_cache_query_blocks, prefix_cache_hits, prefix_cache_misses,
+        prefix_cache_evictions, prefix_cache_hit_rate (hits / query_blocks)."""
+    def check_invariants(self) -> None:
+        """Raises PagedLLMError naming the first violated invariant (free + in use = total per
+        pool, ref counts = table references, nothing both free and referenced, prefix-cache map
+        consistent with the blocks)."""
+    def reset_prefix_cache(self) -> None:
+        """Drops every prefix-cache entry; cached-evictable blocks become plain free blocks.
+        The hit/miss/eviction counters are kept."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_gpu_blocks(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Free device blocks, cached-evictable ones included."""
+    @property
+    def num_free_cpu_blocks(self) -> int: ...
+    @property
+    def num_cached_gpu_blocks(self) -> int:
+        """Device blocks with ref count 0 whose contents are still cached (evictable)."""
+    @property
+    def num_sequences(self) -> int: ...
+    @property
+    def watermark_blocks(self) -> int:
+        """``int(watermark * num_gpu_blocks)``."""
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+
+def hash_block(parent_hash: int, token_ids: list[int], extra_key: int = 0) -> int:
+    """Chained 64-bit hash of one block (`parent_hash` = ROOT_HASH for the first block)."""
+
+def hash_block_chain(token_ids: list[int], block_size: int, extra_key: int = 0) -> list[int]:
+    """Chain hashes of every full block of `token_ids`."""
+
+def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
+    """Benchmark helper: nanoseconds per chained hash of a `block_size`-token block, timed
+    inside Rust."""
+
+# =============================================================================================
+# End of memory manager section
+# =============================================================================================

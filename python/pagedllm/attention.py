@@ -1,0 +1,58 @@
+"""Paged attention entry point used by the models (docs/ARCHITECTURE.md §3).
+
+`paged_attention` stores this step's K/V into the paged cache and attends. CUDA tensors go to the
+Triton kernels (triton is imported only then, so this module imports on machines without it);
+everything else goes to the vectorized torch reference, the engine's CPU path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+from pagedllm.kernels import reference as _ref
+
+__all__ = ["AttentionMetadata", "paged_attention"]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor      # int64 [T]; -1 = padding, not stored
+    query_start_loc: Tensor   # int32 [S+1]
+    seq_lens: Tensor          # int32 [S]  context length including this step's tokens
+    block_tables: Tensor      # int32 [S, W]
+    max_query_len: int
+    max_seq_len: int
+    is_decode_only: bool      # every query length is 1
+    # Split-KV count for the CUDA decode kernel. None: derived from the batch size and the block
+    # table width W * block_size, so a CUDA graph captured with W = max_model_len / block_size keeps
+    # one fixed grid. Ignored on CPU.
+    num_splits: Optional[int] = None
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttentionMetadata, scale: float) -> Tensor:
+    """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` -> `[T, H, D]`."""
+    if q.is_cuda:
+        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    _ref.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    # one vectorized path for decode, prefill and mixed batches (it groups decode rows itself)
+    return _ref.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, scale)
+
+
+def _paged_attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+    from pagedllm.kernels import decode_attention, prefill_attention, store_kv
+
+    store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only:
+        num_splits = meta.num_splits
+        if num_splits is None:
+            num_splits = decode_attention.choose_num_splits(
+                q.shape[0], k_cache.shape[2], meta.block_tables.shape[1] * k_cache.shape[1], q.device)
+        return decode_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits)
+    return prefill_attention.paged_prefill_attention(
+        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+        meta.max_query_len)

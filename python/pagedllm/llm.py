@@ -1,0 +1,94 @@
+"""`LLM`: offline batched generation (vLLM's `LLM.generate`)."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from pagedllm.config import DEFAULT_MODEL, EngineArgs
+from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Build an engine from a local Hugging Face checkpoint folder (or the built-in
+    `pagedllm/tiny-random`) and generate for batches of prompts.
+
+    Every `EngineArgs` field is accepted as a keyword (block_size, num_gpu_blocks, scheduling,
+    policy, preemption_mode, enable_prefix_caching, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        `prompts`: a string, a `{"prompt_token_ids": [...]}` dict, or a list of them.
+        `sampling_params`: one for all prompts or one per prompt. `priority`: one per prompt
+        (lower = more urgent; used with policy="priority").
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams())
+        priorities = _per_prompt("priority", priority, len(prompt_list), 0, broadcast=False)
+        request_ids = [f"{next(self._ids)}" for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p, prio in zip(request_ids, prompt_list, params, priorities):
+                self.engine.add_request(request_id, prompt, p, priority=prio)
+                added.append(request_id)
+        except Exception:
+            self.engine.abort_request(added)  # bad input: leave no half-added batch behind
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompt_list = list(prompts)
+    if not prompt_list:
+        raise ValueError("prompts is empty")
+    for i, prompt in enumerate(prompt_list):
+        if not isinstance(prompt, (str, dict)):
+            raise ValueError(f"prompts[{i}] must be a string or a {{'prompt_token_ids': [...]}} "
+                             f"dict, got {type(prompt).__name__}")
+    return prompt_list
+
+
+def _per_prompt(name: str, value, count: int, default, *, broadcast: bool = True) -> list:
+    if value is None:
+        return [default] * count
+    if broadcast and not isinstance(value, (list, tuple)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{name} has {len(values)} entries for {count} prompts")
+    return values
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)

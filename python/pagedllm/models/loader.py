@@ -1,0 +1,211 @@
+"""Load a Llama / Qwen2 / Qwen3 checkpoint (or the built-in tiny model) for the engine.
+
+Order of work, so that a bad checkpoint fails before any large allocation: parse config.json,
+read the safetensors headers (names and shapes only), check every expected tensor, and only then
+build the model on the meta device and stream each tensor to its device and dtype.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagedllm.models.config import ModelConfig, read_json, read_model_config
+from pagedllm.models.decoder import DecoderForCausalLM
+from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
+from pagedllm.models import tiny_random
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """"auto"/None -> cuda when available, else cpu."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU; on GPU the checkpoint's half dtype (bfloat16 if it states float32/none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float16, bfloat16 or float32")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        half = cfg.checkpoint_dtype in ("float16", "bfloat16")
+        return _DTYPES[cfg.checkpoint_dtype] if half else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float16', 'bfloat16' or 'float32'")
+    return _DTYPES[dtype]
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder or of the built-in `pagedllm/tiny-random`."""
+    if str(model) == tiny_random.MODEL_NAME:
+        return tiny_random.tiny_random_config()
+    return read_model_config(model)
+
+
+def load_model(
+    model: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = "auto"
+) -> DecoderForCausalLM:
+    """Build the model of a checkpoint folder (or `pagedllm/tiny-random`) on `device` in `dtype`.
+
+    The returned module is in eval mode without gradients; its ModelConfig is `.config`.
+    """
+    target = resolve_device(device)
+    cfg = load_model_config(model)
+    torch_dtype = resolve_dtype(dtype, cfg, target)
+    if cfg.path is None:
+        return tiny_random.build_tiny_random(cfg, device=target, dtype=torch_dtype)
+    tensors = index_checkpoint(Path(cfg.path))
+    check_checkpoint(cfg, tensors)
+    return _materialize(cfg, tensors, target, torch_dtype)
+
+
+def checkpoint_layout(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our parameter name -> the checkpoint tensors concatenated (dim 0) to form it."""
+    layout: dict[str, list[str]] = {
+        "model.embed_tokens.weight": ["model.embed_tokens.weight"],
+        "model.norm.weight": ["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        layout["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        layout.update(_layer_layout(cfg, f"model.layers.{i}."))
+    return layout
+
+
+def _layer_layout(cfg: ModelConfig, prefix: str) -> dict[str, list[str]]:
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+    layout = {
+        prefix + "input_layernorm.weight": [prefix + "input_layernorm.weight"],
+        prefix + "post_attention_layernorm.weight": [prefix + "post_attention_layernorm.weight"],
+        attn + "qkv_proj.weight": [name + ".weight" for name in qkv],
+        attn + "o_proj.weight": [attn + "o_proj.weight"],
+        mlp + "gate_up_proj.weight": [name + ".weight" for name in gate_up],
+        mlp + "down_proj.weight": [mlp + "down_proj.weight"],
+    }
+    if cfg.qkv_bias:
+        layout[attn + "qkv_proj.bias"] = [name + ".bias" for name in qkv]
+    if cfg.o_bias:
+        layout[attn + "o_proj.bias"] = [attn + "o_proj.bias"]
+    if cfg.mlp_bias:
+        layout[mlp + "gate_up_proj.bias"] = [name + ".bias" for name in gate_up]
+        layout[mlp + "down_proj.bias"] = [mlp + "down_proj.bias"]
+    if cfg.qk_norm:
+        layout[attn + "q_norm.weight"] = [attn + "q_norm.weight"]
+        layout[attn + "k_norm.weight"] = [attn + "k_norm.weight"]
+    return layout
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> the shape the config implies (Hugging Face naming)."""
+    e, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    out_features = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": e,
+                    "gate_proj": inter, "up_proj": inter, "down_proj": e}
+    in_features = {"o_proj": cfg.q_size, "down_proj": inter}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in (n for sources in checkpoint_layout(cfg).values() for n in sources):
+        module, kind = name.rsplit(".", 2)[-2:]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            shapes[name] = (cfg.vocab_size, e)
+        elif module in ("q_norm", "k_norm"):
+            shapes[name] = (d,)
+        elif module.endswith("norm"):
+            shapes[name] = (e,)
+        elif kind == "bias":
+            shapes[name] = (out_features[module],)
+        else:
+            shapes[name] = (out_features[module], in_features.get(module, e))
+    return shapes
+
+
+def index_checkpoint(folder: Path) -> dict[str, TensorInfo]:
+    """Name -> (file, shape) of every tensor in the folder's safetensors files (headers only)."""
+    files = _weight_files(folder)
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = TensorInfo(file, tuple(handle.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: cannot read safetensors header ({exc})") from exc
+    return tensors
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty field 'weight_map'")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointNotFoundError(f"{file}: listed in {INDEX_FILE} but not found")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointNotFoundError(
+            f"{folder}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE} with its shards)"
+        )
+    return files
+
+
+def check_checkpoint(cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    """Every tensor the config implies must be present with its shape; extra tensors are ignored."""
+    for name, shape in expected_shapes(cfg).items():
+        info = tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{cfg.path}: missing tensor '{name}' in the safetensors files")
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{info.file}: tensor '{name}' has shape {list(info.shape)}, config implies {list(shape)}"
+            )
+
+
+def _materialize(
+    cfg: ModelConfig, tensors: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype
+) -> DecoderForCausalLM:
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg)
+    state = {}
+    with ExitStack() as open_files:
+        handles: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:
+            # each file is opened once; tensors are read straight onto the target device
+            file = tensors[name].file
+            if file not in handles:
+                handles[file] = open_files.enter_context(safe_open(file, framework="pt", device=str(device)))
+            return handles[file].get_tensor(name).to(dtype)
+
+        for param, sources in checkpoint_layout(cfg).items():
+            parts = [read(name) for name in sources]
+            state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.reset_rotary()
+    return model.requires_grad_(False).eval()

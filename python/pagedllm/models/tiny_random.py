@@ -1,0 +1,78 @@
+"""The built-in default model `pagedllm/tiny-random`: a small Llama with seeded random weights.
+
+It needs no files, so every engine feature runs on a fresh machine; its text is gibberish.
+Weights are drawn on the CPU from one seeded generator in a fixed parameter order, then moved,
+so they are identical across runs and machines. Scales keep every layer's contribution O(1):
+unit-variance embeddings, 1/sqrt(fan_in) projections (attention scores ~ N(0, 1), so attention
+is neither uniform nor one-hot) and a sharper output head so greedy choices vary with context.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.models.config import ModelConfig, RopeConfig
+from pagedllm.models.decoder import DecoderForCausalLM
+from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
+
+MODEL_NAME = "pagedllm/tiny-random"
+DEFAULT_SEED = 0
+_HEAD_GAIN = 3.0  # logits std ~3: peaked enough that the greedy token depends on the context
+
+
+def tiny_random_config() -> ModelConfig:
+    """A 4-layer Llama (hidden 256, 8 heads, 4 kv heads, head_dim 32) over the byte vocabulary."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        family="llama",
+        num_layers=4,
+        hidden_size=256,
+        intermediate_size=688,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=32,
+        vocab_size=BYTE_VOCAB_SIZE,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=False,
+        bos_token_id=BYTE_BOS_ID,
+        eos_token_ids=(BYTE_EOS_ID,),
+        pad_token_id=BYTE_PAD_ID,
+        checkpoint_dtype="float32",
+        path=None,
+    )
+
+
+def build_tiny_random(
+    cfg: ModelConfig | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = DEFAULT_SEED,
+) -> DecoderForCausalLM:
+    """The tiny model with weights from `torch.Generator().manual_seed(seed)`."""
+    cfg = cfg or tiny_random_config()
+    with torch.device("meta"):
+        model = DecoderForCausalLM(cfg)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    state = {
+        name: _random_weight(name, tuple(param.shape), generator).to(device=device, dtype=dtype)
+        for name, param in model.state_dict().items()
+    }
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_rotary()
+    return model.requires_grad_(False).eval()
+
+
+def _random_weight(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    weight = torch.randn(shape, generator=generator)
+    if name == "model.embed_tokens.weight":
+        return weight
+    gain = _HEAD_GAIN if name == "lm_head.weight" else 1.0
+    return weight * (gain / math.sqrt(shape[1]))

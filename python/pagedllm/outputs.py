@@ -1,0 +1,69 @@
+"""Result types returned by `LLM.generate` and `LLMEngine.step` (vLLM's names).
+
+Pure Python on purpose: importing it must not import torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token. `rank` is 1 for the most likely token of the step."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token and the top-N ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    `finish_reason` is "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
+    max_model_len), "abort", or None while running. `stop_reason` is the stop token id or the
+    stop string that ended it (None for EOS and the other reasons). `cumulative_logprob` and
+    `logprobs` are None unless the request asked for logprobs.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds, `time.time()` scale) of a request's life."""
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at the end of `LLM.generate`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)

@@ -1,0 +1,153 @@
+"""`SamplingParams`: how to sample one request (vLLM's names and defaults).
+
+Pure Python on purpose: importing it must not import torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
+SAMPLING_EPS = 1e-5
+
+
+def _fail(name: str, value: Any, rule: str) -> None:
+    raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but `seed=True` or `n=True` is a mistake, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and not math.isnan(value)
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not _is_int(value) or value < low:
+        _fail(name, value, f"must be an int >= {low}")
+
+
+def _check_real(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = _is_real(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        _fail(name, value, f"must be a number in {bracket}{low}, {high}]")
+
+
+def _normalize_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        _fail("stop", stop, "must be None, a non-empty str or a list of non-empty str")
+    return list(stops)
+
+
+def _normalize_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        _fail("stop_token_ids", ids, "must be None or a list of token ids (ints >= 0)")
+    return list(ids)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request; validated at construction (`ValueError` names the field).
+
+    `temperature` below `SAMPLING_EPS` (e.g. 0) means greedy. `top_k` of -1 or 0 means no top-k.
+    `stop` is normalized to a list of strings and `stop_token_ids` to a list of ints.
+    `best_of` (default `n`) is how many samples are drawn; the `n` with the highest cumulative
+    logprob are returned. `logprobs=N` returns, per generated token, the sampled token and the N
+    most likely ones, scored by the model's raw distribution (see `pagedllm.sampler`).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    best_of: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_distribution()
+        self._check_penalties()
+        self._check_flags()
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+
+    def _check_counts(self) -> None:
+        _check_int("n", self.n, 1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "must be None or an int")
+
+    def _check_distribution(self) -> None:
+        _check_real("temperature", self.temperature, 0.0, math.inf)
+        if math.isinf(self.temperature):
+            _fail("temperature", self.temperature, "must be finite")
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1)
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+
+    def _check_penalties(self) -> None:
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        if math.isinf(self.repetition_penalty):
+            _fail("repetition_penalty", self.repetition_penalty, "must be finite")
+
+    def _check_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be a bool")
+
+    # --- derived views used by the engine and the sampler -------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences to generate (best_of when given, else n)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def all_stop_token_ids(self, eos_token_id: int | None) -> list[int]:
+        """Token ids that end the sequence: stop_token_ids, plus EOS unless `ignore_eos`."""
+        ids = list(self.stop_token_ids or [])
+        if eos_token_id is not None and not self.ignore_eos and eos_token_id not in ids:
+            ids.append(eos_token_id)
+        return ids
