@@ -26,13 +26,22 @@ impl Scheduler {
         if !preempted && delay_passed {
             admitted = self.admit_waiting(&mut left, Cut::Split, out)?;
         }
-        let prompts_among_walked =
-            self.running[..walked].iter().any(|&h| !self.req(h).is_decoding());
+        let prompts_among_walked = self.running[..walked]
+            .iter()
+            .any(|&h| !self.req(h).is_decoding());
         if swapped_in_end > walked || prompts_among_walked {
             let mut order = Vec::with_capacity(self.running.len());
             order.extend_from_slice(&self.running[walked..swapped_in_end]);
-            order.extend(self.running[..walked].iter().filter(|&&h| self.req(h).is_decoding()));
-            order.extend(self.running[..walked].iter().filter(|&&h| !self.req(h).is_decoding()));
+            order.extend(
+                self.running[..walked]
+                    .iter()
+                    .filter(|&&h| self.req(h).is_decoding()),
+            );
+            order.extend(
+                self.running[..walked]
+                    .iter()
+                    .filter(|&&h| !self.req(h).is_decoding()),
+            );
             order.extend_from_slice(&self.running[swapped_in_end..]);
             self.running = order;
         }

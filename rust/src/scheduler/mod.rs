@@ -114,6 +114,7 @@ pub struct Scheduler {
     seq_scratch: Vec<SeqId>,
     preempted_recompute: Vec<u32>,
     preempted_swap: Vec<u32>,
+    cow_scratch: Vec<crate::BlockId>,
     last_sizes: (usize, usize),
 }
 
@@ -156,6 +157,7 @@ impl Scheduler {
             seq_scratch: Vec::new(),
             preempted_recompute: Vec::new(),
             preempted_swap: Vec::new(),
+            cow_scratch: Vec::new(),
             last_sizes: (0, 0),
         })
     }
@@ -195,11 +197,17 @@ impl Scheduler {
     }
 
     fn req(&self, h: u32) -> &Request {
-        self.slots[h as usize].req.as_ref().expect("queued slot holds a request")
+        self.slots[h as usize]
+            .req
+            .as_ref()
+            .expect("queued slot holds a request")
     }
 
     fn req_mut(&mut self, h: u32) -> &mut Request {
-        self.slots[h as usize].req.as_mut().expect("queued slot holds a request")
+        self.slots[h as usize]
+            .req
+            .as_mut()
+            .expect("queued slot holds a request")
     }
 
     /// Id of the request an output named by (slot, generation); `None` once the slot has
@@ -223,15 +231,24 @@ impl Scheduler {
     }
 
     pub fn waiting_ids(&self) -> Vec<&str> {
-        self.waiting.iter().map(|&h| self.req(h).id.as_str()).collect()
+        self.waiting
+            .iter()
+            .map(|&h| self.req(h).id.as_str())
+            .collect()
     }
 
     pub fn running_ids(&self) -> Vec<&str> {
-        self.running.iter().map(|&h| self.req(h).id.as_str()).collect()
+        self.running
+            .iter()
+            .map(|&h| self.req(h).id.as_str())
+            .collect()
     }
 
     pub fn swapped_ids(&self) -> Vec<&str> {
-        self.swapped.iter().map(|&h| self.req(h).id.as_str()).collect()
+        self.swapped
+            .iter()
+            .map(|&h| self.req(h).id.as_str())
+            .collect()
     }
 
     pub fn stats(&self) -> SchedulerStats {
@@ -251,7 +268,11 @@ impl Scheduler {
     /// sequences than `max_num_seqs`, more blocks than the pool) are accepted and reported
     /// as ignored by the next `schedule()`.
     pub fn add_request(&mut self, request_id: &str, params: RequestParams) -> Result<u32> {
-        let bad = |m: String| Err(Error::InvalidArgument(format!("request {request_id:?}: {m}")));
+        let bad = |m: String| {
+            Err(Error::InvalidArgument(format!(
+                "request {request_id:?}: {m}"
+            )))
+        };
         if params.prompt.is_empty() {
             return bad("empty prompt".into());
         }
@@ -357,6 +378,36 @@ impl Scheduler {
         })
     }
 
+    /// Reason a waiting request can never run, if any: its sequences together (sharing the
+    /// full blocks of the prompt, each with its own tail) need more blocks than the pool.
+    fn group_never_fits(&self, h: u32) -> Option<String> {
+        let req = self.req(h);
+        let bs = self.block_size;
+        let la = self.cfg.num_lookahead_slots;
+        let slots = if req.needs_fork() {
+            let shared = req.prompt_len / bs;
+            let own: usize = req
+                .seqs
+                .iter()
+                .filter(|s| !s.is_finished())
+                .map(|s| (s.tokens.len() + la).div_ceil(bs) - shared)
+                .sum();
+            (shared + own) * bs
+        } else {
+            req.seqs[req.leader()].tokens.len() + la
+        };
+        (self.mgr.can_allocate(slots) == AllocStatus::Never).then(|| {
+            format!(
+                "needs {} KV blocks of {bs} tokens for its {} sequences, more than the cache can \
+                 ever give ({} blocks, watermark {})",
+                slots.div_ceil(bs),
+                req.num_unfinished,
+                self.num_gpu_blocks,
+                self.mgr.watermark_blocks()
+            )
+        })
+    }
+
     fn place(&mut self, req: Request) -> u32 {
         if self.free_slots.len() > RECYCLE_AFTER {
             let h = self.free_slots.pop_front().expect("non-empty");
@@ -367,14 +418,21 @@ impl Scheduler {
             h
         } else {
             let h = u32::try_from(self.slots.len()).expect("fewer than 2^32 request slots");
-            self.slots.push(Slot { id: req.id.clone(), req: Some(req), gen: 0 });
+            self.slots.push(Slot {
+                id: req.id.clone(),
+                req: Some(req),
+                gen: 0,
+            });
             h
         }
     }
 
     /// Drops a request that left every queue, freeing whatever blocks it still holds.
     fn release(&mut self, h: u32) -> Result<Request> {
-        let req = self.slots[h as usize].req.take().expect("released slot holds a request");
+        let req = self.slots[h as usize]
+            .req
+            .take()
+            .expect("released slot holds a request");
         for s in &req.seqs {
             if self.mgr.contains(s.id) {
                 self.mgr.free(s.id)?;
@@ -388,7 +446,9 @@ impl Scheduler {
     /// Removes a request from whichever queue holds it and frees everything it held.
     /// Unknown and finished ids are a no-op (returns false).
     pub fn abort_request(&mut self, request_id: &str) -> Result<bool> {
-        let Some(&h) = self.by_id.get(request_id) else { return Ok(false) };
+        let Some(&h) = self.by_id.get(request_id) else {
+            return Ok(false);
+        };
         let status = self.req(h).status;
         match status {
             RequestStatus::Waiting | RequestStatus::Preempted => {
@@ -434,7 +494,9 @@ impl Scheduler {
         }
         let admission_delay_passed = self.passed_delay(now);
         let admitted = match self.cfg.strategy {
-            Strategy::PrefillFirst => self.schedule_prefill_first(admission_delay_passed, &mut out)?,
+            Strategy::PrefillFirst => {
+                self.schedule_prefill_first(admission_delay_passed, &mut out)?
+            }
             Strategy::ChunkedPrefill => {
                 self.schedule_chunked_prefill(admission_delay_passed, &mut out)?
             }
@@ -542,7 +604,10 @@ impl Scheduler {
                 )));
             }
         }
-        if let Some(i) = sampled.iter().position(|&t| t < 0 || t > TokenId::MAX as i64) {
+        if let Some(i) = sampled
+            .iter()
+            .position(|&t| t < 0 || t > TokenId::MAX as i64)
+        {
             return Err(Error::InvalidArgument(format!(
                 "sampled_token_ids[{i}] = {} is not a valid token id",
                 sampled[i]
@@ -558,7 +623,9 @@ impl Scheduler {
                 continue;
             }
             // Aborted since the schedule() call: nothing to append to.
-            let Some(req) = slot.req.as_mut() else { continue };
+            let Some(req) = slot.req.as_mut() else {
+                continue;
+            };
             if req.status != RequestStatus::Running {
                 continue;
             }
@@ -575,7 +642,9 @@ impl Scheduler {
             } else {
                 req.stop.check(token, total - prompt_len, total, max_len)
             };
-            let Some((reason, stop_reason)) = fin else { continue };
+            let Some((reason, stop_reason)) = fin else {
+                continue;
+            };
             seq.finished = Some((reason, stop_reason));
             seq.table.clear();
             let seq_id = seq.id;
@@ -604,7 +673,10 @@ impl Scheduler {
             let slots = &self.slots;
             let mut done = Vec::new();
             self.running.retain(|&h| {
-                let keep = slots[h as usize].req.as_ref().is_some_and(|r| !r.status.is_finished());
+                let keep = slots[h as usize]
+                    .req
+                    .as_ref()
+                    .is_some_and(|r| !r.status.is_finished());
                 if !keep {
                     done.push(h);
                 }
@@ -664,7 +736,10 @@ impl Scheduler {
                 _ => req.status == RequestStatus::FinishedIgnored,
             };
             if !ok {
-                return Err(format!("request {} in {q} has status {:?}", req.id, req.status));
+                return Err(format!(
+                    "request {} in {q} has status {:?}",
+                    req.id, req.status
+                ));
             }
             if req.num_unfinished != req.seqs.iter().filter(|s| !s.is_finished()).count() {
                 return Err(format!("request {}: unfinished count is off", req.id));
@@ -686,16 +761,22 @@ impl Scheduler {
                 if q == "running" && should_hold {
                     let table = self.mgr.block_table(s.id).map_err(|e| e.to_string())?;
                     if table != s.table.as_slice() {
-                        return Err(format!("request {} seq {i}: stale block table mirror", req.id));
+                        return Err(format!(
+                            "request {} seq {i}: stale block table mirror",
+                            req.id
+                        ));
                     }
                     if s.num_computed > s.tokens.len()
                         || s.num_computed > s.table.len() * self.block_size
                     {
-                        return Err(format!("request {} seq {i}: computed past its slots", req.id));
+                        return Err(format!(
+                            "request {} seq {i}: computed past its slots",
+                            req.id
+                        ));
                     }
                 }
-                if !should_hold && (!s.table.is_empty() || (q == "waiting" && s.num_computed != 0))
-                {
+                let stale_progress = q == "waiting" && !s.is_finished() && s.num_computed != 0;
+                if !should_hold && (!s.table.is_empty() || stale_progress) {
                     return Err(format!("request {} seq {i}: holds state while {q}", req.id));
                 }
             }

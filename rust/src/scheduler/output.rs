@@ -61,7 +61,11 @@ impl StepOutput {
 
     /// [S] context length after this step.
     pub fn seq_lens(&self) -> Vec<i32> {
-        self.start_pos.iter().zip(&self.num_tokens).map(|(s, n)| s + n).collect()
+        self.start_pos
+            .iter()
+            .zip(&self.num_tokens)
+            .map(|(s, n)| s + n)
+            .collect()
     }
 
     /// [S + 1] cumulative token counts.
@@ -98,7 +102,14 @@ impl StepOutput {
         }
     }
 
-    pub(crate) fn push_sample(&mut self, row: usize, seq_id: u64, handle: u32, gen: u32, index: usize) {
+    pub(crate) fn push_sample(
+        &mut self,
+        row: usize,
+        seq_id: u64,
+        handle: u32,
+        gen: u32,
+        index: usize,
+    ) {
         self.sample_rows.push(row as i64);
         self.sample_seq_ids.push(seq_id as i64);
         self.sample_handles.push(handle);

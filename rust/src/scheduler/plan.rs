@@ -14,7 +14,7 @@ pub(super) enum Cut {
     /// Chunking strategies: each sequence takes what budget (and the long-prefill threshold)
     /// allows.
     Split,
-    /// `prefill_first`: all of the request's tokens this step, or none.
+    /// `prefill_first`: all of a sequence's tokens this step, or none of them.
     Whole,
 }
 
@@ -50,17 +50,20 @@ fn record(
     if take == 1 {
         out.input_ids.push(s.tokens[start] as i64);
         out.positions.push(start as i64);
-        out.slot_mapping.push((s.table[start / bs] as usize * bs + start % bs) as i64);
+        out.slot_mapping
+            .push((s.table[start / bs] as usize * bs + start % bs) as i64);
         return;
     }
-    out.input_ids.extend(s.tokens[start..end].iter().map(|&t| t as i64));
+    out.input_ids
+        .extend(s.tokens[start..end].iter().map(|&t| t as i64));
     out.positions.extend((start as i64)..(end as i64));
     let mut p = start;
     while p < end {
         let b = p / bs;
         let block_end = end.min((b + 1) * bs);
         let base = (s.table[b] as usize * bs) as i64 - (b * bs) as i64;
-        out.slot_mapping.extend((p as i64..block_end as i64).map(|q| base + q));
+        out.slot_mapping
+            .extend((p as i64..block_end as i64).map(|q| base + q));
         p = block_end;
     }
 }
@@ -82,7 +85,11 @@ impl Scheduler {
         let max_model_len = self.cfg.max_model_len;
         let mut plan = std::mem::take(&mut self.plan);
         plan.clear();
-        let req = self.slots[h as usize].req.as_ref().expect("planned request exists");
+        self.cow_scratch.clear();
+        let req = self.slots[h as usize]
+            .req
+            .as_ref()
+            .expect("planned request exists");
         let fork_pending = req.needs_fork();
         let leader = req.leader();
         let (mut left, mut tokens, mut needed) = (budget, 0usize, 0usize);
@@ -90,7 +97,11 @@ impl Scheduler {
             if s.is_finished() || (!req.forked && i != leader) {
                 continue;
             }
-            let target = if fork_pending { req.prompt_len } else { s.tokens.len() };
+            let target = if fork_pending {
+                req.prompt_len
+            } else {
+                s.tokens.len()
+            };
             // Never compute a position at or past max_model_len - 1 (V1's bound).
             let want = target
                 .saturating_sub(s.num_computed)
@@ -98,15 +109,12 @@ impl Scheduler {
             if want == 0 {
                 continue;
             }
+            // `Whole` is all-or-nothing per sequence: a group's sequences may re-prefill in
+            // different steps, so a group never needs more than one sequence's worth at once.
             let take = match cut {
                 Cut::Split => want.min(left).min(cap),
                 Cut::Whole if want <= left => want,
-                Cut::Whole => {
-                    plan.clear();
-                    tokens = 0;
-                    needed = 0;
-                    break;
-                }
+                Cut::Whole => break,
             };
             if take == 0 {
                 break;
@@ -116,11 +124,28 @@ impl Scheduler {
             let blocks = end.div_ceil(bs);
             let have = s.table.len();
             let grow = blocks.saturating_sub(have);
-            let cow =
-                if s.tail_shared { blocks.min(have).saturating_sub(s.num_computed / bs) } else { 0 };
+            // Exact CoW count: a block shared by k sequences is copied by the first k - 1
+            // writers only (the conservative one-per-sequence count can livelock a group
+            // that was just swapped back in).
+            let mut cow = 0;
+            if s.tail_shared {
+                for &b in &s.table[(s.num_computed / bs).min(have)..blocks.min(have)] {
+                    let refs = self.mgr.gpu_ref_count(b).unwrap_or(1) as usize;
+                    let copied = self.cow_scratch.iter().filter(|&&c| c == b).count();
+                    if refs - copied.min(refs) > 1 {
+                        cow += 1;
+                        self.cow_scratch.push(b);
+                    }
+                }
+            }
             needed += grow + cow;
             tokens += take;
-            plan.push(PlanItem { seq: i as u32, take: take as u32, call: grow + cow > 0, row: 0 });
+            plan.push(PlanItem {
+                seq: i as u32,
+                take: take as u32,
+                call: grow + cow > 0,
+                row: 0,
+            });
         }
         self.plan = plan;
         (tokens, needed)
@@ -188,7 +213,10 @@ impl Scheduler {
             req.forked = true;
             forked_now = true;
         }
-        let leader_row = plan.iter().find(|p| p.seq as usize == leader).map(|p| p.row);
+        let leader_row = plan
+            .iter()
+            .find(|p| p.seq as usize == leader)
+            .map(|p| p.row);
         for (i, s) in req.seqs.iter().enumerate() {
             if s.is_finished() || s.num_computed != s.tokens.len() {
                 continue;
@@ -218,17 +246,21 @@ impl Scheduler {
     ) -> Result<Admit> {
         let la = self.cfg.num_lookahead_slots;
         let cap = self.chunk_cap();
-        let (leader, target, total, seq_id) = {
+        let (leader, target, seq_id) = {
             let req = self.req(h);
             let l = req.leader();
-            (l, req.leader_target(), req.seqs[l].tokens.len(), req.seqs[l].id)
+            (l, req.leader_target(), req.seqs[l].id)
         };
-        if let Some(reason) = self.never_fits(total) {
-            return Ok(Admit::Never(format!("sequence {reason}")));
+        if let Some(reason) = self.group_never_fits(h) {
+            return Ok(Admit::Never(reason));
         }
         let hit = if self.caching {
-            let req = self.slots[h as usize].req.as_ref().expect("admitted request exists");
-            self.mgr.lookup_prefix(&req.seqs[leader].tokens[..target], req.extra_key)
+            let req = self.slots[h as usize]
+                .req
+                .as_ref()
+                .expect("admitted request exists");
+            self.mgr
+                .lookup_prefix(&req.seqs[leader].tokens[..target], req.extra_key)
         } else {
             PrefixHit::default()
         };
@@ -242,11 +274,17 @@ impl Scheduler {
         if take == 0 {
             return Ok(Admit::NoBudget);
         }
-        if !self.mgr.allocate(seq_id, &hit, computed + take + la, true)? {
+        if !self
+            .mgr
+            .allocate(seq_id, &hit, computed + take + la, true)?
+        {
             return Ok(Admit::Later);
         }
         {
-            let req = self.slots[h as usize].req.as_mut().expect("admitted request exists");
+            let req = self.slots[h as usize]
+                .req
+                .as_mut()
+                .expect("admitted request exists");
             let s = &mut req.seqs[leader];
             s.table.clear();
             s.table.extend_from_slice(self.mgr.block_table(seq_id)?);
@@ -258,7 +296,12 @@ impl Scheduler {
             }
         }
         self.plan.clear();
-        self.plan.push(PlanItem { seq: leader as u32, take: take as u32, call: false, row: 0 });
+        self.plan.push(PlanItem {
+            seq: leader as u32,
+            take: take as u32,
+            call: false,
+            row: 0,
+        });
         self.apply_plan(h, out)?;
         Ok(Admit::Admitted(take))
     }
@@ -325,7 +368,23 @@ impl Scheduler {
                     i += 1;
                     break;
                 }
-                let victim = self.running.pop().expect("running holds the current request");
+                if self.running.len() == 1 {
+                    // Alone and still short: only this request holds device blocks, so it
+                    // can never grow. Preempting it would only bring it back (a livelock).
+                    self.running.pop();
+                    self.running_seats -= self.req(h).seats();
+                    let reason = format!(
+                        "needs {needed} more KV blocks with the whole cache ({} blocks) to \
+                         itself",
+                        self.num_gpu_blocks
+                    );
+                    self.finish_ignored(h, reason, out)?;
+                    break;
+                }
+                let victim = self
+                    .running
+                    .pop()
+                    .expect("running holds the current request");
                 self.preempt(victim, out, false)?;
                 preempted = true;
                 if victim == h {
@@ -356,8 +415,12 @@ impl Scheduler {
             }
             self.seq_scratch.clear();
             {
-                let req = self.slots[h as usize].req.as_ref().expect("swapped request exists");
-                self.seq_scratch.extend(req.active_seqs().map(|i| req.seqs[i].id));
+                let req = self.slots[h as usize]
+                    .req
+                    .as_ref()
+                    .expect("swapped request exists");
+                self.seq_scratch
+                    .extend(req.active_seqs().map(|i| req.seqs[i].id));
             }
             match self.mgr.can_swap_in(&self.seq_scratch, la) {
                 AllocStatus::Later => break,
@@ -380,7 +443,10 @@ impl Scheduler {
                 out.blocks_to_swap_in.push(device as i64);
             }
             {
-                let req = self.slots[h as usize].req.as_mut().expect("swapped request exists");
+                let req = self.slots[h as usize]
+                    .req
+                    .as_mut()
+                    .expect("swapped request exists");
                 let active: Vec<usize> = req.active_seqs().collect();
                 for i in active {
                     let s = &mut req.seqs[i];

@@ -13,10 +13,19 @@ impl Scheduler {
     /// Preempts running request `h` (already removed from `running`). Swap is chosen per
     /// the mode (`Auto`: when more than one sequence runs) unless `force_recompute`, and
     /// falls back to recompute when the host pool cannot take the group.
-    pub(super) fn preempt(&mut self, h: u32, out: &mut StepOutput, force_recompute: bool) -> Result<()> {
-        let req = self.slots[h as usize].req.as_mut().expect("preempted request exists");
+    pub(super) fn preempt(
+        &mut self,
+        h: u32,
+        out: &mut StepOutput,
+        force_recompute: bool,
+    ) -> Result<()> {
+        let req = self.slots[h as usize]
+            .req
+            .as_mut()
+            .expect("preempted request exists");
         self.seq_scratch.clear();
-        self.seq_scratch.extend(req.active_seqs().map(|i| req.seqs[i].id));
+        self.seq_scratch
+            .extend(req.active_seqs().map(|i| req.seqs[i].id));
         let several_running = req.forked && req.num_unfinished > 1;
         let want_swap = !force_recompute
             && match self.cfg.preemption_mode {
@@ -64,7 +73,9 @@ impl Scheduler {
         let la = self.cfg.num_lookahead_slots;
         let mut any = false;
         loop {
-            let (Some(&w), Some(&r)) = (self.waiting.front(), self.running.last()) else { break };
+            let (Some(&w), Some(&r)) = (self.waiting.front(), self.running.last()) else {
+                break;
+            };
             if !self.admission_open_for(w) || !rank_less(self.req(w).rank(), self.req(r).rank()) {
                 break;
             }
@@ -81,14 +92,15 @@ impl Scheduler {
                 let want = tokens.len() - hit.num_cached_tokens;
                 let first = match cut {
                     Cut::Whole => want,
-                    Cut::Split => want
-                        .min(self.cfg.max_num_batched_tokens)
-                        .min(match self.cfg.long_prefill_token_threshold {
+                    Cut::Split => want.min(self.cfg.max_num_batched_tokens).min(
+                        match self.cfg.long_prefill_token_threshold {
                             0 => usize::MAX,
                             t => t,
-                        }),
+                        },
+                    ),
                 };
-                self.mgr.can_allocate_with_prefix(&hit, hit.num_cached_tokens + first + la)
+                self.mgr
+                    .can_allocate_with_prefix(&hit, hit.num_cached_tokens + first + la)
             };
             if status == AllocStatus::Never || (seats_ok && status == AllocStatus::Ok) {
                 break;

@@ -14,7 +14,10 @@ impl Scheduler {
         out: &mut StepOutput,
     ) -> Result<bool> {
         let mut left = self.cfg.max_num_batched_tokens;
-        if self.swapped.is_empty() && delay_passed && self.admit_waiting(&mut left, Cut::Whole, out)? {
+        if self.swapped.is_empty()
+            && delay_passed
+            && self.admit_waiting(&mut left, Cut::Whole, out)?
+        {
             return Ok(true);
         }
         self.sort_running_by_rank();

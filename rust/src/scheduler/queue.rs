@@ -80,7 +80,8 @@ impl Scheduler {
         match self.swapped.front() {
             None => true,
             Some(&s) => {
-                self.cfg.policy == Policy::Priority && rank_less(self.req(h).rank(), self.req(s).rank())
+                self.cfg.policy == Policy::Priority
+                    && rank_less(self.req(h).rank(), self.req(s).rank())
             }
         }
     }

@@ -252,7 +252,10 @@ mod tests {
         assert_eq!(p.check(9, 3, 10, 100), Some((FinishReason::Stop, Some(9))));
         assert_eq!(p.check(7, 5, 10, 100), Some((FinishReason::Length, None)));
         assert_eq!(p.check(7, 3, 100, 100), Some((FinishReason::Length, None)));
-        let ignore = StopParams { ignore_eos: true, ..params() };
+        let ignore = StopParams {
+            ignore_eos: true,
+            ..params()
+        };
         assert_eq!(ignore.check(2, 3, 10, 100), None);
     }
 

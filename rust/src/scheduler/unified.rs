@@ -9,7 +9,11 @@ use super::{Policy, Scheduler};
 
 impl Scheduler {
     /// Returns whether any waiting request was admitted.
-    pub(super) fn schedule_unified(&mut self, delay_passed: bool, out: &mut StepOutput) -> Result<bool> {
+    pub(super) fn schedule_unified(
+        &mut self,
+        delay_passed: bool,
+        out: &mut StepOutput,
+    ) -> Result<bool> {
         let mut left = self.cfg.max_num_batched_tokens;
         self.sort_running_by_rank();
         // Beyond V1: a waiting request may push strictly lower-ranked running ones out. This
