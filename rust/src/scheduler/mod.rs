@@ -217,6 +217,11 @@ impl Scheduler {
         (slot.gen == gen).then_some(slot.id.as_str())
     }
 
+    /// Generation of a request slot (bumped each time the slot is reused).
+    pub fn slot_generation(&self, handle: u32) -> u32 {
+        self.slots[handle as usize].gen
+    }
+
     /// Slot of a live request (the bindings cache per-slot Python strings).
     pub fn handle_of(&self, request_id: &str) -> Option<u32> {
         self.by_id.get(request_id).copied()
