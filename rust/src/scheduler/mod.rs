@@ -344,7 +344,7 @@ impl Scheduler {
     /// Reason a new request can never be served, if any.
     fn unservable(&self, req: &Request) -> Option<String> {
         let p = req.prompt_len;
-        if p >= self.max_seq_len {
+        if p > self.max_seq_len {
             let limit = if self.max_seq_len < self.cfg.max_model_len {
                 format!(
                     "{} = min(max_model_len, max_num_batched_tokens), as prefill_first never \
@@ -354,9 +354,7 @@ impl Scheduler {
             } else {
                 format!("max_model_len={}", self.max_seq_len)
             };
-            return Some(format!(
-                "prompt of {p} tokens leaves no room to generate within {limit}"
-            ));
+            return Some(format!("prompt of {p} tokens is longer than {limit}"));
         }
         if req.seqs.len() > self.cfg.max_num_seqs {
             return Some(format!(

@@ -102,10 +102,11 @@ impl Scheduler {
             } else {
                 s.tokens.len()
             };
-            // Never compute a position at or past max_model_len - 1 (V1's bound).
+            // Never compute a position at or past max_model_len. (V1 stops one earlier; here
+            // a prompt of exactly max_model_len must still compute its last token to sample.)
             let want = target
                 .saturating_sub(s.num_computed)
-                .min(max_model_len.saturating_sub(1 + s.num_computed));
+                .min(max_model_len.saturating_sub(s.num_computed));
             if want == 0 {
                 continue;
             }
