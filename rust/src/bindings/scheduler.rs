@@ -602,7 +602,8 @@ impl PySchedulerOutput {
         self.cached(py, 9, |o, _| np_array(py, &o.slot_mapping, "int64", None))
     }
 
-    /// int32 [S, W] block tables padded with 0 to the widest of the step.
+    /// int32 [S, W] block tables padded with 0 to the widest of the step (block ids are
+    /// below 2**31, so their u32 bytes read as int32).
     #[getter]
     fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 10, |o, _| {

@@ -507,7 +507,7 @@ impl Scheduler {
         };
         self.prev_prompt = admitted;
         self.requeue_preempted();
-        self.fill_block_tables(&mut out);
+        out.pad_block_tables();
         out.num_batched_tokens = out.input_ids.len();
         self.last_samples.clear();
         for k in 0..out.sample_rows.len() {
@@ -549,27 +549,6 @@ impl Scheduler {
         out.finished.push((req.id, reason));
         self.counters.num_ignored += 1;
         Ok(())
-    }
-
-    /// Pads every scheduled sequence's table to the widest one of the step.
-    fn fill_block_tables(&self, out: &mut StepOutput) {
-        let s = out.num_seqs();
-        let mut width = 0;
-        for row in 0..s {
-            let req = self.req(out.handles[row]);
-            width = width.max(req.seqs[out.seq_index[row] as usize].table.len());
-        }
-        let mut tables = vec![0i32; s * width];
-        for row in 0..s {
-            let req = self.req(out.handles[row]);
-            let table = &req.seqs[out.seq_index[row] as usize].table;
-            let dst = &mut tables[row * width..row * width + table.len()];
-            for (d, &b) in dst.iter_mut().zip(table) {
-                *d = b as i32;
-            }
-        }
-        out.block_tables = tables;
-        out.block_table_width = width;
     }
 
     /// Takes one sampled token per sample of the latest output (`sampled[k]` belongs to

@@ -25,9 +25,12 @@ pub struct StepOutput {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub slot_mapping: Vec<i64>,
-    /// [S * width] row-major block tables padded with 0.
-    pub block_tables: Vec<i32>,
+    /// [S * width] row-major block tables padded with 0 (ragged, one row after the other,
+    /// until `pad_block_tables` lays them out).
+    pub block_tables: Vec<u32>,
     pub block_table_width: usize,
+    /// [S] blocks in each row's table.
+    pub table_lens: Vec<u32>,
     /// [K] samples to draw: logits row, receiving sequence, its request and index.
     pub sample_rows: Vec<i64>,
     pub sample_seq_ids: Vec<i64>,
@@ -89,6 +92,7 @@ impl StepOutput {
             gens: Vec::with_capacity(seqs),
             seq_index: Vec::with_capacity(seqs),
             num_tokens: Vec::with_capacity(seqs),
+            table_lens: Vec::with_capacity(seqs),
             start_pos: Vec::with_capacity(seqs),
             input_ids: Vec::with_capacity(tokens),
             positions: Vec::with_capacity(tokens),
@@ -99,6 +103,26 @@ impl StepOutput {
             sample_gens: Vec::with_capacity(seqs),
             sample_seq_index: Vec::with_capacity(seqs),
             ..Default::default()
+        }
+    }
+
+    /// Turns the ragged rows (each table copied as it was scheduled) into an [S, width]
+    /// matrix padded with 0, in place; nothing moves when every row has the same length.
+    pub(crate) fn pad_block_tables(&mut self) {
+        let width = self.table_lens.iter().copied().max().unwrap_or(0) as usize;
+        self.block_table_width = width;
+        let rows = self.table_lens.len();
+        if self.block_tables.len() == rows * width {
+            return;
+        }
+        let mut src = self.block_tables.len();
+        self.block_tables.resize(rows * width, 0);
+        for row in (0..rows).rev() {
+            let len = self.table_lens[row] as usize;
+            src -= len;
+            let dst = row * width;
+            self.block_tables.copy_within(src..src + len, dst);
+            self.block_tables[dst + len..dst + width].fill(0);
         }
     }
 

@@ -30,6 +30,7 @@ pub(super) struct PlanItem {
 
 /// Appends one scheduled sequence's tokens, positions and slots to the step arrays.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn record(
     out: &mut StepOutput,
     handle: u32,
@@ -46,6 +47,8 @@ fn record(
     out.seq_index.push(index as i32);
     out.num_tokens.push(take as i32);
     out.start_pos.push(start as i32);
+    out.table_lens.push(s.table.len() as u32);
+    out.block_tables.extend_from_slice(&s.table);
     let end = start + take;
     if take == 1 {
         out.input_ids.push(s.tokens[start] as i64);
@@ -150,6 +153,37 @@ impl Scheduler {
         }
         self.plan = plan;
         (tokens, needed)
+    }
+
+    /// The common case in one pass: a single-sequence request decoding one token into a
+    /// block it already owns alone. Returns false (nothing done) for anything else.
+    #[inline]
+    fn try_fast_decode(&mut self, h: u32, out: &mut StepOutput) -> Result<bool> {
+        let bs = self.block_size;
+        let la = self.cfg.num_lookahead_slots;
+        let slot = &mut self.slots[h as usize];
+        let gen = slot.gen;
+        let req = slot.req.as_mut().expect("running request exists");
+        if req.seqs.len() != 1 {
+            return Ok(false);
+        }
+        let s = &mut req.seqs[0];
+        let start = s.num_computed;
+        if s.tail_shared
+            || s.tokens.len() != start + 1
+            || start + 1 + la > s.table.len() * bs
+            || start + 1 > self.cfg.max_model_len
+        {
+            return Ok(false);
+        }
+        let row = out.seq_ids.len();
+        record(out, h, gen, 0, s, start, 1, bs);
+        s.num_computed = start + 1;
+        if self.caching && (start + 1) % bs == 0 {
+            self.mgr.cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
+        }
+        out.push_sample(row, s.id, h, gen, 0);
+        Ok(true)
     }
 
     /// Carries out `self.plan` for request `h`: grows tables (CoW pairs into the output),
@@ -354,6 +388,11 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *left > 0 {
             let h = self.running[i];
+            if self.try_fast_decode(h, out)? {
+                *left -= 1;
+                i += 1;
+                continue;
+            }
             let (tokens, needed) = self.plan_request(h, *left, cut);
             if tokens == 0 {
                 if cut == Cut::Whole {
