@@ -198,3 +198,149 @@ def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
 # =============================================================================================
 # End of memory manager section
 # =============================================================================================
+
+# =============================================================================================
+# Scheduler (rust/src/bindings/scheduler.rs)
+# =============================================================================================
+
+import numpy as _np
+import numpy.typing as _npt
+from collections.abc import Iterable as _Iterable, Sequence as _Sequence
+
+_IntArray = _npt.NDArray[_np.integer] | _Sequence[int]
+
+@final
+class SchedulerOutput:
+    """One step's work as arrays, each built on first access. S = scheduled sequences,
+    T = tokens, K = samples. Block operations run in the order swap out, swap in, copy."""
+    @property
+    def step(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def num_batched_tokens(self) -> int: ...
+    @property
+    def is_decode_only(self) -> bool: ...
+    @property
+    def seq_ids(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def seq_index(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def num_tokens(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def start_pos(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def seq_lens(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def query_start_loc(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def input_ids(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def positions(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def slot_mapping(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def block_tables(self) -> _npt.NDArray[_np.int32]:
+        """[S, W] padded with 0 to the widest table of the step."""
+    @property
+    def sample_rows(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def sample_seq_ids(self) -> _npt.NDArray[_np.int64]: ...
+    @property
+    def sample_request_ids(self) -> list[str]: ...
+    @property
+    def sample_seq_index(self) -> _npt.NDArray[_np.int32]: ...
+    @property
+    def blocks_to_copy(self) -> _npt.NDArray[_np.int64]:
+        """[C, 2] (src, dst) device blocks."""
+    @property
+    def blocks_to_swap_out(self) -> _npt.NDArray[_np.int64]:
+        """[O, 2] (device, host) blocks."""
+    @property
+    def blocks_to_swap_in(self) -> _npt.NDArray[_np.int64]:
+        """[I, 2] (host, device) blocks."""
+    @property
+    def preempted(self) -> list[str]: ...
+    @property
+    def finished(self) -> list[tuple[str, str]]:
+        """(request_id, reason) of requests that can never be served."""
+
+class Scheduler:
+    """The scheduler of SPEC §4 (strategies unified / prefill_first / chunked_prefill,
+    policies fcfs / priority, preemption None / "recompute" / "swap"), usable without a model."""
+    def __init__(
+        self,
+        *,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        num_cpu_blocks: int = 0,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        scheduling: str = "unified",
+        policy: str = "fcfs",
+        preemption_mode: str | None = None,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        long_prefill_token_threshold: int = 0,
+        num_lookahead_slots: int = 0,
+        delay_factor: float = 0.0,
+    ) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: _IntArray,
+        *,
+        n: int = 1,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: _IntArray | None = None,
+        ignore_eos: bool = False,
+        extra_key: int = 0,
+    ) -> None: ...
+    def schedule(self, now: float | None = None) -> SchedulerOutput: ...
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: _IntArray,
+        stop_string_hit: _npt.NDArray[_np.bool_] | _Sequence[bool] | None = None,
+    ) -> list[tuple[str, int, str, int | None, bool]]:
+        """(request_id, seq_index, finish_reason, stop_reason, request_finished) per finished
+        sequence."""
+    def abort_request(self, request_id: str | _Iterable[str]) -> None: ...
+    def num_waiting(self) -> int: ...
+    def num_running(self) -> int: ...
+    def num_swapped(self) -> int: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def waiting_ids(self) -> list[str]: ...
+    def running_ids(self) -> list[str]: ...
+    def swapped_ids(self) -> list[str]: ...
+    def request_status(self, request_id: str) -> str | None: ...
+    def num_cached_tokens(self, request_id: str) -> int | None: ...
+    def get_stats(self) -> dict[str, int | float]: ...
+    def check_invariants(self) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def scheduling(self) -> str: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def preemption_mode(self) -> str | None: ...
+
+# =============================================================================================
+# End of scheduler section
+# =============================================================================================

@@ -24,12 +24,17 @@ use crate::TokenId;
 static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
 fn numpy(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    NUMPY.get_or_try_init(py, || Ok(py.import("numpy")?.unbind())).map(|m| m.bind(py))
+    NUMPY
+        .get_or_try_init(py, || Ok(py.import("numpy")?.unbind()))
+        .map(|m| m.bind(py))
 }
 
 /// Seconds on the `time.time()` clock (the clock of default arrival times).
 fn wall_clock() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// A numpy array of `dtype` over a copy of `data`, optionally reshaped to `rows` x `cols`.
@@ -64,7 +69,9 @@ fn read_i64(obj: &Bound<'_, PyAny>, what: &str, into: &mut Vec<i64>) -> PyResult
                 .map_err(|e| PyValueError::new_err(format!("{what} must be integers: {e}")))?;
             let b = PyBuffer::<i64>::get(&arr.call_method0("ravel")?)?;
             if PyBuffer::<i64>::get(&arr)?.dimensions() > 1 {
-                return Err(PyValueError::new_err(format!("{what} must be one-dimensional")));
+                return Err(PyValueError::new_err(format!(
+                    "{what} must be one-dimensional"
+                )));
             }
             b
         }
@@ -245,13 +252,22 @@ impl PyScheduler {
             TokenId::try_from(t).map_err(|_| named(format!("{what} {t} is not a valid token id")))
         };
         let mut raw = Vec::new();
-        read_i64(prompt_token_ids, &format!("request {id:?}: prompt_token_ids"), &mut raw)?;
-        let prompt = raw.iter().map(|&t| token(t, "prompt token")).collect::<PyResult<Vec<_>>>()?;
+        read_i64(
+            prompt_token_ids,
+            &format!("request {id:?}: prompt_token_ids"),
+            &mut raw,
+        )?;
+        let prompt = raw
+            .iter()
+            .map(|&t| token(t, "prompt token"))
+            .collect::<PyResult<Vec<_>>>()?;
         let stop_ids = match stop_token_ids {
             None => Vec::new(),
             Some(obj) => {
                 read_i64(obj, &format!("request {id:?}: stop_token_ids"), &mut raw)?;
-                raw.iter().map(|&t| token(t, "stop token")).collect::<PyResult<Vec<_>>>()?
+                raw.iter()
+                    .map(|&t| token(t, "stop token"))
+                    .collect::<PyResult<Vec<_>>>()?
             }
         };
         let count = |v: i64, what: &str| {
@@ -287,7 +303,10 @@ impl PyScheduler {
     /// output's samples have not been fed back.
     #[pyo3(signature = (now = None))]
     fn schedule(slf: &Bound<'_, Self>, now: Option<f64>) -> PyResult<PySchedulerOutput> {
-        let out = slf.borrow_mut().inner.schedule(now.unwrap_or_else(wall_clock))?;
+        let out = slf
+            .borrow_mut()
+            .inner
+            .schedule(now.unwrap_or_else(wall_clock))?;
         Ok(PySchedulerOutput::new(out, slf.clone().unbind()))
     }
 
@@ -307,8 +326,12 @@ impl PyScheduler {
         let mut tokens = std::mem::take(&mut self.token_scratch);
         let read = read_i64(sampled_token_ids, "sampled_token_ids", &mut tokens);
         let result = read.and_then(|()| {
-            let hits = stop_string_hit.map(|h| read_flags(h, "stop_string_hit")).transpose()?;
-            Ok(self.inner.update_from_output(output.out.step, &tokens, hits.as_deref())?)
+            let hits = stop_string_hit
+                .map(|h| read_flags(h, "stop_string_hit"))
+                .transpose()?;
+            Ok(self
+                .inner
+                .update_from_output(output.out.step, &tokens, hits.as_deref())?)
         });
         self.token_scratch = tokens;
         let list = PyList::empty(py);
@@ -320,7 +343,9 @@ impl PyScheduler {
                     f.seq_index.into_pyobject(py)?.into_any(),
                     f.reason.as_str().into_pyobject(py)?.into_any(),
                     f.stop_reason.into_pyobject(py)?.into_any(),
-                    pyo3::types::PyBool::new(py, f.request_finished).to_owned().into_any(),
+                    pyo3::types::PyBool::new(py, f.request_finished)
+                        .to_owned()
+                        .into_any(),
                 ],
             )?;
             list.append(item)?;
@@ -363,15 +388,27 @@ impl PyScheduler {
 
     /// Request ids in queue order.
     fn waiting_ids(&self) -> Vec<String> {
-        self.inner.waiting_ids().into_iter().map(String::from).collect()
+        self.inner
+            .waiting_ids()
+            .into_iter()
+            .map(String::from)
+            .collect()
     }
 
     fn running_ids(&self) -> Vec<String> {
-        self.inner.running_ids().into_iter().map(String::from).collect()
+        self.inner
+            .running_ids()
+            .into_iter()
+            .map(String::from)
+            .collect()
     }
 
     fn swapped_ids(&self) -> Vec<String> {
-        self.inner.swapped_ids().into_iter().map(String::from).collect()
+        self.inner
+            .swapped_ids()
+            .into_iter()
+            .map(String::from)
+            .collect()
     }
 
     /// "WAITING", "RUNNING", "SWAPPED", "PREEMPTED" or "FINISHED_IGNORED" (until reported)
@@ -409,7 +446,10 @@ impl PyScheduler {
         d.set_item("prefix_cache_misses", pc.misses)?;
         d.set_item("prefix_cache_evictions", pc.evictions)?;
         d.set_item("prefix_cache_hit_rate", pc.hit_rate())?;
-        d.set_item("num_preemptions", c.num_preemptions_recompute + c.num_preemptions_swap)?;
+        d.set_item(
+            "num_preemptions",
+            c.num_preemptions_recompute + c.num_preemptions_swap,
+        )?;
         d.set_item("num_preemptions_recompute", c.num_preemptions_recompute)?;
         d.set_item("num_preemptions_swap", c.num_preemptions_swap)?;
         d.set_item("num_steps", c.num_steps)?;
@@ -422,7 +462,9 @@ impl PyScheduler {
 
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(PagedLLMError::new_err)
+        self.inner
+            .check_invariants()
+            .map_err(PagedLLMError::new_err)
     }
 
     #[getter]
@@ -474,7 +516,11 @@ const FIELDS: usize = 20;
 
 impl PySchedulerOutput {
     fn new(out: StepOutput, sched: Py<PyScheduler>) -> Self {
-        PySchedulerOutput { out, sched, cache: Default::default() }
+        PySchedulerOutput {
+            out,
+            sched,
+            cache: Default::default(),
+        }
     }
 
     /// The cached value of field `i`, built by `make` on first access.
@@ -490,6 +536,19 @@ impl PySchedulerOutput {
         let v = make(&self.out, &self.sched)?;
         self.cache[i] = Some(v.clone_ref(py));
         Ok(v)
+    }
+}
+
+impl Drop for PySchedulerOutput {
+    /// Hands the buffers back to the scheduler (when it is not busy) so the next steps
+    /// allocate nothing; numpy arrays already built are copies and stay valid.
+    fn drop(&mut self) {
+        let out = std::mem::take(&mut self.out);
+        Python::attach(|py| {
+            if let Ok(mut sched) = self.sched.bind(py).try_borrow_mut() {
+                sched.inner.recycle(out);
+            }
+        });
     }
 }
 
@@ -581,7 +640,9 @@ impl PySchedulerOutput {
     /// int32 [S+1] cumulative num_tokens.
     #[getter]
     fn query_start_loc(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 6, |o, _| np_array(py, &o.query_start_loc(), "int32", None))
+        self.cached(py, 6, |o, _| {
+            np_array(py, &o.query_start_loc(), "int32", None)
+        })
     }
 
     /// int64 [T] token ids to compute, batch order.
@@ -607,7 +668,12 @@ impl PySchedulerOutput {
     #[getter]
     fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 10, |o, _| {
-            np_array(py, &o.block_tables, "int32", Some((o.num_seqs(), o.block_table_width)))
+            np_array(
+                py,
+                &o.block_tables,
+                "int32",
+                Some((o.num_seqs(), o.block_table_width)),
+            )
         })
     }
 
@@ -620,26 +686,37 @@ impl PySchedulerOutput {
     /// int64 [K] sequence receiving each sample (an n>1 fork repeats a row).
     #[getter]
     fn sample_seq_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 12, |o, _| np_array(py, &o.sample_seq_ids, "int64", None))
+        self.cached(py, 12, |o, _| {
+            np_array(py, &o.sample_seq_ids, "int64", None)
+        })
     }
 
     /// list[str] [K] request of each sample.
     #[getter]
     fn sample_request_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 13, |o, s| s.borrow(py).id_list(py, &o.sample_handles, &o.sample_gens))
+        self.cached(py, 13, |o, s| {
+            s.borrow(py).id_list(py, &o.sample_handles, &o.sample_gens)
+        })
     }
 
     /// int32 [K] index of the receiving sequence within its request (CompletionOutput.index).
     #[getter]
     fn sample_seq_index(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 14, |o, _| np_array(py, &o.sample_seq_index, "int32", None))
+        self.cached(py, 14, |o, _| {
+            np_array(py, &o.sample_seq_index, "int32", None)
+        })
     }
 
     /// int64 [C, 2] (src, dst) device blocks to copy before the forward (copy-on-write).
     #[getter]
     fn blocks_to_copy(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 15, |o, _| {
-            np_array(py, &o.blocks_to_copy, "int64", Some((o.blocks_to_copy.len() / 2, 2)))
+            np_array(
+                py,
+                &o.blocks_to_copy,
+                "int64",
+                Some((o.blocks_to_copy.len() / 2, 2)),
+            )
         })
     }
 
@@ -647,7 +724,12 @@ impl PySchedulerOutput {
     #[getter]
     fn blocks_to_swap_out(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 16, |o, _| {
-            np_array(py, &o.blocks_to_swap_out, "int64", Some((o.blocks_to_swap_out.len() / 2, 2)))
+            np_array(
+                py,
+                &o.blocks_to_swap_out,
+                "int64",
+                Some((o.blocks_to_swap_out.len() / 2, 2)),
+            )
         })
     }
 
@@ -655,20 +737,29 @@ impl PySchedulerOutput {
     #[getter]
     fn blocks_to_swap_in(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.cached(py, 17, |o, _| {
-            np_array(py, &o.blocks_to_swap_in, "int64", Some((o.blocks_to_swap_in.len() / 2, 2)))
+            np_array(
+                py,
+                &o.blocks_to_swap_in,
+                "int64",
+                Some((o.blocks_to_swap_in.len() / 2, 2)),
+            )
         })
     }
 
     /// list[str] request ids preempted this step, in preemption order.
     #[getter]
     fn preempted(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 18, |o, _| Ok(PyList::new(py, &o.preempted)?.into_any().unbind()))
+        self.cached(py, 18, |o, _| {
+            Ok(PyList::new(py, &o.preempted)?.into_any().unbind())
+        })
     }
 
     /// list[(request_id, reason)] finished at schedule time (ignored: can never be served).
     #[getter]
     fn finished(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 19, |o, _| Ok(PyList::new(py, &o.finished)?.into_any().unbind()))
+        self.cached(py, 19, |o, _| {
+            Ok(PyList::new(py, &o.finished)?.into_any().unbind())
+        })
     }
 }
 

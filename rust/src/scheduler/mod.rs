@@ -115,7 +115,9 @@ pub struct Scheduler {
     preempted_recompute: Vec<u32>,
     preempted_swap: Vec<u32>,
     cow_scratch: Vec<crate::BlockId>,
-    last_sizes: (usize, usize),
+    last_sizes: (usize, usize, usize),
+    /// Outputs handed back by `recycle`, so steady steps allocate nothing.
+    spare_outputs: Vec<StepOutput>,
 }
 
 impl Scheduler {
@@ -158,7 +160,8 @@ impl Scheduler {
             preempted_recompute: Vec::new(),
             preempted_swap: Vec::new(),
             cow_scratch: Vec::new(),
-            last_sizes: (0, 0),
+            last_sizes: (0, 0, 0),
+            spare_outputs: Vec::new(),
         })
     }
 
@@ -490,8 +493,16 @@ impl Scheduler {
             )));
         }
         self.step += 1;
-        let (seqs_hint, tokens_hint) = self.last_sizes;
-        let mut out = StepOutput::with_capacity(self.step, seqs_hint, tokens_hint);
+        let mut out = match self.spare_outputs.pop() {
+            Some(mut out) => {
+                out.reset(self.step);
+                out
+            }
+            None => {
+                let (seqs, tokens, tables) = self.last_sizes;
+                StepOutput::with_capacity(self.step, seqs, tokens, tables)
+            }
+        };
         for (h, reason) in std::mem::take(&mut self.pending_ignored) {
             self.finish_ignored(h, reason, &mut out)?;
         }
@@ -520,8 +531,19 @@ impl Scheduler {
         self.awaiting_update = !self.last_samples.is_empty();
         self.counters.num_steps += 1;
         self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;
-        self.last_sizes = (out.num_seqs(), out.num_batched_tokens);
+        self.last_sizes = (
+            out.num_seqs(),
+            out.num_batched_tokens,
+            out.block_tables.len(),
+        );
         Ok(out)
+    }
+
+    /// Takes back an output the caller is done with; its buffers serve a later step.
+    pub fn recycle(&mut self, out: StepOutput) {
+        if self.spare_outputs.len() < 2 {
+            self.spare_outputs.push(out);
+        }
     }
 
     /// `delay_factor`: admit only once the oldest waiting request has waited

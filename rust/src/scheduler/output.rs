@@ -83,8 +83,36 @@ impl StepOutput {
         v
     }
 
+    /// Empties every array, keeping its capacity, for reuse as step `step`.
+    pub(crate) fn reset(&mut self, step: u64) {
+        self.step = step;
+        self.seq_ids.clear();
+        self.handles.clear();
+        self.gens.clear();
+        self.seq_index.clear();
+        self.num_tokens.clear();
+        self.start_pos.clear();
+        self.input_ids.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.block_tables.clear();
+        self.block_table_width = 0;
+        self.table_lens.clear();
+        self.sample_rows.clear();
+        self.sample_seq_ids.clear();
+        self.sample_handles.clear();
+        self.sample_gens.clear();
+        self.sample_seq_index.clear();
+        self.blocks_to_copy.clear();
+        self.blocks_to_swap_out.clear();
+        self.blocks_to_swap_in.clear();
+        self.preempted.clear();
+        self.finished.clear();
+        self.num_batched_tokens = 0;
+    }
+
     /// Pre-size the per-sequence and per-token arrays from the previous step's sizes.
-    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize) -> Self {
+    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize, tables: usize) -> Self {
         StepOutput {
             step,
             seq_ids: Vec::with_capacity(seqs),
@@ -95,6 +123,7 @@ impl StepOutput {
             table_lens: Vec::with_capacity(seqs),
             start_pos: Vec::with_capacity(seqs),
             input_ids: Vec::with_capacity(tokens),
+            block_tables: Vec::with_capacity(tables),
             positions: Vec::with_capacity(tokens),
             slot_mapping: Vec::with_capacity(tokens),
             sample_rows: Vec::with_capacity(seqs),

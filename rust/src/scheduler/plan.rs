@@ -179,8 +179,9 @@ impl Scheduler {
         let row = out.seq_ids.len();
         record(out, h, gen, 0, s, start, 1, bs);
         s.num_computed = start + 1;
-        if self.caching && (start + 1) % bs == 0 {
-            self.mgr.cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
+        if self.caching && (start + 1).is_multiple_of(bs) {
+            self.mgr
+                .cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
         }
         out.push_sample(row, s.id, h, gen, 0);
         Ok(true)

@@ -72,10 +72,7 @@ impl Scheduler {
     pub(super) fn preempt_for_waiting(&mut self, cut: Cut, out: &mut StepOutput) -> Result<bool> {
         let la = self.cfg.num_lookahead_slots;
         let mut any = false;
-        loop {
-            let (Some(&w), Some(&r)) = (self.waiting.front(), self.running.last()) else {
-                break;
-            };
+        while let (Some(&w), Some(&r)) = (self.waiting.front(), self.running.last()) {
             if !self.admission_open_for(w) || !rank_less(self.req(w).rank(), self.req(r).rank()) {
                 break;
             }
