@@ -51,11 +51,12 @@ def test_seeded_request_samples_the_same_alone_and_in_a_batch(llm):
 
 def test_stop_string_ends_the_sequence_and_is_reported(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    (ref,) = llm.generate("xyz", greedy, use_tqdm=False)
+    (ref,) = llm.generate("Hello", greedy, use_tqdm=False)
     text = ref.outputs[0].text
-    stop = text[3:5]
-    assert len(stop) == 2 and stop not in text[:4]
-    (out,) = llm.generate("xyz", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+    # a 2-character stop string whose first occurrence starts after the first characters
+    start = next(i for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i)
+    stop = text[start:start + 2]
+    (out,) = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                                                 stop=[stop]), use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop

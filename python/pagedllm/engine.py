@@ -334,10 +334,12 @@ class LLMEngine:
 
     def _note_scheduled(self, step, now: float) -> None:
         for request_id in set(step.request_ids):
-            metrics = self.requests[request_id].metrics
+            request = self.requests[request_id]
+            metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.time()
                 metrics.time_in_queue = metrics.first_scheduled_time - metrics.arrival_time
+                request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
         for request_id in step.preempted:
             self.requests[request_id].metrics.num_preemptions += 1
 
