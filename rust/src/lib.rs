@@ -15,6 +15,7 @@ pub mod block_table;
 pub mod error;
 pub mod kv_cache_manager;
 pub mod prefix_cache;
+pub mod scheduler;
 
 pub use error::{Error, Result};
 pub use kv_cache_manager::{AllocStatus, CacheConfig, CacheStats, KvCacheManager, PrefixHit};

@@ -3,11 +3,13 @@ use pyo3::prelude::*;
 
 mod errors;
 mod manager;
+mod scheduler;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     manager::register(m)?;
+    scheduler::register(m)?;
     Ok(())
 }

@@ -1,0 +1,130 @@
+//! What one `schedule()` call hands the model runner, as flat arrays.
+//!
+//! Order of the data-movement lists for the runner: swap out, swap in, copy (CoW), then the
+//! forward pass over `input_ids`.
+use crate::TokenId;
+
+use super::request::FinishReason;
+
+/// One step of work. Per scheduled sequence (batch order, S of them) and per token (T).
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    pub step: u64,
+    /// [S] sequence ids.
+    pub seq_ids: Vec<i64>,
+    /// [S] slot of the owning request in the scheduler, with the slot's generation at
+    /// schedule time (ids are resolved lazily by the bindings).
+    pub handles: Vec<u32>,
+    pub gens: Vec<u32>,
+    /// [S] index of the sequence within its request.
+    pub seq_index: Vec<i32>,
+    /// [S] tokens computed this step and the position of the first one.
+    pub num_tokens: Vec<i32>,
+    pub start_pos: Vec<i32>,
+    /// [T] token ids, positions and KV slots, concatenated in batch order.
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    /// [S * width] row-major block tables padded with 0.
+    pub block_tables: Vec<i32>,
+    pub block_table_width: usize,
+    /// [K] samples to draw: logits row, receiving sequence, its request and index.
+    pub sample_rows: Vec<i64>,
+    pub sample_seq_ids: Vec<i64>,
+    pub sample_handles: Vec<u32>,
+    pub sample_gens: Vec<u32>,
+    pub sample_seq_index: Vec<i32>,
+    /// [C * 2], [O * 2], [I * 2] flattened block pairs.
+    pub blocks_to_copy: Vec<i64>,
+    pub blocks_to_swap_out: Vec<i64>,
+    pub blocks_to_swap_in: Vec<i64>,
+    /// Request ids preempted this step, in preemption order.
+    pub preempted: Vec<String>,
+    /// Requests finished at schedule time (ignored), with the reason.
+    pub finished: Vec<(String, String)>,
+    pub num_batched_tokens: usize,
+}
+
+impl StepOutput {
+    pub fn num_seqs(&self) -> usize {
+        self.seq_ids.len()
+    }
+
+    pub fn num_samples(&self) -> usize {
+        self.sample_rows.len()
+    }
+
+    /// Every scheduled sequence computes exactly one token (false for an empty step).
+    pub fn is_decode_only(&self) -> bool {
+        !self.num_tokens.is_empty() && self.num_batched_tokens == self.num_tokens.len()
+    }
+
+    /// [S] context length after this step.
+    pub fn seq_lens(&self) -> Vec<i32> {
+        self.start_pos
+            .iter()
+            .zip(&self.num_tokens)
+            .map(|(s, n)| s + n)
+            .collect()
+    }
+
+    /// [S + 1] cumulative token counts.
+    pub fn query_start_loc(&self) -> Vec<i32> {
+        let mut v = Vec::with_capacity(self.num_tokens.len() + 1);
+        let mut acc = 0i32;
+        v.push(0);
+        for n in &self.num_tokens {
+            acc += n;
+            v.push(acc);
+        }
+        v
+    }
+
+    /// Pre-size the per-sequence and per-token arrays from the previous step's sizes.
+    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize) -> Self {
+        StepOutput {
+            step,
+            seq_ids: Vec::with_capacity(seqs),
+            handles: Vec::with_capacity(seqs),
+            gens: Vec::with_capacity(seqs),
+            seq_index: Vec::with_capacity(seqs),
+            num_tokens: Vec::with_capacity(seqs),
+            start_pos: Vec::with_capacity(seqs),
+            input_ids: Vec::with_capacity(tokens),
+            positions: Vec::with_capacity(tokens),
+            slot_mapping: Vec::with_capacity(tokens),
+            sample_rows: Vec::with_capacity(seqs),
+            sample_seq_ids: Vec::with_capacity(seqs),
+            sample_handles: Vec::with_capacity(seqs),
+            sample_gens: Vec::with_capacity(seqs),
+            sample_seq_index: Vec::with_capacity(seqs),
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn push_sample(
+        &mut self,
+        row: usize,
+        seq_id: u64,
+        handle: u32,
+        gen: u32,
+        index: usize,
+    ) {
+        self.sample_rows.push(row as i64);
+        self.sample_seq_ids.push(seq_id as i64);
+        self.sample_handles.push(handle);
+        self.sample_gens.push(gen);
+        self.sample_seq_index.push(index as i32);
+    }
+}
+
+/// A sequence that finished in `update_from_output`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedSeq {
+    pub request_id: String,
+    pub seq_index: usize,
+    pub reason: FinishReason,
+    pub stop_reason: Option<TokenId>,
+    /// The whole request is done (its last sequence finished).
+    pub request_finished: bool,
+}

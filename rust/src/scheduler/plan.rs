@@ -1,0 +1,469 @@
+//! Per-request work of one step: how many tokens each sequence computes (within the token
+//! budget), how many blocks that takes, and applying it (appends, CoW, prefix-cache
+//! registration, the n>1 fork, samples). Shared by the three strategies.
+use crate::error::{Error, Result};
+use crate::kv_cache_manager::{AllocStatus, PrefixHit};
+
+use super::output::StepOutput;
+use super::request::Sequence;
+use super::{Admit, Scheduler};
+
+/// Whether a request's tokens may be cut to the remaining budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cut {
+    /// Chunking strategies: each sequence takes what budget (and the long-prefill threshold)
+    /// allows.
+    Split,
+    /// `prefill_first`: all of a sequence's tokens this step, or none of them.
+    Whole,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PlanItem {
+    seq: u32,
+    take: u32,
+    /// The manager must grow the table or copy a shared block first.
+    call: bool,
+    /// Batch row once recorded.
+    row: u32,
+}
+
+/// Appends one scheduled sequence's tokens, positions and slots to the step arrays.
+#[inline]
+fn record(
+    out: &mut StepOutput,
+    handle: u32,
+    gen: u32,
+    index: u32,
+    s: &Sequence,
+    start: usize,
+    take: usize,
+    bs: usize,
+) {
+    out.seq_ids.push(s.id as i64);
+    out.handles.push(handle);
+    out.gens.push(gen);
+    out.seq_index.push(index as i32);
+    out.num_tokens.push(take as i32);
+    out.start_pos.push(start as i32);
+    let end = start + take;
+    if take == 1 {
+        out.input_ids.push(s.tokens[start] as i64);
+        out.positions.push(start as i64);
+        out.slot_mapping
+            .push((s.table[start / bs] as usize * bs + start % bs) as i64);
+        return;
+    }
+    out.input_ids
+        .extend(s.tokens[start..end].iter().map(|&t| t as i64));
+    out.positions.extend((start as i64)..(end as i64));
+    let mut p = start;
+    while p < end {
+        let b = p / bs;
+        let block_end = end.min((b + 1) * bs);
+        let base = (s.table[b] as usize * bs) as i64 - (b * bs) as i64;
+        out.slot_mapping
+            .extend((p as i64..block_end as i64).map(|q| base + q));
+        p = block_end;
+    }
+}
+
+impl Scheduler {
+    fn chunk_cap(&self) -> usize {
+        match self.cfg.long_prefill_token_threshold {
+            0 => usize::MAX,
+            t => t,
+        }
+    }
+
+    /// Plans request `h`'s tokens for this step into `self.plan` from a budget of `budget`
+    /// tokens. Returns (tokens, blocks the manager must provide); (0, 0) when nothing fits.
+    pub(super) fn plan_request(&mut self, h: u32, budget: usize, cut: Cut) -> (usize, usize) {
+        let bs = self.block_size;
+        let la = self.cfg.num_lookahead_slots;
+        let cap = self.chunk_cap();
+        let max_model_len = self.cfg.max_model_len;
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.clear();
+        self.cow_scratch.clear();
+        let req = self.slots[h as usize]
+            .req
+            .as_ref()
+            .expect("planned request exists");
+        let fork_pending = req.needs_fork();
+        let leader = req.leader();
+        let (mut left, mut tokens, mut needed) = (budget, 0usize, 0usize);
+        for (i, s) in req.seqs.iter().enumerate() {
+            if s.is_finished() || (!req.forked && i != leader) {
+                continue;
+            }
+            let target = if fork_pending {
+                req.prompt_len
+            } else {
+                s.tokens.len()
+            };
+            // Never compute a position at or past max_model_len. (V1 stops one earlier; here
+            // a prompt of exactly max_model_len must still compute its last token to sample.)
+            let want = target
+                .saturating_sub(s.num_computed)
+                .min(max_model_len.saturating_sub(s.num_computed));
+            if want == 0 {
+                continue;
+            }
+            // `Whole` is all-or-nothing per sequence: a group's sequences may re-prefill in
+            // different steps, so a group never needs more than one sequence's worth at once.
+            let take = match cut {
+                Cut::Split => want.min(left).min(cap),
+                Cut::Whole if want <= left => want,
+                Cut::Whole => break,
+            };
+            if take == 0 {
+                break;
+            }
+            left -= take;
+            let end = s.num_computed + take + la;
+            let blocks = end.div_ceil(bs);
+            let have = s.table.len();
+            let grow = blocks.saturating_sub(have);
+            // Exact CoW count: a block shared by k sequences is copied by the first k - 1
+            // writers only (the conservative one-per-sequence count can livelock a group
+            // that was just swapped back in).
+            let mut cow = 0;
+            if s.tail_shared {
+                for &b in &s.table[(s.num_computed / bs).min(have)..blocks.min(have)] {
+                    let refs = self.mgr.gpu_ref_count(b).unwrap_or(1) as usize;
+                    let copied = self.cow_scratch.iter().filter(|&&c| c == b).count();
+                    if refs - copied.min(refs) > 1 {
+                        cow += 1;
+                        self.cow_scratch.push(b);
+                    }
+                }
+            }
+            needed += grow + cow;
+            tokens += take;
+            plan.push(PlanItem {
+                seq: i as u32,
+                take: take as u32,
+                call: grow + cow > 0,
+                row: 0,
+            });
+        }
+        self.plan = plan;
+        (tokens, needed)
+    }
+
+    /// Carries out `self.plan` for request `h`: grows tables (CoW pairs into the output),
+    /// records the tokens, registers newly full blocks in the prefix cache, forks the
+    /// siblings when the shared prompt completes, and lists the samples to draw.
+    pub(super) fn apply_plan(&mut self, h: u32, out: &mut StepOutput) -> Result<()> {
+        let bs = self.block_size;
+        let la = self.cfg.num_lookahead_slots;
+        let caching = self.caching;
+        let mut plan = std::mem::take(&mut self.plan);
+        let slot = &mut self.slots[h as usize];
+        let gen = slot.gen;
+        let req = slot.req.as_mut().expect("planned request exists");
+        let extra_key = req.extra_key;
+        let mgr = &mut self.mgr;
+        for item in plan.iter_mut() {
+            let s = &mut req.seqs[item.seq as usize];
+            let start = s.num_computed;
+            let take = item.take as usize;
+            let end = start + take;
+            if item.call {
+                let Some(pairs) = mgr.append_slots(s.id, start, end + la)? else {
+                    return Err(Error::InvalidState(format!(
+                        "request {}: append_slots found no blocks after the free-block check",
+                        req.id
+                    )));
+                };
+                for (src, dst) in pairs {
+                    out.blocks_to_copy.push(src as i64);
+                    out.blocks_to_copy.push(dst as i64);
+                }
+                s.tail_shared = false;
+                s.table.clear();
+                s.table.extend_from_slice(mgr.block_table(s.id)?);
+            }
+            item.row = out.seq_ids.len() as u32;
+            record(out, h, gen, item.seq, s, start, take, bs);
+            s.num_computed = end;
+            // Register at schedule time so later admissions of this very step share the block.
+            if caching && end / bs > start / bs {
+                mgr.cache_full_blocks(s.id, &s.tokens, end, extra_key)?;
+            }
+        }
+        let leader = req.leader();
+        let mut forked_now = false;
+        if req.needs_fork() && req.seqs[leader].num_computed >= req.prompt_len {
+            // The prompt is complete: siblings share every block; the shared partial tail
+            // (if any) is copied by whoever appends to it first, in a later step.
+            let (leader_id, computed) = (req.seqs[leader].id, req.seqs[leader].num_computed);
+            let table = req.seqs[leader].table.clone();
+            let shared_tail = table.len() * bs > computed;
+            for (i, s) in req.seqs.iter_mut().enumerate() {
+                if i == leader || s.is_finished() {
+                    continue;
+                }
+                mgr.fork(leader_id, s.id)?;
+                s.table.clone_from(&table);
+                s.num_computed = computed;
+                s.tail_shared = shared_tail;
+            }
+            req.seqs[leader].tail_shared = shared_tail;
+            req.forked = true;
+            forked_now = true;
+        }
+        let leader_row = plan
+            .iter()
+            .find(|p| p.seq as usize == leader)
+            .map(|p| p.row);
+        for (i, s) in req.seqs.iter().enumerate() {
+            if s.is_finished() || s.num_computed != s.tokens.len() {
+                continue;
+            }
+            let own = plan.iter().find(|p| p.seq as usize == i).map(|p| p.row);
+            let row = match own {
+                Some(r) => Some(r),
+                None if forked_now => leader_row,
+                None => None,
+            };
+            if let Some(row) = row {
+                out.push_sample(row as usize, s.id, h, gen, i);
+            }
+        }
+        self.plan = plan;
+        Ok(())
+    }
+
+    /// Tries to admit the head of `waiting` (`h`): NEVER check, prefix lookup, allocation
+    /// of its first chunk (keeping the watermark), then its tokens.
+    pub(super) fn try_admit(
+        &mut self,
+        h: u32,
+        budget: usize,
+        cut: Cut,
+        out: &mut StepOutput,
+    ) -> Result<Admit> {
+        let la = self.cfg.num_lookahead_slots;
+        let cap = self.chunk_cap();
+        let (leader, target, seq_id) = {
+            let req = self.req(h);
+            let l = req.leader();
+            (l, req.leader_target(), req.seqs[l].id)
+        };
+        if let Some(reason) = self.group_never_fits(h) {
+            return Ok(Admit::Never(reason));
+        }
+        let hit = if self.caching {
+            let req = self.slots[h as usize]
+                .req
+                .as_ref()
+                .expect("admitted request exists");
+            self.mgr
+                .lookup_prefix(&req.seqs[leader].tokens[..target], req.extra_key)
+        } else {
+            PrefixHit::default()
+        };
+        let computed = hit.num_cached_tokens;
+        let want = target - computed;
+        let take = match cut {
+            Cut::Split => want.min(budget).min(cap),
+            Cut::Whole if want <= budget => want,
+            Cut::Whole => 0,
+        };
+        if take == 0 {
+            return Ok(Admit::NoBudget);
+        }
+        if !self
+            .mgr
+            .allocate(seq_id, &hit, computed + take + la, true)?
+        {
+            return Ok(Admit::Later);
+        }
+        {
+            let req = self.slots[h as usize]
+                .req
+                .as_mut()
+                .expect("admitted request exists");
+            let s = &mut req.seqs[leader];
+            s.table.clear();
+            s.table.extend_from_slice(self.mgr.block_table(seq_id)?);
+            s.num_computed = computed;
+            s.tail_shared = false;
+            if !req.admitted_once {
+                req.admitted_once = true;
+                req.num_cached_tokens = computed;
+            }
+        }
+        self.plan.clear();
+        self.plan.push(PlanItem {
+            seq: leader as u32,
+            take: take as u32,
+            call: false,
+            row: 0,
+        });
+        self.apply_plan(h, out)?;
+        Ok(Admit::Admitted(take))
+    }
+
+    /// Admits waiting requests in queue order while the budget, `max_num_seqs` and the
+    /// pool allow; they join the tail of `running`. Returns whether any was admitted.
+    pub(super) fn admit_waiting(
+        &mut self,
+        left: &mut usize,
+        cut: Cut,
+        out: &mut StepOutput,
+    ) -> Result<bool> {
+        let mut any = false;
+        while let Some(&h) = self.waiting.front() {
+            if *left == 0 || !self.admission_open_for(h) {
+                break;
+            }
+            if self.running_seats + self.req(h).seats() > self.cfg.max_num_seqs {
+                break;
+            }
+            match self.try_admit(h, *left, cut, out)? {
+                Admit::Admitted(tokens) => {
+                    *left -= tokens;
+                    self.admit_head(h);
+                    self.running.push(h);
+                    any = true;
+                }
+                Admit::Later | Admit::NoBudget => break,
+                Admit::Never(reason) => {
+                    self.waiting.pop_front();
+                    self.finish_ignored(h, reason, out)?;
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    /// Walks `running` in order giving each request its tokens; when blocks run out,
+    /// preempts from the tail (the lowest-ranked) until the current request fits or is
+    /// itself preempted. Under `Cut::Whole` the walk stops at the first request the budget
+    /// cannot take whole. Returns whether anything was preempted.
+    pub(super) fn schedule_running(
+        &mut self,
+        left: &mut usize,
+        cut: Cut,
+        out: &mut StepOutput,
+    ) -> Result<bool> {
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && *left > 0 {
+            let h = self.running[i];
+            let (tokens, needed) = self.plan_request(h, *left, cut);
+            if tokens == 0 {
+                if cut == Cut::Whole {
+                    break;
+                }
+                i += 1;
+                continue;
+            }
+            loop {
+                if needed == 0 || needed <= self.mgr.num_free_gpu_blocks() {
+                    self.apply_plan(h, out)?;
+                    *left -= tokens;
+                    i += 1;
+                    break;
+                }
+                if self.running.len() == 1 {
+                    // Alone and still short: only this request holds device blocks, so it
+                    // can never grow. Preempting it would only bring it back (a livelock).
+                    self.running.pop();
+                    self.running_seats -= self.req(h).seats();
+                    let reason = format!(
+                        "needs {needed} more KV blocks with the whole cache ({} blocks) to \
+                         itself",
+                        self.num_gpu_blocks
+                    );
+                    self.finish_ignored(h, reason, out)?;
+                    break;
+                }
+                let victim = self
+                    .running
+                    .pop()
+                    .expect("running holds the current request");
+                self.preempt(victim, out, false)?;
+                preempted = true;
+                if victim == h {
+                    break;
+                }
+            }
+        }
+        Ok(preempted)
+    }
+
+    /// Brings swapped groups back (queue order) while `max_num_seqs`, the budget and the
+    /// pool allow; each joins the tail of `running` and gets its tokens this step if blocks
+    /// remain. A group that can never fit again finishes as ignored.
+    pub(super) fn swap_in_groups(
+        &mut self,
+        left: &mut usize,
+        cut: Cut,
+        out: &mut StepOutput,
+    ) -> Result<()> {
+        let la = self.cfg.num_lookahead_slots;
+        while let Some(&h) = self.swapped.front() {
+            if *left == 0 {
+                break;
+            }
+            let seats = self.req(h).seats();
+            if self.running_seats + seats > self.cfg.max_num_seqs {
+                break;
+            }
+            self.seq_scratch.clear();
+            {
+                let req = self.slots[h as usize]
+                    .req
+                    .as_ref()
+                    .expect("swapped request exists");
+                self.seq_scratch
+                    .extend(req.active_seqs().map(|i| req.seqs[i].id));
+            }
+            match self.mgr.can_swap_in(&self.seq_scratch, la) {
+                AllocStatus::Later => break,
+                AllocStatus::Never => {
+                    self.swapped.pop_front();
+                    let reason = format!(
+                        "swapped-out group needs more KV blocks than the device pool has ({} \
+                         blocks)",
+                        self.num_gpu_blocks
+                    );
+                    self.finish_ignored(h, reason, out)?;
+                    continue;
+                }
+                AllocStatus::Ok => {}
+            }
+            self.swapped.pop_front();
+            let pairs = self.mgr.swap_in(&self.seq_scratch)?;
+            for (host, device) in pairs {
+                out.blocks_to_swap_in.push(host as i64);
+                out.blocks_to_swap_in.push(device as i64);
+            }
+            {
+                let req = self.slots[h as usize]
+                    .req
+                    .as_mut()
+                    .expect("swapped request exists");
+                let active: Vec<usize> = req.active_seqs().collect();
+                for i in active {
+                    let s = &mut req.seqs[i];
+                    s.table.clear();
+                    s.table.extend_from_slice(self.mgr.block_table(s.id)?);
+                }
+                req.status = super::RequestStatus::Running;
+            }
+            self.running_seats += seats;
+            self.running.push(h);
+            let (tokens, needed) = self.plan_request(h, *left, cut);
+            if tokens > 0 && needed <= self.mgr.num_free_gpu_blocks() {
+                self.apply_plan(h, out)?;
+                *left -= tokens;
+            }
+        }
+        Ok(())
+    }
+}

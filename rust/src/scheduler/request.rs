@@ -1,0 +1,269 @@
+//! Requests, their sequences, statuses and stop rules.
+use crate::{BlockId, SeqId, TokenId};
+
+/// Lifecycle of a request (SPEC §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    Swapped,
+    /// Preempted by recompute: back in `waiting`, its generated tokens kept.
+    Preempted,
+    FinishedStopped,
+    FinishedLengthCapped,
+    FinishedAborted,
+    FinishedIgnored,
+}
+
+impl RequestStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestStatus::Waiting => "WAITING",
+            RequestStatus::Running => "RUNNING",
+            RequestStatus::Swapped => "SWAPPED",
+            RequestStatus::Preempted => "PREEMPTED",
+            RequestStatus::FinishedStopped => "FINISHED_STOPPED",
+            RequestStatus::FinishedLengthCapped => "FINISHED_LENGTH_CAPPED",
+            RequestStatus::FinishedAborted => "FINISHED_ABORTED",
+            RequestStatus::FinishedIgnored => "FINISHED_IGNORED",
+        }
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            RequestStatus::FinishedStopped
+                | RequestStatus::FinishedLengthCapped
+                | RequestStatus::FinishedAborted
+                | RequestStatus::FinishedIgnored
+        )
+    }
+
+    /// Statuses a request sitting in `waiting` may have.
+    pub fn is_waiting(self) -> bool {
+        matches!(self, RequestStatus::Waiting | RequestStatus::Preempted)
+    }
+}
+
+/// Why a sequence stopped (`CompletionOutput.finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id, or a stop string found by the caller.
+    Stop,
+    /// `max_tokens` or the model length.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Sampling limits the scheduler enforces (the sampler enforces the rest).
+#[derive(Debug, Clone, Default)]
+pub struct StopParams {
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    pub eos_token_id: Option<TokenId>,
+    pub stop_token_ids: Vec<TokenId>,
+    pub ignore_eos: bool,
+}
+
+impl StopParams {
+    /// Stop rule for a sequence that just received `token`, making `num_output` generated
+    /// tokens and `total_len` tokens in all. `min_tokens` holds back EOS and stop ids only;
+    /// the length limits always apply.
+    pub fn check(
+        &self,
+        token: TokenId,
+        num_output: usize,
+        total_len: usize,
+        max_len: usize,
+    ) -> Option<(FinishReason, Option<TokenId>)> {
+        if num_output >= self.min_tokens {
+            if !self.ignore_eos && self.eos_token_id == Some(token) {
+                return Some((FinishReason::Stop, None));
+            }
+            if self.stop_token_ids.contains(&token) {
+                return Some((FinishReason::Stop, Some(token)));
+            }
+        }
+        if num_output >= self.max_tokens || total_len >= max_len {
+            return Some((FinishReason::Length, None));
+        }
+        None
+    }
+}
+
+/// Everything `add_request` takes besides the id.
+#[derive(Debug, Clone)]
+pub struct RequestParams {
+    pub prompt: Vec<TokenId>,
+    pub n: usize,
+    pub priority: i64,
+    pub arrival_time: f64,
+    pub stop: StopParams,
+    /// Mixed into prefix-cache hashes (e.g. an adapter id).
+    pub extra_key: u64,
+}
+
+/// One sample stream of a request (`n` of them per request).
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Prompt followed by this sequence's generated tokens.
+    pub tokens: Vec<TokenId>,
+    /// Tokens whose K/V are in the cache (or scheduled to be, this step).
+    pub num_computed: usize,
+    /// Mirror of the manager's device block table, so the hot path never asks the manager
+    /// for it. Empty while the sequence holds no device blocks.
+    pub table: Vec<BlockId>,
+    /// Blocks past `num_computed / block_size` may be shared with a sibling (set by a fork,
+    /// cleared by the first append): the next append must go through the manager for CoW.
+    pub tail_shared: bool,
+    pub finished: Option<(FinishReason, Option<TokenId>)>,
+}
+
+impl Sequence {
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
+    }
+}
+
+/// A request: one prompt and `n` sequences sampled from it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: String,
+    pub prompt_len: usize,
+    pub seqs: Vec<Sequence>,
+    pub num_unfinished: usize,
+    /// Whether the unfinished non-leader sequences currently exist in the manager. Before
+    /// that only the leader (first unfinished sequence) holds blocks and computes the prompt.
+    pub forked: bool,
+    pub priority: i64,
+    pub arrival_time: f64,
+    /// Insertion counter: breaks ties between equal (priority, arrival).
+    pub order: u64,
+    pub stop: StopParams,
+    pub extra_key: u64,
+    pub status: RequestStatus,
+    /// Prompt tokens served by the prefix cache at the first admission.
+    pub num_cached_tokens: usize,
+    pub admitted_once: bool,
+}
+
+impl Request {
+    /// Index of the sequence that computes the shared prompt.
+    pub fn leader(&self) -> usize {
+        self.seqs.iter().position(|s| !s.is_finished()).unwrap_or(0)
+    }
+
+    /// Whether the prompt still has to be computed once and then forked to siblings.
+    pub fn needs_fork(&self) -> bool {
+        !self.forked && self.num_unfinished > 1
+    }
+
+    /// Token count the leader computes before siblings exist: only the prompt when it will
+    /// be forked, else all its tokens.
+    pub fn leader_target(&self) -> usize {
+        if self.needs_fork() {
+            self.prompt_len
+        } else {
+            self.seqs[self.leader()].tokens.len()
+        }
+    }
+
+    /// Sequence indices holding (or about to hold) blocks: the leader before the fork, every
+    /// unfinished sequence after it.
+    pub fn active_seqs(&self) -> impl Iterator<Item = usize> + '_ {
+        let leader = self.leader();
+        let forked = self.forked;
+        self.seqs
+            .iter()
+            .enumerate()
+            .filter(move |(i, s)| !s.is_finished() && (forked || *i == leader))
+            .map(|(i, _)| i)
+    }
+
+    /// Seats (`max_num_seqs`) the request occupies while running.
+    pub fn seats(&self) -> usize {
+        self.num_unfinished
+    }
+
+    /// Rank under `priority`: lower is more urgent.
+    pub fn rank(&self) -> (i64, f64, u64) {
+        (self.priority, self.arrival_time, self.order)
+    }
+
+    /// Whether next step this request only decodes (every active sequence needs at most
+    /// one token once the samples of this step are appended).
+    pub fn is_decoding(&self) -> bool {
+        if self.needs_fork() {
+            return false;
+        }
+        self.active_seqs().all(|i| {
+            let s = &self.seqs[i];
+            s.tokens.len() <= s.num_computed + 1
+        })
+    }
+}
+
+/// Total order of requests by rank (priority, arrival, insertion).
+pub fn rank_less(a: (i64, f64, u64), b: (i64, f64, u64)) -> bool {
+    match a.0.cmp(&b.0) {
+        std::cmp::Ordering::Less => true,
+        std::cmp::Ordering::Greater => false,
+        std::cmp::Ordering::Equal => match a.1.partial_cmp(&b.1) {
+            Some(std::cmp::Ordering::Less) => true,
+            Some(std::cmp::Ordering::Greater) => false,
+            _ => a.2 < b.2,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> StopParams {
+        StopParams {
+            max_tokens: 5,
+            min_tokens: 2,
+            eos_token_id: Some(2),
+            stop_token_ids: vec![9],
+            ignore_eos: false,
+        }
+    }
+
+    #[test]
+    fn eos_stops_once_min_tokens_are_out() {
+        let p = params();
+        assert_eq!(p.check(2, 1, 10, 100), None);
+        assert_eq!(p.check(2, 2, 10, 100), Some((FinishReason::Stop, None)));
+    }
+
+    #[test]
+    fn stop_id_reports_itself_and_lengths_cap() {
+        let p = params();
+        assert_eq!(p.check(9, 3, 10, 100), Some((FinishReason::Stop, Some(9))));
+        assert_eq!(p.check(7, 5, 10, 100), Some((FinishReason::Length, None)));
+        assert_eq!(p.check(7, 3, 100, 100), Some((FinishReason::Length, None)));
+        let ignore = StopParams {
+            ignore_eos: true,
+            ..params()
+        };
+        assert_eq!(ignore.check(2, 3, 10, 100), None);
+    }
+
+    #[test]
+    fn rank_orders_priority_then_arrival_then_insertion() {
+        assert!(rank_less((0, 5.0, 9), (1, 0.0, 0)));
+        assert!(rank_less((1, 1.0, 9), (1, 2.0, 0)));
+        assert!(rank_less((1, 1.0, 3), (1, 1.0, 4)));
+        assert!(!rank_less((1, 1.0, 4), (1, 1.0, 4)));
+    }
+}
