@@ -115,3 +115,15 @@ def test_overload_finishes_every_request_with_unloaded_outputs_and_frees_every_b
     stats = overloaded.engine.scheduler.get_stats()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert stats["num_preemptions"] > 0
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate("best of", params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    (every,) = llm.generate("best of", SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=6,
+                                                      ignore_eos=True, logprobs=0), use_tqdm=False)
+    ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked]
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    assert out.outputs[0].logprobs is None
