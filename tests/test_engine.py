@@ -127,3 +127,14 @@ def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked]
     assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
     assert out.outputs[0].logprobs is None
+
+
+def test_periodic_stats_log_line_reports_throughput_queues_usage_hits_and_preemptions(caplog):
+    llm = LLM(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=32,
+              disable_log_stats=False, stats_log_interval=0.0)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        llm.generate(["log me"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    line = caplog.records[-1].getMessage()
+    for part in ("generation", "tok/s", "running", "waiting", "swapped", "KV usage",
+                 "prefix hit rate", "preemptions"):
+        assert part in line
