@@ -51,11 +51,12 @@ def test_seeded_request_samples_the_same_alone_and_in_a_batch(llm):
 
 def test_stop_string_ends_the_sequence_and_is_reported(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    (ref,) = llm.generate("xyz", greedy, use_tqdm=False)
+    (ref,) = llm.generate("Hello", greedy, use_tqdm=False)
     text = ref.outputs[0].text
-    stop = text[3:5]
-    assert len(stop) == 2 and stop not in text[:4]
-    (out,) = llm.generate("xyz", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+    # a 2-character stop string whose first occurrence starts after the first characters
+    start = next(i for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i)
+    stop = text[start:start + 2]
+    (out,) = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                                                 stop=[stop]), use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop
@@ -114,3 +115,26 @@ def test_overload_finishes_every_request_with_unloaded_outputs_and_frees_every_b
     stats = overloaded.engine.scheduler.get_stats()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert stats["num_preemptions"] > 0
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob(llm):
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate("best of", params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    (every,) = llm.generate("best of", SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=6,
+                                                      ignore_eos=True, logprobs=0), use_tqdm=False)
+    ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked]
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    assert out.outputs[0].logprobs is None
+
+
+def test_periodic_stats_log_line_reports_throughput_queues_usage_hits_and_preemptions(caplog):
+    llm = LLM(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=32,
+              disable_log_stats=False, stats_log_interval=0.0)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        llm.generate(["log me"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    line = caplog.records[-1].getMessage()
+    for part in ("generation", "tok/s", "running", "waiting", "swapped", "KV usage",
+                 "prefix hit rate", "preemptions"):
+        assert part in line

@@ -5,6 +5,7 @@ detokenize and check stop strings -> `update_from_output` (Rust) -> RequestOutpu
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -77,9 +78,20 @@ class _Request:
             seq.finish(reason, stop_reason)
         self.metrics.finished_time = time.time()
 
+    def __post_init__(self) -> None:
+        # What the sampler sees: best_of > n needs the sampled tokens' logprobs for ranking.
+        params = self.params
+        if params.num_samples > params.n and params.logprobs is None:
+            params = dataclasses.replace(params, logprobs=0)
+        self.sampling_params = params
+
     def output(self) -> RequestOutput:
+        seqs = self.seqs
+        if len(seqs) > self.params.n:
+            # best_of: the n samples with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:self.params.n]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [seq.output() for seq in self.seqs], self.finished,
+                             [seq.output() for seq in seqs], self.finished,
                              self.num_cached_tokens, self.metrics)
 
 
@@ -240,13 +252,15 @@ class LLMEngine:
         stop_ids = list(params.stop_token_ids or []) + eos_ids[1:]
         arrival = time.time() if arrival_time is None else arrival_time
         self.scheduler.add_request(
-            request_id, token_ids, n=params.n, priority=priority, arrival_time=arrival,
+            request_id, token_ids, n=params.num_samples, priority=priority, arrival_time=arrival,
             max_tokens=params.max_tokens, min_tokens=params.min_tokens, eos_token_id=eos,
             stop_token_ids=stop_ids, ignore_eos=params.ignore_eos)
-        seqs = [_Sequence(i, self._detokenizer(token_ids, params)) for i in range(params.n)]
-        if params.logprobs is not None:
+        seqs = [_Sequence(i, self._detokenizer(token_ids, params)) for i in range(params.num_samples)]
+        if params.logprobs is not None or params.num_samples > params.n:
+            # best_of ranks samples by cumulative logprob, so it needs them too
             for seq in seqs:
-                seq.logprobs, seq.cumulative_logprob = [], 0.0
+                seq.cumulative_logprob = 0.0
+                seq.logprobs = [] if params.logprobs is not None else None
         self.requests[request_id] = _Request(request_id, text, token_ids, params, seqs,
                                              RequestMetrics(arrival_time=arrival),
                                              stop_token_ids=frozenset(
@@ -334,10 +348,12 @@ class LLMEngine:
 
     def _note_scheduled(self, step, now: float) -> None:
         for request_id in set(step.request_ids):
-            metrics = self.requests[request_id].metrics
+            request = self.requests[request_id]
+            metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.time()
                 metrics.time_in_queue = metrics.first_scheduled_time - metrics.arrival_time
+                request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
         for request_id in step.preempted:
             self.requests[request_id].metrics.num_preemptions += 1
 
@@ -346,7 +362,7 @@ class LLMEngine:
         seq_index = step.sample_seq_index.tolist()
         seqs = [request.seqs[i] for request, i in zip(rows, seq_index)]
         meta = SamplingMetadata.build(
-            [r.params for r in rows], [s.token_ids for s in seqs], [r.prompt_token_ids for r in rows],
+            [r.sampling_params for r in rows], [s.token_ids for s in seqs], [r.prompt_token_ids for r in rows],
             seq_index, vocab_size=logits.shape[-1], eos_token_id=self.model_config.eos_token_id,
             device=logits.device)
         return self.sampler(logits, meta)
@@ -365,10 +381,11 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            if seq.logprobs is not None and logprobs is not None:
-                entry = logprobs.entry(k, token, request.params.logprobs, self._decode_one)
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[token].logprob
+            if seq.cumulative_logprob is not None and logprobs is not None:
+                seq.cumulative_logprob += logprobs.sampled_logprobs[k]
+                if request.params.logprobs is not None:
+                    seq.logprobs.append(
+                        logprobs.entry(k, token, request.params.logprobs, self._decode_one))
             if seq.detokenizer is not None and not self._ends_by_token(request, seq, token):
                 _, stop = seq.detokenizer.append(token)
                 if stop is not None:

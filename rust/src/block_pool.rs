@@ -210,14 +210,20 @@ impl BlockPool {
         for &block in &self.free_stack {
             let b = block as usize;
             if b >= n {
-                return Err(format!("{name} free stack holds out-of-range block {block}"));
+                return Err(format!(
+                    "{name} free stack holds out-of-range block {block}"
+                ));
             }
             if on_free_stack[b] {
                 return Err(block_violation(name, block, "on the free stack twice"));
             }
             on_free_stack[b] = true;
             if self.state[b] != BlockState::Free {
-                return Err(block_violation(name, block, "on the free stack but not free"));
+                return Err(block_violation(
+                    name,
+                    block,
+                    "on the free stack but not free",
+                ));
             }
         }
         let order = self.lru_order();
@@ -232,7 +238,11 @@ impl BlockPool {
         for &block in &order {
             let b = block as usize;
             if self.state[b] != BlockState::Cached {
-                return Err(block_violation(name, block, "on the LRU list but not cached"));
+                return Err(block_violation(
+                    name,
+                    block,
+                    "on the LRU list but not cached",
+                ));
             }
             if self.prev[b] != prev {
                 return Err(block_violation(name, block, "LRU back link broken"));
@@ -243,22 +253,34 @@ impl BlockPool {
             return Err(format!("{name} LRU tail is not the last listed block"));
         }
         let (mut free, mut cached, mut in_use) = (0, 0, 0);
-        for b in 0..n {
+        for (b, &state) in self.state.iter().enumerate() {
             let block = b as BlockId;
-            match self.state[b] {
+            match state {
                 BlockState::Free => {
                     free += 1;
                     if !on_free_stack[b] {
-                        return Err(block_violation(name, block, "free but not on the free stack"));
+                        return Err(block_violation(
+                            name,
+                            block,
+                            "free but not on the free stack",
+                        ));
                     }
                     if self.ref_counts[b] != 0 {
-                        return Err(block_violation(name, block, "free with a nonzero ref count"));
+                        return Err(block_violation(
+                            name,
+                            block,
+                            "free with a nonzero ref count",
+                        ));
                     }
                 }
                 BlockState::Cached => {
                     cached += 1;
                     if self.ref_counts[b] != 0 {
-                        return Err(block_violation(name, block, "cached with a nonzero ref count"));
+                        return Err(block_violation(
+                            name,
+                            block,
+                            "cached with a nonzero ref count",
+                        ));
                     }
                 }
                 BlockState::InUse => {
@@ -275,7 +297,10 @@ impl BlockPool {
             ));
         }
         if cached != self.num_cached {
-            return Err(format!("{name} pool: {cached} cached blocks, counter says {}", self.num_cached));
+            return Err(format!(
+                "{name} pool: {cached} cached blocks, counter says {}",
+                self.num_cached
+            ));
         }
         Ok(())
     }

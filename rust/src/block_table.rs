@@ -22,7 +22,12 @@ pub struct BlockTable {
 
 impl BlockTable {
     pub fn new(blocks: Vec<BlockId>, hashes: Vec<u64>, num_registered: usize) -> Self {
-        Self { blocks, hashes, num_registered, location: Location::Device }
+        Self {
+            blocks,
+            hashes,
+            num_registered,
+            location: Location::Device,
+        }
     }
 
     pub fn len(&self) -> usize {

@@ -53,8 +53,14 @@ mod tests {
 
     #[test]
     fn messages_name_the_bad_value() {
-        assert_eq!(Error::UnknownSequence(7).to_string(), "unknown sequence id 7");
-        assert_eq!(Error::DuplicateSequence(3).to_string(), "sequence id 3 already exists");
+        assert_eq!(
+            Error::UnknownSequence(7).to_string(),
+            "unknown sequence id 7"
+        );
+        assert_eq!(
+            Error::DuplicateSequence(3).to_string(),
+            "sequence id 3 already exists"
+        );
         assert!(Error::OutOfHostBlocks { needed: 4, free: 1 }
             .to_string()
             .contains("4 needed, 1 free"));

@@ -41,7 +41,12 @@ impl Default for CacheConfig {
 impl CacheConfig {
     /// Defaults (watermark 0.01, prefix caching on) with the given sizes.
     pub fn new(block_size: usize, num_gpu_blocks: usize, num_cpu_blocks: usize) -> Self {
-        Self { block_size, num_gpu_blocks, num_cpu_blocks, ..Self::default() }
+        Self {
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            ..Self::default()
+        }
     }
 }
 
@@ -113,13 +118,17 @@ fn usage_of(pool: &BlockPool) -> f64 {
 
 /// Error for a free count that a prior check guaranteed (only reachable through a bug).
 fn broken_free_count(pool: &str) -> Error {
-    Error::InvalidState(format!("{pool} pool ran dry after its free count was checked"))
+    Error::InvalidState(format!(
+        "{pool} pool ran dry after its free count was checked"
+    ))
 }
 
 impl KvCacheManager {
     pub fn new(config: CacheConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::InvalidArgument("block_size must be > 0, got 0".into()));
+            return Err(Error::InvalidArgument(
+                "block_size must be > 0, got 0".into(),
+            ));
         }
         if !(0.0..1.0).contains(&config.watermark) {
             return Err(Error::InvalidArgument(format!(
@@ -131,7 +140,14 @@ impl KvCacheManager {
         let cpu = BlockPool::new(config.num_cpu_blocks)?;
         let prefix_cache = PrefixCache::new(config.num_gpu_blocks, config.enable_prefix_caching);
         let watermark_blocks = (config.watermark * config.num_gpu_blocks as f64) as usize;
-        Ok(Self { config, gpu, cpu, prefix_cache, tables: HashMap::default(), watermark_blocks })
+        Ok(Self {
+            config,
+            gpu,
+            cpu,
+            prefix_cache,
+            tables: HashMap::default(),
+            watermark_blocks,
+        })
     }
 
     // ---- inspection -------------------------------------------------------------------------
@@ -190,7 +206,9 @@ impl KvCacheManager {
 
     /// True when the sequence exists and its blocks are on the host.
     pub fn is_swapped(&self, seq: SeqId) -> bool {
-        self.tables.get(&seq).is_some_and(|t| t.location == Location::Host)
+        self.tables
+            .get(&seq)
+            .is_some_and(|t| t.location == Location::Host)
     }
 
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
@@ -302,13 +320,15 @@ impl KvCacheManager {
 
     /// Read-only prefix query: no counters move.
     pub fn find_prefix(&self, tokens: &[TokenId], extra_key: u64) -> PrefixHit {
-        self.prefix_cache.find(tokens, self.config.block_size, extra_key)
+        self.prefix_cache
+            .find(tokens, self.config.block_size, extra_key)
     }
 
     /// Prefix query for admission: counts one query and its hit / missed blocks.
     pub fn lookup_prefix(&mut self, tokens: &[TokenId], extra_key: u64) -> PrefixHit {
         let hit = self.find_prefix(tokens, extra_key);
-        self.prefix_cache.record(tokens.len(), self.config.block_size, hit.blocks.len());
+        self.prefix_cache
+            .record(tokens.len(), self.config.block_size, hit.blocks.len());
         hit
     }
 
@@ -322,9 +342,14 @@ impl KvCacheManager {
         extra_key: u64,
     ) -> Result<usize> {
         let bs = self.config.block_size;
-        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let table = self
+            .tables
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence(seq))?;
         if table.location == Location::Host {
-            return Err(Error::InvalidState(format!("sequence {seq} is swapped out")));
+            return Err(Error::InvalidState(format!(
+                "sequence {seq} is swapped out"
+            )));
         }
         if num_computed > tokens.len() {
             return Err(Error::InvalidArgument(format!(
@@ -406,7 +431,11 @@ impl KvCacheManager {
             )));
         }
         let needed = self.num_blocks_to_allocate(hit, num_slots);
-        let reserve = if apply_watermark { self.watermark_blocks } else { 0 };
+        let reserve = if apply_watermark {
+            self.watermark_blocks
+        } else {
+            0
+        };
         if self.gpu.num_free() < needed + reserve {
             return Ok(false);
         }
@@ -422,8 +451,13 @@ impl KvCacheManager {
                 .ok_or_else(|| broken_free_count("device"))?;
             blocks.push(block);
         }
-        let hashes = if self.prefix_cache.is_enabled() { hit.hashes.clone() } else { Vec::new() };
-        self.tables.insert(seq, BlockTable::new(blocks, hashes, hit.blocks.len()));
+        let hashes = if self.prefix_cache.is_enabled() {
+            hit.hashes.clone()
+        } else {
+            Vec::new()
+        };
+        self.tables
+            .insert(seq, BlockTable::new(blocks, hashes, hit.blocks.len()));
         Ok(true)
     }
 
@@ -447,7 +481,9 @@ impl KvCacheManager {
         hit.blocks.truncate(keep);
         hit.num_cached_tokens = keep * self.config.block_size;
         let cached = hit.num_cached_tokens;
-        Ok(self.allocate(seq, &hit, num_slots, apply_watermark)?.then_some(cached))
+        Ok(self
+            .allocate(seq, &hit, num_slots, apply_watermark)?
+            .then_some(cached))
     }
 
     /// Grows the table to cover `num_slots` slots. Every existing block that slots
@@ -460,9 +496,14 @@ impl KvCacheManager {
         num_slots: usize,
     ) -> Result<Option<Vec<(BlockId, BlockId)>>> {
         let bs = self.config.block_size;
-        let table = self.tables.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let table = self
+            .tables
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence(seq))?;
         if table.location == Location::Host {
-            return Err(Error::InvalidState(format!("sequence {seq} is swapped out")));
+            return Err(Error::InvalidState(format!(
+                "sequence {seq} is swapped out"
+            )));
         }
         if first_new_slot > num_slots {
             return Err(Error::InvalidArgument(format!(
@@ -502,7 +543,10 @@ impl KvCacheManager {
 
     /// The child shares every block of the parent (ref +1) and its hash chain.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        let table = self.tables.get(&parent).ok_or(Error::UnknownSequence(parent))?;
+        let table = self
+            .tables
+            .get(&parent)
+            .ok_or(Error::UnknownSequence(parent))?;
         if parent == child || self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child));
         }
@@ -521,7 +565,10 @@ impl KvCacheManager {
     /// Releases the sequence's table, in whichever pool it is. Device blocks reaching ref 0 go
     /// to the free stack, or, when registered, to the LRU tail, deepest block first.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        let table = self.tables.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let table = self
+            .tables
+            .remove(&seq)
+            .ok_or(Error::UnknownSequence(seq))?;
         match table.location {
             Location::Device => {
                 for &block in table.blocks.iter().rev() {
@@ -548,7 +595,9 @@ impl KvCacheManager {
         for &seq in seqs {
             let table = self.tables.get(&seq).ok_or(Error::UnknownSequence(seq))?;
             if !listed.insert(seq) {
-                return Err(Error::InvalidArgument(format!("sequence id {seq} listed twice")));
+                return Err(Error::InvalidArgument(format!(
+                    "sequence id {seq} listed twice"
+                )));
             }
             if table.location != location {
                 let what = match location {
@@ -591,12 +640,17 @@ impl KvCacheManager {
             HashMap::with_capacity_and_hasher(distinct.len(), IdBuildHasher::default());
         let mut pairs = Vec::with_capacity(distinct.len());
         for &device in &distinct {
-            let host = self.cpu.pop_free().ok_or_else(|| broken_free_count("host"))?;
+            let host = self
+                .cpu
+                .pop_free()
+                .ok_or_else(|| broken_free_count("host"))?;
             mapping.insert(device, host);
             pairs.push((device, host));
         }
         for &seq in seqs {
-            let Some(table) = self.tables.get_mut(&seq) else { continue };
+            let Some(table) = self.tables.get_mut(&seq) else {
+                continue;
+            };
             for block in table.blocks.iter_mut().rev() {
                 let host = mapping[block];
                 self.cpu.incref(host);
@@ -629,7 +683,8 @@ impl KvCacheManager {
 
     /// `check_swap_in`, with any error answered `Never`.
     pub fn can_swap_in(&self, seqs: &[SeqId], num_lookahead_slots: usize) -> AllocStatus {
-        self.check_swap_in(seqs, num_lookahead_slots).unwrap_or(AllocStatus::Never)
+        self.check_swap_in(seqs, num_lookahead_slots)
+            .unwrap_or(AllocStatus::Never)
     }
 
     /// Moves the group's host blocks back to device blocks (sharing kept) and frees the host
@@ -652,7 +707,9 @@ impl KvCacheManager {
             pairs.push((host, device));
         }
         for &seq in seqs {
-            let Some(table) = self.tables.get_mut(&seq) else { continue };
+            let Some(table) = self.tables.get_mut(&seq) else {
+                continue;
+            };
             for block in table.blocks.iter_mut() {
                 let device = mapping[block];
                 self.gpu.incref(device);
@@ -701,8 +758,10 @@ impl KvCacheManager {
                 ));
             }
         }
-        for (pool, refs, name) in [(&self.gpu, &gpu_refs, "device"), (&self.cpu, &cpu_refs, "host")]
-        {
+        for (pool, refs, name) in [
+            (&self.gpu, &gpu_refs, "device"),
+            (&self.cpu, &cpu_refs, "host"),
+        ] {
             for (block, &expected) in refs.iter().enumerate() {
                 let actual = pool.ref_count(block as BlockId).unwrap_or(0);
                 if actual != expected {
@@ -716,7 +775,9 @@ impl KvCacheManager {
             let registered = self.prefix_cache.is_registered(block);
             match self.gpu.state(block) {
                 Some(BlockState::Cached) if !registered => {
-                    return Err(format!("device block {block} is evictable but not registered"));
+                    return Err(format!(
+                        "device block {block} is evictable but not registered"
+                    ));
                 }
                 Some(BlockState::Free) if registered => {
                     return Err(format!("device block {block} is free but still registered"));
@@ -757,7 +818,10 @@ mod tests {
         for w in [-0.1, 1.0, f64::NAN] {
             let mut cfg = CacheConfig::new(4, 4, 0);
             cfg.watermark = w;
-            assert!(matches!(KvCacheManager::new(cfg), Err(Error::InvalidArgument(_))));
+            assert!(matches!(
+                KvCacheManager::new(cfg),
+                Err(Error::InvalidArgument(_))
+            ));
         }
     }
 
@@ -784,7 +848,10 @@ mod tests {
         let mut m = manager(4, 8, 0);
         alloc(&mut m, 1, &toks(0..4));
         let before = m.prefix_cache_stats();
-        assert_eq!(m.allocate_prompt(1, &toks(0..4), None, 0, false), Err(Error::DuplicateSequence(1)));
+        assert_eq!(
+            m.allocate_prompt(1, &toks(0..4), None, 0, false),
+            Err(Error::DuplicateSequence(1))
+        );
         assert_eq!(m.prefix_cache_stats(), before);
         assert_eq!(m.block_table(1).unwrap(), &[0]);
     }
@@ -795,8 +862,14 @@ mod tests {
         cfg.watermark = 0.2;
         let mut m = KvCacheManager::new(cfg).unwrap();
         assert_eq!(m.watermark_blocks(), 2);
-        assert_eq!(m.allocate_prompt(1, &toks(0..9), None, 0, true).unwrap(), None);
-        assert_eq!(m.allocate_prompt(1, &toks(0..9), None, 0, false).unwrap(), Some(0));
+        assert_eq!(
+            m.allocate_prompt(1, &toks(0..9), None, 0, true).unwrap(),
+            None
+        );
+        assert_eq!(
+            m.allocate_prompt(1, &toks(0..9), None, 0, false).unwrap(),
+            Some(0)
+        );
         m.check_invariants().unwrap();
     }
 
@@ -807,7 +880,9 @@ mod tests {
         let mut m = KvCacheManager::new(cfg).unwrap();
         assert_eq!(m.can_allocate(36), AllocStatus::Ok); // 9 blocks + 1 watermark = 10
         assert_eq!(m.can_allocate(37), AllocStatus::Never); // 10 > 10 - 1
-        m.allocate_prompt(1, &toks(0..8), None, 0, true).unwrap().unwrap();
+        m.allocate_prompt(1, &toks(0..8), None, 0, true)
+            .unwrap()
+            .unwrap();
         assert_eq!(m.can_allocate(28), AllocStatus::Ok); // 8 free - 7 = 1
         assert_eq!(m.can_allocate(29), AllocStatus::Later); // 8 free - 8 = 0 < 1
     }
@@ -896,11 +971,20 @@ mod tests {
     fn unknown_sequences_are_errors_everywhere() {
         let mut m = manager(4, 8, 4);
         assert_eq!(m.block_table(5).unwrap_err(), Error::UnknownSequence(5));
-        assert_eq!(m.append_slots(5, 0, 1).unwrap_err(), Error::UnknownSequence(5));
-        assert_eq!(m.cache_full_blocks(5, &[], 0, 0).unwrap_err(), Error::UnknownSequence(5));
+        assert_eq!(
+            m.append_slots(5, 0, 1).unwrap_err(),
+            Error::UnknownSequence(5)
+        );
+        assert_eq!(
+            m.cache_full_blocks(5, &[], 0, 0).unwrap_err(),
+            Error::UnknownSequence(5)
+        );
         assert_eq!(m.swap_out(&[5]).unwrap_err(), Error::UnknownSequence(5));
         assert_eq!(m.swap_in(&[5]).unwrap_err(), Error::UnknownSequence(5));
-        assert_eq!(m.check_swap_in(&[5], 0).unwrap_err(), Error::UnknownSequence(5));
+        assert_eq!(
+            m.check_swap_in(&[5], 0).unwrap_err(),
+            Error::UnknownSequence(5)
+        );
         assert!(!m.can_swap_out(&[5]));
         assert_eq!(m.can_swap_in(&[5], 0), AllocStatus::Never);
         assert!(!m.is_swapped(5));
@@ -933,8 +1017,14 @@ mod tests {
         let prompt = toks(0..9);
         alloc(&mut m, 1, &prompt);
         m.cache_full_blocks(1, &prompt, 9, 0).unwrap();
-        assert_eq!(m.allocate_prompt(2, &prompt, None, 7, false).unwrap(), Some(0));
-        assert_eq!(m.allocate_prompt(3, &prompt, None, 0, false).unwrap(), Some(8));
+        assert_eq!(
+            m.allocate_prompt(2, &prompt, None, 7, false).unwrap(),
+            Some(0)
+        );
+        assert_eq!(
+            m.allocate_prompt(3, &prompt, None, 0, false).unwrap(),
+            Some(8)
+        );
         m.check_invariants().unwrap();
     }
 
@@ -1002,7 +1092,10 @@ mod tests {
         // Another allocation evicts the hit block.
         alloc(&mut m, 2, &toks(50..54));
         let free = m.num_free_gpu_blocks();
-        assert!(matches!(m.allocate(3, &hit, 3, false), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            m.allocate(3, &hit, 3, false),
+            Err(Error::InvalidArgument(_))
+        ));
         assert_eq!(m.num_free_gpu_blocks(), free);
         m.check_invariants().unwrap();
     }
@@ -1054,8 +1147,14 @@ mod tests {
     fn cache_full_blocks_rejects_counts_past_the_tokens_or_table() {
         let mut m = manager(2, 8, 0);
         alloc(&mut m, 1, &toks(0..3));
-        assert!(matches!(m.cache_full_blocks(1, &toks(0..3), 4, 0), Err(Error::InvalidArgument(_))));
-        assert!(matches!(m.cache_full_blocks(1, &toks(0..6), 6, 0), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            m.cache_full_blocks(1, &toks(0..3), 4, 0),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            m.cache_full_blocks(1, &toks(0..6), 6, 0),
+            Err(Error::InvalidArgument(_))
+        ));
         m.check_invariants().unwrap();
     }
 
@@ -1117,8 +1216,10 @@ mod tests {
         assert_eq!(m.gpu_ref_count(d1[0]), Some(2));
         // The pairs map each table entry back to where it went.
         for (h, d) in back {
-            assert!(h1.iter().zip(&d1).any(|(&x, &y)| x == h && y == d)
-                || h2.iter().zip(&d2).any(|(&x, &y)| x == h && y == d));
+            assert!(
+                h1.iter().zip(&d1).any(|(&x, &y)| x == h && y == d)
+                    || h2.iter().zip(&d2).any(|(&x, &y)| x == h && y == d)
+            );
         }
     }
 
@@ -1127,7 +1228,10 @@ mod tests {
         let mut m = manager(4, 8, 1);
         alloc(&mut m, 1, &toks(0..8));
         assert!(!m.can_swap_out(&[1]));
-        assert_eq!(m.swap_out(&[1]), Err(Error::OutOfHostBlocks { needed: 2, free: 1 }));
+        assert_eq!(
+            m.swap_out(&[1]),
+            Err(Error::OutOfHostBlocks { needed: 2, free: 1 })
+        );
         assert!(!m.is_swapped(1));
         assert_eq!(m.block_table(1).unwrap(), &[0, 1]);
         m.check_invariants().unwrap();
@@ -1140,7 +1244,10 @@ mod tests {
         m.swap_out(&[1]).unwrap();
         alloc(&mut m, 2, &toks(0..5));
         assert_eq!(m.can_swap_in(&[1], 0), AllocStatus::Later);
-        assert_eq!(m.swap_in(&[1]), Err(Error::OutOfDeviceBlocks { needed: 2, free: 0 }));
+        assert_eq!(
+            m.swap_in(&[1]),
+            Err(Error::OutOfDeviceBlocks { needed: 2, free: 0 })
+        );
         assert!(m.is_swapped(1));
         m.check_invariants().unwrap();
     }
@@ -1159,10 +1266,16 @@ mod tests {
         let mut m = manager(4, 4, 4);
         alloc(&mut m, 1, &toks(0..4));
         assert!(matches!(m.swap_in(&[1]), Err(Error::InvalidState(_))));
-        assert!(matches!(m.swap_out(&[1, 1]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            m.swap_out(&[1, 1]),
+            Err(Error::InvalidArgument(_))
+        ));
         m.swap_out(&[1]).unwrap();
         assert!(matches!(m.swap_out(&[1]), Err(Error::InvalidState(_))));
-        assert!(matches!(m.append_slots(1, 4, 5), Err(Error::InvalidState(_))));
+        assert!(matches!(
+            m.append_slots(1, 4, 5),
+            Err(Error::InvalidState(_))
+        ));
         m.check_invariants().unwrap();
     }
 

@@ -51,7 +51,13 @@ struct ModelSeq {
 /// Prompts of one family share their first 12 tokens, so prefix hits happen.
 fn prompt(family: u32, seq: SeqId, len: usize) -> Vec<TokenId> {
     (0..len as u32)
-        .map(|i| if i < 12 { family * 1000 + i } else { 50_000 + seq as u32 * 100 + i })
+        .map(|i| {
+            if i < 12 {
+                family * 1000 + i
+            } else {
+                50_000 + seq as u32 * 100 + i
+            }
+        })
         .collect()
 }
 
@@ -71,10 +77,19 @@ fn check_against_model(m: &KvCacheManager, model: &BTreeMap<SeqId, ModelSeq>) {
     for (&seq, s) in model {
         assert!(m.contains(seq));
         assert_eq!(m.is_swapped(seq), s.swapped, "seq {seq}");
-        assert_eq!(m.block_table(seq).unwrap().len(), blocks_for(s.num_slots, BLOCK_SIZE));
+        assert_eq!(
+            m.block_table(seq).unwrap().len(),
+            blocks_for(s.num_slots, BLOCK_SIZE)
+        );
     }
-    assert_eq!(m.num_free_gpu_blocks(), GPU_BLOCKS - distinct_blocks(m, model, false));
-    assert_eq!(m.num_free_cpu_blocks(), CPU_BLOCKS - distinct_blocks(m, model, true));
+    assert_eq!(
+        m.num_free_gpu_blocks(),
+        GPU_BLOCKS - distinct_blocks(m, model, false)
+    );
+    assert_eq!(
+        m.num_free_cpu_blocks(),
+        CPU_BLOCKS - distinct_blocks(m, model, true)
+    );
 }
 
 fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op) {
@@ -86,18 +101,31 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
                 assert_eq!(r, Err(Error::DuplicateSequence(*seq)));
             } else if let Some(cached) = r.unwrap() {
                 assert!(cached < *len && cached % BLOCK_SIZE == 0);
-                model.insert(*seq, ModelSeq { tokens, num_slots: *len, swapped: false });
+                model.insert(
+                    *seq,
+                    ModelSeq {
+                        tokens,
+                        num_slots: *len,
+                        swapped: false,
+                    },
+                );
             } else {
                 assert_ne!(m.can_allocate(*len), AllocStatus::Ok);
             }
         }
         Op::Append { seq, n } => {
             let Some(s) = model.get_mut(seq) else {
-                assert_eq!(m.append_slots(*seq, 0, 1), Err(Error::UnknownSequence(*seq)));
+                assert_eq!(
+                    m.append_slots(*seq, 0, 1),
+                    Err(Error::UnknownSequence(*seq))
+                );
                 return;
             };
             if s.swapped {
-                assert!(matches!(m.append_slots(*seq, 0, 1), Err(Error::InvalidState(_))));
+                assert!(matches!(
+                    m.append_slots(*seq, 0, 1),
+                    Err(Error::InvalidState(_))
+                ));
                 return;
             }
             let before = m.block_table(*seq).unwrap().to_vec();
@@ -106,8 +134,8 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
                 Some(copies) => {
                     let after = m.block_table(*seq).unwrap();
                     // Every block the new slots land in is now exclusively ours.
-                    for i in first / BLOCK_SIZE..blocks_for(last, BLOCK_SIZE) {
-                        assert_eq!(m.gpu_ref_count(after[i]), Some(1));
+                    for &block in &after[first / BLOCK_SIZE..blocks_for(last, BLOCK_SIZE)] {
+                        assert_eq!(m.gpu_ref_count(block), Some(1));
                     }
                     for (src, dst) in copies {
                         let i = before.iter().position(|&b| b == src).unwrap();
@@ -142,7 +170,10 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
                 }
                 Some(s) => {
                     r.unwrap();
-                    assert_eq!(m.block_table(*parent).unwrap(), m.block_table(*child).unwrap());
+                    assert_eq!(
+                        m.block_table(*parent).unwrap(),
+                        m.block_table(*child).unwrap()
+                    );
                     model.insert(*child, s);
                 }
             }
@@ -198,7 +229,9 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
 fn group_is_valid(model: &BTreeMap<SeqId, ModelSeq>, seqs: &[SeqId], swapped: bool) -> bool {
     let unique: HashSet<_> = seqs.iter().collect();
     unique.len() == seqs.len()
-        && seqs.iter().all(|s| model.get(s).is_some_and(|m| m.swapped == swapped))
+        && seqs
+            .iter()
+            .all(|s| model.get(s).is_some_and(|m| m.swapped == swapped))
 }
 
 proptest! {

@@ -58,7 +58,13 @@ pub fn hash_block(parent: u64, tokens: &[TokenId], extra_key: u64) -> u64 {
 /// Chain hashes of every full block of `tokens`.
 pub fn chain_hashes(tokens: &[TokenId], block_size: usize, extra_key: u64) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
-    extend_chain(&mut out, tokens, block_size, extra_key, tokens.len() / block_size.max(1));
+    extend_chain(
+        &mut out,
+        tokens,
+        block_size,
+        extra_key,
+        tokens.len() / block_size.max(1),
+    );
     out
 }
 
@@ -73,7 +79,11 @@ pub(crate) fn extend_chain(
 ) {
     let mut parent = hashes.last().copied().unwrap_or(ROOT_HASH);
     for i in hashes.len()..num_blocks {
-        parent = hash_block(parent, &tokens[i * block_size..(i + 1) * block_size], extra_key);
+        parent = hash_block(
+            parent,
+            &tokens[i * block_size..(i + 1) * block_size],
+            extra_key,
+        );
         hashes.push(parent);
     }
 }
@@ -230,7 +240,11 @@ impl PrefixCache {
             .iter()
             .map_while(|h| self.map.get(h).copied())
             .collect();
-        PrefixHit { num_cached_tokens: blocks.len() * block_size, blocks, hashes }
+        PrefixHit {
+            num_cached_tokens: blocks.len() * block_size,
+            blocks,
+            hashes,
+        }
     }
 
     /// Full blocks that may be reused for a prompt of `num_tokens` tokens.
@@ -282,7 +296,10 @@ mod tests {
     fn hash_is_deterministic_and_chained() {
         let t: Vec<TokenId> = (0..16).collect();
         assert_eq!(hash_block(ROOT_HASH, &t, 0), hash_block(ROOT_HASH, &t, 0));
-        assert_ne!(hash_block(ROOT_HASH, &t, 0), hash_block(ROOT_HASH ^ 1, &t, 0));
+        assert_ne!(
+            hash_block(ROOT_HASH, &t, 0),
+            hash_block(ROOT_HASH ^ 1, &t, 0)
+        );
         assert_ne!(hash_block(ROOT_HASH, &t, 0), hash_block(ROOT_HASH, &t, 1));
     }
 
@@ -302,9 +319,18 @@ mod tests {
 
     #[test]
     fn hash_covers_odd_lengths_and_trailing_zeros() {
-        assert_ne!(hash_block(ROOT_HASH, &[1, 2, 3], 0), hash_block(ROOT_HASH, &[1, 2, 3, 0], 0));
-        assert_ne!(hash_block(ROOT_HASH, &[5], 0), hash_block(ROOT_HASH, &[5, 0], 0));
-        assert_ne!(hash_block(ROOT_HASH, &[], 0), hash_block(ROOT_HASH, &[0], 0));
+        assert_ne!(
+            hash_block(ROOT_HASH, &[1, 2, 3], 0),
+            hash_block(ROOT_HASH, &[1, 2, 3, 0], 0)
+        );
+        assert_ne!(
+            hash_block(ROOT_HASH, &[5], 0),
+            hash_block(ROOT_HASH, &[5, 0], 0)
+        );
+        assert_ne!(
+            hash_block(ROOT_HASH, &[], 0),
+            hash_block(ROOT_HASH, &[0], 0)
+        );
     }
 
     #[test]

@@ -19,9 +19,9 @@ impl From<Error> for PyErr {
             Error::InvalidArgument(_) | Error::UnknownSequence(_) | Error::DuplicateSequence(_) => {
                 PyValueError::new_err(err.to_string())
             }
-            Error::OutOfDeviceBlocks { .. } | Error::OutOfHostBlocks { .. } | Error::InvalidState(_) => {
-                PagedLLMError::new_err(err.to_string())
-            }
+            Error::OutOfDeviceBlocks { .. }
+            | Error::OutOfHostBlocks { .. }
+            | Error::InvalidState(_) => PagedLLMError::new_err(err.to_string()),
         }
     }
 }

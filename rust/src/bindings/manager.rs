@@ -14,7 +14,14 @@ use crate::prefix_cache::{chain_hashes, hash_block, ROOT_HASH};
 use crate::{BlockId, SeqId, TokenId};
 
 /// Admission answer: OK (fits now), LATER (fits once blocks are freed), NEVER (cannot fit).
-#[pyclass(name = "AllocStatus", module = "pagedllm._core", eq, eq_int, frozen, hash)]
+#[pyclass(
+    name = "AllocStatus",
+    module = "pagedllm._core",
+    eq,
+    eq_int,
+    frozen,
+    hash
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) enum PyAllocStatus {
     #[pyo3(name = "OK")]
@@ -49,7 +56,11 @@ pub(crate) struct PyPrefixHit {
 
 impl From<PrefixHit> for PyPrefixHit {
     fn from(h: PrefixHit) -> Self {
-        Self { num_cached_tokens: h.num_cached_tokens, blocks: h.blocks, hashes: h.hashes }
+        Self {
+            num_cached_tokens: h.num_cached_tokens,
+            blocks: h.blocks,
+            hashes: h.hashes,
+        }
     }
 }
 
@@ -125,7 +136,9 @@ impl PyKvCacheManager {
             watermark,
             enable_prefix_caching,
         };
-        Ok(Self { inner: KvCacheManager::new(config)? })
+        Ok(Self {
+            inner: KvCacheManager::new(config)?,
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -158,8 +171,12 @@ impl PyKvCacheManager {
     ) -> PyResult<Option<usize>> {
         let seq = self::seq_id(seq_id)?;
         let tokens = self::token_ids(token_ids)?;
-        let num_slots = num_slots.map(|n| non_negative("num_slots", n)).transpose()?;
-        Ok(self.inner.allocate_prompt(seq, &tokens, num_slots, extra_key, apply_watermark)?)
+        let num_slots = num_slots
+            .map(|n| non_negative("num_slots", n))
+            .transpose()?;
+        Ok(self
+            .inner
+            .allocate_prompt(seq, &tokens, num_slots, extra_key, apply_watermark)?)
     }
 
     /// Allocates from a `PrefixHit` obtained by `lookup`. Returns False (no change) when the free
@@ -174,12 +191,19 @@ impl PyKvCacheManager {
     ) -> PyResult<bool> {
         let seq = self::seq_id(seq_id)?;
         let num_slots = non_negative("num_slots", num_slots)?;
-        Ok(self.inner.allocate(seq, &hit.to_core(), num_slots, apply_watermark)?)
+        Ok(self
+            .inner
+            .allocate(seq, &hit.to_core(), num_slots, apply_watermark)?)
     }
 
     /// Prefix lookup. Read-only unless `count=True`, which counts it in the hit/miss stats.
     #[pyo3(signature = (token_ids, *, extra_key = 0, count = false))]
-    fn lookup(&mut self, token_ids: Vec<i64>, extra_key: u64, count: bool) -> PyResult<PyPrefixHit> {
+    fn lookup(
+        &mut self,
+        token_ids: Vec<i64>,
+        extra_key: u64,
+        count: bool,
+    ) -> PyResult<PyPrefixHit> {
         let tokens = self::token_ids(token_ids)?;
         let hit = if count {
             self.inner.lookup_prefix(&tokens, extra_key)
@@ -221,7 +245,9 @@ impl PyKvCacheManager {
 
     /// The child shares every block of the parent.
     fn fork(&mut self, parent_seq_id: i64, child_seq_id: i64) -> PyResult<()> {
-        Ok(self.inner.fork(seq_id(parent_seq_id)?, seq_id(child_seq_id)?)?)
+        Ok(self
+            .inner
+            .fork(seq_id(parent_seq_id)?, seq_id(child_seq_id)?)?)
     }
 
     /// Releases the sequence's blocks (device or host).
@@ -232,7 +258,10 @@ impl PyKvCacheManager {
     // ---- admission ----------------------------------------------------------------------
 
     fn can_allocate(&self, num_tokens: i64) -> PyResult<PyAllocStatus> {
-        Ok(self.inner.can_allocate(non_negative("num_tokens", num_tokens)?).into())
+        Ok(self
+            .inner
+            .can_allocate(non_negative("num_tokens", num_tokens)?)
+            .into())
     }
 
     fn can_allocate_with_prefix(
@@ -241,7 +270,10 @@ impl PyKvCacheManager {
         num_slots: i64,
     ) -> PyResult<PyAllocStatus> {
         let num_slots = non_negative("num_slots", num_slots)?;
-        Ok(self.inner.can_allocate_with_prefix(&hit.to_core(), num_slots).into())
+        Ok(self
+            .inner
+            .can_allocate_with_prefix(&hit.to_core(), num_slots)
+            .into())
     }
 
     #[pyo3(signature = (num_running_seqs, num_lookahead_slots = 0))]
@@ -320,7 +352,9 @@ impl PyKvCacheManager {
     fn block_hash(&self, block_id: i64) -> PyResult<Option<u64>> {
         let block = self::block_id(block_id)?;
         if block as usize >= self.inner.num_gpu_blocks() {
-            return Err(PyValueError::new_err(format!("device block id {block_id} is out of range")));
+            return Err(PyValueError::new_err(format!(
+                "device block id {block_id} is out of range"
+            )));
         }
         Ok(self.inner.block_hash(block))
     }
@@ -367,7 +401,9 @@ impl PyKvCacheManager {
 
     /// Raises PagedLLMError naming the first violated invariant.
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(PagedLLMError::new_err)
+        self.inner
+            .check_invariants()
+            .map_err(PagedLLMError::new_err)
     }
 
     fn reset_prefix_cache(&mut self) {
@@ -424,7 +460,11 @@ impl PyKvCacheManager {
 #[pyfunction]
 #[pyo3(name = "hash_block", signature = (parent_hash, token_ids, extra_key = 0))]
 fn py_hash_block(parent_hash: u64, token_ids: Vec<i64>, extra_key: u64) -> PyResult<u64> {
-    Ok(hash_block(parent_hash, &self::token_ids(token_ids)?, extra_key))
+    Ok(hash_block(
+        parent_hash,
+        &self::token_ids(token_ids)?,
+        extra_key,
+    ))
 }
 
 /// Chain hashes of every full block of `token_ids`.
@@ -435,7 +475,11 @@ fn py_hash_block_chain(token_ids: Vec<i64>, block_size: i64, extra_key: u64) -> 
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be > 0, got 0"));
     }
-    Ok(chain_hashes(&self::token_ids(token_ids)?, block_size, extra_key))
+    Ok(chain_hashes(
+        &self::token_ids(token_ids)?,
+        block_size,
+        extra_key,
+    ))
 }
 
 /// Times `iterations` chained hashes of `block_size`-token blocks inside Rust (no Python call
@@ -445,7 +489,9 @@ fn py_hash_block_chain(token_ids: Vec<i64>, block_size: i64, extra_key: u64) -> 
 fn time_hash_block(py: Python<'_>, block_size: i64, iterations: i64) -> PyResult<f64> {
     let block_size = non_negative("block_size", block_size)?;
     let iterations = non_negative("iterations", iterations)?.max(1);
-    let tokens: Vec<TokenId> = (0..block_size as TokenId).map(|t| t.wrapping_mul(7919)).collect();
+    let tokens: Vec<TokenId> = (0..block_size as TokenId)
+        .map(|t| t.wrapping_mul(7919))
+        .collect();
     let elapsed = py.detach(|| {
         let start = Instant::now();
         let mut parent = ROOT_HASH;
