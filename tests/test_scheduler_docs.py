@@ -1,8 +1,8 @@
-"""The scheduler documentation's example runs as written."""
+"""The README's scheduler example runs as written."""
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "scheduler.md"
+DOC = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_scheduler_doc_example_runs(capsys):
