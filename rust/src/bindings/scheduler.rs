@@ -664,16 +664,13 @@ impl PySchedulerOutput {
     }
 
     /// int32 [S, W] block tables padded with 0 to the widest of the step (block ids are
-    /// below 2**31, so their u32 bytes read as int32).
+    /// below 2**31, so their u32 bytes read as int32). Built on first access, as they were
+    /// at schedule time (the scheduler snapshots them before changing any of them).
     #[getter]
     fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 10, |o, _| {
-            np_array(
-                py,
-                &o.block_tables,
-                "int32",
-                Some((o.num_seqs(), o.block_table_width)),
-            )
+        self.cached(py, 10, |o, s| {
+            let (data, width) = s.borrow(py).inner.block_tables(o);
+            np_array(py, &data, "int32", Some((o.num_seqs(), width)))
         })
     }
 

@@ -23,13 +23,13 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::kv_cache_manager::{AllocStatus, CacheConfig, CacheStats, KvCacheManager};
-use crate::{SeqId, TokenId};
+use crate::{BlockId, SeqId, TokenId};
 
 pub use config::{Policy, PreemptionMode, SchedulerConfig, Strategy};
-pub use output::{FinishedSeq, StepOutput};
+pub use output::{FinishedSeq, LazyTables, SharedTables, StepOutput, TableRow};
 pub use request::{FinishReason, Request, RequestParams, RequestStatus, Sequence, StopParams};
 
-use plan::PlanItem;
+use plan::{DecodeRow, PlanItem};
 
 /// Freed request slots are reused only once this many wait in line, so the ids of a recent
 /// step's output stay resolvable (outputs name requests by slot + generation).
@@ -115,9 +115,14 @@ pub struct Scheduler {
     preempted_recompute: Vec<u32>,
     preempted_swap: Vec<u32>,
     cow_scratch: Vec<crate::BlockId>,
-    last_sizes: (usize, usize, usize),
+    decode_rows: Vec<DecodeRow>,
+    finished_scratch: Vec<(u32, u32)>,
+    last_sizes: (usize, usize),
     /// Outputs handed back by `recycle`, so steady steps allocate nothing.
     spare_outputs: Vec<StepOutput>,
+    /// Block tables of recent outputs not built yet; `materialize_pending` snapshots the ones
+    /// still held by a caller before any table changes other than by appending.
+    pending_tables: Vec<SharedTables>,
 }
 
 impl Scheduler {
@@ -160,8 +165,11 @@ impl Scheduler {
             preempted_recompute: Vec::new(),
             preempted_swap: Vec::new(),
             cow_scratch: Vec::new(),
-            last_sizes: (0, 0, 0),
+            decode_rows: Vec::new(),
+            finished_scratch: Vec::new(),
+            last_sizes: (0, 0),
             spare_outputs: Vec::new(),
+            pending_tables: Vec::new(),
         })
     }
 
@@ -435,6 +443,7 @@ impl Scheduler {
 
     /// Drops a request that left every queue, freeing whatever blocks it still holds.
     fn release(&mut self, h: u32) -> Result<Request> {
+        self.materialize_pending();
         let req = self.slots[h as usize]
             .req
             .take()
@@ -499,8 +508,8 @@ impl Scheduler {
                 out
             }
             None => {
-                let (seqs, tokens, tables) = self.last_sizes;
-                StepOutput::with_capacity(self.step, seqs, tokens, tables)
+                let (seqs, tokens) = self.last_sizes;
+                StepOutput::with_capacity(self.step, seqs, tokens)
             }
         };
         for (h, reason) in std::mem::take(&mut self.pending_ignored) {
@@ -518,31 +527,60 @@ impl Scheduler {
         };
         self.prev_prompt = admitted;
         self.requeue_preempted();
-        out.pad_block_tables();
         out.num_batched_tokens = out.input_ids.len();
+        self.pending_tables
+            .retain(|t| std::sync::Arc::strong_count(t) > 1);
+        self.pending_tables.push(out.seal_tables());
         self.last_samples.clear();
-        for k in 0..out.sample_rows.len() {
-            self.last_samples.push((
-                out.sample_handles[k],
-                out.sample_gens[k],
-                out.sample_seq_index[k] as u32,
-            ));
-        }
+        self.last_samples.extend(
+            out.sample_handles
+                .iter()
+                .zip(&out.sample_gens)
+                .zip(&out.sample_seq_index)
+                .map(|((&h, &g), &i)| (h, g, i as u32)),
+        );
         self.awaiting_update = !self.last_samples.is_empty();
         self.counters.num_steps += 1;
         self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;
-        self.last_sizes = (
-            out.num_seqs(),
-            out.num_batched_tokens,
-            out.block_tables.len(),
-        );
+        self.last_sizes = (out.num_seqs(), out.num_batched_tokens);
         Ok(out)
     }
 
     /// Takes back an output the caller is done with; its buffers serve a later step.
-    pub fn recycle(&mut self, out: StepOutput) {
+    pub fn recycle(&mut self, mut out: StepOutput) {
+        let t = &out.tables;
+        self.pending_tables
+            .retain(|p| !std::sync::Arc::ptr_eq(p, t));
         if self.spare_outputs.len() < 2 {
+            out.reclaim_rows();
             self.spare_outputs.push(out);
+        }
+    }
+
+    /// Block tables of `out` as they were when it was scheduled: [S * width] row-major,
+    /// padded with 0, and the width (the widest row).
+    pub fn block_tables(&self, out: &StepOutput) -> (Vec<BlockId>, usize) {
+        let mut t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if t.built.is_none() {
+            let built = build_tables(&self.slots, &t.rows);
+            t.built = Some(built);
+        }
+        t.built.clone().expect("built above")
+    }
+
+    /// Snapshots the tables of every output still held elsewhere and not built yet: called
+    /// before a sequence's table changes other than by appending (CoW, preemption, finish,
+    /// release), after which the live tables no longer describe those outputs.
+    fn materialize_pending(&mut self) {
+        for p in self.pending_tables.drain(..) {
+            if std::sync::Arc::strong_count(&p) < 2 {
+                continue;
+            }
+            let mut t = p.lock().unwrap_or_else(|e| e.into_inner());
+            if t.built.is_none() {
+                let built = build_tables(&self.slots, &t.rows);
+                t.built = Some(built);
+            }
         }
     }
 
@@ -620,6 +658,7 @@ impl Scheduler {
         self.awaiting_update = false;
         let max_len = self.max_seq_len;
         let mut finished = Vec::new();
+        self.finished_scratch.clear();
         let mut any_request_done = false;
         for (i, &(h, gen, idx)) in self.last_samples.iter().enumerate() {
             let slot = &mut self.slots[h as usize];
@@ -650,7 +689,8 @@ impl Scheduler {
                 continue;
             };
             seq.finished = Some((reason, stop_reason));
-            seq.table.clear();
+            // The mirror is cleared below, once pending outputs have their snapshots.
+            self.finished_scratch.push((h, idx));
             let seq_id = seq.id;
             if self.mgr.contains(seq_id) {
                 self.mgr.free(seq_id)?;
@@ -672,6 +712,14 @@ impl Scheduler {
                 stop_reason,
                 request_finished,
             });
+        }
+        if !self.finished_scratch.is_empty() {
+            self.materialize_pending();
+            for &(h, idx) in &self.finished_scratch {
+                if let Some(req) = self.slots[h as usize].req.as_mut() {
+                    req.seqs[idx as usize].table.clear();
+                }
+            }
         }
         if any_request_done {
             let slots = &self.slots;
@@ -799,6 +847,22 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// Lays out `rows` (each a prefix of a live sequence's table) as a padded matrix.
+fn build_tables(slots: &[Slot], rows: &[TableRow]) -> (Vec<BlockId>, usize) {
+    let width = rows.iter().map(|r| r.len).max().unwrap_or(0) as usize;
+    let mut data = vec![0; rows.len() * width];
+    for (dst, r) in data.chunks_exact_mut(width.max(1)).zip(rows) {
+        let table = &slots[r.handle as usize]
+            .req
+            .as_ref()
+            .expect("a pending output's request is live (released ones were snapshotted)")
+            .seqs[r.seq as usize]
+            .table;
+        dst[..r.len as usize].copy_from_slice(&table[..r.len as usize]);
+    }
+    (data, width)
 }
 
 #[cfg(test)]

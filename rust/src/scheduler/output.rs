@@ -2,9 +2,34 @@
 //!
 //! Order of the data-movement lists for the runner: swap out, swap in, copy (CoW), then the
 //! forward pass over `input_ids`.
-use crate::TokenId;
+use std::sync::{Arc, Mutex};
+
+use crate::{BlockId, TokenId};
 
 use super::request::FinishReason;
+
+/// Where row r's block table lives: the first `len` blocks of sequence `seq` of the request
+/// in slot `handle`. Tables only grow between the scheduler's rewrite events (CoW of a tail
+/// block, preemption, finish, release), so this prefix stays valid until one happens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableRow {
+    pub handle: u32,
+    pub seq: u32,
+    pub len: u32,
+}
+
+/// A step's block tables, built on demand: copying every row's table each step was the
+/// largest cost of a decode step, and callers that never read them should not pay it. The
+/// scheduler keeps a handle on the pending ones and fills `built` (a snapshot) before any
+/// rewrite event, so the lazy result always equals the tables at schedule time.
+#[derive(Debug, Default)]
+pub struct LazyTables {
+    pub rows: Vec<TableRow>,
+    /// [S * width] row-major, padded with 0, and the width.
+    pub built: Option<(Vec<BlockId>, usize)>,
+}
+
+pub type SharedTables = Arc<Mutex<LazyTables>>;
 
 /// One step of work. Per scheduled sequence (batch order, S of them) and per token (T).
 #[derive(Debug, Clone, Default)]
@@ -25,12 +50,10 @@ pub struct StepOutput {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub slot_mapping: Vec<i64>,
-    /// [S * width] row-major block tables padded with 0 (ragged, one row after the other,
-    /// until `pad_block_tables` lays them out).
-    pub block_tables: Vec<u32>,
-    pub block_table_width: usize,
-    /// [S] blocks in each row's table.
-    pub table_lens: Vec<u32>,
+    /// [S] where each row's block table is, while the step is being built; then moved into
+    /// `tables` (read them with `Scheduler::block_tables`).
+    pub(crate) table_rows: Vec<TableRow>,
+    pub(crate) tables: SharedTables,
     /// [K] samples to draw: logits row, receiving sequence, its request and index.
     pub sample_rows: Vec<i64>,
     pub sample_seq_ids: Vec<i64>,
@@ -95,9 +118,7 @@ impl StepOutput {
         self.input_ids.clear();
         self.positions.clear();
         self.slot_mapping.clear();
-        self.block_tables.clear();
-        self.block_table_width = 0;
-        self.table_lens.clear();
+        self.table_rows.clear();
         self.sample_rows.clear();
         self.sample_seq_ids.clear();
         self.sample_handles.clear();
@@ -112,7 +133,7 @@ impl StepOutput {
     }
 
     /// Pre-size the per-sequence and per-token arrays from the previous step's sizes.
-    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize, tables: usize) -> Self {
+    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize) -> Self {
         StepOutput {
             step,
             seq_ids: Vec::with_capacity(seqs),
@@ -120,10 +141,9 @@ impl StepOutput {
             gens: Vec::with_capacity(seqs),
             seq_index: Vec::with_capacity(seqs),
             num_tokens: Vec::with_capacity(seqs),
-            table_lens: Vec::with_capacity(seqs),
+            table_rows: Vec::with_capacity(seqs),
             start_pos: Vec::with_capacity(seqs),
             input_ids: Vec::with_capacity(tokens),
-            block_tables: Vec::with_capacity(tables),
             positions: Vec::with_capacity(tokens),
             slot_mapping: Vec::with_capacity(tokens),
             sample_rows: Vec::with_capacity(seqs),
@@ -135,23 +155,22 @@ impl StepOutput {
         }
     }
 
-    /// Turns the ragged rows (each table copied as it was scheduled) into an [S, width]
-    /// matrix padded with 0, in place; nothing moves when every row has the same length.
-    pub(crate) fn pad_block_tables(&mut self) {
-        let width = self.table_lens.iter().copied().max().unwrap_or(0) as usize;
-        self.block_table_width = width;
-        let rows = self.table_lens.len();
-        if self.block_tables.len() == rows * width {
-            return;
-        }
-        let mut src = self.block_tables.len();
-        self.block_tables.resize(rows * width, 0);
-        for row in (0..rows).rev() {
-            let len = self.table_lens[row] as usize;
-            src -= len;
-            let dst = row * width;
-            self.block_tables.copy_within(src..src + len, dst);
-            self.block_tables[dst + len..dst + width].fill(0);
+    /// Moves the rows into a fresh shared `tables` (the old one may still be held by the
+    /// scheduler's pending list) and returns it.
+    pub(crate) fn seal_tables(&mut self) -> SharedTables {
+        let rows = std::mem::take(&mut self.table_rows);
+        self.tables = Arc::new(Mutex::new(LazyTables { rows, built: None }));
+        Arc::clone(&self.tables)
+    }
+
+    /// Takes the row buffer back from `tables` when nobody else holds it (buffer reuse).
+    pub(crate) fn reclaim_rows(&mut self) {
+        if let Some(t) = Arc::get_mut(&mut self.tables) {
+            let t = t.get_mut().unwrap_or_else(|e| e.into_inner());
+            if self.table_rows.capacity() < t.rows.capacity() {
+                self.table_rows = std::mem::take(&mut t.rows);
+                self.table_rows.clear();
+            }
         }
     }
 

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::kv_cache_manager::{AllocStatus, PrefixHit};
 
-use super::output::StepOutput;
+use super::output::{StepOutput, TableRow};
 use super::request::Sequence;
 use super::{Admit, Scheduler};
 
@@ -16,6 +16,19 @@ pub(super) enum Cut {
     Split,
     /// `prefill_first`: all of a sequence's tokens this step, or none of them.
     Whole,
+}
+
+/// One single-token decode of the fast path, recorded into the step arrays in bulk by
+/// `flush_decodes` (per-array tight loops instead of ~16 scattered pushes per sequence).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DecodeRow {
+    seq_id: u64,
+    slot: i64,
+    handle: u32,
+    gen: u32,
+    pos: u32,
+    token: u32,
+    table_len: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -47,8 +60,11 @@ fn record(
     out.seq_index.push(index as i32);
     out.num_tokens.push(take as i32);
     out.start_pos.push(start as i32);
-    out.table_lens.push(s.table.len() as u32);
-    out.block_tables.extend_from_slice(&s.table);
+    out.table_rows.push(TableRow {
+        handle,
+        seq: index,
+        len: s.table.len() as u32,
+    });
     let end = start + take;
     if take == 1 {
         out.input_ids.push(s.tokens[start] as i64);
@@ -155,10 +171,11 @@ impl Scheduler {
         (tokens, needed)
     }
 
-    /// The common case in one pass: a single-sequence request decoding one token into a
-    /// block it already owns alone. Returns false (nothing done) for anything else.
+    /// The common case: a single-sequence request decoding one token into a block it
+    /// already owns alone. Queues the row in `decode_rows` (see `flush_decodes`); returns
+    /// false (nothing done) for anything else.
     #[inline]
-    fn try_fast_decode(&mut self, h: u32, out: &mut StepOutput) -> Result<bool> {
+    fn try_fast_decode(&mut self, h: u32) -> Result<bool> {
         let bs = self.block_size;
         let la = self.cfg.num_lookahead_slots;
         let slot = &mut self.slots[h as usize];
@@ -176,15 +193,53 @@ impl Scheduler {
         {
             return Ok(false);
         }
-        let row = out.seq_ids.len();
-        record(out, h, gen, 0, s, start, 1, bs);
+        self.decode_rows.push(DecodeRow {
+            seq_id: s.id,
+            slot: (s.table[start / bs] as usize * bs + start % bs) as i64,
+            handle: h,
+            gen,
+            pos: start as u32,
+            token: s.tokens[start],
+            table_len: s.table.len() as u32,
+        });
         s.num_computed = start + 1;
         if self.caching && (start + 1).is_multiple_of(bs) {
             self.mgr
                 .cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
         }
-        out.push_sample(row, s.id, h, gen, 0);
         Ok(true)
+    }
+
+    /// Records the queued fast-path decodes (rows and samples, in queue order) into `out`.
+    /// Must run before anything else appends rows or samples, to keep the batch order.
+    pub(super) fn flush_decodes(&mut self, out: &mut StepOutput) {
+        let rows = &self.decode_rows;
+        let n = rows.len();
+        if n == 0 {
+            return;
+        }
+        let base = out.seq_ids.len();
+        out.seq_ids.extend(rows.iter().map(|r| r.seq_id as i64));
+        out.handles.extend(rows.iter().map(|r| r.handle));
+        out.gens.extend(rows.iter().map(|r| r.gen));
+        out.seq_index.resize(base + n, 0);
+        out.num_tokens.resize(base + n, 1);
+        out.start_pos.extend(rows.iter().map(|r| r.pos as i32));
+        out.table_rows.extend(rows.iter().map(|r| TableRow {
+            handle: r.handle,
+            seq: 0,
+            len: r.table_len,
+        }));
+        out.input_ids.extend(rows.iter().map(|r| r.token as i64));
+        out.positions.extend(rows.iter().map(|r| r.pos as i64));
+        out.slot_mapping.extend(rows.iter().map(|r| r.slot));
+        out.sample_rows.extend((base as i64)..((base + n) as i64));
+        out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
+        out.sample_handles.extend_from_slice(&out.handles[base..]);
+        out.sample_gens.extend_from_slice(&out.gens[base..]);
+        let k = out.sample_seq_index.len();
+        out.sample_seq_index.resize(k + n, 0);
+        self.decode_rows.clear();
     }
 
     /// Carries out `self.plan` for request `h`: grows tables (CoW pairs into the output),
@@ -195,39 +250,63 @@ impl Scheduler {
         let la = self.cfg.num_lookahead_slots;
         let caching = self.caching;
         let mut plan = std::mem::take(&mut self.plan);
-        let slot = &mut self.slots[h as usize];
-        let gen = slot.gen;
-        let req = slot.req.as_mut().expect("planned request exists");
-        let extra_key = req.extra_key;
-        let mgr = &mut self.mgr;
+        let gen = self.slots[h as usize].gen;
         for item in plan.iter_mut() {
-            let s = &mut req.seqs[item.seq as usize];
-            let start = s.num_computed;
+            let (id, start) = {
+                let s = &self.slots[h as usize]
+                    .req
+                    .as_ref()
+                    .expect("planned request exists")
+                    .seqs[item.seq as usize];
+                (s.id, s.num_computed)
+            };
             let take = item.take as usize;
             let end = start + take;
             if item.call {
-                let Some(pairs) = mgr.append_slots(s.id, start, end + la)? else {
+                let Some(pairs) = self.mgr.append_slots(id, start, end + la)? else {
                     return Err(Error::InvalidState(format!(
                         "request {}: append_slots found no blocks after the free-block check",
-                        req.id
+                        self.req(h).id
                     )));
                 };
                 for (src, dst) in pairs {
                     out.blocks_to_copy.push(src as i64);
                     out.blocks_to_copy.push(dst as i64);
                 }
+                // A CoW replaces a block that earlier outputs may list: snapshot them first.
+                let old = &self.req(h).seqs[item.seq as usize].table;
+                if !self.mgr.block_table(id)?.starts_with(old) {
+                    self.materialize_pending();
+                }
+                let s = &mut self.slots[h as usize]
+                    .req
+                    .as_mut()
+                    .expect("planned request exists")
+                    .seqs[item.seq as usize];
                 s.tail_shared = false;
                 s.table.clear();
-                s.table.extend_from_slice(mgr.block_table(s.id)?);
+                s.table.extend_from_slice(self.mgr.block_table(id)?);
             }
+            let req = self.slots[h as usize]
+                .req
+                .as_mut()
+                .expect("planned request exists");
+            let extra_key = req.extra_key;
+            let s = &mut req.seqs[item.seq as usize];
             item.row = out.seq_ids.len() as u32;
             record(out, h, gen, item.seq, s, start, take, bs);
             s.num_computed = end;
             // Register at schedule time so later admissions of this very step share the block.
             if caching && end / bs > start / bs {
-                mgr.cache_full_blocks(s.id, &s.tokens, end, extra_key)?;
+                self.mgr
+                    .cache_full_blocks(s.id, &s.tokens, end, extra_key)?;
             }
         }
+        let mgr = &mut self.mgr;
+        let req = self.slots[h as usize]
+            .req
+            .as_mut()
+            .expect("planned request exists");
         let leader = req.leader();
         let mut forked_now = false;
         if req.needs_fork() && req.seqs[leader].num_computed >= req.prompt_len {
@@ -389,11 +468,12 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *left > 0 {
             let h = self.running[i];
-            if self.try_fast_decode(h, out)? {
+            if self.try_fast_decode(h)? {
                 *left -= 1;
                 i += 1;
                 continue;
             }
+            self.flush_decodes(out);
             let (tokens, needed) = self.plan_request(h, *left, cut);
             if tokens == 0 {
                 if cut == Cut::Whole {
@@ -433,6 +513,7 @@ impl Scheduler {
                 }
             }
         }
+        self.flush_decodes(out);
         Ok(preempted)
     }
 

@@ -19,6 +19,8 @@ impl Scheduler {
         out: &mut StepOutput,
         force_recompute: bool,
     ) -> Result<()> {
+        // Its tables are about to be cleared: outputs still listing them get snapshots.
+        self.materialize_pending();
         let req = self.slots[h as usize]
             .req
             .as_mut()

@@ -70,13 +70,10 @@ fn prefill_first_batches_prompts_then_decodes() {
     assert!(out.is_decode_only());
     assert!(out.blocks_to_copy.is_empty() && out.blocks_to_swap_in.is_empty());
     // Position 4 opens each sequence's second block; the slot is that block's first slot.
+    let (tables, w) = s.block_tables(&out);
     for row in 0..4 {
-        let w = out.block_table_width;
         assert_eq!(w, 2);
-        assert_eq!(
-            out.slot_mapping[row],
-            out.block_tables[row * w + 1] as i64 * 4
-        );
+        assert_eq!(out.slot_mapping[row], tables[row * w + 1] as i64 * 4);
         assert_eq!(out.positions[row], 4);
         assert_eq!(out.input_ids[row], 7);
     }
