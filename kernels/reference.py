@@ -7,14 +7,20 @@ Layout (docs/ARCHITECTURE.md §3): k_cache / v_cache are `[num_blocks, block_siz
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
     "store_kvcache",
     "paged_attention",
+    "AttentionPlan",
+    "build_plan",
+    "store_planned",
+    "attend",
     "paged_decode_attention",
     "paged_prefill_attention",
     "copy_blocks",
@@ -24,12 +30,17 @@ __all__ = [
 def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write k/v `[T, KVH, D]` into their slots; slot -1 marks padding and is skipped."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    _store(k, v, k_cache, v_cache, keep.nonzero().view(-1), slot_mapping[keep].long())
+
+
+def _store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[Tensor],
+           slots: Tensor) -> None:
+    """k/v rows `rows` (None: all) into flat slots `slots` (int64, all valid)."""
+    if rows is not None:
+        k, v = k.index_select(0, rows), v.index_select(0, rows)
     # flatten (block, offset) into one slot axis; the caches are views of one contiguous tensor
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat[slots] = k[keep].to(k_cache.dtype)
-    v_flat[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 # Bounds on the CPU path's temporaries: queries of one sequence are processed in chunks of at most
@@ -37,6 +48,131 @@ def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_m
 # long prompt mixed with many decodes does not pad every decode row to the prompt's length.
 _Q_CHUNK = 128
 _SCORE_BUDGET = 1 << 24
+
+
+@dataclass
+class _SubBatch:
+    """One padded batch of S query chunks, each over its own padded context of N keys."""
+
+    S: int
+    max_q: int
+    ctx_slots: Tensor            # int64 [S * N] flat cache slot of each context position (padding: 0)
+    N: int
+    mask: Tensor                 # float32 [S, 1, max_q, N]: 0 where the key is visible, -inf elsewhere
+    q_rows: Optional[Tensor]     # int64 [S * max_q] packed query row per padded query; None: identity
+    out_src: Optional[Tensor]    # int64 padded rows with a live query; None: identity (see AttentionPlan)
+    out_dst: Optional[Tensor]    # int64 packed destination rows of out_src
+    # gather destinations reused by every layer of the step: a fresh multi-MiB tensor per layer and
+    # cache costs page faults comparable to the attention itself
+    bufs: Optional[tuple[Tensor, Tensor]] = None
+
+
+@dataclass
+class AttentionPlan:
+    """Everything about a step's attention that does not depend on the layer: store indices, the
+    padded gather of each sub-batch, causal masks and the scatter back. Built once per step and
+    reused by every layer (the index arithmetic costs more than the attention on small models)."""
+
+    num_tokens: int
+    store_rows: Optional[Tensor]  # int64 token rows with a slot; None: every row
+    store_slots: Tensor           # int64 their slots
+    subs: list[_SubBatch]
+    identity: bool                # one sub-batch whose padded rows are exactly the T packed rows, all live
+
+
+def build_plan(query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, slot_mapping: Optional[Tensor],
+               block_size: int, num_heads: int, num_tokens: int, device: torch.device) -> AttentionPlan:
+    """The per-step plan for `T = num_tokens` packed query rows (see `paged_attention`)."""
+    if slot_mapping is None:
+        store_rows, store_slots = None, torch.empty(0, dtype=torch.long, device=device)
+    else:
+        slots = slot_mapping.to(device, torch.long)
+        keep = slots >= 0
+        if bool(keep.all()):
+            store_rows, store_slots = None, slots
+        else:
+            store_rows = keep.nonzero().view(-1)
+            store_slots = slots.index_select(0, store_rows)
+    S = seq_lens.numel()
+    subs: list[_SubBatch] = []
+    if S == 0 or num_tokens == 0:
+        return AttentionPlan(num_tokens, store_rows, store_slots, subs, False)
+    qsl = query_start_loc.to(device, torch.long)
+    lens = seq_lens.to(device, torch.long)
+    q_lens = qsl[1:] - qsl[:-1]
+    tables = block_tables.to(device, torch.long)
+    max_ctx = tables.shape[1] * block_size  # a table narrower than the context truncates it
+
+    # Split each sequence's queries into chunks [a, b) of <= _Q_CHUNK rows. A chunk behaves exactly
+    # like a sequence of context L - q + b with b - a queries (same causal positions, fewer keys).
+    n_chunks = (q_lens + _Q_CHUNK - 1) // _Q_CHUNK
+    owner = torch.repeat_interleave(torch.arange(S, device=device), n_chunks)
+    first = torch.cumsum(n_chunks, 0) - n_chunks
+    a = (torch.arange(owner.numel(), device=device) - first[owner]) * _Q_CHUNK
+    b = torch.minimum(a + _Q_CHUNK, q_lens[owner])
+    c_start, c_qlen, c_len = qsl[owner] + a, b - a, lens[owner] - q_lens[owner] + b
+
+    # decode-like chunks (1 query) and longer chunks are padded separately
+    for group in (c_qlen == 1, c_qlen > 1):
+        idx = group.nonzero().view(-1)
+        if idx.numel() == 0:
+            continue
+        max_q = int(c_qlen[idx].max())
+        max_n = min(max(1, int(c_len[idx].max())), max_ctx)
+        per = max(1, _SCORE_BUDGET // (max_q * max_n * num_heads))
+        if idx.numel() > per:
+            # several sub-batches: group chunks of similar context so that short ones are not
+            # padded to the longest (each sub-batch pads to its own longest context)
+            idx = idx[torch.sort(c_len[idx], stable=True).indices]
+        for i in range(0, idx.numel(), per):
+            sub = idx[i:i + per]
+            subs.append(_plan_sub(tables[owner[sub]], c_start[sub], c_qlen[sub], c_len[sub], max_q,
+                                  block_size, max_ctx, num_tokens))
+    # out_src is None only for a sub-batch whose padded rows are exactly the T rows, so then it is the only one
+    identity = subs[0].out_src is None
+    return AttentionPlan(num_tokens, store_rows, store_slots, subs, identity)
+
+
+def _plan_sub(tables: Tensor, q_start: Tensor, q_lens: Tensor, lens: Tensor, max_q: int, bs: int,
+              max_ctx: int, num_tokens: int) -> _SubBatch:
+    """Sequence s of the sub-batch has queries q[q_start[s] : q_start[s] + q_lens[s]] and context lens[s]."""
+    dev = tables.device
+    S = lens.numel()
+    max_n = min(max(1, int(lens.max())), max_ctx)
+    lens = lens.clamp(max=max_ctx)
+    key_pos = torch.arange(max_n, device=dev)
+    in_ctx = key_pos[None, :] < lens[:, None]  # [S, N]
+    # flat slot of context position p: table[p // bs] * bs + p % bs; positions past the context read
+    # slot 0 (any valid slot: they are masked), which also keeps padded table entries out of the index
+    slots = tables[:, key_pos // bs] * bs + key_pos % bs
+    ctx_slots = torch.where(in_ctx, slots, 0).reshape(-1)
+
+    # causal: query i of s sits at L_s - q_s + i and sees keys 0..that position (and < L_s)
+    q_idx = torch.arange(max_q, device=dev)
+    q_pos = (lens - q_lens)[:, None] + q_idx[None, :]  # [S, max_q]
+    visible = ((key_pos[None, None, :] <= q_pos[:, :, None]) & in_ctx[:, None, :])[:, None]
+    # additive: SDPA would convert a boolean mask to this in every layer
+    mask = torch.zeros(visible.shape, device=dev).masked_fill_(~visible, float("-inf"))
+
+    # padded query (s, i) reads packed row q_start[s] + i; rows past q_lens[s] read a valid row and are
+    # dropped. Only live rows (a real query with at least one visible key) are written back: the
+    # others stay zero whatever the attention backend does with fully masked rows.
+    real = q_idx[None, :] < q_lens[:, None]
+    live = (real & (q_pos >= 0) & (lens[:, None] > 0)).reshape(-1)
+    rows = (q_start[:, None] + torch.where(real, q_idx[None, :], 0)).reshape(-1)
+    # the padded rows are the packed rows themselves (decode-only batch, equal-length prefills)
+    dense = rows.numel() == num_tokens and bool((rows == torch.arange(num_tokens, device=dev)).all())
+    q_rows = None if dense else rows
+    out_src = out_dst = None
+    if not (dense and bool(live.all())):
+        out_src = live.nonzero().view(-1)
+        out_dst = rows.index_select(0, out_src)
+    return _SubBatch(S, max_q, ctx_slots, max_n, mask, q_rows, out_src, out_dst)
+
+
+def store_planned(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan) -> None:
+    """`store_kvcache` with the slot filtering of a prebuilt plan."""
+    _store(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots)
 
 
 def paged_attention(
@@ -56,83 +192,51 @@ def paged_attention(
     Rows beyond `query_start_loc[-1]` and queries without any visible key get zeros.
     Math in float32; result in q.dtype.
     """
+    plan = build_plan(query_start_loc, seq_lens, block_tables, None, k_cache.shape[1], q.shape[1],
+                      q.shape[0], q.device)
+    return attend(q, k_cache, v_cache, plan, scale)
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
+    """`paged_attention` with a prebuilt plan (the cache already holds this step's K/V)."""
+    T, H, D = q.shape
+    KVH = k_cache.shape[2]
+    k_flat = k_cache.view(-1, KVH, D)
+    v_flat = v_cache.view(-1, KVH, D)
+    q32 = q.float()  # no copy when q is already float32
+    if plan.identity:
+        o = _attend_sub(q32, k_flat, v_flat, plan.subs[0], scale)
+        return o.reshape(T, H, D).to(q.dtype)
     out = torch.zeros_like(q)
-    S = seq_lens.numel()
-    if S == 0 or q.shape[0] == 0:
-        return out
-    dev = q.device
-    qsl = query_start_loc.to(dev, torch.long)
-    lens = seq_lens.to(dev, torch.long)
-    q_lens = qsl[1:] - qsl[:-1]
-
-    # Split each sequence's queries into chunks [a, b) of <= _Q_CHUNK rows. A chunk behaves exactly
-    # like a sequence of context L - q + b with b - a queries (same causal positions, fewer keys).
-    n_chunks = (q_lens + _Q_CHUNK - 1) // _Q_CHUNK
-    owner = torch.repeat_interleave(torch.arange(S, device=dev), n_chunks)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    a = (torch.arange(owner.numel(), device=dev) - first[owner]) * _Q_CHUNK
-    b = torch.minimum(a + _Q_CHUNK, q_lens[owner])
-    c_start, c_qlen, c_len = qsl[owner] + a, b - a, lens[owner] - q_lens[owner] + b
-
-    H = q.shape[1]
-    # decode-like chunks (1 query) and longer chunks are padded separately
-    for group in (c_qlen == 1, c_qlen > 1):
-        idx = group.nonzero().view(-1)
-        if idx.numel() == 0:
-            continue
-        max_q = int(c_qlen[idx].max())
-        max_n = max(1, int(c_len[idx].max()))
-        per = max(1, _SCORE_BUDGET // (max_q * max_n * H))
-        for i in range(0, idx.numel(), per):
-            sub = idx[i:i + per]
-            _attend_padded(q, k_cache, v_cache, block_tables[owner[sub]], c_start[sub], c_qlen[sub], c_len[sub],
-                           scale, max_q, out)
+    for sub in plan.subs:
+        o = _attend_sub(q32, k_flat, v_flat, sub, scale).reshape(-1, H, D)
+        out.index_copy_(0, sub.out_dst, o.index_select(0, sub.out_src).to(out.dtype))
     return out
 
 
-def _attend_padded(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, q_start: Tensor,
-                   q_lens: Tensor, lens: Tensor, scale: float, max_q: int, out: Tensor) -> None:
-    """One padded batch: sequence s has queries q[q_start[s] : q_start[s] + q_lens[s]] and context lens[s]."""
-    dev = q.device
-    S = lens.numel()
+def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale: float) -> Tensor:
+    """float32 `[S, max_q, H, D]` attention of one sub-batch (rows of dead queries are unspecified)."""
+    S, max_q, N = sub.S, sub.max_q, sub.N
     _, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    G = H // KVH
-    max_n = max(1, int(lens.max()))
-
-    # gather each sequence's context into a padded [S, N, KVH, D] through its block table
-    nblk = min(-(-max_n // bs), tables.shape[1])
-    bt = tables[:, :nblk].to(dev, torch.long)
-    keys = k_cache[bt].reshape(S, nblk * bs, KVH, D)[:, :max_n].float()
-    vals = v_cache[bt].reshape(S, nblk * bs, KVH, D)[:, :max_n].float()
-    max_n = keys.shape[1]
-
-    # scatter the packed queries into a padded [S, max_q, H, D]
-    seq_idx = torch.repeat_interleave(torch.arange(S, device=dev), q_lens)
-    local = torch.arange(seq_idx.numel(), device=dev) - (torch.cumsum(q_lens, 0) - q_lens)[seq_idx]
-    rows = q_start[seq_idx] + local
-    qp = q.new_zeros(S, max_q, H, D, dtype=torch.float32)
-    qp[seq_idx, local] = q[rows].float()
-
-    # GQA without materializing repeated K/V: the G query heads of a kv head share one matmul
-    qg = qp.view(S, max_q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(S, KVH, G * max_q, D)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [S, KVH, G*max_q, N]
-    scores = scores.view(S, KVH, G, max_q, max_n)
-
-    # causal: query i of s sits at L_s - q_s + i; keys past it (and past L_s) are masked
-    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [S, max_q]
-    key_pos = torch.arange(max_n, device=dev)
-    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < lens[:, None, None])
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    # explicit softmax so that rows without a visible key give 0 instead of NaN
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    o = torch.matmul(p.view(S, KVH, G * max_q, max_n), vals.permute(0, 2, 1, 3))  # [S, KVH, G*max_q, D]
-    o = o.view(S, KVH, G, max_q, D).permute(0, 3, 1, 2, 4).reshape(S, max_q, H, D)
-    out[rows] = o[seq_idx, local].to(out.dtype)
+    KVH = k_flat.shape[1]
+    # one flat gather per cache instead of table indexing + reshape + slicing
+    bufs = sub.bufs
+    if bufs is None or bufs[0].dtype != k_flat.dtype or bufs[0].shape[1:] != k_flat.shape[1:]:
+        bufs = sub.bufs = (k_flat.new_empty(S * N, KVH, D), v_flat.new_empty(S * N, KVH, D))
+    torch.index_select(k_flat, 0, sub.ctx_slots, out=bufs[0])
+    torch.index_select(v_flat, 0, sub.ctx_slots, out=bufs[1])
+    keys = bufs[0].view(S, N, KVH, D).float().transpose(1, 2)
+    vals = bufs[1].view(S, N, KVH, D).float().transpose(1, 2)
+    qp = q if sub.q_rows is None else q.index_select(0, sub.q_rows)
+    if max_q == 1:
+        # decode: the G query heads of a kv head are G queries of one MHA head (no GQA expansion)
+        o = F.scaled_dot_product_attention(qp.view(S, KVH, H // KVH, D), keys, vals,
+                                           attn_mask=sub.mask.view(S, 1, 1, N), scale=scale)
+        return o.reshape(S, 1, H, D)
+    qp = qp.view(S, max_q, H, D).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=sub.mask, scale=scale,
+                                       enable_gqa=H != KVH)
+    return o.transpose(1, 2)
 
 
 def paged_decode_attention(

@@ -138,3 +138,62 @@ def test_copy_blocks_reference():
     torch.testing.assert_close(kv[:, :, 4], orig[:, :, 1])
     torch.testing.assert_close(kv[:, :, 5], orig[:, :, 2])
     torch.testing.assert_close(kv[:, :, :4], orig[:, :, :4])
+
+
+def test_step_plan_is_built_once_and_reused_by_every_layer(monkeypatch):
+    # two "layers" (own caches and K/V) share one metadata object, hence one plan and its buffers
+    ctx, ql = [13, 40, 29], [13, 1, 7]
+    layers = [_build(ctx, ql, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=s) for s in (1, 1)]
+    g = torch.Generator().manual_seed(9)
+    for b in layers[1:]:  # same tables and slots, different values
+        for key in ("q", "k", "v", "k_cache", "v_cache"):
+            b[key] = torch.randn(b[key].shape, generator=g)
+    calls = []
+    build = ref.build_plan
+    monkeypatch.setattr(ref, "build_plan", lambda *a, **kw: calls.append(1) or build(*a, **kw))
+    meta = layers[0]["meta"]
+    for b in layers:
+        expected = ref.paged_attention(b["q"], *_stored(b, meta), meta.query_start_loc, meta.seq_lens,
+                                       meta.block_tables, 0.2)
+        out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.2)
+        torch.testing.assert_close(out, expected)
+    assert len(calls) == 3  # one per reference call above, one for the shared step plan
+    # reassigning a field (a new step reusing the object) rebuilds the plan
+    meta.seq_lens = meta.seq_lens.clone()
+    paged_attention(layers[0]["q"], layers[0]["k"], layers[0]["v"], layers[0]["k_cache"], layers[0]["v_cache"], meta, 0.2)
+    assert len(calls) == 4
+
+
+def _stored(b, meta):
+    """Copies of b's caches with its new K/V stored (what paged_attention attends over)."""
+    kc, vc = b["k_cache"].clone(), b["v_cache"].clone()
+    ref.store_kvcache(b["k"], b["v"], kc, vc, meta.slot_mapping)
+    return kc, vc
+
+
+def test_decode_only_batch_takes_the_dense_fast_path():
+    # every row one query and a non-empty context: no query gather, no scatter, output used as is
+    ctx = [5, 17, 33, 64]
+    b = _build(ctx, [1] * 4, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16, seed=4)
+    meta = b["meta"]
+    plan = ref.build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping, 16, 8, 4,
+                          torch.device("cpu"))
+    assert plan.identity and plan.store_rows is None and plan.subs[0].q_rows is None
+    out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.25)
+    torch.testing.assert_close(out, _expected(b, [1] * 4, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_long_prompt_with_decodes_is_split_into_bounded_sorted_sub_batches(monkeypatch):
+    # budget for ~2 chunks per sub-batch: chunks are grouped by context length, each padded to its own
+    monkeypatch.setattr(ref, "_Q_CHUNK", 4)
+    monkeypatch.setattr(ref, "_SCORE_BUDGET", 4 * 40 * 4 * 2)
+    ctx, ql = [40, 9, 30, 12], [16, 1, 1, 12]
+    b = _build(ctx, ql, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=6)
+    meta = b["meta"]
+    plan = ref.build_plan(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping, 4, 4,
+                          sum(ql), torch.device("cpu"))
+    prefill = [sub for sub in plan.subs if sub.max_q > 1]
+    assert len(prefill) > 2 and [sub.N for sub in prefill] == sorted(sub.N for sub in prefill)
+    assert all(sub.S * sub.max_q * sub.N * 4 <= ref._SCORE_BUDGET for sub in prefill)
+    out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.3)
+    torch.testing.assert_close(out, _expected(b, ql, 0.3), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ everything else goes to the vectorized torch reference, the engine's CPU path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import Tensor
@@ -29,6 +29,21 @@ class AttentionMetadata:
     # table width W * block_size, so a CUDA graph captured with W = max_model_len / block_size keeps
     # one fixed grid. Ignored on CPU.
     num_splits: Optional[int] = None
+    # CPU path: the step's attention plan (gather/scatter indices, masks), built by the first layer
+    # and reused by the others. Keyed by what it depends on besides the fields above; it is rebuilt
+    # when one of those fields is reassigned (not when a tensor is mutated in place).
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def cpu_plan(self, block_size: int, num_heads: int, num_tokens: int, device) -> "_ref.AttentionPlan":
+        key = (block_size, num_heads, num_tokens, device)
+        inputs = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
+        hit = self._plans.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], inputs)):
+            return hit[1]
+        plan = _ref.build_plan(self.query_start_loc, self.seq_lens, self.block_tables, self.slot_mapping,
+                               block_size, num_heads, num_tokens, device)
+        self._plans[key] = (inputs, plan)
+        return plan
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -36,10 +51,10 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` -> `[T, H, D]`."""
     if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
-    _ref.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    # one vectorized path for decode, prefill and mixed batches (it groups decode rows itself)
-    return _ref.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, scale)
+    # one vectorized path for decode, prefill and mixed batches (the plan groups decode rows itself)
+    plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device)
+    _ref.store_planned(k, v, k_cache, v_cache, plan)
+    return _ref.attend(q, k_cache, v_cache, plan, scale)
 
 
 def _paged_attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -69,11 +69,19 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x [T, heads, D]` by the per-token angles."""
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: rotate_half's negation folded into the table (exact), once
+    per forward instead of once per layer and tensor."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate `x [T, heads, D]` by the per-token angles: x * cos + rotate_half(x) * sin, with
+    `sin_signed = signed_sin(sin)` (-a * s == a * -s exactly, so this is rotate_half's math)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + swapped * sin_signed[:, None, :]
 
 
 class Attention(nn.Module):
@@ -93,13 +101,19 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
     ) -> Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = qkv.split(self.split_sizes, dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # q and k heads rotated together: one set of elementwise ops instead of two (same math)
+            qk = qkv[:, :self.split_sizes[0] + self.split_sizes[1]].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -147,6 +161,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        sin = signed_sin(sin)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
         return self.norm(x)
