@@ -168,7 +168,13 @@ impl PrefixCache {
     pub fn new(num_device_blocks: usize, enabled: bool) -> Self {
         Self {
             enabled,
-            map: HashMap::default(),
+            // Sized for every block up front: growing (rehashing) it mid-burst was a visible
+            // share of admission time.
+            map: if enabled {
+                HashMap::with_capacity_and_hasher(num_device_blocks, IdBuildHasher::default())
+            } else {
+                HashMap::default()
+            },
             block_hash: vec![None; num_device_blocks],
             stats: PrefixCacheStats::default(),
         }
@@ -206,12 +212,17 @@ impl PrefixCache {
     /// Registers `block` under `hash`. Returns false (and changes nothing) when the hash is
     /// already mapped (to this or another block) or the block already has a hash.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {
-        if !self.enabled || self.is_registered(block) || self.map.contains_key(&hash) {
+        if !self.enabled || self.is_registered(block) {
             return false;
         }
-        self.map.insert(hash, block);
-        self.block_hash[block as usize] = Some(hash);
-        true
+        match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(block);
+                self.block_hash[block as usize] = Some(hash);
+                true
+            }
+        }
     }
 
     /// Drops the registration of a block being reused for other contents.

@@ -311,11 +311,20 @@ impl Scheduler {
             return bad("arrival_time must be finite".into());
         }
         let prompt_len = params.prompt.len();
+        // Room for the first outputs up front: appending the first sampled token to a
+        // prompt-sized vector would copy the whole prompt.
+        let room = params
+            .stop
+            .max_tokens
+            .min(self.cfg.max_model_len.saturating_sub(prompt_len))
+            .min(256);
         let mut seqs = Vec::with_capacity(params.n);
         for _ in 0..params.n {
+            let mut tokens = Vec::with_capacity(prompt_len + room);
+            tokens.extend_from_slice(&params.prompt);
             seqs.push(Sequence {
                 id: self.next_seq_id,
-                tokens: params.prompt.clone(),
+                tokens,
                 num_computed: 0,
                 table: Vec::new(),
                 tail_shared: false,
