@@ -168,13 +168,7 @@ impl PrefixCache {
     pub fn new(num_device_blocks: usize, enabled: bool) -> Self {
         Self {
             enabled,
-            // Sized for every block up front: growing (rehashing) it mid-burst was a visible
-            // share of admission time.
-            map: if enabled {
-                HashMap::with_capacity_and_hasher(num_device_blocks, IdBuildHasher::default())
-            } else {
-                HashMap::default()
-            },
+            map: HashMap::default(),
             block_hash: vec![None; num_device_blocks],
             stats: PrefixCacheStats::default(),
         }

@@ -324,6 +324,7 @@ impl Scheduler {
             tokens.extend_from_slice(&params.prompt);
             seqs.push(Sequence {
                 id: self.next_seq_id,
+                last_token: *tokens.last().expect("prompt is not empty"),
                 tokens,
                 num_computed: 0,
                 table: Vec::new(),
@@ -688,6 +689,7 @@ impl Scheduler {
             }
             let token = sampled[i] as TokenId;
             seq.tokens.push(token);
+            seq.last_token = token;
             let total = seq.tokens.len();
             let fin = if stop_hit.is_some_and(|s| s[i]) {
                 Some((FinishReason::Stop, None))
@@ -826,6 +828,9 @@ impl Scheduler {
                             "request {} seq {i}: stale block table mirror",
                             req.id
                         ));
+                    }
+                    if s.tokens.last() != Some(&s.last_token) {
+                        return Err(format!("request {} seq {i}: stale last_token", req.id));
                     }
                     if s.num_computed > s.tokens.len()
                         || s.num_computed > s.table.len() * self.block_size

@@ -197,12 +197,29 @@ impl Scheduler {
         }
         let s = &mut req.seqs[0];
         let start = s.num_computed;
-        if s.tail_shared
-            || s.tokens.len() != start + 1
-            || start + 1 + la > s.table.len() * bs
-            || start + 1 > self.cfg.max_model_len
-        {
+        if s.tail_shared || s.tokens.len() != start + 1 || start + 1 > self.cfg.max_model_len {
             return Ok(false);
+        }
+        if start + 1 + la > s.table.len() * bs {
+            // Also common (1 in block_size steps per sequence): the token opens a fresh
+            // block. With no lookahead and a free block that is a plain append (nothing
+            // shared is written, so no CoW); anything else takes the general path.
+            if la != 0 || start != s.table.len() * bs || self.mgr.num_free_gpu_blocks() == 0 {
+                return Ok(false);
+            }
+            match self.mgr.append_slots(s.id, start, start + 1)? {
+                Some(pairs) if pairs.is_empty() => {}
+                _ => {
+                    return Err(Error::InvalidState(format!(
+                        "request {}: appending a fresh block failed or asked for a copy",
+                        req.id
+                    )))
+                }
+            }
+            let table = self.mgr.block_table(s.id)?;
+            debug_assert!(table.starts_with(&s.table));
+            s.table.clear();
+            s.table.extend_from_slice(table);
         }
         self.decode_rows.push(DecodeRow {
             seq_id: s.id,
@@ -210,7 +227,8 @@ impl Scheduler {
             handle: h,
             gen,
             pos: start as u32,
-            token: s.tokens[start],
+            // tokens.len() == start + 1 was checked above, so this is tokens[start].
+            token: s.last_token,
             table_len: s.table.len() as u32,
         });
         s.num_computed = start + 1;

@@ -117,6 +117,9 @@ pub struct Sequence {
     pub id: SeqId,
     /// Prompt followed by this sequence's generated tokens.
     pub tokens: Vec<TokenId>,
+    /// Copy of `tokens.last()` next to the other hot fields: the decode fast path reads it
+    /// instead of the tail of `tokens` (a cache miss per sequence per step).
+    pub last_token: TokenId,
     /// Tokens whose K/V are in the cache (or scheduled to be, this step).
     pub num_computed: usize,
     /// Mirror of the manager's device block table, so the hot path never asks the manager
