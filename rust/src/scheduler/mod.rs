@@ -27,7 +27,7 @@ use crate::{BlockId, SeqId, TokenId};
 
 pub use config::{Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepOutput, TableRow};
-pub use request::{FinishReason, Request, RequestParams, RequestStatus, Sequence, StopParams};
+pub use request::{FinishReason, MirrorTable, Request, RequestParams, RequestStatus, Sequence, StopParams};
 
 use plan::{DecodeRow, PlanItem};
 
@@ -327,7 +327,7 @@ impl Scheduler {
                 last_token: *tokens.last().expect("prompt is not empty"),
                 tokens,
                 num_computed: 0,
-                table: Vec::new(),
+                table: MirrorTable::default(),
                 tail_shared: false,
                 finished: None,
             });
@@ -823,7 +823,7 @@ impl Scheduler {
                 }
                 if q == "running" && should_hold {
                     let table = self.mgr.block_table(s.id).map_err(|e| e.to_string())?;
-                    if table != s.table.as_slice() {
+                    if table != s.table.as_slice() || s.table.last_block() != *table.last().unwrap_or(&0) {
                         return Err(format!(
                             "request {} seq {i}: stale block table mirror",
                             req.id

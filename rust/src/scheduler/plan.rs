@@ -218,12 +218,19 @@ impl Scheduler {
             }
             let table = self.mgr.block_table(s.id)?;
             debug_assert!(table.starts_with(&s.table));
-            s.table.clear();
-            s.table.extend_from_slice(table);
+            s.table.set(table);
         }
+        // Decoding writes into the last block unless lookahead slots reach past it; that
+        // case needs neither the table's allocation nor a division.
+        let tail_start = (s.table.len() - 1) * bs;
+        let (block, offset) = if start >= tail_start {
+            (s.table.last_block(), start - tail_start)
+        } else {
+            (s.table[start / bs], start % bs)
+        };
         self.decode_rows.push(DecodeRow {
             seq_id: s.id,
-            slot: (s.table[start / bs] as usize * bs + start % bs) as i64,
+            slot: (block as usize * bs + offset) as i64,
             handle: h,
             gen,
             pos: start as u32,
@@ -232,7 +239,7 @@ impl Scheduler {
             table_len: s.table.len() as u32,
         });
         s.num_computed = start + 1;
-        if self.caching && (start + 1).is_multiple_of(bs) {
+        if self.caching && offset + 1 == bs {
             self.mgr
                 .cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
         }
@@ -313,8 +320,7 @@ impl Scheduler {
                     .expect("planned request exists")
                     .seqs[item.seq as usize];
                 s.tail_shared = false;
-                s.table.clear();
-                s.table.extend_from_slice(self.mgr.block_table(id)?);
+                s.table.set(self.mgr.block_table(id)?);
             }
             let req = self.slots[h as usize]
                 .req
@@ -349,7 +355,7 @@ impl Scheduler {
                     continue;
                 }
                 mgr.fork(leader_id, s.id)?;
-                s.table.clone_from(&table);
+                s.table.set(&table);
                 s.num_computed = computed;
                 s.tail_shared = shared_tail;
             }
@@ -430,8 +436,7 @@ impl Scheduler {
                 .as_mut()
                 .expect("admitted request exists");
             let s = &mut req.seqs[leader];
-            s.table.clear();
-            s.table.extend_from_slice(self.mgr.block_table(seq_id)?);
+            s.table.set(self.mgr.block_table(seq_id)?);
             s.num_computed = computed;
             s.tail_shared = false;
             if !req.admitted_once {
@@ -601,8 +606,7 @@ impl Scheduler {
                 let active: Vec<usize> = req.active_seqs().collect();
                 for i in active {
                     let s = &mut req.seqs[i];
-                    s.table.clear();
-                    s.table.extend_from_slice(self.mgr.block_table(s.id)?);
+                    s.table.set(self.mgr.block_table(s.id)?);
                 }
                 req.status = super::RequestStatus::Running;
             }

@@ -124,11 +124,51 @@ pub struct Sequence {
     pub num_computed: usize,
     /// Mirror of the manager's device block table, so the hot path never asks the manager
     /// for it. Empty while the sequence holds no device blocks.
-    pub table: Vec<BlockId>,
+    pub table: MirrorTable,
     /// Blocks past `num_computed / block_size` may be shared with a sibling (set by a fork,
     /// cleared by the first append): the next append must go through the manager for CoW.
     pub tail_shared: bool,
     pub finished: Option<(FinishReason, Option<TokenId>)>,
+}
+
+/// A block table mirror that also keeps its last block next to the sequence's other hot
+/// fields: a decode step writes into the last block, and reading it from the table's own
+/// allocation was a cache miss per sequence per step. Read-only as a slice; every change
+/// goes through `set` / `clear`, which keep `last` in sync.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MirrorTable {
+    blocks: Vec<BlockId>,
+    last: BlockId,
+}
+
+impl MirrorTable {
+    pub fn set(&mut self, blocks: &[BlockId]) {
+        self.blocks.clear();
+        self.blocks.extend_from_slice(blocks);
+        self.last = blocks.last().copied().unwrap_or(0);
+    }
+
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.last = 0;
+    }
+
+    /// The last block (0 when empty).
+    #[inline]
+    pub fn last_block(&self) -> BlockId {
+        self.last
+    }
+
+    pub fn as_slice(&self) -> &[BlockId] {
+        &self.blocks
+    }
+}
+
+impl std::ops::Deref for MirrorTable {
+    type Target = [BlockId];
+    fn deref(&self) -> &[BlockId] {
+        &self.blocks
+    }
 }
 
 impl Sequence {
