@@ -313,3 +313,39 @@ fn random_workloads_terminate_without_leaks() {
         }
     }
 }
+
+/// Block tables are built lazily: an output kept across later steps (CoW of forked tails,
+/// preemption by recompute and swap, finishes, released requests) must still report the
+/// tables of its own step. Two identical schedulers run in lockstep; one reads each step's
+/// tables at once, the other keeps every output and reads them all at the end.
+#[test]
+fn lazy_block_tables_survive_later_steps() {
+    for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
+        let make = || {
+            let mut c = cfg(Strategy::Unified, 64);
+            c.preemption_mode = mode;
+            let mut s = Scheduler::new(cache(4, 24, 24), c).unwrap();
+            for t in 0..6 {
+                let n = if t % 2 == 0 { 2 } else { 1 };
+                s.add_request(&format!("r{t}"), req(t, 6 + t as usize, n, 10 + t as usize))
+                    .unwrap();
+            }
+            s
+        };
+        let (mut eager, mut lazy) = (make(), make());
+        let mut expected = Vec::new();
+        let mut kept = Vec::new();
+        let mut preemptions = 0;
+        while eager.has_unfinished_requests() {
+            let (out, _) = step(&mut eager, 7);
+            expected.push(eager.block_tables(&out));
+            preemptions += out.preempted.len();
+            let (out, _) = step(&mut lazy, 7);
+            kept.push(out);
+        }
+        assert!(preemptions > 0, "the workload must preempt ({mode:?})");
+        for (k, (out, want)) in kept.iter().zip(&expected).enumerate() {
+            assert_eq!(&lazy.block_tables(out), want, "step {k} ({mode:?})");
+        }
+    }
+}
