@@ -246,10 +246,12 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(request_id, prompt)
         self._check_prompt(request_id, token_ids)
-        cfg = self.model_config
-        eos_ids = list(cfg.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer else [])
+        eos_ids = list(self.model_config.eos_token_ids)
+        if not eos_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos_ids = [self.tokenizer.eos_token_id]
         eos = eos_ids[0] if eos_ids else None
-        stop_ids = list(params.stop_token_ids or []) + eos_ids[1:]
+        # a checkpoint's further EOS ids (Llama 3) stop like stop ids, unless EOS is ignored
+        stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos else eos_ids[1:])
         arrival = time.time() if arrival_time is None else arrival_time
         self.scheduler.add_request(
             request_id, token_ids, n=params.num_samples, priority=priority, arrival_time=arrival,
