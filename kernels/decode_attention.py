@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
 
 # Each split covers at least this many tokens: shorter splits spend more on the reduce and on the
@@ -82,26 +83,10 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     bt_row = bt_ptr + s64 * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        # block-table lookup per token: works for any page size relative to BLOCK_N
-        blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-        tok = n % PAGE
-        k = tl.load(kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_H, BLOCK_N]
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: each tile has >= 1 valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        # keys past `end` are masked; no causal mask: the single query sees its whole range
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, hh, end, d, dmask,
+                                    qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                    stride_vh, PAGE, BLOCK_N, 1, UPCAST, DOT_PREC)
 
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # empty range (seq_len 0 padding) -> zeros

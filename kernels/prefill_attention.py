@@ -11,36 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask, qk_scale,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    # one online-softmax step over keys n0 .. n0 + BLOCK_N
-    n = n0 + tl.arange(0, BLOCK_N)
-    nmask = n < seq_len
-    blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
-    tok = n % PAGE
-    k = tl.load(kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0)
-    v = tl.load(vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if CAUSAL:
-        qk = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], qk, float("-inf"))
-    # rows never see an all-masked first tile (key 0 is visible to every row), so m_new is finite
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -86,13 +58,13 @@ def _prefill_kernel(
     # the remaining keys up to the tile's last query position need the causal mask
     causal_end = tl.where(active, tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M), 0)
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
                                      qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     PAGE, BLOCK_N, False, UPCAST, DOT_PREC)
+                                     PAGE, BLOCK_N, 0, UPCAST, DOT_PREC)
     for n0 in range(full_end, causal_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
                                      qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     PAGE, BLOCK_N, True, UPCAST, DOT_PREC)
+                                     PAGE, BLOCK_N, 2, UPCAST, DOT_PREC)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],

@@ -1,0 +1,38 @@
+"""The online-softmax step over one tile of paged keys, shared by the decode and prefill kernels."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask, qk_scale,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    # one online-softmax step over keys n0 .. n0 + BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < seq_len
+    blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
+    tok = n % PAGE
+    k = tl.load(kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    v = tl.load(vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    # MASK: 0 = every key of the tile is visible, 1 = keys past seq_len hidden, 2 = also causal
+    if MASK == 1:
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+    elif MASK == 2:
+        qk = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], qk, float("-inf"))
+    # every row has a visible key in the first tile its caller gives it (key 0 for prefill, the
+    # split's first key for decode), so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
