@@ -333,8 +333,10 @@ impl Scheduler {
             });
             self.next_seq_id += 1;
         }
+        let quiet_until = params.stop.quiet_until(prompt_len, self.max_seq_len);
         let req = Request {
             id: request_id.to_string(),
+            quiet_until,
             prompt_len,
             num_unfinished: params.n,
             seqs,
@@ -691,7 +693,12 @@ impl Scheduler {
             seq.tokens.push(token);
             seq.last_token = token;
             let total = seq.tokens.len();
-            let fin = if stop_hit.is_some_and(|s| s[i]) {
+            let hit = stop_hit.is_some_and(|s| s[i]);
+            // Common case: no rule can fire yet; skips the stop parameters' cache line.
+            if !hit && total < req.quiet_until {
+                continue;
+            }
+            let fin = if hit {
                 Some((FinishReason::Stop, None))
             } else {
                 req.stop.check(token, total - prompt_len, total, max_len)

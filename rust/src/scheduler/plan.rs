@@ -73,27 +73,18 @@ fn record(
             .push((s.table[start / bs] as usize * bs + start % bs) as i64);
         return;
     }
-    // Prefill: fill pre-sized tails with plain indexed loops, which vectorize (the
-    // iterator-adaptor versions did not, and this runs once per prompt token).
-    let n0 = out.input_ids.len();
+    // Prefill: extend from exact-size (TrustedLen) iterators: one pass per array, no
+    // zero-fill first (the resize-then-overwrite version wrote every token twice).
     out.input_ids
         .extend(s.tokens[start..end].iter().map(|&t| t as i64));
-    out.positions.resize(n0 + take, 0);
-    for (k, d) in out.positions[n0..].iter_mut().enumerate() {
-        *d = (start + k) as i64;
-    }
-    out.slot_mapping.resize(n0 + take, 0);
+    out.positions.extend((start as i64)..(end as i64));
     let mut p = start;
-    let mut dst = &mut out.slot_mapping[n0..];
     while p < end {
         let b = p / bs;
         let block_end = end.min((b + 1) * bs);
         let base = (s.table[b] as usize * bs) as i64 - (b * bs) as i64;
-        let (chunk, rest) = dst.split_at_mut(block_end - p);
-        for (k, d) in chunk.iter_mut().enumerate() {
-            *d = base + (p + k) as i64;
-        }
-        dst = rest;
+        out.slot_mapping
+            .extend(((p as i64)..(block_end as i64)).map(|q| base + q));
         p = block_end;
     }
 }
@@ -217,8 +208,8 @@ impl Scheduler {
                 }
             }
             let table = self.mgr.block_table(s.id)?;
-            debug_assert!(table.starts_with(&s.table));
-            s.table.set(table);
+            debug_assert!(table.len() == s.table.len() + 1 && table.starts_with(&s.table));
+            s.table.push(*table.last().expect("append_slots grew the table"));
         }
         // Decoding writes into the last block unless lookahead slots reach past it; that
         // case needs neither the table's allocation nor a division.

@@ -74,6 +74,19 @@ pub struct StopParams {
 }
 
 impl StopParams {
+    /// Smallest total length at which `check` can return a stop for a request with a
+    /// `prompt_len` prompt: the length caps, and EOS / stop ids once `min_tokens` are out
+    /// (only if any can match). Below it `check` is `None` for every token.
+    pub fn quiet_until(&self, prompt_len: usize, max_len: usize) -> usize {
+        let mut until = (prompt_len + self.max_tokens).min(max_len);
+        let token_rules = !self.stop_token_ids.is_empty()
+            || (!self.ignore_eos && self.eos_token_id.is_some());
+        if token_rules {
+            until = until.min(prompt_len + self.min_tokens);
+        }
+        until
+    }
+
     /// Stop rule for a sequence that just received `token`, making `num_output` generated
     /// tokens and `total_len` tokens in all. `min_tokens` holds back EOS and stop ids only;
     /// the length limits always apply.
@@ -148,6 +161,12 @@ impl MirrorTable {
         self.last = blocks.last().copied().unwrap_or(0);
     }
 
+    /// Appends one block (a table that only grew by a fresh block: no copy of the rest).
+    pub fn push(&mut self, block: BlockId) {
+        self.blocks.push(block);
+        self.last = block;
+    }
+
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.last = 0;
@@ -194,6 +213,9 @@ pub struct Request {
     pub stop: StopParams,
     pub extra_key: u64,
     pub status: RequestStatus,
+    /// Sequence length below which no stop rule can fire (see `StopParams::quiet_until`):
+    /// `update_from_output` skips the full check for a sampled token below it.
+    pub quiet_until: usize,
     /// Prompt tokens served by the prefix cache at the first admission.
     pub num_cached_tokens: usize,
     pub admitted_once: bool,
@@ -300,6 +322,25 @@ mod tests {
             ..params()
         };
         assert_eq!(ignore.check(2, 3, 10, 100), None);
+    }
+
+    #[test]
+    fn quiet_until_is_the_first_length_a_rule_can_fire() {
+        let variants = [
+            params(),
+            StopParams { ignore_eos: true, stop_token_ids: vec![], ..params() },
+            StopParams { eos_token_id: None, ..params() },
+            StopParams { min_tokens: 0, ..params() },
+        ];
+        for p in variants {
+            for max_len in [6, 8, 100] {
+                let until = p.quiet_until(3, max_len);
+                for total in 4..max_len.min(3 + p.max_tokens) + 1 {
+                    let fires = [2, 9, 7].iter().any(|&t| p.check(t, total - 3, total, max_len).is_some());
+                    assert_eq!(fires, total >= until, "{p:?} total {total} max_len {max_len}");
+                }
+            }
+        }
     }
 
     #[test]
