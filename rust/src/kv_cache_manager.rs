@@ -10,7 +10,7 @@ pub use crate::block_pool::BlockState;
 use crate::block_table::blocks_for;
 pub use crate::block_table::{BlockTable, Location};
 pub use crate::error::{Error, Result};
-use crate::prefix_cache::{extend_chain, IdBuildHasher, PrefixCache};
+use crate::prefix_cache::{extend_chain, hash_block, IdBuildHasher, PrefixCache, ROOT_HASH};
 pub use crate::prefix_cache::{PrefixCacheStats, PrefixHit};
 pub use crate::{BlockId, SeqId, TokenId};
 
@@ -367,6 +367,16 @@ impl KvCacheManager {
         if !self.prefix_cache.is_enabled() || full <= table.num_registered {
             return Ok(0);
         }
+        if full == table.num_registered + 1 && table.hashes.len() + 1 == full {
+            // Decode's common case: exactly one block just filled; hash it straight from its
+            // parent and register it (no chain loop).
+            let i = full - 1;
+            let parent = table.hashes.last().copied().unwrap_or(ROOT_HASH);
+            let hash = hash_block(parent, &tokens[i * bs..full * bs], extra_key);
+            table.hashes.push(hash);
+            table.num_registered = full;
+            return Ok(self.prefix_cache.register(table.blocks[i], hash) as usize);
+        }
         extend_chain(&mut table.hashes, tokens, bs, extra_key, full);
         let mut registered = 0;
         for i in table.num_registered..full {
@@ -419,10 +429,42 @@ impl KvCacheManager {
         num_slots: usize,
         apply_watermark: bool,
     ) -> Result<bool> {
+        self.allocate_impl(seq, hit, None, num_slots, apply_watermark)
+    }
+
+    /// `allocate` taking the hit by value: its hash chain moves into the new table instead of
+    /// being copied (the scheduler's admission path).
+    pub fn allocate_owned(
+        &mut self,
+        seq: SeqId,
+        mut hit: PrefixHit,
+        num_slots: usize,
+        apply_watermark: bool,
+    ) -> Result<bool> {
         if self.tables.contains_key(&seq) {
             return Err(Error::DuplicateSequence(seq));
         }
-        self.validate_hit(hit)?;
+        self.validate_hit(&hit)?;
+        let hashes = std::mem::take(&mut hit.hashes);
+        self.allocate_impl(seq, &hit, Some(hashes), num_slots, apply_watermark)
+    }
+
+    /// `owned_hashes`: the hit's validated hash chain, moved in (else `hit` is validated and
+    /// its chain copied).
+    fn allocate_impl(
+        &mut self,
+        seq: SeqId,
+        hit: &PrefixHit,
+        owned_hashes: Option<Vec<u64>>,
+        num_slots: usize,
+        apply_watermark: bool,
+    ) -> Result<bool> {
+        if owned_hashes.is_none() {
+            if self.tables.contains_key(&seq) {
+                return Err(Error::DuplicateSequence(seq));
+            }
+            self.validate_hit(hit)?;
+        }
         let total = blocks_for(num_slots, self.config.block_size);
         if hit.blocks.len() > total {
             return Err(Error::InvalidArgument(format!(
@@ -439,7 +481,9 @@ impl KvCacheManager {
         if self.gpu.num_free() < needed + reserve {
             return Ok(false);
         }
-        let mut blocks = Vec::with_capacity(total);
+        // Headroom for the decode blocks to come (a full-table regrowth per doubling is a
+        // copy of the whole table).
+        let mut blocks = Vec::with_capacity(total + total / 2 + 2);
         // Hit blocks first: once revived they are off the LRU list, so the fresh allocations
         // below cannot evict them.
         for &block in &hit.blocks {
@@ -452,7 +496,16 @@ impl KvCacheManager {
             blocks.push(block);
         }
         let hashes = if self.prefix_cache.is_enabled() {
-            hit.hashes.clone()
+            let room = total + total / 2 + 2;
+            let h = match owned_hashes {
+                Some(h) => h,
+                None => {
+                    let mut h = Vec::with_capacity(room.max(hit.hashes.len()));
+                    h.extend_from_slice(&hit.hashes);
+                    h
+                }
+            };
+            h
         } else {
             Vec::new()
         };
@@ -539,6 +592,27 @@ impl KvCacheManager {
             table.blocks.push(block);
         }
         Ok(Some(copies))
+    }
+
+    /// Appends one fresh device block to a device-resident table and returns it: what
+    /// `append_slots(seq, n, n + 1)` does when `n` is exactly the table's capacity (nothing
+    /// existing is written, so nothing is copied), in one table lookup. `None` and no change
+    /// when no device block is free.
+    pub fn append_fresh_block(&mut self, seq: SeqId) -> Result<Option<BlockId>> {
+        let table = self
+            .tables
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence(seq))?;
+        if table.location == Location::Host {
+            return Err(Error::InvalidState(format!(
+                "sequence {seq} is swapped out"
+            )));
+        }
+        let Some(block) = take_device_block(&mut self.gpu, &mut self.prefix_cache) else {
+            return Ok(None);
+        };
+        table.blocks.push(block);
+        Ok(Some(block))
     }
 
     /// The child shares every block of the parent (ref +1) and its hash chain.

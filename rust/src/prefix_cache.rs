@@ -239,7 +239,10 @@ impl PrefixCache {
         if !self.enabled || block_size == 0 {
             return PrefixHit::default();
         }
-        let hashes = chain_hashes(tokens, block_size, extra_key);
+        // Room for the blocks a decode adds later: the chain moves into the sequence's table.
+        let n = tokens.len() / block_size;
+        let mut hashes = Vec::with_capacity(n + n / 2 + 2);
+        extend_chain(&mut hashes, tokens, block_size, extra_key, n);
         let eligible = Self::eligible_blocks(tokens.len(), block_size);
         let blocks: Vec<BlockId> = hashes[..eligible]
             .iter()

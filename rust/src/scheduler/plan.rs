@@ -198,18 +198,16 @@ impl Scheduler {
             if la != 0 || start != s.table.len() * bs || self.mgr.num_free_gpu_blocks() == 0 {
                 return Ok(false);
             }
-            match self.mgr.append_slots(s.id, start, start + 1)? {
-                Some(pairs) if pairs.is_empty() => {}
-                _ => {
-                    return Err(Error::InvalidState(format!(
-                        "request {}: appending a fresh block failed or asked for a copy",
-                        req.id
-                    )))
-                }
-            }
-            let table = self.mgr.block_table(s.id)?;
-            debug_assert!(table.len() == s.table.len() + 1 && table.starts_with(&s.table));
-            s.table.push(*table.last().expect("append_slots grew the table"));
+            // Same as append_slots(start, start + 1) here: start is the table's capacity.
+            let Some(block) = self.mgr.append_fresh_block(s.id)? else {
+                return Err(Error::InvalidState(format!(
+                    "request {}: no fresh block after the free-block check",
+                    req.id
+                )));
+            };
+            debug_assert!(self.mgr.block_table(s.id).is_ok_and(|t| t.len() == s.table.len() + 1
+                && t.starts_with(&s.table)));
+            s.table.push(block);
         }
         // Decoding writes into the last block unless lookahead slots reach past it; that
         // case needs neither the table's allocation nor a division.
@@ -417,7 +415,7 @@ impl Scheduler {
         }
         if !self
             .mgr
-            .allocate(seq_id, &hit, computed + take + la, true)?
+            .allocate_owned(seq_id, hit, computed + take + la, true)?
         {
             return Ok(Admit::Later);
         }
