@@ -496,16 +496,14 @@ impl KvCacheManager {
             blocks.push(block);
         }
         let hashes = if self.prefix_cache.is_enabled() {
-            let room = total + total / 2 + 2;
-            let h = match owned_hashes {
+            match owned_hashes {
                 Some(h) => h,
                 None => {
-                    let mut h = Vec::with_capacity(room.max(hit.hashes.len()));
+                    let mut h = Vec::with_capacity((total + total / 2 + 2).max(hit.hashes.len()));
                     h.extend_from_slice(&hit.hashes);
                     h
                 }
-            };
-            h
+            }
         } else {
             Vec::new()
         };

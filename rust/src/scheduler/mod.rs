@@ -35,12 +35,15 @@ use plan::{DecodeRow, PlanItem};
 /// step's output stay resolvable (outputs name requests by slot + generation).
 const RECYCLE_AFTER: usize = 4096;
 
+/// `repr(C)`, cache-line aligned: the generation and the request's hot fields (see
+/// [`Request`]) share the slot's first line.
 #[derive(Debug)]
+#[repr(C, align(64))]
 struct Slot {
+    gen: u32,
     req: Option<Request>,
     /// Id of the current (or last) occupant; kept after it leaves so old outputs resolve it.
     id: String,
-    gen: u32,
 }
 
 /// Counters beyond the queue lengths.
@@ -340,6 +343,7 @@ impl Scheduler {
         }
         let quiet_until = params.stop.quiet_until(prompt_len, self.max_seq_len);
         let req = Request {
+            first_seq_id: seqs[0].id,
             id: request_id.to_string(),
             quiet_until,
             prompt_len,
@@ -847,6 +851,9 @@ impl Scheduler {
                             "request {} seq {i}: stale block table mirror",
                             req.id
                         ));
+                    }
+                    if s.table.num_blocks() != s.table.len() || req.first_seq_id + i as u64 != s.id {
+                        return Err(format!("request {} seq {i}: stale inline copies", req.id));
                     }
                     if s.tokens.last() != Some(&s.last_token) {
                         return Err(format!("request {} seq {i}: stale last_token", req.id));

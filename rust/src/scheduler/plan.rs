@@ -20,6 +20,9 @@ pub(super) enum Cut {
 
 /// One single-token decode of the fast path, recorded into the step arrays in bulk by
 /// `flush_decodes` (per-array tight loops instead of ~16 scattered pushes per sequence).
+/// Fast-path decodes queued before `flush_decodes` records them (64 x 40 B stays in L1).
+const DECODE_BATCH: usize = 64;
+
 #[derive(Debug, Clone, Copy)]
 pub(super) struct DecodeRow {
     seq_id: u64,
@@ -191,11 +194,11 @@ impl Scheduler {
         if s.tail_shared || s.tokens.len() != start + 1 || start + 1 > self.cfg.max_model_len {
             return Ok(false);
         }
-        if start + 1 + la > s.table.len() * bs {
+        if start + 1 + la > s.table.num_blocks() * bs {
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
-            if la != 0 || start != s.table.len() * bs || self.mgr.num_free_gpu_blocks() == 0 {
+            if la != 0 || start != s.table.num_blocks() * bs || self.mgr.num_free_gpu_blocks() == 0 {
                 return Ok(false);
             }
             // Same as append_slots(start, start + 1) here: start is the table's capacity.
@@ -211,21 +214,22 @@ impl Scheduler {
         }
         // Decoding writes into the last block unless lookahead slots reach past it; that
         // case needs neither the table's allocation nor a division.
-        let tail_start = (s.table.len() - 1) * bs;
+        let tail_start = (s.table.num_blocks() - 1) * bs;
         let (block, offset) = if start >= tail_start {
             (s.table.last_block(), start - tail_start)
         } else {
             (s.table[start / bs], start % bs)
         };
         self.decode_rows.push(DecodeRow {
-            seq_id: s.id,
+            // seqs[0]: its id is the request's first (read from the slot's hot line).
+            seq_id: req.first_seq_id,
             slot: (block as usize * bs + offset) as i64,
             handle: h,
             gen,
             pos: start as u32,
             // tokens.len() == start + 1 was checked above, so this is tokens[start].
             token: s.last_token,
-            table_len: s.table.len() as u32,
+            table_len: s.table.num_blocks() as u32,
         });
         s.num_computed = start + 1;
         if self.caching && offset + 1 == bs {
@@ -494,6 +498,12 @@ impl Scheduler {
             if self.try_fast_decode(h)? {
                 *left -= 1;
                 i += 1;
+                // Flush in small batches: `flush_decodes` makes one pass over the queued rows
+                // per output array, and a step's worth of rows (40 B each) would no longer
+                // fit in L1 between passes.
+                if self.decode_rows.len() >= DECODE_BATCH {
+                    self.flush_decodes(out);
+                }
                 continue;
             }
             self.flush_decodes(out);

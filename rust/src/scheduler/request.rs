@@ -125,33 +125,43 @@ pub struct RequestParams {
 }
 
 /// One sample stream of a request (`n` of them per request).
+///
+/// Layout (`repr(C)`, 64-byte aligned): everything a decode step reads or writes per
+/// sequence (the token vector's header, `num_computed`, `finished`, `last_token`,
+/// `tail_shared` and the table's last block and length) sits in the first cache line; the
+/// table's allocation header and the id follow in the second. Unit test
+/// `hot_fields_share_a_cache_line` checks it.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 pub struct Sequence {
-    pub id: SeqId,
     /// Prompt followed by this sequence's generated tokens.
     pub tokens: Vec<TokenId>,
+    /// Tokens whose K/V are in the cache (or scheduled to be, this step).
+    pub num_computed: usize,
+    pub finished: Option<(FinishReason, Option<TokenId>)>,
     /// Copy of `tokens.last()` next to the other hot fields: the decode fast path reads it
     /// instead of the tail of `tokens` (a cache miss per sequence per step).
     pub last_token: TokenId,
-    /// Tokens whose K/V are in the cache (or scheduled to be, this step).
-    pub num_computed: usize,
-    /// Mirror of the manager's device block table, so the hot path never asks the manager
-    /// for it. Empty while the sequence holds no device blocks.
-    pub table: MirrorTable,
     /// Blocks past `num_computed / block_size` may be shared with a sibling (set by a fork,
     /// cleared by the first append): the next append must go through the manager for CoW.
     pub tail_shared: bool,
-    pub finished: Option<(FinishReason, Option<TokenId>)>,
+    /// Mirror of the manager's device block table, so the hot path never asks the manager
+    /// for it. Empty while the sequence holds no device blocks.
+    pub table: MirrorTable,
+    pub id: SeqId,
 }
 
-/// A block table mirror that also keeps its last block next to the sequence's other hot
-/// fields: a decode step writes into the last block, and reading it from the table's own
-/// allocation was a cache miss per sequence per step. Read-only as a slice; every change
-/// goes through `set` / `clear`, which keep `last` in sync.
+/// A block table mirror that also keeps its last block and its length in front of the
+/// allocation header (inside the sequence's hot cache line, see [`Sequence`]): a decode step
+/// writes into the last block and only needs the length to know whether it opens a new one.
+/// Read-only as a slice; every change goes through `set` / `push` / `clear`, which keep
+/// `last` and `len` in sync.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct MirrorTable {
-    blocks: Vec<BlockId>,
     last: BlockId,
+    len: u32,
+    blocks: Vec<BlockId>,
 }
 
 impl MirrorTable {
@@ -159,23 +169,32 @@ impl MirrorTable {
         self.blocks.clear();
         self.blocks.extend_from_slice(blocks);
         self.last = blocks.last().copied().unwrap_or(0);
+        self.len = blocks.len() as u32;
     }
 
     /// Appends one block (a table that only grew by a fresh block: no copy of the rest).
     pub fn push(&mut self, block: BlockId) {
         self.blocks.push(block);
         self.last = block;
+        self.len += 1;
     }
 
     pub fn clear(&mut self) {
         self.blocks.clear();
         self.last = 0;
+        self.len = 0;
     }
 
     /// The last block (0 when empty).
     #[inline]
     pub fn last_block(&self) -> BlockId {
         self.last
+    }
+
+    /// Number of blocks, read from the inline copy (no access to the allocation header).
+    #[inline]
+    pub fn num_blocks(&self) -> usize {
+        self.len as usize
     }
 
     pub fn as_slice(&self) -> &[BlockId] {
@@ -197,25 +216,33 @@ impl Sequence {
 }
 
 /// A request: one prompt and `n` sequences sampled from it.
+///
+/// Layout (`repr(C)`): the fields a decode step reads (`seqs`, `status`, `quiet_until`,
+/// `prompt_len`, `first_seq_id`) come first, so that with the scheduler's slot generation in
+/// front they share one cache line (unit test `hot_fields_share_a_cache_line`).
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub struct Request {
-    pub id: String,
-    pub prompt_len: usize,
     pub seqs: Vec<Sequence>,
-    pub num_unfinished: usize,
+    pub status: RequestStatus,
     /// Whether the unfinished non-leader sequences currently exist in the manager. Before
     /// that only the leader (first unfinished sequence) holds blocks and computes the prompt.
     pub forked: bool,
+    /// Sequence length below which no stop rule can fire (see `StopParams::quiet_until`):
+    /// `update_from_output` skips the full check for a sampled token below it.
+    pub quiet_until: usize,
+    pub prompt_len: usize,
+    /// Id of `seqs[0]` (sequence ids of a request are consecutive: `seqs[i].id` is
+    /// `first_seq_id + i`).
+    pub first_seq_id: SeqId,
+    pub id: String,
+    pub num_unfinished: usize,
     pub priority: i64,
     pub arrival_time: f64,
     /// Insertion counter: breaks ties between equal (priority, arrival).
     pub order: u64,
     pub stop: StopParams,
     pub extra_key: u64,
-    pub status: RequestStatus,
-    /// Sequence length below which no stop rule can fire (see `StopParams::quiet_until`):
-    /// `update_from_output` skips the full check for a sampled token below it.
-    pub quiet_until: usize,
     /// Prompt tokens served by the prefix cache at the first admission.
     pub num_cached_tokens: usize,
     pub admitted_once: bool,
@@ -340,6 +367,34 @@ mod tests {
                     assert_eq!(fires, total >= until, "{p:?} total {total} max_len {max_len}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn hot_fields_share_a_cache_line() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(align_of::<Sequence>(), 64);
+        let table = offset_of!(Sequence, table);
+        for end in [
+            offset_of!(Sequence, tokens) + size_of::<Vec<TokenId>>(),
+            offset_of!(Sequence, num_computed) + 8,
+            offset_of!(Sequence, finished) + size_of::<Option<(FinishReason, Option<TokenId>)>>(),
+            offset_of!(Sequence, last_token) + 4,
+            offset_of!(Sequence, tail_shared) + 1,
+            table + offset_of!(MirrorTable, last) + 4,
+            table + offset_of!(MirrorTable, len) + 4,
+        ] {
+            assert!(end <= 64, "a hot sequence field ends at byte {end}");
+        }
+        for end in [
+            offset_of!(Request, seqs) + size_of::<Vec<Sequence>>(),
+            offset_of!(Request, status) + 1,
+            offset_of!(Request, quiet_until) + 8,
+            offset_of!(Request, prompt_len) + 8,
+            offset_of!(Request, first_seq_id) + 8,
+        ] {
+            // The scheduler's slot puts an 8-byte generation word in front.
+            assert!(end + 8 <= 64, "a hot request field ends at byte {end}");
         }
     }
 
