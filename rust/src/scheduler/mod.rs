@@ -529,7 +529,15 @@ impl Scheduler {
                 out
             }
             None => {
-                let (seqs, tokens) = self.last_sizes;
+                // The first outputs of a run are sized for a full step (a prefill burst
+                // otherwise regrows every array a few times); later ones from the last step.
+                let (seqs, tokens) = if self.step <= 2 {
+                    let budget = self.cfg.max_num_batched_tokens.min(1 << 16);
+                    let seqs = self.cfg.max_num_seqs.min(budget);
+                    (self.last_sizes.0.max(seqs), self.last_sizes.1.max(budget))
+                } else {
+                    self.last_sizes
+                };
                 StepOutput::with_capacity(self.step, seqs, tokens)
             }
         };
