@@ -181,6 +181,11 @@ impl KvCacheManager {
         self.cpu.num_free()
     }
 
+    /// Free device blocks holding nothing cached (taken before any cached block is evicted).
+    pub fn num_uncached_free_gpu_blocks(&self) -> usize {
+        self.gpu.num_uncached_free()
+    }
+
     /// Device blocks with ref count 0 whose contents are still cached.
     pub fn num_cached_gpu_blocks(&self) -> usize {
         self.gpu.num_cached()
@@ -385,6 +390,56 @@ impl KvCacheManager {
             }
         }
         table.num_registered = full;
+        Ok(registered)
+    }
+
+    /// `cache_full_blocks` for several sequences, in order, in two passes: first every
+    /// sequence whose only new full block is the next one gets that block's hash computed
+    /// and chained (and its map entry prefetched), then all registrations run back to back,
+    /// so the cache misses of consecutive registrations overlap. Items that are not that
+    /// simple case take `cache_full_blocks` itself, in their turn. Each item is
+    /// (sequence, its tokens, num_computed, extra_key); a sequence appears at most once.
+    /// Returns how many blocks were newly registered.
+    pub fn cache_full_blocks_batch(
+        &mut self,
+        items: &[(SeqId, &[TokenId], usize, u64)],
+    ) -> Result<usize> {
+        let bs = self.config.block_size;
+        let enabled = self.prefix_cache.is_enabled();
+        // (block, hash) staged by the first pass; `None`: take the general path.
+        let mut staged: Vec<Option<(BlockId, u64)>> = Vec::with_capacity(items.len());
+        for &(seq, tokens, num_computed, extra_key) in items {
+            let full = num_computed / bs;
+            let simple = match self.tables.get_mut(&seq) {
+                Some(table)
+                    if enabled
+                        && table.location == Location::Device
+                        && num_computed <= tokens.len()
+                        && full <= table.len()
+                        && full == table.num_registered + 1
+                        && table.hashes.len() + 1 == full =>
+                {
+                    let i = full - 1;
+                    let parent = table.hashes.last().copied().unwrap_or(ROOT_HASH);
+                    let hash = hash_block(parent, &tokens[i * bs..full * bs], extra_key);
+                    table.hashes.push(hash);
+                    table.num_registered = full;
+                    Some((table.blocks[i], hash))
+                }
+                _ => None,
+            };
+            if let Some((block, _)) = simple {
+                self.prefix_cache.prefetch_block(block);
+            }
+            staged.push(simple);
+        }
+        let mut registered = 0;
+        for (&(seq, tokens, num_computed, extra_key), st) in items.iter().zip(staged) {
+            registered += match st {
+                Some((block, hash)) => self.prefix_cache.register(block, hash) as usize,
+                None => self.cache_full_blocks(seq, tokens, num_computed, extra_key)?,
+            };
+        }
         Ok(registered)
     }
 
@@ -913,6 +968,38 @@ mod tests {
         assert_eq!(alloc(&mut m, 1, &toks(0..12)), None);
         assert!(!m.contains(1));
         assert_eq!(m.num_free_gpu_blocks(), 2);
+    }
+
+    #[test]
+    fn batched_registration_matches_one_by_one() {
+        // seq 1: one new block (staged); seq 2: two new blocks (general path); seq 3: same
+        // tokens as seq 1 (its hash is taken by then, in both orders of work); seq 4: nothing
+        // new; allocate_owned moves the hit's chain in.
+        let t1 = toks(0..9);
+        let t2 = toks(100..110);
+        let run = |batched: bool| {
+            let mut m = manager(4, 32, 0);
+            for (seq, t) in [(1, &t1), (2, &t2), (3, &t1), (4, &t2)] {
+                let hit = m.find_prefix(&t[..1], 0);
+                assert!(m.allocate_owned(seq, hit, t.len(), false).unwrap());
+            }
+            m.cache_full_blocks(4, &t2, 8, 0).unwrap();
+            let items: [(SeqId, &[TokenId], usize, u64); 4] =
+                [(1, &t1, 4, 0), (2, &t2, 9, 0), (3, &t1, 5, 0), (4, &t2, 8, 0)];
+            let n = if batched {
+                m.cache_full_blocks_batch(&items).unwrap()
+            } else {
+                items
+                    .iter()
+                    .map(|&(s, t, c, k)| m.cache_full_blocks(s, t, c, k).unwrap())
+                    .sum()
+            };
+            m.check_invariants().unwrap();
+            let hashes: Vec<_> = (0..32).map(|b| m.block_hash(b)).collect();
+            (n, hashes, m.stats().num_registered_blocks)
+        };
+        assert_eq!(run(true), run(false));
+        assert_eq!(run(true).0, 1);
     }
 
     #[test]

@@ -212,6 +212,22 @@ impl PrefixCache {
         self.block_hash(block).is_some()
     }
 
+    /// Hints the CPU to fetch `block`'s hash entry (read by `register`) ahead of time.
+    #[inline]
+    pub(crate) fn prefetch_block(&self, block: BlockId) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(entry) = self.block_hash.get(block as usize) {
+            // SAFETY: a prefetch is only a hint; it never faults and the pointer is valid.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    entry as *const Option<u64> as *const i8,
+                )
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = block;
+    }
+
     /// Registers `block` under `hash`. Returns false (and changes nothing) when the hash is
     /// already mapped (to this or another block) or the block already has a hash.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {

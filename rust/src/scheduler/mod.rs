@@ -122,6 +122,9 @@ pub struct Scheduler {
     preempted_swap: Vec<u32>,
     cow_scratch: Vec<crate::BlockId>,
     decode_rows: Vec<DecodeRow>,
+    /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
+    /// the prefix cache by `flush_fills` at the same points the rows are flushed.
+    pending_fills: Vec<(u32, u32)>,
     finished_scratch: Vec<(u32, u32)>,
     last_sizes: (usize, usize),
     /// Outputs handed back by `recycle`, so steady steps allocate nothing.
@@ -174,6 +177,7 @@ impl Scheduler {
             preempted_swap: Vec::new(),
             cow_scratch: Vec::new(),
             decode_rows: Vec::new(),
+            pending_fills: Vec::new(),
             finished_scratch: Vec::new(),
             last_sizes: (0, 0),
             spare_outputs: Vec::new(),

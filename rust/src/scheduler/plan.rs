@@ -201,6 +201,11 @@ impl Scheduler {
             if la != 0 || start != s.table.num_blocks() * bs || self.mgr.num_free_gpu_blocks() == 0 {
                 return Ok(false);
             }
+            if !self.pending_fills.is_empty() && self.mgr.num_uncached_free_gpu_blocks() == 0 {
+                // This open evicts a cached block: queued registrations go first, as they
+                // would have without batching.
+                return Ok(false);
+            }
             // Same as append_slots(start, start + 1) here: start is the table's capacity.
             let Some(block) = self.mgr.append_fresh_block(s.id)? else {
                 return Err(Error::InvalidState(format!(
@@ -233,10 +238,34 @@ impl Scheduler {
         });
         s.num_computed = start + 1;
         if self.caching && offset + 1 == bs {
-            self.mgr
-                .cache_full_blocks(s.id, &s.tokens, start + 1, req.extra_key)?;
+            // Registered in batches by `flush_fills` (same order, before anything else can
+            // touch the prefix cache).
+            self.pending_fills.push((h, (start + 1) as u32));
         }
         Ok(true)
+    }
+
+    /// Registers the blocks filled by queued fast-path decodes (queue order), in one batch.
+    pub(super) fn flush_fills(&mut self) -> Result<()> {
+        if self.pending_fills.is_empty() {
+            return Ok(());
+        }
+        let slots = &self.slots;
+        let items: Vec<_> = self
+            .pending_fills
+            .iter()
+            .map(|&(h, n)| {
+                let req = slots[h as usize]
+                    .req
+                    .as_ref()
+                    .expect("a queued fill's request is running");
+                let s = &req.seqs[0];
+                (s.id, &s.tokens[..], n as usize, req.extra_key)
+            })
+            .collect();
+        self.mgr.cache_full_blocks_batch(&items)?;
+        self.pending_fills.clear();
+        Ok(())
     }
 
     /// Records the queued fast-path decodes (rows and samples, in queue order) into `out`.
@@ -492,6 +521,8 @@ impl Scheduler {
         out: &mut StepOutput,
     ) -> Result<bool> {
         let mut preempted = false;
+        // Left over only by a step that failed midway; registering is optional caching.
+        self.pending_fills.clear();
         let mut i = 0;
         while i < self.running.len() && *left > 0 {
             let h = self.running[i];
@@ -503,10 +534,12 @@ impl Scheduler {
                 // fit in L1 between passes.
                 if self.decode_rows.len() >= DECODE_BATCH {
                     self.flush_decodes(out);
+                    self.flush_fills()?;
                 }
                 continue;
             }
             self.flush_decodes(out);
+            self.flush_fills()?;
             let (tokens, needed) = self.plan_request(h, *left, cut);
             if tokens == 0 {
                 if cut == Cut::Whole {
@@ -547,6 +580,7 @@ impl Scheduler {
             }
         }
         self.flush_decodes(out);
+        self.flush_fills()?;
         Ok(preempted)
     }
 
