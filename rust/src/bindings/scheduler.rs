@@ -648,19 +648,25 @@ impl PySchedulerOutput {
     /// int64 [T] token ids to compute, batch order.
     #[getter]
     fn input_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 7, |o, _| np_array(py, &o.input_ids, "int64", None))
+        self.cached(py, 7, |o, s| {
+            s.borrow(py)
+                .inner
+                .with_input_ids(o, |ids| np_array(py, ids, "int64", None))
+        })
     }
 
     /// int64 [T] their positions.
     #[getter]
     fn positions(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 8, |o, _| np_array(py, &o.positions, "int64", None))
+        self.cached(py, 8, |o, _| np_array(py, &o.positions(), "int64", None))
     }
 
     /// int64 [T] KV slot of each token (block * block_size + offset).
     #[getter]
     fn slot_mapping(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 9, |o, _| np_array(py, &o.slot_mapping, "int64", None))
+        self.cached(py, 9, |o, s| {
+            np_array(py, &s.borrow(py).inner.slot_mapping(o), "int64", None)
+        })
     }
 
     /// int32 [S, W] block tables padded with 0 to the widest of the step (block ids are

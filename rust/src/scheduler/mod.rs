@@ -535,14 +535,13 @@ impl Scheduler {
             None => {
                 // The first outputs of a run are sized for a full step (a prefill burst
                 // otherwise regrows every array a few times); later ones from the last step.
-                let (seqs, tokens) = if self.step <= 2 {
+                let seqs = if self.step <= 2 {
                     let budget = self.cfg.max_num_batched_tokens.min(1 << 16);
-                    let seqs = self.cfg.max_num_seqs.min(budget);
-                    (self.last_sizes.0.max(seqs), self.last_sizes.1.max(budget))
+                    self.last_sizes.0.max(self.cfg.max_num_seqs.min(budget))
                 } else {
-                    self.last_sizes
+                    self.last_sizes.0
                 };
-                StepOutput::with_capacity(self.step, seqs, tokens)
+                StepOutput::with_capacity(self.step, seqs)
             }
         };
         for (h, reason) in std::mem::take(&mut self.pending_ignored) {
@@ -560,7 +559,6 @@ impl Scheduler {
         };
         self.prev_prompt = admitted;
         self.requeue_preempted();
-        out.num_batched_tokens = out.input_ids.len();
         self.pending_tables
             .retain(|t| std::sync::Arc::strong_count(t) > 1);
         self.pending_tables.push(out.seal_tables());
@@ -599,9 +597,37 @@ impl Scheduler {
         t.built.clone().expect("built above")
     }
 
-    /// Snapshots the tables of every output still held elsewhere and not built yet: called
-    /// before a sequence's table changes other than by appending (CoW, preemption, finish,
-    /// release), after which the live tables no longer describe those outputs.
+    /// [T] token ids of `out`, batch order, handed to `f` (built on first access and kept).
+    pub fn with_input_ids<R>(&self, out: &StepOutput, f: impl FnOnce(&[i64]) -> R) -> R {
+        let mut t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if t.input_ids.is_none() {
+            let ids = build_input_ids(&self.slots, &t.rows, out.num_batched_tokens);
+            t.input_ids = Some(ids);
+        }
+        f(t.input_ids.as_deref().expect("built above"))
+    }
+
+    /// [T] token ids of `out`, batch order.
+    pub fn input_ids(&self, out: &StepOutput) -> Vec<i64> {
+        self.with_input_ids(out, <[i64]>::to_vec)
+    }
+
+    /// [T] KV slot of each token of `out` (block * block_size + offset), as scheduled.
+    pub fn slot_mapping(&self, out: &StepOutput) -> Vec<i64> {
+        let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        build_slot_mapping(
+            &self.slots,
+            &t.rows,
+            t.built.as_ref(),
+            self.block_size,
+            out.num_batched_tokens,
+        )
+    }
+
+    /// Snapshots the tables and token ids of every output still held elsewhere and not built
+    /// yet: called before a sequence's table changes other than by appending (CoW,
+    /// preemption, finish, release) or its tokens go away (release), after which the live
+    /// state no longer describes those outputs.
     fn materialize_pending(&mut self) {
         for p in self.pending_tables.drain(..) {
             if std::sync::Arc::strong_count(&p) < 2 {
@@ -611,6 +637,11 @@ impl Scheduler {
             if t.built.is_none() {
                 let built = build_tables(&self.slots, &t.rows);
                 t.built = Some(built);
+            }
+            if t.input_ids.is_none() {
+                let total = t.rows.iter().map(|r| r.n as usize).sum();
+                let ids = build_input_ids(&self.slots, &t.rows, total);
+                t.input_ids = Some(ids);
             }
         }
     }
@@ -915,6 +946,62 @@ fn build_tables(slots: &[Slot], rows: &[TableRow]) -> (Vec<BlockId>, usize) {
         dst[..r.len as usize].copy_from_slice(&table[..r.len as usize]);
     }
     (data, width)
+}
+
+/// The live sequence a pending output's row names (released ones were snapshotted).
+#[inline]
+fn row_seq<'a>(slots: &'a [Slot], r: &TableRow) -> &'a Sequence {
+    &slots[r.handle as usize]
+        .req
+        .as_ref()
+        .expect("a pending output's request is live (released ones were snapshotted)")
+        .seqs[r.seq as usize]
+}
+
+/// [total] token ids of `rows`: a decode row's is inline, a longer row's are a slice of its
+/// sequence's (append-only) history.
+fn build_input_ids(slots: &[Slot], rows: &[TableRow], total: usize) -> Vec<i64> {
+    let mut v = Vec::with_capacity(total);
+    for r in rows {
+        if r.n == 1 {
+            v.push(r.token as i64);
+        } else {
+            let (start, end) = (r.start as usize, (r.start + r.n) as usize);
+            v.extend(row_seq(slots, r).tokens[start..end].iter().map(|&t| t as i64));
+        }
+    }
+    v
+}
+
+/// [total] KV slots of `rows`: a decode row's is inline, a longer row's come from its table
+/// (the snapshot `built` when there is one, else the live mirror's prefix).
+fn build_slot_mapping(
+    slots: &[Slot],
+    rows: &[TableRow],
+    built: Option<&(Vec<BlockId>, usize)>,
+    bs: usize,
+    total: usize,
+) -> Vec<i64> {
+    let mut v = Vec::with_capacity(total);
+    for (i, r) in rows.iter().enumerate() {
+        if r.n == 1 {
+            v.push(r.slot);
+            continue;
+        }
+        let table: &[BlockId] = match built {
+            Some((data, w)) => &data[i * w..i * w + r.len as usize],
+            None => &row_seq(slots, r).table[..r.len as usize],
+        };
+        let (mut p, end) = (r.start as usize, (r.start + r.n) as usize);
+        while p < end {
+            let b = p / bs;
+            let block_end = end.min((b + 1) * bs);
+            let base = (table[b] as usize * bs) as i64 - (b * bs) as i64;
+            v.extend(((p as i64)..(block_end as i64)).map(|q| base + q));
+            p = block_end;
+        }
+    }
+    v
 }
 
 #[cfg(test)]

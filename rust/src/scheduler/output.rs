@@ -8,25 +8,41 @@ use crate::{BlockId, TokenId};
 
 use super::request::FinishReason;
 
-/// Where row r's block table lives: the first `len` blocks of sequence `seq` of the request
-/// in slot `handle`. Tables only grow between the scheduler's rewrite events (CoW of a tail
-/// block, preemption, finish, release), so this prefix stays valid until one happens.
+/// What the lazy per-token arrays of row r are built from: its block table is the first
+/// `len` blocks of sequence `seq` of the request in slot `handle`, its tokens are that
+/// sequence's tokens `start..start + n`. Tables only grow between the scheduler's rewrite
+/// events (CoW of a tail block, preemption, finish, release) and token histories only grow
+/// until release, so both stay valid until one happens. A single-token row (a decode) also
+/// carries its token and KV slot, so decode steps build `input_ids` / `slot_mapping` from
+/// this row alone, without touching the sequence.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct TableRow {
     pub handle: u32,
     pub seq: u32,
     pub len: u32,
+    pub start: u32,
+    pub n: u32,
+    /// The token when `n == 1` (else 0).
+    pub token: u32,
+    /// The KV slot when `n == 1` (else 0).
+    pub slot: i64,
 }
 
-/// A step's block tables, built on demand: copying every row's table each step was the
-/// largest cost of a decode step, and callers that never read them should not pay it. The
-/// scheduler keeps a handle on the pending ones and fills `built` (a snapshot) before any
-/// rewrite event, so the lazy result always equals the tables at schedule time.
+/// A step's block tables and per-token arrays, built on demand: copying every row's table
+/// each step was the largest cost of a decode step, and recording every prompt token three
+/// times (ids, positions, slots) that of a prefill burst; callers that never read them should
+/// not pay it. The scheduler keeps a handle on the pending ones and fills `built` and
+/// `input_ids` (snapshots) before any rewrite event, so the lazy results always equal the
+/// values at schedule time. `slot_mapping` needs no snapshot of its own (it is derived from
+/// the tables: the snapshot when there is one) and `positions` none at all (`start`, `n`).
 #[derive(Debug, Default)]
 pub struct LazyTables {
     pub rows: Vec<TableRow>,
     /// [S * width] row-major, padded with 0, and the width.
     pub built: Option<(Vec<BlockId>, usize)>,
+    /// [T] token ids, once built.
+    pub input_ids: Option<Vec<i64>>,
 }
 
 pub type SharedTables = Arc<Mutex<LazyTables>>;
@@ -46,12 +62,10 @@ pub struct StepOutput {
     /// [S] tokens computed this step and the position of the first one.
     pub num_tokens: Vec<i32>,
     pub start_pos: Vec<i32>,
-    /// [T] token ids, positions and KV slots, concatenated in batch order.
-    pub input_ids: Vec<i64>,
-    pub positions: Vec<i64>,
-    pub slot_mapping: Vec<i64>,
-    /// [S] where each row's block table is, while the step is being built; then moved into
-    /// `tables` (read them with `Scheduler::block_tables`).
+    /// [S] where each row's block table and tokens are, while the step is being built; then
+    /// moved into `tables`. The [T] arrays (token ids, positions, KV slots, in batch order)
+    /// are built from them on access: `Scheduler::input_ids`, `StepOutput::positions`,
+    /// `Scheduler::slot_mapping`; the tables with `Scheduler::block_tables`.
     pub(crate) table_rows: Vec<TableRow>,
     pub(crate) tables: SharedTables,
     /// [K] samples to draw: logits row, receiving sequence, its request and index.
@@ -68,10 +82,24 @@ pub struct StepOutput {
     pub preempted: Vec<String>,
     /// Requests finished at schedule time (ignored), with the reason.
     pub finished: Vec<(String, String)>,
+    /// T, the tokens computed this step.
     pub num_batched_tokens: usize,
 }
 
 impl StepOutput {
+    /// [T] position of each token (row r's are `start_pos[r]..start_pos[r] + num_tokens[r]`).
+    pub fn positions(&self) -> Vec<i64> {
+        let mut v = Vec::with_capacity(self.num_batched_tokens);
+        for (&s, &n) in self.start_pos.iter().zip(&self.num_tokens) {
+            if n == 1 {
+                v.push(s as i64);
+            } else {
+                v.extend((s as i64)..(s as i64 + n as i64));
+            }
+        }
+        v
+    }
+
     pub fn num_seqs(&self) -> usize {
         self.seq_ids.len()
     }
@@ -115,9 +143,6 @@ impl StepOutput {
         self.seq_index.clear();
         self.num_tokens.clear();
         self.start_pos.clear();
-        self.input_ids.clear();
-        self.positions.clear();
-        self.slot_mapping.clear();
         self.table_rows.clear();
         self.sample_rows.clear();
         self.sample_seq_ids.clear();
@@ -132,8 +157,8 @@ impl StepOutput {
         self.num_batched_tokens = 0;
     }
 
-    /// Pre-size the per-sequence and per-token arrays from the previous step's sizes.
-    pub(crate) fn with_capacity(step: u64, seqs: usize, tokens: usize) -> Self {
+    /// Pre-size the per-sequence arrays from the previous step's size.
+    pub(crate) fn with_capacity(step: u64, seqs: usize) -> Self {
         StepOutput {
             step,
             seq_ids: Vec::with_capacity(seqs),
@@ -143,9 +168,6 @@ impl StepOutput {
             num_tokens: Vec::with_capacity(seqs),
             table_rows: Vec::with_capacity(seqs),
             start_pos: Vec::with_capacity(seqs),
-            input_ids: Vec::with_capacity(tokens),
-            positions: Vec::with_capacity(tokens),
-            slot_mapping: Vec::with_capacity(tokens),
             sample_rows: Vec::with_capacity(seqs),
             sample_seq_ids: Vec::with_capacity(seqs),
             sample_handles: Vec::with_capacity(seqs),
@@ -159,7 +181,11 @@ impl StepOutput {
     /// scheduler's pending list) and returns it.
     pub(crate) fn seal_tables(&mut self) -> SharedTables {
         let rows = std::mem::take(&mut self.table_rows);
-        self.tables = Arc::new(Mutex::new(LazyTables { rows, built: None }));
+        self.tables = Arc::new(Mutex::new(LazyTables {
+            rows,
+            built: None,
+            input_ids: None,
+        }));
         Arc::clone(&self.tables)
     }
 

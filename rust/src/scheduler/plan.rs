@@ -44,7 +44,9 @@ pub(super) struct PlanItem {
     row: u32,
 }
 
-/// Appends one scheduled sequence's tokens, positions and slots to the step arrays.
+/// Records one scheduled sequence's row. The per-token arrays are built from it on access
+/// (`Scheduler::input_ids` / `slot_mapping`, `StepOutput::positions`); a single-token row
+/// keeps its token and slot inline.
 #[inline]
 #[allow(clippy::too_many_arguments)]
 fn record(
@@ -63,33 +65,24 @@ fn record(
     out.seq_index.push(index as i32);
     out.num_tokens.push(take as i32);
     out.start_pos.push(start as i32);
+    let (token, slot) = if take == 1 {
+        (
+            s.tokens[start],
+            (s.table[start / bs] as usize * bs + start % bs) as i64,
+        )
+    } else {
+        (0, 0)
+    };
     out.table_rows.push(TableRow {
         handle,
         seq: index,
         len: s.table.len() as u32,
+        start: start as u32,
+        n: take as u32,
+        token,
+        slot,
     });
-    let end = start + take;
-    if take == 1 {
-        out.input_ids.push(s.tokens[start] as i64);
-        out.positions.push(start as i64);
-        out.slot_mapping
-            .push((s.table[start / bs] as usize * bs + start % bs) as i64);
-        return;
-    }
-    // Prefill: extend from exact-size (TrustedLen) iterators: one pass per array, no
-    // zero-fill first (the resize-then-overwrite version wrote every token twice).
-    out.input_ids
-        .extend(s.tokens[start..end].iter().map(|&t| t as i64));
-    out.positions.extend((start as i64)..(end as i64));
-    let mut p = start;
-    while p < end {
-        let b = p / bs;
-        let block_end = end.min((b + 1) * bs);
-        let base = (s.table[b] as usize * bs) as i64 - (b * bs) as i64;
-        out.slot_mapping
-            .extend(((p as i64)..(block_end as i64)).map(|q| base + q));
-        p = block_end;
-    }
+    out.num_batched_tokens += take;
 }
 
 impl Scheduler {
@@ -287,10 +280,12 @@ impl Scheduler {
             handle: r.handle,
             seq: 0,
             len: r.table_len,
+            start: r.pos,
+            n: 1,
+            token: r.token,
+            slot: r.slot,
         }));
-        out.input_ids.extend(rows.iter().map(|r| r.token as i64));
-        out.positions.extend(rows.iter().map(|r| r.pos as i64));
-        out.slot_mapping.extend(rows.iter().map(|r| r.slot));
+        out.num_batched_tokens += n;
         out.sample_rows.extend((base as i64)..((base + n) as i64));
         out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
         out.sample_handles.extend_from_slice(&out.handles[base..]);
