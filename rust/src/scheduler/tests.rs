@@ -315,6 +315,20 @@ fn random_workloads_terminate_without_leaks() {
     }
 }
 
+/// The workload of the lazy-output tests: a tiny pool, n=2 groups (forks, CoW of their
+/// tails) and enough requests that `mode` preempts.
+fn lockstep_workload(mode: PreemptionMode) -> Scheduler {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.preemption_mode = mode;
+    let mut s = Scheduler::new(cache(4, 24, 24), c).unwrap();
+    for t in 0..6 {
+        let n = if t % 2 == 0 { 2 } else { 1 };
+        s.add_request(&format!("r{t}"), req(t, 6 + t as usize, n, 10 + t as usize))
+            .unwrap();
+    }
+    s
+}
+
 /// Block tables are built lazily: an output kept across later steps (CoW of forked tails,
 /// preemption by recompute and swap, finishes, released requests) must still report the
 /// tables of its own step. Two identical schedulers run in lockstep; one reads each step's
@@ -322,18 +336,7 @@ fn random_workloads_terminate_without_leaks() {
 #[test]
 fn lazy_block_tables_survive_later_steps() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let make = || {
-            let mut c = cfg(Strategy::Unified, 64);
-            c.preemption_mode = mode;
-            let mut s = Scheduler::new(cache(4, 24, 24), c).unwrap();
-            for t in 0..6 {
-                let n = if t % 2 == 0 { 2 } else { 1 };
-                s.add_request(&format!("r{t}"), req(t, 6 + t as usize, n, 10 + t as usize))
-                    .unwrap();
-            }
-            s
-        };
-        let (mut eager, mut lazy) = (make(), make());
+        let (mut eager, mut lazy) = (lockstep_workload(mode), lockstep_workload(mode));
         let mut expected = Vec::new();
         let mut kept = Vec::new();
         let mut preemptions = 0;
@@ -370,18 +373,7 @@ fn slot_generation_and_hot_request_fields_share_a_line() {
 #[test]
 fn lazy_token_arrays_survive_later_steps() {
     for mode in [PreemptionMode::Recompute, PreemptionMode::Swap] {
-        let make = || {
-            let mut c = cfg(Strategy::Unified, 64);
-            c.preemption_mode = mode;
-            let mut s = Scheduler::new(cache(4, 24, 24), c).unwrap();
-            for t in 0..6 {
-                let n = if t % 2 == 0 { 2 } else { 1 };
-                s.add_request(&format!("r{t}"), req(t, 6 + t as usize, n, 10 + t as usize))
-                    .unwrap();
-            }
-            s
-        };
-        let (mut eager, mut lazy) = (make(), make());
+        let (mut eager, mut lazy) = (lockstep_workload(mode), lockstep_workload(mode));
         let mut expected = Vec::new();
         let mut kept = Vec::new();
         let (mut preemptions, mut copies, mut prefill_rows) = (0, 0, 0);
