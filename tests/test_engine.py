@@ -138,3 +138,15 @@ def test_periodic_stats_log_line_reports_throughput_queues_usage_hits_and_preemp
     for part in ("generation", "tok/s", "running", "waiting", "swapped", "KV usage",
                  "prefix hit rate", "preemptions"):
         assert part in line
+
+
+def test_metrics_and_cached_tokens_are_recorded_at_first_scheduling(llm):
+    prefix = list(range(1, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate({"prompt_token_ids": prefix + [50]}, params, use_tqdm=False)
+    (out,) = llm.generate({"prompt_token_ids": prefix + [60]}, params, use_tqdm=False)
+    metrics = out.metrics
+    assert metrics.first_scheduled_time is not None and metrics.time_in_queue >= 0
+    assert metrics.first_token_time >= metrics.first_scheduled_time
+    assert out.num_cached_tokens == 36  # 9 full blocks of 4 reused from the first request
+    assert not llm.engine._unscheduled

@@ -150,6 +150,9 @@ class LLMEngine:
         self.sampler = Sampler(generator)
         self.requests: dict[str, _Request] = {}
         self._aborted: list[str] = []
+        # added but never scheduled: only these need first-scheduling bookkeeping, so a pure
+        # decode step skips reading the step's request ids
+        self._unscheduled: set[str] = set()
         self.timings = StepTimings()
         self._stats = _ThroughputStats(args.stats_log_interval, enabled=not args.disable_log_stats)
 
@@ -263,6 +266,7 @@ class LLMEngine:
             for seq in seqs:
                 seq.cumulative_logprob = 0.0
                 seq.logprobs = [] if params.logprobs is not None else None
+        self._unscheduled.add(request_id)
         self.requests[request_id] = _Request(request_id, text, token_ids, params, seqs,
                                              RequestMetrics(arrival_time=arrival),
                                              stop_token_ids=frozenset(
@@ -329,7 +333,7 @@ class LLMEngine:
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
             request.finish_all("length", reason)
             touched[request_id] = request
-        self._note_scheduled(step, t1)
+        self._note_scheduled(step)
         inputs = self.runner.prepare_step(step)
         t2 = time.perf_counter()
         logits = self.runner.forward(inputs) if inputs is not None else None
@@ -346,15 +350,17 @@ class LLMEngine:
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
+                self._unscheduled.discard(request.request_id)
         return outputs
 
-    def _note_scheduled(self, step, now: float) -> None:
-        for request_id in set(step.request_ids):
-            request = self.requests[request_id]
-            metrics = request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = time.time()
-                metrics.time_in_queue = metrics.first_scheduled_time - metrics.arrival_time
+    def _note_scheduled(self, step) -> None:
+        if self._unscheduled and step.num_seqs:
+            now = time.time()
+            for request_id in self._unscheduled.intersection(step.request_ids):
+                self._unscheduled.discard(request_id)
+                request = self.requests[request_id]
+                request.metrics.first_scheduled_time = now
+                request.metrics.time_in_queue = now - request.metrics.arrival_time
                 request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
         for request_id in step.preempted:
             self.requests[request_id].metrics.num_preemptions += 1
