@@ -275,3 +275,46 @@ def test_no_leaks(scheduling, preemption_mode):
         assert steps < 2000
     assert s.num_waiting() == s.num_running() == s.num_swapped() == 0
     assert all_blocks_free(s)
+
+
+def _run_swap_workload(s, num_requests: int, n: int) -> dict:
+    """Steps a swap-heavy workload to the end, checking after every step that a group swapped
+    back in computes its tokens in that same step and that every step computes something."""
+    for i in range(num_requests):
+        s.add_request(f"r{i}", prompt(i, 40), n=n, max_tokens=150, ignore_eos=True)
+    swapped_in = 0
+    for _ in range(5000):
+        if not s.has_unfinished_requests():
+            break
+        before = set(s.swapped_ids())
+        out, _ = step(s)
+        assert out.num_batched_tokens > 0 or out.finished, "a step with work computed nothing"
+        back = before.intersection(s.running_ids())
+        assert back <= set(out.request_ids), f"{back} swapped in without computing a token"
+        swapped_in += len(back)
+    assert not s.has_unfinished_requests()
+    assert all_blocks_free(s)
+    return {"swapped_in": swapped_in, **s.get_stats()}
+
+
+@pytest.mark.parametrize("scheduling", STRATEGIES)
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("n", [1, 2])
+def test_swapped_in_group_computes_in_the_step_it_returns(scheduling, caching, n):
+    # 24 blocks of 16 with host room for everything: 5 requests outgrow the pool while
+    # decoding, so groups are swapped out and back in many times
+    s = make(scheduling=scheduling, block_size=16, num_gpu_blocks=24, num_cpu_blocks=200,
+             max_model_len=400, preemption_mode="swap", enable_prefix_caching=caching)
+    stats = _run_swap_workload(s, num_requests=5, n=n)
+    assert stats["num_preemptions_swap"] > 0 and stats["swapped_in"] > 0
+    assert stats["num_ignored"] == 0
+
+
+@pytest.mark.parametrize("scheduling", STRATEGIES)
+def test_swap_in_keeps_the_watermark_while_others_run(scheduling):
+    # with a watermark the swap-in also counts it, yet every group still finishes
+    s = make(scheduling=scheduling, block_size=16, num_gpu_blocks=24, num_cpu_blocks=200,
+             max_model_len=400, preemption_mode="swap", watermark=0.1)
+    stats = _run_swap_workload(s, num_requests=5, n=2)
+    assert stats["swapped_in"] > 0 and stats["num_ignored"] == 0
+

@@ -814,6 +814,31 @@ impl KvCacheManager {
             .unwrap_or(AllocStatus::Never)
     }
 
+    /// OK / LATER / NEVER for swapping the group back in *and* then taking `extra_blocks`
+    /// more (the appends and CoW copies of the tokens it computes in the same step): a group
+    /// swapped in without room for its next tokens would only be swapped out again.
+    /// `keep_watermark` is false when nothing else runs: the watermark protects running
+    /// requests, and with none it would only keep the group out for good.
+    pub fn can_swap_in_and_grow(
+        &self,
+        seqs: &[SeqId],
+        extra_blocks: usize,
+        keep_watermark: bool,
+    ) -> AllocStatus {
+        let Ok(distinct) = self.group_blocks(seqs, Location::Host) else {
+            return AllocStatus::Never;
+        };
+        let needed = distinct.len() + extra_blocks;
+        let reserve = if keep_watermark { self.watermark_blocks } else { 0 };
+        if needed > self.gpu.num_blocks() {
+            AllocStatus::Never
+        } else if self.gpu.num_free() < needed + reserve {
+            AllocStatus::Later
+        } else {
+            AllocStatus::Ok
+        }
+    }
+
     /// Moves the group's host blocks back to device blocks (sharing kept) and frees the host
     /// blocks. Returns the (host, device) copy pairs.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
@@ -1418,6 +1443,26 @@ mod tests {
         m.swap_out(&[1]).unwrap();
         assert_eq!(m.can_swap_in(&[1], 0), AllocStatus::Ok);
         assert_eq!(m.can_swap_in(&[1], 1), AllocStatus::Never);
+    }
+
+    #[test]
+    fn swap_in_and_grow_counts_the_next_blocks_and_the_watermark_only_when_asked() {
+        // 10 device blocks, watermark 2 (20 %); a group of 6 blocks needing 2 more to grow
+        let mut m = KvCacheManager::new(CacheConfig {
+            block_size: 4,
+            num_gpu_blocks: 10,
+            num_cpu_blocks: 10,
+            watermark: 0.2,
+            enable_prefix_caching: false,
+        })
+        .unwrap();
+        alloc(&mut m, 1, &toks(0..24));
+        m.swap_out(&[1]).unwrap();
+        assert_eq!(m.can_swap_in_and_grow(&[1], 2, false), AllocStatus::Ok);
+        assert_eq!(m.can_swap_in_and_grow(&[1], 3, true), AllocStatus::Later);
+        assert_eq!(m.can_swap_in_and_grow(&[1], 4, false), AllocStatus::Ok);
+        assert_eq!(m.can_swap_in_and_grow(&[1], 5, false), AllocStatus::Never);
+        assert_eq!(m.can_swap_in_and_grow(&[2], 0, false), AllocStatus::Never);
     }
 
     #[test]

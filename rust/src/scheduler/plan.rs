@@ -109,6 +109,9 @@ impl Scheduler {
             .expect("planned request exists");
         let fork_pending = req.needs_fork();
         let leader = req.leader();
+        // A swapped-out group is planned over its host tables (same shape and sharing as
+        // the device tables it gets back), so a swap-in can be sized before it happens.
+        let swapped = req.status == super::RequestStatus::Swapped;
         let (mut left, mut tokens, mut needed) = (budget, 0usize, 0usize);
         for (i, s) in req.seqs.iter().enumerate() {
             if s.is_finished() || (!req.forked && i != leader) {
@@ -140,15 +143,25 @@ impl Scheduler {
             left -= take;
             let end = s.num_computed + take + la;
             let blocks = end.div_ceil(bs);
-            let have = s.table.len();
+            let table: &[crate::BlockId] = if swapped {
+                self.mgr.block_table(s.id).unwrap_or(&[])
+            } else {
+                &s.table
+            };
+            let have = table.len();
             let grow = blocks.saturating_sub(have);
             // Exact CoW count: a block shared by k sequences is copied by the first k - 1
             // writers only (the conservative one-per-sequence count can livelock a group
             // that was just swapped back in).
             let mut cow = 0;
             if s.tail_shared {
-                for &b in &s.table[(s.num_computed / bs).min(have)..blocks.min(have)] {
-                    let refs = self.mgr.gpu_ref_count(b).unwrap_or(1) as usize;
+                for &b in &table[(s.num_computed / bs).min(have)..blocks.min(have)] {
+                    let refs = if swapped {
+                        self.mgr.cpu_ref_count(b)
+                    } else {
+                        self.mgr.gpu_ref_count(b)
+                    };
+                    let refs = refs.unwrap_or(1) as usize;
                     let copied = self.cow_scratch.iter().filter(|&&c| c == b).count();
                     if refs - copied.min(refs) > 1 {
                         cow += 1;
@@ -580,15 +593,17 @@ impl Scheduler {
     }
 
     /// Brings swapped groups back (queue order) while `max_num_seqs`, the budget and the
-    /// pool allow; each joins the tail of `running` and gets its tokens this step if blocks
-    /// remain. A group that can never fit again finishes as ignored.
+    /// pool allow; each joins the tail of `running` and computes its tokens in this very
+    /// step: a group is swapped in only when the pool holds its blocks *and* the slots of
+    /// those tokens (vLLM V0's `can_swap_in` with lookahead), else it would be swapped out
+    /// again next step without having advanced. A group that can never fit again finishes
+    /// as ignored.
     pub(super) fn swap_in_groups(
         &mut self,
         left: &mut usize,
         cut: Cut,
         out: &mut StepOutput,
     ) -> Result<()> {
-        let la = self.cfg.num_lookahead_slots;
         while let Some(&h) = self.swapped.front() {
             if *left == 0 {
                 break;
@@ -606,13 +621,25 @@ impl Scheduler {
                 self.seq_scratch
                     .extend(req.active_seqs().map(|i| req.seqs[i].id));
             }
-            match self.mgr.can_swap_in(&self.seq_scratch, la) {
+            let keep_watermark = !self.running.is_empty();
+            let (mut tokens, mut needed) = self.plan_request(h, *left, cut);
+            let mut status = self.swap_in_status(tokens, needed, keep_watermark);
+            if status != AllocStatus::Ok && cut == Cut::Split && tokens > 1 {
+                // A group swapped out mid-prompt may still fit with a one-token chunk.
+                (tokens, needed) = self.plan_request(h, 1, cut);
+                status = self.swap_in_status(tokens, needed, keep_watermark);
+            }
+            if tokens == 0 {
+                // `Whole` and the budget cannot take its tokens: it waits, keeping its place.
+                break;
+            }
+            match status {
                 AllocStatus::Later => break,
                 AllocStatus::Never => {
                     self.swapped.pop_front();
                     let reason = format!(
                         "swapped-out group needs more KV blocks than the device pool has ({} \
-                         blocks)",
+                         blocks) to compute its next tokens",
                         self.num_gpu_blocks
                     );
                     self.finish_ignored(h, reason, out)?;
@@ -640,12 +667,21 @@ impl Scheduler {
             }
             self.running_seats += seats;
             self.running.push(h);
-            let (tokens, needed) = self.plan_request(h, *left, cut);
-            if tokens > 0 && needed <= self.mgr.num_free_gpu_blocks() {
-                self.apply_plan(h, out)?;
-                *left -= tokens;
-            }
+            // The plan made over the host tables holds for the device tables (same shape
+            // and sharing), and the blocks it needs were counted above.
+            self.apply_plan(h, out)?;
+            *left -= tokens;
         }
         Ok(())
+    }
+
+    /// Swap-in verdict for the group in `seq_scratch` that would then compute `tokens`
+    /// needing `needed` more blocks.
+    fn swap_in_status(&self, tokens: usize, needed: usize, keep_watermark: bool) -> AllocStatus {
+        if tokens == 0 {
+            return AllocStatus::Later;
+        }
+        self.mgr
+            .can_swap_in_and_grow(&self.seq_scratch, needed, keep_watermark)
     }
 }

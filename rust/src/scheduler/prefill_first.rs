@@ -1,5 +1,6 @@
 //! `prefill_first` (vLLM V0 default): a step is all prefills (whole prompts, admitted while
-//! nothing is swapped out) or all decodes (with tail preemption, then swap-in).
+//! nothing is swapped out, or under `priority` when they outrank every swapped group) or
+//! all decodes (with tail preemption, then swap-in).
 use crate::error::Result;
 
 use super::output::StepOutput;
@@ -14,16 +15,17 @@ impl Scheduler {
         out: &mut StepOutput,
     ) -> Result<bool> {
         let mut left = self.cfg.max_num_batched_tokens;
-        if self.swapped.is_empty()
-            && delay_passed
-            && self.admit_waiting(&mut left, Cut::Whole, out)?
-        {
+        self.sort_running_by_rank();
+        // Under `priority` the victims go first, so the request they make room for is
+        // admitted in this very step (a step that only preempts computes nothing).
+        let made_room =
+            self.cfg.policy == Policy::Priority && self.preempt_for_waiting(Cut::Whole, out)?;
+        // `admit_waiting` keeps admission closed while groups are swapped out (under
+        // `priority`, open to requests that outrank them).
+        if delay_passed && self.admit_waiting(&mut left, Cut::Whole, out)? {
             return Ok(true);
         }
-        self.sort_running_by_rank();
-        let mut preempted =
-            self.cfg.policy == Policy::Priority && self.preempt_for_waiting(Cut::Whole, out)?;
-        preempted |= self.schedule_running(&mut left, Cut::Whole, out)?;
+        let preempted = made_room | self.schedule_running(&mut left, Cut::Whole, out)?;
         if !preempted {
             self.swap_in_groups(&mut left, Cut::Whole, out)?;
         }
