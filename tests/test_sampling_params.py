@@ -37,6 +37,27 @@ def test_invalid_field_raises_value_error_naming_it(name, value):
         SamplingParams(**{name: value}, **extra)
 
 
+@pytest.mark.parametrize(("name", "value", "limit"), [
+    ("max_tokens", 2**64, 2**63 - 1), ("max_tokens", 2**63, 2**63 - 1),
+    ("n", 2**70, 2**63 - 1), ("best_of", 2**64, 2**63 - 1),
+    ("min_tokens", 2**63, 2**63 - 1), ("logprobs", 2**64, 2**63 - 1),
+    ("top_k", 2**63, 2**63 - 1), ("seed", 2**64, 2**64 - 1), ("seed", -2**63 - 1, -2**63),
+    ("stop_token_ids", [3, 2**32], 2**32 - 1),
+], ids=repr)
+def test_integer_beyond_its_type_is_a_value_error_naming_field_and_limit(name, value, limit):
+    with pytest.raises(ValueError, match=name) as info:  # never a bare OverflowError
+        SamplingParams(**{name: value})
+    assert str(limit) in str(info.value)
+
+
+def test_integer_fields_accept_the_largest_value_of_their_type():
+    big = 2**63 - 1
+    p = SamplingParams(max_tokens=big, min_tokens=big, n=big, best_of=big, logprobs=big,
+                       top_k=big, seed=2**64 - 1, stop_token_ids=[2**32 - 1])
+    assert p.num_samples == big
+    assert SamplingParams(seed=-2**63).seed == -2**63
+
+
 def test_error_message_shows_the_bad_value():
     with pytest.raises(ValueError, match=r"-0\.5"):
         SamplingParams(temperature=-0.5)

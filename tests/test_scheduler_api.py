@@ -50,6 +50,121 @@ def test_bad_request_is_a_value_error_naming_the_request(kwargs, message):
     assert not s.has_unfinished_requests()
 
 
+def assert_nothing_queued_and_a_good_request_runs(s):
+    assert not s.has_unfinished_requests() and s.request_status("req-7") is None
+    s.add_request("good", [1, 2, 3], max_tokens=1)
+    out, finished = step(s)
+    assert out.request_ids == ["good"] and finished[0][:3] == ("good", 0, "length")
+    assert all_blocks_free(s)
+
+
+@pytest.mark.parametrize("n", [5, 2**40, 2**70])
+def test_n_above_max_num_seqs_is_rejected_before_allocation(n):
+    s = make(num_gpu_blocks=8, max_num_seqs=4)
+    # 2**40 sequences used to be allocated first and abort the process
+    with pytest.raises(ValueError, match=r"n must be <= 4 \(max_num_seqs\)") as info:
+        s.add_request("req-7", [1, 2, 3], n=n)
+    assert "req-7" in str(info.value)
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+def test_n_equal_to_max_num_seqs_is_accepted():
+    s = make(num_gpu_blocks=16, max_num_seqs=4)
+    s.add_request("a", [1, 2, 3], n=4)
+    out, _ = step(s)
+    assert out.num_samples == 4
+
+
+@pytest.mark.parametrize("field, value, limit", [
+    ("max_tokens", 2**63, 2**63 - 1), ("max_tokens", 2**64, 2**63 - 1),
+    ("min_tokens", 2**63, 2**63 - 1), ("priority", 2**70, 2**63 - 1),
+    ("priority", -2**70, -2**63), ("extra_key", 2**64, 2**64 - 1), ("extra_key", -1, 0),
+    ("eos_token_id", 2**40, 2**32 - 1),
+], ids=repr)
+def test_integer_argument_out_of_range_names_request_field_and_limit(field, value, limit):
+    s = make(num_gpu_blocks=8)
+    with pytest.raises(ValueError, match=field) as info:  # not a bare OverflowError
+        s.add_request("req-7", [1, 2, 3], **{field: value})
+    assert "req-7" in str(info.value) and str(limit) in str(info.value)
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 1.5), ("n", True), ("max_tokens", 3.0), ("priority", "1"), ("eos_token_id", 2.0),
+], ids=repr)
+def test_non_integer_argument_is_refused_not_truncated(field, value):
+    s = make(num_gpu_blocks=8)
+    with pytest.raises(ValueError, match=f"{field} must be an int") as info:
+        s.add_request("req-7", [1, 2, 3], **{field: value})
+    assert "req-7" in str(info.value)
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+@pytest.mark.parametrize("ids, where", [
+    ([72.9, 105.9], r"\[0\].*float 72.9"), (["5"], r"\[0\].*str"), ([True, 1], r"\[0\].*bool"),
+    ([1, True], r"\[1\].*bool"), ([1, None], r"\[1\].*None"), ([1, float("nan")], r"\[1\].*nan"),
+    ((1, 2.5), r"\[1\].*float"), ([1, 2**70], r"\[1\].*out of range"),
+    (np.array([72.9, 105.9]), "dtype float64"), (np.array([True, False]), "dtype bool"),
+    (np.array([2**64 - 1], dtype=np.uint64), "out of range"), ("hello", "got str"),
+    (5, "got int"), (np.array([[1, 2]]), "one-dimensional"),
+], ids=repr)
+def test_prompt_ids_that_are_not_integers_are_refused(ids, where):
+    s = make(num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="prompt_token_ids.*" + where) as info:
+        s.add_request("req-7", ids)
+    assert "req-7" in str(info.value)
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+@pytest.mark.parametrize("ids", [[5, 1.5], [True], np.array([5.0])], ids=repr)
+def test_stop_token_ids_that_are_not_integers_are_refused(ids):
+    s = make(num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="stop_token_ids") as info:
+        s.add_request("req-7", [1, 2, 3], stop_token_ids=ids)
+    assert "req-7" in str(info.value)
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+def test_numpy_integer_scalars_are_accepted_as_ints():
+    s = make(num_gpu_blocks=16)
+    s.add_request("a", [np.int32(5), np.uint16(6), 7], n=np.int64(2), max_tokens=np.uint8(1),
+                  priority=np.int8(-1), eos_token_id=np.int64(2), stop_token_ids=(np.int16(3),))
+    out, finished = step(s)
+    assert out.input_ids.tolist() == [5, 6, 7] and out.num_samples == 2
+    assert [f[4] for f in finished] == [False, True]
+
+
+@pytest.mark.parametrize("sampled", [np.array([7.9]), [7.9], np.array([True]), [True]], ids=repr)
+def test_sampled_tokens_must_be_integers(sampled):
+    s = make(num_gpu_blocks=8)
+    s.add_request("a", [1, 2, 3], max_tokens=4)
+    out = s.schedule()
+    with pytest.raises(ValueError, match="sampled_token_ids"):
+        s.update_from_output(out, sampled)
+    s.update_from_output(out, np.array([7]))  # the step was not applied: it still takes samples
+    out, _ = step(s)
+    assert out.input_ids.tolist() == [7]
+
+
+@pytest.mark.parametrize("request_id", [5, None, b"a"], ids=repr)
+def test_request_id_must_be_a_str(request_id):
+    s = make(num_gpu_blocks=8)
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        s.add_request(request_id, [1, 2, 3])
+    assert not s.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("arg", [5, None, ["a", 5]], ids=repr)
+def test_abort_takes_a_str_or_an_iterable_of_str(arg):
+    s = make(num_gpu_blocks=8)
+    s.add_request("a", [1, 2, 3])
+    with pytest.raises(TypeError, match=r"abort_request takes a request id \(str\)"):
+        s.abort_request(arg)
+    assert s.waiting_ids() == ["a"]  # nothing aborted, not even the valid ids before the bad one
+    s.abort_request(("a",))
+    assert not s.has_unfinished_requests()
+
+
 def test_duplicate_id_leaves_the_first_request_untouched():
     s = make(num_gpu_blocks=8)
     s.add_request("a", [1, 2, 3], max_tokens=4)

@@ -304,7 +304,14 @@ class Scheduler:
         stop_token_ids: _IntArray | None = None,
         ignore_eos: bool = False,
         extra_key: int = 0,
-    ) -> None: ...
+    ) -> None:
+        """Queue a request. ``ValueError`` naming the request (and the field and its limit)
+        for an empty prompt, a duplicate id, ``n`` above ``max_num_seqs``, token ids that are
+        not integers (floats, bools, strings are refused, never truncated), integers outside
+        their range (counts and ``priority``: int64; token ids: uint32; ``extra_key``: uint64);
+        ``TypeError`` for a ``request_id`` that is not a str. Nothing is queued then. A request
+        that can never be served (prompt too long, more blocks than the cache) is reported by
+        the next ``schedule()`` in ``finished``."""
     def schedule(self, now: float | None = None) -> SchedulerOutput: ...
     def update_from_output(
         self,
@@ -313,8 +320,11 @@ class Scheduler:
         stop_string_hit: _npt.NDArray[_np.bool_] | _Sequence[bool] | None = None,
     ) -> list[tuple[str, int, str, int | None, bool]]:
         """(request_id, seq_index, finish_reason, stop_reason, request_finished) per finished
-        sequence."""
-    def abort_request(self, request_id: str | _Iterable[str]) -> None: ...
+        sequence. ``sampled_token_ids`` must be integers (an integer-dtype array or a list of
+        ints): a float or bool array is a ``ValueError`` naming it, never truncated."""
+    def abort_request(self, request_id: str | _Iterable[str]) -> None:
+        """Abort one id or an iterable of ids; unknown and finished ids are ignored. Anything
+        but a str or an iterable of str is a ``TypeError``, raised before anything is aborted."""
     def num_waiting(self) -> int: ...
     def num_running(self) -> int: ...
     def num_swapped(self) -> int: ...

@@ -11,6 +11,12 @@ from typing import Any
 # Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
 SAMPLING_EPS = 1e-5
 
+# Integer fields end up in Rust (usize / i64 counts, u32 token ids) or torch (int64): the
+# limits of those types, checked here so a huge value is a ValueError naming the field, not a
+# bare OverflowError (or an allocation failure) later.
+MAX_INT64 = 2**63 - 1
+MAX_TOKEN_ID = 2**32 - 1
+
 
 def _fail(name: str, value: Any, rule: str) -> None:
     raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
@@ -25,9 +31,11 @@ def _is_real(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and not math.isnan(value)
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+def _check_int(name: str, value: Any, low: int, high: int = MAX_INT64) -> None:
     if not _is_int(value) or value < low:
         _fail(name, value, f"must be an int >= {low}")
+    if value > high:
+        _fail(name, value, f"must be <= {high}")
 
 
 def _check_real(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
@@ -49,14 +57,21 @@ def _normalize_stop(stop: Any) -> list[str]:
 def _normalize_stop_token_ids(ids: Any) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-        _fail("stop_token_ids", ids, "must be None or a list of token ids (ints >= 0)")
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID
+                                                     for i in ids):
+        _fail("stop_token_ids", ids,
+              f"must be None or a list of token ids (ints in [0, {MAX_TOKEN_ID}])")
     return list(ids)
 
 
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request; validated at construction (`ValueError` names the field).
+
+    Integer fields are bounded by the types that hold them: counts (`n`, `best_of`,
+    `max_tokens`, `min_tokens`, `logprobs`, `top_k`) by 2**63 - 1, `stop_token_ids` by 2**32 - 1,
+    `seed` to 64 bits. Limits that depend on the engine (`n` / `best_of` <= `max_num_seqs`,
+    `logprobs` <= the vocabulary size) are checked by `LLMEngine.add_request`.
 
     `temperature` below `SAMPLING_EPS` (e.g. 0) means greedy. `top_k` of -1 or 0 means no top-k.
     `stop` is normalized to a list of strings and `stop_token_ids` to a list of ints.
@@ -102,8 +117,9 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "must be None or an int")
+        if self.seed is not None and not (_is_int(self.seed)
+                                          and -2**63 <= self.seed < 2**64):
+            _fail("seed", self.seed, f"must be None or an int in [{-2**63}, {2**64 - 1}]")
 
     def _check_distribution(self) -> None:
         _check_real("temperature", self.temperature, 0.0, math.inf)

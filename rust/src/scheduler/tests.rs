@@ -55,6 +55,24 @@ fn step(s: &mut Scheduler, token: i64) -> (StepOutput, Vec<FinishedSeq>) {
 }
 
 #[test]
+fn n_above_max_num_seqs_is_rejected_before_allocation() {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 4;
+    let mut s = Scheduler::new(cache(4, 8, 0), c).unwrap();
+    // 2**40 sequences would abort the process if they were allocated first
+    for n in [5, 1 << 40] {
+        let err = s.add_request("big", req(0, 4, n, 4)).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains("\"big\"") && msg.contains("max_num_seqs=4"), "{msg}");
+    }
+    assert!(!s.has_unfinished_requests() && s.request_status("big").is_none());
+    s.add_request("ok", req(1, 4, 4, 2)).unwrap();
+    let (out, _) = step(&mut s, 7);
+    assert_eq!(out.num_samples(), 4);
+}
+
+#[test]
 fn prefill_first_batches_prompts_then_decodes() {
     let mut s = Scheduler::new(cache(4, 8, 0), cfg(Strategy::PrefillFirst, 64)).unwrap();
     for t in 0..4 {
