@@ -2,8 +2,10 @@
 
 Arrivals, aborts, priorities, n, sampled tokens (with EOS and stop ids in a tiny vocabulary)
 and tiny pools are generated. After every step: the core's invariants (manager + queues),
-budgets, the step arrays' consistency, and every live request in exactly one queue. At the
-end: every request finished or aborted within a bounded number of steps, every block free.
+budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step with
+work computes a token or ends a request) and no swap ping-pong (a group swapped back in
+computes its tokens in that step). Some workloads discard random steps (`discard_step`, as an
+engine does when a forward fails): nothing is lost. At the end: every request finished or aborted within a bounded number of steps, every block free.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ workload_st = st.fixed_dictionaries({
     "threshold": st.sampled_from([0, 3]),
     "lookahead": st.sampled_from([0, 0, 2]),
     "caching": st.booleans(),
+    "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
     # per step: new requests, then aborts (indices into the requests added so far)
     "steps": st.lists(st.tuples(st.lists(request_st, max_size=3),
                                 st.lists(st.integers(0, 40), max_size=1)),
@@ -99,10 +102,26 @@ def run_workload(scheduling, policy, mode, w) -> int:
 
     def one_step() -> None:
         nonlocal steps
+        had_work = s.has_unfinished_requests()
+        swapped_before = set(s.swapped_ids())
         out = s.schedule()
+        # liveness: a step with work left computes a token or ends a request, and a group
+        # swapped back in computes its tokens in that same step (no swap ping-pong)
+        assert not had_work or out.num_batched_tokens > 0 or out.finished, \
+            f"step {steps} scheduled nothing: {s.get_stats()}"
+        swapped_in = swapped_before.intersection(s.running_ids())
+        assert swapped_in <= set(out.request_ids), f"swapped in without tokens: {swapped_in}"
         for rid, reason in out.finished:
             assert reason
             finish(rid)
+        if rng.random() < w["fault_rate"]:
+            # the step "failed": taken back, its requests recompute later, nothing is lost
+            rolled_back = s.discard_step(out)
+            assert set(rolled_back) >= set(out.request_ids) - set(out.finished)
+            assert all(s.request_status(r) == "PREEMPTED" for r in rolled_back)
+            check_step(s, out, cfg, live)
+            steps += 1
+            return
         sampled = rng.integers(0, VOCAB, out.num_samples)
         for rid, _, reason, _, request_done in s.update_from_output(out, sampled):
             assert reason in ("stop", "length")
@@ -114,6 +133,11 @@ def run_workload(scheduling, policy, mode, w) -> int:
     for arrivals, aborts in w["steps"]:
         for r in arrivals:
             rid = f"r{len(added)}"
+            if r["n"] > w["max_num_seqs"]:  # refused up front, nothing queued
+                with pytest.raises(ValueError, match="max_num_seqs"):
+                    s.add_request(rid, r["prompt"], n=r["n"])
+                assert s.request_status(rid) is None
+                continue
             s.add_request(rid, r["prompt"], n=r["n"], priority=r["priority"],
                           max_tokens=r["max_tokens"], min_tokens=min(r["min_tokens"], r["max_tokens"]),
                           eos_token_id=0 if r["eos"] else None,
@@ -129,6 +153,7 @@ def run_workload(scheduling, policy, mode, w) -> int:
                     finish(rid)
         one_step()
     bound = 200 + 20 * work  # recompute may redo work; no livelock may exceed this
+    w["fault_rate"] = 0.0  # the drain below must end
     while s.has_unfinished_requests():
         assert steps < bound, f"no progress after {steps} steps: {s.get_stats()}"
         one_step()

@@ -68,6 +68,7 @@ class _Request:
     metrics: RequestMetrics
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop ids
     num_cached_tokens: int = 0
+    num_faults: int = 0  # failed steps this request was part of (see LLMEngine.MAX_STEP_FAULTS)
 
     @property
     def finished(self) -> bool:
@@ -113,7 +114,17 @@ class StepTimings:
 
 
 class LLMEngine:
-    """Step-wise engine (vLLM's names): add requests, call `step()` until nothing is left."""
+    """Step-wise engine (vLLM's names): add requests, call `step()` until nothing is left.
+
+    A step that fails after scheduling (building inputs, the forward, sampling) is rolled back:
+    its requests are recomputed by later steps, and `step()` re-raises the error. A request
+    that was part of `MAX_STEP_FAULTS` failed steps is given up instead: it finishes with
+    `finish_reason="abort"` and the error in `stop_reason`. A fault that belongs to one
+    request (its sampling or output processing raises) ends only that request, the same way,
+    without raising.
+    """
+
+    MAX_STEP_FAULTS = 3
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
@@ -149,6 +160,8 @@ class LLMEngine:
         generator.manual_seed(args.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, _Request] = {}
+        # finished requests whose final output the next step returns (aborted, or owed by a
+        # step that failed)
         self._aborted: list[str] = []
         # added but never scheduled: only these need first-scheduling bookkeeping, so a pure
         # decode step skips reading the step's request ids
@@ -240,13 +253,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. Bad input raises ValueError naming the request; nothing is queued."""
-        request_id = str(request_id)
+        """Queue a request. Bad input raises ValueError naming the request; nothing is queued.
+
+        `request_id` must be a str (TypeError otherwise, as in `abort_request`): ids are never
+        converted, so outputs carry, and `abort_request` takes, exactly the id given here.
+        Token ids must be ints (Python ints, numpy integers, an integer-dtype array); floats,
+        bools and strings are refused, never truncated. `n` and `best_of` are bounded by
+        `max_num_seqs`, `logprobs` by the vocabulary size, `priority` by the int64 range: each
+        a ValueError naming the request, the field and the limit, before anything is allocated.
+        """
+        _check_request_id(request_id, "request_id")
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        self._check_limits(request_id, params, arrival_time, priority)
         text, token_ids = self._tokenize(request_id, prompt)
         self._check_prompt(request_id, token_ids)
         eos_ids = list(self.model_config.eos_token_ids)
@@ -272,28 +294,59 @@ class LLMEngine:
                                              stop_token_ids=frozenset(
                                                  stop_ids + ([] if params.ignore_eos or eos is None else [eos])))
 
+    def _check_limits(self, request_id: str, params: SamplingParams, arrival_time: Any,
+                      priority: Any) -> None:
+        """Per-request bounds that depend on the engine, checked before anything is queued."""
+        max_seqs = self.scheduler.max_num_seqs
+        for name in ("n", "best_of"):
+            value = getattr(params, name)
+            if value is not None and value > max_seqs:
+                raise ValueError(f"request {request_id!r}: {name}={value} exceeds max_num_seqs="
+                                 f"{max_seqs} (the most sequences one request may have)")
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name, None)
+            if value is not None and value > vocab:
+                raise ValueError(f"request {request_id!r}: {name}={value} exceeds the vocabulary "
+                                 f"size {vocab}")
+        if not _is_int(priority) or not _INT64_MIN <= priority <= _INT64_MAX:
+            raise ValueError(f"request {request_id!r}: priority must be an int in "
+                             f"[{_INT64_MIN}, {_INT64_MAX}], got {priority!r}")
+        if arrival_time is not None and not (
+                (_is_int(arrival_time) or isinstance(arrival_time, float))
+                and math.isfinite(arrival_time)):
+            raise ValueError(f"request {request_id!r}: arrival_time must be None or a finite "
+                             f"number of seconds, got {arrival_time!r}")
+
     def _tokenize(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {request_id!r}: text prompts need a tokenizer "
                                  f"(the engine was built with skip_tokenizer_init=True)")
+            _check_text(request_id, "prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            text = prompt.get("prompt")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise ValueError(f"request {request_id!r}: 'prompt' must be None or a str, "
+                                     f"got {type(text).__name__}")
+                _check_text(request_id, "prompt", text)
+            return text, _token_id_list(request_id, prompt["prompt_token_ids"])
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, [int(t) for t in prompt]
+            return None, _token_id_list(request_id, prompt)
         raise ValueError(f"request {request_id!r}: unsupported prompt type {type(prompt).__name__}")
 
     def _check_prompt(self, request_id: str, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the "
-                             f"vocabulary [0, {vocab})")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:  # C-level passes; locate only if bad
+            i, bad = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab)
+            raise ValueError(f"request {request_id!r}: prompt token id {bad} (position {i}) is "
+                             f"outside the vocabulary [0, {vocab})")
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
         if self.tokenizer is None:
@@ -301,10 +354,23 @@ class LLMEngine:
         return IncrementalDetokenizer.from_params(self.tokenizer, prompt_ids, params)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Abort requests in any queue; unknown or finished ids are ignored."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        """Abort requests in any queue; unknown or finished ids are ignored.
+
+        Takes one id (a str, as given to `add_request`) or an iterable of them; anything else
+        (an int, an iterable holding a non-str) is a TypeError, raised before anything is aborted.
+        """
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        else:
+            try:
+                ids = list(request_ids)
+            except TypeError:
+                raise TypeError(f"abort_request takes a request id (str) or an iterable of them, "
+                                f"got {type(request_ids).__name__} {request_ids!r}") from None
+            for request_id in ids:
+                _check_request_id(request_id, "abort_request: request id")
         for request_id in ids:
-            request = self.requests.get(str(request_id))
+            request = self.requests.get(request_id)
             if request is None or request.finished:
                 continue
             self.scheduler.abort_request(request.request_id)
@@ -320,7 +386,10 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns the (cumulative) state of every request it touched."""
+        """One scheduling step; returns the (cumulative) state of every request it touched.
+
+        If building, running or sampling the step raises, the step is rolled back (see the
+        class docstring) and the error re-raised; the engine keeps serving."""
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -333,25 +402,89 @@ class LLMEngine:
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
             request.finish_all("length", reason)
             touched[request_id] = request
-        self._note_scheduled(step)
-        inputs = self.runner.prepare_step(step)
-        t2 = time.perf_counter()
-        logits = self.runner.forward(inputs) if inputs is not None else None
-        t3 = time.perf_counter()
-        if logits is not None:
-            sampled = self._sample(step, logits)
+        sampled = None
+        try:
+            self._note_scheduled(step)
+            inputs = self.runner.prepare_step(step)
+            t2 = time.perf_counter()
+            logits = self.runner.forward(inputs) if inputs is not None else None
+            t3 = time.perf_counter()
+            faulty = {}
+            if logits is not None:
+                sampled, faulty = self._sample_isolating(step, logits)
+        except BaseException as exc:
+            self._roll_back(step, touched, exc)
+            raise
+        if faulty:
+            self._end_faulty(step, faulty, touched)
+            return self._outputs(touched)
+        t4 = t3
+        if sampled is not None:
             t4 = time.perf_counter()
             self._update(step, sampled, touched)
-        else:
-            t4 = t3
         t5 = time.perf_counter()
         self._account(step, (t0, t1, t2, t3, t4, t5))
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         outputs = [request.output() for request in touched.values()]
         for request in touched.values():
             if request.finished:
                 del self.requests[request.request_id]
                 self._unscheduled.discard(request.request_id)
         return outputs
+
+    # ---- step faults ------------------------------------------------------------------------
+
+    def _roll_back(self, step, touched: dict[str, _Request], exc: BaseException) -> None:
+        """Takes back a step that failed: its requests are recomputed by later steps (given up
+        after MAX_STEP_FAULTS; an interrupt counts against nobody), and the outputs the step
+        owed are returned by the next one."""
+        rolled_back = self.scheduler.discard_step(step)
+        counts = isinstance(exc, Exception)
+        for request_id in rolled_back:
+            request = self.requests[request_id]
+            request.num_faults += counts
+            if request.num_faults >= self.MAX_STEP_FAULTS:
+                self._give_up(request, f"gave up after {request.num_faults} failed steps; last "
+                                       f"error: {type(exc).__name__}: {exc}")
+                touched[request_id] = request
+        self._aborted.extend(touched)
+        exc.add_note(f"pagedllm: step {step.step} was rolled back; {len(rolled_back)} request(s) "
+                     f"will be recomputed by the next steps (the engine keeps serving)")
+
+    def _give_up(self, request: _Request, reason: str) -> None:
+        self.scheduler.abort_request(request.request_id)
+        request.finish_all("abort", reason)
+
+    def _sample_isolating(self, step, logits: torch.Tensor):
+        """(sampled, {}) normally; when batched sampling raises, (None, {request id: error}) of
+        the requests whose own rows fail to sample, or the error itself if none does alone."""
+        try:
+            return self._sample(step, logits), {}
+        except Exception:
+            rows_of: dict[str, list[int]] = {}
+            for k, request_id in enumerate(step.sample_request_ids):
+                rows_of.setdefault(request_id, []).append(k)
+            faulty = {}
+            for request_id, rows in rows_of.items():
+                try:
+                    self._sample(step, logits, rows)
+                except Exception as exc:
+                    faulty[request_id] = exc
+            if not faulty:
+                raise
+            return None, faulty
+
+    def _end_faulty(self, step, faulty: dict[str, Exception], touched: dict[str, _Request]) -> None:
+        """Ends the requests a fault belongs to; the rest of the step is recomputed later."""
+        self.scheduler.discard_step(step)
+        for request_id, exc in faulty.items():
+            request = self.requests[request_id]
+            self._give_up(request, f"sampling failed: {type(exc).__name__}: {exc}")
+            touched[request_id] = request
+            logger.error("request %r ended: sampling failed: %s: %s", request_id,
+                         type(exc).__name__, exc)
 
     def _note_scheduled(self, step) -> None:
         if self._unscheduled and step.num_seqs:
@@ -365,14 +498,20 @@ class LLMEngine:
         for request_id in step.preempted:
             self.requests[request_id].metrics.num_preemptions += 1
 
-    def _sample(self, step, logits: torch.Tensor):
-        rows = [self.requests[rid] for rid in step.sample_request_ids]
+    def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None):
+        """Samples every row of `logits` (or only `rows` of them, to find a faulty request)."""
+        request_ids = step.sample_request_ids
         seq_index = step.sample_seq_index.tolist()
-        seqs = [request.seqs[i] for request, i in zip(rows, seq_index)]
+        if rows is not None:
+            request_ids = [request_ids[k] for k in rows]
+            seq_index = [seq_index[k] for k in rows]
+            logits = logits[rows]
+        requests = [self.requests[rid] for rid in request_ids]
+        seqs = [request.seqs[i] for request, i in zip(requests, seq_index)]
         meta = SamplingMetadata.build(
-            [r.sampling_params for r in rows], [s.token_ids for s in seqs], [r.prompt_token_ids for r in rows],
-            seq_index, vocab_size=logits.shape[-1], eos_token_id=self.model_config.eos_token_id,
-            device=logits.device)
+            [r.sampling_params for r in requests], [s.token_ids for s in seqs],
+            [r.prompt_token_ids for r in requests], seq_index, vocab_size=logits.shape[-1],
+            eos_token_id=self.model_config.eos_token_id, device=logits.device)
         return self.sampler(logits, meta)
 
     def _update(self, step, sampled, touched: dict[str, _Request]) -> None:
@@ -380,26 +519,25 @@ class LLMEngine:
         logprobs = sampled.logprobs.tolists() if sampled.logprobs is not None else None
         stop_hits = np.zeros(len(tokens), dtype=bool)
         stop_strings: dict[tuple[str, int], str] = {}
+        faulty: dict[str, Exception] = {}
         now = time.time()
         for k, (request_id, index, token) in enumerate(
                 zip(step.sample_request_ids, step.sample_seq_index.tolist(), tokens.tolist())):
             request = self.requests[request_id]
-            seq = request.seqs[index]
-            seq.token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            if seq.cumulative_logprob is not None and logprobs is not None:
-                seq.cumulative_logprob += logprobs.sampled_logprobs[k]
-                if request.params.logprobs is not None:
-                    seq.logprobs.append(
-                        logprobs.entry(k, token, request.params.logprobs, self._decode_one))
-            if seq.detokenizer is not None and not self._ends_by_token(request, seq, token):
-                _, stop = seq.detokenizer.append(token)
-                if stop is not None:
-                    stop_hits[k] = True
-                    stop_strings[(request_id, index)] = stop
             touched[request_id] = request
+            try:
+                stop = self._append_token(request, request.seqs[index], k, token, logprobs, now)
+            except Exception as exc:  # this request's fault (e.g. its detokenizer): it alone ends
+                faulty.setdefault(request_id, exc)
+                continue
+            if stop is not None:
+                stop_hits[k] = True
+                stop_strings[(request_id, index)] = stop
+        for request_id, exc in faulty.items():
+            self._give_up(self.requests[request_id],
+                          f"output processing failed: {type(exc).__name__}: {exc}")
+            logger.error("request %r ended: output processing failed: %s: %s", request_id,
+                         type(exc).__name__, exc)
         finished = self.scheduler.update_from_output(step, tokens, stop_hits)
         for request_id, index, reason, stop_reason, _ in finished:
             request = self.requests[request_id]
@@ -408,6 +546,21 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = time.time()
             touched[request_id] = request
+
+    def _append_token(self, request: _Request, seq: _Sequence, k: int, token: int, logprobs,
+                      now: float) -> str | None:
+        """Adds sample `k` to its sequence (token, logprobs, text); returns a matched stop string."""
+        seq.token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if seq.cumulative_logprob is not None and logprobs is not None:
+            seq.cumulative_logprob += logprobs.sampled_logprobs[k]
+            if request.params.logprobs is not None:
+                seq.logprobs.append(logprobs.entry(k, token, request.params.logprobs, self._decode_one))
+        if seq.detokenizer is not None and not self._ends_by_token(request, seq, token):
+            return seq.detokenizer.append(token)[1]
+        return None
 
     def _ends_by_token(self, request: _Request, seq: _Sequence, token: int) -> bool:
         """EOS or a stop token id that will end the sequence: its text is not part of the output
@@ -436,6 +589,56 @@ class LLMEngine:
         stats = dict(self.scheduler.get_stats())
         stats.update(self._stats.totals())
         return stats
+
+
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_request_id(request_id: Any, what: str) -> None:
+    if not isinstance(request_id, str):
+        raise TypeError(f"{what} must be a str, got {type(request_id).__name__} {request_id!r}")
+
+
+def _check_text(request_id: str, name: str, text: str) -> None:
+    """Text must encode as UTF-8 (no lone surrogates); ASCII text (the usual case) is free."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"request {request_id!r}: {name} is not valid Unicode text: lone "
+                             f"surrogate {text[e.start]!r} at position {e.start}") from None
+
+
+def _token_id_list(request_id: str, ids: Any) -> list[int]:
+    """Prompt token ids as a list of Python ints: a list / tuple of ints (or numpy integers) or
+    a 1-D integer numpy array / torch tensor. Anything else (floats, bools, strings, None) is a
+    ValueError naming the request and the offending position: never truncated or coerced."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a 1-D integer "
+                             f"array, got a {ids.ndim}-D {ids.dtype} array")
+        return ids.tolist()
+    if isinstance(ids, torch.Tensor):
+        dtype = ids.dtype
+        if ids.dim() != 1 or (ids.numel() and (dtype.is_floating_point or dtype.is_complex
+                                               or dtype == torch.bool)):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a 1-D integer "
+                             f"tensor, got a {ids.dim()}-D {dtype} tensor")
+        return ids.tolist()
+    if not isinstance(ids, (list, tuple, range)):
+        raise ValueError(f"request {request_id!r}: prompt_token_ids must be a list of ints or an "
+                         f"integer numpy array, got {type(ids).__name__} {ids!r:.80}")
+    if set(map(type, ids)) <= {int}:  # the usual case, one C-level pass
+        return list(ids)
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids[{i}] must be an int, got "
+                             f"{type(t).__name__} {t!r:.80}")
+    return [int(t) for t in ids]
 
 
 class _ThroughputStats:

@@ -44,11 +44,21 @@ class LLM:
                 self.engine.add_request(request_id, prompt, p, priority=prio)
                 added.append(request_id)
         except Exception:
-            self.engine.abort_request(added)  # bad input: leave no half-added batch behind
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            self._abandon(added)  # bad input: leave no half-added batch behind
             raise
-        return self._run(request_ids, use_tqdm)
+        try:
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            # a failed step or an interrupt: the engine rolled the step back; this call's
+            # requests are aborted so the next generate() starts clean
+            self._abandon(request_ids)
+            raise
+
+    def _abandon(self, request_ids: list[str]) -> None:
+        """Aborts these requests and drains their final outputs (no forward runs for them)."""
+        self.engine.abort_request(request_ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -443,6 +443,37 @@ impl KvCacheManager {
         Ok(registered)
     }
 
+    /// Marks the start of a scheduling step: `forget_step_registrations` takes back what the
+    /// prefix cache registers from here on.
+    pub fn begin_step(&mut self) {
+        self.prefix_cache.start_journal();
+    }
+
+    /// Takes back the prefix-cache registrations made since `begin_step`, for a step whose
+    /// computation failed: those blocks never received their KV. Call it once the step's
+    /// sequences have released them; a block still held keeps its registration (an error,
+    /// as nothing but the failed step's own sequences can hold it). Returns how many
+    /// registrations were dropped.
+    pub fn forget_step_registrations(&mut self) -> Result<usize> {
+        let mut dropped = 0;
+        for block in self.prefix_cache.take_journal() {
+            match self.gpu.state(block) {
+                Some(BlockState::Cached) => {
+                    self.prefix_cache.unregister(block);
+                    self.gpu.uncache(block);
+                    dropped += 1;
+                }
+                Some(BlockState::InUse) if self.prefix_cache.is_registered(block) => {
+                    return Err(Error::InvalidState(format!(
+                        "block {block} registered by the discarded step is still in use"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(dropped)
+    }
+
     /// Drops every prefix-cache registration; cached-evictable blocks become plain free blocks.
     /// Hit / miss / eviction counters are kept.
     pub fn reset_prefix_cache(&mut self) {

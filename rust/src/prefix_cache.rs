@@ -165,6 +165,9 @@ pub struct PrefixCache {
     map: HashMap<u64, BlockId, IdBuildHasher>,
     block_hash: Vec<Option<u64>>,
     stats: PrefixCacheStats,
+    /// Blocks registered since `start_journal`: a step whose computation failed takes
+    /// them back (their KV was never written).
+    journal: Vec<BlockId>,
 }
 
 impl PrefixCache {
@@ -180,6 +183,7 @@ impl PrefixCache {
             ),
             block_hash: vec![None; num_device_blocks],
             stats: PrefixCacheStats::default(),
+            journal: Vec::new(),
         }
     }
 
@@ -239,6 +243,7 @@ impl PrefixCache {
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(block);
                 self.block_hash[block as usize] = Some(hash);
+                self.journal.push(block);
                 true
             }
         }
@@ -249,6 +254,28 @@ impl PrefixCache {
         if let Some(hash) = self.block_hash[block as usize].take() {
             self.map.remove(&hash);
             self.stats.evictions += 1;
+        }
+    }
+
+    /// Starts a new journal of registrations (see `take_journal`).
+    pub fn start_journal(&mut self) {
+        self.journal.clear();
+    }
+
+    /// Blocks registered since `start_journal` (some may have been evicted since).
+    pub fn take_journal(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.journal)
+    }
+
+    /// Drops a block's registration without counting an eviction (its contents turned out
+    /// not to be what the hash says). Returns whether it was registered.
+    pub fn unregister(&mut self, block: BlockId) -> bool {
+        match self.block_hash[block as usize].take() {
+            Some(hash) => {
+                self.map.remove(&hash);
+                true
+            }
+            None => false,
         }
     }
 

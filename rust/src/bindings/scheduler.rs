@@ -3,15 +3,16 @@
 //! Step arrays cross as numpy arrays built lazily on first access (bytes copied into a
 //! `bytearray`, then `numpy.frombuffer`, so they are writable and torch can take them), so a
 //! step whose arrays are never read costs no Python objects. Sampled tokens come back through
-//! the buffer protocol (an int64 numpy array is read without conversion; anything else is
-//! passed through `numpy.asarray(x, dtype=numpy.int64)` once).
+//! the buffer protocol (an int64 numpy array is read without conversion; lists are read item
+//! by item, other arrays converted once; anything that is not integers is refused, never
+//! truncated).
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{non_negative, PagedLLMError};
 use crate::kv_cache_manager::CacheConfig;
@@ -57,26 +58,172 @@ fn np_array<T: Copy>(
     Ok(arr.unbind())
 }
 
-/// Reads a 1-D integer array-like as i64: int64 buffers directly, anything else (lists,
-/// other integer dtypes) through one `numpy.asarray` call.
+/// A Python int (or int subclass, or numpy integer scalar) that is not a bool: what an
+/// integer argument or token id may be. Floats, strings, None and bools are refused, never
+/// truncated.
+fn is_integer(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(false);
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(true);
+    }
+    obj.is_instance(&numpy(obj.py())?.getattr("integer")?)
+}
+
+/// `obj` (checked by `is_integer`) as an i128 when it fits i64 or u64; None beyond both.
+fn integer_value(obj: &Bound<'_, PyAny>) -> Option<i128> {
+    let int = obj.call_method0("__index__").ok()?;
+    int.extract::<i64>()
+        .map(i128::from)
+        .or_else(|_| int.extract::<u64>().map(i128::from))
+        .ok()
+}
+
+/// An integer argument within `[lo, hi]` (`limit` says where `hi` comes from, if anywhere):
+/// a `ValueError` naming the request, the field and the bound otherwise, never pyo3's bare
+/// `OverflowError` or a truncated float.
+fn int_arg(
+    obj: &Bound<'_, PyAny>,
+    id: &str,
+    name: &str,
+    (lo, hi): (i128, i128),
+    limit: &str,
+) -> PyResult<i128> {
+    let bad = |m: String| PyValueError::new_err(format!("request {id:?}: {name} {m}"));
+    if !is_integer(obj)? {
+        return Err(bad(format!(
+            "must be an int, got {} {}",
+            obj.get_type().name()?,
+            obj.repr()?
+        )));
+    }
+    match integer_value(obj) {
+        Some(v) if v < lo => Err(bad(format!("must be >= {lo}, got {v}"))),
+        Some(v) if v <= hi => Ok(v),
+        _ if obj.lt(0)? => Err(bad(format!("must be >= {lo}, got {}", obj.repr()?))),
+        _ => Err(bad(format!("must be <= {hi}{limit}, got {}", obj.repr()?))),
+    }
+}
+
+/// Range of the integer arguments held as `usize` / `i64` on the Rust side (one limit for
+/// all, so every count fits either).
+const I64_RANGE: (i128, i128) = (i64::MIN as i128, i64::MAX as i128);
+
+/// An integer argument taken as any object, so that `int_arg` (not pyo3's conversion, whose
+/// overflow is a bare `OverflowError` and which would not name the request) checks it.
+pub(crate) enum IntArg<'py> {
+    Given(Bound<'py, PyAny>),
+    Default(i128),
+}
+
+impl<'py> FromPyObject<'py> for IntArg<'py> {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        Ok(IntArg::Given(ob.clone()))
+    }
+}
+
+impl IntArg<'_> {
+    fn get(&self, id: &str, name: &str, range: (i128, i128), limit: &str) -> PyResult<i128> {
+        match self {
+            IntArg::Given(obj) => int_arg(obj, id, name, range, limit),
+            IntArg::Default(v) => Ok(*v),
+        }
+    }
+}
+
+/// Item `i` of a token list: an integer in the i64 range, else a `ValueError` naming the
+/// position and the value.
+fn int_item(item: &Bound<'_, PyAny>, what: &str, i: usize) -> PyResult<i64> {
+    if item.is_exact_instance_of::<PyInt>() {
+        if let Ok(v) = item.extract::<i64>() {
+            return Ok(v);
+        }
+    } else if !is_integer(item)? {
+        return Err(PyValueError::new_err(format!(
+            "{what}[{i}] must be an int, got {} {}",
+            item.get_type().name()?,
+            item.repr()?
+        )));
+    }
+    integer_value(item)
+        .and_then(|v| i64::try_from(v).ok())
+        .ok_or_else(|| {
+            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+            PyValueError::new_err(format!("{what}[{i}] = {shown} is out of range"))
+        })
+}
+
+/// Reads a 1-D integer array-like as i64, refusing anything that is not integers (floats,
+/// bools, strings, None are never truncated or coerced): int64 buffers directly, lists and
+/// tuples item by item (Python ints or numpy integer scalars), anything else through one
+/// `numpy.asarray` call whose dtype must be an integer one.
 fn read_i64(obj: &Bound<'_, PyAny>, what: &str, into: &mut Vec<i64>) -> PyResult<()> {
     let py = obj.py();
-    let buf = match PyBuffer::<i64>::get(obj) {
-        Ok(b) if b.dimensions() == 1 && b.is_c_contiguous() => b,
-        _ => {
-            let arr = numpy(py)?
-                .call_method1("asarray", (obj, "int64"))
-                .map_err(|e| PyValueError::new_err(format!("{what} must be integers: {e}")))?;
-            let b = PyBuffer::<i64>::get(&arr.call_method0("ravel")?)?;
-            if PyBuffer::<i64>::get(&arr)?.dimensions() > 1 {
-                return Err(PyValueError::new_err(format!(
-                    "{what} must be one-dimensional"
-                )));
-            }
-            b
-        }
-    };
     into.clear();
+    if let Ok(b) = PyBuffer::<i64>::get(obj) {
+        if b.dimensions() == 1 && b.is_c_contiguous() {
+            into.resize(b.item_count(), 0);
+            return b.copy_to_slice(py, into);
+        }
+    }
+    if let Ok(list) = obj.downcast::<PyList>() {
+        into.reserve(list.len());
+        for (i, item) in list.iter().enumerate() {
+            into.push(int_item(&item, what, i)?);
+        }
+        return Ok(());
+    }
+    if let Ok(tuple) = obj.downcast::<PyTuple>() {
+        into.reserve(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            into.push(int_item(&item, what, i)?);
+        }
+        return Ok(());
+    }
+    let not_a_list = || -> PyResult<PyErr> {
+        Ok(PyValueError::new_err(format!(
+            "{what} must be a list or numpy array of ints, got {} {}",
+            obj.get_type().name()?,
+            obj.repr()?
+        )))
+    };
+    if obj.is_instance_of::<PyString>() {
+        return Err(not_a_list()?);
+    }
+    let np = numpy(py)?;
+    let arr = match np.call_method1("asarray", (obj,)) {
+        Ok(arr) => arr,
+        Err(_) => return Err(not_a_list()?),
+    };
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if ndim == 0 {
+        return Err(not_a_list()?);
+    }
+    if ndim != 1 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be one-dimensional, got {ndim} dimensions"
+        )));
+    }
+    if arr.getattr("size")?.extract::<usize>()? == 0 {
+        return Ok(());
+    }
+    let dtype = arr.getattr("dtype")?;
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    if kind != "i" && kind != "u" {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be integers (an int list or an integer-dtype array), got dtype {}",
+            dtype.str()?
+        )));
+    }
+    if kind == "u" && arr.call_method0("max")?.gt(i64::MAX)? {
+        return Err(PyValueError::new_err(format!(
+            "{what} holds a value above {} (out of range)",
+            i64::MAX
+        )));
+    }
+    let arr = np.call_method1("ascontiguousarray", (arr, "int64"))?;
+    let buf = PyBuffer::<i64>::get(&arr)?;
     into.resize(buf.item_count(), 0);
     buf.copy_to_slice(py, into)
 }
@@ -224,33 +371,62 @@ impl PyScheduler {
         )
     }
 
-    /// Queues a request. ValueError (naming the request) for an empty prompt, a duplicate
-    /// id, or bad limits. A request that can never be served (prompt too long, more
-    /// sequences than `max_num_seqs`, more blocks than the cache) is reported by the next
-    /// `schedule()` in `finished`, with the reason.
-    #[pyo3(signature = (request_id, prompt_token_ids, *, n = 1, priority = 0, arrival_time = None,
-                        max_tokens = 16, min_tokens = 0, eos_token_id = None,
-                        stop_token_ids = None, ignore_eos = false, extra_key = 0))]
+    /// Queues a request. ValueError (naming the request, the field and its limit) for an
+    /// empty prompt, a duplicate id, `n` above `max_num_seqs`, token ids that are not
+    /// integers (floats, bools, strings are refused, never truncated), integers outside their
+    /// range, or bad limits; TypeError for a `request_id` that is not a str. Nothing is queued
+    /// then. A request that can never be served (prompt too long, more blocks than the
+    /// cache) is reported by the next `schedule()` in `finished`, with the reason.
+    #[pyo3(signature = (request_id, prompt_token_ids, *, n = IntArg::Default(1),
+                        priority = IntArg::Default(0), arrival_time = None,
+                        max_tokens = IntArg::Default(16), min_tokens = IntArg::Default(0),
+                        eos_token_id = None, stop_token_ids = None, ignore_eos = false,
+                        extra_key = IntArg::Default(0)),
+           text_signature = "($self, request_id, prompt_token_ids, *, n=1, priority=0, \
+                             arrival_time=None, max_tokens=16, min_tokens=0, \
+                             eos_token_id=None, stop_token_ids=None, ignore_eos=False, \
+                             extra_key=0)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
-        request_id: &Bound<'_, PyString>,
+        request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        n: i64,
-        priority: i64,
+        n: IntArg<'_>,
+        priority: IntArg<'_>,
         arrival_time: Option<f64>,
-        max_tokens: i64,
-        min_tokens: i64,
-        eos_token_id: Option<i64>,
+        max_tokens: IntArg<'_>,
+        min_tokens: IntArg<'_>,
+        eos_token_id: Option<IntArg<'_>>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         ignore_eos: bool,
-        extra_key: u64,
+        extra_key: IntArg<'_>,
     ) -> PyResult<()> {
+        let request_id = request_id.downcast::<PyString>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "request_id must be a str, got {} {}",
+                request_id.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                request_id.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })?;
         let id = request_id.to_str()?;
         let named = |m: String| PyValueError::new_err(format!("request {id:?}: {m}"));
         let token = |t: i64, what: &str| {
             TokenId::try_from(t).map_err(|_| named(format!("{what} {t} is not a valid token id")))
         };
+        // n < 1 passes here and is refused by the core with its own message
+        let max_seqs = self.inner.config().max_num_seqs as i128;
+        let n = n.get(id, "n", (I64_RANGE.0, max_seqs), " (max_num_seqs)")?;
+        let count = |arg: IntArg<'_>, what: &str, lo: i128| {
+            arg.get(id, what, (lo, I64_RANGE.1), "").map(|v| v as usize)
+        };
+        let max_tokens = count(max_tokens, "max_tokens", 1)?;
+        let min_tokens = count(min_tokens, "min_tokens", 0)?;
+        let priority = priority.get(id, "priority", I64_RANGE, "")? as i64;
+        let extra_key = extra_key.get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
+        let eos_token_id = eos_token_id
+            .map(|t| t.get(id, "eos_token_id", (0, TokenId::MAX as i128), " (a token id)"))
+            .transpose()?
+            .map(|t| t as TokenId);
         let mut raw = Vec::new();
         read_i64(
             prompt_token_ids,
@@ -270,18 +446,15 @@ impl PyScheduler {
                     .collect::<PyResult<Vec<_>>>()?
             }
         };
-        let count = |v: i64, what: &str| {
-            usize::try_from(v).map_err(|_| named(format!("{what} must be >= 0, got {v}")))
-        };
         let params = RequestParams {
             prompt,
-            n: count(n, "n")?,
+            n: usize::try_from(n).unwrap_or(0),
             priority,
             arrival_time: arrival_time.unwrap_or_else(wall_clock),
             stop: StopParams {
-                max_tokens: count(max_tokens, "max_tokens")?,
-                min_tokens: count(min_tokens, "min_tokens")?,
-                eos_token_id: eos_token_id.map(|t| token(t, "eos_token_id")).transpose()?,
+                max_tokens,
+                min_tokens,
+                eos_token_id,
                 stop_token_ids: stop_ids,
                 ignore_eos,
             },
@@ -311,8 +484,8 @@ impl PyScheduler {
     }
 
     /// Feeds back one sampled token per sample of `output` (the latest one), aligned with
-    /// `output.sample_seq_ids`: an int64 numpy array is read as is, other int arrays or
-    /// lists are converted once. `stop_string_hit` (optional, bool per sample) finishes that
+    /// `output.sample_seq_ids`: an int64 numpy array is read as is, other integer arrays or
+    /// lists of ints are converted once; a float or bool array is a ValueError. `stop_string_hit` (optional, bool per sample) finishes that
     /// sequence as stopped. Returns `(request_id, seq_index, finish_reason, stop_reason,
     /// request_finished)` for each sequence that finished.
     #[pyo3(signature = (output, sampled_token_ids, stop_string_hit = None))]
@@ -353,19 +526,29 @@ impl PyScheduler {
         Ok(list.unbind())
     }
 
-    /// Aborts one id or a list of ids from whichever queue holds them, freeing their blocks.
-    /// Unknown and finished ids are ignored.
+    /// Aborts one id (a str) or an iterable of them from whichever queue holds them,
+    /// freeing their blocks. Unknown and finished ids are ignored. Anything else (an int, an
+    /// iterable holding a non-str) is a TypeError, raised before any request is aborted.
     fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
         if let Ok(id) = request_id.downcast::<PyString>() {
             self.inner.abort_request(id.to_str()?)?;
             return Ok(());
         }
-        for item in request_id.try_iter()? {
+        let not_ids = |what: &Bound<'_, PyAny>| {
+            PyTypeError::new_err(format!(
+                "abort_request takes a request id (str) or an iterable of them, got {} {}",
+                what.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                what.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        };
+        let mut ids = Vec::new();
+        for item in request_id.try_iter().map_err(|_| not_ids(request_id))? {
             let item = item?;
-            let id = item.downcast::<PyString>().map_err(|_| {
-                PyValueError::new_err("abort_request takes a request id or a list of them")
-            })?;
-            self.inner.abort_request(id.to_str()?)?;
+            let id = item.downcast::<PyString>().map_err(|_| not_ids(&item))?;
+            ids.push(id.to_str()?.to_owned());
+        }
+        for id in &ids {
+            self.inner.abort_request(id)?;
         }
         Ok(())
     }
@@ -457,7 +640,17 @@ impl PyScheduler {
         d.set_item("num_ignored", c.num_ignored)?;
         d.set_item("num_aborted", c.num_aborted)?;
         d.set_item("num_batched_tokens_total", c.num_batched_tokens_total)?;
+        d.set_item("num_rolled_back_steps", c.num_rolled_back_steps)?;
         Ok(d)
+    }
+
+    /// Takes back `output` (the latest step, not yet applied) when it could not be computed:
+    /// its requests, and the groups it swapped out, go back to the head of `waiting` to be
+    /// recomputed (generated tokens kept); blocks it registered in the prefix cache are
+    /// forgotten. Returns the ids of the requests rolled back. PagedLLMError if `output` is
+    /// not the latest step or was already applied or discarded.
+    fn discard_step(&mut self, output: PyRef<'_, PySchedulerOutput>) -> PyResult<Vec<String>> {
+        Ok(self.inner.discard_step(&output.out)?)
     }
 
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).

@@ -56,6 +56,8 @@ pub struct SchedulerCounters {
     pub num_ignored: u64,
     pub num_aborted: u64,
     pub num_batched_tokens_total: u64,
+    /// Steps taken back by `discard_step`.
+    pub num_rolled_back_steps: u64,
 }
 
 /// Snapshot for `get_stats()`.
@@ -103,6 +105,8 @@ pub struct Scheduler {
     step: u64,
     /// The latest output has samples that `update_from_output` has not taken yet.
     awaiting_update: bool,
+    /// The latest output was neither applied (`update_from_output`) nor discarded yet.
+    step_open: bool,
     /// Slot, generation and sequence index of each sample of the latest output (copies of
     /// the output's sample columns: three memcpys instead of a zipped gather).
     last_handles: Vec<u32>,
@@ -164,6 +168,7 @@ impl Scheduler {
             next_order: 0,
             step: 0,
             awaiting_update: false,
+            step_open: false,
             last_handles: Vec::new(),
             last_gens: Vec::new(),
             last_seq_index: Vec::new(),
@@ -292,9 +297,9 @@ impl Scheduler {
 
     // ---- requests -----------------------------------------------------------------------
 
-    /// Queues a request; returns its slot. Unservable requests (prompt too long, more
-    /// sequences than `max_num_seqs`, more blocks than the pool) are accepted and reported
-    /// as ignored by the next `schedule()`.
+    /// Queues a request; returns its slot. `n` above `max_num_seqs` is an `InvalidArgument`
+    /// error before anything is allocated. Unservable requests (prompt too long, more blocks
+    /// than the pool) are accepted and reported as ignored by the next `schedule()`.
     pub fn add_request(&mut self, request_id: &str, params: RequestParams) -> Result<u32> {
         let bad = |m: String| {
             Err(Error::InvalidArgument(format!(
@@ -309,6 +314,13 @@ impl Scheduler {
         }
         if params.n == 0 {
             return bad("n must be >= 1".into());
+        }
+        if params.n > self.cfg.max_num_seqs {
+            // checked before the n sequences are allocated: a huge n must not abort the process
+            return bad(format!(
+                "n={} exceeds max_num_seqs={} (the most sequences one request may have)",
+                params.n, self.cfg.max_num_seqs
+            ));
         }
         if params.stop.max_tokens == 0 {
             return bad("max_tokens must be >= 1".into());
@@ -391,13 +403,6 @@ impl Scheduler {
                 format!("max_model_len={}", self.max_seq_len)
             };
             return Some(format!("prompt of {p} tokens is longer than {limit}"));
-        }
-        if req.seqs.len() > self.cfg.max_num_seqs {
-            return Some(format!(
-                "n={} sequences exceed max_num_seqs={}",
-                req.seqs.len(),
-                self.cfg.max_num_seqs
-            ));
         }
         self.never_fits(p).map(|r| format!("prompt {r}"))
     }
@@ -522,11 +527,13 @@ impl Scheduler {
     pub fn schedule(&mut self, now: f64) -> Result<StepOutput> {
         if self.awaiting_update {
             return Err(Error::InvalidState(format!(
-                "step {} has samples waiting: call update_from_output before schedule()",
+                "step {} has samples waiting: call update_from_output (or discard_step, if \
+                 the step was not computed) before schedule()",
                 self.step
             )));
         }
         self.step += 1;
+        self.mgr.begin_step();
         let mut out = match self.spare_outputs.pop() {
             Some(mut out) => {
                 out.reset(self.step);
@@ -569,6 +576,7 @@ impl Scheduler {
         self.last_seq_index.clear();
         self.last_seq_index.extend_from_slice(&out.sample_seq_index);
         self.awaiting_update = !self.last_handles.is_empty();
+        self.step_open = true;
         self.counters.num_steps += 1;
         self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;
         self.last_sizes = (out.num_seqs(), out.num_batched_tokens);
@@ -718,6 +726,7 @@ impl Scheduler {
             )));
         }
         self.awaiting_update = false;
+        self.step_open = false;
         let max_len = self.max_seq_len;
         let mut finished = Vec::new();
         self.finished_scratch.clear();
@@ -817,6 +826,100 @@ impl Scheduler {
             }
         }
         Ok(finished)
+    }
+
+    /// Takes back the latest step, whose computation failed (the caller could not run or
+    /// sample it): every request it scheduled, and every group it swapped out, goes back to
+    /// the head of `waiting` to be recomputed from its tokens (the KV written by the step,
+    /// its copies and swaps may be missing or partial; generated tokens are kept), and the
+    /// blocks it registered in the prefix cache are forgotten. Requests it finished as
+    /// ignored stay finished. Returns the ids of the requests rolled back.
+    pub fn discard_step(&mut self, out: &StepOutput) -> Result<Vec<String>> {
+        if out.step != self.step || !self.step_open {
+            return Err(Error::InvalidState(format!(
+                "only the latest step can be discarded, before update_from_output (step {}, \
+                 latest {}{})",
+                out.step,
+                self.step,
+                if self.step_open { "" } else { ", already applied or discarded" }
+            )));
+        }
+        self.step_open = false;
+        self.awaiting_update = false;
+        self.last_handles.clear();
+        self.last_gens.clear();
+        self.last_seq_index.clear();
+        let live = |slots: &[Slot], h: u32, g: u32| {
+            slots[h as usize].gen == g && slots[h as usize].req.is_some()
+        };
+        let mut touched: std::collections::HashSet<u32> = out
+            .handles
+            .iter()
+            .zip(&out.gens)
+            .filter(|&(&h, &g)| live(&self.slots, h, g))
+            .map(|(&h, _)| h)
+            .collect();
+        // Groups this step swapped out: their copy to host may not have happened.
+        let swapped_out: Vec<u32> = out
+            .preempted
+            .iter()
+            .filter_map(|id| self.by_id.get(id).copied())
+            .filter(|&h| self.req(h).status == RequestStatus::Swapped)
+            .collect();
+        let counters = self.counters;
+        let mut scratch = StepOutput::with_capacity(self.step, 0);
+        let mut rolled_back = Vec::with_capacity(touched.len() + swapped_out.len());
+        for &h in swapped_out.iter().rev() {
+            let pos = self.swapped.iter().position(|&x| x == h);
+            self.swapped.remove(pos.expect("swapped request is queued"));
+            self.drop_swapped_to_recompute(h)?;
+            rolled_back.push(self.req(h).id.clone());
+        }
+        // Tail first, as preemption victims are taken, so the requeue keeps running's order.
+        let victims: Vec<u32> = self
+            .running
+            .iter()
+            .rev()
+            .copied()
+            .filter(|h| touched.remove(h))
+            .collect();
+        for h in victims {
+            let pos = self.running.iter().position(|&x| x == h);
+            self.running.remove(pos.expect("running request is queued"));
+            self.preempt(h, &mut scratch, true)?;
+            rolled_back.push(self.req(h).id.clone());
+        }
+        self.requeue_preempted();
+        self.mgr.forget_step_registrations()?;
+        // A rollback is not a preemption: the statistics keep counting real ones only.
+        self.counters = SchedulerCounters {
+            num_rolled_back_steps: counters.num_rolled_back_steps + 1,
+            ..counters
+        };
+        Ok(rolled_back)
+    }
+
+    /// A swapped-out group gives its host blocks back and is recomputed instead (queued by
+    /// `requeue_preempted`).
+    fn drop_swapped_to_recompute(&mut self, h: u32) -> Result<()> {
+        let req = self.slots[h as usize]
+            .req
+            .as_mut()
+            .expect("swapped request exists");
+        let active: Vec<usize> = req.active_seqs().collect();
+        for i in active {
+            let s = &mut req.seqs[i];
+            if self.mgr.contains(s.id) {
+                self.mgr.free(s.id)?;
+            }
+            s.num_computed = 0;
+            s.table.clear();
+            s.tail_shared = false;
+        }
+        req.forked = false;
+        req.status = RequestStatus::Preempted;
+        self.preempted_recompute.push(h);
+        Ok(())
     }
 
     // ---- consistency --------------------------------------------------------------------
