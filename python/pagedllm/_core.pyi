@@ -322,6 +322,11 @@ class Scheduler:
         """(request_id, seq_index, finish_reason, stop_reason, request_finished) per finished
         sequence. ``sampled_token_ids`` must be integers (an integer-dtype array or a list of
         ints): a float or bool array is a ``ValueError`` naming it, never truncated."""
+    def discard_step(self, output: SchedulerOutput) -> list[str]:
+        """Take back ``output`` (the latest step, before ``update_from_output``) when it could
+        not be computed: its requests and the groups it swapped out go back to the head of
+        ``waiting`` to be recomputed (generated tokens kept), its prefix-cache registrations
+        are forgotten. Returns the ids rolled back. ``PagedLLMError`` for any other step."""
     def abort_request(self, request_id: str | _Iterable[str]) -> None:
         """Abort one id or an iterable of ids; unknown and finished ids are ignored. Anything
         but a str or an iterable of str is a ``TypeError``, raised before anything is aborted."""
