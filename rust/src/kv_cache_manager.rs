@@ -860,7 +860,11 @@ impl KvCacheManager {
             return AllocStatus::Never;
         };
         let needed = distinct.len() + extra_blocks;
-        let reserve = if keep_watermark { self.watermark_blocks } else { 0 };
+        let reserve = if keep_watermark {
+            self.watermark_blocks
+        } else {
+            0
+        };
         if needed > self.gpu.num_blocks() {
             AllocStatus::Never
         } else if self.gpu.num_free() < needed + reserve {
@@ -1040,8 +1044,12 @@ mod tests {
                 assert!(m.allocate_owned(seq, hit, t.len(), false).unwrap());
             }
             m.cache_full_blocks(4, &t2, 8, 0).unwrap();
-            let items: [(SeqId, &[TokenId], usize, u64); 4] =
-                [(1, &t1, 4, 0), (2, &t2, 9, 0), (3, &t1, 5, 0), (4, &t2, 8, 0)];
+            let items: [(SeqId, &[TokenId], usize, u64); 4] = [
+                (1, &t1, 4, 0),
+                (2, &t2, 9, 0),
+                (3, &t1, 5, 0),
+                (4, &t2, 8, 0),
+            ];
             let n = if batched {
                 m.cache_full_blocks_batch(&items).unwrap()
             } else {

@@ -178,7 +178,11 @@ impl PrefixCache {
             // admission burst); larger pools grow past that on demand, which keeps a big but
             // lightly used map compact.
             map: HashMap::with_capacity_and_hasher(
-                if enabled { num_device_blocks.min(PRESIZED_ENTRIES) } else { 0 },
+                if enabled {
+                    num_device_blocks.min(PRESIZED_ENTRIES)
+                } else {
+                    0
+                },
                 IdBuildHasher::default(),
             ),
             block_hash: vec![None; num_device_blocks],

@@ -404,7 +404,11 @@ impl PyScheduler {
         let request_id = request_id.downcast::<PyString>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "request_id must be a str, got {} {}",
-                request_id.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                request_id
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default(),
                 request_id.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
         })?;
@@ -424,7 +428,14 @@ impl PyScheduler {
         let priority = priority.get(id, "priority", I64_RANGE, "")? as i64;
         let extra_key = extra_key.get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
         let eos_token_id = eos_token_id
-            .map(|t| t.get(id, "eos_token_id", (0, TokenId::MAX as i128), " (a token id)"))
+            .map(|t| {
+                t.get(
+                    id,
+                    "eos_token_id",
+                    (0, TokenId::MAX as i128),
+                    " (a token id)",
+                )
+            })
             .transpose()?
             .map(|t| t as TokenId);
         let mut raw = Vec::new();
@@ -537,7 +548,10 @@ impl PyScheduler {
         let not_ids = |what: &Bound<'_, PyAny>| {
             PyTypeError::new_err(format!(
                 "abort_request takes a request id (str) or an iterable of them, got {} {}",
-                what.get_type().name().map(|n| n.to_string()).unwrap_or_default(),
+                what.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default(),
                 what.repr().map(|r| r.to_string()).unwrap_or_default()
             ))
         };

@@ -27,7 +27,9 @@ use crate::{BlockId, SeqId, TokenId};
 
 pub use config::{Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepOutput, TableRow};
-pub use request::{FinishReason, MirrorTable, Request, RequestParams, RequestStatus, Sequence, StopParams};
+pub use request::{
+    FinishReason, MirrorTable, Request, RequestParams, RequestStatus, Sequence, StopParams,
+};
 
 use plan::{DecodeRow, PlanItem};
 
@@ -841,7 +843,11 @@ impl Scheduler {
                  latest {}{})",
                 out.step,
                 self.step,
-                if self.step_open { "" } else { ", already applied or discarded" }
+                if self.step_open {
+                    ""
+                } else {
+                    ", already applied or discarded"
+                }
             )));
         }
         self.step_open = false;
@@ -992,13 +998,16 @@ impl Scheduler {
                 }
                 if q == "running" && should_hold {
                     let table = self.mgr.block_table(s.id).map_err(|e| e.to_string())?;
-                    if table != s.table.as_slice() || s.table.last_block() != *table.last().unwrap_or(&0) {
+                    if table != s.table.as_slice()
+                        || s.table.last_block() != *table.last().unwrap_or(&0)
+                    {
                         return Err(format!(
                             "request {} seq {i}: stale block table mirror",
                             req.id
                         ));
                     }
-                    if s.table.num_blocks() != s.table.len() || req.first_seq_id + i as u64 != s.id {
+                    if s.table.num_blocks() != s.table.len() || req.first_seq_id + i as u64 != s.id
+                    {
                         return Err(format!("request {} seq {i}: stale inline copies", req.id));
                     }
                     if s.tokens.last() != Some(&s.last_token) {
@@ -1070,7 +1079,11 @@ fn build_input_ids(slots: &[Slot], rows: &[TableRow], total: usize) -> Vec<i64> 
             v.push(r.token as i64);
         } else {
             let (start, end) = (r.start as usize, (r.start + r.n) as usize);
-            v.extend(row_seq(slots, r).tokens[start..end].iter().map(|&t| t as i64));
+            v.extend(
+                row_seq(slots, r).tokens[start..end]
+                    .iter()
+                    .map(|&t| t as i64),
+            );
         }
     }
     v

@@ -204,7 +204,8 @@ impl Scheduler {
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
-            if la != 0 || start != s.table.num_blocks() * bs || self.mgr.num_free_gpu_blocks() == 0 {
+            if la != 0 || start != s.table.num_blocks() * bs || self.mgr.num_free_gpu_blocks() == 0
+            {
                 return Ok(false);
             }
             if !self.pending_fills.is_empty() && self.mgr.num_uncached_free_gpu_blocks() == 0 {
@@ -219,8 +220,10 @@ impl Scheduler {
                     req.id
                 )));
             };
-            debug_assert!(self.mgr.block_table(s.id).is_ok_and(|t| t.len() == s.table.len() + 1
-                && t.starts_with(&s.table)));
+            debug_assert!(self
+                .mgr
+                .block_table(s.id)
+                .is_ok_and(|t| t.len() == s.table.len() + 1 && t.starts_with(&s.table)));
             s.table.push(block);
         }
         // Decoding writes into the last block unless lookahead slots reach past it; that

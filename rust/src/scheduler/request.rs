@@ -79,8 +79,8 @@ impl StopParams {
     /// (only if any can match). Below it `check` is `None` for every token.
     pub fn quiet_until(&self, prompt_len: usize, max_len: usize) -> usize {
         let mut until = (prompt_len + self.max_tokens).min(max_len);
-        let token_rules = !self.stop_token_ids.is_empty()
-            || (!self.ignore_eos && self.eos_token_id.is_some());
+        let token_rules =
+            !self.stop_token_ids.is_empty() || (!self.ignore_eos && self.eos_token_id.is_some());
         if token_rules {
             until = until.min(prompt_len + self.min_tokens);
         }
@@ -355,16 +355,32 @@ mod tests {
     fn quiet_until_is_the_first_length_a_rule_can_fire() {
         let variants = [
             params(),
-            StopParams { ignore_eos: true, stop_token_ids: vec![], ..params() },
-            StopParams { eos_token_id: None, ..params() },
-            StopParams { min_tokens: 0, ..params() },
+            StopParams {
+                ignore_eos: true,
+                stop_token_ids: vec![],
+                ..params()
+            },
+            StopParams {
+                eos_token_id: None,
+                ..params()
+            },
+            StopParams {
+                min_tokens: 0,
+                ..params()
+            },
         ];
         for p in variants {
             for max_len in [6, 8, 100] {
                 let until = p.quiet_until(3, max_len);
                 for total in 4..max_len.min(3 + p.max_tokens) + 1 {
-                    let fires = [2, 9, 7].iter().any(|&t| p.check(t, total - 3, total, max_len).is_some());
-                    assert_eq!(fires, total >= until, "{p:?} total {total} max_len {max_len}");
+                    let fires = [2, 9, 7]
+                        .iter()
+                        .any(|&t| p.check(t, total - 3, total, max_len).is_some());
+                    assert_eq!(
+                        fires,
+                        total >= until,
+                        "{p:?} total {total} max_len {max_len}"
+                    );
                 }
             }
         }

@@ -64,7 +64,10 @@ fn n_above_max_num_seqs_is_rejected_before_allocation() {
         let err = s.add_request("big", req(0, 4, n, 4)).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
         let msg = err.to_string();
-        assert!(msg.contains("\"big\"") && msg.contains("max_num_seqs=4"), "{msg}");
+        assert!(
+            msg.contains("\"big\"") && msg.contains("max_num_seqs=4"),
+            "{msg}"
+        );
     }
     assert!(!s.has_unfinished_requests() && s.request_status("big").is_none());
     s.add_request("ok", req(1, 4, 4, 2)).unwrap();
@@ -411,9 +414,16 @@ fn lazy_token_arrays_survive_later_steps() {
                 prefill_rows += (out.num_tokens[row] > 1) as usize;
                 for p in start..start + out.num_tokens[row] as usize {
                     assert_eq!(positions[t], p as i64);
-                    let want = if p < plen { prompt(tag, plen)[p] as i64 } else { 7 };
+                    let want = if p < plen {
+                        prompt(tag, plen)[p] as i64
+                    } else {
+                        7
+                    };
                     assert_eq!(ids[t], want, "token {t} of row {row}");
-                    assert_eq!(slots[t], (tables[row * w + p / 4] as usize * 4 + p % 4) as i64);
+                    assert_eq!(
+                        slots[t],
+                        (tables[row * w + p / 4] as usize * 4 + p % 4) as i64
+                    );
                     t += 1;
                 }
             }
@@ -426,7 +436,10 @@ fn lazy_token_arrays_survive_later_steps() {
             kept.push(out);
         }
         assert!(preemptions > 0, "the workload must preempt ({mode:?})");
-        assert!(copies > 0 && prefill_rows > 0, "the workload must CoW and prefill ({mode:?})");
+        assert!(
+            copies > 0 && prefill_rows > 0,
+            "the workload must CoW and prefill ({mode:?})"
+        );
         for (k, (out, want)) in kept.iter().zip(&expected).enumerate() {
             let got = (lazy.input_ids(out), out.positions(), lazy.slot_mapping(out));
             assert_eq!(&got, want, "step {k} ({mode:?})");
