@@ -2,7 +2,7 @@
 //! (`ValueError` for bad arguments, `PagedLLMError` for the rest).
 use std::fmt;
 
-use crate::{BlockId, SeqId};
+use crate::ids::{BlockId, SeqId};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {

@@ -9,9 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::{non_negative, PagedLLMError};
-use crate::kv_cache_manager::{AllocStatus, CacheConfig, KvCacheManager, PrefixHit};
-use crate::prefix_cache::{chain_hashes, hash_block, ROOT_HASH};
-use crate::{BlockId, SeqId, TokenId};
+use crate::ids::{BlockId, SeqId, TokenId};
+use crate::kv::prefix_cache::{chain_hashes, hash_block, ROOT_HASH};
+use crate::kv::{AllocStatus, CacheConfig, KvCacheManager, PrefixHit};
 
 /// Admission answer: OK (fits now), LATER (fits once blocks are freed), NEVER (cannot fit).
 #[pyclass(

@@ -15,12 +15,12 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyByteArray, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::{non_negative, PagedLLMError};
-use crate::kv_cache_manager::CacheConfig;
+use crate::ids::TokenId;
+use crate::kv::CacheConfig;
 use crate::scheduler::{
     Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StepOutput, StopParams,
     Strategy,
 };
-use crate::TokenId;
 
 static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 

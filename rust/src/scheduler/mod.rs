@@ -22,8 +22,8 @@ mod unified;
 use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
-use crate::kv_cache_manager::{AllocStatus, CacheConfig, CacheStats, KvCacheManager};
-use crate::{BlockId, SeqId, TokenId};
+use crate::ids::{BlockId, SeqId, TokenId};
+use crate::kv::{AllocStatus, CacheConfig, CacheStats, KvCacheManager};
 
 pub use config::{Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepOutput, TableRow};
@@ -126,7 +126,7 @@ pub struct Scheduler {
     seq_scratch: Vec<SeqId>,
     preempted_recompute: Vec<u32>,
     preempted_swap: Vec<u32>,
-    cow_scratch: Vec<crate::BlockId>,
+    cow_scratch: Vec<BlockId>,
     decode_rows: Vec<DecodeRow>,
     /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
     /// the prefix cache by `flush_fills` at the same points the rows are flushed.

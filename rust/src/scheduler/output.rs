@@ -4,7 +4,7 @@
 //! forward pass over `input_ids`.
 use std::sync::{Arc, Mutex};
 
-use crate::{BlockId, TokenId};
+use crate::ids::{BlockId, TokenId};
 
 use super::request::FinishReason;
 

@@ -2,7 +2,8 @@
 //! budget), how many blocks that takes, and applying it (appends, CoW, prefix-cache
 //! registration, the n>1 fork, samples). Shared by the three strategies.
 use crate::error::{Error, Result};
-use crate::kv_cache_manager::{AllocStatus, PrefixHit};
+use crate::ids::BlockId;
+use crate::kv::{AllocStatus, PrefixHit};
 
 use super::output::{StepOutput, TableRow};
 use super::request::Sequence;
@@ -143,7 +144,7 @@ impl Scheduler {
             left -= take;
             let end = s.num_computed + take + la;
             let blocks = end.div_ceil(bs);
-            let table: &[crate::BlockId] = if swapped {
+            let table: &[BlockId] = if swapped {
                 self.mgr.block_table(s.id).unwrap_or(&[])
             } else {
                 &s.table

@@ -2,7 +2,7 @@
 //! kept) or swap (blocks to host memory, into `swapped`), and the `priority` rule that lets a
 //! waiting request push strictly lower-ranked running ones out.
 use crate::error::Result;
-use crate::kv_cache_manager::AllocStatus;
+use crate::kv::AllocStatus;
 
 use super::output::StepOutput;
 use super::plan::Cut;

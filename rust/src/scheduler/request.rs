@@ -1,5 +1,5 @@
 //! Requests, their sequences, statuses and stop rules.
-use crate::{BlockId, SeqId, TokenId};
+use crate::ids::{BlockId, SeqId, TokenId};
 
 /// Lifecycle of a request (SPEC §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

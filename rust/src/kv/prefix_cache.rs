@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::{BlockId, TokenId};
+use crate::ids::{BlockId, TokenId};
 
 /// Prefix-map entries reserved up front (at most the pool size).
 const PRESIZED_ENTRIES: usize = 1 << 15;

@@ -3,9 +3,10 @@ use std::collections::{BTreeMap, HashSet};
 
 use proptest::prelude::*;
 
-use crate::block_table::blocks_for;
-use crate::kv_cache_manager::{AllocStatus, CacheConfig, Error, KvCacheManager};
-use crate::{SeqId, TokenId};
+use super::block_table::blocks_for;
+use super::{AllocStatus, CacheConfig, KvCacheManager};
+use crate::error::Error;
+use crate::ids::{SeqId, TokenId};
 
 const BLOCK_SIZE: usize = 4;
 const GPU_BLOCKS: usize = 24;

@@ -1,6 +1,6 @@
 //! A sequence's block table: logical block i -> physical block, plus the chain of full-block
 //! hashes known so far (for prefix-cache registration).
-use crate::BlockId;
+use crate::ids::BlockId;
 
 /// Which pool a table's blocks live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,7 +10,7 @@
 //! Every operation is O(1). The pool knows nothing about hashes: the caller says, when a block's
 //! last reference goes, whether it is registered (and so goes to the LRU list) or not.
 use crate::error::{block_violation, Error, Result};
-use crate::BlockId;
+use crate::ids::BlockId;
 
 /// Link value meaning "no block".
 const NIL: BlockId = BlockId::MAX;

@@ -1,0 +1,120 @@
+//! Admission: the OK / LATER / NEVER answers for new sequences and swap-ins (one ladder
+//! behind all of them), and the conservative room check for a step's appends.
+use super::block_pool::BlockState;
+use super::block_table::blocks_for;
+use super::manager::KvCacheManager;
+use super::prefix_cache::PrefixHit;
+
+/// Answer of the admission checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AllocStatus {
+    /// Fits now.
+    Ok,
+    /// Does not fit now, may fit once blocks are freed.
+    Later,
+    /// Can never fit in this pool.
+    Never,
+}
+
+/// What a sequence (or a swapped-out group) asks of the device pool.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ask {
+    /// Blocks its tables hold once it is in.
+    pub total: usize,
+    /// Of those, the blocks taken from the free pool (fresh ones and revived cached ones).
+    pub taken: usize,
+    /// Blocks of the pool it may never use: the watermark for a new sequence, none for a
+    /// swap-in (as vLLM V0).
+    pub off_limits: usize,
+    /// Free blocks that must remain once it is in (the watermark, where kept).
+    pub reserve: usize,
+}
+
+impl KvCacheManager {
+    /// The one admission ladder: NEVER when the ask exceeds what the pool can ever give,
+    /// LATER when too few blocks are free now, else OK.
+    #[inline]
+    pub(super) fn admission(&self, ask: Ask) -> AllocStatus {
+        if ask.total > self.gpu.num_blocks() - ask.off_limits {
+            AllocStatus::Never
+        } else if self.gpu.num_free() < ask.taken + ask.reserve {
+            AllocStatus::Later
+        } else {
+            AllocStatus::Ok
+        }
+    }
+
+    /// A new sequence's ask: it keeps the watermark, for good and now.
+    fn new_sequence_ask(&self, total: usize, taken: usize) -> Ask {
+        Ask {
+            total,
+            taken,
+            off_limits: self.watermark_blocks,
+            reserve: self.watermark_blocks,
+        }
+    }
+
+    /// OK / LATER / NEVER for a new sequence of `num_tokens` tokens with no prefix hit.
+    pub fn can_allocate(&self, num_tokens: usize) -> AllocStatus {
+        let needed = blocks_for(num_tokens, self.config.block_size);
+        self.admission(self.new_sequence_ask(needed, needed))
+    }
+
+    /// Like `can_allocate`, but counting only the blocks `allocate(hit, num_slots)` would take
+    /// from the free pool (fresh blocks plus cached hit blocks it revives).
+    pub fn can_allocate_with_prefix(&self, hit: &PrefixHit, num_slots: usize) -> AllocStatus {
+        let total = blocks_for(num_slots, self.config.block_size);
+        let taken = self.num_blocks_to_allocate(hit, num_slots);
+        self.admission(self.new_sequence_ask(total, taken))
+    }
+
+    /// Free blocks `allocate(hit, num_slots)` consumes.
+    pub fn num_blocks_to_allocate(&self, hit: &PrefixHit, num_slots: usize) -> usize {
+        let total = blocks_for(num_slots, self.config.block_size);
+        let revived = hit
+            .blocks
+            .iter()
+            .filter(|&&b| self.gpu.state(b) == Some(BlockState::Cached))
+            .count();
+        total.saturating_sub(hit.blocks.len()) + revived
+    }
+
+    /// Conservative: one block per running sequence (a new block or a CoW copy) plus the blocks
+    /// its lookahead slots may spill into.
+    pub fn can_append_slots(&self, num_running_seqs: usize, num_lookahead_slots: usize) -> bool {
+        let per_seq = 1 + blocks_for(num_lookahead_slots, self.config.block_size);
+        self.gpu.num_free() >= num_running_seqs.saturating_mul(per_seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{alloc, manager, toks};
+    use super::super::{CacheConfig, KvCacheManager};
+    use super::*;
+
+    #[test]
+    fn can_allocate_answers_ok_later_never() {
+        let mut cfg = CacheConfig::new(4, 10, 0);
+        cfg.watermark = 0.1; // 1 block
+        let mut m = KvCacheManager::new(cfg).unwrap();
+        assert_eq!(m.can_allocate(36), AllocStatus::Ok); // 9 blocks + 1 watermark = 10
+        assert_eq!(m.can_allocate(37), AllocStatus::Never); // 10 > 10 - 1
+        m.allocate_prompt(1, &toks(0..8), None, 0, true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.can_allocate(28), AllocStatus::Ok); // 8 free - 7 = 1
+        assert_eq!(m.can_allocate(29), AllocStatus::Later); // 8 free - 8 = 0 < 1
+    }
+
+    #[test]
+    fn can_append_slots_counts_one_block_per_seq_plus_lookahead() {
+        let mut m = manager(4, 4, 0);
+        assert!(m.can_append_slots(4, 0));
+        assert!(!m.can_append_slots(5, 0));
+        assert!(m.can_append_slots(2, 4)); // 2 * (1 + 1)
+        assert!(!m.can_append_slots(2, 5)); // 2 * (1 + 2)
+        alloc(&mut m, 1, &toks(0..4));
+        assert!(!m.can_append_slots(4, 0));
+    }
+}

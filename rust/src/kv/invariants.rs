@@ -1,0 +1,68 @@
+//! The manager's invariant checker (SPEC §3), run by the tests after every operation and
+//! exposed to Python as `check_invariants()`.
+use super::block_pool::BlockState;
+use super::block_table::Location;
+use super::manager::KvCacheManager;
+use crate::ids::BlockId;
+
+impl KvCacheManager {
+    /// SPEC §3 invariants: per pool free + in use = total and a consistent free stack / LRU
+    /// list; every ref count equals the number of table references (so nothing leaks and no
+    /// block is both free and referenced); prefix-cache map and block hashes agree; cached
+    /// blocks are registered; tables are well-formed.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.gpu.check("device")?;
+        self.cpu.check("host")?;
+        self.prefix_cache.check()?;
+        let mut gpu_refs = vec![0u32; self.gpu.num_blocks()];
+        let mut cpu_refs = vec![0u32; self.cpu.num_blocks()];
+        for (&seq, table) in &self.tables {
+            let (refs, name) = match table.location {
+                Location::Device => (&mut gpu_refs, "device"),
+                Location::Host => (&mut cpu_refs, "host"),
+            };
+            for &block in &table.blocks {
+                let count = refs.get_mut(block as usize).ok_or_else(|| {
+                    format!("sequence {seq} references {name} block {block} outside the pool")
+                })?;
+                *count += 1;
+            }
+            if table.num_registered > table.len() || table.num_registered > table.hashes.len() {
+                return Err(format!(
+                    "sequence {seq}: {} registered blocks but {} blocks and {} hashes",
+                    table.num_registered,
+                    table.len(),
+                    table.hashes.len()
+                ));
+            }
+        }
+        for (pool, refs, name) in [
+            (&self.gpu, &gpu_refs, "device"),
+            (&self.cpu, &cpu_refs, "host"),
+        ] {
+            for (block, &expected) in refs.iter().enumerate() {
+                let actual = pool.ref_count(block as BlockId).unwrap_or(0);
+                if actual != expected {
+                    return Err(format!(
+                        "{name} block {block}: ref count {actual} but {expected} table references"
+                    ));
+                }
+            }
+        }
+        for block in 0..self.gpu.num_blocks() as BlockId {
+            let registered = self.prefix_cache.is_registered(block);
+            match self.gpu.state(block) {
+                Some(BlockState::Cached) if !registered => {
+                    return Err(format!(
+                        "device block {block} is evictable but not registered"
+                    ));
+                }
+                Some(BlockState::Free) if registered => {
+                    return Err(format!("device block {block} is free but still registered"));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
