@@ -1,6 +1,9 @@
 //! Python face of the memory manager: `KVCacheManager`, `AllocStatus`, `PrefixHit`, and the
 //! block-hash helpers. Arguments arrive as Python ints (`i64`) and are range-checked here so that
 //! bad values raise `ValueError` with our message.
+//!
+//! Python keeps vLLM's names for the two memories (`num_gpu_blocks`, `num_free_cpu_blocks`,
+//! `cpu_usage`, ...); the core calls them device and host, and this layer translates.
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -131,8 +134,8 @@ impl PyKvCacheManager {
     ) -> PyResult<Self> {
         let config = CacheConfig {
             block_size: non_negative("block_size", block_size)?,
-            num_gpu_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
-            num_cpu_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)?,
+            num_device_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
+            num_host_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)?,
             watermark,
             enable_prefix_caching,
         };
@@ -147,10 +150,10 @@ impl PyKvCacheManager {
             "KVCacheManager(block_size={}, num_gpu_blocks={}, num_cpu_blocks={}, free_gpu={}, \
              free_cpu={}, sequences={})",
             c.block_size,
-            c.num_gpu_blocks,
-            c.num_cpu_blocks,
-            self.inner.num_free_gpu_blocks(),
-            self.inner.num_free_cpu_blocks(),
+            c.num_device_blocks,
+            c.num_host_blocks,
+            self.inner.num_free_device_blocks(),
+            self.inner.num_free_host_blocks(),
             self.inner.num_sequences()
         )
     }
@@ -338,9 +341,9 @@ impl PyKvCacheManager {
     fn ref_count(&self, block_id: i64, device: bool) -> PyResult<u32> {
         let block = self::block_id(block_id)?;
         let count = if device {
-            self.inner.gpu_ref_count(block)
+            self.inner.device_ref_count(block)
         } else {
-            self.inner.cpu_ref_count(block)
+            self.inner.host_ref_count(block)
         };
         count.ok_or_else(|| {
             let pool = if device { "device" } else { "host" };
@@ -351,7 +354,7 @@ impl PyKvCacheManager {
     /// Hash a device block is registered under in the prefix cache, or None.
     fn block_hash(&self, block_id: i64) -> PyResult<Option<u64>> {
         let block = self::block_id(block_id)?;
-        if block as usize >= self.inner.num_gpu_blocks() {
+        if block as usize >= self.inner.num_device_blocks() {
             return Err(PyValueError::new_err(format!(
                 "device block id {block_id} is out of range"
             )));
@@ -366,28 +369,28 @@ impl PyKvCacheManager {
 
     /// Fraction of device blocks in use.
     fn usage(&self) -> f64 {
-        self.inner.usage()
+        self.inner.device_usage()
     }
 
     /// Fraction of host blocks in use.
     fn cpu_usage(&self) -> f64 {
-        self.inner.cpu_usage()
+        self.inner.host_usage()
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
         d.set_item("block_size", s.block_size)?;
-        d.set_item("num_gpu_blocks", s.num_gpu_blocks)?;
-        d.set_item("num_cpu_blocks", s.num_cpu_blocks)?;
-        d.set_item("num_free_gpu_blocks", s.num_free_gpu_blocks)?;
-        d.set_item("num_free_cpu_blocks", s.num_free_cpu_blocks)?;
-        d.set_item("num_cached_gpu_blocks", s.num_cached_gpu_blocks)?;
+        d.set_item("num_gpu_blocks", s.num_device_blocks)?;
+        d.set_item("num_cpu_blocks", s.num_host_blocks)?;
+        d.set_item("num_free_gpu_blocks", s.num_free_device_blocks)?;
+        d.set_item("num_free_cpu_blocks", s.num_free_host_blocks)?;
+        d.set_item("num_cached_gpu_blocks", s.num_cached_device_blocks)?;
         d.set_item("num_registered_blocks", s.num_registered_blocks)?;
         d.set_item("num_sequences", s.num_sequences)?;
         d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
-        d.set_item("gpu_usage", s.gpu_usage)?;
-        d.set_item("cpu_usage", s.cpu_usage)?;
+        d.set_item("gpu_usage", s.device_usage)?;
+        d.set_item("cpu_usage", s.host_usage)?;
         d.set_item("watermark_blocks", s.watermark_blocks)?;
         let p = s.prefix_cache;
         d.set_item("prefix_cache_queries", p.queries)?;
@@ -417,27 +420,27 @@ impl PyKvCacheManager {
 
     #[getter]
     fn num_gpu_blocks(&self) -> usize {
-        self.inner.num_gpu_blocks()
+        self.inner.num_device_blocks()
     }
 
     #[getter]
     fn num_cpu_blocks(&self) -> usize {
-        self.inner.num_cpu_blocks()
+        self.inner.num_host_blocks()
     }
 
     #[getter]
     fn num_free_gpu_blocks(&self) -> usize {
-        self.inner.num_free_gpu_blocks()
+        self.inner.num_free_device_blocks()
     }
 
     #[getter]
     fn num_free_cpu_blocks(&self) -> usize {
-        self.inner.num_free_cpu_blocks()
+        self.inner.num_free_host_blocks()
     }
 
     #[getter]
     fn num_cached_gpu_blocks(&self) -> usize {
-        self.inner.num_cached_gpu_blocks()
+        self.inner.num_cached_device_blocks()
     }
 
     #[getter]

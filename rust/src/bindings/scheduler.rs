@@ -312,8 +312,8 @@ impl PyScheduler {
         };
         let cache = CacheConfig {
             block_size: non_negative("block_size", block_size)?,
-            num_gpu_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
-            num_cpu_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)?,
+            num_device_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
+            num_host_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)?,
             watermark,
             enable_prefix_caching,
         };
@@ -630,13 +630,13 @@ impl PyScheduler {
         d.set_item("num_running", s.num_running)?;
         d.set_item("num_swapped", s.num_swapped)?;
         d.set_item("num_running_seqs", s.num_running_seqs)?;
-        d.set_item("kv_usage", s.cache.gpu_usage)?;
-        d.set_item("cpu_kv_usage", s.cache.cpu_usage)?;
-        d.set_item("num_gpu_blocks", s.cache.num_gpu_blocks)?;
-        d.set_item("num_cpu_blocks", s.cache.num_cpu_blocks)?;
-        d.set_item("num_free_gpu_blocks", s.cache.num_free_gpu_blocks)?;
-        d.set_item("num_free_cpu_blocks", s.cache.num_free_cpu_blocks)?;
-        d.set_item("num_cached_gpu_blocks", s.cache.num_cached_gpu_blocks)?;
+        d.set_item("kv_usage", s.cache.device_usage)?;
+        d.set_item("cpu_kv_usage", s.cache.host_usage)?;
+        d.set_item("num_gpu_blocks", s.cache.num_device_blocks)?;
+        d.set_item("num_cpu_blocks", s.cache.num_host_blocks)?;
+        d.set_item("num_free_gpu_blocks", s.cache.num_free_device_blocks)?;
+        d.set_item("num_free_cpu_blocks", s.cache.num_free_host_blocks)?;
+        d.set_item("num_cached_gpu_blocks", s.cache.num_cached_device_blocks)?;
         d.set_item("prefix_cache_queries", pc.queries)?;
         d.set_item("prefix_cache_query_blocks", pc.query_blocks)?;
         d.set_item("prefix_cache_hits", pc.hits)?;

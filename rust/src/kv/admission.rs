@@ -35,9 +35,9 @@ impl KvCacheManager {
     /// LATER when too few blocks are free now, else OK.
     #[inline]
     pub(super) fn admission(&self, ask: Ask) -> AllocStatus {
-        if ask.total > self.gpu.num_blocks() - ask.off_limits {
+        if ask.total > self.device.num_blocks() - ask.off_limits {
             AllocStatus::Never
-        } else if self.gpu.num_free() < ask.taken + ask.reserve {
+        } else if self.device.num_free() < ask.taken + ask.reserve {
             AllocStatus::Later
         } else {
             AllocStatus::Ok
@@ -74,7 +74,7 @@ impl KvCacheManager {
         let revived = hit
             .blocks
             .iter()
-            .filter(|&&b| self.gpu.state(b) == Some(BlockState::Cached))
+            .filter(|&&b| self.device.state(b) == Some(BlockState::Cached))
             .count();
         total.saturating_sub(hit.blocks.len()) + revived
     }
@@ -83,7 +83,7 @@ impl KvCacheManager {
     /// its lookahead slots may spill into.
     pub fn can_append_slots(&self, num_running_seqs: usize, num_lookahead_slots: usize) -> bool {
         let per_seq = 1 + blocks_for(num_lookahead_slots, self.config.block_size);
-        self.gpu.num_free() >= num_running_seqs.saturating_mul(per_seq)
+        self.device.num_free() >= num_running_seqs.saturating_mul(per_seq)
     }
 }
 

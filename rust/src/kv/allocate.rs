@@ -120,7 +120,7 @@ impl KvCacheManager {
         } else {
             0
         };
-        if self.gpu.num_free() < needed + reserve {
+        if self.device.num_free() < needed + reserve {
             return Ok(false);
         }
         // Headroom for the decode blocks to come (a full-table regrowth per doubling is a
@@ -130,12 +130,12 @@ impl KvCacheManager {
         // Hit blocks first: once revived they are off the LRU list, so the fresh allocations
         // below cannot evict them.
         for &block in &hit.blocks {
-            self.gpu.incref(block);
+            self.device.incref(block);
             blocks.push(block);
         }
         for _ in hit.blocks.len()..total {
             blocks.push(take_checked_device_block(
-                &mut self.gpu,
+                &mut self.device,
                 &mut self.prefix_cache,
             )?);
         }
@@ -174,21 +174,21 @@ impl KvCacheManager {
         }
         let target = blocks_for(num_slots, bs);
         let written = (first_new_slot / bs)..target.min(table.len());
-        let num_copies = count_shared_blocks(&self.gpu, &table.blocks[written.clone()]);
+        let num_copies = count_shared_blocks(&self.device, &table.blocks[written.clone()]);
         let grow = target.saturating_sub(table.len());
-        if self.gpu.num_free() < num_copies + grow {
+        if self.device.num_free() < num_copies + grow {
             return Ok(None);
         }
         let mut copies = Vec::with_capacity(num_copies);
         copy_shared_blocks(
-            &mut self.gpu,
+            &mut self.device,
             &mut self.prefix_cache,
             &mut table.blocks[written],
             &mut copies,
         )?;
         for _ in 0..grow {
             table.blocks.push(take_checked_device_block(
-                &mut self.gpu,
+                &mut self.device,
                 &mut self.prefix_cache,
             )?);
         }
@@ -202,7 +202,7 @@ impl KvCacheManager {
     #[inline]
     pub fn append_fresh_block(&mut self, seq: SeqId) -> Result<Option<BlockId>> {
         let table = device_table_mut(&mut self.tables, seq)?;
-        let Some(block) = take_device_block(&mut self.gpu, &mut self.prefix_cache) else {
+        let Some(block) = take_device_block(&mut self.device, &mut self.prefix_cache) else {
             return Ok(None);
         };
         table.blocks.push(block);
@@ -221,8 +221,8 @@ mod tests {
         let mut m = manager(4, 8, 0);
         assert_eq!(alloc(&mut m, 1, &toks(0..10)), Some(0));
         assert_eq!(m.block_table(1).unwrap(), &[0, 1, 2]);
-        assert_eq!(m.num_free_gpu_blocks(), 5);
-        assert!((m.usage() - 3.0 / 8.0).abs() < 1e-12);
+        assert_eq!(m.num_free_device_blocks(), 5);
+        assert!((m.device_usage() - 3.0 / 8.0).abs() < 1e-12);
         assert_eq!(m.table(1).unwrap().slot(9, 4), Some(9));
     }
 
@@ -231,7 +231,7 @@ mod tests {
         let mut m = manager(4, 2, 0);
         assert_eq!(alloc(&mut m, 1, &toks(0..12)), None);
         assert!(!m.contains(1));
-        assert_eq!(m.num_free_gpu_blocks(), 2);
+        assert_eq!(m.num_free_device_blocks(), 2);
     }
 
     #[test]
@@ -276,7 +276,7 @@ mod tests {
         let t2 = m.block_table(2).unwrap().to_vec();
         assert_eq!(t2[..2], t1[..2]);
         assert_ne!(t2[2], t1[2]);
-        assert_eq!(m.gpu_ref_count(t1[0]), Some(2));
+        assert_eq!(m.device_ref_count(t1[0]), Some(2));
         // Longer prompt with the same start: three blocks reused.
         let longer = toks(0..14);
         assert_eq!(alloc(&mut m, 3, &longer), Some(12));
@@ -311,7 +311,7 @@ mod tests {
         m.free(1).unwrap();
         // Two full blocks cached (deepest first in eviction order), the partial one freed.
         assert_eq!(m.evictable_blocks(), vec![t1[1], t1[0]]);
-        assert_eq!(m.num_free_gpu_blocks(), 8);
+        assert_eq!(m.num_free_device_blocks(), 8);
         assert_eq!(alloc(&mut m, 2, &prompt), Some(8));
         assert_eq!(m.block_table(2).unwrap()[..2], t1[..2]);
         assert!(m.evictable_blocks().is_empty());
@@ -364,12 +364,12 @@ mod tests {
         assert_eq!(hit.blocks.len(), 1);
         // Another allocation evicts the hit block.
         alloc(&mut m, 2, &toks(50..54));
-        let free = m.num_free_gpu_blocks();
+        let free = m.num_free_device_blocks();
         assert!(matches!(
             m.allocate(3, &hit, 3, false),
             Err(Error::InvalidArgument(_))
         ));
-        assert_eq!(m.num_free_gpu_blocks(), free);
+        assert_eq!(m.num_free_device_blocks(), free);
         m.check_invariants().unwrap();
     }
 
@@ -395,7 +395,7 @@ mod tests {
         // CoW of the shared last block needs a block, the growth another: only 0 free.
         assert_eq!(m.append_slots(2, 6, 9).unwrap(), None);
         assert_eq!(m.block_table(2).unwrap(), &[0, 1]);
-        assert_eq!(m.gpu_ref_count(1), Some(2));
+        assert_eq!(m.device_ref_count(1), Some(2));
         m.check_invariants().unwrap();
     }
 }

@@ -49,8 +49,8 @@ impl KvCacheManager {
         }
         let table = table.clone();
         let pool = match table.location {
-            Location::Device => &mut self.gpu,
-            Location::Host => &mut self.cpu,
+            Location::Device => &mut self.device,
+            Location::Host => &mut self.host,
         };
         for &block in &table.blocks {
             pool.incref(block);
@@ -69,12 +69,12 @@ impl KvCacheManager {
         match table.location {
             Location::Device => {
                 for &block in table.blocks.iter().rev() {
-                    release_device_block(&mut self.gpu, &self.prefix_cache, block);
+                    release_device_block(&mut self.device, &self.prefix_cache, block);
                 }
             }
             Location::Host => {
                 for &block in table.blocks.iter().rev() {
-                    self.cpu.decref(block, false);
+                    self.host.decref(block, false);
                 }
             }
         }
@@ -92,14 +92,14 @@ mod tests {
         let mut m = manager(4, 8, 0);
         alloc(&mut m, 1, &toks(0..6));
         m.fork(1, 2).unwrap();
-        assert_eq!(m.gpu_ref_count(0), Some(2));
-        assert_eq!(m.gpu_ref_count(1), Some(2));
+        assert_eq!(m.device_ref_count(0), Some(2));
+        assert_eq!(m.device_ref_count(1), Some(2));
         // Writing slot 6 lands in shared block 1: copy it, keep full block 0 shared.
         let copies = m.append_slots(2, 6, 7).unwrap().unwrap();
         assert_eq!(copies, vec![(1, 2)]);
         assert_eq!(m.block_table(2).unwrap(), &[0, 2]);
-        assert_eq!(m.gpu_ref_count(1), Some(1));
-        assert_eq!(m.gpu_ref_count(0), Some(2));
+        assert_eq!(m.device_ref_count(1), Some(1));
+        assert_eq!(m.device_ref_count(0), Some(2));
         // The parent now owns block 1 alone: no copy.
         assert_eq!(m.append_slots(1, 6, 7).unwrap().unwrap(), vec![]);
         m.check_invariants().unwrap();
@@ -113,7 +113,7 @@ mod tests {
         assert_eq!(m.fork(9, 3), Err(Error::UnknownSequence(9)));
         assert_eq!(m.fork(1, 2), Err(Error::DuplicateSequence(2)));
         assert_eq!(m.fork(1, 1), Err(Error::DuplicateSequence(1)));
-        assert_eq!(m.gpu_ref_count(0), Some(1));
+        assert_eq!(m.device_ref_count(0), Some(1));
         m.check_invariants().unwrap();
     }
 
@@ -123,9 +123,9 @@ mod tests {
         alloc(&mut m, 1, &toks(0..6));
         m.fork(1, 2).unwrap();
         m.free(1).unwrap();
-        assert_eq!(m.num_free_gpu_blocks(), 6);
+        assert_eq!(m.num_free_device_blocks(), 6);
         m.free(2).unwrap();
-        assert_eq!(m.num_free_gpu_blocks(), 8);
+        assert_eq!(m.num_free_device_blocks(), 8);
         assert_eq!(m.free(2), Err(Error::UnknownSequence(2)));
         m.check_invariants().unwrap();
     }

@@ -11,15 +11,15 @@ impl KvCacheManager {
     /// block is both free and referenced); prefix-cache map and block hashes agree; cached
     /// blocks are registered; tables are well-formed.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.gpu.check("device")?;
-        self.cpu.check("host")?;
+        self.device.check("device")?;
+        self.host.check("host")?;
         self.prefix_cache.check()?;
-        let mut gpu_refs = vec![0u32; self.gpu.num_blocks()];
-        let mut cpu_refs = vec![0u32; self.cpu.num_blocks()];
+        let mut device_refs = vec![0u32; self.device.num_blocks()];
+        let mut host_refs = vec![0u32; self.host.num_blocks()];
         for (&seq, table) in &self.tables {
             let (refs, name) = match table.location {
-                Location::Device => (&mut gpu_refs, "device"),
-                Location::Host => (&mut cpu_refs, "host"),
+                Location::Device => (&mut device_refs, "device"),
+                Location::Host => (&mut host_refs, "host"),
             };
             for &block in &table.blocks {
                 let count = refs.get_mut(block as usize).ok_or_else(|| {
@@ -37,8 +37,8 @@ impl KvCacheManager {
             }
         }
         for (pool, refs, name) in [
-            (&self.gpu, &gpu_refs, "device"),
-            (&self.cpu, &cpu_refs, "host"),
+            (&self.device, &device_refs, "device"),
+            (&self.host, &host_refs, "host"),
         ] {
             for (block, &expected) in refs.iter().enumerate() {
                 let actual = pool.ref_count(block as BlockId).unwrap_or(0);
@@ -49,9 +49,9 @@ impl KvCacheManager {
                 }
             }
         }
-        for block in 0..self.gpu.num_blocks() as BlockId {
+        for block in 0..self.device.num_blocks() as BlockId {
             let registered = self.prefix_cache.is_registered(block);
-            match self.gpu.state(block) {
+            match self.device.state(block) {
                 Some(BlockState::Cached) if !registered => {
                     return Err(format!(
                         "device block {block} is evictable but not registered"

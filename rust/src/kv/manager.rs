@@ -12,9 +12,9 @@ use crate::ids::{BlockId, SeqId};
 pub struct CacheConfig {
     /// Token slots per block.
     pub block_size: usize,
-    pub num_gpu_blocks: usize,
+    pub num_device_blocks: usize,
     /// Host (swap space) blocks.
-    pub num_cpu_blocks: usize,
+    pub num_host_blocks: usize,
     /// Fraction of the device pool kept free at admission, in [0, 1).
     pub watermark: f64,
     pub enable_prefix_caching: bool,
@@ -24,8 +24,8 @@ impl Default for CacheConfig {
     fn default() -> Self {
         Self {
             block_size: 16,
-            num_gpu_blocks: 0,
-            num_cpu_blocks: 0,
+            num_device_blocks: 0,
+            num_host_blocks: 0,
             watermark: 0.01,
             enable_prefix_caching: true,
         }
@@ -34,11 +34,11 @@ impl Default for CacheConfig {
 
 impl CacheConfig {
     /// Defaults (watermark 0.01, prefix caching on) with the given sizes.
-    pub fn new(block_size: usize, num_gpu_blocks: usize, num_cpu_blocks: usize) -> Self {
+    pub fn new(block_size: usize, num_device_blocks: usize, num_host_blocks: usize) -> Self {
         Self {
             block_size,
-            num_gpu_blocks,
-            num_cpu_blocks,
+            num_device_blocks,
+            num_host_blocks,
             ..Self::default()
         }
     }
@@ -47,21 +47,21 @@ impl CacheConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheStats {
     pub block_size: usize,
-    pub num_gpu_blocks: usize,
-    pub num_cpu_blocks: usize,
+    pub num_device_blocks: usize,
+    pub num_host_blocks: usize,
     /// Free device blocks, cached-evictable ones included.
-    pub num_free_gpu_blocks: usize,
-    pub num_free_cpu_blocks: usize,
+    pub num_free_device_blocks: usize,
+    pub num_free_host_blocks: usize,
     /// Device blocks with ref count 0 still holding cached contents.
-    pub num_cached_gpu_blocks: usize,
+    pub num_cached_device_blocks: usize,
     /// Device blocks registered in the prefix cache (in use or evictable).
     pub num_registered_blocks: usize,
     pub num_sequences: usize,
     pub num_swapped_sequences: usize,
     /// Fraction of device blocks in use.
-    pub gpu_usage: f64,
+    pub device_usage: f64,
     /// Fraction of host blocks in use.
-    pub cpu_usage: f64,
+    pub host_usage: f64,
     pub watermark_blocks: usize,
     pub prefix_cache: PrefixCacheStats,
 }
@@ -74,8 +74,8 @@ pub(super) type Tables = HashMap<SeqId, BlockTable, IdBuildHasher>;
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
     pub(super) config: CacheConfig,
-    pub(super) gpu: BlockPool,
-    pub(super) cpu: BlockPool,
+    pub(super) device: BlockPool,
+    pub(super) host: BlockPool,
     pub(super) prefix_cache: PrefixCache,
     pub(super) tables: Tables,
     pub(super) watermark_blocks: usize,
@@ -152,14 +152,14 @@ impl KvCacheManager {
                 config.watermark
             )));
         }
-        let gpu = BlockPool::new(config.num_gpu_blocks)?;
-        let cpu = BlockPool::new(config.num_cpu_blocks)?;
-        let prefix_cache = PrefixCache::new(config.num_gpu_blocks, config.enable_prefix_caching);
-        let watermark_blocks = (config.watermark * config.num_gpu_blocks as f64) as usize;
+        let device = BlockPool::new(config.num_device_blocks)?;
+        let host = BlockPool::new(config.num_host_blocks)?;
+        let prefix_cache = PrefixCache::new(config.num_device_blocks, config.enable_prefix_caching);
+        let watermark_blocks = (config.watermark * config.num_device_blocks as f64) as usize;
         Ok(Self {
             config,
-            gpu,
-            cpu,
+            device,
+            host,
             prefix_cache,
             tables: HashMap::default(),
             watermark_blocks,
@@ -178,33 +178,33 @@ impl KvCacheManager {
         self.watermark_blocks
     }
 
-    pub fn num_gpu_blocks(&self) -> usize {
-        self.gpu.num_blocks()
+    pub fn num_device_blocks(&self) -> usize {
+        self.device.num_blocks()
     }
 
-    pub fn num_cpu_blocks(&self) -> usize {
-        self.cpu.num_blocks()
+    pub fn num_host_blocks(&self) -> usize {
+        self.host.num_blocks()
     }
 
     /// Free device blocks, cached-evictable ones included.
     #[inline]
-    pub fn num_free_gpu_blocks(&self) -> usize {
-        self.gpu.num_free()
+    pub fn num_free_device_blocks(&self) -> usize {
+        self.device.num_free()
     }
 
-    pub fn num_free_cpu_blocks(&self) -> usize {
-        self.cpu.num_free()
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.host.num_free()
     }
 
     /// Free device blocks holding nothing cached (taken before any cached block is evicted).
     #[inline]
-    pub fn num_uncached_free_gpu_blocks(&self) -> usize {
-        self.gpu.num_uncached_free()
+    pub fn num_uncached_free_device_blocks(&self) -> usize {
+        self.device.num_uncached_free()
     }
 
     /// Device blocks with ref count 0 whose contents are still cached.
-    pub fn num_cached_gpu_blocks(&self) -> usize {
-        self.gpu.num_cached()
+    pub fn num_cached_device_blocks(&self) -> usize {
+        self.device.num_cached()
     }
 
     pub fn num_sequences(&self) -> usize {
@@ -212,13 +212,13 @@ impl KvCacheManager {
     }
 
     /// Fraction of device blocks in use (cached-evictable blocks count as free).
-    pub fn usage(&self) -> f64 {
-        usage_of(&self.gpu)
+    pub fn device_usage(&self) -> f64 {
+        usage_of(&self.device)
     }
 
     /// Fraction of host blocks in use.
-    pub fn cpu_usage(&self) -> f64 {
-        usage_of(&self.cpu)
+    pub fn host_usage(&self) -> f64 {
+        usage_of(&self.host)
     }
 
     pub fn contains(&self, seq: SeqId) -> bool {
@@ -245,17 +245,17 @@ impl KvCacheManager {
     }
 
     /// Ref count of a device block (`None` outside the pool).
-    pub fn gpu_ref_count(&self, block: BlockId) -> Option<u32> {
-        self.gpu.ref_count(block)
+    pub fn device_ref_count(&self, block: BlockId) -> Option<u32> {
+        self.device.ref_count(block)
     }
 
     /// Ref count of a host block (`None` outside the pool).
-    pub fn cpu_ref_count(&self, block: BlockId) -> Option<u32> {
-        self.cpu.ref_count(block)
+    pub fn host_ref_count(&self, block: BlockId) -> Option<u32> {
+        self.host.ref_count(block)
     }
 
-    pub fn gpu_block_state(&self, block: BlockId) -> Option<BlockState> {
-        self.gpu.state(block)
+    pub fn device_block_state(&self, block: BlockId) -> Option<BlockState> {
+        self.device.state(block)
     }
 
     /// Hash a device block is registered under in the prefix cache.
@@ -265,7 +265,7 @@ impl KvCacheManager {
 
     /// Cached device blocks in eviction order (first evicted first).
     pub fn evictable_blocks(&self) -> Vec<BlockId> {
-        self.gpu.lru_order()
+        self.device.lru_order()
     }
 
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
@@ -275,11 +275,11 @@ impl KvCacheManager {
     pub fn stats(&self) -> CacheStats {
         CacheStats {
             block_size: self.config.block_size,
-            num_gpu_blocks: self.gpu.num_blocks(),
-            num_cpu_blocks: self.cpu.num_blocks(),
-            num_free_gpu_blocks: self.gpu.num_free(),
-            num_free_cpu_blocks: self.cpu.num_free(),
-            num_cached_gpu_blocks: self.gpu.num_cached(),
+            num_device_blocks: self.device.num_blocks(),
+            num_host_blocks: self.host.num_blocks(),
+            num_free_device_blocks: self.device.num_free(),
+            num_free_host_blocks: self.host.num_free(),
+            num_cached_device_blocks: self.device.num_cached(),
             num_registered_blocks: self.prefix_cache.len(),
             num_sequences: self.tables.len(),
             num_swapped_sequences: self
@@ -287,8 +287,8 @@ impl KvCacheManager {
                 .values()
                 .filter(|t| t.location == Location::Host)
                 .count(),
-            gpu_usage: self.usage(),
-            cpu_usage: self.cpu_usage(),
+            device_usage: self.device_usage(),
+            host_usage: self.host_usage(),
             watermark_blocks: self.watermark_blocks,
             prefix_cache: self.prefix_cache.stats(),
         }
@@ -324,12 +324,12 @@ mod tests {
         alloc(&mut m, 2, &toks(0..8));
         m.swap_out(&[2]).unwrap();
         let s = m.stats();
-        assert_eq!(s.num_free_gpu_blocks, 6);
-        assert_eq!(s.num_free_cpu_blocks, 2);
+        assert_eq!(s.num_free_device_blocks, 6);
+        assert_eq!(s.num_free_host_blocks, 2);
         assert_eq!(s.num_sequences, 2);
         assert_eq!(s.num_swapped_sequences, 1);
-        assert!((s.gpu_usage - 0.25).abs() < 1e-12);
-        assert!((s.cpu_usage - 0.5).abs() < 1e-12);
+        assert!((s.device_usage - 0.25).abs() < 1e-12);
+        assert!((s.host_usage - 0.5).abs() < 1e-12);
         assert_eq!(s.prefix_cache.queries, 2);
     }
 
@@ -371,7 +371,7 @@ mod tests {
             m.free(s).unwrap();
         }
         m.check_invariants().unwrap();
-        assert_eq!(m.num_free_gpu_blocks(), 16);
-        assert_eq!(m.num_free_cpu_blocks(), 8);
+        assert_eq!(m.num_free_device_blocks(), 16);
+        assert_eq!(m.num_free_host_blocks(), 8);
     }
 }

@@ -9,8 +9,8 @@ use crate::error::Error;
 use crate::ids::{SeqId, TokenId};
 
 const BLOCK_SIZE: usize = 4;
-const GPU_BLOCKS: usize = 24;
-const CPU_BLOCKS: usize = 12;
+const DEVICE_BLOCKS: usize = 24;
+const HOST_BLOCKS: usize = 12;
 const MAX_SEQ: SeqId = 6;
 
 #[derive(Debug, Clone)]
@@ -84,12 +84,12 @@ fn check_against_model(m: &KvCacheManager, model: &BTreeMap<SeqId, ModelSeq>) {
         );
     }
     assert_eq!(
-        m.num_free_gpu_blocks(),
-        GPU_BLOCKS - distinct_blocks(m, model, false)
+        m.num_free_device_blocks(),
+        DEVICE_BLOCKS - distinct_blocks(m, model, false)
     );
     assert_eq!(
-        m.num_free_cpu_blocks(),
-        CPU_BLOCKS - distinct_blocks(m, model, true)
+        m.num_free_host_blocks(),
+        HOST_BLOCKS - distinct_blocks(m, model, true)
     );
 }
 
@@ -136,7 +136,7 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
                     let after = m.block_table(*seq).unwrap();
                     // Every block the new slots land in is now exclusively ours.
                     for &block in &after[first / BLOCK_SIZE..blocks_for(last, BLOCK_SIZE)] {
-                        assert_eq!(m.gpu_ref_count(block), Some(1));
+                        assert_eq!(m.device_ref_count(block), Some(1));
                     }
                     for (src, dst) in copies {
                         let i = before.iter().position(|&b| b == src).unwrap();
@@ -240,7 +240,7 @@ proptest! {
 
     #[test]
     fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 1..80), wm in 0..3u32) {
-        let mut cfg = CacheConfig::new(BLOCK_SIZE, GPU_BLOCKS, CPU_BLOCKS);
+        let mut cfg = CacheConfig::new(BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS);
         cfg.watermark = wm as f64 * 0.05;
         let mut m = KvCacheManager::new(cfg).unwrap();
         let mut model = BTreeMap::new();
@@ -253,7 +253,7 @@ proptest! {
             m.free(seq).unwrap();
         }
         m.check_invariants().unwrap();
-        prop_assert_eq!(m.num_free_gpu_blocks(), GPU_BLOCKS);
-        prop_assert_eq!(m.num_free_cpu_blocks(), CPU_BLOCKS);
+        prop_assert_eq!(m.num_free_device_blocks(), DEVICE_BLOCKS);
+        prop_assert_eq!(m.num_free_host_blocks(), HOST_BLOCKS);
     }
 }

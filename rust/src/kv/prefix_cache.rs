@@ -220,7 +220,7 @@ impl PrefixCache {
         self.block_hash(block).is_some()
     }
 
-    /// Hints the CPU to fetch `block`'s hash entry (read by `register`) ahead of time.
+    /// Hints the processor to fetch `block`'s hash entry (read by `register`) ahead of time.
     #[inline]
     pub(crate) fn prefetch_block(&self, block: BlockId) {
         #[cfg(target_arch = "x86_64")]

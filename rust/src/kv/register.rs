@@ -164,10 +164,10 @@ impl KvCacheManager {
     pub fn forget_step_registrations(&mut self) -> Result<usize> {
         let mut dropped = 0;
         for block in self.prefix_cache.take_journal() {
-            match self.gpu.state(block) {
+            match self.device.state(block) {
                 Some(BlockState::Cached) => {
                     self.prefix_cache.unregister(block);
-                    self.gpu.uncache(block);
+                    self.device.uncache(block);
                     dropped += 1;
                 }
                 Some(BlockState::InUse) if self.prefix_cache.is_registered(block) => {
@@ -185,8 +185,8 @@ impl KvCacheManager {
     /// Hit / miss / eviction counters are kept.
     pub fn reset_prefix_cache(&mut self) {
         self.prefix_cache.clear();
-        for block in self.gpu.lru_order() {
-            self.gpu.uncache(block);
+        for block in self.device.lru_order() {
+            self.device.uncache(block);
         }
     }
 }
@@ -258,7 +258,7 @@ mod tests {
         let t2 = m.block_table(2).unwrap().to_vec();
         assert_eq!(m.block_hash(t2[0]), None);
         m.free(2).unwrap();
-        assert_eq!(m.num_cached_gpu_blocks(), 0);
+        assert_eq!(m.num_cached_device_blocks(), 0);
         m.check_invariants().unwrap();
     }
 
@@ -301,7 +301,7 @@ mod tests {
         assert_eq!(m.cache_full_blocks(1, &p, 5, 0).unwrap(), 0);
         assert_eq!(m.allocate_prompt(2, &p, None, 0, false).unwrap(), Some(0));
         m.free(1).unwrap();
-        assert_eq!(m.num_cached_gpu_blocks(), 0);
+        assert_eq!(m.num_cached_device_blocks(), 0);
         m.check_invariants().unwrap();
     }
 
@@ -316,7 +316,7 @@ mod tests {
         m.free(1).unwrap();
         m.reset_prefix_cache();
         m.check_invariants().unwrap();
-        assert_eq!(m.num_cached_gpu_blocks(), 0);
+        assert_eq!(m.num_cached_device_blocks(), 0);
         assert_eq!(m.stats().num_registered_blocks, 0);
         assert_eq!(alloc(&mut m, 3, &p), Some(0));
     }

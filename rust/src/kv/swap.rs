@@ -64,7 +64,7 @@ impl KvCacheManager {
     /// Whether the host pool can take the group's distinct device blocks (errors for unknown,
     /// repeated or already swapped-out sequences).
     pub fn check_swap_out(&self, seqs: &[SeqId]) -> Result<bool> {
-        Ok(self.group_blocks(seqs, Location::Device)?.len() <= self.cpu.num_free())
+        Ok(self.group_blocks(seqs, Location::Device)?.len() <= self.host.num_free())
     }
 
     /// `check_swap_out`, with any error answered `false`.
@@ -76,15 +76,15 @@ impl KvCacheManager {
     /// and releases the device blocks. Returns the (device, host) copy pairs.
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
         let distinct = self.group_blocks(seqs, Location::Device)?;
-        if distinct.len() > self.cpu.num_free() {
+        if distinct.len() > self.host.num_free() {
             return Err(Error::OutOfHostBlocks {
                 needed: distinct.len(),
-                free: self.cpu.num_free(),
+                free: self.host.num_free(),
             });
         }
-        let cpu = &mut self.cpu;
+        let host = &mut self.host;
         let (mapping, pairs) = pair_blocks(&distinct, || {
-            cpu.pop_free().ok_or_else(|| broken_free_count("host"))
+            host.pop_free().ok_or_else(|| broken_free_count("host"))
         })?;
         for &seq in seqs {
             let Some(table) = self.tables.get_mut(&seq) else {
@@ -92,15 +92,15 @@ impl KvCacheManager {
             };
             for block in table.blocks.iter_mut().rev() {
                 let host = mapping[block];
-                self.cpu.incref(host);
-                release_device_block(&mut self.gpu, &self.prefix_cache, *block);
+                self.host.incref(host);
+                release_device_block(&mut self.device, &self.prefix_cache, *block);
                 *block = host;
             }
             table.location = Location::Host;
         }
         // pop_free's initial reference was only a placeholder for the table references.
         for &(_, host) in &pairs {
-            self.cpu.decref(host, false);
+            self.host.decref(host, false);
         }
         Ok(pairs)
     }
@@ -155,22 +155,22 @@ impl KvCacheManager {
     /// blocks. Returns the (host, device) copy pairs.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
         let distinct = self.group_blocks(seqs, Location::Host)?;
-        if distinct.len() > self.gpu.num_free() {
+        if distinct.len() > self.device.num_free() {
             return Err(Error::OutOfDeviceBlocks {
                 needed: distinct.len(),
-                free: self.gpu.num_free(),
+                free: self.device.num_free(),
             });
         }
-        let (gpu, cache) = (&mut self.gpu, &mut self.prefix_cache);
-        let (mapping, pairs) = pair_blocks(&distinct, || take_checked_device_block(gpu, cache))?;
+        let (device, cache) = (&mut self.device, &mut self.prefix_cache);
+        let (mapping, pairs) = pair_blocks(&distinct, || take_checked_device_block(device, cache))?;
         for &seq in seqs {
             let Some(table) = self.tables.get_mut(&seq) else {
                 continue;
             };
             for block in table.blocks.iter_mut() {
                 let device = mapping[block];
-                self.gpu.incref(device);
-                self.cpu.decref(*block, false);
+                self.device.incref(device);
+                self.host.decref(*block, false);
                 *block = device;
             }
             table.location = Location::Device;
@@ -178,7 +178,7 @@ impl KvCacheManager {
             table.num_registered = 0;
         }
         for &(_, device) in &pairs {
-            self.gpu.decref(device, false);
+            self.device.decref(device, false);
         }
         Ok(pairs)
     }
@@ -201,21 +201,21 @@ mod tests {
         m.check_invariants().unwrap();
         assert_eq!(out.len(), 3, "shared block 0 crosses once");
         assert!(m.is_swapped(1) && m.is_swapped(2));
-        assert_eq!(m.num_free_gpu_blocks(), 8);
-        assert_eq!(m.num_free_cpu_blocks(), 5);
+        assert_eq!(m.num_free_device_blocks(), 8);
+        assert_eq!(m.num_free_host_blocks(), 5);
         let h1 = m.block_table(1).unwrap().to_vec();
         let h2 = m.block_table(2).unwrap().to_vec();
         assert_eq!(h1[0], h2[0]);
-        assert_eq!(m.cpu_ref_count(h1[0]), Some(2));
+        assert_eq!(m.host_ref_count(h1[0]), Some(2));
         assert_eq!(m.can_swap_in(&[1, 2], 0), AllocStatus::Ok);
         let back = m.swap_in(&[1, 2]).unwrap();
         m.check_invariants().unwrap();
         assert_eq!(back.len(), 3);
-        assert_eq!(m.num_free_cpu_blocks(), 8);
+        assert_eq!(m.num_free_host_blocks(), 8);
         let d1 = m.block_table(1).unwrap().to_vec();
         let d2 = m.block_table(2).unwrap().to_vec();
         assert_eq!(d1[0], d2[0]);
-        assert_eq!(m.gpu_ref_count(d1[0]), Some(2));
+        assert_eq!(m.device_ref_count(d1[0]), Some(2));
         // The pairs map each table entry back to where it went.
         for (h, d) in back {
             assert!(
@@ -268,8 +268,8 @@ mod tests {
         // 10 device blocks, watermark 2 (20 %); a group of 6 blocks needing 2 more to grow
         let mut m = KvCacheManager::new(CacheConfig {
             block_size: 4,
-            num_gpu_blocks: 10,
-            num_cpu_blocks: 10,
+            num_device_blocks: 10,
+            num_host_blocks: 10,
             watermark: 0.2,
             enable_prefix_caching: false,
         })
@@ -308,9 +308,9 @@ mod tests {
         m.fork(1, 2).unwrap();
         m.swap_out(&[1, 2]).unwrap();
         m.free(1).unwrap();
-        assert_eq!(m.num_free_cpu_blocks(), 2);
+        assert_eq!(m.num_free_host_blocks(), 2);
         m.free(2).unwrap();
-        assert_eq!(m.num_free_cpu_blocks(), 4);
+        assert_eq!(m.num_free_host_blocks(), 4);
         m.check_invariants().unwrap();
     }
 
@@ -323,7 +323,7 @@ mod tests {
         assert_eq!(alloc(&mut m, 2, &p), Some(4));
         m.swap_out(&[2]).unwrap();
         m.check_invariants().unwrap();
-        assert_eq!(m.gpu_ref_count(0), Some(1));
+        assert_eq!(m.device_ref_count(0), Some(1));
         m.swap_in(&[2]).unwrap();
         // Swapped-in copies are re-offered to the cache; the originals keep their mapping.
         assert_eq!(m.cache_full_blocks(2, &p, 5, 0).unwrap(), 0);

@@ -3,8 +3,8 @@ use super::{CacheConfig, KvCacheManager};
 use crate::ids::{SeqId, TokenId};
 
 /// A manager with no watermark.
-pub(super) fn manager(block_size: usize, gpu: usize, cpu: usize) -> KvCacheManager {
-    let mut cfg = CacheConfig::new(block_size, gpu, cpu);
+pub(super) fn manager(block_size: usize, device: usize, host: usize) -> KvCacheManager {
+    let mut cfg = CacheConfig::new(block_size, device, host);
     cfg.watermark = 0.0;
     KvCacheManager::new(cfg).unwrap()
 }

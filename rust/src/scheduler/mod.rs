@@ -84,7 +84,7 @@ enum Admit {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     block_size: usize,
-    num_gpu_blocks: usize,
+    num_device_blocks: usize,
     caching: bool,
     /// Longest sequence allowed (`max_model_len`, or less under `prefill_first`).
     max_seq_len: usize,
@@ -148,14 +148,14 @@ impl Scheduler {
         }
         cfg.validate()?;
         let block_size = cache.block_size;
-        let num_gpu_blocks = cache.num_gpu_blocks;
+        let num_device_blocks = cache.num_device_blocks;
         let caching = cache.enable_prefix_caching;
         let mgr = KvCacheManager::new(cache)?;
         Ok(Scheduler {
             max_seq_len: cfg.max_seq_len(),
             cfg,
             block_size,
-            num_gpu_blocks,
+            num_device_blocks,
             caching,
             mgr,
             slots: Vec::new(),
@@ -418,7 +418,7 @@ impl Scheduler {
                  ever give ({} blocks, watermark {})",
                 slots.div_ceil(self.block_size),
                 self.block_size,
-                self.num_gpu_blocks,
+                self.num_device_blocks,
                 self.mgr.watermark_blocks()
             )
         })
@@ -448,7 +448,7 @@ impl Scheduler {
                  ever give ({} blocks, watermark {})",
                 slots.div_ceil(bs),
                 req.num_unfinished,
-                self.num_gpu_blocks,
+                self.num_device_blocks,
                 self.mgr.watermark_blocks()
             )
         })

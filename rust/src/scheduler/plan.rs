@@ -158,9 +158,9 @@ impl Scheduler {
             if s.tail_shared {
                 for &b in &table[(s.num_computed / bs).min(have)..blocks.min(have)] {
                     let refs = if swapped {
-                        self.mgr.cpu_ref_count(b)
+                        self.mgr.host_ref_count(b)
                     } else {
-                        self.mgr.gpu_ref_count(b)
+                        self.mgr.device_ref_count(b)
                     };
                     let refs = refs.unwrap_or(1) as usize;
                     let copied = self.cow_scratch.iter().filter(|&&c| c == b).count();
@@ -205,11 +205,13 @@ impl Scheduler {
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
-            if la != 0 || start != s.table.num_blocks() * bs || self.mgr.num_free_gpu_blocks() == 0
+            if la != 0
+                || start != s.table.num_blocks() * bs
+                || self.mgr.num_free_device_blocks() == 0
             {
                 return Ok(false);
             }
-            if !self.pending_fills.is_empty() && self.mgr.num_uncached_free_gpu_blocks() == 0 {
+            if !self.pending_fills.is_empty() && self.mgr.num_uncached_free_device_blocks() == 0 {
                 // This open evicts a cached block: queued registrations go first, as they
                 // would have without batching.
                 return Ok(false);
@@ -561,7 +563,7 @@ impl Scheduler {
                 continue;
             }
             loop {
-                if needed == 0 || needed <= self.mgr.num_free_gpu_blocks() {
+                if needed == 0 || needed <= self.mgr.num_free_device_blocks() {
                     self.apply_plan(h, out)?;
                     *left -= tokens;
                     i += 1;
@@ -575,7 +577,7 @@ impl Scheduler {
                     let reason = format!(
                         "needs {needed} more KV blocks with the whole cache ({} blocks) to \
                          itself",
-                        self.num_gpu_blocks
+                        self.num_device_blocks
                     );
                     self.finish_ignored(h, reason, out)?;
                     break;
@@ -644,7 +646,7 @@ impl Scheduler {
                     let reason = format!(
                         "swapped-out group needs more KV blocks than the device pool has ({} \
                          blocks) to compute its next tokens",
-                        self.num_gpu_blocks
+                        self.num_device_blocks
                     );
                     self.finish_ignored(h, reason, out)?;
                     continue;

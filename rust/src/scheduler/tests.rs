@@ -16,11 +16,11 @@ fn cfg(strategy: Strategy, budget: usize) -> SchedulerConfig {
     }
 }
 
-fn cache(bs: usize, gpu: usize, cpu: usize) -> CacheConfig {
+fn cache(bs: usize, device: usize, host: usize) -> CacheConfig {
     CacheConfig {
         block_size: bs,
-        num_gpu_blocks: gpu,
-        num_cpu_blocks: cpu,
+        num_device_blocks: device,
+        num_host_blocks: host,
         watermark: 0.0,
         enable_prefix_caching: true,
     }
@@ -330,8 +330,8 @@ fn random_workloads_terminate_without_leaks() {
                 "{st:?}/{po:?}/{mo:?} did not drain"
             );
             let stats = s.manager().stats();
-            assert_eq!(stats.num_free_gpu_blocks, 12);
-            assert_eq!(stats.num_free_cpu_blocks, 6);
+            assert_eq!(stats.num_free_device_blocks, 12);
+            assert_eq!(stats.num_free_host_blocks, 6);
         }
     }
 }
