@@ -117,4 +117,27 @@ mod tests {
         alloc(&mut m, 1, &toks(0..4));
         assert!(!m.can_append_slots(4, 0));
     }
+
+    #[test]
+    fn one_ladder_serves_new_sequences_and_swap_ins() {
+        // 10 device blocks, watermark 2: a new sequence may never use the watermark's
+        // blocks, a swap-in may (it only waits while they are needed to keep it free).
+        let mut cfg = CacheConfig::new(4, 10, 10);
+        cfg.watermark = 0.2;
+        let m = KvCacheManager::new(cfg).unwrap();
+        let ask = |total, off_limits, reserve| {
+            m.admission(Ask {
+                total,
+                taken: total,
+                off_limits,
+                reserve,
+            })
+        };
+        assert_eq!(ask(8, 2, 2), AllocStatus::Ok);
+        assert_eq!(ask(9, 2, 2), AllocStatus::Never);
+        assert_eq!(ask(9, 0, 2), AllocStatus::Later);
+        assert_eq!(ask(10, 0, 0), AllocStatus::Ok);
+        assert_eq!(ask(11, 0, 0), AllocStatus::Never);
+        assert_eq!(m.can_allocate(36), ask(9, 2, 2));
+    }
 }

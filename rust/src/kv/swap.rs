@@ -11,17 +11,16 @@ use super::prefix_cache::IdBuildHasher;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
 
+/// Old block -> new block of one swap.
+type BlockMap = HashMap<BlockId, BlockId, IdBuildHasher>;
+
 /// Gives each of `distinct` (old blocks) a new block from `take`: the old -> new map and the
 /// (old, new) copy pairs in the order of `distinct`.
-#[allow(clippy::type_complexity)]
 fn pair_blocks(
     distinct: &[BlockId],
     mut take: impl FnMut() -> Result<BlockId>,
-) -> Result<(
-    HashMap<BlockId, BlockId, IdBuildHasher>,
-    Vec<(BlockId, BlockId)>,
-)> {
-    let mut mapping = HashMap::with_capacity_and_hasher(distinct.len(), IdBuildHasher::default());
+) -> Result<(BlockMap, Vec<(BlockId, BlockId)>)> {
+    let mut mapping = BlockMap::with_capacity_and_hasher(distinct.len(), IdBuildHasher::default());
     let mut pairs = Vec::with_capacity(distinct.len());
     for &old in distinct {
         let new = take()?;
