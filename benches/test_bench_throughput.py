@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench import random_prompts
+from pagedllm.cli.bench import random_prompts
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 16, 64, 32
 

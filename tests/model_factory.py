@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.worker.attention import AttentionMetadata
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB_SIZE = 320  # > the tokenizer's vocabulary, as in real checkpoints

@@ -4,6 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from pagedllm._core import Scheduler
+from pagedllm.config import SCHEDULING_STRATEGIES
+
+STRATEGIES = list(SCHEDULING_STRATEGIES)
 
 
 def make(**kw) -> Scheduler:

@@ -5,7 +5,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-DEFAULT_MODEL = "pagedllm/tiny-random"
+# the built-in model (no files: seeded random weights over a byte vocabulary)
+TINY_RANDOM_MODEL = "pagedllm/tiny-random"
+DEFAULT_MODEL = TINY_RANDOM_MODEL
 SCHEDULING_STRATEGIES = ("unified", "prefill_first", "chunked_prefill")
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = (None, "recompute", "swap")

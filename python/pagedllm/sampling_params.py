@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 # Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
@@ -14,7 +15,7 @@ SAMPLING_EPS = 1e-5
 # Integer fields end up in Rust (usize / i64 counts, u32 token ids) or torch (int64): the
 # limits of those types, checked here so a huge value is a ValueError naming the field, not a
 # bare OverflowError (or an allocation failure) later.
-MAX_INT64 = 2**63 - 1
+MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -77,7 +78,7 @@ class SamplingParams:
     `stop` is normalized to a list of strings and `stop_token_ids` to a list of ints.
     `best_of` (default `n`) is how many samples are drawn; the `n` with the highest cumulative
     logprob are returned. `logprobs=N` returns, per generated token, the sampled token and the N
-    most likely ones, scored by the model's raw distribution (see `pagedllm.sampler`).
+    most likely ones, scored by the model's raw distribution (see `pagedllm.sampling.logprobs`).
     """
 
     n: int = 1
@@ -118,8 +119,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
         if self.seed is not None and not (_is_int(self.seed)
-                                          and -2**63 <= self.seed < 2**64):
-            _fail("seed", self.seed, f"must be None or an int in [{-2**63}, {2**64 - 1}]")
+                                          and MIN_INT64 <= self.seed < 2**64):
+            _fail("seed", self.seed, f"must be None or an int in [{MIN_INT64}, {2**64 - 1}]")
 
     def _check_distribution(self) -> None:
         _check_real("temperature", self.temperature, 0.0, math.inf)
@@ -161,9 +162,15 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def all_stop_token_ids(self, eos_token_id: int | None) -> list[int]:
-        """Token ids that end the sequence: stop_token_ids, plus EOS unless `ignore_eos`."""
-        ids = list(self.stop_token_ids or [])
-        if eos_token_id is not None and not self.ignore_eos and eos_token_id not in ids:
-            ids.append(eos_token_id)
-        return ids
+    def all_stop_token_ids(self, eos_token_ids: int | Iterable[int] | None) -> list[int]:
+        """Token ids that end the sequence: stop_token_ids, plus the EOS id (or every one of a
+        checkpoint's EOS ids, as Llama 3 has several) unless `ignore_eos`; no id twice.
+
+        The one definition of the stop-token set: the engine builds it once per request and the
+        scheduler's stop rule, the output text and the sampler's `min_tokens` mask all use it.
+        """
+        ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if eos_token_ids is None or self.ignore_eos:
+            return ids
+        eos_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        return ids + [t for t in dict.fromkeys(eos_ids) if t not in ids]

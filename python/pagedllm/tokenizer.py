@@ -14,11 +14,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol, runtime_checkable
 
+from pagedllm.config import TINY_RANDOM_MODEL
+
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
 BYTE_PAD_ID = 258
 BYTE_VOCAB_SIZE = 259
-BUILTIN_TINY_RANDOM = "pagedllm/tiny-random"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -143,7 +144,7 @@ def load_tokenizer(
     `eos_token_id`/`bos_token_id` (usually the ModelConfig's) fill in what the tokenizer files
     leave unnamed.
     """
-    if str(name) == BUILTIN_TINY_RANDOM:
+    if str(name) == TINY_RANDOM_MODEL:
         return ByteTokenizer()
     folder = Path(name)
     if not folder.is_dir():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedllm.attention import AttentionMetadata, paged_attention
+from pagedllm.worker.attention import AttentionMetadata, paged_attention
 from pagedllm.models.config import ModelConfig, RopeConfig
 
 

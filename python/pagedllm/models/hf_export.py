@@ -1,7 +1,7 @@
-"""Export our decoder back to Hugging Face `transformers`: config, state dict, model, checkpoint folder.
+"""Export our decoder back to Hugging Face `transformers`: config, state dict, model.
 
-Used by `pagedllm bench --compare-transformers` and by parity tests that run the same weights
-through `transformers` as an outside oracle. `transformers` is an optional dependency, imported
+Used by `pagedllm bench --compare-transformers` (and by parity tests that run the same weights
+through `transformers` as an outside oracle, which also write checkpoint folders from it). `transformers` is an optional dependency, imported
 only inside the functions that need it, so `import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
@@ -10,14 +10,13 @@ one definition of the checkpoint format.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import SINGLE_FILE, checkpoint_layout, expected_shapes
+from pagedllm.models.loader import checkpoint_layout, expected_shapes
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from transformers import PretrainedConfig, PreTrainedModel
@@ -214,27 +213,3 @@ def _generation_config(transformers, cfg: ModelConfig):
         pad_token_id=cfg.pad_token_id,
     )
 
-
-def save_pretrained(model: nn.Module, folder: str | Path, cfg: ModelConfig | None = None) -> Path:
-    """Write config.json, model.safetensors and generation_config.json into `folder`.
-
-    Both `pagedllm.models.load_model(folder)` and `transformers.AutoModelForCausalLM
-    .from_pretrained(folder)` load the result. Weights are saved in the model's dtype.
-    """
-    from safetensors.torch import save_file
-
-    transformers = _import_transformers()
-    cfg = _model_config(model, cfg)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = hf_config(cfg)
-    state = hf_state_dict(model, cfg)
-    dtype = next(iter(state.values())).dtype
-    _set_config_dtype(config, _DTYPE_NAMES.get(dtype, "float32"))
-    config.save_pretrained(folder)
-    _generation_config(transformers, cfg).save_pretrained(folder)
-    # safetensors wants contiguous tensors that do not share storage: the split views do share it
-    tensors = {name: t.to("cpu").contiguous().clone() for name, t in state.items()}
-    # transformers refuses safetensors files without the {"format": "pt"} metadata
-    save_file(tensors, folder / SINGLE_FILE, metadata={"format": "pt"})
-    return folder

@@ -12,11 +12,12 @@ import math
 
 import torch
 
+from pagedllm.config import TINY_RANDOM_MODEL
 from pagedllm.models.config import ModelConfig, RopeConfig
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE
 
-MODEL_NAME = "pagedllm/tiny-random"
+MODEL_NAME = TINY_RANDOM_MODEL
 DEFAULT_SEED = 0
 _HEAD_GAIN = 3.0  # logits std ~3: peaked enough that the greedy token depends on the context
 

@@ -1,0 +1,17 @@
+"""The engine: the step loop (`LLMEngine`) and what it owns.
+
+- `llm_engine`: `LLMEngine`, add -> step -> outputs
+- `request`: per-request state (sequences, metrics, stop tokens)
+- `inputs`: request input checks and prompt tokenization
+- `output_processor`: sampled tokens -> sequences, text, stop strings
+- `detokenizer`: incremental detokenization with stop strings
+- `faults`: rolling back a failed step, ending the request a fault belongs to
+- `stats`: step timings and throughput counters
+- `kv_sizing`: start-up sizing of the KV cache
+"""
+
+from pagedllm.engine.inputs import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.stats import StepTimings
+
+__all__ = ["LLMEngine", "PromptType", "StepTimings"]

@@ -1,0 +1,127 @@
+"""Start-up sizing: the context length and how many KV-cache blocks the device and the host hold.
+
+On CUDA the device block count is profiled (a forward over a full token budget, then what memory
+is left goes to the cache); on the CPU it is a fixed budget (`cpu_kv_cache_space`). Either way a
+cache that cannot hold one `max_model_len` sequence is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedllm.config import GiB, EngineArgs
+from pagedllm.models import ModelConfig
+from pagedllm.worker.attention import AttentionMetadata
+from pagedllm.worker.cache_engine import CacheEngine
+
+
+def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
+    if args.max_model_len is None:
+        return cfg.max_position_embeddings
+    if args.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
+            f"{cfg.max_position_embeddings} (config.json)"
+        )
+    return args.max_model_len
+
+
+class KVCachePlanner:
+    """Sizes the KV cache of one engine: `plan()` gives (device blocks, host blocks)."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        cfg: ModelConfig,
+        model: torch.nn.Module,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.args = args
+        self.cfg = cfg
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def bytes_per_block(self) -> int:
+        cfg = self.cfg
+        return CacheEngine.bytes_per_block(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=self.args.block_size,
+            dtype=self.dtype,
+        )
+
+    def plan(self) -> tuple[int, int]:
+        """Device and host block counts; fails if one max_model_len sequence cannot fit."""
+        args = self.args
+        block_bytes = self.bytes_per_block()
+        blocks_per_seq = math.ceil(self.max_model_len / args.block_size)
+        if args.num_gpu_blocks is not None:
+            num_gpu_blocks = args.num_gpu_blocks
+        elif self.device.type == "cuda":
+            num_gpu_blocks = self.profile_gpu_blocks(block_bytes)
+        else:
+            # CPU: a fixed memory budget, no more than every sequence at full length needs
+            num_gpu_blocks = min(
+                int(args.cpu_kv_cache_space * GiB) // block_bytes,
+                blocks_per_seq * args.max_num_seqs,
+            )
+        if num_gpu_blocks < blocks_per_seq:
+            raise ValueError(
+                f"KV cache too small: one sequence of max_model_len={self.max_model_len} needs "
+                f"{blocks_per_seq} blocks of {args.block_size} tokens, but only {num_gpu_blocks} "
+                f"are available; lower max_model_len or give more memory "
+                f"(num_gpu_blocks / gpu_memory_utilization / cpu_kv_cache_space)"
+            )
+        num_cpu_blocks = int(args.swap_space * GiB) // block_bytes
+        return num_gpu_blocks, num_cpu_blocks
+
+    @torch.inference_mode()
+    def profile_gpu_blocks(self, block_bytes: int) -> int:
+        """Run a forward of a full token budget, then give what memory is left to the cache."""
+        args, cfg, device = self.args, self.cfg, self.device
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len * args.max_num_seqs)
+        seq_len = min(num_tokens, self.max_model_len)
+        num_seqs = math.ceil(num_tokens / seq_len)
+        bs = args.block_size
+        blocks_per_seq = math.ceil(seq_len / bs)
+        scratch = torch.zeros(
+            (2, cfg.num_layers, num_seqs * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=device,
+        )
+        lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_seqs * seq_len, device=device) % (scratch.shape[2] * bs),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * seq_len,
+            seq_lens=lens,
+            block_tables=torch.arange(
+                num_seqs * blocks_per_seq, dtype=torch.int32, device=device
+            ).view(num_seqs, blocks_per_seq),
+            max_query_len=seq_len,
+            max_seq_len=seq_len,
+            is_decode_only=False,
+        )
+        ids = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=device)
+        positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        hidden = self.model(ids, positions, scratch, meta)
+        self.model.compute_logits(hidden[-args.max_num_seqs :])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - scratch.numel() * scratch.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = total - free - torch.cuda.memory_reserved()
+        budget = total * args.gpu_memory_utilization - peak - outside_torch
+        return max(int(budget // block_bytes), 0)

@@ -1,0 +1,307 @@
+"""`LLMEngine`: the step loop.
+
+schedule (Rust) -> swap/copy blocks -> tensors from the step arrays -> forward -> sample ->
+detokenize and check stop strings -> `update_from_output` (Rust) -> RequestOutputs.
+
+The engine owns the live requests (`requests`) and drives its parts: the scheduler (Rust), the
+worker (model runner over the cache engine), the sampler, the output processor, the step-fault
+handling and the statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from pagedllm._core import Scheduler
+from pagedllm.config import EngineArgs
+from pagedllm.engine.faults import StepFaults, sample_isolating
+from pagedllm.engine.inputs import InputProcessor, PromptType, check_request_id
+from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request import RequestState, StopTokens
+from pagedllm.engine.stats import StepTimings, ThroughputStats
+from pagedllm.models import ModelConfig, load_model, load_model_config, resolve_device, resolve_dtype
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling import Sampler, SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.model_runner import ModelRunner
+
+
+class LLMEngine:
+    """Step-wise engine (vLLM's names): add requests, call `step()` until nothing is left.
+
+    A step that fails after scheduling (building inputs, the forward, sampling) is rolled back:
+    its requests are recomputed by later steps, and `step()` re-raises the error. A request
+    that was part of `MAX_STEP_FAULTS` failed steps is given up instead: it finishes with
+    `finish_reason="abort"` and the error in `stop_reason`. A fault that belongs to one
+    request (its sampling or output processing raises) ends only that request, the same way,
+    without raising.
+    """
+
+    MAX_STEP_FAULTS = 3
+
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = resolve_device(args.device)
+        # config.json is validated before anything big is allocated
+        self.model_config: ModelConfig = load_model_config(args.model)
+        cfg = self.model_config
+        self.max_model_len = resolve_max_model_len(args, cfg)
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        torch.manual_seed(args.seed)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(
+                args.tokenizer or args.model,
+                eos_token_id=cfg.eos_token_id,
+                bos_token_id=cfg.bos_token_id,
+            )
+        # every id that ends generation: the checkpoint's, else the tokenizer's
+        self.eos_token_ids: tuple[int, ...] = cfg.eos_token_ids
+        if not self.eos_token_ids and self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        self.model = load_model(args.model, dtype=self.dtype, device=self.device)
+        self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
+        num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
+            args,
+            cfg,
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        ).plan()
+        self.cache_engine = CacheEngine(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=args.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.scheduler = Scheduler(
+            block_size=args.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            scheduling=args.scheduling,
+            policy=args.policy,
+            preemption_mode=args.preemption_mode,
+            enable_prefix_caching=args.enable_prefix_caching,
+            watermark=args.watermark,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            delay_factor=args.delay_factor,
+        )
+        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(args.seed)
+        self.sampler = Sampler(generator)
+        self.requests: dict[str, RequestState] = {}
+        self.inputs = InputProcessor(
+            self.tokenizer, vocab_size=cfg.vocab_size, max_num_seqs=self.scheduler.max_num_seqs
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, self.requests)
+        self.faults = StepFaults(self.scheduler, self.requests, self.MAX_STEP_FAULTS)
+        # finished requests whose final output the next step returns (aborted, or owed by a
+        # step that failed)
+        self._aborted: list[str] = []
+        # added but never scheduled: only these need first-scheduling bookkeeping, so a pure
+        # decode step skips reading the step's request ids
+        self._unscheduled: set[str] = set()
+        self.timings = StepTimings()
+        self._stats = ThroughputStats(
+            args.stats_log_interval, self.scheduler.get_stats, enabled=not args.disable_log_stats
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Bad input raises ValueError naming the request; nothing is queued.
+
+        `request_id` must be a str (TypeError otherwise, as in `abort_request`): ids are never
+        converted, so outputs carry, and `abort_request` takes, exactly the id given here.
+        Token ids must be ints (Python ints, numpy integers, an integer-dtype array); floats,
+        bools and strings are refused, never truncated. `n` and `best_of` are bounded by
+        `max_num_seqs`, `logprobs` by the vocabulary size, `priority` by the int64 range: each
+        a ValueError naming the request, the field and the limit, before anything is allocated.
+        """
+        check_request_id(request_id, "request_id")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r}: duplicate request id")
+        params = params if params is not None else SamplingParams()
+        text, token_ids = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        stop = StopTokens.of(params, self.eos_token_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = RequestState.new(
+            request_id, text, token_ids, params, stop, arrival, self.tokenizer
+        )
+        self.scheduler.add_request(
+            request_id,
+            token_ids,
+            n=params.num_samples,
+            priority=priority,
+            arrival_time=arrival,
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_id=stop.eos_token_id,
+            stop_token_ids=stop.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
+        self._unscheduled.add(request_id)
+        self.requests[request_id] = request
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests in any queue; unknown or finished ids are ignored.
+
+        Takes one id (a str, as given to `add_request`) or an iterable of them; anything else
+        (an int, an iterable holding a non-str) is a TypeError, raised before anything is aborted.
+        """
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        else:
+            try:
+                ids = list(request_ids)
+            except TypeError:
+                raise TypeError(
+                    f"abort_request takes a request id (str) or an iterable of them, "
+                    f"got {type(request_ids).__name__} {request_ids!r}"
+                ) from None
+            for request_id in ids:
+                check_request_id(request_id, "abort_request: request id")
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.finished:
+                continue
+            self.scheduler.abort_request(request.request_id)
+            request.finish_all("abort")
+            self._aborted.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(not r.finished for r in self.requests.values())
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns the (cumulative) state of every request it touched.
+
+        If building, running or sampling the step raises, the step is rolled back (see the
+        class docstring) and the error re-raised; the engine keeps serving."""
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        touched: dict[str, RequestState] = {}
+        for request_id in self._aborted:
+            touched[request_id] = self.requests[request_id]
+        self._aborted.clear()
+        for request_id, reason in step.finished:
+            request = self.requests[request_id]
+            # never fits (prompt over max_model_len or the whole cache): finished, not dropped
+            request.finish_all("length", reason)
+            touched[request_id] = request
+        sampled = None
+        try:
+            self._note_scheduled(step)
+            inputs = self.runner.prepare_step(step)
+            t2 = time.perf_counter()
+            logits = self.runner.forward(inputs) if inputs is not None else None
+            t3 = time.perf_counter()
+            faulty = {}
+            if logits is not None:
+                sampled, faulty = sample_isolating(self._sample, step, logits)
+        except BaseException as exc:
+            self.faults.roll_back(step, touched, exc)
+            self._aborted.extend(touched)  # the outputs this step owed come with the next one
+            raise
+        if faulty:
+            self.faults.end_faulty(step, faulty, touched)
+            return self._outputs(touched)
+        t4 = t3
+        if sampled is not None:
+            t4 = time.perf_counter()
+            self._update(step, sampled, touched)
+        t5 = time.perf_counter()
+        self.timings.add((t0, t1, t2, t3, t4, t5))
+        self._stats.record(int(step.num_batched_tokens), len(step.sample_rows))
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        outputs = [request.output() for request in touched.values()]
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+                self._unscheduled.discard(request.request_id)
+        return outputs
+
+    def _note_scheduled(self, step) -> None:
+        if self._unscheduled and step.num_seqs:
+            now = time.time()
+            for request_id in self._unscheduled.intersection(step.request_ids):
+                self._unscheduled.discard(request_id)
+                request = self.requests[request_id]
+                request.metrics.first_scheduled_time = now
+                request.metrics.time_in_queue = now - request.metrics.arrival_time
+                request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
+        for request_id in step.preempted:
+            self.requests[request_id].metrics.num_preemptions += 1
+
+    def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None):
+        """Samples every row of `logits` (or only `rows` of them, to find a faulty request)."""
+        request_ids = step.sample_request_ids
+        seq_index = step.sample_seq_index.tolist()
+        if rows is not None:
+            request_ids = [request_ids[k] for k in rows]
+            seq_index = [seq_index[k] for k in rows]
+            logits = logits[rows]
+        requests = [self.requests[rid] for rid in request_ids]
+        seqs = [request.seqs[i] for request, i in zip(requests, seq_index)]
+        meta = SamplingMetadata.build(
+            [r.sampling_params for r in requests],
+            [s.token_ids for s in seqs],
+            [r.prompt_token_ids for r in requests],
+            seq_index,
+            vocab_size=logits.shape[-1],
+            stop_token_ids=[r.stop.ids for r in requests],
+            device=logits.device,
+        )
+        return self.sampler(logits, meta)
+
+    def _update(self, step, sampled, touched: dict[str, RequestState]) -> None:
+        appended = self.output_processor.append(step, sampled, touched)
+        for request_id, exc in appended.faulty.items():
+            self.faults.end_request(request_id, "output processing", exc)
+        finished = self.scheduler.update_from_output(step, appended.tokens, appended.stop_hits)
+        self.output_processor.finish(finished, appended, touched)
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        """Scheduler/cache statistics plus throughput since start."""
+        stats = dict(self.scheduler.get_stats())
+        stats.update(self._stats.totals())
+        return stats

@@ -1,0 +1,99 @@
+"""Output processing: a step's sampled tokens appended to their sequences (token ids, logprobs,
+text through the incremental detokenizer, stop strings), then the scheduler's finish decisions
+applied to them.
+
+One step goes `append` -> `Scheduler.update_from_output` (Rust: the stop rules and the block
+bookkeeping, told which samples hit a stop string) -> `finish`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.engine.request import RequestState, SequenceState
+from pagedllm.sampling import SamplerOutput
+from pagedllm.sampling.logprobs import LogprobsLists
+from pagedllm.tokenizer import Tokenizer
+
+
+@dataclass
+class AppendedStep:
+    """What `append` made of a step's samples, for `update_from_output` and `finish`."""
+
+    tokens: np.ndarray  # int64 [K], the sampled tokens on the host
+    stop_hits: np.ndarray  # bool [K], sample k completed a stop string
+    stop_strings: dict[tuple[str, int], str] = field(default_factory=dict)  # (request, seq) ->
+    faulty: dict[str, Exception] = field(default_factory=dict)  # request id -> its error
+
+
+class OutputProcessor:
+    """Appends sampled tokens to the requests of `requests` (the engine's live requests)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, requests: dict[str, RequestState]) -> None:
+        self.tokenizer = tokenizer
+        self.requests = requests
+
+    def append(self, step, sampled: SamplerOutput, touched: dict[str, RequestState]) -> AppendedStep:
+        """Adds every sample of `step` to its sequence. A request whose output processing raises
+        (its detokenizer, say) is left out and reported in `faulty`; the others go on."""
+        tokens = sampled.sampled_token_ids.cpu().numpy()
+        logprobs = sampled.logprobs.tolists() if sampled.logprobs is not None else None
+        out = AppendedStep(tokens, np.zeros(len(tokens), dtype=bool))
+        now = time.time()
+        for k, (request_id, index, token) in enumerate(
+            zip(step.sample_request_ids, step.sample_seq_index.tolist(), tokens.tolist())
+        ):
+            request = self.requests[request_id]
+            touched[request_id] = request
+            try:
+                stop = self._append_token(request, request.seqs[index], k, token, logprobs, now)
+            except Exception as exc:  # this request's fault (e.g. its detokenizer): it alone ends
+                out.faulty.setdefault(request_id, exc)
+                continue
+            if stop is not None:
+                out.stop_hits[k] = True
+                out.stop_strings[(request_id, index)] = stop
+        return out
+
+    def finish(self, finished, appended: AppendedStep, touched: dict[str, RequestState]) -> None:
+        """Applies the sequences `update_from_output` finished; a stop string is the reason of
+        the sequence that hit it."""
+        for request_id, index, reason, stop_reason, _ in finished:
+            request = self.requests[request_id]
+            stop_reason = appended.stop_strings.get((request_id, index), stop_reason)
+            request.seqs[index].finish(reason, stop_reason)
+            if request.finished:
+                request.metrics.finished_time = time.time()
+            touched[request_id] = request
+
+    def _append_token(
+        self,
+        request: RequestState,
+        seq: SequenceState,
+        k: int,
+        token: int,
+        logprobs: LogprobsLists | None,
+        now: float,
+    ) -> str | None:
+        """Adds sample `k` to its sequence (token, logprobs, text); returns a matched stop string."""
+        seq.token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if seq.cumulative_logprob is not None and logprobs is not None:
+            seq.cumulative_logprob += logprobs.sampled_logprobs[k]
+            if request.params.logprobs is not None:
+                seq.logprobs.append(
+                    logprobs.entry(k, token, request.params.logprobs, self._decode_one)
+                )
+        if seq.detokenizer is not None and not request.ends_by_token(seq, token):
+            return seq.detokenizer.append(token)[1]
+        return None
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,65 @@
+"""Turns one scheduler step into tensors, runs the model over the paged cache, returns logits.
+
+Everything per token arrives from Rust as numpy arrays; this module only moves them to the
+device (no per-token Python).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.worker.attention import AttentionMetadata
+from pagedllm.worker.cache_engine import CacheEngine
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine,
+                 device: torch.device) -> None:
+        self.model = model
+        self.cache_engine = cache_engine
+        self.device = device
+
+    def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Input ids, positions, attention metadata and the hidden-state rows to sample from."""
+        device = self.device
+        query_start_loc = step.query_start_loc
+        num_tokens = step.num_tokens
+        seq_lens = step.seq_lens
+        meta = AttentionMetadata(
+            slot_mapping=_to_device(step.slot_mapping, device),
+            query_start_loc=_to_device(query_start_loc, device),
+            seq_lens=_to_device(seq_lens, device),
+            block_tables=_to_device(step.block_tables, device),
+            max_query_len=int(num_tokens.max()),
+            max_seq_len=int(seq_lens.max()),
+            is_decode_only=bool(step.is_decode_only),
+        )
+        # The logits of a sequence come from the hidden state of its last token this step.
+        last_token_rows = query_start_loc[1:].astype(np.int64) - 1
+        sample_rows = last_token_rows[step.sample_rows]
+        return (_to_device(step.input_ids, device), _to_device(step.positions, device), meta,
+                _to_device(sample_rows, device))
+
+    def prepare_step(self, step):
+        """Run the step's block operations and build its inputs (None: nothing to compute)."""
+        self.cache_engine.execute(step.blocks_to_swap_out, step.blocks_to_swap_in,
+                                  step.blocks_to_copy)
+        if step.num_seqs == 0:
+            return None
+        return self.prepare(step)
+
+    @torch.inference_mode()
+    def forward(self, inputs) -> torch.Tensor | None:
+        """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0)."""
+        input_ids, positions, meta, sample_rows = inputs
+        hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
+        if sample_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, sample_rows))

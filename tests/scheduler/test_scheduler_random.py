@@ -1,0 +1,178 @@
+"""Randomized workloads (Hypothesis) over every strategy x policy x preemption mode.
+
+Arrivals, aborts, priorities, n, sampled tokens (with EOS and stop ids in a tiny vocabulary)
+and tiny pools are generated. After every step: the core's invariants (manager + queues),
+budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step with
+work computes a token or ends a request) and no swap ping-pong (a group swapped back in
+computes its tokens in that step). Some workloads discard random steps (`discard_step`, as an
+engine does when a forward fails): nothing is lost. At the end: every request finished or aborted within a bounded number of steps, every block free.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedllm._core import Scheduler
+
+CONFIGS = list(itertools.product(["prefill_first", "chunked_prefill", "unified"],
+                                 ["fcfs", "priority"], [None, "recompute", "swap"]))
+STEPS = {"total": 0}
+VOCAB = 6  # token 0 is EOS, 5 a stop id: both show up often
+
+request_st = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(0, 3), min_size=1, max_size=24),
+    "n": st.integers(1, 3),
+    "priority": st.integers(0, 3),
+    "max_tokens": st.integers(1, 10),
+    "min_tokens": st.integers(0, 2),
+    "eos": st.booleans(),
+    "stop": st.booleans(),
+    "ignore_eos": st.booleans(),
+})
+
+workload_st = st.fixed_dictionaries({
+    "block_size": st.sampled_from([1, 2, 4, 8]),
+    "gpu_slots": st.integers(24, 96),
+    "num_cpu_blocks": st.integers(0, 12),
+    "budget": st.integers(8, 64),
+    "max_num_seqs": st.integers(1, 8),
+    "max_model_len": st.integers(12, 48),
+    "watermark": st.sampled_from([0.0, 0.1]),
+    "threshold": st.sampled_from([0, 3]),
+    "lookahead": st.sampled_from([0, 0, 2]),
+    "caching": st.booleans(),
+    "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
+    # per step: new requests, then aborts (indices into the requests added so far)
+    "steps": st.lists(st.tuples(st.lists(request_st, max_size=3),
+                                st.lists(st.integers(0, 40), max_size=1)),
+                      min_size=5, max_size=25),
+    "seed": st.integers(0, 2**32 - 1),
+})
+
+
+def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
+    s.check_invariants()
+    assert out.num_batched_tokens <= s.max_num_batched_tokens
+    assert out.num_seqs <= cfg["max_num_seqs"]
+    stats = s.get_stats()
+    assert stats["num_running_seqs"] <= cfg["max_num_seqs"]
+    queues = s.waiting_ids() + s.running_ids() + s.swapped_ids()
+    assert len(queues) == len(set(queues)), "a request sits in two queues"
+    pending_ignored = {r for r in live if s.request_status(r) == "FINISHED_IGNORED"}
+    assert set(queues) | pending_ignored == live, "a request is lost or unknown"
+    # the arrays agree with each other
+    qsl = out.query_start_loc
+    assert qsl[-1] == out.num_batched_tokens == len(out.slot_mapping)
+    bs = s.block_size
+    for row in range(out.num_seqs):
+        pos = out.positions[qsl[row]:qsl[row + 1]]
+        slots = out.block_tables[row][pos // bs] * bs + pos % bs
+        assert (out.slot_mapping[qsl[row]:qsl[row + 1]] == slots).all()
+        assert out.seq_lens[row] <= s.max_model_len
+    assert ((0 <= out.sample_rows) & (out.sample_rows < max(out.num_seqs, 1))).all()
+    slots = out.slot_mapping
+    assert len(np.unique(slots)) == len(slots), "two tokens write one KV slot"
+
+
+def run_workload(scheduling, policy, mode, w) -> int:
+    bs = w["block_size"]
+    cfg = {"max_num_seqs": w["max_num_seqs"]}
+    s = Scheduler(block_size=bs, num_gpu_blocks=max(w["gpu_slots"] // bs, 2),
+                  num_cpu_blocks=w["num_cpu_blocks"], max_num_batched_tokens=w["budget"],
+                  max_num_seqs=w["max_num_seqs"], max_model_len=w["max_model_len"],
+                  scheduling=scheduling, policy=policy, preemption_mode=mode,
+                  enable_prefix_caching=w["caching"], watermark=w["watermark"],
+                  long_prefill_token_threshold=w["threshold"], num_lookahead_slots=w["lookahead"])
+    rng = np.random.default_rng(w["seed"])
+    live: set[str] = set()
+    added: list[str] = []
+    work = 0
+    steps = 0
+    finished_once: set[str] = set()
+
+    def finish(rid: str) -> None:
+        assert rid not in finished_once, f"{rid} finished twice"
+        finished_once.add(rid)
+        live.discard(rid)
+
+    def one_step() -> None:
+        nonlocal steps
+        had_work = s.has_unfinished_requests()
+        swapped_before = set(s.swapped_ids())
+        out = s.schedule()
+        # liveness: a step with work left computes a token or ends a request, and a group
+        # swapped back in computes its tokens in that same step (no swap ping-pong)
+        assert not had_work or out.num_batched_tokens > 0 or out.finished, \
+            f"step {steps} scheduled nothing: {s.get_stats()}"
+        swapped_in = swapped_before.intersection(s.running_ids())
+        assert swapped_in <= set(out.request_ids), f"swapped in without tokens: {swapped_in}"
+        for rid, reason in out.finished:
+            assert reason
+            finish(rid)
+        if rng.random() < w["fault_rate"]:
+            # the step "failed": taken back, its requests recompute later, nothing is lost
+            rolled_back = s.discard_step(out)
+            assert set(rolled_back) >= set(out.request_ids) - set(out.finished)
+            assert all(s.request_status(r) == "PREEMPTED" for r in rolled_back)
+            check_step(s, out, cfg, live)
+            steps += 1
+            return
+        sampled = rng.integers(0, VOCAB, out.num_samples)
+        for rid, _, reason, _, request_done in s.update_from_output(out, sampled):
+            assert reason in ("stop", "length")
+            if request_done:
+                finish(rid)
+        check_step(s, out, cfg, live)
+        steps += 1
+
+    for arrivals, aborts in w["steps"]:
+        for r in arrivals:
+            rid = f"r{len(added)}"
+            if r["n"] > w["max_num_seqs"]:  # refused up front, nothing queued
+                with pytest.raises(ValueError, match="max_num_seqs"):
+                    s.add_request(rid, r["prompt"], n=r["n"])
+                assert s.request_status(rid) is None
+                continue
+            s.add_request(rid, r["prompt"], n=r["n"], priority=r["priority"],
+                          max_tokens=r["max_tokens"], min_tokens=min(r["min_tokens"], r["max_tokens"]),
+                          eos_token_id=0 if r["eos"] else None,
+                          stop_token_ids=[5] if r["stop"] else None, ignore_eos=r["ignore_eos"])
+            added.append(rid)
+            live.add(rid)
+            work += r["n"] * (len(r["prompt"]) + r["max_tokens"])
+        for i in aborts:
+            if i < len(added):
+                rid = added[i]
+                s.abort_request(rid)
+                if rid in live:
+                    finish(rid)
+        one_step()
+    bound = 200 + 20 * work  # recompute may redo work; no livelock may exceed this
+    w["fault_rate"] = 0.0  # the drain below must end
+    while s.has_unfinished_requests():
+        assert steps < bound, f"no progress after {steps} steps: {s.get_stats()}"
+        one_step()
+    assert not live
+    stats = s.get_stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    s.check_invariants()
+    return steps
+
+
+@pytest.mark.parametrize("scheduling, policy, mode", CONFIGS)
+@settings(max_examples=int(os.environ.get("PAGEDLLM_SCHED_EXAMPLES", "12")), deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(w=workload_st)
+def test_random_workload_keeps_invariants_and_frees_everything(scheduling, policy, mode, w):
+    STEPS["total"] += run_workload(scheduling, policy, mode, w)
+
+
+def test_random_workloads_ran_enough_steps():
+    """Runs after the parametrized cases above (file order): CI covers >= 2,000 steps."""
+    assert STEPS["total"] >= 2000, STEPS
