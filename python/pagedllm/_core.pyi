@@ -1,7 +1,13 @@
 """Type stubs for the compiled core `pagedllm._core` (Rust, PyO3)."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable as _Iterable
+from collections.abc import Sequence as _Sequence
 from typing import ClassVar, final
+
+import numpy as _np
+import numpy.typing as _npt
 
 __version__: str
 
@@ -203,11 +209,22 @@ def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
 # Scheduler (rust/src/bindings/scheduler.rs)
 # =============================================================================================
 
-import numpy as _np
-import numpy.typing as _npt
-from collections.abc import Iterable as _Iterable, Sequence as _Sequence
-
 _IntArray = _npt.NDArray[_np.integer] | _Sequence[int]
+
+SCHEDULING_STRATEGIES: tuple[str, ...]
+"""Values of ``scheduling``, the default first."""
+POLICIES: tuple[str, ...]
+"""Values of ``policy``, the default first."""
+PREEMPTION_MODES: tuple[str | None, ...]
+"""Values of ``preemption_mode``, the default (``None``: chosen per group) first."""
+DEFAULTS: dict[str, int | float | bool | str | None]
+"""Defaults of the scheduler and cache knobs (``EngineArgs`` reads them)."""
+SCHEDULER_OUTPUT_FIELDS: list[str]
+"""Every field of ``SchedulerOutput``, in declaration order."""
+
+def default_max_num_batched_tokens(scheduling: str, max_model_len: int) -> int:
+    """The token budget ``max_num_batched_tokens=None`` stands for: ``prefill_first`` must fit
+    a whole prompt of ``max_model_len`` (at least 2048), the chunking strategies take 8192."""
 
 @final
 class SchedulerOutput:

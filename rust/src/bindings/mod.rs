@@ -1,9 +1,11 @@
 //! PyO3 bindings: the private `pagedllm._core` module. Each submodule registers its own names.
 use pyo3::prelude::*;
 
+mod convert;
 mod errors;
 mod manager;
 mod scheduler;
+mod step_output;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -11,5 +13,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     manager::register(m)?;
     scheduler::register(m)?;
+    step_output::register(m)?;
     Ok(())
 }

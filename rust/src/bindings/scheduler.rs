@@ -1,243 +1,22 @@
-//! Python face of the scheduler: `Scheduler` and `SchedulerOutput`.
+//! Python face of the scheduler: `Scheduler` (the step arrays are `step_output.rs`'s).
 //!
-//! Step arrays cross as numpy arrays built lazily on first access (bytes copied into a
-//! `bytearray`, then `numpy.frombuffer`, so they are writable and torch can take them), so a
-//! step whose arrays are never read costs no Python objects. Sampled tokens come back through
-//! the buffer protocol (an int64 numpy array is read without conversion; lists are read item
-//! by item, other arrays converted once; anything that is not integers is refused, never
-//! truncated).
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use pyo3::buffer::PyBuffer;
+//! Arguments are checked by `convert.rs` (integers against their Rust types, token ids
+//! strictly as integers); sampled tokens come back through the buffer protocol (an int64
+//! numpy array is read without conversion).
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyByteArray, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
+use super::convert::{read_flags, read_i64, wall_clock, IntArg, I64_RANGE};
 use super::errors::{non_negative, PagedLLMError};
+use super::step_output::PySchedulerOutput;
 use crate::ids::TokenId;
 use crate::kv::CacheConfig;
 use crate::scheduler::{
-    Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StepOutput, StopParams,
-    Strategy,
+    defaults, Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StepOutput,
+    StopParams, Strategy,
 };
-
-static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-
-fn numpy(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    NUMPY
-        .get_or_try_init(py, || Ok(py.import("numpy")?.unbind()))
-        .map(|m| m.bind(py))
-}
-
-/// Seconds on the `time.time()` clock (the clock of default arrival times).
-fn wall_clock() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
-/// A numpy array of `dtype` over a copy of `data`, optionally reshaped to `rows` x `cols`.
-fn np_array<T: Copy>(
-    py: Python<'_>,
-    data: &[T],
-    dtype: &str,
-    shape: Option<(usize, usize)>,
-) -> PyResult<Py<PyAny>> {
-    // SAFETY: T is a plain integer type; its bytes are read, not reinterpreted as anything
-    // else on this side.
-    let bytes = unsafe {
-        std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
-    };
-    let buf = PyByteArray::new(py, bytes);
-    let mut arr = numpy(py)?.call_method1("frombuffer", (buf, dtype))?;
-    if let Some((rows, cols)) = shape {
-        arr = arr.call_method1("reshape", ((rows, cols),))?;
-    }
-    Ok(arr.unbind())
-}
-
-/// A Python int (or int subclass, or numpy integer scalar) that is not a bool: what an
-/// integer argument or token id may be. Floats, strings, None and bools are refused, never
-/// truncated.
-fn is_integer(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    if obj.is_instance_of::<PyBool>() {
-        return Ok(false);
-    }
-    if obj.is_instance_of::<PyInt>() {
-        return Ok(true);
-    }
-    obj.is_instance(&numpy(obj.py())?.getattr("integer")?)
-}
-
-/// `obj` (checked by `is_integer`) as an i128 when it fits i64 or u64; None beyond both.
-fn integer_value(obj: &Bound<'_, PyAny>) -> Option<i128> {
-    let int = obj.call_method0("__index__").ok()?;
-    int.extract::<i64>()
-        .map(i128::from)
-        .or_else(|_| int.extract::<u64>().map(i128::from))
-        .ok()
-}
-
-/// An integer argument within `[lo, hi]` (`limit` says where `hi` comes from, if anywhere):
-/// a `ValueError` naming the request, the field and the bound otherwise, never pyo3's bare
-/// `OverflowError` or a truncated float.
-fn int_arg(
-    obj: &Bound<'_, PyAny>,
-    id: &str,
-    name: &str,
-    (lo, hi): (i128, i128),
-    limit: &str,
-) -> PyResult<i128> {
-    let bad = |m: String| PyValueError::new_err(format!("request {id:?}: {name} {m}"));
-    if !is_integer(obj)? {
-        return Err(bad(format!(
-            "must be an int, got {} {}",
-            obj.get_type().name()?,
-            obj.repr()?
-        )));
-    }
-    match integer_value(obj) {
-        Some(v) if v < lo => Err(bad(format!("must be >= {lo}, got {v}"))),
-        Some(v) if v <= hi => Ok(v),
-        _ if obj.lt(0)? => Err(bad(format!("must be >= {lo}, got {}", obj.repr()?))),
-        _ => Err(bad(format!("must be <= {hi}{limit}, got {}", obj.repr()?))),
-    }
-}
-
-/// Range of the integer arguments held as `usize` / `i64` on the Rust side (one limit for
-/// all, so every count fits either).
-const I64_RANGE: (i128, i128) = (i64::MIN as i128, i64::MAX as i128);
-
-/// An integer argument taken as any object, so that `int_arg` (not pyo3's conversion, whose
-/// overflow is a bare `OverflowError` and which would not name the request) checks it.
-pub(crate) enum IntArg<'py> {
-    Given(Bound<'py, PyAny>),
-    Default(i128),
-}
-
-impl<'py> FromPyObject<'py> for IntArg<'py> {
-    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Ok(IntArg::Given(ob.clone()))
-    }
-}
-
-impl IntArg<'_> {
-    fn get(&self, id: &str, name: &str, range: (i128, i128), limit: &str) -> PyResult<i128> {
-        match self {
-            IntArg::Given(obj) => int_arg(obj, id, name, range, limit),
-            IntArg::Default(v) => Ok(*v),
-        }
-    }
-}
-
-/// Item `i` of a token list: an integer in the i64 range, else a `ValueError` naming the
-/// position and the value.
-fn int_item(item: &Bound<'_, PyAny>, what: &str, i: usize) -> PyResult<i64> {
-    if item.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = item.extract::<i64>() {
-            return Ok(v);
-        }
-    } else if !is_integer(item)? {
-        return Err(PyValueError::new_err(format!(
-            "{what}[{i}] must be an int, got {} {}",
-            item.get_type().name()?,
-            item.repr()?
-        )));
-    }
-    integer_value(item)
-        .and_then(|v| i64::try_from(v).ok())
-        .ok_or_else(|| {
-            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
-            PyValueError::new_err(format!("{what}[{i}] = {shown} is out of range"))
-        })
-}
-
-/// Reads a 1-D integer array-like as i64, refusing anything that is not integers (floats,
-/// bools, strings, None are never truncated or coerced): int64 buffers directly, lists and
-/// tuples item by item (Python ints or numpy integer scalars), anything else through one
-/// `numpy.asarray` call whose dtype must be an integer one.
-fn read_i64(obj: &Bound<'_, PyAny>, what: &str, into: &mut Vec<i64>) -> PyResult<()> {
-    let py = obj.py();
-    into.clear();
-    if let Ok(b) = PyBuffer::<i64>::get(obj) {
-        if b.dimensions() == 1 && b.is_c_contiguous() {
-            into.resize(b.item_count(), 0);
-            return b.copy_to_slice(py, into);
-        }
-    }
-    if let Ok(list) = obj.downcast::<PyList>() {
-        into.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            into.push(int_item(&item, what, i)?);
-        }
-        return Ok(());
-    }
-    if let Ok(tuple) = obj.downcast::<PyTuple>() {
-        into.reserve(tuple.len());
-        for (i, item) in tuple.iter().enumerate() {
-            into.push(int_item(&item, what, i)?);
-        }
-        return Ok(());
-    }
-    let not_a_list = || -> PyResult<PyErr> {
-        Ok(PyValueError::new_err(format!(
-            "{what} must be a list or numpy array of ints, got {} {}",
-            obj.get_type().name()?,
-            obj.repr()?
-        )))
-    };
-    if obj.is_instance_of::<PyString>() {
-        return Err(not_a_list()?);
-    }
-    let np = numpy(py)?;
-    let arr = match np.call_method1("asarray", (obj,)) {
-        Ok(arr) => arr,
-        Err(_) => return Err(not_a_list()?),
-    };
-    let ndim: usize = arr.getattr("ndim")?.extract()?;
-    if ndim == 0 {
-        return Err(not_a_list()?);
-    }
-    if ndim != 1 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be one-dimensional, got {ndim} dimensions"
-        )));
-    }
-    if arr.getattr("size")?.extract::<usize>()? == 0 {
-        return Ok(());
-    }
-    let dtype = arr.getattr("dtype")?;
-    let kind: String = dtype.getattr("kind")?.extract()?;
-    if kind != "i" && kind != "u" {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be integers (an int list or an integer-dtype array), got dtype {}",
-            dtype.str()?
-        )));
-    }
-    if kind == "u" && arr.call_method0("max")?.gt(i64::MAX)? {
-        return Err(PyValueError::new_err(format!(
-            "{what} holds a value above {} (out of range)",
-            i64::MAX
-        )));
-    }
-    let arr = np.call_method1("ascontiguousarray", (arr, "int64"))?;
-    let buf = PyBuffer::<i64>::get(&arr)?;
-    into.resize(buf.item_count(), 0);
-    buf.copy_to_slice(py, into)
-}
-
-fn read_flags(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<bool>> {
-    let py = obj.py();
-    let arr = numpy(py)?
-        .call_method1("asarray", (obj, "uint8"))
-        .map_err(|e| PyValueError::new_err(format!("{what} must be booleans: {e}")))?;
-    let buf = PyBuffer::<u8>::get(&arr.call_method0("ravel")?)?;
-    let mut v = vec![0u8; buf.item_count()];
-    buf.copy_to_slice(py, &mut v)?;
-    Ok(v.into_iter().map(|b| b != 0).collect())
-}
 
 /// The scheduler of SPEC §4, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -248,14 +27,46 @@ pub(crate) struct PyScheduler {
     /// without building strings.
     py_ids: Vec<(u32, Py<PyString>)>,
     token_scratch: Vec<i64>,
-    strategy: &'static str,
-    policy: &'static str,
-    preemption_mode: Option<&'static str>,
 }
 
 impl PyScheduler {
+    /// Takes back an output's buffers (see `Scheduler::recycle`).
+    pub(crate) fn recycle(&mut self, out: StepOutput) {
+        self.inner.recycle(out);
+    }
+
+    /// [T] KV slot of each token of `out`.
+    pub(crate) fn slot_mapping(&self, out: &StepOutput) -> Vec<i64> {
+        self.inner.slot_mapping(out)
+    }
+
+    /// int64 [T] token ids of `out` (copied out of the output's built ids).
+    pub(crate) fn input_ids_array(&self, py: Python<'_>, out: &StepOutput) -> PyResult<Py<PyAny>> {
+        let arr = self
+            .inner
+            .with_input_ids(out, |ids| PyArray1::from_slice(py, ids));
+        Ok(arr.into_any().unbind())
+    }
+
+    /// int32 [S, W] block tables of `out` (block ids are below 2**31).
+    pub(crate) fn block_tables_array(
+        &self,
+        py: Python<'_>,
+        out: &StepOutput,
+    ) -> PyResult<Py<PyAny>> {
+        let (data, width) = self.inner.block_tables(out);
+        let data: Vec<i32> = data.into_iter().map(|b| b as i32).collect();
+        let arr = PyArray1::from_vec(py, data).reshape([out.num_seqs(), width])?;
+        Ok(arr.into_any().unbind())
+    }
+
     /// Python strings of the requests an output names by (slot, generation).
-    fn id_list(&self, py: Python<'_>, handles: &[u32], gens: &[u32]) -> PyResult<Py<PyAny>> {
+    pub(crate) fn id_list(
+        &self,
+        py: Python<'_>,
+        handles: &[u32],
+        gens: &[u32],
+    ) -> PyResult<Py<PyAny>> {
         let mut items = Vec::with_capacity(handles.len());
         for (&h, &g) in handles.iter().zip(gens) {
             match self.py_ids.get(h as usize) {
@@ -275,12 +86,18 @@ impl PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (*, num_gpu_blocks, block_size = 16, num_cpu_blocks = 0,
-                        max_num_batched_tokens = None, max_num_seqs = 256, max_model_len = 2048,
-                        scheduling = "unified", policy = "fcfs", preemption_mode = None,
-                        enable_prefix_caching = true, watermark = 0.01,
-                        long_prefill_token_threshold = 0, num_lookahead_slots = 0,
-                        delay_factor = 0.0))]
+    #[pyo3(signature = (*, num_gpu_blocks, block_size = defaults::BLOCK_SIZE as i64,
+                        num_cpu_blocks = 0, max_num_batched_tokens = None,
+                        max_num_seqs = defaults::MAX_NUM_SEQS as i64,
+                        max_model_len = defaults::MAX_MODEL_LEN as i64,
+                        scheduling = Strategy::ALL[0].as_str(),
+                        policy = Policy::ALL[0].as_str(),
+                        preemption_mode = None,
+                        enable_prefix_caching = defaults::ENABLE_PREFIX_CACHING,
+                        watermark = defaults::WATERMARK,
+                        long_prefill_token_threshold = defaults::LONG_PREFILL_TOKEN_THRESHOLD as i64,
+                        num_lookahead_slots = defaults::NUM_LOOKAHEAD_SLOTS as i64,
+                        delay_factor = defaults::DELAY_FACTOR))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -335,20 +152,6 @@ impl PyScheduler {
             inner: Scheduler::new(cache, cfg)?,
             py_ids: Vec::new(),
             token_scratch: Vec::new(),
-            strategy: match strategy {
-                Strategy::PrefillFirst => "prefill_first",
-                Strategy::ChunkedPrefill => "chunked_prefill",
-                Strategy::Unified => "unified",
-            },
-            policy: match pol {
-                Policy::Fcfs => "fcfs",
-                Policy::Priority => "priority",
-            },
-            preemption_mode: match mode {
-                PreemptionMode::Auto => None,
-                PreemptionMode::Recompute => Some("recompute"),
-                PreemptionMode::Swap => Some("swap"),
-            },
         })
     }
 
@@ -358,9 +161,9 @@ impl PyScheduler {
             "Scheduler(scheduling={:?}, policy={:?}, preemption_mode={:?}, block_size={}, \
              max_num_batched_tokens={}, max_num_seqs={}, max_model_len={}, waiting={}, \
              running={}, swapped={})",
-            self.strategy,
-            self.policy,
-            self.preemption_mode,
+            c.strategy.as_str(),
+            c.policy.as_str(),
+            c.preemption_mode.as_str(),
             self.inner.block_size(),
             c.max_num_batched_tokens,
             c.max_num_seqs,
@@ -696,285 +499,66 @@ impl PyScheduler {
 
     #[getter]
     fn scheduling(&self) -> &'static str {
-        self.strategy
+        self.inner.config().strategy.as_str()
     }
 
     #[getter]
     fn policy(&self) -> &'static str {
-        self.policy
+        self.inner.config().policy.as_str()
     }
 
     #[getter]
     fn preemption_mode(&self) -> Option<&'static str> {
-        self.preemption_mode
+        self.inner.config().preemption_mode.as_str()
     }
 }
 
-/// One step's work as arrays (ARCHITECTURE §2). Arrays are built on first access and cached.
-/// Data movement order for the runner: swap out, swap in, copy, then the forward pass.
-#[pyclass(name = "SchedulerOutput", module = "pagedllm._core")]
-pub(crate) struct PySchedulerOutput {
-    out: StepOutput,
-    sched: Py<PyScheduler>,
-    cache: [Option<Py<PyAny>>; FIELDS],
+/// Names and defaults of the knobs, read by Python (`EngineArgs`) so they live in one place.
+fn register_knobs(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add(
+        "SCHEDULING_STRATEGIES",
+        PyTuple::new(py, Strategy::ALL.map(Strategy::as_str))?,
+    )?;
+    m.add(
+        "POLICIES",
+        PyTuple::new(py, Policy::ALL.map(Policy::as_str))?,
+    )?;
+    m.add(
+        "PREEMPTION_MODES",
+        PyTuple::new(py, PreemptionMode::ALL.map(PreemptionMode::as_str))?,
+    )?;
+    let d = PyDict::new(py);
+    d.set_item("block_size", defaults::BLOCK_SIZE)?;
+    d.set_item("max_num_seqs", defaults::MAX_NUM_SEQS)?;
+    d.set_item("max_model_len", defaults::MAX_MODEL_LEN)?;
+    d.set_item("scheduling", Strategy::ALL[0].as_str())?;
+    d.set_item("policy", Policy::ALL[0].as_str())?;
+    d.set_item("preemption_mode", PreemptionMode::ALL[0].as_str())?;
+    d.set_item("enable_prefix_caching", defaults::ENABLE_PREFIX_CACHING)?;
+    d.set_item("watermark", defaults::WATERMARK)?;
+    d.set_item(
+        "long_prefill_token_threshold",
+        defaults::LONG_PREFILL_TOKEN_THRESHOLD,
+    )?;
+    d.set_item("num_lookahead_slots", defaults::NUM_LOOKAHEAD_SLOTS)?;
+    d.set_item("delay_factor", defaults::DELAY_FACTOR)?;
+    m.add("DEFAULTS", d)?;
+    Ok(())
 }
 
-const FIELDS: usize = 20;
-
-impl PySchedulerOutput {
-    fn new(out: StepOutput, sched: Py<PyScheduler>) -> Self {
-        PySchedulerOutput {
-            out,
-            sched,
-            cache: Default::default(),
-        }
-    }
-
-    /// The cached value of field `i`, built by `make` on first access.
-    fn cached(
-        &mut self,
-        py: Python<'_>,
-        i: usize,
-        make: impl FnOnce(&StepOutput, &Py<PyScheduler>) -> PyResult<Py<PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        if let Some(v) = &self.cache[i] {
-            return Ok(v.clone_ref(py));
-        }
-        let v = make(&self.out, &self.sched)?;
-        self.cache[i] = Some(v.clone_ref(py));
-        Ok(v)
-    }
-}
-
-impl Drop for PySchedulerOutput {
-    /// Hands the buffers back to the scheduler (when it is not busy) so the next steps
-    /// allocate nothing; numpy arrays already built are copies and stay valid.
-    fn drop(&mut self) {
-        let out = std::mem::take(&mut self.out);
-        Python::attach(|py| {
-            if let Ok(mut sched) = self.sched.bind(py).try_borrow_mut() {
-                sched.inner.recycle(out);
-            }
-        });
-    }
-}
-
-#[pymethods]
-impl PySchedulerOutput {
-    fn __repr__(&self) -> String {
-        let o = &self.out;
-        format!(
-            "SchedulerOutput(step={}, num_seqs={}, num_batched_tokens={}, num_samples={}, \
-             copies={}, swap_out={}, swap_in={}, preempted={:?}, finished={})",
-            o.step,
-            o.num_seqs(),
-            o.num_batched_tokens,
-            o.num_samples(),
-            o.blocks_to_copy.len() / 2,
-            o.blocks_to_swap_out.len() / 2,
-            o.blocks_to_swap_in.len() / 2,
-            o.preempted,
-            o.finished.len()
-        )
-    }
-
-    /// Step number (1 for the first `schedule()`).
-    #[getter]
-    fn step(&self) -> u64 {
-        self.out.step
-    }
-
-    /// S, the scheduled (computing) sequences.
-    #[getter]
-    fn num_seqs(&self) -> usize {
-        self.out.num_seqs()
-    }
-
-    /// K, the samples to draw.
-    #[getter]
-    fn num_samples(&self) -> usize {
-        self.out.num_samples()
-    }
-
-    /// T, the tokens computed this step.
-    #[getter]
-    fn num_batched_tokens(&self) -> usize {
-        self.out.num_batched_tokens
-    }
-
-    /// Every scheduled sequence computes exactly one token (False for an empty step).
-    #[getter]
-    fn is_decode_only(&self) -> bool {
-        self.out.is_decode_only()
-    }
-
-    /// int64 [S] sequence ids, batch order.
-    #[getter]
-    fn seq_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 0, |o, _| np_array(py, &o.seq_ids, "int64", None))
-    }
-
-    /// list[str] [S] owning request of each scheduled sequence.
-    #[getter]
-    fn request_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 1, |o, s| s.borrow(py).id_list(py, &o.handles, &o.gens))
-    }
-
-    /// int32 [S] index of each scheduled sequence within its request.
-    #[getter]
-    fn seq_index(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 2, |o, _| np_array(py, &o.seq_index, "int32", None))
-    }
-
-    /// int32 [S] tokens computed this step.
-    #[getter]
-    fn num_tokens(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 3, |o, _| np_array(py, &o.num_tokens, "int32", None))
-    }
-
-    /// int32 [S] position of the first of them (= tokens computed before).
-    #[getter]
-    fn start_pos(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 4, |o, _| np_array(py, &o.start_pos, "int32", None))
-    }
-
-    /// int32 [S] context length after this step (start_pos + num_tokens).
-    #[getter]
-    fn seq_lens(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 5, |o, _| np_array(py, &o.seq_lens(), "int32", None))
-    }
-
-    /// int32 [S+1] cumulative num_tokens.
-    #[getter]
-    fn query_start_loc(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 6, |o, _| {
-            np_array(py, &o.query_start_loc(), "int32", None)
-        })
-    }
-
-    /// int64 [T] token ids to compute, batch order.
-    #[getter]
-    fn input_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 7, |o, s| {
-            s.borrow(py)
-                .inner
-                .with_input_ids(o, |ids| np_array(py, ids, "int64", None))
-        })
-    }
-
-    /// int64 [T] their positions.
-    #[getter]
-    fn positions(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 8, |o, _| np_array(py, &o.positions(), "int64", None))
-    }
-
-    /// int64 [T] KV slot of each token (block * block_size + offset).
-    #[getter]
-    fn slot_mapping(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 9, |o, s| {
-            np_array(py, &s.borrow(py).inner.slot_mapping(o), "int64", None)
-        })
-    }
-
-    /// int32 [S, W] block tables padded with 0 to the widest of the step (block ids are
-    /// below 2**31, so their u32 bytes read as int32). Built on first access, as they were
-    /// at schedule time (the scheduler snapshots them before changing any of them).
-    #[getter]
-    fn block_tables(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 10, |o, s| {
-            let (data, width) = s.borrow(py).inner.block_tables(o);
-            np_array(py, &data, "int32", Some((o.num_seqs(), width)))
-        })
-    }
-
-    /// int64 [K] batch row (0..S) whose last token's logits each sample uses.
-    #[getter]
-    fn sample_rows(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 11, |o, _| np_array(py, &o.sample_rows, "int64", None))
-    }
-
-    /// int64 [K] sequence receiving each sample (an n>1 fork repeats a row).
-    #[getter]
-    fn sample_seq_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 12, |o, _| {
-            np_array(py, &o.sample_seq_ids, "int64", None)
-        })
-    }
-
-    /// list[str] [K] request of each sample.
-    #[getter]
-    fn sample_request_ids(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 13, |o, s| {
-            s.borrow(py).id_list(py, &o.sample_handles, &o.sample_gens)
-        })
-    }
-
-    /// int32 [K] index of the receiving sequence within its request (CompletionOutput.index).
-    #[getter]
-    fn sample_seq_index(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 14, |o, _| {
-            np_array(py, &o.sample_seq_index, "int32", None)
-        })
-    }
-
-    /// int64 [C, 2] (src, dst) device blocks to copy before the forward (copy-on-write).
-    #[getter]
-    fn blocks_to_copy(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 15, |o, _| {
-            np_array(
-                py,
-                &o.blocks_to_copy,
-                "int64",
-                Some((o.blocks_to_copy.len() / 2, 2)),
-            )
-        })
-    }
-
-    /// int64 [O, 2] (device, host) blocks to swap out.
-    #[getter]
-    fn blocks_to_swap_out(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 16, |o, _| {
-            np_array(
-                py,
-                &o.blocks_to_swap_out,
-                "int64",
-                Some((o.blocks_to_swap_out.len() / 2, 2)),
-            )
-        })
-    }
-
-    /// int64 [I, 2] (host, device) blocks to swap in.
-    #[getter]
-    fn blocks_to_swap_in(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 17, |o, _| {
-            np_array(
-                py,
-                &o.blocks_to_swap_in,
-                "int64",
-                Some((o.blocks_to_swap_in.len() / 2, 2)),
-            )
-        })
-    }
-
-    /// list[str] request ids preempted this step, in preemption order.
-    #[getter]
-    fn preempted(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 18, |o, _| {
-            Ok(PyList::new(py, &o.preempted)?.into_any().unbind())
-        })
-    }
-
-    /// list[(request_id, reason)] finished at schedule time (ignored: can never be served).
-    #[getter]
-    fn finished(&mut self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.cached(py, 19, |o, _| {
-            Ok(PyList::new(py, &o.finished)?.into_any().unbind())
-        })
-    }
+/// `max_num_batched_tokens` that `None` stands for under `scheduling` (prefill_first must fit
+/// a whole prompt of `max_model_len`).
+#[pyfunction]
+fn default_max_num_batched_tokens(scheduling: &str, max_model_len: usize) -> PyResult<usize> {
+    Ok(SchedulerConfig::default_batched_tokens(
+        Strategy::parse(scheduling)?,
+        max_model_len,
+    ))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
-    m.add_class::<PySchedulerOutput>()?;
-    Ok(())
+    m.add_function(wrap_pyfunction!(default_max_num_batched_tokens, m)?)?;
+    register_knobs(m)
 }

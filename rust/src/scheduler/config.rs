@@ -13,16 +13,41 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "prefill_first" => Ok(Strategy::PrefillFirst),
-            "chunked_prefill" => Ok(Strategy::ChunkedPrefill),
-            "unified" => Ok(Strategy::Unified),
-            _ => Err(Error::InvalidArgument(format!(
-                "scheduling must be 'unified', 'prefill_first' or 'chunked_prefill', got {s:?}"
-            ))),
+    /// Every strategy, the default first.
+    pub const ALL: [Strategy; 3] = [
+        Strategy::Unified,
+        Strategy::PrefillFirst,
+        Strategy::ChunkedPrefill,
+    ];
+
+    /// The name the Python API uses (`scheduling=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Unified => "unified",
+            Strategy::PrefillFirst => "prefill_first",
+            Strategy::ChunkedPrefill => "chunked_prefill",
         }
     }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        parse_name("scheduling", s, &Self::ALL, |v| v.as_str())
+    }
+}
+
+/// The value of `all` named `s`, else an error listing the names.
+fn parse_name<T: Copy>(
+    what: &str,
+    s: &str,
+    all: &[T],
+    name: impl Fn(T) -> &'static str,
+) -> Result<T> {
+    all.iter().copied().find(|&v| name(v) == s).ok_or_else(|| {
+        let names: Vec<String> = all.iter().map(|&v| format!("'{}'", name(v))).collect();
+        Error::InvalidArgument(format!(
+            "{what} must be one of {}, got {s:?}",
+            names.join(", ")
+        ))
+    })
 }
 
 /// Queue order.
@@ -35,14 +60,19 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "fcfs" => Ok(Policy::Fcfs),
-            "priority" => Ok(Policy::Priority),
-            _ => Err(Error::InvalidArgument(format!(
-                "policy must be 'fcfs' or 'priority', got {s:?}"
-            ))),
+    /// Every policy, the default first.
+    pub const ALL: [Policy; 2] = [Policy::Fcfs, Policy::Priority];
+
+    /// The name the Python API uses (`policy=`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Priority => "priority",
         }
+    }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        parse_name("policy", s, &Self::ALL, |v| v.as_str())
     }
 }
 
@@ -59,16 +89,47 @@ pub enum PreemptionMode {
 }
 
 impl PreemptionMode {
+    /// Every mode, the default (`None` in Python: chosen per group) first.
+    pub const ALL: [PreemptionMode; 3] = [
+        PreemptionMode::Auto,
+        PreemptionMode::Recompute,
+        PreemptionMode::Swap,
+    ];
+
+    /// The name the Python API uses (`preemption_mode=`); `None` for `Auto`.
+    pub fn as_str(self) -> Option<&'static str> {
+        match self {
+            PreemptionMode::Auto => None,
+            PreemptionMode::Recompute => Some("recompute"),
+            PreemptionMode::Swap => Some("swap"),
+        }
+    }
+
     pub fn parse(s: Option<&str>) -> Result<Self> {
         match s {
             None => Ok(PreemptionMode::Auto),
-            Some("recompute") => Ok(PreemptionMode::Recompute),
-            Some("swap") => Ok(PreemptionMode::Swap),
-            Some(other) => Err(Error::InvalidArgument(format!(
-                "preemption_mode must be None, 'recompute' or 'swap', got {other:?}"
-            ))),
+            Some(s) => parse_name("preemption_mode", s, &Self::ALL[1..], |v| {
+                v.as_str().expect("only Auto has no name")
+            }),
         }
     }
+}
+
+/// Defaults of the public knobs, one place for Rust, the bindings and Python (`_core.DEFAULTS`
+/// is built from these; `EngineArgs` reads it).
+pub mod defaults {
+    pub const BLOCK_SIZE: usize = 16;
+    pub const MAX_NUM_SEQS: usize = 256;
+    pub const MAX_MODEL_LEN: usize = 2048;
+    pub const WATERMARK: f64 = 0.01;
+    pub const ENABLE_PREFIX_CACHING: bool = true;
+    pub const LONG_PREFILL_TOKEN_THRESHOLD: usize = 0;
+    pub const NUM_LOOKAHEAD_SLOTS: usize = 0;
+    pub const DELAY_FACTOR: f64 = 0.0;
+    /// `max_num_batched_tokens` of the chunking strategies when not given (vLLM V1's).
+    pub const CHUNKED_BATCHED_TOKENS: usize = 8192;
+    /// Least `max_num_batched_tokens` of `prefill_first` when not given.
+    pub const PREFILL_FIRST_MIN_BATCHED_TOKENS: usize = 2048;
 }
 
 #[derive(Debug, Clone)]
@@ -93,8 +154,8 @@ impl SchedulerConfig {
     /// prompt of `max_model_len`, the chunking strategies take V1's default.
     pub fn default_batched_tokens(strategy: Strategy, max_model_len: usize) -> usize {
         match strategy {
-            Strategy::PrefillFirst => max_model_len.max(2048),
-            Strategy::ChunkedPrefill | Strategy::Unified => 8192,
+            Strategy::PrefillFirst => max_model_len.max(defaults::PREFILL_FIRST_MIN_BATCHED_TOKENS),
+            Strategy::ChunkedPrefill | Strategy::Unified => defaults::CHUNKED_BATCHED_TOKENS,
         }
     }
 

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId, TokenId};
 use crate::kv::{AllocStatus, CacheConfig, CacheStats, KvCacheManager};
 
-pub use config::{Policy, PreemptionMode, SchedulerConfig, Strategy};
+pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepOutput, TableRow};
 pub use request::{
     FinishReason, MirrorTable, Request, RequestParams, RequestStatus, Sequence, StopParams,

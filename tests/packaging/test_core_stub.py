@@ -1,0 +1,75 @@
+"""`_core.pyi` describes the compiled module exactly: every public name, class member and
+`SchedulerOutput` field on one side exists on the other, and README's field table agrees."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pagedllm
+from pagedllm import _core
+
+STUB = Path(pagedllm.__file__).with_name("_core.pyi")
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def stub_tree() -> ast.Module:
+    return ast.parse(STUB.read_text())
+
+
+def public(names) -> set[str]:
+    return {n for n in names if not n.startswith("_")}
+
+
+def stub_module_names() -> set[str]:
+    names = set()
+    for node in stub_tree().body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return public(names)
+
+
+def stub_class_members(name: str) -> set[str]:
+    cls = next(n for n in stub_tree().body if isinstance(n, ast.ClassDef) and n.name == name)
+    members = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef):
+            members.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+    return public(members)
+
+
+def module_class_members(cls: type) -> set[str]:
+    return public(n for n in vars(cls) if n != "__init__")
+
+
+def test_stub_lists_exactly_the_module_names():
+    module_names = public(n for n in vars(_core) if not n.startswith("__"))
+    assert stub_module_names() == module_names
+
+
+def test_stub_lists_exactly_each_class_members():
+    classes = [obj for obj in vars(_core).values()
+               if isinstance(obj, type) and obj.__module__ == "pagedllm._core"
+               and not issubclass(obj, BaseException)]
+    assert classes
+    for cls in classes:
+        stub = stub_class_members(cls.__name__) - {"__init__"}
+        assert stub == module_class_members(cls), cls.__name__
+
+
+def test_scheduler_output_fields_are_declared_once_and_stubbed():
+    fields = _core.SCHEDULER_OUTPUT_FIELDS
+    assert len(fields) == len(set(fields))
+    assert set(fields) == public(n for n in vars(_core.SchedulerOutput))
+    assert set(fields) == stub_class_members("SchedulerOutput")
+
+
+def test_readme_field_table_names_every_scheduler_output_field():
+    table = README.read_text().split("`SchedulerOutput` hands the runner", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert named == set(_core.SCHEDULER_OUTPUT_FIELDS)
