@@ -4,6 +4,7 @@ Run: python -m pytest benches/test_bench_kv_cache_manager.py --benchmark-columns
 Each benchmarked call includes the Python -> Rust crossing and the list conversions, i.e. what a
 Python caller pays; the `rust_hash_*` cases time the block hash inside Rust alone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,15 +12,19 @@ import pickle
 
 import pytest
 
-from pagedllm import KVCacheManager
-from pagedllm import _core
+from pagedllm import KVCacheManager, _core
 
 HASH_ITERATIONS = 100_000
 
 
-def manager(block_size: int, num_gpu_blocks: int = 4096, num_cpu_blocks: int = 4096) -> KVCacheManager:
+def manager(
+    block_size: int, num_gpu_blocks: int = 4096, num_cpu_blocks: int = 4096
+) -> KVCacheManager:
     return KVCacheManager(
-        num_gpu_blocks=num_gpu_blocks, block_size=block_size, num_cpu_blocks=num_cpu_blocks, watermark=0.0
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=block_size,
+        num_cpu_blocks=num_cpu_blocks,
+        watermark=0.0,
     )
 
 

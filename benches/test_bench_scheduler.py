@@ -5,6 +5,7 @@ array); the step arrays are not read (they are built lazily). Results: benches/R
 
 Run: python -m pytest benches/test_bench_scheduler.py --benchmark-only
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ def drive(s: Scheduler, counts: dict) -> None:
 def whole_run(benchmark, make, rounds: int = 3) -> dict:
     """Times `drive` over a fresh scheduler from `make()` (building it is not timed)."""
     counts: dict = {}
-    benchmark.pedantic(lambda s: drive(s, counts), setup=lambda: ((make(),), {}),
-                       rounds=rounds, iterations=1)
+    benchmark.pedantic(
+        lambda s: drive(s, counts), setup=lambda: ((make(),), {}), rounds=rounds, iterations=1
+    )
     benchmark.extra_info.update(counts)
     return counts
 
@@ -43,9 +45,13 @@ def whole_run(benchmark, make, rounds: int = 3) -> dict:
 @pytest.mark.parametrize("running", [256, 1024, 4096])
 def test_steady_decode(benchmark, running, block_size):
     rounds = 200
-    s = Scheduler(block_size=block_size, max_num_seqs=running, max_model_len=2048,
-                  max_num_batched_tokens=max(8192, running),
-                  num_gpu_blocks=running * (2048 // block_size + 1))  # room for max_model_len
+    s = Scheduler(
+        block_size=block_size,
+        max_num_seqs=running,
+        max_model_len=2048,
+        max_num_batched_tokens=max(8192, running),
+        num_gpu_blocks=running * (2048 // block_size + 1),
+    )  # room for max_model_len
     rng = np.random.default_rng(0)
     for i in range(running):
         s.add_request(f"r{i}", rng.integers(0, VOCAB, 512), max_tokens=1024, ignore_eos=True)
@@ -72,8 +78,12 @@ def test_admission_burst(benchmark, block_size):
     prompts = [rng.integers(0, VOCAB, n) for n in rng.integers(128, 1025, 1024)]
 
     def make():
-        s = Scheduler(block_size=block_size, max_num_seqs=512, max_num_batched_tokens=16384,
-                      num_gpu_blocks=512 * 1024 // block_size + 64)
+        s = Scheduler(
+            block_size=block_size,
+            max_num_seqs=512,
+            max_num_batched_tokens=16384,
+            num_gpu_blocks=512 * 1024 // block_size + 64,
+        )
         for i, p in enumerate(prompts):
             s.add_request(f"r{i}", p, max_tokens=1)
         return s
@@ -89,8 +99,13 @@ def test_prefix_heavy_admission(benchmark, block_size):
     prompts = [np.concatenate([shared, rng.integers(0, VOCAB, 128)]) for _ in range(256)]
 
     def make():
-        s = Scheduler(block_size=block_size, max_num_seqs=256, max_num_batched_tokens=16384,
-                      max_model_len=4096, num_gpu_blocks=256 * 2304 // block_size + 64)
+        s = Scheduler(
+            block_size=block_size,
+            max_num_seqs=256,
+            max_num_batched_tokens=16384,
+            max_model_len=4096,
+            num_gpu_blocks=256 * 2304 // block_size + 64,
+        )
         for i, p in enumerate(prompts):
             s.add_request(f"r{i}", p, max_tokens=1)
         return s
@@ -111,9 +126,14 @@ def test_overloaded_pool(benchmark, preemption_mode):
     stats: dict = {}
 
     def make():
-        s = Scheduler(block_size=bs, num_gpu_blocks=int(0.6 * peak), num_cpu_blocks=int(0.6 * peak),
-                      max_num_seqs=256, max_num_batched_tokens=4096,
-                      preemption_mode=preemption_mode)
+        s = Scheduler(
+            block_size=bs,
+            num_gpu_blocks=int(0.6 * peak),
+            num_cpu_blocks=int(0.6 * peak),
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            preemption_mode=preemption_mode,
+        )
         stats["s"] = s
         for i, (p, n) in enumerate(zip(prompts, ns)):
             s.add_request(f"r{i}", p, n=n, max_tokens=128, ignore_eos=True)
@@ -121,8 +141,10 @@ def test_overloaded_pool(benchmark, preemption_mode):
 
     whole_run(benchmark, make)
     st = stats["s"].get_stats()
-    benchmark.extra_info.update(preemptions_recompute=st["num_preemptions_recompute"],
-                                preemptions_swap=st["num_preemptions_swap"])
+    benchmark.extra_info.update(
+        preemptions_recompute=st["num_preemptions_recompute"],
+        preemptions_swap=st["num_preemptions_swap"],
+    )
     assert st["num_preemptions"] > 0
 
 
@@ -134,8 +156,13 @@ def test_strategy(benchmark, scheduling):
     max_tokens = rng.integers(16, 129, 256)
 
     def make():
-        s = Scheduler(block_size=16, num_gpu_blocks=256 * 640 // 16, max_num_seqs=256,
-                      max_num_batched_tokens=4096, scheduling=scheduling)
+        s = Scheduler(
+            block_size=16,
+            num_gpu_blocks=256 * 640 // 16,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            scheduling=scheduling,
+        )
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             s.add_request(f"r{i}", p, max_tokens=int(m), ignore_eos=True)
         return s

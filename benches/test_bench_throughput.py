@@ -3,6 +3,7 @@ generate on the same workload and weights (greedy, EOS ignored, equal-length ran
 
 Run: python -m pytest benches/test_bench_throughput.py --benchmark-only
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,9 @@ def prompts(llm):
 def test_bench_pagedllm_generate(benchmark, llm, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    outs = benchmark.pedantic(llm.generate, args=(batch, params), kwargs={"use_tqdm": False},
-                              rounds=3, warmup_rounds=1)
+    outs = benchmark.pedantic(
+        llm.generate, args=(batch, params), kwargs={"use_tqdm": False}, rounds=3, warmup_rounds=1
+    )
     assert sum(len(o.outputs[0].token_ids) for o in outs) == NUM_PROMPTS * OUTPUT_LEN
     benchmark.extra_info["output_tokens"] = NUM_PROMPTS * OUTPUT_LEN
 
@@ -42,8 +44,14 @@ def test_bench_transformers_generate(benchmark, llm, prompts):
 
     def run():
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, pad_token_id=0)
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=OUTPUT_LEN,
+                min_new_tokens=OUTPUT_LEN,
+                pad_token_id=0,
+            )
 
     out = benchmark.pedantic(run, rounds=3, warmup_rounds=1)
     assert out.shape == (NUM_PROMPTS, INPUT_LEN + OUTPUT_LEN)

@@ -7,6 +7,7 @@ Kernel entry points are resolved lazily: `pagedllm.kernels.reference` (the torch
 the CPU path) must import on machines without triton, so triton is only imported when a kernel
 name is first accessed.
 """
+
 from __future__ import annotations
 
 import importlib

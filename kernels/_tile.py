@@ -1,4 +1,5 @@
 """The online-softmax step over one tile of paged keys, shared by the decode and prefill kernels."""
+
 from __future__ import annotations
 
 import triton
@@ -6,19 +7,48 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask, qk_scale,
-                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    kc_ptr,
+    vc_ptr,
+    bt_row,
+    kvh,
+    q_pos,
+    seq_len,
+    d,
+    dmask,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     # one online-softmax step over keys n0 .. n0 + BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < seq_len
     blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
     tok = n % PAGE
-    k = tl.load(kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0)
-    v = tl.load(vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    k = tl.load(
+        kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+        mask=nmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    v = tl.load(
+        vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+        mask=nmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)

@@ -1,4 +1,5 @@
 """Small launch helpers shared by the Triton wrappers (imports nothing heavy)."""
+
 from __future__ import annotations
 
 import os

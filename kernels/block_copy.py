@@ -1,4 +1,5 @@
 """Triton kernel: copy-on-write block copies for every layer of the whole KV cache in one launch."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,9 @@ from ._util import next_pow2
 
 
 @triton.jit
-def _copy_blocks_kernel(cache_ptr, map_ptr, stride_plane, stride_block,
-                        BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr):
+def _copy_blocks_kernel(
+    cache_ptr, map_ptr, stride_plane, stride_block, BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr
+):
     # grid (pair, k/v x layer plane): each program copies one whole block of one plane
     pair = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)
@@ -25,7 +27,8 @@ def _copy_blocks_kernel(cache_ptr, map_ptr, stride_plane, stride_block,
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """`kv_cache[:, :, dst] = kv_cache[:, :, src]` for each row (src, dst) of `block_mapping` [N, 2].
+    """`kv_cache[:, :, dst] = kv_cache[:, :, src]` for each row (src, dst) of `block_mapping`
+    [N, 2].
 
     Sources and destinations must be disjoint (true for copy-on-write pairs).
     """
@@ -39,6 +42,11 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     # 2048 elements per step: 4 warps x 32 lanes x 16 elems, wide vector loads on a pure copy
     chunk = min(2048, next_pow2(block_numel))
     _copy_blocks_kernel[(n, two * layers)](
-        kv_cache, mapping, kv_cache.stride(1), kv_cache.stride(2),
-        BLOCK_NUMEL=block_numel, CHUNK=chunk, num_warps=4 if chunk >= 512 else 1,
+        kv_cache,
+        mapping,
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        BLOCK_NUMEL=block_numel,
+        CHUNK=chunk,
+        num_warps=4 if chunk >= 512 else 1,
     )

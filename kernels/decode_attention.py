@@ -4,6 +4,7 @@ Launch shape is `(S, KVH, num_splits)` for the split kernel and `(S, H)` for the
 depends only on the batch size and `num_splits` (fixed per max context), never on the current
 sequence lengths: a decode step can be captured once in a CUDA graph and replayed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -45,15 +46,36 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is a single MUFU op)
-    stride_qs, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,8 +95,11 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     s64 = s.to(tl.int64)
-    q = tl.load(q_ptr + s64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + s64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -84,16 +109,43 @@ def _decode_split_kernel(
     bt_row = bt_ptr + s64 * stride_bt
     for n0 in range(start, end, BLOCK_N):
         # keys past `end` are masked; no causal mask: the single query sees its whole range
-        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, hh, end, d, dmask,
-                                    qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                    stride_vh, PAGE, BLOCK_N, 1, UPCAST, DOT_PREC)
+        m_i, l_i, acc = attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            kvh,
+            hh,
+            end,
+            d,
+            dmask,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            PAGE,
+            BLOCK_N,
+            1,
+            UPCAST,
+            DOT_PREC,
+        )
 
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # empty range (seq_len 0 padding) -> zeros
     omask = hmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + s64 * stride_os + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + s64 * stride_os + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=omask,
+        )
     else:
         # mid buffers are contiguous [S, H, NUM_SPLITS, HEAD_DIM] / [S, H, NUM_SPLITS], fp32
         row = (s64 * NUM_HEADS + heads) * NUM_SPLITS + split
@@ -104,9 +156,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # merge the per-split softmax partials of one (sequence, head): weights 2^(lse_j - max lse)
     s = tl.program_id(0).to(tl.int64)
@@ -121,14 +180,28 @@ def _decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): all weights 0
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
-    o = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=jmask[:, None] & dmask[None, :], other=0.0)
+    o = tl.load(
+        mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=jmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + s * stride_os + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=dmask)
+    tl.store(
+        out_ptr + s * stride_os + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=dmask
+    )
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int = 1, *, block_n: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+    *,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """q `[S, H, D]` (one token per sequence) over the paged context -> `[S, H, D]`.
 
     Rows with seq_len 0 (CUDA-graph padding) give zeros. `block_n` overrides the KV tile (tests).
@@ -154,21 +227,51 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         mid_o = mid_lse = out  # unused: the split kernel writes the output directly
     _decode_split_kernel[(S, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
         float(scale) * 1.4426950408889634,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=H, NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=block_h,
-        HEAD_DIM=D, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        UPCAST=interpreting(), DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=H,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_H=block_h,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=block_n,
+        UPCAST=interpreting(),
+        DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(S, H)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=H, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
-            HEAD_DIM=D, BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=H,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits),
+            HEAD_DIM=D,
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
         )
     return out

@@ -5,6 +5,7 @@ the whole context — cached prefix (prefix-cache hit, earlier chunks, recompute
 and the new tokens alike — through the block table. Query i of a sequence with context length L
 and query length q sits at position L - q + i and sees keys 0..L - q + i.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,14 +18,33 @@ from ._util import dot_precision, interpreting, next_pow2
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, qsl_ptr, lens_ptr, bt_ptr, out_ptr,
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    qsl_ptr,
+    lens_ptr,
+    bt_ptr,
+    out_ptr,
     qk_scale,  # softmax scale * log2(e): base-2 online softmax
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # grid (query tile, sequence, query head); tiles past a sequence's query length do no work
     tile = tl.program_id(0)
@@ -42,8 +62,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=mmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -58,23 +81,83 @@ def _prefill_kernel(
     # the remaining keys up to the tile's last query position need the causal mask
     causal_end = tl.where(active, tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M), 0)
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
-                                     qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     PAGE, BLOCK_N, 0, UPCAST, DOT_PREC)
+        m_i, l_i, acc = attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            kvh,
+            q_pos,
+            seq_len,
+            d,
+            dmask,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            PAGE,
+            BLOCK_N,
+            0,
+            UPCAST,
+            DOT_PREC,
+        )
     for n0 in range(full_end, causal_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, n0, kc_ptr, vc_ptr, bt_row, kvh, q_pos, seq_len, d, dmask,
-                                     qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     PAGE, BLOCK_N, 2, UPCAST, DOT_PREC)
+        m_i, l_i, acc = attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            n0,
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            kvh,
+            q_pos,
+            seq_len,
+            d,
+            dmask,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            PAGE,
+            BLOCK_N,
+            2,
+            UPCAST,
+            DOT_PREC,
+        )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mmask[:, None] & dmask[None, :],
+    )
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, max_query_len: int, *, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """q `[T, H, D]` packed by `query_start_loc` [S+1] -> `[T, H, D]`; causal within the new tokens.
 
     Rows past `query_start_loc[-1]` are left zero. `block_m` / `block_n` override tiles (tests).
@@ -90,21 +173,42 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert page & (page - 1) == 0, "block_size must be a power of two"
     block_d = next_pow2(D)
     # 64x64 tiles (128 query rows at D=128 with 8 warps) are the usual flash-attention sweet spot on
-    # sm80/sm90; short chunks shrink BLOCK_M so that a 1..15-token chunk does not waste a 64-row tile
+    # sm80/sm90; short chunks shrink BLOCK_M so that a 1..15-token chunk does not waste a 64-row
+    # tile
     default_m = 128 if D >= 128 else 64
     block_m = block_m or min(default_m, max(16, next_pow2(max_query_len)))
     block_n = block_n or 64
     num_warps = 8 if block_m * block_d >= 128 * 128 else 4
     grid = (triton.cdiv(int(max_query_len), block_m), S, H)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        out,
         float(scale) * 1.4426950408889634,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=H // kvh, HEAD_DIM=D, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=interpreting(), DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=2,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=H // kvh,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        UPCAST=interpreting(),
+        DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=num_warps,
+        num_stages=2,
     )
     return out

@@ -2,13 +2,14 @@
 
 These are the test oracles of the Triton kernels *and* the CPU execution path of the engine,
 so they are vectorized (gather + padding, no per-token Python loops) and must not import triton.
-Layout (docs/ARCHITECTURE.md §3): k_cache / v_cache are `[num_blocks, block_size, kv_heads, head_dim]`,
-`kv_cache` is `[2, layers, num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size + offset.
+Layout (docs/ARCHITECTURE.md §3): k_cache / v_cache are
+`[num_blocks, block_size, kv_heads, head_dim]`, `kv_cache` is
+`[2, layers, num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size + offset.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,14 +28,17 @@ __all__ = [
 ]
 
 
-def store_kvcache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kvcache(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     """Write k/v `[T, KVH, D]` into their slots; slot -1 marks padding and is skipped."""
     keep = slot_mapping >= 0
     _store(k, v, k_cache, v_cache, keep.nonzero().view(-1), slot_mapping[keep].long())
 
 
-def _store(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Optional[Tensor],
-           slots: Tensor) -> None:
+def _store(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None, slots: Tensor
+) -> None:
     """k/v rows `rows` (None: all) into flat slots `slots` (int64, all valid)."""
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
@@ -56,15 +60,17 @@ class _SubBatch:
 
     S: int
     max_q: int
-    ctx_slots: Tensor            # int64 [S * N] flat cache slot of each context position (padding: 0)
+    ctx_slots: Tensor  # int64 [S * N] flat cache slot of each context position (padding: 0)
     N: int
-    mask: Tensor                 # float32 [S, 1, max_q, N]: 0 where the key is visible, -inf elsewhere
-    q_rows: Optional[Tensor]     # int64 [S * max_q] packed query row per padded query; None: identity
-    out_src: Optional[Tensor]    # int64 padded rows with a live query; None: identity (see AttentionPlan)
-    out_dst: Optional[Tensor]    # int64 packed destination rows of out_src
+    mask: Tensor  # float32 [S, 1, max_q, N]: 0 where the key is visible, -inf elsewhere
+    q_rows: Tensor | None  # int64 [S * max_q] packed query row per padded query; None: identity
+    out_src: (
+        Tensor | None
+    )  # int64 padded rows with a live query; None: identity (see AttentionPlan)
+    out_dst: Tensor | None  # int64 packed destination rows of out_src
     # gather destinations reused by every layer of the step: a fresh multi-MiB tensor per layer and
     # cache costs page faults comparable to the attention itself
-    bufs: Optional[tuple[Tensor, Tensor]] = None
+    bufs: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -74,14 +80,22 @@ class AttentionPlan:
     reused by every layer (the index arithmetic costs more than the attention on small models)."""
 
     num_tokens: int
-    store_rows: Optional[Tensor]  # int64 token rows with a slot; None: every row
-    store_slots: Tensor           # int64 their slots
+    store_rows: Tensor | None  # int64 token rows with a slot; None: every row
+    store_slots: Tensor  # int64 their slots
     subs: list[_SubBatch]
-    identity: bool                # one sub-batch whose padded rows are exactly the T packed rows, all live
+    identity: bool  # one sub-batch whose padded rows are exactly the T packed rows, all live
 
 
-def build_plan(query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, slot_mapping: Optional[Tensor],
-               block_size: int, num_heads: int, num_tokens: int, device: torch.device) -> AttentionPlan:
+def build_plan(
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_tables: Tensor,
+    slot_mapping: Tensor | None,
+    block_size: int,
+    num_heads: int,
+    num_tokens: int,
+    device: torch.device,
+) -> AttentionPlan:
     """The per-step plan for `T = num_tokens` packed query rows (see `paged_attention`)."""
     if slot_mapping is None:
         store_rows, store_slots = None, torch.empty(0, dtype=torch.long, device=device)
@@ -125,25 +139,46 @@ def build_plan(query_start_loc: Tensor, seq_lens: Tensor, block_tables: Tensor, 
             # padded to the longest (each sub-batch pads to its own longest context)
             idx = idx[torch.sort(c_len[idx], stable=True).indices]
         for i in range(0, idx.numel(), per):
-            sub = idx[i:i + per]
-            subs.append(_plan_sub(tables[owner[sub]], c_start[sub], c_qlen[sub], c_len[sub], max_q,
-                                  block_size, max_ctx, num_tokens))
-    # out_src is None only for a sub-batch whose padded rows are exactly the T rows, so then it is the only one
+            sub = idx[i : i + per]
+            subs.append(
+                _plan_sub(
+                    tables[owner[sub]],
+                    c_start[sub],
+                    c_qlen[sub],
+                    c_len[sub],
+                    max_q,
+                    block_size,
+                    max_ctx,
+                    num_tokens,
+                )
+            )
+    # out_src is None only for a sub-batch whose padded rows are exactly the T rows, so then it is
+    # the only one
     identity = subs[0].out_src is None
     return AttentionPlan(num_tokens, store_rows, store_slots, subs, identity)
 
 
-def _plan_sub(tables: Tensor, q_start: Tensor, q_lens: Tensor, lens: Tensor, max_q: int, bs: int,
-              max_ctx: int, num_tokens: int) -> _SubBatch:
-    """Sequence s of the sub-batch has queries q[q_start[s] : q_start[s] + q_lens[s]] and context lens[s]."""
+def _plan_sub(
+    tables: Tensor,
+    q_start: Tensor,
+    q_lens: Tensor,
+    lens: Tensor,
+    max_q: int,
+    bs: int,
+    max_ctx: int,
+    num_tokens: int,
+) -> _SubBatch:
+    """Sequence s of the sub-batch has queries q[q_start[s] : q_start[s] + q_lens[s]] and context
+    lens[s]."""
     dev = tables.device
     S = lens.numel()
     max_n = min(max(1, int(lens.max())), max_ctx)
     lens = lens.clamp(max=max_ctx)
     key_pos = torch.arange(max_n, device=dev)
     in_ctx = key_pos[None, :] < lens[:, None]  # [S, N]
-    # flat slot of context position p: table[p // bs] * bs + p % bs; positions past the context read
-    # slot 0 (any valid slot: they are masked), which also keeps padded table entries out of the index
+    # flat slot of context position p: table[p // bs] * bs + p % bs; positions past the context
+    # read slot 0 (any valid slot: they are masked), which also keeps padded table entries out of
+    # the index
     slots = tables[:, key_pos // bs] * bs + key_pos % bs
     ctx_slots = torch.where(in_ctx, slots, 0).reshape(-1)
 
@@ -154,14 +189,16 @@ def _plan_sub(tables: Tensor, q_start: Tensor, q_lens: Tensor, lens: Tensor, max
     # additive: SDPA would convert a boolean mask to this in every layer
     mask = torch.zeros(visible.shape, device=dev).masked_fill_(~visible, float("-inf"))
 
-    # padded query (s, i) reads packed row q_start[s] + i; rows past q_lens[s] read a valid row and are
-    # dropped. Only live rows (a real query with at least one visible key) are written back: the
+    # padded query (s, i) reads packed row q_start[s] + i; rows past q_lens[s] read a valid row and
+    # are dropped. Only live rows (a real query with at least one visible key) are written back: the
     # others stay zero whatever the attention backend does with fully masked rows.
     real = q_idx[None, :] < q_lens[:, None]
     live = (real & (q_pos >= 0) & (lens[:, None] > 0)).reshape(-1)
     rows = (q_start[:, None] + torch.where(real, q_idx[None, :], 0)).reshape(-1)
     # the padded rows are the packed rows themselves (decode-only batch, equal-length prefills)
-    dense = rows.numel() == num_tokens and bool((rows == torch.arange(num_tokens, device=dev)).all())
+    dense = rows.numel() == num_tokens and bool(
+        (rows == torch.arange(num_tokens, device=dev)).all()
+    )
     q_rows = None if dense else rows
     out_src = out_dst = None
     if not (dense and bool(live.all())):
@@ -170,7 +207,9 @@ def _plan_sub(tables: Tensor, q_start: Tensor, q_lens: Tensor, lens: Tensor, max
     return _SubBatch(S, max_q, ctx_slots, max_n, mask, q_rows, out_src, out_dst)
 
 
-def store_planned(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan) -> None:
+def store_planned(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan
+) -> None:
     """`store_kvcache` with the slot filtering of a prebuilt plan."""
     _store(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots)
 
@@ -192,12 +231,22 @@ def paged_attention(
     Rows beyond `query_start_loc[-1]` and queries without any visible key get zeros.
     Math in float32; result in q.dtype.
     """
-    plan = build_plan(query_start_loc, seq_lens, block_tables, None, k_cache.shape[1], q.shape[1],
-                      q.shape[0], q.device)
+    plan = build_plan(
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        None,
+        k_cache.shape[1],
+        q.shape[1],
+        q.shape[0],
+        q.device,
+    )
     return attend(q, k_cache, v_cache, plan, scale)
 
 
-def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float) -> Tensor:
+def attend(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float
+) -> Tensor:
     """`paged_attention` with a prebuilt plan (the cache already holds this step's K/V)."""
     T, H, D = q.shape
     KVH = k_cache.shape[2]
@@ -215,7 +264,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, sca
 
 
 def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale: float) -> Tensor:
-    """float32 `[S, max_q, H, D]` attention of one sub-batch (rows of dead queries are unspecified)."""
+    """float32 `[S, max_q, H, D]` attention of one sub-batch (rows of dead queries are
+    unspecified)."""
     S, max_q, N = sub.S, sub.max_q, sub.N
     _, H, D = q.shape
     KVH = k_flat.shape[1]
@@ -230,12 +280,18 @@ def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale
     qp = q if sub.q_rows is None else q.index_select(0, sub.q_rows)
     if max_q == 1:
         # decode: the G query heads of a kv head are G queries of one MHA head (no GQA expansion)
-        o = F.scaled_dot_product_attention(qp.view(S, KVH, H // KVH, D), keys, vals,
-                                           attn_mask=sub.mask.view(S, 1, 1, N), scale=scale)
+        o = F.scaled_dot_product_attention(
+            qp.view(S, KVH, H // KVH, D),
+            keys,
+            vals,
+            attn_mask=sub.mask.view(S, 1, 1, N),
+            scale=scale,
+        )
         return o.reshape(S, 1, H, D)
     qp = qp.view(S, max_q, H, D).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=sub.mask, scale=scale,
-                                       enable_gqa=H != KVH)
+    o = F.scaled_dot_product_attention(
+        qp, keys, vals, attn_mask=sub.mask, scale=scale, enable_gqa=H != KVH
+    )
     return o.transpose(1, 2)
 
 
@@ -277,7 +333,8 @@ def paged_prefill_attention(
 
 
 def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
-    """Copy-on-write: `kv_cache[:, :, dst] = kv_cache[:, :, src]` for every (src, dst) row, all layers."""
+    """Copy-on-write: `kv_cache[:, :, dst] = kv_cache[:, :, src]` for every (src, dst) row, all
+    layers."""
     if block_mapping.numel() == 0:
         return
     bm = block_mapping.to(kv_cache.device, torch.long)

@@ -1,4 +1,5 @@
 """Triton kernel: write this step's K/V into their paged-cache slots."""
+
 from __future__ import annotations
 
 import torch
@@ -10,11 +11,21 @@ from ._util import next_pow2
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cslot, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cslot,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -33,9 +44,15 @@ def _store_kv_kernel(
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """k/v `[T, KVH, D]` -> caches `[num_blocks, block_size, KVH, D]` at `slot_mapping` (-1 skipped)."""
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k/v `[T, KVH, D]` -> caches `[num_blocks, block_size, KVH, D]` at `slot_mapping` (-1
+    skipped)."""
     T, kvh, d = k.shape
     if T == 0:
         return
@@ -45,14 +62,27 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     if v.stride(2) != 1:
         v = v.contiguous()
     for c in (k_cache, v_cache):
-        assert c.stride(3) == 1 and c.stride(0) == c.shape[1] * c.stride(1), "cache slots must be flat"
+        assert c.stride(3) == 1 and c.stride(0) == c.shape[1] * c.stride(1), (
+            "cache slots must be flat"
+        )
     assert k_cache.stride() == v_cache.stride()
     block_h, block_d = next_pow2(kvh), next_pow2(d)
     # the kernel is pure data movement; 4 warps cover up to 8 heads x 128 dims at 8 elems/thread
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=kvh, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=kvh,
+        HEAD_DIM=d,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )

@@ -9,6 +9,7 @@
 - `PagedRunner`: runs our model step by step over a paged KV cache with random, non-contiguous
   block tables and hand-built AttentionMetadata, the way the engine will.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from pagedllm.worker.attention import AttentionMetadata
 
@@ -46,13 +53,20 @@ _COMMON = dict(
 )
 
 
-def tiny_hf_config(family: str, *, tie_word_embeddings: bool = False, **overrides) -> PretrainedConfig:
+def tiny_hf_config(
+    family: str, *, tie_word_embeddings: bool = False, **overrides
+) -> PretrainedConfig:
     """A tiny transformers config of the family (see module docstring)."""
     kwargs = dict(_COMMON, tie_word_embeddings=tie_word_embeddings)
     if family == "llama":
         # small original context so that all three llama3 frequency bands occur with head_dim 16
-        kwargs["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         kwargs["rope_theta"] = 10000.0
         config_class = LlamaConfig
     elif family == "qwen2":
@@ -130,7 +144,8 @@ def build_tiny_tokenizer() -> Tokenizer:
 
 
 def save_tiny_tokenizer(folder: str | Path, fmt: str = "json") -> None:
-    """`fmt` "json": tokenizer.json; "vocab_merges": only vocab.json + merges.txt (GPT2Tokenizer)."""
+    """`fmt` "json": tokenizer.json; "vocab_merges": only vocab.json + merges.txt
+    (GPT2Tokenizer)."""
     folder = Path(folder)
     tok = build_tiny_tokenizer()
     config = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -157,20 +172,30 @@ class PagedRunner:
     Blocks come from a shuffled free list, so block tables are random and non-contiguous.
     """
 
-    def __init__(self, model: torch.nn.Module, *, num_blocks: int = 64, block_size: int = 4, seed: int = 0):
+    def __init__(
+        self, model: torch.nn.Module, *, num_blocks: int = 64, block_size: int = 4, seed: int = 0
+    ):
         cfg = model.config
         self.model, self.block_size = model, block_size
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         self.kv_cache = torch.zeros(
-            2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+            2,
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
         )
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.seqs: dict[str, _Sequence] = {}
 
     def step(self, new_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """Append `new_tokens` to each named sequence in one packed forward; logits [n, V] per sequence."""
+        """Append `new_tokens` to each named sequence in one packed forward; logits [n, V] per
+        sequence."""
         for name, tokens in new_tokens.items():
             self._grow(self.seqs.setdefault(name, _Sequence()), len(tokens))
         input_ids, positions, slots, starts = [], [], [], [0]
@@ -214,7 +239,9 @@ class PagedRunner:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([len(seq.tokens) for seq in seqs], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(
+                [len(seq.tokens) for seq in seqs], dtype=torch.int32, device=device
+            ),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
             max_query_len=max(query_lens),
             max_seq_len=max(len(seq.tokens) for seq in seqs),

@@ -1,4 +1,5 @@
 """Helpers shared by the scheduler tests: build a scheduler, run one step with fake samples."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,5 +34,7 @@ def step(s: Scheduler, token: int = 7):
 
 def all_blocks_free(s: Scheduler) -> bool:
     st = s.get_stats()
-    return (st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
-            and st["num_free_cpu_blocks"] == st["num_cpu_blocks"])
+    return (
+        st["num_free_gpu_blocks"] == st["num_gpu_blocks"]
+        and st["num_free_cpu_blocks"] == st["num_cpu_blocks"]
+    )

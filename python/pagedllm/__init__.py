@@ -3,6 +3,7 @@
 The memory manager and scheduler are Rust (`pagedllm._core`); the model side is torch.
 Public names are resolved lazily so that `import pagedllm` never imports torch or needs a GPU.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,9 +1,9 @@
 """Engine knobs (`EngineArgs`), shared by `LLM(...)`, `LLMEngine` and the CLI."""
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 # the built-in model (no files: seeded random weights over a byte vocabulary)
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
@@ -20,21 +20,21 @@ class EngineArgs:
     """Every engine knob, with vLLM's names. `LLM(model, **knobs)` builds one of these."""
 
     model: str = DEFAULT_MODEL
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: Optional[int] = None
+    num_gpu_blocks: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     cpu_kv_cache_space: float = 1.0  # GiB for the KV cache when running on CPU
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
+    max_num_batched_tokens: int | None = None
     scheduling: str = "unified"
     policy: str = "fcfs"
-    preemption_mode: Optional[str] = None
+    preemption_mode: str | None = None
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     long_prefill_token_threshold: int = 0
@@ -60,15 +60,21 @@ class EngineArgs:
                 _positive(name, value)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("swap_space", "cpu_kv_cache_space", "delay_factor", "long_prefill_token_threshold"):
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in (
+            "swap_space",
+            "cpu_kv_cache_space",
+            "delay_factor",
+            "long_prefill_token_threshold",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -1,8 +1,9 @@
 """`LLM`: offline batched generation (vLLM's `LLM.generate`)."""
+
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
@@ -19,15 +20,22 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_kwargs))
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs.from_kwargs(model=model, **engine_kwargs)
+        )
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: Sequence[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         `prompts`: a string, a `{"prompt_token_ids": [...]}` dict, or a list of them.
@@ -82,8 +90,10 @@ def _as_prompt_list(prompts) -> list[PromptType]:
         raise ValueError("prompts is empty")
     for i, prompt in enumerate(prompt_list):
         if not isinstance(prompt, (str, dict)):
-            raise ValueError(f"prompts[{i}] must be a string or a {{'prompt_token_ids': [...]}} "
-                             f"dict, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompts[{i}] must be a string or a {{'prompt_token_ids': [...]}} "
+                f"dict, got {type(prompt).__name__}"
+            )
     return prompt_list
 
 

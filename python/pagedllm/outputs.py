@@ -2,6 +2,7 @@
 
 Pure Python on purpose: importing it must not import torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

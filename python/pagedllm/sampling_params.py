@@ -2,11 +2,12 @@
 
 Pure Python on purpose: importing it must not import torch.
 """
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 # Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
@@ -58,10 +59,14 @@ def _normalize_stop(stop: Any) -> list[str]:
 def _normalize_stop_token_ids(ids: Any) -> list[int]:
     if ids is None:
         return []
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID
-                                                     for i in ids):
-        _fail("stop_token_ids", ids,
-              f"must be None or a list of token ids (ints in [0, {MAX_TOKEN_ID}])")
+    if not isinstance(ids, (list, tuple)) or not all(
+        _is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids
+    ):
+        _fail(
+            "stop_token_ids",
+            ids,
+            f"must be None or a list of token ids (ints in [0, {MAX_TOKEN_ID}])",
+        )
     return list(ids)
 
 
@@ -118,8 +123,7 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
-        if self.seed is not None and not (_is_int(self.seed)
-                                          and MIN_INT64 <= self.seed < 2**64):
+        if self.seed is not None and not (_is_int(self.seed) and MIN_INT64 <= self.seed < 2**64):
             _fail("seed", self.seed, f"must be None or an int in [{MIN_INT64}, {2**64 - 1}]")
 
     def _check_distribution(self) -> None:
@@ -159,8 +163,11 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def all_stop_token_ids(self, eos_token_ids: int | Iterable[int] | None) -> list[int]:
         """Token ids that end the sequence: stop_token_ids, plus the EOS id (or every one of a

@@ -1,4 +1,5 @@
-"""Tokenizers behind one small interface: `encode`, `decode`, `eos_token_id`, `bos_token_id`, `vocab_size`.
+"""Tokenizers behind one small interface: `encode`, `decode`, `eos_token_id`, `bos_token_id`,
+`vocab_size`.
 
 - `HFTokenizer`: a checkpoint's `tokenizer.json` through the `tokenizers` library (fast, no
   transformers needed); special tokens named in `tokenizer_config.json`.
@@ -8,11 +9,13 @@
 `encode` adds the BOS token exactly when the model's own tokenizer would (its post-processor).
 `decode` never raises on a partial sequence: incomplete UTF-8 becomes U+FFFD.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pagedllm.config import TINY_RANDOM_MODEL
 
@@ -78,7 +81,13 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` loaded from a checkpoint's tokenizer.json."""
 
-    def __init__(self, folder: str | Path, *, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        eos_token_id: int | None = None,
+        bos_token_id: int | None = None,
+    ):
         from tokenizers import Tokenizer as RustTokenizer
 
         folder = Path(folder)
@@ -93,7 +102,9 @@ class HFTokenizer:
         self.eos_token_id = self._special_id(config, "eos_token", eos_token_id)
         self.pad_token_id = self._special_id(config, "pad_token", None)
         self.all_special_ids = frozenset(
-            token_id for token_id, added in self._tok.get_added_tokens_decoder().items() if added.special
+            token_id
+            for token_id, added in self._tok.get_added_tokens_decoder().items()
+            if added.special
         )
 
     def _special_id(self, config: dict[str, Any], key: str, fallback: int | None) -> int | None:
@@ -111,9 +122,16 @@ class HFTokenizer:
 
 
 class AutoTokenizerAdapter:
-    """`transformers.AutoTokenizer` behind the engine's interface (folders without tokenizer.json)."""
+    """`transformers.AutoTokenizer` behind the engine's interface (folders without
+    tokenizer.json)."""
 
-    def __init__(self, folder: str | Path, *, eos_token_id: int | None = None, bos_token_id: int | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        eos_token_id: int | None = None,
+        bos_token_id: int | None = None,
+    ):
         from transformers import AutoTokenizer
 
         try:

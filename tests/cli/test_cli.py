@@ -1,4 +1,5 @@
 """The `pagedllm` command on the built-in default model."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,23 @@ from pagedllm.cli import DEBUG_ENV, main
 
 
 def test_generate_prints_text_and_a_throughput_summary(capsys):
-    assert main(["generate", "Hello", "World", "--max-tokens", "4", "--no-progress",
-                 "--device", "cpu", "--max-model-len", "64"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "Hello",
+                "World",
+                "--max-tokens",
+                "4",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[0] 'Hello' -> " in out and "[1] 'World' -> " in out
     assert "2 requests" in out and "generated tok/s" in out
@@ -26,8 +42,27 @@ def test_generate_prints_text_and_a_throughput_summary(capsys):
 def test_generate_reads_prompts_from_a_file(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first line\n\nsecond line\n")
-    assert main(["generate", "--file", str(prompts), "--max-tokens", "2", "--no-progress",
-                 "--device", "cpu", "--max-model-len", "64", "--n", "2", "--temperature", "0.7"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--file",
+                str(prompts),
+                "--max-tokens",
+                "2",
+                "--no-progress",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "64",
+                "--n",
+                "2",
+                "--temperature",
+                "0.7",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[0.0] 'first line'" in out and "[1.1] 'second line'" in out
 
@@ -38,8 +73,25 @@ def test_generate_without_prompts_is_a_usage_error(capsys):
 
 
 def test_bench_runs_tiny_and_reports_the_step_split(capsys):
-    assert main(["bench", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-                 "--device", "cpu", "--max-model-len", "64", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--num-prompts",
+                "3",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "64",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["generated_tokens"] == 12
     assert result["ignored_prompts"] == 0 and result["prompt_tokens"] == 24
@@ -48,28 +100,65 @@ def test_bench_runs_tiny_and_reports_the_step_split(capsys):
 
 
 def test_bench_compares_with_transformers(capsys):
-    assert main(["bench", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
-                 "--device", "cpu", "--max-model-len", "64", "--compare-transformers"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "3",
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "64",
+                "--compare-transformers",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "transformers generate:" in out and "pagedllm / transformers =" in out
 
 
 def test_installed_entry_point_runs():
     exe = shutil.which("pagedllm") or os.path.join(os.path.dirname(sys.executable), "pagedllm")
-    run = subprocess.run([exe, "generate", "Hi", "--max-tokens", "3", "--no-progress",
-                          "--device", "cpu", "--max-model-len", "64"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            exe,
+            "generate",
+            "Hi",
+            "--max-tokens",
+            "3",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert "'Hi' -> " in run.stdout
 
 
 # ---- user errors: one line on stderr, non-zero exit, no traceback unless asked for --------------
 
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m pagedllm.cli ARGS` in a fresh process, debug switch off unless `env` sets it."""
     base = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
-    return subprocess.run([sys.executable, "-m", "pagedllm.cli", *args], capture_output=True,
-                          text=True, timeout=300, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, **(env or {})},
+    )
 
 
 def assert_one_line_error(run: subprocess.CompletedProcess, *words: str) -> str:
@@ -98,44 +187,53 @@ def _copy_checkpoint(checkpoint, tmp_path):
 
 def test_missing_model_folder_is_a_one_line_error(tmp_path):
     missing = str(tmp_path / "no-such-model")
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--model", missing),
-                          missing, "does not exist")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--model", missing), missing, "does not exist"
+    )
 
 
 def test_model_folder_without_a_checkpoint_is_a_one_line_error(tmp_path):
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--model", str(tmp_path)),
-                          "config.json")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--model", str(tmp_path)), "config.json"
+    )
 
 
 def test_malformed_model_config_is_a_one_line_error(checkpoint, tmp_path):
     folder = _copy_checkpoint(checkpoint, tmp_path)
     (folder / "config.json").write_text('{"model_type": "llama",')
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--model", str(folder)),
-                          "config.json", "malformed JSON")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--model", str(folder)),
+        "config.json",
+        "malformed JSON",
+    )
 
 
 def test_truncated_safetensors_is_a_one_line_error(checkpoint, tmp_path):
     folder = _copy_checkpoint(checkpoint, tmp_path)
     weights = folder / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--model", str(folder)),
-                          "model.safetensors")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--model", str(folder)), "model.safetensors"
+    )
 
 
 def test_max_tokens_zero_is_a_one_line_error():
-    line = assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--max-tokens", "0"),
-                                 "--max-tokens", ">= 1")
+    line = assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--max-tokens", "0"), "--max-tokens", ">= 1"
+    )
     assert "0" in line
 
 
 def test_temperature_nan_is_a_one_line_error():
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--temperature", "nan"),
-                          "--temperature", "nan")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--temperature", "nan"), "--temperature", "nan"
+    )
 
 
 def test_non_numeric_flag_value_is_a_one_line_error():
-    assert_one_line_error(run_cli("generate", "Hi", "--device", "cpu", "--top-k", "many"),
-                          "--top-k", "'many'")
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--top-k", "many"), "--top-k", "'many'"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
@@ -153,8 +251,9 @@ def test_missing_prompt_file_is_a_one_line_error(tmp_path):
 
 
 def test_bench_negative_num_prompts_is_a_one_line_error():
-    assert_one_line_error(run_cli("bench", "--num-prompts", "-3", "--device", "cpu"),
-                          "--num-prompts", ">= 1", "-3")
+    assert_one_line_error(
+        run_cli("bench", "--num-prompts", "-3", "--device", "cpu"), "--num-prompts", ">= 1", "-3"
+    )
 
 
 @pytest.mark.parametrize("flag", ["--input-len", "--output-len"])
@@ -163,31 +262,68 @@ def test_bench_zero_length_is_a_one_line_error(flag):
 
 
 def test_bench_refuses_prompts_longer_than_max_model_len():
-    run = run_cli("bench", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
-                  "--max-model-len", "256", "--device", "cpu")
+    run = run_cli(
+        "bench",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "300",
+        "--output-len",
+        "4",
+        "--max-model-len",
+        "256",
+        "--device",
+        "cpu",
+    )
     assert_one_line_error(run, "300", "max_model_len=256", "ignored")
     assert "tok/s" not in run.stdout
 
 
 def test_bench_refuses_outputs_that_would_be_cut_short_by_max_model_len():
-    run = run_cli("bench", "--num-prompts", "2", "--input-len", "250", "--output-len", "10",
-                  "--max-model-len", "256", "--device", "cpu")
+    run = run_cli(
+        "bench",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "250",
+        "--output-len",
+        "10",
+        "--max-model-len",
+        "256",
+        "--device",
+        "cpu",
+    )
     assert_one_line_error(run, "260", "max_model_len=256")
     assert "tok/s" not in run.stdout
 
 
 def test_bench_checks_lengths_against_the_model_max_len_when_not_given():
     # the built-in model's max_model_len is its max_position_embeddings (2048)
-    run = run_cli("bench", "--num-prompts", "1", "--input-len", "2049", "--output-len", "1",
-                  "--device", "cpu")
+    run = run_cli(
+        "bench", "--num-prompts", "1", "--input-len", "2049", "--output-len", "1", "--device", "cpu"
+    )
     assert_one_line_error(run, "2049", "max_model_len=2048")
 
 
 def test_bench_never_counts_ignored_prompts_as_processed(monkeypatch, capsys):
     # get past the up-front refusal: the engine itself ignores the over-long prompts
     monkeypatch.setattr(pagedllm.cli.bench, "check_lengths", lambda *args, **kwargs: None)
-    code = main(["bench", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
-                 "--max-model-len", "256", "--device", "cpu", "--json"])
+    code = main(
+        [
+            "bench",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "300",
+            "--output-len",
+            "4",
+            "--max-model-len",
+            "256",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     assert code != 0
@@ -201,15 +337,40 @@ def test_bench_never_counts_ignored_prompts_as_processed(monkeypatch, capsys):
 
 def test_bench_summary_warns_about_ignored_prompts(monkeypatch, capsys):
     monkeypatch.setattr(pagedllm.cli.bench, "check_lengths", lambda *args, **kwargs: None)
-    assert main(["bench", "--num-prompts", "2", "--input-len", "300", "--output-len", "4",
-                 "--max-model-len", "256", "--device", "cpu"]) != 0
+    assert (
+        main(
+            [
+                "bench",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "300",
+                "--output-len",
+                "4",
+                "--max-model-len",
+                "256",
+                "--device",
+                "cpu",
+            ]
+        )
+        != 0
+    )
     out = capsys.readouterr().out
     assert "WARNING: 2 of 2 prompts ignored" in out and " 0.0 total tok/s" in out
 
 
 def test_debug_flag_shows_the_traceback():
-    run = run_cli("generate", "Hi", "--device", "cpu", "--max-model-len", "64", "--model",
-                  "/no/such/model", "--debug")
+    run = run_cli(
+        "generate",
+        "Hi",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "64",
+        "--model",
+        "/no/such/model",
+        "--debug",
+    )
     assert run.returncode != 0
     assert "Traceback" in run.stderr and "/no/such/model" in run.stderr.splitlines()[-1]
 
@@ -220,8 +381,9 @@ def test_debug_flag_before_the_subcommand_shows_the_traceback():
 
 
 def test_debug_environment_switch_shows_the_traceback():
-    run = run_cli("generate", "Hi", "--device", "cpu", "--model", "/no/such/model",
-                  env={DEBUG_ENV: "1"})
+    run = run_cli(
+        "generate", "Hi", "--device", "cpu", "--model", "/no/such/model", env={DEBUG_ENV: "1"}
+    )
     assert run.returncode != 0 and "Traceback" in run.stderr
 
 
@@ -255,7 +417,21 @@ def test_unexpected_error_is_one_line_that_points_to_debug(monkeypatch, capsys):
 
 
 def test_bench_refuses_prompts_over_the_prefill_first_token_budget():
-    run = run_cli("bench", "--num-prompts", "2", "--input-len", "32", "--output-len", "4",
-                  "--max-model-len", "64", "--scheduling", "prefill_first",
-                  "--max-num-batched-tokens", "16", "--device", "cpu")
+    run = run_cli(
+        "bench",
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "32",
+        "--output-len",
+        "4",
+        "--max-model-len",
+        "64",
+        "--scheduling",
+        "prefill_first",
+        "--max-num-batched-tokens",
+        "16",
+        "--device",
+        "cpu",
+    )
     assert_one_line_error(run, "max_num_batched_tokens=16", "--max-num-batched-tokens")

@@ -1,4 +1,5 @@
 """Incremental detokenizer: equals a full decode, UTF-8 safe, stop strings, bounded window."""
+
 import json
 import random
 
@@ -58,8 +59,12 @@ def byte_level_bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(SENTENCES, trainer)
     return tok
 
@@ -74,12 +79,20 @@ def sentencepiece_style_bpe():
     vocab = {f"<0x{b:02X}>": b for b in range(256)}
     for token in trained.get_vocab():
         vocab.setdefault(token, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-              for m in json.loads(trained.to_str())["model"]["merges"]]
+    merges = [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+        for m in json.loads(trained.to_str())["model"]["merges"]
+    ]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     return tok
 
 
@@ -129,14 +142,14 @@ def test_byte_fallback_bpe_stream_after_prompt_equals_full_decode(sentencepiece_
     output = tok.encode("Hello world " + MIXED_TEXT + " the quick brown fox").ids[2:]
     deltas, _, tail = stream(IncrementalDetokenizer(tok, prompt), output)
     full = tok.decode(prompt + output)
-    assert "".join(deltas) + tail == full[len(tok.decode(prompt)):]
+    assert "".join(deltas) + tail == full[len(tok.decode(prompt)) :]
     assert "\ufffd" not in "".join(deltas)
 
 
 def test_prompt_context_keeps_the_leading_space_of_the_first_word(sentencepiece_style_bpe):
     tok = sentencepiece_style_bpe
     prompt = tok.encode("Hello").ids
-    world = tok.encode("Hello world").ids[len(prompt):]
+    world = tok.encode("Hello world").ids[len(prompt) :]
     deltas, _, tail = stream(IncrementalDetokenizer(tok, prompt), world)
     assert "".join(deltas) + tail == " world"
 
@@ -161,7 +174,9 @@ def test_special_tokens_kept_when_not_skipped():
 
 def test_stop_string_across_tokens_cuts_text_before_it():
     tok = ByteTokenizer()
-    deltas, stop, tail = stream(IncrementalDetokenizer(tok, stop=["STOP"]), tok.encode("hello STOP more"))
+    deltas, stop, tail = stream(
+        IncrementalDetokenizer(tok, stop=["STOP"]), tok.encode("hello STOP more")
+    )
     assert stop == "STOP"
     assert "".join(deltas) + tail == "hello "
 
@@ -239,7 +254,7 @@ def test_random_bytes_after_a_random_prompt_equal_full_decode():
         prompt = [rng.randrange(256) for _ in range(rng.randrange(0, 8))]
         deltas, _, tail = stream(IncrementalDetokenizer(tok, prompt), ids)
         prompt_text = tok.decode(prompt)
-        expected = tok.decode(prompt + ids)[len(prompt_text) - prompt_text.endswith("\ufffd"):]
+        expected = tok.decode(prompt + ids)[len(prompt_text) - prompt_text.endswith("\ufffd") :]
         assert "".join(deltas) + tail == expected, (prompt, ids)
 
 

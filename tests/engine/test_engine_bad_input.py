@@ -1,5 +1,6 @@
 """SPEC §6 through the engine: each bad input gives a clear error or a finished-with-reason
 request, and the engine keeps serving the others."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,15 +11,16 @@ import pytest
 import torch
 
 import pagedllm.engine.request as request_module
-from pagedllm import EngineArgs, LLM, LLMEngine, SamplingParams
+from pagedllm import LLM, EngineArgs, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_engine_args(EngineArgs(device="cpu", block_size=4, max_model_len=64,
-                                                 num_gpu_blocks=64, swap_space=0.01))
+    return LLMEngine.from_engine_args(
+        EngineArgs(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=64, swap_space=0.01)
+    )
 
 
 def run_all(engine) -> dict:
@@ -56,9 +58,17 @@ def test_prompt_longer_than_max_model_len_finishes_with_a_reason(engine):
 
 def test_prompt_longer_than_the_whole_kv_cache_finishes_with_a_reason():
     # prefill_first never splits a prompt: one over the token budget can never run
-    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", block_size=4, max_model_len=64,
-                                                   num_gpu_blocks=16, scheduling="prefill_first",
-                                                   max_num_batched_tokens=32, watermark=0.25))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            device="cpu",
+            block_size=4,
+            max_model_len=64,
+            num_gpu_blocks=16,
+            scheduling="prefill_first",
+            max_num_batched_tokens=32,
+            watermark=0.25,
+        )
+    )
     engine.add_request("big", {"prompt_token_ids": [3] * 60}, GREEDY)
     engine.add_request("small", {"prompt_token_ids": [3] * 8}, GREEDY)
     finished = run_all(engine)
@@ -85,8 +95,11 @@ def test_abort_of_unknown_or_finished_id_is_a_no_op(engine):
 
 
 def test_abort_finishes_a_running_request_and_frees_its_blocks(engine):
-    engine.add_request("long", {"prompt_token_ids": [1, 2, 3]},
-                       SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.add_request(
+        "long",
+        {"prompt_token_ids": [1, 2, 3]},
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+    )
     engine.add_request("short", {"prompt_token_ids": [4, 5]}, GREEDY)
     engine.step()
     engine.step()
@@ -118,8 +131,9 @@ def test_malformed_config_json_is_named(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
-                                                      "model_type": "gpt2"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path), device="cpu")
 
@@ -135,6 +149,7 @@ def test_unknown_engine_argument_is_rejected():
 
 
 # ---- bounds before allocation, strict inputs (issue 8, items 3 and 4) -------------------------
+
 
 def assert_refused(engine, request_id, prompt, params=GREEDY, *, error=ValueError, match, **kw):
     """The request is refused with `error` naming it; nothing is queued and the engine still
@@ -152,8 +167,13 @@ def assert_refused(engine, request_id, prompt, params=GREEDY, *, error=ValueErro
 
 def test_logprobs_above_the_vocabulary_size_is_rejected_naming_the_limit(engine):
     vocab = engine.model_config.vocab_size
-    assert_refused(engine, "lp", [1, 2], SamplingParams(logprobs=vocab + 1),
-                   match=f"logprobs={vocab + 1} exceeds the vocabulary size {vocab}")
+    assert_refused(
+        engine,
+        "lp",
+        [1, 2],
+        SamplingParams(logprobs=vocab + 1),
+        match=f"logprobs={vocab + 1} exceeds the vocabulary size {vocab}",
+    )
 
 
 def test_logprobs_equal_to_the_vocabulary_size_runs(engine):
@@ -163,33 +183,48 @@ def test_logprobs_equal_to_the_vocabulary_size_runs(engine):
     assert len(out.token_ids) == 1 and len(out.logprobs[0]) >= vocab
 
 
-@pytest.mark.parametrize("field, kwargs", [
-    ("n", {"n": 2**40}), ("n", {"n": 10**8}), ("n", {"n": 257}),
-    ("best_of", {"n": 1, "best_of": 2**40}), ("best_of", {"n": 2, "best_of": 10**8}),
-], ids=repr)
+@pytest.mark.parametrize(
+    "field, kwargs",
+    [
+        ("n", {"n": 2**40}),
+        ("n", {"n": 10**8}),
+        ("n", {"n": 257}),
+        ("best_of", {"n": 1, "best_of": 2**40}),
+        ("best_of", {"n": 2, "best_of": 10**8}),
+    ],
+    ids=repr,
+)
 def test_n_or_best_of_above_max_num_seqs_is_rejected_before_any_sequence_is_built(
-        engine, monkeypatch, field, kwargs):
+    engine, monkeypatch, field, kwargs
+):
     def no_sequence(*args, **kw):
         raise AssertionError("a per-sequence object was built")
 
     with monkeypatch.context() as patch:
         patch.setattr(request_module, "SequenceState", no_sequence)
-        with pytest.raises(ValueError, match=f"'many'.*{field}={kwargs[field]} exceeds "
-                                             f"max_num_seqs=256"):
+        with pytest.raises(
+            ValueError, match=f"'many'.*{field}={kwargs[field]} exceeds max_num_seqs=256"
+        ):
             engine.add_request("many", [1, 2], SamplingParams(**kwargs))
     assert_refused(engine, "many", [1, 2], SamplingParams(**kwargs), match="max_num_seqs=256")
 
 
 def test_n_equal_to_max_num_seqs_runs():
-    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", block_size=4, max_model_len=64,
-                                                   num_gpu_blocks=64, max_num_seqs=3))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=64, max_num_seqs=3)
+    )
     engine.add_request("three", [1, 2], SamplingParams(n=3, max_tokens=2))
     assert len(run_all(engine)["three"].outputs) == 3
 
 
 def test_priority_beyond_int64_is_rejected_naming_field_and_limit(engine):
-    assert_refused(engine, "prio", [1, 2], priority=2**70,
-                   match=r"priority must be an int in \[-9223372036854775808, 9223372036854775807\]")
+    assert_refused(
+        engine,
+        "prio",
+        [1, 2],
+        priority=2**70,
+        match=r"priority must be an int in \[-9223372036854775808, 9223372036854775807\]",
+    )
 
 
 def test_non_integer_priority_or_bad_arrival_time_is_rejected(engine):
@@ -207,19 +242,23 @@ def test_sampling_params_pushed_out_of_range_after_construction_are_still_refuse
     assert engine.get_num_unfinished_requests() == before and "mutated" not in engine.requests
 
 
-@pytest.mark.parametrize("ids, where", [
-    ([72.9, 105.9], r"\[0\] must be an int, got float 72.9"),
-    (["5"], r"\[0\] must be an int, got str '5'"),
-    ([5, True], r"\[1\] must be an int, got bool True"),
-    ([1, None], r"\[1\] must be an int, got NoneType None"),
-    ([1, float("nan")], r"\[1\] must be an int, got float nan"),
-    ("hello", "must be a list of ints or an integer numpy array, got str"),
-    (np.array([72.9, 105.9]), "1-D integer array, got a 1-D float64 array"),
-    (np.array([True, False]), "1-D integer array, got a 1-D bool array"),
-    (np.array([[1, 2]]), "1-D integer array, got a 2-D int64 array"),
-    (torch.tensor([1.5, 2.0]), "1-D integer tensor, got a 1-D torch.float32 tensor"),
-    (None, "got NoneType"),
-], ids=repr)
+@pytest.mark.parametrize(
+    "ids, where",
+    [
+        ([72.9, 105.9], r"\[0\] must be an int, got float 72.9"),
+        (["5"], r"\[0\] must be an int, got str '5'"),
+        ([5, True], r"\[1\] must be an int, got bool True"),
+        ([1, None], r"\[1\] must be an int, got NoneType None"),
+        ([1, float("nan")], r"\[1\] must be an int, got float nan"),
+        ("hello", "must be a list of ints or an integer numpy array, got str"),
+        (np.array([72.9, 105.9]), "1-D integer array, got a 1-D float64 array"),
+        (np.array([True, False]), "1-D integer array, got a 1-D bool array"),
+        (np.array([[1, 2]]), "1-D integer array, got a 2-D int64 array"),
+        (torch.tensor([1.5, 2.0]), "1-D integer tensor, got a 1-D torch.float32 tensor"),
+        (None, "got NoneType"),
+    ],
+    ids=repr,
+)
 def test_prompt_token_ids_that_are_not_integers_are_refused_not_truncated(engine, ids, where):
     assert_refused(engine, "ids", {"prompt_token_ids": ids}, match=r"prompt_token_ids.*" + where)
 
@@ -228,10 +267,17 @@ def test_a_token_list_prompt_of_floats_is_refused(engine):
     assert_refused(engine, "flat", [1.0, 2.0], match=r"prompt_token_ids\[0\] must be an int")
 
 
-@pytest.mark.parametrize("ids", [
-    np.array([5, 6, 7], dtype=np.int32), np.array([5, 6, 7], dtype=np.uint16),
-    [np.int64(5), 6, np.uint8(7)], (5, 6, 7), torch.tensor([5, 6, 7]),
-], ids=repr)
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([5, 6, 7], dtype=np.int32),
+        np.array([5, 6, 7], dtype=np.uint16),
+        [np.int64(5), 6, np.uint8(7)],
+        (5, 6, 7),
+        torch.tensor([5, 6, 7]),
+    ],
+    ids=repr,
+)
 def test_integer_token_ids_of_any_integer_type_are_accepted(engine, ids):
     engine.add_request("ints", {"prompt_token_ids": ids}, GREEDY)
     out = run_all(engine)["ints"]
@@ -240,8 +286,12 @@ def test_integer_token_ids_of_any_integer_type_are_accepted(engine, ids):
 
 
 def test_lone_surrogate_text_prompt_is_rejected_naming_the_request(engine):
-    assert_refused(engine, "surrogate", "hello \ud800 world",
-                   match=r"prompt is not valid Unicode text: lone surrogate '\\ud800' at position 6")
+    assert_refused(
+        engine,
+        "surrogate",
+        "hello \ud800 world",
+        match=r"prompt is not valid Unicode text: lone surrogate '\\ud800' at position 6",
+    )
 
 
 def test_request_id_must_be_a_str(engine):

@@ -1,5 +1,6 @@
 """Step faults (issue 8): a step that fails after scheduling is rolled back and the engine keeps
 serving; a fault that belongs to one request ends that request only; nothing leaks or is lost."""
+
 from __future__ import annotations
 
 import pytest
@@ -70,7 +71,8 @@ def assert_nothing_leaked(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("scheduling", STRATEGIES)
 @pytest.mark.parametrize("fail_on", [1, 2, 6])
 def test_a_forward_that_raises_once_is_rolled_back_and_outputs_are_unchanged(
-        scheduling, fail_on, reference):
+    scheduling, fail_on, reference
+):
     llm = make_llm(scheduling=scheduling, max_num_batched_tokens=64)
     engine = llm.engine
     flaky = FlakyForward(engine, {fail_on}, RuntimeError("CUDA out of memory (injected)"))
@@ -89,8 +91,13 @@ def test_a_forward_that_raises_once_is_rolled_back_and_outputs_are_unchanged(
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_faults_under_preemption_lose_nothing(scheduling, preemption_mode, reference):
     # a pool far smaller than the work: preemptions (and swaps) happen around the faults
-    llm = make_llm(scheduling=scheduling, preemption_mode=preemption_mode, num_gpu_blocks=32,
-                   max_num_batched_tokens=64, swap_space=0.05)
+    llm = make_llm(
+        scheduling=scheduling,
+        preemption_mode=preemption_mode,
+        num_gpu_blocks=32,
+        max_num_batched_tokens=64,
+        swap_space=0.05,
+    )
     engine = llm.engine
     FlakyForward(engine, {3, 11}, RuntimeError("kernel error (injected)"))
     for i, prompt in enumerate(PROMPTS):

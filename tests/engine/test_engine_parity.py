@@ -1,13 +1,15 @@
 """Greedy token ids equal transformers' greedy `generate` (the outside oracle), end to end
 through the engine: every strategy, chunked prefill, preemption in both modes, prefix-cache hits,
 and n > 1."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_factory import build_hf_model, save_tiny_checkpoint, tiny_hf_config
 from pagedllm import LLM, SamplingParams
+
+from model_factory import build_hf_model, save_tiny_checkpoint, tiny_hf_config
 
 MAX_NEW = 10
 # different lengths: shorter than a block, across block boundaries, several blocks
@@ -25,9 +27,14 @@ def hf_greedy(folder, prompts: list[list[int]]) -> list[list[int]]:
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 
@@ -77,8 +84,14 @@ def test_greedy_matches_transformers_with_a_small_token_budget(family_checkpoint
 def test_greedy_matches_transformers_under_preemption(family_checkpoint, mode):
     folder, expected = family_checkpoint
     # 11 blocks of 4 hold one max-length sequence, not all four prompts at once
-    llm, outs = generate(folder, PROMPTS, preemption_mode=mode, num_gpu_blocks=11, max_model_len=44,
-                         enable_prefix_caching=False)
+    llm, outs = generate(
+        folder,
+        PROMPTS,
+        preemption_mode=mode,
+        num_gpu_blocks=11,
+        max_model_len=44,
+        enable_prefix_caching=False,
+    )
     assert_greedy_parity(outs, PROMPTS, expected)
     assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
@@ -89,7 +102,9 @@ def test_greedy_matches_transformers_with_prefix_cache_hits(family_checkpoint):
     llm = LLM(str(folder), dtype="float32", device="cpu", block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     first = llm.generate({"prompt_token_ids": PREFIX_PROMPTS[0]}, params, use_tqdm=False)
-    rest = llm.generate([{"prompt_token_ids": p} for p in PREFIX_PROMPTS[1:]], params, use_tqdm=False)
+    rest = llm.generate(
+        [{"prompt_token_ids": p} for p in PREFIX_PROMPTS[1:]], params, use_tqdm=False
+    )
     assert_greedy_parity(first + rest, PREFIX_PROMPTS, expected)
     assert all(out.num_cached_tokens >= len(SHARED) for out in rest)
     assert llm.engine.scheduler.get_stats()["prefix_cache_hits"] > 0
@@ -124,13 +139,21 @@ def test_default_model_greedy_matches_its_transformers_export():
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                              do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
 
 
 def test_hf_config_factory_builds_each_family():
     # guards the fixture itself: a wrong family name would silently test llama three times
     assert {type(tiny_hf_config(f)).__name__ for f in ("llama", "qwen2", "qwen3")} == {
-        "LlamaConfig", "Qwen2Config", "Qwen3Config"}
+        "LlamaConfig",
+        "Qwen2Config",
+        "Qwen3Config",
+    }
     assert build_hf_model(tiny_hf_config("qwen3")).config.head_dim == 24

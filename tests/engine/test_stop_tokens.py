@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from model_factory import save_tiny_checkpoint
 
 from pagedllm import EngineArgs, LLMEngine, SamplingParams
 from pagedllm.engine.request import StopTokens
+
+from model_factory import save_tiny_checkpoint
 
 EOS_IDS = (1, 7, 9)  # Llama 3 style: generation_config.json lists several EOS ids
 MIN_TOKENS = 4
@@ -33,8 +34,9 @@ def engine(tmp_path_factory):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("llama3"), "llama")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(EOS_IDS)}))
     return LLMEngine.from_engine_args(
-        EngineArgs(model=str(folder), device="cpu", block_size=4, num_gpu_blocks=64,
-                   max_model_len=64)
+        EngineArgs(
+            model=str(folder), device="cpu", block_size=4, num_gpu_blocks=64, max_model_len=64
+        )
     )
 
 

@@ -6,17 +6,18 @@ tensors; with one they run natively on CUDA. Shapes are tiny because the interpr
 per program, yet they cover several blocks per sequence, GQA, partially filled last blocks,
 split-KV with several splits, chunks over a cached prefix and padding rows/slots.
 """
+
 import math
 
 import pytest
 import torch
 
-from pagedllm.worker.attention import AttentionMetadata, _paged_attention_triton
 from pagedllm.kernels import reference as ref
 from pagedllm.kernels.block_copy import copy_blocks
 from pagedllm.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from pagedllm.kernels.prefill_attention import paged_prefill_attention
 from pagedllm.kernels.store_kv import store_kvcache
+from pagedllm.worker.attention import AttentionMetadata, _paged_attention_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (dtype, tolerance); low-precision inputs are compared with the reference run on the same values
@@ -32,7 +33,7 @@ def _paged_cache(seq_lens, num_kv_heads, head_dim, page, dtype, seed):
     tables = torch.zeros(len(seq_lens), max(nblk) + 1, dtype=torch.int32)  # + an unused column
     used = 0
     for s, n in enumerate(nblk):
-        tables[s, :n] = perm[used:used + n]
+        tables[s, :n] = perm[used : used + n]
         used += n
     shape = (num_blocks, page, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
@@ -51,8 +52,8 @@ def test_store_kvcache_kernel_matches_reference(dtype, tol):
     T, kvh, d, page, num_blocks = 6, 2, 32, 4, 5
     # k/v as strided views of one fused projection output, as the models produce them
     fused = torch.randn(T, 3 * kvh * d, generator=g).to(dtype).to(DEV)
-    k = fused[:, kvh * d:2 * kvh * d].view(T, kvh, d)
-    v = fused[:, 2 * kvh * d:].view(T, kvh, d)
+    k = fused[:, kvh * d : 2 * kvh * d].view(T, kvh, d)
+    v = fused[:, 2 * kvh * d :].view(T, kvh, d)
     slots = torch.tensor([3, 17, -1, 4, 0, -1], dtype=torch.int64, device=DEV)
     kc = torch.randn(num_blocks, page, kvh, d, generator=g).to(dtype).to(DEV)
     vc = torch.randn(num_blocks, page, kvh, d, generator=g).to(dtype).to(DEV)
@@ -71,7 +72,11 @@ def test_decode_attention_kernel_matches_reference(dtype, tol, num_splits):
     seq_lens = [37, 5, 16, 0]
     k_cache, v_cache, tables = _paged_cache(seq_lens, kvh, d, page, dtype, seed=2)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
-    q = torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEV)
+    q = (
+        torch.randn(len(seq_lens), heads, d, generator=torch.Generator().manual_seed(3))
+        .to(dtype)
+        .to(DEV)
+    )
     scale = 1 / math.sqrt(d)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits, block_n=16)
     exp = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
@@ -105,28 +110,45 @@ def test_prefill_attention_kernel_matches_reference(dtype, tol):
     k_cache, v_cache, tables = _paged_cache(seq_lens, kvh, d, page, dtype, seed=6)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     qsl = _qsl(q_lens)
-    q = torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEV)
+    q = (
+        torch.randn(sum(q_lens), heads, d, generator=torch.Generator().manual_seed(7))
+        .to(dtype)
+        .to(DEV)
+    )
     scale = 1 / math.sqrt(d)
-    out = paged_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, max(q_lens), block_m=16, block_n=16)
-    _check(out, ref.paged_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, max(q_lens)), tol)
+    out = paged_prefill_attention(
+        q, k_cache, v_cache, qsl, lens, tables, scale, max(q_lens), block_m=16, block_n=16
+    )
+    _check(
+        out,
+        ref.paged_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, scale, max(q_lens)),
+        tol,
+    )
 
 
 def test_prefill_attention_kernel_matches_reference_with_gqa4_head_dim_128_and_padding_rows():
-    # GQA 4, D=128, page 16 with a partial last page; q carries 2 padding rows past query_start_loc[-1]
+    # GQA 4, D=128, page 16 with a partial last page; q carries 2 padding rows past
+    # query_start_loc[-1]
     heads, kvh, d, page = 4, 1, 128, 16
     seq_lens, q_lens = [40, 3], [18, 3]
     k_cache, v_cache, tables = _paged_cache(seq_lens, kvh, d, page, torch.float32, seed=8)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     qsl = _qsl(q_lens)
     q = torch.randn(sum(q_lens) + 2, heads, d, generator=torch.Generator().manual_seed(9)).to(DEV)
-    out = paged_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, 0.09, 18, block_m=16, block_n=16)
+    out = paged_prefill_attention(
+        q, k_cache, v_cache, qsl, lens, tables, 0.09, 18, block_m=16, block_n=16
+    )
     _check(out, ref.paged_prefill_attention(q, k_cache, v_cache, qsl, lens, tables, 0.09, 18), 2e-5)
     assert torch.count_nonzero(out[-2:]) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_blocks_kernel_matches_reference(dtype):
-    kv = torch.randn(2, 3, 8, 4, 2, 16, generator=torch.Generator().manual_seed(10)).to(dtype).to(DEV)
+    kv = (
+        torch.randn(2, 3, 8, 4, 2, 16, generator=torch.Generator().manual_seed(10))
+        .to(dtype)
+        .to(DEV)
+    )
     kv_ref = kv.clone()
     mapping = torch.tensor([[1, 5], [2, 6], [0, 7]], dtype=torch.int64, device=DEV)
     copy_blocks(kv, mapping)
@@ -139,7 +161,8 @@ def test_copy_blocks_kernel_matches_reference(dtype):
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_triton_dispatch_stores_then_attends_like_the_reference(decode):
-    """The Triton dispatch of pagedllm.worker.attention (store, then attend) against the CPU path."""
+    """The Triton dispatch of pagedllm.worker.attention (store, then attend) against the CPU
+    path."""
     heads, kvh, d, page = 4, 2, 32, 8
     seq_lens, q_lens = ([12, 30, 0], [1, 1, 1]) if decode else ([12, 30], [12, 5])
     k_cache, v_cache, tables = _paged_cache(seq_lens, kvh, d, page, torch.float32, seed=11)
@@ -151,12 +174,19 @@ def test_triton_dispatch_stores_then_attends_like_the_reference(decode):
     slots = []
     for s, (L, ql) in enumerate(zip(seq_lens, q_lens)):
         pos = torch.arange(L - ql, L)
-        slots.append(tables[s].cpu().long()[pos // page] * page + pos % page if L else torch.tensor([-1]))
+        slots.append(
+            tables[s].cpu().long()[pos // page] * page + pos % page if L else torch.tensor([-1])
+        )
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(DEV), query_start_loc=_qsl(q_lens),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), block_tables=tables,
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens), is_decode_only=decode,
-        num_splits=2 if decode else None)
+        slot_mapping=torch.cat(slots).to(DEV),
+        query_start_loc=_qsl(q_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_tables=tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        is_decode_only=decode,
+        num_splits=2 if decode else None,
+    )
     kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
     out = _paged_attention_triton(q, k, v, k_cache, v_cache, meta, 0.2)
     ref.store_kvcache(k, v, kc_ref, vc_ref, meta.slot_mapping)

@@ -1,11 +1,11 @@
 """KVCacheManager through the Python bindings: one behaviour per test."""
+
 from __future__ import annotations
 
 import pytest
 
 import pagedllm
-from pagedllm import AllocStatus, KVCacheManager, PagedLLMError
-from pagedllm import _core
+from pagedllm import AllocStatus, KVCacheManager, PagedLLMError, _core
 
 
 def make(num_gpu_blocks=16, block_size=4, num_cpu_blocks=8, **kw) -> KVCacheManager:
@@ -180,7 +180,11 @@ def test_prefix_cache_counts_queries_hits_and_misses():
     m.cache_full_blocks(1, prompt, 13)
     m.allocate(2, prompt)
     s = m.stats()
-    assert (s["prefix_cache_queries"], s["prefix_cache_hits"], s["prefix_cache_misses"]) == (2, 3, 3)
+    assert (s["prefix_cache_queries"], s["prefix_cache_hits"], s["prefix_cache_misses"]) == (
+        2,
+        3,
+        3,
+    )
     assert s["prefix_cache_hit_rate"] == pytest.approx(0.5)
 
 

@@ -1,4 +1,5 @@
 """Bad input to KVCacheManager: a clear exception, the manager unchanged and still consistent."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,8 +56,18 @@ def expect_unchanged(m: KVCacheManager, before: dict) -> None:
         lambda m: m.can_swap_out([99]),
         lambda m: m.can_swap_in([99]),
     ],
-    ids=["free", "block_table", "is_swapped", "append_slots", "cache_full_blocks", "fork",
-         "swap_out", "swap_in", "can_swap_out", "can_swap_in"],
+    ids=[
+        "free",
+        "block_table",
+        "is_swapped",
+        "append_slots",
+        "cache_full_blocks",
+        "fork",
+        "swap_out",
+        "swap_in",
+        "can_swap_out",
+        "can_swap_in",
+    ],
 )
 def test_unknown_sequence_id_raises_value_error_naming_it(busy, call):
     before = snapshot(busy)
@@ -141,8 +152,16 @@ def test_watermark_outside_unit_interval_is_rejected(watermark):
         (lambda m: m.allocate(7, [1, 2], num_slots=-1), "num_slots"),
         (lambda m: m.cache_full_blocks(1, list(range(10)), -4), "num_computed_tokens"),
     ],
-    ids=["can_allocate", "can_append_seqs", "can_append_lookahead", "can_swap_in",
-         "append_first", "append_num", "allocate", "cache_full_blocks"],
+    ids=[
+        "can_allocate",
+        "can_append_seqs",
+        "can_append_lookahead",
+        "can_swap_in",
+        "append_first",
+        "append_num",
+        "allocate",
+        "cache_full_blocks",
+    ],
 )
 def test_negative_number_raises_value_error_naming_it(busy, call, name):
     before = snapshot(busy)

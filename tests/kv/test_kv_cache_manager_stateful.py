@@ -6,6 +6,7 @@ The model names blocks by the manager's ids. Which never-used free block an allo
 the manager's choice (the model checks it was free and uncached); everything else, including
 which cached block gets evicted, the model predicts.
 """
+
 from __future__ import annotations
 
 import time
@@ -14,7 +15,13 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from pagedllm import AllocStatus, KVCacheManager, PagedLLMError
 
@@ -185,7 +192,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         return data.draw(seq_ids)
 
     def _group(self, data, *, swapped: bool) -> list[int]:
-        return [self._seq(data, swapped=swapped) for _ in range(data.draw(st.sampled_from([1, 1, 2, 3])))]
+        return [
+            self._seq(data, swapped=swapped)
+            for _ in range(data.draw(st.sampled_from([1, 1, 2, 3])))
+        ]
 
     # -- rules --------------------------------------------------------------------------------
     @rule(
@@ -221,7 +231,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert len(table) == total and table[: len(hit)] == hit
         for b in hit:
             md.incref_gpu(b)
-        for b in table[len(hit):]:
+        for b in table[len(hit) :]:
             md.take_fresh(b)
         md.seqs[seq] = SeqModel(list(tokens), extra_key, table, num_registered=len(hit))
         if register:
@@ -245,7 +255,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         bs = md.block_size
         target = md.blocks_for(last)
-        cow = [i for i in range(first // bs, min(target, len(s.table))) if md.gpu_ref[s.table[i]] > 1]
+        cow = [
+            i for i in range(first // bs, min(target, len(s.table))) if md.gpu_ref[s.table[i]] > 1
+        ]
         grow = max(0, target - len(s.table))
         copies = self.m.append_slots(seq, first, last)
         if md.num_free_gpu() < len(cow) + grow:
@@ -257,7 +269,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert src == s.table[i] and new_table[i] == dst
             md.take_fresh(dst)
             md.decref_gpu(src)
-        for b in new_table[len(s.table):]:
+        for b in new_table[len(s.table) :]:
             md.take_fresh(b)
         unchanged = [i for i in range(len(s.table)) if i not in cow]
         assert [new_table[i] for i in unchanged] == [s.table[i] for i in unchanged]
@@ -293,7 +305,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                     md.gpu_key[block] = key
                     expected += 1
             s.num_registered = full
-        assert self.m.cache_full_blocks(seq, s.tokens, len(s.tokens), extra_key=s.extra_key) == expected
+        assert (
+            self.m.cache_full_blocks(seq, s.tokens, len(s.tokens), extra_key=s.extra_key)
+            == expected
+        )
 
     @rule(data=st.data(), child=seq_ids)
     def fork(self, data, child):
@@ -306,7 +321,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         self.m.fork(parent, child)
         p = md.seqs[parent]
-        md.seqs[child] = SeqModel(list(p.tokens), p.extra_key, list(p.table), p.swapped, p.num_registered)
+        md.seqs[child] = SeqModel(
+            list(p.tokens), p.extra_key, list(p.table), p.swapped, p.num_registered
+        )
         for b in p.table:
             if p.swapped:
                 md.cpu_ref[b] += 1

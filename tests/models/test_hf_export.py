@@ -1,9 +1,11 @@
-"""Export to transformers (`pagedllm.models.hf_export`): same logits, same greedy text, same tensors.
+"""Export to transformers (`pagedllm.models.hf_export`): same logits, same greedy text, same
+tensors.
 
 transformers is the outside oracle here: a wrong split of the fused q/k/v or gate/up weights, a
 wrong rope/eps/bias flag or a lost tie shows up as different logits or different tensors.
 CPU, float32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,16 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import PagedRunner, paged_greedy, save_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 import pagedllm
-
-from pagedllm.models import ModelConfig, RopeConfig, build_tiny_random, load_model, tiny_random_config
+from pagedllm.models import (
+    ModelConfig,
+    RopeConfig,
+    build_tiny_random,
+    load_model,
+    tiny_random_config,
+)
 from pagedllm.models.config import parse_model_config
 from pagedllm.models.hf_export import hf_config, hf_state_dict, to_transformers
 from pagedllm.models.loader import SINGLE_FILE
 from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID
+
+from model_factory import PagedRunner, paged_greedy, save_tiny_checkpoint
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 PROMPTS = [
@@ -92,17 +100,23 @@ def test_tiny_random_greedy_generate_matches_paged_greedy(tiny, tiny_hf, prompt)
     expected = ours[: ours.index(BYTE_EOS_ID) + 1] if BYTE_EOS_ID in ours else ours
     with torch.no_grad():
         out = tiny_hf.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS, do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
         )
     assert out[0, : len(prompt)].tolist() == prompt
-    assert out[0, len(prompt):].tolist() == expected
+    assert out[0, len(prompt) :].tolist() == expected
     assert len(expected) >= NEW_TOKENS // 2  # the comparison covers a real continuation
 
 
 def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny, tmp_path):
     folder = save_pretrained(tiny, tmp_path / "tiny")
-    assert {p.name for p in folder.iterdir()} == {"config.json", "model.safetensors", "generation_config.json"}
+    assert {p.name for p in folder.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+    }
     loaded = load_model(folder, dtype="float32", device="cpu")
     assert dataclasses.replace(loaded.config, path=None) == tiny.config
     ours, back = tiny.state_dict(), loaded.state_dict()
@@ -118,7 +132,12 @@ def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny, t
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("qwen3", {}), ("qwen2", {}), ("qwen3", {"tie_word_embeddings": True}), ("llama", {"mlp_bias": True})],
+    [
+        ("qwen3", {}),
+        ("qwen2", {}),
+        ("qwen3", {"tie_word_embeddings": True}),
+        ("llama", {"mlp_bias": True}),
+    ],
 )
 def test_loaded_checkpoint_exports_to_transformers_own_weights(tmp_path, family, overrides):
     folder = save_tiny_checkpoint(tmp_path, family, tokenizer=None, seed=7, **overrides)
@@ -133,13 +152,26 @@ def test_loaded_checkpoint_exports_to_transformers_own_weights(tmp_path, family,
     # the config carries the same architecture-relevant fields as the checkpoint's own
     written = json.loads((Path(folder) / "config.json").read_text())
     produced = json.loads(hf_config(ours.config).to_json_string())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
-                "max_position_embeddings", "bos_token_id", "eos_token_id", "architectures"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "architectures",
+    ):
         assert produced.get(key) == written.get(key), key
     tokens = torch.tensor([[3, 14, 15, 92, 65, 35]])
     with torch.no_grad():
-        torch.testing.assert_close(exported(tokens).logits, reference(tokens).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            exported(tokens).logits, reference(tokens).logits, rtol=0, atol=0
+        )
 
 
 @pytest.mark.parametrize(
@@ -147,18 +179,39 @@ def test_loaded_checkpoint_exports_to_transformers_own_weights(tmp_path, family,
     [
         {},
         {"rope": RopeConfig(theta=500000.0, rope_type="linear", factor=4.0)},
-        {"rope": RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                            high_freq_factor=4.0, original_max_position_embeddings=8192)},
-        {"qkv_bias": True, "o_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
-         "eos_token_ids": (257, 7, 9), "rms_norm_eps": 1e-6},
-        {"architecture": "Qwen2ForCausalLM", "family": "qwen2", "qkv_bias": True, "checkpoint_dtype": "bfloat16"},
+        {
+            "rope": RopeConfig(
+                theta=500000.0,
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            )
+        },
+        {
+            "qkv_bias": True,
+            "o_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": True,
+            "eos_token_ids": (257, 7, 9),
+            "rms_norm_eps": 1e-6,
+        },
+        {
+            "architecture": "Qwen2ForCausalLM",
+            "family": "qwen2",
+            "qkv_bias": True,
+            "checkpoint_dtype": "bfloat16",
+        },
         {"architecture": "Qwen3ForCausalLM", "family": "qwen3", "qk_norm": True, "head_dim": 48},
     ],
 )
 def test_hf_config_parses_back_to_the_same_model_config(changes):
     cfg = dataclasses.replace(tiny_random_config(), **changes)
     raw = json.loads(hf_config(cfg).to_json_string())
-    generation = {"eos_token_id": list(cfg.eos_token_ids)}  # several eos ids live in generation_config
+    generation = {
+        "eos_token_id": list(cfg.eos_token_ids)
+    }  # several eos ids live in generation_config
     assert parse_model_config(raw, generation) == cfg
 
 
@@ -179,9 +232,15 @@ def test_hf_config_rejects_what_transformers_cannot_express(changes):
 
 def test_importing_models_does_not_import_transformers():
     # a fresh interpreter: this test process has imported transformers already
-    code = "import sys, pagedllm.models; assert 'transformers' not in sys.modules, 'transformers imported'"
+    code = (
+        "import sys, pagedllm.models; "
+        "assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
     pagedllm_root = Path(pagedllm.__file__).resolve().parent.parent  # same package as the tests use
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pagedllm_root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(pagedllm_root), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
 

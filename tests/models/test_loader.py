@@ -1,4 +1,5 @@
 """Checkpoint loading: what loads, and the clear errors (naming file or field) for what does not."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,19 @@ import shutil
 
 import pytest
 import torch
-from model_factory import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from pagedllm.models import CheckpointError, CheckpointNotFoundError, load_model, load_model_config, resolve_dtype
-from pagedllm.models import loader
+from pagedllm.models import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    load_model,
+    load_model_config,
+    loader,
+    resolve_dtype,
+)
 from pagedllm.models.config import parse_model_config
+
+from model_factory import save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,10 @@ def test_missing_required_field_is_named(llama_copy):
 
 def test_unsupported_architecture_lists_supported_ones(llama_copy):
     edit_config(llama_copy, architectures=["GPT2LMHeadModel"])
-    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        CheckpointError,
+        match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         load_model_config(llama_copy)
 
 
@@ -87,7 +98,9 @@ def test_model_type_is_used_when_architectures_is_absent(llama_copy):
 
 
 def test_unsupported_rope_type_names_the_field(llama_copy):
-    edit_config(llama_copy, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    edit_config(
+        llama_copy, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    )
     with pytest.raises(CheckpointError, match=r"rope_parameters\.rope_type' = 'dynamic'"):
         load_model_config(llama_copy)
 
@@ -99,10 +112,22 @@ def test_unsupported_activation_names_the_field(llama_copy):
 
 
 def test_legacy_rope_scaling_dialect_parses_llama3():
-    raw = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300, "rope_theta": 500000.0,
-           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 300,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     rope = parse_model_config(raw).rope
     assert (rope.rope_type, rope.theta, rope.factor) == ("llama3", 500000.0, 8.0)
 
@@ -124,7 +149,9 @@ def test_shape_mismatch_is_named(llama_copy, no_materialize):
         tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
 
     rewrite_weights(llama_copy, shrink)
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[8, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[8, 64\]"
+    ):
         load_model(llama_copy, device="cpu")
 
 
@@ -143,8 +170,12 @@ def test_index_naming_a_missing_shard_is_reported(tmp_path, no_materialize):
 
 
 def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path):
-    single = load_model(save_tiny_checkpoint(tmp_path / "one", "qwen2", tokenizer=None, seed=9), device="cpu")
-    sharded_dir = save_tiny_checkpoint(tmp_path / "many", "qwen2", tokenizer=None, seed=9, max_shard_size="40KB")
+    single = load_model(
+        save_tiny_checkpoint(tmp_path / "one", "qwen2", tokenizer=None, seed=9), device="cpu"
+    )
+    sharded_dir = save_tiny_checkpoint(
+        tmp_path / "many", "qwen2", tokenizer=None, seed=9, max_shard_size="40KB"
+    )
     assert len(list(sharded_dir.glob("model-*.safetensors"))) > 1
     sharded = load_model(sharded_dir, device="cpu")
     for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
@@ -181,7 +212,14 @@ def test_loaded_model_has_no_gradients_and_is_in_eval_mode(llama_dir):
 
 def test_model_config_describes_the_checkpoint(llama_dir):
     cfg = load_model_config(llama_dir)
-    shape = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.vocab_size)
+    shape = (
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.hidden_size,
+        cfg.vocab_size,
+    )
     assert shape == (2, 4, 2, 16, 64, 320)
     assert (cfg.bos_token_id, cfg.eos_token_ids, cfg.max_position_embeddings) == (0, (1,), 256)
 
@@ -192,8 +230,15 @@ def test_generation_config_eos_list_wins(llama_copy):
     assert (cfg.eos_token_ids, cfg.eos_token_id) == ((1, 7, 9), 1)
 
 
-@pytest.mark.parametrize("saved, expected", [("float16", torch.float16), ("bfloat16", torch.bfloat16),
-                                             ("float32", torch.bfloat16), (None, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "saved, expected",
+    [
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("float32", torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
+)
 def test_dtype_auto_on_gpu_follows_the_checkpoint_in_half_precision(llama_copy, saved, expected):
     edit_config(llama_copy, torch_dtype=saved, dtype=None)
     cfg = load_model_config(llama_copy)

@@ -5,14 +5,16 @@ both prompts, several single-token decode steps, then a multi-token chunk over t
 After each step the logits of every new token must equal transformers' logits at the same
 positions of a full, uncached forward over the whole sequence.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from model_factory import FAMILIES, PagedRunner, save_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from pagedllm.models import load_model
+
+from model_factory import FAMILIES, PagedRunner, save_tiny_checkpoint
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 PROMPTS = {"a": [5, 17, 99, 3, 250, 7, 8, 42, 11, 64, 300], "b": [2, 210, 33, 4, 19]}
@@ -25,7 +27,9 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
-def assert_step_matches(hf_model, runner: PagedRunner, step_logits: dict[str, torch.Tensor]) -> None:
+def assert_step_matches(
+    hf_model, runner: PagedRunner, step_logits: dict[str, torch.Tensor]
+) -> None:
     for name, logits in step_logits.items():
         tokens = runner.tokens(name)
         expected = hf_logits(hf_model, tokens)[len(tokens) - logits.shape[0] :]
@@ -51,7 +55,9 @@ def test_logits_match_transformers_through_prefill_decode_and_chunk(tmp_path, fa
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tied_embedding_logits_match_transformers(tmp_path, family):
-    folder = save_tiny_checkpoint(tmp_path, family, tie_word_embeddings=True, tokenizer=None, seed=4)
+    folder = save_tiny_checkpoint(
+        tmp_path, family, tie_word_embeddings=True, tokenizer=None, seed=4
+    )
     run_prefill_decode_chunk(folder)
 
 
@@ -62,5 +68,7 @@ def test_linear_rope_scaling_matches_transformers(tmp_path):
 
 
 def test_attention_bias_llama_matches_transformers(tmp_path):
-    folder = save_tiny_checkpoint(tmp_path, "llama", tokenizer=None, seed=6, attention_bias=True, mlp_bias=True)
+    folder = save_tiny_checkpoint(
+        tmp_path, "llama", tokenizer=None, seed=6, attention_bias=True, mlp_bias=True
+    )
     run_prefill_decode_chunk(folder)

@@ -1,8 +1,8 @@
 """Tokenizers: byte-level default, tokenizer.json, the AutoTokenizer fallback, and load errors."""
+
 from __future__ import annotations
 
 import pytest
-from model_factory import BOS_ID, EOS_ID, save_tiny_tokenizer
 from transformers import AutoTokenizer
 
 from pagedllm.tokenizer import (
@@ -15,6 +15,8 @@ from pagedllm.tokenizer import (
     TokenizerLoadError,
     load_tokenizer,
 )
+
+from model_factory import BOS_ID, EOS_ID, save_tiny_tokenizer
 
 TEXTS = ["hello world, the quick brown fox", "Größe naïve café — 123", ""]
 
@@ -71,7 +73,9 @@ def test_tokenizer_json_is_loaded_with_the_tokenizers_library(json_dir):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_json_encodes_like_transformers(json_dir, text):
-    assert load_tokenizer(json_dir).encode(text) == AutoTokenizer.from_pretrained(json_dir).encode(text)
+    assert load_tokenizer(json_dir).encode(text) == AutoTokenizer.from_pretrained(json_dir).encode(
+        text
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)

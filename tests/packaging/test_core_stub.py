@@ -1,5 +1,6 @@
 """`_core.pyi` describes the compiled module exactly: every public name, class member and
 `SchedulerOutput` field on one side exists on the other, and README's field table agrees."""
+
 from __future__ import annotations
 
 import ast
@@ -52,9 +53,13 @@ def test_stub_lists_exactly_the_module_names():
 
 
 def test_stub_lists_exactly_each_class_members():
-    classes = [obj for obj in vars(_core).values()
-               if isinstance(obj, type) and obj.__module__ == "pagedllm._core"
-               and not issubclass(obj, BaseException)]
+    classes = [
+        obj
+        for obj in vars(_core).values()
+        if isinstance(obj, type)
+        and obj.__module__ == "pagedllm._core"
+        and not issubclass(obj, BaseException)
+    ]
     assert classes
     for cls in classes:
         stub = stub_class_members(cls.__name__) - {"__init__"}

@@ -1,4 +1,6 @@
-"""The wheel: built by maturin, installed into a clean venv, kernels importable under the package."""
+"""The wheel: built by maturin, installed into a clean venv, kernels importable under the
+package."""
+
 from __future__ import annotations
 
 import glob
@@ -18,8 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "maturin", "build", "--release", "--quiet", "-o", str(out)],
-                   cwd=ROOT, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "maturin", "build", "--release", "--quiet", "-o", str(out)],
+        cwd=ROOT,
+        check=True,
+    )
     (path,) = glob.glob(str(out / "pagedllm-*.whl"))
     return Path(path)
 
@@ -38,7 +43,8 @@ def test_wheel_ships_kernels_inside_the_package_only(wheel):
 
 
 def _dependency_dirs(*names: str) -> list[str]:
-    """The sys.path folders that this (the test) environment imports `names` from, if it has them."""
+    """The sys.path folders that this (the test) environment imports `names` from, if it has
+    them."""
     dirs = []
     for name in names:
         spec = importlib.util.find_spec(name)
@@ -62,10 +68,26 @@ def test_clean_venv_imports_package_and_kernels_from_the_wheel(wheel, tmp_path):
     # a source checkout) are never run.
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--force-reinstall", str(wheel)], check=True)
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        check=True,
+    )
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     borrowed = _dependency_dirs("torch", "numpy", "triton")
     assert borrowed, "the test environment has no torch/numpy to lend"
     Path(site, "_borrowed_test_deps.pth").write_text("\n".join(borrowed) + "\n")
@@ -95,7 +117,12 @@ def test_clean_venv_imports_package_and_kernels_from_the_wheel(wheel, tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONNOUSERSITE"] = "1"
-    run = subprocess.run([str(python), "-c", probe, *kernel_names], cwd=tmp_path, env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [str(python), "-c", probe, *kernel_names],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "ok"

@@ -1,4 +1,5 @@
 """Batched sampler: greedy, truncation, temperature, penalties, min_tokens, seeds, logprobs."""
+
 import math
 
 import pytest
@@ -19,7 +20,10 @@ def build(params, outputs=None, prompts=None, seq_index=None, *, vocab, eos=None
         outputs if outputs is not None else [[] for _ in range(k)],
         prompts if prompts is not None else [[0] for _ in range(k)],
         seq_index if seq_index is not None else [0] * k,
-        vocab_size=vocab, stop_token_ids=[p.all_stop_token_ids(eos) for p in params], device="cpu")
+        vocab_size=vocab,
+        stop_token_ids=[p.all_stop_token_ids(eos) for p in params],
+        device="cpu",
+    )
 
 
 def logits_from_probs(probs):
@@ -48,8 +52,12 @@ def test_greedy_picks_argmax():
 
 def test_greedy_rows_of_a_mixed_batch_pick_argmax():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=5),
-              SamplingParams(temperature=0), SamplingParams(top_p=0.5)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=5),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.5),
+    ]
     tokens = Sampler()(logits, build(params, vocab=30)).sampled_token_ids
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 
@@ -99,8 +107,12 @@ def test_low_temperature_sharpens_and_high_flattens():
 
 def test_truncation_options_mixed_in_one_batch_apply_per_row():
     probs = logits_from_probs([0.4, 0.3, 0.2, 0.1])
-    params = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.6),
-              SamplingParams(min_p=0.6)]
+    params = [
+        SamplingParams(top_k=1),
+        SamplingParams(),
+        SamplingParams(top_p=0.6),
+        SamplingParams(min_p=0.6),
+    ]
     logits = probs.repeat(len(params) * 2000, 1)
     meta = build(params * 2000, vocab=4)
     tokens = Sampler(torch.Generator().manual_seed(3))(logits, meta).sampled_token_ids.view(-1, 4)
@@ -113,8 +125,12 @@ def test_truncation_options_mixed_in_one_batch_apply_per_row():
 def test_penalties_match_hand_computed_reference():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, -0.5, 3.0]] * 2)
     penalized = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    meta = build([SamplingParams(), penalized], outputs=[[1, 1, 2], [1, 1, 2]],
-                 prompts=[[0, 4], [0, 4]], vocab=6)
+    meta = build(
+        [SamplingParams(), penalized],
+        outputs=[[1, 1, 2], [1, 1, 2]],
+        prompts=[[0, 4], [0, 4]],
+        vocab=6,
+    )
     out = apply_penalties(logits, meta.penalties)
     # seen (prompt or output) = {0, 1, 2, 4}: positive / 2, negative * 2; then output counts
     # {1: 2, 2: 1} cost 0.5 each and 0.25 for being present.
@@ -125,9 +141,15 @@ def test_penalties_match_hand_computed_reference():
 
 def test_presence_and_frequency_ignore_prompt_tokens():
     logits = torch.tensor([[1.0, 1.0, 1.0]])
-    meta = build([SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)],
-                 outputs=[[2]], prompts=[[0, 0, 1]], vocab=3)
-    torch.testing.assert_close(apply_penalties(logits, meta.penalties), torch.tensor([[1.0, 1.0, -1.0]]))
+    meta = build(
+        [SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)],
+        outputs=[[2]],
+        prompts=[[0, 0, 1]],
+        vocab=3,
+    )
+    torch.testing.assert_close(
+        apply_penalties(logits, meta.penalties), torch.tensor([[1.0, 1.0, -1.0]])
+    )
 
 
 def test_repetition_penalty_turns_greedy_away_from_repeated_token():
@@ -179,8 +201,13 @@ def run_steps(batch_params, seeded_row, steps=8, vocab=64):
 
 
 def test_seeded_row_gives_same_tokens_alone_and_in_a_batch():
-    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_p=0.3),
-              SamplingParams(seed=99, min_p=0.1), SamplingParams(temperature=1.7)]
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.3),
+        SamplingParams(seed=99, min_p=0.1),
+        SamplingParams(temperature=1.7),
+    ]
     alone = run_steps([SEEDED], 0)
     at_row_3 = run_steps(others[:3] + [SEEDED] + others[3:], 3)
     at_row_0 = run_steps([SEEDED] + others, 0)
@@ -206,8 +233,11 @@ def test_unseeded_rows_follow_the_engine_generator():
 
 def test_logprobs_match_log_softmax_of_raw_logits():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
-    params = [SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3),
-              SamplingParams(logprobs=2, temperature=0), SamplingParams(top_k=3)]
+    params = [
+        SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3),
+        SamplingParams(logprobs=2, temperature=0),
+        SamplingParams(top_k=3),
+    ]
     out = Sampler()(logits, build(params, outputs=[[1, 2]] * 3, vocab=40))
     reference = torch.log_softmax(logits, dim=-1)
     tokens = out.sampled_token_ids
@@ -222,8 +252,9 @@ def test_logprobs_match_log_softmax_of_raw_logits():
 
 def test_logprobs_entry_holds_sampled_token_and_top_n():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    meta = build([SamplingParams(logprobs=2, temperature=0, presence_penalty=2.0)],
-                 outputs=[[0]], vocab=4)
+    meta = build(
+        [SamplingParams(logprobs=2, temperature=0, presence_penalty=2.0)], outputs=[[0]], vocab=4
+    )
     out = Sampler()(logits, meta)
     token = out.sampled_token_ids.item()
     entry = out.logprobs.tolists().entry(0, token, 2, decode=lambda t: f"<{t}>")
@@ -253,8 +284,11 @@ def test_all_greedy_batch_builds_no_sampling_tensors():
 
 
 def test_penalty_tensors_cover_only_rows_using_penalties():
-    meta = build([SamplingParams(), SamplingParams(frequency_penalty=0.5), SamplingParams()],
-                 outputs=[[1], [2, 2], [3]], vocab=5)
+    meta = build(
+        [SamplingParams(), SamplingParams(frequency_penalty=0.5), SamplingParams()],
+        outputs=[[1], [2, 2], [3]],
+        vocab=5,
+    )
     assert meta.penalties.rows.tolist() == [1]
     assert meta.penalties.output_counts.tolist() == [[0, 0, 2, 0, 0]]
     assert meta.penalties.seen is None  # no repetition penalty: prompt tokens never read
@@ -263,8 +297,12 @@ def test_penalty_tensors_cover_only_rows_using_penalties():
 def test_sampler_does_not_modify_the_callers_logits():
     logits = torch.randn(2, 6)
     before = logits.clone()
-    meta = build([SamplingParams(temperature=0.5, repetition_penalty=2.0, min_tokens=1)] * 2,
-                 outputs=[[1], []], vocab=6, eos=0)
+    meta = build(
+        [SamplingParams(temperature=0.5, repetition_penalty=2.0, min_tokens=1)] * 2,
+        outputs=[[1], []],
+        vocab=6,
+        eos=0,
+    )
     Sampler()(logits, meta)
     assert torch.equal(logits, before)
 

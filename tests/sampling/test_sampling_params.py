@@ -1,4 +1,5 @@
 """SamplingParams: vLLM defaults, normalization, and a ValueError naming each bad field."""
+
 import os
 import subprocess
 import sys
@@ -6,27 +7,48 @@ import sys
 import pytest
 
 import pagedllm
-
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import SamplingParams
 
 BAD_VALUES = [
-    ("n", 0), ("n", 1.5), ("n", True),
+    ("n", 0),
+    ("n", 1.5),
+    ("n", True),
     ("best_of", 1),  # below n=2, set by the test
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
-    ("top_k", -2), ("top_k", 2.0),
-    ("min_p", -0.1), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", None),
-    ("min_tokens", -1), ("min_tokens", 17),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.1),
-    ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("logprobs", -1), ("logprobs", 1.0),
-    ("seed", 1.5), ("seed", "7"), ("seed", True),
-    ("stop", ""), ("stop", ["ok", 3]), ("stop", 5),
-    ("stop_token_ids", [1, "2"]), ("stop_token_ids", [-1]), ("stop_token_ids", 3),
-    ("ignore_eos", 1), ("skip_special_tokens", None), ("include_stop_str_in_output", "yes"),
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_k", -2),
+    ("top_k", 2.0),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("max_tokens", 0),
+    ("max_tokens", None),
+    ("min_tokens", -1),
+    ("min_tokens", 17),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.1),
+    ("frequency_penalty", 3.0),
+    ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("logprobs", -1),
+    ("logprobs", 1.0),
+    ("seed", 1.5),
+    ("seed", "7"),
+    ("seed", True),
+    ("stop", ""),
+    ("stop", ["ok", 3]),
+    ("stop", 5),
+    ("stop_token_ids", [1, "2"]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", 3),
+    ("ignore_eos", 1),
+    ("skip_special_tokens", None),
+    ("include_stop_str_in_output", "yes"),
 ]
 
 
@@ -37,13 +59,22 @@ def test_invalid_field_raises_value_error_naming_it(name, value):
         SamplingParams(**{name: value}, **extra)
 
 
-@pytest.mark.parametrize(("name", "value", "limit"), [
-    ("max_tokens", 2**64, 2**63 - 1), ("max_tokens", 2**63, 2**63 - 1),
-    ("n", 2**70, 2**63 - 1), ("best_of", 2**64, 2**63 - 1),
-    ("min_tokens", 2**63, 2**63 - 1), ("logprobs", 2**64, 2**63 - 1),
-    ("top_k", 2**63, 2**63 - 1), ("seed", 2**64, 2**64 - 1), ("seed", -2**63 - 1, -2**63),
-    ("stop_token_ids", [3, 2**32], 2**32 - 1),
-], ids=repr)
+@pytest.mark.parametrize(
+    ("name", "value", "limit"),
+    [
+        ("max_tokens", 2**64, 2**63 - 1),
+        ("max_tokens", 2**63, 2**63 - 1),
+        ("n", 2**70, 2**63 - 1),
+        ("best_of", 2**64, 2**63 - 1),
+        ("min_tokens", 2**63, 2**63 - 1),
+        ("logprobs", 2**64, 2**63 - 1),
+        ("top_k", 2**63, 2**63 - 1),
+        ("seed", 2**64, 2**64 - 1),
+        ("seed", -(2**63) - 1, -(2**63)),
+        ("stop_token_ids", [3, 2**32], 2**32 - 1),
+    ],
+    ids=repr,
+)
 def test_integer_beyond_its_type_is_a_value_error_naming_field_and_limit(name, value, limit):
     with pytest.raises(ValueError, match=name) as info:  # never a bare OverflowError
         SamplingParams(**{name: value})
@@ -52,10 +83,18 @@ def test_integer_beyond_its_type_is_a_value_error_naming_field_and_limit(name, v
 
 def test_integer_fields_accept_the_largest_value_of_their_type():
     big = 2**63 - 1
-    p = SamplingParams(max_tokens=big, min_tokens=big, n=big, best_of=big, logprobs=big,
-                       top_k=big, seed=2**64 - 1, stop_token_ids=[2**32 - 1])
+    p = SamplingParams(
+        max_tokens=big,
+        min_tokens=big,
+        n=big,
+        best_of=big,
+        logprobs=big,
+        top_k=big,
+        seed=2**64 - 1,
+        stop_token_ids=[2**32 - 1],
+    )
     assert p.num_samples == big
-    assert SamplingParams(seed=-2**63).seed == -2**63
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_error_message_shows_the_bad_value():
@@ -68,13 +107,29 @@ def test_defaults_follow_vllm():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, -1, 0.0)
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs, p.best_of) == (None, 16, 0, None, None)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output) == (False, True, False)
+    assert (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output) == (
+        False,
+        True,
+        False,
+    )
 
 
 def test_boundary_values_are_accepted():
-    SamplingParams(temperature=0, top_p=1.0, top_k=0, min_p=1.0, min_tokens=16, max_tokens=16,
-                   presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01,
-                   logprobs=0, seed=-3, n=3, best_of=3)
+    SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        top_k=0,
+        min_p=1.0,
+        min_tokens=16,
+        max_tokens=16,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=0.01,
+        logprobs=0,
+        seed=-3,
+        n=3,
+        best_of=3,
+    )
 
 
 def test_zero_temperature_is_greedy():
@@ -137,6 +192,8 @@ def test_completion_output_finished_follows_finish_reason():
 def test_params_and_outputs_import_without_torch():
     package_root = os.path.dirname(os.path.dirname(pagedllm.__file__))
     env = {**os.environ, "PYTHONPATH": package_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    code = ("import sys; import pagedllm.sampling_params, pagedllm.outputs; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import pagedllm.sampling_params, pagedllm.outputs; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

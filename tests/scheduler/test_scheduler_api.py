@@ -1,23 +1,28 @@
 """The scheduler's Python API: arguments, the step arrays, feedback, abort, stats, delay."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from pagedllm._core import PagedLLMError, Scheduler, SchedulerOutput
+
 from scheduler_util import all_blocks_free, make, prompt, step
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"scheduling": "fastest"}, "scheduling"),
-    ({"policy": "lifo"}, "policy"),
-    ({"preemption_mode": "drop"}, "preemption_mode"),
-    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-    ({"max_num_seqs": 0}, "max_num_seqs"),
-    ({"max_model_len": -1}, "max_model_len"),
-    ({"block_size": 0}, "block_size"),
-    ({"delay_factor": -1.0}, "delay_factor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"scheduling": "fastest"}, "scheduling"),
+        ({"policy": "lifo"}, "policy"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": -1}, "max_model_len"),
+        ({"block_size": 0}, "block_size"),
+        ({"delay_factor": -1.0}, "delay_factor"),
+    ],
+)
 def test_bad_configuration_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         make(num_gpu_blocks=8, **kwargs)
@@ -28,19 +33,26 @@ def test_constructor_defaults_are_readable_back():
     assert (s.block_size, s.max_num_seqs, s.max_model_len) == (16, 256, 2048)
     assert (s.scheduling, s.policy, s.preemption_mode) == ("unified", "fcfs", None)
     assert s.max_num_batched_tokens == 8192
-    assert Scheduler(num_gpu_blocks=8, scheduling="prefill_first",
-                     max_model_len=4096).max_num_batched_tokens == 4096
+    assert (
+        Scheduler(
+            num_gpu_blocks=8, scheduling="prefill_first", max_model_len=4096
+        ).max_num_batched_tokens
+        == 4096
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"prompt_token_ids": []}, "empty prompt"),
-    ({"prompt_token_ids": [1, -2]}, "-2 is not a valid token id"),
-    ({"n": 0}, "n must be >= 1"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"eos_token_id": -1}, "eos_token_id"),
-    ({"stop_token_ids": [3, 2**40]}, "stop token"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_token_ids": []}, "empty prompt"),
+        ({"prompt_token_ids": [1, -2]}, "-2 is not a valid token id"),
+        ({"n": 0}, "n must be >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"eos_token_id": -1}, "eos_token_id"),
+        ({"stop_token_ids": [3, 2**40]}, "stop token"),
+    ],
+)
 def test_bad_request_is_a_value_error_naming_the_request(kwargs, message):
     s = make(num_gpu_blocks=8)
     args = {"prompt_token_ids": [1, 2, 3], **kwargs}
@@ -75,12 +87,20 @@ def test_n_equal_to_max_num_seqs_is_accepted():
     assert out.num_samples == 4
 
 
-@pytest.mark.parametrize("field, value, limit", [
-    ("max_tokens", 2**63, 2**63 - 1), ("max_tokens", 2**64, 2**63 - 1),
-    ("min_tokens", 2**63, 2**63 - 1), ("priority", 2**70, 2**63 - 1),
-    ("priority", -2**70, -2**63), ("extra_key", 2**64, 2**64 - 1), ("extra_key", -1, 0),
-    ("eos_token_id", 2**40, 2**32 - 1),
-], ids=repr)
+@pytest.mark.parametrize(
+    "field, value, limit",
+    [
+        ("max_tokens", 2**63, 2**63 - 1),
+        ("max_tokens", 2**64, 2**63 - 1),
+        ("min_tokens", 2**63, 2**63 - 1),
+        ("priority", 2**70, 2**63 - 1),
+        ("priority", -(2**70), -(2**63)),
+        ("extra_key", 2**64, 2**64 - 1),
+        ("extra_key", -1, 0),
+        ("eos_token_id", 2**40, 2**32 - 1),
+    ],
+    ids=repr,
+)
 def test_integer_argument_out_of_range_names_request_field_and_limit(field, value, limit):
     s = make(num_gpu_blocks=8)
     with pytest.raises(ValueError, match=field) as info:  # not a bare OverflowError
@@ -89,9 +109,17 @@ def test_integer_argument_out_of_range_names_request_field_and_limit(field, valu
     assert_nothing_queued_and_a_good_request_runs(s)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 1.5), ("n", True), ("max_tokens", 3.0), ("priority", "1"), ("eos_token_id", 2.0),
-], ids=repr)
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 1.5),
+        ("n", True),
+        ("max_tokens", 3.0),
+        ("priority", "1"),
+        ("eos_token_id", 2.0),
+    ],
+    ids=repr,
+)
 def test_non_integer_argument_is_refused_not_truncated(field, value):
     s = make(num_gpu_blocks=8)
     with pytest.raises(ValueError, match=f"{field} must be an int") as info:
@@ -100,14 +128,26 @@ def test_non_integer_argument_is_refused_not_truncated(field, value):
     assert_nothing_queued_and_a_good_request_runs(s)
 
 
-@pytest.mark.parametrize("ids, where", [
-    ([72.9, 105.9], r"\[0\].*float 72.9"), (["5"], r"\[0\].*str"), ([True, 1], r"\[0\].*bool"),
-    ([1, True], r"\[1\].*bool"), ([1, None], r"\[1\].*None"), ([1, float("nan")], r"\[1\].*nan"),
-    ((1, 2.5), r"\[1\].*float"), ([1, 2**70], r"\[1\].*out of range"),
-    (np.array([72.9, 105.9]), "dtype float64"), (np.array([True, False]), "dtype bool"),
-    (np.array([2**64 - 1], dtype=np.uint64), "out of range"), ("hello", "got str"),
-    (5, "got int"), (np.array([[1, 2]]), "one-dimensional"),
-], ids=repr)
+@pytest.mark.parametrize(
+    "ids, where",
+    [
+        ([72.9, 105.9], r"\[0\].*float 72.9"),
+        (["5"], r"\[0\].*str"),
+        ([True, 1], r"\[0\].*bool"),
+        ([1, True], r"\[1\].*bool"),
+        ([1, None], r"\[1\].*None"),
+        ([1, float("nan")], r"\[1\].*nan"),
+        ((1, 2.5), r"\[1\].*float"),
+        ([1, 2**70], r"\[1\].*out of range"),
+        (np.array([72.9, 105.9]), "dtype float64"),
+        (np.array([True, False]), "dtype bool"),
+        (np.array([2**64 - 1], dtype=np.uint64), "out of range"),
+        ("hello", "got str"),
+        (5, "got int"),
+        (np.array([[1, 2]]), "one-dimensional"),
+    ],
+    ids=repr,
+)
 def test_prompt_ids_that_are_not_integers_are_refused(ids, where):
     s = make(num_gpu_blocks=8)
     with pytest.raises(ValueError, match="prompt_token_ids.*" + where) as info:
@@ -127,8 +167,15 @@ def test_stop_token_ids_that_are_not_integers_are_refused(ids):
 
 def test_numpy_integer_scalars_are_accepted_as_ints():
     s = make(num_gpu_blocks=16)
-    s.add_request("a", [np.int32(5), np.uint16(6), 7], n=np.int64(2), max_tokens=np.uint8(1),
-                  priority=np.int8(-1), eos_token_id=np.int64(2), stop_token_ids=(np.int16(3),))
+    s.add_request(
+        "a",
+        [np.int32(5), np.uint16(6), 7],
+        n=np.int64(2),
+        max_tokens=np.uint8(1),
+        priority=np.int8(-1),
+        eos_token_id=np.int64(2),
+        stop_token_ids=(np.int16(3),),
+    )
     out, finished = step(s)
     assert out.input_ids.tolist() == [5, 6, 7] and out.num_samples == 2
     assert [f[4] for f in finished] == [False, True]
@@ -191,12 +238,18 @@ def test_step_arrays_follow_the_contract():
         assert isinstance(out, SchedulerOutput)
         S, T, K = out.num_seqs, out.num_batched_tokens, out.num_samples
         for name, dtype, shape in [
-            ("seq_ids", np.int64, (S,)), ("seq_index", np.int32, (S,)),
-            ("num_tokens", np.int32, (S,)), ("start_pos", np.int32, (S,)),
-            ("seq_lens", np.int32, (S,)), ("query_start_loc", np.int32, (S + 1,)),
-            ("input_ids", np.int64, (T,)), ("positions", np.int64, (T,)),
-            ("slot_mapping", np.int64, (T,)), ("sample_rows", np.int64, (K,)),
-            ("sample_seq_ids", np.int64, (K,)), ("sample_seq_index", np.int32, (K,)),
+            ("seq_ids", np.int64, (S,)),
+            ("seq_index", np.int32, (S,)),
+            ("num_tokens", np.int32, (S,)),
+            ("start_pos", np.int32, (S,)),
+            ("seq_lens", np.int32, (S,)),
+            ("query_start_loc", np.int32, (S + 1,)),
+            ("input_ids", np.int64, (T,)),
+            ("positions", np.int64, (T,)),
+            ("slot_mapping", np.int64, (T,)),
+            ("sample_rows", np.int64, (K,)),
+            ("sample_seq_ids", np.int64, (K,)),
+            ("sample_seq_index", np.int32, (K,)),
         ]:
             arr = getattr(out, name)
             assert arr.dtype == dtype and arr.shape == shape, name

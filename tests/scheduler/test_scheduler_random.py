@@ -2,11 +2,13 @@
 
 Arrivals, aborts, priorities, n, sampled tokens (with EOS and stop ids in a tiny vocabulary)
 and tiny pools are generated. After every step: the core's invariants (manager + queues),
-budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step with
-work computes a token or ends a request) and no swap ping-pong (a group swapped back in
+budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step
+with work computes a token or ends a request) and no swap ping-pong (a group swapped back in
 computes its tokens in that step). Some workloads discard random steps (`discard_step`, as an
-engine does when a forward fails): nothing is lost. At the end: every request finished or aborted within a bounded number of steps, every block free.
+engine does when a forward fails): nothing is lost. At the end: every request finished or
+aborted within a bounded number of steps, every block free.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,40 +21,51 @@ from hypothesis import strategies as st
 
 from pagedllm._core import Scheduler
 
-CONFIGS = list(itertools.product(["prefill_first", "chunked_prefill", "unified"],
-                                 ["fcfs", "priority"], [None, "recompute", "swap"]))
+CONFIGS = list(
+    itertools.product(
+        ["prefill_first", "chunked_prefill", "unified"],
+        ["fcfs", "priority"],
+        [None, "recompute", "swap"],
+    )
+)
 STEPS = {"total": 0}
 VOCAB = 6  # token 0 is EOS, 5 a stop id: both show up often
 
-request_st = st.fixed_dictionaries({
-    "prompt": st.lists(st.integers(0, 3), min_size=1, max_size=24),
-    "n": st.integers(1, 3),
-    "priority": st.integers(0, 3),
-    "max_tokens": st.integers(1, 10),
-    "min_tokens": st.integers(0, 2),
-    "eos": st.booleans(),
-    "stop": st.booleans(),
-    "ignore_eos": st.booleans(),
-})
+request_st = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(0, 3), min_size=1, max_size=24),
+        "n": st.integers(1, 3),
+        "priority": st.integers(0, 3),
+        "max_tokens": st.integers(1, 10),
+        "min_tokens": st.integers(0, 2),
+        "eos": st.booleans(),
+        "stop": st.booleans(),
+        "ignore_eos": st.booleans(),
+    }
+)
 
-workload_st = st.fixed_dictionaries({
-    "block_size": st.sampled_from([1, 2, 4, 8]),
-    "gpu_slots": st.integers(24, 96),
-    "num_cpu_blocks": st.integers(0, 12),
-    "budget": st.integers(8, 64),
-    "max_num_seqs": st.integers(1, 8),
-    "max_model_len": st.integers(12, 48),
-    "watermark": st.sampled_from([0.0, 0.1]),
-    "threshold": st.sampled_from([0, 3]),
-    "lookahead": st.sampled_from([0, 0, 2]),
-    "caching": st.booleans(),
-    "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
-    # per step: new requests, then aborts (indices into the requests added so far)
-    "steps": st.lists(st.tuples(st.lists(request_st, max_size=3),
-                                st.lists(st.integers(0, 40), max_size=1)),
-                      min_size=5, max_size=25),
-    "seed": st.integers(0, 2**32 - 1),
-})
+workload_st = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "gpu_slots": st.integers(24, 96),
+        "num_cpu_blocks": st.integers(0, 12),
+        "budget": st.integers(8, 64),
+        "max_num_seqs": st.integers(1, 8),
+        "max_model_len": st.integers(12, 48),
+        "watermark": st.sampled_from([0.0, 0.1]),
+        "threshold": st.sampled_from([0, 3]),
+        "lookahead": st.sampled_from([0, 0, 2]),
+        "caching": st.booleans(),
+        "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
+        # per step: new requests, then aborts (indices into the requests added so far)
+        "steps": st.lists(
+            st.tuples(st.lists(request_st, max_size=3), st.lists(st.integers(0, 40), max_size=1)),
+            min_size=5,
+            max_size=25,
+        ),
+        "seed": st.integers(0, 2**32 - 1),
+    }
+)
 
 
 def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
@@ -70,11 +83,11 @@ def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
     assert qsl[-1] == out.num_batched_tokens == len(out.slot_mapping)
     bs = s.block_size
     for row in range(out.num_seqs):
-        pos = out.positions[qsl[row]:qsl[row + 1]]
+        pos = out.positions[qsl[row] : qsl[row + 1]]
         slots = out.block_tables[row][pos // bs] * bs + pos % bs
-        assert (out.slot_mapping[qsl[row]:qsl[row + 1]] == slots).all()
+        assert (out.slot_mapping[qsl[row] : qsl[row + 1]] == slots).all()
         assert out.seq_lens[row] <= s.max_model_len
-    assert ((0 <= out.sample_rows) & (out.sample_rows < max(out.num_seqs, 1))).all()
+    assert ((out.sample_rows >= 0) & (out.sample_rows < max(out.num_seqs, 1))).all()
     slots = out.slot_mapping
     assert len(np.unique(slots)) == len(slots), "two tokens write one KV slot"
 
@@ -82,12 +95,21 @@ def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
 def run_workload(scheduling, policy, mode, w) -> int:
     bs = w["block_size"]
     cfg = {"max_num_seqs": w["max_num_seqs"]}
-    s = Scheduler(block_size=bs, num_gpu_blocks=max(w["gpu_slots"] // bs, 2),
-                  num_cpu_blocks=w["num_cpu_blocks"], max_num_batched_tokens=w["budget"],
-                  max_num_seqs=w["max_num_seqs"], max_model_len=w["max_model_len"],
-                  scheduling=scheduling, policy=policy, preemption_mode=mode,
-                  enable_prefix_caching=w["caching"], watermark=w["watermark"],
-                  long_prefill_token_threshold=w["threshold"], num_lookahead_slots=w["lookahead"])
+    s = Scheduler(
+        block_size=bs,
+        num_gpu_blocks=max(w["gpu_slots"] // bs, 2),
+        num_cpu_blocks=w["num_cpu_blocks"],
+        max_num_batched_tokens=w["budget"],
+        max_num_seqs=w["max_num_seqs"],
+        max_model_len=w["max_model_len"],
+        scheduling=scheduling,
+        policy=policy,
+        preemption_mode=mode,
+        enable_prefix_caching=w["caching"],
+        watermark=w["watermark"],
+        long_prefill_token_threshold=w["threshold"],
+        num_lookahead_slots=w["lookahead"],
+    )
     rng = np.random.default_rng(w["seed"])
     live: set[str] = set()
     added: list[str] = []
@@ -107,8 +129,9 @@ def run_workload(scheduling, policy, mode, w) -> int:
         out = s.schedule()
         # liveness: a step with work left computes a token or ends a request, and a group
         # swapped back in computes its tokens in that same step (no swap ping-pong)
-        assert not had_work or out.num_batched_tokens > 0 or out.finished, \
+        assert not had_work or out.num_batched_tokens > 0 or out.finished, (
             f"step {steps} scheduled nothing: {s.get_stats()}"
+        )
         swapped_in = swapped_before.intersection(s.running_ids())
         assert swapped_in <= set(out.request_ids), f"swapped in without tokens: {swapped_in}"
         for rid, reason in out.finished:
@@ -138,10 +161,17 @@ def run_workload(scheduling, policy, mode, w) -> int:
                     s.add_request(rid, r["prompt"], n=r["n"])
                 assert s.request_status(rid) is None
                 continue
-            s.add_request(rid, r["prompt"], n=r["n"], priority=r["priority"],
-                          max_tokens=r["max_tokens"], min_tokens=min(r["min_tokens"], r["max_tokens"]),
-                          eos_token_id=0 if r["eos"] else None,
-                          stop_token_ids=[5] if r["stop"] else None, ignore_eos=r["ignore_eos"])
+            s.add_request(
+                rid,
+                r["prompt"],
+                n=r["n"],
+                priority=r["priority"],
+                max_tokens=r["max_tokens"],
+                min_tokens=min(r["min_tokens"], r["max_tokens"]),
+                eos_token_id=0 if r["eos"] else None,
+                stop_token_ids=[5] if r["stop"] else None,
+                ignore_eos=r["ignore_eos"],
+            )
             added.append(rid)
             live.add(rid)
             work += r["n"] * (len(r["prompt"]) + r["max_tokens"])
@@ -166,8 +196,12 @@ def run_workload(scheduling, policy, mode, w) -> int:
 
 
 @pytest.mark.parametrize("scheduling, policy, mode", CONFIGS)
-@settings(max_examples=int(os.environ.get("PAGEDLLM_SCHED_EXAMPLES", "12")), deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=int(os.environ.get("PAGEDLLM_SCHED_EXAMPLES", "12")),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(w=workload_st)
 def test_random_workload_keeps_invariants_and_frees_everything(scheduling, policy, mode, w):
     STEPS["total"] += run_workload(scheduling, policy, mode, w)

@@ -1,4 +1,5 @@
 """The scheduler scenarios of SPEC §4 / issue 3, one test each (block size 4 unless stated)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -165,8 +166,12 @@ def test_chunked_prefill_splits_a_prompt_over_the_budget_and_decodes_first():
 
 
 def test_unified_caps_each_long_prefill_at_the_threshold():
-    s = make(block_size=16, num_gpu_blocks=200, max_num_batched_tokens=1024,
-             long_prefill_token_threshold=400)
+    s = make(
+        block_size=16,
+        num_gpu_blocks=200,
+        max_num_batched_tokens=1024,
+        long_prefill_token_threshold=400,
+    )
     for i in range(3):
         s.add_request(f"r{i}", prompt(i, 800))
     per_step = [step(s)[0].num_tokens.tolist() for _ in range(3)]
@@ -184,8 +189,13 @@ def stop_rule_outcomes() -> dict[str, tuple]:
     s.add_request("ignore", prompt(3, 4), eos_token_id=2, ignore_eos=True, max_tokens=4)
     s.add_request("min", prompt(4, 4), eos_token_id=2, min_tokens=2, max_tokens=10)
     ids = ["eos", "stop_id", "capped", "ignore", "min"]
-    tokens = {"eos": [5, 2], "stop_id": [9], "capped": [5, 5, 5], "ignore": [2, 2, 2, 2],
-              "min": [2, 2]}
+    tokens = {
+        "eos": [5, 2],
+        "stop_id": [9],
+        "capped": [5, 5, 5],
+        "ignore": [2, 2, 2, 2],
+        "min": [2, 2],
+    }
     done: dict[str, tuple] = {}
     counts = dict.fromkeys(ids, 0)
     while s.has_unfinished_requests():
@@ -195,20 +205,30 @@ def stop_rule_outcomes() -> dict[str, tuple]:
             sampled.append(tokens[rid][counts[rid]])
             counts[rid] += 1
         for rid, index, reason, stop_reason, request_finished in s.update_from_output(
-                out, np.array(sampled, dtype=np.int64)):
+            out, np.array(sampled, dtype=np.int64)
+        ):
             assert index == 0 and request_finished
             done[rid] = (reason, stop_reason, counts[rid])
     return done
 
 
-@pytest.mark.parametrize("rid, outcome", [
-    ("eos", ("stop", None, 2)),
-    ("stop_id", ("stop", 9, 1)),
-    ("capped", ("length", None, 3)),
-    ("ignore", ("length", None, 4)),  # EOS ignored until max_tokens
-    ("min", ("stop", None, 2)),  # the first EOS came before min_tokens
-], ids=["eos_stops", "stop_id_stops_with_the_id", "max_tokens_caps", "ignore_eos_runs_to_max_tokens",
-        "eos_before_min_tokens_is_ignored"])
+@pytest.mark.parametrize(
+    "rid, outcome",
+    [
+        ("eos", ("stop", None, 2)),
+        ("stop_id", ("stop", 9, 1)),
+        ("capped", ("length", None, 3)),
+        ("ignore", ("length", None, 4)),  # EOS ignored until max_tokens
+        ("min", ("stop", None, 2)),  # the first EOS came before min_tokens
+    ],
+    ids=[
+        "eos_stops",
+        "stop_id_stops_with_the_id",
+        "max_tokens_caps",
+        "ignore_eos_runs_to_max_tokens",
+        "eos_before_min_tokens_is_ignored",
+    ],
+)
 def test_stop_rule_ends_its_request(stop_rule_outcomes, rid, outcome):
     assert stop_rule_outcomes[rid] == outcome
 
@@ -267,12 +287,23 @@ def test_prompt_sharing_a_cached_prefix_reuses_its_blocks():
 @pytest.mark.parametrize("scheduling", STRATEGIES)
 @pytest.mark.parametrize("preemption_mode", [None, "recompute", "swap"])
 def test_workload_with_aborts_frees_every_block(scheduling, preemption_mode):
-    s = make(scheduling=scheduling, preemption_mode=preemption_mode, num_gpu_blocks=12,
-             num_cpu_blocks=8, max_num_batched_tokens=32, max_model_len=48)
+    s = make(
+        scheduling=scheduling,
+        preemption_mode=preemption_mode,
+        num_gpu_blocks=12,
+        num_cpu_blocks=8,
+        max_num_batched_tokens=32,
+        max_model_len=48,
+    )
     rng = np.random.default_rng(0)
     for i in range(24):
-        s.add_request(f"r{i}", prompt(i % 3, int(rng.integers(2, 20))), n=int(rng.integers(1, 3)),
-                      max_tokens=int(rng.integers(1, 12)), eos_token_id=0)
+        s.add_request(
+            f"r{i}",
+            prompt(i % 3, int(rng.integers(2, 20))),
+            n=int(rng.integers(1, 3)),
+            max_tokens=int(rng.integers(1, 12)),
+            eos_token_id=0,
+        )
     steps = 0
     while s.has_unfinished_requests():
         out = s.schedule()
@@ -312,8 +343,15 @@ def _run_swap_workload(s, num_requests: int, n: int) -> dict:
 def test_swapped_in_group_computes_in_the_step_it_returns(scheduling, caching, n):
     # 24 blocks of 16 with host room for everything: 5 requests outgrow the pool while
     # decoding, so groups are swapped out and back in many times
-    s = make(scheduling=scheduling, block_size=16, num_gpu_blocks=24, num_cpu_blocks=200,
-             max_model_len=400, preemption_mode="swap", enable_prefix_caching=caching)
+    s = make(
+        scheduling=scheduling,
+        block_size=16,
+        num_gpu_blocks=24,
+        num_cpu_blocks=200,
+        max_model_len=400,
+        preemption_mode="swap",
+        enable_prefix_caching=caching,
+    )
     stats = _run_swap_workload(s, num_requests=5, n=n)
     assert stats["num_preemptions_swap"] > 0 and stats["swapped_in"] > 0
     assert stats["num_ignored"] == 0
@@ -322,7 +360,14 @@ def test_swapped_in_group_computes_in_the_step_it_returns(scheduling, caching, n
 @pytest.mark.parametrize("scheduling", STRATEGIES)
 def test_swap_in_keeps_the_watermark_while_others_run(scheduling):
     # with a watermark the swap-in also counts it, yet every group still finishes
-    s = make(scheduling=scheduling, block_size=16, num_gpu_blocks=24, num_cpu_blocks=200,
-             max_model_len=400, preemption_mode="swap", watermark=0.1)
+    s = make(
+        scheduling=scheduling,
+        block_size=16,
+        num_gpu_blocks=24,
+        num_cpu_blocks=200,
+        max_model_len=400,
+        preemption_mode="swap",
+        watermark=0.1,
+    )
     stats = _run_swap_workload(s, num_requests=5, n=2)
     assert stats["swapped_in"] > 0 and stats["num_ignored"] == 0

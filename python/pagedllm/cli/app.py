@@ -1,7 +1,9 @@
 """The `pagedllm` command: `generate` and `bench`."""
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,9 +17,11 @@ from pagedllm.config import DTYPES, POLICIES, PREEMPTION_MODES, SCHEDULING_STRAT
 from pagedllm.sampling_params import SamplingParams
 
 DEBUG_ENV = "PAGEDLLM_DEBUG"
-EPILOG = (f"Errors are reported as one line on stderr with a non-zero exit status (1; 2 for usage "
-          f"errors; 130 when interrupted). Pass --debug, or set {DEBUG_ENV}=1, for the full "
-          f"Python traceback instead.")
+EPILOG = (
+    f"Errors are reported as one line on stderr with a non-zero exit status (1; 2 for usage "
+    f"errors; 130 when interrupted). Pass --debug, or set {DEBUG_ENV}=1, for the full "
+    f"Python traceback instead."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,15 +36,20 @@ def _int_at_least(low: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
+
     parse.__name__ = "int"
     return parse
 
 
-def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+def _number(
+    low: float, high: float = math.inf, *, low_open: bool = False
+) -> Callable[[str], float]:
     """A finite float in [low, high] (or (low, high] with `low_open`); nan and inf are refused."""
     bounds = f"{'(' if low_open else '['}{low:g}, {'inf)' if math.isinf(high) else f'{high:g}]'}"
 
@@ -53,6 +62,7 @@ def _number(low: float, high: float = math.inf, *, low_open: bool = False) -> Ca
         if not ok:
             raise argparse.ArgumentTypeError(f"must be a finite number in {bounds}, got {text!r}")
         return value
+
     parse.__name__ = "float"
     return parse
 
@@ -62,8 +72,12 @@ _POSITIVE = _int_at_least(1)
 
 def _common_flags(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: not given after the subcommand keeps the top-level value (argparse would reset it)
-    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=f"show full Python tracebacks on errors (also: {DEBUG_ENV}=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"show full Python tracebacks on errors (also: {DEBUG_ENV}=1)",
+    )
 
 
 def _defaults(cls) -> dict[str, Any]:
@@ -77,38 +91,61 @@ _SAMPLING = _defaults(SamplingParams)
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=_ENGINE["model"],
-                   help=f"checkpoint folder, or the built-in {_ENGINE['model']} (default)")
+    g.add_argument(
+        "--model",
+        default=_ENGINE["model"],
+        help=f"checkpoint folder, or the built-in {_ENGINE['model']} (default)",
+    )
     g.add_argument("--tokenizer", default=_ENGINE["tokenizer"])
-    g.add_argument("--device", default=_ENGINE["device"],
-                   help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument(
+        "--device", default=_ENGINE["device"], help="auto (default), cpu, cuda or cuda:N"
+    )
     g.add_argument("--dtype", default=_ENGINE["dtype"], choices=DTYPES)
     g.add_argument("--seed", type=int, default=_ENGINE["seed"])
     g.add_argument("--block-size", type=_POSITIVE, default=_ENGINE["block_size"])
     g.add_argument("--num-gpu-blocks", type=_POSITIVE, default=_ENGINE["num_gpu_blocks"])
-    g.add_argument("--gpu-memory-utilization", type=_number(0.0, 1.0, low_open=True),
-                   default=_ENGINE["gpu_memory_utilization"])
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_number(0.0, 1.0, low_open=True),
+        default=_ENGINE["gpu_memory_utilization"],
+    )
     g.add_argument("--swap-space", type=_number(0.0), default=_ENGINE["swap_space"], help="GiB")
     g.add_argument("--max-model-len", type=_POSITIVE, default=_ENGINE["max_model_len"])
     g.add_argument("--max-num-seqs", type=_POSITIVE, default=_ENGINE["max_num_seqs"])
-    g.add_argument("--max-num-batched-tokens", type=_POSITIVE,
-                   default=_ENGINE["max_num_batched_tokens"])
+    g.add_argument(
+        "--max-num-batched-tokens", type=_POSITIVE, default=_ENGINE["max_num_batched_tokens"]
+    )
     g.add_argument("--scheduling", default=_ENGINE["scheduling"], choices=SCHEDULING_STRATEGIES)
     g.add_argument("--policy", default=_ENGINE["policy"], choices=POLICIES)
-    g.add_argument("--preemption-mode", default=_ENGINE["preemption_mode"],
-                   choices=[mode for mode in PREEMPTION_MODES if mode is not None])
+    g.add_argument(
+        "--preemption-mode",
+        default=_ENGINE["preemption_mode"],
+        choices=[mode for mode in PREEMPTION_MODES if mode is not None],
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-                seed=args.seed, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, scheduling=args.scheduling,
-                policy=args.policy, preemption_mode=args.preemption_mode,
-                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+    return dict(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling=args.scheduling,
+        policy=args.policy,
+        preemption_mode=args.preemption_mode,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
+    )
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,8 +154,9 @@ def _sampling_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=_POSITIVE, default=32)
     g.add_argument("--temperature", type=_number(0.0), default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=_SAMPLING["top_p"])
-    g.add_argument("--top-k", type=_int_at_least(-1), default=_SAMPLING["top_k"],
-                   help="-1 or 0 = off")
+    g.add_argument(
+        "--top-k", type=_int_at_least(-1), default=_SAMPLING["top_k"], help="-1 or 0 = off"
+    )
     g.add_argument("--min-p", type=_number(0.0, 1.0), default=_SAMPLING["min_p"])
     g.add_argument("--n", type=_POSITIVE, default=_SAMPLING["n"])
     g.add_argument("--sampling-seed", type=int, default=None)
@@ -135,14 +173,19 @@ def _check_device(name: str) -> None:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise ValueError(
+            f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA GPU is available on this machine "
-                             f"(use --device cpu, or auto)")
+            raise ValueError(
+                f"--device {name}: no CUDA GPU is available on this machine "
+                f"(use --device cpu, or auto)"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} "
-                             f"CUDA device(s)")
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -155,9 +198,17 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("pagedllm generate: give prompts as arguments or with --file", file=sys.stderr)
         return 2
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
-                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     _check_device(args.device)
     llm = LLM(**_engine_kwargs(args))
     start = time.perf_counter()
@@ -167,15 +218,19 @@ def _generate(args: argparse.Namespace) -> int:
     for out in outputs:
         for completion in out.outputs:
             generated += len(completion.token_ids)
-            label = f"[{out.request_id}.{completion.index}]" if args.n > 1 else f"[{out.request_id}]"
+            label = (
+                f"[{out.request_id}.{completion.index}]" if args.n > 1 else f"[{out.request_id}]"
+            )
             print(f"{label} {out.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     stats = llm.engine.get_stats()
-    print(f"{len(outputs)} requests, {prompt_tokens} prompt + {generated} generated tokens in "
-          f"{elapsed:.2f} s: {generated / elapsed:.1f} generated tok/s, "
-          f"{(prompt_tokens + generated) / elapsed:.1f} total tok/s; "
-          f"prefix hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%, "
-          f"preemptions {stats['num_preemptions']}")
+    print(
+        f"{len(outputs)} requests, {prompt_tokens} prompt + {generated} generated tokens in "
+        f"{elapsed:.2f} s: {generated / elapsed:.1f} generated tok/s, "
+        f"{(prompt_tokens + generated) / elapsed:.1f} total tok/s; "
+        f"prefix hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%, "
+        f"preemptions {stats['num_preemptions']}"
+    )
     return 0
 
 
@@ -185,22 +240,34 @@ def _bench(args: argparse.Namespace) -> int:
     if args.max_model_len is not None:  # refuse before loading the model when we already know
         check_lengths(args.input_len, args.output_len, args.max_model_len)
     _check_device(args.device)
-    result = run_bench(engine_kwargs=_engine_kwargs(args), num_prompts=args.num_prompts,
-                       input_len=args.input_len, output_len=args.output_len,
-                       compare_transformers=args.compare_transformers, seed=args.seed)
+    result = run_bench(
+        engine_kwargs=_engine_kwargs(args),
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        compare_transformers=args.compare_transformers,
+        seed=args.seed,
+    )
     print(json.dumps(result, indent=2) if args.json else result["summary"])
     if result["ignored_prompts"]:
-        print(f"pagedllm: error: {result['ignored_prompts']} of {result['num_prompts']} prompts "
-              f"were ignored ({result['ignored_reason']}); they are not counted in the "
-              f"throughput", file=sys.stderr)
+        print(
+            f"pagedllm: error: {result['ignored_prompts']} of {result['num_prompts']} prompts "
+            f"were ignored ({result['ignored_reason']}); they are not counted in the "
+            f"throughput",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedllm", description=__doc__, epilog=EPILOG)
-    parser.add_argument("--debug", action="store_true", default=False,
-                        help=f"show full Python tracebacks on errors (also: {DEBUG_ENV}=1)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=False,
+        help=f"show full Python tracebacks on errors (also: {DEBUG_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts", epilog=EPILOG)
     gen.add_argument("prompts", nargs="*", help="prompt strings")
@@ -213,10 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="offline throughput on random prompts", epilog=EPILOG)
     bench.add_argument("--num-prompts", type=_POSITIVE, default=64)
     bench.add_argument("--input-len", type=_POSITIVE, default=128, help="prompt tokens")
-    bench.add_argument("--output-len", type=_POSITIVE, default=64,
-                       help="generated tokens; input + output must fit --max-model-len")
-    bench.add_argument("--compare-transformers", action="store_true",
-                       help="also run transformers generate on the same workload")
+    bench.add_argument(
+        "--output-len",
+        type=_POSITIVE,
+        default=64,
+        help="generated tokens; input + output must fit --max-model-len",
+    )
+    bench.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also run transformers generate on the same workload",
+    )
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
     _common_flags(bench)
     _engine_flags(bench)
@@ -250,16 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pagedllm: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `pagedllm generate ... | head -1`: stop quietly
-        try:
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
         return 1
     except Exception as exc:  # noqa: BLE001 - the CLI reports, --debug shows the traceback
         message = _one_line(str(exc)) or type(exc).__name__
         if not isinstance(exc, _user_errors()):
-            message = (f"{type(exc).__name__}: {message} (an unexpected error: rerun with --debug "
-                       f"or {DEBUG_ENV}=1 for the traceback)")
+            message = (
+                f"{type(exc).__name__}: {message} (an unexpected error: rerun with --debug "
+                f"or {DEBUG_ENV}=1 for the traceback)"
+            )
         print(f"pagedllm: error: {message}", file=sys.stderr)
         return 1
-

@@ -1,4 +1,5 @@
 """Offline throughput benchmark (`pagedllm bench`), optionally side by side with `transformers`."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,9 @@ def _check_counts(**counts: int) -> None:
             raise ValueError(f"bench {name} must be an integer >= 1, got {value!r}")
 
 
-def check_lengths(input_len: int, output_len: int, max_model_len: int,
-                  max_prompt_len: int | None = None) -> None:
+def check_lengths(
+    input_len: int, output_len: int, max_model_len: int, max_prompt_len: int | None = None
+) -> None:
     """Refuse a workload whose sequences cannot fit: its prompts would be ignored or cut short.
 
     `max_prompt_len` is the longest prompt the scheduler accepts when that is below
@@ -32,13 +34,17 @@ def check_lengths(input_len: int, output_len: int, max_model_len: int,
         else:
             limit = f"max_num_batched_tokens={longest} (prefill_first never splits a prompt)"
             knob = "--max-num-batched-tokens"
-        raise ValueError(f"bench prompts of --input-len {input_len} tokens are longer than {limit}: "
-                         f"every prompt would be ignored; lower --input-len or raise {knob}")
+        raise ValueError(
+            f"bench prompts of --input-len {input_len} tokens are longer than {limit}: "
+            f"every prompt would be ignored; lower --input-len or raise {knob}"
+        )
     if input_len + output_len > max_model_len:
-        raise ValueError(f"bench sequences of --input-len {input_len} + --output-len {output_len} = "
-                         f"{input_len + output_len} tokens exceed max_model_len={max_model_len}: "
-                         f"every output would be cut short; lower the lengths or raise "
-                         f"--max-model-len")
+        raise ValueError(
+            f"bench sequences of --input-len {input_len} + --output-len {output_len} = "
+            f"{input_len + output_len} tokens exceed max_model_len={max_model_len}: "
+            f"every output would be cut short; lower the lengths or raise "
+            f"--max-model-len"
+        )
 
 
 def _ignored(output) -> bool:
@@ -47,8 +53,15 @@ def _ignored(output) -> bool:
     return all(not c.token_ids for c in output.outputs)
 
 
-def run_bench(*, engine_kwargs: dict, num_prompts: int, input_len: int, output_len: int,
-              compare_transformers: bool = False, seed: int = 0) -> dict:
+def run_bench(
+    *,
+    engine_kwargs: dict,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    compare_transformers: bool = False,
+    seed: int = 0,
+) -> dict:
     """Greedy generation of `output_len` tokens (EOS ignored) for random prompts.
 
     Returns tokens/s, the mean step time split into schedule / forward (block ops, input
@@ -61,7 +74,6 @@ def run_bench(*, engine_kwargs: dict, num_prompts: int, input_len: int, output_l
     prompt tokens of requests that ran and the tokens actually generated.
     """
     _check_counts(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
-    import torch
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.engine import StepTimings
@@ -69,8 +81,12 @@ def run_bench(*, engine_kwargs: dict, num_prompts: int, input_len: int, output_l
     llm = LLM(**engine_kwargs)
     engine = llm.engine
     prefill_first = engine.args.scheduling == "prefill_first"
-    check_lengths(input_len, output_len, engine.max_model_len,
-                  engine.max_num_batched_tokens if prefill_first else None)
+    check_lengths(
+        input_len,
+        output_len,
+        engine.max_model_len,
+        engine.max_num_batched_tokens if prefill_first else None,
+    )
     vocab = engine.model_config.vocab_size
     prompts = random_prompts(num_prompts, input_len, vocab, seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -88,12 +104,15 @@ def run_bench(*, engine_kwargs: dict, num_prompts: int, input_len: int, output_l
         "model": engine_kwargs.get("model"),
         "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
-        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
         "elapsed_s": elapsed,
         "completed_prompts": len(outputs) - len(ignored),
         "ignored_prompts": len(ignored),
         "ignored_reason": (ignored[0].outputs[0].stop_reason or ignored[0].outputs[0].finish_reason)
-        if ignored else None,
+        if ignored
+        else None,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
         "output_tokens_per_s": generated / elapsed,
@@ -104,7 +123,9 @@ def run_bench(*, engine_kwargs: dict, num_prompts: int, input_len: int, output_l
     if compare_transformers:
         hf = _transformers_generate(engine, prompts, output_len)
         result["transformers"] = hf
-        result["speedup_vs_transformers"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["speedup_vs_transformers"] = (
+            result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        )
     result["summary"] = _summary(result)
     return result
 
@@ -124,8 +145,13 @@ def _transformers_generate(engine, prompts: list[list[int]], output_len: int) ->
 
     model = to_transformers(engine.model, engine.model_config)
     batch = torch.tensor(prompts, dtype=torch.long, device=engine.device)
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                  attention_mask=torch.ones_like(batch), pad_token_id=0)
+    kwargs = dict(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=False,
+        attention_mask=torch.ones_like(batch),
+        pad_token_id=0,
+    )
     with torch.inference_mode():
         model.generate(batch[:2], **{**kwargs, "attention_mask": torch.ones_like(batch[:2])})
         _sync(engine.device)
@@ -134,8 +160,11 @@ def _transformers_generate(engine, prompts: list[list[int]], output_len: int) ->
         _sync(engine.device)
         elapsed = time.perf_counter() - start
     generated = int(out.shape[0] * (out.shape[1] - batch.shape[1]))
-    return {"elapsed_s": elapsed, "generated_tokens": generated,
-            "output_tokens_per_s": generated / elapsed}
+    return {
+        "elapsed_s": elapsed,
+        "generated_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+    }
 
 
 def _summary(r: dict) -> str:
@@ -148,12 +177,17 @@ def _summary(r: dict) -> str:
         f"mean step (ms): {steps}",
     ]
     if r["ignored_prompts"]:
-        lines.insert(1, f"WARNING: {r['ignored_prompts']} of {r['num_prompts']} prompts ignored "
-                        f"({r['ignored_reason']}); throughput counts only the "
-                        f"{r['completed_prompts']} that ran")
+        lines.insert(
+            1,
+            f"WARNING: {r['ignored_prompts']} of {r['num_prompts']} prompts ignored "
+            f"({r['ignored_reason']}); throughput counts only the "
+            f"{r['completed_prompts']} that ran",
+        )
     if "transformers" in r:
         hf = r["transformers"]
-        lines.append(f"transformers generate: {hf['output_tokens_per_s']:.1f} output tok/s in "
-                     f"{hf['elapsed_s']:.2f} s; pagedllm / transformers = "
-                     f"{r['speedup_vs_transformers']:.2f}x")
+        lines.append(
+            f"transformers generate: {hf['output_tokens_per_s']:.1f} output tok/s in "
+            f"{hf['elapsed_s']:.2f} s; pagedllm / transformers = "
+            f"{r['speedup_vs_transformers']:.2f}x"
+        )
     return "\n".join(lines)

@@ -47,7 +47,8 @@ class InputProcessor:
         """(prompt text or None, prompt token ids) of a request whose inputs are all valid."""
         if not isinstance(params, SamplingParams):
             raise ValueError(
-                f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}"
+                f"request {request_id!r}: params must be SamplingParams, "
+                f"got {type(params).__name__}"
             )
         self.check_limits(request_id, params, arrival_time, priority)
         text, token_ids = self.tokenize(request_id, prompt)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from pagedllm.config import GiB, EngineArgs
+from pagedllm.config import EngineArgs, GiB
 from pagedllm.models import ModelConfig
 from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine

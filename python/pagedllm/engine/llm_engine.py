@@ -24,7 +24,13 @@ from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
-from pagedllm.models import ModelConfig, load_model, load_model_config, resolve_device, resolve_dtype
+from pagedllm.models import (
+    ModelConfig,
+    load_model,
+    load_model_config,
+    resolve_device,
+    resolve_dtype,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
@@ -65,9 +71,9 @@ class LLMEngine:
             )
         # every id that ends generation: the checkpoint's, else the tokenizer's
         self.eos_token_ids: tuple[int, ...] = cfg.eos_token_ids
-        if not self.eos_token_ids and self.tokenizer is not None:
-            if self.tokenizer.eos_token_id is not None:
-                self.eos_token_ids = (self.tokenizer.eos_token_id,)
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if not self.eos_token_ids and tokenizer_eos is not None:
+            self.eos_token_ids = (tokenizer_eos,)
         self.model = load_model(args.model, dtype=self.dtype, device=self.device)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(

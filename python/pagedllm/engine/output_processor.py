@@ -36,7 +36,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests = requests
 
-    def append(self, step, sampled: SamplerOutput, touched: dict[str, RequestState]) -> AppendedStep:
+    def append(
+        self, step, sampled: SamplerOutput, touched: dict[str, RequestState]
+    ) -> AppendedStep:
         """Adds every sample of `step` to its sequence. A request whose output processing raises
         (its detokenizer, say) is left out and reported in `faulty`; the others go on."""
         tokens = sampled.sampled_token_ids.cpu().numpy()
@@ -78,7 +80,8 @@ class OutputProcessor:
         logprobs: LogprobsLists | None,
         now: float,
     ) -> str | None:
-        """Adds sample `k` to its sequence (token, logprobs, text); returns a matched stop string."""
+        """Adds sample `k` to its sequence (token, logprobs, text); returns a matched stop
+        string."""
         seq.token_ids.append(token)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now

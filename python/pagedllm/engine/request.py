@@ -113,7 +113,9 @@ class RequestState:
         for i in range(params.num_samples):
             detokenizer = None
             if tokenizer is not None:
-                detokenizer = IncrementalDetokenizer.from_params(tokenizer, prompt_token_ids, params)
+                detokenizer = IncrementalDetokenizer.from_params(
+                    tokenizer, prompt_token_ids, params
+                )
             seqs.append(SequenceState(i, detokenizer))
         if params.logprobs is not None or params.num_samples > params.n:
             # best_of ranks samples by cumulative logprob, so it needs them too

@@ -4,6 +4,7 @@ Engine entry points: `load_model_config(name)` (cheap, validates config.json), `
 dtype=..., device=...)` (the module; its ModelConfig is `.config`). `name` is a checkpoint folder
 or the built-in `pagedllm/tiny-random`.
 """
+
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError

@@ -4,6 +4,7 @@ Parsing is pure Python (no torch tensors), so a malformed checkpoint is rejected
 allocation. Both config dialects are accepted: `rope_theta` + `rope_scaling` (transformers 4.x
 checkpoints such as Llama 3.1) and `rope_parameters` (transformers 5.x).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,12 @@ _REQUIRED_FIELDS = (
     "vocab_size",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_ROPE_FIELDS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -204,7 +210,9 @@ def _optional_int(raw: dict[str, Any], name: str, default: int, source: str | Pa
 def _check_supported_features(raw: dict[str, Any], family: str, source: str | Path) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')")
+        raise CheckpointError(
+            f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')"
+        )
     if raw.get("use_sliding_window"):
         raise CheckpointError(f"{source}: field 'use_sliding_window' = true is not supported")
     if family == "llama" and raw.get("pretraining_tp", 1) not in (1, None):
@@ -212,7 +220,8 @@ def _check_supported_features(raw: dict[str, Any], family: str, source: str | Pa
 
 
 def parse_rope(raw: dict[str, Any], source: str | Path = "config.json") -> RopeConfig:
-    """Read RoPE parameters from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    """Read RoPE parameters from `rope_parameters` (transformers 5) or
+    `rope_theta`/`rope_scaling`."""
     if isinstance(raw.get("rope_parameters"), dict):
         field_name, params = "rope_parameters", dict(raw["rope_parameters"])
     else:
@@ -230,12 +239,16 @@ def parse_rope(raw: dict[str, Any], source: str | Path = "config.json") -> RopeC
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if "factor" not in params:
-        raise CheckpointError(f"{source}: field '{field_name}.factor' is required for {rope_type!r}")
+        raise CheckpointError(
+            f"{source}: field '{field_name}.factor' is required for {rope_type!r}"
+        )
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
     missing = [name for name in _LLAMA3_ROPE_FIELDS if name not in params]
     if missing:
-        raise CheckpointError(f"{source}: field '{field_name}' lacks {missing} for rope_type 'llama3'")
+        raise CheckpointError(
+            f"{source}: field '{field_name}' lacks {missing} for rope_type 'llama3'"
+        )
     return RopeConfig(
         theta=theta,
         rope_type="llama3",

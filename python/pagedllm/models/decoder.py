@@ -4,6 +4,7 @@ The families differ only in flags of `ModelConfig` (q/k/v bias, per-head q/k RMS
 scaling). Q/K/V and gate/up projections are fused into one matmul each; the loader concatenates
 the checkpoint's separate tensors. Token rows are packed: `[T, ...]` over every scheduled sequence.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedllm.worker.attention import AttentionMetadata, paged_attention
 from pagedllm.models.config import ModelConfig, RopeConfig
+from pagedllm.worker.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +50,9 @@ def _llama3_scaled(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
     high_freq_wavelen = old_ctx / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, smoothed, scaled)
@@ -89,7 +92,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.split_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
@@ -98,11 +105,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
     ) -> Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.split_sizes[0] + self.split_sizes[1] :].view(
+            num_tokens, self.num_kv_heads, self.head_dim
+        )
         if self.q_norm is not None:
             q, k, _ = qkv.split(self.split_sizes, dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
@@ -110,10 +125,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
             # q and k heads rotated together: one set of elementwise ops instead of two (same math)
-            qk = qkv[:, :self.split_sizes[0] + self.split_sizes[1]].view(
-                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.split_sizes[0] + self.split_sizes[1]].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
             qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -142,7 +158,13 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -158,7 +180,9 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         sin = signed_sin(sin)
@@ -187,8 +211,11 @@ class DecoderForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         self.model.rotary_emb = RotaryEmbedding(self.config.head_dim, self.config.rope).to(device)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        """input_ids/positions int64 `[T]`, kv_cache `[2, L, blocks, block_size, KVH, D]` -> `[T, E]`."""
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        """input_ids/positions int64 `[T]`, kv_cache `[2, L, blocks, block_size, KVH, D]` ->
+        `[T, E]`."""
         return self.model(input_ids, positions, kv_cache, meta)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
 """Errors raised while reading a checkpoint; every message names the file or field at fault."""
+
 from __future__ import annotations
 
 

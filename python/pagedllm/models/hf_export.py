@@ -1,13 +1,15 @@
 """Export our decoder back to Hugging Face `transformers`: config, state dict, model.
 
 Used by `pagedllm bench --compare-transformers` (and by parity tests that run the same weights
-through `transformers` as an outside oracle, which also write checkpoint folders from it). `transformers` is an optional dependency, imported
-only inside the functions that need it, so `import pagedllm.models` never pulls it in.
+through `transformers` as an outside oracle, which also write checkpoint folders from it).
+`transformers` is an optional dependency, imported only inside the functions that need it, so
+`import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
 along dim 0) and the split sizes come from `loader.expected_shapes`: loading and exporting share
 one definition of the checkpoint format.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -39,7 +41,9 @@ def _import_transformers():
 def _model_config(model: nn.Module, cfg: ModelConfig | None) -> ModelConfig:
     cfg = cfg if cfg is not None else getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):
-        raise TypeError("pass the model's ModelConfig (cfg=...) or a DecoderForCausalLM with `.config`")
+        raise TypeError(
+            "pass the model's ModelConfig (cfg=...) or a DecoderForCausalLM with `.config`"
+        )
     return cfg
 
 
@@ -52,13 +56,17 @@ def _check_representable(cfg: ModelConfig) -> None:
             problems.append("qwen2 needs qkv_bias=True and o_bias=False")
     elif cfg.qkv_bias != cfg.o_bias:
         # Llama/Qwen3 have one `attention_bias` flag for q/k/v and o together
-        problems.append(f"{cfg.family} has one attention_bias for q/k/v and o (got {cfg.qkv_bias}/{cfg.o_bias})")
+        problems.append(
+            f"{cfg.family} has one attention_bias for q/k/v and o (got {cfg.qkv_bias}/{cfg.o_bias})"
+        )
     if cfg.qk_norm != (cfg.family == "qwen3"):
         problems.append(f"qk_norm={cfg.qk_norm} is not expressible for {cfg.family}")
     if cfg.mlp_bias and cfg.family != "llama":
         problems.append(f"mlp_bias is only expressible for llama, not {cfg.family}")
     if problems:
-        raise ValueError(f"cannot export {cfg.architecture} to transformers: " + "; ".join(problems))
+        raise ValueError(
+            f"cannot export {cfg.architecture} to transformers: " + "; ".join(problems)
+        )
 
 
 def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -106,7 +114,8 @@ def hf_config(cfg: ModelConfig) -> PretrainedConfig:
         hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
-        # rope_theta + rope_scaling: transformers 4.x reads them, 5.x folds them into rope_parameters
+        # rope_theta + rope_scaling: transformers 4.x reads them, 5.x folds them into
+        # rope_parameters
         rope_theta=cfg.rope.theta,
         rope_scaling=_rope_scaling(cfg),
         tie_word_embeddings=cfg.tie_word_embeddings,
@@ -144,9 +153,13 @@ def hf_state_dict(model: nn.Module, cfg: ModelConfig | None = None) -> dict[str,
     cfg = _model_config(model, cfg)
     ours = model.state_dict()
     layout = checkpoint_layout(cfg)
-    unexpected = set(ours) - set(layout) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    unexpected = (
+        set(ours) - set(layout) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    )
     if unexpected:
-        raise ValueError(f"model has parameters the checkpoint layout does not know: {sorted(unexpected)}")
+        raise ValueError(
+            f"model has parameters the checkpoint layout does not know: {sorted(unexpected)}"
+        )
     shapes = expected_shapes(cfg)
     out: dict[str, Tensor] = {}
     for name, sources in layout.items():
@@ -155,16 +168,22 @@ def hf_state_dict(model: nn.Module, cfg: ModelConfig | None = None) -> dict[str,
         tensor = ours[name].detach()
         sizes = [shapes[source][0] for source in sources]
         if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"parameter '{name}' has {tensor.shape[0]} rows, the config implies {sum(sizes)}")
+            raise ValueError(
+                f"parameter '{name}' has {tensor.shape[0]} rows, the config implies {sum(sizes)}"
+            )
         for source, part in zip(sources, tensor.split(sizes, dim=0)):
             if part.shape != shapes[source]:
-                raise ValueError(f"'{source}' would have shape {list(part.shape)}, config implies {list(shapes[source])}")
+                raise ValueError(
+                    f"'{source}' would have shape {list(part.shape)}, "
+                    f"config implies {list(shapes[source])}"
+                )
             out[source] = part
     return out
 
 
 def to_transformers(model: nn.Module, cfg: ModelConfig | None = None) -> PreTrainedModel:
-    """A transformers `*ForCausalLM` with our weights, on the model's device and dtype, in eval mode.
+    """A transformers `*ForCausalLM` with our weights, on the model's device and dtype, in eval
+    mode.
 
     The transformers model is built on the meta device and its parameters are assigned views of
     our tensors, so no second copy of the weights is allocated (the engine's model and the export
@@ -188,7 +207,9 @@ def to_transformers(model: nn.Module, cfg: ModelConfig | None = None) -> PreTrai
     return hf_model.requires_grad_(False).eval()
 
 
-def _rebuild_meta_buffers(hf_model: nn.Module, config: PretrainedConfig, device: torch.device) -> None:
+def _rebuild_meta_buffers(
+    hf_model: nn.Module, config: PretrainedConfig, device: torch.device
+) -> None:
     """Non-persistent buffers (RoPE inv_freq) are computed at construction, so they are still on
     meta after loading: rebuild the modules that own them from the config, on the target device."""
     for name, module in list(hf_model.named_modules()):
@@ -202,7 +223,9 @@ def _rebuild_meta_buffers(hf_model: nn.Module, config: PretrainedConfig, device:
         setattr(hf_model.get_submodule(parent_name), attr, rebuilt)
     left = [n for n, t in [*hf_model.named_parameters(), *hf_model.named_buffers()] if t.is_meta]
     if left:
-        raise RuntimeError(f"transformers model still has uninitialised tensors after export: {left}")
+        raise RuntimeError(
+            f"transformers model still has uninitialised tensors after export: {left}"
+        )
 
 
 def _generation_config(transformers, cfg: ModelConfig):
@@ -212,4 +235,3 @@ def _generation_config(transformers, cfg: ModelConfig):
         eos_token_id=eos[0] if eos and len(eos) == 1 else eos,
         pad_token_id=cfg.pad_token_id,
     )
-

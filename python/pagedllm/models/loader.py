@@ -4,6 +4,7 @@ Order of work, so that a bad checkpoint fails before any large allocation: parse
 read the safetensors headers (names and shapes only), check every expected tensor, and only then
 build the model on the meta device and stream each tensor to its device and dtype.
 """
+
 from __future__ import annotations
 
 from contextlib import ExitStack
@@ -14,10 +15,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
-from pagedllm.models import tiny_random
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,14 +32,15 @@ class TensorInfo:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """"auto"/None -> cuda when available, else cpu."""
+    """ "auto"/None -> cuda when available, else cpu."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """"auto": float32 on CPU; on GPU the checkpoint's half dtype (bfloat16 if it states float32/none)."""
+    """`"auto"`: float32 on CPU; on GPU the checkpoint's half dtype (bfloat16 if it states
+    float32 or nothing)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float16, bfloat16 or float32")
@@ -49,7 +51,9 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
         half = cfg.checkpoint_dtype in ("float16", "bfloat16")
         return _DTYPES[cfg.checkpoint_dtype] if half else torch.bfloat16
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float16', 'bfloat16' or 'float32'")
+        raise ValueError(
+            f"dtype {dtype!r} is not supported; use 'auto', 'float16', 'bfloat16' or 'float32'"
+        )
     return _DTYPES[dtype]
 
 
@@ -61,7 +65,10 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 
 def load_model(
-    model: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device | None = "auto"
+    model: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = "auto",
 ) -> DecoderForCausalLM:
     """Build the model of a checkpoint folder (or `pagedllm/tiny-random`) on `device` in `dtype`.
 
@@ -118,8 +125,15 @@ def _layer_layout(cfg: ModelConfig, prefix: str) -> dict[str, list[str]]:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> the shape the config implies (Hugging Face naming)."""
     e, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    out_features = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": e,
-                    "gate_proj": inter, "up_proj": inter, "down_proj": e}
+    out_features = {
+        "q_proj": cfg.q_size,
+        "k_proj": cfg.kv_size,
+        "v_proj": cfg.kv_size,
+        "o_proj": e,
+        "gate_proj": inter,
+        "up_proj": inter,
+        "down_proj": e,
+    }
     in_features = {"o_proj": cfg.q_size, "down_proj": inter}
     shapes: dict[str, tuple[int, ...]] = {}
     for name in (n for sources in checkpoint_layout(cfg).values() for n in sources):
@@ -144,7 +158,7 @@ def index_checkpoint(folder: Path) -> dict[str, TensorInfo]:
     for file in files:
         try:
             with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     tensors[name] = TensorInfo(file, tuple(handle.get_slice(name).get_shape()))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file}: cannot read safetensors header ({exc})") from exc
@@ -180,7 +194,8 @@ def check_checkpoint(cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
             raise CheckpointError(f"{cfg.path}: missing tensor '{name}' in the safetensors files")
         if info.shape != shape:
             raise CheckpointError(
-                f"{info.file}: tensor '{name}' has shape {list(info.shape)}, config implies {list(shape)}"
+                f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
+                f"config implies {list(shape)}"
             )
 
 
@@ -197,7 +212,9 @@ def _materialize(
             # each file is opened once; tensors are read straight onto the target device
             file = tensors[name].file
             if file not in handles:
-                handles[file] = open_files.enter_context(safe_open(file, framework="pt", device=str(device)))
+                handles[file] = open_files.enter_context(
+                    safe_open(file, framework="pt", device=str(device))
+                )
             return handles[file].get_tensor(name).to(dtype)
 
         for param, sources in checkpoint_layout(cfg).items():

@@ -6,6 +6,7 @@ so they are identical across runs and machines. Scales keep every layer's contri
 unit-variance embeddings, 1/sqrt(fan_in) projections (attention scores ~ N(0, 1), so attention
 is neither uniform nor one-hot) and a sharper output head so greedy choices vary with context.
 """
+
 from __future__ import annotations
 
 import math

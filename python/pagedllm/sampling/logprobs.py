@@ -16,15 +16,19 @@ from pagedllm.outputs import Logprob
 class LogprobsTensors:
     """Raw-distribution logprobs of a step, on the logits' device."""
 
-    sampled_logprobs: torch.Tensor   # float32 [K]
-    sampled_ranks: torch.Tensor      # int64 [K], 1 = most likely token
-    top_token_ids: torch.Tensor      # int64 [K, N], N = largest `logprobs` asked
-    top_logprobs: torch.Tensor       # float32 [K, N]
+    sampled_logprobs: torch.Tensor  # float32 [K]
+    sampled_ranks: torch.Tensor  # int64 [K], 1 = most likely token
+    top_token_ids: torch.Tensor  # int64 [K, N], N = largest `logprobs` asked
+    top_logprobs: torch.Tensor  # float32 [K, N]
 
     def tolists(self) -> LogprobsLists:
         """Copy to host once per step (one sync), for building `Logprob` dicts."""
-        return LogprobsLists(self.sampled_logprobs.tolist(), self.sampled_ranks.tolist(),
-                             self.top_token_ids.tolist(), self.top_logprobs.tolist())
+        return LogprobsLists(
+            self.sampled_logprobs.tolist(),
+            self.sampled_ranks.tolist(),
+            self.top_token_ids.tolist(),
+            self.top_logprobs.tolist(),
+        )
 
 
 @dataclass
@@ -34,10 +38,12 @@ class LogprobsLists:
     top_token_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
-    def entry(self, row: int, token_id: int, num_logprobs: int,
-              decode: Callable[[int], str] | None = None) -> dict[int, Logprob]:
+    def entry(
+        self, row: int, token_id: int, num_logprobs: int, decode: Callable[[int], str] | None = None
+    ) -> dict[int, Logprob]:
         """vLLM's per-token logprobs dict: the sampled token plus the `num_logprobs` most likely
         (so num_logprobs or num_logprobs + 1 entries)."""
+
         def make(lp: float, rank: int, tid: int) -> Logprob:
             return Logprob(lp, rank, decode(tid) if decode is not None else None)
 
@@ -48,9 +54,10 @@ class LogprobsLists:
         return out
 
 
-def compute_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int) -> LogprobsTensors:
+def compute_logprobs(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> LogprobsTensors:
     sampled = raw_logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
     top = raw_logprobs.topk(num_top, dim=-1)
     return LogprobsTensors(sampled.squeeze(1), ranks, top.indices, top.values)
-

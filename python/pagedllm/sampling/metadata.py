@@ -17,12 +17,12 @@ from pagedllm.sampling_params import SamplingParams
 class PenaltyBatch:
     """Penalty inputs of the rows that use penalties (`rows` None: every row does)."""
 
-    rows: torch.Tensor | None          # int64 [R]
-    presence: torch.Tensor             # float32 [R, 1]
-    frequency: torch.Tensor            # float32 [R, 1]
-    repetition: torch.Tensor | None    # float32 [R, 1]; None when no row uses it
-    output_counts: torch.Tensor        # float32 [R, V] occurrences in the output so far
-    seen: torch.Tensor | None          # bool [R, V] in prompt or output (repetition only)
+    rows: torch.Tensor | None  # int64 [R]
+    presence: torch.Tensor  # float32 [R, 1]
+    frequency: torch.Tensor  # float32 [R, 1]
+    repetition: torch.Tensor | None  # float32 [R, 1]; None when no row uses it
+    output_counts: torch.Tensor  # float32 [R, V] occurrences in the output so far
+    seen: torch.Tensor | None  # bool [R, V] in prompt or output (repetition only)
 
 
 @dataclass
@@ -35,16 +35,16 @@ class SamplingMetadata:
     num_rows: int
     all_greedy: bool
     all_random: bool
-    greedy: torch.Tensor | None        # bool [K], only for a mixed batch
-    temperature: torch.Tensor | None   # float32 [K, 1]; 1.0 on greedy rows
-    top_k: torch.Tensor | None         # int64 [K]; 0 = off
+    greedy: torch.Tensor | None  # bool [K], only for a mixed batch
+    temperature: torch.Tensor | None  # float32 [K, 1]; 1.0 on greedy rows
+    top_k: torch.Tensor | None  # int64 [K]; 0 = off
     max_top_k: int
-    top_p: torch.Tensor | None         # float32 [K]; 1.0 = off
-    min_p: torch.Tensor | None         # float32 [K]; 0.0 = off
+    top_p: torch.Tensor | None  # float32 [K]; 1.0 = off
+    min_p: torch.Tensor | None  # float32 [K]; 0.0 = off
     penalties: PenaltyBatch | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
-    seeds: list[tuple[int, int]]       # (row, generator seed) of seeded random rows
-    max_num_logprobs: int | None       # largest `logprobs` asked; None: no row asked
+    seeds: list[tuple[int, int]]  # (row, generator seed) of seeded random rows
+    max_num_logprobs: int | None  # largest `logprobs` asked; None: no row asked
 
     @classmethod
     def build(
@@ -80,8 +80,11 @@ class SamplingMetadata:
             min_p=_row_values(params, greedy, "min_p", 0.0, device),
             penalties=_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
             banned=_min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device),
-            seeds=[(i, sample_seed(params[i].seed, seq_index[i], len(output_token_ids[i])))
-                   for i in random_rows if params[i].seed is not None],
+            seeds=[
+                (i, sample_seed(params[i].seed, seq_index[i], len(output_token_ids[i])))
+                for i in random_rows
+                if params[i].seed is not None
+            ],
             max_num_logprobs=max(asked) if asked else None,
         )
 
@@ -101,8 +104,10 @@ def _temperature(params, greedy, device) -> torch.Tensor | None:
 
 def _top_k(params, greedy, vocab_size, device) -> tuple[torch.Tensor | None, int]:
     # k >= V keeps everything, so it is "off" too.
-    values = [0 if g or not p.uses_top_k or p.top_k >= vocab_size else p.top_k
-              for p, g in zip(params, greedy)]
+    values = [
+        0 if g or not p.uses_top_k or p.top_k >= vocab_size else p.top_k
+        for p, g in zip(params, greedy)
+    ]
     if not any(values):
         return None, 0
     return torch.tensor(values, dtype=torch.int64, device=device), max(values)
@@ -129,7 +134,9 @@ def _token_counts(rows: list[Sequence[int]], vocab_size: int, device) -> torch.T
     return counts[:, :vocab_size]
 
 
-def _penalties(params, output_token_ids, prompt_token_ids, vocab_size, device) -> PenaltyBatch | None:
+def _penalties(
+    params, output_token_ids, prompt_token_ids, vocab_size, device
+) -> PenaltyBatch | None:
     rows = [i for i, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return None
@@ -142,10 +149,15 @@ def _penalties(params, output_token_ids, prompt_token_ids, vocab_size, device) -
     repetition = seen = None
     if any(p.repetition_penalty != 1.0 for p in chosen):
         repetition = column("repetition_penalty")
-        seen = (_token_counts([prompt_token_ids[i] for i in rows], vocab_size, device) > 0) | (counts > 0)
-    row_index = None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.int64, device=device)
-    return PenaltyBatch(row_index, column("presence_penalty"), column("frequency_penalty"),
-                        repetition, counts, seen)
+        seen = (_token_counts([prompt_token_ids[i] for i in rows], vocab_size, device) > 0) | (
+            counts > 0
+        )
+    row_index = (
+        None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.int64, device=device)
+    )
+    return PenaltyBatch(
+        row_index, column("presence_penalty"), column("frequency_penalty"), repetition, counts, seen
+    )
 
 
 def _min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device):
@@ -159,6 +171,7 @@ def _min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device
                     tokens.append(t)
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(tokens, dtype=torch.int64, device=device))
-
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+    )

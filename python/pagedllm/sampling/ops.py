@@ -32,8 +32,9 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
     """Top-k then nucleus filtering with one ascending sort. A token survives top-p when the
     tokens more likely than it hold less than top_p of the mass; the top token always does."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
@@ -41,10 +42,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab)
         position = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(position < (vocab - k).unsqueeze(1), float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(
+            position < (vocab - k).unsqueeze(1), float("-inf")
+        )
     mass_up_to = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = mass_up_to <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-

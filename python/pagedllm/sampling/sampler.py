@@ -17,6 +17,7 @@ token. `cumulative_logprob` sums these.
 Seeds: a seeded sample redraws its noise from its own generator (`pagedllm.sampling.seeds`);
 unseeded samples share one batched draw from the engine's generator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,11 +54,10 @@ def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.T
     return probs.div_(noise).argmax(dim=-1)
 
 
-
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor          # int64 [K], on the logits' device
-    logprobs: LogprobsTensors | None         # None when no row asked for logprobs
+    sampled_token_ids: torch.Tensor  # int64 [K], on the logits' device
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
 
 
 class Sampler:
@@ -80,7 +80,9 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.banned is not None:
-            logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(
+                meta.banned, torch.tensor(float("-inf"), device=logits.device)
+            )
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         tokens = self._choose(logits, meta)

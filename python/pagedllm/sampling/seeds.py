@@ -21,4 +21,3 @@ def sample_seed(seed: int, seq_index: int, num_generated: int) -> int:
     h = _splitmix64(seed & _MASK_64)
     h = _splitmix64(h ^ (seq_index & _MASK_64))
     return _splitmix64(h ^ (num_generated & _MASK_64)) >> 1
-

@@ -4,10 +4,10 @@
 Triton kernels (triton is imported only then, so this module imports on machines without it);
 everything else goes to the vectorized torch reference, the engine's CPU path.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from torch import Tensor
 
@@ -18,37 +18,55 @@ __all__ = ["AttentionMetadata", "paged_attention"]
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: Tensor      # int64 [T]; -1 = padding, not stored
-    query_start_loc: Tensor   # int32 [S+1]
-    seq_lens: Tensor          # int32 [S]  context length including this step's tokens
-    block_tables: Tensor      # int32 [S, W]
+    slot_mapping: Tensor  # int64 [T]; -1 = padding, not stored
+    query_start_loc: Tensor  # int32 [S+1]
+    seq_lens: Tensor  # int32 [S]  context length including this step's tokens
+    block_tables: Tensor  # int32 [S, W]
     max_query_len: int
     max_seq_len: int
-    is_decode_only: bool      # every query length is 1
+    is_decode_only: bool  # every query length is 1
     # Split-KV count for the CUDA decode kernel. None: derived from the batch size and the block
     # table width W * block_size, so a CUDA graph captured with W = max_model_len / block_size keeps
     # one fixed grid. Ignored on CPU.
-    num_splits: Optional[int] = None
+    num_splits: int | None = None
     # CPU path: the step's attention plan (gather/scatter indices, masks), built by the first layer
     # and reused by the others. Keyed by what it depends on besides the fields above; it is rebuilt
     # when one of those fields is reassigned (not when a tensor is mutated in place).
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def cpu_plan(self, block_size: int, num_heads: int, num_tokens: int, device) -> "_ref.AttentionPlan":
+    def cpu_plan(
+        self, block_size: int, num_heads: int, num_tokens: int, device
+    ) -> _ref.AttentionPlan:
         key = (block_size, num_heads, num_tokens, device)
         inputs = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
         hit = self._plans.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], inputs)):
             return hit[1]
-        plan = _ref.build_plan(self.query_start_loc, self.seq_lens, self.block_tables, self.slot_mapping,
-                               block_size, num_heads, num_tokens, device)
+        plan = _ref.build_plan(
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+            self.slot_mapping,
+            block_size,
+            num_heads,
+            num_tokens,
+            device,
+        )
         self._plans[key] = (inputs, plan)
         return plan
 
 
-def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttentionMetadata, scale: float) -> Tensor:
-    """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` -> `[T, H, D]`."""
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` ->
+    `[T, H, D]`."""
     if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     # one vectorized path for decode, prefill and mixed batches (the plan groups decode rows itself)
@@ -57,7 +75,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     return _ref.attend(q, k_cache, v_cache, plan, scale)
 
 
-def _paged_attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> Tensor:
+def _paged_attention_triton(
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+) -> Tensor:
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
 
     store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -65,9 +85,21 @@ def _paged_attention_triton(q, k, v, k_cache, v_cache, meta: AttentionMetadata, 
         num_splits = meta.num_splits
         if num_splits is None:
             num_splits = decode_attention.choose_num_splits(
-                q.shape[0], k_cache.shape[2], meta.block_tables.shape[1] * k_cache.shape[1], q.device)
+                q.shape[0],
+                k_cache.shape[2],
+                meta.block_tables.shape[1] * k_cache.shape[1],
+                q.device,
+            )
         return decode_attention.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits)
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits
+        )
     return prefill_attention.paged_prefill_attention(
-        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-        meta.max_query_len)
+        q,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        meta.max_query_len,
+    )

@@ -1,5 +1,6 @@
 """The paged KV cache on the device, the host swap space, and the block operations the
 scheduler asks for each step (swap out, swap in, copy-on-write copies)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,9 +13,18 @@ class CacheEngine:
     One tensor for all layers makes a block copy or swap a single indexed copy.
     """
 
-    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 num_gpu_blocks: int, num_cpu_blocks: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -26,8 +36,9 @@ class CacheEngine:
         self._dtype = dtype
 
     @staticmethod
-    def bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
@@ -41,12 +52,17 @@ class CacheEngine:
         # torch.empty: a host block is only ever read after it was written by a swap-out.
         if self._host_cache is None:
             pin = self.device.type == "cuda"
-            self._host_cache = torch.empty(self._shape(self.num_cpu_blocks), dtype=self._dtype,
-                                           device="cpu", pin_memory=pin)
+            self._host_cache = torch.empty(
+                self._shape(self.num_cpu_blocks), dtype=self._dtype, device="cpu", pin_memory=pin
+            )
         return self._host_cache
 
-    def execute(self, blocks_to_swap_out: np.ndarray, blocks_to_swap_in: np.ndarray,
-                blocks_to_copy: np.ndarray) -> None:
+    def execute(
+        self,
+        blocks_to_swap_out: np.ndarray,
+        blocks_to_swap_in: np.ndarray,
+        blocks_to_copy: np.ndarray,
+    ) -> None:
         """Run a step's block operations before its forward pass.
 
         Swap-out goes first: the device blocks it frees may be the targets of this step's

@@ -3,6 +3,7 @@
 Everything per token arrives from Rust as numpy arrays; this module only moves them to the
 device (no per-token Python).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache_engine: CacheEngine,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache_engine: CacheEngine, device: torch.device
+    ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
@@ -44,13 +46,18 @@ class ModelRunner:
         # The logits of a sequence come from the hidden state of its last token this step.
         last_token_rows = query_start_loc[1:].astype(np.int64) - 1
         sample_rows = last_token_rows[step.sample_rows]
-        return (_to_device(step.input_ids, device), _to_device(step.positions, device), meta,
-                _to_device(sample_rows, device))
+        return (
+            _to_device(step.input_ids, device),
+            _to_device(step.positions, device),
+            meta,
+            _to_device(sample_rows, device),
+        )
 
     def prepare_step(self, step):
         """Run the step's block operations and build its inputs (None: nothing to compute)."""
-        self.cache_engine.execute(step.blocks_to_swap_out, step.blocks_to_swap_in,
-                                  step.blocks_to_copy)
+        self.cache_engine.execute(
+            step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy
+        )
         if step.num_seqs == 0:
             return None
         return self.prepare(step)
