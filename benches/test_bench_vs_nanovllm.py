@@ -55,9 +55,14 @@ def prompts():
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("caching", [True, False])
 def test_pagedllm_steady_decode(benchmark, block_size, caching):
-    s = Scheduler(block_size=block_size, max_num_seqs=RUNNING, max_model_len=MAX_MODEL_LEN,
-                  max_num_batched_tokens=16384, enable_prefix_caching=caching,
-                  num_gpu_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1))
+    s = Scheduler(
+        block_size=block_size,
+        max_num_seqs=RUNNING,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=16384,
+        enable_prefix_caching=caching,
+        num_gpu_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1),
+    )
     for i, p in enumerate(prompts()):
         s.add_request(f"r{i}", p, max_tokens=1024, ignore_eos=True)
     while True:  # prefill everything first
@@ -79,8 +84,12 @@ def test_nanovllm_steady_decode(benchmark, block_size):
     scheduler_mod, sequence_mod, params_mod = nanovllm_modules()
     sequence_mod.Sequence.block_size = block_size  # nano-vllm keeps it on the class
     config = types.SimpleNamespace(
-        max_num_seqs=RUNNING, max_num_batched_tokens=16384, eos=-1,
-        kvcache_block_size=block_size, num_kvcache_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1))
+        max_num_seqs=RUNNING,
+        max_num_batched_tokens=16384,
+        eos=-1,
+        kvcache_block_size=block_size,
+        num_kvcache_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1),
+    )
     s = scheduler_mod.Scheduler(config)
     sp = params_mod.SamplingParams(temperature=1.0, max_tokens=1024, ignore_eos=True)
     for p in prompts():

@@ -1,17 +1,28 @@
-"""Engine knobs (`EngineArgs`), shared by `LLM(...)`, `LLMEngine` and the CLI."""
+"""Engine knobs (`EngineArgs`), shared by `LLM(...)`, `LLMEngine` and the CLI.
+
+The scheduler's and the cache's knobs (mode names, defaults, the default token budget) are the
+Rust core's: read from `pagedllm._core`, never restated here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from pagedllm._core import (
+    DEFAULTS,
+    POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_STRATEGIES,
+    default_max_num_batched_tokens,
+)
+
 # the built-in model (no files: seeded random weights over a byte vocabulary)
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
 DEFAULT_MODEL = TINY_RANDOM_MODEL
-SCHEDULING_STRATEGIES = ("unified", "prefill_first", "chunked_prefill")
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = (None, "recompute", "swap")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+# the dtypes the models run in (and a checkpoint may state); "auto" picks one per device
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
 
 
@@ -24,21 +35,21 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    block_size: int = 16
+    block_size: int = DEFAULTS["block_size"]
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     cpu_kv_cache_space: float = 1.0  # GiB for the KV cache when running on CPU
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULTS["max_num_seqs"]
     max_num_batched_tokens: int | None = None
-    scheduling: str = "unified"
-    policy: str = "fcfs"
-    preemption_mode: str | None = None
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01
-    long_prefill_token_threshold: int = 0
-    delay_factor: float = 0.0
+    scheduling: str = DEFAULTS["scheduling"]
+    policy: str = DEFAULTS["policy"]
+    preemption_mode: str | None = DEFAULTS["preemption_mode"]
+    enable_prefix_caching: bool = DEFAULTS["enable_prefix_caching"]
+    watermark: float = DEFAULTS["watermark"]
+    long_prefill_token_threshold: int = DEFAULTS["long_prefill_token_threshold"]
+    delay_factor: float = DEFAULTS["delay_factor"]
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
@@ -82,12 +93,11 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
-        """prefill_first never splits a prompt, so by default its budget holds a whole one."""
+        """The token budget per step: `max_num_batched_tokens`, else the scheduler's default for
+        the strategy (prefill_first never splits a prompt, so its budget holds a whole one)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        if self.scheduling == "prefill_first":
-            return max(max_model_len, 2048)
-        return 8192
+        return default_max_num_batched_tokens(self.scheduling, max_model_len)
 
 
 def _one_of(name: str, value, allowed) -> None:

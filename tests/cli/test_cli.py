@@ -13,6 +13,7 @@ import torch
 
 import pagedllm.cli.app
 import pagedllm.cli.bench
+from pagedllm import EngineArgs
 from pagedllm.cli import DEBUG_ENV, main
 
 
@@ -37,6 +38,30 @@ def test_generate_prints_text_and_a_throughput_summary(capsys):
     out = capsys.readouterr().out
     assert "[0] 'Hello' -> " in out and "[1] 'World' -> " in out
     assert "2 requests" in out and "generated tok/s" in out
+
+
+def test_engine_flag_defaults_are_the_engine_args():
+    args = pagedllm.cli.app.build_parser().parse_args(["generate", "x"])
+    defaults = EngineArgs()
+    for name in (
+        "model",
+        "tokenizer",
+        "device",
+        "dtype",
+        "seed",
+        "block_size",
+        "num_gpu_blocks",
+        "gpu_memory_utilization",
+        "swap_space",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "scheduling",
+        "policy",
+        "preemption_mode",
+    ):
+        assert getattr(args, name) == getattr(defaults, name), name
+    assert args.no_prefix_caching != defaults.enable_prefix_caching
 
 
 def test_generate_reads_prompts_from_a_file(tmp_path, capsys):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.config import DTYPE_NAMES
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 
 # architecture name -> family; the family selects the decoder's flags
@@ -282,4 +283,4 @@ def _eos_ids(generation: dict[str, Any], raw: dict[str, Any]) -> tuple[int, ...]
 
 def _checkpoint_dtype(raw: dict[str, Any]) -> str | None:
     value = raw.get("torch_dtype", raw.get("dtype"))
-    return value if value in ("float16", "bfloat16", "float32") else None
+    return value if value in DTYPE_NAMES else None

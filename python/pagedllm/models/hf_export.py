@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import checkpoint_layout, expected_shapes
+from pagedllm.models.loader import TORCH_DTYPES, checkpoint_layout, expected_shapes
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from transformers import PretrainedConfig, PreTrainedModel
@@ -27,7 +27,7 @@ _INSTALL_HINT = (
     "pagedllm.models.hf_export needs the optional dependency 'transformers' "
     "(pip install 'transformers>=4.45' or pip install 'pagedllm[test]')"
 )
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 def _import_transformers():

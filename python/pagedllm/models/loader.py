@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.config import DTYPE_NAMES
 from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
@@ -22,7 +23,8 @@ from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# name -> torch dtype of every dtype the models run in
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)
@@ -42,19 +44,19 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     """`"auto"`: float32 on CPU; on GPU the checkpoint's half dtype (bfloat16 if it states
     float32 or nothing)."""
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in TORCH_DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float16, bfloat16 or float32")
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
         half = cfg.checkpoint_dtype in ("float16", "bfloat16")
-        return _DTYPES[cfg.checkpoint_dtype] if half else torch.bfloat16
-    if dtype not in _DTYPES:
+        return TORCH_DTYPES[cfg.checkpoint_dtype] if half else torch.bfloat16
+    if dtype not in TORCH_DTYPES:
         raise ValueError(
             f"dtype {dtype!r} is not supported; use 'auto', 'float16', 'bfloat16' or 'float32'"
         )
-    return _DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def load_model_config(model: str | Path) -> ModelConfig:

@@ -93,7 +93,6 @@ class CacheEngine:
         mapping = torch.from_numpy(np.ascontiguousarray(pairs, dtype=np.int64)).to(self.device)
         if self.device.type == "cuda":
             from pagedllm.kernels import copy_blocks
-
-            copy_blocks(self.kv_cache, mapping)
         else:
-            self.kv_cache[:, :, mapping[:, 1]] = self.kv_cache[:, :, mapping[:, 0]]
+            from pagedllm.kernels.reference import copy_blocks
+        copy_blocks(self.kv_cache, mapping)

@@ -1,0 +1,39 @@
+"""`EngineArgs`: the scheduler's knobs come from the Rust core, so the engine and a bare
+`Scheduler` agree on every default and mode name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagedllm import EngineArgs, Scheduler, _core
+from pagedllm.config import POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES
+
+
+def test_engine_args_defaults_are_the_schedulers():
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    # max_model_len is the engine's own: None means the checkpoint's max_position_embeddings
+    shared = set(defaults) & set(_core.DEFAULTS) - {"max_model_len"}
+    assert {"block_size", "max_num_seqs", "scheduling", "policy", "preemption_mode"} <= shared
+    assert {name: defaults[name] for name in shared} == {n: _core.DEFAULTS[n] for n in shared}
+    s = Scheduler(num_gpu_blocks=8)
+    assert (s.block_size, s.max_num_seqs, s.scheduling, s.policy, s.preemption_mode) == (
+        EngineArgs.block_size,
+        EngineArgs.max_num_seqs,
+        EngineArgs.scheduling,
+        EngineArgs.policy,
+        EngineArgs.preemption_mode,
+    )
+
+
+def test_engine_mode_names_are_the_schedulers():
+    assert SCHEDULING_STRATEGIES == _core.SCHEDULING_STRATEGIES
+    assert POLICIES == _core.POLICIES
+    assert PREEMPTION_MODES == _core.PREEMPTION_MODES
+
+
+def test_default_token_budget_is_the_schedulers():
+    for scheduling in SCHEDULING_STRATEGIES:
+        for max_model_len in (512, 4096):
+            args = EngineArgs(scheduling=scheduling)
+            s = Scheduler(num_gpu_blocks=8, scheduling=scheduling, max_model_len=max_model_len)
+            assert args.resolved_max_num_batched_tokens(max_model_len) == s.max_num_batched_tokens
