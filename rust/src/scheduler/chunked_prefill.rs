@@ -3,47 +3,39 @@
 //! chunked, newly admitted, so next step decodes come before unfinished chunks.
 use crate::error::Result;
 
+use super::budget::Budget;
 use super::output::StepOutput;
-use super::plan::Cut;
+use super::queue::Queue;
 use super::Scheduler;
 
 impl Scheduler {
     /// Returns whether any waiting request was admitted.
     pub(super) fn schedule_chunked_prefill(
         &mut self,
+        budget: &mut Budget,
         delay_passed: bool,
         out: &mut StepOutput,
     ) -> Result<bool> {
-        let mut left = self.cfg.max_num_batched_tokens;
-        self.sort_running_by_rank();
-        let preempted = self.schedule_running(&mut left, Cut::Split, out)?;
-        let walked = self.running.len();
+        let preempted = self.schedule_running(budget, out)?;
+        let walked = self.queues.running.len();
         let mut admitted = false;
         if !preempted {
-            self.swap_in_groups(&mut left, Cut::Split, out)?;
+            self.admit_from(Queue::Swapped, budget, out)?;
         }
-        let swapped_in_end = self.running.len();
+        let swapped_in_end = self.queues.running.len();
         if !preempted && delay_passed {
-            admitted = self.admit_waiting(&mut left, Cut::Split, out)?;
+            admitted = self.admit_from(Queue::Waiting, budget, out)?;
         }
-        let prompts_among_walked = self.running[..walked]
-            .iter()
-            .any(|&h| !self.req(h).is_decoding());
+        let (store, running) = (&self.store, &mut self.queues.running);
+        let decoding = |h: &u32| store.get(*h).is_decoding();
+        let prompts_among_walked = !running[..walked].iter().all(decoding);
         if swapped_in_end > walked || prompts_among_walked {
-            let mut order = Vec::with_capacity(self.running.len());
-            order.extend_from_slice(&self.running[walked..swapped_in_end]);
-            order.extend(
-                self.running[..walked]
-                    .iter()
-                    .filter(|&&h| self.req(h).is_decoding()),
-            );
-            order.extend(
-                self.running[..walked]
-                    .iter()
-                    .filter(|&&h| !self.req(h).is_decoding()),
-            );
-            order.extend_from_slice(&self.running[swapped_in_end..]);
-            self.running = order;
+            let mut order = Vec::with_capacity(running.len());
+            order.extend_from_slice(&running[walked..swapped_in_end]);
+            order.extend(running[..walked].iter().filter(|h| decoding(h)));
+            order.extend(running[..walked].iter().filter(|h| !decoding(h)));
+            order.extend_from_slice(&running[swapped_in_end..]);
+            *running = order;
         }
         Ok(admitted)
     }

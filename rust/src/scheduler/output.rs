@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::ids::{BlockId, TokenId};
 
-use super::request::FinishReason;
+use super::stop::FinishReason;
 
 /// What the lazy per-token arrays of row r are built from: its block table is the first
 /// `len` blocks of sequence `seq` of the request in slot `handle`, its tokens are that
@@ -84,6 +84,25 @@ pub struct StepOutput {
     pub finished: Vec<(String, String)>,
     /// T, the tokens computed this step.
     pub num_batched_tokens: usize,
+    /// What features beyond the core hand the model runner per row (see [`StepExtras`]).
+    pub extras: StepExtras,
+}
+
+/// The place for per-row (or per-request) step data that features beyond the core add:
+/// draft tokens to verify (speculative decoding), which rows sample under a grammar mask
+/// (structured output), each row's adapter (LoRA). Empty today.
+///
+/// A feature adds its columns here, fills them where a general-path row is recorded
+/// (`record::record`, from `Request::extras`), and empties them in `clear` (called by
+/// `StepOutput::reset` when an output is reused). Rows of the decode fast path carry no
+/// extras: requests that need them must take the general path (see
+/// `request::RequestExtras`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepExtras {}
+
+impl StepExtras {
+    /// Empties every column, keeping its capacity.
+    pub(crate) fn clear(&mut self) {}
 }
 
 impl StepOutput {
@@ -155,6 +174,7 @@ impl StepOutput {
         self.preempted.clear();
         self.finished.clear();
         self.num_batched_tokens = 0;
+        self.extras.clear();
     }
 
     /// Pre-size the per-sequence arrays from the previous step's size.
@@ -197,6 +217,16 @@ impl StepOutput {
                 self.table_rows = std::mem::take(&mut t.rows);
                 self.table_rows.clear();
             }
+        }
+    }
+
+    /// Appends block pairs (source, destination) to one of the flattened [N * 2] lists
+    /// (`blocks_to_copy`, `blocks_to_swap_out`, `blocks_to_swap_in`).
+    pub(crate) fn push_pairs(list: &mut Vec<i64>, pairs: Vec<(BlockId, BlockId)>) {
+        list.reserve(pairs.len() * 2);
+        for (src, dst) in pairs {
+            list.push(src as i64);
+            list.push(dst as i64);
         }
     }
 

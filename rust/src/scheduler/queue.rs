@@ -1,67 +1,103 @@
-//! Queue order: `fcfs` keeps insertion order (preempted requests go back to the head),
-//! `priority` keeps `waiting` and `swapped` sorted by (priority, arrival) and sorts
-//! `running` at the start of each step so its tail is always the lowest-ranked request.
+//! The queues: `waiting`, `running`, `swapped`, the seats `running` takes, the requests found
+//! unservable at `add_request`, and this step's preempted requests until they are requeued.
+//!
+//! Order: `fcfs` keeps insertion order (preempted requests go back to the head), `priority`
+//! keeps `waiting` and `swapped` sorted by (priority, arrival) and sorts `running` at the start
+//! of each step so its tail is always the lowest-ranked request. Every change to `running`
+//! goes through a method here, so `running_seats` always adds up.
 use std::collections::VecDeque;
 
-use super::request::rank_less;
-use super::{Policy, RequestStatus, Scheduler};
+use super::request::{rank_less, RequestStatus};
+use super::store::RequestStore;
+use super::Policy;
 
-impl Scheduler {
-    /// Position that keeps `queue` sorted by rank, after requests of equal rank.
-    fn rank_position(&self, queue: &VecDeque<u32>, h: u32) -> usize {
-        let r = self.req(h).rank();
-        queue.partition_point(|&x| !rank_less(r, self.req(x).rank()))
+/// The two queues requests are admitted from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Queue {
+    Waiting,
+    Swapped,
+}
+
+#[derive(Debug)]
+pub(super) struct Queues {
+    policy: Policy,
+    pub(super) waiting: VecDeque<u32>,
+    pub(super) running: Vec<u32>,
+    pub(super) swapped: VecDeque<u32>,
+    /// Seats (`max_num_seqs`) taken by `running`: its unfinished sequences.
+    pub(super) running_seats: usize,
+    /// Requests found unservable at `add_request`, reported by the next `schedule()`.
+    pub(super) pending_ignored: Vec<(u32, String)>,
+    /// This step's preempted requests, in preemption order, until `requeue_preempted`.
+    pub(super) preempted_recompute: Vec<u32>,
+    pub(super) preempted_swap: Vec<u32>,
+}
+
+impl Queues {
+    pub(super) fn new(policy: Policy) -> Self {
+        Queues {
+            policy,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            swapped: VecDeque::new(),
+            running_seats: 0,
+            pending_ignored: Vec::new(),
+            preempted_recompute: Vec::new(),
+            preempted_swap: Vec::new(),
+        }
     }
 
-    pub(super) fn enqueue_waiting(&mut self, h: u32) {
-        match self.cfg.policy {
-            Policy::Fcfs => self.waiting.push_back(h),
+    /// Position that keeps `queue` sorted by rank, after requests of equal rank.
+    fn rank_position(store: &RequestStore, queue: &VecDeque<u32>, h: u32) -> usize {
+        let r = store.get(h).rank();
+        queue.partition_point(|&x| !rank_less(r, store.get(x).rank()))
+    }
+
+    /// Queues `h` at its place: the tail under `fcfs` (or the head when `at_head`), its rank
+    /// under `priority`.
+    fn insert(
+        policy: Policy,
+        store: &RequestStore,
+        queue: &mut VecDeque<u32>,
+        h: u32,
+        at_head: bool,
+    ) {
+        match policy {
+            Policy::Fcfs if at_head => queue.push_front(h),
+            Policy::Fcfs => queue.push_back(h),
             Policy::Priority => {
-                let at = self.rank_position(&self.waiting, h);
-                self.waiting.insert(at, h);
+                let at = Self::rank_position(store, queue, h);
+                queue.insert(at, h);
             }
         }
+    }
+
+    pub(super) fn enqueue_waiting(&mut self, h: u32, store: &RequestStore) {
+        Self::insert(self.policy, store, &mut self.waiting, h, false);
     }
 
     /// Queues this step's preempted requests: recompute ones at the head of `waiting`,
     /// swapped ones at the tail of `swapped`, in both cases earlier-ranked first.
-    pub(super) fn requeue_preempted(&mut self) {
+    pub(super) fn requeue_preempted(&mut self, store: &RequestStore) {
         // Victims are taken from the tail of `running`, so the preemption order is the
         // reverse of the rank order.
-        let recompute = std::mem::take(&mut self.preempted_recompute);
-        for &h in &recompute {
-            match self.cfg.policy {
-                Policy::Fcfs => self.waiting.push_front(h),
-                Policy::Priority => {
-                    let at = self.rank_position(&self.waiting, h);
-                    self.waiting.insert(at, h);
-                }
-            }
+        for &h in &self.preempted_recompute {
+            Self::insert(self.policy, store, &mut self.waiting, h, true);
         }
-        self.preempted_recompute = recompute;
         self.preempted_recompute.clear();
-        let swapped = std::mem::take(&mut self.preempted_swap);
-        for &h in swapped.iter().rev() {
-            match self.cfg.policy {
-                Policy::Fcfs => self.swapped.push_back(h),
-                Policy::Priority => {
-                    let at = self.rank_position(&self.swapped, h);
-                    self.swapped.insert(at, h);
-                }
-            }
+        for &h in self.preempted_swap.iter().rev() {
+            Self::insert(self.policy, store, &mut self.swapped, h, false);
         }
-        self.preempted_swap = swapped;
         self.preempted_swap.clear();
     }
 
     /// Under `priority`: best-ranked first, so victims (the tail) are the lowest-ranked.
-    pub(super) fn sort_running_by_rank(&mut self) {
-        if self.cfg.policy != Policy::Priority || self.running.len() < 2 {
+    pub(super) fn sort_running_by_rank(&mut self, store: &RequestStore) {
+        if self.policy != Policy::Priority || self.running.len() < 2 {
             return;
         }
-        let mut running = std::mem::take(&mut self.running);
-        running.sort_by(|&a, &b| {
-            let (ra, rb) = (self.req(a).rank(), self.req(b).rank());
+        self.running.sort_by(|&a, &b| {
+            let (ra, rb) = (store.get(a).rank(), store.get(b).rank());
             if rank_less(ra, rb) {
                 std::cmp::Ordering::Less
             } else if rank_less(rb, ra) {
@@ -70,31 +106,110 @@ impl Scheduler {
                 std::cmp::Ordering::Equal
             }
         });
-        self.running = running;
     }
 
-    /// Whether a waiting request may be admitted while requests are swapped out: never
-    /// under `fcfs` (swapped groups come back first), only when it outranks the best
-    /// swapped group under `priority`.
-    pub(super) fn admission_open_for(&self, h: u32) -> bool {
+    /// The swapped-queue guard: whether a waiting request may be admitted while requests are
+    /// swapped out. Never under `fcfs` (swapped groups come back first), only when it
+    /// outranks the best swapped group under `priority`.
+    pub(super) fn admission_open_for(&self, h: u32, store: &RequestStore) -> bool {
         match self.swapped.front() {
             None => true,
             Some(&s) => {
-                self.cfg.policy == Policy::Priority
-                    && rank_less(self.req(h).rank(), self.req(s).rank())
+                self.policy == Policy::Priority
+                    && rank_less(store.get(h).rank(), store.get(s).rank())
             }
         }
     }
 
-    /// Moves the head of `waiting` (just admitted) to `running`.
-    pub(super) fn admit_head(&mut self, h: u32) {
-        let head = self.waiting.pop_front();
-        debug_assert_eq!(head, Some(h));
-        let seats = {
-            let req = self.req_mut(h);
-            req.status = RequestStatus::Running;
-            req.seats()
-        };
-        self.running_seats += seats;
+    fn queue(&self, q: Queue) -> &VecDeque<u32> {
+        match q {
+            Queue::Waiting => &self.waiting,
+            Queue::Swapped => &self.swapped,
+        }
+    }
+
+    fn queue_mut(&mut self, q: Queue) -> &mut VecDeque<u32> {
+        match q {
+            Queue::Waiting => &mut self.waiting,
+            Queue::Swapped => &mut self.swapped,
+        }
+    }
+
+    /// The request at position `at` of queue `q`.
+    pub(super) fn get(&self, q: Queue, at: usize) -> Option<u32> {
+        self.queue(q).get(at).copied()
+    }
+
+    /// Takes the request at position `at` out of queue `q`.
+    pub(super) fn remove_at(&mut self, q: Queue, at: usize) -> u32 {
+        self.queue_mut(q)
+            .remove(at)
+            .expect("position is in the queue")
+    }
+
+    /// Takes `h` out of queue `q`, wherever it is.
+    pub(super) fn remove(&mut self, q: Queue, h: u32) {
+        let at = self.queue(q).iter().position(|&x| x == h);
+        self.remove_at(q, at.expect("request is queued"));
+    }
+
+    /// Moves the request at position `at` of queue `q` (just admitted or swapped in) to the
+    /// tail of `running`.
+    pub(super) fn start_running(&mut self, q: Queue, at: usize, store: &mut RequestStore) {
+        let h = self.remove_at(q, at);
+        let req = store.get_mut(h);
+        req.status = RequestStatus::Running;
+        self.running_seats += req.seats();
+        self.running.push(h);
+    }
+
+    /// Takes the tail of `running` (the lowest-ranked request) out, giving back its seats.
+    pub(super) fn pop_running(&mut self, store: &RequestStore) -> Option<u32> {
+        let h = self.running.pop()?;
+        self.running_seats -= store.get(h).seats();
+        Some(h)
+    }
+
+    /// Takes `h` out of `running`, giving back its seats.
+    pub(super) fn remove_running(&mut self, h: u32, store: &RequestStore) {
+        let at = self.running.iter().position(|&x| x == h);
+        self.running.remove(at.expect("running request is queued"));
+        self.running_seats -= store.get(h).seats();
+    }
+
+    /// Takes the requests that finished in `update_from_output` (their seats were given back
+    /// sequence by sequence) out of `running`, into `done`.
+    pub(super) fn take_finished(&mut self, store: &RequestStore, done: &mut Vec<u32>) {
+        self.running.retain(|&h| {
+            let keep = store.try_get(h).is_some_and(|r| !r.status.is_finished());
+            if !keep {
+                done.push(h);
+            }
+            keep
+        });
+    }
+
+    /// Takes `h` (a live, unfinished or ignored request) out of whichever queue its status
+    /// puts it in. Returns false for statuses no queue holds.
+    pub(super) fn remove_request(&mut self, h: u32, store: &RequestStore) -> bool {
+        match store.get(h).status {
+            RequestStatus::Waiting | RequestStatus::Preempted => self.remove(Queue::Waiting, h),
+            RequestStatus::Running => self.remove_running(h, store),
+            RequestStatus::Swapped => self.remove(Queue::Swapped, h),
+            RequestStatus::FinishedIgnored => self.pending_ignored.retain(|(x, _)| *x != h),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Ids of a queue's requests, in order.
+    pub(super) fn ids<'a>(
+        handles: impl IntoIterator<Item = &'a u32>,
+        store: &'a RequestStore,
+    ) -> Vec<&'a str> {
+        handles
+            .into_iter()
+            .map(|&h| store.get(h).id.as_str())
+            .collect()
     }
 }

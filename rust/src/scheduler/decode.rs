@@ -1,0 +1,205 @@
+//! The steady-decode fast path: a single-sequence request decoding one token into a block it
+//! owns alone is planned, recorded and registered without the general planner. Its rows are
+//! queued and recorded into the output in batches (`DecodeBatch::flush`: one tight loop per
+//! output array instead of ~16 scattered pushes per sequence), and the blocks they fill are
+//! registered in the prefix cache in batches too, at the same points.
+use crate::error::{Error, Result};
+use crate::kv::KvCacheManager;
+
+use super::output::{StepOutput, TableRow};
+use super::store::RequestStore;
+use super::Scheduler;
+
+/// Fast-path decodes queued before `flush` records them (64 x 40 B stays in L1).
+const DECODE_BATCH: usize = 64;
+
+/// One single-token decode of the fast path, as `flush` records it.
+#[derive(Debug, Clone, Copy)]
+struct DecodeRow {
+    seq_id: u64,
+    slot: i64,
+    handle: u32,
+    gen: u32,
+    pos: u32,
+    token: u32,
+    table_len: u32,
+}
+
+/// Fast-path work queued but not yet in the output or the prefix cache.
+#[derive(Debug, Default)]
+pub(super) struct DecodeBatch {
+    rows: Vec<DecodeRow>,
+    /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
+    /// the prefix cache by `flush` (queue order).
+    fills: Vec<(u32, u32)>,
+}
+
+impl DecodeBatch {
+    /// Whether enough rows are queued to flush: a step's worth of rows would no longer fit
+    /// in L1 between `flush`'s passes.
+    #[inline]
+    pub(super) fn is_full(&self) -> bool {
+        self.rows.len() >= DECODE_BATCH
+    }
+
+    /// Forgets queued registrations: left over only by a step that failed midway, and
+    /// registering is optional caching.
+    pub(super) fn drop_fills(&mut self) {
+        self.fills.clear();
+    }
+
+    /// Records the queued rows (rows and samples, in queue order) into `out` and registers
+    /// the blocks they filled. Must run before anything else appends rows or samples, or
+    /// touches the prefix cache, to keep the batch order.
+    pub(super) fn flush(
+        &mut self,
+        out: &mut StepOutput,
+        store: &RequestStore,
+        mgr: &mut KvCacheManager,
+    ) -> Result<()> {
+        self.flush_rows(out);
+        self.flush_fills(store, mgr)
+    }
+
+    fn flush_rows(&mut self, out: &mut StepOutput) {
+        let rows = &self.rows;
+        let n = rows.len();
+        if n == 0 {
+            return;
+        }
+        let base = out.seq_ids.len();
+        out.seq_ids.extend(rows.iter().map(|r| r.seq_id as i64));
+        out.handles.extend(rows.iter().map(|r| r.handle));
+        out.gens.extend(rows.iter().map(|r| r.gen));
+        out.seq_index.resize(base + n, 0);
+        out.num_tokens.resize(base + n, 1);
+        out.start_pos.extend(rows.iter().map(|r| r.pos as i32));
+        out.table_rows.extend(rows.iter().map(|r| TableRow {
+            handle: r.handle,
+            seq: 0,
+            len: r.table_len,
+            start: r.pos,
+            n: 1,
+            token: r.token,
+            slot: r.slot,
+        }));
+        out.num_batched_tokens += n;
+        out.sample_rows.extend((base as i64)..((base + n) as i64));
+        out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
+        out.sample_handles.extend_from_slice(&out.handles[base..]);
+        out.sample_gens.extend_from_slice(&out.gens[base..]);
+        let k = out.sample_seq_index.len();
+        out.sample_seq_index.resize(k + n, 0);
+        self.rows.clear();
+    }
+
+    /// Registers the blocks filled by queued decodes (queue order), in one batch.
+    fn flush_fills(&mut self, store: &RequestStore, mgr: &mut KvCacheManager) -> Result<()> {
+        if self.fills.is_empty() {
+            return Ok(());
+        }
+        let items: Vec<_> = self
+            .fills
+            .iter()
+            .map(|&(h, n)| {
+                let req = store.get(h);
+                let s = &req.seqs[0];
+                (s.id, &s.tokens[..], n as usize, req.extra_key)
+            })
+            .collect();
+        mgr.cache_full_blocks_batch(&items)?;
+        self.fills.clear();
+        Ok(())
+    }
+}
+
+/// The facts the fast path reads per sequence, read once per walk (kept in registers).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FastDecode {
+    block_size: usize,
+    lookahead: usize,
+    max_model_len: usize,
+    caching: bool,
+}
+
+impl Scheduler {
+    pub(super) fn fast_decode_facts(&self) -> FastDecode {
+        FastDecode {
+            block_size: self.mgr.block_size(),
+            lookahead: self.cfg.num_lookahead_slots,
+            max_model_len: self.cfg.max_model_len,
+            caching: self.caching(),
+        }
+    }
+
+    /// The common case: a single-sequence request decoding one token into a block it
+    /// already owns alone. Queues the row (see `DecodeBatch::flush`); returns false (nothing
+    /// done) for anything else.
+    #[inline]
+    pub(super) fn try_fast_decode(&mut self, h: u32, facts: FastDecode) -> Result<bool> {
+        let (bs, la) = (facts.block_size, facts.lookahead);
+        let (gen, req) = self.store.slot_mut(h);
+        if req.seqs.len() != 1 {
+            return Ok(false);
+        }
+        let s = &mut req.seqs[0];
+        let start = s.num_computed;
+        if s.tail_shared || s.tokens.len() != start + 1 || start + 1 > facts.max_model_len {
+            return Ok(false);
+        }
+        if start + 1 + la > s.table.num_blocks() * bs {
+            // Also common (1 in block_size steps per sequence): the token opens a fresh
+            // block. With no lookahead and a free block that is a plain append (nothing
+            // shared is written, so no CoW); anything else takes the general path.
+            if la != 0
+                || start != s.table.num_blocks() * bs
+                || self.mgr.num_free_device_blocks() == 0
+            {
+                return Ok(false);
+            }
+            if !self.batch.fills.is_empty() && self.mgr.num_uncached_free_device_blocks() == 0 {
+                // This open evicts a cached block: queued registrations go first, as they
+                // would have without batching.
+                return Ok(false);
+            }
+            // Same as append_slots(start, start + 1) here: start is the table's capacity.
+            let Some(block) = self.mgr.append_fresh_block(s.id)? else {
+                return Err(Error::InvalidState(format!(
+                    "request {}: no fresh block after the free-block check",
+                    req.id
+                )));
+            };
+            debug_assert!(self
+                .mgr
+                .block_table(s.id)
+                .is_ok_and(|t| t.len() == s.table.len() + 1 && t.starts_with(&s.table)));
+            s.table.push(block);
+        }
+        // Decoding writes into the last block unless lookahead slots reach past it; that
+        // case needs neither the table's allocation nor a division.
+        let tail_start = (s.table.num_blocks() - 1) * bs;
+        let (block, offset) = if start >= tail_start {
+            (s.table.last_block(), start - tail_start)
+        } else {
+            (s.table[start / bs], start % bs)
+        };
+        self.batch.rows.push(DecodeRow {
+            // seqs[0]: its id is the request's first (read from the slot's hot line).
+            seq_id: req.first_seq_id,
+            slot: (block as usize * bs + offset) as i64,
+            handle: h,
+            gen,
+            pos: start as u32,
+            // tokens.len() == start + 1 was checked above, so this is tokens[start].
+            token: s.last_token,
+            table_len: s.table.num_blocks() as u32,
+        });
+        s.num_computed = start + 1;
+        if facts.caching && offset + 1 == bs {
+            // Registered in batches by `flush` (same order, before anything else can touch
+            // the prefix cache).
+            self.batch.fills.push((h, (start + 1) as u32));
+        }
+        Ok(true)
+    }
+}

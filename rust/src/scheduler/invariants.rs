@@ -1,0 +1,121 @@
+//! The scheduler's consistency check (the manager checks its own first).
+use std::collections::HashMap;
+
+use super::request::RequestStatus;
+use super::Scheduler;
+
+impl Scheduler {
+    /// The manager's invariants plus the scheduler's own: every live request sits in exactly
+    /// one place matching its status; seats add up; mirrored tables equal the manager's;
+    /// waiting requests hold no blocks, swapped ones only host blocks.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.mgr.check_invariants()?;
+        let queues = &self.queues;
+        let mut place: HashMap<u32, &str> = HashMap::new();
+        let mut mark = |h: u32, q: &'static str| -> std::result::Result<(), String> {
+            match place.insert(h, q) {
+                None => Ok(()),
+                Some(prev) => Err(format!("request slot {h} is in both {prev} and {q}")),
+            }
+        };
+        for &h in &queues.waiting {
+            mark(h, "waiting")?;
+        }
+        for &h in &queues.running {
+            mark(h, "running")?;
+        }
+        for &h in &queues.swapped {
+            mark(h, "swapped")?;
+        }
+        for &(h, _) in &queues.pending_ignored {
+            mark(h, "ignored")?;
+        }
+        let live = self.store.num_occupied();
+        if live != place.len() || live != self.store.len() {
+            return Err(format!(
+                "{live} live requests, {} queued, {} ids",
+                place.len(),
+                self.store.len()
+            ));
+        }
+        let mut seats = 0;
+        for (&h, &q) in &place {
+            let Some(req) = self.store.try_get(h) else {
+                return Err(format!("queue {q} names empty slot {h}"));
+            };
+            let ok = match q {
+                "waiting" => req.status.is_waiting(),
+                "running" => req.status == RequestStatus::Running,
+                "swapped" => req.status == RequestStatus::Swapped,
+                _ => req.status == RequestStatus::FinishedIgnored,
+            };
+            if !ok {
+                return Err(format!(
+                    "request {} in {q} has status {:?}",
+                    req.id, req.status
+                ));
+            }
+            if req.num_unfinished != req.seqs.iter().filter(|s| !s.is_finished()).count() {
+                return Err(format!("request {}: unfinished count is off", req.id));
+            }
+            let active: Vec<usize> = req.active_seqs().collect();
+            for (i, s) in req.seqs.iter().enumerate() {
+                let holds = q == "running" || q == "swapped";
+                let should_hold = holds && active.contains(&i);
+                if self.mgr.contains(s.id) != should_hold {
+                    return Err(format!(
+                        "request {} seq {i} ({q}): manager holds it: {}",
+                        req.id,
+                        self.mgr.contains(s.id)
+                    ));
+                }
+                if should_hold && self.mgr.is_swapped(s.id) != (q == "swapped") {
+                    return Err(format!("request {} seq {i}: wrong pool", req.id));
+                }
+                if q == "running" && should_hold {
+                    let table = self.mgr.block_table(s.id).map_err(|e| e.to_string())?;
+                    if table != s.table.as_slice()
+                        || s.table.last_block() != *table.last().unwrap_or(&0)
+                    {
+                        return Err(format!(
+                            "request {} seq {i}: stale block table mirror",
+                            req.id
+                        ));
+                    }
+                    if s.table.num_blocks() != s.table.len() || req.first_seq_id + i as u64 != s.id
+                    {
+                        return Err(format!("request {} seq {i}: stale inline copies", req.id));
+                    }
+                    if s.tokens.last() != Some(&s.last_token) {
+                        return Err(format!("request {} seq {i}: stale last_token", req.id));
+                    }
+                    if s.num_computed > s.tokens.len()
+                        || s.num_computed > s.table.len() * self.mgr.block_size()
+                    {
+                        return Err(format!(
+                            "request {} seq {i}: computed past its slots",
+                            req.id
+                        ));
+                    }
+                }
+                let stale_progress = q == "waiting" && !s.is_finished() && s.num_computed != 0;
+                if !should_hold && (!s.table.is_empty() || stale_progress) {
+                    return Err(format!("request {} seq {i}: holds state while {q}", req.id));
+                }
+            }
+            if q == "running" {
+                seats += req.seats();
+            }
+        }
+        if seats != queues.running_seats {
+            return Err(format!("running seats {} != {seats}", queues.running_seats));
+        }
+        if queues.running_seats > self.cfg.max_num_seqs {
+            return Err(format!(
+                "{} running sequences exceed max_num_seqs={}",
+                queues.running_seats, self.cfg.max_num_seqs
+            ));
+        }
+        Ok(())
+    }
+}

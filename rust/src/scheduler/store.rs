@@ -1,0 +1,158 @@
+//! The request store: a slab of request slots addressed by `u32` handles (no hashing after
+//! `add_request`), each with a generation so that outputs naming (slot, generation) still
+//! resolve, or fail to, after the request left; the id -> slot map; and the counters that
+//! hand out sequence ids and insertion order.
+use std::collections::{HashMap, VecDeque};
+
+use crate::ids::SeqId;
+
+use super::request::Request;
+
+/// Freed request slots are reused only once this many wait in line, so the ids of a recent
+/// step's output stay resolvable (outputs name requests by slot + generation).
+const RECYCLE_AFTER: usize = 4096;
+
+/// `repr(C)`, cache-line aligned: the generation and the request's hot fields (see
+/// [`Request`]) share the slot's first line.
+#[derive(Debug)]
+#[repr(C, align(64))]
+pub(super) struct Slot {
+    pub(super) gen: u32,
+    pub(super) req: Option<Request>,
+    /// Id of the current (or last) occupant; kept after it leaves so old outputs resolve it.
+    pub(super) id: String,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct RequestStore {
+    slots: Vec<Slot>,
+    free_slots: VecDeque<u32>,
+    by_id: HashMap<String, u32>,
+    next_seq_id: SeqId,
+    next_order: u64,
+}
+
+impl RequestStore {
+    /// Ids for a new request of `n` sequences: its first sequence id and its insertion order.
+    pub(super) fn next_ids(&mut self, n: usize) -> (SeqId, u64) {
+        let ids = (self.next_seq_id, self.next_order);
+        self.next_seq_id += n as SeqId;
+        self.next_order += 1;
+        ids
+    }
+
+    /// Stores a new request (its id must not be live); returns its slot.
+    pub(super) fn place(&mut self, req: Request) -> u32 {
+        let h = if self.free_slots.len() > RECYCLE_AFTER {
+            let h = self.free_slots.pop_front().expect("non-empty");
+            let slot = &mut self.slots[h as usize];
+            slot.gen = slot.gen.wrapping_add(1);
+            slot.id.clone_from(&req.id);
+            slot.req = Some(req);
+            h
+        } else {
+            let h = u32::try_from(self.slots.len()).expect("fewer than 2^32 request slots");
+            self.slots.push(Slot {
+                id: req.id.clone(),
+                req: Some(req),
+                gen: 0,
+            });
+            h
+        };
+        self.by_id.insert(self.slots[h as usize].id.clone(), h);
+        h
+    }
+
+    /// Takes a request out of the store; its slot waits to be reused (see `RECYCLE_AFTER`).
+    pub(super) fn take(&mut self, h: u32) -> Request {
+        let req = self.slots[h as usize]
+            .req
+            .take()
+            .expect("released slot holds a request");
+        self.by_id.remove(&req.id);
+        self.free_slots.push_back(h);
+        req
+    }
+
+    /// The request in slot `h`, which must hold one (every queued handle does).
+    #[inline]
+    pub(super) fn get(&self, h: u32) -> &Request {
+        self.slots[h as usize]
+            .req
+            .as_ref()
+            .expect("queued slot holds a request")
+    }
+
+    #[inline]
+    pub(super) fn get_mut(&mut self, h: u32) -> &mut Request {
+        self.slots[h as usize]
+            .req
+            .as_mut()
+            .expect("queued slot holds a request")
+    }
+
+    /// The request in slot `h`, if the slot holds one.
+    #[inline]
+    pub(super) fn try_get(&self, h: u32) -> Option<&Request> {
+        self.slots[h as usize].req.as_ref()
+    }
+
+    #[inline]
+    pub(super) fn try_get_mut(&mut self, h: u32) -> Option<&mut Request> {
+        self.slots[h as usize].req.as_mut()
+    }
+
+    /// The request an output named by (slot, generation), if it is still there.
+    #[inline]
+    pub(super) fn live_mut(&mut self, h: u32, gen: u32) -> Option<&mut Request> {
+        let slot = &mut self.slots[h as usize];
+        if slot.gen != gen {
+            return None;
+        }
+        slot.req.as_mut()
+    }
+
+    pub(super) fn is_live(&self, h: u32, gen: u32) -> bool {
+        let slot = &self.slots[h as usize];
+        slot.gen == gen && slot.req.is_some()
+    }
+
+    /// Slot `h`'s generation and request (the decode fast path reads both from one line).
+    #[inline]
+    pub(super) fn slot_mut(&mut self, h: u32) -> (u32, &mut Request) {
+        let slot = &mut self.slots[h as usize];
+        let req = slot.req.as_mut().expect("queued slot holds a request");
+        (slot.gen, req)
+    }
+
+    /// Generation of a request slot (bumped each time the slot is reused).
+    #[inline]
+    pub(super) fn gen(&self, h: u32) -> u32 {
+        self.slots[h as usize].gen
+    }
+
+    /// Id of the request an output named by (slot, generation); `None` once the slot has
+    /// been given to another request.
+    pub(super) fn resolve(&self, h: u32, gen: u32) -> Option<&str> {
+        let slot = self.slots.get(h as usize)?;
+        (slot.gen == gen).then_some(slot.id.as_str())
+    }
+
+    pub(super) fn handle_of(&self, request_id: &str) -> Option<u32> {
+        self.by_id.get(request_id).copied()
+    }
+
+    /// Number of live requests, counted by id.
+    pub(super) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// Number of slots holding a request (equals `len` when consistent).
+    pub(super) fn num_occupied(&self) -> usize {
+        self.slots.iter().filter(|s| s.req.is_some()).count()
+    }
+}

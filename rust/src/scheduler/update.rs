@@ -1,0 +1,109 @@
+//! Applying a computed step: `update_from_output` appends each sampled token to its
+//! sequence, applies the stop rules (`stop.rs`) and frees what finished.
+use crate::error::Result;
+use crate::ids::TokenId;
+
+use super::output::FinishedSeq;
+use super::request::RequestStatus;
+use super::stop::FinishReason;
+use super::Scheduler;
+
+impl Scheduler {
+    /// Takes one sampled token per sample of the latest output (`sampled[k]` belongs to
+    /// `sample_seq_ids[k]`), appends it, applies the stop rules and frees what finished.
+    /// `stop_hit[k]` (optional) finishes that sequence as stopped (a stop string matched).
+    pub fn update_from_output(
+        &mut self,
+        step: u64,
+        sampled: &[i64],
+        stop_hit: Option<&[bool]>,
+    ) -> Result<Vec<FinishedSeq>> {
+        self.ledger.close_for_update(step, sampled, stop_hit)?;
+        let max_len = self.cfg.max_seq_len();
+        let mut finished = Vec::new();
+        self.ledger.finished.clear();
+        let mut any_request_done = false;
+        let samples = self
+            .ledger
+            .handles
+            .iter()
+            .zip(&self.ledger.gens)
+            .zip(&self.ledger.seq_index)
+            .zip(sampled);
+        for (i, (((&h, &gen), &idx), &token)) in samples.enumerate() {
+            let idx = idx as u32;
+            // Aborted since the schedule() call: nothing to append to.
+            let Some(req) = self.store.live_mut(h, gen) else {
+                continue;
+            };
+            if req.status != RequestStatus::Running {
+                continue;
+            }
+            let prompt_len = req.prompt_len;
+            let Some(seq) = req.seqs.get_mut(idx as usize) else {
+                continue;
+            };
+            if seq.is_finished() {
+                continue;
+            }
+            let token = token as TokenId;
+            seq.tokens.push(token);
+            seq.last_token = token;
+            let total = seq.tokens.len();
+            let hit = stop_hit.is_some_and(|s| s[i]);
+            // Common case: no rule can fire yet; skips the stop parameters' cache line.
+            if !hit && total < req.quiet_until {
+                continue;
+            }
+            let fin = if hit {
+                Some((FinishReason::Stop, None))
+            } else {
+                req.stop.check(token, total - prompt_len, total, max_len)
+            };
+            let Some((reason, stop_reason)) = fin else {
+                continue;
+            };
+            seq.finished = Some((reason, stop_reason));
+            // The mirror is cleared below, once pending outputs have their snapshots.
+            self.ledger.finished.push((h, idx));
+            let seq_id = seq.id;
+            if self.mgr.contains(seq_id) {
+                self.mgr.free(seq_id)?;
+            }
+            req.num_unfinished -= 1;
+            self.queues.running_seats -= 1;
+            let request_finished = req.num_unfinished == 0;
+            if request_finished {
+                req.status = match reason {
+                    FinishReason::Stop => RequestStatus::FinishedStopped,
+                    FinishReason::Length => RequestStatus::FinishedLengthCapped,
+                };
+                any_request_done = true;
+            }
+            finished.push(FinishedSeq {
+                request_id: req.id.clone(),
+                seq_index: idx as usize,
+                reason,
+                stop_reason,
+                request_finished,
+            });
+        }
+        if !self.ledger.finished.is_empty() {
+            self.recorder.materialize_pending(&self.store);
+            for &(h, idx) in &self.ledger.finished {
+                if let Some(req) = self.store.try_get_mut(h) {
+                    req.seqs[idx as usize].table.clear();
+                }
+            }
+        }
+        if any_request_done {
+            let mut done = Vec::new();
+            self.queues.take_finished(&self.store, &mut done);
+            for h in done {
+                self.release(h)?;
+                self.counters.num_finished += 1;
+            }
+        }
+        Ok(finished)
+    }
+}
