@@ -3,8 +3,9 @@
 //!
 //! Order: `fcfs` keeps insertion order (preempted requests go back to the head), `priority`
 //! keeps `waiting` and `swapped` sorted by (priority, arrival) and sorts `running` at the start
-//! of each step so its tail is always the lowest-ranked request. Every change to `running`
-//! goes through a method here, so `running_seats` always adds up.
+//! of each step so its tail is always the lowest-ranked request. Who joins or leaves
+//! `running`, and every seat freed, goes through a method here, so `running_seats` always adds
+//! up (the strategies only reorder `running`).
 use std::collections::VecDeque;
 
 use super::request::{rank_less, RequestStatus};
@@ -175,6 +176,12 @@ impl Queues {
         let at = self.running.iter().position(|&x| x == h);
         self.running.remove(at.expect("running request is queued"));
         self.running_seats -= store.get(h).seats();
+    }
+
+    /// A running sequence finished: its seat is free.
+    #[inline]
+    pub(super) fn seat_freed(&mut self) {
+        self.running_seats -= 1;
     }
 
     /// Takes the requests that finished in `update_from_output` (their seats were given back

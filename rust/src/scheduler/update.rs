@@ -71,7 +71,7 @@ impl Scheduler {
                 self.mgr.free(seq_id)?;
             }
             req.num_unfinished -= 1;
-            self.queues.running_seats -= 1;
+            self.queues.seat_freed();
             let request_finished = req.num_unfinished == 0;
             if request_finished {
                 req.status = match reason {
