@@ -485,3 +485,30 @@ fn admission_conditions_hold_a_request_in_place() {
         assert_eq!(s.waiting_ids(), vec!["r1", "r2"], "{st:?}");
     }
 }
+
+/// The `priority` probe reads the same conditions: it preempts nobody for a request a
+/// condition holds back, and makes room once the condition clears.
+#[test]
+fn priority_probe_respects_admission_conditions() {
+    use super::admission::Verdict;
+    for st in [Strategy::PrefillFirst, Strategy::Unified] {
+        let mut c = cfg(st, 64);
+        c.policy = Policy::Priority;
+        c.max_num_seqs = 1;
+        let mut s = Scheduler::new(cache(4, 64, 0), c).unwrap();
+        let mut low = req(0, 4, 1, 8);
+        low.priority = 5;
+        s.add_request("low", low).unwrap();
+        step(&mut s, 7);
+        s.add_request("high", req(1, 4, 1, 8)).unwrap();
+        let h = s.handle_of("high").unwrap();
+        s.store.get_mut(h).extras.condition = Some(Verdict::Wait);
+        let (out, _) = step(&mut s, 7);
+        assert!(out.preempted.is_empty(), "{st:?}");
+        assert_eq!(s.running_ids(), vec!["low"], "{st:?}");
+        s.store.get_mut(h).extras.condition = None;
+        let (out, _) = step(&mut s, 7);
+        assert_eq!(out.preempted, vec!["low".to_string()], "{st:?}");
+        assert_eq!(s.running_ids(), vec!["high"], "{st:?}");
+    }
+}
