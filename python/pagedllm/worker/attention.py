@@ -1,4 +1,4 @@
-"""Paged attention entry point used by the models (docs/ARCHITECTURE.md §3).
+"""Paged attention entry point used by the models (docs/ARCHITECTURE.md §6).
 
 `paged_attention` stores this step's K/V into the paged cache and attends. CUDA tensors go to the
 Triton kernels (triton is imported only then, so this module imports on machines without it);
