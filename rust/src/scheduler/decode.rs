@@ -7,22 +7,19 @@ use crate::error::{Error, Result};
 use crate::kv::KvCacheManager;
 
 use super::output::{StepOutput, TableRow};
-use super::store::RequestStore;
+use super::store::{RequestStore, Slot};
 use super::Scheduler;
 
-/// Fast-path decodes queued before `flush` records them (64 x 40 B stays in L1).
+/// Fast-path decodes queued before `flush` records them (64 x 48 B stays in L1).
 const DECODE_BATCH: usize = 64;
 
-/// One single-token decode of the fast path, as `flush` records it.
+/// One single-token decode of the fast path, as `flush` records it: its table row already
+/// in the output's layout (copied whole), and what the other arrays take besides.
 #[derive(Debug, Clone, Copy)]
 struct DecodeRow {
+    row: TableRow,
     seq_id: u64,
-    slot: i64,
-    handle: u32,
     gen: u32,
-    pos: u32,
-    token: u32,
-    table_len: u32,
 }
 
 /// Fast-path work queued but not yet in the output or the prefix cache.
@@ -69,20 +66,13 @@ impl DecodeBatch {
         }
         let base = out.seq_ids.len();
         out.seq_ids.extend(rows.iter().map(|r| r.seq_id as i64));
-        out.handles.extend(rows.iter().map(|r| r.handle));
+        out.handles.extend(rows.iter().map(|r| r.row.handle));
         out.gens.extend(rows.iter().map(|r| r.gen));
         out.seq_index.resize(base + n, 0);
         out.num_tokens.resize(base + n, 1);
-        out.start_pos.extend(rows.iter().map(|r| r.pos as i32));
-        out.table_rows.extend(rows.iter().map(|r| TableRow {
-            handle: r.handle,
-            seq: 0,
-            len: r.table_len,
-            start: r.pos,
-            n: 1,
-            token: r.token,
-            slot: r.slot,
-        }));
+        out.start_pos
+            .extend(rows.iter().map(|r| r.row.start as i32));
+        out.table_rows.extend(rows.iter().map(|r| r.row));
         out.num_batched_tokens += n;
         out.sample_rows.extend((base as i64)..((base + n) as i64));
         out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
@@ -132,13 +122,77 @@ impl Scheduler {
         }
     }
 
+    /// Runs the fast path over `running[i..]`, at most `left` requests, stopping at the
+    /// first one it does not take (see `DecodeBatch::try_push`); flushes whenever the batch
+    /// is full. Returns how many requests it took. Borrows the scheduler's parts separately
+    /// so the walk keeps its state in registers.
+    pub(super) fn fast_decode_run(
+        &mut self,
+        i: usize,
+        left: usize,
+        facts: FastDecode,
+        out: &mut StepOutput,
+    ) -> Result<usize> {
+        let Scheduler {
+            queues,
+            store,
+            mgr,
+            batch,
+            ..
+        } = self;
+        fast_decode_run(&queues.running[i..], left, facts, store, mgr, batch, out)
+    }
+}
+
+/// See `Scheduler::fast_decode_run` (a free function: its borrows are disjoint parameters).
+#[inline(never)]
+fn fast_decode_run(
+    running: &[u32],
+    left: usize,
+    facts: FastDecode,
+    store: &mut RequestStore,
+    mgr: &mut KvCacheManager,
+    batch: &mut DecodeBatch,
+    out: &mut StepOutput,
+) -> Result<usize> {
+    let running = &running[..running.len().min(left)];
+    let mut k = 0;
+    while k < running.len() {
+        // A chunk that fits in the batch: no flush inside, so the slots stay a local slice.
+        let chunk = &running[k..running.len().min(k + DECODE_BATCH - batch.rows.len())];
+        let slots = store.slots_mut();
+        for &h in chunk {
+            if !batch.try_push(h, facts, slots, mgr)? {
+                return Ok(k);
+            }
+            k += 1;
+        }
+        if batch.is_full() {
+            // Rows only: the fills wait for the walk's next full flush (one registration
+            // batch per run). Nothing in between touches the prefix cache: an open that
+            // would evict a cached block leaves the fast path, which flushes first.
+            batch.flush_rows(out);
+        }
+    }
+    Ok(k)
+}
+
+impl DecodeBatch {
     /// The common case: a single-sequence request decoding one token into a block it
     /// already owns alone. Queues the row (see `DecodeBatch::flush`); returns false (nothing
     /// done) for anything else.
     #[inline]
-    pub(super) fn try_fast_decode(&mut self, h: u32, facts: FastDecode) -> Result<bool> {
+    fn try_push(
+        &mut self,
+        h: u32,
+        facts: FastDecode,
+        slots: &mut [Slot],
+        mgr: &mut KvCacheManager,
+    ) -> Result<bool> {
         let (bs, la) = (facts.block_size, facts.lookahead);
-        let (gen, req) = self.store.slot_mut(h);
+        let slot = &mut slots[h as usize];
+        let gen = slot.gen;
+        let req = slot.req.as_mut().expect("queued slot holds a request");
         if req.seqs.len() != 1 {
             return Ok(false);
         }
@@ -151,26 +205,22 @@ impl Scheduler {
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
-            if la != 0
-                || start != s.table.num_blocks() * bs
-                || self.mgr.num_free_device_blocks() == 0
-            {
+            if la != 0 || start != s.table.num_blocks() * bs || mgr.num_free_device_blocks() == 0 {
                 return Ok(false);
             }
-            if !self.batch.fills.is_empty() && self.mgr.num_uncached_free_device_blocks() == 0 {
+            if !self.fills.is_empty() && mgr.num_uncached_free_device_blocks() == 0 {
                 // This open evicts a cached block: queued registrations go first, as they
                 // would have without batching.
                 return Ok(false);
             }
             // Same as append_slots(start, start + 1) here: start is the table's capacity.
-            let Some(block) = self.mgr.append_fresh_block(s.id)? else {
+            let Some(block) = mgr.append_fresh_block(s.id)? else {
                 return Err(Error::InvalidState(format!(
                     "request {}: no fresh block after the free-block check",
                     req.id
                 )));
             };
-            debug_assert!(self
-                .mgr
+            debug_assert!(mgr
                 .block_table(s.id)
                 .is_ok_and(|t| t.len() == s.table.len() + 1 && t.starts_with(&s.table)));
             s.table.push(block);
@@ -183,22 +233,26 @@ impl Scheduler {
         } else {
             (s.table[start / bs], start % bs)
         };
-        self.batch.rows.push(DecodeRow {
+        self.rows.push(DecodeRow {
+            row: TableRow {
+                handle: h,
+                seq: 0,
+                len: s.table.num_blocks() as u32,
+                start: start as u32,
+                n: 1,
+                // tokens.len() == start + 1 was checked above, so this is tokens[start].
+                token: s.last_token,
+                slot: (block as usize * bs + offset) as i64,
+            },
             // seqs[0]: its id is the request's first (read from the slot's hot line).
             seq_id: req.first_seq_id,
-            slot: (block as usize * bs + offset) as i64,
-            handle: h,
             gen,
-            pos: start as u32,
-            // tokens.len() == start + 1 was checked above, so this is tokens[start].
-            token: s.last_token,
-            table_len: s.table.num_blocks() as u32,
         });
         s.num_computed = start + 1;
         if facts.caching && offset + 1 == bs {
             // Registered in batches by `flush` (same order, before anything else can touch
             // the prefix cache).
-            self.batch.fills.push((h, (start + 1) as u32));
+            self.fills.push((h, (start + 1) as u32));
         }
         Ok(true)
     }

@@ -25,15 +25,14 @@ impl Scheduler {
         let mut left = budget.tokens;
         let mut i = 0;
         while i < self.queues.running.len() && left > 0 {
-            let h = self.queues.running[i];
-            if self.try_fast_decode(h, facts)? {
-                left -= 1;
-                i += 1;
-                if self.batch.is_full() {
-                    self.batch.flush(out, &self.store, &mut self.mgr)?;
-                }
-                continue;
+            // The fast path takes what it can from here on (flushing as its batch fills).
+            let taken = self.fast_decode_run(i, left, facts, out)?;
+            left -= taken;
+            i += taken;
+            if i >= self.queues.running.len() || left == 0 {
+                break;
             }
+            let h = self.queues.running[i];
             self.batch.flush(out, &self.store, &mut self.mgr)?;
             let (tokens, needed) = self.plan_request(h, left, cut);
             if tokens == 0 {

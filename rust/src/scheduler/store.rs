@@ -102,27 +102,15 @@ impl RequestStore {
         self.slots[h as usize].req.as_mut()
     }
 
-    /// The request an output named by (slot, generation), if it is still there.
-    #[inline]
-    pub(super) fn live_mut(&mut self, h: u32, gen: u32) -> Option<&mut Request> {
-        let slot = &mut self.slots[h as usize];
-        if slot.gen != gen {
-            return None;
-        }
-        slot.req.as_mut()
-    }
-
     pub(super) fn is_live(&self, h: u32, gen: u32) -> bool {
         let slot = &self.slots[h as usize];
         slot.gen == gen && slot.req.is_some()
     }
 
-    /// Slot `h`'s generation and request (the decode fast path reads both from one line).
+    /// Every slot, for a walk that reads many (see `decode::fast_decode_run`).
     #[inline]
-    pub(super) fn slot_mut(&mut self, h: u32) -> (u32, &mut Request) {
-        let slot = &mut self.slots[h as usize];
-        let req = slot.req.as_mut().expect("queued slot holds a request");
-        (slot.gen, req)
+    pub(super) fn slots_mut(&mut self) -> &mut [Slot] {
+        &mut self.slots
     }
 
     /// Generation of a request slot (bumped each time the slot is reused).

@@ -23,23 +23,35 @@ impl Scheduler {
         let mut finished = Vec::new();
         self.ledger.finished.clear();
         let mut any_request_done = false;
-        let samples = self
-            .ledger
-            .handles
-            .iter()
-            .zip(&self.ledger.gens)
-            .zip(&self.ledger.seq_index)
-            .zip(sampled);
-        for (i, (((&h, &gen), &idx), &token)) in samples.enumerate() {
-            let idx = idx as u32;
+        // The scheduler's parts borrowed separately, the slots as a local slice: the loop
+        // keeps them in registers.
+        let Scheduler {
+            store,
+            mgr,
+            queues,
+            ledger,
+            ..
+        } = self;
+        let slots = store.slots_mut();
+        let n = sampled.len();
+        let (handles, gens, seq_index) = (
+            &ledger.handles[..n],
+            &ledger.gens[..n],
+            &ledger.seq_index[..n],
+        );
+        for i in 0..n {
+            let (h, gen, idx, token) = (handles[i], gens[i], seq_index[i] as u32, sampled[i]);
             // Aborted since the schedule() call: nothing to append to.
-            let Some(req) = self.store.live_mut(h, gen) else {
+            let slot = &mut slots[h as usize];
+            if slot.gen != gen {
+                continue;
+            }
+            let Some(req) = slot.req.as_mut() else {
                 continue;
             };
             if req.status != RequestStatus::Running {
                 continue;
             }
-            let prompt_len = req.prompt_len;
             let Some(seq) = req.seqs.get_mut(idx as usize) else {
                 continue;
             };
@@ -55,6 +67,7 @@ impl Scheduler {
             if !hit && total < req.quiet_until {
                 continue;
             }
+            let prompt_len = req.prompt_len;
             let fin = if hit {
                 Some((FinishReason::Stop, None))
             } else {
@@ -65,13 +78,13 @@ impl Scheduler {
             };
             seq.finished = Some((reason, stop_reason));
             // The mirror is cleared below, once pending outputs have their snapshots.
-            self.ledger.finished.push((h, idx));
+            ledger.finished.push((h, idx));
             let seq_id = seq.id;
-            if self.mgr.contains(seq_id) {
-                self.mgr.free(seq_id)?;
+            if mgr.contains(seq_id) {
+                mgr.free(seq_id)?;
             }
             req.num_unfinished -= 1;
-            self.queues.seat_freed();
+            queues.seat_freed();
             let request_finished = req.num_unfinished == 0;
             if request_finished {
                 req.status = match reason {
