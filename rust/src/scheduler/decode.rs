@@ -162,7 +162,11 @@ fn fast_decode_run(
         let chunk = &running[k..running.len().min(k + DECODE_BATCH - batch.rows.len())];
         let slots = store.slots_mut();
         for &h in chunk {
-            if !batch.try_push(h, facts, slots, mgr)? {
+            // The cold retry takes the block opens (1 in block_size) and what the fast path
+            // refuses: the hot loop has no call to keep its registers across.
+            if !batch.try_push::<true>(h, facts, slots, mgr)?
+                && !batch.try_push_cold(h, facts, slots, mgr)?
+            {
                 return Ok(k);
             }
             k += 1;
@@ -178,11 +182,25 @@ fn fast_decode_run(
 }
 
 impl DecodeBatch {
+    /// `try_push` that also opens blocks, out of line (see `fast_decode_run`).
+    #[cold]
+    #[inline(never)]
+    fn try_push_cold(
+        &mut self,
+        h: u32,
+        facts: FastDecode,
+        slots: &mut [Slot],
+        mgr: &mut KvCacheManager,
+    ) -> Result<bool> {
+        self.try_push::<false>(h, facts, slots, mgr)
+    }
+
     /// The common case: a single-sequence request decoding one token into a block it
     /// already owns alone. Queues the row (see `DecodeBatch::flush`); returns false (nothing
-    /// done) for anything else.
-    #[inline]
-    fn try_push(
+    /// done) for anything else. `NO_OPEN`: also returns false, with nothing done, for a
+    /// token that would open a block.
+    #[inline(always)]
+    fn try_push<const NO_OPEN: bool>(
         &mut self,
         h: u32,
         facts: FastDecode,
@@ -202,6 +220,9 @@ impl DecodeBatch {
             return Ok(false);
         }
         if start + 1 + la > s.table.num_blocks() * bs {
+            if NO_OPEN {
+                return Ok(false);
+            }
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.

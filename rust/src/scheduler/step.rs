@@ -82,14 +82,20 @@ impl StepLedger {
                 )));
             }
         }
-        if let Some(i) = sampled
-            .iter()
-            .position(|&t| t < 0 || t > TokenId::MAX as i64)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "sampled_token_ids[{i}] = {} is not a valid token id",
-                sampled[i]
-            )));
+        // A valid id (0..=TokenId::MAX, a u32) has no bit above the low 32 as a u64; a
+        // negative one has them all. One branch-free OR over the samples; the first bad one
+        // is looked for only if there is one.
+        const HIGH: u64 = !(TokenId::MAX as u64);
+        if sampled.iter().fold(0u64, |acc, &t| acc | t as u64) & HIGH != 0 {
+            if let Some(i) = sampled
+                .iter()
+                .position(|&t| t < 0 || t > TokenId::MAX as i64)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "sampled_token_ids[{i}] = {} is not a valid token id",
+                    sampled[i]
+                )));
+            }
         }
         self.awaiting_update = false;
         self.step_open = false;

@@ -3,8 +3,11 @@
 use crate::error::Result;
 use crate::ids::TokenId;
 
+use crate::kv::KvCacheManager;
+
 use super::output::FinishedSeq;
-use super::request::RequestStatus;
+use super::queue::Queues;
+use super::request::{Request, RequestStatus};
 use super::stop::FinishReason;
 use super::Scheduler;
 
@@ -76,30 +79,17 @@ impl Scheduler {
             let Some((reason, stop_reason)) = fin else {
                 continue;
             };
-            seq.finished = Some((reason, stop_reason));
-            // The mirror is cleared below, once pending outputs have their snapshots.
-            ledger.finished.push((h, idx));
-            let seq_id = seq.id;
-            if mgr.contains(seq_id) {
-                mgr.free(seq_id)?;
-            }
-            req.num_unfinished -= 1;
-            queues.seat_freed();
-            let request_finished = req.num_unfinished == 0;
-            if request_finished {
-                req.status = match reason {
-                    FinishReason::Stop => RequestStatus::FinishedStopped,
-                    FinishReason::Length => RequestStatus::FinishedLengthCapped,
-                };
-                any_request_done = true;
-            }
-            finished.push(FinishedSeq {
-                request_id: req.id.clone(),
-                seq_index: idx as usize,
-                reason,
-                stop_reason,
-                request_finished,
-            });
+            // Out of line: once per sequence, and the loop keeps its registers.
+            any_request_done |= finish_seq(
+                req,
+                h,
+                idx,
+                (reason, stop_reason),
+                mgr,
+                queues,
+                &mut ledger.finished,
+                &mut finished,
+            )?;
         }
         if !self.ledger.finished.is_empty() {
             self.recorder.materialize_pending(&self.store);
@@ -119,4 +109,46 @@ impl Scheduler {
         }
         Ok(finished)
     }
+}
+
+/// A sequence of the request in slot `h` just finished (`update_from_output`): marks it,
+/// frees its blocks and seat, finishes the request with its last sequence, and reports it.
+/// Returns whether the request finished.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn finish_seq(
+    req: &mut Request,
+    h: u32,
+    idx: u32,
+    (reason, stop_reason): (FinishReason, Option<TokenId>),
+    mgr: &mut KvCacheManager,
+    queues: &mut Queues,
+    ledger_finished: &mut Vec<(u32, u32)>,
+    finished: &mut Vec<FinishedSeq>,
+) -> Result<bool> {
+    let seq = &mut req.seqs[idx as usize];
+    seq.finished = Some((reason, stop_reason));
+    // The mirror is cleared by the caller, once pending outputs have their snapshots.
+    ledger_finished.push((h, idx));
+    let seq_id = seq.id;
+    if mgr.contains(seq_id) {
+        mgr.free(seq_id)?;
+    }
+    req.num_unfinished -= 1;
+    queues.seat_freed();
+    let request_finished = req.num_unfinished == 0;
+    if request_finished {
+        req.status = match reason {
+            FinishReason::Stop => RequestStatus::FinishedStopped,
+            FinishReason::Length => RequestStatus::FinishedLengthCapped,
+        };
+    }
+    finished.push(FinishedSeq {
+        request_id: req.id.clone(),
+        seq_index: idx as usize,
+        reason,
+        stop_reason,
+        request_finished,
+    });
+    Ok(request_finished)
 }
