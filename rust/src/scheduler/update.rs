@@ -62,6 +62,9 @@ impl Scheduler {
                 continue;
             }
             let token = token as TokenId;
+            if seq.tokens.len() == seq.tokens.capacity() {
+                grow_tokens(&mut seq.tokens);
+            }
             seq.tokens.push(token);
             seq.last_token = token;
             let total = seq.tokens.len();
@@ -109,6 +112,14 @@ impl Scheduler {
         }
         Ok(finished)
     }
+}
+
+/// Room for one more token (as `push` would grow it), out of line: the update loop then has
+/// no call on its common path.
+#[cold]
+#[inline(never)]
+fn grow_tokens(tokens: &mut Vec<TokenId>) {
+    tokens.reserve(1);
 }
 
 /// A sequence of the request in slot `h` just finished (`update_from_output`): marks it,
