@@ -226,6 +226,14 @@ def test_first_new_slot_past_num_slots_is_rejected(busy):
     expect_unchanged(busy, before)
 
 
+def test_first_new_slot_past_the_table_is_rejected_not_a_panic(busy):
+    before = snapshot(busy)
+    # seq 1 holds 3 blocks of 4 = 12 slots; appending from slot 20 would leave a gap
+    with pytest.raises(ValueError, match="without a gap"):
+        busy.append_slots(1, 20, 24)
+    expect_unchanged(busy, before)
+
+
 def test_wrong_argument_types_raise_type_error(busy):
     before = snapshot(busy)
     with pytest.raises(TypeError):

@@ -172,6 +172,13 @@ impl KvCacheManager {
                 "first_new_slot {first_new_slot} is past num_slots {num_slots}"
             )));
         }
+        if first_new_slot > table.len() * bs {
+            return Err(Error::InvalidArgument(format!(
+                "first_new_slot {first_new_slot} is past the {} slots of sequence {seq}: slots \
+                 are appended without a gap",
+                table.len() * bs
+            )));
+        }
         let target = blocks_for(num_slots, bs);
         let written = (first_new_slot / bs)..target.min(table.len());
         let num_copies = count_shared_blocks(&self.device, &table.blocks[written.clone()]);
@@ -384,6 +391,21 @@ mod tests {
         assert_eq!(m.block_table(1).unwrap().len(), 2);
         assert_eq!(m.append_slots(1, 6, 16).unwrap(), Some(vec![]));
         assert_eq!(m.block_table(1).unwrap().len(), 4);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn append_slots_past_the_table_is_an_error_not_a_panic() {
+        let mut m = manager(4, 8, 0);
+        alloc(&mut m, 1, &toks(0..8));
+        // 2 blocks = 8 slots: slot 20 would leave a gap
+        assert!(matches!(
+            m.append_slots(1, 20, 24),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(m.block_table(1).unwrap().len(), 2);
+        // appending right at the end is fine
+        assert_eq!(m.append_slots(1, 8, 9).unwrap(), Some(vec![]));
         m.check_invariants().unwrap();
     }
 
