@@ -62,6 +62,40 @@ class LLM:
             self._abandon(request_ids)
             raise
 
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of `{"role", "content"}`
+        messages) or to each of a list of conversations; one RequestOutput per conversation.
+
+        Messages are rendered as the server renders them (`pagedllm.entrypoints.chat`):
+        `chat_template` (a Jinja2 template, or a file holding one), else the checkpoint's own,
+        else `DEFAULT_CHAT_TEMPLATE`.
+        """
+        from pagedllm.entrypoints.chat import (
+            checkpoint_chat_template,
+            load_chat_template,
+            render_chat,
+        )
+
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+            if not conversations:
+                raise ValueError("messages is empty")
+        template = load_chat_template(chat_template)
+        if template is None:
+            args = self.engine.args
+            template = checkpoint_chat_template(self.engine.tokenizer, args.tokenizer or args.model)
+        prompts = [render_chat(c, self.engine.tokenizer, template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _abandon(self, request_ids: list[str]) -> None:
         """Aborts these requests and drains their final outputs (no forward runs for them)."""
         self.engine.abort_request(request_ids)

@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `generate` and `bench`."""
+"""The `pagedllm` command: `generate`, `bench` and `serve`."""
 
 from __future__ import annotations
 
@@ -260,6 +260,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
+    from pagedllm.entrypoints.chat import load_chat_template
+
+    _check_device(args.device)
+    config = ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        chat_template=load_chat_template(args.chat_template),
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+    )
+    app = build_server_app(_engine_kwargs(args), config)
+    run_server(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedllm", description=__doc__, epilog=EPILOG)
     parser.add_argument(
@@ -295,6 +312,43 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(bench)
     _engine_flags(bench)
     bench.set_defaults(func=_bench)
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (SIGINT/SIGTERM stop it)", epilog=EPILOG
+    )
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=_int_at_least(0), default=8000)
+    g.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: --model)"
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (also: PAGEDLLM_API_KEY)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja2 chat template file (default: the checkpoint's, else a built-in one)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=_POSITIVE,
+        default=None,
+        help="429 beyond this many requests waiting (not yet generating)",
+    )
+    g.add_argument(
+        "--max-queued-tokens",
+        type=_POSITIVE,
+        default=None,
+        help="429 beyond this many prompt tokens waiting (not yet generating)",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    _common_flags(serve)
+    _engine_flags(serve)
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,262 @@
+"""`AsyncEngine`: the engine behind the server.
+
+One background task owns the `LLMEngine`. Every engine call (add, abort, step, stats) runs in
+one worker thread (`asyncio.to_thread`), so the event loop stays responsive while the model runs
+and the engine is never touched by two threads at once. Requests enter through a lock-guarded
+inbox; each request gets an `asyncio.Queue` of its (cumulative) `RequestOutput`s.
+
+A step that raises was already rolled back by the engine (see `engine/faults.py`): the error is
+logged and the loop goes on; after `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is
+marked unhealthy (`/health` fails, new requests get 503) and the live requests are ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+MAX_CONSECUTIVE_FAILURES = 5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped or keeps failing; the server cannot take requests."""
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    added: asyncio.Future
+    queue: asyncio.Queue
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class _Live:
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    started: bool = False  # has it produced a token (left the queue)?
+
+
+@dataclass
+class EngineSnapshot:
+    """What the event loop may read of the engine between steps (taken in the engine thread)."""
+
+    stats: dict[str, Any] = field(default_factory=dict)
+    time: float = 0.0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._inbox: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._live: dict[str, _Live] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.consecutive_failures = 0
+        self.last_error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self.snapshot = EngineSnapshot(stats=engine.get_stats(), time=time.time())
+        # called in the event loop with each finished RequestOutput (metrics)
+        self.on_finished: list = []
+        self.on_output: list = []
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._task = self._loop.create_task(self._run(), name="pagedllm-engine-loop")
+
+    async def stop(self) -> None:
+        """Aborts every live request (its stream ends with finish reason "abort") and stops."""
+        self._stopping = True
+        with self._lock:
+            self._aborts.extend(self._live)
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=30)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            except Exception:  # noqa: BLE001 - already logged by the loop
+                pass
+
+    @property
+    def healthy(self) -> bool:
+        return (
+            self._task is not None
+            and not self._task.done()
+            and self.consecutive_failures < MAX_CONSECUTIVE_FAILURES
+        )
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # ---- admission view ---------------------------------------------------------------------
+
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) submitted and not yet producing tokens."""
+        with self._lock:
+            pending = self._inbox + []
+        requests = len(pending) + sum(not live.started for live in self._live.values())
+        tokens = sum(p.num_prompt_tokens for p in pending) + sum(
+            live.num_prompt_tokens for live in self._live.values() if not live.started
+        )
+        return requests, tokens
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        num_prompt_tokens: int = 0,
+    ) -> asyncio.Queue:
+        """Queues a request; returns the queue of its outputs (the last one has finished=True).
+
+        The engine's validation errors (ValueError naming the field) are raised here."""
+        if not self.healthy or self._stopping:
+            raise EngineDeadError("the engine is not running")
+        assert self._loop is not None and self._wake is not None
+        pending = _Pending(
+            request_id,
+            prompt,
+            params,
+            priority,
+            self._loop.create_future(),
+            asyncio.Queue(),
+            num_prompt_tokens,
+        )
+        with self._lock:
+            self._inbox.append(pending)
+        self._wake.set()
+        await pending.added
+        return pending.queue
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (unknown or finished ids are ignored); its blocks are free after the
+        next engine step."""
+        with self._lock:
+            self._aborts.append(request_id)
+        if self._wake is not None:
+            self._wake.set()
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            with self._lock:
+                has_input = bool(self._inbox or self._aborts)
+            if not has_input and not self._live and self._stopping:
+                return
+            if not has_input and not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                with self._lock:
+                    has_input = bool(self._inbox or self._aborts)
+                if not has_input:
+                    self.last_progress = time.monotonic()
+                    await self._wake.wait()
+                    continue
+            added, outputs, error = await asyncio.to_thread(self._engine_turn)
+            self.last_progress = time.monotonic()
+            for pending, exc in added:
+                if pending.added.done():
+                    continue
+                if exc is None:
+                    self._live[pending.request_id] = _Live(pending.queue, pending.num_prompt_tokens)
+                    pending.added.set_result(None)
+                else:
+                    pending.added.set_exception(exc)
+            for output in outputs:
+                self._deliver(output)
+            if error is not None:
+                self.consecutive_failures += 1
+                self.last_error = error
+                logger.error(
+                    "engine step failed (%d in a row): %r", self.consecutive_failures, error
+                )
+                if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+                    logger.error("the engine keeps failing: marking it unhealthy")
+                    self._fail_all()
+                    return
+                await asyncio.sleep(0.01 * self.consecutive_failures)
+            else:
+                self.consecutive_failures = 0
+
+    def _engine_turn(self):
+        """In the engine thread: take the inbox and aborts, run one step if work exists."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        added = []
+        for pending in inbox:
+            try:
+                self.engine.add_request(
+                    pending.request_id, pending.prompt, pending.params, priority=pending.priority
+                )
+                added.append((pending, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                added.append((pending, exc))
+        if aborts:
+            self.engine.abort_request(aborts)
+        outputs: list[RequestOutput] = []
+        error = None
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - rolled back by the engine; logged
+                error = exc
+        self.snapshot = EngineSnapshot(stats=self.engine.get_stats(), time=time.time())
+        return added, outputs, error
+
+    def _deliver(self, output: RequestOutput) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:
+            return
+        if not live.started and (output.finished or any(c.token_ids for c in output.outputs)):
+            live.started = True
+        live.queue.put_nowait(output)
+        for callback in self.on_output:
+            callback(output)
+        if output.finished:
+            del self._live[output.request_id]
+            for callback in self.on_finished:
+                callback(output)
+
+    def _fail_all(self) -> None:
+        error = EngineDeadError(f"the engine failed: {self.last_error!r}")
+        for live in self._live.values():
+            live.queue.put_nowait(error)
+        self._live.clear()
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for pending in inbox:
+            if not pending.added.done():
+                pending.added.set_exception(error)

@@ -1,0 +1,101 @@
+"""`/metrics`: Prometheus text format, names prefixed `pagedllm:` and following vLLM's.
+
+Gauges and engine counters are read from the engine loop's latest snapshot (taken in the engine
+thread after each step, so a scrape never touches the engine); per-request histograms are fed by
+each finished request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.snapshot.stats
+        gauges = {
+            "num_requests_running": ("num_running", "Requests in the running queue"),
+            "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled"),
+            "num_requests_swapped": ("num_swapped", "Requests swapped out to host memory"),
+            "kv_cache_usage_perc": ("kv_usage", "Fraction of device KV-cache blocks in use (0-1)"),
+        }
+        for name, (key, doc) in gauges.items():
+            yield GaugeMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
+        counters = {
+            "prefix_cache_queries": (
+                "prefix_cache_query_blocks",
+                "Blocks looked up in the prefix cache",
+            ),
+            "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache"),
+            "num_preemptions": ("num_preemptions", "Preemptions since start"),
+            "generation_tokens": ("generation_tokens", "Generated tokens since start"),
+        }
+        for name, (key, doc) in counters.items():
+            yield CounterMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "pagedllm:prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.success = Counter(
+            "pagedllm:request_success",
+            "Finished requests by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "pagedllm:request_rejected", "Requests refused with 429 (admission control)", registry=r
+        )
+        self.ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pagedllm:time_per_output_token_seconds",
+            "Mean time between output tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        engine.on_finished.append(self.observe)
+
+    def observe(self, output: RequestOutput) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for completion in output.outputs:
+            self.success.labels(finished_reason=completion.finish_reason or "unknown").inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            generated = max(len(c.token_ids) for c in output.outputs)
+            if m.last_token_time is not None and generated > 1:
+                self.tpot.observe(
+                    max(0.0, (m.last_token_time - m.first_token_time) / (generated - 1))
+                )
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

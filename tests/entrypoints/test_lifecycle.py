@@ -1,0 +1,144 @@
+"""Cancellation, load, admission control, timeouts, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+
+from server_util import MODEL, live_server
+
+LONG = {"model": MODEL, "prompt": "go", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+
+
+def test_health_is_200_while_the_engine_loop_runs(server):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_metrics_expose_the_pagedllm_names(server):
+    httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 3}, timeout=30)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "pagedllm:num_requests_running",
+        "pagedllm:num_requests_waiting",
+        "pagedllm:num_requests_swapped",
+        "pagedllm:kv_cache_usage_perc",
+        "pagedllm:prefix_cache_queries_total",
+        "pagedllm:prefix_cache_hits_total",
+        "pagedllm:num_preemptions_total",
+        "pagedllm:prompt_tokens_total",
+        "pagedllm:generation_tokens_total",
+        'pagedllm:request_success_total{finished_reason="length"}',
+        "pagedllm:time_to_first_token_seconds_count",
+        "pagedllm:time_per_output_token_seconds_count",
+        "pagedllm:e2e_request_latency_seconds_count",
+    ):
+        assert name in text, name
+
+
+def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server):
+    aborted_before = server.engine.engine.get_stats()["num_aborted"]
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=30
+    ) as response:
+        lines = response.iter_lines()  # held: dropping the iterator would close the response
+        for line in lines:
+            if line.startswith("data:"):
+                break
+        # the request is generating and holds KV blocks
+        assert server.metric("pagedllm:kv_cache_usage_perc") > 0
+    # closing the response disconnects
+    server.wait_idle()
+    assert server.engine.engine.get_stats()["num_aborted"] == aborted_before + 1
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_response_aborts_it(server):
+    aborted_before = server.engine.engine.get_stats()["num_aborted"]
+    with contextlib.suppress(httpx.TimeoutException):  # the client gives up: a disconnect
+        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.3)
+    server.wait_idle()
+    assert server.engine.engine.get_stats()["num_aborted"] == aborted_before + 1
+
+
+def test_timeout_field_ends_the_request_with_abort(server):
+    body = {**LONG, "max_tokens": 120, "timeout": 0.05}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    assert "timeout" in choice["stop_reason"]
+    server.wait_idle()
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
+    body = {**LONG, "prompt": f"client {i} " * 3, "max_tokens": 24, "stream": True}
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, ""
+        last = ""
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                last = line
+        return 200, last
+
+
+def _run_clients(url: str, count: int) -> list[tuple[int, str]]:
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(_stream_one(client, url, i) for i in range(count)))
+
+    return asyncio.run(main())
+
+
+def test_many_concurrent_streams_on_a_small_kv_cache_all_complete():
+    # 12 blocks of 16 tokens: far fewer than 24 clients need at once, so requests wait and
+    # are preempted, yet every one finishes and no block leaks
+    with live_server(engine=dict(num_gpu_blocks=12, max_num_seqs=8)) as live:
+        results = _run_clients(f"{live.url}/v1/completions", 24)
+        assert [status for status, _ in results] == [200] * 24
+        assert all(last == "data: [DONE]" for _, last in results)
+        live.wait_idle()
+        stats = live.engine.engine.get_stats()
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+
+
+def test_admission_limit_answers_429_with_retry_after():
+    with live_server(engine=dict(num_gpu_blocks=12, max_num_seqs=2), max_queued_requests=2) as live:
+        started = time.monotonic()
+        results = _run_clients(f"{live.url}/v1/completions", 16)
+        statuses = [status for status, _ in results]
+        assert set(statuses) <= {200, 429}
+        assert 429 in statuses and 200 in statuses
+        assert all(last == "data: [DONE]" for status, last in results if status == 200)
+        # a fresh request while the server is idle is admitted again
+        response = httpx.post(f"{live.url}/v1/completions", json={**LONG, "max_tokens": 2})
+        assert response.status_code == 200
+        live.wait_idle()
+        assert time.monotonic() - started < 60
+
+
+def test_429_carries_retry_after_and_the_openai_error_shape():
+    with live_server(engine=dict(max_num_seqs=1), max_queued_tokens=4) as live:
+        response = httpx.post(f"{live.url}/v1/completions", json={**LONG, "prompt": "x" * 20})
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_an_engine_that_keeps_failing_fails_health_and_answers_503():
+    with live_server() as live:
+        engine = live.engine.engine
+
+        def broken_step():
+            raise RuntimeError("injected step failure")
+
+        engine.step = broken_step
+        body = {**LONG, "max_tokens": 2}
+        response = httpx.post(f"{live.url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{live.url}/health").status_code == 503
+        assert httpx.post(f"{live.url}/v1/completions", json=body).status_code == 503

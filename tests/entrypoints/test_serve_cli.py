@@ -1,0 +1,52 @@
+"""`pagedllm serve`: starts on the built-in model, serves, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pagedllm.cli.app import build_parser
+
+from server_util import free_port
+
+
+def test_serve_parser_takes_the_engine_and_server_flags():
+    args = build_parser().parse_args(
+        ["serve", "--port", "0", "--max-model-len", "64", "--scheduling", "unified",
+         "--served-model-name", "m", "--api-key", "k", "--max-queued-requests", "3",
+         "--max-queued-tokens", "100"]
+    )  # fmt: skip
+    assert (args.host, args.port, args.max_model_len) == ("127.0.0.1", 0, 64)
+    assert (args.served_model_name, args.api_key) == ("m", "k")
+    assert (args.max_queued_requests, args.max_queued_tokens) == (3, 100)
+
+
+def test_serve_answers_then_exits_0_on_sigterm():
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port)]
+    cmd += ["--max-model-len", "64", "--num-gpu-blocks", "16", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "the server exited early"
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"prompt": "hi", "max_tokens": 3}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
