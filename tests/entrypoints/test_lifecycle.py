@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -142,3 +144,28 @@ def test_an_engine_that_keeps_failing_fails_health_and_answers_503():
         assert response.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(f"{live.url}/health").status_code == 503
         assert httpx.post(f"{live.url}/v1/completions", json=body).status_code == 503
+
+
+def test_a_stuck_engine_step_fails_health_until_it_returns():
+    with live_server() as live:
+        live.engine.stall_timeout_s = 0.3
+        engine = live.engine.engine
+        real_step = engine.step
+        release = threading.Event()
+
+        def stuck_step():
+            release.wait(timeout=20)
+            engine.step = real_step
+            return real_step()
+
+        engine.step = stuck_step
+        body = {**LONG, "max_tokens": 2}
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{live.url}/v1/completions", json=body, timeout=30)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{live.url}/health").status_code == 200:
+                assert time.monotonic() < deadline, "/health never noticed the stuck step"
+                time.sleep(0.05)
+            release.set()
+            assert pending.result().status_code == 200
+        assert httpx.get(f"{live.url}/health").status_code == 200

@@ -260,6 +260,34 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pagedllm.cli.bench_serve import run_bench_serve
+
+    if not (args.request_rate > 0):
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    result = run_bench_serve(
+        base_url=args.base_url,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
+    print(json.dumps(result, indent=2) if args.json else result["summary"])
+    if result["failed"]:
+        print(
+            f"pagedllm: error: {result['failed']} of {result['num_prompts']} requests failed: "
+            f"{'; '.join(result['errors'])}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
     from pagedllm.entrypoints.chat import load_chat_template
@@ -312,6 +340,34 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(bench)
     _engine_flags(bench)
     bench.set_defaults(func=_bench)
+    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve}")
+    bench_serve = modes.add_parser(
+        "serve",
+        help="concurrent streaming clients against a running `pagedllm serve`",
+        epilog=EPILOG,
+    )
+    bench_serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bench_serve.add_argument("--model", default=None, help="model name sent (default: none)")
+    bench_serve.add_argument("--api-key", default=None)
+    bench_serve.add_argument("--num-prompts", type=_POSITIVE, default=64)
+    bench_serve.add_argument(
+        "--input-len", type=_POSITIVE, default=128, help="prompt length in characters"
+    )
+    bench_serve.add_argument("--output-len", type=_POSITIVE, default=64, help="generated tokens")
+    bench_serve.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    bench_serve.add_argument(
+        "--max-concurrency", type=_POSITIVE, default=None, help="most requests in flight"
+    )
+    bench_serve.add_argument("--seed", type=int, default=0)
+    bench_serve.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench_serve.add_argument("--json", action="store_true", help="print the full result as JSON")
+    _common_flags(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (SIGINT/SIGTERM stop it)", epilog=EPILOG
     )

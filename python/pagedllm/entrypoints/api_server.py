@@ -589,7 +589,9 @@ async def _stream_completions(
                 token_start = sent_tokens.get(key, 0)
                 delta = completion.text[text_start:]
                 new_tokens = len(completion.token_ids) - token_start
-                if not delta and not new_tokens and completion.finish_reason is None:
+                # no text yet (e.g. half a UTF-8 character): wait, unless logprobs are due
+                logprobs_due = new_tokens and completion.logprobs is not None
+                if not delta and completion.finish_reason is None and not logprobs_due:
                     continue
                 if key not in sent_text and body.echo and prompts[i][0] is not None:
                     delta = prompts[i][0] + delta
@@ -673,7 +675,9 @@ async def _stream_chat(
                 token_start = sent_tokens.get(key, 0)
                 delta = completion.text[text_start:]
                 new_tokens = len(completion.token_ids) - token_start
-                if not delta and not new_tokens and completion.finish_reason is None:
+                # no text yet (e.g. half a UTF-8 character): wait, unless logprobs are due
+                logprobs_due = new_tokens and completion.logprobs is not None
+                if not delta and completion.finish_reason is None and not logprobs_due:
                     continue
                 sent_text[key] = len(completion.text)
                 sent_tokens[key] = len(completion.token_ids)

@@ -26,6 +26,8 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm.server")
 
 MAX_CONSECUTIVE_FAILURES = 5
+# one engine turn (a step) running longer than this means a stuck loop: /health fails
+STALL_TIMEOUT_S = 120.0
 
 
 class EngineDeadError(RuntimeError):
@@ -59,8 +61,10 @@ class EngineSnapshot:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self._turn_started: float | None = None  # monotonic time the running turn began
         self._lock = threading.Lock()
         self._inbox: list[_Pending] = []
         self._aborts: list[str] = []
@@ -105,7 +109,14 @@ class AsyncEngine:
             self._task is not None
             and not self._task.done()
             and self.consecutive_failures < MAX_CONSECUTIVE_FAILURES
+            and not self.stalled
         )
+
+    @property
+    def stalled(self) -> bool:
+        """An engine turn has been running for more than `stall_timeout_s`."""
+        started = self._turn_started
+        return started is not None and time.monotonic() - started > self.stall_timeout_s
 
     @property
     def tokenizer(self):
@@ -184,7 +195,11 @@ class AsyncEngine:
                     self.last_progress = time.monotonic()
                     await self._wake.wait()
                     continue
-            added, outputs, error = await asyncio.to_thread(self._engine_turn)
+            self._turn_started = time.monotonic()
+            try:
+                added, outputs, error = await asyncio.to_thread(self._engine_turn)
+            finally:
+                self._turn_started = None
             self.last_progress = time.monotonic()
             for pending, exc in added:
                 if pending.added.done():
@@ -242,6 +257,10 @@ class AsyncEngine:
             return
         if not live.started and (output.finished or any(c.token_ids for c in output.outputs)):
             live.started = True
+        if self._stopping and output.finished:
+            for completion in output.outputs:
+                if completion.finish_reason == "abort" and completion.stop_reason is None:
+                    completion.stop_reason = "the server is shutting down"
         live.queue.put_nowait(output)
         for callback in self.on_output:
             callback(output)
