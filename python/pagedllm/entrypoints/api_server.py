@@ -271,6 +271,12 @@ class Server:
                 for task in done:
                     index = getters.pop(task)
                     item = task.result()
+                    queue = streams[index][1]
+                    # outputs are cumulative: when the client fell behind, only the latest counts
+                    while not queue.empty() and isinstance(item, RequestOutput):
+                        if item.finished:
+                            break
+                        item = queue.get_nowait()
                     if isinstance(item, BaseException):
                         raise APIError(503, str(item), type_="service_unavailable")
                     if timed_out and item.finished:
