@@ -79,6 +79,7 @@ class LLM:
         """
         from pagedllm.entrypoints.chat import (
             checkpoint_chat_template,
+            encode_chat,
             load_chat_template,
             render_chat,
         )
@@ -93,7 +94,13 @@ class LLM:
         if template is None:
             args = self.engine.args
             template = checkpoint_chat_template(self.engine.tokenizer, args.tokenizer or args.model)
-        prompts = [render_chat(c, self.engine.tokenizer, template) for c in conversations]
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer (the engine has none)")
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(conversation, tokenizer, template)
+            prompts.append({"prompt_token_ids": encode_chat(tokenizer, text), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _abandon(self, request_ids: list[str]) -> None:

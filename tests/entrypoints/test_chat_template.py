@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.chat import load_chat_template, render_chat
+from pagedllm.entrypoints.chat import encode_chat, load_chat_template, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -40,6 +40,25 @@ def test_custom_template_file_is_used(tmp_path):
 def test_bad_messages_are_a_value_error(messages):
     with pytest.raises(ValueError, match="messages"):
         render_chat(messages)
+
+
+class _BosTokenizer:
+    """Encodes "<s>" as token 1 and every other character as its code point; adds BOS."""
+
+    bos_token_id = 1
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [1 if piece == "<s>" else ord(piece) for piece in _split_bos(text)]
+
+
+def _split_bos(text: str) -> list[str]:
+    head, sep, tail = text.partition("<s>")
+    return list(head) + ([sep] + _split_bos(tail) if sep else [])
+
+
+def test_encode_chat_drops_the_doubled_bos_of_a_template_that_writes_it():
+    assert encode_chat(_BosTokenizer(), "<s>hi") == [1, ord("h"), ord("i")]
+    assert encode_chat(_BosTokenizer(), "hi") == [1, ord("h"), ord("i")]
 
 
 @pytest.fixture(scope="module")

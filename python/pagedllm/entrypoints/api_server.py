@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from pagedllm.entrypoints.chat import checkpoint_chat_template, render_chat
+from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.outputs import RequestOutput
@@ -166,7 +166,9 @@ class Server:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise APIError(400, f"{what}: text prompts need a tokenizer", param=what)
-            text, ids = prompt, self.engine.tokenizer.encode(prompt)
+            tokenizer = self.engine.tokenizer
+            chat = what == "messages"
+            text, ids = prompt, encode_chat(tokenizer, prompt) if chat else tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
         if not ids:

@@ -133,3 +133,13 @@ def render_chat(
         raise
     except Exception as exc:  # the template raised (e.g. raise_exception on a bad role order)
         raise ValueError(f"chat template failed on these messages: {exc}") from exc
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered conversation. Templates usually write `bos_token` themselves and
+    `encode` adds BOS too: the doubled BOS at the start is dropped."""
+    ids = list(tokenizer.encode(text))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids
