@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,25 +27,58 @@ def test_serve_parser_takes_the_engine_and_server_flags():
     assert (args.max_queued_requests, args.max_queued_tokens) == (3, 100)
 
 
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "the server exited early"
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
 def test_serve_answers_then_exits_0_on_sigterm():
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port)]
     cmd += ["--max-model-len", "64", "--num-gpu-blocks", "16", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "the server exited early"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        _wait_healthy(proc, f"http://127.0.0.1:{port}")
         body = {"prompt": "hi", "max_tokens": 3}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
         assert reply.status_code == 200
         proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_aborts_an_in_flight_stream_with_a_reason_and_exits_0():
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port)]
+    cmd += ["--max-model-len", "2048", "--num-gpu-blocks", "160", "--log-level", "warning"]
+    cmd += ["--shutdown-grace", "0"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        body = {"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            proc.send_signal(signal.SIGTERM)
+            chunks = [line for line in lines if line.startswith("data:")]
+        assert chunks[-1] == "data: [DONE]"
+        final = json.loads(chunks[-2][len("data: ") :])["choices"][0]
+        assert final["finish_reason"] == "abort"
+        assert final["stop_reason"] == "the server is shutting down"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

@@ -301,7 +301,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens,
     )
     app = build_server_app(_engine_kwargs(args), config)
-    run_server(app, args.host, args.port, log_level=args.log_level)
+    run_server(
+        app, args.host, args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace
+    )
     return 0
 
 
@@ -398,6 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_POSITIVE,
         default=None,
         help="429 beyond this many prompt tokens waiting (not yet generating)",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=_number(0.0),
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
+        "aborted (default 5)",
     )
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

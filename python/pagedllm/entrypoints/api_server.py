@@ -721,13 +721,19 @@ def build_server_app(engine_kwargs: dict, config: ServerConfig) -> FastAPI:
     return build_app(AsyncEngine(engine), config)
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+def run_server(
+    app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_grace_s: float = 5.0
+) -> None:
     """Serves until SIGINT/SIGTERM, then stops gracefully and returns (exit status 0): uvicorn
-    stops accepting, waits up to 5 s for open connections, and the lifespan aborts what is left.
+    stops accepting; in-flight requests get `shutdown_grace_s` seconds to finish, then are
+    aborted (finish reason "abort", stop_reason "the server is shutting down") and their
+    responses completed; a second SIGINT forces the exit.
     """
     import signal
 
     import uvicorn
+
+    engine: AsyncEngine = app.state.server.engine
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises a captured signal after shutting down (exit 130/143); a requested
@@ -737,6 +743,12 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
             def stop(signum, frame) -> None:
                 if self.should_exit and signum == signal.SIGINT:
                     self.force_exit = True
+                if not self.should_exit:
+                    with contextlib.suppress(RuntimeError):  # no loop running: nothing in flight
+                        loop = asyncio.get_running_loop()
+                        loop.call_soon_threadsafe(
+                            loop.call_later, shutdown_grace_s, engine.begin_shutdown
+                        )
                 self.should_exit = True
 
             previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -747,6 +759,10 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> N
                     signal.signal(sig, handler)
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_grace_s + 5,
     )
     _Server(config).run()

@@ -88,13 +88,18 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task = self._loop.create_task(self._run(), name="pagedllm-engine-loop")
 
-    async def stop(self) -> None:
-        """Aborts every live request (its stream ends with finish reason "abort") and stops."""
+    def begin_shutdown(self) -> None:
+        """Refuses new requests and aborts the live ones: their streams end with finish reason
+        "abort" and stop_reason "the server is shutting down"."""
         self._stopping = True
         with self._lock:
             self._aborts.extend(self._live)
         if self._wake is not None:
             self._wake.set()
+
+    async def stop(self) -> None:
+        """Aborts every live request (its stream ends with finish reason "abort") and stops."""
+        self.begin_shutdown()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout=30)
