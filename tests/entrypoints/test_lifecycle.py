@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,8 +59,22 @@ def test_disconnect_mid_stream_aborts_the_request_and_frees_its_blocks(server):
 
 def test_disconnect_while_waiting_for_a_non_streamed_response_aborts_it(server):
     aborted_before = server.engine.engine.get_stats()["num_aborted"]
-    with contextlib.suppress(httpx.TimeoutException):  # the client gives up: a disconnect
-        httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=0.3)
+    # a raw connection, closed once the request is generating (a client timeout would race
+    # a fast machine that finishes the request first)
+    body = json.dumps(LONG).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        deadline = time.monotonic() + 10
+        while server.metric("pagedllm:kv_cache_usage_perc") == 0:
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.005)
     server.wait_idle()
     assert server.engine.engine.get_stats()["num_aborted"] == aborted_before + 1
 
