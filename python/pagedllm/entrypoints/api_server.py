@@ -358,6 +358,22 @@ async def _watch_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
+def _take_unsent(completion, key, sent_text: dict, sent_tokens: dict):
+    """(text delta, its start, first unsent token, number of unsent tokens) of a cumulative
+    completion, marked as sent; None while there is nothing to send (no text yet, e.g. half a
+    UTF-8 character, no logprobs due and not finished)."""
+    text_start = sent_text.get(key, 0)
+    token_start = sent_tokens.get(key, 0)
+    delta = completion.text[text_start:]
+    new_tokens = len(completion.token_ids) - token_start
+    logprobs_due = new_tokens and completion.logprobs is not None
+    if not delta and completion.finish_reason is None and not logprobs_due:
+        return None
+    sent_text[key] = len(completion.text)
+    sent_tokens[key] = len(completion.token_ids)
+    return delta, text_start, token_start, new_tokens
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -593,18 +609,13 @@ async def _stream_completions(
         async for i, output in server.merged(streams, body.timeout):
             for completion in output.outputs:
                 key = (i, completion.index)
-                text_start = sent_text.get(key, 0)
-                token_start = sent_tokens.get(key, 0)
-                delta = completion.text[text_start:]
-                new_tokens = len(completion.token_ids) - token_start
-                # no text yet (e.g. half a UTF-8 character): wait, unless logprobs are due
-                logprobs_due = new_tokens and completion.logprobs is not None
-                if not delta and completion.finish_reason is None and not logprobs_due:
+                first = key not in sent_text
+                unsent = _take_unsent(completion, key, sent_text, sent_tokens)
+                if unsent is None:
                     continue
-                if key not in sent_text and body.echo and prompts[i][0] is not None:
+                delta, text_start, token_start, new_tokens = unsent
+                if first and body.echo and prompts[i][0] is not None:
                     delta = prompts[i][0] + delta
-                sent_text[key] = len(completion.text)
-                sent_tokens[key] = len(completion.token_ids)
                 completion_tokens += new_tokens
                 choice = {
                     "index": i * n + completion.index,
@@ -679,16 +690,10 @@ async def _stream_chat(
         async for _, output in server.merged(streams, body.timeout):
             for completion in output.outputs:
                 key = completion.index
-                text_start = sent_text.get(key, 0)
-                token_start = sent_tokens.get(key, 0)
-                delta = completion.text[text_start:]
-                new_tokens = len(completion.token_ids) - token_start
-                # no text yet (e.g. half a UTF-8 character): wait, unless logprobs are due
-                logprobs_due = new_tokens and completion.logprobs is not None
-                if not delta and completion.finish_reason is None and not logprobs_due:
+                unsent = _take_unsent(completion, key, sent_text, sent_tokens)
+                if unsent is None:
                     continue
-                sent_text[key] = len(completion.text)
-                sent_tokens[key] = len(completion.token_ids)
+                delta, _, token_start, new_tokens = unsent
                 completion_tokens += new_tokens
                 yield chunk(
                     [
