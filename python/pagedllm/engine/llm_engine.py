@@ -122,7 +122,7 @@ class LLMEngine:
         self.faults = StepFaults(self.scheduler, self.requests, self.MAX_STEP_FAULTS)
         # finished requests whose final output the next step returns (aborted, or owed by a
         # step that failed)
-        self._aborted: list[str] = []
+        self._owed_outputs: list[str] = []
         # added but never scheduled: only these need first-scheduling bookkeeping, so a pure
         # decode step skips reading the step's request ids
         self._unscheduled: set[str] = set()
@@ -203,10 +203,10 @@ class LLMEngine:
                 continue
             self.scheduler.abort_request(request.request_id)
             request.finish_all("abort")
-            self._aborted.append(request.request_id)
+            self._owed_outputs.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._owed_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(not r.finished for r in self.requests.values())
@@ -222,9 +222,9 @@ class LLMEngine:
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
         touched: dict[str, RequestState] = {}
-        for request_id in self._aborted:
+        for request_id in self._owed_outputs:
             touched[request_id] = self.requests[request_id]
-        self._aborted.clear()
+        self._owed_outputs.clear()
         for request_id, reason in step.finished:
             request = self.requests[request_id]
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
@@ -242,7 +242,7 @@ class LLMEngine:
                 sampled, faulty = sample_isolating(self._sample, step, logits)
         except BaseException as exc:
             self.faults.roll_back(step, touched, exc)
-            self._aborted.extend(touched)  # the outputs this step owed come with the next one
+            self._owed_outputs.extend(touched)  # the outputs this step owed come with the next one
             raise
         if faulty:
             self.faults.end_faulty(step, faulty, touched)
