@@ -166,8 +166,9 @@ pub struct PrefixCache {
     block_hash: Vec<Option<u64>>,
     stats: PrefixCacheStats,
     /// Blocks registered since `start_journal`: a step whose computation failed takes
-    /// them back (their KV was never written).
-    journal: Vec<BlockId>,
+    /// them back (their KV was never written). `None` until a scheduler starts one, so a
+    /// manager used without steps keeps no list that only grows.
+    journal: Option<Vec<BlockId>>,
 }
 
 impl PrefixCache {
@@ -187,7 +188,7 @@ impl PrefixCache {
             ),
             block_hash: vec![None; num_device_blocks],
             stats: PrefixCacheStats::default(),
-            journal: Vec::new(),
+            journal: None,
         }
     }
 
@@ -247,7 +248,9 @@ impl PrefixCache {
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(block);
                 self.block_hash[block as usize] = Some(hash);
-                self.journal.push(block);
+                if let Some(journal) = &mut self.journal {
+                    journal.push(block);
+                }
                 true
             }
         }
@@ -263,12 +266,16 @@ impl PrefixCache {
 
     /// Starts a new journal of registrations (see `take_journal`).
     pub fn start_journal(&mut self) {
-        self.journal.clear();
+        self.journal.get_or_insert_with(Vec::new).clear();
     }
 
-    /// Blocks registered since `start_journal` (some may have been evicted since).
+    /// Blocks registered since `start_journal` (some may have been evicted since); empty
+    /// when no journal was started.
     pub fn take_journal(&mut self) -> Vec<BlockId> {
-        std::mem::take(&mut self.journal)
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Drops a block's registration without counting an eviction (its contents turned out
@@ -355,6 +362,20 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn registrations_are_journaled_only_once_a_journal_is_started() {
+        let mut cache = PrefixCache::new(8, true);
+        for block in 0..4 {
+            assert!(cache.register(block, 100 + block as u64));
+        }
+        assert!(cache.journal.is_none(), "no step: nothing kept");
+        cache.start_journal();
+        assert!(cache.register(4, 104));
+        assert_eq!(cache.take_journal(), vec![4]);
+        cache.start_journal();
+        assert!(cache.take_journal().is_empty());
+    }
 
     #[test]
     fn hash_is_deterministic_and_chained() {
