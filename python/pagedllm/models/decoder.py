@@ -1,8 +1,9 @@
 """One decoder-only transformer for Llama, Qwen2 and Qwen3, run over the paged KV cache.
 
 The families differ only in flags of `ModelConfig` (q/k/v bias, per-head q/k RMSNorm, RoPE
-scaling). Q/K/V and gate/up projections are fused into one matmul each; the loader concatenates
-the checkpoint's separate tensors. Token rows are packed: `[T, ...]` over every scheduled sequence.
+scaling). Q/K/V and gate/up projections are fused into one matmul each (`FusedLinear`, which names
+each projection's columns); the loader concatenates the checkpoint's separate tensors. Token rows
+are packed: `[T, ...]` over every scheduled sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig, RopeConfig
+from pagedllm.models.fused_linear import FusedLinear
 from pagedllm.worker.attention import AttentionMetadata, paged_attention
 
 
@@ -97,9 +99,12 @@ class Attention(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        self.split_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = FusedLinear(
+            cfg.hidden_size,
+            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+            bias=cfg.qkv_bias,
+        )
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -115,17 +120,16 @@ class Attention(nn.Module):
     ) -> Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.split_sizes[0] + self.split_sizes[1] :].view(
-            num_tokens, self.num_kv_heads, self.head_dim
-        )
+        q, k, v = self.qkv_proj.split(qkv)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k, _ = qkv.split(self.split_sizes, dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
-            # q and k heads rotated together: one set of elementwise ops instead of two (same math)
-            qk = qkv[:, : self.split_sizes[0] + self.split_sizes[1]].view(
+            # q and k heads (adjacent in the fused output) rotated together: one set of
+            # elementwise ops instead of two (same math)
+            qk = qkv[:, : q.shape[-1] + k.shape[-1]].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
             qk = apply_rope(qk, cos, sin)
@@ -139,11 +143,15 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = FusedLinear(
+            cfg.hidden_size,
+            {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
+            bias=cfg.mlp_bias,
+        )
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
 
