@@ -283,6 +283,9 @@ class SchedulerOutput:
     @property
     def preempted(self) -> list[str]: ...
     @property
+    def lora_ids(self) -> _npt.NDArray[_np.int64]:
+        """[S] LoRA adapter of each scheduled sequence (0 = base model)."""
+    @property
     def finished(self) -> list[tuple[str, str]]:
         """(request_id, reason) of requests that can never be served."""
 
@@ -306,7 +309,10 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         num_lookahead_slots: int = 0,
         delay_factor: float = 0.0,
-    ) -> None: ...
+        max_loras: int = 0,
+    ) -> None:
+        """``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
+        LoRA off (a request with an adapter is then a ``ValueError``)."""
     def add_request(
         self,
         request_id: str,
@@ -321,8 +327,10 @@ class Scheduler:
         stop_token_ids: _IntArray | None = None,
         ignore_eos: bool = False,
         extra_key: int = 0,
+        lora_id: int = 0,
     ) -> None:
-        """Queue a request. ``ValueError`` naming the request (and the field and its limit)
+        """Queue a request (``lora_id``: its adapter, 0 = base model; salts its prefix-cache
+        keys). ``ValueError`` naming the request (and the field and its limit)
         for an empty prompt, a duplicate id, ``n`` above ``max_num_seqs``, token ids that are
         not integers (floats, bools, strings are refused, never truncated), integers outside
         their range (counts and ``priority``: int64; token ids: uint32; ``extra_key``: uint64);

@@ -4,9 +4,9 @@ Arrivals, aborts, priorities, n, sampled tokens (with EOS and stop ids in a tiny
 and tiny pools are generated. After every step: the core's invariants (manager + queues),
 budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step
 with work computes a token or ends a request) and no swap ping-pong (a group swapped back in
-computes its tokens in that step). Some workloads discard random steps (`discard_step`, as an
-engine does when a forward fails): nothing is lost. At the end: every request finished or
-aborted within a bounded number of steps, every block free.
+computes its tokens in that step), at most `max_loras` adapters per step. Some workloads
+discard random steps (`discard_step`, as an engine does when a forward fails): nothing is lost.
+At the end: every request finished or aborted within a bounded number of steps, every block free.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ request_st = st.fixed_dictionaries(
         "eos": st.booleans(),
         "stop": st.booleans(),
         "ignore_eos": st.booleans(),
+        "lora": st.integers(0, 3),  # its adapter when the workload enables LoRA
     }
 )
 
@@ -56,6 +57,7 @@ workload_st = st.fixed_dictionaries(
         "threshold": st.sampled_from([0, 3]),
         "lookahead": st.sampled_from([0, 0, 2]),
         "caching": st.booleans(),
+        "max_loras": st.sampled_from([0, 1, 2]),  # 0: LoRA off
         "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
         # per step: new requests, then aborts (indices into the requests added so far)
         "steps": st.lists(
@@ -87,6 +89,8 @@ def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
         slots = out.block_tables[row][pos // bs] * bs + pos % bs
         assert (out.slot_mapping[qsl[row] : qsl[row + 1]] == slots).all()
         assert out.seq_lens[row] <= s.max_model_len
+    loras = set(out.lora_ids.tolist()) - {0}
+    assert len(out.lora_ids) == out.num_seqs and len(loras) <= cfg["max_loras"], loras
     assert ((out.sample_rows >= 0) & (out.sample_rows < max(out.num_seqs, 1))).all()
     slots = out.slot_mapping
     assert len(np.unique(slots)) == len(slots), "two tokens write one KV slot"
@@ -94,7 +98,7 @@ def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
 
 def run_workload(scheduling, policy, mode, w) -> int:
     bs = w["block_size"]
-    cfg = {"max_num_seqs": w["max_num_seqs"]}
+    cfg = {"max_num_seqs": w["max_num_seqs"], "max_loras": w["max_loras"]}
     s = Scheduler(
         block_size=bs,
         num_gpu_blocks=max(w["gpu_slots"] // bs, 2),
@@ -109,6 +113,7 @@ def run_workload(scheduling, policy, mode, w) -> int:
         watermark=w["watermark"],
         long_prefill_token_threshold=w["threshold"],
         num_lookahead_slots=w["lookahead"],
+        max_loras=w["max_loras"],
     )
     rng = np.random.default_rng(w["seed"])
     live: set[str] = set()
@@ -171,6 +176,7 @@ def run_workload(scheduling, policy, mode, w) -> int:
                 eos_token_id=0 if r["eos"] else None,
                 stop_token_ids=[5] if r["stop"] else None,
                 ignore_eos=r["ignore_eos"],
+                lora_id=r["lora"] if w["max_loras"] else 0,
             )
             added.append(rid)
             live.add(rid)

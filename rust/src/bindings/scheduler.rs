@@ -97,7 +97,8 @@ impl PyScheduler {
                         watermark = defaults::WATERMARK,
                         long_prefill_token_threshold = defaults::LONG_PREFILL_TOKEN_THRESHOLD as i64,
                         num_lookahead_slots = defaults::NUM_LOOKAHEAD_SLOTS as i64,
-                        delay_factor = defaults::DELAY_FACTOR))]
+                        delay_factor = defaults::DELAY_FACTOR,
+                        max_loras = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -114,6 +115,7 @@ impl PyScheduler {
         long_prefill_token_threshold: i64,
         num_lookahead_slots: i64,
         delay_factor: f64,
+        max_loras: i64,
     ) -> PyResult<Self> {
         let strategy = Strategy::parse(scheduling)?;
         let pol = Policy::parse(policy)?;
@@ -147,6 +149,7 @@ impl PyScheduler {
             )?,
             num_lookahead_slots: non_negative("num_lookahead_slots", num_lookahead_slots)?,
             delay_factor,
+            max_loras: non_negative("max_loras", max_loras)?,
         };
         Ok(PyScheduler {
             inner: Scheduler::new(cache, cfg)?,
@@ -184,11 +187,11 @@ impl PyScheduler {
                         priority = IntArg::Default(0), arrival_time = None,
                         max_tokens = IntArg::Default(16), min_tokens = IntArg::Default(0),
                         eos_token_id = None, stop_token_ids = None, ignore_eos = false,
-                        extra_key = IntArg::Default(0)),
+                        extra_key = IntArg::Default(0), lora_id = IntArg::Default(0)),
            text_signature = "($self, request_id, prompt_token_ids, *, n=1, priority=0, \
                              arrival_time=None, max_tokens=16, min_tokens=0, \
                              eos_token_id=None, stop_token_ids=None, ignore_eos=False, \
-                             extra_key=0)")]
+                             extra_key=0, lora_id=0)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -203,6 +206,7 @@ impl PyScheduler {
         stop_token_ids: Option<&Bound<'_, PyAny>>,
         ignore_eos: bool,
         extra_key: IntArg<'_>,
+        lora_id: IntArg<'_>,
     ) -> PyResult<()> {
         let request_id = request_id.downcast::<PyString>().map_err(|_| {
             PyTypeError::new_err(format!(
@@ -230,6 +234,8 @@ impl PyScheduler {
         let min_tokens = count(min_tokens, "min_tokens", 0)?;
         let priority = priority.get(id, "priority", I64_RANGE, "")? as i64;
         let extra_key = extra_key.get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
+        // i64 range: the step output reports adapters as int64.
+        let lora_id = lora_id.get(id, "lora_id", (0, I64_RANGE.1), "")? as u64;
         let eos_token_id = eos_token_id
             .map(|t| {
                 t.get(
@@ -273,6 +279,7 @@ impl PyScheduler {
                 ignore_eos,
             },
             extra_key,
+            lora_id,
         };
         let h = self.inner.add_request(id, params)? as usize;
         let gen = self.inner.slot_generation(h as u32);

@@ -180,6 +180,11 @@ step_output_fields! {
         blocks_to_swap_in = |o, s, py| pairs(py, &o.blocks_to_swap_in);
         /// list[str] request ids preempted this step, in preemption order.
         preempted = |o, s, py| Ok(PyList::new(py, &o.preempted)?.into_any().unbind());
+        /// int64 [S] LoRA adapter (`lora_id`, 0 = base model) of each scheduled sequence.
+        lora_ids = |o, s, py| match o.extras.lora_ids.len() {
+            0 => array(py, vec![0i64; o.num_seqs()]),
+            _ => array_of(py, &o.extras.lora_ids),
+        };
         /// list[(request_id, reason)] finished at schedule time (ignored: can never be
         /// served).
         finished = |o, s, py| Ok(PyList::new(py, &o.finished)?.into_any().unbind());

@@ -58,6 +58,16 @@ pub fn hash_block(parent: u64, tokens: &[TokenId], extra_key: u64) -> u64 {
     fold_mul(s0 ^ P3 ^ tokens.len() as u64, s1 ^ P1)
 }
 
+/// `extra_key` salted with `salt` (e.g. a LoRA adapter id; 0 = no salt): blocks hashed under
+/// different salts never match, so the same tokens under two adapters share no block.
+#[inline]
+pub fn salted_key(extra_key: u64, salt: u64) -> u64 {
+    if salt == 0 {
+        return extra_key;
+    }
+    fold_mul(extra_key ^ P2, salt ^ P3) ^ salt
+}
+
 /// Chain hashes of every full block of `tokens`.
 pub fn chain_hashes(tokens: &[TokenId], block_size: usize, extra_key: u64) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));

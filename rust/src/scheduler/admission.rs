@@ -35,11 +35,7 @@ pub(super) enum Verdict {
     /// Not now, and nobody behind it either this step (queue order is kept).
     Later(Short),
     /// Not now, but it keeps its place and does not hold back those behind it (only a
-    /// feature condition answers this; none exists yet).
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for feature conditions to come")
-    )]
+    /// feature condition answers this: e.g. its adapter would be one too many this step).
     Wait,
     /// Can never run: finishes as ignored, with the reason.
     Never(String),
@@ -64,23 +60,27 @@ pub(super) enum Short {
     Blocks,
 }
 
-/// The admission conditions that features add; none today. Every admission path consults
-/// this one function for every candidate (a waiting request or a swapped group, `from`),
-/// after the budget and queue-order gates and before seats and blocks:
+/// The admission conditions that features add. Every admission path consults this one
+/// function for every candidate (a waiting request or a swapped group, `from`), after the
+/// budget and queue-order gates and before seats and blocks:
 /// - `Some(Verdict::Wait)`: the request waits, keeping its place, and those behind it may go
 ///   (e.g. its grammar is still being compiled: `req.extras`);
 /// - `Some(Verdict::Later(Short::Condition))`: nothing more joins this step (strict order);
 /// - `None`: on to seats and blocks.
 ///
-/// Per-step limits read the tallies of `budget` (e.g. "a step holds at most N adapters":
-/// wait when the request's adapter is not among the step's and the step already holds N).
+/// Per-step limits read the tallies of `budget`. Today: a step holds at most `max_loras`
+/// adapters — a request whose adapter is not among the step's and would be one too many
+/// waits (`lora.rs`).
 /// The `priority` probe preempts nobody for a request a condition holds back.
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {
-    let _ = (req, from, budget);
+    let _ = from;
     #[cfg(test)]
     if let Some(verdict) = &req.extras.condition {
         return Some(verdict.clone());
+    }
+    if !budget.loras.admits(req.extras.lora_id) {
+        return Some(Verdict::Wait);
     }
     None
 }
@@ -166,7 +166,10 @@ impl Scheduler {
                 },
             };
             match verdict {
-                Verdict::Ok => any = true,
+                Verdict::Ok => {
+                    any = true;
+                    budget.loras.hold(self.store.get(h).extras.lora_id);
+                }
                 Verdict::Later(_) => break,
                 Verdict::Wait => at += 1,
                 Verdict::Never(reason) => {

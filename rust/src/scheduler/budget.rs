@@ -1,6 +1,7 @@
 //! One step's budget: the tokens it may still compute and how a sequence's tokens may be cut
 //! to fit. The strategy hands it down to every phase (running walk, swap-in, admission);
 //! admission conditions read it (see `admission::conditions`).
+use super::lora::LoraTally;
 use super::Strategy;
 
 /// Whether a request's tokens may be cut to the remaining budget.
@@ -37,6 +38,8 @@ pub(super) struct Budget {
     /// Tokens this step may still compute (`max_num_batched_tokens` at the start).
     pub(super) tokens: usize,
     pub(super) cut: Cut,
+    /// The adapters this step holds (`max_loras`), seeded from `running`.
+    pub(super) loras: LoraTally,
 }
 
 impl Budget {
@@ -47,6 +50,7 @@ impl Budget {
                 Strategy::PrefillFirst => Cut::Whole,
                 Strategy::ChunkedPrefill | Strategy::Unified => Cut::Split,
             },
+            loras: LoraTally::default(),
         }
     }
 

@@ -147,6 +147,8 @@ pub struct SchedulerConfig {
     /// Hold admission back until the oldest waiting request has waited this many times the
     /// last prefill step's latency (0 = off).
     pub delay_factor: f64,
+    /// Most distinct LoRA adapters one step holds (0 = LoRA off: requests carry no adapter).
+    pub max_loras: usize,
 }
 
 impl SchedulerConfig {

@@ -44,6 +44,12 @@ impl Scheduler {
         if !params.arrival_time.is_finite() {
             return bad("arrival_time must be finite".into());
         }
+        if params.lora_id != 0 && self.cfg.max_loras == 0 {
+            return bad(format!(
+                "lora_id={} but LoRA is off (max_loras=0)",
+                params.lora_id
+            ));
+        }
         let (first_seq_id, order) = self.store.next_ids(params.n);
         let req = Request::new(
             request_id,

@@ -7,7 +7,8 @@ use super::Scheduler;
 impl Scheduler {
     /// The manager's invariants plus the scheduler's own: every live request sits in exactly
     /// one place matching its status; seats add up; mirrored tables equal the manager's;
-    /// waiting requests hold no blocks, swapped ones only host blocks.
+    /// waiting requests hold no blocks, swapped ones only host blocks; the running requests'
+    /// adapters fit `max_loras`.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.mgr.check_invariants()?;
         let queues = &self.queues;
@@ -114,6 +115,13 @@ impl Scheduler {
             return Err(format!(
                 "{} running sequences exceed max_num_seqs={}",
                 queues.running_seats, self.cfg.max_num_seqs
+            ));
+        }
+        let loras = self.running_loras();
+        if loras > self.cfg.max_loras {
+            return Err(format!(
+                "{loras} adapters running exceed max_loras={}",
+                self.cfg.max_loras
             ));
         }
         Ok(())

@@ -50,7 +50,7 @@
 //!   [`RequestExtras`] in [`Request`], filled from [`RequestParams`] in one place.
 //! - Per-row step data for the model runner: [`StepExtras`] in [`StepOutput`].
 //! - An admission condition ("waits for its grammar, keeping its place", "a step holds at
-//!   most N adapters"): `admission::conditions`, the one function every strategy's
+//!   most N adapters", `lora.rs`): `admission::conditions`, the one function every strategy's
 //!   admission, every swap-in and the `priority` probe consult; per-step tallies live in
 //!   `Budget`.
 mod admission;
@@ -60,6 +60,7 @@ mod config;
 mod decode;
 mod intake;
 mod invariants;
+mod lora;
 mod output;
 mod plan;
 mod preemption;
@@ -229,6 +230,7 @@ impl Scheduler {
             .delay
             .passed(now, self.cfg.delay_factor, &self.queues, &self.store);
         let mut budget = Budget::new(self.cfg.strategy, self.cfg.max_num_batched_tokens);
+        self.seed_lora_tally(&mut budget);
         self.queues.sort_running_by_rank(&self.store);
         let admitted = match self.cfg.strategy {
             Strategy::PrefillFirst => {
@@ -241,6 +243,7 @@ impl Scheduler {
         };
         self.delay.step_done(admitted);
         self.queues.requeue_preempted(&self.store);
+        self.record_lora_ids(&mut out);
         self.recorder.seal(&mut out);
         self.ledger.open(&out);
         self.counters.num_steps += 1;

@@ -90,7 +90,7 @@ pub struct StepOutput {
 
 /// The place for per-row (or per-request) step data that features beyond the core add:
 /// draft tokens to verify (speculative decoding), which rows sample under a grammar mask
-/// (structured output), each row's adapter (LoRA). Empty today.
+/// (structured output), each row's adapter (LoRA).
 ///
 /// A feature adds its columns here, fills them where a general-path row is recorded
 /// (`record::record`, from `Request::extras`), and empties them in `clear` (called by
@@ -98,11 +98,18 @@ pub struct StepOutput {
 /// extras: requests that need them must take the general path (see
 /// `request::RequestExtras`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StepExtras {}
+pub struct StepExtras {
+    /// [S] LoRA adapter of each row (0 = base model); empty while LoRA is off
+    /// (`max_loras = 0`). Filled from the rows' requests when the step is sealed (`lora.rs`),
+    /// so the decode fast path records nothing for it.
+    pub lora_ids: Vec<i64>,
+}
 
 impl StepExtras {
     /// Empties every column, keeping its capacity.
-    pub(crate) fn clear(&mut self) {}
+    pub(crate) fn clear(&mut self) {
+        self.lora_ids.clear();
+    }
 }
 
 impl StepOutput {

@@ -4,6 +4,7 @@
 //! docs). State that upcoming features add to a request goes into [`RequestExtras`], after the
 //! hot fields, so a feature never moves them.
 use crate::ids::{BlockId, SeqId, TokenId};
+use crate::kv::salted_key;
 
 use super::stop::{FinishReason, StopParams};
 
@@ -61,6 +62,8 @@ pub struct RequestParams {
     pub stop: StopParams,
     /// Mixed into prefix-cache hashes (e.g. an adapter id).
     pub extra_key: u64,
+    /// The LoRA adapter the request runs with (0 = the base model); see `lora.rs`.
+    pub lora_id: u64,
 }
 
 /// One sample stream of a request (`n` of them per request).
@@ -199,7 +202,7 @@ pub struct Request {
 
 /// The place for per-request state that features beyond the core add: speculative
 /// decoding's draft tokens, structured output's grammar state (e.g. "waiting for its grammar
-/// to compile"), a LoRA adapter id. Empty today.
+/// to compile"), a LoRA adapter id.
 ///
 /// How a feature uses it:
 /// - add its fields here, filled from `RequestParams` in [`RequestExtras::new`] (the one
@@ -216,6 +219,9 @@ pub struct Request {
 /// nothing (unit test `hot_fields_share_a_cache_line`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestExtras {
+    /// The LoRA adapter (0 = the base model): counted against `max_loras` by admission and
+    /// reported per row in `StepExtras::lora_ids` (see `lora.rs`).
+    pub lora_id: u64,
     /// Test-only stand-in for a feature's admission state: what `admission::conditions`
     /// answers for this request (unit tests of the seam).
     #[cfg(test)]
@@ -224,8 +230,15 @@ pub struct RequestExtras {
 
 impl RequestExtras {
     /// The extras of a new request, from its parameters.
-    pub(super) fn new(_params: &RequestParams) -> Self {
-        RequestExtras::default()
+    #[allow(
+        clippy::needless_update,
+        reason = "test builds have more fields, and so will features"
+    )]
+    pub(super) fn new(params: &RequestParams) -> Self {
+        RequestExtras {
+            lora_id: params.lora_id,
+            ..RequestExtras::default()
+        }
     }
 }
 
@@ -282,7 +295,8 @@ impl Request {
             order,
             extras: RequestExtras::new(params),
             stop: std::mem::take(&mut params.stop),
-            extra_key: params.extra_key,
+            // The same tokens under different adapters have different K/V: never share blocks.
+            extra_key: salted_key(params.extra_key, params.lora_id),
             status: RequestStatus::Waiting,
             num_cached_tokens: 0,
             admitted_once: false,

@@ -16,6 +16,7 @@ fn cfg(strategy: Strategy, budget: usize) -> SchedulerConfig {
         long_prefill_token_threshold: 0,
         num_lookahead_slots: 0,
         delay_factor: 0.0,
+        max_loras: 0,
     }
 }
 
@@ -45,6 +46,7 @@ fn req(tag: u32, len: usize, n: usize, max_tokens: usize) -> RequestParams {
             ..Default::default()
         },
         extra_key: 0,
+        lora_id: 0,
     }
 }
 
@@ -298,6 +300,8 @@ fn random_workloads_terminate_without_leaks() {
             c.preemption_mode = mo;
             c.max_model_len = 40;
             c.max_num_seqs = 6;
+            // LoRA off, or at most 1 or 2 of 3 adapters per step.
+            c.max_loras = seed as usize % 3;
             let mut s = Scheduler::new(cache(4, 12, 6), c).unwrap();
             let mut added = 0;
             for stepno in 0..400 {
@@ -310,6 +314,9 @@ fn random_workloads_terminate_without_leaks() {
                     );
                     p.priority = rng.next(3) as i64;
                     p.stop.eos_token_id = Some(0);
+                    if seed % 3 != 0 {
+                        p.lora_id = rng.next(4);
+                    }
                     s.add_request(&format!("q{added}"), p).unwrap();
                     added += 1;
                 }
@@ -318,6 +325,11 @@ fn random_workloads_terminate_without_leaks() {
                 }
                 let out = s.schedule(stepno as f64).unwrap();
                 assert!(out.num_batched_tokens <= 32);
+                let mut loras: Vec<i64> = out.extras.lora_ids.clone();
+                loras.retain(|&l| l != 0);
+                loras.sort_unstable();
+                loras.dedup();
+                assert!(loras.len() <= seed as usize % 3, "{loras:?} in one step");
                 let sampled: Vec<i64> =
                     (0..out.num_samples()).map(|_| rng.next(8) as i64).collect();
                 s.update_from_output(out.step, &sampled, None).unwrap();
