@@ -184,3 +184,61 @@ def test_a_stuck_engine_step_fails_health_until_it_returns():
             release.set()
             assert pending.result().status_code == 200
         assert httpx.get(f"{live.url}/health").status_code == 200
+
+
+def _slow_steps(live, seconds: float) -> None:
+    engine = live.engine.engine
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return real_step()
+
+    engine.step = slow_step
+
+
+def test_a_request_in_chunked_prefill_counts_as_running_not_queued():
+    # one sequence at a time, 16 prompt tokens per step: a 100-token prompt prefills over 7
+    # slowed steps. While it does, one more request may queue (limit 1); a third may not.
+    engine = dict(max_num_seqs=1, max_num_batched_tokens=16)
+    with live_server(engine=engine, max_queued_requests=1) as live:
+        _slow_steps(live, 0.15)
+        body = {**LONG, "prompt": "x" * 99, "max_tokens": 1}
+        url = f"{live.url}/v1/completions"
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, url, json=body, timeout=30)
+            deadline = time.monotonic() + 10
+            while live.metric("pagedllm:num_requests_running") != 1.0:
+                assert time.monotonic() < deadline, "the first request never started its prefill"
+                time.sleep(0.02)
+            second = pool.submit(httpx.post, url, json=body, timeout=30)
+            deadline = time.monotonic() + 10
+            while live.metric("pagedllm:num_requests_waiting") != 1.0:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.02)
+            third = httpx.post(url, json=body, timeout=30)
+            assert third.status_code == 429
+            assert first.result().status_code == 200
+            assert second.result().status_code == 200
+
+
+def test_prompts_are_tokenized_off_the_event_loop(server):
+    tokenizer = server.engine.tokenizer
+    real_encode = tokenizer.encode
+    threads = []
+
+    def recording_encode(text):
+        threads.append(threading.current_thread().name)
+        return real_encode(text)
+
+    tokenizer.encode = recording_encode
+    try:
+        body = {**LONG, "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+        assert response.status_code == 200
+    finally:
+        del tokenizer.encode
+    assert len(threads) == 2
+    assert all(name.startswith("pagedllm-tokenize") for name in threads)

@@ -125,3 +125,19 @@ def test_chat_logprobs(client):
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_echo_of_a_token_id_prompt_prepends_its_decoded_text(client):
+    plain = client.completions.create(prompt=[256, ord("h"), ord("i")], **GREEDY)
+    echoed = client.completions.create(prompt=[256, ord("h"), ord("i")], echo=True, **GREEDY)
+    assert echoed.choices[0].text == "hi" + plain.choices[0].text
+
+
+def test_streamed_echo_equals_non_streamed_echo(client):
+    for prompt in ([[256, ord("a")], [256, ord("b")]], ["bc", "de"]):
+        full = client.completions.create(prompt=prompt, echo=True, **GREEDY)
+        chunks = list(client.completions.create(prompt=prompt, echo=True, stream=True, **GREEDY))
+        for index in (0, 1):
+            streamed = "".join(c.choices[0].text for c in chunks if c.choices[0].index == index)
+            assert streamed == full.choices[index].text
+        assert [c.text[:1] for c in full.choices] in (["a", "b"], ["b", "d"])

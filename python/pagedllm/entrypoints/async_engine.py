@@ -58,6 +58,8 @@ class EngineSnapshot:
 
     stats: dict[str, Any] = field(default_factory=dict)
     time: float = 0.0
+    # ids in the scheduler's waiting queue (only while `track_waiting` is set)
+    waiting: frozenset[str] = frozenset()
 
 
 class AsyncEngine:
@@ -67,6 +69,7 @@ class AsyncEngine:
         self._turn_started: float | None = None  # monotonic time the running turn began
         self._lock = threading.Lock()
         self._inbox: list[_Pending] = []
+        self._adding: list[_Pending] = []  # taken from the inbox by the running engine turn
         self._aborts: list[str] = []
         self._live: dict[str, _Live] = {}
         self._wake: asyncio.Event | None = None
@@ -80,6 +83,9 @@ class AsyncEngine:
         # called in the event loop with each finished RequestOutput (metrics)
         self.on_finished: list = []
         self.on_output: list = []
+        # admission control needs to know which requests have not started; off by default
+        # because listing the waiting queue costs time every step
+        self.track_waiting = False
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -134,13 +140,20 @@ class AsyncEngine:
     # ---- admission view ---------------------------------------------------------------------
 
     def queued(self) -> tuple[int, int]:
-        """(requests, prompt tokens) submitted and not yet producing tokens."""
+        """(requests, prompt tokens) submitted and not started: still in the inbox, or in the
+        scheduler's waiting queue without a token computed yet. A request whose (chunked)
+        prefill is under way is running, not queued. Needs `track_waiting`."""
         with self._lock:
-            pending = self._inbox + []
-        requests = len(pending) + sum(not live.started for live in self._live.values())
-        tokens = sum(p.num_prompt_tokens for p in pending) + sum(
-            live.num_prompt_tokens for live in self._live.values() if not live.started
-        )
+            pending = self._inbox + self._adding
+        waiting = self.snapshot.waiting
+        not_started = [
+            live
+            for request_id, live in list(self._live.items())
+            if not live.started and request_id in waiting
+        ]
+        requests = len(pending) + len(not_started)
+        tokens = sum(p.num_prompt_tokens for p in pending)
+        tokens += sum(live.num_prompt_tokens for live in not_started)
         return requests, tokens
 
     # ---- requests ---------------------------------------------------------------------------
@@ -214,6 +227,8 @@ class AsyncEngine:
                     pending.added.set_result(None)
                 else:
                     pending.added.set_exception(exc)
+            with self._lock:
+                self._adding = []
             for output in outputs:
                 self._deliver(output)
             if error is not None:
@@ -235,6 +250,7 @@ class AsyncEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            self._adding = inbox
         added = []
         for pending in inbox:
             try:
@@ -253,7 +269,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - rolled back by the engine; logged
                 error = exc
-        self.snapshot = EngineSnapshot(stats=self.engine.get_stats(), time=time.time())
+        waiting = self.engine.scheduler.waiting_ids() if self.track_waiting else ()
+        self.snapshot = EngineSnapshot(self.engine.get_stats(), time.time(), frozenset(waiting))
         return added, outputs, error
 
     def _deliver(self, output: RequestOutput) -> None:

@@ -1,0 +1,92 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+
+A client's mistake is a 4xx naming the field (never a 500); an engine failure is a 503.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type_="service_unavailable")
+
+
+def _param_of(message: str) -> str | None:
+    """The field an engine ValueError names ("SamplingParams.top_p must ...", "logprobs=...")."""
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    if match:
+        return match.group(1)
+    for name in ("prompt", "best_of", "logprobs", "priority", "stop_token_ids", "n"):
+        if re.search(rf"\b{name}\b", message):
+            return name
+    return None
+
+
+def bad_request(exc: Exception) -> APIError:
+    """A 400 for an engine-side ValueError/TypeError, naming the field its message names."""
+    message = str(exc)
+    return APIError(400, message, param=_param_of(message))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors[:5]
+    )
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app raises leaves in OpenAI's shape: ours, pydantic's (400: malformed
+    JSON, wrong types, missing fields) and Starlette's (404 route, 405 method, ...)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()

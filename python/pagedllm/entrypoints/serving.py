@@ -1,0 +1,357 @@
+"""What both OpenAI endpoints share: checking a request, tokenizing it off the event loop,
+admission control, submitting it to the engine, and following its outputs (merged across
+prompts, with a timeout, aborted when the client goes away)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
+from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
+from pagedllm.entrypoints.metrics import ServerMetrics
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+
+
+@dataclass
+class Prompt:
+    text: str | None  # None for a token-id prompt
+    ids: list[int]
+
+
+@dataclass
+class Job:
+    """The engine requests of one HTTP request: one per prompt, each with its output queue."""
+
+    server: Server
+    streams: list[tuple[str, asyncio.Queue]]
+    prompts: list[Prompt]
+    params: SamplingParams
+    timeout: float | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return self.streams[0][0]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
+
+    def abort(self) -> None:
+        for request_id, _ in self.streams:
+            self.server.engine.abort(request_id)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as outputs arrive, until every request finished.
+        A request past `timeout` is aborted (its last output has finish reason "abort")."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        timed_out = False
+        getters: dict[asyncio.Task, int] = {}
+
+        def watch(index: int) -> None:
+            getters[asyncio.ensure_future(self.streams[index][1].get())] = index
+
+        for index in range(len(self.streams)):
+            watch(index)
+        try:
+            while getters:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait(
+                    getters, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:  # the deadline passed: abort once, then drain the final outputs
+                    timed_out, deadline = True, None
+                    self.abort()
+                    continue
+                for task in done:
+                    index = getters.pop(task)
+                    item = _latest(task.result(), self.streams[index][1])
+                    if isinstance(item, BaseException):
+                        raise unavailable(str(item))
+                    if timed_out and item.finished:
+                        _mark_timeout(item, self.timeout)
+                    yield index, item
+                    if not item.finished:
+                        watch(index)
+        finally:
+            for task in getters:
+                task.cancel()
+
+    async def finals(self, request: Request) -> list[RequestOutput]:
+        """The final output of every prompt; a client that disconnects first has its requests
+        aborted (and gets nothing: the connection is gone)."""
+        finals: list[RequestOutput | None] = [None] * len(self.streams)
+
+        async def gather() -> None:
+            async for index, output in self.outputs():
+                if output.finished:
+                    finals[index] = output
+
+        gather_task = asyncio.ensure_future(gather())
+        watch_task = asyncio.ensure_future(_watch_disconnect(request))
+        try:
+            await asyncio.wait({gather_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not gather_task.done():  # disconnected
+                return []
+            gather_task.result()
+            return [f for f in finals if f is not None]
+        finally:
+            watch_task.cancel()
+            gather_task.cancel()
+            if any(f is None for f in finals):  # disconnected or failed: abort what is left
+                self.abort()
+
+
+def _latest(item: Any, queue: asyncio.Queue) -> Any:
+    """Outputs are cumulative: when the client fell behind, only the latest one counts."""
+    while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+        item = queue.get_nowait()
+    return item
+
+
+def _mark_timeout(output: RequestOutput, timeout: float | None) -> None:
+    for completion in output.outputs:
+        if completion.finish_reason == "abort":
+            completion.stop_reason = f"timeout after {timeout} s"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+class Server:
+    """The app's state: the engine loop, the config, the metrics, and the steps every
+    endpoint takes before its requests reach the engine."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics(engine)
+        # admission limits count requests the scheduler has not started yet
+        engine.track_waiting = (
+            config.max_queued_requests is not None or config.max_queued_tokens is not None
+        )
+        template = config.chat_template
+        if template is None:
+            args = engine.engine.args
+            template = checkpoint_chat_template(engine.tokenizer, args.tokenizer or args.model)
+        self.chat_template = template
+        # tokenizing (and rendering chat templates) can take milliseconds for a long prompt:
+        # one thread keeps it off the event loop, in arrival order
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                param="model",
+                type_="NotFoundError",
+            )
+
+    def sampling_params(
+        self, body: Any, *, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """The engine's parameters from the fields both endpoints share."""
+        for token in body.stop_token_ids or ():
+            if not 0 <= token < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"stop_token_ids: token id {token} is outside the vocabulary "
+                    f"[0, {self.vocab_size})",
+                    param="stop_token_ids",
+                )
+        kwargs: dict[str, Any] = dict(
+            n=body.n,
+            seed=body.seed,
+            stop=body.stop,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            stop_token_ids=body.stop_token_ids,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "best_of"):
+            value = getattr(body, name, None)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    # -- tokenizing (in the tokenizer thread) -------------------------------------------------
+
+    async def in_tokenizer_thread(self, fn: Callable, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def prompts(self, raw: Sequence[str | list[int]]) -> list[Prompt]:
+        """Completion prompts (text or token ids), tokenized and checked."""
+        return await self.in_tokenizer_thread(
+            lambda: [self._prompt(p, i, "prompt") for i, p in enumerate(raw)]
+        )
+
+    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+        """A conversation rendered with the chat template, tokenized and checked."""
+
+        def render() -> Prompt:
+            try:
+                text = render_chat(messages, self.engine.tokenizer, self.chat_template)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            return self._prompt(text, 0, "messages")
+
+        return await self.in_tokenizer_thread(render)
+
+    async def decode(self, prompts: list[Prompt], skip_special_tokens: bool) -> list[str]:
+        """The text of each prompt (token-id prompts decoded as the output is), for `echo`."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None and any(p.text is None for p in prompts):
+            raise APIError(400, "echo of a token-id prompt needs a tokenizer", param="echo")
+
+        def text(prompt: Prompt) -> str:
+            if prompt.text is not None:
+                return prompt.text
+            return tokenizer.decode(prompt.ids, skip_special_tokens=skip_special_tokens)
+
+        return await self.in_tokenizer_thread(lambda: [text(p) for p in prompts])
+
+    def _prompt(self, prompt: str | list[int], index: int, what: str) -> Prompt:
+        if isinstance(prompt, str):
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
+                raise APIError(400, f"{what}: text prompts need a tokenizer", param=what)
+            ids = encode_chat(tokenizer, prompt) if what == "messages" else tokenizer.encode(prompt)
+            result = Prompt(prompt, list(ids))
+        else:
+            result = Prompt(None, list(prompt))
+        self._check_ids(result.ids, index, what)
+        return result
+
+    def _check_ids(self, ids: list[int], index: int, what: str) -> None:
+        if not ids:
+            raise APIError(400, f"{what}[{index}] is empty", param=what)
+        vocab = self.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise APIError(
+                    400,
+                    f"{what}[{index}]: token id {token} at position {i} is outside the "
+                    f"vocabulary [0, {vocab})",
+                    param=what,
+                )
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise APIError(
+                400,
+                f"{what}[{index}] has {len(ids)} tokens; max_model_len is {limit}, which must "
+                f"leave room for at least one generated token",
+                param=what,
+            )
+
+    # -- admission and submission -------------------------------------------------------------
+
+    def admit(self, num_requests: int, num_tokens: int) -> None:
+        """429 with Retry-After when the queue limits would be exceeded."""
+        cfg = self.config
+        if not self.engine.track_waiting:
+            return
+        queued_requests, queued_tokens = self.engine.queued()
+        over_requests = (
+            cfg.max_queued_requests is not None
+            and queued_requests + num_requests > cfg.max_queued_requests
+        )
+        over_tokens = (
+            cfg.max_queued_tokens is not None and queued_tokens + num_tokens > cfg.max_queued_tokens
+        )
+        if over_requests or over_tokens:
+            self.metrics.rejected.inc()
+            raise APIError(
+                429,
+                f"the server is overloaded: {queued_requests} requests ({queued_tokens} prompt "
+                f"tokens) are queued; limits are max_queued_requests="
+                f"{cfg.max_queued_requests}, max_queued_tokens={cfg.max_queued_tokens}",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+
+    async def submit(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        *,
+        priority: int,
+        timeout: float | None,
+    ) -> Job:
+        """Adds one engine request per prompt; on any failure aborts those already added."""
+        self.admit(len(prompts), sum(len(p.ids) for p in prompts))
+        base = uuid.uuid4().hex
+        job = Job(self, [], prompts, params, timeout)
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = f"{base}-{i}"
+                queue = await self.engine.add_request(
+                    request_id,
+                    {"prompt_token_ids": prompt.ids, "prompt": prompt.text},
+                    params,
+                    priority=priority,
+                    num_prompt_tokens=len(prompt.ids),
+                )
+                job.streams.append((request_id, queue))
+        except EngineDeadError as exc:
+            job.abort()
+            raise unavailable(str(exc)) from None
+        except (ValueError, TypeError) as exc:
+            job.abort()
+            raise bad_request(exc) from None
+        except BaseException:
+            job.abort()
+            raise
+        return job
+
+    def shutdown(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,114 @@
+"""`POST /v1/completions`: one choice per (prompt, sample), streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.entrypoints.errors import APIError
+from pagedllm.entrypoints.protocol import CompletionRequest
+from pagedllm.entrypoints.serving import Job, Server, usage
+from pagedllm.entrypoints.streaming import Deltas, sse_stream
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+async def create_completion(server: Server, body: CompletionRequest, request: Request):
+    server.check_model(body.model)
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    prompts = await server.prompts(_raw_prompts(body))
+    echo = await server.decode(prompts, params.skip_special_tokens) if body.echo else None
+    job = await server.submit(prompts, params, priority=body.priority, timeout=body.timeout)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _chunks(job, echo, include_usage)
+        return StreamingResponse(sse_stream(job, chunks), media_type="text/event-stream")
+    finals = await job.finals(request)
+    choices, num_tokens = [], 0
+    for i, output in enumerate(finals):
+        prefix = echo[i] if echo else ""
+        for completion in output.outputs:
+            num_tokens += len(completion.token_ids)
+            logprobs = _logprobs(completion, 0, len(prefix))
+            choices.append(_choice(job, i, completion, prefix + completion.text, logprobs))
+    return _response(job, choices) | {"usage": usage(job.num_prompt_tokens, num_tokens)}
+
+
+def _raw_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids or a list of such lists -> a list."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _chunks(job: Job, echo: list[str] | None, include_usage: bool) -> AsyncIterator[dict]:
+    deltas = Deltas()
+    async for i, output in job.outputs():
+        for completion in output.outputs:
+            key = (i, completion.index)
+            first = deltas.first(key)
+            unsent = deltas.take(completion, key)
+            if unsent is None:
+                continue
+            delta, text_start, token_start = unsent
+            prefix = echo[i] if echo and first else ""
+            text_offset = text_start + (len(echo[i]) if echo else 0)
+            logprobs = _logprobs(completion, token_start, text_offset)
+            yield _response(job, [_choice(job, i, completion, prefix + delta, logprobs)])
+    if include_usage:
+        yield _response(job, []) | {"usage": usage(job.num_prompt_tokens, deltas.num_tokens)}
+
+
+def _response(job: Job, choices: list[dict]) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{job.id}",
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.server.model_name,
+        "choices": choices,
+    }
+
+
+def _choice(job: Job, prompt_index: int, completion, text: str, logprobs) -> dict[str, Any]:
+    return {
+        "index": prompt_index * job.params.n + completion.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def _logprobs(completion, start: int, text_offset: int) -> dict[str, Any] | None:
+    """OpenAI's legacy completion logprobs of tokens [start:] of a completion."""
+    if completion.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(completion.token_ids[start:], completion.logprobs[start:]):
+        chosen = entry.get(token_id)
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token else ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob if chosen is not None else None)
+        # keyed by token text, as OpenAI's are: tokens with the same text keep the likeliest
+        ranked: dict[str, float] = {}
+        for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1].logprob):
+            ranked.setdefault(lp.decoded_token or str(tid), lp.logprob)
+        top.append(ranked)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
