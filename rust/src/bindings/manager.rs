@@ -4,114 +4,15 @@
 //!
 //! Python keeps vLLM's names for the two memories (`num_gpu_blocks`, `num_free_cpu_blocks`,
 //! `cpu_usage`, ...); the core calls them device and host, and this layer translates.
-use std::hint::black_box;
-use std::time::Instant;
-
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::{non_negative, PagedLLMError};
-use crate::ids::{BlockId, SeqId, TokenId};
-use crate::kv::prefix_cache::{chain_hashes, hash_block, ROOT_HASH};
-use crate::kv::{AllocStatus, CacheConfig, KvCacheManager, PrefixHit};
-
-/// Admission answer: OK (fits now), LATER (fits once blocks are freed), NEVER (cannot fit).
-#[pyclass(
-    name = "AllocStatus",
-    module = "pagedllm._core",
-    eq,
-    eq_int,
-    frozen,
-    hash
-)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub(crate) enum PyAllocStatus {
-    #[pyo3(name = "OK")]
-    Ok,
-    #[pyo3(name = "LATER")]
-    Later,
-    #[pyo3(name = "NEVER")]
-    Never,
-}
-
-impl From<AllocStatus> for PyAllocStatus {
-    fn from(s: AllocStatus) -> Self {
-        match s {
-            AllocStatus::Ok => PyAllocStatus::Ok,
-            AllocStatus::Later => PyAllocStatus::Later,
-            AllocStatus::Never => PyAllocStatus::Never,
-        }
-    }
-}
-
-/// Result of a prefix lookup.
-#[pyclass(name = "PrefixHit", module = "pagedllm._core", frozen, get_all)]
-#[derive(Clone)]
-pub(crate) struct PyPrefixHit {
-    /// Tokens covered by `blocks`.
-    num_cached_tokens: usize,
-    /// Device blocks of the longest run of leading cached full blocks.
-    blocks: Vec<BlockId>,
-    /// Chain hashes of every full block of the looked-up tokens.
-    hashes: Vec<u64>,
-}
-
-impl From<PrefixHit> for PyPrefixHit {
-    fn from(h: PrefixHit) -> Self {
-        Self {
-            num_cached_tokens: h.num_cached_tokens,
-            blocks: h.blocks,
-            hashes: h.hashes,
-        }
-    }
-}
-
-impl PyPrefixHit {
-    fn to_core(&self) -> PrefixHit {
-        PrefixHit {
-            num_cached_tokens: self.num_cached_tokens,
-            blocks: self.blocks.clone(),
-            hashes: self.hashes.clone(),
-        }
-    }
-}
-
-#[pymethods]
-impl PyPrefixHit {
-    fn __repr__(&self) -> String {
-        format!(
-            "PrefixHit(num_cached_tokens={}, blocks={:?}, num_hashes={})",
-            self.num_cached_tokens,
-            self.blocks,
-            self.hashes.len()
-        )
-    }
-}
-
-pub(crate) fn seq_id(value: i64) -> PyResult<SeqId> {
-    SeqId::try_from(value)
-        .map_err(|_| PyValueError::new_err(format!("sequence id must be >= 0, got {value}")))
-}
-
-fn seq_ids(values: Vec<i64>) -> PyResult<Vec<SeqId>> {
-    values.into_iter().map(seq_id).collect()
-}
-
-pub(crate) fn token_ids(values: Vec<i64>) -> PyResult<Vec<TokenId>> {
-    values
-        .into_iter()
-        .map(|t| {
-            TokenId::try_from(t)
-                .map_err(|_| PyValueError::new_err(format!("token id {t} is out of range")))
-        })
-        .collect()
-}
-
-fn block_id(value: i64) -> PyResult<BlockId> {
-    BlockId::try_from(value)
-        .map_err(|_| PyValueError::new_err(format!("block id {value} is out of range")))
-}
+use super::kv_args;
+use super::kv_types::{PyAllocStatus, PyPrefixHit};
+use crate::ids::{BlockId, SeqId};
+use crate::kv::{CacheConfig, CacheStats, KvCacheManager};
 
 /// The paged KV-cache memory manager: device and host block pools, block tables, fork /
 /// copy-on-write, swap and the prefix cache.
@@ -145,17 +46,7 @@ impl PyKvCacheManager {
     }
 
     fn __repr__(&self) -> String {
-        let c = self.inner.config();
-        format!(
-            "KVCacheManager(block_size={}, num_gpu_blocks={}, num_cpu_blocks={}, free_gpu={}, \
-             free_cpu={}, sequences={})",
-            c.block_size,
-            c.num_device_blocks,
-            c.num_host_blocks,
-            self.inner.num_free_device_blocks(),
-            self.inner.num_free_host_blocks(),
-            self.inner.num_sequences()
-        )
+        repr(&self.inner)
     }
 
     // ---- allocation ---------------------------------------------------------------------
@@ -172,8 +63,8 @@ impl PyKvCacheManager {
         extra_key: u64,
         apply_watermark: bool,
     ) -> PyResult<Option<usize>> {
-        let seq = self::seq_id(seq_id)?;
-        let tokens = self::token_ids(token_ids)?;
+        let seq = kv_args::seq_id(seq_id)?;
+        let tokens = kv_args::token_ids(token_ids)?;
         let num_slots = num_slots
             .map(|n| non_negative("num_slots", n))
             .transpose()?;
@@ -192,7 +83,7 @@ impl PyKvCacheManager {
         num_slots: i64,
         apply_watermark: bool,
     ) -> PyResult<bool> {
-        let seq = self::seq_id(seq_id)?;
+        let seq = kv_args::seq_id(seq_id)?;
         let num_slots = non_negative("num_slots", num_slots)?;
         Ok(self
             .inner
@@ -207,7 +98,7 @@ impl PyKvCacheManager {
         extra_key: u64,
         count: bool,
     ) -> PyResult<PyPrefixHit> {
-        let tokens = self::token_ids(token_ids)?;
+        let tokens = kv_args::token_ids(token_ids)?;
         let hit = if count {
             self.inner.lookup_prefix(&tokens, extra_key)
         } else {
@@ -224,7 +115,7 @@ impl PyKvCacheManager {
         first_new_slot: i64,
         num_slots: i64,
     ) -> PyResult<Option<Vec<(BlockId, BlockId)>>> {
-        let seq = self::seq_id(seq_id)?;
+        let seq = kv_args::seq_id(seq_id)?;
         let first = non_negative("first_new_slot", first_new_slot)?;
         let num_slots = non_negative("num_slots", num_slots)?;
         Ok(self.inner.append_slots(seq, first, num_slots)?)
@@ -240,22 +131,23 @@ impl PyKvCacheManager {
         num_computed_tokens: i64,
         extra_key: u64,
     ) -> PyResult<usize> {
-        let seq = self::seq_id(seq_id)?;
-        let tokens = self::token_ids(token_ids)?;
+        let seq = kv_args::seq_id(seq_id)?;
+        let tokens = kv_args::token_ids(token_ids)?;
         let n = non_negative("num_computed_tokens", num_computed_tokens)?;
         Ok(self.inner.cache_full_blocks(seq, &tokens, n, extra_key)?)
     }
 
     /// The child shares every block of the parent.
     fn fork(&mut self, parent_seq_id: i64, child_seq_id: i64) -> PyResult<()> {
-        Ok(self
-            .inner
-            .fork(seq_id(parent_seq_id)?, seq_id(child_seq_id)?)?)
+        Ok(self.inner.fork(
+            kv_args::seq_id(parent_seq_id)?,
+            kv_args::seq_id(child_seq_id)?,
+        )?)
     }
 
     /// Releases the sequence's blocks (device or host).
     fn free(&mut self, seq_id: i64) -> PyResult<()> {
-        Ok(self.inner.free(self::seq_id(seq_id)?)?)
+        Ok(self.inner.free(kv_args::seq_id(seq_id)?)?)
     }
 
     // ---- admission ----------------------------------------------------------------------
@@ -290,34 +182,34 @@ impl PyKvCacheManager {
     // ---- swap ---------------------------------------------------------------------------
 
     fn can_swap_out(&self, seq_ids: Vec<i64>) -> PyResult<bool> {
-        Ok(self.inner.check_swap_out(&self::seq_ids(seq_ids)?)?)
+        Ok(self.inner.check_swap_out(&kv_args::seq_ids(seq_ids)?)?)
     }
 
     /// Returns the (device, host) copy pairs.
     fn swap_out(&mut self, seq_ids: Vec<i64>) -> PyResult<Vec<(BlockId, BlockId)>> {
-        Ok(self.inner.swap_out(&self::seq_ids(seq_ids)?)?)
+        Ok(self.inner.swap_out(&kv_args::seq_ids(seq_ids)?)?)
     }
 
     #[pyo3(signature = (seq_ids, num_lookahead_slots = 0))]
     fn can_swap_in(&self, seq_ids: Vec<i64>, num_lookahead_slots: i64) -> PyResult<PyAllocStatus> {
-        let seqs = self::seq_ids(seq_ids)?;
+        let seqs = kv_args::seq_ids(seq_ids)?;
         let lookahead = non_negative("num_lookahead_slots", num_lookahead_slots)?;
         Ok(self.inner.check_swap_in(&seqs, lookahead)?.into())
     }
 
     /// Returns the (host, device) copy pairs.
     fn swap_in(&mut self, seq_ids: Vec<i64>) -> PyResult<Vec<(BlockId, BlockId)>> {
-        Ok(self.inner.swap_in(&self::seq_ids(seq_ids)?)?)
+        Ok(self.inner.swap_in(&kv_args::seq_ids(seq_ids)?)?)
     }
 
     // ---- inspection ---------------------------------------------------------------------
 
     fn block_table(&self, seq_id: i64) -> PyResult<Vec<BlockId>> {
-        Ok(self.inner.block_table(self::seq_id(seq_id)?)?.to_vec())
+        Ok(self.inner.block_table(kv_args::seq_id(seq_id)?)?.to_vec())
     }
 
     fn is_swapped(&self, seq_id: i64) -> PyResult<bool> {
-        let seq = self::seq_id(seq_id)?;
+        let seq = kv_args::seq_id(seq_id)?;
         self.inner.table(seq)?;
         Ok(self.inner.is_swapped(seq))
     }
@@ -339,27 +231,12 @@ impl PyKvCacheManager {
     /// Ref count of a device block (or of a host block with `device=False`).
     #[pyo3(signature = (block_id, *, device = true))]
     fn ref_count(&self, block_id: i64, device: bool) -> PyResult<u32> {
-        let block = self::block_id(block_id)?;
-        let count = if device {
-            self.inner.device_ref_count(block)
-        } else {
-            self.inner.host_ref_count(block)
-        };
-        count.ok_or_else(|| {
-            let pool = if device { "device" } else { "host" };
-            PyValueError::new_err(format!("{pool} block id {block_id} is out of range"))
-        })
+        ref_count(&self.inner, block_id, device)
     }
 
     /// Hash a device block is registered under in the prefix cache, or None.
     fn block_hash(&self, block_id: i64) -> PyResult<Option<u64>> {
-        let block = self::block_id(block_id)?;
-        if block as usize >= self.inner.num_device_blocks() {
-            return Err(PyValueError::new_err(format!(
-                "device block id {block_id} is out of range"
-            )));
-        }
-        Ok(self.inner.block_hash(block))
+        block_hash(&self.inner, block_id)
     }
 
     /// Cached device blocks in eviction order (first evicted first).
@@ -378,28 +255,7 @@ impl PyKvCacheManager {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("block_size", s.block_size)?;
-        d.set_item("num_gpu_blocks", s.num_device_blocks)?;
-        d.set_item("num_cpu_blocks", s.num_host_blocks)?;
-        d.set_item("num_free_gpu_blocks", s.num_free_device_blocks)?;
-        d.set_item("num_free_cpu_blocks", s.num_free_host_blocks)?;
-        d.set_item("num_cached_gpu_blocks", s.num_cached_device_blocks)?;
-        d.set_item("num_registered_blocks", s.num_registered_blocks)?;
-        d.set_item("num_sequences", s.num_sequences)?;
-        d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
-        d.set_item("gpu_usage", s.device_usage)?;
-        d.set_item("cpu_usage", s.host_usage)?;
-        d.set_item("watermark_blocks", s.watermark_blocks)?;
-        let p = s.prefix_cache;
-        d.set_item("prefix_cache_queries", p.queries)?;
-        d.set_item("prefix_cache_query_blocks", p.query_blocks)?;
-        d.set_item("prefix_cache_hits", p.hits)?;
-        d.set_item("prefix_cache_misses", p.misses)?;
-        d.set_item("prefix_cache_evictions", p.evictions)?;
-        d.set_item("prefix_cache_hit_rate", p.hit_rate())?;
-        Ok(d)
+        stats_dict(py, &self.inner.stats())
     }
 
     /// Raises PagedLLMError naming the first violated invariant.
@@ -459,62 +315,74 @@ impl PyKvCacheManager {
     }
 }
 
-/// Chained hash of one block (`parent_hash` = ROOT_HASH for a sequence's first block).
-#[pyfunction]
-#[pyo3(name = "hash_block", signature = (parent_hash, token_ids, extra_key = 0))]
-fn py_hash_block(parent_hash: u64, token_ids: Vec<i64>, extra_key: u64) -> PyResult<u64> {
-    Ok(hash_block(
-        parent_hash,
-        &self::token_ids(token_ids)?,
-        extra_key,
-    ))
+/// `repr()`: the configuration and the free blocks, under the Python names.
+fn repr(mgr: &KvCacheManager) -> String {
+    let c = mgr.config();
+    format!(
+        "KVCacheManager(block_size={}, num_gpu_blocks={}, num_cpu_blocks={}, free_gpu={}, \
+         free_cpu={}, sequences={})",
+        c.block_size,
+        c.num_device_blocks,
+        c.num_host_blocks,
+        mgr.num_free_device_blocks(),
+        mgr.num_free_host_blocks(),
+        mgr.num_sequences()
+    )
 }
 
-/// Chain hashes of every full block of `token_ids`.
-#[pyfunction]
-#[pyo3(name = "hash_block_chain", signature = (token_ids, block_size, extra_key = 0))]
-fn py_hash_block_chain(token_ids: Vec<i64>, block_size: i64, extra_key: u64) -> PyResult<Vec<u64>> {
-    let block_size = non_negative("block_size", block_size)?;
-    if block_size == 0 {
-        return Err(PyValueError::new_err("block_size must be > 0, got 0"));
+/// `stats()` as a dict, under the Python names (gpu/cpu for the core's device/host).
+fn stats_dict<'py>(py: Python<'py>, s: &CacheStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("block_size", s.block_size)?;
+    d.set_item("num_gpu_blocks", s.num_device_blocks)?;
+    d.set_item("num_cpu_blocks", s.num_host_blocks)?;
+    d.set_item("num_free_gpu_blocks", s.num_free_device_blocks)?;
+    d.set_item("num_free_cpu_blocks", s.num_free_host_blocks)?;
+    d.set_item("num_cached_gpu_blocks", s.num_cached_device_blocks)?;
+    d.set_item("num_registered_blocks", s.num_registered_blocks)?;
+    d.set_item("num_sequences", s.num_sequences)?;
+    d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
+    d.set_item("gpu_usage", s.device_usage)?;
+    d.set_item("cpu_usage", s.host_usage)?;
+    d.set_item("watermark_blocks", s.watermark_blocks)?;
+    let p = &s.prefix_cache;
+    d.set_item("prefix_cache_queries", p.queries)?;
+    d.set_item("prefix_cache_query_blocks", p.query_blocks)?;
+    d.set_item("prefix_cache_hits", p.hits)?;
+    d.set_item("prefix_cache_misses", p.misses)?;
+    d.set_item("prefix_cache_evictions", p.evictions)?;
+    d.set_item("prefix_cache_hit_rate", p.hit_rate())?;
+    Ok(d)
+}
+
+/// `ref_count()`: a block id outside its pool raises ValueError.
+fn ref_count(mgr: &KvCacheManager, id: i64, device: bool) -> PyResult<u32> {
+    let block = kv_args::block_id(id)?;
+    let count = if device {
+        mgr.device_ref_count(block)
+    } else {
+        mgr.host_ref_count(block)
+    };
+    count.ok_or_else(|| {
+        let pool = if device { "device" } else { "host" };
+        PyValueError::new_err(format!("{pool} block id {id} is out of range"))
+    })
+}
+
+/// `block_hash()`: a block id outside the device pool raises ValueError.
+fn block_hash(mgr: &KvCacheManager, id: i64) -> PyResult<Option<u64>> {
+    let block = kv_args::block_id(id)?;
+    if block as usize >= mgr.num_device_blocks() {
+        return Err(PyValueError::new_err(format!(
+            "device block id {id} is out of range"
+        )));
     }
-    Ok(chain_hashes(
-        &self::token_ids(token_ids)?,
-        block_size,
-        extra_key,
-    ))
-}
-
-/// Times `iterations` chained hashes of `block_size`-token blocks inside Rust (no Python call
-/// per hash) and returns nanoseconds per block hash. For benchmarks.
-#[pyfunction]
-#[pyo3(name = "_time_hash_block", signature = (block_size, iterations = 1_000_000))]
-fn time_hash_block(py: Python<'_>, block_size: i64, iterations: i64) -> PyResult<f64> {
-    let block_size = non_negative("block_size", block_size)?;
-    let iterations = non_negative("iterations", iterations)?.max(1);
-    let tokens: Vec<TokenId> = (0..block_size as TokenId)
-        .map(|t| t.wrapping_mul(7919))
-        .collect();
-    let elapsed = py.detach(|| {
-        let start = Instant::now();
-        let mut parent = ROOT_HASH;
-        for _ in 0..iterations {
-            // Chaining makes each hash depend on the previous one, so none can be skipped.
-            parent = hash_block(black_box(parent), black_box(&tokens), 0);
-        }
-        black_box(parent);
-        start.elapsed()
-    });
-    Ok(elapsed.as_nanos() as f64 / iterations as f64)
+    Ok(mgr.block_hash(block))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKvCacheManager>()?;
     m.add_class::<PyAllocStatus>()?;
     m.add_class::<PyPrefixHit>()?;
-    m.add("ROOT_HASH", ROOT_HASH)?;
-    m.add_function(wrap_pyfunction!(py_hash_block, m)?)?;
-    m.add_function(wrap_pyfunction!(py_hash_block_chain, m)?)?;
-    m.add_function(wrap_pyfunction!(time_hash_block, m)?)?;
-    Ok(())
+    super::block_hash::register(m)
 }

@@ -1,8 +1,11 @@
 //! PyO3 bindings: the private `pagedllm._core` module. Each submodule registers its own names.
 use pyo3::prelude::*;
 
+mod block_hash;
 mod convert;
 mod errors;
+mod kv_args;
+mod kv_types;
 mod manager;
 mod scheduler;
 mod step_output;
