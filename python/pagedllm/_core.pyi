@@ -288,6 +288,9 @@ class SchedulerOutput:
     @property
     def finished(self) -> list[tuple[str, str]]:
         """(request_id, reason) of requests that can never be served."""
+    @property
+    def structured_output_samples(self) -> _npt.NDArray[_np.int64]:
+        """[G] indices (into the K samples) of the samples drawn under a grammar."""
 
 class Scheduler:
     """The scheduler of SPEC §4 (strategies unified / prefill_first / chunked_prefill,
@@ -328,6 +331,7 @@ class Scheduler:
         ignore_eos: bool = False,
         extra_key: int = 0,
         lora_id: int = 0,
+        structured_output: bool = False,
     ) -> None:
         """Queue a request (``lora_id``: its adapter, 0 = base model; salts its prefix-cache
         keys). ``ValueError`` naming the request (and the field and its limit)
@@ -336,7 +340,12 @@ class Scheduler:
         their range (counts and ``priority``: int64; token ids: uint32; ``extra_key``: uint64);
         ``TypeError`` for a ``request_id`` that is not a str. Nothing is queued then. A request
         that can never be served (prompt too long, more blocks than the cache) is reported by
-        the next ``schedule()`` in ``finished``."""
+        the next ``schedule()`` in ``finished``. ``structured_output=True``: it samples under a
+        grammar still compiling, and waits (letting others pass) until ``grammar_ready``."""
+    def grammar_ready(self, request_id: str) -> bool:
+        """Mark the grammar of a ``structured_output`` request compiled: schedulable from the
+        next ``schedule()``. False for unknown/finished ids or one already marked;
+        ``ValueError`` for a request without structured output. A failed compile: abort it."""
     def schedule(self, now: float | None = None) -> SchedulerOutput: ...
     def update_from_output(
         self,

@@ -35,6 +35,11 @@ impl PyScheduler {
         self.inner.recycle(out);
     }
 
+    /// int64 [G] samples of `out` drawn under a grammar.
+    pub(crate) fn structured_samples(&self, out: &StepOutput) -> Vec<i64> {
+        self.inner.structured_samples(out)
+    }
+
     /// [T] KV slot of each token of `out`.
     pub(crate) fn slot_mapping(&self, out: &StepOutput) -> Vec<i64> {
         self.inner.slot_mapping(out)
@@ -183,15 +188,18 @@ impl PyScheduler {
     /// range, or bad limits; TypeError for a `request_id` that is not a str. Nothing is queued
     /// then. A request that can never be served (prompt too long, more blocks than the
     /// cache) is reported by the next `schedule()` in `finished`, with the reason.
+    /// `structured_output=True`: the request samples under a grammar that is still
+    /// compiling; it waits in `waiting`, letting others pass, until `grammar_ready`.
     #[pyo3(signature = (request_id, prompt_token_ids, *, n = IntArg::Default(1),
                         priority = IntArg::Default(0), arrival_time = None,
                         max_tokens = IntArg::Default(16), min_tokens = IntArg::Default(0),
                         eos_token_id = None, stop_token_ids = None, ignore_eos = false,
-                        extra_key = IntArg::Default(0), lora_id = IntArg::Default(0)),
+                        extra_key = IntArg::Default(0), lora_id = IntArg::Default(0),
+                        structured_output = false),
            text_signature = "($self, request_id, prompt_token_ids, *, n=1, priority=0, \
                              arrival_time=None, max_tokens=16, min_tokens=0, \
                              eos_token_id=None, stop_token_ids=None, ignore_eos=False, \
-                             extra_key=0, lora_id=0)")]
+                             extra_key=0, lora_id=0, structured_output=False)")]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
@@ -207,6 +215,7 @@ impl PyScheduler {
         ignore_eos: bool,
         extra_key: IntArg<'_>,
         lora_id: IntArg<'_>,
+        structured_output: bool,
     ) -> PyResult<()> {
         let request_id = request_id.downcast::<PyString>().map_err(|_| {
             PyTypeError::new_err(format!(
@@ -280,6 +289,7 @@ impl PyScheduler {
             },
             extra_key,
             lora_id,
+            structured_output,
         };
         let h = self.inner.add_request(id, params)? as usize;
         let gen = self.inner.slot_generation(h as u32);
@@ -375,6 +385,14 @@ impl PyScheduler {
             self.inner.abort_request(id)?;
         }
         Ok(())
+    }
+
+    /// Marks the grammar of a request added with `structured_output=True` compiled: it is
+    /// schedulable from the next `schedule()` on. Returns False for unknown or finished ids
+    /// and for a grammar already marked; ValueError for a request without structured output.
+    /// A grammar that fails to compile: abort the request.
+    fn grammar_ready(&mut self, request_id: &str) -> PyResult<bool> {
+        Ok(self.inner.grammar_ready(request_id)?)
     }
 
     fn num_waiting(&self) -> usize {

@@ -188,6 +188,9 @@ step_output_fields! {
         /// list[(request_id, reason)] finished at schedule time (ignored: can never be
         /// served).
         finished = |o, s, py| Ok(PyList::new(py, &o.finished)?.into_any().unbind());
+        /// int64 [G] indices (into the K samples) of the samples drawn under a grammar
+        /// (structured output), in sample order.
+        structured_output_samples = |o, s, py| array(py, s.borrow(py).structured_samples(o));
     }
 }
 

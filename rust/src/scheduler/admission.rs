@@ -23,7 +23,7 @@ use super::budget::{Budget, Cut};
 use super::output::StepOutput;
 use super::plan::sync_mirror;
 use super::queue::{Queue, Queues};
-use super::request::Request;
+use super::request::{GrammarState, Request};
 use super::store::RequestStore;
 use super::Scheduler;
 
@@ -35,7 +35,8 @@ pub(super) enum Verdict {
     /// Not now, and nobody behind it either this step (queue order is kept).
     Later(Short),
     /// Not now, but it keeps its place and does not hold back those behind it (only a
-    /// feature condition answers this: e.g. its adapter would be one too many this step).
+    /// feature condition answers this: e.g. its adapter would be one too many this step, or
+    /// its grammar is still compiling).
     Wait,
     /// Can never run: finishes as ignored, with the reason.
     Never(String),
@@ -75,6 +76,10 @@ pub(super) enum Short {
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {
     let _ = from;
+    // Structured output: nothing to sample with until the grammar is compiled.
+    if req.extras.grammar == GrammarState::Compiling {
+        return Some(Verdict::Wait);
+    }
     #[cfg(test)]
     if let Some(verdict) = &req.extras.condition {
         return Some(verdict.clone());

@@ -1,7 +1,7 @@
 //! The scheduler's consistency check (the manager checks its own first).
 use std::collections::HashMap;
 
-use super::request::RequestStatus;
+use super::request::{GrammarState, RequestStatus};
 use super::Scheduler;
 
 impl Scheduler {
@@ -54,6 +54,12 @@ impl Scheduler {
                 return Err(format!(
                     "request {} in {q} has status {:?}",
                     req.id, req.status
+                ));
+            }
+            if req.extras.grammar == GrammarState::Compiling && q != "waiting" && q != "ignored" {
+                return Err(format!(
+                    "request {} is in {q} while its grammar compiles",
+                    req.id
                 ));
             }
             if req.num_unfinished != req.seqs.iter().filter(|s| !s.is_finished()).count() {

@@ -128,6 +128,7 @@ mod tests {
             },
             extra_key: 0,
             lora_id,
+            structured_output: false,
         }
     }
 

@@ -30,6 +30,8 @@
 //! - `step.rs` — `StepLedger`: the latest step, whether it is open, its samples;
 //! - `update.rs` + `stop.rs` — applying samples, the stop rules;
 //! - `rollback.rs` — `discard_step`; `intake.rs` — `add_request` / `abort_request`;
+//! - `grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the step's
+//!   constrained samples;
 //! - `invariants.rs` — `check_invariants`; `stats.rs` — counters and the stats snapshot.
 //!
 //! The KV-cache manager (`crate::kv`) owns blocks, tables and the prefix cache; the
@@ -58,6 +60,7 @@ mod budget;
 mod chunked_prefill;
 mod config;
 mod decode;
+mod grammar;
 mod intake;
 mod invariants;
 mod lora;
@@ -82,7 +85,9 @@ use crate::kv::{CacheConfig, KvCacheManager};
 
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
-pub use request::{MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Sequence};
+pub use request::{
+    GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Sequence,
+};
 pub use stats::{SchedulerCounters, SchedulerStats};
 pub use stop::{FinishReason, StopParams};
 

@@ -64,6 +64,9 @@ pub struct RequestParams {
     pub extra_key: u64,
     /// The LoRA adapter the request runs with (0 = the base model); see `lora.rs`.
     pub lora_id: u64,
+    /// Structured output: the request samples under a grammar, which is being compiled when
+    /// it is added; it waits (letting others pass) until `Scheduler::grammar_ready`.
+    pub structured_output: bool,
 }
 
 /// One sample stream of a request (`n` of them per request).
@@ -222,6 +225,9 @@ pub struct RequestExtras {
     /// The LoRA adapter (0 = the base model): counted against `max_loras` by admission and
     /// reported per row in `StepExtras::lora_ids` (see `lora.rs`).
     pub lora_id: u64,
+    /// Structured output: whether the request samples under a grammar and whether that
+    /// grammar is compiled yet (see `grammar.rs`).
+    pub grammar: GrammarState,
     /// Test-only stand-in for a feature's admission state: what `admission::conditions`
     /// answers for this request (unit tests of the seam).
     #[cfg(test)]
@@ -237,9 +243,26 @@ impl RequestExtras {
     pub(super) fn new(params: &RequestParams) -> Self {
         RequestExtras {
             lora_id: params.lora_id,
+            grammar: if params.structured_output {
+                GrammarState::Compiling
+            } else {
+                GrammarState::Unconstrained
+            },
             ..RequestExtras::default()
         }
     }
+}
+
+/// A request's grammar, for structured output.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GrammarState {
+    /// Samples freely.
+    #[default]
+    Unconstrained,
+    /// Its grammar is being compiled: admission steps over it (it keeps its place).
+    Compiling,
+    /// Compiled: schedulable, and its samples are drawn under the grammar's mask.
+    Ready,
 }
 
 impl Request {

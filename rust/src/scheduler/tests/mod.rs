@@ -2,6 +2,7 @@
 //! bindings; these pin the core mechanics and run a seeded random workload), one file per
 //! behaviour; the shared fixtures live here.
 mod admission;
+mod grammar;
 mod layout;
 mod lazy_outputs;
 mod preemption;
@@ -56,6 +57,7 @@ fn req(tag: u32, len: usize, n: usize, max_tokens: usize) -> RequestParams {
         },
         extra_key: 0,
         lora_id: 0,
+        structured_output: false,
     }
 }
 
