@@ -313,9 +313,15 @@ class Scheduler:
         num_lookahead_slots: int = 0,
         delay_factor: float = 0.0,
         max_loras: int = 0,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_max: int | None = None,
+        prompt_lookup_min: int | None = None,
     ) -> None:
         """``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
-        LoRA off (a request with an adapter is then a ``ValueError``)."""
+        LoRA off (a request with an adapter is then a ``ValueError``).
+        ``num_speculative_tokens`` > 0 turns on n-gram speculation (``propose_drafts``) with
+        lookups of ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens (one missing takes the
+        other's value; both missing: 1 .. 4); ``ValueError`` when min > max or either is 0."""
     def add_request(
         self,
         request_id: str,
@@ -375,6 +381,13 @@ class Scheduler:
     def num_cached_tokens(self, request_id: str) -> int | None: ...
     def get_stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
+    def propose_drafts(
+        self,
+    ) -> tuple[_npt.NDArray[_np.int64], _npt.NDArray[_np.int32], _npt.NDArray[_np.int64]]:
+        """N-gram drafts for every running sequence that decodes next step: ``(seq_ids [N],
+        num_draft_tokens [N], draft_token_ids [sum])``, sequences without a proposal left out;
+        at most ``num_speculative_tokens`` each, fewer when ``max_tokens`` or the model length
+        leaves less room. ``PagedLLMError`` when speculation is off."""
     @property
     def block_size(self) -> int: ...
     @property

@@ -3,7 +3,8 @@
 //! Layers, lowest first; a module imports only from the ones before it:
 //! - [`ids`], [`error`]: the shared id types and the error type (leaves);
 //! - [`kv`]: the KV-cache memory manager (block pools, block tables, prefix cache, swap);
-//! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks;
+//! - [`spec`]: speculative decoding's proposers over token histories (n-gram lookup);
+//! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks and `spec` for drafts;
 //! - `bindings` (feature `python`): the `pagedllm._core` extension module over both.
 //!
 //! Everything except `bindings` is plain Rust with no Python types, so `cargo test` runs
@@ -12,6 +13,7 @@ pub mod error;
 pub mod ids;
 pub mod kv;
 pub mod scheduler;
+pub mod spec;
 
 #[cfg(feature = "python")]
 mod bindings;

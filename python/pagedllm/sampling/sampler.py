@@ -39,7 +39,10 @@ def _exponential_noise(shape, meta: SamplingMetadata, device, generator, seeded)
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.Tensor:
+def random_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from: temperature -> min-p -> top-k -> top-p ->
+    softmax over `logits` already through the min_tokens mask and penalties (`mask_logits`).
+    Speculative verification accepts against exactly this distribution."""
     if meta.temperature is not None:
         logits = logits / meta.temperature
     if meta.min_p is not None:
@@ -48,7 +51,21 @@ def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.T
         logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     elif meta.top_k is not None:
         logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def mask_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The first processing stages, shared by greedy and random rows: the min_tokens mask, then
+    penalties."""
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.Tensor:
+    probs = random_probs(logits, meta)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p.
     noise = _exponential_noise(probs.shape, meta, logits.device, generator, seeded)
     return probs.div_(noise).argmax(dim=-1)
@@ -79,12 +96,7 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows, metadata {meta.num_rows}")
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
-        if meta.banned is not None:
-            logits = logits.index_put(
-                meta.banned, torch.tensor(float("-inf"), device=logits.device)
-            )
-        if meta.penalties is not None:
-            logits = apply_penalties(logits, meta.penalties)
+        logits = mask_logits(logits, meta)
         tokens = self._choose(logits, meta)
         logprobs = None
         if raw_logprobs is not None:

@@ -17,6 +17,7 @@ use crate::scheduler::{
     defaults, Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StepOutput,
     StopParams, Strategy,
 };
+use crate::spec::NgramConfig;
 
 /// The scheduler of SPEC §4, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -103,7 +104,8 @@ impl PyScheduler {
                         long_prefill_token_threshold = defaults::LONG_PREFILL_TOKEN_THRESHOLD as i64,
                         num_lookahead_slots = defaults::NUM_LOOKAHEAD_SLOTS as i64,
                         delay_factor = defaults::DELAY_FACTOR,
-                        max_loras = 0))]
+                        max_loras = 0, num_speculative_tokens = 0,
+                        prompt_lookup_max = None, prompt_lookup_min = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -121,7 +123,12 @@ impl PyScheduler {
         num_lookahead_slots: i64,
         delay_factor: f64,
         max_loras: i64,
+        num_speculative_tokens: i64,
+        prompt_lookup_max: Option<i64>,
+        prompt_lookup_min: Option<i64>,
     ) -> PyResult<Self> {
+        let speculative =
+            ngram_config(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)?;
         let strategy = Strategy::parse(scheduling)?;
         let pol = Policy::parse(policy)?;
         let mode = PreemptionMode::parse(preemption_mode)?;
@@ -155,6 +162,7 @@ impl PyScheduler {
             num_lookahead_slots: non_negative("num_lookahead_slots", num_lookahead_slots)?,
             delay_factor,
             max_loras: non_negative("max_loras", max_loras)?,
+            speculative,
         };
         Ok(PyScheduler {
             inner: Scheduler::new(cache, cfg)?,
@@ -495,6 +503,21 @@ impl PyScheduler {
         Ok(self.inner.discard_step(&output.out)?)
     }
 
+    /// N-gram draft tokens for every running sequence that decodes next step (one call per
+    /// step): `(seq_ids int64 [N], num_draft_tokens int32 [N], draft_token_ids int64 [sum])`,
+    /// sequences without a proposal left out. PagedLLMError when speculation is off.
+    fn propose_drafts<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let p = self.inner.propose_drafts()?;
+        PyTuple::new(
+            py,
+            [
+                PyArray1::from_vec(py, p.seq_ids).into_any(),
+                PyArray1::from_vec(py, p.num_draft_tokens).into_any(),
+                PyArray1::from_vec(py, p.draft_token_ids).into_any(),
+            ],
+        )
+    }
+
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
         self.inner
@@ -536,6 +559,29 @@ impl PyScheduler {
     fn preemption_mode(&self) -> Option<&'static str> {
         self.inner.config().preemption_mode.as_str()
     }
+}
+
+/// The n-gram proposer's configuration from the constructor's arguments: off for
+/// `num_speculative_tokens = 0`; a lookup bound not given takes the other's value (both
+/// missing: 4 and 1).
+fn ngram_config(
+    k: i64,
+    lookup_max: Option<i64>,
+    lookup_min: Option<i64>,
+) -> PyResult<Option<NgramConfig>> {
+    let k = non_negative("num_speculative_tokens", k)?;
+    if k == 0 {
+        return Ok(None);
+    }
+    let (max, min) = match (lookup_max, lookup_min) {
+        (None, None) => (4, 1),
+        (Some(max), None) => (max, max),
+        (None, Some(min)) => (min, min),
+        (Some(max), Some(min)) => (max, min),
+    };
+    let max = non_negative("prompt_lookup_max", max)?;
+    let min = non_negative("prompt_lookup_min", min)?;
+    Ok(Some(NgramConfig::new(k, max, min)?))
 }
 
 /// Names and defaults of the knobs, read by Python (`EngineArgs`) so they live in one place.

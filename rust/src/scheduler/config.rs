@@ -1,5 +1,6 @@
 //! Scheduler configuration: strategy, policy, preemption mode and budgets.
 use crate::error::{Error, Result};
+use crate::spec::NgramConfig;
 
 /// How a step is composed (SPEC §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +150,8 @@ pub struct SchedulerConfig {
     pub delay_factor: f64,
     /// Most distinct LoRA adapters one step holds (0 = LoRA off: requests carry no adapter).
     pub max_loras: usize,
+    /// Speculative decoding with the n-gram proposer (`spec.rs`); `None` = off.
+    pub speculative: Option<NgramConfig>,
 }
 
 impl SchedulerConfig {

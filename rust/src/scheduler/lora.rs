@@ -105,6 +105,7 @@ mod tests {
             num_lookahead_slots: 0,
             delay_factor: 0.0,
             max_loras,
+            speculative: None,
         };
         let cache = CacheConfig {
             block_size: 4,

@@ -32,7 +32,8 @@
 //! - `rollback.rs` — `discard_step`; `intake.rs` — `add_request` / `abort_request`;
 //! - `grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the step's
 //!   constrained samples;
-//! - `invariants.rs` — `check_invariants`; `stats.rs` — counters and the stats snapshot.
+//! - `invariants.rs` — `check_invariants`; `stats.rs` — counters and the stats snapshot;
+//! - `spec.rs` — speculative decoding: the step's n-gram drafts (`crate::spec`).
 //!
 //! The KV-cache manager (`crate::kv`) owns blocks, tables and the prefix cache; the
 //! scheduler asks it through its public methods and reads the cache's facts (block size,
@@ -73,6 +74,7 @@ mod record;
 mod request;
 mod rollback;
 mod running;
+mod spec;
 mod stats;
 mod step;
 mod stop;
@@ -88,6 +90,7 @@ pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, 
 pub use request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Sequence,
 };
+pub use spec::DraftProposals;
 pub use stats::{SchedulerCounters, SchedulerStats};
 pub use stop::{FinishReason, StopParams};
 

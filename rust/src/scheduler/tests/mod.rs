@@ -27,6 +27,7 @@ fn cfg(strategy: Strategy, budget: usize) -> SchedulerConfig {
         num_lookahead_slots: 0,
         delay_factor: 0.0,
         max_loras: 0,
+        speculative: None,
     }
 }
 

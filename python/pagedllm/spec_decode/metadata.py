@@ -1,0 +1,47 @@
+"""The sampling rows of a verification step: sample `i` with drafts `x_0 .. x_{d-1}` is scored
+at `d + 1` positions, and position `j` is sampled as the token after the sequence extended by
+`x_0 .. x_{j-1}`. Its row therefore sees those drafts as output tokens: penalties count them,
+`min_tokens` is judged on the longer output, and a seeded row's seed is that of the token index
+it decides (`seeds.sample_seed`), exactly as plain decoding would have seen that position."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from pagedllm.sampling.metadata import SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+
+
+def verification_rows(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+    seq_index: Sequence[int],
+    drafts: Sequence[Sequence[int]],
+    *,
+    vocab_size: int,
+    stop_token_ids: Sequence[Collection[int]],
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """`SamplingMetadata` of `sum(len(drafts[i]) + 1)` rows: sample `i`'s positions in order,
+    each with the output extended by the drafts before it (see the module doc)."""
+    rows_params, rows_output, rows_prompt, rows_index, rows_stop = [], [], [], [], []
+    for i, draft in enumerate(drafts):
+        output = list(output_token_ids[i])
+        for j in range(len(draft) + 1):
+            rows_params.append(params[i])
+            rows_output.append(output + list(draft[:j]) if j else output)
+            rows_prompt.append(prompt_token_ids[i])
+            rows_index.append(seq_index[i])
+            rows_stop.append(stop_token_ids[i])
+    return SamplingMetadata.build(
+        rows_params,
+        rows_output,
+        rows_prompt,
+        rows_index,
+        vocab_size=vocab_size,
+        stop_token_ids=rows_stop,
+        device=device,
+    )
