@@ -21,6 +21,8 @@ _LAZY = {
     "choose_num_splits": "decode_attention",
     "paged_prefill_attention": "prefill_attention",
     "copy_blocks": "block_copy",
+    "lora_shrink": "lora",
+    "lora_expand": "lora",
 }
 
 __all__ = list(_LAZY)

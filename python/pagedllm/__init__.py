@@ -24,6 +24,7 @@ _LAZY = {
     "EngineArgs": "pagedllm.config",
     "LLMEngine": "pagedllm.engine",
     "LLM": "pagedllm.llm",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -54,6 +54,15 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
     stats_log_interval: float = 5.0  # seconds between periodic stats log lines
+    # multi-LoRA (vLLM's names): adapters per step, their largest rank, adapters kept on the host
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +92,17 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            _positive(name, getattr(self, name))
+        if self.max_cpu_loras is not None:
+            _positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+                )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -35,21 +36,27 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         `prompts`: a string, a `{"prompt_token_ids": [...]}` dict, or a list of them.
         `sampling_params`: one for all prompts or one per prompt. `priority`: one per prompt
-        (lower = more urgent; used with policy="priority").
+        (lower = more urgent; used with policy="priority"). `lora_request`: the LoRA adapter of
+        every prompt, or one per prompt (None: the base model); needs `enable_lora=True`.
         """
         prompt_list = _as_prompt_list(prompts)
-        params = _per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams())
-        priorities = _per_prompt("priority", priority, len(prompt_list), 0, broadcast=False)
+        count = len(prompt_list)
+        params = _per_prompt("sampling_params", sampling_params, count, SamplingParams())
+        priorities = _per_prompt("priority", priority, count, 0, broadcast=False)
+        loras = _per_prompt("lora_request", lora_request, count, None)
         request_ids = [f"{next(self._ids)}" for _ in prompt_list]
         added: list[str] = []
         try:
-            for request_id, prompt, p, prio in zip(request_ids, prompt_list, params, priorities):
-                self.engine.add_request(request_id, prompt, p, priority=prio)
+            for request_id, prompt, p, prio, lora in zip(
+                request_ids, prompt_list, params, priorities, loras
+            ):
+                self.engine.add_request(request_id, prompt, p, priority=prio, lora_request=lora)
                 added.append(request_id)
         except Exception:
             self._abandon(added)  # bad input: leave no half-added batch behind

@@ -6,6 +6,7 @@ Pure Python on purpose: importing it must not import torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -68,3 +69,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+    lora_request: Any = None  # the request's LoRARequest (None: the base model)

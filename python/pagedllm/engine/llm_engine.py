@@ -24,6 +24,7 @@ from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models import (
     ModelConfig,
     load_model,
@@ -75,6 +76,8 @@ class LLMEngine:
         if not self.eos_token_ids and tokenizer_eos is not None:
             self.eos_token_ids = (tokenizer_eos,)
         self.model = load_model(args.model, dtype=self.dtype, device=self.device)
+        # before the KV cache is sized: the adapters' device slots take memory too
+        self.lora = self._lora_manager(args)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
             args,
@@ -109,8 +112,9 @@ class LLMEngine:
             watermark=args.watermark,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             delay_factor=args.delay_factor,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
-        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.device, self.lora)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(args.seed)
         self.sampler = Sampler(generator)
@@ -135,6 +139,20 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
+    def _lora_manager(self, args: EngineArgs):
+        if not args.enable_lora:
+            return None
+        from pagedllm.lora.manager import LoRAManager
+
+        return LoRAManager(
+            self.model,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.resolved_max_cpu_loras,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(
@@ -144,8 +162,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError naming the request; nothing is queued.
+
+        `lora_request` runs it with that LoRA adapter (needs `enable_lora`): its folder is read
+        and checked here, a bad one is a ValueError naming the adapter and the problem.
 
         `request_id` must be a str (TypeError otherwise, as in `abort_request`): ids are never
         converted, so outputs carry, and `abort_request` takes, exactly the id given here.
@@ -159,11 +181,13 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         params = params if params is not None else SamplingParams()
         text, token_ids = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        lora_id = self._lora_id(request_id, lora_request)
         stop = StopTokens.of(params, self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         request = RequestState.new(
             request_id, text, token_ids, params, stop, arrival, self.tokenizer
         )
+        request.lora_request = lora_request
         self.scheduler.add_request(
             request_id,
             token_ids,
@@ -175,9 +199,33 @@ class LLMEngine:
             eos_token_id=stop.eos_token_id,
             stop_token_ids=stop.stop_token_ids,
             ignore_eos=params.ignore_eos,
+            lora_id=lora_id,
         )
         self._unscheduled.add(request_id)
         self.requests[request_id] = request
+
+    def _lora_id(self, request_id: str, lora_request: LoRARequest | None) -> int:
+        """The adapter id the scheduler carries (0: base model), its adapter checked and loaded."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise ValueError(
+                f"request {request_id!r}: lora_request {name!r} given but LoRA is not enabled "
+                f"(LLM(..., enable_lora=True) / --enable-lora)"
+            )
+        return self.lora.add(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Checks and loads an adapter ahead of its requests (vLLM's `add_lora`)."""
+        if self.lora is None:
+            raise ValueError("add_lora: LoRA is not enabled (enable_lora=True)")
+        self.lora.add(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters added so far."""
+        return set() if self.lora is None else self.lora.list_loras()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests in any queue; unknown or finished ids are ignored.

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -88,6 +89,7 @@ class RequestState:
     stop: StopTokens
     num_cached_tokens: int = 0
     num_faults: int = 0  # failed steps this request was part of (see LLMEngine.MAX_STEP_FAULTS)
+    lora_request: Any = None  # its LoRARequest (None: the base model)
 
     def __post_init__(self) -> None:
         # What the sampler sees: best_of > n needs the sampled tokens' logprobs for ranking.
@@ -155,4 +157,5 @@ class RequestState:
             self.finished,
             self.num_cached_tokens,
             self.metrics,
+            lora_request=self.lora_request,
         )

@@ -6,11 +6,16 @@ device (no per-token Python).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine
+
+if TYPE_CHECKING:
+    from pagedllm.lora.manager import LoRAManager
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -22,11 +27,17 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, cache_engine: CacheEngine, device: torch.device
+        self,
+        model: torch.nn.Module,
+        cache_engine: CacheEngine,
+        device: torch.device,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
+        # multi-LoRA: puts the step's adapters in device slots, builds its token segments
+        self.lora = lora
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""
@@ -43,6 +54,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             is_decode_only=bool(step.is_decode_only),
         )
+        if self.lora is not None:
+            self.lora.prepare_step(step.lora_ids, num_tokens)
         # The logits of a sequence come from the hidden state of its last token this step.
         last_token_rows = query_start_loc[1:].astype(np.int64) - 1
         sample_rows = last_token_rows[step.sample_rows]

@@ -1,0 +1,88 @@
+"""`LoRAManager`: the engine's one object for adapters — checks and loads them when a request
+names one (before it is queued), keeps them in the host LRU and the device slots, and turns
+each step's per-row adapter ids (`SchedulerOutput.lora_ids`) into the token segments the
+wrapped projections read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.kernels.lora_reference import build_segments
+from pagedllm.lora.adapter import LoRAAdapter, ModelLoRASpec
+from pagedllm.lora.host_cache import HostAdapterCache
+from pagedllm.lora.layers import LoRAState, wrap_projections
+from pagedllm.lora.peft_loader import load_peft_adapter
+from pagedllm.lora.request import LoRARequest
+from pagedllm.lora.slots import LoRASlots
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.spec = ModelLoRASpec.of(model.config)
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.dtype, self.device = dtype, device
+        # every adapter a request has named: id -> request (an id always names one adapter)
+        self.requests: dict[int, LoRARequest] = {}
+        self.host = HostAdapterCache(max_cpu_loras, self._read)
+        self.slots = LoRASlots(
+            self.spec, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
+        )
+        self.state = LoRAState(self.slots)
+        wrap_projections(model, self.state)
+
+    def add(self, request: LoRARequest) -> int:
+        """Checks and loads `request`'s adapter (ValueError naming it when its folder is bad or
+        its id already names another adapter); returns the id the scheduler carries."""
+        if not isinstance(request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a LoRARequest, got {type(request).__name__} {request!r}"
+            )
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (
+            request.lora_name,
+            request.lora_path,
+        ):
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r}: lora_int_id={request.lora_int_id} already "
+                f"names adapter {known.lora_name!r} ({known.lora_path})"
+            )
+        if known is None or request.lora_int_id not in self.host:
+            self.host.get(request)
+        self.requests[request.lora_int_id] = request
+        return request.lora_int_id
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters requests have named."""
+        return set(self.requests)
+
+    def prepare_step(self, lora_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Puts the step's adapters into device slots and builds its token segments from the
+        per-row adapter ids `[S]` and token counts `[S]` (array ops; a Python loop only over
+        the step's distinct adapters, at most `max_loras`)."""
+        lora_ids = np.asarray(lora_ids)
+        if not lora_ids.any():
+            self.state.segments = None  # no row has an adapter: the projections skip LoRA
+            return
+        distinct, inverse = np.unique(lora_ids, return_inverse=True)
+        adapters = [int(i) for i in distinct.tolist() if i != 0]
+        slot_of = self.slots.assign(adapters, self._fetch)
+        lookup = np.array([slot_of.get(int(i), -1) for i in distinct.tolist()], dtype=np.int64)
+        token_slots = np.repeat(lookup[inverse.reshape(-1)], np.asarray(num_tokens))
+        self.state.segments = build_segments(token_slots, self.device)
+
+    def _fetch(self, lora_int_id: int) -> LoRAAdapter:
+        return self.host.get(self.requests[lora_int_id])
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        return load_peft_adapter(request, self.spec, self.max_lora_rank, self.dtype)
