@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import PARAMS, PROMPTS
+from lora_util import PARAMS, PROMPTS
 
 
 def assert_blocks_free(llm) -> None:
