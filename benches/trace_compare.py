@@ -9,8 +9,9 @@ later steps (read back at the end, as an engine holding a step would).
 
 The workloads cover every strategy, policy and preemption mode (none, recompute, swap), prefix
 caching on and off, lookahead slots, delay factor, aborts, discarded steps, stop tokens and stop
-strings, n > 1, priorities, shared prompts (prefix hits), tiny pools that preempt, and larger
-ones with more than 64 decodes per step.
+strings, n > 1, priorities, shared prompts (prefix hits), prompts longer than the model, tiny
+pools that preempt, larger ones with more than 64 decodes per step, and the features the build
+has (LoRA adapters with `max_loras`). Compare builds of the same feature level.
 
 Usage (the build under test is whatever `import pagedllm` finds; the reference is a directory
 holding another build's `pagedllm` package, e.g. an unpacked wheel):
@@ -154,8 +155,14 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
     rng = random.Random(f"{w.name}")
     cfg = (LARGE if w.large else SMALL)[w.variant]
     budget, max_seqs, max_len, threshold, lookahead, delay, bs, dev, host, wm = cfg
+    # Features are exercised when the build has them (compare builds of one feature level).
+    extra: dict[str, int] = {}
+    lora = "max_loras" in (Scheduler.__text_signature__ or "")
+    if lora:
+        extra["max_loras"] = w.seed % 3  # off, or at most 1 or 2 adapters per step
     try:
         s = Scheduler(
+            **extra,
             num_gpu_blocks=dev,
             block_size=bs,
             num_cpu_blocks=host,
@@ -200,6 +207,8 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
                 ignore_eos=rng.random() < 0.2,
                 extra_key=rng.randint(0, 1),
             )
+            if lora:
+                kwargs["lora_id"] = rng.randint(0, 3) if w.seed % 3 else 0
             _call(log, f"add q{added}", s.add_request, f"q{added}", prompt, **kwargs)
             added += 1
         if added and rng.random() < 0.08:

@@ -211,10 +211,9 @@ impl DecodeBatch {
         let slot = &mut slots[h as usize];
         let gen = slot.gen;
         let req = slot.req.as_mut().expect("queued slot holds a request");
-        if req.seqs.len() != 1 {
+        let Some(s) = req.seqs.single_mut() else {
             return Ok(false);
-        }
-        let s = &mut req.seqs[0];
+        };
         let start = s.num_computed;
         if s.tail_shared || s.tokens.len() != start + 1 || start + 1 > facts.max_model_len {
             return Ok(false);

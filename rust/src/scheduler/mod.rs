@@ -43,9 +43,10 @@
 //!
 //! # Hot path
 //! Requests live in a slab addressed by `u32` handles (no hashing after `add_request`); a
-//! slot's generation and its request's hot fields share a cache line, as do a sequence's
-//! (`repr(C)` layouts, unit tests `hot_fields_share_a_cache_line` and
-//! `slot_generation_and_hot_request_fields_share_a_line`). Steady decodes take
+//! slot's generation and its request's hot fields share a cache line, and a single-sequence
+//! request keeps its sequence inline right after them ([`Seqs`]): its whole decode state is
+//! the slot's first 128 bytes, found from the handle alone (`repr(C)` layouts, unit tests
+//! `hot_fields_share_a_cache_line` and `slot_generation_and_hot_request_fields_share_a_line`). Steady decodes take
 //! `try_fast_decode` and are recorded in batches.
 //!
 //! # Room for what comes next
@@ -88,7 +89,7 @@ use crate::kv::{CacheConfig, KvCacheManager};
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
 pub use request::{
-    GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Sequence,
+    GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
 };
 pub use spec::DraftProposals;
 pub use stats::{SchedulerCounters, SchedulerStats};

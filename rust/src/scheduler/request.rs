@@ -71,13 +71,13 @@ pub struct RequestParams {
 
 /// One sample stream of a request (`n` of them per request).
 ///
-/// Layout (`repr(C)`, 64-byte aligned): everything a decode step reads or writes per
-/// sequence (the token vector's header, `num_computed`, `finished`, `last_token`,
-/// `tail_shared` and the table's last block and length) sits in the first cache line; the
-/// table's allocation header and the id follow in the second. Unit test
-/// `hot_fields_share_a_cache_line` checks it.
+/// Layout (`repr(C)`): everything a decode step reads or writes per sequence (the token
+/// vector's header, `num_computed`, `finished`, `last_token`, `tail_shared` and the table's
+/// last block and length) comes first, in 64 bytes; the table's allocation header and the id
+/// follow. A single sequence sits inline in its request, right after the request's hot
+/// fields (see [`Seqs`]); unit test `hot_fields_share_a_cache_line` checks the offsets.
 #[derive(Debug, Clone)]
-#[repr(C, align(64))]
+#[repr(C)]
 pub struct Sequence {
     /// Prompt followed by this sequence's generated tokens.
     pub tokens: Vec<TokenId>,
@@ -168,15 +168,91 @@ impl Sequence {
     }
 }
 
+/// A request's sequences: a single one inline (the common `n = 1`), or `n > 1` in their own
+/// allocation. Reads as a slice either way.
+///
+/// Inline, the sequence's hot fields follow the request's, so in the scheduler's store a
+/// single-sequence request's whole decode state (slot generation, request and sequence hot
+/// fields) is the slot's first 128 bytes, at an address computed from the slot index alone:
+/// the decode step streams it without loading a pointer to the sequences first (a dependent
+/// cache miss per sequence per step with a separate allocation). `repr(u8)`: a one-byte tag,
+/// then the sequence at a fixed offset (unit test `hot_fields_share_a_cache_line`).
+#[derive(Debug, Clone)]
+#[repr(u8)]
+pub enum Seqs {
+    One(Sequence),
+    Many(Vec<Sequence>),
+}
+
+impl Seqs {
+    /// The sequence of a single-sequence request (None when `n > 1`).
+    #[inline(always)]
+    pub fn single_mut(&mut self) -> Option<&mut Sequence> {
+        match self {
+            Seqs::One(s) => Some(s),
+            Seqs::Many(_) => None,
+        }
+    }
+}
+
+impl FromIterator<Sequence> for Seqs {
+    fn from_iter<I: IntoIterator<Item = Sequence>>(iter: I) -> Self {
+        let mut v: Vec<Sequence> = iter.into_iter().collect();
+        if v.len() == 1 {
+            Seqs::One(v.pop().expect("one sequence"))
+        } else {
+            Seqs::Many(v)
+        }
+    }
+}
+
+impl std::ops::Deref for Seqs {
+    type Target = [Sequence];
+    #[inline(always)]
+    fn deref(&self) -> &[Sequence] {
+        match self {
+            Seqs::One(s) => std::slice::from_ref(s),
+            Seqs::Many(v) => v,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Seqs {
+    type Item = &'a Sequence;
+    type IntoIter = std::slice::Iter<'a, Sequence>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a mut Seqs {
+    type Item = &'a mut Sequence;
+    type IntoIter = std::slice::IterMut<'a, Sequence>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter_mut()
+    }
+}
+
+impl std::ops::DerefMut for Seqs {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut [Sequence] {
+        match self {
+            Seqs::One(s) => std::slice::from_mut(s),
+            Seqs::Many(v) => v,
+        }
+    }
+}
+
 /// A request: one prompt and `n` sequences sampled from it.
 ///
-/// Layout (`repr(C)`): the fields a decode step reads (`seqs`, `status`, `quiet_until`,
-/// `prompt_len`, `first_seq_id`) come first, so that with the scheduler's slot generation in
-/// front they share one cache line (unit test `hot_fields_share_a_cache_line`).
+/// Layout (`repr(C)`): the fields a decode step reads (`status`, `quiet_until`,
+/// `prompt_len`, `first_seq_id`) come first, then the sequences (a single one inline, its
+/// hot fields next), so that with the scheduler's slot generation in front a
+/// single-sequence request's decode state is the slot's first 128 bytes (unit test
+/// `hot_fields_share_a_cache_line`).
 #[derive(Debug, Clone)]
 #[repr(C)]
 pub struct Request {
-    pub seqs: Vec<Sequence>,
     pub status: RequestStatus,
     /// Whether the unfinished non-leader sequences currently exist in the manager. Before
     /// that only the leader (first unfinished sequence) holds blocks and computes the prompt.
@@ -188,6 +264,8 @@ pub struct Request {
     /// Id of `seqs[0]` (sequence ids of a request are consecutive: `seqs[i].id` is
     /// `first_seq_id + i`).
     pub first_seq_id: SeqId,
+    /// The sequences (see [`Seqs`]).
+    pub seqs: Seqs,
     pub id: String,
     pub num_unfinished: usize,
     pub priority: i64,
@@ -415,10 +493,9 @@ mod tests {
 
     #[test]
     fn hot_fields_share_a_cache_line() {
-        use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(align_of::<Sequence>(), 64);
+        use std::mem::{offset_of, size_of};
         let table = offset_of!(Sequence, table);
-        for end in [
+        let seq_hot_end = [
             offset_of!(Sequence, tokens) + size_of::<Vec<TokenId>>(),
             offset_of!(Sequence, num_computed) + 8,
             offset_of!(Sequence, finished) + size_of::<Option<(FinishReason, Option<TokenId>)>>(),
@@ -426,11 +503,15 @@ mod tests {
             offset_of!(Sequence, tail_shared) + 1,
             table + offset_of!(MirrorTable, last) + 4,
             table + offset_of!(MirrorTable, len) + 4,
-        ] {
-            assert!(end <= 64, "a hot sequence field ends at byte {end}");
-        }
+        ]
+        .into_iter()
+        .max()
+        .unwrap();
+        assert!(
+            seq_hot_end <= 64,
+            "a hot sequence field ends at byte {seq_hot_end}"
+        );
         for end in [
-            offset_of!(Request, seqs) + size_of::<Vec<Sequence>>(),
             offset_of!(Request, status) + 1,
             offset_of!(Request, quiet_until) + 8,
             offset_of!(Request, prompt_len) + 8,
@@ -439,8 +520,30 @@ mod tests {
             // The scheduler's slot puts an 8-byte generation word in front.
             assert!(end + 8 <= 64, "a hot request field ends at byte {end}");
         }
+        // The inline sequence follows the hot fields: its hot part ends within the slot's
+        // first 128 bytes (8-byte generation word in front of the request).
+        let mut params = RequestParams {
+            prompt: vec![1, 2, 3],
+            n: 1,
+            priority: 0,
+            arrival_time: 0.0,
+            stop: StopParams::default(),
+            extra_key: 0,
+            lora_id: 0,
+            structured_output: false,
+        };
+        let req = Request::new("r", &mut params, 0, 0, 16, 16);
+        let at = |p: *const u8| p as usize - &req as *const Request as usize;
+        let seq = at(&req.seqs[0] as *const Sequence as *const u8);
+        assert!(matches!(req.seqs, Seqs::One(_)));
+        assert!(seq >= offset_of!(Request, first_seq_id) + 8);
+        assert!(
+            8 + seq + seq_hot_end <= 128,
+            "the inline sequence's hot part ends at {seq}"
+        );
         // Features' state comes last: adding to it never moves a hot field.
         assert!(offset_of!(Request, extras) >= offset_of!(Request, admitted_once));
+        assert!(offset_of!(Request, extras) > offset_of!(Request, seqs));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use crate::kv::KvCacheManager;
 
 use super::output::FinishedSeq;
 use super::queue::Queues;
-use super::request::{Request, RequestStatus};
+use super::request::{Request, RequestStatus, Seqs};
 use super::stop::FinishReason;
 use super::Scheduler;
 
@@ -55,8 +55,14 @@ impl Scheduler {
             if req.status != RequestStatus::Running {
                 continue;
             }
-            let Some(seq) = req.seqs.get_mut(idx as usize) else {
-                continue;
+            let seq = match &mut req.seqs {
+                // Single-sequence requests (inline in the slot): no slice bounds to check.
+                Seqs::One(s) if idx == 0 => s,
+                Seqs::Many(v) => match v.get_mut(idx as usize) {
+                    Some(s) => s,
+                    None => continue,
+                },
+                Seqs::One(_) => continue,
             };
             if seq.is_finished() {
                 continue;
