@@ -124,6 +124,25 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    _lora_flags(parser)
+
+
+def _lora_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters")
+    g.add_argument(
+        "--max-loras",
+        type=_POSITIVE,
+        default=_ENGINE["max_loras"],
+        help="most adapters in one step",
+    )
+    g.add_argument("--max-lora-rank", type=_POSITIVE, default=_ENGINE["max_lora_rank"])
+    g.add_argument(
+        "--max-cpu-loras",
+        type=_POSITIVE,
+        default=_ENGINE["max_cpu_loras"],
+        help="adapters kept loaded in host memory (default: --max-loras)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -145,6 +164,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
