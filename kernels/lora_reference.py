@@ -36,6 +36,14 @@ class LoRASegments:
     groups: list[tuple[int, Tensor]]
     num_tokens: int  # T, the step's tokens (with or without an adapter)
 
+    @property
+    def single_slot(self) -> int | None:
+        """The slot when every token of the step has that one adapter (products without any
+        gather or scatter), else None."""
+        if len(self.groups) == 1 and self.token_order.numel() == self.num_tokens:
+            return self.groups[0][0]
+        return None
+
 
 def build_segments(token_slots: np.ndarray, device: torch.device) -> LoRASegments | None:
     """Segments of a step from its per-token slots `[T]` (-1 = no adapter); None when no token
@@ -66,6 +74,9 @@ def build_segments(token_slots: np.ndarray, device: torch.device) -> LoRASegment
 def lora_shrink(x: Tensor, a: Tensor, seg: LoRASegments) -> Tensor:
     """x `[T, K]`, a `[S, N, K]` -> float32 `[T, N]` (rows of tokens without an adapter are
     unspecified)."""
+    slot = seg.single_slot
+    if slot is not None:
+        return x.float() @ a[slot].float().t()
     y = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for slot, rows in seg.groups:
         y[rows] = x.index_select(0, rows).float() @ a[slot].float().t()
@@ -79,6 +90,10 @@ def lora_expand(
     for every token with an adapter; b `[S, N, R]`."""
     n, r = b.shape[1], b.shape[2]
     target = out[:, out_offset : out_offset + n]
+    slot = seg.single_slot
+    if slot is not None:
+        target += (y[:, y_offset : y_offset + r] @ b[slot].float().t()).to(out.dtype)
+        return
     for slot, rows in seg.groups:
         delta = y[rows, y_offset : y_offset + r] @ b[slot].float().t()
         target.index_add_(0, rows, delta.to(out.dtype))

@@ -36,14 +36,17 @@ def test_segments_group_tokens_by_slot_in_batch_order():
     assert ref.build_segments(np.full(5, -1), torch.device("cpu")) is None
 
 
-def test_reference_matches_a_per_token_loop():
-    x = _weights((len(TOKEN_SLOTS), 40), torch.float32, 1)
+@pytest.mark.parametrize("slots", [TOKEN_SLOTS, np.full(len(TOKEN_SLOTS), 1)], ids=["mixed", "one"])
+def test_reference_matches_a_per_token_loop(slots):
+    # "one": every token has the same adapter, the products run without gather/scatter
+    x = _weights((len(slots), 40), torch.float32, 1)
     a = _weights((3, 8, 40), torch.float32, 2)
     b = _weights((3, 24, 8), torch.float32, 3)
-    out = _weights((len(TOKEN_SLOTS), 30), torch.float32, 4)
+    out = _weights((len(slots), 30), torch.float32, 4)
     expected = out.clone()
-    expected[:, 6:] = _loop(x, a, b, TOKEN_SLOTS, out[:, 6:], 8)
-    seg = ref.build_segments(TOKEN_SLOTS, torch.device("cpu"))
+    expected[:, 6:] = _loop(x, a, b, slots, out[:, 6:], 8)
+    seg = ref.build_segments(slots, torch.device("cpu"))
+    assert (seg.single_slot == 1) == (slots is not TOKEN_SLOTS)
     ref.lora_expand(ref.lora_shrink(x, a, seg), b, seg, out, 0, 6)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
