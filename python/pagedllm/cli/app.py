@@ -70,6 +70,14 @@ def _number(
 _POSITIVE = _int_at_least(1)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """`name=path` of --lora-modules."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
 def _common_flags(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: not given after the subcommand keeps the top-level value (argparse would reset it)
     parser.add_argument(
@@ -322,8 +330,12 @@ def _serve(args: argparse.Namespace) -> int:
         chat_template=load_chat_template(args.chat_template),
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
+        lora_modules=dict(args.lora_modules or ()),
     )
-    app = build_server_app(_engine_kwargs(args), config)
+    engine_kwargs = _engine_kwargs(args)
+    if config.lora_modules:
+        engine_kwargs["enable_lora"] = True  # serving adapters implies --enable-lora
+    app = build_server_app(engine_kwargs, config)
     run_server(
         app, args.host, args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace
     )
@@ -401,6 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=_int_at_least(0), default=8000)
     g.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters served as models of their own (requests pick one with "
+        "'model': NAME); implies --enable-lora",
     )
     g.add_argument(
         "--api-key",

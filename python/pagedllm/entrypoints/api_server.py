@@ -84,7 +84,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             "owned_by": "pagedllm",
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        # each --lora-modules adapter is a model of its own, its parent the base model
+        cards = [card] + [
+            {**card, "id": name, "root": lora.lora_path, "parent": config.served_model_name}
+            for name, lora in server.loras.items()
+        ]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -43,6 +43,7 @@ class _Pending:
     added: asyncio.Future
     queue: asyncio.Queue
     num_prompt_tokens: int = 0
+    lora_request: Any = None  # a LoRARequest (None: the base model)
 
 
 @dataclass
@@ -166,6 +167,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         num_prompt_tokens: int = 0,
+        lora_request: Any = None,
     ) -> asyncio.Queue:
         """Queues a request; returns the queue of its outputs (the last one has finished=True).
 
@@ -181,6 +183,7 @@ class AsyncEngine:
             self._loop.create_future(),
             asyncio.Queue(),
             num_prompt_tokens,
+            lora_request,
         )
         with self._lock:
             self._inbox.append(pending)
@@ -255,7 +258,11 @@ class AsyncEngine:
         for pending in inbox:
             try:
                 self.engine.add_request(
-                    pending.request_id, pending.prompt, pending.params, priority=pending.priority
+                    pending.request_id,
+                    pending.prompt,
+                    pending.params,
+                    priority=pending.priority,
+                    lora_request=pending.lora_request,
                 )
                 added.append((pending, None))
             except Exception as exc:  # noqa: BLE001 - handed to the caller

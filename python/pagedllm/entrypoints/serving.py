@@ -18,6 +18,7 @@ from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,6 +32,8 @@ class ServerConfig:
     chat_template: str | None = None
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
+    # LoRA adapters served as models of their own: model id -> PEFT folder (--lora-modules)
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Job:
     params: SamplingParams
     timeout: float | None
     created: int = field(default_factory=lambda: int(time.time()))
+    model: str = ""  # the model id the client asked for (the base model or an adapter)
 
     @property
     def id(self) -> str:
@@ -169,6 +173,18 @@ class Server:
         # tokenizing (and rendering chat templates) can take milliseconds for a long prompt:
         # one thread keeps it off the event loop, in arrival order
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+        self.loras = self._register_loras(config.lora_modules)
+
+    def _register_loras(self, modules: dict[str, str]) -> dict[str, LoRARequest]:
+        """Each `--lora-modules` adapter as a model id, read and checked now (a bad folder stops
+        the server from starting, with the adapter's name and the problem)."""
+        loras = {}
+        for i, (name, path) in enumerate(modules.items()):
+            if name == self.model_name:
+                raise ValueError(f"--lora-modules: {name!r} is already the base model's name")
+            loras[name] = LoRARequest(name, i + 1, path)
+            self.engine.engine.add_lora(loras[name])
+        return loras
 
     @property
     def model_name(self) -> str:
@@ -178,14 +194,20 @@ class Server:
     def vocab_size(self) -> int:
         return self.engine.engine.model_config.vocab_size
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for a model not served."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join(f"`{m}`" for m in (self.model_name, *self.loras))
             raise APIError(
                 404,
-                f"The model `{model}` does not exist (this server serves `{self.model_name}`)",
+                f"The model `{model}` does not exist (this server serves {served})",
                 param="model",
                 type_="NotFoundError",
             )
+        return lora
 
     def sampling_params(
         self, body: Any, *, max_tokens: int | None, logprobs: int | None
@@ -326,11 +348,14 @@ class Server:
         *,
         priority: int,
         timeout: float | None,
+        model: str | None = None,
     ) -> Job:
-        """Adds one engine request per prompt; on any failure aborts those already added."""
+        """Adds one engine request per prompt (under the adapter `model` names, if it names
+        one); on any failure aborts those already added."""
+        lora = self.check_model(model)
         self.admit(len(prompts), sum(len(p.ids) for p in prompts))
         base = uuid.uuid4().hex
-        job = Job(self, [], prompts, params, timeout)
+        job = Job(self, [], prompts, params, timeout, model=model or self.model_name)
         try:
             for i, prompt in enumerate(prompts):
                 request_id = f"{base}-{i}"
@@ -340,6 +365,7 @@ class Server:
                     params,
                     priority=priority,
                     num_prompt_tokens=len(prompt.ids),
+                    lora_request=lora,
                 )
                 job.streams.append((request_id, queue))
         except EngineDeadError as exc:

@@ -26,7 +26,9 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         logprobs=top_n if body.logprobs else None,
     )
     prompt = await server.chat_prompt([m.model_dump() for m in body.messages])
-    job = await server.submit([prompt], params, priority=body.priority, timeout=body.timeout)
+    job = await server.submit(
+        [prompt], params, priority=body.priority, timeout=body.timeout, model=body.model
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chunks(job, top_n, include_usage)
@@ -81,7 +83,7 @@ def _response(job: Job, choices: list[dict], kind: str) -> dict[str, Any]:
         "id": f"chatcmpl-{job.id}",
         "object": kind,
         "created": job.created,
-        "model": job.server.model_name,
+        "model": job.model,
         "choices": choices,
     }
 

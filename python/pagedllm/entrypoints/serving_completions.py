@@ -22,7 +22,9 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     prompts = await server.prompts(_raw_prompts(body))
     echo = await server.decode(prompts, params.skip_special_tokens) if body.echo else None
-    job = await server.submit(prompts, params, priority=body.priority, timeout=body.timeout)
+    job = await server.submit(
+        prompts, params, priority=body.priority, timeout=body.timeout, model=body.model
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _chunks(job, echo, include_usage)
@@ -73,7 +75,7 @@ def _response(job: Job, choices: list[dict]) -> dict[str, Any]:
         "id": f"cmpl-{job.id}",
         "object": "text_completion",
         "created": job.created,
-        "model": job.server.model_name,
+        "model": job.model,
         "choices": choices,
     }
 
