@@ -76,9 +76,11 @@ class LLM:
         chat_template: str | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of `{"role", "content"}`
-        messages) or to each of a list of conversations; one RequestOutput per conversation.
+        messages) or to each of a list of conversations; one RequestOutput per conversation
+        (`lora_request`: as in `generate`).
 
         Messages are rendered as the server renders them (`pagedllm.entrypoints.chat`):
         `chat_template` (a Jinja2 template, or a file holding one), else the checkpoint's own,
@@ -108,7 +110,7 @@ class LLM:
         for conversation in conversations:
             text = render_chat(conversation, tokenizer, template)
             prompts.append({"prompt_token_ids": encode_chat(tokenizer, text), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _abandon(self, request_ids: list[str]) -> None:
         """Aborts these requests and drains their final outputs (no forward runs for them)."""

@@ -88,8 +88,14 @@ class LoRAWorld:
                 self.expected[(name, tuple(prompt))] = out
 
     def llm(self, **kwargs) -> LLM:
-        kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, **kwargs}
-        return LLM(str(self.base), dtype="float32", device="cpu", block_size=4, **kwargs)
+        kwargs = {
+            "enable_lora": True,
+            "max_loras": 2,
+            "max_lora_rank": 8,
+            "device": "cpu",
+            **kwargs,
+        }
+        return LLM(str(self.base), dtype="float32", block_size=4, **kwargs)
 
     def mixed_batch(self) -> tuple[list[dict], list[LoRARequest | None], list[tuple]]:
         """Every prompt under the base model and each adapter, interleaved in one batch."""

@@ -52,3 +52,33 @@ def test_mixed_batch_matches_peft_under_preemption(llama_world, mode):
     llama_world.check(outs, keys)
     assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
     assert_blocks_free(llm)
+
+
+def test_chat_runs_each_conversation_with_its_adapter(llama_world):
+    llm = llama_world.llm()
+    alpha = llama_world.requests["alpha"]
+    chat = [{"role": "user", "content": "hello world"}]
+    outs = llm.chat([chat, chat], PARAMS, lora_request=[alpha, None], use_tqdm=False)
+    prompt = {"prompt_token_ids": outs[0].prompt_token_ids}
+    same = llm.generate([prompt, prompt], PARAMS, lora_request=[alpha, None], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in same]
+    assert outs[0].lora_request == alpha and outs[1].lora_request is None
+
+
+def test_the_triton_kernels_drive_the_model(llama_world, monkeypatch):
+    # On CUDA the engine picks the kernels itself; without a GPU they run on the CPU tensors
+    # under the Triton interpreter (conftest.py), here forced in place of the torch reference.
+    import torch
+
+    from pagedllm.kernels.lora import lora_expand, lora_shrink
+    from pagedllm.lora.layers import LoRAState
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(LoRAState, "ops", lambda self, x: (lora_shrink, lora_expand))
+    llm = llama_world.llm(device=device)
+    loras = [llama_world.requests["alpha"], None, llama_world.requests["beta"]]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    names = [None if r is None else r.lora_name for r in loras]
+    llama_world.check(outs, [(n, tuple(p)) for n, p in zip(names, PROMPTS)])

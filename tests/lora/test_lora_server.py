@@ -33,6 +33,7 @@ def test_adapters_are_models_of_their_own(client, llama_world):
     assert [c["id"] for c in cards] == ["base", "alpha", "beta"]
     assert all(c["parent"] == "base" for c in cards[1:])
     assert cards[1]["root"] == llama_world.requests["alpha"].lora_path
+    assert client.app.state.server.engine.engine.list_loras() == {1, 2}  # loaded at startup
 
 
 @pytest.mark.parametrize("model", ["base", "alpha", "beta"])
