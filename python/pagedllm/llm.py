@@ -50,6 +50,12 @@ class LLM:
         params = _per_prompt("sampling_params", sampling_params, count, SamplingParams())
         priorities = _per_prompt("priority", priority, count, 0, broadcast=False)
         loras = _per_prompt("lora_request", lora_request, count, None)
+        # bad constraints are refused before anything is queued (compiled in parallel, cached)
+        self.engine.structured_output.check(
+            (f"sampling_params[{i}].structured_outputs", p.structured_outputs)
+            for i, p in enumerate(params)
+            if isinstance(p, SamplingParams) and p.structured_outputs is not None
+        )
         request_ids = [f"{next(self._ids)}" for _ in prompt_list]
         added: list[str] = []
         try:

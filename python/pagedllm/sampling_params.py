@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (argmax); dividing by it would overflow anyway.
 SAMPLING_EPS = 1e-5
 
@@ -84,6 +86,8 @@ class SamplingParams:
     `best_of` (default `n`) is how many samples are drawn; the `n` with the highest cumulative
     logprob are returned. `logprobs=N` returns, per generated token, the sampled token and the N
     most likely ones, scored by the model's raw distribution (see `pagedllm.sampling.logprobs`).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
+    (`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -104,12 +108,14 @@ class SamplingParams:
     best_of: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_distribution()
         self._check_penalties()
         self._check_flags()
+        self._check_structured_outputs()
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
 
@@ -145,6 +151,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be a bool")
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, "
+                f"got {type(so).__name__}"
+            )
 
     # --- derived views used by the engine and the sampler -------------------------------------
 

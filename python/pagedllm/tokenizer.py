@@ -114,6 +114,12 @@ class HFTokenizer:
         token_id = self._tok.token_to_id(token) if isinstance(token, str) else None
         return token_id if token_id is not None else fallback
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself, for libraries that need the whole vocabulary
+        (structured output hands it to its grammar engine)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True).ids
 
@@ -146,6 +152,11 @@ class AutoTokenizerAdapter:
         self.eos_token_id = _first_not_none(self._tok.eos_token_id, eos_token_id)
         self.pad_token_id = self._tok.pad_token_id
         self.all_special_ids = frozenset(self._tok.all_special_ids)
+
+    @property
+    def backend(self):
+        """The `transformers` tokenizer itself (see `HFTokenizer.backend`)."""
+        return self._tok
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

@@ -35,6 +35,7 @@ from pagedllm.models import (
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner
@@ -123,6 +124,9 @@ class LLMEngine:
             self.tokenizer, vocab_size=cfg.vocab_size, max_num_seqs=self.scheduler.max_num_seqs
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.requests)
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, cfg.vocab_size, self.eos_token_ids
+        )
         self.faults = StepFaults(self.scheduler, self.requests, self.MAX_STEP_FAULTS)
         # finished requests whose final output the next step returns (aborted, or owed by a
         # step that failed)
@@ -182,6 +186,12 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         text, token_ids = self.inputs.process(request_id, prompt, params, arrival_time, priority)
         lora_id = self._lora_id(request_id, lora_request)
+        constraint = params.structured_outputs
+        if constraint is not None and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: structured_outputs needs a tokenizer (the engine was "
+                f"built with skip_tokenizer_init=True)"
+            )
         stop = StopTokens.of(params, self.eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         request = RequestState.new(
@@ -200,9 +210,13 @@ class LLMEngine:
             stop_token_ids=stop.stop_token_ids,
             ignore_eos=params.ignore_eos,
             lora_id=lora_id,
+            structured_output=constraint is not None,
         )
         self._unscheduled.add(request_id)
         self.requests[request_id] = request
+        if constraint is not None:
+            # compiles off the engine thread; the scheduler holds the request until then
+            self.structured_output.submit(request_id, constraint)
 
     def _lora_id(self, request_id: str, lora_request: LoRARequest | None) -> int:
         """The adapter id the scheduler carries (0: base model), its adapter checked and loaded."""
@@ -267,6 +281,8 @@ class LLMEngine:
         If building, running or sampling the step raises, the step is rolled back (see the
         class docstring) and the error re-raised; the engine keeps serving."""
         t0 = time.perf_counter()
+        if self.structured_output.has_pending:
+            self._grammars_compiled()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
         touched: dict[str, RequestState] = {}
@@ -278,17 +294,23 @@ class LLMEngine:
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
             request.finish_all("length", reason)
             touched[request_id] = request
-        sampled = None
+        sampled = grammar = None
         try:
             self._note_scheduled(step)
+            # structured output: the bitmask fills on its thread while the forward runs
+            grammar = self.structured_output.start_fill(step, self.requests)
             inputs = self.runner.prepare_step(step)
             t2 = time.perf_counter()
             logits = self.runner.forward(inputs) if inputs is not None else None
             t3 = time.perf_counter()
             faulty = {}
             if logits is not None:
-                sampled, faulty = sample_isolating(self._sample, step, logits)
+                sampled, faulty = sample_isolating(
+                    lambda *a: self._sample(*a, grammar=grammar), step, logits
+                )
         except BaseException as exc:
+            if grammar is not None:
+                grammar.settle()
             self.faults.roll_back(step, touched, exc)
             self._owed_outputs.extend(touched)  # the outputs this step owed come with the next one
             raise
@@ -298,11 +320,25 @@ class LLMEngine:
         t4 = t3
         if sampled is not None:
             t4 = time.perf_counter()
-            self._update(step, sampled, touched)
+            self._update(step, sampled, touched, grammar)
+        elif not step.num_seqs and self.structured_output.has_pending:
+            # nothing to run but grammars to wait for: wait for one instead of spinning
+            self.structured_output.wait_for_compile(timeout=0.05)
         t5 = time.perf_counter()
         self.timings.add((t0, t1, t2, t3, t4, t5))
         self._stats.record(int(step.num_batched_tokens), len(step.sample_rows))
         return self._outputs(touched)
+
+    def _grammars_compiled(self) -> None:
+        """Requests whose grammar finished compiling: schedulable from this step on, or ended
+        with the compile's error (their output comes with this step)."""
+        for request_id, error in self.structured_output.take_compiled(self.requests):
+            if error is None:
+                self.scheduler.grammar_ready(request_id)
+                continue
+            self.scheduler.abort_request(request_id)
+            self.requests[request_id].finish_all("abort", f"structured output: {error}")
+            self._owed_outputs.append(request_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = [request.output() for request in touched.values()]
@@ -310,6 +346,7 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request.request_id]
                 self._unscheduled.discard(request.request_id)
+                self.structured_output.release(request.request_id)
         return outputs
 
     def _note_scheduled(self, step) -> None:
@@ -324,14 +361,17 @@ class LLMEngine:
         for request_id in step.preempted:
             self.requests[request_id].metrics.num_preemptions += 1
 
-    def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None):
-        """Samples every row of `logits` (or only `rows` of them, to find a faulty request)."""
+    def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None, *, grammar=None):
+        """Samples every row of `logits` (or only `rows` of them, to find a faulty request);
+        `grammar`: the step's structured-output bitmask, applied first."""
         request_ids = step.sample_request_ids
         seq_index = step.sample_seq_index.tolist()
+        mask = grammar.mask() if grammar is not None else None
         if rows is not None:
             request_ids = [request_ids[k] for k in rows]
             seq_index = [seq_index[k] for k in rows]
             logits = logits[rows]
+            mask = mask.subset(rows) if mask is not None else None
         requests = [self.requests[rid] for rid in request_ids]
         seqs = [request.seqs[i] for request, i in zip(requests, seq_index)]
         meta = SamplingMetadata.build(
@@ -343,12 +383,17 @@ class LLMEngine:
             stop_token_ids=[r.stop.ids for r in requests],
             device=logits.device,
         )
-        return self.sampler(logits, meta)
+        return self.sampler(logits, meta, mask)
 
-    def _update(self, step, sampled, touched: dict[str, RequestState]) -> None:
+    def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> None:
         appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():
             self.faults.end_request(request_id, "output processing", exc)
+        if grammar is not None:
+            rejected = self.structured_output.advance(grammar, appended.tokens)
+            for request_id, exc in rejected.items():
+                if request_id not in appended.faulty:
+                    self.faults.end_request(request_id, "structured output", exc)
         finished = self.scheduler.update_from_output(step, appended.tokens, appended.stop_hits)
         self.output_processor.finish(finished, appended, touched)
 

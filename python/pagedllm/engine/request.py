@@ -90,6 +90,8 @@ class RequestState:
     num_cached_tokens: int = 0
     num_faults: int = 0  # failed steps this request was part of (see LLMEngine.MAX_STEP_FAULTS)
     lora_request: Any = None  # its LoRARequest (None: the base model)
+    # structured output: one grammar matcher per sequence, once its grammar compiled
+    matchers: list | None = None
 
     def __post_init__(self) -> None:
         # What the sampler sees: best_of > n needs the sampled tokens' logprobs for ranking.

@@ -6,13 +6,15 @@ sample's `SamplingParams` and state, and calls a `Sampler`. Everything below wor
 [K, V] tensors; Python only loops over the K rows to gather parameters, never over the vocabulary.
 Features no row uses cost nothing: an all-greedy batch without penalties is one argmax.
 
-Processing order (vLLM V1): min_tokens mask -> penalties -> greedy argmax | (temperature ->
-min-p -> top-k -> top-p -> softmax -> exponential race).
+Processing order (vLLM V1): structured output's token bitmask -> min_tokens mask -> penalties ->
+greedy argmax | (temperature -> min-p -> top-k -> top-p -> softmax -> exponential race). The
+bitmask comes first, as in vLLM where it is applied to the logits before the sampler runs, so
+everything after it (logprobs included) sees only the tokens the grammar allows.
 
-Logprobs are those of the *raw* model distribution, `log_softmax(logits)` before min_tokens,
-penalties, temperature or truncation (vLLM V1's default "raw_logprobs"): they score what the
-model believes, independent of how the caller chose to sample, and `rank` 1 is the model's top
-token. `cumulative_logprob` sums these.
+Logprobs are those of the *raw* model distribution (after the grammar mask, if any),
+`log_softmax(logits)` before min_tokens, penalties, temperature or truncation (vLLM V1's
+default "raw_logprobs"): they score what the model believes, independent of how the caller
+chose to sample, and `rank` 1 is the model's top token. `cumulative_logprob` sums these.
 
 Seeds: a seeded sample redraws its noise from its own generator (`pagedllm.sampling.seeds`);
 unseeded samples share one batched draw from the engine's generator.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
 from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.ops import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
@@ -91,10 +94,18 @@ class Sampler:
             self._seeded[device] = torch.Generator(device=device)
         return self._seeded[device]
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        grammar_mask: TokenBitmask | None = None,
+    ) -> SamplerOutput:
+        """`grammar_mask`: structured output's allowed tokens for the constrained rows."""
         if logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits have {logits.shape[0]} rows, metadata {meta.num_rows}")
         logits = logits.float()
+        if grammar_mask is not None:
+            logits = apply_token_bitmask(logits, grammar_mask)
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         logits = mask_logits(logits, meta)
         tokens = self._choose(logits, meta)

@@ -1,0 +1,245 @@
+"""`StructuredOutputManager`: the engine's side of structured output.
+
+- Compiling: each constraint compiles on a small thread pool (llguidance releases the GIL while
+  it builds a matcher), cached by (kind, spec) as a template matcher; the tokenizer's
+  vocabulary is handed to llguidance once, at the first compile. The engine queues the
+  request in the scheduler as waiting for its grammar and, at each step, `take_compiled`
+  gives every request whose compile finished its matchers (one per sequence, copied from the
+  template: the n > 1 fork happens before any sampled token) or its error.
+- Each step with constrained samples: `start_fill` fills their token bitmask on a worker
+  thread (llguidance fills the rows in parallel without the GIL) while the forward pass runs;
+  the sampler waits for it (`StepGrammar.mask`) and masks the logits first. After sampling,
+  `advance` feeds each matcher its sampled token; a rejected token ends that request.
+- A matcher lives on its request (`RequestState.matchers`): preemption (recompute keeps the
+  generated tokens, so the matcher is already where the sequence is) and swapping leave it
+  as it is, and a finished or aborted request takes it along.
+
+Test hook: compiles call this module's `compile_params` at run time, so a test may replace it
+(e.g. with a slow one) to show that other requests keep decoding meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling.grammar_mask import TokenBitmask
+from pagedllm.structured_output.compiler import GrammarError, compile_params
+from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.tokenizer import Tokenizer
+
+# Compile threads: grammars compile in parallel, and a slow one holds one thread only.
+COMPILE_WORKERS = 2
+
+
+@dataclass
+class FillStats:
+    """Bitmask cost, summed over steps: `fill_s` is the fill's own time (on its worker
+    thread), `wait_s` what the sampler still waited for it after the forward."""
+
+    steps: int = 0
+    rows: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class StepGrammar:
+    """One step's constrained samples: which (`rows`, indices into the step's samples), their
+    requests and matchers, and the bitmask being filled for them."""
+
+    def __init__(self, rows: list[int], request_ids: list[str], matchers: list, bits, fill):
+        self.rows = rows
+        self.request_ids = request_ids
+        self.matchers = matchers
+        self.bits: torch.Tensor = bits
+        self._fill: Future = fill
+        self._mask: TokenBitmask | None = None
+        self.wait_s = 0.0
+
+    def mask(self) -> TokenBitmask:
+        """The filled bitmask (waits for the fill the first time)."""
+        if self._mask is None:
+            t0 = time.perf_counter()
+            self._fill.result()
+            self.wait_s = time.perf_counter() - t0
+            self._mask = TokenBitmask(torch.tensor(self.rows, dtype=torch.int64), self.bits)
+        return self._mask
+
+    def settle(self) -> None:
+        """Waits for the fill to end, whatever happens to the step (a failed step must not
+        leave a fill running on matchers the next step uses)."""
+        wait([self._fill])
+
+
+class StructuredOutputManager:
+    """Compiles constraints, fills each step's bitmask, advances the matchers."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = tuple(eos_token_ids)
+        self._ll_tokenizer = None
+        self._ll_lock = threading.Lock()
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self._fill_pool: ThreadPoolExecutor | None = None
+        self._executor = None  # llguidance.LLExecutor, its parallel mask filler
+        self._cache: dict[tuple[str, str], Future] = {}
+        self._pending: dict[str, Future] = {}
+        self._inflight: StepGrammar | None = None
+        self.live: set[str] = set()  # requests holding matchers
+        self.stats = FillStats()
+
+    # ---- compiling ----------------------------------------------------------------------------
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The template matcher of `params` (a future; compiled once per (kind, spec))."""
+        if self._tokenizer is None:
+            raise ValueError(
+                "structured_outputs needs a tokenizer; the engine was built with "
+                "skip_tokenizer_init=True"
+            )
+        key = params.key
+        future = self._cache.get(key)
+        if future is None:
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(
+                    COMPILE_WORKERS, thread_name_prefix="pagedllm-grammar"
+                )
+            future = self._compile_pool.submit(self._compile, params)
+            self._cache[key] = future
+        return future
+
+    def _compile(self, params: StructuredOutputsParams):
+        return compile_params(self._vocabulary(), params)
+
+    def _vocabulary(self):
+        """llguidance's view of the tokenizer, built once (under a lock: compiles run in
+        parallel)."""
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                from pagedllm.structured_output.vocab import ll_tokenizer
+
+                self._ll_tokenizer = ll_tokenizer(
+                    self._tokenizer, self._vocab_size, self._eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def check(self, constraints: Iterable[tuple[str, StructuredOutputsParams]]) -> None:
+        """Compiles every (name, params) (in parallel, cached) and raises `GrammarError`
+        (a ValueError) naming the first that fails; for callers that want bad constraints
+        refused before anything is queued (`LLM.generate`, the server)."""
+        futures = [(name, self.compile(params)) for name, params in constraints]
+        for name, future in futures:
+            exc = future.exception()
+            if isinstance(exc, ValueError):
+                raise GrammarError(f"{name}: {exc}") from exc
+            if exc is not None:
+                raise exc
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Starts compiling the grammar of a request the scheduler holds until it is ready."""
+        self._pending[request_id] = self.compile(params)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Blocks until a pending compile ends or `timeout` passes (for an engine with
+        nothing else to do than wait for grammars)."""
+        if self._pending:
+            wait(list(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def take_compiled(self, requests: dict) -> list[tuple[str, Exception | None]]:
+        """(request id, error or None) for each request whose compile ended; each live one
+        that compiled gets one matcher per sequence. Requests gone meanwhile (aborted) are
+        dropped."""
+        done = [rid for rid, future in self._pending.items() if future.done()]
+        results = []
+        for request_id in done:
+            future = self._pending.pop(request_id)
+            request = requests.get(request_id)
+            if request is None or request.finished:
+                continue
+            exc = future.exception()
+            if exc is None:
+                template = future.result()
+                request.matchers = [template.deep_copy() for _ in request.seqs]
+                self.live.add(request_id)
+            results.append((request_id, exc))
+        return results
+
+    def release(self, request_id: str) -> None:
+        """A finished request: forget it (its matchers go with its state)."""
+        self.live.discard(request_id)
+        self._pending.pop(request_id, None)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def start_fill(self, step, requests: dict) -> StepGrammar | None:
+        """Starts filling the bitmask of `step`'s constrained samples on the fill thread;
+        None when it has none."""
+        if not self.live:
+            return None
+        rows = step.structured_output_samples.tolist()
+        if not rows:
+            return None
+        if self._inflight is not None:
+            self._inflight.settle()
+        request_ids = step.sample_request_ids
+        seq_index = step.sample_seq_index
+        ids = [request_ids[k] for k in rows]
+        matchers = [requests[rid].matchers[seq_index[k]] for rid, k in zip(ids, rows)]
+        bits = self._bitmask(len(rows))
+        if self._fill_pool is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        fill = self._fill_pool.submit(self._fill, matchers, bits)
+        self._inflight = StepGrammar(rows, ids, matchers, bits, fill)
+        return self._inflight
+
+    def _bitmask(self, num_rows: int) -> torch.Tensor:
+        words = (self._vocabulary().vocab_size + 31) // 32
+        pin = torch.cuda.is_available()
+        return torch.zeros((num_rows, words), dtype=torch.int32, pin_memory=pin)
+
+    def _fill(self, matchers: list, bits: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        rows, words = bits.shape
+        # row g of `bits` gets matcher g's mask; llguidance writes it in place, in parallel
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, g) for g, m in enumerate(matchers)], bits.data_ptr(), words * 4, rows
+        )
+        self.stats.fill_s += time.perf_counter() - t0
+
+    def advance(self, grammar: StepGrammar, tokens) -> dict[str, Exception]:
+        """Feeds each constrained sample's token (`tokens`: the step's K sampled ids) to its
+        matcher; returns {request id: error} for a matcher that rejected its token."""
+        picked = [int(tokens[k]) for k in grammar.rows]
+        accepted = self._executor.consume_token_par(list(zip(grammar.matchers, picked)))
+        stats = self.stats
+        stats.steps += 1
+        stats.rows += len(grammar.rows)
+        stats.wait_s += grammar.wait_s
+        faulty: dict[str, Exception] = {}
+        for request_id, matcher, token, ok in zip(
+            grammar.request_ids, grammar.matchers, picked, accepted
+        ):
+            if not ok:
+                faulty.setdefault(
+                    request_id,
+                    GrammarError(f"token {token} broke the grammar: {matcher.get_error()}"),
+                )
+        return faulty

@@ -1,0 +1,65 @@
+"""Bad constraints: `LLM.generate` raises ValueError naming the problem before anything is
+queued; through the engine, the request ends with the error while the others are served."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import SamplingParams, StructuredOutputsParams
+
+BAD = {
+    "schema": (StructuredOutputsParams(json={"type": "strin"}), "invalid JSON schema: .*strin"),
+    "regex": (StructuredOutputsParams(regex="a(b"), "invalid regex: .*unclosed group"),
+    "grammar": (StructuredOutputsParams(grammar="start: foo"), "invalid grammar: .*foo"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_generate_raises_naming_the_problem_and_queues_nothing(llm, what):
+    so, message = BAD[what]
+    params = [SamplingParams(max_tokens=4), SamplingParams(structured_outputs=so)]
+    with pytest.raises(
+        ValueError, match=rf"(?s)sampling_params\[1\]\.structured_outputs: {message}"
+    ):
+        llm.generate(["fine", "bad"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate(["next"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_engine_ends_a_request_whose_grammar_fails_and_keeps_serving(llm):
+    engine = llm.engine
+    engine.add_request("free", "abc", SamplingParams(max_tokens=6, ignore_eos=True))
+    so = StructuredOutputsParams(regex="x{2,1}")
+    engine.add_request("bad", "abc", SamplingParams(structured_outputs=so))
+    engine.add_request("good", "abc", SamplingParams(structured_outputs=BAD_FREE, max_tokens=8))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        engine.scheduler.check_invariants()
+    bad = finished["bad"]
+    assert bad.finish_reason == "abort" and bad.token_ids == []
+    assert bad.stop_reason.startswith("structured output: invalid regex")
+    assert len(finished["free"].token_ids) == 6
+    assert finished["good"].finish_reason == "stop" and finished["good"].text in ("yes", "no")
+    stats = engine.get_stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert not engine.structured_output.live and not engine.structured_output.has_pending
+
+
+BAD_FREE = StructuredOutputsParams(choice=["yes", "no"])
+
+
+def test_structured_outputs_need_a_tokenizer():
+    from pagedllm import LLMEngine
+    from pagedllm.config import EngineArgs
+
+    engine = LLMEngine(
+        EngineArgs(device="cpu", skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks=16)
+    )
+    so = StructuredOutputsParams(regex="a")
+    with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
+        engine.add_request("r", {"prompt_token_ids": [1, 2]}, SamplingParams(structured_outputs=so))
+    assert not engine.has_unfinished_requests()
