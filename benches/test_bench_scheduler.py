@@ -41,9 +41,10 @@ def whole_run(benchmark, make, rounds: int = 3) -> dict:
     return counts
 
 
+@pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("running", [256, 1024, 4096])
-def test_steady_decode(benchmark, running, block_size):
+def test_steady_decode(benchmark, running, block_size, caching):
     rounds = 200
     s = Scheduler(
         block_size=block_size,
@@ -51,6 +52,7 @@ def test_steady_decode(benchmark, running, block_size):
         max_model_len=2048,
         max_num_batched_tokens=max(8192, running),
         num_gpu_blocks=running * (2048 // block_size + 1),
+        enable_prefix_caching=caching,
     )  # room for max_model_len
     rng = np.random.default_rng(0)
     for i in range(running):

@@ -9,7 +9,14 @@ use crate::kv::salted_key;
 use super::stop::{FinishReason, StopParams};
 
 /// Lifecycle of a request (SPEC §4).
+///
+/// `repr(u64)`: its 2^64 - 8 unused values are the largest niche in [`Request`] (a `Vec`'s
+/// capacity has 2^63), so an empty store slot (`Option<Request>::None`) is told by this field,
+/// in the slot's hot line, rather than by a cold `Vec` capacity further down: the decode step
+/// checks the slot without loading another cache line (unit test
+/// `slot_generation_and_hot_request_fields_share_a_line`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u64)]
 pub enum RequestStatus {
     Waiting,
     Running,
