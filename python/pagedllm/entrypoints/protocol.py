@@ -38,6 +38,8 @@ class _SamplingFields(BaseModel):
     priority: StrictInt = 0
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | ...
+    structured_outputs: dict[str, Any] | None = None
     # pagedllm's: seconds after which the request ends with finish reason "abort"
     timeout: Number | None = Field(default=None, gt=0)
 
@@ -47,6 +49,23 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    # "schema" shadows a BaseModel attribute: read under another name
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatMessage(BaseModel):
@@ -61,3 +80,4 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    response_format: ResponseFormat | None = None

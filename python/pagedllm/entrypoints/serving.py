@@ -18,6 +18,7 @@ from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
+from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_of
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -233,6 +234,7 @@ class Server:
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=constraint_of(body),
         )
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
@@ -354,6 +356,7 @@ class Server:
         one); on any failure aborts those already added."""
         lora = self.check_model(model)
         self.admit(len(prompts), sum(len(p.ids) for p in prompts))
+        await check_compiles(self.engine.engine.structured_output, params.structured_outputs)
         base = uuid.uuid4().hex
         job = Job(self, [], prompts, params, timeout, model=model or self.model_name)
         try:

@@ -94,6 +94,7 @@ class StructuredOutputManager:
         self._fill_pool: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor, its parallel mask filler
         self._cache: dict[tuple[str, str], Future] = {}
+        self._cache_lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._inflight: StepGrammar | None = None
         self.live: set[str] = set()  # requests holding matchers
@@ -109,14 +110,15 @@ class StructuredOutputManager:
                 "skip_tokenizer_init=True"
             )
         key = params.key
-        future = self._cache.get(key)
-        if future is None:
-            if self._compile_pool is None:
-                self._compile_pool = ThreadPoolExecutor(
-                    COMPILE_WORKERS, thread_name_prefix="pagedllm-grammar"
-                )
-            future = self._compile_pool.submit(self._compile, params)
-            self._cache[key] = future
+        with self._cache_lock:  # the server checks constraints from its event loop thread
+            future = self._cache.get(key)
+            if future is None:
+                if self._compile_pool is None:
+                    self._compile_pool = ThreadPoolExecutor(
+                        COMPILE_WORKERS, thread_name_prefix="pagedllm-grammar"
+                    )
+                future = self._compile_pool.submit(self._compile, params)
+                self._cache[key] = future
         return future
 
     def _compile(self, params: StructuredOutputsParams):
