@@ -92,9 +92,15 @@ impl DecodeBatch {
             .fills
             .iter()
             .map(|&(h, n)| {
+                // Only the slot's hot lines: a fast-path sequence is its request's only one,
+                // so its id is the request's first.
                 let req = store.get(h);
-                let s = &req.seqs[0];
-                (s.id, &s.tokens[..], n as usize, req.extra_key)
+                (
+                    req.first_seq_id,
+                    &req.seqs[0].tokens[..],
+                    n as usize,
+                    req.extra_key,
+                )
             })
             .collect();
         mgr.cache_full_blocks_batch(&items)?;

@@ -253,7 +253,7 @@ impl std::ops::DerefMut for Seqs {
 /// A request: one prompt and `n` sequences sampled from it.
 ///
 /// Layout (`repr(C)`): the fields a decode step reads (`status`, `quiet_until`,
-/// `prompt_len`, `first_seq_id`) come first, then the sequences (a single one inline, its
+/// `extra_key` for the blocks it fills, `first_seq_id`) come first, then the sequences (a single one inline, its
 /// hot fields next), so that with the scheduler's slot generation in front a
 /// single-sequence request's decode state is the slot's first 128 bytes (unit test
 /// `hot_fields_share_a_cache_line`).
@@ -267,7 +267,8 @@ pub struct Request {
     /// Sequence length below which no stop rule can fire (see `StopParams::quiet_until`):
     /// `update_from_output` skips the full check for a sampled token below it.
     pub quiet_until: usize,
-    pub prompt_len: usize,
+    /// Prefix-cache hash key of the request's blocks (salted with its adapter).
+    pub extra_key: u64,
     /// Id of `seqs[0]` (sequence ids of a request are consecutive: `seqs[i].id` is
     /// `first_seq_id + i`).
     pub first_seq_id: SeqId,
@@ -280,7 +281,8 @@ pub struct Request {
     /// Insertion counter: breaks ties between equal (priority, arrival).
     pub order: u64,
     pub stop: StopParams,
-    pub extra_key: u64,
+    /// Read by the stop rules only once `quiet_until` is reached.
+    pub prompt_len: usize,
     /// Prompt tokens served by the prefix cache at the first admission.
     pub num_cached_tokens: usize,
     pub admitted_once: bool,
@@ -521,7 +523,7 @@ mod tests {
         for end in [
             offset_of!(Request, status) + 1,
             offset_of!(Request, quiet_until) + 8,
-            offset_of!(Request, prompt_len) + 8,
+            offset_of!(Request, extra_key) + 8,
             offset_of!(Request, first_seq_id) + 8,
         ] {
             // The scheduler's slot puts an 8-byte generation word in front.
