@@ -406,3 +406,35 @@ class Scheduler:
 # =============================================================================================
 # End of scheduler section
 # =============================================================================================
+
+# =============================================================================================
+# CPU kernels (rust/src/bindings/cpu_ops.rs)
+# =============================================================================================
+
+_F32Array = _npt.NDArray[_np.float32]
+
+def cpu_store_kvcache(
+    k: _F32Array,
+    v: _F32Array,
+    k_cache: _F32Array,
+    v_cache: _F32Array,
+    slot_mapping: _npt.NDArray[_np.int64],
+) -> None:
+    """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
+    (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes."""
+
+def cpu_paged_attention(
+    q: _F32Array,
+    k_cache: _F32Array,
+    v_cache: _F32Array,
+    query_start_loc: _npt.NDArray[_np.int32],
+    seq_lens: _npt.NDArray[_np.int32],
+    block_tables: _npt.NDArray[_np.int32],
+    scale: float,
+    out: _F32Array,
+    num_threads: int,
+) -> None:
+    """Paged attention of q ``[T, H, D]`` over the caches into ``out`` (contiguous ``[T, H, D]``),
+    causal within each sequence's query rows, reading the cache in place; GIL released, at most
+    ``num_threads`` threads. ``ValueError`` for block ids outside the cache, a table too narrow
+    for its context, or mismatched shapes."""

@@ -7,6 +7,7 @@ Rust core's: read from `pagedllm._core`, never restated here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from pagedllm._core import (
@@ -39,7 +40,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
-    cpu_kv_cache_space: float = 1.0  # GiB for the KV cache when running on CPU
+    # GiB for the KV cache when running on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    cpu_kv_cache_space: float = 1.0
+    # torch intra-op threads on CPU; None: OMP_NUM_THREADS if set, else every physical core
+    cpu_threads: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULTS["max_num_seqs"]
     max_num_batched_tokens: int | None = None
@@ -74,7 +78,7 @@ class EngineArgs:
         _one_of("dtype", self.dtype, DTYPES)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
-        for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens"):
+        for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "cpu_threads"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
@@ -82,9 +86,15 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        space = self.cpu_kv_cache_space
+        if (
+            isinstance(space, bool)
+            or not isinstance(space, int | float)
+            or not 0 < space < math.inf
+        ):
+            raise ValueError(f"cpu_kv_cache_space must be a number of GiB > 0, got {space!r}")
         for name in (
             "swap_space",
-            "cpu_kv_cache_space",
             "delay_factor",
             "long_prefill_token_threshold",
         ):

@@ -5,10 +5,12 @@
 //! - [`kv`]: the KV-cache memory manager (block pools, block tables, prefix cache, swap);
 //! - [`spec`]: speculative decoding's proposers over token histories (n-gram lookup);
 //! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks and `spec` for drafts;
+//! - [`cpu`]: CPU kernels of the model's forward pass (paged attention), independent of the rest;
 //! - `bindings` (feature `python`): the `pagedllm._core` extension module over both.
 //!
 //! Everything except `bindings` is plain Rust with no Python types, so `cargo test` runs
 //! without an interpreter.
+pub mod cpu;
 pub mod error;
 pub mod ids;
 pub mod kv;

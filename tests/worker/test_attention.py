@@ -1,5 +1,6 @@
-"""`pagedllm.worker.attention.paged_attention` on the CPU (the torch reference path and its step
-plan) against dense causal attention."""
+"""`pagedllm.worker.attention.paged_attention` on the CPU against dense causal attention: the
+Rust kernels (float32, the engine's default) and the torch reference path with its step plan
+(other dtypes)."""
 
 import math
 
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 from pagedllm.kernels import reference as ref
-from pagedllm.worker.attention import AttentionMetadata, paged_attention
+from pagedllm.worker.attention import AttentionMetadata, _paged_attention_torch, paged_attention
+
+# both CPU paths: `paged_attention` dispatches float32 to the Rust kernels
+CPU_PATHS = pytest.mark.parametrize("attend", [paged_attention, _paged_attention_torch])
 
 
 def _dense_attention(q, k, v, q_len, scale):
@@ -103,8 +107,9 @@ def _expected(b, q_lens, scale):
     ],
 )
 @pytest.mark.parametrize("small_tiles", [False, True])
+@CPU_PATHS
 def test_cpu_paged_attention_matches_dense_causal_attention_and_stores_kv(
-    ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, small_tiles, monkeypatch
+    attend, ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, small_tiles, monkeypatch
 ):
     if small_tiles:
         # force the CPU path's query chunking (5-row chunks) and memory-bounded sub-batches
@@ -119,7 +124,7 @@ def test_cpu_paged_attention_matches_dense_causal_attention_and_stores_kv(
         block_size=block_size,
     )
     scale = 1.0 / math.sqrt(head_dim)
-    out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], b["meta"], scale)
+    out = attend(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], b["meta"], scale)
     torch.testing.assert_close(out, _expected(b, q_lens, scale), atol=1e-5, rtol=1e-5)
     # every context token, new ones included, now sits in its slot
     for s, (kf, vf) in enumerate(zip(b["full_k"], b["full_v"])):
@@ -130,7 +135,8 @@ def test_cpu_paged_attention_matches_dense_causal_attention_and_stores_kv(
         torch.testing.assert_close(b["v_cache"][tbl[pos // block_size], pos % block_size], vf)
 
 
-def test_cpu_paged_attention_skips_padding_slots_and_zeroes_empty_rows():
+@CPU_PATHS
+def test_cpu_paged_attention_skips_padding_slots_and_zeroes_empty_rows(attend):
     b = _build([9, 4], [1, 1], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, seed=3)
     meta = b["meta"]
     # append a CUDA-graph-style padding row: seq_len 0, slot -1, table of zeros
@@ -144,7 +150,7 @@ def test_cpu_paged_attention_skips_padding_slots_and_zeroes_empty_rows():
         [meta.block_tables, torch.zeros(1, meta.block_tables.shape[1], dtype=torch.int32)]
     )
     before_k, before_v = b["k_cache"].clone(), b["v_cache"].clone()
-    out = paged_attention(q, k, v, b["k_cache"], b["v_cache"], meta, 0.2)
+    out = attend(q, k, v, b["k_cache"], b["v_cache"], meta, 0.2)
     torch.testing.assert_close(out[:2], _expected(b, [1, 1], 0.2), atol=1e-5, rtol=1e-5)
     assert torch.count_nonzero(out[2]) == 0
     # only the two real slots changed; the padding token (value 7) was written nowhere
@@ -196,12 +202,12 @@ def test_step_plan_is_built_once_and_reused_by_every_layer(monkeypatch):
         expected = ref.paged_attention(
             b["q"], *_stored(b, meta), meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2
         )
-        out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.2)
+        out = _paged_attention_torch(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.2)
         torch.testing.assert_close(out, expected)
     assert len(calls) == 3  # one per reference call above, one for the shared step plan
     # reassigning a field (a new step reusing the object) rebuilds the plan
     meta.seq_lens = meta.seq_lens.clone()
-    paged_attention(
+    _paged_attention_torch(
         layers[0]["q"],
         layers[0]["k"],
         layers[0]["v"],
@@ -236,7 +242,7 @@ def test_decode_only_batch_takes_the_dense_fast_path():
         torch.device("cpu"),
     )
     assert plan.identity and plan.store_rows is None and plan.subs[0].q_rows is None
-    out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.25)
+    out = _paged_attention_torch(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.25)
     torch.testing.assert_close(out, _expected(b, [1] * 4, 0.25), atol=1e-5, rtol=1e-5)
 
 
@@ -261,5 +267,5 @@ def test_long_prompt_with_decodes_is_split_into_bounded_sorted_sub_batches(monke
     prefill = [sub for sub in plan.subs if sub.max_q > 1]
     assert len(prefill) > 2 and [sub.N for sub in prefill] == sorted(sub.N for sub in prefill)
     assert all(sub.S * sub.max_q * sub.N * 4 <= ref._SCORE_BUDGET for sub in prefill)
-    out = paged_attention(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.3)
+    out = _paged_attention_torch(b["q"], b["k"], b["v"], b["k_cache"], b["v_cache"], meta, 0.3)
     torch.testing.assert_close(out, _expected(b, ql, 0.3), atol=1e-5, rtol=1e-5)

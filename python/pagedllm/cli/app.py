@@ -118,6 +118,18 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE["gpu_memory_utilization"],
     )
     g.add_argument("--swap-space", type=_number(0.0), default=_ENGINE["swap_space"], help="GiB")
+    g.add_argument(
+        "--cpu-kv-cache-space",
+        type=_number(0.0, low_open=True),
+        default=_ENGINE["cpu_kv_cache_space"],
+        help="GiB of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE; default %(default)s)",
+    )
+    g.add_argument(
+        "--cpu-threads",
+        type=_POSITIVE,
+        default=_ENGINE["cpu_threads"],
+        help="torch threads on CPU (default: OMP_NUM_THREADS if set, else all physical cores)",
+    )
     g.add_argument("--max-model-len", type=_POSITIVE, default=_ENGINE["max_model_len"])
     g.add_argument("--max-num-seqs", type=_POSITIVE, default=_ENGINE["max_num_seqs"])
     g.add_argument(
@@ -164,6 +176,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
+        cpu_kv_cache_space=args.cpu_kv_cache_space,
+        cpu_threads=args.cpu_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -28,6 +28,29 @@ def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
     return args.max_model_len
 
 
+def available_host_memory() -> int | None:
+    """Bytes the kernel reports as available for new allocations (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_host_memory(cache_bytes: int, space_gib: float) -> None:
+    # the cache is allocated zeroed (every page touched): refuse before the machine swaps
+    available = available_host_memory()
+    if available is not None and cache_bytes > available:
+        raise ValueError(
+            f"cpu_kv_cache_space={space_gib:g} GiB asks for a {cache_bytes / GiB:.2f} GiB KV "
+            f"cache, but only {available / GiB:.2f} GiB of memory is available; lower "
+            f"--cpu-kv-cache-space (or max_num_seqs / max_model_len)"
+        )
+
+
 class KVCachePlanner:
     """Sizes the KV cache of one engine: `plan()` gives (device blocks, host blocks)."""
 
@@ -75,6 +98,7 @@ class KVCachePlanner:
                 int(args.cpu_kv_cache_space * GiB) // block_bytes,
                 blocks_per_seq * args.max_num_seqs,
             )
+            _check_host_memory(num_gpu_blocks * block_bytes, args.cpu_kv_cache_space)
         if num_gpu_blocks < blocks_per_seq:
             raise ValueError(
                 f"KV cache too small: one sequence of max_model_len={self.max_model_len} needs "

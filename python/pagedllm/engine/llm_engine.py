@@ -115,7 +115,9 @@ class LLMEngine:
             delay_factor=args.delay_factor,
             max_loras=args.max_loras if args.enable_lora else 0,
         )
-        self.runner = ModelRunner(self.model, self.cache_engine, self.device, self.lora)
+        self.runner = ModelRunner(
+            self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
+        )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(args.seed)
         self.sampler = Sampler(generator)

@@ -2,7 +2,8 @@
 
 `paged_attention` stores this step's K/V into the paged cache and attends. CUDA tensors go to the
 Triton kernels (triton is imported only then, so this module imports on machines without it);
-everything else goes to the vectorized torch reference, the engine's CPU path.
+float32 CPU tensors to the Rust kernels (`cpu_attention.py`), which read the cache in place;
+anything else (half precision on the CPU) to the vectorized torch reference.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from pagedllm.kernels import reference as _ref
+from pagedllm.worker import cpu_attention
 
 __all__ = ["AttentionMetadata", "paged_attention"]
 
@@ -33,6 +35,17 @@ class AttentionMetadata:
     # and reused by the others. Keyed by what it depends on besides the fields above; it is rebuilt
     # when one of those fields is reassigned (not when a tensor is mutated in place).
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # CPU kernels: the fields above as numpy arrays, converted by the first layer (same rule)
+    _arrays: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def cpu_arrays(self) -> tuple:
+        inputs = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
+        hit = self._arrays
+        if hit is not None and all(a is b for a, b in zip(hit[0], inputs)):
+            return hit[1]
+        arrays = cpu_attention.step_arrays(self)
+        self._arrays = (inputs, arrays)
+        return arrays
 
     def cpu_plan(
         self, block_size: int, num_heads: int, num_tokens: int, device
@@ -69,7 +82,16 @@ def paged_attention(
     `[T, H, D]`."""
     if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
-    # one vectorized path for decode, prefill and mixed batches (the plan groups decode rows itself)
+    if cpu_attention.supports(q, k_cache):
+        return cpu_attention.store_and_attend(q, k, v, k_cache, v_cache, meta.cpu_arrays(), scale)
+    return _paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention_torch(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float
+) -> Tensor:
+    """The torch reference path: one vectorized gather + SDPA for decode, prefill and mixed
+    batches (the plan groups decode rows itself)."""
     plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device)
     _ref.store_planned(k, v, k_cache, v_cache, plan)
     return _ref.attend(q, k_cache, v_cache, plan, scale)

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cpu_threads import configure_cpu_threads
 
 if TYPE_CHECKING:
     from pagedllm.lora.manager import LoRAManager
@@ -32,12 +33,16 @@ class ModelRunner:
         cache_engine: CacheEngine,
         device: torch.device,
         lora: LoRAManager | None = None,
+        *,
+        cpu_threads: int | None = None,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
         # multi-LoRA: puts the step's adapters in device slots, builds its token segments
         self.lora = lora
+        # CPU: torch's intra-op threads (worker/cpu_threads.py); None on CUDA
+        self.cpu_threads = configure_cpu_threads(cpu_threads) if device.type == "cpu" else None
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""

@@ -3,6 +3,7 @@ use pyo3::prelude::*;
 
 mod block_hash;
 mod convert;
+mod cpu_ops;
 mod errors;
 mod kv_args;
 mod kv_types;
@@ -14,6 +15,7 @@ mod step_output;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    cpu_ops::register(m)?;
     manager::register(m)?;
     scheduler::register(m)?;
     step_output::register(m)?;

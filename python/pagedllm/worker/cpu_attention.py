@@ -1,0 +1,69 @@
+"""Paged attention on the CPU through the Rust kernels (`pagedllm._core.cpu_*`).
+
+The kernels read each sequence's keys and values where they sit in the paged cache (no gather of
+the context per layer and step, unlike the torch reference) and write the output in place. Torch
+CPU tensors cross as numpy views of the same memory; the kernels release the GIL and use at most
+torch's intra-op thread count, after torch's own work of the layer has finished (so the two never
+compete for cores). float32 only: other dtypes take the torch reference path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedllm import _core
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the Rust kernels handle these tensors (float32 on the CPU, contiguous cache)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+    )
+
+
+def step_arrays(meta) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """slot_mapping (int64), query_start_loc, seq_lens, block_tables (int32) as contiguous
+    numpy arrays, the dtypes the kernels take (converted only if the tensors differ)."""
+    return (
+        _array(meta.slot_mapping, np.int64),
+        _array(meta.query_start_loc, np.int32),
+        _array(meta.seq_lens, np.int32),
+        _array(meta.block_tables, np.int32),
+    )
+
+
+def _array(t: Tensor, dtype) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=dtype)
+
+
+def store_and_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    scale: float,
+) -> Tensor:
+    """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]`."""
+    slots, query_start_loc, seq_lens, block_tables = arrays
+    kc, vc = k_cache.detach().numpy(), v_cache.detach().numpy()
+    _core.cpu_store_kvcache(k.detach().numpy(), v.detach().numpy(), kc, vc, slots)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    _core.cpu_paged_attention(
+        q.detach().numpy(),
+        kc,
+        vc,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        out.numpy(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,449 @@
+//! Paged attention on the CPU, reading K/V where they live in the block-paged cache.
+//!
+//! The torch path gathers every sequence's whole context into a padded tensor per layer and
+//! step; here each (sequence, query tile) walks its block table directly with an online
+//! softmax (one pass over the keys, no score matrix of the whole context). Grouped-query heads
+//! share each key and value load; several query tokens per sequence (prefill, chunked prefill,
+//! speculative verification) are causal within the chunk: query i of a sequence with context
+//! `L` and `q` new tokens sits at position `L - q + i` and sees keys `0..=L - q + i`.
+//!
+//! Layouts (the engine's): q `[T, H, D]` (any strides), caches `[blocks, block_size, KVH, D]`
+//! contiguous, out `[T, H, D]` contiguous, sequence `s` owns query rows
+//! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
+use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
+
+use super::simd;
+use crate::error::{Error, Result};
+
+/// Keys scored per pass of the online softmax.
+const KEY_TILE: usize = 64;
+/// Query tokens per work item: long prompts split into several items, so threads share them.
+const QUERY_TILE: usize = 16;
+/// Below this many query-key pairs in a call, threads cost more than they save.
+const MIN_PARALLEL_PAIRS: usize = 1 << 15;
+
+/// The per-sequence part of a step: where its queries are, how long its context is, its blocks.
+#[derive(Clone, Copy)]
+pub struct PagedBatch<'a> {
+    /// `[S + 1]` packed query row offsets.
+    pub query_start_loc: &'a [i32],
+    /// `[S]` context length including this step's tokens.
+    pub seq_lens: &'a [i32],
+    /// `[S, W]` cache block of each `block_size` keys of the context.
+    pub block_tables: ArrayView2<'a, i32>,
+}
+
+/// Write this step's keys and values `[T, KVH, D]` into their cache slots
+/// (`slot = block * block_size + offset`); slot -1 marks a padding row and is skipped.
+pub fn store_kv(
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    slot_mapping: &[i64],
+    k_cache: ArrayViewMut4<f32>,
+    v_cache: ArrayViewMut4<f32>,
+) -> Result<()> {
+    if v_cache.dim() != k_cache.dim() {
+        return Err(invalid("k_cache and v_cache must have the same shape"));
+    }
+    store_one("k", k, slot_mapping, k_cache)?;
+    store_one("v", v, slot_mapping, v_cache)
+}
+
+fn store_one(
+    name: &str,
+    rows: ArrayView3<f32>,
+    slot_mapping: &[i64],
+    mut cache: ArrayViewMut4<f32>,
+) -> Result<()> {
+    let (blocks, block_size, kv_heads, head_dim) = cache.dim();
+    if rows.dim() != (slot_mapping.len(), kv_heads, head_dim) {
+        return Err(invalid(format!(
+            "{name} has shape {:?}, expected [{}, {kv_heads}, {head_dim}] (slot_mapping length, \
+             cache heads and head size)",
+            rows.shape(),
+            slot_mapping.len()
+        )));
+    }
+    let num_slots = (blocks * block_size) as i64;
+    if let Some(t) = slot_mapping
+        .iter()
+        .position(|&slot| slot < -1 || slot >= num_slots)
+    {
+        return Err(invalid(format!(
+            "slot_mapping[{t}] = {} is outside [-1, {num_slots})",
+            slot_mapping[t]
+        )));
+    }
+    for (t, &slot) in slot_mapping.iter().enumerate() {
+        if slot >= 0 {
+            let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+            cache
+                .index_axis_mut(Axis(0), block)
+                .index_axis_mut(Axis(0), offset)
+                .assign(&rows.index_axis(Axis(0), t));
+        }
+    }
+    Ok(())
+}
+
+/// Attention of every query row over its sequence's paged context, written into `out`.
+/// `num_threads` workers at most (1: the calling thread only).
+pub fn paged_attention<'a>(
+    q: ArrayView3<'a, f32>,
+    k_cache: ArrayView4<'a, f32>,
+    v_cache: ArrayView4<'a, f32>,
+    batch: PagedBatch<'a>,
+    scale: f32,
+    mut out: ArrayViewMut3<f32>,
+    num_threads: usize,
+) -> Result<()> {
+    let shape = check_shapes(&q, &k_cache, &v_cache, &out)?;
+    let items = plan_items(batch, shape, q.dim().0)?;
+    let ctx = Ctx {
+        q,
+        k: k_cache
+            .to_slice()
+            .ok_or_else(|| invalid("k_cache must be contiguous"))?,
+        v: v_cache
+            .to_slice()
+            .ok_or_else(|| invalid("v_cache must be contiguous"))?,
+        tables: batch.block_tables,
+        shape,
+        scale,
+    };
+    let out = out
+        .as_slice_mut()
+        .ok_or_else(|| invalid("out must be contiguous"))?;
+    let chunks = split_out(out, &items, shape.heads * shape.head_dim);
+    let pairs: usize = items.iter().map(Item::pairs).sum();
+    let threads = if pairs < MIN_PARALLEL_PAIRS {
+        1
+    } else {
+        num_threads.clamp(1, items.len().max(1))
+    };
+    if threads == 1 {
+        run(&ctx, chunks);
+        return Ok(());
+    }
+    let buckets = balance(chunks, threads);
+    std::thread::scope(|scope| {
+        let ctx = &ctx;
+        for bucket in buckets {
+            scope.spawn(move || run(ctx, bucket));
+        }
+    });
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Shape {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl Shape {
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+fn check_shapes(
+    q: &ArrayView3<f32>,
+    k_cache: &ArrayView4<f32>,
+    v_cache: &ArrayView4<f32>,
+    out: &ArrayViewMut3<f32>,
+) -> Result<Shape> {
+    let (_, heads, head_dim) = q.dim();
+    let (num_blocks, block_size, kv_heads, cache_dim) = k_cache.dim();
+    if v_cache.dim() != k_cache.dim() {
+        return Err(invalid("k_cache and v_cache must have the same shape"));
+    }
+    if cache_dim != head_dim || block_size == 0 {
+        return Err(invalid(format!(
+            "cache shape {:?} does not match q's head size {head_dim}",
+            k_cache.shape()
+        )));
+    }
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(invalid(format!(
+            "q's {heads} heads are not a multiple of the cache's {kv_heads} kv heads"
+        )));
+    }
+    if out.dim() != q.dim() {
+        return Err(invalid(format!(
+            "out has shape {:?}, q has {:?}",
+            out.shape(),
+            q.shape()
+        )));
+    }
+    Ok(Shape {
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+    })
+}
+
+/// One task: query rows `first + r0 .. first + r1` of sequence `seq` (all heads).
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    seq: usize,
+    first: usize,
+    r0: usize,
+    r1: usize,
+    /// context length minus query count: query row r sees keys `0..before + r + 1` (none when
+    /// that is <= 0: a padding row with more queries than context)
+    before: isize,
+}
+
+impl Item {
+    fn visible(&self, r: usize) -> usize {
+        (self.before + r as isize + 1).max(0) as usize
+    }
+
+    fn pairs(&self) -> usize {
+        (self.r1 - self.r0) * self.visible(self.r1 - 1)
+    }
+}
+
+fn plan_items(batch: PagedBatch<'_>, shape: Shape, num_rows: usize) -> Result<Vec<Item>> {
+    let PagedBatch {
+        query_start_loc: qsl,
+        seq_lens,
+        block_tables,
+    } = batch;
+    let num_seqs = seq_lens.len();
+    if qsl.len() != num_seqs + 1 || block_tables.dim().0 != num_seqs {
+        return Err(invalid(format!(
+            "query_start_loc has {} entries and block_tables {} rows for {num_seqs} sequences \
+             (expected S + 1 and S)",
+            qsl.len(),
+            block_tables.dim().0
+        )));
+    }
+    let width = block_tables.dim().1;
+    let mut items = Vec::new();
+    for s in 0..num_seqs {
+        let (start, end, len) = (qsl[s], qsl[s + 1], seq_lens[s]);
+        if start < 0 || end < start || end as usize > num_rows {
+            return Err(invalid(format!(
+                "query_start_loc[{s}..={}] = {start}..{end} is not an increasing range within \
+                 the {num_rows} query rows",
+                s + 1
+            )));
+        }
+        let q_len = (end - start) as usize;
+        if len < 0 {
+            return Err(invalid(format!("seq_lens[{s}] = {len} is negative")));
+        }
+        let len = len as usize;
+        let used = len.div_ceil(shape.block_size);
+        if used > width {
+            return Err(invalid(format!(
+                "seq_lens[{s}] = {len} needs {used} blocks, block_tables has {width} columns"
+            )));
+        }
+        for (j, &b) in block_tables.row(s).iter().take(used).enumerate() {
+            if b < 0 || b as usize >= shape.num_blocks {
+                return Err(invalid(format!(
+                    "block_tables[{s}, {j}] = {b} is not a cache block (0..{})",
+                    shape.num_blocks
+                )));
+            }
+        }
+        for r0 in (0..q_len).step_by(QUERY_TILE) {
+            items.push(Item {
+                seq: s,
+                first: start as usize,
+                r0,
+                r1: (r0 + QUERY_TILE).min(q_len),
+                before: len as isize - q_len as isize,
+            });
+        }
+    }
+    Ok(items)
+}
+
+/// Cuts `out` into each item's rows (disjoint, in row order) and zeroes the rows no item owns.
+fn split_out<'o>(mut out: &'o mut [f32], items: &[Item], row: usize) -> Vec<(Item, &'o mut [f32])> {
+    let mut chunks = Vec::with_capacity(items.len());
+    let mut at = 0;
+    for item in items {
+        let start = item.first + item.r0;
+        let (gap, rest) = out.split_at_mut((start - at) * row);
+        gap.fill(0.0);
+        let (mine, rest) = rest.split_at_mut((item.r1 - item.r0) * row);
+        chunks.push((*item, mine));
+        out = rest;
+        at = item.first + item.r1;
+    }
+    out.fill(0.0);
+    chunks
+}
+
+/// Longest-first assignment of the items to `threads` buckets of similar work.
+fn balance(chunks: Vec<(Item, &mut [f32])>, threads: usize) -> Vec<Vec<(Item, &mut [f32])>> {
+    let mut chunks = chunks;
+    chunks.sort_by_key(|(item, _)| std::cmp::Reverse(item.pairs()));
+    let mut buckets: Vec<Vec<(Item, &mut [f32])>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut load = vec![0usize; threads];
+    for chunk in chunks {
+        let (i, _) = load
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, l)| **l)
+            .unwrap_or((0, &0));
+        load[i] += chunk.0.pairs();
+        buckets[i].push(chunk);
+    }
+    buckets
+}
+
+struct Ctx<'a> {
+    q: ArrayView3<'a, f32>,
+    k: &'a [f32],
+    v: &'a [f32],
+    tables: ArrayView2<'a, i32>,
+    shape: Shape,
+    scale: f32,
+}
+
+/// Per-thread buffers, reused across items.
+#[derive(Default)]
+struct Scratch {
+    q: Vec<f32>,
+    scores: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    key_at: Vec<usize>,
+}
+
+fn run(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>) {
+    let mut scratch = Scratch::default();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the function is compiled for (checked above).
+        unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
+        return;
+    }
+    run_with::<false>(ctx, chunks, &mut scratch);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2_fma(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: &mut Scratch) {
+    run_with::<true>(ctx, chunks, scratch);
+}
+
+#[inline(always)]
+fn run_with<const F: bool>(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: &mut Scratch) {
+    for (item, out) in chunks {
+        out.fill(0.0);
+        for g in 0..ctx.shape.kv_heads {
+            attend_group::<F>(ctx, item, g, out, scratch);
+        }
+    }
+}
+
+/// The query heads of kv head `g` for the item's rows: online softmax over key tiles, the
+/// running sums accumulated straight into `out`.
+#[inline(always)]
+fn attend_group<const F: bool>(
+    ctx: &Ctx<'_>,
+    item: Item,
+    g: usize,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let Shape {
+        heads,
+        kv_heads,
+        head_dim: d,
+        block_size: bs,
+        ..
+    } = ctx.shape;
+    let group = ctx.shape.group();
+    let rows = (item.r1 - item.r0) * group;
+    // row rr = (query r, head hh of the group); its query copied contiguous once
+    sc.q.clear();
+    for r in item.r0..item.r1 {
+        let token = ctx.q.index_axis(Axis(0), item.first + r);
+        for hh in 0..group {
+            sc.q.extend(token.index_axis(Axis(0), g * group + hh).iter());
+        }
+    }
+    sc.scores.resize(rows * KEY_TILE, 0.0);
+    sc.max.clear();
+    sc.max.resize(rows, f32::NEG_INFINITY);
+    sc.sum.clear();
+    sc.sum.resize(rows, 0.0);
+    let acc_at = |rr: usize| {
+        let (r, hh) = (item.r0 + rr / group, rr % group);
+        ((r - item.r0) * heads + g * group + hh) * d
+    };
+    let visible = |rr: usize| item.visible(item.r0 + rr / group);
+    let table = ctx.tables.row(item.seq);
+    let keys = item.visible(item.r1 - 1);
+    for t0 in (0..keys).step_by(KEY_TILE) {
+        let n = KEY_TILE.min(keys - t0);
+        sc.key_at.clear();
+        sc.key_at.extend((t0..t0 + n).map(|pos| {
+            let block = table[pos / bs] as usize;
+            ((block * bs + pos % bs) * kv_heads + g) * d
+        }));
+        // scores of the tile, each key loaded once for all rows
+        for (j, &at) in sc.key_at.iter().enumerate() {
+            let key = &ctx.k[at..at + d];
+            for rr in 0..rows {
+                sc.scores[rr * KEY_TILE + j] = if t0 + j < visible(rr) {
+                    simd::dot::<F>(&sc.q[rr * d..(rr + 1) * d], key) * ctx.scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        // online softmax: rescale what was accumulated by e^(old max - new max)
+        for rr in 0..rows {
+            if t0 >= visible(rr) {
+                continue;
+            }
+            let row = &mut sc.scores[rr * KEY_TILE..rr * KEY_TILE + n];
+            let tile_max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+            let new_max = sc.max[rr].max(tile_max);
+            for x in row.iter_mut() {
+                *x -= new_max;
+            }
+            simd::exp_inplace::<F>(row);
+            let correction = (sc.max[rr] - new_max).exp();
+            sc.sum[rr] = sc.sum[rr] * correction + row.iter().sum::<f32>();
+            if correction != 1.0 {
+                let at = acc_at(rr);
+                simd::scale(&mut out[at..at + d], correction);
+            }
+            sc.max[rr] = new_max;
+        }
+        for (j, &at) in sc.key_at.iter().enumerate() {
+            let value = &ctx.v[at..at + d];
+            for rr in 0..rows {
+                if t0 + j < visible(rr) {
+                    let o = acc_at(rr);
+                    simd::axpy::<F>(&mut out[o..o + d], sc.scores[rr * KEY_TILE + j], value);
+                }
+            }
+        }
+    }
+    for rr in 0..rows {
+        if sc.sum[rr] > 0.0 {
+            let at = acc_at(rr);
+            simd::scale(&mut out[at..at + d], 1.0 / sc.sum[rr]);
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The paged kernel against a dense, obviously-correct attention over the same context.
+use ndarray::{Array2, Array3, Array4, Axis};
+
+use super::attention::{paged_attention, store_kv, PagedBatch};
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    /// (query tokens, context length) per sequence
+    seqs: Vec<(usize, usize)>,
+}
+
+/// Dense reference: context of sequence s at position p is `ctx[s][p]`.
+fn dense(
+    case: &Case,
+    q: &Array3<f32>,
+    ks: &[Array3<f32>],
+    vs: &[Array3<f32>],
+    scale: f32,
+) -> Array3<f32> {
+    let group = case.heads / case.kv_heads;
+    let mut out = Array3::<f32>::zeros(q.dim());
+    let mut row = 0;
+    for (s, &(q_len, len)) in case.seqs.iter().enumerate() {
+        for i in 0..q_len {
+            let visible = len - q_len + i + 1;
+            for h in 0..case.heads {
+                let g = h / group;
+                let scores: Vec<f64> = (0..visible)
+                    .map(|p| {
+                        (0..case.head_dim)
+                            .map(|x| (q[[row, h, x]] * ks[s][[p, g, x]]) as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for x in 0..case.head_dim {
+                    let v: f64 = (0..visible)
+                        .map(|p| weights[p] * vs[s][[p, g, x]] as f64)
+                        .sum();
+                    out[[row, h, x]] = (v / total) as f32;
+                }
+            }
+            row += 1;
+        }
+    }
+    out
+}
+
+fn check(case: Case, threads: usize) {
+    let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
+    let widths: Vec<usize> = case.seqs.iter().map(|(_, l)| l.div_ceil(bs)).collect();
+    let width = widths.iter().copied().max().unwrap_or(0) + 1;
+    let num_blocks: usize = widths.iter().sum::<usize>() + 3;
+    // blocks handed out in a scrambled order so that tables are not contiguous
+    let mut free: Vec<i32> = (0..num_blocks as i32).rev().collect();
+    free.swap(0, num_blocks / 2);
+    let mut tables = Array2::<i32>::from_elem((case.seqs.len(), width), -1);
+    let mut k_cache = Array4::<f32>::zeros((num_blocks, bs, kvh, d));
+    let mut v_cache = Array4::<f32>::zeros((num_blocks, bs, kvh, d));
+    let total_q: usize = case.seqs.iter().map(|(q, _)| q).sum();
+    let q = Array3::from_shape_vec((total_q, h, d), noise(total_q * h * d, 1)).unwrap();
+    let (mut ks, mut vs, mut new_k, mut new_v, mut slots) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let mut qsl = vec![0i32];
+    for (s, &(q_len, len)) in case.seqs.iter().enumerate() {
+        for j in 0..widths[s] {
+            tables[[s, j]] = free.pop().unwrap();
+        }
+        let k = Array3::from_shape_vec((len, kvh, d), noise(len * kvh * d, 10 + s as u64)).unwrap();
+        let v = Array3::from_shape_vec((len, kvh, d), noise(len * kvh * d, 99 + s as u64)).unwrap();
+        for p in 0..len {
+            let slot = tables[[s, p / bs]] as usize * bs + p % bs;
+            if p < len - q_len {
+                // the cached prefix, written as earlier steps would have
+                k_cache
+                    .index_axis_mut(Axis(0), slot / bs)
+                    .index_axis_mut(Axis(0), slot % bs)
+                    .assign(&k.index_axis(Axis(0), p));
+                v_cache
+                    .index_axis_mut(Axis(0), slot / bs)
+                    .index_axis_mut(Axis(0), slot % bs)
+                    .assign(&v.index_axis(Axis(0), p));
+            } else {
+                new_k.extend(k.index_axis(Axis(0), p).iter());
+                new_v.extend(v.index_axis(Axis(0), p).iter());
+                slots.push(slot as i64);
+            }
+        }
+        qsl.push(qsl[s] + q_len as i32);
+        ks.push(k);
+        vs.push(v);
+    }
+    let new_k = Array3::from_shape_vec((total_q, kvh, d), new_k).unwrap();
+    let new_v = Array3::from_shape_vec((total_q, kvh, d), new_v).unwrap();
+    store_kv(
+        new_k.view(),
+        new_v.view(),
+        &slots,
+        k_cache.view_mut(),
+        v_cache.view_mut(),
+    )
+    .unwrap();
+    let lens: Vec<i32> = case.seqs.iter().map(|(_, l)| *l as i32).collect();
+    let batch = PagedBatch {
+        query_start_loc: &qsl,
+        seq_lens: &lens,
+        block_tables: tables.view(),
+    };
+    let scale = (d as f32).powf(-0.5);
+    let mut out = Array3::<f32>::from_elem((total_q, h, d), f32::NAN);
+    paged_attention(
+        q.view(),
+        k_cache.view(),
+        v_cache.view(),
+        batch,
+        scale,
+        out.view_mut(),
+        threads,
+    )
+    .unwrap();
+    let want = dense(&case, &q, &ks, &vs, scale);
+    for (got, want) in out.iter().zip(want.iter()) {
+        assert!((got - want).abs() < 2e-5, "{got} vs {want}");
+    }
+}
+
+#[test]
+fn decode_rows_with_grouped_heads_match_dense_attention() {
+    let seqs = vec![(1, 1), (1, 17), (1, 64), (1, 130)];
+    check(
+        Case {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 16,
+            block_size: 16,
+            seqs,
+        },
+        1,
+    );
+}
+
+#[test]
+fn prefill_chunks_over_a_cached_prefix_are_causal() {
+    // chunked prefill (prefix cached) and a whole prompt, with an odd block size
+    let seqs = vec![(5, 12), (40, 40), (3, 3), (1, 9)];
+    check(
+        Case {
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 12,
+            block_size: 5,
+            seqs,
+        },
+        1,
+    );
+}
+
+#[test]
+fn threads_split_long_prompts_and_give_the_same_result() {
+    let seqs = vec![(150, 200), (1, 300), (70, 70), (1, 5)];
+    check(
+        Case {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 32,
+            block_size: 8,
+            seqs,
+        },
+        3,
+    );
+}
+
+#[test]
+fn rows_outside_every_sequence_are_zero_and_bad_tables_are_refused() {
+    let q = Array3::<f32>::ones((3, 2, 4));
+    let kc = Array4::<f32>::ones((2, 4, 1, 4));
+    let vc = Array4::<f32>::ones((2, 4, 1, 4));
+    let tables = Array2::<i32>::from_elem((1, 1), 1);
+    let mut out = Array3::<f32>::from_elem((3, 2, 4), f32::NAN);
+    let batch = PagedBatch {
+        query_start_loc: &[0, 2],
+        seq_lens: &[3],
+        block_tables: tables.view(),
+    };
+    paged_attention(
+        q.view(),
+        kc.view(),
+        vc.view(),
+        batch,
+        0.5,
+        out.view_mut(),
+        1,
+    )
+    .unwrap();
+    assert!(out.index_axis(Axis(0), 2).iter().all(|x| *x == 0.0));
+    assert!(out
+        .index_axis(Axis(0), 0)
+        .iter()
+        .all(|x| (*x - 1.0).abs() < 1e-6));
+    let bad = Array2::<i32>::from_elem((1, 1), 7);
+    let batch = PagedBatch {
+        block_tables: bad.view(),
+        ..batch
+    };
+    let err = paged_attention(
+        q.view(),
+        kc.view(),
+        vc.view(),
+        batch,
+        0.5,
+        out.view_mut(),
+        1,
+    );
+    assert!(err
+        .unwrap_err()
+        .to_string()
+        .contains("block_tables[0, 0] = 7"));
+    let short = PagedBatch {
+        seq_lens: &[1],
+        ..batch
+    };
+    assert!(paged_attention(
+        q.view(),
+        kc.view(),
+        vc.view(),
+        short,
+        0.5,
+        out.view_mut(),
+        1
+    )
+    .is_err());
+}

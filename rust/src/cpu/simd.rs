@@ -1,0 +1,166 @@
+//! Vector loops for the CPU kernels, written as fixed 8-lane chunks so that the compiler turns
+//! them into one AVX register op per chunk. `F` selects fused multiply-add: the kernels are
+//! instantiated once with `F = true` inside an `avx2,fma` function (runtime-detected) and once
+//! with `F = false` for any other x86-64 or non-x86 CPU (where `mul_add` would be a libm call).
+
+pub(crate) const LANES: usize = 8;
+
+#[inline(always)]
+fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if F {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// `sum(a[i] * b[i])` over equal-length slices: 4 independent 8-lane partial sums, so that
+/// consecutive multiply-adds do not wait on each other's latency.
+#[inline(always)]
+pub(crate) fn dot<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    const WIDE: usize = 4 * LANES;
+    let mut acc = [[0.0f32; LANES]; 4];
+    let wide = a.len() - a.len() % WIDE;
+    for (x, y) in a[..wide]
+        .chunks_exact(WIDE)
+        .zip(b[..wide].chunks_exact(WIDE))
+    {
+        for (k, part) in acc.iter_mut().enumerate() {
+            for l in 0..LANES {
+                part[l] = madd::<F>(x[k * LANES + l], y[k * LANES + l], part[l]);
+            }
+        }
+    }
+    let narrow = a.len() - a.len() % LANES;
+    for (x, y) in a[wide..narrow]
+        .chunks_exact(LANES)
+        .zip(b[wide..narrow].chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            acc[0][l] = madd::<F>(x[l], y[l], acc[0][l]);
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in a[narrow..].iter().zip(&b[narrow..]) {
+        tail = madd::<F>(*x, *y, tail);
+    }
+    let mut lanes = [0.0f32; LANES];
+    for l in 0..LANES {
+        lanes[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+    }
+    let quads = [
+        lanes[0] + lanes[4],
+        lanes[1] + lanes[5],
+        lanes[2] + lanes[6],
+        lanes[3] + lanes[7],
+    ];
+    (quads[0] + quads[2]) + (quads[1] + quads[3]) + tail
+}
+
+/// `y += a * x`.
+#[inline(always)]
+pub(crate) fn axpy<const F: bool>(y: &mut [f32], a: f32, x: &[f32]) {
+    debug_assert_eq!(y.len(), x.len());
+    for (yi, xi) in y.iter_mut().zip(x) {
+        *yi = madd::<F>(a, *xi, *yi);
+    }
+}
+
+/// `y *= a`.
+#[inline(always)]
+pub(crate) fn scale(y: &mut [f32], a: f32) {
+    for yi in y.iter_mut() {
+        *yi *= a;
+    }
+}
+
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+// ln 2 split in a part exact in few bits and the rest (Cody-Waite), so n * LN2_HI is exact
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+// minimax coefficients of (e^r - 1 - r) / r^2 on |r| <= ln2 / 2 (Cephes' expf)
+const P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
+/// `e^x` for every element, to about 2 ulp, for x in [-87.3, 88.3] (smaller x give 0, larger
+/// are clamped). Branch-free so that it vectorizes (std's `exp` is a scalar libm call).
+#[inline(always)]
+pub(crate) fn exp_inplace<const F: bool>(xs: &mut [f32]) {
+    for x in xs.iter_mut() {
+        *x = exp1::<F>(*x);
+    }
+}
+
+#[inline(always)]
+fn exp1<const F: bool>(x: f32) -> f32 {
+    let x = x.clamp(-87.336_54, 88.376_26);
+    let t = x * LOG2E;
+    // round to nearest without libm's round (not vectorized without SSE4.1)
+    let n = (t + if t < 0.0 { -0.5 } else { 0.5 }) as i32;
+    let nf = n as f32;
+    let r = madd::<F>(-nf, LN2_LO, madd::<F>(-nf, LN2_HI, x));
+    let mut p = P[0];
+    for c in &P[1..] {
+        p = madd::<F>(p, r, *c);
+    }
+    let y = madd::<F>(p, r * r, r) + 1.0;
+    // 2^n from the exponent bits; n = -126..=127 here, n = -127 would need a subnormal, and
+    // e^x < 1e-38 there anyway: give 0
+    let bits = ((n + 127).max(0) as u32) << 23;
+    y * f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_matches_sequential_sum_for_ragged_lengths() {
+        for len in [0usize, 1, 7, 8, 9, 31, 32, 40, 64, 67, 129] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64) * (*y as f64))
+                .sum();
+            for got in [dot::<true>(&a, &b), dot::<false>(&a, &b)] {
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "len {len}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn exp_is_close_to_std_exp_over_the_softmax_range() {
+        let mut xs: Vec<f32> = (0..4000).map(|i| -80.0 + i as f32 * 0.0217).collect();
+        xs.extend([0.0, -0.0, 1e-8, -1e-8, 3.5, f32::NEG_INFINITY, -200.0]);
+        let want: Vec<f32> = xs.iter().map(|x| x.exp()).collect();
+        let mut got = xs.clone();
+        exp_inplace::<false>(&mut got);
+        for ((x, g), w) in xs.iter().zip(&got).zip(&want) {
+            let tol = 4.0 * f32::EPSILON * w.abs() + 1e-37;
+            assert!((g - w).abs() <= tol, "exp({x}) = {g}, want {w}");
+        }
+    }
+
+    #[test]
+    fn axpy_and_scale_are_elementwise() {
+        let mut y = vec![1.0f32; 11];
+        let x: Vec<f32> = (0..11).map(|i| i as f32).collect();
+        axpy::<true>(&mut y, 2.0, &x);
+        scale(&mut y, 0.5);
+        for (i, v) in y.iter().enumerate() {
+            assert_eq!(*v, (1.0 + 2.0 * i as f32) * 0.5);
+        }
+    }
+}

@@ -1,0 +1,110 @@
+"""The Rust CPU kernels (`_core.cpu_store_kvcache`, `_core.cpu_paged_attention`) against the torch
+reference (`pagedllm.kernels.reference`), like the Triton kernels in test_kernels.py: GQA, several
+query tokens per sequence over a cached prefix, odd block sizes, ragged lengths, threads."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import _core
+from pagedllm.kernels import reference as ref
+
+
+def _batch(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    nblk = [max(1, -(-L // block_size)) for L in ctx_lens]
+    num_blocks = sum(nblk) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(ctx_lens), max(nblk) + 1, dtype=torch.int32)  # + an unused column
+    used = 0
+    for s, n in enumerate(nblk):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+    qsl = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, qsl, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+def _rust(q, k_cache, v_cache, qsl, lens, tables, scale, threads=1):
+    out = torch.full(q.shape, float("nan"))
+    _core.cpu_paged_attention(
+        q.numpy(),
+        k_cache.numpy(),
+        v_cache.numpy(),
+        qsl.numpy(),
+        lens.numpy(),
+        tables.numpy(),
+        scale,
+        out.numpy(),
+        threads,
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "ctx_lens,q_lens,heads,kv_heads,head_dim,block_size",
+    [
+        # decode, GQA 4, partially filled last blocks, a one-token context
+        ([37, 5, 16, 1], [1, 1, 1, 1], 8, 2, 64, 16),
+        # prefill, chunks over a cached prefix, a decode, odd block size and head size
+        ([13, 40, 29, 1, 70], [13, 1, 7, 1, 33], 6, 3, 24, 5),
+        # no GQA, head_dim 128, chunk start not block aligned, block size 1
+        ([50, 9], [21, 9], 2, 2, 128, 1),
+        # speculative-verification shape: a few query tokens each over long contexts
+        ([300, 257, 129], [4, 5, 3], 4, 1, 32, 16),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_paged_attention_matches_reference(
+    ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, threads
+):
+    q, kc, vc, tables, qsl, lens = _batch(
+        ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, seed=sum(ctx_lens)
+    )
+    scale = 1 / math.sqrt(head_dim)
+    exp = ref.paged_attention(q, kc, vc, qsl, lens, tables, scale)
+    out = _rust(q, kc, vc, qsl, lens, tables, scale, threads)
+    torch.testing.assert_close(out, exp, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_paged_attention_reads_strided_queries_and_zeroes_rows_past_the_sequences():
+    q, kc, vc, tables, qsl, lens = _batch([20, 8], [3, 2], 4, 2, 16, 4, seed=1)
+    # q as a view of a wider fused tensor (the model's q heads next to its k heads), + 2 pad rows
+    wide = torch.randn(7, 6, 16)
+    wide[:5, :4] = q
+    exp = ref.paged_attention(wide[:, :4], kc, vc, qsl, lens, tables, 0.3)
+    out = _rust(wide[:, :4], kc, vc, qsl, lens, tables, 0.3)
+    torch.testing.assert_close(out, exp, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(out[5:]) == 0
+
+
+def test_cpu_store_kvcache_matches_reference_and_skips_padding():
+    g = torch.Generator().manual_seed(2)
+    T, kvh, d, page, num_blocks = 6, 2, 8, 3, 5
+    fused = torch.randn(T, 3 * kvh * d, generator=g)
+    k = fused[:, kvh * d : 2 * kvh * d].view(T, kvh, d)  # strided views, as the model makes them
+    v = fused[:, 2 * kvh * d :].view(T, kvh, d)
+    slots = torch.tensor([3, 14, -1, 4, 0, -1])
+    kc, vc = torch.randn(num_blocks, page, kvh, d), torch.randn(num_blocks, page, kvh, d)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    _core.cpu_store_kvcache(k.numpy(), v.numpy(), kc.numpy(), vc.numpy(), slots.numpy())
+    ref.store_kvcache(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_cpu_kernels_refuse_bad_slots_and_block_tables_with_value_errors():
+    q, kc, vc, tables, qsl, lens = _batch([9], [1], 2, 1, 8, 4, seed=3)
+    k = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 20 is outside \[-1, 20\)"):
+        _core.cpu_store_kvcache(
+            k.numpy(), k.numpy(), kc.numpy(), vc.numpy(), np.array([20], dtype=np.int64)
+        )
+    tables[0, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\]"):
+        _rust(q, kc, vc, qsl, lens, tables, 0.5)
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        _rust(q, kc, vc, qsl, lens, tables[:, :2].contiguous(), 0.5)
