@@ -292,6 +292,10 @@ def _bench(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         compare_transformers=args.compare_transformers,
         seed=args.seed,
+        min_input_len=args.min_input_len,
+        min_output_len=args.min_output_len,
+        rounds=args.rounds,
+        compare_vllm_python=args.compare_vllm_python,
     )
     print(json.dumps(result, indent=2) if args.json else result["summary"])
     if result["ignored_prompts"]:
@@ -386,6 +390,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-transformers",
         action="store_true",
         help="also run transformers generate on the same workload",
+    )
+    bench.add_argument(
+        "--min-input-len",
+        type=_POSITIVE,
+        default=None,
+        help="draw each prompt's length uniformly from [this, --input-len]",
+    )
+    bench.add_argument(
+        "--min-output-len",
+        type=_POSITIVE,
+        default=None,
+        help="draw each output length uniformly from [this, --output-len]",
+    )
+    bench.add_argument(
+        "--rounds", type=_POSITIVE, default=1, help="timed runs of the workload (median reported)"
+    )
+    bench.add_argument(
+        "--compare-vllm-python",
+        metavar="PATH",
+        default=None,
+        help="also run vLLM in this Python interpreter (one with vllm installed) on the same "
+        "checkpoint and prompts, alternating with pagedllm each round",
     )
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
     _common_flags(bench)

@@ -1,8 +1,12 @@
-"""Offline throughput benchmark (`pagedllm bench`), optionally side by side with `transformers`."""
+"""Offline throughput benchmark (`pagedllm bench`), optionally side by side with `transformers`
+and with vLLM running in another interpreter (`vllm_compare.py`)."""
 
 from __future__ import annotations
 
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -10,6 +14,39 @@ import numpy as np
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=(num_prompts, input_len)).tolist()
+
+
+def random_lengths(num_prompts: int, low: int, high: int, rng: np.random.Generator) -> list[int]:
+    """Lengths drawn uniformly from [low, high]; all `high` when low == high."""
+    if low == high:
+        return [high] * num_prompts
+    return rng.integers(low, high + 1, size=num_prompts).tolist()
+
+
+def bench_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    min_input_len: int | None = None,
+    min_output_len: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """Random prompts and their output lengths; lengths uniform in [min, max] when a minimum is
+    given (fixed-length prompts are the same as `random_prompts`)."""
+    low_in = input_len if min_input_len is None else min_input_len
+    low_out = output_len if min_output_len is None else min_output_len
+    for name, low, high in (("input", low_in, input_len), ("output", low_out, output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"bench --min-{name}-len {low} must be in [1, --{name}-len {high}]")
+    if low_in == input_len:
+        prompts = random_prompts(num_prompts, input_len, vocab_size, seed)
+        rng = np.random.default_rng(seed + 1)
+    else:
+        rng = np.random.default_rng(seed)
+        lengths = random_lengths(num_prompts, low_in, input_len, rng)
+        prompts = [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
+    return prompts, random_lengths(num_prompts, low_out, output_len, rng)
 
 
 def _check_counts(**counts: int) -> None:
@@ -61,8 +98,18 @@ def run_bench(
     output_len: int,
     compare_transformers: bool = False,
     seed: int = 0,
+    min_input_len: int | None = None,
+    min_output_len: int | None = None,
+    rounds: int = 1,
+    compare_vllm_python: str | None = None,
 ) -> dict:
     """Greedy generation of `output_len` tokens (EOS ignored) for random prompts.
+
+    With `min_input_len` / `min_output_len` each prompt's lengths are drawn uniformly from
+    [min, max]. The workload runs `rounds` times and the median is reported; with
+    `compare_vllm_python` vLLM runs it in that interpreter too, alternating with ours round by
+    round, and the result adds its median, the ratio and how many prompts got the same greedy
+    tokens from both.
 
     Returns tokens/s, the mean step time split into schedule / forward (block ops, input
     preparation and the forward pass) / sample / update, and with `compare_transformers` the
@@ -73,10 +120,12 @@ def run_bench(
     scheduler's reason in `ignored_reason`, and not in the throughput, which counts only the
     prompt tokens of requests that ran and the tokens actually generated.
     """
-    _check_counts(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
+    _check_counts(
+        num_prompts=num_prompts, input_len=input_len, output_len=output_len, rounds=rounds
+    )
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.engine import StepTimings
+    from pagedllm.cli.vllm_compare import greedy_agreement
 
     llm = LLM(**engine_kwargs)
     engine = llm.engine
@@ -88,15 +137,28 @@ def run_bench(
         engine.max_num_batched_tokens if prefill_first else None,
     )
     vocab = engine.model_config.vocab_size
-    prompts = random_prompts(num_prompts, input_len, vocab, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
-    engine.timings = StepTimings()
-    _sync(engine.device)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _sync(engine.device)
-    elapsed = time.perf_counter() - start
+    prompts, max_tokens = bench_workload(
+        num_prompts, input_len, output_len, vocab, seed, min_input_len, min_output_len
+    )
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up
+    vllm = None
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as tmp:
+        if compare_vllm_python is not None:
+            vllm = _start_vllm(compare_vllm_python, engine, Path(tmp), prompts, max_tokens, seed)
+        try:
+            runs, vllm_runs = [], []
+            for _ in range(rounds):
+                runs.append(_timed_generate(llm, inputs, params))
+                if vllm is not None:
+                    vllm_runs.append(vllm.run())
+        finally:
+            if vllm is not None:
+                vllm.close()
+    median = statistics.median(r[0] for r in runs)
+    elapsed, outputs, timings = min(runs, key=lambda r: abs(r[0] - median))
+    engine.timings = timings
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ignored = [o for o in outputs if _ignored(o)]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not _ignored(o))
@@ -107,7 +169,11 @@ def run_bench(
         "num_prompts": num_prompts,
         "input_len": input_len,
         "output_len": output_len,
+        "min_input_len": min_input_len or input_len,
+        "min_output_len": min_output_len or output_len,
+        "rounds": rounds,
         "elapsed_s": elapsed,
+        "output_tokens_per_s_runs": [generated / r[0] for r in runs],
         "completed_prompts": len(outputs) - len(ignored),
         "ignored_prompts": len(ignored),
         "ignored_reason": (ignored[0].outputs[0].stop_reason or ignored[0].outputs[0].finish_reason)
@@ -120,7 +186,20 @@ def run_bench(
         "steps": engine.timings.steps,
         "mean_step_ms": engine.timings.mean_ms(),
     }
+    if vllm is not None:
+        result["vllm"] = _vllm_summary(vllm.version, vllm_runs)
+        result["speedup_vs_vllm"] = (
+            result["output_tokens_per_s"] / result["vllm"]["output_tokens_per_s"]
+        )
+        ours = [list(o.outputs[0].token_ids) for o in outputs]
+        theirs = vllm_runs[-1]["outputs"]
+        result["greedy_agreement_vs_vllm"] = f"{greedy_agreement(ours, theirs)}/{len(ours)}"
     if compare_transformers:
+        if len(set(max_tokens)) > 1 or min_input_len not in (None, input_len):
+            raise ValueError(
+                "bench --compare-transformers runs one padded batch: it needs fixed lengths "
+                "(no --min-input-len / --min-output-len)"
+            )
         hf = _transformers_generate(engine, prompts, output_len)
         result["transformers"] = hf
         result["speedup_vs_transformers"] = (
@@ -128,6 +207,44 @@ def run_bench(
         )
     result["summary"] = _summary(result)
     return result
+
+
+def _timed_generate(llm, inputs: list, params: list) -> tuple:
+    """(elapsed seconds, outputs, step timings) of one generate over the whole workload."""
+    from pagedllm.engine import StepTimings
+
+    engine = llm.engine
+    engine.timings = StepTimings()
+    _sync(engine.device)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    _sync(engine.device)
+    return time.perf_counter() - start, outputs, engine.timings
+
+
+def _start_vllm(python: str, engine, folder: Path, prompts, max_tokens, seed: int):
+    from pagedllm.cli.vllm_compare import VllmProcess, export_checkpoint
+
+    return VllmProcess(
+        python,
+        model=export_checkpoint(engine, folder),
+        dtype=str(engine.dtype).replace("torch.", ""),
+        max_model_len=engine.max_model_len,
+        seed=seed,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        kv_cache_space_gib=engine.args.cpu_kv_cache_space,
+    )
+
+
+def _vllm_summary(version: str, runs: list[dict]) -> dict:
+    rates = [r["generated_tokens"] / r["elapsed_s"] for r in runs]
+    return {
+        "version": version,
+        "output_tokens_per_s_runs": rates,
+        "output_tokens_per_s": statistics.median(rates),
+        "generated_tokens": runs[-1]["generated_tokens"],
+    }
 
 
 def _sync(device) -> None:
@@ -171,7 +288,8 @@ def _summary(r: dict) -> str:
     steps = ", ".join(f"{k} {v:.2f}" for k, v in r["mean_step_ms"].items())
     lines = [
         f"{r['model']} on {r['device']} ({r['dtype']}): {r['num_prompts']} prompts x "
-        f"{r['input_len']} in / {r['output_len']} out",
+        f"{_span(r['min_input_len'], r['input_len'])} in / "
+        f"{_span(r['min_output_len'], r['output_len'])} out, median of {r['rounds']}",
         f"pagedllm: {r['output_tokens_per_s']:.1f} output tok/s, {r['total_tokens_per_s']:.1f} "
         f"total tok/s, {r['steps']} steps in {r['elapsed_s']:.2f} s",
         f"mean step (ms): {steps}",
@@ -183,6 +301,13 @@ def _summary(r: dict) -> str:
             f"({r['ignored_reason']}); throughput counts only the "
             f"{r['completed_prompts']} that ran",
         )
+    if "vllm" in r:
+        v = r["vllm"]
+        lines.append(
+            f"vLLM {v['version']}: {v['output_tokens_per_s']:.1f} output tok/s (median of "
+            f"{len(v['output_tokens_per_s_runs'])}); pagedllm / vLLM = "
+            f"{r['speedup_vs_vllm']:.2f}x; greedy agreement {r['greedy_agreement_vs_vllm']}"
+        )
     if "transformers" in r:
         hf = r["transformers"]
         lines.append(
@@ -191,3 +316,7 @@ def _summary(r: dict) -> str:
             f"{r['speedup_vs_transformers']:.2f}x"
         )
     return "\n".join(lines)
+
+
+def _span(low: int, high: int) -> str:
+    return str(high) if low == high else f"U[{low}, {high}]"

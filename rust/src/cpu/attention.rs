@@ -346,23 +346,15 @@ unsafe fn run_avx2_fma(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: 
 #[inline(always)]
 fn run_with<const F: bool>(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: &mut Scratch) {
     for (item, out) in chunks {
-        out.fill(0.0);
-        for g in 0..ctx.shape.kv_heads {
-            attend_group::<F>(ctx, item, g, out, scratch);
-        }
+        attend_item::<F>(ctx, item, out, scratch);
     }
 }
 
-/// The query heads of kv head `g` for the item's rows: online softmax over key tiles, the
-/// running sums accumulated straight into `out`.
+/// Every head of the item's query rows: online softmax over tiles of key positions, the running
+/// sums accumulated straight into `out`. Position-major: a position's keys of all kv heads are
+/// one contiguous run of the cache, read once for the query heads of every group.
 #[inline(always)]
-fn attend_group<const F: bool>(
-    ctx: &Ctx<'_>,
-    item: Item,
-    g: usize,
-    out: &mut [f32],
-    sc: &mut Scratch,
-) {
+fn attend_item<const F: bool>(ctx: &Ctx<'_>, item: Item, out: &mut [f32], sc: &mut Scratch) {
     let Shape {
         heads,
         kv_heads,
@@ -371,25 +363,21 @@ fn attend_group<const F: bool>(
         ..
     } = ctx.shape;
     let group = ctx.shape.group();
-    let rows = (item.r1 - item.r0) * group;
-    // row rr = (query r, head hh of the group); its query copied contiguous once
+    // row rr = (query r0 + rr / heads, head rr % heads): also its place in `out`
+    let rows = (item.r1 - item.r0) * heads;
+    out.fill(0.0);
     sc.q.clear();
     for r in item.r0..item.r1 {
-        let token = ctx.q.index_axis(Axis(0), item.first + r);
-        for hh in 0..group {
-            sc.q.extend(token.index_axis(Axis(0), g * group + hh).iter());
-        }
+        sc.q.extend(ctx.q.index_axis(Axis(0), item.first + r).iter());
     }
     sc.scores.resize(rows * KEY_TILE, 0.0);
     sc.max.clear();
     sc.max.resize(rows, f32::NEG_INFINITY);
     sc.sum.clear();
     sc.sum.resize(rows, 0.0);
-    let acc_at = |rr: usize| {
-        let (r, hh) = (item.r0 + rr / group, rr % group);
-        ((r - item.r0) * heads + g * group + hh) * d
-    };
-    let visible = |rr: usize| item.visible(item.r0 + rr / group);
+    let visible = |rr: usize| item.visible(item.r0 + rr / heads);
+    // offset of row rr's kv head within a position's keys
+    let head_at = |rr: usize| (rr % heads) / group * d;
     let table = ctx.tables.row(item.seq);
     let keys = item.visible(item.r1 - 1);
     for t0 in (0..keys).step_by(KEY_TILE) {
@@ -397,14 +385,14 @@ fn attend_group<const F: bool>(
         sc.key_at.clear();
         sc.key_at.extend((t0..t0 + n).map(|pos| {
             let block = table[pos / bs] as usize;
-            ((block * bs + pos % bs) * kv_heads + g) * d
+            (block * bs + pos % bs) * kv_heads * d
         }));
-        // scores of the tile, each key loaded once for all rows
         for (j, &at) in sc.key_at.iter().enumerate() {
-            let key = &ctx.k[at..at + d];
+            let keys_at = &ctx.k[at..at + kv_heads * d];
             for rr in 0..rows {
+                let h = head_at(rr);
                 sc.scores[rr * KEY_TILE + j] = if t0 + j < visible(rr) {
-                    simd::dot::<F>(&sc.q[rr * d..(rr + 1) * d], key) * ctx.scale
+                    simd::dot::<F>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + d]) * ctx.scale
                 } else {
                     f32::NEG_INFINITY
                 };
@@ -425,25 +413,24 @@ fn attend_group<const F: bool>(
             let correction = (sc.max[rr] - new_max).exp();
             sc.sum[rr] = sc.sum[rr] * correction + row.iter().sum::<f32>();
             if correction != 1.0 {
-                let at = acc_at(rr);
-                simd::scale(&mut out[at..at + d], correction);
+                simd::scale(&mut out[rr * d..(rr + 1) * d], correction);
             }
             sc.max[rr] = new_max;
         }
         for (j, &at) in sc.key_at.iter().enumerate() {
-            let value = &ctx.v[at..at + d];
+            let values_at = &ctx.v[at..at + kv_heads * d];
             for rr in 0..rows {
                 if t0 + j < visible(rr) {
-                    let o = acc_at(rr);
-                    simd::axpy::<F>(&mut out[o..o + d], sc.scores[rr * KEY_TILE + j], value);
+                    let h = head_at(rr);
+                    let p = sc.scores[rr * KEY_TILE + j];
+                    simd::axpy::<F>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + d]);
                 }
             }
         }
     }
     for rr in 0..rows {
         if sc.sum[rr] > 0.0 {
-            let at = acc_at(rr);
-            simd::scale(&mut out[at..at + d], 1.0 / sc.sum[rr]);
+            simd::scale(&mut out[rr * d..(rr + 1) * d], 1.0 / sc.sum[rr]);
         }
     }
 }
