@@ -289,6 +289,13 @@ class SchedulerOutput:
     def finished(self) -> list[tuple[str, str]]:
         """(request_id, reason) of requests that can never be served."""
     @property
+    def spec_num_draft_tokens(self) -> _npt.NDArray[_np.int32]:
+        """[S] draft tokens at the end of each row's ``num_tokens`` (speculative decoding;
+        all 0 when the step has none)."""
+    @property
+    def spec_draft_token_ids(self) -> _npt.NDArray[_np.int64]:
+        """[D] the draft tokens to verify, row order."""
+    @property
     def structured_output_samples(self) -> _npt.NDArray[_np.int64]:
         """[G] indices (into the K samples) of the samples drawn under a grammar."""
 
@@ -358,10 +365,16 @@ class Scheduler:
         output: SchedulerOutput,
         sampled_token_ids: _IntArray,
         stop_string_hit: _npt.NDArray[_np.bool_] | _Sequence[bool] | None = None,
+        *,
+        num_tokens: _IntArray | None = None,
     ) -> list[tuple[str, int, str, int | None, bool]]:
         """(request_id, seq_index, finish_reason, stop_reason, request_finished) per finished
         sequence. ``sampled_token_ids`` must be integers (an integer-dtype array or a list of
-        ints): a float or bool array is a ``ValueError`` naming it, never truncated."""
+        ints): a float or bool array is a ``ValueError`` naming it, never truncated. With
+        ``num_tokens`` (speculative decoding) sample k brings ``num_tokens[k]`` consecutive
+        tokens (its accepted drafts, then the target's token: 1 ..= drafts + 1), appended one by
+        one under the stop rules; tokens after a stop are dropped, rejected drafts' blocks are
+        given back."""
     def discard_step(self, output: SchedulerOutput) -> list[str]:
         """Take back ``output`` (the latest step, before ``update_from_output``) when it could
         not be computed: its requests and the groups it swapped out go back to the head of

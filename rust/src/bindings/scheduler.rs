@@ -327,13 +327,17 @@ impl PyScheduler {
     /// lists of ints are converted once; a float or bool array is a ValueError. `stop_string_hit` (optional, bool per sample) finishes that
     /// sequence as stopped. Returns `(request_id, seq_index, finish_reason, stop_reason,
     /// request_finished)` for each sequence that finished.
-    #[pyo3(signature = (output, sampled_token_ids, stop_string_hit = None))]
+    /// With `num_tokens` (speculative decoding, int per sample) sample k brings a run of
+    /// `num_tokens[k]` consecutive tokens of `sampled_token_ids` (its accepted drafts, then the
+    /// target's token; 1 ..= drafts + 1), applied token by token under the stop rules.
+    #[pyo3(signature = (output, sampled_token_ids, stop_string_hit = None, *, num_tokens = None))]
     fn update_from_output(
         &mut self,
         py: Python<'_>,
         output: PyRef<'_, PySchedulerOutput>,
         sampled_token_ids: &Bound<'_, PyAny>,
         stop_string_hit: Option<&Bound<'_, PyAny>>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyList>> {
         let mut tokens = std::mem::take(&mut self.token_scratch);
         let read = read_i64(sampled_token_ids, "sampled_token_ids", &mut tokens);
@@ -341,9 +345,18 @@ impl PyScheduler {
             let hits = stop_string_hit
                 .map(|h| read_flags(h, "stop_string_hit"))
                 .transpose()?;
-            Ok(self
-                .inner
-                .update_from_output(output.out.step, &tokens, hits.as_deref())?)
+            let step = output.out.step;
+            Ok(match num_tokens {
+                None => self
+                    .inner
+                    .update_from_output(step, &tokens, hits.as_deref())?,
+                Some(runs) => {
+                    let mut counts = Vec::new();
+                    read_i64(runs, "num_tokens", &mut counts)?;
+                    self.inner
+                        .update_from_output_runs(step, &tokens, &counts, hits.as_deref())?
+                }
+            })
         });
         self.token_scratch = tokens;
         let list = PyList::empty(py);

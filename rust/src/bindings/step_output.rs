@@ -191,6 +191,14 @@ step_output_fields! {
         /// int64 [G] indices (into the K samples) of the samples drawn under a grammar
         /// (structured output), in sample order.
         structured_output_samples = |o, s, py| array(py, s.borrow(py).structured_samples(o));
+        /// int32 [S] draft tokens at the end of each row's `num_tokens` (speculative
+        /// decoding; all 0 when the step has none).
+        spec_num_draft_tokens = |o, s, py| match o.extras.spec_num_draft_tokens.len() {
+            0 => array(py, vec![0i32; o.num_seqs()]),
+            _ => array_of(py, &o.extras.spec_num_draft_tokens),
+        };
+        /// int64 [D] the draft tokens, row order.
+        spec_draft_token_ids = |o, s, py| array_of(py, &o.extras.spec_draft_token_ids);
     }
 }
 

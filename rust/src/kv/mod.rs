@@ -18,6 +18,7 @@ mod invariants;
 mod manager;
 mod register;
 mod swap;
+mod truncate;
 
 #[cfg(test)]
 mod manager_proptest;

@@ -101,6 +101,7 @@ use decode::DecodeBatch;
 use plan::Planner;
 use queue::Queues;
 use record::Recorder;
+use spec::SpecState;
 use step::StepLedger;
 use store::RequestStore;
 
@@ -115,6 +116,7 @@ pub struct Scheduler {
     ledger: StepLedger,
     delay: AdmissionDelay,
     counters: SchedulerCounters,
+    spec: SpecState,
 }
 
 impl Scheduler {
@@ -136,6 +138,7 @@ impl Scheduler {
             ledger: StepLedger::default(),
             delay: AdmissionDelay::default(),
             counters: SchedulerCounters::default(),
+            spec: SpecState::default(),
         })
     }
 
@@ -254,6 +257,7 @@ impl Scheduler {
         self.queues.requeue_preempted(&self.store);
         self.record_lora_ids(&mut out);
         self.recorder.seal(&mut out);
+        self.seal_drafts(&mut out);
         self.ledger.open(&out);
         self.counters.num_steps += 1;
         self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;

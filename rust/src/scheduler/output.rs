@@ -103,12 +103,20 @@ pub struct StepExtras {
     /// (`max_loras = 0`). Filled from the rows' requests when the step is sealed (`lora.rs`),
     /// so the decode fast path records nothing for it.
     pub lora_ids: Vec<i64>,
+    /// [S] draft tokens scheduled after each row's own tokens (speculative decoding: the
+    /// last `spec_num_draft_tokens[r]` of row r's `num_tokens` are drafts to verify); empty
+    /// when the step schedules none. Filled when the step is sealed (`spec.rs`).
+    pub spec_num_draft_tokens: Vec<i32>,
+    /// [D] the draft tokens, row order (row r's run follows the runs of the rows before it).
+    pub spec_draft_token_ids: Vec<i64>,
 }
 
 impl StepExtras {
     /// Empties every column, keeping its capacity.
     pub(crate) fn clear(&mut self) {
         self.lora_ids.clear();
+        self.spec_num_draft_tokens.clear();
+        self.spec_draft_token_ids.clear();
     }
 }
 

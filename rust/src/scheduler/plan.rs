@@ -17,6 +17,9 @@ use super::Scheduler;
 pub(super) struct PlanItem {
     seq: u32,
     take: u32,
+    /// Draft tokens computed after the `take` tokens (speculative decoding), not counted as
+    /// computed until verified.
+    drafts: u32,
     /// The manager must grow the table or copy a shared block first.
     call: bool,
     /// Batch row once recorded.
@@ -41,6 +44,7 @@ impl Planner {
         self.items.push(PlanItem {
             seq: seq as u32,
             take: take as u32,
+            drafts: 0,
             call: false,
             row: 0,
         });
@@ -110,7 +114,19 @@ impl Scheduler {
                 break;
             }
             left -= take;
-            let end = s.num_computed + take + la;
+            // Drafts ride on a decode that fits whole, trimmed to the budget, the chunk cap
+            // and the model length; their slots come out of (or beyond) the lookahead slots.
+            let drafts = if take == want && !fork_pending && s.tokens.len() == s.num_computed + 1 {
+                self.spec
+                    .pending_count(s.id)
+                    .min(left)
+                    .min(cap - take)
+                    .min(max_model_len.saturating_sub(s.num_computed + take))
+            } else {
+                0
+            };
+            left -= drafts;
+            let end = s.num_computed + take + la.max(drafts);
             let blocks = end.div_ceil(bs);
             let table: &[BlockId] = if swapped {
                 self.mgr.block_table(s.id).unwrap_or(&[])
@@ -139,10 +155,11 @@ impl Scheduler {
                 }
             }
             needed += grow + cow;
-            tokens += take;
+            tokens += take + drafts;
             planner.items.push(PlanItem {
                 seq: i as u32,
                 take: take as u32,
+                drafts: drafts as u32,
                 call: grow + cow > 0,
                 row: 0,
             });
@@ -164,16 +181,19 @@ impl Scheduler {
                 let s = &self.store.get(h).seqs[item.seq as usize];
                 (s.id, s.num_computed)
             };
-            let take = item.take as usize;
+            let (take, drafts) = (item.take as usize, item.drafts as usize);
             let end = start + take;
             if item.call {
-                self.grow(h, item.seq as usize, start, end + la, out)?;
+                self.grow(h, item.seq as usize, start, end + la.max(drafts), out)?;
             }
             let req = self.store.get_mut(h);
             let extra_key = req.extra_key;
             let s = &mut req.seqs[item.seq as usize];
             item.row = out.seq_ids.len() as u32;
-            record(out, h, gen, item.seq, s, start, take, bs);
+            record(out, h, gen, item.seq, s, start, take + drafts, bs);
+            if drafts > 0 {
+                self.spec.note_row(item.row, id, drafts);
+            }
             s.num_computed = end;
             // Register at schedule time so later admissions of this very step share the block.
             if caching && end / bs > start / bs {

@@ -26,7 +26,13 @@ impl Scheduler {
         let mut i = 0;
         while i < self.queues.running.len() && left > 0 {
             // The fast path takes what it can from here on (flushing as its batch fills).
-            let taken = self.fast_decode_run(i, left, facts, out)?;
+            // A step with drafts plans every request generally (a draft row is no single-token
+            // decode); `spec.rs`.
+            let taken = if self.spec.has_pending() {
+                0
+            } else {
+                self.fast_decode_run(i, left, facts, out)?
+            };
             left -= taken;
             i += taken;
             if i >= self.queues.running.len() || left == 0 {

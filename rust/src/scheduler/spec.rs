@@ -1,10 +1,28 @@
-//! Speculative decoding in the scheduler: the n-gram proposer (`crate::spec::ngram`) run over
-//! the token histories the store already holds, for every sequence that decodes next step,
-//! in one call per step.
+//! Speculative decoding in the scheduler (vLLM V1's way, for every strategy): draft tokens
+//! proposed after a step (`propose_drafts`, the n-gram proposer of `crate::spec::ngram` run
+//! over the token histories the store already holds, one call per step) are scheduled with
+//! their sequence's next token as extra query tokens, within the token budget, the chunk cap
+//! and the model length (`plan.rs`); their KV slots are allocated like lookahead slots but they
+//! are not counted as computed. `update_from_output_runs` then takes a run of 1 ..= d + 1
+//! tokens per sample (the accepted drafts and the target's own token), appends them one by one
+//! under the stop rules (a stop ends the run, the rest is dropped), counts the accepted drafts
+//! as computed, registers blocks they filled in the prefix cache, and gives back blocks that
+//! held only rejected drafts.
+//!
+//! Drafts live one step: `schedule()` consumes them (a request preempted or not scheduled by
+//! that step simply loses its drafts), and a step without drafts is exactly the step the
+//! scheduler takes without speculation.
+use std::collections::HashMap;
+
 use crate::error::{Error, Result};
+use crate::ids::{SeqId, TokenId};
 use crate::spec::propose_ngram;
 
-use super::request::Request;
+use super::output::{FinishedSeq, StepOutput};
+use super::plan::sync_mirror;
+use super::request::{Request, RequestStatus};
+use super::stop::FinishReason;
+use super::update::{finish_seq, grow_tokens};
 use super::Scheduler;
 
 /// The drafts of one `propose_drafts` call, as flat arrays: sequence `seq_ids[i]` got
@@ -16,13 +34,54 @@ pub struct DraftProposals {
     pub draft_token_ids: Vec<i64>,
 }
 
+/// Drafts waiting for the next step, and what the latest step scheduled of them.
+#[derive(Debug, Default)]
+pub(super) struct SpecState {
+    /// Sequence id -> (offset, count) of its drafts in `tokens`.
+    pending: HashMap<SeqId, (u32, u32)>,
+    tokens: Vec<TokenId>,
+    /// This step's draft rows, row order: (row, sequence id, drafts scheduled).
+    scheduled: Vec<(u32, SeqId, u32)>,
+    /// Drafts scheduled for each sample of the latest step (empty: none at all).
+    sample_drafts: Vec<u32>,
+}
+
+impl SpecState {
+    /// Whether the next `schedule()` has drafts to place.
+    #[inline]
+    pub(super) fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Drafts waiting for sequence `seq` (0 when none).
+    #[inline]
+    pub(super) fn pending_count(&self, seq: SeqId) -> usize {
+        if self.pending.is_empty() {
+            return 0;
+        }
+        self.pending.get(&seq).map_or(0, |&(_, n)| n as usize)
+    }
+
+    /// Row `row` of this step computes the first `count` drafts of sequence `seq`.
+    pub(super) fn note_row(&mut self, row: u32, seq: SeqId, count: usize) {
+        self.scheduled.push((row, seq, count as u32));
+    }
+
+    /// The first `count` drafts of sequence `seq`.
+    fn drafts(&self, seq: SeqId, count: u32) -> &[TokenId] {
+        let (offset, _) = self.pending[&seq];
+        &self.tokens[offset as usize..(offset + count) as usize]
+    }
+}
+
 impl Scheduler {
     /// Proposes draft tokens with the configured n-gram proposer for every unfinished
     /// sequence of `running` that decodes one token next step (its prompt computed), walking
-    /// `running` in order. A sequence gets at most `num_speculative_tokens`, fewer when the
-    /// model length or its `max_tokens` leaves less room (a step yields its drafts plus one
-    /// token), none when no suffix of its history recurs. Sequences without drafts are not
-    /// listed.
+    /// `running` in order, and keeps them for the next `schedule()` (replacing any not yet
+    /// scheduled). A sequence gets at most `num_speculative_tokens`, fewer when the model
+    /// length or its `max_tokens` leaves less room (a run of drafts plus one token then ends
+    /// at most at the limit, never past it), none when no suffix of its history recurs.
+    /// Sequences without drafts are not listed.
     pub fn propose_drafts(&mut self) -> Result<DraftProposals> {
         let Some(cfg) = self.cfg.speculative else {
             return Err(Error::InvalidState(
@@ -31,7 +90,9 @@ impl Scheduler {
         };
         let max_len = self.cfg.max_seq_len();
         let mut out = DraftProposals::default();
-        let mut tokens = Vec::new();
+        let spec = &mut self.spec;
+        spec.pending.clear();
+        spec.tokens.clear();
         for &h in &self.queues.running {
             let req = self.store.get(h);
             if req.needs_fork() {
@@ -44,27 +105,254 @@ impl Scheduler {
                 }
                 let room = draft_room(req, s.tokens.len(), max_len);
                 let k = cfg.num_speculative_tokens.min(room);
-                tokens.clear();
-                let n = propose_ngram(&s.tokens, &cfg, k, &mut tokens);
+                let offset = spec.tokens.len();
+                let n = propose_ngram(&s.tokens, &cfg, k, &mut spec.tokens);
                 if n == 0 {
                     continue;
                 }
+                spec.pending.insert(s.id, (offset as u32, n as u32));
                 out.seq_ids.push(s.id as i64);
                 out.num_draft_tokens.push(n as i32);
-                out.draft_token_ids.extend(tokens.iter().map(|&t| t as i64));
+                out.draft_token_ids
+                    .extend(spec.tokens[offset..].iter().map(|&t| t as i64));
             }
         }
         Ok(out)
     }
+
+    /// Closes a step's drafts (after its rows are sealed): the per-row draft columns, the
+    /// step's token ids (built now, while the drafts exist: a draft row's tokens are not all
+    /// in its sequence's history), the per-sample draft counts `update_from_output_runs`
+    /// checks against; then the drafts are dropped.
+    pub(super) fn seal_drafts(&mut self, out: &mut StepOutput) {
+        self.spec.sample_drafts.clear();
+        if self.spec.scheduled.is_empty() {
+            self.spec.pending.clear();
+            return;
+        }
+        let spec = &self.spec;
+        let mut row_drafts = vec![0i32; out.num_seqs()];
+        for &(row, seq, n) in &spec.scheduled {
+            row_drafts[row as usize] = n as i32;
+            out.extras
+                .spec_draft_token_ids
+                .extend(spec.drafts(seq, n).iter().map(|&t| t as i64));
+        }
+        let sample_drafts: Vec<u32> = out
+            .sample_rows
+            .iter()
+            .map(|&r| row_drafts[r as usize] as u32)
+            .collect();
+        let ids = self.draft_input_ids(out, &row_drafts);
+        out.tables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .input_ids = Some(ids);
+        out.extras.spec_num_draft_tokens = row_drafts;
+        self.spec.sample_drafts = sample_drafts;
+        self.spec.scheduled.clear();
+        self.spec.pending.clear();
+    }
+
+    /// [T] token ids of a step with drafts: each row's own tokens from its sequence, then its
+    /// drafts.
+    fn draft_input_ids(&self, out: &StepOutput, row_drafts: &[i32]) -> Vec<i64> {
+        let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ids = Vec::with_capacity(out.num_batched_tokens);
+        let mut drafts = self.spec.scheduled.iter();
+        for (r, row) in t.rows.iter().enumerate() {
+            let d = row_drafts[r] as usize;
+            let own = row.n as usize - d;
+            let s = &self.store.get(row.handle).seqs[row.seq as usize];
+            let start = row.start as usize;
+            ids.extend(s.tokens[start..start + own].iter().map(|&t| t as i64));
+            if d > 0 {
+                let &(_, seq, n) = drafts.next().expect("a draft row was noted");
+                ids.extend(self.spec.drafts(seq, n).iter().map(|&t| t as i64));
+            }
+        }
+        ids
+    }
+
+    /// `update_from_output` for a step whose samples each bring a run of tokens (speculative
+    /// decoding): sample `k` of the latest step brings `num_tokens[k]` tokens, consecutive in
+    /// `sampled` — its accepted drafts then the target's own token, so 1 ..= drafts + 1 of
+    /// them. Each token is appended under the stop rules; a stop ends the run (tokens after
+    /// it are dropped). `stop_hit[k]` finishes the sequence as stopped at the run's last token
+    /// (a stop string matched there; the caller cuts the run at the match). Accepted drafts
+    /// become computed, blocks they filled are registered in the prefix cache, and blocks
+    /// that held only rejected drafts are given back.
+    pub fn update_from_output_runs(
+        &mut self,
+        step: u64,
+        sampled: &[i64],
+        num_tokens: &[i64],
+        stop_hit: Option<&[bool]>,
+    ) -> Result<Vec<FinishedSeq>> {
+        self.check_runs(sampled, num_tokens)?;
+        // The ledger checks the step, the sample count and each run's first token; the
+        // runs' other tokens were checked above.
+        let firsts: Vec<i64> = run_starts(num_tokens)
+            .map(|(start, _)| sampled[start])
+            .collect();
+        self.ledger.close_for_update(step, &firsts, stop_hit)?;
+        self.spec.sample_drafts.clear();
+        // Held outputs describe tables this update may shorten: snapshot them first.
+        self.recorder.materialize_pending(&self.store);
+        let max_len = self.cfg.max_seq_len();
+        let la = self.cfg.num_lookahead_slots;
+        let caching = self.caching();
+        let mut finished = Vec::new();
+        self.ledger.finished.clear();
+        let mut any_request_done = false;
+        for (k, (start, count)) in run_starts(num_tokens).enumerate() {
+            let (h, gen, idx) = (
+                self.ledger.handles[k],
+                self.ledger.gens[k],
+                self.ledger.seq_index[k] as usize,
+            );
+            if !self.store.is_live(h, gen) {
+                continue;
+            }
+            let req = self.store.get_mut(h);
+            if req.status != RequestStatus::Running
+                || req.seqs.get(idx).is_none_or(|s| s.is_finished())
+            {
+                continue;
+            }
+            let hit = stop_hit.is_some_and(|s| s[k]);
+            let run = &sampled[start..start + count];
+            if let Some(fin) = append_run(req, idx, run, hit, max_len) {
+                any_request_done |= finish_seq(
+                    req,
+                    h,
+                    idx as u32,
+                    fin,
+                    &mut self.mgr,
+                    &mut self.queues,
+                    &mut self.ledger.finished,
+                    &mut finished,
+                )?;
+                continue;
+            }
+            // The run's first token was the one the row computed; the rest were drafts.
+            let s = &mut req.seqs[idx];
+            let before = s.num_computed;
+            s.num_computed += count - 1;
+            let (id, computed, extra_key) = (s.id, s.num_computed, req.extra_key);
+            let bs = self.mgr.block_size();
+            if caching && computed / bs > before / bs {
+                let s = &self.store.get(h).seqs[idx];
+                self.mgr
+                    .cache_full_blocks(id, &s.tokens, computed, extra_key)?;
+            }
+            if self.mgr.truncate_slots(id, computed + la)? > 0 {
+                sync_mirror(&self.mgr, &mut self.store.get_mut(h).seqs[idx])?;
+            }
+        }
+        for &(h, idx) in &self.ledger.finished {
+            if let Some(req) = self.store.try_get_mut(h) {
+                req.seqs[idx as usize].table.clear();
+            }
+        }
+        if any_request_done {
+            let mut done = Vec::new();
+            self.queues.take_finished(&self.store, &mut done);
+            for h in done {
+                self.release(h)?;
+                self.counters.num_finished += 1;
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Checks the runs of an `update_from_output_runs` call against the latest step's drafts
+    /// (nothing changes on an error).
+    fn check_runs(&self, sampled: &[i64], num_tokens: &[i64]) -> Result<()> {
+        let k = self.ledger.handles.len();
+        if num_tokens.len() != k {
+            return Err(Error::InvalidArgument(format!(
+                "num_tokens has {} entries, step {} has {k} samples",
+                num_tokens.len(),
+                self.ledger.step
+            )));
+        }
+        let drafts = &self.spec.sample_drafts;
+        for (i, &n) in num_tokens.iter().enumerate() {
+            let most = 1 + drafts.get(i).copied().unwrap_or(0) as i64;
+            if !(1..=most).contains(&n) {
+                return Err(Error::InvalidArgument(format!(
+                    "num_tokens[{i}] = {n}: sample {i} brings 1 ..= {most} tokens (its drafts \
+                     plus one)"
+                )));
+            }
+        }
+        let total: i64 = num_tokens.iter().sum();
+        if sampled.len() as i64 != total {
+            return Err(Error::InvalidArgument(format!(
+                "sampled_token_ids has {} entries, num_tokens adds up to {total}",
+                sampled.len()
+            )));
+        }
+        if let Some(i) = sampled
+            .iter()
+            .position(|&t| t < 0 || t > TokenId::MAX as i64)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "sampled_token_ids[{i}] = {} is not a valid token id",
+                sampled[i]
+            )));
+        }
+        Ok(())
+    }
 }
 
-/// Drafts a sequence of `len` tokens of `req` may usefully take: a step with `d` drafts
-/// computes positions `len - 1 .. len - 1 + d` (all below `max_len`) and yields up to `d + 1`
-/// tokens, which `max_tokens` must leave room for.
+/// (start, count) of each run in the flat token array.
+fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    num_tokens.iter().scan(0usize, |at, &n| {
+        let start = *at;
+        *at += n as usize;
+        Some((start, n as usize))
+    })
+}
+
+/// Appends `run` to sequence `idx` of `req` token by token under the stop rules (`hit`: a
+/// stop string ends the run at its last token); returns the finish of the token that
+/// stopped it (tokens after it are not appended), `None` when the whole run is in.
+fn append_run(
+    req: &mut Request,
+    idx: usize,
+    run: &[i64],
+    hit: bool,
+    max_len: usize,
+) -> Option<(FinishReason, Option<TokenId>)> {
+    let prompt_len = req.prompt_len;
+    let s = &mut req.seqs[idx];
+    for (j, &t) in run.iter().enumerate() {
+        let token = t as TokenId;
+        if s.tokens.len() == s.tokens.capacity() {
+            grow_tokens(&mut s.tokens);
+        }
+        s.tokens.push(token);
+        s.last_token = token;
+        let total = s.tokens.len();
+        if hit && j + 1 == run.len() {
+            return Some((FinishReason::Stop, None));
+        }
+        if let Some(fin) = req.stop.check(token, total - prompt_len, total, max_len) {
+            return Some(fin);
+        }
+    }
+    None
+}
+
+/// Drafts a sequence of `len` tokens of `req` may usefully take: a step with `d` drafts yields
+/// up to `d + 1` tokens, which `max_tokens` and the model length must both leave room for, so
+/// a length limit can only end a run at its last token.
 fn draft_room(req: &Request, len: usize, max_len: usize) -> usize {
     let generated = len - req.prompt_len;
     let by_tokens = req.stop.max_tokens.saturating_sub(generated + 1);
-    let by_len = max_len.saturating_sub(len);
+    let by_len = max_len.saturating_sub(len + 1);
     by_tokens.min(by_len)
 }
 
@@ -146,13 +434,155 @@ mod tests {
         step(&mut s, 2);
         assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3]);
         let mut s = sched(Some(NgramConfig::new(4, 2, 1).unwrap()));
-        // 29 tokens + 1 sampled = 30 of max_model_len 32: room for 2 drafts
-        let mut prompt: Vec<u32> = (10..37).collect();
+        // 28 tokens + 1 sampled = 29 of max_model_len 32: a run of 2 drafts and a token ends
+        // at 32
+        let mut prompt: Vec<u32> = (10..34).collect();
         prompt.extend([1, 2, 3, 4, 1]);
-        prompt.drain(..3);
+        prompt.drain(..1);
         add(&mut s, "b", prompt, 100);
         step(&mut s, 2);
         assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4]);
+    }
+
+    /// A request decoding `1 2 3 4 5 1 | 2` with drafts `3 4 5` proposed.
+    fn drafted(caching: bool) -> Scheduler {
+        let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+        if caching {
+            s = Scheduler::new(
+                CacheConfig {
+                    block_size: 4,
+                    num_device_blocks: 64,
+                    num_host_blocks: 0,
+                    watermark: 0.0,
+                    enable_prefix_caching: true,
+                },
+                s.config().clone(),
+            )
+            .unwrap();
+        }
+        add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
+        step(&mut s, 2);
+        assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4, 5]);
+        s
+    }
+
+    #[test]
+    fn drafts_are_scheduled_after_the_next_token() {
+        let mut s = drafted(false);
+        let out = s.schedule(0.0).unwrap();
+        assert_eq!(out.num_tokens, vec![4]);
+        assert_eq!(out.start_pos, vec![6]);
+        assert_eq!(out.extras.spec_num_draft_tokens, vec![3]);
+        assert_eq!(out.extras.spec_draft_token_ids, vec![3, 4, 5]);
+        assert_eq!(s.input_ids(&out), vec![2, 3, 4, 5]);
+        // slots for positions 6..10: three blocks of 4
+        assert_eq!(s.slot_mapping(&out).len(), 4);
+        assert_eq!(s.request("a").unwrap().seqs[0].table.len(), 3);
+        // drafts are not computed until verified
+        assert_eq!(s.request("a").unwrap().seqs[0].num_computed, 7);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_run_moves_computed_over_accepted_drafts_and_frees_rejected_blocks() {
+        let mut s = drafted(true);
+        let free = s.manager().num_free_device_blocks();
+        let out = s.schedule(0.0).unwrap();
+        assert_eq!(s.manager().num_free_device_blocks(), free - 1);
+        // drafts 3 accepted, 4 rejected -> the target's 9
+        let fin = s
+            .update_from_output_runs(out.step, &[3, 9], &[2], None)
+            .unwrap();
+        assert!(fin.is_empty());
+        let seq = &s.request("a").unwrap().seqs[0];
+        assert_eq!(seq.tokens, vec![1, 2, 3, 4, 5, 1, 2, 3, 9]);
+        assert_eq!(seq.num_computed, 8);
+        // positions 8 and 9 held only rejected drafts: their block went back
+        assert_eq!(seq.table.len(), 2);
+        assert_eq!(s.manager().num_free_device_blocks(), free);
+        // the block of positions 4..8 is full of accepted tokens: registered
+        assert!(s.manager().block_hash(seq.table[1]).is_some());
+        s.check_invariants().unwrap();
+        // the next step decodes the target's token alone
+        let out = s.schedule(0.0).unwrap();
+        assert_eq!(
+            (out.num_tokens.clone(), out.start_pos.clone()),
+            (vec![1], vec![8])
+        );
+        assert!(out.extras.spec_num_draft_tokens.is_empty());
+    }
+
+    #[test]
+    fn a_stop_inside_a_run_drops_the_tokens_after_it() {
+        let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+        let params = RequestParams {
+            prompt: vec![1, 2, 3, 4, 5, 1],
+            n: 1,
+            priority: 0,
+            arrival_time: 0.0,
+            stop: StopParams {
+                max_tokens: 16,
+                stop_token_ids: vec![4],
+                ..StopParams::default()
+            },
+            extra_key: 0,
+            lora_id: 0,
+            structured_output: false,
+        };
+        s.add_request("a", params).unwrap();
+        step(&mut s, 2);
+        s.propose_drafts().unwrap();
+        let out = s.schedule(0.0).unwrap();
+        let fin = s
+            .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
+            .unwrap();
+        assert_eq!(fin.len(), 1);
+        assert_eq!(fin[0].stop_reason, Some(4));
+        assert!(!s.has_unfinished_requests());
+        assert_eq!(s.manager().num_free_device_blocks(), 64);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn runs_longer_than_the_drafts_are_refused() {
+        let mut s = drafted(false);
+        let out = s.schedule(0.0).unwrap();
+        assert!(s
+            .update_from_output_runs(out.step, &[3, 4, 5, 6, 7], &[5], None)
+            .is_err());
+        assert!(s
+            .update_from_output_runs(out.step, &[3], &[2], None)
+            .is_err());
+        assert!(s
+            .update_from_output_runs(out.step, &[3, 4], &[2], None)
+            .is_ok());
+    }
+
+    #[test]
+    fn the_budget_trims_the_drafts() {
+        let mut s = drafted(false);
+        let mut cfg = s.config().clone();
+        cfg.max_num_batched_tokens = 3;
+        let mut t = Scheduler::new(
+            CacheConfig {
+                block_size: 4,
+                num_device_blocks: 64,
+                num_host_blocks: 0,
+                watermark: 0.0,
+                enable_prefix_caching: false,
+            },
+            cfg,
+        )
+        .unwrap();
+        add(&mut t, "a", vec![1, 2, 3, 4, 5, 1], 16);
+        // the prompt takes two steps of 3 tokens
+        step(&mut t, 2);
+        step(&mut t, 2);
+        t.propose_drafts().unwrap();
+        let out = t.schedule(0.0).unwrap();
+        assert_eq!(out.num_tokens, vec![3]);
+        assert_eq!(out.extras.spec_draft_token_ids, vec![3, 4]);
+        s.check_invariants().unwrap();
     }
 
     #[test]

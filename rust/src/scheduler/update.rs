@@ -124,7 +124,7 @@ impl Scheduler {
 /// no call on its common path.
 #[cold]
 #[inline(never)]
-fn grow_tokens(tokens: &mut Vec<TokenId>) {
+pub(super) fn grow_tokens(tokens: &mut Vec<TokenId>) {
     tokens.reserve(1);
 }
 
@@ -133,7 +133,7 @@ fn grow_tokens(tokens: &mut Vec<TokenId>) {
 /// Returns whether the request finished.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-fn finish_seq(
+pub(super) fn finish_seq(
     req: &mut Request,
     h: u32,
     idx: u32,
