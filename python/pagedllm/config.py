@@ -17,6 +17,7 @@ from pagedllm._core import (
     SCHEDULING_STRATEGIES,
     default_max_num_batched_tokens,
 )
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 # the built-in model (no files: seeded random weights over a byte vocabulary)
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
@@ -58,6 +59,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
     stats_log_interval: float = 5.0  # seconds between periodic stats log lines
+    # speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (see pagedllm.spec_decode.config)
+    speculative_config: dict | None = None
     # multi-LoRA (vLLM's names): adapters per step, their largest rank, adapters kept on the host
     enable_lora: bool = False
     max_loras: int = 1
@@ -76,6 +80,7 @@ class EngineArgs:
         _one_of("policy", self.policy, POLICIES)
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("dtype", self.dtype, DTYPES)
+        SpeculativeConfig.from_dict(self.speculative_config)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "cpu_threads"):

@@ -26,6 +26,11 @@ class LLM:
         )
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine behind this `LLM` (vLLM's name; `engine` is the same object)."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -5,7 +5,9 @@ and tiny pools are generated. After every step: the core's invariants (manager +
 budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step
 with work computes a token or ends a request) and no swap ping-pong (a group swapped back in
 computes its tokens in that step), at most `max_loras` adapters per step. Some workloads
-discard random steps (`discard_step`, as an engine does when a forward fails): nothing is lost.
+speculate (n-gram drafts every step, a random prefix of each accepted, the drafts at the end of
+their rows' tokens). Some workloads discard random steps (`discard_step`, as an engine does
+when a forward fails): nothing is lost.
 At the end: every request finished or aborted within a bounded number of steps, every block free.
 """
 
@@ -59,6 +61,8 @@ workload_st = st.fixed_dictionaries(
         "caching": st.booleans(),
         "max_loras": st.sampled_from([0, 1, 2]),  # 0: LoRA off
         "fault_rate": st.sampled_from([0.0, 0.0, 0.15]),  # steps discarded as if they had failed
+        # speculative decoding: n-gram drafts per step (0: off), each accepted at random
+        "spec": st.sampled_from([0, 0, 3]),
         # per step: new requests, then aborts (indices into the requests added so far)
         "steps": st.lists(
             st.tuples(st.lists(request_st, max_size=3), st.lists(st.integers(0, 40), max_size=1)),
@@ -94,6 +98,31 @@ def check_step(s: Scheduler, out, cfg: dict, live: set[str]) -> None:
     assert ((out.sample_rows >= 0) & (out.sample_rows < max(out.num_seqs, 1))).all()
     slots = out.slot_mapping
     assert len(np.unique(slots)) == len(slots), "two tokens write one KV slot"
+    drafts = out.spec_num_draft_tokens
+    assert len(drafts) == out.num_seqs and drafts.sum() == len(out.spec_draft_token_ids)
+    for row, start in zip(np.flatnonzero(drafts), draft_offsets(out)[drafts > 0]):
+        d = drafts[row]
+        run = out.spec_draft_token_ids[start : start + d]
+        assert (out.input_ids[qsl[row + 1] - d : qsl[row + 1]] == run).all()
+
+
+def draft_offsets(out) -> np.ndarray:
+    """Where each row's drafts start in `spec_draft_token_ids`."""
+    drafts = out.spec_num_draft_tokens.astype(np.int64)
+    return np.cumsum(drafts) - drafts
+
+
+def verified_runs(out, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample: a random number of its drafts accepted, then a fresh token."""
+    drafts = out.spec_num_draft_tokens
+    offsets = draft_offsets(out)
+    tokens, runs = [], []
+    for row in out.sample_rows:
+        accepted = int(rng.integers(0, drafts[row] + 1))
+        tokens.extend(out.spec_draft_token_ids[offsets[row] : offsets[row] + accepted])
+        tokens.append(int(rng.integers(0, VOCAB)))
+        runs.append(accepted + 1)
+    return np.array(tokens, dtype=np.int64), np.array(runs, dtype=np.int64)
 
 
 def run_workload(scheduling, policy, mode, w) -> int:
@@ -114,6 +143,9 @@ def run_workload(scheduling, policy, mode, w) -> int:
         long_prefill_token_threshold=w["threshold"],
         num_lookahead_slots=w["lookahead"],
         max_loras=w["max_loras"],
+        num_speculative_tokens=w["spec"],
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
     )
     rng = np.random.default_rng(w["seed"])
     live: set[str] = set()
@@ -149,14 +181,23 @@ def run_workload(scheduling, policy, mode, w) -> int:
             assert all(s.request_status(r) == "PREEMPTED" for r in rolled_back)
             check_step(s, out, cfg, live)
             steps += 1
+            if w["spec"]:
+                s.propose_drafts()
             return
-        sampled = rng.integers(0, VOCAB, out.num_samples)
-        for rid, _, reason, _, request_done in s.update_from_output(out, sampled):
+        if w["spec"]:
+            sampled, runs = verified_runs(out, rng)
+            finished = s.update_from_output(out, sampled, num_tokens=runs)
+        else:
+            sampled = rng.integers(0, VOCAB, out.num_samples)
+            finished = s.update_from_output(out, sampled)
+        for rid, _, reason, _, request_done in finished:
             assert reason in ("stop", "length")
             if request_done:
                 finish(rid)
         check_step(s, out, cfg, live)
         steps += 1
+        if w["spec"]:
+            s.propose_drafts()
 
     for arrivals, aborts in w["steps"]:
         for r in arrivals:

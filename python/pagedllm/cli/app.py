@@ -144,6 +144,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\'',
+    )
     _lora_flags(parser)
 
 
@@ -163,6 +170,17 @@ def _lora_flags(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE["max_cpu_loras"],
         help="adapters kept loaded in host memory (default: --max-loras)",
     )
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object flag value (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -190,6 +208,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        speculative_config=args.speculative_config,
     )
 
 

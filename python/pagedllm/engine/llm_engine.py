@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from pagedllm.models import (
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode import SpeculativeConfig, VerifiedTokens
+from pagedllm.spec_decode.decoder import SpecDecoder, has_drafts
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
@@ -76,6 +79,10 @@ class LLMEngine:
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if not self.eos_token_ids and tokenizer_eos is not None:
             self.eos_token_ids = (tokenizer_eos,)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(args.seed)
+        # speculative decoding (None: off); checked before the model is loaded
+        self.spec = self._spec_decoder(args, generator)
         self.model = load_model(args.model, dtype=self.dtype, device=self.device)
         # before the KV cache is sized: the adapters' device slots take memory too
         self.lora = self._lora_manager(args)
@@ -114,12 +121,11 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             delay_factor=args.delay_factor,
             max_loras=args.max_loras if args.enable_lora else 0,
+            **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(args.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, RequestState] = {}
         self.inputs = InputProcessor(
@@ -144,6 +150,16 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def _spec_decoder(self, args: EngineArgs, generator) -> SpecDecoder | None:
+        config = SpeculativeConfig.from_dict(args.speculative_config)
+        if config is None:
+            return None
+        if config.method == "draft_model":
+            config.check_draft_vocab(
+                self.model_config.vocab_size, load_model_config(config.model).vocab_size
+            )
+        return SpecDecoder(config, generator)
 
     def _lora_manager(self, args: EngineArgs):
         if not args.enable_lora:
@@ -307,9 +323,11 @@ class LLMEngine:
             t3 = time.perf_counter()
             faulty = {}
             if logits is not None:
-                sampled, faulty = sample_isolating(
-                    lambda *a: self._sample(*a, grammar=grammar), step, logits
-                )
+                if self.spec is not None and has_drafts(step):
+                    sample = partial(self._verify, grammar=grammar)
+                else:
+                    sample = partial(self._sample, grammar=grammar)
+                sampled, faulty = sample_isolating(sample, step, logits)
         except BaseException as exc:
             if grammar is not None:
                 grammar.settle()
@@ -320,15 +338,18 @@ class LLMEngine:
             self.faults.end_faulty(step, faulty, touched)
             return self._outputs(touched)
         t4 = t3
+        generated = 0
         if sampled is not None:
             t4 = time.perf_counter()
-            self._update(step, sampled, touched, grammar)
+            generated = self._update(step, sampled, touched, grammar)
         elif not step.num_seqs and self.structured_output.has_pending:
             # nothing to run but grammars to wait for: wait for one instead of spinning
             self.structured_output.wait_for_compile(timeout=0.05)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)
         t5 = time.perf_counter()
         self.timings.add((t0, t1, t2, t3, t4, t5))
-        self._stats.record(int(step.num_batched_tokens), len(step.sample_rows))
+        self._stats.record(int(step.num_batched_tokens), generated)
         return self._outputs(touched)
 
     def _grammars_compiled(self) -> None:
@@ -387,17 +408,34 @@ class LLMEngine:
         )
         return self.sampler(logits, meta, mask)
 
-    def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> None:
-        appended = self.output_processor.append(step, sampled, touched)
+    def _verify(self, step, logits: torch.Tensor, rows: list[int] | None = None, *, grammar=None):
+        """Verifies the drafts of every sample (or only samples `rows`, to find a faulty
+        request); `logits` holds each sample's scored positions (see `SpecDecoder.verify`).
+        Constrained samples carry no drafts: `grammar`'s bitmask applies to their one row."""
+        mask = grammar.mask() if grammar is not None else None
+        return self.spec.verify(step, logits, self.requests, rows, mask)
+
+    def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> int:
+        """Appends the step's tokens and applies them in the scheduler; returns how many."""
+        if isinstance(sampled, VerifiedTokens):
+            appended = self.output_processor.append_runs(step, sampled, touched)
+        else:
+            appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():
             self.faults.end_request(request_id, "output processing", exc)
         if grammar is not None:
-            rejected = self.structured_output.advance(grammar, appended.tokens)
+            rejected = self.structured_output.advance(grammar, appended.first_tokens())
             for request_id, exc in rejected.items():
                 if request_id not in appended.faulty:
                     self.faults.end_request(request_id, "structured output", exc)
-        finished = self.scheduler.update_from_output(step, appended.tokens, appended.stop_hits)
+        if appended.num_tokens is None:
+            finished = self.scheduler.update_from_output(step, appended.tokens, appended.stop_hits)
+        else:
+            finished = self.scheduler.update_from_output(
+                step, appended.tokens, appended.stop_hits, num_tokens=appended.num_tokens
+            )
         self.output_processor.finish(finished, appended, touched)
+        return len(appended.tokens)
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -405,4 +443,5 @@ class LLMEngine:
         """Scheduler/cache statistics plus throughput since start."""
         stats = dict(self.scheduler.get_stats())
         stats.update(self._stats.totals())
+        stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
         return stats

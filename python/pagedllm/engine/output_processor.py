@@ -27,6 +27,14 @@ class AppendedStep:
     stop_hits: np.ndarray  # bool [K], sample k completed a stop string
     stop_strings: dict[tuple[str, int], str] = field(default_factory=dict)  # (request, seq) ->
     faulty: dict[str, Exception] = field(default_factory=dict)  # request id -> its error
+    # speculative decoding: int64 [K] tokens each sample kept of its run (None: one each)
+    num_tokens: np.ndarray | None = None
+
+    def first_tokens(self) -> np.ndarray:
+        """int64 [K] each sample's first token (its only one without speculation)."""
+        if self.num_tokens is None:
+            return self.tokens
+        return self.tokens[np.cumsum(self.num_tokens) - self.num_tokens]
 
 
 class OutputProcessor:
@@ -58,6 +66,45 @@ class OutputProcessor:
             if stop is not None:
                 out.stop_hits[k] = True
                 out.stop_strings[(request_id, index)] = stop
+        return out
+
+    def append_runs(self, step, verified, touched: dict[str, RequestState]) -> AppendedStep:
+        """`append` for a verification step (`VerifiedTokens`): sample `k` brings a run of
+        tokens, appended one by one; the run ends at a stop token (EOS or a stop id once
+        `min_tokens` are out) or a stop string, as the scheduler's rules end it, and the tokens
+        after it are dropped. Length limits need no cut: drafts are trimmed so that a run reaches
+        `max_tokens` or the model length only at its last token."""
+        tokens = verified.token_ids.cpu().numpy()
+        counts = verified.num_tokens
+        logprobs = verified.logprobs.tolists() if verified.logprobs is not None else None
+        keep = np.ones(len(tokens), dtype=bool)
+        kept = counts.copy()
+        out = AppendedStep(tokens, np.zeros(len(counts), dtype=bool), num_tokens=kept)
+        now = time.time()
+        start = 0
+        for k, (request_id, index) in enumerate(
+            zip(step.sample_request_ids, step.sample_seq_index.tolist())
+        ):
+            request = self.requests[request_id]
+            touched[request_id] = request
+            seq = request.seqs[index]
+            count = int(counts[k])
+            for j in range(count):
+                token = int(tokens[start + j])
+                try:
+                    stop = self._append_token(request, seq, start + j, token, logprobs, now)
+                except Exception as exc:  # this request's fault: it alone ends
+                    out.faulty.setdefault(request_id, exc)
+                    break
+                if stop is not None:
+                    out.stop_hits[k] = True
+                    out.stop_strings[(request_id, index)] = stop
+                if stop is not None or request.stops_by_token(seq, token):
+                    kept[k] = j + 1
+                    keep[start + j + 1 : start + count] = False
+                    break
+            start += count
+        out.tokens = tokens[keep]
         return out
 
     def finish(self, finished, appended: AppendedStep, touched: dict[str, RequestState]) -> None:

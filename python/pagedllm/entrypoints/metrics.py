@@ -38,6 +38,16 @@ class _EngineCollector:
             "prefix_cache_hits": ("prefix_cache_hits", "Blocks found in the prefix cache"),
             "num_preemptions": ("num_preemptions", "Preemptions since start"),
             "generation_tokens": ("generation_tokens", "Generated tokens since start"),
+            # speculative decoding (vLLM's spec_decode counters)
+            "spec_decode_num_drafts": ("spec_decode_num_drafts", "Draft runs verified"),
+            "spec_decode_num_draft_tokens": (
+                "spec_decode_num_draft_tokens",
+                "Draft tokens verified",
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+            ),
         }
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))

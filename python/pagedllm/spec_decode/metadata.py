@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 
 from pagedllm.sampling.metadata import SamplingMetadata
@@ -45,3 +46,16 @@ def verification_rows(
         stop_token_ids=rows_stop,
         device=device,
     )
+
+
+def verification_logits_rows(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """int64 [sum(d + 1)] hidden-state rows to score: sample `k`, whose row's last token is
+    `last_rows[k]` and whose last `num_drafts[k]` tokens are drafts, is scored at its last
+    `d + 1` positions (the row's own token, then each draft), in order."""
+    d = num_drafts.astype(np.int64)
+    counts = d + 1
+    first = np.repeat(last_rows.astype(np.int64) - d, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
+    return first + within

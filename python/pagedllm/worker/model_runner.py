@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm.spec_decode.decoder import has_drafts
+from pagedllm.spec_decode.metadata import verification_logits_rows
 from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_threads import configure_cpu_threads
@@ -64,6 +66,10 @@ class ModelRunner:
         # The logits of a sequence come from the hidden state of its last token this step.
         last_token_rows = query_start_loc[1:].astype(np.int64) - 1
         sample_rows = last_token_rows[step.sample_rows]
+        if has_drafts(step):
+            # speculative decoding: a sample with drafts is scored at each of them too
+            num_drafts = step.spec_num_draft_tokens[step.sample_rows]
+            sample_rows = verification_logits_rows(sample_rows, num_drafts)
         return (
             _to_device(step.input_ids, device),
             _to_device(step.positions, device),
@@ -82,7 +88,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs) -> torch.Tensor | None:
-        """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0)."""
+        """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0); with
+        draft tokens, [sum(d + 1), V]: each sample's rows from its first scored position on."""
         input_ids, positions, meta, sample_rows = inputs
         hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
         if sample_rows.numel() == 0:

@@ -20,7 +20,7 @@ use crate::spec::propose_ngram;
 
 use super::output::{FinishedSeq, StepOutput};
 use super::plan::sync_mirror;
-use super::request::{Request, RequestStatus};
+use super::request::{GrammarState, Request, RequestStatus};
 use super::stop::FinishReason;
 use super::update::{finish_seq, grow_tokens};
 use super::Scheduler;
@@ -95,7 +95,8 @@ impl Scheduler {
         spec.tokens.clear();
         for &h in &self.queues.running {
             let req = self.store.get(h);
-            if req.needs_fork() {
+            // a constrained request's tokens must follow its grammar: no drafts for it
+            if req.needs_fork() || req.extras.grammar != GrammarState::Unconstrained {
                 continue;
             }
             for i in req.active_seqs() {
@@ -560,29 +561,48 @@ mod tests {
 
     #[test]
     fn the_budget_trims_the_drafts() {
-        let mut s = drafted(false);
-        let mut cfg = s.config().clone();
+        let mut cfg = sched(None).config().clone();
         cfg.max_num_batched_tokens = 3;
-        let mut t = Scheduler::new(
-            CacheConfig {
-                block_size: 4,
-                num_device_blocks: 64,
-                num_host_blocks: 0,
-                watermark: 0.0,
-                enable_prefix_caching: false,
-            },
-            cfg,
-        )
-        .unwrap();
-        add(&mut t, "a", vec![1, 2, 3, 4, 5, 1], 16);
+        cfg.speculative = Some(NgramConfig::new(3, 2, 1).unwrap());
+        let cache = CacheConfig {
+            block_size: 4,
+            num_device_blocks: 64,
+            num_host_blocks: 0,
+            watermark: 0.0,
+            enable_prefix_caching: false,
+        };
+        let mut s = Scheduler::new(cache, cfg).unwrap();
+        add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
         // the prompt takes two steps of 3 tokens
-        step(&mut t, 2);
-        step(&mut t, 2);
-        t.propose_drafts().unwrap();
-        let out = t.schedule(0.0).unwrap();
+        step(&mut s, 2);
+        step(&mut s, 2);
+        s.propose_drafts().unwrap();
+        let out = s.schedule(0.0).unwrap();
         assert_eq!(out.num_tokens, vec![3]);
         assert_eq!(out.extras.spec_draft_token_ids, vec![3, 4]);
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn constrained_requests_get_no_drafts() {
+        let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+        let params = RequestParams {
+            prompt: vec![1, 2, 3, 4, 5, 1],
+            n: 1,
+            priority: 0,
+            arrival_time: 0.0,
+            stop: StopParams {
+                max_tokens: 16,
+                ..StopParams::default()
+            },
+            extra_key: 0,
+            lora_id: 0,
+            structured_output: true,
+        };
+        s.add_request("a", params).unwrap();
+        assert!(s.grammar_ready("a").unwrap());
+        step(&mut s, 2);
+        assert!(s.propose_drafts().unwrap().seq_ids.is_empty());
     }
 
     #[test]

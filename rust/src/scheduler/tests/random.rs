@@ -88,3 +88,97 @@ fn random_workloads_terminate_without_leaks() {
         }
     }
 }
+
+/// The seeded workload with n-gram drafts every step, runs of random acceptance (the accepted
+/// drafts, then a fresh token), occasional discarded steps, and the invariants after every step.
+#[test]
+fn random_workloads_with_drafts_terminate_without_leaks() {
+    use crate::spec::NgramConfig;
+    let strategies = [
+        Strategy::PrefillFirst,
+        Strategy::ChunkedPrefill,
+        Strategy::Unified,
+    ];
+    let modes = [PreemptionMode::Recompute, PreemptionMode::Swap];
+    for (k, (&st, &mo)) in strategies
+        .iter()
+        .flat_map(|s| modes.iter().map(move |m| (s, m)))
+        .enumerate()
+    {
+        for seed in 0..6u64 {
+            let mut rng = Lcg(k as u64 * 131 + seed + 7);
+            let mut c = cfg(st, 32);
+            c.preemption_mode = mo;
+            c.max_model_len = 40;
+            c.max_num_seqs = 6;
+            c.speculative = Some(NgramConfig::new(1 + seed as usize % 4, 3, 1).unwrap());
+            // V0 strategies reserve the drafts' slots as lookahead slots half the time.
+            if st != Strategy::Unified && seed % 2 == 0 {
+                c.num_lookahead_slots = 1 + seed as usize % 4;
+            }
+            let caching = seed % 3 != 2;
+            let mut cache_cfg = cache(4, 14, 8);
+            cache_cfg.enable_prefix_caching = caching;
+            let mut s = Scheduler::new(cache_cfg, c).unwrap();
+            let mut added = 0;
+            let mut accepted = 0;
+            for stepno in 0..600 {
+                if added < 30 && rng.next(2) == 0 {
+                    let mut p = req(
+                        rng.next(3) as u32,
+                        2 + rng.next(20) as usize,
+                        1 + rng.next(3) as usize,
+                        1 + rng.next(12) as usize,
+                    );
+                    p.stop.eos_token_id = Some(0);
+                    p.stop.min_tokens = (rng.next(3) as usize).min(p.stop.max_tokens);
+                    s.add_request(&format!("q{added}"), p).unwrap();
+                    added += 1;
+                }
+                if rng.next(15) == 0 && added > 0 {
+                    s.abort_request(&format!("q{}", rng.next(added))).unwrap();
+                }
+                let out = s.schedule(stepno as f64).unwrap();
+                assert!(out.num_batched_tokens <= 32);
+                if rng.next(20) == 0 {
+                    s.discard_step(&out).unwrap();
+                    s.check_invariants().unwrap();
+                    s.propose_drafts().unwrap();
+                    continue;
+                }
+                let row_drafts = &out.extras.spec_num_draft_tokens;
+                let (mut sampled, mut runs) = (Vec::new(), Vec::new());
+                let mut offsets = vec![0usize; row_drafts.len()];
+                let mut at = 0;
+                for (r, &d) in row_drafts.iter().enumerate() {
+                    offsets[r] = at;
+                    at += d as usize;
+                }
+                for &row in &out.sample_rows {
+                    let d = row_drafts.get(row as usize).copied().unwrap_or(0) as usize;
+                    let a = rng.next(d as u64 + 1) as usize;
+                    if d > 0 {
+                        let o = offsets[row as usize];
+                        sampled.extend_from_slice(&out.extras.spec_draft_token_ids[o..o + a]);
+                    }
+                    accepted += a;
+                    sampled.push(rng.next(6) as i64);
+                    runs.push(a as i64 + 1);
+                }
+                s.update_from_output_runs(out.step, &sampled, &runs, None)
+                    .unwrap();
+                s.check_invariants()
+                    .unwrap_or_else(|e| panic!("{st:?}/{mo:?}/{seed}: {e}"));
+                s.propose_drafts().unwrap();
+                if added == 30 && !s.has_unfinished_requests() {
+                    break;
+                }
+            }
+            assert!(accepted > 0, "{st:?}/{mo:?}/{seed}: no draft accepted");
+            assert!(!s.has_unfinished_requests(), "{st:?}/{mo:?} did not drain");
+            let stats = s.manager().stats();
+            assert_eq!(stats.num_free_device_blocks, 14);
+            assert_eq!(stats.num_free_host_blocks, 8);
+        }
+    }
+}

@@ -1,0 +1,132 @@
+"""`SpecDecoder`: the engine's side of speculative decoding, one call per hook of the step.
+
+- construction: the scheduler's speculation knobs (`scheduler_kwargs`): the n-gram proposer's
+  and, under the V0 strategies (`prefill_first`, `chunked_prefill`), `num_lookahead_slots = k`
+  so each decode reserves its drafts' slots as V0 did; `unified` schedules them as V1 does;
+- after the forward: `verify` scores each sample's drafts (`RejectionSampler`) from the logits
+  of its `d + 1` positions (`verification_logits_rows`, picked by the model runner);
+- after the update: `propose` asks the scheduler for the next step's drafts
+  (`Scheduler.propose_drafts`, the n-gram proposer in Rust, one call).
+
+It also keeps vLLM's counters (`spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
+`spec_decode_num_accepted_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.metadata import verification_rows
+from pagedllm.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
+
+
+def has_drafts(step) -> bool:
+    """Whether the scheduled step carries draft tokens to verify."""
+    return len(step.spec_draft_token_ids) > 0
+
+
+class SpecDecoder:
+    # what `get_stats()` reports with speculation off
+    NO_STATS = {
+        "spec_decode_num_drafts": 0,
+        "spec_decode_num_draft_tokens": 0,
+        "spec_decode_num_accepted_tokens": 0,
+    }
+
+    def __init__(self, config: SpeculativeConfig, generator: torch.Generator | None) -> None:
+        if config.method != "ngram":
+            raise NotImplementedError(
+                f"speculative_config: method {config.method!r} is not available yet; use 'ngram'"
+            )
+        self.config = config
+        self.rejection_sampler = RejectionSampler(generator)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def scheduler_kwargs(self, scheduling: str) -> dict:
+        c = self.config
+        kwargs = {
+            "num_speculative_tokens": c.num_speculative_tokens,
+            "prompt_lookup_max": c.prompt_lookup_max,
+            "prompt_lookup_min": c.prompt_lookup_min,
+        }
+        if scheduling != "unified":
+            kwargs["num_lookahead_slots"] = c.num_speculative_tokens
+        return kwargs
+
+    def verify(
+        self,
+        step,
+        logits: torch.Tensor,
+        requests: Mapping,
+        rows: list[int] | None = None,
+        grammar_mask: TokenBitmask | None = None,
+    ) -> VerifiedTokens:
+        """Verifies every sample of `step` (or only samples `rows`, to find a faulty request)
+        from `logits`, the model runner's [sum(d + 1), V] rows in sample order.
+        `grammar_mask` (structured output, rows = sample indices) applies to constrained
+        samples, which the scheduler gives no drafts: each has one row."""
+        d = step.spec_num_draft_tokens[step.sample_rows].astype(np.int64)
+        if grammar_mask is not None:
+            if rows is not None:
+                grammar_mask = grammar_mask.subset(rows)
+            if grammar_mask is not None:
+                sample_d = d if rows is None else d[rows]
+                first_row = np.cumsum(sample_d + 1) - (sample_d + 1)
+                grammar_mask = TokenBitmask(
+                    torch.from_numpy(first_row[grammar_mask.rows.numpy()]), grammar_mask.bits
+                )
+        drafts = step.spec_draft_token_ids
+        draft_start = np.cumsum(d) - d
+        request_ids = step.sample_request_ids
+        seq_index = step.sample_seq_index.tolist()
+        samples = range(len(d)) if rows is None else rows
+        if rows is not None:
+            logit_start = np.cumsum(d + 1) - (d + 1)
+            picked = np.concatenate(
+                [np.arange(logit_start[k], logit_start[k] + d[k] + 1) for k in rows]
+            )
+            logits = logits[torch.from_numpy(picked).to(logits.device)]
+        runs = [drafts[draft_start[k] : draft_start[k] + d[k]].tolist() for k in samples]
+        reqs = [requests[request_ids[k]] for k in samples]
+        index = [seq_index[k] for k in samples]
+        meta = verification_rows(
+            [r.sampling_params for r in reqs],
+            [r.seqs[i].token_ids for r, i in zip(reqs, index)],
+            [r.prompt_token_ids for r in reqs],
+            index,
+            runs,
+            vocab_size=logits.shape[-1],
+            stop_token_ids=[r.stop.ids for r in reqs],
+            device=logits.device,
+        )
+        d = d[list(samples)]
+        if rows is None:
+            flat = torch.from_numpy(drafts)
+        else:
+            flat = torch.tensor([t for run in runs for t in run], dtype=torch.int64)
+        if grammar_mask is not None:
+            logits = apply_token_bitmask(logits, grammar_mask)
+        verified = self.rejection_sampler(logits, meta, d, flat.to(logits.device))
+        if rows is None:
+            self.num_drafts += int((d > 0).sum())
+            self.num_draft_tokens += int(d.sum())
+            self.num_accepted_tokens += int(verified.num_accepted.sum())
+        return verified
+
+    def propose(self, scheduler) -> None:
+        """The next step's drafts, kept by the scheduler (one call per step)."""
+        scheduler.propose_drafts()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }

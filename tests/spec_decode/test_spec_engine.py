@@ -1,0 +1,137 @@
+"""Speculative decoding end to end: greedy outputs are identical with and without n-gram
+speculation for the Llama, Qwen2 and Qwen3 test models, under every strategy, with prefix caching
+on and off, under preemption (recompute and swap) and for n > 1; stops falling inside an accepted
+run end where they would without speculation; no block is leaked."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+from model_factory import save_tiny_checkpoint
+
+MAX_NEW = 20
+# prompts that repeat themselves, and greedy outputs of the random models that fall into loops:
+# both give the n-gram proposer something to find
+PROMPTS = [
+    [5, 17, 99, 3] * 3,
+    list(range(20, 41)) * 2,
+    [7] * 9 + [11, 12, 13],
+    list(range(100, 133)),
+    [9, 8, 7, 6, 9, 8, 7],
+]
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+
+
+def checkpoint(name: str, tmp_path_factory):
+    """(checkpoint folder, greedy outputs without speculation)."""
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp(name), name, seed=3)
+    _, outs = generate(folder, None)
+    return folder, [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family(request, tmp_path_factory):
+    return checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return checkpoint("llama", tmp_path_factory)
+
+
+def generate(folder, spec, *, n=1, params=None, **engine_kwargs):
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        speculative_config=spec,
+        **engine_kwargs,
+    )
+    params = params or SamplingParams(n=n, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return llm, outs
+
+
+def assert_spec_ran_clean(llm) -> dict:
+    """Drafts were verified and some accepted; every block went back; invariants hold."""
+    stats = llm.llm_engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    llm.llm_engine.scheduler.check_invariants()
+    assert llm.llm_engine.scheduler.get_stats()["num_running"] == 0
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    return stats
+
+
+@pytest.mark.parametrize("scheduling", ["unified", "prefill_first", "chunked_prefill"])
+def test_greedy_outputs_match_without_speculation(family, scheduling):
+    folder, expected = family
+    llm, outs = generate(folder, NGRAM, scheduling=scheduling)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert_spec_ran_clean(llm)
+
+
+def test_greedy_outputs_match_without_prefix_caching(family):
+    folder, expected = family
+    llm, outs = generate(folder, NGRAM, enable_prefix_caching=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert_spec_ran_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_outputs_match_under_preemption(llama, mode):
+    folder, expected = llama
+    # 5 requests of up to 42 + 24 tokens in 40 blocks of 4: decodes run out and preempt
+    llm, outs = generate(folder, NGRAM, num_gpu_blocks=40, max_model_len=128, preemption_mode=mode)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    stats = assert_spec_ran_clean(llm)
+    assert stats["num_preemptions"] > 0
+
+
+def test_n_above_one_matches(llama):
+    folder, expected = llama
+    llm, outs = generate(folder, NGRAM, n=2)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e[0], e[0]] for e in expected]
+    assert_spec_ran_clean(llm)
+
+
+def stop_case(folder, expected, **params):
+    """Outputs with and without speculation under the same stop parameters."""
+    outs = []
+    for spec in (None, NGRAM):
+        sp = SamplingParams(**({"temperature": 0.0, "max_tokens": MAX_NEW} | params))
+        llm, got = generate(folder, spec, params=sp)
+        outs.append(
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in got for c in o.outputs]
+        )
+    # the speculative run accepted drafts, so stops had runs to cut
+    assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    return outs
+
+
+def test_stops_inside_accepted_runs_end_where_they_would_without_speculation(llama):
+    folder, expected = llama
+    # a token that first appears late in a looping output: it lands inside accepted runs
+    looping = max(expected, key=lambda e: len(e[0]) - len(set(e[0])))[0]
+    stop_id = looping[-3]
+    plain, spec = stop_case(folder, expected, stop_token_ids=[stop_id])
+    assert plain == spec
+    assert any(reason == "stop" for _, _, reason, _ in spec)
+    plain, spec = stop_case(folder, expected, max_tokens=13, ignore_eos=True)
+    assert plain == spec
+    assert all(len(tokens) == 13 for tokens, *_ in spec)
+    # a stop string cut out of the middle of the looping output's text
+    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=4)
+    text = llm.get_tokenizer().decode(looping)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    plain, spec = stop_case(folder, expected, stop=[stop], ignore_eos=True)
+    assert plain == spec
+    assert any(reason == "stop" and stop_reason == stop for _, _, reason, stop_reason in spec)
