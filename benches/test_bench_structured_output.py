@@ -1,0 +1,184 @@
+"""Structured output's cost per decode step, and how often sampled outputs are valid JSON.
+
+1. Overhead: the same batch (8 and 64 requests) decoding with and without a JSON-schema
+   constraint, on the built-in model (a byte vocabulary of 259 tokens) and on a tiny checkpoint
+   with a 32k-token byte-level BPE vocabulary (the mask's cost grows with the vocabulary). The
+   schema is an array of at least 100 objects (a boolean, an enum, a bounded string), so no
+   output completes, EOS is never allowed, and both runs decode exactly `OUTPUT_LEN` tokens per
+   request. Reported per decode step: wall time free vs constrained (median of `ROUNDS`,
+   interleaved), the bitmask fill's own time on its thread (overlapped with the forward), and
+   how long sampling still waited for it.
+2. Validity: `N_VALID` seeded samples at temperature 1 under a schema with a free string field
+   (any content, at most 32 characters so every sample completes), on the byte vocabulary
+   (every control byte is one token away): how many parse and validate.
+
+Run: python benches/test_bench_structured_output.py  (prints the tables of benches/RESULTS.md)
+  or python -m pytest benches/test_bench_structured_output.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jsonschema
+import torch
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+
+BATCHES, OUTPUT_LEN, ROUNDS, N_VALID, BPE_VOCAB = (8, 64), 48, 3, 48, 32000
+ITEM = {
+    "type": "object",
+    "properties": {
+        "done": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 12},
+    },
+    "required": ["done", "color", "name"],
+    "additionalProperties": False,
+}
+ENDLESS = {"type": "array", "items": ITEM, "minItems": 100}
+FREE_STRING = {
+    "type": "object",
+    # free content (no pattern), bounded so that every sample completes within max_tokens
+    "properties": {"name": {"type": "string", "maxLength": 32}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+def bpe_checkpoint(folder: Path) -> Path:
+    """A tiny Llama with a `BPE_VOCAB`-token byte-level BPE trained on local Python sources."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sources = sorted(Path(json.__file__).parent.parent.rglob("*.py"))[:1500]
+    texts = (p.read_text(encoding="utf-8", errors="replace") for p in sources)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def overhead(llm: LLM, label: str, out) -> None:
+    so = StructuredOutputsParams(json=ENDLESS)
+    manager = llm.engine.structured_output
+    for batch in BATCHES:
+        prompts = [f"item {i}:" for i in range(batch)]
+        free = SamplingParams(temperature=1.0, max_tokens=OUTPUT_LEN, ignore_eos=True, seed=1)
+        bound = SamplingParams(
+            temperature=1.0, max_tokens=OUTPUT_LEN, ignore_eos=True, seed=1, structured_outputs=so
+        )
+        times = {"free": [], "constrained": []}
+        fill, wait, steps = 0.0, 0.0, 0
+        for r in range(ROUNDS + 1):  # the first round warms up (and compiles the schema)
+            for name, params in (("free", free), ("constrained", bound)):
+                stats = manager.stats
+                before = (stats.fill_s, stats.wait_s, stats.steps)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                times[name].append(time.perf_counter() - t0)
+                assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in outs)
+                if name == "constrained" and r:
+                    fill += stats.fill_s - before[0]
+                    wait += stats.wait_s - before[1]
+                    steps += stats.steps - before[2]
+        free_ms, bound_ms = (statistics.median(times[n][1:]) / OUTPUT_LEN * 1e3 for n in times)
+        print(
+            f"| {label} | {batch} | {free_ms:.2f} | {bound_ms:.2f} | "
+            f"{bound_ms - free_ms:+.2f} ({bound_ms / free_ms - 1:+.0%}) | "
+            f"{fill / steps * 1e3:.2f} | {isolated_fill_ms(manager, so, batch):.2f} | "
+            f"{wait / steps * 1e3:.3f} |",
+            file=out,
+        )
+
+
+def isolated_fill_ms(manager, so: StructuredOutputsParams, batch: int, reps: int = 50) -> float:
+    """One bitmask fill for `batch` matchers inside a JSON string, nothing else running."""
+    template = manager.compile(so).result()
+    prefix = manager._vocabulary().tokenize_str('[{"done": true, "color": "red", "name": "a')
+    matchers = [template.deep_copy() for _ in range(batch)]
+    for m in matchers:
+        assert m.consume_tokens(prefix)
+    bits = manager._bitmask(batch)
+    manager._fill(matchers, bits)  # creates nothing new: the executor exists after a run
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        manager._fill(matchers, bits)
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def validity(llm: LLM, out) -> int:
+    so = StructuredOutputsParams(json=FREE_STRING)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs=so)
+        for s in range(N_VALID)
+    ]
+    outs = llm.generate([f"record {s}:" for s in range(N_VALID)], params, use_tqdm=False)
+    valid = escaped = raw = 0
+    for o in outs:
+        text = o.outputs[0].text
+        raw += any(ord(c) < 0x20 for c in text)
+        try:
+            jsonschema.validate(json.loads(text), FREE_STRING)
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            continue
+        valid += 1
+        escaped += "\\u00" in text or any(f"\\{c}" in text for c in "tnrbf")
+    stops = sum(o.outputs[0].finish_reason == "stop" for o in outs)
+    print(
+        f"valid JSON (parsed and schema-valid): {valid} of {N_VALID}; finished with stop: "
+        f"{stops}; outputs holding escaped control characters: {escaped}, raw ones: {raw}",
+        file=out,
+    )
+    return valid
+
+
+def run(out=sys.stdout) -> int:
+    byte_llm = LLM(device="cpu", max_model_len=256, max_num_seqs=64, seed=0)
+    print(
+        "| vocabulary | batch | free ms/step | constrained ms/step | overhead |", end="", file=out
+    )
+    print(
+        " fill ms/step (its thread, in the run) | fill ms alone | sampling waited ms/step |",
+        file=out,
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |", file=out)
+    overhead(byte_llm, "bytes (259)", out)
+    folder = bpe_checkpoint(Path(tempfile.mkdtemp(prefix="pagedllm-so-bench-")))
+    bpe_llm = LLM(str(folder), device="cpu", max_model_len=256, max_num_seqs=64, seed=0)
+    overhead(bpe_llm, f"byte-level BPE ({BPE_VOCAB // 1000}k)", out)
+    return validity(byte_llm, out)
+
+
+def test_bench_structured_output():
+    assert run() == N_VALID
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # see RESULTS.md: a shared 2-core machine
+    run()
