@@ -63,3 +63,15 @@ def test_structured_outputs_need_a_tokenizer():
     with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
         engine.add_request("r", {"prompt_token_ids": [1, 2]}, SamplingParams(structured_outputs=so))
     assert not engine.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_cached_and_bounded(monkeypatch, llm):
+    from pagedllm.structured_output import manager as manager_module
+
+    manager = llm.engine.structured_output
+    monkeypatch.setattr(manager_module, "CACHE_SIZE", 2)
+    first = manager.compile(StructuredOutputsParams(regex="cache-a"))
+    assert manager.compile(StructuredOutputsParams(regex="cache-a")) is first
+    for spec in ("cache-b", "cache-c"):
+        manager.compile(StructuredOutputsParams(regex=spec)).result()
+    assert manager.compile(StructuredOutputsParams(regex="cache-a")) is not first

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from pagedllm.tokenizer import Tokenizer
 
 # Compile threads: grammars compile in parallel, and a slow one holds one thread only.
 COMPILE_WORKERS = 2
+# Compiled grammars kept (least recently used dropped first): a server sees many schemas.
+CACHE_SIZE = 256
 
 
 @dataclass
@@ -93,7 +96,7 @@ class StructuredOutputManager:
         self._compile_pool: ThreadPoolExecutor | None = None
         self._fill_pool: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor, its parallel mask filler
-        self._cache: dict[tuple[str, str], Future] = {}
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._inflight: StepGrammar | None = None
@@ -103,7 +106,8 @@ class StructuredOutputManager:
     # ---- compiling ----------------------------------------------------------------------------
 
     def compile(self, params: StructuredOutputsParams) -> Future:
-        """The template matcher of `params` (a future; compiled once per (kind, spec))."""
+        """The template matcher of `params` (a future; compiled once per (kind, spec) while it
+        is among the `CACHE_SIZE` most recently used)."""
         if self._tokenizer is None:
             raise ValueError(
                 "structured_outputs needs a tokenizer; the engine was built with "
@@ -112,13 +116,18 @@ class StructuredOutputManager:
         key = params.key
         with self._cache_lock:  # the server checks constraints from its event loop thread
             future = self._cache.get(key)
-            if future is None:
-                if self._compile_pool is None:
-                    self._compile_pool = ThreadPoolExecutor(
-                        COMPILE_WORKERS, thread_name_prefix="pagedllm-grammar"
-                    )
-                future = self._compile_pool.submit(self._compile, params)
-                self._cache[key] = future
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(
+                    COMPILE_WORKERS, thread_name_prefix="pagedllm-grammar"
+                )
+            future = self._compile_pool.submit(self._compile, params)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                # requests holding the dropped future keep it; only the cache forgets it
+                self._cache.popitem(last=False)
         return future
 
     def _compile(self, params: StructuredOutputsParams):
