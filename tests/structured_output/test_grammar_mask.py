@@ -52,3 +52,10 @@ def test_subset_follows_the_rows_it_keeps():
     sub = mask.subset([2, 1])
     assert sub.rows.tolist() == [0] and sub.bits.tolist() == [[2]]
     assert mask.subset([1]) is None
+
+
+def test_a_fully_constrained_batch_is_masked_in_one_pass():
+    logits = torch.randn(2, 40)
+    mask = TokenBitmask(torch.tensor([0, 1]), torch.cat([bits_allowing([1], 2)] * 2))
+    out = apply_token_bitmask(logits, mask)
+    assert torch.isfinite(out).nonzero()[:, 1].tolist() == [1, 1]

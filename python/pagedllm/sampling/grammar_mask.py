@@ -33,20 +33,30 @@ class TokenBitmask:
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [G, vocab_size] from int32 [G, W] bitmask words."""
+    return ~disallowed_tokens(bits, vocab_size)
+
+
+def disallowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [G, vocab_size]: True where the mask forbids the token (ids past the mask too)."""
     # bit j of each word: 1 << j as int32 (bit 31 is the sign bit: -2**31)
     powers = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)
-    allowed = ((bits.unsqueeze(-1) & powers.to(bits.device)) != 0).flatten(1)
-    width = allowed.shape[1]
+    banned = ((bits.unsqueeze(-1) & powers.to(bits.device)) == 0).flatten(1)
+    width = banned.shape[1]
     if width >= vocab_size:
-        return allowed[:, :vocab_size]
-    return torch.nn.functional.pad(allowed, (0, vocab_size - width), value=False)
+        return banned[:, :vocab_size]
+    return torch.nn.functional.pad(banned, (0, vocab_size - width), value=True)
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
     """`logits` [K, V] with the disallowed tokens of the masked rows at -inf (a new tensor:
     the caller's logits are left as they are)."""
     device = logits.device
+    banned = disallowed_tokens(mask.bits.to(device, non_blocking=True), logits.shape[1])
+    num_rows = mask.rows.shape[0]
+    if num_rows == logits.shape[0] and bool((mask.rows == torch.arange(num_rows)).all()):
+        # every row constrained (in order): one masked fill, no gather / scatter of rows
+        return logits.masked_fill(banned, float("-inf"))
     rows = mask.rows.to(device, non_blocking=True)
-    allowed = allowed_tokens(mask.bits.to(device, non_blocking=True), logits.shape[1])
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((rows,), masked)
+    out = logits.clone()
+    out[rows] = out[rows].masked_fill_(banned, float("-inf"))
+    return out

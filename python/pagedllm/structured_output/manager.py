@@ -212,14 +212,24 @@ class StructuredOutputManager:
         ids = [request_ids[k] for k in rows]
         matchers = [requests[rid].matchers[seq_index[k]] for rid, k in zip(ids, rows)]
         bits = self._bitmask(len(rows))
+        self._start_filler()
+        fill = self._fill_pool.submit(self._fill, matchers, bits)
+        self._inflight = StepGrammar(rows, ids, matchers, bits, fill)
+        return self._inflight
+
+    def fill_now(self, matchers: list) -> torch.Tensor:
+        """The bitmask of `matchers`, filled on the calling thread (tests, benchmarks)."""
+        bits = self._bitmask(len(matchers))
+        self._start_filler()
+        self._fill(matchers, bits)
+        return bits
+
+    def _start_filler(self) -> None:
         if self._fill_pool is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor()
             self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
-        fill = self._fill_pool.submit(self._fill, matchers, bits)
-        self._inflight = StepGrammar(rows, ids, matchers, bits, fill)
-        return self._inflight
 
     def _bitmask(self, num_rows: int) -> torch.Tensor:
         words = (self._vocabulary().vocab_size + 31) // 32
