@@ -38,7 +38,12 @@ def step_arrays(meta) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _array(t: Tensor, dtype) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().cpu().numpy(), dtype=dtype)
+    return np.ascontiguousarray(_numpy(t.cpu()), dtype=dtype)
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (detached first only when autograd tracks it)."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 def store_and_attend(
@@ -52,11 +57,11 @@ def store_and_attend(
 ) -> Tensor:
     """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]`."""
     slots, query_start_loc, seq_lens, block_tables = arrays
-    kc, vc = k_cache.detach().numpy(), v_cache.detach().numpy()
-    _core.cpu_store_kvcache(k.detach().numpy(), v.detach().numpy(), kc, vc, slots)
+    kc, vc = _numpy(k_cache), _numpy(v_cache)
+    _core.cpu_store_kvcache(_numpy(k), _numpy(v), kc, vc, slots)
     out = torch.empty(q.shape, dtype=torch.float32)
     _core.cpu_paged_attention(
-        q.detach().numpy(),
+        _numpy(q),
         kc,
         vc,
         query_start_loc,
