@@ -1,15 +1,15 @@
 """Randomized workloads (Hypothesis) over every strategy x policy x preemption mode.
 
-Arrivals, aborts, priorities, n, sampled tokens (with EOS and stop ids in a tiny vocabulary)
-and tiny pools are generated. After every step: the core's invariants (manager + queues),
-budgets, the step arrays' consistency, every live request in exactly one queue, progress (a step
-with work computes a token or ends a request) and no swap ping-pong (a group swapped back in
-computes its tokens in that step), at most `max_loras` adapters per step. Some workloads
-speculate (n-gram drafts every step, a random prefix of each accepted, the drafts at the end of
-their rows' tokens). Some workloads discard random steps (`discard_step`, as an engine does
-when a forward fails): nothing is lost.
-At the end: every request finished or aborted within a bounded number of steps, every block free.
-"""
+Arrivals, aborts, priorities, n, grammars that compile (or fail) some steps later, sampled tokens
+(with EOS and stop ids in a tiny vocabulary) and tiny pools are generated. After every step: the
+core's invariants (manager + queues), budgets, the step arrays' consistency, every live request in
+exactly one queue, progress (a step with work computes a token or ends a request) and no swap
+ping-pong (a group swapped back in computes its tokens in that step), at most `max_loras` adapters
+per step, no request scheduled while its grammar compiles and exactly the samples of the others
+with a grammar masked. Some workloads speculate (n-gram drafts every step, a random prefix of each
+accepted, the drafts at the end of their rows' tokens). Some workloads discard random steps
+(`discard_step`, as an engine does when a forward fails): nothing is lost. At the end: every
+request finished or aborted within a bounded number of steps, every block free."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ request_st = st.fixed_dictionaries(
         "stop": st.booleans(),
         "ignore_eos": st.booleans(),
         "lora": st.integers(0, 3),  # its adapter when the workload enables LoRA
+        # structured output: its grammar compiles (or fails) some steps after it is added
+        "grammar": st.sampled_from([None, None, "compiles", "fails"]),
     }
 )
 
@@ -153,17 +155,46 @@ def run_workload(scheduling, policy, mode, w) -> int:
     work = 0
     steps = 0
     finished_once: set[str] = set()
+    compiling: dict[str, str] = {}  # request -> what its grammar compile will do
+    structured: set[str] = set()
 
     def finish(rid: str) -> None:
         assert rid not in finished_once, f"{rid} finished twice"
         finished_once.add(rid)
         live.discard(rid)
 
+    def grammars_settle() -> None:
+        """Some compiles end: the grammar is ready, or it failed and the request is aborted."""
+        for rid in list(compiling):
+            if rng.random() < 0.6:
+                continue
+            outcome = compiling.pop(rid)
+            if rid not in live or s.request_status(rid) == "FINISHED_IGNORED":
+                continue  # aborted meanwhile, or reported as never servable by the next step
+            if outcome == "compiles":
+                assert s.grammar_ready(rid) is True
+                assert s.grammar_ready(rid) is False, "marked once"
+            else:
+                s.abort_request(rid)
+                finish(rid)
+
+    def check_grammar(out) -> None:
+        """Only ready structured requests sample under a mask, and they get no drafts."""
+        ids = out.sample_request_ids
+        masked = [ids[k] for k in out.structured_output_samples]
+        assert masked == [r for r in ids if r in structured], (masked, ids)
+        assert not compiling.keys() & set(out.request_ids), "scheduled while compiling"
+        drafts = out.spec_num_draft_tokens
+        assert all(drafts[i] == 0 for i, r in enumerate(out.request_ids) if r in structured)
+
     def one_step() -> None:
         nonlocal steps
-        had_work = s.has_unfinished_requests()
+        grammars_settle()
+        # requests whose grammar compiles cannot run: a step with only those does nothing
+        had_work = s.has_unfinished_requests() and bool(live - compiling.keys())
         swapped_before = set(s.swapped_ids())
         out = s.schedule()
+        check_grammar(out)
         # liveness: a step with work left computes a token or ends a request, and a group
         # swapped back in computes its tokens in that same step (no swap ping-pong)
         assert not had_work or out.num_batched_tokens > 0 or out.finished, (
@@ -218,7 +249,11 @@ def run_workload(scheduling, policy, mode, w) -> int:
                 stop_token_ids=[5] if r["stop"] else None,
                 ignore_eos=r["ignore_eos"],
                 lora_id=r["lora"] if w["max_loras"] else 0,
+                structured_output=r["grammar"] is not None,
             )
+            if r["grammar"] is not None:
+                compiling[rid] = r["grammar"]
+                structured.add(rid)
             added.append(rid)
             live.add(rid)
             work += r["n"] * (len(r["prompt"]) + r["max_tokens"])
