@@ -29,4 +29,4 @@ pub use admission::AllocStatus;
 pub use block_pool::BlockState;
 pub use block_table::{BlockTable, Location};
 pub use manager::{CacheConfig, CacheStats, KvCacheManager};
-pub use prefix_cache::{salted_key, PrefixCacheStats, PrefixHit};
+pub use prefix_cache::{salted_key, IdBuildHasher, PrefixCacheStats, PrefixHit};

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{SeqId, TokenId};
+use crate::kv::IdBuildHasher;
 use crate::spec::propose_ngram;
 
 use super::output::{FinishedSeq, StepOutput};
@@ -37,11 +38,12 @@ pub struct DraftProposals {
 /// Drafts waiting for the next step, and what the latest step scheduled of them.
 #[derive(Debug, Default)]
 pub(super) struct SpecState {
-    /// Sequence id -> (offset, count) of its drafts in `tokens`.
-    pending: HashMap<SeqId, (u32, u32)>,
+    /// Sequence id -> (offset, count) of its drafts in `tokens` (ids hash as themselves).
+    pending: HashMap<SeqId, (u32, u32), IdBuildHasher>,
     tokens: Vec<TokenId>,
-    /// This step's draft rows, row order: (row, sequence id, drafts scheduled).
-    scheduled: Vec<(u32, SeqId, u32)>,
+    /// This step's draft rows, row order: (row, offset of its drafts in `tokens`, drafts
+    /// scheduled).
+    scheduled: Vec<(u32, u32, u32)>,
     /// Drafts scheduled for each sample of the latest step (empty: none at all).
     sample_drafts: Vec<u32>,
 }
@@ -64,12 +66,12 @@ impl SpecState {
 
     /// Row `row` of this step computes the first `count` drafts of sequence `seq`.
     pub(super) fn note_row(&mut self, row: u32, seq: SeqId, count: usize) {
-        self.scheduled.push((row, seq, count as u32));
+        let (offset, _) = self.pending[&seq];
+        self.scheduled.push((row, offset, count as u32));
     }
 
-    /// The first `count` drafts of sequence `seq`.
-    fn drafts(&self, seq: SeqId, count: u32) -> &[TokenId] {
-        let (offset, _) = self.pending[&seq];
+    /// `count` drafts from `offset` in `tokens`.
+    fn drafts(&self, offset: u32, count: u32) -> &[TokenId] {
         &self.tokens[offset as usize..(offset + count) as usize]
     }
 }
@@ -133,11 +135,11 @@ impl Scheduler {
         }
         let spec = &self.spec;
         let mut row_drafts = vec![0i32; out.num_seqs()];
-        for &(row, seq, n) in &spec.scheduled {
+        for &(row, offset, n) in &spec.scheduled {
             row_drafts[row as usize] = n as i32;
             out.extras
                 .spec_draft_token_ids
-                .extend(spec.drafts(seq, n).iter().map(|&t| t as i64));
+                .extend(spec.drafts(offset, n).iter().map(|&t| t as i64));
         }
         let sample_drafts: Vec<u32> = out
             .sample_rows
@@ -168,8 +170,8 @@ impl Scheduler {
             let start = row.start as usize;
             ids.extend(s.tokens[start..start + own].iter().map(|&t| t as i64));
             if d > 0 {
-                let &(_, seq, n) = drafts.next().expect("a draft row was noted");
-                ids.extend(self.spec.drafts(seq, n).iter().map(|&t| t as i64));
+                let &(_, offset, n) = drafts.next().expect("a draft row was noted");
+                ids.extend(self.spec.drafts(offset, n).iter().map(|&t| t as i64));
             }
         }
         ids

@@ -3,10 +3,12 @@
 //! `k` tokens that followed that occurrence.
 //!
 //! Among matches the longest suffix wins; among equally long ones the most recent (closest to
-//! the end): in text that repeats itself (code edits, quoting) the latest copy is the one being
-//! continued. One backward scan per history: at each earlier position the match length with
-//! the suffix is counted from its last token backwards, capped at `prompt_lookup_max`, so the
-//! cost is O(len) for histories without long repeats and stops at the first maximal match.
+//! the end) that is followed by all `k` tokens, else the most recent: in text that repeats
+//! itself (code edits, quoting) the latest copy is the one being continued, and in a loop the
+//! latest full period is (the occurrence just before the suffix would leave one token to
+//! propose). One backward scan per history: at each earlier position the match length with the
+//! suffix is counted from its last token backwards, capped at `prompt_lookup_max`, so the cost
+//! is O(len) for histories without long repeats and stops at the first maximal full match.
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 
@@ -63,7 +65,8 @@ pub fn propose_ngram(
     }
     let max_n = cfg.prompt_lookup_max.min(len - 1);
     let last = history[len - 1];
-    let (mut best_len, mut best_end) = (0usize, 0usize);
+    // Best so far: (match length, followed by k tokens), and where it ends.
+    let (mut best, mut best_end) = ((0usize, false), 0usize);
     // `end` is the last token of a candidate occurrence; it must leave a token to propose.
     for end in (0..len - 1).rev() {
         if history[end] != last {
@@ -76,14 +79,15 @@ pub fn propose_ngram(
         while m < cap && history[end - m] == history[len - 1 - m] {
             m += 1;
         }
-        if m > best_len {
-            best_len = m;
-            best_end = end;
-            if m == max_n {
+        let found = (m, end + k < len);
+        if found > best {
+            (best, best_end) = (found, end);
+            if found == (max_n, true) {
                 break;
             }
         }
     }
+    let best_len = best.0;
     if best_len < cfg.prompt_lookup_min {
         return 0;
     }
@@ -143,8 +147,14 @@ mod tests {
 
     #[test]
     fn a_repeating_run_continues_itself() {
+        // the latest occurrence followed by all k tokens wins over the one just before the end
+        assert_eq!(propose(&[4, 4, 4, 4, 4, 4], &cfg(2, 3, 1)), vec![4, 4]);
+        assert_eq!(
+            propose(&[1, 2, 1, 2, 1, 2, 1, 2], &cfg(4, 2, 1)),
+            vec![1, 2, 1, 2]
+        );
+        // none has k followers: the most recent
         assert_eq!(propose(&[4, 4, 4, 4], &cfg(3, 3, 1)), vec![4]);
-        assert_eq!(propose(&[1, 2, 1, 2, 1, 2], &cfg(4, 2, 1)), vec![1, 2]);
     }
 
     #[test]
@@ -161,16 +171,20 @@ mod tests {
         // Reference: for n = max..=min, the latest earlier occurrence of the n-token suffix.
         fn brute(h: &[TokenId], c: &NgramConfig) -> Vec<TokenId> {
             let len = h.len();
+            let k = c.num_speculative_tokens;
             for n in (c.prompt_lookup_min..=c.prompt_lookup_max).rev() {
                 if n + 1 > len {
                     continue;
                 }
                 let suffix = &h[len - n..];
-                for start in (0..len - n).rev() {
-                    if &h[start..start + n] == suffix {
-                        let from = start + n;
-                        return h[from..(from + c.num_speculative_tokens).min(len)].to_vec();
-                    }
+                let starts: Vec<usize> = (0..len - n)
+                    .rev()
+                    .filter(|&start| &h[start..start + n] == suffix)
+                    .collect();
+                let full = starts.iter().find(|&&start| start + n + k <= len);
+                if let Some(&start) = full.or(starts.first()) {
+                    let from = start + n;
+                    return h[from..(from + k).min(len)].to_vec();
                 }
             }
             Vec::new()
