@@ -127,7 +127,8 @@ def run_bench(
     from pagedllm import LLM, SamplingParams
     from pagedllm.cli.vllm_compare import greedy_agreement
 
-    llm = LLM(**engine_kwargs)
+    # token ids in and out, like the vLLM driver: no tokenizer needed, no detokenizing timed
+    llm = LLM(**{"skip_tokenizer_init": True, **engine_kwargs})
     engine = llm.engine
     prefill_first = engine.args.scheduling == "prefill_first"
     check_lengths(
