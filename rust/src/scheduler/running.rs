@@ -25,15 +25,15 @@ impl Scheduler {
         let mut left = budget.tokens;
         let mut i = 0;
         while i < self.queues.running.len() && left > 0 {
-            // The fast path takes what it can from here on (flushing as its batch fills).
-            // A step with drafts plans every request generally (a draft row is no single-token
-            // decode); `spec.rs`.
-            let taken = if self.spec.has_pending() {
-                0
+            // The fast path takes what it can from here on (flushing as its batch fills); a step
+            // with drafts has its own (`spec.rs`: a draft row is no single-token decode).
+            let (taken, used) = if self.spec.has_pending() {
+                self.spec_fast_run(i, left, out)?
             } else {
-                self.fast_decode_run(i, left, facts, out)?
+                let taken = self.fast_decode_run(i, left, facts, out)?;
+                (taken, taken)
             };
-            left -= taken;
+            left -= used;
             i += taken;
             if i >= self.queues.running.len() || left == 0 {
                 break;

@@ -16,11 +16,13 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{SeqId, TokenId};
+use crate::kv::block_table::blocks_for;
 use crate::kv::IdBuildHasher;
 use crate::spec::propose_ngram;
 
 use super::output::{FinishedSeq, StepOutput};
 use super::plan::sync_mirror;
+use super::record::record;
 use super::request::{GrammarState, Request, RequestStatus};
 use super::stop::FinishReason;
 use super::update::{finish_seq, grow_tokens};
@@ -62,6 +64,15 @@ impl SpecState {
             return 0;
         }
         self.pending.get(&seq).map_or(0, |&(_, n)| n as usize)
+    }
+
+    /// (offset, count) of the drafts waiting for sequence `seq` ((0, 0) when none).
+    #[inline]
+    fn pending_run(&self, seq: SeqId) -> (u32, u32) {
+        if self.pending.is_empty() {
+            return (0, 0);
+        }
+        self.pending.get(&seq).copied().unwrap_or((0, 0))
     }
 
     /// Row `row` of this step computes the first `count` drafts of sequence `seq`.
@@ -123,6 +134,73 @@ impl Scheduler {
         Ok(out)
     }
 
+    /// The fast path of a step with drafts, over `running[i..]` within `left` tokens: a
+    /// single-sequence request decoding into blocks it owns alone, whose run (its token, then
+    /// its drafts, trimmed to the budget and the model length) fits its table or one fresh
+    /// block, is recorded, registered and sampled here without the general planner. Stops at
+    /// the first request it does not take (the general path plans that one). Returns (requests
+    /// taken, tokens used). Off with lookahead slots (the V0 strategies' drafts ride in them:
+    /// the general path).
+    pub(super) fn spec_fast_run(
+        &mut self,
+        i: usize,
+        mut left: usize,
+        out: &mut StepOutput,
+    ) -> Result<(usize, usize)> {
+        if self.cfg.num_lookahead_slots != 0 {
+            return Ok((0, 0));
+        }
+        let (bs, max_model_len, caching) = (
+            self.mgr.block_size(),
+            self.cfg.max_model_len,
+            self.caching(),
+        );
+        let budget = left;
+        let mut k = 0;
+        while let Some(&h) = self.queues.running.get(i + k) {
+            let gen = self.store.gen(h);
+            let req = self.store.get_mut(h);
+            let extra_key = req.extra_key;
+            let [s] = &mut req.seqs[..] else {
+                break;
+            };
+            let start = s.num_computed;
+            if left == 0 || s.tail_shared || s.tokens.len() != start + 1 || start >= max_model_len {
+                break;
+            }
+            let (offset, pending) = self.spec.pending_run(s.id);
+            let d = (pending as usize)
+                .min(left - 1)
+                .min(max_model_len - start - 1);
+            let have = s.table.num_blocks();
+            let need = blocks_for(start + 1 + d, bs);
+            if need > have {
+                // One fresh block past a table that covers `start`: nothing shared is written.
+                if need > have + 1 || start > have * bs || self.mgr.num_free_device_blocks() == 0 {
+                    break;
+                }
+                let Some(block) = self.mgr.append_fresh_block(s.id)? else {
+                    break;
+                };
+                s.table.push(block);
+            }
+            let row = out.seq_ids.len();
+            record(out, h, gen, 0, s, start, 1 + d, bs);
+            s.num_computed = start + 1;
+            if caching && (start + 1) % bs == 0 {
+                self.mgr
+                    .cache_full_blocks(s.id, &s.tokens, start + 1, extra_key)?;
+            }
+            out.push_sample(row, s.id, h, gen, 0);
+            if d > 0 {
+                self.spec.scheduled.push((row as u32, offset, d as u32));
+            }
+            left -= 1 + d;
+            k += 1;
+        }
+        Ok((k, budget - left))
+    }
+
     /// Closes a step's drafts (after its rows are sealed): the per-row draft columns, the
     /// step's token ids (built now, while the drafts exist: a draft row's tokens are not all
     /// in its sequence's history), the per-sample draft counts `update_from_output_runs`
@@ -133,26 +211,29 @@ impl Scheduler {
             self.spec.pending.clear();
             return;
         }
-        let spec = &self.spec;
-        let mut row_drafts = vec![0i32; out.num_seqs()];
+        // the output's and the ledger's buffers keep their capacity across steps
+        let mut row_drafts = std::mem::take(&mut out.extras.spec_num_draft_tokens);
+        row_drafts.clear();
+        row_drafts.resize(out.num_seqs(), 0);
+        let spec = &mut self.spec;
         for &(row, offset, n) in &spec.scheduled {
             row_drafts[row as usize] = n as i32;
+            let run = &spec.tokens[offset as usize..(offset + n) as usize];
             out.extras
                 .spec_draft_token_ids
-                .extend(spec.drafts(offset, n).iter().map(|&t| t as i64));
+                .extend(run.iter().map(|&t| t as i64));
         }
-        let sample_drafts: Vec<u32> = out
-            .sample_rows
-            .iter()
-            .map(|&r| row_drafts[r as usize] as u32)
-            .collect();
+        spec.sample_drafts.extend(
+            out.sample_rows
+                .iter()
+                .map(|&r| row_drafts[r as usize] as u32),
+        );
         let ids = self.draft_input_ids(out, &row_drafts);
         out.tables
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .input_ids = Some(ids);
         out.extras.spec_num_draft_tokens = row_drafts;
-        self.spec.sample_drafts = sample_drafts;
         self.spec.scheduled.clear();
         self.spec.pending.clear();
     }
