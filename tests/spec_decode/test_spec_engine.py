@@ -135,3 +135,26 @@ def test_stops_inside_accepted_runs_end_where_they_would_without_speculation(lla
     plain, spec = stop_case(folder, expected, stop=[stop], ignore_eos=True)
     assert plain == spec
     assert any(reason == "stop" and stop_reason == stop for _, _, reason, stop_reason in spec)
+
+
+def test_seeded_sampling_with_speculation_repeats_and_reports_logprobs(llama):
+    folder, _ = llama
+    params = SamplingParams(
+        temperature=0.8, seed=7, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2
+    )
+    runs = []
+    for extra in (0, 2):
+        llm = LLM(
+            str(folder), dtype="float32", device="cpu", block_size=4, speculative_config=NGRAM
+        )
+        others = [{"prompt_token_ids": p} for p in PROMPTS[:extra]]
+        prompts = others + [{"prompt_token_ids": PROMPTS[1]}]
+        free = [SamplingParams(temperature=1.0, max_tokens=MAX_NEW)] * extra
+        out = llm.generate(prompts, free + [params], use_tqdm=False)[-1].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids) == MAX_NEW
+        assert all(token in entry for token, entry in zip(out.token_ids, out.logprobs))
+        runs.append(out.token_ids)
+        stats = llm.llm_engine.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert runs[0] == runs[1]
