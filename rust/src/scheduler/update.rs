@@ -100,6 +100,14 @@ impl Scheduler {
                 &mut finished,
             )?;
         }
+        self.settle_finished(any_request_done)?;
+        Ok(finished)
+    }
+
+    /// The end of every update (one token or a run per sample): the block-table mirrors of the
+    /// sequences that finished are cleared, once pending outputs hold their snapshots, and the
+    /// requests that finished with them are released.
+    pub(super) fn settle_finished(&mut self, any_request_done: bool) -> Result<()> {
         if !self.ledger.finished.is_empty() {
             self.recorder.materialize_pending(&self.store);
             for &(h, idx) in &self.ledger.finished {
@@ -116,7 +124,7 @@ impl Scheduler {
                 self.counters.num_finished += 1;
             }
         }
-        Ok(finished)
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@ mod layout;
 mod lazy_outputs;
 mod preemption;
 mod random;
+mod spec;
 mod strategies;
 mod update;
 

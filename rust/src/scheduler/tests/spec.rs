@@ -1,0 +1,253 @@
+//! Speculative decoding in the scheduler: drafts proposed, scheduled within the limits, runs
+//! applied under the stop rules, rejected blocks given back.
+use crate::kv::CacheConfig;
+use crate::scheduler::{
+    Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StopParams, Strategy,
+};
+use crate::spec::NgramConfig;
+
+fn sched(speculative: Option<NgramConfig>) -> Scheduler {
+    let cfg = SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 16,
+        max_model_len: 32,
+        strategy: Strategy::Unified,
+        policy: Policy::Fcfs,
+        preemption_mode: PreemptionMode::Auto,
+        long_prefill_token_threshold: 0,
+        num_lookahead_slots: 0,
+        delay_factor: 0.0,
+        max_loras: 0,
+        speculative,
+    };
+    let cache = CacheConfig {
+        block_size: 4,
+        num_device_blocks: 64,
+        num_host_blocks: 0,
+        watermark: 0.0,
+        enable_prefix_caching: false,
+    };
+    Scheduler::new(cache, cfg).unwrap()
+}
+
+fn add(s: &mut Scheduler, id: &str, prompt: Vec<u32>, max_tokens: usize) {
+    let params = RequestParams {
+        prompt,
+        n: 1,
+        priority: 0,
+        arrival_time: 0.0,
+        stop: StopParams {
+            max_tokens,
+            ..StopParams::default()
+        },
+        extra_key: 0,
+        lora_id: 0,
+        structured_output: false,
+    };
+    s.add_request(id, params).unwrap();
+}
+
+fn step(s: &mut Scheduler, token: i64) {
+    let out = s.schedule(0.0).unwrap();
+    let sampled = vec![token; out.num_samples()];
+    s.update_from_output(out.step, &sampled, None).unwrap();
+}
+
+#[test]
+fn proposes_for_decoding_sequences_only() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
+    add(&mut s, "b", vec![7, 8, 9], 16);
+    // nothing computed yet: nothing decodes next step
+    assert_eq!(s.propose_drafts().unwrap().seq_ids.len(), 0);
+    step(&mut s, 2);
+    let p = s.propose_drafts().unwrap();
+    // "a" is 1 2 3 4 5 1 2: [1, 2] recurs, followed by 3 4 5; "b" (7 8 9 2) has no repeat
+    assert_eq!(p.seq_ids, vec![0]);
+    assert_eq!(p.num_draft_tokens, vec![3]);
+    assert_eq!(p.draft_token_ids, vec![3, 4, 5]);
+}
+
+#[test]
+fn drafts_are_trimmed_to_max_tokens_and_model_length() {
+    let mut s = sched(Some(NgramConfig::new(4, 2, 1).unwrap()));
+    // after one step: 2 generated of max 4 ... a step yields drafts + 1, so 1 draft
+    add(&mut s, "a", vec![1, 2, 3, 4, 5, 6, 1], 3);
+    step(&mut s, 2);
+    assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3]);
+    let mut s = sched(Some(NgramConfig::new(4, 2, 1).unwrap()));
+    // 28 tokens + 1 sampled = 29 of max_model_len 32: a run of 2 drafts and a token ends
+    // at 32
+    let mut prompt: Vec<u32> = (10..34).collect();
+    prompt.extend([1, 2, 3, 4, 1]);
+    prompt.drain(..1);
+    add(&mut s, "b", prompt, 100);
+    step(&mut s, 2);
+    assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4]);
+}
+
+/// A request decoding `1 2 3 4 5 1 | 2` with drafts `3 4 5` proposed.
+fn drafted(caching: bool) -> Scheduler {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    if caching {
+        s = Scheduler::new(
+            CacheConfig {
+                block_size: 4,
+                num_device_blocks: 64,
+                num_host_blocks: 0,
+                watermark: 0.0,
+                enable_prefix_caching: true,
+            },
+            s.config().clone(),
+        )
+        .unwrap();
+    }
+    add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
+    step(&mut s, 2);
+    assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4, 5]);
+    s
+}
+
+#[test]
+fn drafts_are_scheduled_after_the_next_token() {
+    let mut s = drafted(false);
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(out.num_tokens, vec![4]);
+    assert_eq!(out.start_pos, vec![6]);
+    assert_eq!(out.extras.spec_num_draft_tokens, vec![3]);
+    assert_eq!(out.extras.spec_draft_token_ids, vec![3, 4, 5]);
+    assert_eq!(s.input_ids(&out), vec![2, 3, 4, 5]);
+    // slots for positions 6..10: three blocks of 4
+    assert_eq!(s.slot_mapping(&out).len(), 4);
+    assert_eq!(s.request("a").unwrap().seqs[0].table.len(), 3);
+    // drafts are not computed until verified
+    assert_eq!(s.request("a").unwrap().seqs[0].num_computed, 7);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_run_moves_computed_over_accepted_drafts_and_frees_rejected_blocks() {
+    let mut s = drafted(true);
+    let free = s.manager().num_free_device_blocks();
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.manager().num_free_device_blocks(), free - 1);
+    // drafts 3 accepted, 4 rejected -> the target's 9
+    let fin = s
+        .update_from_output_runs(out.step, &[3, 9], &[2], None)
+        .unwrap();
+    assert!(fin.is_empty());
+    let seq = &s.request("a").unwrap().seqs[0];
+    assert_eq!(seq.tokens, vec![1, 2, 3, 4, 5, 1, 2, 3, 9]);
+    assert_eq!(seq.num_computed, 8);
+    // positions 8 and 9 held only rejected drafts: their block went back
+    assert_eq!(seq.table.len(), 2);
+    assert_eq!(s.manager().num_free_device_blocks(), free);
+    // the block of positions 4..8 is full of accepted tokens: registered
+    assert!(s.manager().block_hash(seq.table[1]).is_some());
+    s.check_invariants().unwrap();
+    // the next step decodes the target's token alone
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(
+        (out.num_tokens.clone(), out.start_pos.clone()),
+        (vec![1], vec![8])
+    );
+    assert!(out.extras.spec_num_draft_tokens.is_empty());
+}
+
+#[test]
+fn a_stop_inside_a_run_drops_the_tokens_after_it() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    let params = RequestParams {
+        prompt: vec![1, 2, 3, 4, 5, 1],
+        n: 1,
+        priority: 0,
+        arrival_time: 0.0,
+        stop: StopParams {
+            max_tokens: 16,
+            stop_token_ids: vec![4],
+            ..StopParams::default()
+        },
+        extra_key: 0,
+        lora_id: 0,
+        structured_output: false,
+    };
+    s.add_request("a", params).unwrap();
+    step(&mut s, 2);
+    s.propose_drafts().unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let fin = s
+        .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
+        .unwrap();
+    assert_eq!(fin.len(), 1);
+    assert_eq!(fin[0].stop_reason, Some(4));
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.manager().num_free_device_blocks(), 64);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn runs_longer_than_the_drafts_are_refused() {
+    let mut s = drafted(false);
+    let out = s.schedule(0.0).unwrap();
+    assert!(s
+        .update_from_output_runs(out.step, &[3, 4, 5, 6, 7], &[5], None)
+        .is_err());
+    assert!(s
+        .update_from_output_runs(out.step, &[3], &[2], None)
+        .is_err());
+    assert!(s
+        .update_from_output_runs(out.step, &[3, 4], &[2], None)
+        .is_ok());
+}
+
+#[test]
+fn the_budget_trims_the_drafts() {
+    let mut cfg = sched(None).config().clone();
+    cfg.max_num_batched_tokens = 3;
+    cfg.speculative = Some(NgramConfig::new(3, 2, 1).unwrap());
+    let cache = CacheConfig {
+        block_size: 4,
+        num_device_blocks: 64,
+        num_host_blocks: 0,
+        watermark: 0.0,
+        enable_prefix_caching: false,
+    };
+    let mut s = Scheduler::new(cache, cfg).unwrap();
+    add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
+    // the prompt takes two steps of 3 tokens
+    step(&mut s, 2);
+    step(&mut s, 2);
+    s.propose_drafts().unwrap();
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(out.num_tokens, vec![3]);
+    assert_eq!(out.extras.spec_draft_token_ids, vec![3, 4]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn constrained_requests_get_no_drafts() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    let params = RequestParams {
+        prompt: vec![1, 2, 3, 4, 5, 1],
+        n: 1,
+        priority: 0,
+        arrival_time: 0.0,
+        stop: StopParams {
+            max_tokens: 16,
+            ..StopParams::default()
+        },
+        extra_key: 0,
+        lora_id: 0,
+        structured_output: true,
+    };
+    s.add_request("a", params).unwrap();
+    assert!(s.grammar_ready("a").unwrap());
+    step(&mut s, 2);
+    assert!(s.propose_drafts().unwrap().seq_ids.is_empty());
+}
+
+#[test]
+fn off_without_a_configuration() {
+    let mut s = sched(None);
+    assert!(s.propose_drafts().is_err());
+}
