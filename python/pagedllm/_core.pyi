@@ -451,3 +451,9 @@ def cpu_paged_attention(
     causal within each sequence's query rows, reading the cache in place; GIL released, at most
     ``num_threads`` threads. ``ValueError`` for block ids outside the cache, a table too narrow
     for its context, or mismatched shapes."""
+
+def cpu_rotary_in_place(x: _F32Array, cos: _F32Array, sin: _F32Array) -> None:
+    """Rotate the heads of ``x`` ``[T, heads, D]`` (each head contiguous, any other strides) in
+    place by ``cos``/``sin`` ``[T, D / 2]``: halves (a, b) become (a*cos - b*sin, b*cos + a*sin),
+    bit-identical to torch's rotate_half formula. ``ValueError`` for an odd ``D``, tables of the
+    wrong shape, or a head that is not contiguous."""

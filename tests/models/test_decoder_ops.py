@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.models.decoder import RMSNorm
+from pagedllm.models.config import RopeConfig
+from pagedllm.models.decoder import RMSNorm, RotaryEmbedding, apply_rope_
+from pagedllm.worker.cpu_rotary import RopeTables
 
 
 def _formula(x, weight, eps):
@@ -26,3 +28,36 @@ def test_half_precision_rms_norm_keeps_the_float32_formula():
     norm = RMSNorm(16, 1e-5).to(torch.bfloat16)
     x = torch.randn(4, 16).to(torch.bfloat16)
     assert torch.equal(norm(x), _formula(x, norm.weight, 1e-5))
+
+
+def _rotate_half_formula(x, cos, sin):
+    """transformers' rope: x * cos + rotate_half(x) * sin over duplicated [T, D] tables."""
+    cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _tables(dtype):
+    rope = RotaryEmbedding(16, RopeConfig(theta=10000.0))
+    return RopeTables(*rope(torch.tensor([0, 5, 17, 300, 4095]), dtype))
+
+
+def test_in_place_rope_is_bit_identical_to_rotate_half_on_the_fused_qkv_columns():
+    tables = _tables(torch.float32)  # float32 on the CPU: the Rust kernel
+    assert tables.arrays is not None
+    qkv = torch.randn(5, (6 + 2 + 2) * 16, generator=torch.Generator().manual_seed(1)) * 3
+    qk = qkv[:, : 8 * 16].view(5, 8, 16)  # strided: each row skips the v columns
+    want = _rotate_half_formula(qk.clone(), tables.cos, tables.sin)
+    v_before = qkv[:, 8 * 16 :].clone()
+    assert apply_rope_(qk, tables) is qk
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, 8 * 16 :], v_before)
+
+
+def test_in_place_rope_in_half_precision_matches_rotate_half():
+    tables = _tables(torch.bfloat16)  # the torch path (what CUDA runs)
+    assert tables.arrays is None
+    x = (torch.randn(5, 3, 16) * 3).to(torch.bfloat16)
+    want = _rotate_half_formula(x.clone(), tables.cos, tables.sin)
+    assert torch.equal(apply_rope_(x, tables), want)

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig, RopeConfig
 from pagedllm.models.fused_linear import FusedLinear
+from pagedllm.worker import cpu_rotary
 from pagedllm.worker.attention import AttentionMetadata, paged_attention
+from pagedllm.worker.cpu_rotary import RopeTables
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +66,8 @@ def _llama3_scaled(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin `[T, head_dim]` for the given positions (half-split, "rotate_half" convention)."""
+    """cos/sin `[T, head_dim / 2]` for the given positions (half-split, "rotate_half" convention:
+    both halves of a head turn by the same angles, so the tables are not duplicated)."""
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -73,23 +76,24 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def signed_sin(sin: Tensor) -> Tensor:
-    """sin with its first half negated: rotate_half's negation folded into the table (exact), once
-    per forward instead of once per layer and tensor."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """Rotate `x [T, heads, D]` by the per-token angles: x * cos + rotate_half(x) * sin, with
-    `sin_signed = signed_sin(sin)` (-a * s == a * -s exactly, so this is rotate_half's math)."""
+def apply_rope_(x: Tensor, rope: RopeTables) -> Tensor:
+    """Rotate `x [T, heads, D]` in place by the per-token angles (the step's cos/sin
+    `[T, D / 2]` from `RotaryEmbedding`, computed once per step for all layers): halves (a, b)
+    become (a*cos - b*sin, b*cos + a*sin), i.e. x * cos + rotate_half(x) * sin with every product
+    and sum rounded as in that formula (a - b*s == a + (-b)*s exactly). Returns x."""
+    if cpu_rotary.supports(x, rope):
+        cpu_rotary.rotary_in_place(x, rope)
+        return x
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + swapped * sin_signed[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    c, s = rope.cos[:, None, :], rope.sin[:, None, :]
+    a_sin, b_sin = a * s, b * s  # two half-head temporaries instead of three whole-head ones
+    a.mul_(c).sub_(b_sin)
+    b.mul_(c).add_(a_sin)
+    return x
 
 
 class Attention(nn.Module):
@@ -115,8 +119,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: RopeTables,
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
@@ -128,14 +131,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = apply_rope_(q, rope), apply_rope_(k, rope)
         else:
-            # q and k heads (adjacent in the fused output) rotated together: one set of
-            # elementwise ops instead of two (same math)
+            # q and k heads (adjacent in the fused output) rotated together, in place: one
+            # rotation per layer instead of two (same math)
             qk = qkv[:, : q.shape[-1] + k.shape[-1]].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            qk = apply_rope(qk, cos, sin)
+            apply_rope_(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
@@ -172,14 +175,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: RopeTables,
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
     ) -> Tensor:
         # the residual is added into each block's fresh output (no new buffer per add)
-        x = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta).add_(x)
+        x = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
@@ -197,10 +199,9 @@ class DecoderModel(nn.Module):
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
     ) -> Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        sin = signed_sin(sin)
+        rope = RopeTables(*self.rotary_emb(positions, x.dtype))  # once per step, for all layers
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
         return self.norm(x)
 
 

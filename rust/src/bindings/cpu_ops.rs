@@ -59,8 +59,25 @@ fn cpu_paged_attention(
     Ok(())
 }
 
+/// Rotates the heads of x `[T, heads, D]` (float32, each head contiguous; e.g. the q/k columns of
+/// the fused projection) in place by cos/sin `[T, D / 2]`: halves (a, b) -> (a·cos − b·sin,
+/// b·cos + a·sin).
+#[pyfunction]
+fn cpu_rotary_in_place(
+    py: Python<'_>,
+    mut x: PyReadwriteArray3<'_, f32>,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+) -> PyResult<()> {
+    let x = x.as_array_mut();
+    let (cos, sin) = (cos.as_array(), sin.as_array());
+    py.detach(|| cpu::rotary_in_place(x, cos, sin))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
     Ok(())
 }

@@ -1,12 +1,15 @@
 //! CPU kernels of the engine's CPU execution path (the model's hot loops that torch does not
-//! cover well): paged attention straight over the block-paged KV cache.
+//! cover well): paged attention straight over the block-paged KV cache, rotary embedding in
+//! place.
 //!
 //! Plain Rust over `ndarray` views, so `cargo test` runs them without Python; the bindings
 //! (`bindings/cpu_ops.rs`) view torch CPU tensors as numpy arrays without a copy.
 pub mod attention;
+pub mod rotary;
 mod simd;
 
 #[cfg(test)]
 mod attention_tests;
 
 pub use attention::{paged_attention, store_kv, PagedBatch};
+pub use rotary::rotary_in_place;

@@ -1,0 +1,34 @@
+"""Rotary embedding applied in place on the CPU through the Rust kernel
+(`pagedllm._core.cpu_rotary_in_place`): the q/k heads are rotated where they sit in the fused
+projection's output, no head-sized temporaries (torch's formula makes three per layer)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedllm import _core
+from pagedllm.worker.cpu_attention import _numpy
+
+
+class RopeTables:
+    """A step's cos/sin `[T, D / 2]`, shared by every layer; on the CPU in float32 also their
+    numpy views for the kernel, made once per step rather than once per layer."""
+
+    __slots__ = ("cos", "sin", "arrays")
+
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        on_cpu = cos.device.type == "cpu" and cos.dtype == torch.float32
+        self.arrays = (_numpy(cos.contiguous()), _numpy(sin.contiguous())) if on_cpu else None
+
+
+def supports(x: Tensor, tables: RopeTables) -> bool:
+    """Whether the kernel handles x: float32 on the CPU, each head contiguous."""
+    return tables.arrays is not None and x.dtype == torch.float32 and x.stride(-1) == 1
+
+
+def rotary_in_place(x: Tensor, tables: RopeTables) -> None:
+    """Rotate x `[T, heads, D]` in place by the step's angles (see `supports`)."""
+    cos, sin = tables.arrays
+    _core.cpu_rotary_in_place(_numpy(x), cos, sin)

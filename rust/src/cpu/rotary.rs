@@ -1,0 +1,127 @@
+//! Rotary position embedding applied in place to the q/k heads of a step (half-split,
+//! "rotate_half" convention): each head's halves (a, b) become (a·cos − b·sin, b·cos + a·sin).
+//!
+//! torch spells this as a concatenation of the swapped halves, two products and a sum: three
+//! head-sized temporaries and five ops per layer. Here every head is rotated where it sits (in
+//! the fused q/k/v projection's output), with the step's cos/sin tables computed once for all
+//! layers. Products and sums are rounded one at a time (no fused multiply-add), so the result is
+//! bit-identical to torch's formula.
+use ndarray::{ArrayView2, ArrayViewMut3};
+
+use crate::error::{Error, Result};
+
+/// Rotates `x` `[T, heads, D]` (rows and heads at any stride, each head contiguous) in place by
+/// its token's angles: `cos`, `sin` `[T, D / 2]` (rows contiguous).
+pub fn rotary_in_place(
+    mut x: ArrayViewMut3<f32>,
+    cos: ArrayView2<f32>,
+    sin: ArrayView2<f32>,
+) -> Result<()> {
+    let (tokens, _, head_dim) = x.dim();
+    if head_dim % 2 != 0 {
+        return Err(invalid(format!("head_dim must be even, got {head_dim}")));
+    }
+    let half = head_dim / 2;
+    for (name, dim) in [("cos", cos.dim()), ("sin", sin.dim())] {
+        if dim != (tokens, half) {
+            return Err(invalid(format!(
+                "{name} must be [{tokens}, {half}] (tokens, head_dim / 2), got {dim:?}"
+            )));
+        }
+    }
+    if half > 0 && !x.is_empty() && x.strides()[2] != 1 {
+        return Err(invalid("x must be contiguous within each head"));
+    }
+    for ((mut token, c), s) in x.outer_iter_mut().zip(cos.rows()).zip(sin.rows()) {
+        let (c, s) = match (c.as_slice(), s.as_slice()) {
+            (Some(c), Some(s)) => (c, s),
+            _ => return Err(invalid("cos and sin rows must be contiguous")),
+        };
+        for mut head in token.outer_iter_mut() {
+            let head = head
+                .as_slice_mut()
+                .expect("unit innermost stride checked above");
+            rotate_head(head, c, s);
+        }
+    }
+    Ok(())
+}
+
+fn rotate_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let (a, b) = head.split_at_mut(cos.len());
+    for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+        let (x1, x2) = (*a, *b);
+        *a = x1 * c - x2 * s;
+        *b = x2 * c + x1 * s;
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Error {
+    Error::InvalidArgument(msg.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::{s, Array2, Array3};
+
+    use super::rotary_in_place;
+
+    fn tables(tokens: usize, half: usize) -> (Array2<f32>, Array2<f32>) {
+        let angle = |t: usize, i: usize| (t as f32 + 1.0) * 0.37 / (1.0 + i as f32);
+        (
+            Array2::from_shape_fn((tokens, half), |(t, i)| angle(t, i).cos()),
+            Array2::from_shape_fn((tokens, half), |(t, i)| angle(t, i).sin()),
+        )
+    }
+
+    #[test]
+    fn rotates_each_half_by_its_tokens_angle() {
+        let (tokens, heads, dim) = (3, 2, 4);
+        let x0 = Array3::from_shape_fn((tokens, heads, dim), |(t, h, d)| {
+            (t * 7 + h * 3 + d) as f32 * 0.25 - 1.0
+        });
+        let (cos, sin) = tables(tokens, dim / 2);
+        let mut x = x0.clone();
+        rotary_in_place(x.view_mut(), cos.view(), sin.view()).unwrap();
+        let half = dim / 2;
+        for ((t, h, d), &got) in x.indexed_iter() {
+            let i = d % half;
+            let (a, b) = (x0[[t, h, i]], x0[[t, h, i + half]]);
+            let (c, s) = (cos[[t, i]], sin[[t, i]]);
+            let want = if d < half {
+                a * c - b * s
+            } else {
+                b * c + a * s
+            };
+            assert_eq!(got, want, "token {t} head {h} dim {d}");
+        }
+    }
+
+    #[test]
+    fn rotates_a_strided_slice_and_leaves_the_rest() {
+        // q/k heads are the first columns of each fused q/k/v row; v must stay untouched
+        let (tokens, heads, dim) = (4, 3, 8);
+        let fused0 = Array3::from_shape_fn((tokens, heads + 1, dim), |(t, h, d)| {
+            (t + h * 5 + d * 3) as f32 * 0.1
+        });
+        let (cos, sin) = tables(tokens, dim / 2);
+        let mut fused = fused0.clone();
+        let mut whole = fused0.slice(s![.., ..heads, ..]).to_owned();
+        rotary_in_place(fused.slice_mut(s![.., ..heads, ..]), cos.view(), sin.view()).unwrap();
+        rotary_in_place(whole.view_mut(), cos.view(), sin.view()).unwrap();
+        assert_eq!(fused.slice(s![.., ..heads, ..]), whole);
+        assert_eq!(
+            fused.slice(s![.., heads, ..]),
+            fused0.slice(s![.., heads, ..])
+        );
+    }
+
+    #[test]
+    fn rejects_mismatched_tables_and_odd_head_dims() {
+        let mut x = Array3::<f32>::zeros((2, 1, 4));
+        let (cos, sin) = tables(3, 2);
+        assert!(rotary_in_place(x.view_mut(), cos.view(), sin.view()).is_err());
+        let mut odd = Array3::<f32>::zeros((3, 1, 5));
+        assert!(rotary_in_place(odd.view_mut(), cos.view(), sin.view()).is_err());
+    }
+}
