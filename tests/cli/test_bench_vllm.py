@@ -13,7 +13,9 @@ from pagedllm.cli.bench import bench_workload, run_bench
 
 # A fake "python": ignores the driver path it is given and answers like vllm_driver.py, its
 # greedy tokens computed by transformers on the exported checkpoint. FAKE_VLLM_MODE=flip
-# changes one prompt's tokens, =crash dies during loading.
+# changes one prompt's tokens, =crash dies during loading. The tokens are kept in
+# FAKE_VLLM_CACHE keyed by the workload, so only the first test of the module pays for
+# importing torch and transformers in the stand-in.
 FAKE = """#!{python}
 import json, os, sys
 MARKER = "PAGEDLLM-JSON "
@@ -22,17 +24,25 @@ workload = json.loads(sys.stdin.readline())
 if os.environ.get("FAKE_VLLM_MODE") == "crash":
     sys.stderr.write("RuntimeError: no CPU backend here\\n")
     sys.exit(3)
-import torch, transformers
-model = transformers.AutoModelForCausalLM.from_pretrained(workload["model"])
-outputs = []
-# plain greedy loop: EOS is generated like any token and does not stop (vLLM's ignore_eos;
-# generate's min_new_tokens would forbid it instead)
-with torch.no_grad():
-    for ids, n in zip(workload["prompts"], workload["max_tokens"]):
-        seq = list(ids)
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        outputs.append(seq[len(ids):])
+key = json.dumps([workload["prompts"], workload["max_tokens"]])
+cache = os.environ["FAKE_VLLM_CACHE"]
+cached = json.load(open(cache)) if os.path.exists(cache) else {{}}
+if key in cached:
+    outputs = cached[key]
+else:
+    import torch, transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(workload["model"])
+    outputs = []
+    # plain greedy loop: EOS is generated like any token and does not stop (vLLM's ignore_eos;
+    # generate's min_new_tokens would forbid it instead)
+    with torch.no_grad():
+        for ids, n in zip(workload["prompts"], workload["max_tokens"]):
+            seq = list(ids)
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            outputs.append(seq[len(ids):])
+    with open(cache, "w") as f:
+        json.dump({{key: outputs}}, f)
 if os.environ.get("FAKE_VLLM_MODE") == "flip":
     outputs[0][-1] += 1
 with open(os.environ["FAKE_VLLM_LOG"], "a") as log:
@@ -50,12 +60,19 @@ for line in sys.stdin:
 ENGINE = dict(device="cpu", max_model_len=64)
 
 
+@pytest.fixture(scope="module")
+def greedy_cache(tmp_path_factory):
+    """Where the stand-in keeps transformers' greedy tokens between this module's tests."""
+    return tmp_path_factory.mktemp("fake-vllm") / "greedy.json"
+
+
 @pytest.fixture
-def fake_python(tmp_path, monkeypatch):
+def fake_python(tmp_path, monkeypatch, greedy_cache):
     path = tmp_path / "fake-python"
     path.write_text(FAKE.format(python=sys.executable))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_VLLM_CACHE", str(greedy_cache))
     return path
 
 
@@ -96,7 +113,11 @@ def test_a_vllm_that_dies_is_reported_with_its_stderr(fake_python, monkeypatch):
         _bench(fake_python)
 
 
-def test_a_missing_interpreter_is_a_value_error(tmp_path):
+def test_a_missing_interpreter_is_a_value_error_before_any_model_loads(tmp_path, monkeypatch):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built before the interpreter was checked")
+
+    monkeypatch.setattr("pagedllm.LLM", no_engine)
     with pytest.raises(ValueError, match="no such executable"):
         _bench(tmp_path / "no-python")
 

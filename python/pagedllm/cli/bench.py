@@ -125,8 +125,10 @@ def run_bench(
     )
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.cli.vllm_compare import greedy_agreement
+    from pagedllm.cli.vllm_compare import check_interpreter, greedy_agreement
 
+    if compare_vllm_python is not None:
+        check_interpreter(compare_vllm_python)
     # token ids in and out, like the vLLM driver: no tokenizer needed, no detokenizing timed
     llm = LLM(**{"skip_tokenizer_init": True, **engine_kwargs})
     engine = llm.engine

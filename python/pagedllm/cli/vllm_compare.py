@@ -18,6 +18,12 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 _STDERR_TAIL = 2000
 
 
+def check_interpreter(python: str) -> None:
+    """ValueError unless `python` names an executable (checked before any model is loaded)."""
+    if shutil.which(python) is None:
+        raise ValueError(f"--compare-vllm-python {python!r}: no such executable")
+
+
 class VllmProcess:
     """One vLLM engine in `python`, loaded with the workload; `run()` times one generate."""
 
@@ -33,8 +39,7 @@ class VllmProcess:
         max_tokens: list[int],
         kv_cache_space_gib: float,
     ) -> None:
-        if shutil.which(python) is None:
-            raise ValueError(f"--compare-vllm-python {python!r}: no such executable")
+        check_interpreter(python)
         env = dict(os.environ)
         # vLLM's CPU backend sizes its KV cache from this (whole GiB)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_space_gib))))
