@@ -6,6 +6,8 @@
   from uniform), saved as safetensors (sharded with `max_shard_size`), plus tokenizer files:
   `tokenizer="json"` (tokenizer.json), `"vocab_merges"` (no tokenizer.json: AutoTokenizer path)
   or `None` (no tokenizer at all).
+- `save_truncated_checkpoint(target, folder, num_layers)`: `target`'s first layers only (a
+  draft model for speculative decoding).
 - `PagedRunner`: runs our model step by step over a paged KV cache with random, non-contiguous
   block tables and hand-built AttentionMetadata, the way the engine will.
 """
@@ -122,6 +124,39 @@ def save_tiny_checkpoint(
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     if tokenizer is not None:
         save_tiny_tokenizer(folder, tokenizer)
+    return folder
+
+
+def save_truncated_checkpoint(target: str | Path, folder: str | Path, num_layers: int) -> Path:
+    """A copy of checkpoint `target` keeping only its first `num_layers` decoder layers: a
+    smaller model with the same vocabulary whose predictions often agree with the target's
+    (a speculative draft model)."""
+    from safetensors.torch import load_file, save_file
+
+    target, folder = Path(target), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in target.iterdir():
+        if file.suffix != ".safetensors" and file.is_file():
+            (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(config))
+    for file in target.glob("*.safetensors"):
+        kept = {
+            name: tensor
+            for name, tensor in load_file(file).items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
+        save_file(kept, folder / file.name, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():  # sharded: the index must not name the dropped tensors
+        data = json.loads(index.read_text())
+        data["weight_map"] = {
+            name: shard
+            for name, shard in data["weight_map"].items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+        }
+        index.write_text(json.dumps(data))
     return folder
 
 

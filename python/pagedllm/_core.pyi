@@ -401,6 +401,16 @@ class Scheduler:
         num_draft_tokens [N], draft_token_ids [sum])``, sequences without a proposal left out;
         at most ``num_speculative_tokens`` each, fewer when ``max_tokens`` or the model length
         leaves less room. ``PagedLLMError`` when speculation is off."""
+    def set_drafts(
+        self,
+        seq_ids: _IntArray,
+        num_draft_tokens: _IntArray,
+        draft_token_ids: _IntArray,
+    ) -> tuple[_npt.NDArray[_np.int64], _npt.NDArray[_np.int32], _npt.NDArray[_np.int64]]:
+        """Drafts proposed outside the scheduler (a draft model) for the next step, in
+        ``propose_drafts``'s form; kept for the sequences ``propose_drafts`` would serve, trimmed
+        to their room; returns those kept. ``ValueError`` for inconsistent arrays,
+        ``PagedLLMError`` when speculation is off."""
     @property
     def block_size(self) -> int: ...
     @property

@@ -64,6 +64,7 @@ class KVCachePlanner:
         device: torch.device,
         max_model_len: int,
         max_num_batched_tokens: int,
+        draft=None,
     ) -> None:
         self.args = args
         self.cfg = cfg
@@ -72,16 +73,20 @@ class KVCachePlanner:
         self.device = device
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        # speculative draft model: its cache has a block for each of the target's
+        self.draft = draft
 
     def bytes_per_block(self) -> int:
         cfg = self.cfg
-        return CacheEngine.bytes_per_block(
+        target = CacheEngine.bytes_per_block(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=self.args.block_size,
             dtype=self.dtype,
         )
+        draft = self.draft.bytes_per_block(self.args.block_size) if self.draft else 0
+        return target + draft
 
     def plan(self) -> tuple[int, int]:
         """Device and host block counts; fails if one max_model_len sequence cannot fit."""

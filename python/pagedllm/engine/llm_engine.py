@@ -84,6 +84,7 @@ class LLMEngine:
         # speculative decoding (None: off); checked before the model is loaded
         self.spec = self._spec_decoder(args, generator)
         self.model = load_model(args.model, dtype=self.dtype, device=self.device)
+        draft = self._draft_model()
         # before the KV cache is sized: the adapters' device slots take memory too
         self.lora = self._lora_manager(args)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
@@ -95,6 +96,7 @@ class LLMEngine:
             device=self.device,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            draft=draft,
         ).plan()
         self.cache_engine = CacheEngine(
             num_layers=cfg.num_layers,
@@ -106,6 +108,14 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
+        if draft is not None:
+            draft.allocate_cache(
+                block_size=args.block_size,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                max_num_seqs=args.max_num_seqs,
+            )
+            self.spec.attach_draft(draft)
         self.scheduler = Scheduler(
             block_size=args.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -160,6 +170,17 @@ class LLMEngine:
                 self.model_config.vocab_size, load_model_config(config.model).vocab_size
             )
         return SpecDecoder(config, generator)
+
+    def _draft_model(self):
+        """speculative_config method `draft_model`: the draft checkpoint, loaded like the target."""
+        if self.spec is None or self.spec.config.method != "draft_model":
+            return None
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+        c = self.spec.config
+        return DraftModelProposer(
+            c.model, c.num_speculative_tokens, dtype=self.dtype, device=self.device
+        )
 
     def _lora_manager(self, args: EngineArgs):
         if not args.enable_lora:
@@ -318,8 +339,12 @@ class LLMEngine:
             # structured output: the bitmask fills on its thread while the forward runs
             grammar = self.structured_output.start_fill(step, self.requests)
             inputs = self.runner.prepare_step(step)
+            if self.spec is not None:
+                self.spec.execute_block_ops(step)
             t2 = time.perf_counter()
             logits = self.runner.forward(inputs) if inputs is not None else None
+            if self.spec is not None and inputs is not None:
+                self.spec.mirror(inputs)
             t3 = time.perf_counter()
             faulty = {}
             if logits is not None:
@@ -346,7 +371,7 @@ class LLMEngine:
             # nothing to run but grammars to wait for: wait for one instead of spinning
             self.structured_output.wait_for_compile(timeout=0.05)
         if self.spec is not None:
-            self.spec.propose(self.scheduler)
+            self.spec.propose(self.scheduler, step if sampled is not None else None, self.requests)
         t5 = time.perf_counter()
         self.timings.add((t0, t1, t2, t3, t4, t5))
         self._stats.record(int(step.num_batched_tokens), generated)

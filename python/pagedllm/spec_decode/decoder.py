@@ -5,8 +5,11 @@
   so each decode reserves its drafts' slots as V0 did; `unified` schedules them as V1 does;
 - after the forward: `verify` scores each sample's drafts (`RejectionSampler`) from the logits
   of its `d + 1` positions (`verification_logits_rows`, picked by the model runner);
-- after the update: `propose` asks the scheduler for the next step's drafts
-  (`Scheduler.propose_drafts`, the n-gram proposer in Rust, one call).
+- after the update: `propose` gives the scheduler the next step's drafts: `ngram` asks it
+  (`Scheduler.propose_drafts`, the proposer in Rust, one call); `draft_model` runs the draft
+  (`DraftModelProposer`, attached by the engine with `attach_draft`) and hands them over
+  (`Scheduler.set_drafts`, one call). The draft also mirrors every step's block operations
+  (`execute_block_ops`) and forward (`mirror`) on its own cache.
 
 It also keeps vLLM's counters (`spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
 `spec_decode_num_accepted_tokens`).
@@ -39,11 +42,9 @@ class SpecDecoder:
     }
 
     def __init__(self, config: SpeculativeConfig, generator: torch.Generator | None) -> None:
-        if config.method != "ngram":
-            raise NotImplementedError(
-                f"speculative_config: method {config.method!r} is not available yet; use 'ngram'"
-            )
         self.config = config
+        # draft_model: the draft and its cache (`attach_draft`), None for ngram
+        self.draft = None
         self.rejection_sampler = RejectionSampler(generator)
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -120,9 +121,24 @@ class SpecDecoder:
             self.num_accepted_tokens += int(verified.num_accepted.sum())
         return verified
 
-    def propose(self, scheduler) -> None:
-        """The next step's drafts, kept by the scheduler (one call per step)."""
-        scheduler.propose_drafts()
+    def attach_draft(self, draft) -> None:
+        self.draft = draft
+
+    def execute_block_ops(self, step) -> None:
+        if self.draft is not None:
+            self.draft.execute_block_ops(step)
+
+    def mirror(self, inputs) -> None:
+        if self.draft is not None:
+            self.draft.mirror(inputs)
+
+    def propose(self, scheduler, step=None, requests=None) -> None:
+        """The next step's drafts, kept by the scheduler (one call per step). The draft model
+        proposes for the sequences `step` sampled (`step` None: it ran no forward)."""
+        if self.draft is None:
+            scheduler.propose_drafts()
+        elif step is not None:
+            self.draft.propose(step, requests, scheduler)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -531,6 +531,33 @@ impl PyScheduler {
         )
     }
 
+    /// Drafts proposed by the engine (a draft model) for the next step (one call per step):
+    /// `(seq_ids, num_draft_tokens, draft_token_ids)` as `propose_drafts` returns them; kept
+    /// for the sequences `propose_drafts` would serve, trimmed to their room. Returns the drafts
+    /// kept, in the same form. ValueError for inconsistent arrays, PagedLLMError when
+    /// speculation is off.
+    fn set_drafts<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+        num_draft_tokens: &Bound<'py, PyAny>,
+        draft_token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let (mut seqs, mut counts, mut drafts) = (Vec::new(), Vec::new(), Vec::new());
+        read_i64(seq_ids, "seq_ids", &mut seqs)?;
+        read_i64(num_draft_tokens, "num_draft_tokens", &mut counts)?;
+        read_i64(draft_token_ids, "draft_token_ids", &mut drafts)?;
+        let p = self.inner.set_drafts(&seqs, &counts, &drafts)?;
+        PyTuple::new(
+            py,
+            [
+                PyArray1::from_vec(py, p.seq_ids).into_any(),
+                PyArray1::from_vec(py, p.num_draft_tokens).into_any(),
+                PyArray1::from_vec(py, p.draft_token_ids).into_any(),
+            ],
+        )
+    }
+
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
         self.inner

@@ -97,12 +97,51 @@ impl Scheduler {
     /// at most at the limit, never past it), none when no suffix of its history recurs.
     /// Sequences without drafts are not listed.
     pub fn propose_drafts(&mut self) -> Result<DraftProposals> {
-        let Some(cfg) = self.cfg.speculative else {
-            return Err(Error::InvalidState(
-                "speculative decoding is off (no num_speculative_tokens)".into(),
-            ));
-        };
+        let cfg = self.speculative_config()?;
+        Ok(self.collect_drafts(|tokens, _, k, out| propose_ngram(tokens, &cfg, k, out)))
+    }
+
+    /// Keeps drafts proposed outside the scheduler (a draft model run by the engine) for the
+    /// next `schedule()`, replacing any not yet scheduled: sequence `seq_ids[i]` proposes
+    /// `num_draft_tokens[i]` tokens, its run of `draft_token_ids` (runs in order). Only the
+    /// sequences `propose_drafts` would serve keep theirs, trimmed to the same room (at most
+    /// `num_speculative_tokens`); others (finished, forking, constrained, not decoding next)
+    /// are dropped. Returns the drafts kept.
+    pub fn set_drafts(
+        &mut self,
+        seq_ids: &[i64],
+        num_draft_tokens: &[i64],
+        draft_token_ids: &[i64],
+    ) -> Result<DraftProposals> {
+        self.speculative_config()?;
+        let runs = draft_runs(seq_ids, num_draft_tokens, draft_token_ids)?;
+        Ok(self.collect_drafts(|_, seq, k, out| {
+            let Some(&(offset, count)) = runs.get(&seq) else {
+                return 0;
+            };
+            let n = count.min(k);
+            let run = &draft_token_ids[offset..offset + n];
+            out.extend(run.iter().map(|&t| t as TokenId));
+            n
+        }))
+    }
+
+    fn speculative_config(&self) -> Result<crate::spec::NgramConfig> {
+        self.cfg.speculative.ok_or_else(|| {
+            Error::InvalidState("speculative decoding is off (no num_speculative_tokens)".into())
+        })
+    }
+
+    /// Drafts from `propose(tokens, seq, k, out)` (appends at most `k`, returns how many) for
+    /// every unfinished sequence of `running` that decodes one token next step, kept for the
+    /// next `schedule()`. A constrained or forking request gets none; `k` is trimmed to the
+    /// sequence's room (`draft_room`).
+    fn collect_drafts(
+        &mut self,
+        mut propose: impl FnMut(&[TokenId], SeqId, usize, &mut Vec<TokenId>) -> usize,
+    ) -> DraftProposals {
         let max_len = self.cfg.max_seq_len();
+        let max_k = self.cfg.speculative.map_or(0, |c| c.num_speculative_tokens);
         let mut out = DraftProposals::default();
         let spec = &mut self.spec;
         spec.pending.clear();
@@ -119,9 +158,13 @@ impl Scheduler {
                     continue;
                 }
                 let room = draft_room(req, s.tokens.len(), max_len);
-                let k = cfg.num_speculative_tokens.min(room);
+                let k = max_k.min(room);
                 let offset = spec.tokens.len();
-                let n = propose_ngram(&s.tokens, &cfg, k, &mut spec.tokens);
+                let n = if k == 0 {
+                    0
+                } else {
+                    propose(&s.tokens, s.id, k, &mut spec.tokens)
+                };
                 if n == 0 {
                     continue;
                 }
@@ -132,7 +175,7 @@ impl Scheduler {
                     .extend(spec.tokens[offset..].iter().map(|&t| t as i64));
             }
         }
-        Ok(out)
+        out
     }
 
     /// The fast path of a step with drafts, over `running[i..]` within `left` tokens: a
@@ -417,6 +460,47 @@ fn append_run(
         }
     }
     None
+}
+
+/// Sequence id -> (offset, count) of its run in `draft_token_ids`, the arrays checked.
+fn draft_runs(
+    seq_ids: &[i64],
+    num_draft_tokens: &[i64],
+    draft_token_ids: &[i64],
+) -> Result<HashMap<SeqId, (usize, usize), IdBuildHasher>> {
+    if seq_ids.len() != num_draft_tokens.len() {
+        return Err(Error::InvalidArgument(format!(
+            "set_drafts: {} seq_ids but {} num_draft_tokens",
+            seq_ids.len(),
+            num_draft_tokens.len()
+        )));
+    }
+    if let Some(&t) = draft_token_ids
+        .iter()
+        .find(|&&t| t < 0 || t > TokenId::MAX as i64)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "set_drafts: draft token id {t} is out of range"
+        )));
+    }
+    let mut runs = HashMap::with_capacity_and_hasher(seq_ids.len(), IdBuildHasher::default());
+    let mut offset = 0usize;
+    for (&seq, &count) in seq_ids.iter().zip(num_draft_tokens) {
+        if seq < 0 || count < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "set_drafts: seq id {seq} with {count} drafts (both must be >= 0)"
+            )));
+        }
+        runs.insert(seq as SeqId, (offset, count as usize));
+        offset += count as usize;
+    }
+    if offset != draft_token_ids.len() {
+        return Err(Error::InvalidArgument(format!(
+            "set_drafts: num_draft_tokens sum to {offset}, {} draft_token_ids given",
+            draft_token_ids.len()
+        )));
+    }
+    Ok(runs)
 }
 
 /// Drafts a sequence of `len` tokens of `req` may usefully take: a step with `d` drafts yields

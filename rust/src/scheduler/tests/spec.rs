@@ -86,6 +86,32 @@ fn drafts_are_trimmed_to_max_tokens_and_model_length() {
     assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4]);
 }
 
+#[test]
+fn set_drafts_keeps_decoding_sequences_trimmed_to_their_room() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    add(&mut s, "a", vec![1, 2, 3], 16);
+    add(&mut s, "b", vec![7, 8, 9], 3);
+    step(&mut s, 2);
+    // seq 0 ("a") takes 3 of its 4, seq 1 ("b", 1 of max 3 generated) room for 1; seq 9 unknown
+    let p = s
+        .set_drafts(&[0, 1, 9], &[4, 2, 1], &[10, 11, 12, 13, 20, 21, 30])
+        .unwrap();
+    assert_eq!(p.seq_ids, vec![0, 1]);
+    assert_eq!(p.num_draft_tokens, vec![3, 1]);
+    assert_eq!(p.draft_token_ids, vec![10, 11, 12, 20]);
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(out.num_batched_tokens, 2 + 3 + 1);
+}
+
+#[test]
+fn set_drafts_rejects_inconsistent_arrays() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    assert!(s.set_drafts(&[0], &[2], &[1]).is_err());
+    assert!(s.set_drafts(&[0, 1], &[1], &[1]).is_err());
+    assert!(s.set_drafts(&[0], &[1], &[-1]).is_err());
+    assert!(sched(None).set_drafts(&[], &[], &[]).is_err());
+}
+
 /// A request decoding `1 2 3 4 5 1 | 2` with drafts `3 4 5` proposed.
 fn drafted(caching: bool) -> Scheduler {
     let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));

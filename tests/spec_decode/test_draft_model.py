@@ -1,0 +1,159 @@
+"""The `draft_model` method end to end: a draft identical to the target accepts every greedy
+draft; a smaller draft with the target's vocabulary (the target's first layer; or a narrower
+model whose KV cache has another shape) leaves greedy outputs unchanged, with prefix caching on
+and off, under recompute and swap preemption and for n > 1; no block is leaked; a bad draft
+checkpoint is refused at construction."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+from model_factory import save_tiny_checkpoint, save_truncated_checkpoint
+
+MAX_NEW = 12
+PROMPTS = [
+    [5, 17, 99, 3] * 3,
+    list(range(20, 41)),
+    [7] * 9 + [11, 12, 13],
+    [9, 8, 7, 6, 9, 8, 7],
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target folder, smaller draft folder, greedy outputs of the target without speculation);
+    the draft is the target's first layer: it agrees with the target on some tokens only."""
+    target = save_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=3)
+    draft = save_truncated_checkpoint(target, tmp_path_factory.mktemp("draft"), 1)
+    _, outs = generate(target, None)
+    return target, draft, [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def narrow_draft(tmp_path_factory):
+    """One layer, narrower, fewer KV heads, other weights: a draft cache of another shape."""
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("narrow"),
+        "llama",
+        seed=5,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+
+
+def spec(draft, k=3):
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def generate(folder, speculative_config, *, n=1, **engine_kwargs):
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        speculative_config=speculative_config,
+        **engine_kwargs,
+    )
+    params = SamplingParams(n=n, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return llm, outs
+
+
+def token_ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_ran_clean(llm, *, partly_accepted=False) -> dict:
+    """Drafts were verified (`partly_accepted`: some accepted, some rejected); every block went
+    back; invariants hold."""
+    stats = llm.llm_engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if partly_accepted:
+        accepted = stats["spec_decode_num_accepted_tokens"]
+        assert 0 < accepted < stats["spec_decode_num_draft_tokens"]
+    llm.llm_engine.scheduler.check_invariants()
+    assert llm.llm_engine.scheduler.get_stats()["num_running"] == 0
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    return stats
+
+
+def test_self_draft_accepts_every_greedy_draft(models):
+    target, _, expected = models
+    llm, outs = generate(target, spec(target))
+    assert token_ids(outs) == expected
+    stats = assert_ran_clean(llm)
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_smaller_draft_keeps_greedy_outputs(models, prefix_caching):
+    target, draft, expected = models
+    llm, outs = generate(target, spec(draft), enable_prefix_caching=prefix_caching)
+    assert token_ids(outs) == expected
+    assert_ran_clean(llm, partly_accepted=True)
+
+
+def test_draft_with_another_cache_shape_keeps_greedy_outputs(models, narrow_draft):
+    target, _, expected = models
+    llm, outs = generate(target, spec(narrow_draft, k=2))
+    assert token_ids(outs) == expected
+    assert_ran_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_smaller_draft_keeps_greedy_outputs_under_preemption(models, mode):
+    target, draft, expected = models
+    # 4 requests of up to 24 + 15 tokens in 24 blocks of 4: decodes run out and preempt
+    llm, outs = generate(
+        target, spec(draft), num_gpu_blocks=24, max_model_len=64, preemption_mode=mode
+    )
+    assert token_ids(outs) == expected
+    stats = assert_ran_clean(llm, partly_accepted=True)
+    assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_self_draft_under_preemption_still_accepts_everything(models, mode):
+    # the draft's cache follows the target's through recompute and swap: its KV stays exact
+    target, _, expected = models
+    llm, outs = generate(
+        target, spec(target), num_gpu_blocks=24, max_model_len=64, preemption_mode=mode
+    )
+    assert token_ids(outs) == expected
+    stats = assert_ran_clean(llm)
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+def test_smaller_draft_with_n_above_one(models):
+    target, draft, expected = models
+    llm, outs = generate(target, spec(draft), n=2)
+    assert token_ids(outs) == [[e[0], e[0]] for e in expected]
+    assert_ran_clean(llm, partly_accepted=True)
+
+
+def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
+    target, _, _ = models
+    other = save_tiny_checkpoint(tmp_path / "other", "llama", seed=1, vocab_size=400)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(target), dtype="float32", device="cpu", speculative_config=spec(other))
+
+
+def test_missing_draft_folder_is_refused(models, tmp_path):
+    target, _, _ = models
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(target), dtype="float32", device="cpu", speculative_config=spec(tmp_path / "no"))
+
+
+def test_self_draft_with_n_above_one_accepts_everything(models):
+    # forked samples share the prompt's blocks, then copy on write: the draft's blocks too
+    target, _, expected = models
+    llm, outs = generate(target, spec(target), n=2)
+    assert token_ids(outs) == [[e[0], e[0]] for e in expected]
+    stats = assert_ran_clean(llm)
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
