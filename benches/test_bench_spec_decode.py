@@ -8,7 +8,8 @@ and without n-gram speculation.
    part is `schedule()` alone. `test_pagedllm_spec_step` times the whole scheduling side of a
    speculative step: `propose_drafts` + `schedule` + `update_from_output(num_tokens=...)`.
 2. End to end, the built-in CPU model, greedy: prompts that repeat their own text (a 16-token
-   passage repeated, as an edit of code repeats it), with and without speculation. Reported in
+   passage repeated, as an edit of code repeats it), with and without speculation (n-gram, and
+   the built-in model as its own draft model: the draft-model method's upper bound). Reported in
    `extra_info`: target forwards (engine steps) per output token of a single request, acceptance
    rate, mean accepted length, tokens/s of a batch.
 
@@ -96,6 +97,8 @@ def test_pagedllm_spec_step(benchmark, caching):
 
 PASSAGE, REPEATS, OUTPUT_LEN, BATCH = 16, 6, 64, 8
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4}
+# the draft-model method's bound: the target as its own draft (every greedy draft accepted)
+SELF_DRAFT = {"method": "draft_model", "model": "pagedllm/tiny-random", "num_speculative_tokens": K}
 
 
 def repeating_prompts(vocab: int, count: int) -> list[dict]:
@@ -106,7 +109,7 @@ def repeating_prompts(vocab: int, count: int) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [None, NGRAM, SELF_DRAFT], ids=["plain", "ngram", "self_draft"])
 def test_cpu_generate_repeating_text(benchmark, spec):
     # one torch thread: on the shared 2-core machine extra threads spin and skew small GEMMs
     llm = LLM(device="cpu", max_model_len=512, speculative_config=spec, cpu_threads=1)
