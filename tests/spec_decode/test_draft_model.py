@@ -157,3 +157,20 @@ def test_self_draft_with_n_above_one_accepts_everything(models):
     assert token_ids(outs) == [[e[0], e[0]] for e in expected]
     stats = assert_ran_clean(llm)
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+def test_seeded_sampling_with_a_draft_repeats(models):
+    # random requests verify the draft model's greedy drafts by rejection sampling (q a point
+    # mass); a seeded request repeats exactly, and every block goes back
+    target, draft, _ = models
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(
+            str(target), dtype="float32", device="cpu", block_size=4, speculative_config=spec(draft)
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs.append(token_ids(outs))
+        assert all(len(t[0]) == MAX_NEW for t in runs[-1])
+        assert_ran_clean(llm)
+    assert runs[0] == runs[1]
