@@ -59,7 +59,8 @@ def store_and_attend(
     slots, query_start_loc, seq_lens, block_tables = arrays
     kc, vc = _numpy(k_cache), _numpy(v_cache)
     _core.cpu_store_kvcache(_numpy(k), _numpy(v), kc, vc, slots)
-    out = torch.empty(q.shape, dtype=torch.float32)
+    # allocated on the numpy side and shared with torch: no dispatcher ops for the bridge
+    out = np.empty(q.shape, dtype=np.float32)
     _core.cpu_paged_attention(
         _numpy(q),
         kc,
@@ -68,7 +69,7 @@ def store_and_attend(
         seq_lens,
         block_tables,
         scale,
-        out.numpy(),
+        out,
         torch.get_num_threads(),
     )
-    return out
+    return torch.from_numpy(out)
