@@ -174,3 +174,26 @@ def test_seeded_sampling_with_a_draft_repeats(models):
         assert all(len(t[0]) == MAX_NEW for t in runs[-1])
         assert_ran_clean(llm)
     assert runs[0] == runs[1]
+
+
+def test_a_failed_proposal_costs_only_that_steps_drafts(models, monkeypatch):
+    target, draft, expected = models
+    llm = LLM(
+        str(target), dtype="float32", device="cpu", block_size=4, speculative_config=spec(draft)
+    )
+    proposer = llm.llm_engine.spec.draft
+    calls = {"n": 0}
+    propose = proposer.propose
+
+    def failing_every_other(*args):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("injected draft failure")
+        return propose(*args)
+
+    monkeypatch.setattr(proposer, "propose", failing_every_other)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert calls["n"] > 2
+    assert_ran_clean(llm)

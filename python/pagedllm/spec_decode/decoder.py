@@ -17,6 +17,7 @@ It also keeps vLLM's counters (`spec_decode_num_drafts`, `spec_decode_num_draft_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,6 +27,8 @@ from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.metadata import verification_rows
 from pagedllm.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
+
+logger = logging.getLogger("pagedllm")
 
 
 def has_drafts(step) -> bool:
@@ -138,7 +141,13 @@ class SpecDecoder:
         if self.draft is None:
             scheduler.propose_drafts()
         elif step is not None:
-            self.draft.propose(step, requests, scheduler)
+            try:
+                self.draft.propose(step, requests, scheduler)
+            except Exception:
+                # the step's tokens are already applied: a failed proposal costs only this
+                # step's drafts (the next step decodes without them), never the step's outputs
+                logger.exception("speculative decoding: the draft model's proposal failed")
+                scheduler.set_drafts([], [], [])
 
     def stats(self) -> dict[str, int]:
         return {
