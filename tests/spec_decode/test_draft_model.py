@@ -169,8 +169,8 @@ def test_seeded_sampling_with_a_draft_repeats(models):
         llm = LLM(
             str(target), dtype="float32", device="cpu", block_size=4, speculative_config=spec(draft)
         )
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        runs.append(token_ids(outs))
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+        runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
         assert all(len(t[0]) == MAX_NEW for t in runs[-1])
         assert_ran_clean(llm)
     assert runs[0] == runs[1]
