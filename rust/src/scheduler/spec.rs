@@ -25,6 +25,7 @@ use super::output::{FinishedSeq, StepOutput};
 use super::plan::sync_mirror;
 use super::record::record;
 use super::request::{GrammarState, Request, RequestStatus};
+use super::step::check_token_ids;
 use super::stop::FinishReason;
 use super::update::{finish_seq, grow_tokens};
 use super::Scheduler;
@@ -410,16 +411,7 @@ impl Scheduler {
                 sampled.len()
             )));
         }
-        if let Some(i) = sampled
-            .iter()
-            .position(|&t| t < 0 || t > TokenId::MAX as i64)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "sampled_token_ids[{i}] = {} is not a valid token id",
-                sampled[i]
-            )));
-        }
-        Ok(())
+        check_token_ids(sampled)
     }
 }
 

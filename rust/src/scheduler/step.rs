@@ -82,21 +82,7 @@ impl StepLedger {
                 )));
             }
         }
-        // A valid id (0..=TokenId::MAX, a u32) has no bit above the low 32 as a u64; a
-        // negative one has them all. One branch-free OR over the samples; the first bad one
-        // is looked for only if there is one.
-        const HIGH: u64 = !(TokenId::MAX as u64);
-        if sampled.iter().fold(0u64, |acc, &t| acc | t as u64) & HIGH != 0 {
-            if let Some(i) = sampled
-                .iter()
-                .position(|&t| t < 0 || t > TokenId::MAX as i64)
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "sampled_token_ids[{i}] = {} is not a valid token id",
-                    sampled[i]
-                )));
-            }
-        }
+        check_token_ids(sampled)?;
         self.awaiting_update = false;
         self.step_open = false;
         Ok(())
@@ -124,5 +110,25 @@ impl StepLedger {
         self.gens.clear();
         self.seq_index.clear();
         Ok(())
+    }
+}
+
+/// Every sampled id is a valid token id (0..=TokenId::MAX). A valid id has no bit above the
+/// low 32 as a u64 and a negative one has them all: one branch-free OR over the samples, and
+/// the first bad one is looked for only if there is one.
+pub(super) fn check_token_ids(sampled: &[i64]) -> Result<()> {
+    const HIGH: u64 = !(TokenId::MAX as u64);
+    if sampled.iter().fold(0u64, |acc, &t| acc | t as u64) & HIGH == 0 {
+        return Ok(());
+    }
+    match sampled
+        .iter()
+        .position(|&t| t < 0 || t > TokenId::MAX as i64)
+    {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "sampled_token_ids[{i}] = {} is not a valid token id",
+            sampled[i]
+        ))),
+        None => Ok(()),
     }
 }
