@@ -27,7 +27,7 @@ use super::record::record;
 use super::request::{GrammarState, Request, RequestStatus};
 use super::step::check_token_ids;
 use super::stop::FinishReason;
-use super::update::{finish_seq, grow_tokens};
+use super::update::{finish_seq, push_token};
 use super::Scheduler;
 
 /// The drafts of one `propose_drafts` call, as flat arrays: sequence `seq_ids[i]` got
@@ -438,12 +438,7 @@ fn append_run(
     let s = &mut req.seqs[idx];
     for (j, &t) in run.iter().enumerate() {
         let token = t as TokenId;
-        if s.tokens.len() == s.tokens.capacity() {
-            grow_tokens(&mut s.tokens);
-        }
-        s.tokens.push(token);
-        s.last_token = token;
-        let total = s.tokens.len();
+        let total = push_token(s, token);
         if hit && j + 1 == run.len() {
             return Some((FinishReason::Stop, None));
         }

@@ -7,7 +7,7 @@ use crate::kv::KvCacheManager;
 
 use super::output::FinishedSeq;
 use super::queue::Queues;
-use super::request::{Request, RequestStatus, Seqs};
+use super::request::{Request, RequestStatus, Seqs, Sequence};
 use super::stop::FinishReason;
 use super::Scheduler;
 
@@ -68,12 +68,7 @@ impl Scheduler {
                 continue;
             }
             let token = token as TokenId;
-            if seq.tokens.len() == seq.tokens.capacity() {
-                grow_tokens(&mut seq.tokens);
-            }
-            seq.tokens.push(token);
-            seq.last_token = token;
-            let total = seq.tokens.len();
+            let total = push_token(seq, token);
             let hit = stop_hit.is_some_and(|s| s[i]);
             // Common case: no rule can fire yet; skips the stop parameters' cache line.
             if !hit && total < req.quiet_until {
@@ -128,11 +123,22 @@ impl Scheduler {
     }
 }
 
-/// Room for one more token (as `push` would grow it), out of line: the update loop then has
-/// no call on its common path.
+/// Appends a sampled token to `seq` (its history and its last token); returns its length.
+/// Growth is out of line, so the update loops have no call on their common path.
+#[inline(always)]
+pub(super) fn push_token(seq: &mut Sequence, token: TokenId) -> usize {
+    if seq.tokens.len() == seq.tokens.capacity() {
+        grow_tokens(&mut seq.tokens);
+    }
+    seq.tokens.push(token);
+    seq.last_token = token;
+    seq.tokens.len()
+}
+
+/// Room for one more token (as `push` would grow it), out of line.
 #[cold]
 #[inline(never)]
-pub(super) fn grow_tokens(tokens: &mut Vec<TokenId>) {
+fn grow_tokens(tokens: &mut Vec<TokenId>) {
     tokens.reserve(1);
 }
 
