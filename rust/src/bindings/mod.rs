@@ -9,6 +9,7 @@ mod kv_args;
 mod kv_types;
 mod manager;
 mod scheduler;
+mod scheduler_args;
 mod step_output;
 
 #[pymodule]

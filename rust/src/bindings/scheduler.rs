@@ -1,23 +1,21 @@
-//! Python face of the scheduler: `Scheduler` (the step arrays are `step_output.rs`'s).
+//! Python face of the scheduler: `Scheduler` (the step arrays are `step_output.rs`'s,
+//! its arguments and knobs `scheduler_args.rs`'s).
 //!
-//! Arguments are checked by `convert.rs` (integers against their Rust types, token ids
-//! strictly as integers); sampled tokens come back through the buffer protocol (an int64
-//! numpy array is read without conversion).
+//! Sampled tokens come back through the buffer protocol (an int64 numpy array is read without
+//! conversion).
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use super::convert::{read_flags, read_i64, wall_clock, IntArg, I64_RANGE};
+use super::convert::{read_flags, read_i64, wall_clock, IntArg};
 use super::errors::{non_negative, PagedLLMError};
+use super::scheduler_args::{ngram_config, request_id_str, RequestArgs};
 use super::step_output::PySchedulerOutput;
-use crate::ids::TokenId;
 use crate::kv::CacheConfig;
 use crate::scheduler::{
-    defaults, Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StepOutput,
-    StopParams, Strategy,
+    defaults, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput, Strategy,
 };
-use crate::spec::NgramConfig;
 
 /// The scheduler of SPEC §4, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -225,80 +223,23 @@ impl PyScheduler {
         lora_id: IntArg<'_>,
         structured_output: bool,
     ) -> PyResult<()> {
-        let request_id = request_id.downcast::<PyString>().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "request_id must be a str, got {} {}",
-                request_id
-                    .get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default(),
-                request_id.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        })?;
+        let request_id = request_id_str(request_id)?;
         let id = request_id.to_str()?;
-        let named = |m: String| PyValueError::new_err(format!("request {id:?}: {m}"));
-        let token = |t: i64, what: &str| {
-            TokenId::try_from(t).map_err(|_| named(format!("{what} {t} is not a valid token id")))
-        };
-        // n < 1 passes here and is refused by the core with its own message
-        let max_seqs = self.inner.config().max_num_seqs as i128;
-        let n = n.get(id, "n", (I64_RANGE.0, max_seqs), " (max_num_seqs)")?;
-        let count = |arg: IntArg<'_>, what: &str, lo: i128| {
-            arg.get(id, what, (lo, I64_RANGE.1), "").map(|v| v as usize)
-        };
-        let max_tokens = count(max_tokens, "max_tokens", 1)?;
-        let min_tokens = count(min_tokens, "min_tokens", 0)?;
-        let priority = priority.get(id, "priority", I64_RANGE, "")? as i64;
-        let extra_key = extra_key.get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
-        // i64 range: the step output reports adapters as int64.
-        let lora_id = lora_id.get(id, "lora_id", (0, I64_RANGE.1), "")? as u64;
-        let eos_token_id = eos_token_id
-            .map(|t| {
-                t.get(
-                    id,
-                    "eos_token_id",
-                    (0, TokenId::MAX as i128),
-                    " (a token id)",
-                )
-            })
-            .transpose()?
-            .map(|t| t as TokenId);
-        let mut raw = Vec::new();
-        read_i64(
-            prompt_token_ids,
-            &format!("request {id:?}: prompt_token_ids"),
-            &mut raw,
-        )?;
-        let prompt = raw
-            .iter()
-            .map(|&t| token(t, "prompt token"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let stop_ids = match stop_token_ids {
-            None => Vec::new(),
-            Some(obj) => {
-                read_i64(obj, &format!("request {id:?}: stop_token_ids"), &mut raw)?;
-                raw.iter()
-                    .map(|&t| token(t, "stop token"))
-                    .collect::<PyResult<Vec<_>>>()?
-            }
-        };
-        let params = RequestParams {
-            prompt,
-            n: usize::try_from(n).unwrap_or(0),
+        let args = RequestArgs {
+            n,
             priority,
-            arrival_time: arrival_time.unwrap_or_else(wall_clock),
-            stop: StopParams {
-                max_tokens,
-                min_tokens,
-                eos_token_id,
-                stop_token_ids: stop_ids,
-                ignore_eos,
-            },
+            arrival_time,
+            max_tokens,
+            min_tokens,
+            eos_token_id,
+            stop_token_ids,
+            ignore_eos,
             extra_key,
             lora_id,
             structured_output,
         };
+        let max_num_seqs = self.inner.config().max_num_seqs;
+        let params = args.into_params(id, prompt_token_ids, max_num_seqs)?;
         let h = self.inner.add_request(id, params)? as usize;
         let gen = self.inner.slot_generation(h as u32);
         let entry = (gen, request_id.clone().unbind());
@@ -601,75 +542,7 @@ impl PyScheduler {
     }
 }
 
-/// The n-gram proposer's configuration from the constructor's arguments: off for
-/// `num_speculative_tokens = 0`; a lookup bound not given takes the other's value (both
-/// missing: 4 and 1).
-fn ngram_config(
-    k: i64,
-    lookup_max: Option<i64>,
-    lookup_min: Option<i64>,
-) -> PyResult<Option<NgramConfig>> {
-    let k = non_negative("num_speculative_tokens", k)?;
-    if k == 0 {
-        return Ok(None);
-    }
-    let (max, min) = match (lookup_max, lookup_min) {
-        (None, None) => (4, 1),
-        (Some(max), None) => (max, max),
-        (None, Some(min)) => (min, min),
-        (Some(max), Some(min)) => (max, min),
-    };
-    let max = non_negative("prompt_lookup_max", max)?;
-    let min = non_negative("prompt_lookup_min", min)?;
-    Ok(Some(NgramConfig::new(k, max, min)?))
-}
-
-/// Names and defaults of the knobs, read by Python (`EngineArgs`) so they live in one place.
-fn register_knobs(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add(
-        "SCHEDULING_STRATEGIES",
-        PyTuple::new(py, Strategy::ALL.map(Strategy::as_str))?,
-    )?;
-    m.add(
-        "POLICIES",
-        PyTuple::new(py, Policy::ALL.map(Policy::as_str))?,
-    )?;
-    m.add(
-        "PREEMPTION_MODES",
-        PyTuple::new(py, PreemptionMode::ALL.map(PreemptionMode::as_str))?,
-    )?;
-    let d = PyDict::new(py);
-    d.set_item("block_size", defaults::BLOCK_SIZE)?;
-    d.set_item("max_num_seqs", defaults::MAX_NUM_SEQS)?;
-    d.set_item("max_model_len", defaults::MAX_MODEL_LEN)?;
-    d.set_item("scheduling", Strategy::ALL[0].as_str())?;
-    d.set_item("policy", Policy::ALL[0].as_str())?;
-    d.set_item("preemption_mode", PreemptionMode::ALL[0].as_str())?;
-    d.set_item("enable_prefix_caching", defaults::ENABLE_PREFIX_CACHING)?;
-    d.set_item("watermark", defaults::WATERMARK)?;
-    d.set_item(
-        "long_prefill_token_threshold",
-        defaults::LONG_PREFILL_TOKEN_THRESHOLD,
-    )?;
-    d.set_item("num_lookahead_slots", defaults::NUM_LOOKAHEAD_SLOTS)?;
-    d.set_item("delay_factor", defaults::DELAY_FACTOR)?;
-    m.add("DEFAULTS", d)?;
-    Ok(())
-}
-
-/// `max_num_batched_tokens` that `None` stands for under `scheduling` (prefill_first must fit
-/// a whole prompt of `max_model_len`).
-#[pyfunction]
-fn default_max_num_batched_tokens(scheduling: &str, max_model_len: usize) -> PyResult<usize> {
-    Ok(SchedulerConfig::default_batched_tokens(
-        Strategy::parse(scheduling)?,
-        max_model_len,
-    ))
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
-    m.add_function(wrap_pyfunction!(default_max_num_batched_tokens, m)?)?;
-    register_knobs(m)
+    super::scheduler_args::register(m)
 }
