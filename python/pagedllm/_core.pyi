@@ -375,6 +375,12 @@ class Scheduler:
         tokens (its accepted drafts, then the target's token: 1 ..= drafts + 1), appended one by
         one under the stop rules; tokens after a stop are dropped, rejected drafts' blocks are
         given back."""
+    def run_stop_cuts(
+        self, output: SchedulerOutput, sampled_token_ids: _IntArray, num_tokens: _IntArray
+    ) -> _npt.NDArray[_np.int64]:
+        """For a verification step: how many tokens of each sample's run its sequence keeps
+        under the stop rules (EOS or a stop id once ``min_tokens`` are out, the length caps),
+        int64 [K]; ``update_from_output(num_tokens=...)`` cuts the runs at the same place."""
     def discard_step(self, output: SchedulerOutput) -> list[str]:
         """Take back ``output`` (the latest step, before ``update_from_output``) when it could
         not be computed: its requests and the groups it swapped out go back to the head of

@@ -443,7 +443,9 @@ class LLMEngine:
     def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> int:
         """Appends the step's tokens and applies them in the scheduler; returns how many."""
         if isinstance(sampled, VerifiedTokens):
-            appended = self.output_processor.append_runs(step, sampled, touched)
+            tokens = sampled.token_ids.cpu().numpy()
+            cuts = self.scheduler.run_stop_cuts(step, tokens, sampled.num_tokens)
+            appended = self.output_processor.append_runs(step, sampled, tokens, cuts, touched)
         else:
             appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():

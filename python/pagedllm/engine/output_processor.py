@@ -68,13 +68,14 @@ class OutputProcessor:
                 out.stop_strings[(request_id, index)] = stop
         return out
 
-    def append_runs(self, step, verified, touched: dict[str, RequestState]) -> AppendedStep:
-        """`append` for a verification step (`VerifiedTokens`): sample `k` brings a run of
-        tokens, appended one by one; the run ends at a stop token (EOS or a stop id once
-        `min_tokens` are out) or a stop string, as the scheduler's rules end it, and the tokens
-        after it are dropped. Length limits need no cut: drafts are trimmed so that a run reaches
-        `max_tokens` or the model length only at its last token."""
-        tokens = verified.token_ids.cpu().numpy()
+    def append_runs(
+        self, step, verified, tokens, cuts, touched: dict[str, RequestState]
+    ) -> AppendedStep:
+        """`append` for a verification step (`VerifiedTokens`, its token ids as `tokens`):
+        sample `k` brings a run of tokens, appended one by one up to `cuts[k]`, where the
+        scheduler's stop rules end it (`Scheduler.run_stop_cuts`: EOS or a stop id once
+        `min_tokens` are out, the length caps), or up to a stop string; the tokens after the
+        cut are dropped."""
         counts = verified.num_tokens
         logprobs = verified.logprobs.tolists() if verified.logprobs is not None else None
         keep = np.ones(len(tokens), dtype=bool)
@@ -88,18 +89,19 @@ class OutputProcessor:
             request = self.requests[request_id]
             touched[request_id] = request
             seq = request.seqs[index]
-            count = int(counts[k])
-            for j in range(count):
-                token = int(tokens[start + j])
+            count, cut = int(counts[k]), int(cuts[k])
+            for j in range(cut):
                 try:
-                    stop = self._append_token(request, seq, start + j, token, logprobs, now)
+                    stop = self._append_token(
+                        request, seq, start + j, int(tokens[start + j]), logprobs, now
+                    )
                 except Exception as exc:  # this request's fault: it alone ends
                     out.faulty.setdefault(request_id, exc)
                     break
                 if stop is not None:
                     out.stop_hits[k] = True
                     out.stop_strings[(request_id, index)] = stop
-                if stop is not None or request.stops_by_token(seq, token):
+                if stop is not None or j + 1 == cut < count:
                     kept[k] = j + 1
                     keep[start + j + 1 : start + count] = False
                     break

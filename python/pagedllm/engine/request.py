@@ -146,11 +146,6 @@ class RequestState:
             return False
         return token in self.stop.ids
 
-    def stops_by_token(self, seq: SequenceState, token: int) -> bool:
-        """Whether `token`, just appended to `seq`, ends it by the scheduler's token rule (EOS
-        or a stop id, once `min_tokens` are out): a verified run is cut after it."""
-        return token in self.stop.ids and len(seq.token_ids) >= self.params.min_tokens
-
     def output(self) -> RequestOutput:
         seqs = self.seqs
         if len(seqs) > self.params.n:

@@ -349,6 +349,27 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// For a verification step: how many tokens of each sample's run (`num_tokens[k]`
+    /// consecutive tokens of `sampled_token_ids`, as `update_from_output` takes them) its
+    /// sequence keeps under the stop rules (EOS or a stop id once `min_tokens` are out, the
+    /// length caps): int64 [K]. Read before appending text, so tokens after a stop are never
+    /// detokenized; `update_from_output` then cuts the runs at the same place.
+    fn run_stop_cuts<'py>(
+        &self,
+        py: Python<'py>,
+        output: PyRef<'_, PySchedulerOutput>,
+        sampled_token_ids: &Bound<'py, PyAny>,
+        num_tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
+        read_i64(sampled_token_ids, "sampled_token_ids", &mut tokens)?;
+        read_i64(num_tokens, "num_tokens", &mut counts)?;
+        let cuts = self
+            .inner
+            .run_stop_cuts(output.out.step, &tokens, &counts)?;
+        Ok(PyArray1::from_vec(py, cuts))
+    }
+
     /// Marks the grammar of a request added with `structured_output=True` compiled: it is
     /// schedulable from the next `schedule()` on. Returns False for unknown or finished ids
     /// and for a grammar already marked; ValueError for a request without structured output.

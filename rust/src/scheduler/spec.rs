@@ -26,7 +26,7 @@ use super::plan::sync_mirror;
 use super::record::record;
 use super::request::{GrammarState, Request, RequestStatus};
 use super::step::check_token_ids;
-use super::stop::FinishReason;
+use super::stop::{cut_run, FinishReason};
 use super::update::{finish_seq, push_token};
 use super::Scheduler;
 
@@ -385,7 +385,7 @@ impl Scheduler {
 
     /// Checks the runs of an `update_from_output_runs` call against the latest step's drafts
     /// (nothing changes on an error).
-    fn check_runs(&self, sampled: &[i64], num_tokens: &[i64]) -> Result<()> {
+    pub(super) fn check_runs(&self, sampled: &[i64], num_tokens: &[i64]) -> Result<()> {
         let k = self.ledger.handles.len();
         if num_tokens.len() != k {
             return Err(Error::InvalidArgument(format!(
@@ -424,9 +424,9 @@ fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
     })
 }
 
-/// Appends `run` to sequence `idx` of `req` token by token under the stop rules (`hit`: a
-/// stop string ends the run at its last token); returns the finish of the token that
-/// stopped it (tokens after it are not appended), `None` when the whole run is in.
+/// Appends `run` to sequence `idx` of `req` up to the token the stop rules end it at
+/// (`stop::cut_run`; `hit`: a stop string ends the run at its last token); returns that
+/// token's finish, `None` when the whole run is in.
 fn append_run(
     req: &mut Request,
     idx: usize,
@@ -434,19 +434,12 @@ fn append_run(
     hit: bool,
     max_len: usize,
 ) -> Option<(FinishReason, Option<TokenId>)> {
-    let prompt_len = req.prompt_len;
     let s = &mut req.seqs[idx];
-    for (j, &t) in run.iter().enumerate() {
-        let token = t as TokenId;
-        let total = push_token(s, token);
-        if hit && j + 1 == run.len() {
-            return Some((FinishReason::Stop, None));
-        }
-        if let Some(fin) = req.stop.check(token, total - prompt_len, total, max_len) {
-            return Some(fin);
-        }
+    let (kept, fin) = cut_run(&req.stop, req.prompt_len, s.tokens.len(), run, hit, max_len);
+    for &t in &run[..kept] {
+        push_token(s, t as TokenId);
     }
-    None
+    fin
 }
 
 /// Sequence id -> (offset, count) of its run in `draft_token_ids`, the arrays checked.

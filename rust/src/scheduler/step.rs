@@ -49,6 +49,22 @@ impl StepLedger {
         self.step_open = true;
     }
 
+    /// Refuses a step that is not the latest one or whose samples were already applied.
+    pub(super) fn check_latest(&self, step: u64) -> Result<()> {
+        if step != self.step {
+            return Err(Error::InvalidState(format!(
+                "output of step {step} is not the latest (step {})",
+                self.step
+            )));
+        }
+        if !self.awaiting_update && !self.handles.is_empty() {
+            return Err(Error::InvalidState(format!(
+                "the samples of step {step} were already applied"
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks an `update_from_output` call against the latest step and closes the step.
     pub(super) fn close_for_update(
         &mut self,
@@ -56,18 +72,8 @@ impl StepLedger {
         sampled: &[i64],
         stop_hit: Option<&[bool]>,
     ) -> Result<()> {
-        if step != self.step {
-            return Err(Error::InvalidState(format!(
-                "output of step {step} is not the latest (step {})",
-                self.step
-            )));
-        }
+        self.check_latest(step)?;
         let k = self.handles.len();
-        if !self.awaiting_update && k > 0 {
-            return Err(Error::InvalidState(format!(
-                "the samples of step {step} were already applied"
-            )));
-        }
         if sampled.len() != k {
             return Err(Error::InvalidArgument(format!(
                 "sampled_token_ids has {} entries, step {step} has {k} samples",

@@ -1,7 +1,10 @@
 //! Stop rules: when a sequence that just received a token is done (EOS, stop ids, the length
 //! caps), and the length below which none of them can fire (`update_from_output`'s fast
 //! skip). The caller's stop strings arrive as `stop_hit` in `update_from_output`.
+use crate::error::Result;
 use crate::ids::TokenId;
+
+use super::Scheduler;
 
 /// Why a sequence stopped (`CompletionOutput.finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +73,79 @@ impl StopParams {
     }
 }
 
+/// Where the stop rules end a run of tokens appended to a sequence of `len` tokens (`prompt_len`
+/// of them the prompt): the number of tokens kept (through the one that stops it) and that
+/// token's finish; the whole run and `None` when no token stops it. `hit`: a stop string
+/// matched at the run's last token. The one rule both the scheduler's run update and the
+/// engine's text (`Scheduler::run_stop_cuts`) follow.
+pub(crate) fn cut_run(
+    stop: &StopParams,
+    prompt_len: usize,
+    len: usize,
+    run: &[i64],
+    hit: bool,
+    max_len: usize,
+) -> (usize, Option<(FinishReason, Option<TokenId>)>) {
+    for (j, &t) in run.iter().enumerate() {
+        let total = len + j + 1;
+        if hit && j + 1 == run.len() {
+            return (j + 1, Some((FinishReason::Stop, None)));
+        }
+        if let Some(fin) = stop.check(t as TokenId, total - prompt_len, total, max_len) {
+            return (j + 1, Some(fin));
+        }
+    }
+    (run.len(), None)
+}
+
+impl Scheduler {
+    /// How many tokens of each run of the latest step (`num_tokens[k]` tokens of `sampled`
+    /// per sample, as `update_from_output_runs` takes them) its sequence keeps under the stop
+    /// rules (`cut_run`): the engine reads it before appending text, so tokens after a stop are
+    /// never detokenized. A sample whose sequence is gone since the step keeps its count.
+    pub fn run_stop_cuts(
+        &self,
+        step: u64,
+        sampled: &[i64],
+        num_tokens: &[i64],
+    ) -> Result<Vec<i64>> {
+        self.ledger.check_latest(step)?;
+        self.check_runs(sampled, num_tokens)?;
+        let max_len = self.cfg.max_seq_len();
+        let mut start = 0;
+        let mut cuts = Vec::with_capacity(num_tokens.len());
+        for (k, &n) in num_tokens.iter().enumerate() {
+            let run = &sampled[start..start + n as usize];
+            start += n as usize;
+            let (h, gen, idx) = (
+                self.ledger.handles[k],
+                self.ledger.gens[k],
+                self.ledger.seq_index[k] as usize,
+            );
+            let seq = self
+                .store
+                .is_live(h, gen)
+                .then(|| self.store.get(h))
+                .and_then(|req| Some((req, req.seqs.get(idx)?)));
+            cuts.push(match seq {
+                Some((req, s)) => {
+                    cut_run(
+                        &req.stop,
+                        req.prompt_len,
+                        s.tokens.len(),
+                        run,
+                        false,
+                        max_len,
+                    )
+                    .0 as i64
+                }
+                None => n,
+            });
+        }
+        Ok(cuts)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +165,31 @@ mod tests {
         let p = params();
         assert_eq!(p.check(2, 1, 10, 100), None);
         assert_eq!(p.check(2, 2, 10, 100), Some((FinishReason::Stop, None)));
+    }
+
+    #[test]
+    fn a_run_is_cut_at_its_first_stopping_token() {
+        let p = params();
+        // prompt 3, 3 tokens so far (0 generated): EOS 2 is held back until min_tokens = 2
+        assert_eq!(
+            cut_run(&p, 3, 3, &[2, 7, 2, 7], false, 100),
+            (3, Some((FinishReason::Stop, None)))
+        );
+        assert_eq!(
+            cut_run(&p, 3, 3, &[7, 9, 7], false, 100),
+            (2, Some((FinishReason::Stop, Some(9))))
+        );
+        // max_tokens 5 reached at the run's third token
+        assert_eq!(
+            cut_run(&p, 3, 5, &[7, 7, 7, 7], false, 100),
+            (3, Some((FinishReason::Length, None)))
+        );
+        assert_eq!(cut_run(&p, 3, 3, &[7, 7], false, 100), (2, None));
+        // a stop string at the run's last token is its reason, before any token rule
+        assert_eq!(
+            cut_run(&p, 3, 5, &[7, 9], true, 100),
+            (2, Some((FinishReason::Stop, None)))
+        );
     }
 
     #[test]

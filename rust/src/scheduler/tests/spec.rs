@@ -212,6 +212,41 @@ fn a_stop_inside_a_run_drops_the_tokens_after_it() {
 }
 
 #[test]
+fn run_stop_cuts_end_each_run_where_the_update_does() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    let params = RequestParams {
+        prompt: vec![1, 2, 3, 4, 5, 1],
+        n: 1,
+        priority: 0,
+        arrival_time: 0.0,
+        stop: StopParams {
+            max_tokens: 16,
+            stop_token_ids: vec![4],
+            ..StopParams::default()
+        },
+        extra_key: 0,
+        lora_id: 0,
+        structured_output: false,
+    };
+    s.add_request("a", params).unwrap();
+    step(&mut s, 2);
+    s.propose_drafts().unwrap();
+    let out = s.schedule(0.0).unwrap();
+    // the stop id 4 is the run's second token: two kept, and nothing changed by asking
+    let cuts = s.run_stop_cuts(out.step, &[3, 4, 5, 7], &[4]).unwrap();
+    assert_eq!(cuts, vec![2]);
+    assert_eq!(s.run_stop_cuts(out.step, &[3, 5], &[2]).unwrap(), vec![2]);
+    assert!(s.run_stop_cuts(out.step, &[3, 4], &[3]).is_err());
+    assert!(s.run_stop_cuts(out.step + 1, &[3, 4, 5, 7], &[4]).is_err());
+    let fin = s
+        .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
+        .unwrap();
+    assert_eq!((fin.len(), fin[0].stop_reason), (1, Some(4)));
+    // applied: the step's runs can no longer be asked about
+    assert!(s.run_stop_cuts(out.step, &[3, 4, 5, 7], &[4]).is_err());
+}
+
+#[test]
 fn runs_longer_than_the_drafts_are_refused() {
     let mut s = drafted(false);
     let out = s.schedule(0.0).unwrap();
