@@ -53,36 +53,28 @@ impl RequestArgs<'_, '_> {
         prompt_token_ids: &Bound<'_, PyAny>,
         max_num_seqs: usize,
     ) -> PyResult<RequestParams> {
-        let RequestArgs {
-            n,
-            priority,
-            arrival_time,
-            max_tokens,
-            min_tokens,
-            eos_token_id,
-            stop_token_ids,
-            ignore_eos,
-            extra_key,
-            lora_id,
-            structured_output,
-        } = self;
         let named = |m: String| PyValueError::new_err(format!("request {id:?}: {m}"));
         let token = |t: i64, what: &str| {
             TokenId::try_from(t).map_err(|_| named(format!("{what} {t} is not a valid token id")))
         };
         // n < 1 passes here and is refused by the core with its own message
         let max_seqs = max_num_seqs as i128;
-        let n = n.get(id, "n", (I64_RANGE.0, max_seqs), " (max_num_seqs)")?;
+        let n = self
+            .n
+            .get(id, "n", (I64_RANGE.0, max_seqs), " (max_num_seqs)")?;
         let count = |arg: IntArg<'_>, what: &str, lo: i128| {
             arg.get(id, what, (lo, I64_RANGE.1), "").map(|v| v as usize)
         };
-        let max_tokens = count(max_tokens, "max_tokens", 1)?;
-        let min_tokens = count(min_tokens, "min_tokens", 0)?;
-        let priority = priority.get(id, "priority", I64_RANGE, "")? as i64;
-        let extra_key = extra_key.get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
+        let max_tokens = count(self.max_tokens, "max_tokens", 1)?;
+        let min_tokens = count(self.min_tokens, "min_tokens", 0)?;
+        let priority = self.priority.get(id, "priority", I64_RANGE, "")? as i64;
+        let extra_key = self
+            .extra_key
+            .get(id, "extra_key", (0, u64::MAX as i128), "")? as u64;
         // i64 range: the step output reports adapters as int64.
-        let lora_id = lora_id.get(id, "lora_id", (0, I64_RANGE.1), "")? as u64;
-        let eos_token_id = eos_token_id
+        let lora_id = self.lora_id.get(id, "lora_id", (0, I64_RANGE.1), "")? as u64;
+        let eos_token_id = self
+            .eos_token_id
             .map(|t| {
                 t.get(
                     id,
@@ -103,7 +95,7 @@ impl RequestArgs<'_, '_> {
             .iter()
             .map(|&t| token(t, "prompt token"))
             .collect::<PyResult<Vec<_>>>()?;
-        let stop_ids = match stop_token_ids {
+        let stop_ids = match self.stop_token_ids {
             None => Vec::new(),
             Some(obj) => {
                 read_i64(obj, &format!("request {id:?}: stop_token_ids"), &mut raw)?;
@@ -116,17 +108,17 @@ impl RequestArgs<'_, '_> {
             prompt,
             n: usize::try_from(n).unwrap_or(0),
             priority,
-            arrival_time: arrival_time.unwrap_or_else(wall_clock),
+            arrival_time: self.arrival_time.unwrap_or_else(wall_clock),
             stop: StopParams {
                 max_tokens,
                 min_tokens,
                 eos_token_id,
                 stop_token_ids: stop_ids,
-                ignore_eos,
+                ignore_eos: self.ignore_eos,
             },
             extra_key,
             lora_id,
-            structured_output,
+            structured_output: self.structured_output,
         })
     }
 }

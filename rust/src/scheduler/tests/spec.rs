@@ -180,9 +180,8 @@ fn a_run_moves_computed_over_accepted_drafts_and_frees_rejected_blocks() {
     assert!(out.extras.spec_num_draft_tokens.is_empty());
 }
 
-#[test]
-fn a_stop_inside_a_run_drops_the_tokens_after_it() {
-    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+/// Request "a" with stop id `stop`, decoding, its drafts [3, 4, 5] proposed.
+fn drafted_with_stop_id(s: &mut Scheduler, stop: u32) {
     let params = RequestParams {
         prompt: vec![1, 2, 3, 4, 5, 1],
         n: 1,
@@ -190,7 +189,7 @@ fn a_stop_inside_a_run_drops_the_tokens_after_it() {
         arrival_time: 0.0,
         stop: StopParams {
             max_tokens: 16,
-            stop_token_ids: vec![4],
+            stop_token_ids: vec![stop],
             ..StopParams::default()
         },
         extra_key: 0,
@@ -198,8 +197,14 @@ fn a_stop_inside_a_run_drops_the_tokens_after_it() {
         structured_output: false,
     };
     s.add_request("a", params).unwrap();
-    step(&mut s, 2);
+    step(s, 2);
     s.propose_drafts().unwrap();
+}
+
+#[test]
+fn a_stop_inside_a_run_drops_the_tokens_after_it() {
+    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
+    drafted_with_stop_id(&mut s, 4);
     let out = s.schedule(0.0).unwrap();
     let fin = s
         .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
@@ -214,23 +219,7 @@ fn a_stop_inside_a_run_drops_the_tokens_after_it() {
 #[test]
 fn run_stop_cuts_end_each_run_where_the_update_does() {
     let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
-    let params = RequestParams {
-        prompt: vec![1, 2, 3, 4, 5, 1],
-        n: 1,
-        priority: 0,
-        arrival_time: 0.0,
-        stop: StopParams {
-            max_tokens: 16,
-            stop_token_ids: vec![4],
-            ..StopParams::default()
-        },
-        extra_key: 0,
-        lora_id: 0,
-        structured_output: false,
-    };
-    s.add_request("a", params).unwrap();
-    step(&mut s, 2);
-    s.propose_drafts().unwrap();
+    drafted_with_stop_id(&mut s, 4);
     let out = s.schedule(0.0).unwrap();
     // the stop id 4 is the run's second token: two kept, and nothing changed by asking
     let cuts = s.run_stop_cuts(out.step, &[3, 4, 5, 7], &[4]).unwrap();
