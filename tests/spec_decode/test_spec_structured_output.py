@@ -1,5 +1,6 @@
-"""Speculation next to structured output: constrained requests get no drafts (their tokens must
-follow the grammar), and in a step that verifies others' drafts their one row is still masked."""
+"""Speculation next to structured output: in steps that verify drafts, constrained requests'
+positions stay masked by their grammar (their drafts cut to it first; see
+tests/structured_output/test_spec_decode_grammar.py), and free requests are unchanged."""
 
 from __future__ import annotations
 

@@ -371,7 +371,12 @@ class LLMEngine:
             # nothing to run but grammars to wait for: wait for one instead of spinning
             self.structured_output.wait_for_compile(timeout=0.05)
         if self.spec is not None:
-            self.spec.propose(self.scheduler, step if sampled is not None else None, self.requests)
+            self.spec.propose(
+                self.scheduler,
+                step if sampled is not None else None,
+                self.requests,
+                self.structured_output,
+            )
         t5 = time.perf_counter()
         self.timings.add((t0, t1, t2, t3, t4, t5))
         self._stats.record(int(step.num_batched_tokens), generated)
@@ -436,8 +441,8 @@ class LLMEngine:
     def _verify(self, step, logits: torch.Tensor, rows: list[int] | None = None, *, grammar=None):
         """Verifies the drafts of every sample (or only samples `rows`, to find a faulty
         request); `logits` holds each sample's scored positions (see `SpecDecoder.verify`).
-        Constrained samples carry no drafts: `grammar`'s bitmask applies to their one row."""
-        mask = grammar.mask() if grammar is not None else None
+        `grammar`'s bitmask masks every position of a constrained sample."""
+        mask = grammar.verification_mask(rows) if grammar is not None else None
         return self.spec.verify(step, logits, self.requests, rows, mask)
 
     def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> int:
@@ -451,7 +456,7 @@ class LLMEngine:
         for request_id, exc in appended.faulty.items():
             self.faults.end_request(request_id, "output processing", exc)
         if grammar is not None:
-            rejected = self.structured_output.advance(grammar, appended.first_tokens())
+            rejected = self.structured_output.advance(grammar, appended.tokens, appended.num_tokens)
             for request_id, exc in rejected.items():
                 if request_id not in appended.faulty:
                     self.faults.end_request(request_id, "structured output", exc)

@@ -30,12 +30,6 @@ class AppendedStep:
     # speculative decoding: int64 [K] tokens each sample kept of its run (None: one each)
     num_tokens: np.ndarray | None = None
 
-    def first_tokens(self) -> np.ndarray:
-        """int64 [K] each sample's first token (its only one without speculation)."""
-        if self.num_tokens is None:
-            return self.tokens
-        return self.tokens[np.cumsum(self.num_tokens) - self.num_tokens]
-
 
 class OutputProcessor:
     """Appends sampled tokens to the requests of `requests` (the engine's live requests)."""

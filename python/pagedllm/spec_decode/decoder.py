@@ -8,8 +8,9 @@
 - after the update: `propose` gives the scheduler the next step's drafts: `ngram` asks it
   (`Scheduler.propose_drafts`, the proposer in Rust, one call); `draft_model` runs the draft
   (`DraftModelProposer`, attached by the engine with `attach_draft`) and hands them over
-  (`Scheduler.set_drafts`, one call). The draft also mirrors every step's block operations
-  (`execute_block_ops`) and forward (`mirror`) on its own cache.
+  (`Scheduler.set_drafts`, one call). A constrained sequence's drafts are first cut to the
+  prefix its grammar accepts (`StructuredOutputManager.cut_drafts`). The draft also mirrors
+  every step's block operations (`execute_block_ops`) and forward (`mirror`) on its own cache.
 
 It also keeps vLLM's counters (`spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
 `spec_decode_num_accepted_tokens`).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 import numpy as np
 import torch
@@ -74,18 +76,10 @@ class SpecDecoder:
     ) -> VerifiedTokens:
         """Verifies every sample of `step` (or only samples `rows`, to find a faulty request)
         from `logits`, the model runner's [sum(d + 1), V] rows in sample order.
-        `grammar_mask` (structured output, rows = sample indices) applies to constrained
-        samples, which the scheduler gives no drafts: each has one row."""
+        `grammar_mask` (structured output) masks the rows of `logits` scored under a grammar:
+        every position of a constrained sample, so verification judges drafts against, and
+        draws from, the grammar-masked target distribution."""
         d = step.spec_num_draft_tokens[step.sample_rows].astype(np.int64)
-        if grammar_mask is not None:
-            if rows is not None:
-                grammar_mask = grammar_mask.subset(rows)
-            if grammar_mask is not None:
-                sample_d = d if rows is None else d[rows]
-                first_row = np.cumsum(sample_d + 1) - (sample_d + 1)
-                grammar_mask = TokenBitmask(
-                    torch.from_numpy(first_row[grammar_mask.rows.numpy()]), grammar_mask.bits
-                )
         drafts = step.spec_draft_token_ids
         draft_start = np.cumsum(d) - d
         request_ids = step.sample_request_ids
@@ -135,14 +129,22 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.mirror(inputs)
 
-    def propose(self, scheduler, step=None, requests=None) -> None:
-        """The next step's drafts, kept by the scheduler (one call per step). The draft model
-        proposes for the sequences `step` sampled (`step` None: it ran no forward)."""
+    def propose(self, scheduler, step=None, requests=None, grammar=None) -> None:
+        """The next step's drafts, kept by the scheduler (one call per step; a second,
+        `set_drafts`, when `grammar` (the structured-output manager) cuts a constrained
+        sequence's drafts to what its grammar accepts). The draft model proposes for the
+        sequences `step` sampled (`step` None: it ran no forward)."""
+        cut = None
+        if grammar is not None and grammar.live:
+            cut = partial(grammar.cut_drafts, requests=requests)
         if self.draft is None:
-            scheduler.propose_drafts()
+            proposals = scheduler.propose_drafts()
+            kept = cut(proposals) if cut is not None else None
+            if kept is not None:
+                scheduler.set_drafts(*kept)
         elif step is not None:
             try:
-                self.draft.propose(step, requests, scheduler)
+                self.draft.propose(step, requests, scheduler, cut)
             except Exception:
                 # the step's tokens are already applied: a failed proposal costs only this
                 # step's drafts (the next step decodes without them), never the step's outputs

@@ -80,9 +80,11 @@ class DraftModelProposer:
         self.model(input_ids, positions, self.cache.kv_cache, meta)
 
     @torch.inference_mode()
-    def propose(self, step, requests, scheduler) -> None:
+    def propose(self, step, requests, scheduler, cut=None) -> None:
         """Drafts for every sequence `step` sampled that is still running (one
-        `Scheduler.set_drafts` call; the scheduler keeps those of sequences decoding next)."""
+        `Scheduler.set_drafts` call; the scheduler keeps those of sequences decoding next).
+        `cut` (structured output) trims constrained sequences' drafts to what their grammar
+        accepts: it takes and returns the three arrays (None: nothing cut)."""
         seq_ids, rows, tokens = self._candidates(step, requests)
         if not seq_ids:
             scheduler.set_drafts(
@@ -99,7 +101,10 @@ class DraftModelProposer:
             drafts.append(token)
         draft_ids = torch.stack(drafts, dim=1).reshape(-1).cpu().numpy()
         counts = np.full(len(seq_ids), self.k, dtype=np.int64)
-        scheduler.set_drafts(np.array(seq_ids, dtype=np.int64), counts, draft_ids)
+        proposals = (np.array(seq_ids, dtype=np.int64), counts, draft_ids)
+        if cut is not None:
+            proposals = cut(proposals) or proposals
+        scheduler.set_drafts(*proposals)
 
     def _candidates(self, step, requests):
         """(seq ids, step rows, full token lists) of the step's sampled sequences still running,

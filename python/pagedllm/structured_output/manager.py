@@ -10,6 +10,10 @@
   thread (llguidance fills the rows in parallel without the GIL) while the forward pass runs;
   the sampler waits for it (`StepGrammar.mask`) and masks the logits first. After sampling,
   `advance` feeds each matcher its sampled token; a rejected token ends that request.
+- Speculative decoding (`drafts`): a constrained sequence's drafts are cut to the prefix its
+  grammar accepts before the step (`cut_drafts`); a step's constrained sample with `d` drafts
+  gets `d + 1` bitmask rows (its grammar after each draft prefix), and its matcher advances
+  over every token verification kept.
 - A matcher lives on its request (`RequestState.matchers`): preemption (recompute keeps the
   generated tokens, so the matcher is already where the sequence is) and swapping leave it
   as it is, and a finished or aborted request takes it along.
@@ -27,10 +31,12 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling.grammar_mask import TokenBitmask
 from pagedllm.structured_output.compiler import GrammarError, compile_params
+from pagedllm.structured_output.drafts import cut_drafts, mask_rows
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
 
@@ -53,12 +59,23 @@ class FillStats:
 
 class StepGrammar:
     """One step's constrained samples: which (`rows`, indices into the step's samples), their
-    requests and matchers, and the bitmask being filled for them."""
+    requests and matchers, and the bitmask being filled for them: one row each, or with
+    speculation `num_drafts[g] + 1` rows for constrained sample `g` (`num_drafts` [K]: every
+    sample's drafts; None when the step has none)."""
 
-    def __init__(self, rows: list[int], request_ids: list[str], matchers: list, bits, fill):
+    def __init__(
+        self,
+        rows: list[int],
+        request_ids: list[str],
+        matchers: list,
+        bits,
+        fill,
+        num_drafts: np.ndarray | None = None,
+    ):
         self.rows = rows
         self.request_ids = request_ids
         self.matchers = matchers
+        self.num_drafts = num_drafts
         self.bits: torch.Tensor = bits
         self._fill: Future = fill
         self._mask: TokenBitmask | None = None
@@ -72,6 +89,20 @@ class StepGrammar:
             self.wait_s = time.perf_counter() - t0
             self._mask = TokenBitmask(torch.tensor(self.rows, dtype=torch.int64), self.bits)
         return self._mask
+
+    def verification_mask(self, samples: list[int] | None = None) -> TokenBitmask | None:
+        """The mask of a verification step's logits (the `d + 1` positions of each sample, or
+        of `samples` only; None when none of them is constrained), every position of a
+        constrained sample masked by its own row."""
+        mask = self.mask()
+        if self.num_drafts is None:  # one position per sample: the plain mask
+            return mask if samples is None else mask.subset(samples)
+        logit_rows, bit_rows = mask_rows(self.rows, self.num_drafts, samples)
+        if samples is None:
+            return TokenBitmask(torch.from_numpy(logit_rows), mask.bits)
+        if not len(logit_rows):
+            return None
+        return TokenBitmask(torch.from_numpy(logit_rows), mask.bits[torch.from_numpy(bit_rows)])
 
     def settle(self) -> None:
         """Waits for the fill to end, whatever happens to the step (a failed step must not
@@ -101,6 +132,12 @@ class StructuredOutputManager:
         self._pending: dict[str, Future] = {}
         self._inflight: StepGrammar | None = None
         self.live: set[str] = set()  # requests holding matchers
+        # speculation: scheduler sequence id -> (request id, sequence index) of constrained
+        # sequences, learnt from the first step that schedules each request (`_unmapped` until
+        # then), so drafts proposed by sequence id find their matcher
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._seqs_of: dict[str, list[int]] = {}
+        self._unmapped: set[str] = set()
         self.stats = FillStats()
 
     # ---- compiling ----------------------------------------------------------------------------
@@ -187,6 +224,7 @@ class StructuredOutputManager:
                 template = future.result()
                 request.matchers = [template.deep_copy() for _ in request.seqs]
                 self.live.add(request_id)
+                self._unmapped.add(request_id)
             results.append((request_id, exc))
         return results
 
@@ -194,6 +232,9 @@ class StructuredOutputManager:
         """A finished request: forget it (its matchers go with its state)."""
         self.live.discard(request_id)
         self._pending.pop(request_id, None)
+        self._unmapped.discard(request_id)
+        for seq_id in self._seqs_of.pop(request_id, ()):
+            del self._seq_owner[seq_id]
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -202,6 +243,8 @@ class StructuredOutputManager:
         None when it has none."""
         if not self.live:
             return None
+        if self._unmapped and step.num_seqs:
+            self._map_seqs(step, requests)
         rows = step.structured_output_samples.tolist()
         if not rows:
             return None
@@ -211,11 +254,50 @@ class StructuredOutputManager:
         seq_index = step.sample_seq_index
         ids = [request_ids[k] for k in rows]
         matchers = [requests[rid].matchers[seq_index[k]] for rid, k in zip(ids, rows)]
-        bits = self._bitmask(len(rows))
         self._start_filler()
-        fill = self._fill_pool.submit(self._fill, matchers, bits)
-        self._inflight = StepGrammar(rows, ids, matchers, bits, fill)
+        num_drafts = None
+        if len(step.spec_draft_token_ids):
+            num_drafts = step.spec_num_draft_tokens[step.sample_rows].astype(np.int64)
+        if num_drafts is None or not num_drafts[rows].any():
+            bits = self._bitmask(len(rows))
+            fill = self._fill_pool.submit(self._fill, matchers, bits)
+        else:
+            # d + 1 rows per constrained sample: its grammar after each prefix of its drafts
+            d = num_drafts[rows]
+            starts = np.cumsum(num_drafts) - num_drafts
+            drafts = step.spec_draft_token_ids
+            runs = [drafts[starts[k] : starts[k] + n].tolist() for k, n in zip(rows, d.tolist())]
+            bits = self._bitmask(int(d.sum()) + len(rows))
+            fill = self._fill_pool.submit(self._fill_drafts, matchers, runs, bits)
+        self._inflight = StepGrammar(rows, ids, matchers, bits, fill, num_drafts)
         return self._inflight
+
+    def _map_seqs(self, step, requests: dict) -> None:
+        """Learns the sequence ids of constrained requests this step schedules for the first
+        time (a request's sequence ids are consecutive from its first)."""
+        seq_ids = step.seq_ids
+        seq_index = step.seq_index
+        for row, request_id in enumerate(step.request_ids):
+            if request_id not in self._unmapped:
+                continue
+            self._unmapped.discard(request_id)
+            first = int(seq_ids[row]) - int(seq_index[row])
+            ids = [first + i for i in range(len(requests[request_id].matchers))]
+            self._seqs_of[request_id] = ids
+            for i, seq_id in enumerate(ids):
+                self._seq_owner[seq_id] = (request_id, i)
+
+    def cut_drafts(self, proposals, requests: dict):
+        """`proposals` (`Scheduler.propose_drafts`' arrays) with each constrained sequence's
+        drafts cut to the prefix its grammar accepts; None when nothing was cut."""
+        if not self._seq_owner or not len(proposals[0]):
+            return None
+        matchers = {
+            seq_id: requests[request_id].matchers[index]
+            for seq_id, (request_id, index) in self._seq_owner.items()
+            if request_id in requests
+        }
+        return cut_drafts(*proposals, matchers, self._eos_token_ids)
 
     def fill_now(self, matchers: list) -> torch.Tensor:
         """The bitmask of `matchers`, filled on the calling thread (tests, benchmarks)."""
@@ -245,22 +327,53 @@ class StructuredOutputManager:
         )
         self.stats.fill_s += time.perf_counter() - t0
 
-    def advance(self, grammar: StepGrammar, tokens) -> dict[str, Exception]:
-        """Feeds each constrained sample's token (`tokens`: the step's K sampled ids) to its
-        matcher; returns {request id: error} for a matcher that rejected its token."""
-        picked = [int(tokens[k]) for k in grammar.rows]
-        accepted = self._executor.consume_token_par(list(zip(grammar.matchers, picked)))
+    def _fill_drafts(self, matchers: list, runs: list[list[int]], bits: torch.Tensor) -> None:
+        """`_fill` for a step with drafts: matcher g's rows are its mask, then its mask after
+        each prefix of `runs[g]` (llguidance consumes the drafts and rolls them back)."""
+        t0 = time.perf_counter()
+        rows, words = bits.shape
+        first, plain, drafted = 0, [], []
+        for matcher, run in zip(matchers, runs):
+            # llguidance's draft fill takes non-empty runs only
+            if run:
+                drafted.append((matcher, first, run))
+            else:
+                plain.append((matcher, first))
+            first += len(run) + 1
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bits.data_ptr(), words * 4, rows)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            drafted, bits.data_ptr(), words * 4, rows
+        )
+        self.stats.fill_s += time.perf_counter() - t0
+
+    def advance(self, grammar: StepGrammar, tokens, num_tokens=None) -> dict[str, Exception]:
+        """Feeds each constrained sample's tokens to its matcher: `tokens` holds the step's K
+        sampled ids, or with speculation (`num_tokens` [K]) sample k's run of `num_tokens[k]`
+        (the drafts it accepted, then the target's token). Returns {request id: error} for a
+        matcher that rejected a token."""
+        if num_tokens is None or not (np.asarray(num_tokens)[grammar.rows] > 1).any():
+            if num_tokens is not None:
+                tokens = tokens[np.cumsum(num_tokens) - num_tokens]
+            picked = [int(tokens[k]) for k in grammar.rows]
+            accepted = self._executor.consume_token_par(list(zip(grammar.matchers, picked)))
+        else:
+            counts = np.asarray(num_tokens, dtype=np.int64)
+            starts = np.cumsum(counts) - counts
+            picked = [tokens[starts[k] : starts[k] + counts[k]].tolist() for k in grammar.rows]
+            accepted = [m.consume_tokens(run) for m, run in zip(grammar.matchers, picked)]
         stats = self.stats
         stats.steps += 1
-        stats.rows += len(grammar.rows)
+        stats.rows += int(grammar.bits.shape[0])
         stats.wait_s += grammar.wait_s
         faulty: dict[str, Exception] = {}
         for request_id, matcher, token, ok in zip(
             grammar.request_ids, grammar.matchers, picked, accepted
         ):
             if not ok:
+                what = f"tokens {token}" if isinstance(token, list) else f"token {token}"
                 faulty.setdefault(
                     request_id,
-                    GrammarError(f"token {token} broke the grammar: {matcher.get_error()}"),
+                    GrammarError(f"{what} broke the grammar: {matcher.get_error()}"),
                 )
         return faulty

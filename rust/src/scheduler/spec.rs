@@ -24,7 +24,7 @@ use crate::spec::propose_ngram;
 use super::output::{FinishedSeq, StepOutput};
 use super::plan::sync_mirror;
 use super::record::record;
-use super::request::{GrammarState, Request, RequestStatus};
+use super::request::{Request, RequestStatus};
 use super::step::check_token_ids;
 use super::stop::{cut_run, FinishReason};
 use super::update::{finish_seq, push_token};
@@ -102,12 +102,12 @@ impl Scheduler {
         Ok(self.collect_drafts(|tokens, _, k, out| propose_ngram(tokens, &cfg, k, out)))
     }
 
-    /// Keeps drafts proposed outside the scheduler (a draft model run by the engine) for the
-    /// next `schedule()`, replacing any not yet scheduled: sequence `seq_ids[i]` proposes
-    /// `num_draft_tokens[i]` tokens, its run of `draft_token_ids` (runs in order). Only the
-    /// sequences `propose_drafts` would serve keep theirs, trimmed to the same room (at most
-    /// `num_speculative_tokens`); others (finished, forking, constrained, not decoding next)
-    /// are dropped. Returns the drafts kept.
+    /// Keeps drafts proposed outside the scheduler (a draft model run by the engine, or n-gram
+    /// drafts the engine cut to what a grammar accepts) for the next `schedule()`, replacing
+    /// any not yet scheduled: sequence `seq_ids[i]` proposes `num_draft_tokens[i]` tokens, its
+    /// run of `draft_token_ids` (runs in order). Only the sequences `propose_drafts` would
+    /// serve keep theirs, trimmed to the same room (at most `num_speculative_tokens`); others
+    /// (finished, forking, not decoding next) are dropped. Returns the drafts kept.
     pub fn set_drafts(
         &mut self,
         seq_ids: &[i64],
@@ -135,8 +135,9 @@ impl Scheduler {
 
     /// Drafts from `propose(tokens, seq, k, out)` (appends at most `k`, returns how many) for
     /// every unfinished sequence of `running` that decodes one token next step, kept for the
-    /// next `schedule()`. A constrained or forking request gets none; `k` is trimmed to the
-    /// sequence's room (`draft_room`).
+    /// next `schedule()`. A forking request gets none; a constrained one gets them like any
+    /// other, and the engine cuts them to the prefix its grammar accepts (`set_drafts`) before
+    /// the step; `k` is trimmed to the sequence's room (`draft_room`).
     fn collect_drafts(
         &mut self,
         mut propose: impl FnMut(&[TokenId], SeqId, usize, &mut Vec<TokenId>) -> usize,
@@ -149,8 +150,7 @@ impl Scheduler {
         spec.tokens.clear();
         for &h in &self.queues.running {
             let req = self.store.get(h);
-            // a constrained request's tokens must follow its grammar: no drafts for it
-            if req.needs_fork() || req.extras.grammar != GrammarState::Unconstrained {
+            if req.needs_fork() {
                 continue;
             }
             for i in req.active_seqs() {

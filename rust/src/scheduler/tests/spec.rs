@@ -275,7 +275,7 @@ fn the_budget_trims_the_drafts() {
 }
 
 #[test]
-fn constrained_requests_get_no_drafts() {
+fn constrained_requests_get_drafts_for_the_engine_to_check() {
     let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
     let params = RequestParams {
         prompt: vec![1, 2, 3, 4, 5, 1],
@@ -293,7 +293,14 @@ fn constrained_requests_get_no_drafts() {
     s.add_request("a", params).unwrap();
     assert!(s.grammar_ready("a").unwrap());
     step(&mut s, 2);
-    assert!(s.propose_drafts().unwrap().seq_ids.is_empty());
+    // the engine cuts them to what the grammar accepts (set_drafts) before the step
+    let drafts = s.propose_drafts().unwrap();
+    assert_eq!(drafts.seq_ids.len(), 1);
+    assert!(drafts.num_draft_tokens[0] > 0);
+    let kept = s
+        .set_drafts(&drafts.seq_ids, &[1], &drafts.draft_token_ids[..1])
+        .unwrap();
+    assert_eq!(kept.num_draft_tokens, vec![1]);
 }
 
 #[test]
