@@ -11,8 +11,15 @@
 2. Validity: `N_VALID` seeded samples at temperature 1 under a schema with a free string field
    (any content, at most 32 characters so every sample completes), on the byte vocabulary
    (every control byte is one token away): how many parse and validate.
+3. Speculation under the grammar: `SPEC_BATCH` requests under the endless array schema, greedy
+   and at temperature 1 (seeded), with and without n-gram speculation (k = 4) on the built-in
+   model; the prompt shows a few items, so the items the model writes recur. Reported: tokens/s
+   (median of `ROUNDS`, the cases interleaved), target forwards (engine steps) per output token
+   of one request alone, acceptance (accepted / verified drafts), and how many of the drafts
+   proposed for constrained sequences the grammar kept. Greedy outputs must be identical.
 
-Run: python benches/test_bench_structured_output.py  (prints the tables of benches/RESULTS.md)
+Run: python benches/test_bench_structured_output.py  (prints the tables of benches/RESULTS.md;
+  `... speculation` runs part 3 only)
   or python -m pytest benches/test_bench_structured_output.py -s
 """
 
@@ -158,6 +165,70 @@ def validity(llm: LLM, out) -> int:
     return valid
 
 
+SPEC_BATCH, SPEC_LEN = 8, 128
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+ITEMS_PROMPT = (
+    '[{"done": true, "color": "red", "name": "a"}, {"done": false, "color": "blue", '
+    '"name": "bc"}, {"done": true, "color": "green", "name": "d"}] '
+)
+
+
+def speculation(out) -> None:
+    so = StructuredOutputsParams(json=ENDLESS)
+    engines = {
+        name: LLM(device="cpu", max_model_len=512, seed=0, cpu_threads=1, speculative_config=spec)
+        for name, spec in (("constrained", None), ("constrained + ngram", NGRAM))
+    }
+    print(
+        "| sampling | case | tokens/s (batch 8) | forwards per token (alone) | acceptance | "
+        "constrained drafts kept by the grammar |",
+        file=out,
+    )
+    print("| --- | --- | --- | --- | --- | --- |", file=out)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, seed=1, max_tokens=SPEC_LEN, ignore_eos=True,
+            structured_outputs=so,
+        )  # fmt: skip
+        prompts = [f"{ITEMS_PROMPT}{i}:" for i in range(SPEC_BATCH)]
+        times = {name: [] for name in engines}
+        results, row = {}, {}
+        for name, llm in engines.items():
+            engine = llm.llm_engine
+            before = engine.get_stats()["num_steps"]
+            llm.generate(prompts[:1], params, use_tqdm=False)
+            row[name] = (engine.get_stats()["num_steps"] - before) / SPEC_LEN
+        start = {name: dict(llm.llm_engine.get_stats()) for name, llm in engines.items()}
+        cuts = engines["constrained + ngram"].llm_engine.structured_output.draft_cuts
+        cut_start = (cuts.proposed, cuts.kept)
+        for r in range(ROUNDS + 1):  # the first round warms up
+            for name, llm in engines.items():
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+                results[name] = [o.outputs[0].token_ids for o in outs]
+                assert all(len(t) == SPEC_LEN for t in results[name])
+        if temperature == 0.0:
+            assert results["constrained"] == results["constrained + ngram"]
+        for name, llm in engines.items():
+            stats, was = llm.llm_engine.get_stats(), start[name]
+            drafts = stats["spec_decode_num_draft_tokens"] - was["spec_decode_num_draft_tokens"]
+            accepted = (
+                stats["spec_decode_num_accepted_tokens"] - was["spec_decode_num_accepted_tokens"]
+            )
+            rate = f"{accepted / drafts:.2f}" if drafts else "—"
+            kept = "—"
+            if name != "constrained":
+                proposed = cuts.proposed - cut_start[0]
+                kept = f"{cuts.kept - cut_start[1]} of {proposed}"
+            tps = SPEC_BATCH * SPEC_LEN / statistics.median(times[name])
+            print(
+                f"| T={temperature:g} | {name} | {tps:.0f} | {row[name]:.2f} | {rate} | {kept} |",
+                file=out,
+            )
+
+
 def run(out=sys.stdout) -> int:
     byte_llm = LLM(device="cpu", max_model_len=256, max_num_seqs=64, seed=0)
     print(
@@ -179,6 +250,14 @@ def test_bench_structured_output():
     assert run() == N_VALID
 
 
+def test_bench_structured_output_speculation():
+    speculation(sys.stdout)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # see RESULTS.md: a shared 2-core machine
-    run()
+    if sys.argv[1:] == ["speculation"]:
+        speculation(sys.stdout)
+    else:
+        run()
+        speculation(sys.stdout)

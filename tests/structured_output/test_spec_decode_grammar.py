@@ -21,6 +21,7 @@ from pagedllm.sampling_params import SamplingParams as Params
 from pagedllm.spec_decode import RejectionSampler
 from pagedllm.spec_decode.metadata import verification_rows
 from pagedllm.structured_output.drafts import cut_drafts, grammar_valid_prefix, mask_rows
+from pagedllm.structured_output.manager import DraftCuts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": TINY_RANDOM_MODEL, "num_speculative_tokens": 3}
@@ -182,8 +183,10 @@ def test_cut_drafts_trims_constrained_sequences_only(regex_matcher):
     counts = np.array([3, 3, 2])
     drafts = np.array([*ids("axy"), *ids("abq"), *ids("zz")])
     # sequence 5 is constrained: its run "abq" keeps "ab"; 3 and 8 are free
-    kept = cut_drafts(seq_ids, counts, drafts, {5: matcher}, eos)
+    tally = DraftCuts()
+    kept = cut_drafts(seq_ids, counts, drafts, {5: matcher}, eos, tally)
     assert kept is not None
+    assert (tally.proposed, tally.kept) == (3, 2)
     assert kept[0].tolist() == [3, 5, 8]
     assert kept[1].tolist() == [3, 2, 2]
     assert kept[2].tolist() == [*ids("axy"), *ids("ab"), *ids("zz")]

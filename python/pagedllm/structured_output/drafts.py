@@ -38,18 +38,24 @@ def cut_drafts(
     draft_token_ids: np.ndarray,
     matchers: Mapping[int, object],
     eos_token_ids: Collection[int],
+    counts_into=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Drafts in `Scheduler.propose_drafts`' form with each constrained sequence's run
     (`matchers`: sequence id -> its matcher; the other sequences are free) cut to what its
-    grammar accepts; None when nothing was cut (the scheduler's drafts stand as they are)."""
+    grammar accepts; None when nothing was cut (the scheduler's drafts stand as they are).
+    `counts_into` (a `DraftCuts`) adds the constrained drafts proposed and kept."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     counts = np.asarray(num_draft_tokens, dtype=np.int64)
     starts = np.cumsum(counts) - counts
     keep = counts.copy()
     known = np.fromiter(matchers, dtype=np.int64, count=len(matchers))
-    for i in np.flatnonzero(np.isin(seq_ids, known)).tolist():
+    constrained = np.flatnonzero(np.isin(seq_ids, known))
+    for i in constrained.tolist():
         run = draft_token_ids[starts[i] : starts[i] + counts[i]].tolist()
         keep[i] = grammar_valid_prefix(matchers[int(seq_ids[i])], run, eos_token_ids)
+    if counts_into is not None:
+        counts_into.proposed += int(counts[constrained].sum())
+        counts_into.kept += int(keep[constrained].sum())
     if np.array_equal(keep, counts):
         return None
     kept_tokens = _within(counts) < np.repeat(keep, counts)

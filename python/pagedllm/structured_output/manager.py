@@ -57,6 +57,15 @@ class FillStats:
     wait_s: float = 0.0
 
 
+@dataclass
+class DraftCuts:
+    """Constrained sequences' draft tokens, summed over steps: proposed, and kept after the
+    grammar cut them (`cut_drafts`)."""
+
+    proposed: int = 0
+    kept: int = 0
+
+
 class StepGrammar:
     """One step's constrained samples: which (`rows`, indices into the step's samples), their
     requests and matchers, and the bitmask being filled for them: one row each, or with
@@ -139,6 +148,7 @@ class StructuredOutputManager:
         self._seqs_of: dict[str, list[int]] = {}
         self._unmapped: set[str] = set()
         self.stats = FillStats()
+        self.draft_cuts = DraftCuts()
 
     # ---- compiling ----------------------------------------------------------------------------
 
@@ -297,7 +307,7 @@ class StructuredOutputManager:
             for seq_id, (request_id, index) in self._seq_owner.items()
             if request_id in requests
         }
-        return cut_drafts(*proposals, matchers, self._eos_token_ids)
+        return cut_drafts(*proposals, matchers, self._eos_token_ids, self.draft_cuts)
 
     def fill_now(self, matchers: list) -> torch.Tensor:
         """The bitmask of `matchers`, filled on the calling thread (tests, benchmarks)."""
