@@ -99,6 +99,20 @@ def test_greedy_self_draft_keeps_outputs_and_accepts_every_verified_draft(plain_
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
 
+def test_drafts_the_grammar_rejects_are_cut_before_verification():
+    # the prompt's recurring text continues "ab" with "xy", which the regex forbids: the
+    # n-gram proposer offers it, the grammar cuts it, and only what is kept is verified
+    llm = LLM(speculative_config=NGRAM, **ENGINE)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="(ab)+c")
+    )
+    (out,) = llm.generate(["abxyabxyabxyab"], params, use_tqdm=False)
+    assert re.fullmatch("(ab)+c", out.outputs[0].text)
+    cuts = llm.llm_engine.structured_output.draft_cuts
+    assert cuts.proposed > cuts.kept
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] == cuts.kept
+
+
 def test_sampled_constrained_outputs_stay_valid_with_speculation(ngram_run):
     llm, _ = ngram_run
     for seed in range(6):
