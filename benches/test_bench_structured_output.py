@@ -15,8 +15,9 @@
    and at temperature 1 (seeded), with and without n-gram speculation (k = 4) on the built-in
    model; the prompt shows a few items, so the items the model writes recur. Reported: tokens/s
    (median of `ROUNDS`, the cases interleaved), target forwards (engine steps) per output token
-   of one request alone, acceptance (accepted / verified drafts), and how many of the drafts
-   proposed for constrained sequences the grammar kept. Greedy outputs must be identical.
+   of one request alone, acceptance (accepted / verified drafts), how many of the drafts
+   proposed for constrained sequences the grammar kept, and the bitmask fill per step (its
+   rows: d + 1 per constrained sample) on its thread. Greedy outputs must be identical.
 
 Run: python benches/test_bench_structured_output.py  (prints the tables of benches/RESULTS.md;
   `... speculation` runs part 3 only)
@@ -181,10 +182,11 @@ def speculation(out) -> None:
     }
     print(
         "| sampling | case | tokens/s (batch 8) | forwards per token (alone) | acceptance | "
-        "constrained drafts kept by the grammar |",
+        "constrained drafts kept by the grammar | mask rows per step | fill ms/step | "
+        "sampling waited ms/step |",
         file=out,
     )
-    print("| --- | --- | --- | --- | --- | --- |", file=out)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", file=out)
     for temperature in (0.0, 1.0):
         params = SamplingParams(
             temperature=temperature, seed=1, max_tokens=SPEC_LEN, ignore_eos=True,
@@ -199,6 +201,8 @@ def speculation(out) -> None:
             llm.generate(prompts[:1], params, use_tqdm=False)
             row[name] = (engine.get_stats()["num_steps"] - before) / SPEC_LEN
         start = {name: dict(llm.llm_engine.get_stats()) for name, llm in engines.items()}
+        fills = {n: llm.llm_engine.structured_output.stats for n, llm in engines.items()}
+        fill_start = {n: (f.steps, f.rows, f.fill_s, f.wait_s) for n, f in fills.items()}
         cuts = engines["constrained + ngram"].llm_engine.structured_output.draft_cuts
         cut_start = (cuts.proposed, cuts.kept)
         for r in range(ROUNDS + 1):  # the first round warms up
@@ -223,8 +227,12 @@ def speculation(out) -> None:
                 proposed = cuts.proposed - cut_start[0]
                 kept = f"{cuts.kept - cut_start[1]} of {proposed}"
             tps = SPEC_BATCH * SPEC_LEN / statistics.median(times[name])
+            f, (steps, rows, fill_s, wait_s) = fills[name], fill_start[name]
+            steps = f.steps - steps
             print(
-                f"| T={temperature:g} | {name} | {tps:.0f} | {row[name]:.2f} | {rate} | {kept} |",
+                f"| T={temperature:g} | {name} | {tps:.0f} | {row[name]:.2f} | {rate} | {kept} | "
+                f"{(f.rows - rows) / steps:.1f} | {(f.fill_s - fill_s) / steps * 1e3:.3f} | "
+                f"{(f.wait_s - wait_s) / steps * 1e3:.3f} |",
                 file=out,
             )
 
