@@ -143,6 +143,51 @@ def test_constrained_n_samples_each_follow_their_grammar_with_speculation(ngram_
         assert completion.finish_reason == "stop"
 
 
+def test_a_failing_request_in_a_verification_step_leaves_constrained_ones_intact(
+    monkeypatch, plain_greedy
+):
+    # a free request whose sampling always fails joins while the constrained ones verify
+    # drafts: each request's rows are retried alone (the grammar mask cut to them), only the
+    # failing one ends, and the constrained outputs are those of plain greedy decoding
+    from pagedllm.sampling import SamplingMetadata
+
+    build = SamplingMetadata.build
+
+    def failing_build(params, *args, **kwargs):
+        if any(p.seed == 13 for p in params):
+            raise IndexError("injected")
+        return build(params, *args, **kwargs)
+
+    monkeypatch.setattr(SamplingMetadata, "build", failing_build)
+    engine = LLM(speculative_config=NGRAM, **ENGINE).llm_engine
+    verify = engine.spec.verify
+    retried_masks = []
+
+    def recording_verify(step, logits, requests, rows=None, grammar_mask=None):
+        if rows is not None and grammar_mask is not None:
+            retried_masks.append(len(grammar_mask.rows))
+        return verify(step, logits, requests, rows, grammar_mask)
+
+    engine.spec.verify = recording_verify
+    for i, (prompt, params) in enumerate(zip(PROMPTS, constrained())):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+
+    def step():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+
+    while not engine.get_stats()["spec_decode_num_drafts"]:
+        step()
+    engine.add_request("bad", "Hello", SamplingParams(temperature=1.0, seed=13, max_tokens=4))
+    while engine.has_unfinished_requests():
+        step()
+    assert finals["bad"].outputs[0].finish_reason == "abort"
+    assert any(n > 1 for n in retried_masks)  # a constrained sample retried with its drafts
+    outs = [finals[str(i)] for i in range(len(PROMPTS))]
+    assert_valid(outs)
+    assert token_ids(outs) == plain_greedy
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_constrained_requests_with_speculation_match_plain_greedy(mode):
     engine = dict(
