@@ -11,14 +11,17 @@ The workloads cover every strategy, policy and preemption mode (none, recompute,
 caching on and off, lookahead slots, delay factor, aborts, discarded steps, stop tokens and stop
 strings, n > 1, priorities, shared prompts (prefix hits), prompts longer than the model, tiny
 pools that preempt, larger ones with more than 64 decodes per step, and the features the build
-has (LoRA adapters with `max_loras`). Compare builds of the same feature level.
+has (LoRA adapters with `max_loras`; speculative decoding: the `:spec4` workloads propose n-gram
+drafts, or set random ones as a draft model would, before every step and accept a random
+prefix of each row's drafts). Compare builds of the same feature level.
 
 Usage (the build under test is whatever `import pagedllm` finds; the reference is a directory
 holding another build's `pagedllm` package, e.g. an unpacked wheel):
 
     git worktree add /tmp/ref <commit> && cd /tmp/ref && maturin build --release -o /tmp/ref-wheel
     mkdir /tmp/ref-pkg && cd /tmp/ref-pkg && unzip -q /tmp/ref-wheel/*.whl
-    python benches/trace_compare.py --reference /tmp/ref-pkg [--seeds 4] [--large-seeds 2]
+    python benches/trace_compare.py --reference /tmp/ref-pkg [--seeds 4] [--large-seeds 2] \
+        [--spec-seeds 1]
 
 It prints one line per workload family and exits non-zero at the first workload whose traces
 differ, showing the first differing line of each side. `--emit FILE` writes this build's
@@ -52,18 +55,21 @@ class Workload:
     variant: int
     seed: int
     large: bool
+    # draft tokens per sequence and step (speculative decoding); 0 = off
+    spec: int = 0
 
     @property
     def name(self) -> str:
         size = "large" if self.large else "small"
+        spec = f":spec{self.spec}" if self.spec else ""
         return (
             f"{size}:{self.strategy}:{self.policy}:{self.preemption_mode}:"
-            f"caching={self.caching}:v{self.variant}:seed{self.seed}"
+            f"caching={self.caching}:v{self.variant}:seed{self.seed}{spec}"
         )
 
     @staticmethod
     def parse(name: str) -> Workload:
-        size, st, po, mode, caching, v, seed = name.split(":")
+        size, st, po, mode, caching, v, seed, *spec = name.split(":")
         return Workload(
             st,
             po,
@@ -72,6 +78,7 @@ class Workload:
             int(v[1:]),
             int(seed[4:]),
             size == "large",
+            int(spec[0][4:]) if spec else 0,
         )
 
 
@@ -92,18 +99,22 @@ LARGE = [
 ]
 
 
-def workloads(seeds: int, large_seeds: int) -> Iterator[Workload]:
-    from pagedllm._core import POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES
+def workloads(seeds: int, large_seeds: int, spec_seeds: int) -> Iterator[Workload]:
+    from pagedllm._core import POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES, Scheduler
 
-    for st, po, mode, caching in itertools.product(
-        SCHEDULING_STRATEGIES, POLICIES, PREEMPTION_MODES, (True, False)
+    specs = [0]
+    if "num_speculative_tokens" in (Scheduler.__text_signature__ or ""):
+        specs.append(4)
+    for st, po, mode, caching, spec in itertools.product(
+        SCHEDULING_STRATEGIES, POLICIES, PREEMPTION_MODES, (True, False), specs
     ):
+        small, large = (seeds, large_seeds) if spec == 0 else (spec_seeds, spec_seeds)
         for v in range(len(SMALL)):
-            for seed in range(seeds):
-                yield Workload(st, po, mode, caching, v, seed, False)
+            for seed in range(small):
+                yield Workload(st, po, mode, caching, v, seed, False, spec)
         for v in range(len(LARGE)):
-            for seed in range(large_seeds):
-                yield Workload(st, po, mode, caching, v, seed, True)
+            for seed in range(large):
+                yield Workload(st, po, mode, caching, v, seed, True, spec)
 
 
 def _value(x: object) -> object:
@@ -160,6 +171,9 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
     lora = "max_loras" in (Scheduler.__text_signature__ or "")
     if lora:
         extra["max_loras"] = w.seed % 3  # off, or at most 1 or 2 adapters per step
+    if w.spec:
+        extra["num_speculative_tokens"] = w.spec
+        extra["prompt_lookup_max"] = 1 + w.seed % 3
     try:
         s = Scheduler(
             **extra,
@@ -214,6 +228,8 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
         if added and rng.random() < 0.08:
             ids = [f"q{rng.randrange(added)}" for _ in range(rng.randint(1, 3))]
             _call(log, f"abort {ids}", s.abort_request, ids)
+        if w.spec:
+            propose_drafts(s, w, rng, log, added)
         out = _call(log, "schedule", s.schedule, step * 0.05)
         if out is None:
             yield from log
@@ -230,7 +246,11 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
             hits = None
             if rng.random() < 0.5:
                 hits = np.array([rng.random() < 0.05 for _ in range(k)], dtype=np.bool_)
-            _call(log, "update", s.update_from_output, out, sampled, hits)
+            if w.spec:
+                sampled, runs = accept_drafts(out, sampled, rng)
+                _call(log, "update", s.update_from_output, out, sampled, hits, num_tokens=runs)
+            else:
+                _call(log, "update", s.update_from_output, out, sampled, hits)
         if rng.random() < 0.2:
             held.append(out)
         _call(log, "invariants", s.check_invariants)
@@ -245,6 +265,35 @@ def run(w: Workload, fields: list[str] | None = None) -> Iterator[str]:
     for k, out in enumerate(held):
         yield f"held {k} " + _render_output(out, fields or _output_fields(out))
     yield f"end {s.has_unfinished_requests()} {json.dumps(_value(s.get_stats()))}"
+
+
+def propose_drafts(s, w: Workload, rng: random.Random, log: list[str], added: int) -> None:
+    """Drafts for the next step: the n-gram proposer's, or (one step in four) random runs for
+    random sequence ids, some of them not running, as a draft model's would come."""
+    if rng.random() < 0.75:
+        _call(log, "propose", s.propose_drafts)
+        return
+    ids = sorted({rng.randrange(3 * added + 1) for _ in range(rng.randint(0, 12))})
+    counts = [rng.randint(0, w.spec + 1) for _ in ids]
+    tokens = [rng.randrange(8) for _ in range(sum(counts))]
+    _call(log, "set_drafts", s.set_drafts, ids, counts, tokens)
+
+
+def accept_drafts(out, sampled: np.ndarray, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's run: a random prefix of its row's drafts, then its sampled token."""
+    drafts = out.spec_num_draft_tokens
+    ids = out.spec_draft_token_ids
+    starts = np.concatenate([[0], np.cumsum(drafts)]) if len(drafts) else np.zeros(1, np.int64)
+    tokens: list[int] = []
+    runs: list[int] = []
+    for k, row in enumerate(out.sample_rows):
+        d = int(drafts[row]) if len(drafts) else 0
+        a = rng.randint(0, d)
+        o = int(starts[row])
+        tokens.extend(int(t) for t in ids[o : o + a])
+        tokens.append(int(sampled[k]))
+        runs.append(a + 1)
+    return np.array(tokens, dtype=np.int64), np.array(runs, dtype=np.int64)
 
 
 def digest(w: Workload) -> str:
@@ -288,6 +337,9 @@ def main() -> int:
     p.add_argument("--reference", help="directory holding the reference build's pagedllm")
     p.add_argument("--seeds", type=int, default=4, help="seeds per small workload")
     p.add_argument("--large-seeds", type=int, default=1, help="seeds per large workload")
+    p.add_argument(
+        "--spec-seeds", type=int, default=1, help="seeds per workload with drafts (each size)"
+    )
     p.add_argument("--emit", help=argparse.SUPPRESS)
     p.add_argument("--names", help=argparse.SUPPRESS)
     p.add_argument("--show", help="print one workload's trace (by name) and exit")
@@ -304,7 +356,7 @@ def main() -> int:
         p.error("--reference is required")
     import pagedllm
 
-    names = [w.name for w in workloads(a.seeds, a.large_seeds)]
+    names = [w.name for w in workloads(a.seeds, a.large_seeds, a.spec_seeds)]
     tmp = f"/tmp/trace_compare.{os.getpid()}"
     with open(f"{tmp}.names", "w") as f:
         f.write("\n".join(names))
@@ -324,7 +376,8 @@ def main() -> int:
         if ref[name] != digest(Workload.parse(name)):
             print(f"DIFFERENT: {name}\n{first_difference(a.reference, name)}")
             return 1
-        fam = ":".join(name.split(":")[:5])
+        parts = name.split(":")
+        fam = ":".join(parts[:5] + parts[7:])
         families[fam] = families.get(fam, 0) + 1
     for fam, count in families.items():
         print(f"identical  {fam}  ({count} workloads)")
