@@ -283,3 +283,18 @@ impl DecodeBatch {
         Ok(true)
     }
 }
+
+/// Registrations queued from outside the plain fast path (the draft fast path, `spec.rs`),
+/// so both register in the same batches.
+impl DecodeBatch {
+    /// Queues the registration of the block that request slot `h` (a single sequence)
+    /// filled by computing up to `num_computed`.
+    pub(super) fn queue_fill(&mut self, h: u32, num_computed: usize) {
+        self.fills.push((h, num_computed as u32));
+    }
+
+    /// Whether registrations are queued.
+    pub(super) fn has_fills(&self) -> bool {
+        !self.fills.is_empty()
+    }
+}

@@ -23,7 +23,8 @@ pub struct TableRow {
     pub len: u32,
     pub start: u32,
     pub n: u32,
-    /// The token when `n == 1` (else 0).
+    /// The token when `n == 1`; for a row of one token then drafts (speculative decoding),
+    /// that first token (else 0).
     pub token: u32,
     /// The KV slot when `n == 1` (else 0).
     pub slot: i64,

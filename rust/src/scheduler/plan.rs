@@ -118,7 +118,7 @@ impl Scheduler {
             // and the model length; their slots come out of (or beyond) the lookahead slots.
             let drafts = if take == want && !fork_pending && s.tokens.len() == s.num_computed + 1 {
                 self.spec
-                    .pending_count(s.id)
+                    .pending_count(h, s.id)
                     .min(left)
                     .min(cap - take)
                     .min(max_model_len.saturating_sub(s.num_computed + take))
@@ -192,7 +192,8 @@ impl Scheduler {
             item.row = out.seq_ids.len() as u32;
             record(out, h, gen, item.seq, s, start, take + drafts, bs);
             if drafts > 0 {
-                self.spec.note_row(item.row, id, drafts);
+                self.spec
+                    .note_row(out, item.row, (h, id), s.tokens[start], drafts);
             }
             s.num_computed = end;
             // Register at schedule time so later admissions of this very step share the block.

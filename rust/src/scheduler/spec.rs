@@ -18,15 +18,16 @@ use std::collections::HashMap;
 use crate::error::{Error, Result};
 use crate::ids::{SeqId, TokenId};
 use crate::kv::block_table::blocks_for;
-use crate::kv::IdBuildHasher;
+use crate::kv::{IdBuildHasher, KvCacheManager};
 use crate::spec::propose_ngram;
 
-use super::output::{FinishedSeq, StepOutput};
+use super::decode::DecodeBatch;
+use super::output::{FinishedSeq, StepOutput, TableRow};
 use super::plan::sync_mirror;
-use super::record::record;
 use super::request::{Request, RequestStatus};
 use super::step::check_token_ids;
 use super::stop::{cut_run, FinishReason};
+use super::store::{RequestStore, Slot};
 use super::update::{finish_seq, push_token};
 use super::Scheduler;
 
@@ -39,15 +40,43 @@ pub struct DraftProposals {
     pub draft_token_ids: Vec<i64>,
 }
 
-/// Drafts waiting for the next step, and what the latest step scheduled of them.
+/// The drafts proposed for one sequence: its `count` tokens from `offset` in `SpecState::tokens`.
+#[derive(Debug, Clone, Copy)]
+struct PendingRun {
+    handle: u32,
+    seq: SeqId,
+    offset: u32,
+    count: u32,
+}
+
+/// A fast-path row of a step with drafts, as `SpecState::flush_rows` records it: its table
+/// row in the output's layout (its own token inline), and where its drafts are.
+#[derive(Debug, Clone, Copy)]
+struct SpecRow {
+    row: TableRow,
+    seq_id: SeqId,
+    gen: u32,
+    offset: u32,
+    drafts: u32,
+}
+
+/// Fast-path rows queued before `flush_rows` records them (as `decode.rs`'s batch: the rows
+/// stay in L1 between the flush's passes).
+const SPEC_BATCH: usize = 64;
+
+/// Drafts waiting for the next step, and what the step being built scheduled of them.
 #[derive(Debug, Default)]
 pub(super) struct SpecState {
-    /// Sequence id -> (offset, count) of its drafts in `tokens` (ids hash as themselves).
-    pending: HashMap<SeqId, (u32, u32), IdBuildHasher>,
+    /// The runs of the latest proposal, in proposal order (a request's sequences are
+    /// consecutive).
+    pending: Vec<PendingRun>,
+    /// Request slot -> index in `pending` of the request's first run. Never cleared: an entry
+    /// left from an older proposal names a run of another sequence (sequence ids are never
+    /// reused), which the lookup tells apart.
+    by_slot: Vec<u32>,
     tokens: Vec<TokenId>,
-    /// This step's draft rows, row order: (row, offset of its drafts in `tokens`, drafts
-    /// scheduled).
-    scheduled: Vec<(u32, u32, u32)>,
+    /// Fast-path rows not yet in the output.
+    rows: Vec<SpecRow>,
     /// Drafts scheduled for each sample of the latest step (empty: none at all).
     sample_drafts: Vec<u32>,
 }
@@ -59,33 +88,108 @@ impl SpecState {
         !self.pending.is_empty()
     }
 
-    /// Drafts waiting for sequence `seq` (0 when none).
+    /// (offset, count) of the drafts waiting for sequence `seq` of the request in slot `h`
+    /// ((0, 0) when none): a flat index by slot, then the request's runs.
     #[inline]
-    pub(super) fn pending_count(&self, seq: SeqId) -> usize {
-        if self.pending.is_empty() {
-            return 0;
-        }
-        self.pending.get(&seq).map_or(0, |&(_, n)| n as usize)
-    }
-
-    /// (offset, count) of the drafts waiting for sequence `seq` ((0, 0) when none).
-    #[inline]
-    fn pending_run(&self, seq: SeqId) -> (u32, u32) {
-        if self.pending.is_empty() {
+    fn pending_run(&self, h: u32, seq: SeqId) -> (u32, u32) {
+        let Some(&first) = self.by_slot.get(h as usize) else {
             return (0, 0);
+        };
+        for run in self.pending.get(first as usize..).unwrap_or_default() {
+            if run.seq == seq {
+                return (run.offset, run.count);
+            }
+            if run.handle != h {
+                break;
+            }
         }
-        self.pending.get(&seq).copied().unwrap_or((0, 0))
+        (0, 0)
     }
 
-    /// Row `row` of this step computes the first `count` drafts of sequence `seq`.
-    pub(super) fn note_row(&mut self, row: u32, seq: SeqId, count: usize) {
-        let (offset, _) = self.pending[&seq];
-        self.scheduled.push((row, offset, count as u32));
+    /// `pending_run` for a single-sequence request (its only run is the request's first).
+    #[inline(always)]
+    fn single_run(&self, h: u32, seq: SeqId) -> (u32, u32) {
+        let first = self.by_slot.get(h as usize).copied().unwrap_or(u32::MAX);
+        match self.pending.get(first as usize) {
+            Some(run) if run.seq == seq => (run.offset, run.count),
+            _ => (0, 0),
+        }
     }
 
-    /// `count` drafts from `offset` in `tokens`.
-    fn drafts(&self, offset: u32, count: u32) -> &[TokenId] {
-        &self.tokens[offset as usize..(offset + count) as usize]
+    /// Drafts waiting for sequence `seq` of the request in slot `h` (0 when none).
+    #[inline]
+    pub(super) fn pending_count(&self, h: u32, seq: SeqId) -> usize {
+        self.pending_run(h, seq).1 as usize
+    }
+
+    /// Row `row` of `out` (just recorded by the general path: one token, `token`, then
+    /// `count` drafts) computes the first `count` drafts of sequence `seq` of the request in
+    /// slot `h`: its draft columns, in row order like the rows.
+    pub(super) fn note_row(
+        &mut self,
+        out: &mut StepOutput,
+        row: u32,
+        (h, seq): (u32, SeqId),
+        token: TokenId,
+        count: usize,
+    ) {
+        let (offset, _) = self.pending_run(h, seq);
+        let r = &mut out.table_rows[row as usize];
+        debug_assert_eq!(r.n as usize, count + 1, "a draft row computes one token");
+        r.token = token;
+        let ids = &mut out.extras;
+        ids.spec_num_draft_tokens.resize(row as usize, 0);
+        ids.spec_num_draft_tokens.push(count as i32);
+        let run = &self.tokens[offset as usize..offset as usize + count];
+        ids.spec_draft_token_ids
+            .extend(run.iter().map(|&t| t as i64));
+    }
+
+    /// Records the queued fast-path rows (rows, samples, draft columns; queue order) into
+    /// `out`: one tight loop per output array.
+    fn flush_rows(&mut self, out: &mut StepOutput) {
+        let rows = &self.rows;
+        let n = rows.len();
+        if n == 0 {
+            return;
+        }
+        let base = out.seq_ids.len();
+        out.seq_ids.extend(rows.iter().map(|r| r.seq_id as i64));
+        out.handles.extend(rows.iter().map(|r| r.row.handle));
+        out.gens.extend(rows.iter().map(|r| r.gen));
+        out.seq_index.resize(base + n, 0);
+        out.num_tokens.extend(rows.iter().map(|r| r.row.n as i32));
+        out.start_pos
+            .extend(rows.iter().map(|r| r.row.start as i32));
+        out.table_rows.extend(rows.iter().map(|r| r.row));
+        out.num_batched_tokens += rows.iter().map(|r| r.row.n as usize).sum::<usize>();
+        out.sample_rows.extend((base as i64)..((base + n) as i64));
+        out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
+        out.sample_handles.extend_from_slice(&out.handles[base..]);
+        out.sample_gens.extend_from_slice(&out.gens[base..]);
+        let k = out.sample_seq_index.len();
+        out.sample_seq_index.resize(k + n, 0);
+        let drafts: usize = rows.iter().map(|r| r.drafts as usize).sum();
+        if drafts > 0 {
+            let col = &mut out.extras.spec_num_draft_tokens;
+            col.resize(base, 0);
+            col.extend(rows.iter().map(|r| r.drafts as i32));
+            // Rows that take their whole proposal, in proposal order, have adjacent runs:
+            // one copy per stretch of them (a row without drafts adds nothing to a stretch).
+            let ids = &mut out.extras.spec_draft_token_ids;
+            let mut i = 0;
+            while i < n {
+                let from = rows[i].offset as usize;
+                let mut to = from + rows[i].drafts as usize;
+                i += 1;
+                while i < n && (rows[i].drafts == 0 || rows[i].offset as usize == to) {
+                    to += rows[i].drafts as usize;
+                    i += 1;
+                }
+                ids.extend(self.tokens[from..to].iter().map(|&t| t as i64));
+            }
+        }
+        self.rows.clear();
     }
 }
 
@@ -144,15 +248,21 @@ impl Scheduler {
     ) -> DraftProposals {
         let max_len = self.cfg.max_seq_len();
         let max_k = self.cfg.speculative.map_or(0, |c| c.num_speculative_tokens);
-        let mut out = DraftProposals::default();
+        let running = &self.queues.running;
+        let mut out = DraftProposals {
+            seq_ids: Vec::with_capacity(running.len()),
+            num_draft_tokens: Vec::with_capacity(running.len()),
+            draft_token_ids: Vec::with_capacity(running.len() * max_k),
+        };
         let spec = &mut self.spec;
         spec.pending.clear();
         spec.tokens.clear();
-        for &h in &self.queues.running {
+        for &h in running {
             let req = self.store.get(h);
             if req.needs_fork() {
                 continue;
             }
+            let first = spec.pending.len();
             for i in req.active_seqs() {
                 let s = &req.seqs[i];
                 if s.tokens.len() != s.num_computed + 1 {
@@ -169,11 +279,22 @@ impl Scheduler {
                 if n == 0 {
                     continue;
                 }
-                spec.pending.insert(s.id, (offset as u32, n as u32));
+                spec.pending.push(PendingRun {
+                    handle: h,
+                    seq: s.id,
+                    offset: offset as u32,
+                    count: n as u32,
+                });
                 out.seq_ids.push(s.id as i64);
                 out.num_draft_tokens.push(n as i32);
                 out.draft_token_ids
                     .extend(spec.tokens[offset..].iter().map(|&t| t as i64));
+            }
+            if spec.pending.len() > first {
+                if spec.by_slot.len() <= h as usize {
+                    spec.by_slot.resize(h as usize + 1, u32::MAX);
+                }
+                spec.by_slot[h as usize] = first as u32;
             }
         }
         out
@@ -182,125 +303,69 @@ impl Scheduler {
     /// The fast path of a step with drafts, over `running[i..]` within `left` tokens: a
     /// single-sequence request decoding into blocks it owns alone, whose run (its token, then
     /// its drafts, trimmed to the budget and the model length) fits its table or one fresh
-    /// block, is recorded, registered and sampled here without the general planner. Stops at
-    /// the first request it does not take (the general path plans that one). Returns (requests
-    /// taken, tokens used). Off with lookahead slots (the V0 strategies' drafts ride in them:
-    /// the general path).
+    /// block, is queued, recorded in batches and registered in batches (as the plain decode
+    /// fast path, `decode.rs`) without the general planner. Stops at the first request it does
+    /// not take (the general path plans that one); its rows are in `out` when it returns.
+    /// Returns (requests taken, tokens used). Off with lookahead slots (the V0 strategies'
+    /// drafts ride in them: the general path).
     pub(super) fn spec_fast_run(
         &mut self,
         i: usize,
-        mut left: usize,
+        left: usize,
         out: &mut StepOutput,
     ) -> Result<(usize, usize)> {
         if self.cfg.num_lookahead_slots != 0 {
             return Ok((0, 0));
         }
-        let (bs, max_model_len, caching) = (
-            self.mgr.block_size(),
-            self.cfg.max_model_len,
-            self.caching(),
+        let facts = SpecFacts {
+            block_size: self.mgr.block_size(),
+            max_model_len: self.cfg.max_model_len,
+            caching: self.caching(),
+        };
+        let Scheduler {
+            queues,
+            store,
+            mgr,
+            batch,
+            spec,
+            ..
+        } = self;
+        let taken = spec_fast_run(
+            &queues.running[i..],
+            left,
+            facts,
+            store,
+            mgr,
+            batch,
+            spec,
+            out,
         );
-        let budget = left;
-        let mut k = 0;
-        while let Some(&h) = self.queues.running.get(i + k) {
-            let gen = self.store.gen(h);
-            let req = self.store.get_mut(h);
-            let extra_key = req.extra_key;
-            let [s] = &mut req.seqs[..] else {
-                break;
-            };
-            let start = s.num_computed;
-            if left == 0 || s.tail_shared || s.tokens.len() != start + 1 || start >= max_model_len {
-                break;
-            }
-            let (offset, pending) = self.spec.pending_run(s.id);
-            let d = (pending as usize)
-                .min(left - 1)
-                .min(max_model_len - start - 1);
-            let have = s.table.num_blocks();
-            let need = blocks_for(start + 1 + d, bs);
-            if need > have {
-                // One fresh block past a table that covers `start`: nothing shared is written.
-                if need > have + 1 || start > have * bs || self.mgr.num_free_device_blocks() == 0 {
-                    break;
-                }
-                let Some(block) = self.mgr.append_fresh_block(s.id)? else {
-                    break;
-                };
-                s.table.push(block);
-            }
-            let row = out.seq_ids.len();
-            record(out, h, gen, 0, s, start, 1 + d, bs);
-            s.num_computed = start + 1;
-            if caching && (start + 1) % bs == 0 {
-                self.mgr
-                    .cache_full_blocks(s.id, &s.tokens, start + 1, extra_key)?;
-            }
-            out.push_sample(row, s.id, h, gen, 0);
-            if d > 0 {
-                self.spec.scheduled.push((row as u32, offset, d as u32));
-            }
-            left -= 1 + d;
-            k += 1;
-        }
-        Ok((k, budget - left))
+        spec.flush_rows(out);
+        taken
     }
 
-    /// Closes a step's drafts (after its rows are sealed): the per-row draft columns, the
-    /// step's token ids (built now, while the drafts exist: a draft row's tokens are not all
-    /// in its sequence's history), the per-sample draft counts `update_from_output_runs`
-    /// checks against; then the drafts are dropped.
+    /// Closes a step's drafts (after its rows are sealed): the draft column padded to every
+    /// row, the step's token ids (built now, in one pass over the rows and the step's draft
+    /// ids: a draft row's drafts are not in its sequence's history), the per-sample draft
+    /// counts `update_from_output_runs` checks against; then the drafts are dropped.
     pub(super) fn seal_drafts(&mut self, out: &mut StepOutput) {
-        self.spec.sample_drafts.clear();
-        if self.spec.scheduled.is_empty() {
-            self.spec.pending.clear();
+        let spec = &mut self.spec;
+        spec.sample_drafts.clear();
+        spec.pending.clear();
+        // The column is written only for rows with drafts (padded here to every row).
+        if out.extras.spec_num_draft_tokens.is_empty() {
             return;
         }
-        // the output's and the ledger's buffers keep their capacity across steps
-        let mut row_drafts = std::mem::take(&mut out.extras.spec_num_draft_tokens);
-        row_drafts.clear();
-        row_drafts.resize(out.num_seqs(), 0);
-        let spec = &mut self.spec;
-        for &(row, offset, n) in &spec.scheduled {
-            row_drafts[row as usize] = n as i32;
-            let run = &spec.tokens[offset as usize..(offset + n) as usize];
-            out.extras
-                .spec_draft_token_ids
-                .extend(run.iter().map(|&t| t as i64));
-        }
+        let row_drafts = &mut out.extras.spec_num_draft_tokens;
+        row_drafts.resize(out.seq_ids.len(), 0);
         spec.sample_drafts.extend(
             out.sample_rows
                 .iter()
                 .map(|&r| row_drafts[r as usize] as u32),
         );
-        let ids = self.draft_input_ids(out, &row_drafts);
-        out.tables
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .input_ids = Some(ids);
-        out.extras.spec_num_draft_tokens = row_drafts;
-        self.spec.scheduled.clear();
-        self.spec.pending.clear();
-    }
-
-    /// [T] token ids of a step with drafts: each row's own tokens from its sequence, then its
-    /// drafts.
-    fn draft_input_ids(&self, out: &StepOutput, row_drafts: &[i32]) -> Vec<i64> {
-        let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
-        let mut ids = Vec::with_capacity(out.num_batched_tokens);
-        let mut drafts = self.spec.scheduled.iter();
-        for (r, row) in t.rows.iter().enumerate() {
-            let d = row_drafts[r] as usize;
-            let own = row.n as usize - d;
-            let s = &self.store.get(row.handle).seqs[row.seq as usize];
-            let start = row.start as usize;
-            ids.extend(s.tokens[start..start + own].iter().map(|&t| t as i64));
-            if d > 0 {
-                let &(_, offset, n) = drafts.next().expect("a draft row was noted");
-                ids.extend(self.spec.drafts(offset, n).iter().map(|&t| t as i64));
-            }
-        }
-        ids
+        let mut t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let ids = draft_input_ids(&self.store, out, &t.rows);
+        t.input_ids = Some(ids);
     }
 
     /// `update_from_output` for a step whose samples each bring a run of tokens (speculative
@@ -326,8 +391,9 @@ impl Scheduler {
             .collect();
         self.ledger.close_for_update(step, &firsts, stop_hit)?;
         self.spec.sample_drafts.clear();
-        // Held outputs describe tables this update may shorten: snapshot them first.
-        self.recorder.materialize_pending(&self.store);
+        // Held outputs describe tables this update may shorten: snapshotted before the first
+        // table that shrinks (most updates shorten none).
+        let mut snapshotted = false;
         let max_len = self.cfg.max_seq_len();
         let la = self.cfg.num_lookahead_slots;
         let caching = self.caching();
@@ -375,7 +441,15 @@ impl Scheduler {
                 self.mgr
                     .cache_full_blocks(id, &s.tokens, computed, extra_key)?;
             }
-            if self.mgr.truncate_slots(id, computed + la)? > 0 {
+            // Blocks past the accepted tokens held only rejected drafts (the mirror's length
+            // is the manager's: no lookup for the common run that releases none).
+            let keep = blocks_for(computed + la, bs);
+            if keep < self.store.get(h).seqs[idx].table.num_blocks() {
+                if !snapshotted {
+                    self.recorder.materialize_pending(&self.store);
+                    snapshotted = true;
+                }
+                self.mgr.truncate_slots(id, computed + la)?;
                 sync_mirror(&self.mgr, &mut self.store.get_mut(h).seqs[idx])?;
             }
         }
@@ -491,4 +565,174 @@ fn draft_room(req: &Request, len: usize, max_len: usize) -> usize {
     let by_tokens = req.stop.max_tokens.saturating_sub(generated + 1);
     let by_len = max_len.saturating_sub(len + 1);
     by_tokens.min(by_len)
+}
+
+/// What the draft fast path reads per step (kept in registers).
+#[derive(Debug, Clone, Copy)]
+struct SpecFacts {
+    block_size: usize,
+    max_model_len: usize,
+    caching: bool,
+}
+
+/// One request's turn in the draft fast path.
+enum SpecTurn {
+    /// Queued: the tokens it takes.
+    Taken(usize),
+    /// Not for the fast path: the walk stops here.
+    Refused,
+    /// Its fresh block would evict a cached one while registrations are queued: they go
+    /// first (as they would have unbatched), then it is tried again.
+    FlushFirst,
+}
+
+/// See `Scheduler::spec_fast_run` (a free function: its borrows are disjoint parameters).
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn spec_fast_run(
+    running: &[u32],
+    mut left: usize,
+    facts: SpecFacts,
+    store: &mut RequestStore,
+    mgr: &mut KvCacheManager,
+    batch: &mut DecodeBatch,
+    spec: &mut SpecState,
+    out: &mut StepOutput,
+) -> Result<(usize, usize)> {
+    let budget = left;
+    let mut k = 0;
+    while let Some(&h) = running.get(k) {
+        if left == 0 {
+            break;
+        }
+        match spec_turn(h, left, facts, store.slots_mut(), mgr, batch, spec)? {
+            SpecTurn::Taken(used) => {
+                left -= used;
+                k += 1;
+                if spec.rows.len() >= SPEC_BATCH {
+                    spec.flush_rows(out);
+                }
+            }
+            SpecTurn::Refused => break,
+            SpecTurn::FlushFirst => batch.flush(out, store, mgr)?,
+        }
+    }
+    Ok((k, budget - left))
+}
+
+/// Queues request `h`'s row (its token and up to `left - 1` of its drafts) if the fast path
+/// takes it (see `Scheduler::spec_fast_run`); nothing changes otherwise.
+#[inline(always)]
+fn spec_turn(
+    h: u32,
+    left: usize,
+    facts: SpecFacts,
+    slots: &mut [Slot],
+    mgr: &mut KvCacheManager,
+    batch: &mut DecodeBatch,
+    spec: &mut SpecState,
+) -> Result<SpecTurn> {
+    let bs = facts.block_size;
+    let slot = &mut slots[h as usize];
+    let gen = slot.gen;
+    let req = slot.req.as_mut().expect("queued slot holds a request");
+    let Some(s) = req.seqs.single_mut() else {
+        return Ok(SpecTurn::Refused);
+    };
+    let start = s.num_computed;
+    if s.tail_shared || s.tokens.len() != start + 1 || start >= facts.max_model_len {
+        return Ok(SpecTurn::Refused);
+    }
+    let (offset, pending) = spec.single_run(h, s.id);
+    let d = (pending as usize)
+        .min(left - 1)
+        .min(facts.max_model_len - start - 1);
+    // Capacities, not block counts: no division on this path (as `decode.rs`).
+    let cap = s.table.num_blocks() * bs;
+    let end = start + 1 + d;
+    if end > cap {
+        // One fresh block past a table that covers `start`: nothing shared is written.
+        if end > cap + bs || start > cap || mgr.num_free_device_blocks() == 0 {
+            return Ok(SpecTurn::Refused);
+        }
+        if batch.has_fills() && mgr.num_uncached_free_device_blocks() == 0 {
+            return Ok(SpecTurn::FlushFirst);
+        }
+        let Some(block) = mgr.append_fresh_block(s.id)? else {
+            return Ok(SpecTurn::Refused);
+        };
+        s.table.push(block);
+    }
+    // `start` fills its block when it is the last slot of the table before any fresh block
+    // (the common cases; any other position is told by a division).
+    let fills = if start < cap && start + bs >= cap {
+        start + 1 == cap
+    } else {
+        (start + 1) % bs == 0
+    };
+    // A row without drafts is a plain decode row: its KV slot inline too (`start` is in
+    // the last block, unless lookahead-free tables ever run longer).
+    let slot = if d > 0 {
+        0
+    } else {
+        let tail_start = (s.table.num_blocks() - 1) * bs;
+        if start >= tail_start {
+            (s.table.last_block() as usize * bs + start - tail_start) as i64
+        } else {
+            (s.table[start / bs] as usize * bs + start % bs) as i64
+        }
+    };
+    spec.rows.push(SpecRow {
+        row: TableRow {
+            handle: h,
+            seq: 0,
+            len: s.table.num_blocks() as u32,
+            start: start as u32,
+            n: 1 + d as u32,
+            // tokens.len() == start + 1 was checked above, so this is tokens[start].
+            token: s.last_token,
+            slot,
+        },
+        seq_id: s.id,
+        gen,
+        offset,
+        drafts: d as u32,
+    });
+    s.num_computed = start + 1;
+    if facts.caching && fills {
+        // Registered in batches with the plain path's (`DecodeBatch::flush`).
+        batch.queue_fill(h, start + 1);
+    }
+    Ok(SpecTurn::Taken(1 + d))
+}
+
+/// [T] token ids of a step with drafts (its rows sealed into `rows`), in one pass: a draft
+/// row's own token is inline, then its drafts from the step's draft ids; a decode row's token
+/// is inline; a longer row's tokens come from its sequence's history.
+fn draft_input_ids(store: &RequestStore, out: &StepOutput, rows: &[TableRow]) -> Vec<i64> {
+    // Written in place (no per-row growth checks or copy calls: a row is a few tokens).
+    let mut ids = vec![0i64; out.num_batched_tokens];
+    let mut drafts = &out.extras.spec_draft_token_ids[..];
+    let mut rest = &mut ids[..];
+    for (row, &d) in rows.iter().zip(&out.extras.spec_num_draft_tokens) {
+        let (dst, tail) = std::mem::take(&mut rest).split_at_mut(row.n as usize);
+        rest = tail;
+        if d > 0 {
+            let (run, more) = drafts.split_at(d as usize);
+            drafts = more;
+            dst[0] = row.token as i64;
+            for (x, &t) in dst[1..].iter_mut().zip(run) {
+                *x = t;
+            }
+        } else if row.n == 1 {
+            dst[0] = row.token as i64;
+        } else {
+            let s = &store.get(row.handle).seqs[row.seq as usize];
+            let start = row.start as usize;
+            for (x, &t) in dst.iter_mut().zip(&s.tokens[start..]) {
+                *x = t as i64;
+            }
+        }
+    }
+    ids
 }
