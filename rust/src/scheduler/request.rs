@@ -137,6 +137,13 @@ impl MirrorTable {
         self.len = 0;
     }
 
+    /// Keeps the first `len` blocks (the manager released the rest).
+    pub fn truncate(&mut self, len: usize) {
+        self.blocks.truncate(len);
+        self.last = self.blocks.last().copied().unwrap_or(0);
+        self.len = self.blocks.len() as u32;
+    }
+
     /// The last block (0 when empty).
     #[inline]
     pub fn last_block(&self) -> BlockId {

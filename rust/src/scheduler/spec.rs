@@ -17,13 +17,11 @@ use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::ids::{SeqId, TokenId};
-use crate::kv::block_table::blocks_for;
 use crate::kv::{IdBuildHasher, KvCacheManager};
 use crate::spec::propose_ngram;
 
 use super::decode::DecodeBatch;
 use super::output::{FinishedSeq, StepOutput, TableRow};
-use super::plan::sync_mirror;
 use super::request::{Request, RequestStatus};
 use super::step::check_token_ids;
 use super::stop::{cut_run, FinishReason};
@@ -400,16 +398,26 @@ impl Scheduler {
         let mut finished = Vec::new();
         self.ledger.finished.clear();
         let mut any_request_done = false;
+        // The scheduler's parts borrowed separately: a sequence and the manager at once.
+        let Scheduler {
+            store,
+            mgr,
+            queues,
+            ledger,
+            recorder,
+            ..
+        } = self;
+        let bs = mgr.block_size();
         for (k, (start, count)) in run_starts(num_tokens).enumerate() {
             let (h, gen, idx) = (
-                self.ledger.handles[k],
-                self.ledger.gens[k],
-                self.ledger.seq_index[k] as usize,
+                ledger.handles[k],
+                ledger.gens[k],
+                ledger.seq_index[k] as usize,
             );
-            if !self.store.is_live(h, gen) {
+            if !store.is_live(h, gen) {
                 continue;
             }
-            let req = self.store.get_mut(h);
+            let req = store.get_mut(h);
             if req.status != RequestStatus::Running
                 || req.seqs.get(idx).is_none_or(|s| s.is_finished())
             {
@@ -423,35 +431,36 @@ impl Scheduler {
                     h,
                     idx as u32,
                     fin,
-                    &mut self.mgr,
-                    &mut self.queues,
-                    &mut self.ledger.finished,
+                    mgr,
+                    queues,
+                    &mut ledger.finished,
                     &mut finished,
                 )?;
                 continue;
             }
             // The run's first token was the one the row computed; the rest were drafts.
+            let extra_key = req.extra_key;
             let s = &mut req.seqs[idx];
             let before = s.num_computed;
             s.num_computed += count - 1;
-            let (id, computed, extra_key) = (s.id, s.num_computed, req.extra_key);
-            let bs = self.mgr.block_size();
-            if caching && computed / bs > before / bs {
-                let s = &self.store.get(h).seqs[idx];
-                self.mgr
-                    .cache_full_blocks(id, &s.tokens, computed, extra_key)?;
+            let computed = s.num_computed;
+            if caching && count > 1 && computed / bs > before / bs {
+                mgr.cache_full_blocks(s.id, &s.tokens, computed, extra_key)?;
             }
-            // Blocks past the accepted tokens held only rejected drafts (the mirror's length
-            // is the manager's: no lookup for the common run that releases none).
-            let keep = blocks_for(computed + la, bs);
-            if keep < self.store.get(h).seqs[idx].table.num_blocks() {
-                if !snapshotted {
-                    self.recorder.materialize_pending(&self.store);
-                    snapshotted = true;
-                }
-                self.mgr.truncate_slots(id, computed + la)?;
-                sync_mirror(&self.mgr, &mut self.store.get_mut(h).seqs[idx])?;
+            // Blocks past the accepted tokens held only rejected drafts: the mirror's length
+            // is the manager's, so the common run that releases none asks nothing
+            // (`computed + la` slots fit in one block fewer).
+            if computed + la > s.table.num_blocks().saturating_sub(1) * bs {
+                continue;
             }
+            let id = s.id;
+            if !snapshotted {
+                recorder.materialize_pending(store);
+                snapshotted = true;
+            }
+            let released = mgr.truncate_slots(id, computed + la)?;
+            let table = &mut store.get_mut(h).seqs[idx].table;
+            table.truncate(table.num_blocks() - released);
         }
         self.settle_finished(any_request_done)?;
         Ok(finished)
@@ -509,6 +518,14 @@ fn append_run(
     max_len: usize,
 ) -> Option<(FinishReason, Option<TokenId>)> {
     let s = &mut req.seqs[idx];
+    // Common case: the run ends below the first length a stop rule can fire at (see
+    // `StopParams::quiet_until`), so every token is in.
+    if !hit && s.tokens.len() + run.len() < req.quiet_until {
+        for &t in run {
+            push_token(s, t as TokenId);
+        }
+        return None;
+    }
     let (kept, fin) = cut_run(&req.stop, req.prompt_len, s.tokens.len(), run, hit, max_len);
     for &t in &run[..kept] {
         push_token(s, t as TokenId);
