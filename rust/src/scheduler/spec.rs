@@ -48,13 +48,13 @@ struct PendingRun {
 }
 
 /// A fast-path row of a step with drafts, as `SpecState::flush_rows` records it: its table
-/// row in the output's layout (its own token inline), and where its drafts are.
+/// row in the output's layout (its own token inline), and how many drafts follow it (their
+/// tokens are queued as stretches, `SpecState::stretches`).
 #[derive(Debug, Clone, Copy)]
 struct SpecRow {
     row: TableRow,
     seq_id: SeqId,
     gen: u32,
-    offset: u32,
     drafts: u32,
 }
 
@@ -73,8 +73,15 @@ pub(super) struct SpecState {
     /// reused), which the lookup tells apart.
     by_slot: Vec<u32>,
     tokens: Vec<TokenId>,
-    /// Fast-path rows not yet in the output.
+    /// Fast-path rows not yet in the output, their drafts in all, and those drafts as
+    /// stretches of `tokens` (from, to): rows taking their whole proposal in proposal order
+    /// have adjacent runs, copied at once.
     rows: Vec<SpecRow>,
+    queued_drafts: usize,
+    stretches: Vec<(u32, u32)>,
+    /// Where the fast path expects the next run in `pending` (the walk follows `running`,
+    /// as the proposal did).
+    cursor: usize,
     /// Drafts scheduled for each sample of the latest step (empty: none at all).
     sample_drafts: Vec<u32>,
 }
@@ -104,13 +111,30 @@ impl SpecState {
         (0, 0)
     }
 
-    /// `pending_run` for a single-sequence request (its only run is the request's first).
+    /// `pending_run` for a single-sequence request (its only run is the request's first):
+    /// the run after the last one found, else the slot's.
     #[inline(always)]
-    fn single_run(&self, h: u32, seq: SeqId) -> (u32, u32) {
-        let first = self.by_slot.get(h as usize).copied().unwrap_or(u32::MAX);
-        match self.pending.get(first as usize) {
-            Some(run) if run.seq == seq => (run.offset, run.count),
+    fn single_run(&mut self, h: u32, seq: SeqId) -> (u32, u32) {
+        let at = match self.pending.get(self.cursor) {
+            Some(run) if run.seq == seq => self.cursor,
+            _ => self.by_slot.get(h as usize).copied().unwrap_or(u32::MAX) as usize,
+        };
+        match self.pending.get(at) {
+            Some(run) if run.seq == seq => {
+                self.cursor = at + 1;
+                (run.offset, run.count)
+            }
             _ => (0, 0),
+        }
+    }
+
+    /// Queues the `count` drafts from `offset` of a fast-path row.
+    #[inline(always)]
+    fn queue_drafts(&mut self, offset: u32, count: u32) {
+        self.queued_drafts += count as usize;
+        match self.stretches.last_mut() {
+            Some(last) if last.1 == offset => last.1 += count,
+            _ => self.stretches.push((offset, offset + count)),
         }
     }
 
@@ -160,32 +184,27 @@ impl SpecState {
         out.start_pos
             .extend(rows.iter().map(|r| r.row.start as i32));
         out.table_rows.extend(rows.iter().map(|r| r.row));
-        out.num_batched_tokens += rows.iter().map(|r| r.row.n as usize).sum::<usize>();
+        out.num_batched_tokens += n + self.queued_drafts;
         out.sample_rows.extend((base as i64)..((base + n) as i64));
         out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
         out.sample_handles.extend_from_slice(&out.handles[base..]);
         out.sample_gens.extend_from_slice(&out.gens[base..]);
         let k = out.sample_seq_index.len();
         out.sample_seq_index.resize(k + n, 0);
-        let drafts: usize = rows.iter().map(|r| r.drafts as usize).sum();
-        if drafts > 0 {
+        if self.queued_drafts > 0 {
             let col = &mut out.extras.spec_num_draft_tokens;
             col.resize(base, 0);
             col.extend(rows.iter().map(|r| r.drafts as i32));
-            // Rows that take their whole proposal, in proposal order, have adjacent runs:
-            // one copy per stretch of them (a row without drafts adds nothing to a stretch).
             let ids = &mut out.extras.spec_draft_token_ids;
-            let mut i = 0;
-            while i < n {
-                let from = rows[i].offset as usize;
-                let mut to = from + rows[i].drafts as usize;
-                i += 1;
-                while i < n && (rows[i].drafts == 0 || rows[i].offset as usize == to) {
-                    to += rows[i].drafts as usize;
-                    i += 1;
-                }
-                ids.extend(self.tokens[from..to].iter().map(|&t| t as i64));
+            for &(from, to) in &self.stretches {
+                ids.extend(
+                    self.tokens[from as usize..to as usize]
+                        .iter()
+                        .map(|&t| t as i64),
+                );
             }
+            self.stretches.clear();
+            self.queued_drafts = 0;
         }
         self.rows.clear();
     }
@@ -255,6 +274,7 @@ impl Scheduler {
         let spec = &mut self.spec;
         spec.pending.clear();
         spec.tokens.clear();
+        spec.cursor = 0;
         for &h in running {
             let req = self.store.get(h);
             if req.needs_fork() {
@@ -712,9 +732,11 @@ fn spec_turn(
         },
         seq_id: s.id,
         gen,
-        offset,
         drafts: d as u32,
     });
+    if d > 0 {
+        spec.queue_drafts(offset, d as u32);
+    }
     s.num_computed = start + 1;
     if facts.caching && fills {
         // Registered in batches with the plain path's (`DecodeBatch::flush`).
