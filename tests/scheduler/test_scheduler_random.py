@@ -179,13 +179,12 @@ def run_workload(scheduling, policy, mode, w) -> int:
                 finish(rid)
 
     def check_grammar(out) -> None:
-        """Only ready structured requests sample under a mask, and they get no drafts."""
+        """Only ready structured requests sample under a mask; they take drafts like the
+        others (the engine cuts them to what the grammar accepts before the step)."""
         ids = out.sample_request_ids
         masked = [ids[k] for k in out.structured_output_samples]
         assert masked == [r for r in ids if r in structured], (masked, ids)
         assert not compiling.keys() & set(out.request_ids), "scheduled while compiling"
-        drafts = out.spec_num_draft_tokens
-        assert all(drafts[i] == 0 for i, r in enumerate(out.request_ids) if r in structured)
 
     def one_step() -> None:
         nonlocal steps
