@@ -13,13 +13,8 @@ pub enum Location {
 pub struct BlockTable {
     /// Physical block ids, in the pool given by `location`.
     pub blocks: Vec<BlockId>,
-    /// Chain hashes of the first `hashes.len()` full blocks of the sequence's tokens; changed
-    /// only through the methods below, which keep `last_hash` equal to its last entry.
-    hashes: Vec<u64>,
-    /// `hashes.last()` (meaningless while `hashes` is empty), next to the table's other fields:
-    /// a decode fill chains from it without loading the tail of `hashes` (a cache miss per
-    /// registered block, most of the staging's).
-    last_hash: u64,
+    /// Chain hashes of the first `hashes.len()` full blocks of the sequence's tokens.
+    pub hashes: Vec<u64>,
     /// Leading blocks already offered to the prefix cache (hits count as offered).
     pub num_registered: usize,
     pub location: Location,
@@ -29,35 +24,10 @@ impl BlockTable {
     pub fn new(blocks: Vec<BlockId>, hashes: Vec<u64>, num_registered: usize) -> Self {
         Self {
             blocks,
-            last_hash: hashes.last().copied().unwrap_or_default(),
             hashes,
             num_registered,
             location: Location::Device,
         }
-    }
-
-    /// Chain hashes of the full blocks known so far.
-    pub fn hashes(&self) -> &[u64] {
-        &self.hashes
-    }
-
-    /// The last chain hash, read without touching the hash vector's storage.
-    #[inline]
-    pub fn last_hash(&self) -> Option<u64> {
-        (!self.hashes.is_empty()).then_some(self.last_hash)
-    }
-
-    /// Appends the next full block's chain hash.
-    #[inline]
-    pub fn push_hash(&mut self, hash: u64) {
-        self.hashes.push(hash);
-        self.last_hash = hash;
-    }
-
-    /// Changes the chain through `f` (which may only append or truncate it).
-    pub fn update_hashes(&mut self, f: impl FnOnce(&mut Vec<u64>)) {
-        f(&mut self.hashes);
-        self.last_hash = self.hashes.last().copied().unwrap_or_default();
     }
 
     pub fn len(&self) -> usize {

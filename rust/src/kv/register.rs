@@ -55,13 +55,13 @@ fn stage_next_block(
     bs: usize,
     extra_key: u64,
 ) -> Option<(BlockId, u64)> {
-    if full != table.num_registered + 1 || table.hashes().len() + 1 != full {
+    if full != table.num_registered + 1 || table.hashes.len() + 1 != full {
         return None;
     }
     let i = full - 1;
-    let parent = table.last_hash().unwrap_or(ROOT_HASH);
+    let parent = table.hashes.last().copied().unwrap_or(ROOT_HASH);
     let hash = hash_block(parent, &tokens[i * bs..full * bs], extra_key);
-    table.push_hash(hash);
+    table.hashes.push(hash);
     table.num_registered = full;
     Some((table.blocks[i], hash))
 }
@@ -101,13 +101,10 @@ impl KvCacheManager {
         if let Some((block, hash)) = stage_next_block(table, tokens, full, bs, extra_key) {
             return Ok(self.prefix_cache.register(block, hash) as usize);
         }
-        table.update_hashes(|hashes| extend_chain(hashes, tokens, bs, extra_key, full));
+        extend_chain(&mut table.hashes, tokens, bs, extra_key, full);
         let mut registered = 0;
         for i in table.num_registered..full {
-            if self
-                .prefix_cache
-                .register(table.blocks[i], table.hashes()[i])
-            {
+            if self.prefix_cache.register(table.blocks[i], table.hashes[i]) {
                 registered += 1;
             }
         }

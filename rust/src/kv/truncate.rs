@@ -30,7 +30,7 @@ impl KvCacheManager {
             release_device_block(&mut self.device, &self.prefix_cache, block);
         }
         table.blocks.truncate(keep);
-        table.update_hashes(|hashes| hashes.truncate(keep));
+        table.hashes.truncate(keep);
         Ok(released)
     }
 }
