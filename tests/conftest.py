@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -26,3 +27,22 @@ if TESTS not in sys.path:
 # Let the tests run from a source checkout that has not been pip-installed.
 if importlib.util.find_spec("pagedllm") is None:
     sys.path.insert(0, os.path.join(ROOT, "python"))
+
+
+@pytest.fixture
+def fail_sampling_of_seed(monkeypatch):
+    """`fail_sampling_of_seed(seed)`: from then on, building the sampling metadata of any batch
+    that holds a request with that seed raises IndexError (a fault injected into one request)."""
+    from pagedllm.sampling import SamplingMetadata
+
+    build = SamplingMetadata.build
+
+    def inject(seed: int) -> None:
+        def failing_build(params, *args, **kwargs):
+            if any(p.seed == seed for p in params):
+                raise IndexError("selected index out of range (injected)")
+            return build(params, *args, **kwargs)
+
+        monkeypatch.setattr(SamplingMetadata, "build", failing_build)
+
+    return inject

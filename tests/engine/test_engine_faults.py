@@ -148,17 +148,8 @@ def test_failed_generate_reraises_once_and_the_engine_keeps_serving(reference):
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_a_request_that_fails_in_the_sampler_ends_alone(monkeypatch, reference):
-    from pagedllm.sampling import SamplingMetadata
-
-    build = SamplingMetadata.build
-
-    def failing_build(params, *args, **kwargs):
-        if any(p.seed == 13 for p in params):
-            raise IndexError("selected index out of range (injected)")
-        return build(params, *args, **kwargs)
-
-    monkeypatch.setattr(SamplingMetadata, "build", failing_build)
+def test_a_request_that_fails_in_the_sampler_ends_alone(fail_sampling_of_seed, reference):
+    fail_sampling_of_seed(13)
     llm = make_llm()
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):

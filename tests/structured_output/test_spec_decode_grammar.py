@@ -144,21 +144,12 @@ def test_constrained_n_samples_each_follow_their_grammar_with_speculation(ngram_
 
 
 def test_a_failing_request_in_a_verification_step_leaves_constrained_ones_intact(
-    monkeypatch, plain_greedy
+    fail_sampling_of_seed, plain_greedy
 ):
     # a free request whose sampling always fails joins while the constrained ones verify
     # drafts: each request's rows are retried alone (the grammar mask cut to them), only the
     # failing one ends, and the constrained outputs are those of plain greedy decoding
-    from pagedllm.sampling import SamplingMetadata
-
-    build = SamplingMetadata.build
-
-    def failing_build(params, *args, **kwargs):
-        if any(p.seed == 13 for p in params):
-            raise IndexError("injected")
-        return build(params, *args, **kwargs)
-
-    monkeypatch.setattr(SamplingMetadata, "build", failing_build)
+    fail_sampling_of_seed(13)
     engine = LLM(speculative_config=NGRAM, **ENGINE).llm_engine
     verify = engine.spec.verify
     retried_masks = []

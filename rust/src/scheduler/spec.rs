@@ -20,7 +20,7 @@ use crate::ids::{SeqId, TokenId};
 use crate::kv::{IdBuildHasher, KvCacheManager};
 use crate::spec::propose_ngram;
 
-use super::decode::DecodeBatch;
+use super::decode::{record_rows, DecodeBatch, DecodeRow};
 use super::output::{FinishedSeq, StepOutput, TableRow};
 use super::request::{Request, RequestStatus};
 use super::step::check_token_ids;
@@ -52,9 +52,7 @@ struct PendingRun {
 /// tokens are queued as stretches, `SpecState::stretches`).
 #[derive(Debug, Clone, Copy)]
 struct SpecRow {
-    row: TableRow,
-    seq_id: SeqId,
-    gen: u32,
+    decode: DecodeRow,
     drafts: u32,
 }
 
@@ -171,26 +169,12 @@ impl SpecState {
     /// `out`: one tight loop per output array.
     fn flush_rows(&mut self, out: &mut StepOutput) {
         let rows = &self.rows;
-        let n = rows.len();
-        if n == 0 {
+        if rows.is_empty() {
             return;
         }
         let base = out.seq_ids.len();
-        out.seq_ids.extend(rows.iter().map(|r| r.seq_id as i64));
-        out.handles.extend(rows.iter().map(|r| r.row.handle));
-        out.gens.extend(rows.iter().map(|r| r.gen));
-        out.seq_index.resize(base + n, 0);
-        out.num_tokens.extend(rows.iter().map(|r| r.row.n as i32));
-        out.start_pos
-            .extend(rows.iter().map(|r| r.row.start as i32));
-        out.table_rows.extend(rows.iter().map(|r| r.row));
-        out.num_batched_tokens += n + self.queued_drafts;
-        out.sample_rows.extend((base as i64)..((base + n) as i64));
-        out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
-        out.sample_handles.extend_from_slice(&out.handles[base..]);
-        out.sample_gens.extend_from_slice(&out.gens[base..]);
-        let k = out.sample_seq_index.len();
-        out.sample_seq_index.resize(k + n, 0);
+        record_rows::<false>(out, rows.iter().map(|r| &r.decode));
+        out.num_batched_tokens += self.queued_drafts;
         if self.queued_drafts > 0 {
             let col = &mut out.extras.spec_num_draft_tokens;
             col.resize(base, 0);
@@ -720,18 +704,20 @@ fn spec_turn(
         }
     };
     spec.rows.push(SpecRow {
-        row: TableRow {
-            handle: h,
-            seq: 0,
-            len: s.table.num_blocks() as u32,
-            start: start as u32,
-            n: 1 + d as u32,
-            // tokens.len() == start + 1 was checked above, so this is tokens[start].
-            token: s.last_token,
-            slot,
+        decode: DecodeRow {
+            row: TableRow {
+                handle: h,
+                seq: 0,
+                len: s.table.num_blocks() as u32,
+                start: start as u32,
+                n: 1 + d as u32,
+                // tokens.len() == start + 1 was checked above, so this is tokens[start].
+                token: s.last_token,
+                slot,
+            },
+            seq_id: s.id,
+            gen,
         },
-        seq_id: s.id,
-        gen,
         drafts: d as u32,
     });
     if d > 0 {
