@@ -33,7 +33,8 @@
 //! - `grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the step's
 //!   constrained samples;
 //! - `invariants.rs` — `check_invariants`; `stats.rs` — counters and the stats snapshot;
-//! - `spec.rs` — speculative decoding: the step's n-gram drafts (`crate::spec`).
+//! - `spec.rs` — speculative decoding: the step's n-gram drafts (`crate::spec`), their fast
+//!   path; `spec_update.rs` — applying a verification step's runs.
 //!
 //! The KV-cache manager (`crate::kv`) owns blocks, tables and the prefix cache; the
 //! scheduler asks it through its public methods and reads the cache's facts (block size,
@@ -76,6 +77,7 @@ mod request;
 mod rollback;
 mod running;
 mod spec;
+mod spec_update;
 mod stats;
 mod step;
 mod stop;
