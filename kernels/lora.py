@@ -19,13 +19,38 @@ from .lora_reference import LoRASegments
 
 
 @triton.jit
-def _segment_rows(order_ptr, starts_ptr, g, m_blk, BLOCK_M: tl.constexpr):
+def _tile(order_ptr, starts_ptr, slots_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: its segment's token rows (gathered through `token_order`), the
+    segment's adapter slot, and its output columns."""
+    g = tl.program_id(0)
     start = tl.load(starts_ptr + g)
     end = tl.load(starts_ptr + g + 1)
-    idx = start + m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    idx = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = idx < end
     rows = tl.load(order_ptr + idx, mask=row_mask, other=0).to(tl.int64)
-    return rows, row_mask
+    slot = tl.load(slots_ptr + g).to(tl.int64)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, row_mask, slot, n, n < N
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_mask, stride, cols, col_mask):
+    """Columns `cols` of the token rows `rows`: [BLOCK_M, len(cols)], 0 where masked."""
+    return tl.load(
+        ptr + rows[:, None] * stride + cols[None, :],
+        mask=row_mask[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _load_slot_t(w_ptr, slot, stride_ws, stride_wn, n, n_mask, c, c_mask):
+    """The slot's weight rows `n`, columns `c`, read transposed: [len(c), len(n)]."""
+    return tl.load(
+        w_ptr + slot * stride_ws + n[None, :] * stride_wn + c[:, None],
+        mask=c_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -48,26 +73,14 @@ def _shrink_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    g = tl.program_id(0)
-    rows, row_mask = _segment_rows(order_ptr, starts_ptr, g, tl.program_id(1), BLOCK_M)
-    slot = tl.load(slots_ptr + g).to(tl.int64)
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
+    rows, row_mask, slot, n, n_mask = _tile(order_ptr, starts_ptr, slots_ptr, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
-        xb = tl.load(
-            x_ptr + rows[:, None] * stride_xt + k[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        xb = _load_rows(x_ptr, rows, row_mask, stride_xt, k, k_mask)
         # the slot's A read transposed: [BLOCK_K, BLOCK_N]
-        wb = tl.load(
-            w_ptr + slot * stride_ws + n[None, :] * stride_wn + k[:, None],
-            mask=k_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
+        wb = _load_slot_t(w_ptr, slot, stride_ws, stride_wn, n, n_mask, k, k_mask)
         wb = wb.to(xb.dtype)
         if UPCAST:
             # the interpreter's bf16 dot is wrong: multiply in float32 there
@@ -99,23 +112,12 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    g = tl.program_id(0)
-    rows, row_mask = _segment_rows(order_ptr, starts_ptr, g, tl.program_id(1), BLOCK_M)
-    slot = tl.load(slots_ptr + g).to(tl.int64)
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < N
+    rows, row_mask, slot, n, n_mask = _tile(order_ptr, starts_ptr, slots_ptr, N, BLOCK_M, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
-    yb = tl.load(
-        y_ptr + rows[:, None] * stride_yt + r[None, :],
-        mask=row_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    wb = tl.load(
-        w_ptr + slot * stride_ws + n[None, :] * stride_wn + r[:, None],
-        mask=r_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    )
+    yb = _load_rows(y_ptr, rows, row_mask, stride_yt, r, r_mask)
+    # the slot's B read transposed: [BLOCK_R, BLOCK_N]
+    wb = _load_slot_t(w_ptr, slot, stride_ws, stride_wn, n, n_mask, r, r_mask)
     delta = tl.dot(yb, wb.to(tl.float32), input_precision=DOT_PREC)
     mask = row_mask[:, None] & n_mask[None, :]
     dst = out_ptr + rows[:, None] * stride_ot + n[None, :]
