@@ -47,12 +47,13 @@ fn prompt(tag: u32, len: usize) -> Vec<TokenId> {
     (0..len as u32).map(|i| 1000 * (tag + 1) + i).collect()
 }
 
-fn req(tag: u32, len: usize, n: usize, max_tokens: usize) -> RequestParams {
+/// A single-sequence request for `prompt` with `max_tokens`, nothing else set.
+fn params(prompt: Vec<TokenId>, max_tokens: usize) -> RequestParams {
     RequestParams {
-        prompt: prompt(tag, len),
-        n,
+        prompt,
+        n: 1,
         priority: 0,
-        arrival_time: tag as f64,
+        arrival_time: 0.0,
         stop: StopParams {
             max_tokens,
             ..Default::default()
@@ -60,6 +61,14 @@ fn req(tag: u32, len: usize, n: usize, max_tokens: usize) -> RequestParams {
         extra_key: 0,
         lora_id: 0,
         structured_output: false,
+    }
+}
+
+fn req(tag: u32, len: usize, n: usize, max_tokens: usize) -> RequestParams {
+    RequestParams {
+        n,
+        arrival_time: tag as f64,
+        ..params(prompt(tag, len), max_tokens)
     }
 }
 

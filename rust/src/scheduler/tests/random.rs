@@ -1,6 +1,13 @@
 //! A seeded random workload over every strategy, policy and preemption mode.
 use super::*;
 
+/// The strategies in the order the workloads' seeds are derived from.
+const STRATEGIES: [Strategy; 3] = [
+    Strategy::PrefillFirst,
+    Strategy::ChunkedPrefill,
+    Strategy::Unified,
+];
+
 /// Tiny deterministic generator for the seeded workload.
 struct Lcg(u64);
 impl Lcg {
@@ -15,18 +22,13 @@ impl Lcg {
 
 #[test]
 fn random_workloads_terminate_without_leaks() {
-    let strategies = [
-        Strategy::PrefillFirst,
-        Strategy::ChunkedPrefill,
-        Strategy::Unified,
-    ];
     let policies = [Policy::Fcfs, Policy::Priority];
     let modes = [
         PreemptionMode::Auto,
         PreemptionMode::Recompute,
         PreemptionMode::Swap,
     ];
-    for (k, ((&st, &po), &mo)) in strategies
+    for (k, ((&st, &po), &mo)) in STRATEGIES
         .iter()
         .flat_map(|s| policies.iter().map(move |p| (s, p)))
         .flat_map(|sp| modes.iter().map(move |m| (sp, m)))
@@ -94,13 +96,8 @@ fn random_workloads_terminate_without_leaks() {
 #[test]
 fn random_workloads_with_drafts_terminate_without_leaks() {
     use crate::spec::NgramConfig;
-    let strategies = [
-        Strategy::PrefillFirst,
-        Strategy::ChunkedPrefill,
-        Strategy::Unified,
-    ];
     let modes = [PreemptionMode::Recompute, PreemptionMode::Swap];
-    for (k, (&st, &mo)) in strategies
+    for (k, (&st, &mo)) in STRATEGIES
         .iter()
         .flat_map(|s| modes.iter().map(move |m| (s, m)))
         .enumerate()

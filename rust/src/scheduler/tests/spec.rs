@@ -1,56 +1,26 @@
 //! Speculative decoding in the scheduler: drafts proposed, scheduled within the limits, runs
 //! applied under the stop rules, rejected blocks given back.
-use crate::kv::CacheConfig;
-use crate::scheduler::{
-    Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig, StopParams, Strategy,
-};
+use super::{cache, cfg, params, step};
+use crate::scheduler::{Scheduler, Strategy};
 use crate::spec::NgramConfig;
 
+/// Unified, 16 seats, model length 32, block 4, 64 blocks, `budget` tokens a step.
+fn sched_with(speculative: Option<NgramConfig>, budget: usize, caching: bool) -> Scheduler {
+    let mut c = cfg(Strategy::Unified, budget);
+    c.max_num_seqs = 16;
+    c.max_model_len = 32;
+    c.speculative = speculative;
+    let mut k = cache(4, 64, 0);
+    k.enable_prefix_caching = caching;
+    Scheduler::new(k, c).unwrap()
+}
+
 fn sched(speculative: Option<NgramConfig>) -> Scheduler {
-    let cfg = SchedulerConfig {
-        max_num_batched_tokens: 64,
-        max_num_seqs: 16,
-        max_model_len: 32,
-        strategy: Strategy::Unified,
-        policy: Policy::Fcfs,
-        preemption_mode: PreemptionMode::Auto,
-        long_prefill_token_threshold: 0,
-        num_lookahead_slots: 0,
-        delay_factor: 0.0,
-        max_loras: 0,
-        speculative,
-    };
-    let cache = CacheConfig {
-        block_size: 4,
-        num_device_blocks: 64,
-        num_host_blocks: 0,
-        watermark: 0.0,
-        enable_prefix_caching: false,
-    };
-    Scheduler::new(cache, cfg).unwrap()
+    sched_with(speculative, 64, false)
 }
 
 fn add(s: &mut Scheduler, id: &str, prompt: Vec<u32>, max_tokens: usize) {
-    let params = RequestParams {
-        prompt,
-        n: 1,
-        priority: 0,
-        arrival_time: 0.0,
-        stop: StopParams {
-            max_tokens,
-            ..StopParams::default()
-        },
-        extra_key: 0,
-        lora_id: 0,
-        structured_output: false,
-    };
-    s.add_request(id, params).unwrap();
-}
-
-fn step(s: &mut Scheduler, token: i64) {
-    let out = s.schedule(0.0).unwrap();
-    let sampled = vec![token; out.num_samples()];
-    s.update_from_output(out.step, &sampled, None).unwrap();
+    s.add_request(id, params(prompt, max_tokens)).unwrap();
 }
 
 #[test]
@@ -114,20 +84,7 @@ fn set_drafts_rejects_inconsistent_arrays() {
 
 /// A request decoding `1 2 3 4 5 1 | 2` with drafts `3 4 5` proposed.
 fn drafted(caching: bool) -> Scheduler {
-    let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
-    if caching {
-        s = Scheduler::new(
-            CacheConfig {
-                block_size: 4,
-                num_device_blocks: 64,
-                num_host_blocks: 0,
-                watermark: 0.0,
-                enable_prefix_caching: true,
-            },
-            s.config().clone(),
-        )
-        .unwrap();
-    }
+    let mut s = sched_with(Some(NgramConfig::new(3, 2, 1).unwrap()), 64, caching);
     add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
     step(&mut s, 2);
     assert_eq!(s.propose_drafts().unwrap().draft_token_ids, vec![3, 4, 5]);
@@ -182,21 +139,9 @@ fn a_run_moves_computed_over_accepted_drafts_and_frees_rejected_blocks() {
 
 /// Request "a" with stop id `stop`, decoding, its drafts [3, 4, 5] proposed.
 fn drafted_with_stop_id(s: &mut Scheduler, stop: u32) {
-    let params = RequestParams {
-        prompt: vec![1, 2, 3, 4, 5, 1],
-        n: 1,
-        priority: 0,
-        arrival_time: 0.0,
-        stop: StopParams {
-            max_tokens: 16,
-            stop_token_ids: vec![stop],
-            ..StopParams::default()
-        },
-        extra_key: 0,
-        lora_id: 0,
-        structured_output: false,
-    };
-    s.add_request("a", params).unwrap();
+    let mut p = params(vec![1, 2, 3, 4, 5, 1], 16);
+    p.stop.stop_token_ids = vec![stop];
+    s.add_request("a", p).unwrap();
     step(s, 2);
     s.propose_drafts().unwrap();
 }
@@ -252,17 +197,7 @@ fn runs_longer_than_the_drafts_are_refused() {
 
 #[test]
 fn the_budget_trims_the_drafts() {
-    let mut cfg = sched(None).config().clone();
-    cfg.max_num_batched_tokens = 3;
-    cfg.speculative = Some(NgramConfig::new(3, 2, 1).unwrap());
-    let cache = CacheConfig {
-        block_size: 4,
-        num_device_blocks: 64,
-        num_host_blocks: 0,
-        watermark: 0.0,
-        enable_prefix_caching: false,
-    };
-    let mut s = Scheduler::new(cache, cfg).unwrap();
+    let mut s = sched_with(Some(NgramConfig::new(3, 2, 1).unwrap()), 3, false);
     add(&mut s, "a", vec![1, 2, 3, 4, 5, 1], 16);
     // the prompt takes two steps of 3 tokens
     step(&mut s, 2);
@@ -277,20 +212,9 @@ fn the_budget_trims_the_drafts() {
 #[test]
 fn constrained_requests_get_drafts_for_the_engine_to_check() {
     let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
-    let params = RequestParams {
-        prompt: vec![1, 2, 3, 4, 5, 1],
-        n: 1,
-        priority: 0,
-        arrival_time: 0.0,
-        stop: StopParams {
-            max_tokens: 16,
-            ..StopParams::default()
-        },
-        extra_key: 0,
-        lora_id: 0,
-        structured_output: true,
-    };
-    s.add_request("a", params).unwrap();
+    let mut p = params(vec![1, 2, 3, 4, 5, 1], 16);
+    p.structured_output = true;
+    s.add_request("a", p).unwrap();
     assert!(s.grammar_ready("a").unwrap());
     step(&mut s, 2);
     // the engine cuts them to what the grammar accepts (set_drafts) before the step
