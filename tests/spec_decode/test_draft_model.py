@@ -10,7 +10,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+import spec_util
 from model_factory import save_tiny_checkpoint, save_truncated_checkpoint
+from spec_util import assert_ran_clean, token_ids
 
 MAX_NEW = 12
 PROMPTS = [
@@ -28,7 +30,7 @@ def models(tmp_path_factory):
     target = save_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=3)
     draft = save_truncated_checkpoint(target, tmp_path_factory.mktemp("draft"), 1)
     _, outs = generate(target, None)
-    return target, draft, [[c.token_ids for c in o.outputs] for o in outs]
+    return target, draft, token_ids(outs)
 
 
 @pytest.fixture(scope="module")
@@ -50,36 +52,8 @@ def spec(draft, k=3):
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
 
 
-def generate(folder, speculative_config, *, n=1, **engine_kwargs):
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        speculative_config=speculative_config,
-        **engine_kwargs,
-    )
-    params = SamplingParams(n=n, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return llm, outs
-
-
-def token_ids(outs):
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-def assert_ran_clean(llm, *, partly_accepted=False) -> dict:
-    """Drafts were verified (`partly_accepted`: some accepted, some rejected); every block went
-    back; invariants hold."""
-    stats = llm.llm_engine.get_stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0
-    if partly_accepted:
-        accepted = stats["spec_decode_num_accepted_tokens"]
-        assert 0 < accepted < stats["spec_decode_num_draft_tokens"]
-    llm.llm_engine.scheduler.check_invariants()
-    assert llm.llm_engine.scheduler.get_stats()["num_running"] == 0
-    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
-    return stats
+def generate(folder, speculative_config, **kwargs):
+    return spec_util.generate(folder, speculative_config, PROMPTS, MAX_NEW, **kwargs)
 
 
 def test_self_draft_accepts_every_greedy_draft(models):
@@ -95,7 +69,7 @@ def test_smaller_draft_keeps_greedy_outputs(models, prefix_caching):
     target, draft, expected = models
     llm, outs = generate(target, spec(draft), enable_prefix_caching=prefix_caching)
     assert token_ids(outs) == expected
-    assert_ran_clean(llm, partly_accepted=True)
+    assert_ran_clean(llm, accepted=True, rejected=True)
 
 
 def test_draft_with_another_cache_shape_keeps_greedy_outputs(models, narrow_draft):
@@ -113,7 +87,7 @@ def test_smaller_draft_keeps_greedy_outputs_under_preemption(models, mode):
         target, spec(draft), num_gpu_blocks=24, max_model_len=64, preemption_mode=mode
     )
     assert token_ids(outs) == expected
-    stats = assert_ran_clean(llm, partly_accepted=True)
+    stats = assert_ran_clean(llm, accepted=True, rejected=True)
     assert stats["num_preemptions"] > 0
 
 
@@ -134,7 +108,7 @@ def test_smaller_draft_with_n_above_one(models):
     target, draft, expected = models
     llm, outs = generate(target, spec(draft), n=2)
     assert token_ids(outs) == [[e[0], e[0]] for e in expected]
-    assert_ran_clean(llm, partly_accepted=True)
+    assert_ran_clean(llm, accepted=True, rejected=True)
 
 
 def test_draft_with_another_vocabulary_is_refused(models, tmp_path):

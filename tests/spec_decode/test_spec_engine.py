@@ -9,7 +9,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
+import spec_util
 from model_factory import save_tiny_checkpoint
+from spec_util import assert_ran_clean, token_ids
 
 MAX_NEW = 20
 # prompts that repeat themselves, and greedy outputs of the random models that fall into loops:
@@ -33,7 +35,7 @@ def checkpoint(name: str, tmp_path_factory):
     """(checkpoint folder, greedy outputs without speculation)."""
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp(name), name, seed=3)
     _, outs = generate(folder, None)
-    return folder, [[c.token_ids for c in o.outputs] for o in outs]
+    return folder, token_ids(outs)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -46,43 +48,27 @@ def llama(tmp_path_factory):
     return checkpoint("llama", tmp_path_factory)
 
 
-def generate(folder, spec, *, n=1, params=None, **engine_kwargs):
-    llm = LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        speculative_config=spec,
-        **engine_kwargs,
-    )
-    params = params or SamplingParams(n=n, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return llm, outs
+def generate(folder, spec, **kwargs):
+    return spec_util.generate(folder, spec, PROMPTS, MAX_NEW, **kwargs)
 
 
 def assert_spec_ran_clean(llm) -> dict:
     """Drafts were verified and some accepted; every block went back; invariants hold."""
-    stats = llm.llm_engine.get_stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0
-    llm.llm_engine.scheduler.check_invariants()
-    assert llm.llm_engine.scheduler.get_stats()["num_running"] == 0
-    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
-    return stats
+    return assert_ran_clean(llm, accepted=True)
 
 
 @pytest.mark.parametrize("scheduling", ["unified", "prefill_first", "chunked_prefill"])
 def test_greedy_outputs_match_without_speculation(family, scheduling):
     folder, expected = family
     llm, outs = generate(folder, NGRAM, scheduling=scheduling)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert token_ids(outs) == expected
     assert_spec_ran_clean(llm)
 
 
 def test_greedy_outputs_match_without_prefix_caching(family):
     folder, expected = family
     llm, outs = generate(folder, NGRAM, enable_prefix_caching=False)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert token_ids(outs) == expected
     assert_spec_ran_clean(llm)
 
 
@@ -91,7 +77,7 @@ def test_greedy_outputs_match_under_preemption(llama, mode):
     folder, expected = llama
     # 5 requests of up to 42 + 24 tokens in 40 blocks of 4: decodes run out and preempt
     llm, outs = generate(folder, NGRAM, num_gpu_blocks=40, max_model_len=128, preemption_mode=mode)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert token_ids(outs) == expected
     stats = assert_spec_ran_clean(llm)
     assert stats["num_preemptions"] > 0
 
@@ -99,7 +85,7 @@ def test_greedy_outputs_match_under_preemption(llama, mode):
 def test_n_above_one_matches(llama):
     folder, expected = llama
     llm, outs = generate(folder, NGRAM, n=2)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e[0], e[0]] for e in expected]
+    assert token_ids(outs) == [[e[0], e[0]] for e in expected]
     assert_spec_ran_clean(llm)
 
 
