@@ -4,13 +4,18 @@
 //! adapter id), so equal hashes mean equal whole prefixes, not just equal blocks. The hash is a
 //! wyhash-style multiply-fold over two tokens per 64-bit word: a 16-token block costs a handful of
 //! 128-bit multiplies (~10 ns), far below a pure-Python hash (~1 µs).
-use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashTable;
 
 use crate::ids::{BlockId, TokenId};
 
 /// Prefix-map entries reserved up front (at most the pool size).
 const PRESIZED_ENTRIES: usize = 1 << 15;
+
+/// `block_hash` of a block that is not registered. A block whose hash happens to equal it
+/// (odds 2^-64) is simply never shared.
+const NO_HASH: u64 = u64::MAX;
 
 /// Parent hash of a sequence's first block.
 pub const ROOT_HASH: u64 = 0x2d35_8dcc_aa6c_78a5;
@@ -172,8 +177,13 @@ impl PrefixCacheStats {
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
     enabled: bool,
-    map: HashMap<u64, BlockId, IdBuildHasher>,
-    block_hash: Vec<Option<u64>>,
+    /// Registered device blocks, found by hash. An entry is only the block id (its hash is
+    /// `block_hash[id]`): 4 bytes instead of a 16-byte (hash, id) pair, so the table of a
+    /// 32K-block pool is 256 KiB rather than 1 MiB and a decode step's inserts mostly land on
+    /// lines still in L2 (they were most of what prefix caching adds to a step).
+    map: HashTable<BlockId>,
+    /// Each device block's registered hash, `NO_HASH` when none.
+    block_hash: Vec<u64>,
     stats: PrefixCacheStats,
     /// Blocks registered since `start_journal`: a step whose computation failed takes
     /// them back (their KV was never written). `None` until a scheduler starts one, so a
@@ -188,15 +198,12 @@ impl PrefixCache {
             // Registrations up to 32K blocks never rehash (growth rehashes were ~7% of an
             // admission burst); larger pools grow past that on demand, which keeps a big but
             // lightly used map compact.
-            map: HashMap::with_capacity_and_hasher(
-                if enabled {
-                    num_device_blocks.min(PRESIZED_ENTRIES)
-                } else {
-                    0
-                },
-                IdBuildHasher::default(),
-            ),
-            block_hash: vec![None; num_device_blocks],
+            map: HashTable::with_capacity(if enabled {
+                num_device_blocks.min(PRESIZED_ENTRIES)
+            } else {
+                0
+            }),
+            block_hash: vec![NO_HASH; num_device_blocks],
             stats: PrefixCacheStats::default(),
             journal: None,
         }
@@ -219,12 +226,19 @@ impl PrefixCache {
     }
 
     pub fn get(&self, hash: u64) -> Option<BlockId> {
-        self.map.get(&hash).copied()
+        // Block hashes are already well mixed: they index the table as they are.
+        let hashes = &self.block_hash;
+        self.map
+            .find(hash, |&b| hashes[b as usize] == hash)
+            .copied()
     }
 
     /// The hash a device block is registered under, if any.
     pub fn block_hash(&self, block: BlockId) -> Option<u64> {
-        self.block_hash.get(block as usize).copied().flatten()
+        self.block_hash
+            .get(block as usize)
+            .copied()
+            .filter(|&h| h != NO_HASH)
     }
 
     pub fn is_registered(&self, block: BlockId) -> bool {
@@ -239,7 +253,7 @@ impl PrefixCache {
             // SAFETY: a prefetch is only a hint; it never faults and the pointer is valid.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    entry as *const Option<u64> as *const i8,
+                    entry as *const u64 as *const i8,
                 )
             };
         }
@@ -250,14 +264,20 @@ impl PrefixCache {
     /// Registers `block` under `hash`. Returns false (and changes nothing) when the hash is
     /// already mapped (to this or another block) or the block already has a hash.
     pub fn register(&mut self, block: BlockId, hash: u64) -> bool {
-        if !self.enabled || self.is_registered(block) {
+        if !self.enabled || self.is_registered(block) || hash == NO_HASH {
             return false;
         }
-        match self.map.entry(hash) {
-            std::collections::hash_map::Entry::Occupied(_) => false,
-            std::collections::hash_map::Entry::Vacant(v) => {
+        let hashes = &self.block_hash;
+        let entry = self.map.entry(
+            hash,
+            |&b| hashes[b as usize] == hash,
+            |&b| hashes[b as usize],
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(_) => false,
+            hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(block);
-                self.block_hash[block as usize] = Some(hash);
+                self.block_hash[block as usize] = hash;
                 if let Some(journal) = &mut self.journal {
                     journal.push(block);
                 }
@@ -266,10 +286,22 @@ impl PrefixCache {
         }
     }
 
+    /// Takes `block`'s registration out of the map and the hash vector; whether it had one.
+    fn take(&mut self, block: BlockId) -> bool {
+        let hash = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
+        if hash == NO_HASH {
+            return false;
+        }
+        // Found by id: the entry's own hash is not even read.
+        if let Ok(entry) = self.map.find_entry(hash, |&b| b == block) {
+            entry.remove();
+        }
+        true
+    }
+
     /// Drops the registration of a block being reused for other contents.
     pub fn evict(&mut self, block: BlockId) {
-        if let Some(hash) = self.block_hash[block as usize].take() {
-            self.map.remove(&hash);
+        if self.take(block) {
             self.stats.evictions += 1;
         }
     }
@@ -291,19 +323,13 @@ impl PrefixCache {
     /// Drops a block's registration without counting an eviction (its contents turned out
     /// not to be what the hash says). Returns whether it was registered.
     pub fn unregister(&mut self, block: BlockId) -> bool {
-        match self.block_hash[block as usize].take() {
-            Some(hash) => {
-                self.map.remove(&hash);
-                true
-            }
-            None => false,
-        }
+        self.take(block)
     }
 
     /// Drops every registration (counters are kept).
     pub fn clear(&mut self) {
         self.map.clear();
-        self.block_hash.iter_mut().for_each(|h| *h = None);
+        self.block_hash.fill(NO_HASH);
     }
 
     /// Read-only lookup: longest run of leading cached full blocks within `tokens[..len-1]`
@@ -319,7 +345,7 @@ impl PrefixCache {
         let eligible = Self::eligible_blocks(tokens.len(), block_size);
         let blocks: Vec<BlockId> = hashes[..eligible]
             .iter()
-            .map_while(|h| self.map.get(h).copied())
+            .map_while(|&h| self.get(h))
             .collect();
         PrefixHit {
             num_cached_tokens: blocks.len() * block_size,
@@ -347,15 +373,20 @@ impl PrefixCache {
 
     /// The map and the per-block hashes agree both ways.
     pub fn check(&self) -> std::result::Result<(), String> {
-        for (&hash, &block) in &self.map {
-            if self.block_hash(block) != Some(hash) {
+        for &block in &self.map {
+            let Some(hash) = self.block_hash(block) else {
                 return Err(format!(
-                    "prefix cache maps hash {hash:#x} to block {block}, which holds {:?}",
-                    self.block_hash(block)
+                    "prefix cache maps block {block}, which has no hash"
+                ));
+            };
+            if self.get(hash) != Some(block) {
+                return Err(format!(
+                    "block {block} carries hash {hash:#x}, which the prefix cache maps to {:?}",
+                    self.get(hash)
                 ));
             }
         }
-        let registered = self.block_hash.iter().filter(|h| h.is_some()).count();
+        let registered = self.block_hash.iter().filter(|&&h| h != NO_HASH).count();
         if registered != self.map.len() {
             return Err(format!(
                 "{registered} blocks carry a hash but the prefix cache maps {}",
@@ -455,6 +486,30 @@ mod tests {
         assert!(!c.register(0, 12));
         assert_eq!(c.get(11), Some(0));
         assert_eq!(c.block_hash(1), None);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn hashes_sharing_a_bucket_find_their_own_blocks() {
+        // Same low bits and same top bits: the table puts them in one probe group, and only
+        // the block's stored hash tells them apart.
+        let (a, b) = (0x0123_4567_89ab_cdef, 0x0123_4567_89ab_cdef ^ (1 << 40));
+        let mut c = PrefixCache::new(4, true);
+        assert!(c.register(0, a));
+        assert!(c.register(1, b));
+        assert_eq!((c.get(a), c.get(b)), (Some(0), Some(1)));
+        c.evict(0);
+        assert_eq!((c.get(a), c.get(b)), (None, Some(1)));
+        assert!(c.register(2, a));
+        assert_eq!(c.get(a), Some(2));
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn the_reserved_hash_is_never_registered() {
+        let mut c = PrefixCache::new(2, true);
+        assert!(!c.register(0, NO_HASH));
+        assert_eq!((c.get(NO_HASH), c.block_hash(0), c.len()), (None, None, 0));
         c.check().unwrap();
     }
 
