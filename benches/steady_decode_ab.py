@@ -6,9 +6,9 @@ process, alternated run by run, and reports each build's sorted per-run medians.
 extension file (`_core.abi3.so`, e.g. copied from `python/pagedllm/` after `maturin develop`
 at each commit); it is loaded on its own, without the rest of the package.
 
-One run: 1024 single-sequence requests with 512-token prompts (the setup of
-`test_bench_vs_nanovllm.py`), prefilled, then `schedule()` + `update_from_output()` timed step
-by step for 200 steps after 10 warm-up steps; the run's median is printed.
+One run: the setup of `steady_state.py` (1024 requests with 512-token prompts, prefilled),
+then `schedule()` + `update_from_output()` timed step by step for 200 steps after 10 warm-up
+steps; the run's median is printed.
 
     python benches/steady_decode_ab.py /tmp/old.so /tmp/new.so --caching on --runs 8
 """
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-RUNNING, PROMPT, MAX_MODEL_LEN, VOCAB = 1024, 512, 2048, 50_000
+from steady_state import RUNNING, prefilled
 
 
 def load_core(path: str):
@@ -39,24 +39,7 @@ def load_core(path: str):
 
 def one_run(path: str, caching: bool, block_size: int, steps: int) -> float:
     """Median microseconds per steady decode step of the build at `path`."""
-    core = load_core(path)
-    s = core.Scheduler(
-        block_size=block_size,
-        max_num_seqs=RUNNING,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=16384,
-        enable_prefix_caching=caching,
-        num_gpu_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1),
-    )
-    rng = np.random.default_rng(0)
-    for i in range(RUNNING):
-        prompt = rng.integers(0, VOCAB, PROMPT).tolist()
-        s.add_request(f"r{i}", prompt, max_tokens=1024, ignore_eos=True)
-    while True:
-        out = s.schedule()
-        s.update_from_output(out, np.full(out.num_samples, 7, dtype=np.int64))
-        if out.is_decode_only and out.num_seqs == RUNNING:
-            break
+    s = prefilled(load_core(path).Scheduler, block_size, caching)
     tokens = np.full(RUNNING, 7, dtype=np.int64)
     times = []
     for _ in range(10 + steps):

@@ -25,7 +25,8 @@ import pytest
 
 from pagedllm._core import Scheduler
 
-RUNNING, PROMPT, MAX_MODEL_LEN, VOCAB = 1024, 512, 2048, 50_000
+from steady_state import MAX_MODEL_LEN, RUNNING, prefilled, prompts
+
 ROUNDS = 200
 
 
@@ -47,29 +48,10 @@ def nanovllm_modules():
     return scheduler, sequence, params
 
 
-def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, VOCAB, PROMPT).tolist() for _ in range(RUNNING)]
-
-
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("caching", [True, False])
 def test_pagedllm_steady_decode(benchmark, block_size, caching):
-    s = Scheduler(
-        block_size=block_size,
-        max_num_seqs=RUNNING,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=16384,
-        enable_prefix_caching=caching,
-        num_gpu_blocks=RUNNING * (MAX_MODEL_LEN // block_size + 1),
-    )
-    for i, p in enumerate(prompts()):
-        s.add_request(f"r{i}", p, max_tokens=1024, ignore_eos=True)
-    while True:  # prefill everything first
-        out = s.schedule()
-        s.update_from_output(out, np.full(out.num_samples, 7, dtype=np.int64))
-        if out.is_decode_only and out.num_seqs == RUNNING:
-            break
+    s = prefilled(Scheduler, block_size, caching)
     tokens = np.full(RUNNING, 7, dtype=np.int64)
 
     def step():
