@@ -286,22 +286,9 @@ impl PrefixCache {
         }
     }
 
-    /// Takes `block`'s registration out of the map and the hash vector; whether it had one.
-    fn take(&mut self, block: BlockId) -> bool {
-        let hash = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
-        if hash == NO_HASH {
-            return false;
-        }
-        // Found by id: the entry's own hash is not even read.
-        if let Ok(entry) = self.map.find_entry(hash, |&b| b == block) {
-            entry.remove();
-        }
-        true
-    }
-
     /// Drops the registration of a block being reused for other contents.
     pub fn evict(&mut self, block: BlockId) {
-        if self.take(block) {
+        if self.unregister(block) {
             self.stats.evictions += 1;
         }
     }
@@ -323,7 +310,15 @@ impl PrefixCache {
     /// Drops a block's registration without counting an eviction (its contents turned out
     /// not to be what the hash says). Returns whether it was registered.
     pub fn unregister(&mut self, block: BlockId) -> bool {
-        self.take(block)
+        let hash = std::mem::replace(&mut self.block_hash[block as usize], NO_HASH);
+        if hash == NO_HASH {
+            return false;
+        }
+        // Found by id: the entry's own hash is not even read.
+        if let Ok(entry) = self.map.find_entry(hash, |&b| b == block) {
+            entry.remove();
+        }
+        true
     }
 
     /// Drops every registration (counters are kept).

@@ -9,7 +9,7 @@ use crate::ids::TokenId;
 use super::output::FinishedSeq;
 use super::request::{Request, RequestStatus};
 use super::step::check_token_ids;
-use super::stop::{cut_run, FinishReason};
+use super::stop::{cut_run, run_starts, FinishReason};
 use super::update::{finish_seq, push_token};
 use super::Scheduler;
 
@@ -144,15 +144,6 @@ impl Scheduler {
         }
         check_token_ids(sampled)
     }
-}
-
-/// (start, count) of each run in the flat token array.
-fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
-    num_tokens.iter().scan(0usize, |at, &n| {
-        let start = *at;
-        *at += n as usize;
-        Some((start, n as usize))
-    })
 }
 
 /// Appends `run` to sequence `idx` of `req` up to the token the stop rules end it at

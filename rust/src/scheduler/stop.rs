@@ -98,6 +98,15 @@ pub(crate) fn cut_run(
     (run.len(), None)
 }
 
+/// (start, count) of each run in a flat token array of runs of `num_tokens[k]` tokens.
+pub(super) fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    num_tokens.iter().scan(0usize, |at, &n| {
+        let start = *at;
+        *at += n as usize;
+        Some((start, n as usize))
+    })
+}
+
 impl Scheduler {
     /// How many tokens of each run of the latest step (`num_tokens[k]` tokens of `sampled`
     /// per sample, as `update_from_output_runs` takes them) its sequence keeps under the stop
@@ -112,11 +121,9 @@ impl Scheduler {
         self.ledger.check_latest(step)?;
         self.check_runs(sampled, num_tokens)?;
         let max_len = self.cfg.max_seq_len();
-        let mut start = 0;
         let mut cuts = Vec::with_capacity(num_tokens.len());
-        for (k, &n) in num_tokens.iter().enumerate() {
-            let run = &sampled[start..start + n as usize];
-            start += n as usize;
+        for (k, (start, n)) in run_starts(num_tokens).enumerate() {
+            let run = &sampled[start..start + n];
             let (h, gen, idx) = (
                 self.ledger.handles[k],
                 self.ledger.gens[k],
@@ -137,10 +144,10 @@ impl Scheduler {
                         false,
                         max_len,
                     )
-                    .0 as i64
+                    .0
                 }
                 None => n,
-            });
+            } as i64);
         }
         Ok(cuts)
     }
