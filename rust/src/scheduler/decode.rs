@@ -1,8 +1,8 @@
 //! The steady-decode fast path: a single-sequence request decoding one token into a block it
 //! owns alone is planned, recorded and registered without the general planner. Its rows are
-//! queued and recorded into the output in batches (`DecodeBatch::flush`: one tight loop per
-//! output array instead of ~16 scattered pushes per sequence), and the blocks they fill are
-//! registered in the prefix cache in batches too, at the same points.
+//! written in place into the output's arrays, opened a chunk at a time (`DecodeRun`: no push
+//! per row), and the blocks they fill are registered in the prefix cache in batches
+//! (`DecodeBatch::flush`).
 use crate::error::{Error, Result};
 use crate::kv::KvCacheManager;
 
@@ -10,12 +10,13 @@ use super::output::{StepOutput, TableRow};
 use super::store::{RequestStore, Slot};
 use super::Scheduler;
 
-/// Fast-path decodes queued before `flush` records them (64 x 48 B stays in L1).
-const DECODE_BATCH: usize = 64;
+/// Rows a fast-path run opens in the output at a time: a run that stops early leaves at
+/// most this many opened rows to take back.
+const RUN_CHUNK: usize = 256;
 
-/// One row of a fast path (a plain decode here, a decode with drafts in `spec.rs`), as
-/// `record_rows` records it: its table row already in the output's layout (copied whole),
-/// and what the other arrays take besides.
+/// One row of a fast path (a plain decode here, a decode with drafts in `spec.rs`): its
+/// table row already in the output's layout (copied whole), and what the other arrays take
+/// besides.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct DecodeRow {
     pub(super) row: TableRow,
@@ -23,84 +24,102 @@ pub(super) struct DecodeRow {
     pub(super) gen: u32,
 }
 
-/// Records queued fast-path rows (each the only sequence of its request, sampling once, in
-/// queue order) into `out`: one tight loop per output array instead of ~16 scattered pushes
-/// per row. `ONE_TOKEN`: every row computes one token (plain decode), so the token counts
-/// are filled rather than read. Adds the rows' own tokens to `num_batched_tokens` (a
-/// caller's drafts are its to add).
-#[inline(always)]
-pub(super) fn record_rows<'a, const ONE_TOKEN: bool>(
+/// Records queued rows of the draft fast path (`spec.rs`: each the only sequence of its
+/// request, sampling once, in queue order) into `out`: one tight loop per output array
+/// instead of ~16 scattered pushes per row. Adds the rows' own tokens to
+/// `num_batched_tokens` (the drafts are the caller's to add).
+pub(super) fn record_rows<'a>(
     out: &mut StepOutput,
     rows: impl ExactSizeIterator<Item = &'a DecodeRow> + Clone,
 ) {
-    let n = rows.len();
     let base = out.seq_ids.len();
     out.seq_ids.extend(rows.clone().map(|r| r.seq_id as i64));
     out.handles.extend(rows.clone().map(|r| r.row.handle));
     out.gens.extend(rows.clone().map(|r| r.gen));
-    out.seq_index.resize(base + n, 0);
-    if ONE_TOKEN {
-        out.num_tokens.resize(base + n, 1);
-    } else {
-        out.num_tokens.extend(rows.clone().map(|r| r.row.n as i32));
-    }
+    out.seq_index.resize(out.seq_ids.len(), 0);
+    out.num_tokens.extend(rows.clone().map(|r| r.row.n as i32));
     out.start_pos
         .extend(rows.clone().map(|r| r.row.start as i32));
     out.table_rows.extend(rows.map(|r| r.row));
-    out.num_batched_tokens += n;
-    out.sample_rows.extend((base as i64)..((base + n) as i64));
+    sample_each_row(out, base);
+}
+
+/// Rows `base..` of `out` (single-sequence rows, sequence index 0) each sample once, in
+/// row order: their samples are copies of the row arrays.
+fn sample_each_row(out: &mut StepOutput, base: usize) {
+    let end = out.seq_ids.len();
+    out.num_batched_tokens += end - base;
+    out.sample_rows.extend((base as i64)..(end as i64));
     out.sample_seq_ids.extend_from_slice(&out.seq_ids[base..]);
     out.sample_handles.extend_from_slice(&out.handles[base..]);
     out.sample_gens.extend_from_slice(&out.gens[base..]);
     let k = out.sample_seq_index.len();
-    out.sample_seq_index.resize(k + n, 0);
+    out.sample_seq_index.resize(k + (end - base), 0);
 }
 
-/// Fast-path work queued but not yet in the output or the prefix cache.
+/// A chunk of plain fast-path decode rows opened in the output: the arrays are grown by
+/// the chunk's length up front (every row's sequence index 0 and token count 1 already in
+/// place), so the walk writes each row in place, with no push, capacity check or length
+/// update per row, and only the arrays it cannot derive: `close` copies each row's handle and
+/// start from its table row, keeps the rows written and records their samples.
+struct DecodeRun<'a> {
+    table_rows: &'a mut [TableRow],
+    seq_ids: &'a mut [i64],
+    gens: &'a mut [u32],
+}
+
+impl<'a> DecodeRun<'a> {
+    /// Opens `n` rows at the end of `out`; returns the first one's index and the run.
+    fn open(out: &'a mut StepOutput, n: usize) -> (usize, Self) {
+        let base = out.seq_ids.len();
+        let end = base + n;
+        out.seq_index.resize(end, 0);
+        out.num_tokens.resize(end, 1);
+        out.seq_ids.resize(end, 0);
+        out.gens.resize(end, 0);
+        out.table_rows.resize(end, TableRow::default());
+        let run = DecodeRun {
+            table_rows: &mut out.table_rows[base..],
+            seq_ids: &mut out.seq_ids[base..],
+            gens: &mut out.gens[base..],
+        };
+        (base, run)
+    }
+
+    /// Keeps the first `written` rows opened at `base` (drops the rest), fills in their
+    /// handles and starts, and records their samples.
+    fn close(out: &mut StepOutput, base: usize, written: usize) {
+        let end = base + written;
+        out.table_rows.truncate(end);
+        out.seq_ids.truncate(end);
+        out.gens.truncate(end);
+        out.seq_index.truncate(end);
+        out.num_tokens.truncate(end);
+        let rows = &out.table_rows[base..];
+        out.handles.extend(rows.iter().map(|r| r.handle));
+        out.start_pos.extend(rows.iter().map(|r| r.start as i32));
+        sample_each_row(out, base);
+    }
+}
+
+/// Prefix-cache registrations of fast-path decodes, queued to be made in one batch.
 #[derive(Debug, Default)]
 pub(super) struct DecodeBatch {
-    rows: Vec<DecodeRow>,
     /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
     /// the prefix cache by `flush` (queue order).
     fills: Vec<(u32, u32)>,
 }
 
 impl DecodeBatch {
-    /// Whether enough rows are queued to flush: a step's worth of rows would no longer fit
-    /// in L1 between `flush`'s passes.
-    #[inline]
-    pub(super) fn is_full(&self) -> bool {
-        self.rows.len() >= DECODE_BATCH
-    }
-
     /// Forgets queued registrations: left over only by a step that failed midway, and
     /// registering is optional caching.
     pub(super) fn drop_fills(&mut self) {
         self.fills.clear();
     }
 
-    /// Records the queued rows (rows and samples, in queue order) into `out` and registers
-    /// the blocks they filled. Must run before anything else appends rows or samples, or
-    /// touches the prefix cache, to keep the batch order.
-    pub(super) fn flush(
-        &mut self,
-        out: &mut StepOutput,
-        store: &RequestStore,
-        mgr: &mut KvCacheManager,
-    ) -> Result<()> {
-        self.flush_rows(out);
-        self.flush_fills(store, mgr)
-    }
-
-    fn flush_rows(&mut self, out: &mut StepOutput) {
-        if !self.rows.is_empty() {
-            record_rows::<true>(out, self.rows.iter());
-            self.rows.clear();
-        }
-    }
-
-    /// Registers the blocks filled by queued decodes (queue order), in one batch.
-    fn flush_fills(&mut self, store: &RequestStore, mgr: &mut KvCacheManager) -> Result<()> {
+    /// Registers the blocks filled by queued decodes (queue order), in one batch. Must run
+    /// before anything else touches the prefix cache, to keep the registration order.
+    pub(super) fn flush(&mut self, store: &RequestStore, mgr: &mut KvCacheManager) -> Result<()> {
         if self.fills.is_empty() {
             return Ok(());
         }
@@ -178,29 +197,54 @@ fn fast_decode_run(
     out: &mut StepOutput,
 ) -> Result<usize> {
     let running = &running[..running.len().min(left)];
+    let slots = store.slots_mut();
     let mut k = 0;
-    while k < running.len() {
-        // A chunk that fits in the batch: no flush inside, so the slots stay a local slice.
-        let chunk = &running[k..running.len().min(k + DECODE_BATCH - batch.rows.len())];
-        let slots = store.slots_mut();
-        for &h in chunk {
-            // The cold retry takes the block opens (1 in block_size) and what the fast path
-            // refuses: the hot loop has no call to keep its registers across.
-            if !batch.try_push::<true>(h, facts, slots, mgr)?
-                && !batch.try_push_cold(h, facts, slots, mgr)?
-            {
-                return Ok(k);
-            }
-            k += 1;
-        }
-        if batch.is_full() {
-            // Rows only: the fills wait for the walk's next full flush (one registration
-            // batch per run). Nothing in between touches the prefix cache: an open that
-            // would evict a cached block leaves the fast path, which flushes first.
-            batch.flush_rows(out);
+    for chunk in running.chunks(RUN_CHUNK) {
+        let (base, run) = DecodeRun::open(out, chunk.len());
+        let (written, walked) = write_run(chunk, facts, slots, mgr, batch, run);
+        // Closed even on an error: the output's arrays stay of one length.
+        DecodeRun::close(out, base, written);
+        walked?;
+        k += written;
+        if written < chunk.len() {
+            break;
         }
     }
     Ok(k)
+}
+
+/// Writes the rows of `chunk` into `run` (row j for request j) while the fast path takes
+/// them; stops at the first request it does not take. Returns how many it took.
+#[inline(always)]
+fn write_run(
+    chunk: &[u32],
+    facts: FastDecode,
+    slots: &mut [Slot],
+    mgr: &mut KvCacheManager,
+    batch: &mut DecodeBatch,
+    run: DecodeRun<'_>,
+) -> (usize, Result<()>) {
+    let dest = run
+        .table_rows
+        .iter_mut()
+        .zip(run.seq_ids.iter_mut().zip(run.gens.iter_mut()));
+    let mut written = 0;
+    for (&h, (row, (seq_id, gen))) in chunk.iter().zip(dest) {
+        // The cold retry takes the block opens (1 in block_size) and what the fast path
+        // refuses: the hot loop has no call to keep its registers across. Each arm writes its
+        // own row (a row merged from both would go through the stack).
+        match batch.try_push::<true>(h, facts, slots, mgr) {
+            Ok(Some(r)) => (*row, *seq_id, *gen) = (r.row, r.seq_id as i64, r.gen),
+            Ok(None) => match batch.try_push_cold(h, facts, slots, mgr) {
+                Ok(Some(r)) => (*row, *seq_id, *gen) = (r.row, r.seq_id as i64, r.gen),
+                Ok(None) => break,
+                Err(e) => return (written, Err(e)),
+            },
+            Err(e) => return (written, Err(e)),
+        }
+        written += 1;
+    }
+    (written, Ok(()))
 }
 
 impl DecodeBatch {
@@ -213,14 +257,15 @@ impl DecodeBatch {
         facts: FastDecode,
         slots: &mut [Slot],
         mgr: &mut KvCacheManager,
-    ) -> Result<bool> {
+    ) -> Result<Option<DecodeRow>> {
         self.try_push::<false>(h, facts, slots, mgr)
     }
 
     /// The common case: a single-sequence request decoding one token into a block it
-    /// already owns alone. Queues the row (see `DecodeBatch::flush`); returns false (nothing
-    /// done) for anything else. `NO_OPEN`: also returns false, with nothing done, for a
-    /// token that would open a block.
+    /// already owns alone. Plans the token, queues the block it fills for registration (see
+    /// `DecodeBatch::flush`) and returns its row; returns None (nothing done) for anything
+    /// else. `NO_OPEN`: also returns None, with nothing done, for a token that would open a
+    /// block.
     #[inline(always)]
     fn try_push<const NO_OPEN: bool>(
         &mut self,
@@ -228,32 +273,32 @@ impl DecodeBatch {
         facts: FastDecode,
         slots: &mut [Slot],
         mgr: &mut KvCacheManager,
-    ) -> Result<bool> {
+    ) -> Result<Option<DecodeRow>> {
         let (bs, la) = (facts.block_size, facts.lookahead);
         let slot = &mut slots[h as usize];
         let gen = slot.gen;
         let req = slot.req.as_mut().expect("queued slot holds a request");
         let Some(s) = req.seqs.single_mut() else {
-            return Ok(false);
+            return Ok(None);
         };
         let start = s.num_computed;
         if s.tail_shared || s.tokens.len() != start + 1 || start + 1 > facts.max_model_len {
-            return Ok(false);
+            return Ok(None);
         }
         if start + 1 + la > s.table.num_blocks() * bs {
             if NO_OPEN {
-                return Ok(false);
+                return Ok(None);
             }
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
             if la != 0 || start != s.table.num_blocks() * bs || mgr.num_free_device_blocks() == 0 {
-                return Ok(false);
+                return Ok(None);
             }
             if !self.fills.is_empty() && mgr.num_uncached_free_device_blocks() == 0 {
                 // This open evicts a cached block: queued registrations go first, as they
                 // would have without batching.
-                return Ok(false);
+                return Ok(None);
             }
             // Same as append_slots(start, start + 1) here: start is the table's capacity.
             let Some(block) = mgr.append_fresh_block(s.id)? else {
@@ -275,7 +320,7 @@ impl DecodeBatch {
         } else {
             (s.table[start / bs], start % bs)
         };
-        self.rows.push(DecodeRow {
+        let row = DecodeRow {
             row: TableRow {
                 handle: h,
                 seq: 0,
@@ -289,14 +334,14 @@ impl DecodeBatch {
             // seqs[0]: its id is the request's first (read from the slot's hot line).
             seq_id: req.first_seq_id,
             gen,
-        });
+        };
         s.num_computed = start + 1;
         if facts.caching && offset + 1 == bs {
             // Registered in batches by `flush` (same order, before anything else can touch
             // the prefix cache).
             self.fills.push((h, (start + 1) as u32));
         }
-        Ok(true)
+        Ok(Some(row))
     }
 }
 

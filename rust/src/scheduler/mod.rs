@@ -19,8 +19,8 @@
 //!   `swapped`; `AdmissionDelay` (`delay_factor`);
 //! - `plan.rs` — `Planner`: one request's share of the step, and carrying it out (appends,
 //!   CoW, registration, the n > 1 fork, samples);
-//! - `decode.rs` — `DecodeBatch`: the steady-decode fast path and its batched rows and
-//!   prefix-cache registrations;
+//! - `decode.rs` — the steady-decode fast path (rows written in place, `DecodeRun`) and its
+//!   batched prefix-cache registrations (`DecodeBatch`);
 //! - `running.rs` — the walk over `running` with tail preemption;
 //! - `prefill_first.rs`, `chunked_prefill.rs`, `unified.rs` — one planner per strategy: the
 //!   order of the phases above;
@@ -48,7 +48,7 @@
 //! request keeps its sequence inline right after them ([`Seqs`]): its whole decode state is
 //! the slot's first 128 bytes, found from the handle alone (`repr(C)` layouts, unit tests
 //! `hot_fields_share_a_cache_line` and `slot_generation_and_hot_request_fields_share_a_line`). Steady decodes take
-//! `try_fast_decode` and are recorded in batches.
+//! the fast path of `decode.rs`, which writes their rows in place.
 //!
 //! # Room for what comes next
 //! - Per-request state of a feature (draft tokens, a grammar state, an adapter id):

@@ -308,7 +308,7 @@ pub struct Request {
 ///   strategy's admission path, swap-ins and the `priority` probe read that one function);
 /// - hand per-row data to the model runner through `StepOutput::extras`, recorded where a
 ///   general-path row is recorded (`record::record`). The decode fast path
-///   (`decode::try_fast_decode`) reads only the request's hot cache line: a feature whose
+///   (`decode::fast_decode_run`) reads only the request's hot cache line: a feature whose
 ///   requests need more than one token per decode row (draft tokens) must send them to the
 ///   general path with a hot flag, not by reading this cold struct per sequence.
 ///

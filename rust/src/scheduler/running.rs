@@ -39,7 +39,7 @@ impl Scheduler {
                 break;
             }
             let h = self.queues.running[i];
-            self.batch.flush(out, &self.store, &mut self.mgr)?;
+            self.batch.flush(&self.store, &mut self.mgr)?;
             let (tokens, needed) = self.plan_request(h, left, cut);
             if tokens == 0 {
                 if cut == Cut::Whole {
@@ -78,7 +78,7 @@ impl Scheduler {
                 }
             }
         }
-        self.batch.flush(out, &self.store, &mut self.mgr)?;
+        self.batch.flush(&self.store, &mut self.mgr)?;
         budget.tokens = left;
         Ok(preempted)
     }

@@ -53,8 +53,8 @@ struct SpecRow {
     drafts: u32,
 }
 
-/// Fast-path rows queued before `flush_rows` records them (as `decode.rs`'s batch: the rows
-/// stay in L1 between the flush's passes).
+/// Fast-path rows queued before `flush_rows` records them (the rows stay in L1 between the
+/// flush's passes).
 const SPEC_BATCH: usize = 64;
 
 /// Drafts waiting for the next step, and what the step being built scheduled of them.
@@ -170,7 +170,7 @@ impl SpecState {
             return;
         }
         let base = out.seq_ids.len();
-        record_rows::<false>(out, rows.iter().map(|r| &r.decode));
+        record_rows(out, rows.iter().map(|r| &r.decode));
         out.num_batched_tokens += self.queued_drafts;
         if self.queued_drafts > 0 {
             let col = &mut out.extras.spec_num_draft_tokens;
@@ -302,8 +302,8 @@ impl Scheduler {
     /// The fast path of a step with drafts, over `running[i..]` within `left` tokens: a
     /// single-sequence request decoding into blocks it owns alone, whose run (its token, then
     /// its drafts, trimmed to the budget and the model length) fits its table or one fresh
-    /// block, is queued, recorded in batches and registered in batches (as the plain decode
-    /// fast path, `decode.rs`) without the general planner. Stops at the first request it does
+    /// block, is queued, recorded in batches and registered in batches (the block fills with
+    /// the plain decode fast path's, `decode.rs`) without the general planner. Stops at the first request it does
     /// not take (the general path plans that one); its rows are in `out` when it returns.
     /// Returns (requests taken, tokens used). Off with lookahead slots (the V0 strategies'
     /// drafts ride in them: the general path).
@@ -466,7 +466,7 @@ fn spec_fast_run(
                 }
             }
             SpecTurn::Refused => break,
-            SpecTurn::FlushFirst => batch.flush(out, store, mgr)?,
+            SpecTurn::FlushFirst => batch.flush(store, mgr)?,
         }
     }
     Ok((k, budget - left))

@@ -74,3 +74,44 @@ fn unified_caps_long_prefills() {
         vec![vec![400, 400, 224], vec![400, 400, 224], vec![1, 1, 352]]
     );
 }
+
+#[test]
+fn fast_path_rows_keep_running_order_across_chunks_and_general_rows() {
+    // 300 single-sequence decodes (the fast path opens rows 256 at a time) with an n = 2
+    // request (the general path) at position 280 of `running`.
+    let mut c = cfg(Strategy::Unified, 4096);
+    c.max_num_seqs = 400;
+    let mut s = Scheduler::new(cache(4, 2048, 0), c).unwrap();
+    for t in 0..301 {
+        let n = if t == 280 { 2 } else { 1 };
+        s.add_request(&format!("r{t}"), req(t, 3, n, 8)).unwrap();
+    }
+    step(&mut s, 7);
+    let (out, _) = step(&mut s, 7);
+    // Rows in running order: r0..r279, both sequences of r280, then r281..r300.
+    let handles: Vec<u32> = (0..281).chain([280]).chain(281..301).collect();
+    assert_eq!(out.handles, handles);
+    let mut seq_index = vec![0; 302];
+    seq_index[281] = 1;
+    assert_eq!(out.seq_index, seq_index);
+    assert_eq!(out.num_tokens, vec![1; 302]);
+    assert_eq!(out.start_pos, vec![3; 302]);
+    assert_eq!(out.num_batched_tokens, 302);
+    // Every row samples once, in row order.
+    assert_eq!(out.sample_rows, (0..302).collect::<Vec<i64>>());
+    assert_eq!(
+        (
+            &out.sample_seq_ids,
+            &out.sample_handles,
+            &out.sample_gens,
+            &out.sample_seq_index
+        ),
+        (&out.seq_ids, &out.handles, &out.gens, &out.seq_index)
+    );
+    // Each row's token and KV slot: position 3 is the last slot of the sequence's one block.
+    let (tables, w) = s.block_tables(&out);
+    let (slots, ids) = (s.slot_mapping(&out), s.input_ids(&out));
+    for row in 0..302 {
+        assert_eq!((ids[row], slots[row]), (7, tables[row * w] as i64 * 4 + 3));
+    }
+}
