@@ -10,9 +10,11 @@ use super::output::{StepOutput, TableRow};
 use super::store::{RequestStore, Slot};
 use super::Scheduler;
 
-/// Rows a fast-path run opens in the output at a time: a run that stops early leaves at
-/// most this many opened rows to take back.
-const RUN_CHUNK: usize = 256;
+/// Rows a fast-path run opens in the output at first, and at most, at a time. The chunks
+/// double from the first: a run that stops early (a walk that meets a general-path request
+/// every few rows) opened no more than a few times the rows it wrote.
+const FIRST_CHUNK: usize = 8;
+const MAX_CHUNK: usize = 256;
 
 /// One row of a fast path (a plain decode here, a decode with drafts in `spec.rs`): its
 /// table row already in the output's layout (copied whole), and what the other arrays take
@@ -84,6 +86,15 @@ impl<'a> DecodeRun<'a> {
             gens: &mut out.gens[base..],
         };
         (base, run)
+    }
+
+    /// The run without its first row.
+    fn skip_first(self) -> Self {
+        DecodeRun {
+            table_rows: &mut self.table_rows[1..],
+            seq_ids: &mut self.seq_ids[1..],
+            gens: &mut self.gens[1..],
+        }
     }
 
     /// Keeps the first `written` rows opened at `base` (drops the rest), fills in their
@@ -199,16 +210,30 @@ fn fast_decode_run(
     let running = &running[..running.len().min(left)];
     let slots = store.slots_mut();
     let mut k = 0;
-    for chunk in running.chunks(RUN_CHUNK) {
-        let (base, run) = DecodeRun::open(out, chunk.len());
-        let (written, walked) = write_run(chunk, facts, slots, mgr, batch, run);
+    let mut size = FIRST_CHUNK;
+    while let Some(&h) = running.get(k) {
+        // A chunk's first row is taken before the chunk is opened: a walk that meets a
+        // general-path request at once leaves the output untouched.
+        let first = match batch.try_push::<true>(h, facts, slots, mgr)? {
+            Some(r) => r,
+            None => match batch.try_push_cold(h, facts, slots, mgr)? {
+                Some(r) => r,
+                None => break,
+            },
+        };
+        let rest = &running[k + 1..running.len().min(k + size)];
+        let (base, run) = DecodeRun::open(out, 1 + rest.len());
+        (run.table_rows[0], run.seq_ids[0], run.gens[0]) =
+            (first.row, first.seq_id as i64, first.gen);
+        let (written, walked) = write_run(rest, facts, slots, mgr, batch, run.skip_first());
         // Closed even on an error: the output's arrays stay of one length.
-        DecodeRun::close(out, base, written);
+        DecodeRun::close(out, base, 1 + written);
         walked?;
-        k += written;
-        if written < chunk.len() {
+        k += 1 + written;
+        if written < rest.len() {
             break;
         }
+        size = (size * 2).min(MAX_CHUNK);
     }
     Ok(k)
 }

@@ -77,7 +77,7 @@ fn unified_caps_long_prefills() {
 
 #[test]
 fn fast_path_rows_keep_running_order_across_chunks_and_general_rows() {
-    // 300 single-sequence decodes (the fast path opens rows 256 at a time) with an n = 2
+    // 300 single-sequence decodes (the fast path opens rows in chunks of 8, 16, ... 256) with an n = 2
     // request (the general path) at position 280 of `running`.
     let mut c = cfg(Strategy::Unified, 4096);
     c.max_num_seqs = 400;
