@@ -26,6 +26,15 @@ pub(super) struct DecodeRow {
     pub(super) gen: u32,
 }
 
+impl DecodeRow {
+    /// Writes the row into its places in the output's arrays (`DecodeRun`): the table row,
+    /// the sequence id and the generation.
+    #[inline(always)]
+    fn store(self, (row, seq_id, gen): (&mut TableRow, &mut i64, &mut u32)) {
+        (*row, *seq_id, *gen) = (self.row, self.seq_id as i64, self.gen);
+    }
+}
+
 /// Records queued rows of the draft fast path (`spec.rs`: each the only sequence of its
 /// request, sampling once, in queue order) into `out`: one tight loop per output array
 /// instead of ~16 scattered pushes per row. Adds the rows' own tokens to
@@ -223,8 +232,11 @@ fn fast_decode_run(
         };
         let rest = &running[k + 1..running.len().min(k + size)];
         let (base, run) = DecodeRun::open(out, 1 + rest.len());
-        (run.table_rows[0], run.seq_ids[0], run.gens[0]) =
-            (first.row, first.seq_id as i64, first.gen);
+        first.store((
+            &mut run.table_rows[0],
+            &mut run.seq_ids[0],
+            &mut run.gens[0],
+        ));
         let (written, walked) = write_run(rest, facts, slots, mgr, batch, run.skip_first());
         // Closed even on an error: the output's arrays stay of one length.
         DecodeRun::close(out, base, 1 + written);
@@ -259,9 +271,9 @@ fn write_run(
         // refuses: the hot loop has no call to keep its registers across. Each arm writes its
         // own row (a row merged from both would go through the stack).
         match batch.try_push::<true>(h, facts, slots, mgr) {
-            Ok(Some(r)) => (*row, *seq_id, *gen) = (r.row, r.seq_id as i64, r.gen),
+            Ok(Some(r)) => r.store((row, seq_id, gen)),
             Ok(None) => match batch.try_push_cold(h, facts, slots, mgr) {
-                Ok(Some(r)) => (*row, *seq_id, *gen) = (r.row, r.seq_id as i64, r.gen),
+                Ok(Some(r)) => r.store((row, seq_id, gen)),
                 Ok(None) => break,
                 Err(e) => return (written, Err(e)),
             },
