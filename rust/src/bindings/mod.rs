@@ -10,6 +10,7 @@ mod kv_types;
 mod manager;
 mod scheduler;
 mod scheduler_args;
+mod scheduler_results;
 mod step_output;
 
 #[pymodule]

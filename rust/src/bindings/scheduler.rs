@@ -4,18 +4,15 @@
 //! Sampled tokens come back through the buffer protocol (an int64 numpy array is read without
 //! conversion).
 use numpy::{PyArray1, PyArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::convert::{read_flags, read_i64, wall_clock, IntArg};
-use super::errors::{non_negative, PagedLLMError};
-use super::scheduler_args::{ngram_config, request_id_str, RequestArgs};
+use super::errors::PagedLLMError;
+use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerArgs};
+use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
-use crate::kv::CacheConfig;
-use crate::scheduler::{
-    defaults, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput, Strategy,
-};
+use crate::scheduler::{defaults, Policy, Scheduler, StepOutput, Strategy};
 
 /// The scheduler of SPEC §4, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -125,43 +122,27 @@ impl PyScheduler {
         prompt_lookup_max: Option<i64>,
         prompt_lookup_min: Option<i64>,
     ) -> PyResult<Self> {
-        let speculative =
-            ngram_config(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)?;
-        let strategy = Strategy::parse(scheduling)?;
-        let pol = Policy::parse(policy)?;
-        let mode = PreemptionMode::parse(preemption_mode)?;
-        let budget = match max_num_batched_tokens {
-            None => 0,
-            Some(v) if v >= 1 => v as usize,
-            Some(v) => {
-                return Err(PyValueError::new_err(format!(
-                    "max_num_batched_tokens must be >= 1 (or None), got {v}"
-                )))
-            }
-        };
-        let cache = CacheConfig {
-            block_size: non_negative("block_size", block_size)?,
-            num_device_blocks: non_negative("num_gpu_blocks", num_gpu_blocks)?,
-            num_host_blocks: non_negative("num_cpu_blocks", num_cpu_blocks)?,
-            watermark,
+        let (cache, cfg) = SchedulerArgs {
+            num_gpu_blocks,
+            block_size,
+            num_cpu_blocks,
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
+            scheduling,
+            policy,
+            preemption_mode,
             enable_prefix_caching,
-        };
-        let cfg = SchedulerConfig {
-            max_num_batched_tokens: budget,
-            max_num_seqs: non_negative("max_num_seqs", max_num_seqs)?,
-            max_model_len: non_negative("max_model_len", max_model_len)?,
-            strategy,
-            policy: pol,
-            preemption_mode: mode,
-            long_prefill_token_threshold: non_negative(
-                "long_prefill_token_threshold",
-                long_prefill_token_threshold,
-            )?,
-            num_lookahead_slots: non_negative("num_lookahead_slots", num_lookahead_slots)?,
+            watermark,
+            long_prefill_token_threshold,
+            num_lookahead_slots,
             delay_factor,
-            max_loras: non_negative("max_loras", max_loras)?,
-            speculative,
-        };
+            max_loras,
+            num_speculative_tokens,
+            prompt_lookup_max,
+            prompt_lookup_min,
+        }
+        .into_configs()?;
         Ok(PyScheduler {
             inner: Scheduler::new(cache, cfg)?,
             py_ids: Vec::new(),
@@ -170,22 +151,7 @@ impl PyScheduler {
     }
 
     fn __repr__(&self) -> String {
-        let c = self.inner.config();
-        format!(
-            "Scheduler(scheduling={:?}, policy={:?}, preemption_mode={:?}, block_size={}, \
-             max_num_batched_tokens={}, max_num_seqs={}, max_model_len={}, waiting={}, \
-             running={}, swapped={})",
-            c.strategy.as_str(),
-            c.policy.as_str(),
-            c.preemption_mode.as_str(),
-            self.inner.block_size(),
-            c.max_num_batched_tokens,
-            c.max_num_seqs,
-            c.max_model_len,
-            self.inner.num_waiting(),
-            self.inner.num_running(),
-            self.inner.num_swapped()
-        )
+        describe(&self.inner)
     }
 
     /// Queues a request. ValueError (naming the request, the field and its limit) for an
@@ -300,51 +266,15 @@ impl PyScheduler {
             })
         });
         self.token_scratch = tokens;
-        let list = PyList::empty(py);
-        for f in result? {
-            let item = PyTuple::new(
-                py,
-                [
-                    f.request_id.into_pyobject(py)?.into_any(),
-                    f.seq_index.into_pyobject(py)?.into_any(),
-                    f.reason.as_str().into_pyobject(py)?.into_any(),
-                    f.stop_reason.into_pyobject(py)?.into_any(),
-                    pyo3::types::PyBool::new(py, f.request_finished)
-                        .to_owned()
-                        .into_any(),
-                ],
-            )?;
-            list.append(item)?;
-        }
-        Ok(list.unbind())
+        finished_list(py, result?)
     }
 
     /// Aborts one id (a str) or an iterable of them from whichever queue holds them,
     /// freeing their blocks. Unknown and finished ids are ignored. Anything else (an int, an
     /// iterable holding a non-str) is a TypeError, raised before any request is aborted.
     fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        if let Ok(id) = request_id.downcast::<PyString>() {
-            self.inner.abort_request(id.to_str()?)?;
-            return Ok(());
-        }
-        let not_ids = |what: &Bound<'_, PyAny>| {
-            PyTypeError::new_err(format!(
-                "abort_request takes a request id (str) or an iterable of them, got {} {}",
-                what.get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default(),
-                what.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        };
-        let mut ids = Vec::new();
-        for item in request_id.try_iter().map_err(|_| not_ids(request_id))? {
-            let item = item?;
-            let id = item.downcast::<PyString>().map_err(|_| not_ids(&item))?;
-            ids.push(id.to_str()?.to_owned());
-        }
-        for id in &ids {
-            self.inner.abort_request(id)?;
+        for id in request_ids(request_id)? {
+            self.inner.abort_request(&id)?;
         }
         Ok(())
     }
@@ -433,40 +363,7 @@ impl PyScheduler {
 
     /// Queue lengths, KV usage, prefix-cache counters (in blocks), preemptions by mode.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let c = &s.counters;
-        let pc = &s.cache.prefix_cache;
-        let d = PyDict::new(py);
-        d.set_item("num_waiting", s.num_waiting)?;
-        d.set_item("num_running", s.num_running)?;
-        d.set_item("num_swapped", s.num_swapped)?;
-        d.set_item("num_running_seqs", s.num_running_seqs)?;
-        d.set_item("kv_usage", s.cache.device_usage)?;
-        d.set_item("cpu_kv_usage", s.cache.host_usage)?;
-        d.set_item("num_gpu_blocks", s.cache.num_device_blocks)?;
-        d.set_item("num_cpu_blocks", s.cache.num_host_blocks)?;
-        d.set_item("num_free_gpu_blocks", s.cache.num_free_device_blocks)?;
-        d.set_item("num_free_cpu_blocks", s.cache.num_free_host_blocks)?;
-        d.set_item("num_cached_gpu_blocks", s.cache.num_cached_device_blocks)?;
-        d.set_item("prefix_cache_queries", pc.queries)?;
-        d.set_item("prefix_cache_query_blocks", pc.query_blocks)?;
-        d.set_item("prefix_cache_hits", pc.hits)?;
-        d.set_item("prefix_cache_misses", pc.misses)?;
-        d.set_item("prefix_cache_evictions", pc.evictions)?;
-        d.set_item("prefix_cache_hit_rate", pc.hit_rate())?;
-        d.set_item(
-            "num_preemptions",
-            c.num_preemptions_recompute + c.num_preemptions_swap,
-        )?;
-        d.set_item("num_preemptions_recompute", c.num_preemptions_recompute)?;
-        d.set_item("num_preemptions_swap", c.num_preemptions_swap)?;
-        d.set_item("num_steps", c.num_steps)?;
-        d.set_item("num_finished", c.num_finished)?;
-        d.set_item("num_ignored", c.num_ignored)?;
-        d.set_item("num_aborted", c.num_aborted)?;
-        d.set_item("num_batched_tokens_total", c.num_batched_tokens_total)?;
-        d.set_item("num_rolled_back_steps", c.num_rolled_back_steps)?;
-        Ok(d)
+        stats_dict(py, self.inner.stats())
     }
 
     /// Takes back `output` (the latest step, not yet applied) when it could not be computed:
@@ -482,15 +379,7 @@ impl PyScheduler {
     /// step): `(seq_ids int64 [N], num_draft_tokens int32 [N], draft_token_ids int64 [sum])`,
     /// sequences without a proposal left out. PagedLLMError when speculation is off.
     fn propose_drafts<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let p = self.inner.propose_drafts()?;
-        PyTuple::new(
-            py,
-            [
-                PyArray1::from_vec(py, p.seq_ids).into_any(),
-                PyArray1::from_vec(py, p.num_draft_tokens).into_any(),
-                PyArray1::from_vec(py, p.draft_token_ids).into_any(),
-            ],
-        )
+        drafts_tuple(py, self.inner.propose_drafts()?)
     }
 
     /// Drafts proposed by the engine (a draft model) for the next step (one call per step):
@@ -509,15 +398,7 @@ impl PyScheduler {
         read_i64(seq_ids, "seq_ids", &mut seqs)?;
         read_i64(num_draft_tokens, "num_draft_tokens", &mut counts)?;
         read_i64(draft_token_ids, "draft_token_ids", &mut drafts)?;
-        let p = self.inner.set_drafts(&seqs, &counts, &drafts)?;
-        PyTuple::new(
-            py,
-            [
-                PyArray1::from_vec(py, p.seq_ids).into_any(),
-                PyArray1::from_vec(py, p.num_draft_tokens).into_any(),
-                PyArray1::from_vec(py, p.draft_token_ids).into_any(),
-            ],
-        )
+        drafts_tuple(py, self.inner.set_drafts(&seqs, &counts, &drafts)?)
     }
 
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).

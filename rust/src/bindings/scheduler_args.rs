@@ -8,10 +8,18 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 use super::convert::{read_i64, wall_clock, IntArg, I64_RANGE};
 use super::errors::non_negative;
 use crate::ids::TokenId;
+use crate::kv::CacheConfig;
 use crate::scheduler::{
     defaults, Policy, PreemptionMode, RequestParams, SchedulerConfig, StopParams, Strategy,
 };
 use crate::spec::NgramConfig;
+
+/// "type repr" of a Python object, for errors naming what was given.
+fn shown(obj: &Bound<'_, PyAny>) -> String {
+    let name = obj.get_type().name().map(|n| n.to_string());
+    let repr = obj.repr().map(|r| r.to_string());
+    format!("{} {}", name.unwrap_or_default(), repr.unwrap_or_default())
+}
 
 /// `request_id` as a Python str; TypeError naming what was given otherwise.
 pub(crate) fn request_id_str<'a, 'py>(
@@ -19,15 +27,96 @@ pub(crate) fn request_id_str<'a, 'py>(
 ) -> PyResult<&'a Bound<'py, PyString>> {
     request_id.downcast::<PyString>().map_err(|_| {
         PyTypeError::new_err(format!(
-            "request_id must be a str, got {} {}",
-            request_id
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default(),
-            request_id.repr().map(|r| r.to_string()).unwrap_or_default()
+            "request_id must be a str, got {}",
+            shown(request_id)
         ))
     })
+}
+
+/// `abort_request`'s argument: one id (a str) or an iterable of them; TypeError naming what
+/// was given for anything else (an int, an iterable holding a non-str), before any id is used.
+pub(crate) fn request_ids(request_id: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    if let Ok(id) = request_id.downcast::<PyString>() {
+        return Ok(vec![id.to_str()?.to_owned()]);
+    }
+    let not_ids = |what: &Bound<'_, PyAny>| {
+        PyTypeError::new_err(format!(
+            "abort_request takes a request id (str) or an iterable of them, got {}",
+            shown(what)
+        ))
+    };
+    let mut ids = Vec::new();
+    for item in request_id.try_iter().map_err(|_| not_ids(request_id))? {
+        let item = item?;
+        let id = item.downcast::<PyString>().map_err(|_| not_ids(&item))?;
+        ids.push(id.to_str()?.to_owned());
+    }
+    Ok(ids)
+}
+
+/// The constructor's arguments as Python gave them.
+pub(crate) struct SchedulerArgs<'a> {
+    pub num_gpu_blocks: i64,
+    pub block_size: i64,
+    pub num_cpu_blocks: i64,
+    pub max_num_batched_tokens: Option<i64>,
+    pub max_num_seqs: i64,
+    pub max_model_len: i64,
+    pub scheduling: &'a str,
+    pub policy: &'a str,
+    pub preemption_mode: Option<&'a str>,
+    pub enable_prefix_caching: bool,
+    pub watermark: f64,
+    pub long_prefill_token_threshold: i64,
+    pub num_lookahead_slots: i64,
+    pub delay_factor: f64,
+    pub max_loras: i64,
+    pub num_speculative_tokens: i64,
+    pub prompt_lookup_max: Option<i64>,
+    pub prompt_lookup_min: Option<i64>,
+}
+
+impl SchedulerArgs<'_> {
+    /// The cache's and the scheduler's configurations; ValueError naming a bad argument (the
+    /// core checks the rest when it is built).
+    pub(crate) fn into_configs(self) -> PyResult<(CacheConfig, SchedulerConfig)> {
+        let speculative = ngram_config(
+            self.num_speculative_tokens,
+            self.prompt_lookup_max,
+            self.prompt_lookup_min,
+        )?;
+        let budget = match self.max_num_batched_tokens {
+            None => 0,
+            Some(v) if v >= 1 => v as usize,
+            Some(v) => {
+                return Err(PyValueError::new_err(format!(
+                    "max_num_batched_tokens must be >= 1 (or None), got {v}"
+                )))
+            }
+        };
+        let cache = CacheConfig {
+            block_size: non_negative("block_size", self.block_size)?,
+            num_device_blocks: non_negative("num_gpu_blocks", self.num_gpu_blocks)?,
+            num_host_blocks: non_negative("num_cpu_blocks", self.num_cpu_blocks)?,
+            watermark: self.watermark,
+            enable_prefix_caching: self.enable_prefix_caching,
+        };
+        let threshold = self.long_prefill_token_threshold;
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: non_negative("max_num_seqs", self.max_num_seqs)?,
+            max_model_len: non_negative("max_model_len", self.max_model_len)?,
+            strategy: Strategy::parse(self.scheduling)?,
+            policy: Policy::parse(self.policy)?,
+            preemption_mode: PreemptionMode::parse(self.preemption_mode)?,
+            long_prefill_token_threshold: non_negative("long_prefill_token_threshold", threshold)?,
+            num_lookahead_slots: non_negative("num_lookahead_slots", self.num_lookahead_slots)?,
+            delay_factor: self.delay_factor,
+            max_loras: non_negative("max_loras", self.max_loras)?,
+            speculative,
+        };
+        Ok((cache, cfg))
+    }
 }
 
 /// `add_request`'s keyword arguments as Python gave them.
@@ -126,7 +215,7 @@ impl RequestArgs<'_, '_> {
 /// The n-gram proposer's configuration from the constructor's arguments: off for
 /// `num_speculative_tokens = 0`; a lookup bound not given takes the other's value (both
 /// missing: 4 and 1).
-pub(crate) fn ngram_config(
+fn ngram_config(
     k: i64,
     lookup_max: Option<i64>,
     lookup_min: Option<i64>,
