@@ -330,28 +330,39 @@ fn repr(mgr: &KvCacheManager) -> String {
     )
 }
 
-/// `stats()` as a dict, under the Python names (gpu/cpu for the core's device/host).
-fn stats_dict<'py>(py: Python<'py>, s: &CacheStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("block_size", s.block_size)?;
+/// The pools' block counts, under the Python names (gpu/cpu for the core's device/host): in
+/// the manager's stats and the scheduler's.
+pub(crate) fn set_pool_counts(d: &Bound<'_, PyDict>, s: &CacheStats) -> PyResult<()> {
     d.set_item("num_gpu_blocks", s.num_device_blocks)?;
     d.set_item("num_cpu_blocks", s.num_host_blocks)?;
     d.set_item("num_free_gpu_blocks", s.num_free_device_blocks)?;
     d.set_item("num_free_cpu_blocks", s.num_free_host_blocks)?;
-    d.set_item("num_cached_gpu_blocks", s.num_cached_device_blocks)?;
-    d.set_item("num_registered_blocks", s.num_registered_blocks)?;
-    d.set_item("num_sequences", s.num_sequences)?;
-    d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
-    d.set_item("gpu_usage", s.device_usage)?;
-    d.set_item("cpu_usage", s.host_usage)?;
-    d.set_item("watermark_blocks", s.watermark_blocks)?;
+    d.set_item("num_cached_gpu_blocks", s.num_cached_device_blocks)
+}
+
+/// The prefix cache's counters (in blocks): in the manager's stats and the scheduler's.
+pub(crate) fn set_prefix_counters(d: &Bound<'_, PyDict>, s: &CacheStats) -> PyResult<()> {
     let p = &s.prefix_cache;
     d.set_item("prefix_cache_queries", p.queries)?;
     d.set_item("prefix_cache_query_blocks", p.query_blocks)?;
     d.set_item("prefix_cache_hits", p.hits)?;
     d.set_item("prefix_cache_misses", p.misses)?;
     d.set_item("prefix_cache_evictions", p.evictions)?;
-    d.set_item("prefix_cache_hit_rate", p.hit_rate())?;
+    d.set_item("prefix_cache_hit_rate", p.hit_rate())
+}
+
+/// `stats()` as a dict, under the Python names.
+fn stats_dict<'py>(py: Python<'py>, s: &CacheStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("block_size", s.block_size)?;
+    set_pool_counts(&d, s)?;
+    d.set_item("num_registered_blocks", s.num_registered_blocks)?;
+    d.set_item("num_sequences", s.num_sequences)?;
+    d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
+    d.set_item("gpu_usage", s.device_usage)?;
+    d.set_item("cpu_usage", s.host_usage)?;
+    d.set_item("watermark_blocks", s.watermark_blocks)?;
+    set_prefix_counters(&d, s)?;
     Ok(d)
 }
 

@@ -4,6 +4,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 
+use super::manager::{set_pool_counts, set_prefix_counters};
 use crate::scheduler::{DraftProposals, FinishedSeq, Scheduler, SchedulerStats};
 
 /// `update_from_output`'s result: `(request_id, seq_index, finish_reason, stop_reason,
@@ -42,7 +43,6 @@ pub(crate) fn drafts_tuple(py: Python<'_>, p: DraftProposals) -> PyResult<Bound<
 /// mode, step counters.
 pub(crate) fn stats_dict(py: Python<'_>, s: SchedulerStats) -> PyResult<Bound<'_, PyDict>> {
     let c = &s.counters;
-    let pc = &s.cache.prefix_cache;
     let d = PyDict::new(py);
     d.set_item("num_waiting", s.num_waiting)?;
     d.set_item("num_running", s.num_running)?;
@@ -50,17 +50,8 @@ pub(crate) fn stats_dict(py: Python<'_>, s: SchedulerStats) -> PyResult<Bound<'_
     d.set_item("num_running_seqs", s.num_running_seqs)?;
     d.set_item("kv_usage", s.cache.device_usage)?;
     d.set_item("cpu_kv_usage", s.cache.host_usage)?;
-    d.set_item("num_gpu_blocks", s.cache.num_device_blocks)?;
-    d.set_item("num_cpu_blocks", s.cache.num_host_blocks)?;
-    d.set_item("num_free_gpu_blocks", s.cache.num_free_device_blocks)?;
-    d.set_item("num_free_cpu_blocks", s.cache.num_free_host_blocks)?;
-    d.set_item("num_cached_gpu_blocks", s.cache.num_cached_device_blocks)?;
-    d.set_item("prefix_cache_queries", pc.queries)?;
-    d.set_item("prefix_cache_query_blocks", pc.query_blocks)?;
-    d.set_item("prefix_cache_hits", pc.hits)?;
-    d.set_item("prefix_cache_misses", pc.misses)?;
-    d.set_item("prefix_cache_evictions", pc.evictions)?;
-    d.set_item("prefix_cache_hit_rate", pc.hit_rate())?;
+    set_pool_counts(&d, &s.cache)?;
+    set_prefix_counters(&d, &s.cache)?;
     d.set_item(
         "num_preemptions",
         c.num_preemptions_recompute + c.num_preemptions_swap,
