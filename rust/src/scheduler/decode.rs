@@ -45,19 +45,21 @@ pub(super) fn record_rows<'a>(
 ) {
     let base = out.seq_ids.len();
     out.seq_ids.extend(rows.clone().map(|r| r.seq_id as i64));
-    out.handles.extend(rows.clone().map(|r| r.row.handle));
     out.gens.extend(rows.clone().map(|r| r.gen));
     out.seq_index.resize(out.seq_ids.len(), 0);
     out.num_tokens.extend(rows.clone().map(|r| r.row.n as i32));
-    out.start_pos
-        .extend(rows.clone().map(|r| r.row.start as i32));
     out.table_rows.extend(rows.map(|r| r.row));
-    sample_each_row(out, base);
+    finish_rows(out, base);
 }
 
-/// Rows `base..` of `out` (single-sequence rows, sequence index 0) each sample once, in
-/// row order: their samples are copies of the row arrays.
-fn sample_each_row(out: &mut StepOutput, base: usize) {
+/// Completes fast-path rows `base..` of `out` (single-sequence rows, sequence index 0),
+/// whose table rows, sequence ids, generations, sequence indexes and token counts are in
+/// place: copies each row's handle and start from its table row, and records one sample per
+/// row, in row order (copies of the row arrays).
+fn finish_rows(out: &mut StepOutput, base: usize) {
+    let rows = &out.table_rows[base..];
+    out.handles.extend(rows.iter().map(|r| r.handle));
+    out.start_pos.extend(rows.iter().map(|r| r.start as i32));
     let end = out.seq_ids.len();
     out.num_batched_tokens += end - base;
     out.sample_rows.extend((base as i64)..(end as i64));
@@ -106,8 +108,8 @@ impl<'a> DecodeRun<'a> {
         }
     }
 
-    /// Keeps the first `written` rows opened at `base` (drops the rest), fills in their
-    /// handles and starts, and records their samples.
+    /// Keeps the first `written` rows opened at `base` (drops the rest) and completes them
+    /// (`finish_rows`).
     fn close(out: &mut StepOutput, base: usize, written: usize) {
         let end = base + written;
         out.table_rows.truncate(end);
@@ -115,10 +117,7 @@ impl<'a> DecodeRun<'a> {
         out.gens.truncate(end);
         out.seq_index.truncate(end);
         out.num_tokens.truncate(end);
-        let rows = &out.table_rows[base..];
-        out.handles.extend(rows.iter().map(|r| r.handle));
-        out.start_pos.extend(rows.iter().map(|r| r.start as i32));
-        sample_each_row(out, base);
+        finish_rows(out, base);
     }
 }
 
@@ -184,9 +183,10 @@ impl Scheduler {
     }
 
     /// Runs the fast path over `running[i..]`, at most `left` requests, stopping at the
-    /// first one it does not take (see `DecodeBatch::try_push`); flushes whenever the batch
-    /// is full. Returns how many requests it took. Borrows the scheduler's parts separately
-    /// so the walk keeps its state in registers.
+    /// first one it does not take (see `DecodeBatch::try_decode`): each row is written into
+    /// `out` in place, the blocks filled wait in the batch for its next `flush`. Returns how
+    /// many requests it took. Borrows the scheduler's parts separately so the walk keeps its
+    /// state in registers.
     pub(super) fn fast_decode_run(
         &mut self,
         i: usize,
@@ -223,9 +223,9 @@ fn fast_decode_run(
     while let Some(&h) = running.get(k) {
         // A chunk's first row is taken before the chunk is opened: a walk that meets a
         // general-path request at once leaves the output untouched.
-        let first = match batch.try_push::<true>(h, facts, slots, mgr)? {
+        let first = match batch.try_decode::<true>(h, facts, slots, mgr)? {
             Some(r) => r,
-            None => match batch.try_push_cold(h, facts, slots, mgr)? {
+            None => match batch.try_decode_cold(h, facts, slots, mgr)? {
                 Some(r) => r,
                 None => break,
             },
@@ -270,9 +270,9 @@ fn write_run(
         // The cold retry takes the block opens (1 in block_size) and what the fast path
         // refuses: the hot loop has no call to keep its registers across. Each arm writes its
         // own row (a row merged from both would go through the stack).
-        match batch.try_push::<true>(h, facts, slots, mgr) {
+        match batch.try_decode::<true>(h, facts, slots, mgr) {
             Ok(Some(r)) => r.store((row, seq_id, gen)),
-            Ok(None) => match batch.try_push_cold(h, facts, slots, mgr) {
+            Ok(None) => match batch.try_decode_cold(h, facts, slots, mgr) {
                 Ok(Some(r)) => r.store((row, seq_id, gen)),
                 Ok(None) => break,
                 Err(e) => return (written, Err(e)),
@@ -285,17 +285,17 @@ fn write_run(
 }
 
 impl DecodeBatch {
-    /// `try_push` that also opens blocks, out of line (see `fast_decode_run`).
+    /// `try_decode` that also opens blocks, out of line (see `fast_decode_run`).
     #[cold]
     #[inline(never)]
-    fn try_push_cold(
+    fn try_decode_cold(
         &mut self,
         h: u32,
         facts: FastDecode,
         slots: &mut [Slot],
         mgr: &mut KvCacheManager,
     ) -> Result<Option<DecodeRow>> {
-        self.try_push::<false>(h, facts, slots, mgr)
+        self.try_decode::<false>(h, facts, slots, mgr)
     }
 
     /// The common case: a single-sequence request decoding one token into a block it
@@ -304,7 +304,7 @@ impl DecodeBatch {
     /// else. `NO_OPEN`: also returns None, with nothing done, for a token that would open a
     /// block.
     #[inline(always)]
-    fn try_push<const NO_OPEN: bool>(
+    fn try_decode<const NO_OPEN: bool>(
         &mut self,
         h: u32,
         facts: FastDecode,

@@ -44,7 +44,6 @@ impl Scheduler {
         let la = self.cfg.num_lookahead_slots;
         let caching = self.caching();
         let mut finished = Vec::new();
-        self.ledger.finished.clear();
         let mut any_request_done = false;
         // The scheduler's parts borrowed separately: a sequence and the manager at once.
         let Scheduler {
@@ -57,11 +56,7 @@ impl Scheduler {
         } = self;
         let bs = mgr.block_size();
         for (k, (start, count)) in run_starts(num_tokens).enumerate() {
-            let (h, gen, idx) = (
-                ledger.handles[k],
-                ledger.gens[k],
-                ledger.seq_index[k] as usize,
-            );
+            let (h, gen, idx) = ledger.sample(k);
             if !store.is_live(h, gen) {
                 continue;
             }

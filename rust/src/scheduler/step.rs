@@ -49,6 +49,12 @@ impl StepLedger {
         self.step_open = true;
     }
 
+    /// Where sample `k` of the latest output goes: (request slot, the slot's generation at
+    /// schedule time, sequence index).
+    pub(super) fn sample(&self, k: usize) -> (u32, u32, usize) {
+        (self.handles[k], self.gens[k], self.seq_index[k] as usize)
+    }
+
     /// Refuses a step that is not the latest one or whose samples were already applied.
     pub(super) fn check_latest(&self, step: u64) -> Result<()> {
         if step != self.step {
@@ -65,7 +71,8 @@ impl StepLedger {
         Ok(())
     }
 
-    /// Checks an `update_from_output` call against the latest step and closes the step.
+    /// Checks an `update_from_output` call against the latest step and closes the step;
+    /// empties the list of sequences the update finishes.
     pub(super) fn close_for_update(
         &mut self,
         step: u64,
@@ -91,6 +98,7 @@ impl StepLedger {
         check_token_ids(sampled)?;
         self.awaiting_update = false;
         self.step_open = false;
+        self.finished.clear();
         Ok(())
     }
 

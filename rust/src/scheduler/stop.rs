@@ -124,11 +124,7 @@ impl Scheduler {
         let mut cuts = Vec::with_capacity(num_tokens.len());
         for (k, (start, n)) in run_starts(num_tokens).enumerate() {
             let run = &sampled[start..start + n];
-            let (h, gen, idx) = (
-                self.ledger.handles[k],
-                self.ledger.gens[k],
-                self.ledger.seq_index[k] as usize,
-            );
+            let (h, gen, idx) = self.ledger.sample(k);
             let seq = self
                 .store
                 .is_live(h, gen)

@@ -24,7 +24,6 @@ impl Scheduler {
         self.ledger.close_for_update(step, sampled, stop_hit)?;
         let max_len = self.cfg.max_seq_len();
         let mut finished = Vec::new();
-        self.ledger.finished.clear();
         let mut any_request_done = false;
         // The scheduler's parts borrowed separately, the slots as a local slice: the loop
         // keeps them in registers.
