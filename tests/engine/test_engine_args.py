@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from pagedllm import EngineArgs, Scheduler, _core
-from pagedllm.config import POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES
+from pagedllm.config import SCHEDULING_STRATEGIES
 
 
 def test_engine_args_defaults_are_the_schedulers():
@@ -25,10 +27,19 @@ def test_engine_args_defaults_are_the_schedulers():
     )
 
 
-def test_engine_mode_names_are_the_schedulers():
-    assert SCHEDULING_STRATEGIES == _core.SCHEDULING_STRATEGIES
-    assert POLICIES == _core.POLICIES
-    assert PREEMPTION_MODES == _core.PREEMPTION_MODES
+def test_engine_accepts_exactly_the_schedulers_mode_names():
+    knobs = {
+        "scheduling": _core.SCHEDULING_STRATEGIES,
+        "policy": _core.POLICIES,
+        "preemption_mode": _core.PREEMPTION_MODES,
+    }
+    for knob, names in knobs.items():
+        assert names, knob
+        for name in names:
+            EngineArgs(**{knob: name}).validate()
+            Scheduler(num_gpu_blocks=8, **{knob: name})
+        with pytest.raises(ValueError, match=knob):
+            EngineArgs(**{knob: "no-such-mode"}).validate()
 
 
 def test_default_token_budget_is_the_schedulers():
