@@ -1,4 +1,4 @@
-"""Microbenchmarks of the scheduler through the Python bindings (SPEC §7, issue 3 §5).
+"""Microbenchmarks of the scheduler through the Python bindings.
 
 Each step is one `schedule()` plus one `update_from_output` with fake sampled tokens (an int64
 array); the step arrays are not read (they are built lazily). Results: benches/RESULTS.md.

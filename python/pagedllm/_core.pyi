@@ -300,7 +300,7 @@ class SchedulerOutput:
         """[G] indices (into the K samples) of the samples drawn under a grammar."""
 
 class Scheduler:
-    """The scheduler of SPEC §4 (strategies unified / prefill_first / chunked_prefill,
+    """The engine's scheduler (strategies unified / prefill_first / chunked_prefill,
     policies fcfs / priority, preemption None / "recompute" / "swap"), usable without a model."""
     def __init__(
         self,

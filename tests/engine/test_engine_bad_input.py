@@ -1,4 +1,4 @@
-"""SPEC §6 through the engine: each bad input gives a clear error or a finished-with-reason
+"""Bad input through the engine: each one gives a clear error or a finished-with-reason
 request, and the engine keeps serving the others."""
 
 from __future__ import annotations

@@ -469,7 +469,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         ) == (md.queries, md.hits, md.misses, md.evictions)
 
     def teardown(self):
-        # SPEC §3: once every sequence has finished, every block of both pools is free.
+        # once every sequence has finished, every block of both pools is free.
         if not hasattr(self, "m"):
             return
         for seq in list(self.model.seqs):

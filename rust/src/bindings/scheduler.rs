@@ -14,7 +14,7 @@ use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict
 use super::step_output::PySchedulerOutput;
 use crate::scheduler::{defaults, Policy, Scheduler, StepOutput, Strategy};
 
-/// The scheduler of SPEC §4, usable without a model: add requests, `schedule()`, feed back
+/// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
 #[pyclass(name = "Scheduler", module = "pagedllm._core")]
 pub(crate) struct PyScheduler {

@@ -1,4 +1,4 @@
-//! The manager's invariant checker (SPEC §3), run by the tests after every operation and
+//! The manager's invariant checker, run by the tests after every operation and
 //! exposed to Python as `check_invariants()`.
 use super::block_pool::BlockState;
 use super::block_table::Location;
@@ -6,7 +6,7 @@ use super::manager::KvCacheManager;
 use crate::ids::BlockId;
 
 impl KvCacheManager {
-    /// SPEC §3 invariants: per pool free + in use = total and a consistent free stack / LRU
+    /// The manager's invariants: per pool free + in use = total and a consistent free stack / LRU
     /// list; every ref count equals the number of table references (so nothing leaks and no
     /// block is both free and referenced); prefix-cache map and block hashes agree; cached
     /// blocks are registered; tables are well-formed.

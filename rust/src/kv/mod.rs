@@ -1,4 +1,4 @@
-//! The KV-cache memory manager (SPEC §3, ARCHITECTURE §1): device and host block pools,
+//! The KV-cache memory manager (docs/ARCHITECTURE.md §1): device and host block pools,
 //! per-sequence block tables, fork / copy-on-write, swap, and the prefix cache.
 //!
 //! The parts, each owning its state: [`block_pool`] (one pool's ref counts, free stack and
