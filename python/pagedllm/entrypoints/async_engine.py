@@ -138,8 +138,8 @@ class AsyncEngine:
 
     @property
     def unhealthy_reason(self) -> str | None:
-        """Why the engine cannot take requests now (None: it can); /health and `add_request`
-        both ask this."""
+        """Why the engine cannot take requests now (None: it can); /health and `submit` both
+        ask this."""
         if self.dead or self._task is None or self._task.done():
             last = f" (last error: {self.last_error!r})" if self.last_error else ""
             return f"the engine loop is not running{last}"
@@ -356,9 +356,10 @@ class AsyncEngine:
         for live in self._live.values():
             live.queue.put_nowait(error)
         self._live.clear()
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for pending in inbox:
+        with self._lock:  # a crashed turn may have left requests it was adding
+            pending_requests = self._inbox + self._adding
+            self._inbox, self._adding = [], []
+        for pending in pending_requests:
             if not pending.added.done():
                 pending.added.set_exception(error)
         for callback in self.on_dead:

@@ -25,8 +25,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.1
-# a request body over this is a 413 before it is parsed: 4 MiB holds a prompt of a million
-# characters or a few hundred thousand token ids
+# a request body over this is a 413 before it is parsed: 4 MiB holds a text prompt of some 4
+# million ASCII characters, or some 500,000 token ids
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
