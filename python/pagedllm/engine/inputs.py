@@ -74,7 +74,9 @@ class InputProcessor:
 
     def min_prompt_tokens(self, text: str) -> int:
         """A lower bound on the tokens `text` encodes to, known without tokenizing it, so that
-        a text that cannot fit is refused by its size alone (0 without a tokenizer)."""
+        a text that cannot fit is refused by its size alone (0 without a tokenizer). It holds
+        for normalizers that at most compose characters (NFC / NFKC, as the Llama and Qwen
+        tokenizers use), not for ones that delete text."""
         per_token = self.max_token_chars
         if not per_token:
             return 0
