@@ -12,6 +12,10 @@ import torch
 
 import pagedllm.engine.request as request_module
 from pagedllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedllm.engine.inputs import InputProcessor
+from pagedllm.tokenizer import ByteTokenizer, HFTokenizer
+
+from model_factory import save_tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -308,3 +312,18 @@ def test_abort_takes_a_str_or_an_iterable_of_str(engine):
         engine.abort_request(["keep", 5])  # refused as a whole: "keep" is not aborted
     finished = run_all(engine)
     assert finished["keep"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+def test_the_size_bound_of_a_text_prompt_never_exceeds_its_token_count(kind, tmp_path):
+    # the server refuses a text by this bound before tokenizing it: it must never overcount
+    if kind == "byte":
+        tokenizer = ByteTokenizer()
+    else:
+        save_tiny_tokenizer(tmp_path)
+        tokenizer = HFTokenizer(tmp_path)
+    inputs = InputProcessor(tokenizer, vocab_size=tokenizer.vocab_size, max_num_seqs=1)
+    texts = ["x" * 5000, " " * 5000, "the cat " * 700, "é" * 3000, "e\u0301" * 2000, "<s>" * 900]
+    for text in texts:
+        bound = inputs.min_prompt_tokens(text)
+        assert 0 < bound <= len(tokenizer.encode(text)), text[:10]

@@ -20,11 +20,13 @@ def test_serve_parser_takes_the_engine_and_server_flags():
     args = build_parser().parse_args(
         ["serve", "--port", "0", "--max-model-len", "64", "--scheduling", "unified",
          "--served-model-name", "m", "--api-key", "k", "--max-queued-requests", "3",
-         "--max-queued-tokens", "100"]
+         "--max-queued-tokens", "100", "--max-request-body-bytes", "5000",
+         "--max-failed-steps", "7"]
     )  # fmt: skip
     assert (args.host, args.port, args.max_model_len) == ("127.0.0.1", 0, 64)
     assert (args.served_model_name, args.api_key) == ("m", "k")
     assert (args.max_queued_requests, args.max_queued_tokens) == (3, 100)
+    assert (args.max_request_body_bytes, args.max_failed_steps) == (5000, 7)
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str) -> None:

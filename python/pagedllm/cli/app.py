@@ -368,15 +368,20 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         lora_modules=dict(args.lora_modules or ()),
+        # unset: ServerConfig's defaults (kept there, not imported here: fastapi is slow to load)
+        **{
+            name: getattr(args, name)
+            for name in ("max_request_body_bytes", "max_failed_steps")
+            if getattr(args, name) is not None
+        },
     )
     engine_kwargs = _engine_kwargs(args)
     if config.lora_modules:
         engine_kwargs["enable_lora"] = True  # serving adapters implies --enable-lora
     app = build_server_app(engine_kwargs, config)
-    run_server(
+    return run_server(
         app, args.host, args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace
     )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -503,6 +508,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=_POSITIVE,
         default=None,
         help="429 beyond this many prompt tokens waiting (not yet generating)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=_POSITIVE,
+        default=None,
+        help="413 for a request body over this many bytes (default 4 MiB)",
+    )
+    g.add_argument(
+        "--max-failed-steps",
+        type=_POSITIVE,
+        default=None,
+        help="failed engine steps in a row (none succeeding) after which the server exits with "
+        "status 1, for a supervisor to restart it (default 30: ~25 s of failing; fewer are "
+        "retried with back-off, /health failing meanwhile)",
     )
     g.add_argument(
         "--shutdown-grace",

@@ -4,6 +4,7 @@ naming the request, raised before anything is queued or allocated."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,8 @@ from pagedllm.sampling_params import MAX_INT64, MIN_INT64, SamplingParams
 from pagedllm.tokenizer import Tokenizer
 
 PromptType = str | dict | Sequence[int]
+# Unicode composition (a tokenizer's NFC / NFKC normalizer) joins at most 4 code points into one
+MAX_COMPOSED = 4
 
 
 def is_int(value: Any) -> bool:
@@ -54,6 +57,30 @@ class InputProcessor:
         text, token_ids = self.tokenize(request_id, prompt)
         self.check_prompt(request_id, token_ids)
         return text, token_ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token's text can span: its vocabulary's longest entry (a
+        byte-level or SentencePiece entry is at least as long as its text). None without a
+        tokenizer."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        backend = getattr(tokenizer, "backend", None)
+        if backend is not None:
+            return max(map(len, backend.get_vocab()), default=1)
+        ids = range(tokenizer.vocab_size)
+        return max((len(tokenizer.decode([i], skip_special_tokens=False)) for i in ids), default=1)
+
+    def min_prompt_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, known without tokenizing it, so that
+        a text that cannot fit is refused by its size alone (0 without a tokenizer). It holds
+        for normalizers that at most compose characters (NFC / NFKC, as the Llama and Qwen
+        tokenizers use), not for ones that delete text."""
+        per_token = self.max_token_chars
+        if not per_token:
+            return 0
+        return len(text) // (per_token * MAX_COMPOSED)
 
     def check_limits(
         self, request_id: str, params: SamplingParams, arrival_time: Any, priority: Any

@@ -45,6 +45,58 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _BodyLimitMiddleware:
+    """413 for a request body over `max_bytes`: by its Content-Length before a byte is read, or
+    counted as it arrives (chunked), so an oversized body is never buffered whole, parsed or
+    tokenized. The body read is then handed to the app. Plain ASGI, like _ApiKeyMiddleware."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(f"{int(declared)} bytes", scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(f"over {self.max_bytes} bytes", scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _too_large(self, size: str, scope, receive, send) -> None:
+        error = APIError(
+            413,
+            f"the request body is too large ({size}); this server takes at most "
+            f"{self.max_bytes} bytes (--max-request-body-bytes)",
+            type_="request_too_large",
+        )
+        await error.response()(scope, receive, send)
+
+
+def _replay(messages: list, receive):
+    """`receive` that first returns `messages`, then the client's own messages."""
+
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops `engine`'s loop."""
     server = Server(engine, config)
@@ -63,11 +115,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    # outermost: nothing reads a body before its size is known
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
 
     @app.get("/health")
     async def health():
-        if not engine.healthy:
-            return unavailable("the engine loop is not running").response()
+        reason = engine.unhealthy_reason
+        if reason is not None:
+            return unavailable(reason).response()
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -112,11 +167,14 @@ def build_server_app(engine_kwargs: dict, config: ServerConfig) -> FastAPI:
 
 def run_server(
     app: FastAPI, host: str, port: int, log_level: str = "info", shutdown_grace_s: float = 5.0
-) -> None:
-    """Serves until SIGINT/SIGTERM, then stops gracefully and returns (exit status 0): uvicorn
+) -> int:
+    """Serves until SIGINT/SIGTERM, then stops gracefully and returns the exit status 0: uvicorn
     stops accepting; in-flight requests get `shutdown_grace_s` seconds to finish, then are
     aborted (finish reason "abort", stop_reason "the server is shutting down") and their
     responses completed; a second SIGINT forces the exit.
+
+    An engine that broke for good (see AsyncEngine) stops the server the same way, and the exit
+    status is 1: a process that refuses every request must not stay up, a supervisor restarts it.
     """
     import signal
 
@@ -154,4 +212,7 @@ def run_server(
         log_level=log_level,
         timeout_graceful_shutdown=shutdown_grace_s + 5,
     )
-    _Server(config).run()
+    server = _Server(config)
+    engine.on_dead.append(lambda: setattr(server, "should_exit", True))
+    server.run()
+    return 1 if engine.dead else 0

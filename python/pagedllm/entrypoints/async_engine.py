@@ -6,8 +6,12 @@ and the engine is never touched by two threads at once. Requests enter through a
 inbox; each request gets an `asyncio.Queue` of its (cumulative) `RequestOutput`s.
 
 A step that raises was already rolled back by the engine (see `engine/faults.py`): the error is
-logged and the loop goes on; after `MAX_CONSECUTIVE_FAILURES` failed steps in a row the engine is
-marked unhealthy (`/health` fails, new requests get 503) and the live requests are ended.
+logged and the loop goes on after a back-off (doubling from `BACKOFF_BASE_S` to `BACKOFF_CAP_S`),
+so a transient fault is survived. While steps keep failing (`UNHEALTHY_AFTER_FAILURES` in a row,
+work still pending) the engine is unhealthy: `/health` fails and new requests get 503; one step
+that succeeds, or the engine running out of work, makes it healthy again. `max_failed_steps` failed
+steps in a row (no success in between) mean a broken engine: the loop stops, live requests get
+503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -25,17 +29,25 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
 
-MAX_CONSECUTIVE_FAILURES = 5
+# a failed step is retried after BACKOFF_BASE_S, doubled per further failure, at most BACKOFF_CAP_S
+BACKOFF_BASE_S = 0.01
+BACKOFF_CAP_S = 1.0
+UNHEALTHY_AFTER_FAILURES = 3
+# failed steps in a row after which the engine counts as broken: ~25 s of failing with back-off
+MAX_FAILED_STEPS = 30
 # one engine turn (a step) running longer than this means a stuck loop: /health fails
 STALL_TIMEOUT_S = 120.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped or keeps failing; the server cannot take requests."""
+    """The engine loop stopped, or is failing right now; the server cannot take requests."""
 
 
 @dataclass
-class _Pending:
+class PendingRequest:
+    """A request handed to the engine loop: `added` resolves once the engine took it (or holds
+    its validation error); `queue` then receives its outputs."""
+
     request_id: str
     prompt: Any
     params: SamplingParams
@@ -67,23 +79,28 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
+        self.max_failed_steps = MAX_FAILED_STEPS  # the server sets its --max-failed-steps
         self._turn_started: float | None = None  # monotonic time the running turn began
         self._lock = threading.Lock()
-        self._inbox: list[_Pending] = []
-        self._adding: list[_Pending] = []  # taken from the inbox by the running engine turn
+        self._inbox: list[PendingRequest] = []
+        self._adding: list[PendingRequest] = []  # taken from the inbox by the running engine turn
         self._aborts: list[str] = []
         self._live: dict[str, _Live] = {}
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self.consecutive_failures = 0
+        self.consecutive_failures = 0  # failed steps since the last one that succeeded
+        self.failing = False  # steps keep failing and work is pending: unhealthy for now
+        self.dead = False  # the loop stopped for good (not by `stop`)
         self.last_error: BaseException | None = None
         self.last_progress = time.monotonic()
         self.snapshot = EngineSnapshot(stats=engine.get_stats(), time=time.time())
         # called in the event loop with each finished RequestOutput (metrics)
         self.on_finished: list = []
         self.on_output: list = []
+        # called in the event loop once the loop stopped for good (the server exits)
+        self.on_dead: list = []
         # admission control needs to know which requests have not started; off by default
         # because listing the waiting queue costs time every step
         self.track_waiting = False
@@ -117,12 +134,23 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return (
-            self._task is not None
-            and not self._task.done()
-            and self.consecutive_failures < MAX_CONSECUTIVE_FAILURES
-            and not self.stalled
-        )
+        return self.unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine cannot take requests now (None: it can); /health and `submit` both
+        ask this."""
+        if self.dead or self._task is None or self._task.done():
+            last = f" (last error: {self.last_error!r})" if self.last_error else ""
+            return f"the engine loop is not running{last}"
+        if self.failing:
+            return (
+                f"the engine is failing ({self.consecutive_failures} failed steps in a row, "
+                f"last error: {self.last_error!r}); retry later"
+            )
+        if self.stalled:
+            return "an engine step has been running too long; retry later"
+        return None
 
     @property
     def stalled(self) -> bool:
@@ -159,7 +187,7 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def add_request(
+    def submit(
         self,
         request_id: str,
         prompt: Any,
@@ -168,14 +196,18 @@ class AsyncEngine:
         priority: int = 0,
         num_prompt_tokens: int = 0,
         lora_request: Any = None,
-    ) -> asyncio.Queue:
-        """Queues a request; returns the queue of its outputs (the last one has finished=True).
-
-        The engine's validation errors (ValueError naming the field) are raised here."""
-        if not self.healthy or self._stopping:
-            raise EngineDeadError("the engine is not running")
+    ) -> PendingRequest:
+        """Queues a request at once (`queued()` counts it from now on); await its `added` for
+        the engine's validation errors (ValueError naming the field). Its `queue` receives the
+        (cumulative) outputs, the last one with finished=True. EngineDeadError (503) while the
+        engine cannot take requests."""
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        reason = self.unhealthy_reason
+        if reason is not None:
+            raise EngineDeadError(reason)
         assert self._loop is not None and self._wake is not None
-        pending = _Pending(
+        pending = PendingRequest(
             request_id,
             prompt,
             params,
@@ -188,8 +220,7 @@ class AsyncEngine:
         with self._lock:
             self._inbox.append(pending)
         self._wake.set()
-        await pending.added
-        return pending.queue
+        return pending
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (unknown or finished ids are ignored); its blocks are free after the
@@ -202,6 +233,16 @@ class AsyncEngine:
     # ---- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._serve()
+        except Exception as exc:  # noqa: BLE001 - a bug outside the step: the loop is gone
+            logger.exception("the engine loop crashed")
+            self.last_error = exc
+        if not self._stopping:  # stopped for good while the server runs: never a zombie
+            self._die()
+
+    async def _serve(self) -> None:
+        """Runs engine turns until stopped (returns) or `max_failed_steps` failures (returns)."""
         assert self._wake is not None
         while True:
             with self._lock:
@@ -209,6 +250,8 @@ class AsyncEngine:
             if not has_input and not self._live and self._stopping:
                 return
             if not has_input and not self.engine.has_unfinished_requests():
+                # nothing left to fail on (its requests were given up): healthy again
+                self.failing = False
                 self._wake.clear()
                 with self._lock:
                     has_input = bool(self._inbox or self._aborts)
@@ -234,19 +277,21 @@ class AsyncEngine:
                 self._adding = []
             for output in outputs:
                 self._deliver(output)
-            if error is not None:
-                self.consecutive_failures += 1
-                self.last_error = error
-                logger.error(
-                    "engine step failed (%d in a row): %r", self.consecutive_failures, error
-                )
-                if self.consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-                    logger.error("the engine keeps failing: marking it unhealthy")
-                    self._fail_all()
-                    return
-                await asyncio.sleep(0.01 * self.consecutive_failures)
-            else:
+            if error is None:
+                if self.consecutive_failures:
+                    logger.warning(
+                        "engine steps succeed again after %d failures", self.consecutive_failures
+                    )
                 self.consecutive_failures = 0
+                self.failing = False
+                continue
+            self.consecutive_failures += 1
+            self.last_error = error
+            logger.error("engine step failed (%d in a row): %r", self.consecutive_failures, error)
+            if self.consecutive_failures >= self.max_failed_steps:
+                return
+            self.failing = self.consecutive_failures >= UNHEALTHY_AFTER_FAILURES
+            await asyncio.sleep(backoff_s(self.consecutive_failures))
 
     def _engine_turn(self):
         """In the engine thread: take the inbox and aborts, run one step if work exists."""
@@ -298,13 +343,29 @@ class AsyncEngine:
             for callback in self.on_finished:
                 callback(output)
 
-    def _fail_all(self) -> None:
+    def _die(self) -> None:
+        """The loop stopped for good: live and pending requests get 503 (EngineDeadError),
+        /health fails, and `on_dead` is called so that the process exits."""
+        self.dead = True
+        logger.error(
+            "the engine is broken (%d failed steps in a row; last error: %r): stopping",
+            self.consecutive_failures,
+            self.last_error,
+        )
         error = EngineDeadError(f"the engine failed: {self.last_error!r}")
         for live in self._live.values():
             live.queue.put_nowait(error)
         self._live.clear()
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for pending in inbox:
+        with self._lock:  # a crashed turn may have left requests it was adding
+            pending_requests = self._inbox + self._adding
+            self._inbox, self._adding = [], []
+        for pending in pending_requests:
             if not pending.added.done():
                 pending.added.set_exception(error)
+        for callback in self.on_dead:
+            callback()
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds to wait after `failures` failed steps in a row before the next try."""
+    return min(BACKOFF_BASE_S * 2.0 ** (failures - 1), BACKOFF_CAP_S)

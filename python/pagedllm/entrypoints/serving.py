@@ -5,16 +5,17 @@ prompts, with a timeout, aborted when the client goes away)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
-from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
@@ -24,6 +25,9 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.1
+# a request body over this is a 413 before it is parsed: 4 MiB holds a text prompt of some 4
+# million ASCII characters, or some 500,000 token ids
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -35,6 +39,9 @@ class ServerConfig:
     max_queued_tokens: int | None = None
     # LoRA adapters served as models of their own: model id -> PEFT folder (--lora-modules)
     lora_modules: dict[str, str] = field(default_factory=dict)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # failed engine steps in a row after which the engine counts as broken (the server exits)
+    max_failed_steps: int = MAX_FAILED_STEPS
 
 
 @dataclass
@@ -166,6 +173,8 @@ class Server:
         engine.track_waiting = (
             config.max_queued_requests is not None or config.max_queued_tokens is not None
         )
+        self._admitting = [0, 0]  # (requests, prompt tokens) admitted, not yet in the engine
+        engine.max_failed_steps = config.max_failed_steps
         template = config.chat_template
         if template is None:
             args = engine.engine.args
@@ -285,46 +294,63 @@ class Server:
         return await self.in_tokenizer_thread(lambda: [text(p) for p in prompts])
 
     def _prompt(self, prompt: str | list[int], index: int, what: str) -> Prompt:
+        """Checks sizes first, before any per-token work: a text whose length alone shows it
+        cannot fit is never tokenized, a token-id list over the limit never range-checked."""
         if isinstance(prompt, str):
             tokenizer = self.engine.tokenizer
             if tokenizer is None:
                 raise APIError(400, f"{what}: text prompts need a tokenizer", param=what)
+            at_least = self.engine.engine.inputs.min_prompt_tokens(prompt)
+            size = f"{len(prompt)} characters, so at least {at_least} tokens"
+            self._check_length(at_least, index, what, size)
             ids = encode_chat(tokenizer, prompt) if what == "messages" else tokenizer.encode(prompt)
             result = Prompt(prompt, list(ids))
         else:
             result = Prompt(None, list(prompt))
+        self._check_length(len(result.ids), index, what)
         self._check_ids(result.ids, index, what)
         return result
+
+    def _check_length(
+        self, num_tokens: int, index: int, what: str, size: str | None = None
+    ) -> None:
+        limit = self.engine.max_model_len
+        if num_tokens >= limit:
+            raise APIError(
+                400,
+                f"{what}[{index}] has {size or f'{num_tokens} tokens'}; max_model_len is "
+                f"{limit}, which must leave room for at least one generated token",
+                param=what,
+            )
 
     def _check_ids(self, ids: list[int], index: int, what: str) -> None:
         if not ids:
             raise APIError(400, f"{what}[{index}] is empty", param=what)
         vocab = self.vocab_size
-        for i, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise APIError(
-                    400,
-                    f"{what}[{index}]: token id {token} at position {i} is outside the "
-                    f"vocabulary [0, {vocab})",
-                    param=what,
-                )
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
+        if min(ids) < 0 or max(ids) >= vocab:  # C-level passes; locate only if bad
+            i, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise APIError(
                 400,
-                f"{what}[{index}] has {len(ids)} tokens; max_model_len is {limit}, which must "
-                f"leave room for at least one generated token",
+                f"{what}[{index}]: token id {token} at position {i} is outside the "
+                f"vocabulary [0, {vocab})",
                 param=what,
             )
 
     # -- admission and submission -------------------------------------------------------------
 
-    def admit(self, num_requests: int, num_tokens: int) -> None:
-        """429 with Retry-After when the queue limits would be exceeded."""
+    @contextlib.contextmanager
+    def admission(self, num_requests: int, num_tokens: int) -> Iterator[None]:
+        """429 with Retry-After when the queue limits would be exceeded. Otherwise the requests
+        count as queued while the block runs (compiling a constraint awaits); its caller hands
+        them to the engine right after it, with no await between, where `queued()` counts them.
+        Every request passes here, so all count the same way."""
         cfg = self.config
         if not self.engine.track_waiting:
+            yield
             return
-        queued_requests, queued_tokens = self.engine.queued()
+        engine_requests, engine_tokens = self.engine.queued()
+        queued_requests = engine_requests + self._admitting[0]
+        queued_tokens = engine_tokens + self._admitting[1]
         over_requests = (
             cfg.max_queued_requests is not None
             and queued_requests + num_requests > cfg.max_queued_requests
@@ -342,6 +368,13 @@ class Server:
                 type_="rate_limit_error",
                 headers={"Retry-After": "1"},
             )
+        self._admitting[0] += num_requests
+        self._admitting[1] += num_tokens
+        try:
+            yield
+        finally:
+            self._admitting[0] -= num_requests
+            self._admitting[1] -= num_tokens
 
     async def submit(
         self,
@@ -355,22 +388,29 @@ class Server:
         """Adds one engine request per prompt (under the adapter `model` names, if it names
         one); on any failure aborts those already added."""
         lora = self.check_model(model)
-        self.admit(len(prompts), sum(len(p.ids) for p in prompts))
-        await check_compiles(self.engine.engine.structured_output, params.structured_outputs)
+        with self.admission(len(prompts), sum(len(p.ids) for p in prompts)):
+            await check_compiles(self.engine.engine.structured_output, params.structured_outputs)
         base = uuid.uuid4().hex
         job = Job(self, [], prompts, params, timeout, model=model or self.model_name)
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = f"{base}-{i}"
-                queue = await self.engine.add_request(
-                    request_id,
+            # all at once, right after admission: queued() counts them from here
+            pending = [
+                self.engine.submit(
+                    f"{base}-{i}",
                     {"prompt_token_ids": prompt.ids, "prompt": prompt.text},
                     params,
                     priority=priority,
                     num_prompt_tokens=len(prompt.ids),
                     lora_request=lora,
                 )
-                job.streams.append((request_id, queue))
+                for i, prompt in enumerate(prompts)
+            ]
+        except EngineDeadError as exc:  # raised before any is queued: the state is shared
+            raise unavailable(str(exc)) from None
+        job.streams = [(p.request_id, p.queue) for p in pending]
+        try:
+            for p in pending:
+                await p.added
         except EngineDeadError as exc:
             job.abort()
             raise unavailable(str(exc)) from None

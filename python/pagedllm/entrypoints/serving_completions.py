@@ -20,6 +20,14 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     server.check_model(body.model)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = server.sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    if body.stream and params.num_samples > params.n:
+        # the n best are known only when all best_of candidates finished: nothing to stream
+        raise APIError(
+            400,
+            f"stream=true needs best_of equal to n (got best_of={params.best_of}, n={params.n}): "
+            f"the best candidates are known only at the end",
+            param="best_of",
+        )
     prompts = await server.prompts(_raw_prompts(body))
     echo = await server.decode(prompts, params.skip_special_tokens) if body.echo else None
     job = await server.submit(
