@@ -22,9 +22,9 @@ use crate::kv::{AllocStatus, PrefixHit};
 use super::budget::{Budget, Cut};
 use super::output::StepOutput;
 use super::plan::sync_mirror;
-use super::queue::{Queue, Queues};
-use super::request::{GrammarState, Request};
-use super::store::RequestStore;
+use super::state::queue::{Queue, Queues};
+use super::state::request::{GrammarState, Request};
+use super::state::store::RequestStore;
 use super::Scheduler;
 
 /// Where a candidate stands this step.

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::kv::KvCacheManager;
 
 use super::output::{StepOutput, TableRow};
-use super::store::{RequestStore, Slot};
+use super::state::store::{RequestStore, Slot};
 use super::Scheduler;
 
 /// Rows a fast-path run opens in the output at first, and at most, at a time. The chunks

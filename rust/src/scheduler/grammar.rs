@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 
 use super::output::StepOutput;
-use super::request::GrammarState;
+use super::state::request::GrammarState;
 use super::Scheduler;
 
 impl Scheduler {

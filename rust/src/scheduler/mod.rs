@@ -71,17 +71,14 @@ mod output;
 mod plan;
 mod preemption;
 mod prefill_first;
-mod queue;
 mod record;
-mod request;
 mod rollback;
 mod running;
 mod spec;
 mod spec_update;
+mod state;
 mod stats;
-mod step;
 mod stop;
-mod store;
 mod unified;
 mod update;
 
@@ -90,10 +87,10 @@ use crate::kv::{CacheConfig, KvCacheManager};
 
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
-pub use request::{
+pub use spec::DraftProposals;
+pub use state::request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
 };
-pub use spec::DraftProposals;
 pub use stats::{SchedulerCounters, SchedulerStats};
 pub use stop::{FinishReason, StopParams};
 
@@ -101,11 +98,11 @@ use admission::AdmissionDelay;
 use budget::Budget;
 use decode::DecodeBatch;
 use plan::Planner;
-use queue::Queues;
 use record::Recorder;
 use spec::SpecState;
-use step::StepLedger;
-use store::RequestStore;
+use state::queue::Queues;
+use state::step::StepLedger;
+use state::store::RequestStore;
 
 pub struct Scheduler {
     cfg: SchedulerConfig,

@@ -9,7 +9,7 @@ use crate::kv::KvCacheManager;
 use super::budget::Cut;
 use super::output::StepOutput;
 use super::record::record;
-use super::request::{Request, RequestStatus, Sequence};
+use super::state::request::{Request, RequestStatus, Sequence};
 use super::Scheduler;
 
 /// One sequence's share of the step.

@@ -7,8 +7,8 @@ use crate::kv::{AllocStatus, PrefixHit};
 use super::admission::{Short, Verdict};
 use super::budget::{Budget, Cut};
 use super::output::StepOutput;
-use super::queue::Queue;
-use super::request::{rank_less, RequestStatus};
+use super::state::queue::Queue;
+use super::state::request::{rank_less, RequestStatus};
 use super::{Policy, PreemptionMode, Scheduler};
 
 impl Scheduler {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use crate::ids::BlockId;
 
 use super::output::{SharedTables, StepOutput, TableRow};
-use super::request::Sequence;
-use super::store::RequestStore;
+use super::state::request::Sequence;
+use super::state::store::RequestStore;
 use super::{Scheduler, SchedulerConfig};
 
 /// Records one scheduled sequence's row. The per-token arrays are built from it on access

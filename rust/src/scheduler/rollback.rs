@@ -4,8 +4,8 @@ use std::collections::HashSet;
 use crate::error::Result;
 
 use super::output::StepOutput;
-use super::queue::Queue;
-use super::request::RequestStatus;
+use super::state::queue::Queue;
+use super::state::request::RequestStatus;
 use super::stats::SchedulerCounters;
 use super::Scheduler;
 

@@ -22,8 +22,8 @@ use crate::spec::propose_ngram;
 
 use super::decode::{record_rows, DecodeBatch, DecodeRow};
 use super::output::{StepOutput, TableRow};
-use super::request::Request;
-use super::store::{RequestStore, Slot};
+use super::state::request::Request;
+use super::state::store::{RequestStore, Slot};
 use super::Scheduler;
 
 /// The drafts of one `propose_drafts` call, as flat arrays: sequence `seq_ids[i]` got

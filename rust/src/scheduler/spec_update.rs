@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 use crate::ids::TokenId;
 
 use super::output::FinishedSeq;
-use super::request::{Request, RequestStatus};
-use super::step::check_token_ids;
+use super::state::request::{Request, RequestStatus};
+use super::state::step::check_token_ids;
 use super::stop::{cut_run, run_starts, FinishReason};
 use super::update::{finish_seq, push_token};
 use super::Scheduler;

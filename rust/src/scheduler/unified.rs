@@ -5,7 +5,7 @@ use crate::error::Result;
 
 use super::budget::Budget;
 use super::output::StepOutput;
-use super::queue::Queue;
+use super::state::queue::Queue;
 use super::Scheduler;
 
 impl Scheduler {

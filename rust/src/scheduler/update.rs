@@ -6,8 +6,8 @@ use crate::ids::TokenId;
 use crate::kv::KvCacheManager;
 
 use super::output::FinishedSeq;
-use super::queue::Queues;
-use super::request::{Request, RequestStatus, Seqs, Sequence};
+use super::state::queue::Queues;
+use super::state::request::{Request, RequestStatus, Seqs, Sequence};
 use super::stop::FinishReason;
 use super::Scheduler;
 

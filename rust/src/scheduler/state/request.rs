@@ -6,7 +6,7 @@
 use crate::ids::{BlockId, SeqId, TokenId};
 use crate::kv::salted_key;
 
-use super::stop::{FinishReason, StopParams};
+use crate::scheduler::stop::{FinishReason, StopParams};
 
 /// Lifecycle of a request (SPEC §4).
 ///
@@ -325,7 +325,7 @@ pub struct RequestExtras {
     /// Test-only stand-in for a feature's admission state: what `admission::conditions`
     /// answers for this request (unit tests of the seam).
     #[cfg(test)]
-    pub(super) condition: Option<super::admission::Verdict>,
+    pub(in crate::scheduler) condition: Option<crate::scheduler::admission::Verdict>,
 }
 
 impl RequestExtras {
@@ -334,7 +334,7 @@ impl RequestExtras {
         clippy::needless_update,
         reason = "test builds have more fields, and so will features"
     )]
-    pub(super) fn new(params: &RequestParams) -> Self {
+    pub(in crate::scheduler) fn new(params: &RequestParams) -> Self {
         RequestExtras {
             lora_id: params.lora_id,
             grammar: if params.structured_output {
@@ -368,7 +368,7 @@ impl Request {
     /// prompt after the request is placed in the store. Freeing it before lets the allocator
     /// put the next requests' hot state into its hole, which measured ~20% slower steady
     /// decode steps at 4096 running requests.
-    pub(super) fn new(
+    pub(in crate::scheduler) fn new(
         id: &str,
         params: &mut RequestParams,
         first_seq_id: SeqId,
