@@ -7,8 +7,8 @@ use crate::ids::{BlockId, SeqId};
 use crate::kv::KvCacheManager;
 
 use super::budget::Cut;
+use super::output::record::record;
 use super::output::StepOutput;
-use super::record::record;
 use super::state::request::{Request, RequestStatus, Sequence};
 use super::Scheduler;
 
