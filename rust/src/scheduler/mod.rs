@@ -59,6 +59,7 @@
 //!   admission, every swap-in and the `priority` probe consult; per-step tallies live in
 //!   `Budget`.
 mod admission;
+mod apply;
 mod budget;
 mod chunked_prefill;
 mod config;
@@ -71,19 +72,16 @@ mod output;
 mod plan;
 mod preemption;
 mod prefill_first;
-mod rollback;
 mod running;
 mod spec;
-mod spec_update;
 mod state;
 mod stats;
-mod stop;
 mod unified;
-mod update;
 
 use crate::error::Result;
 use crate::kv::{CacheConfig, KvCacheManager};
 
+pub use apply::stop::{FinishReason, StopParams};
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
 pub use spec::DraftProposals;
@@ -91,7 +89,6 @@ pub use state::request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
 };
 pub use stats::{SchedulerCounters, SchedulerStats};
-pub use stop::{FinishReason, StopParams};
 
 use admission::AdmissionDelay;
 use budget::Budget;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::ids::{BlockId, TokenId};
 
-use crate::scheduler::stop::FinishReason;
+use crate::scheduler::FinishReason;
 
 /// What the lazy per-token arrays of row r are built from: its block table is the first
 /// `len` blocks of sequence `seq` of the request in slot `handle`, its tokens are that

@@ -6,7 +6,7 @@
 use crate::ids::{BlockId, SeqId, TokenId};
 use crate::kv::salted_key;
 
-use crate::scheduler::stop::{FinishReason, StopParams};
+use crate::scheduler::{FinishReason, StopParams};
 
 /// Lifecycle of a request (SPEC §4).
 ///

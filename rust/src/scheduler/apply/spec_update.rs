@@ -6,12 +6,12 @@
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 
-use super::output::FinishedSeq;
-use super::state::request::{Request, RequestStatus};
-use super::state::step::check_token_ids;
 use super::stop::{cut_run, run_starts, FinishReason};
 use super::update::{finish_seq, push_token};
-use super::Scheduler;
+use crate::scheduler::output::FinishedSeq;
+use crate::scheduler::state::request::{Request, RequestStatus};
+use crate::scheduler::state::step::check_token_ids;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// `update_from_output` for a step whose samples each bring a run of tokens (speculative
@@ -111,7 +111,11 @@ impl Scheduler {
 
     /// Checks the runs of an `update_from_output_runs` call against the latest step's drafts
     /// (nothing changes on an error).
-    pub(super) fn check_runs(&self, sampled: &[i64], num_tokens: &[i64]) -> Result<()> {
+    pub(in crate::scheduler) fn check_runs(
+        &self,
+        sampled: &[i64],
+        num_tokens: &[i64],
+    ) -> Result<()> {
         let k = self.ledger.handles.len();
         if num_tokens.len() != k {
             return Err(Error::InvalidArgument(format!(

@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::ids::TokenId;
 
-use super::Scheduler;
+use crate::scheduler::Scheduler;
 
 /// Why a sequence stopped (`CompletionOutput.finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +99,9 @@ pub(crate) fn cut_run(
 }
 
 /// (start, count) of each run in a flat token array of runs of `num_tokens[k]` tokens.
-pub(super) fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
+pub(in crate::scheduler) fn run_starts(
+    num_tokens: &[i64],
+) -> impl Iterator<Item = (usize, usize)> + '_ {
     num_tokens.iter().scan(0usize, |at, &n| {
         let start = *at;
         *at += n as usize;
