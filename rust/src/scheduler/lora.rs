@@ -13,8 +13,8 @@
 //! never wait on the limit. A waiting adapter waits only while running requests hold other
 //! adapters; those progress, finish or are preempted, and with nothing of another adapter
 //! running the first candidate always fits.
-use super::budget::Budget;
 use super::output::StepOutput;
+use super::schedule::budget::Budget;
 use super::Scheduler;
 
 /// The adapters a step holds, at most `max` (0 = LoRA off: only adapter 0 exists).

@@ -58,25 +58,17 @@
 //!   most N adapters", `lora.rs`): `admission::conditions`, the one function every strategy's
 //!   admission, every swap-in and the `priority` probe consult; per-step tallies live in
 //!   `Budget`.
-mod admission;
 mod apply;
-mod budget;
-mod chunked_prefill;
 mod config;
-mod decode;
 mod grammar;
 mod intake;
 mod invariants;
 mod lora;
 mod output;
-mod plan;
-mod preemption;
-mod prefill_first;
-mod running;
+mod schedule;
 mod spec;
 mod state;
 mod stats;
-mod unified;
 
 use crate::error::Result;
 use crate::kv::{CacheConfig, KvCacheManager};
@@ -90,11 +82,10 @@ pub use state::request::{
 };
 pub use stats::{SchedulerCounters, SchedulerStats};
 
-use admission::AdmissionDelay;
-use budget::Budget;
-use decode::DecodeBatch;
 use output::record::Recorder;
-use plan::Planner;
+use schedule::admission::AdmissionDelay;
+use schedule::decode::DecodeBatch;
+use schedule::plan::Planner;
 use spec::SpecState;
 use state::queue::Queues;
 use state::step::StepLedger;
@@ -220,43 +211,6 @@ impl Scheduler {
             self.mgr.num_device_blocks(),
             self.mgr.watermark_blocks()
         )
-    }
-
-    // ---- one step -----------------------------------------------------------------------
-
-    /// Decides this step's work. `now` is in seconds on the clock of the arrival times
-    /// (used by `delay_factor` only).
-    pub fn schedule(&mut self, now: f64) -> Result<StepOutput> {
-        let step = self.ledger.begin()?;
-        self.mgr.begin_step();
-        let mut out = self.recorder.next_output(step, &self.cfg);
-        for (h, reason) in std::mem::take(&mut self.queues.pending_ignored) {
-            self.finish_ignored(h, reason, &mut out)?;
-        }
-        let delay_passed = self
-            .delay
-            .passed(now, self.cfg.delay_factor, &self.queues, &self.store);
-        let mut budget = Budget::new(self.cfg.strategy, self.cfg.max_num_batched_tokens);
-        self.seed_lora_tally(&mut budget);
-        self.queues.sort_running_by_rank(&self.store);
-        let admitted = match self.cfg.strategy {
-            Strategy::PrefillFirst => {
-                self.schedule_prefill_first(&mut budget, delay_passed, &mut out)?
-            }
-            Strategy::ChunkedPrefill => {
-                self.schedule_chunked_prefill(&mut budget, delay_passed, &mut out)?
-            }
-            Strategy::Unified => self.schedule_unified(&mut budget, delay_passed, &mut out)?,
-        };
-        self.delay.step_done(admitted);
-        self.queues.requeue_preempted(&self.store);
-        self.record_lora_ids(&mut out);
-        self.recorder.seal(&mut out);
-        self.seal_drafts(&mut out);
-        self.ledger.open(&out);
-        self.counters.num_steps += 1;
-        self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;
-        Ok(out)
     }
 
     /// Finishes request `h` (out of every queue) as ignored, reported in `out`.

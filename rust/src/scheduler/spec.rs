@@ -20,8 +20,8 @@ use crate::ids::{SeqId, TokenId};
 use crate::kv::{IdBuildHasher, KvCacheManager};
 use crate::spec::propose_ngram;
 
-use super::decode::{record_rows, DecodeBatch, DecodeRow};
 use super::output::{StepOutput, TableRow};
+use super::schedule::decode::{record_rows, DecodeBatch, DecodeRow};
 use super::state::request::Request;
 use super::state::store::{RequestStore, Slot};
 use super::Scheduler;

@@ -325,7 +325,7 @@ pub struct RequestExtras {
     /// Test-only stand-in for a feature's admission state: what `admission::conditions`
     /// answers for this request (unit tests of the seam).
     #[cfg(test)]
-    pub(in crate::scheduler) condition: Option<crate::scheduler::admission::Verdict>,
+    pub(in crate::scheduler) condition: Option<crate::scheduler::schedule::admission::Verdict>,
 }
 
 impl RequestExtras {

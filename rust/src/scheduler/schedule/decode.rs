@@ -6,9 +6,9 @@
 use crate::error::{Error, Result};
 use crate::kv::KvCacheManager;
 
-use super::output::{StepOutput, TableRow};
-use super::state::store::{RequestStore, Slot};
-use super::Scheduler;
+use crate::scheduler::output::{StepOutput, TableRow};
+use crate::scheduler::state::store::{RequestStore, Slot};
+use crate::scheduler::Scheduler;
 
 /// Rows a fast-path run opens in the output at first, and at most, at a time. The chunks
 /// double from the first: a run that stops early (a walk that meets a general-path request
@@ -20,10 +20,10 @@ const MAX_CHUNK: usize = 256;
 /// table row already in the output's layout (copied whole), and what the other arrays take
 /// besides.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct DecodeRow {
-    pub(super) row: TableRow,
-    pub(super) seq_id: u64,
-    pub(super) gen: u32,
+pub(in crate::scheduler) struct DecodeRow {
+    pub(in crate::scheduler) row: TableRow,
+    pub(in crate::scheduler) seq_id: u64,
+    pub(in crate::scheduler) gen: u32,
 }
 
 impl DecodeRow {
@@ -39,7 +39,7 @@ impl DecodeRow {
 /// request, sampling once, in queue order) into `out`: one tight loop per output array
 /// instead of ~16 scattered pushes per row. Adds the rows' own tokens to
 /// `num_batched_tokens` (the drafts are the caller's to add).
-pub(super) fn record_rows<'a>(
+pub(in crate::scheduler) fn record_rows<'a>(
     out: &mut StepOutput,
     rows: impl ExactSizeIterator<Item = &'a DecodeRow> + Clone,
 ) {
@@ -123,7 +123,7 @@ impl<'a> DecodeRun<'a> {
 
 /// Prefix-cache registrations of fast-path decodes, queued to be made in one batch.
 #[derive(Debug, Default)]
-pub(super) struct DecodeBatch {
+pub(in crate::scheduler) struct DecodeBatch {
     /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
     /// the prefix cache by `flush` (queue order).
     fills: Vec<(u32, u32)>,
@@ -138,7 +138,11 @@ impl DecodeBatch {
 
     /// Registers the blocks filled by queued decodes (queue order), in one batch. Must run
     /// before anything else touches the prefix cache, to keep the registration order.
-    pub(super) fn flush(&mut self, store: &RequestStore, mgr: &mut KvCacheManager) -> Result<()> {
+    pub(in crate::scheduler) fn flush(
+        &mut self,
+        store: &RequestStore,
+        mgr: &mut KvCacheManager,
+    ) -> Result<()> {
         if self.fills.is_empty() {
             return Ok(());
         }
@@ -387,12 +391,12 @@ impl DecodeBatch {
 impl DecodeBatch {
     /// Queues the registration of the block that request slot `h` (a single sequence)
     /// filled by computing up to `num_computed`.
-    pub(super) fn queue_fill(&mut self, h: u32, num_computed: usize) {
+    pub(in crate::scheduler) fn queue_fill(&mut self, h: u32, num_computed: usize) {
         self.fills.push((h, num_computed as u32));
     }
 
     /// Whether registrations are queued.
-    pub(super) fn has_fills(&self) -> bool {
+    pub(in crate::scheduler) fn has_fills(&self) -> bool {
         !self.fills.is_empty()
     }
 }

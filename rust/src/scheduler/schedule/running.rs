@@ -5,8 +5,8 @@
 use crate::error::Result;
 
 use super::budget::{Budget, Cut};
-use super::output::StepOutput;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Walks `running` in order giving each request its tokens. Under `Cut::Whole` the walk
