@@ -60,13 +60,11 @@
 //!   `Budget`.
 mod apply;
 mod config;
-mod grammar;
+mod features;
 mod intake;
 mod invariants;
-mod lora;
 mod output;
 mod schedule;
-mod spec;
 mod state;
 mod stats;
 
@@ -75,18 +73,18 @@ use crate::kv::{CacheConfig, KvCacheManager};
 
 pub use apply::stop::{FinishReason, StopParams};
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
+pub use features::spec::DraftProposals;
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
-pub use spec::DraftProposals;
 pub use state::request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
 };
 pub use stats::{SchedulerCounters, SchedulerStats};
 
+use features::spec::SpecState;
 use output::record::Recorder;
 use schedule::admission::AdmissionDelay;
 use schedule::decode::DecodeBatch;
 use schedule::plan::Planner;
-use spec::SpecState;
 use state::queue::Queues;
 use state::step::StepLedger;
 use state::store::RequestStore;

@@ -1,7 +1,7 @@
 //! One step's budget: the tokens it may still compute and how a sequence's tokens may be cut
 //! to fit. The strategy hands it down to every phase (running walk, swap-in, admission);
 //! admission conditions read it (see `admission::conditions`).
-use crate::scheduler::lora::LoraTally;
+use crate::scheduler::features::lora::LoraTally;
 use crate::scheduler::Strategy;
 
 /// Whether a request's tokens may be cut to the remaining budget.

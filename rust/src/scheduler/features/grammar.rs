@@ -6,9 +6,9 @@
 //! (`abort_request`), which frees it like any other.
 use crate::error::{Error, Result};
 
-use super::output::StepOutput;
-use super::state::request::GrammarState;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::request::GrammarState;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Marks the grammar of `request_id` compiled: the request is admitted from the next
