@@ -169,11 +169,11 @@ impl DecodeBatch {
 
 /// The facts the fast path reads per sequence, read once per walk (kept in registers).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct FastDecode {
-    block_size: usize,
-    lookahead: usize,
-    max_model_len: usize,
-    caching: bool,
+pub(in crate::scheduler) struct FastDecode {
+    pub(in crate::scheduler) block_size: usize,
+    pub(in crate::scheduler) lookahead: usize,
+    pub(in crate::scheduler) max_model_len: usize,
+    pub(in crate::scheduler) caching: bool,
 }
 
 impl Scheduler {
@@ -185,33 +185,16 @@ impl Scheduler {
             caching: self.caching(),
         }
     }
-
-    /// Runs the fast path over `running[i..]`, at most `left` requests, stopping at the
-    /// first one it does not take (see `DecodeBatch::try_decode`): each row is written into
-    /// `out` in place, the blocks filled wait in the batch for its next `flush`. Returns how
-    /// many requests it took. Borrows the scheduler's parts separately so the walk keeps its
-    /// state in registers.
-    pub(super) fn fast_decode_run(
-        &mut self,
-        i: usize,
-        left: usize,
-        facts: FastDecode,
-        out: &mut StepOutput,
-    ) -> Result<usize> {
-        let Scheduler {
-            queues,
-            store,
-            mgr,
-            batch,
-            ..
-        } = self;
-        fast_decode_run(&queues.running[i..], left, facts, store, mgr, batch, out)
-    }
 }
 
-/// See `Scheduler::fast_decode_run` (a free function: its borrows are disjoint parameters).
+/// Runs the fast path over `running` (the walk's `running[i..]`), at most `left` requests,
+/// stopping at the first one it does not take (see `DecodeBatch::try_decode`): each row is
+/// written into `out` in place, the blocks filled wait in `batch` for its next `flush`.
+/// Returns how many requests it took. It takes only the parts it touches (the walk passes
+/// the scheduler's fields separately), so the walk keeps its state in registers and no
+/// other state (a feature's, the configuration beyond `facts`) reaches it unseen.
 #[inline(never)]
-fn fast_decode_run(
+pub(super) fn fast_decode_run(
     running: &[u32],
     left: usize,
     facts: FastDecode,

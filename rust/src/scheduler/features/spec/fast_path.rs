@@ -5,9 +5,8 @@
 use crate::error::Result;
 use crate::kv::KvCacheManager;
 use crate::scheduler::output::{StepOutput, TableRow};
-use crate::scheduler::schedule::decode::{record_rows, DecodeBatch, DecodeRow};
+use crate::scheduler::schedule::decode::{record_rows, DecodeBatch, DecodeRow, FastDecode};
 use crate::scheduler::state::store::{RequestStore, Slot};
-use crate::scheduler::Scheduler;
 
 use super::SpecState;
 
@@ -64,58 +63,32 @@ impl SpecState {
     }
 }
 
-impl Scheduler {
-    /// The fast path of a step with drafts, over `running[i..]` within `left` tokens: a
-    /// single-sequence request decoding into blocks it owns alone, whose run (its token, then
-    /// its drafts, trimmed to the budget and the model length) fits its table or one fresh
-    /// block, is queued, recorded in batches and registered in batches (the block fills with
-    /// the plain decode fast path's, `decode.rs`) without the general planner. Stops at the first request it does
-    /// not take (the general path plans that one); its rows are in `out` when it returns.
-    /// Returns (requests taken, tokens used). Off with lookahead slots (the V0 strategies'
-    /// drafts ride in them: the general path).
-    pub(in crate::scheduler) fn spec_fast_run(
-        &mut self,
-        i: usize,
-        left: usize,
-        out: &mut StepOutput,
-    ) -> Result<(usize, usize)> {
-        if self.cfg.num_lookahead_slots != 0 {
-            return Ok((0, 0));
-        }
-        let facts = SpecFacts {
-            block_size: self.mgr.block_size(),
-            max_model_len: self.cfg.max_model_len,
-            caching: self.caching(),
-        };
-        let Scheduler {
-            queues,
-            store,
-            mgr,
-            batch,
-            spec,
-            ..
-        } = self;
-        let taken = spec_fast_run(
-            &queues.running[i..],
-            left,
-            facts,
-            store,
-            mgr,
-            batch,
-            spec,
-            out,
-        );
-        spec.flush_rows(out);
-        taken
+/// The fast path of a step with drafts, over `running` (the walk's `running[i..]`) within
+/// `left` tokens: a single-sequence request decoding into blocks it owns alone, whose run
+/// (its token, then its drafts, trimmed to the budget and the model length) fits its table
+/// or one fresh block, is queued, recorded in batches and registered in batches (the block
+/// fills with the plain decode fast path's, `schedule/decode.rs`) without the general
+/// planner. Stops at the first request it does not take (the general path plans that one);
+/// its rows are in `out` when it returns. Returns (requests taken, tokens used). Off with
+/// lookahead slots (the V0 strategies' drafts ride in them: the general path). Like the plain
+/// fast path it takes only the parts it touches, from the walk's `facts` on.
+#[allow(clippy::too_many_arguments)]
+pub(in crate::scheduler) fn spec_fast_run(
+    running: &[u32],
+    left: usize,
+    facts: FastDecode,
+    store: &mut RequestStore,
+    mgr: &mut KvCacheManager,
+    batch: &mut DecodeBatch,
+    spec: &mut SpecState,
+    out: &mut StepOutput,
+) -> Result<(usize, usize)> {
+    if facts.lookahead != 0 {
+        return Ok((0, 0));
     }
-}
-
-/// What the draft fast path reads per step (kept in registers).
-#[derive(Debug, Clone, Copy)]
-struct SpecFacts {
-    block_size: usize,
-    max_model_len: usize,
-    caching: bool,
+    let taken = draft_walk(running, left, facts, store, mgr, batch, spec, out);
+    spec.flush_rows(out);
+    taken
 }
 
 /// One request's turn in the draft fast path.
@@ -129,13 +102,13 @@ enum SpecTurn {
     FlushFirst,
 }
 
-/// See `Scheduler::spec_fast_run` (a free function: its borrows are disjoint parameters).
+/// The walk of `spec_fast_run`: queues the rows it takes, recording them by `SPEC_BATCH`.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-fn spec_fast_run(
+fn draft_walk(
     running: &[u32],
     mut left: usize,
-    facts: SpecFacts,
+    facts: FastDecode,
     store: &mut RequestStore,
     mgr: &mut KvCacheManager,
     batch: &mut DecodeBatch,
@@ -164,12 +137,12 @@ fn spec_fast_run(
 }
 
 /// Queues request `h`'s row (its token and up to `left - 1` of its drafts) if the fast path
-/// takes it (see `Scheduler::spec_fast_run`); nothing changes otherwise.
+/// takes it (see `spec_fast_run`); nothing changes otherwise.
 #[inline(always)]
 fn spec_turn(
     h: u32,
     left: usize,
-    facts: SpecFacts,
+    facts: FastDecode,
     slots: &mut [Slot],
     mgr: &mut KvCacheManager,
     batch: &mut DecodeBatch,

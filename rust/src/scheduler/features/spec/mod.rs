@@ -28,6 +28,8 @@ mod record;
 
 use crate::ids::{SeqId, TokenId};
 
+pub(in crate::scheduler) use fast_path::spec_fast_run;
+
 use fast_path::SpecRow;
 
 /// The drafts of one `propose_drafts` call, as flat arrays: sequence `seq_ids[i]` got
