@@ -2,7 +2,7 @@
 //! (its accepted drafts, then the target's own token), appended under the stop rules up to
 //! where they end it (`stop::cut_run`); accepted drafts become computed, blocks they filled are
 //! registered, blocks that held only rejected drafts are given back. The drafts themselves are
-//! `spec.rs`'s.
+//! `features/spec/`'s.
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 

@@ -1,10 +1,10 @@
 //! Multi-LoRA scheduling: a step holds at most `max_loras` distinct adapters (vLLM's
 //! `max_loras`; adapter 0, the base model, is not counted).
 //!
-//! The tally of a step starts with the adapters of every request in `running` (they keep
-//! their device slots until they leave it), then grows with each admission and swap-in
-//! ([`Scheduler::admit_from`]). A candidate whose adapter is not held and would be one too
-//! many waits ([`LoraTally::admits`] in `admission::conditions`): it keeps its place and
+//! The tally of a step starts with the adapters of every request in `running` (they keep their
+//! device slots until they leave it), then grows with each admission and swap-in
+//! ([`Scheduler::admit_from`]). A candidate whose adapter is not held and would be one too many
+//! waits ([`LoraTally::admits`] in `schedule::admission::conditions`): it keeps its place and
 //! does not hold back those behind it (vLLM V1's `scheduled_loras`).
 //!
 //! Why this cannot deadlock or overflow: only admission adds a request to `running`, and it

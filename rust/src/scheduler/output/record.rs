@@ -1,7 +1,7 @@
 //! The step recorder: rows of the general path (`record`; the fast path batches its own, see
-//! `decode.rs`), the outputs' buffers reused across steps, and the lazy per-token arrays and
-//! block tables: built on demand from the live state, and snapshotted for every output still
-//! held elsewhere before the live state stops describing it.
+//! `schedule/decode.rs`), the outputs' buffers reused across steps, and the lazy per-token
+//! arrays and block tables: built on demand from the live state, and snapshotted for every
+//! output still held elsewhere before the live state stops describing it.
 use std::sync::Arc;
 
 use crate::ids::BlockId;

@@ -71,7 +71,7 @@ pub(in crate::scheduler) enum Short {
 ///
 /// Per-step limits read the tallies of `budget`. Today: a step holds at most `max_loras`
 /// adapters — a request whose adapter is not among the step's and would be one too many
-/// waits (`lora.rs`).
+/// waits (`features/lora.rs`).
 /// The `priority` probe preempts nobody for a request a condition holds back.
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {

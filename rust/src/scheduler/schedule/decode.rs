@@ -16,9 +16,9 @@ use crate::scheduler::Scheduler;
 const FIRST_CHUNK: usize = 8;
 const MAX_CHUNK: usize = 256;
 
-/// One row of a fast path (a plain decode here, a decode with drafts in `spec.rs`): its
-/// table row already in the output's layout (copied whole), and what the other arrays take
-/// besides.
+/// One row of a fast path (a plain decode here, a decode with drafts in
+/// `features/spec/fast_path.rs`): its table row already in the output's layout (copied whole),
+/// and what the other arrays take besides.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::scheduler) struct DecodeRow {
     pub(in crate::scheduler) row: TableRow,
@@ -35,9 +35,9 @@ impl DecodeRow {
     }
 }
 
-/// Records queued rows of the draft fast path (`spec.rs`: each the only sequence of its
-/// request, sampling once, in queue order) into `out`: one tight loop per output array
-/// instead of ~16 scattered pushes per row. Adds the rows' own tokens to
+/// Records queued rows of the draft fast path (`features/spec/fast_path.rs`: each the only
+/// sequence of its request, sampling once, in queue order) into `out`: one tight loop per
+/// output array instead of ~16 scattered pushes per row. Adds the rows' own tokens to
 /// `num_batched_tokens` (the drafts are the caller's to add).
 pub(in crate::scheduler) fn record_rows<'a>(
     out: &mut StepOutput,
@@ -369,8 +369,8 @@ impl DecodeBatch {
     }
 }
 
-/// Registrations queued from outside the plain fast path (the draft fast path, `spec.rs`),
-/// so both register in the same batches.
+/// Registrations queued from outside the plain fast path (the draft fast path,
+/// `features/spec/fast_path.rs`), so both register in the same batches.
 impl DecodeBatch {
     /// Queues the registration of the block that request slot `h` (a single sequence)
     /// filled by computing up to `num_computed`.

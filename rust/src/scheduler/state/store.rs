@@ -107,7 +107,7 @@ impl RequestStore {
         slot.gen == gen && slot.req.is_some()
     }
 
-    /// Every slot, for a walk that reads many (see `decode::fast_decode_run`).
+    /// Every slot, for a walk that reads many (see `schedule::decode::fast_decode_run`).
     #[inline]
     pub(in crate::scheduler) fn slots_mut(&mut self) -> &mut [Slot] {
         &mut self.slots

@@ -1,8 +1,8 @@
 //! The admission seam: feature conditions holding requests back.
 use super::*;
 
-/// The admission seam (`admission::conditions`): a request a feature condition holds back
-/// with `Wait` keeps its place and lets those behind it in, under every strategy, and is
+/// The admission seam (`schedule::admission::conditions`): a request a feature condition holds
+/// back with `Wait` keeps its place and lets those behind it in, under every strategy, and is
 /// admitted once the condition clears; `Later(Condition)` admits nobody behind it.
 #[test]
 fn admission_conditions_hold_a_request_in_place() {

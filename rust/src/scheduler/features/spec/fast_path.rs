@@ -163,7 +163,7 @@ fn spec_turn(
     let d = (pending as usize)
         .min(left - 1)
         .min(facts.max_model_len - start - 1);
-    // Capacities, not block counts: no division on this path (as `decode.rs`).
+    // Capacities, not block counts: no division on this path (as `schedule/decode.rs`).
     let cap = s.table.num_blocks() * bs;
     let end = start + 1 + d;
     if end > cap {

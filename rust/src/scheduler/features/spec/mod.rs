@@ -3,12 +3,12 @@
 //! over the token histories the store already holds, one call per step) are scheduled with
 //! their sequence's next token as extra query tokens, within the token budget, the chunk cap
 //! and the model length (`spec_fast_run` for a single-sequence request whose run fits its table
-//! or one fresh block, `plan.rs` otherwise); their KV slots are allocated like lookahead slots
-//! but they are not counted as computed. `update_from_output_runs` (`spec_update.rs`) then
-//! takes a run of 1 ..= d + 1 tokens per sample (the accepted drafts and the target's own
-//! token), appends them under the stop rules (a stop ends the run, the rest is dropped), counts
-//! the accepted drafts as computed, registers blocks they filled in the prefix cache, and gives
-//! back blocks that held only rejected drafts.
+//! or one fresh block, `schedule/plan.rs` otherwise); their KV slots are allocated like
+//! lookahead slots but they are not counted as computed. `update_from_output_runs`
+//! (`apply/spec_update.rs`) then takes a run of 1 ..= d + 1 tokens per sample (the accepted
+//! drafts and the target's own token), appends them under the stop rules (a stop ends the run,
+//! the rest is dropped), counts the accepted drafts as computed, registers blocks they filled
+//! in the prefix cache, and gives back blocks that held only rejected drafts.
 //!
 //! Drafts live one step: `schedule()` consumes them (a request preempted or not scheduled by
 //! that step simply loses its drafts), and a step without drafts is exactly the step the
