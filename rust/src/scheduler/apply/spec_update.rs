@@ -111,11 +111,7 @@ impl Scheduler {
 
     /// Checks the runs of an `update_from_output_runs` call against the latest step's drafts
     /// (nothing changes on an error).
-    pub(in crate::scheduler) fn check_runs(
-        &self,
-        sampled: &[i64],
-        num_tokens: &[i64],
-    ) -> Result<()> {
+    pub(super) fn check_runs(&self, sampled: &[i64], num_tokens: &[i64]) -> Result<()> {
         let k = self.ledger.handles.len();
         if num_tokens.len() != k {
             return Err(Error::InvalidArgument(format!(

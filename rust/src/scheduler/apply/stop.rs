@@ -99,9 +99,7 @@ pub(crate) fn cut_run(
 }
 
 /// (start, count) of each run in a flat token array of runs of `num_tokens[k]` tokens.
-pub(in crate::scheduler) fn run_starts(
-    num_tokens: &[i64],
-) -> impl Iterator<Item = (usize, usize)> + '_ {
+pub(super) fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usize)> + '_ {
     num_tokens.iter().scan(0usize, |at, &n| {
         let start = *at;
         *at += n as usize;

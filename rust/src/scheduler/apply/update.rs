@@ -101,7 +101,7 @@ impl Scheduler {
     /// The end of every update (one token or a run per sample): the block-table mirrors of the
     /// sequences that finished are cleared, once pending outputs hold their snapshots, and the
     /// requests that finished with them are released.
-    pub(in crate::scheduler) fn settle_finished(&mut self, any_request_done: bool) -> Result<()> {
+    pub(super) fn settle_finished(&mut self, any_request_done: bool) -> Result<()> {
         if !self.ledger.finished.is_empty() {
             self.recorder.materialize_pending(&self.store);
             for &(h, idx) in &self.ledger.finished {
@@ -125,7 +125,7 @@ impl Scheduler {
 /// Appends a sampled token to `seq` (its history and its last token); returns its length.
 /// Growth is out of line, so the update loops have no call on their common path.
 #[inline(always)]
-pub(in crate::scheduler) fn push_token(seq: &mut Sequence, token: TokenId) -> usize {
+pub(super) fn push_token(seq: &mut Sequence, token: TokenId) -> usize {
     if seq.tokens.len() == seq.tokens.capacity() {
         grow_tokens(&mut seq.tokens);
     }
@@ -146,7 +146,7 @@ fn grow_tokens(tokens: &mut Vec<TokenId>) {
 /// Returns whether the request finished.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-pub(in crate::scheduler) fn finish_seq(
+pub(super) fn finish_seq(
     req: &mut Request,
     h: u32,
     idx: u32,
