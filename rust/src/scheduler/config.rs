@@ -150,7 +150,7 @@ pub struct SchedulerConfig {
     pub delay_factor: f64,
     /// Most distinct LoRA adapters one step holds (0 = LoRA off: requests carry no adapter).
     pub max_loras: usize,
-    /// Speculative decoding with the n-gram proposer (`spec.rs`); `None` = off.
+    /// Speculative decoding with the n-gram proposer (`features/spec/`); `None` = off.
     pub speculative: Option<NgramConfig>,
 }
 

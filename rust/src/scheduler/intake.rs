@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::kv::AllocStatus;
 
-use super::request::{Request, RequestParams, RequestStatus};
+use super::state::request::{Request, RequestParams, RequestStatus};
 use super::Scheduler;
 
 impl Scheduler {

@@ -1,7 +1,7 @@
 //! The scheduler's consistency check (the manager checks its own first).
 use std::collections::HashMap;
 
-use super::request::{GrammarState, RequestStatus};
+use super::state::request::{GrammarState, RequestStatus};
 use super::Scheduler;
 
 impl Scheduler {

@@ -7,34 +7,64 @@
 //! could not be computed.
 //!
 //! # Who owns what
-//! [`Scheduler`] is a composition; each part owns its state and the code that changes it:
-//! - `store.rs` — `RequestStore`: the slab of request slots (generation + [`Request`]), the
-//!   id -> slot map, sequence ids and insertion order;
-//! - `queue.rs` — `Queues`: `waiting` / `running` / `swapped`, the seats `running` takes, the
-//!   requests ignored at the door, this step's preempted ones; rank order and the
+//! [`Scheduler`] is a composition; each part owns its state and the code that changes it. The
+//! folders follow a step's phases.
+//!
+//! `state/` — what lives between steps:
+//! - `state/store.rs` — `RequestStore`: the slab of request slots (generation + [`Request`]),
+//!   the id -> slot map, sequence ids and insertion order;
+//! - `state/request.rs` — [`Request`], [`Sequence`], [`RequestExtras`]: per-request and
+//!   per-sequence state, hot fields first;
+//! - `state/queue.rs` — `Queues`: `waiting` / `running` / `swapped`, the seats `running`
+//!   takes, the requests ignored at the door, this step's preempted ones; rank order and the
 //!   swapped-queue guard;
-//! - `budget.rs` — `Budget`: what the step may still take (tokens, how to cut them);
-//! - `admission.rs` — the one admission ladder (gates, feature conditions, the pool's
-//!   NEVER / LATER / OK) and the walk that admits from `waiting` and swaps in from
+//! - `state/step.rs` — `StepLedger`: the latest step, whether it is open, its samples.
+//!
+//! `schedule/` — deciding a step (`schedule(now)`, in `schedule/mod.rs`):
+//! - `schedule/strategies.rs` — one planner per strategy (`unified`, `prefill_first`,
+//!   `chunked_prefill`): the order of the phases below;
+//! - `schedule/running.rs` — the walk over `running` with tail preemption;
+//! - `schedule/decode.rs` — the steady-decode fast path (`fast_decode_run`: rows written in
+//!   place, `DecodeRun`) and its batched prefix-cache registrations (`DecodeBatch`);
+//! - `schedule/plan.rs` — `Planner`: one request's share of the step, and carrying it out
+//!   (appends, CoW, registration, the n > 1 fork, samples);
+//! - `schedule/admission.rs` — the one admission ladder (gates, feature conditions, the
+//!   pool's NEVER / LATER / OK) and the walk that admits from `waiting` and swaps in from
 //!   `swapped`; `AdmissionDelay` (`delay_factor`);
-//! - `plan.rs` — `Planner`: one request's share of the step, and carrying it out (appends,
-//!   CoW, registration, the n > 1 fork, samples);
-//! - `decode.rs` — the steady-decode fast path (rows written in place, `DecodeRun`) and its
-//!   batched prefix-cache registrations (`DecodeBatch`);
-//! - `running.rs` — the walk over `running` with tail preemption;
-//! - `prefill_first.rs`, `chunked_prefill.rs`, `unified.rs` — one planner per strategy: the
-//!   order of the phases above;
-//! - `preemption.rs` — swap or recompute, the one reset to recompute, the `priority` probe;
-//! - `record.rs` — `Recorder`: rows of the general path, outputs' buffers, the lazy tables
-//!   and per-token arrays (and their snapshots);
-//! - `step.rs` — `StepLedger`: the latest step, whether it is open, its samples;
-//! - `update.rs` + `stop.rs` — applying samples, the stop rules;
-//! - `rollback.rs` — `discard_step`; `intake.rs` — `add_request` / `abort_request`;
-//! - `grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the step's
-//!   constrained samples;
-//! - `invariants.rs` — `check_invariants`; `stats.rs` — counters and the stats snapshot;
-//! - `spec.rs` — speculative decoding: the step's n-gram drafts (`crate::spec`), their fast
-//!   path; `spec_update.rs` — applying a verification step's runs.
+//! - `schedule/preemption.rs` — swap or recompute, the one reset to recompute, the
+//!   `priority` probe;
+//! - `schedule/budget.rs` — `Budget`: what the step may still take (tokens, how to cut
+//!   them).
+//!
+//! `output/` — what a step hands out:
+//! - `output/step_output.rs` — [`StepOutput`] (flat arrays), [`StepExtras`], the lazy
+//!   tables, [`FinishedSeq`];
+//! - `output/record.rs` — `Recorder`: rows of the general path, outputs' buffers, the lazy
+//!   tables and per-token arrays (and their snapshots).
+//!
+//! `apply/` — applying a computed step, or taking it back:
+//! - `apply/update.rs` — `update_from_output`, one token per sample; `apply/spec_update.rs`
+//!   — `update_from_output_runs`, a run per sample (speculative decoding);
+//! - `apply/stop.rs` — the stop rules ([`StopParams`], `cut_run`) and `run_stop_cuts`;
+//! - `apply/rollback.rs` — `discard_step`.
+//!
+//! `features/` — what goes beyond the core, through the seams below:
+//! - `features/lora.rs` — a step holds at most `max_loras` adapters; each row's adapter;
+//! - `features/grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the
+//!   step's constrained samples;
+//! - `features/spec/` — speculative decoding: the drafts (`propose.rs`: the n-gram proposer
+//!   of `crate::spec`, or drafts set from outside), their fast path (`fast_path.rs`), their
+//!   columns in the output (`record.rs`).
+//!
+//! Beside them: `intake.rs` — `add_request` / `abort_request`; `config.rs` —
+//! [`SchedulerConfig`], the modes and `defaults`; `invariants.rs` — `check_invariants`;
+//! `stats.rs` — counters and the stats snapshot; `tests/` — the unit tests.
+//!
+//! Phase code that walks many requests takes the parts it touches rather than the whole
+//! scheduler: the walk over `running` hands both fast paths (`fast_decode_run`,
+//! `spec_fast_run`) the store, the manager and the registration batch (and the drafts), and
+//! the updates destructure the scheduler; what a feature adds reaches them only through
+//! their parameters.
 //!
 //! The KV-cache manager (`crate::kv`) owns blocks, tables and the prefix cache; the
 //! scheduler asks it through its public methods and reads the cache's facts (block size,
@@ -47,65 +77,48 @@
 //! slot's generation and its request's hot fields share a cache line, and a single-sequence
 //! request keeps its sequence inline right after them ([`Seqs`]): its whole decode state is
 //! the slot's first 128 bytes, found from the handle alone (`repr(C)` layouts, unit tests
-//! `hot_fields_share_a_cache_line` and `slot_generation_and_hot_request_fields_share_a_line`). Steady decodes take
-//! the fast path of `decode.rs`, which writes their rows in place.
+//! `hot_fields_share_a_cache_line` and `slot_generation_and_hot_request_fields_share_a_line`).
+//! Steady decodes take the fast path of `schedule/decode.rs`, which writes their rows in
+//! place.
 //!
 //! # Room for what comes next
 //! - Per-request state of a feature (draft tokens, a grammar state, an adapter id):
 //!   [`RequestExtras`] in [`Request`], filled from [`RequestParams`] in one place.
 //! - Per-row step data for the model runner: [`StepExtras`] in [`StepOutput`].
 //! - An admission condition ("waits for its grammar, keeping its place", "a step holds at
-//!   most N adapters", `lora.rs`): `admission::conditions`, the one function every strategy's
-//!   admission, every swap-in and the `priority` probe consult; per-step tallies live in
-//!   `Budget`.
-mod admission;
-mod budget;
-mod chunked_prefill;
+//!   most N adapters", `features/lora.rs`): `schedule::admission::conditions`, the one
+//!   function every strategy's admission, every swap-in and the `priority` probe consult;
+//!   per-step tallies live in `Budget`.
+mod apply;
 mod config;
-mod decode;
-mod grammar;
+mod features;
 mod intake;
 mod invariants;
-mod lora;
 mod output;
-mod plan;
-mod preemption;
-mod prefill_first;
-mod queue;
-mod record;
-mod request;
-mod rollback;
-mod running;
-mod spec;
-mod spec_update;
+mod schedule;
+mod state;
 mod stats;
-mod step;
-mod stop;
-mod store;
-mod unified;
-mod update;
 
 use crate::error::Result;
 use crate::kv::{CacheConfig, KvCacheManager};
 
+pub use apply::stop::{FinishReason, StopParams};
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
+pub use features::spec::DraftProposals;
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
-pub use request::{
+pub use state::request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
 };
-pub use spec::DraftProposals;
 pub use stats::{SchedulerCounters, SchedulerStats};
-pub use stop::{FinishReason, StopParams};
 
-use admission::AdmissionDelay;
-use budget::Budget;
-use decode::DecodeBatch;
-use plan::Planner;
-use queue::Queues;
-use record::Recorder;
-use spec::SpecState;
-use step::StepLedger;
-use store::RequestStore;
+use features::spec::SpecState;
+use output::record::Recorder;
+use schedule::admission::AdmissionDelay;
+use schedule::decode::DecodeBatch;
+use schedule::plan::Planner;
+use state::queue::Queues;
+use state::step::StepLedger;
+use state::store::RequestStore;
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
@@ -227,43 +240,6 @@ impl Scheduler {
             self.mgr.num_device_blocks(),
             self.mgr.watermark_blocks()
         )
-    }
-
-    // ---- one step -----------------------------------------------------------------------
-
-    /// Decides this step's work. `now` is in seconds on the clock of the arrival times
-    /// (used by `delay_factor` only).
-    pub fn schedule(&mut self, now: f64) -> Result<StepOutput> {
-        let step = self.ledger.begin()?;
-        self.mgr.begin_step();
-        let mut out = self.recorder.next_output(step, &self.cfg);
-        for (h, reason) in std::mem::take(&mut self.queues.pending_ignored) {
-            self.finish_ignored(h, reason, &mut out)?;
-        }
-        let delay_passed = self
-            .delay
-            .passed(now, self.cfg.delay_factor, &self.queues, &self.store);
-        let mut budget = Budget::new(self.cfg.strategy, self.cfg.max_num_batched_tokens);
-        self.seed_lora_tally(&mut budget);
-        self.queues.sort_running_by_rank(&self.store);
-        let admitted = match self.cfg.strategy {
-            Strategy::PrefillFirst => {
-                self.schedule_prefill_first(&mut budget, delay_passed, &mut out)?
-            }
-            Strategy::ChunkedPrefill => {
-                self.schedule_chunked_prefill(&mut budget, delay_passed, &mut out)?
-            }
-            Strategy::Unified => self.schedule_unified(&mut budget, delay_passed, &mut out)?,
-        };
-        self.delay.step_done(admitted);
-        self.queues.requeue_preempted(&self.store);
-        self.record_lora_ids(&mut out);
-        self.recorder.seal(&mut out);
-        self.seal_drafts(&mut out);
-        self.ledger.open(&out);
-        self.counters.num_steps += 1;
-        self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;
-        Ok(out)
     }
 
     /// Finishes request `h` (out of every queue) as ignored, reported in `out`.

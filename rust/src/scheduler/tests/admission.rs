@@ -1,12 +1,12 @@
 //! The admission seam: feature conditions holding requests back.
 use super::*;
 
-/// The admission seam (`admission::conditions`): a request a feature condition holds back
-/// with `Wait` keeps its place and lets those behind it in, under every strategy, and is
+/// The admission seam (`schedule::admission::conditions`): a request a feature condition holds
+/// back with `Wait` keeps its place and lets those behind it in, under every strategy, and is
 /// admitted once the condition clears; `Later(Condition)` admits nobody behind it.
 #[test]
 fn admission_conditions_hold_a_request_in_place() {
-    use crate::scheduler::admission::{Short, Verdict};
+    use crate::scheduler::schedule::admission::{Short, Verdict};
     for st in [
         Strategy::PrefillFirst,
         Strategy::ChunkedPrefill,
@@ -42,7 +42,7 @@ fn admission_conditions_hold_a_request_in_place() {
 /// condition holds back, and makes room once the condition clears.
 #[test]
 fn priority_probe_respects_admission_conditions() {
-    use crate::scheduler::admission::Verdict;
+    use crate::scheduler::schedule::admission::Verdict;
     for st in [Strategy::PrefillFirst, Strategy::Unified] {
         let mut c = cfg(st, 64);
         c.policy = Policy::Priority;

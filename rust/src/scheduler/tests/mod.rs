@@ -11,7 +11,7 @@ mod spec;
 mod strategies;
 mod update;
 
-use super::store::Slot;
+use super::state::store::Slot;
 use super::*;
 use crate::error::Error;
 use crate::ids::TokenId;

@@ -5,11 +5,11 @@ use crate::ids::TokenId;
 
 use crate::kv::KvCacheManager;
 
-use super::output::FinishedSeq;
-use super::queue::Queues;
-use super::request::{Request, RequestStatus, Seqs, Sequence};
 use super::stop::FinishReason;
-use super::Scheduler;
+use crate::scheduler::output::FinishedSeq;
+use crate::scheduler::state::queue::Queues;
+use crate::scheduler::state::request::{Request, RequestStatus, Seqs, Sequence};
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Takes one sampled token per sample of the latest output (`sampled[k]` belongs to

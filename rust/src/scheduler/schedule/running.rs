@@ -5,8 +5,10 @@
 use crate::error::Result;
 
 use super::budget::{Budget, Cut};
-use super::output::StepOutput;
-use super::Scheduler;
+use super::decode::fast_decode_run;
+use crate::scheduler::features::spec::spec_fast_run;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Walks `running` in order giving each request its tokens. Under `Cut::Whole` the walk
@@ -26,11 +28,15 @@ impl Scheduler {
         let mut i = 0;
         while i < self.queues.running.len() && left > 0 {
             // The fast path takes what it can from here on (flushing as its batch fills); a step
-            // with drafts has its own (`spec.rs`: a draft row is no single-token decode).
+            // with drafts has its own (`features/spec/fast_path.rs`: a draft row is no
+            // single-token decode). Each takes only the parts it touches: the slots, the
+            // manager, the batch of registrations (and the drafts).
+            let running = &self.queues.running[i..];
+            let (store, mgr, batch) = (&mut self.store, &mut self.mgr, &mut self.batch);
             let (taken, used) = if self.spec.has_pending() {
-                self.spec_fast_run(i, left, out)?
+                spec_fast_run(running, left, facts, store, mgr, batch, &mut self.spec, out)?
             } else {
-                let taken = self.fast_decode_run(i, left, facts, out)?;
+                let taken = fast_decode_run(running, left, facts, store, mgr, batch, out)?;
                 (taken, taken)
             };
             left -= used;

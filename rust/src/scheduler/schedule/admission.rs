@@ -20,16 +20,16 @@ use crate::error::Result;
 use crate::kv::{AllocStatus, PrefixHit};
 
 use super::budget::{Budget, Cut};
-use super::output::StepOutput;
 use super::plan::sync_mirror;
-use super::queue::{Queue, Queues};
-use super::request::{GrammarState, Request};
-use super::store::RequestStore;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::queue::{Queue, Queues};
+use crate::scheduler::state::request::{GrammarState, Request};
+use crate::scheduler::state::store::RequestStore;
+use crate::scheduler::Scheduler;
 
 /// Where a candidate stands this step.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Verdict {
+pub(in crate::scheduler) enum Verdict {
     /// Admitted (`try_admit` / `try_swap_in` have moved it to `running`).
     Ok,
     /// Not now, and nobody behind it either this step (queue order is kept).
@@ -44,7 +44,7 @@ pub(super) enum Verdict {
 
 /// What a `Later` candidate is short of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Short {
+pub(in crate::scheduler) enum Short {
     /// Tokens of the step's budget.
     Budget,
     /// Its turn: swapped-out groups come back first.
@@ -71,7 +71,7 @@ pub(super) enum Short {
 ///
 /// Per-step limits read the tallies of `budget`. Today: a step holds at most `max_loras`
 /// adapters — a request whose adapter is not among the step's and would be one too many
-/// waits (`lora.rs`).
+/// waits (`features/lora.rs`).
 /// The `priority` probe preempts nobody for a request a condition holds back.
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {
@@ -93,7 +93,7 @@ pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<
 /// `delay_factor`: admit only once the oldest waiting request has waited `delay_factor` x the
 /// last prefill step's latency, or when nothing runs.
 #[derive(Debug, Default)]
-pub(super) struct AdmissionDelay {
+pub(in crate::scheduler) struct AdmissionDelay {
     prev_prompt: bool,
     prev_time: f64,
     last_prompt_latency: f64,

@@ -4,7 +4,7 @@
 use crate::error::Result;
 use crate::ids::TokenId;
 
-use super::Scheduler;
+use crate::scheduler::Scheduler;
 
 /// Why a sequence stopped (`CompletionOutput.finish_reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

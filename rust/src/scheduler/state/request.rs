@@ -6,7 +6,7 @@
 use crate::ids::{BlockId, SeqId, TokenId};
 use crate::kv::salted_key;
 
-use super::stop::{FinishReason, StopParams};
+use crate::scheduler::{FinishReason, StopParams};
 
 /// Lifecycle of a request (SPEC §4).
 ///
@@ -69,7 +69,7 @@ pub struct RequestParams {
     pub stop: StopParams,
     /// Mixed into prefix-cache hashes (e.g. an adapter id).
     pub extra_key: u64,
-    /// The LoRA adapter the request runs with (0 = the base model); see `lora.rs`.
+    /// The LoRA adapter the request runs with (0 = the base model); see `features/lora.rs`.
     pub lora_id: u64,
     /// Structured output: the request samples under a grammar, which is being compiled when
     /// it is added; it waits (letting others pass) until `Scheduler::grammar_ready`.
@@ -304,28 +304,28 @@ pub struct Request {
 /// How a feature uses it:
 /// - add its fields here, filled from `RequestParams` in [`RequestExtras::new`] (the one
 ///   place that reads a feature's request parameters);
-/// - make admission wait on it with a condition in `admission::conditions` (every
+/// - make admission wait on it with a condition in `schedule::admission::conditions` (every
 ///   strategy's admission path, swap-ins and the `priority` probe read that one function);
 /// - hand per-row data to the model runner through `StepOutput::extras`, recorded where a
-///   general-path row is recorded (`record::record`). The decode fast path
-///   (`decode::fast_decode_run`) reads only the request's hot cache line: a feature whose
-///   requests need more than one token per decode row (draft tokens) must send them to the
-///   general path with a hot flag, not by reading this cold struct per sequence.
+///   general-path row is recorded (`output::record::record`). The decode fast path
+///   (`schedule::decode::fast_decode_run`) reads only the request's hot cache line: a feature
+///   whose requests need more than one token per decode row (draft tokens) must send them to
+///   the general path with a hot flag, not by reading this cold struct per sequence.
 ///
 /// It sits after every hot field of [`Request`], so adding to it costs the decode step
 /// nothing (unit test `hot_fields_share_a_cache_line`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestExtras {
     /// The LoRA adapter (0 = the base model): counted against `max_loras` by admission and
-    /// reported per row in `StepExtras::lora_ids` (see `lora.rs`).
+    /// reported per row in `StepExtras::lora_ids` (see `features/lora.rs`).
     pub lora_id: u64,
     /// Structured output: whether the request samples under a grammar and whether that
-    /// grammar is compiled yet (see `grammar.rs`).
+    /// grammar is compiled yet (see `features/grammar.rs`).
     pub grammar: GrammarState,
-    /// Test-only stand-in for a feature's admission state: what `admission::conditions`
-    /// answers for this request (unit tests of the seam).
+    /// Test-only stand-in for a feature's admission state: what
+    /// `schedule::admission::conditions` answers for this request (unit tests of the seam).
     #[cfg(test)]
-    pub(super) condition: Option<super::admission::Verdict>,
+    pub(in crate::scheduler) condition: Option<crate::scheduler::schedule::admission::Verdict>,
 }
 
 impl RequestExtras {
@@ -334,7 +334,7 @@ impl RequestExtras {
         clippy::needless_update,
         reason = "test builds have more fields, and so will features"
     )]
-    pub(super) fn new(params: &RequestParams) -> Self {
+    pub(in crate::scheduler) fn new(params: &RequestParams) -> Self {
         RequestExtras {
             lora_id: params.lora_id,
             grammar: if params.structured_output {
@@ -368,7 +368,7 @@ impl Request {
     /// prompt after the request is placed in the store. Freeing it before lets the allocator
     /// put the next requests' hot state into its hole, which measured ~20% slower steady
     /// decode steps at 4096 running requests.
-    pub(super) fn new(
+    pub(in crate::scheduler) fn new(
         id: &str,
         params: &mut RequestParams,
         first_seq_id: SeqId,

@@ -2,16 +2,16 @@
 //! (its accepted drafts, then the target's own token), appended under the stop rules up to
 //! where they end it (`stop::cut_run`); accepted drafts become computed, blocks they filled are
 //! registered, blocks that held only rejected drafts are given back. The drafts themselves are
-//! `spec.rs`'s.
+//! `features/spec/`'s.
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 
-use super::output::FinishedSeq;
-use super::request::{Request, RequestStatus};
-use super::step::check_token_ids;
 use super::stop::{cut_run, run_starts, FinishReason};
 use super::update::{finish_seq, push_token};
-use super::Scheduler;
+use crate::scheduler::output::FinishedSeq;
+use crate::scheduler::state::request::{Request, RequestStatus};
+use crate::scheduler::state::step::check_token_ids;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// `update_from_output` for a step whose samples each bring a run of tokens (speculative

@@ -1,8 +1,8 @@
 //! One step's budget: the tokens it may still compute and how a sequence's tokens may be cut
 //! to fit. The strategy hands it down to every phase (running walk, swap-in, admission);
 //! admission conditions read it (see `admission::conditions`).
-use super::lora::LoraTally;
-use super::Strategy;
+use crate::scheduler::features::lora::LoraTally;
+use crate::scheduler::Strategy;
 
 /// Whether a request's tokens may be cut to the remaining budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,12 +34,12 @@ impl Cut {
 /// in [`Budget::admitted`] (every admission and swap-in passes there) and seeded from the
 /// running requests where the step starts (`Scheduler::schedule`).
 #[derive(Debug, Clone)]
-pub(super) struct Budget {
+pub(in crate::scheduler) struct Budget {
     /// Tokens this step may still compute (`max_num_batched_tokens` at the start).
     pub(super) tokens: usize,
     pub(super) cut: Cut,
     /// The adapters this step holds (`max_loras`), seeded from `running`.
-    pub(super) loras: LoraTally,
+    pub(in crate::scheduler) loras: LoraTally,
 }
 
 impl Budget {

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::ids::{BlockId, TokenId};
 
-use super::stop::FinishReason;
+use crate::scheduler::FinishReason;
 
 /// What the lazy per-token arrays of row r are built from: its block table is the first
 /// `len` blocks of sequence `seq` of the request in slot `handle`, its tokens are that
@@ -97,16 +97,16 @@ pub struct StepOutput {
 /// (`record::record`, from `Request::extras`), and empties them in `clear` (called by
 /// `StepOutput::reset` when an output is reused). Rows of the decode fast path carry no
 /// extras: requests that need them must take the general path (see
-/// `request::RequestExtras`).
+/// `RequestExtras`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepExtras {
-    /// [S] LoRA adapter of each row (0 = base model); empty while LoRA is off
-    /// (`max_loras = 0`). Filled from the rows' requests when the step is sealed (`lora.rs`),
-    /// so the decode fast path records nothing for it.
+    /// [S] LoRA adapter of each row (0 = base model); empty while LoRA is off (`max_loras =
+    /// 0`). Filled from the rows' requests when the step is sealed (`features/lora.rs`), so the
+    /// decode fast path records nothing for it.
     pub lora_ids: Vec<i64>,
-    /// [S] draft tokens scheduled after each row's own tokens (speculative decoding: the
-    /// last `spec_num_draft_tokens[r]` of row r's `num_tokens` are drafts to verify); empty
-    /// when the step schedules none. Filled when the step is sealed (`spec.rs`).
+    /// [S] draft tokens scheduled after each row's own tokens (speculative decoding: the last
+    /// `spec_num_draft_tokens[r]` of row r's `num_tokens` are drafts to verify); empty when the
+    /// step schedules none. Filled when the step is sealed (`features/spec/record.rs`).
     pub spec_num_draft_tokens: Vec<i32>,
     /// [D] the draft tokens, row order (row r's run follows the runs of the rows before it).
     pub spec_draft_token_ids: Vec<i64>,

@@ -1,22 +1,22 @@
 //! The step recorder: rows of the general path (`record`; the fast path batches its own, see
-//! `decode.rs`), the outputs' buffers reused across steps, and the lazy per-token arrays and
-//! block tables: built on demand from the live state, and snapshotted for every output still
-//! held elsewhere before the live state stops describing it.
+//! `schedule/decode.rs`), the outputs' buffers reused across steps, and the lazy per-token
+//! arrays and block tables: built on demand from the live state, and snapshotted for every
+//! output still held elsewhere before the live state stops describing it.
 use std::sync::Arc;
 
 use crate::ids::BlockId;
 
-use super::output::{SharedTables, StepOutput, TableRow};
-use super::request::Sequence;
-use super::store::RequestStore;
-use super::{Scheduler, SchedulerConfig};
+use super::step_output::{SharedTables, StepOutput, TableRow};
+use crate::scheduler::state::request::Sequence;
+use crate::scheduler::state::store::RequestStore;
+use crate::scheduler::{Scheduler, SchedulerConfig};
 
 /// Records one scheduled sequence's row. The per-token arrays are built from it on access
 /// (`Scheduler::input_ids` / `slot_mapping`, `StepOutput::positions`); a single-token row
 /// keeps its token and slot inline.
 #[inline]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn record(
+pub(in crate::scheduler) fn record(
     out: &mut StepOutput,
     handle: u32,
     gen: u32,
@@ -54,7 +54,7 @@ pub(super) fn record(
 
 /// Outputs' buffers and the lazy tables of outputs still held by a caller.
 #[derive(Debug, Default)]
-pub(super) struct Recorder {
+pub(in crate::scheduler) struct Recorder {
     /// Outputs handed back by `recycle`, so steady steps allocate nothing.
     spare: Vec<StepOutput>,
     /// Sequences scheduled by the last step (sizes a fresh output).
@@ -66,7 +66,11 @@ pub(super) struct Recorder {
 
 impl Recorder {
     /// An empty output for step `step`: a recycled one, or a new one sized from the last step.
-    pub(super) fn next_output(&mut self, step: u64, cfg: &SchedulerConfig) -> StepOutput {
+    pub(in crate::scheduler) fn next_output(
+        &mut self,
+        step: u64,
+        cfg: &SchedulerConfig,
+    ) -> StepOutput {
         if let Some(mut out) = self.spare.pop() {
             out.reset(step);
             return out;
@@ -83,14 +87,14 @@ impl Recorder {
     }
 
     /// Closes a scheduled output: its rows move into its lazy tables, which stay pending.
-    pub(super) fn seal(&mut self, out: &mut StepOutput) {
+    pub(in crate::scheduler) fn seal(&mut self, out: &mut StepOutput) {
         self.pending.retain(|t| Arc::strong_count(t) > 1);
         self.pending.push(out.seal_tables());
         self.last_num_seqs = out.num_seqs();
     }
 
     /// Takes back an output the caller is done with; its buffers serve a later step.
-    pub(super) fn recycle(&mut self, mut out: StepOutput) {
+    pub(in crate::scheduler) fn recycle(&mut self, mut out: StepOutput) {
         let t = &out.tables;
         self.pending.retain(|p| !Arc::ptr_eq(p, t));
         if self.spare.len() < 2 {
@@ -103,7 +107,7 @@ impl Recorder {
     /// yet: called before a sequence's table changes other than by appending (CoW,
     /// preemption, finish, release) or its tokens go away (release), after which the live
     /// state no longer describes those outputs.
-    pub(super) fn materialize_pending(&mut self, store: &RequestStore) {
+    pub(in crate::scheduler) fn materialize_pending(&mut self, store: &RequestStore) {
         for p in self.pending.drain(..) {
             if Arc::strong_count(&p) < 2 {
                 continue;

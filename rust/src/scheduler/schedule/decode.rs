@@ -6,9 +6,9 @@
 use crate::error::{Error, Result};
 use crate::kv::KvCacheManager;
 
-use super::output::{StepOutput, TableRow};
-use super::store::{RequestStore, Slot};
-use super::Scheduler;
+use crate::scheduler::output::{StepOutput, TableRow};
+use crate::scheduler::state::store::{RequestStore, Slot};
+use crate::scheduler::Scheduler;
 
 /// Rows a fast-path run opens in the output at first, and at most, at a time. The chunks
 /// double from the first: a run that stops early (a walk that meets a general-path request
@@ -16,14 +16,14 @@ use super::Scheduler;
 const FIRST_CHUNK: usize = 8;
 const MAX_CHUNK: usize = 256;
 
-/// One row of a fast path (a plain decode here, a decode with drafts in `spec.rs`): its
-/// table row already in the output's layout (copied whole), and what the other arrays take
-/// besides.
+/// One row of a fast path (a plain decode here, a decode with drafts in
+/// `features/spec/fast_path.rs`): its table row already in the output's layout (copied whole),
+/// and what the other arrays take besides.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct DecodeRow {
-    pub(super) row: TableRow,
-    pub(super) seq_id: u64,
-    pub(super) gen: u32,
+pub(in crate::scheduler) struct DecodeRow {
+    pub(in crate::scheduler) row: TableRow,
+    pub(in crate::scheduler) seq_id: u64,
+    pub(in crate::scheduler) gen: u32,
 }
 
 impl DecodeRow {
@@ -35,11 +35,11 @@ impl DecodeRow {
     }
 }
 
-/// Records queued rows of the draft fast path (`spec.rs`: each the only sequence of its
-/// request, sampling once, in queue order) into `out`: one tight loop per output array
-/// instead of ~16 scattered pushes per row. Adds the rows' own tokens to
+/// Records queued rows of the draft fast path (`features/spec/fast_path.rs`: each the only
+/// sequence of its request, sampling once, in queue order) into `out`: one tight loop per
+/// output array instead of ~16 scattered pushes per row. Adds the rows' own tokens to
 /// `num_batched_tokens` (the drafts are the caller's to add).
-pub(super) fn record_rows<'a>(
+pub(in crate::scheduler) fn record_rows<'a>(
     out: &mut StepOutput,
     rows: impl ExactSizeIterator<Item = &'a DecodeRow> + Clone,
 ) {
@@ -123,7 +123,7 @@ impl<'a> DecodeRun<'a> {
 
 /// Prefix-cache registrations of fast-path decodes, queued to be made in one batch.
 #[derive(Debug, Default)]
-pub(super) struct DecodeBatch {
+pub(in crate::scheduler) struct DecodeBatch {
     /// (request slot, num_computed) of fast-path decodes that filled a block, registered in
     /// the prefix cache by `flush` (queue order).
     fills: Vec<(u32, u32)>,
@@ -138,7 +138,11 @@ impl DecodeBatch {
 
     /// Registers the blocks filled by queued decodes (queue order), in one batch. Must run
     /// before anything else touches the prefix cache, to keep the registration order.
-    pub(super) fn flush(&mut self, store: &RequestStore, mgr: &mut KvCacheManager) -> Result<()> {
+    pub(in crate::scheduler) fn flush(
+        &mut self,
+        store: &RequestStore,
+        mgr: &mut KvCacheManager,
+    ) -> Result<()> {
         if self.fills.is_empty() {
             return Ok(());
         }
@@ -165,11 +169,11 @@ impl DecodeBatch {
 
 /// The facts the fast path reads per sequence, read once per walk (kept in registers).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct FastDecode {
-    block_size: usize,
-    lookahead: usize,
-    max_model_len: usize,
-    caching: bool,
+pub(in crate::scheduler) struct FastDecode {
+    pub(in crate::scheduler) block_size: usize,
+    pub(in crate::scheduler) lookahead: usize,
+    pub(in crate::scheduler) max_model_len: usize,
+    pub(in crate::scheduler) caching: bool,
 }
 
 impl Scheduler {
@@ -181,33 +185,16 @@ impl Scheduler {
             caching: self.caching(),
         }
     }
-
-    /// Runs the fast path over `running[i..]`, at most `left` requests, stopping at the
-    /// first one it does not take (see `DecodeBatch::try_decode`): each row is written into
-    /// `out` in place, the blocks filled wait in the batch for its next `flush`. Returns how
-    /// many requests it took. Borrows the scheduler's parts separately so the walk keeps its
-    /// state in registers.
-    pub(super) fn fast_decode_run(
-        &mut self,
-        i: usize,
-        left: usize,
-        facts: FastDecode,
-        out: &mut StepOutput,
-    ) -> Result<usize> {
-        let Scheduler {
-            queues,
-            store,
-            mgr,
-            batch,
-            ..
-        } = self;
-        fast_decode_run(&queues.running[i..], left, facts, store, mgr, batch, out)
-    }
 }
 
-/// See `Scheduler::fast_decode_run` (a free function: its borrows are disjoint parameters).
+/// Runs the fast path over `running` (the walk's `running[i..]`), at most `left` requests,
+/// stopping at the first one it does not take (see `DecodeBatch::try_decode`): each row is
+/// written into `out` in place, the blocks filled wait in `batch` for its next `flush`.
+/// Returns how many requests it took. It takes only the parts it touches (the walk passes
+/// the scheduler's fields separately), so the walk keeps its state in registers and no
+/// other state (a feature's, the configuration beyond `facts`) reaches it unseen.
 #[inline(never)]
-fn fast_decode_run(
+pub(super) fn fast_decode_run(
     running: &[u32],
     left: usize,
     facts: FastDecode,
@@ -382,17 +369,17 @@ impl DecodeBatch {
     }
 }
 
-/// Registrations queued from outside the plain fast path (the draft fast path, `spec.rs`),
-/// so both register in the same batches.
+/// Registrations queued from outside the plain fast path (the draft fast path,
+/// `features/spec/fast_path.rs`), so both register in the same batches.
 impl DecodeBatch {
     /// Queues the registration of the block that request slot `h` (a single sequence)
     /// filled by computing up to `num_computed`.
-    pub(super) fn queue_fill(&mut self, h: u32, num_computed: usize) {
+    pub(in crate::scheduler) fn queue_fill(&mut self, h: u32, num_computed: usize) {
         self.fills.push((h, num_computed as u32));
     }
 
     /// Whether registrations are queued.
-    pub(super) fn has_fills(&self) -> bool {
+    pub(in crate::scheduler) fn has_fills(&self) -> bool {
         !self.fills.is_empty()
     }
 }

@@ -4,28 +4,28 @@
 use crate::error::{Error, Result};
 use crate::ids::TokenId;
 
-use super::output::StepOutput;
+use crate::scheduler::output::StepOutput;
 
 #[derive(Debug, Default)]
-pub(super) struct StepLedger {
+pub(in crate::scheduler) struct StepLedger {
     /// Number of the latest step (0 before the first).
-    pub(super) step: u64,
+    pub(in crate::scheduler) step: u64,
     /// The latest output has samples that `update_from_output` has not taken yet.
     awaiting_update: bool,
     /// The latest output was neither applied (`update_from_output`) nor discarded yet.
     step_open: bool,
     /// Slot, generation and sequence index of each sample of the latest output (copies of
     /// the output's sample columns: three memcpys instead of a zipped gather).
-    pub(super) handles: Vec<u32>,
-    pub(super) gens: Vec<u32>,
-    pub(super) seq_index: Vec<i32>,
+    pub(in crate::scheduler) handles: Vec<u32>,
+    pub(in crate::scheduler) gens: Vec<u32>,
+    pub(in crate::scheduler) seq_index: Vec<i32>,
     /// (slot, sequence index) of the sequences `update_from_output` finished (scratch).
-    pub(super) finished: Vec<(u32, u32)>,
+    pub(in crate::scheduler) finished: Vec<(u32, u32)>,
 }
 
 impl StepLedger {
     /// Starts the next step; refused while the latest one owes its samples.
-    pub(super) fn begin(&mut self) -> Result<u64> {
+    pub(in crate::scheduler) fn begin(&mut self) -> Result<u64> {
         if self.awaiting_update {
             return Err(Error::InvalidState(format!(
                 "step {} has samples waiting: call update_from_output (or discard_step, if \
@@ -38,7 +38,7 @@ impl StepLedger {
     }
 
     /// Opens the scheduled output: its samples are owed to `update_from_output`.
-    pub(super) fn open(&mut self, out: &StepOutput) {
+    pub(in crate::scheduler) fn open(&mut self, out: &StepOutput) {
         self.handles.clear();
         self.handles.extend_from_slice(&out.sample_handles);
         self.gens.clear();
@@ -51,12 +51,12 @@ impl StepLedger {
 
     /// Where sample `k` of the latest output goes: (request slot, the slot's generation at
     /// schedule time, sequence index).
-    pub(super) fn sample(&self, k: usize) -> (u32, u32, usize) {
+    pub(in crate::scheduler) fn sample(&self, k: usize) -> (u32, u32, usize) {
         (self.handles[k], self.gens[k], self.seq_index[k] as usize)
     }
 
     /// Refuses a step that is not the latest one or whose samples were already applied.
-    pub(super) fn check_latest(&self, step: u64) -> Result<()> {
+    pub(in crate::scheduler) fn check_latest(&self, step: u64) -> Result<()> {
         if step != self.step {
             return Err(Error::InvalidState(format!(
                 "output of step {step} is not the latest (step {})",
@@ -73,7 +73,7 @@ impl StepLedger {
 
     /// Checks an `update_from_output` call against the latest step and closes the step;
     /// empties the list of sequences the update finishes.
-    pub(super) fn close_for_update(
+    pub(in crate::scheduler) fn close_for_update(
         &mut self,
         step: u64,
         sampled: &[i64],
@@ -104,7 +104,7 @@ impl StepLedger {
 
     /// Checks a `discard_step` call against the latest step and closes the step, dropping
     /// its samples.
-    pub(super) fn close_for_discard(&mut self, step: u64) -> Result<()> {
+    pub(in crate::scheduler) fn close_for_discard(&mut self, step: u64) -> Result<()> {
         if step != self.step || !self.step_open {
             return Err(Error::InvalidState(format!(
                 "only the latest step can be discarded, before update_from_output (step {}, \
@@ -130,7 +130,7 @@ impl StepLedger {
 /// Every sampled id is a valid token id (0..=TokenId::MAX). A valid id has no bit above the
 /// low 32 as a u64 and a negative one has them all: one branch-free OR over the samples, and
 /// the first bad one is looked for only if there is one.
-pub(super) fn check_token_ids(sampled: &[i64]) -> Result<()> {
+pub(in crate::scheduler) fn check_token_ids(sampled: &[i64]) -> Result<()> {
     const HIGH: u64 = !(TokenId::MAX as u64);
     if sampled.iter().fold(0u64, |acc, &t| acc | t as u64) & HIGH == 0 {
         return Ok(());

@@ -7,10 +7,10 @@ use crate::ids::{BlockId, SeqId};
 use crate::kv::KvCacheManager;
 
 use super::budget::Cut;
-use super::output::StepOutput;
-use super::record::record;
-use super::request::{Request, RequestStatus, Sequence};
-use super::Scheduler;
+use crate::scheduler::output::record::record;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::request::{Request, RequestStatus, Sequence};
+use crate::scheduler::Scheduler;
 
 /// One sequence's share of the step.
 #[derive(Debug, Clone, Copy)]
@@ -28,7 +28,7 @@ pub(super) struct PlanItem {
 
 /// The plan being made for one request, and scratch reused across steps.
 #[derive(Debug, Default)]
-pub(super) struct Planner {
+pub(in crate::scheduler) struct Planner {
     items: Vec<PlanItem>,
     /// Shared blocks already counted for a copy by this plan.
     cow: Vec<BlockId>,

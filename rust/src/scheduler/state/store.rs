@@ -16,15 +16,15 @@ const RECYCLE_AFTER: usize = 4096;
 /// [`Request`]) share the slot's first line.
 #[derive(Debug)]
 #[repr(C, align(64))]
-pub(super) struct Slot {
-    pub(super) gen: u32,
-    pub(super) req: Option<Request>,
+pub(in crate::scheduler) struct Slot {
+    pub(in crate::scheduler) gen: u32,
+    pub(in crate::scheduler) req: Option<Request>,
     /// Id of the current (or last) occupant; kept after it leaves so old outputs resolve it.
-    pub(super) id: String,
+    pub(in crate::scheduler) id: String,
 }
 
 #[derive(Debug, Default)]
-pub(super) struct RequestStore {
+pub(in crate::scheduler) struct RequestStore {
     slots: Vec<Slot>,
     free_slots: VecDeque<u32>,
     by_id: HashMap<String, u32>,
@@ -34,7 +34,7 @@ pub(super) struct RequestStore {
 
 impl RequestStore {
     /// Ids for a new request of `n` sequences: its first sequence id and its insertion order.
-    pub(super) fn next_ids(&mut self, n: usize) -> (SeqId, u64) {
+    pub(in crate::scheduler) fn next_ids(&mut self, n: usize) -> (SeqId, u64) {
         let ids = (self.next_seq_id, self.next_order);
         self.next_seq_id += n as SeqId;
         self.next_order += 1;
@@ -42,7 +42,7 @@ impl RequestStore {
     }
 
     /// Stores a new request (its id must not be live); returns its slot.
-    pub(super) fn place(&mut self, req: Request) -> u32 {
+    pub(in crate::scheduler) fn place(&mut self, req: Request) -> u32 {
         let h = if self.free_slots.len() > RECYCLE_AFTER {
             let h = self.free_slots.pop_front().expect("non-empty");
             let slot = &mut self.slots[h as usize];
@@ -64,7 +64,7 @@ impl RequestStore {
     }
 
     /// Takes a request out of the store; its slot waits to be reused (see `RECYCLE_AFTER`).
-    pub(super) fn take(&mut self, h: u32) -> Request {
+    pub(in crate::scheduler) fn take(&mut self, h: u32) -> Request {
         let req = self.slots[h as usize]
             .req
             .take()
@@ -76,7 +76,7 @@ impl RequestStore {
 
     /// The request in slot `h`, which must hold one (every queued handle does).
     #[inline]
-    pub(super) fn get(&self, h: u32) -> &Request {
+    pub(in crate::scheduler) fn get(&self, h: u32) -> &Request {
         self.slots[h as usize]
             .req
             .as_ref()
@@ -84,7 +84,7 @@ impl RequestStore {
     }
 
     #[inline]
-    pub(super) fn get_mut(&mut self, h: u32) -> &mut Request {
+    pub(in crate::scheduler) fn get_mut(&mut self, h: u32) -> &mut Request {
         self.slots[h as usize]
             .req
             .as_mut()
@@ -93,54 +93,54 @@ impl RequestStore {
 
     /// The request in slot `h`, if the slot holds one.
     #[inline]
-    pub(super) fn try_get(&self, h: u32) -> Option<&Request> {
+    pub(in crate::scheduler) fn try_get(&self, h: u32) -> Option<&Request> {
         self.slots[h as usize].req.as_ref()
     }
 
     #[inline]
-    pub(super) fn try_get_mut(&mut self, h: u32) -> Option<&mut Request> {
+    pub(in crate::scheduler) fn try_get_mut(&mut self, h: u32) -> Option<&mut Request> {
         self.slots[h as usize].req.as_mut()
     }
 
-    pub(super) fn is_live(&self, h: u32, gen: u32) -> bool {
+    pub(in crate::scheduler) fn is_live(&self, h: u32, gen: u32) -> bool {
         let slot = &self.slots[h as usize];
         slot.gen == gen && slot.req.is_some()
     }
 
-    /// Every slot, for a walk that reads many (see `decode::fast_decode_run`).
+    /// Every slot, for a walk that reads many (see `schedule::decode::fast_decode_run`).
     #[inline]
-    pub(super) fn slots_mut(&mut self) -> &mut [Slot] {
+    pub(in crate::scheduler) fn slots_mut(&mut self) -> &mut [Slot] {
         &mut self.slots
     }
 
     /// Generation of a request slot (bumped each time the slot is reused).
     #[inline]
-    pub(super) fn gen(&self, h: u32) -> u32 {
+    pub(in crate::scheduler) fn gen(&self, h: u32) -> u32 {
         self.slots[h as usize].gen
     }
 
     /// Id of the request an output named by (slot, generation); `None` once the slot has
     /// been given to another request.
-    pub(super) fn resolve(&self, h: u32, gen: u32) -> Option<&str> {
+    pub(in crate::scheduler) fn resolve(&self, h: u32, gen: u32) -> Option<&str> {
         let slot = self.slots.get(h as usize)?;
         (slot.gen == gen).then_some(slot.id.as_str())
     }
 
-    pub(super) fn handle_of(&self, request_id: &str) -> Option<u32> {
+    pub(in crate::scheduler) fn handle_of(&self, request_id: &str) -> Option<u32> {
         self.by_id.get(request_id).copied()
     }
 
     /// Number of live requests, counted by id.
-    pub(super) fn len(&self) -> usize {
+    pub(in crate::scheduler) fn len(&self) -> usize {
         self.by_id.len()
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    pub(in crate::scheduler) fn is_empty(&self) -> bool {
         self.by_id.is_empty()
     }
 
     /// Number of slots holding a request (equals `len` when consistent).
-    pub(super) fn num_occupied(&self) -> usize {
+    pub(in crate::scheduler) fn num_occupied(&self) -> usize {
         self.slots.iter().filter(|s| s.req.is_some()).count()
     }
 }

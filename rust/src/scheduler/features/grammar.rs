@@ -1,14 +1,14 @@
 //! Structured output in the scheduler: a request added with `structured_output` waits in
 //! `waiting` while its grammar compiles (admission steps over it, see
-//! `admission::conditions`), becomes schedulable once the engine reports the grammar
+//! `schedule::admission::conditions`), becomes schedulable once the engine reports the grammar
 //! compiled, and its samples are named in each step's output so the sampler masks them. A
 //! grammar that fails to compile is the engine's to report: it aborts the request
 //! (`abort_request`), which frees it like any other.
 use crate::error::{Error, Result};
 
-use super::output::StepOutput;
-use super::request::GrammarState;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::request::GrammarState;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Marks the grammar of `request_id` compiled: the request is admitted from the next

@@ -3,11 +3,11 @@ use std::collections::HashSet;
 
 use crate::error::Result;
 
-use super::output::StepOutput;
-use super::queue::Queue;
-use super::request::RequestStatus;
-use super::stats::SchedulerCounters;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::queue::Queue;
+use crate::scheduler::state::request::RequestStatus;
+use crate::scheduler::stats::SchedulerCounters;
+use crate::scheduler::Scheduler;
 
 impl Scheduler {
     /// Takes back the latest step, whose computation failed (the caller could not run or

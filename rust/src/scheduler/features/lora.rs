@@ -1,10 +1,10 @@
 //! Multi-LoRA scheduling: a step holds at most `max_loras` distinct adapters (vLLM's
 //! `max_loras`; adapter 0, the base model, is not counted).
 //!
-//! The tally of a step starts with the adapters of every request in `running` (they keep
-//! their device slots until they leave it), then grows with each admission and swap-in
-//! ([`Scheduler::admit_from`]). A candidate whose adapter is not held and would be one too
-//! many waits ([`LoraTally::admits`] in `admission::conditions`): it keeps its place and
+//! The tally of a step starts with the adapters of every request in `running` (they keep their
+//! device slots until they leave it), then grows with each admission and swap-in
+//! ([`Scheduler::admit_from`]). A candidate whose adapter is not held and would be one too many
+//! waits ([`LoraTally::admits`] in `schedule::admission::conditions`): it keeps its place and
 //! does not hold back those behind it (vLLM V1's `scheduled_loras`).
 //!
 //! Why this cannot deadlock or overflow: only admission adds a request to `running`, and it
@@ -13,13 +13,13 @@
 //! never wait on the limit. A waiting adapter waits only while running requests hold other
 //! adapters; those progress, finish or are preempted, and with nothing of another adapter
 //! running the first candidate always fits.
-use super::budget::Budget;
-use super::output::StepOutput;
-use super::Scheduler;
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::schedule::budget::Budget;
+use crate::scheduler::Scheduler;
 
 /// The adapters a step holds, at most `max` (0 = LoRA off: only adapter 0 exists).
 #[derive(Debug, Clone, Default)]
-pub(super) struct LoraTally {
+pub(in crate::scheduler) struct LoraTally {
     max: usize,
     /// Distinct non-zero adapter ids (a handful: a linear scan beats hashing).
     held: Vec<u64>,
@@ -28,13 +28,13 @@ pub(super) struct LoraTally {
 impl LoraTally {
     /// Whether a request of adapter `lora` fits this step.
     #[inline]
-    pub(super) fn admits(&self, lora: u64) -> bool {
+    pub(in crate::scheduler) fn admits(&self, lora: u64) -> bool {
         lora == 0 || self.held.len() < self.max || self.held.contains(&lora)
     }
 
     /// Counts adapter `lora` as held by this step.
     #[inline]
-    pub(super) fn hold(&mut self, lora: u64) {
+    pub(in crate::scheduler) fn hold(&mut self, lora: u64) {
         if lora != 0 && !self.held.contains(&lora) {
             self.held.push(lora);
         }
@@ -44,7 +44,7 @@ impl LoraTally {
 impl Scheduler {
     /// Seeds the step's adapter tally from `running`. Free while LoRA is off, and skipped
     /// when nothing waits to be admitted (the tally is read by admission only).
-    pub(super) fn seed_lora_tally(&self, budget: &mut Budget) {
+    pub(in crate::scheduler) fn seed_lora_tally(&self, budget: &mut Budget) {
         let max = self.cfg.max_loras;
         if max == 0 || (self.queues.waiting.is_empty() && self.queues.swapped.is_empty()) {
             return;
@@ -57,7 +57,7 @@ impl Scheduler {
 
     /// Fills `out.extras.lora_ids`, the adapter of each row, once the step is decided (so
     /// the decode fast path records nothing for it). Nothing while LoRA is off.
-    pub(super) fn record_lora_ids(&self, out: &mut StepOutput) {
+    pub(in crate::scheduler) fn record_lora_ids(&self, out: &mut StepOutput) {
         if self.cfg.max_loras == 0 {
             return;
         }
@@ -73,7 +73,7 @@ impl Scheduler {
     }
 
     /// Distinct adapters among the running requests (for `check_invariants`).
-    pub(super) fn running_loras(&self) -> usize {
+    pub(in crate::scheduler) fn running_loras(&self) -> usize {
         let mut tally = LoraTally::default();
         for &h in &self.queues.running {
             tally.hold(self.store.get(h).extras.lora_id);

@@ -6,16 +6,16 @@ use crate::kv::{AllocStatus, PrefixHit};
 
 use super::admission::{Short, Verdict};
 use super::budget::{Budget, Cut};
-use super::output::StepOutput;
-use super::queue::Queue;
-use super::request::{rank_less, RequestStatus};
-use super::{Policy, PreemptionMode, Scheduler};
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::queue::Queue;
+use crate::scheduler::state::request::{rank_less, RequestStatus};
+use crate::scheduler::{Policy, PreemptionMode, Scheduler};
 
 impl Scheduler {
     /// Preempts request `h`, already taken out of `running`. Swap is chosen per the mode
     /// (`Auto`: when more than one sequence runs) unless `force_recompute`, and falls back to
     /// recompute when the host pool cannot take the group.
-    pub(super) fn preempt(
+    pub(in crate::scheduler) fn preempt(
         &mut self,
         h: u32,
         out: &mut StepOutput,
@@ -55,7 +55,7 @@ impl Scheduler {
     /// active sequences give back whatever blocks they hold (device or host) and forget their
     /// progress; it goes to the head of `waiting` with `requeue_preempted`. The one reset of
     /// recompute preemption and of a swapped group dropped by `discard_step`.
-    pub(super) fn reset_to_recompute(&mut self, h: u32) -> Result<()> {
+    pub(in crate::scheduler) fn reset_to_recompute(&mut self, h: u32) -> Result<()> {
         let req = self.store.get_mut(h);
         for s in req.active_seqs_mut() {
             if self.mgr.contains(s.id) {

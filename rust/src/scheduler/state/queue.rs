@@ -10,32 +10,32 @@ use std::collections::VecDeque;
 
 use super::request::{rank_less, RequestStatus};
 use super::store::RequestStore;
-use super::Policy;
+use crate::scheduler::Policy;
 
 /// The two queues requests are admitted from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Queue {
+pub(in crate::scheduler) enum Queue {
     Waiting,
     Swapped,
 }
 
 #[derive(Debug)]
-pub(super) struct Queues {
+pub(in crate::scheduler) struct Queues {
     policy: Policy,
-    pub(super) waiting: VecDeque<u32>,
-    pub(super) running: Vec<u32>,
-    pub(super) swapped: VecDeque<u32>,
+    pub(in crate::scheduler) waiting: VecDeque<u32>,
+    pub(in crate::scheduler) running: Vec<u32>,
+    pub(in crate::scheduler) swapped: VecDeque<u32>,
     /// Seats (`max_num_seqs`) taken by `running`: its unfinished sequences.
-    pub(super) running_seats: usize,
+    pub(in crate::scheduler) running_seats: usize,
     /// Requests found unservable at `add_request`, reported by the next `schedule()`.
-    pub(super) pending_ignored: Vec<(u32, String)>,
+    pub(in crate::scheduler) pending_ignored: Vec<(u32, String)>,
     /// This step's preempted requests, in preemption order, until `requeue_preempted`.
-    pub(super) preempted_recompute: Vec<u32>,
-    pub(super) preempted_swap: Vec<u32>,
+    pub(in crate::scheduler) preempted_recompute: Vec<u32>,
+    pub(in crate::scheduler) preempted_swap: Vec<u32>,
 }
 
 impl Queues {
-    pub(super) fn new(policy: Policy) -> Self {
+    pub(in crate::scheduler) fn new(policy: Policy) -> Self {
         Queues {
             policy,
             waiting: VecDeque::new(),
@@ -73,13 +73,13 @@ impl Queues {
         }
     }
 
-    pub(super) fn enqueue_waiting(&mut self, h: u32, store: &RequestStore) {
+    pub(in crate::scheduler) fn enqueue_waiting(&mut self, h: u32, store: &RequestStore) {
         Self::insert(self.policy, store, &mut self.waiting, h, false);
     }
 
     /// Queues this step's preempted requests: recompute ones at the head of `waiting`,
     /// swapped ones at the tail of `swapped`, in both cases earlier-ranked first.
-    pub(super) fn requeue_preempted(&mut self, store: &RequestStore) {
+    pub(in crate::scheduler) fn requeue_preempted(&mut self, store: &RequestStore) {
         // Victims are taken from the tail of `running`, so the preemption order is the
         // reverse of the rank order.
         for &h in &self.preempted_recompute {
@@ -93,7 +93,7 @@ impl Queues {
     }
 
     /// Under `priority`: best-ranked first, so victims (the tail) are the lowest-ranked.
-    pub(super) fn sort_running_by_rank(&mut self, store: &RequestStore) {
+    pub(in crate::scheduler) fn sort_running_by_rank(&mut self, store: &RequestStore) {
         if self.policy != Policy::Priority || self.running.len() < 2 {
             return;
         }
@@ -112,7 +112,7 @@ impl Queues {
     /// The swapped-queue guard: whether a waiting request may be admitted while requests are
     /// swapped out. Never under `fcfs` (swapped groups come back first), only when it
     /// outranks the best swapped group under `priority`.
-    pub(super) fn admission_open_for(&self, h: u32, store: &RequestStore) -> bool {
+    pub(in crate::scheduler) fn admission_open_for(&self, h: u32, store: &RequestStore) -> bool {
         match self.swapped.front() {
             None => true,
             Some(&s) => {
@@ -137,26 +137,31 @@ impl Queues {
     }
 
     /// The request at position `at` of queue `q`.
-    pub(super) fn get(&self, q: Queue, at: usize) -> Option<u32> {
+    pub(in crate::scheduler) fn get(&self, q: Queue, at: usize) -> Option<u32> {
         self.queue(q).get(at).copied()
     }
 
     /// Takes the request at position `at` out of queue `q`.
-    pub(super) fn remove_at(&mut self, q: Queue, at: usize) -> u32 {
+    pub(in crate::scheduler) fn remove_at(&mut self, q: Queue, at: usize) -> u32 {
         self.queue_mut(q)
             .remove(at)
             .expect("position is in the queue")
     }
 
     /// Takes `h` out of queue `q`, wherever it is.
-    pub(super) fn remove(&mut self, q: Queue, h: u32) {
+    pub(in crate::scheduler) fn remove(&mut self, q: Queue, h: u32) {
         let at = self.queue(q).iter().position(|&x| x == h);
         self.remove_at(q, at.expect("request is queued"));
     }
 
     /// Moves the request at position `at` of queue `q` (just admitted or swapped in) to the
     /// tail of `running`.
-    pub(super) fn start_running(&mut self, q: Queue, at: usize, store: &mut RequestStore) {
+    pub(in crate::scheduler) fn start_running(
+        &mut self,
+        q: Queue,
+        at: usize,
+        store: &mut RequestStore,
+    ) {
         let h = self.remove_at(q, at);
         let req = store.get_mut(h);
         req.status = RequestStatus::Running;
@@ -165,14 +170,14 @@ impl Queues {
     }
 
     /// Takes the tail of `running` (the lowest-ranked request) out, giving back its seats.
-    pub(super) fn pop_running(&mut self, store: &RequestStore) -> Option<u32> {
+    pub(in crate::scheduler) fn pop_running(&mut self, store: &RequestStore) -> Option<u32> {
         let h = self.running.pop()?;
         self.running_seats -= store.get(h).seats();
         Some(h)
     }
 
     /// Takes `h` out of `running`, giving back its seats.
-    pub(super) fn remove_running(&mut self, h: u32, store: &RequestStore) {
+    pub(in crate::scheduler) fn remove_running(&mut self, h: u32, store: &RequestStore) {
         let at = self.running.iter().position(|&x| x == h);
         self.running.remove(at.expect("running request is queued"));
         self.running_seats -= store.get(h).seats();
@@ -180,13 +185,17 @@ impl Queues {
 
     /// A running sequence finished: its seat is free.
     #[inline]
-    pub(super) fn seat_freed(&mut self) {
+    pub(in crate::scheduler) fn seat_freed(&mut self) {
         self.running_seats -= 1;
     }
 
     /// Takes the requests that finished in `update_from_output` (their seats were given back
     /// sequence by sequence) out of `running`, into `done`.
-    pub(super) fn take_finished(&mut self, store: &RequestStore, done: &mut Vec<u32>) {
+    pub(in crate::scheduler) fn take_finished(
+        &mut self,
+        store: &RequestStore,
+        done: &mut Vec<u32>,
+    ) {
         self.running.retain(|&h| {
             let keep = store.try_get(h).is_some_and(|r| !r.status.is_finished());
             if !keep {
@@ -198,7 +207,7 @@ impl Queues {
 
     /// Takes `h` (a live, unfinished or ignored request) out of whichever queue its status
     /// puts it in. Returns false for statuses no queue holds.
-    pub(super) fn remove_request(&mut self, h: u32, store: &RequestStore) -> bool {
+    pub(in crate::scheduler) fn remove_request(&mut self, h: u32, store: &RequestStore) -> bool {
         match store.get(h).status {
             RequestStatus::Waiting | RequestStatus::Preempted => self.remove(Queue::Waiting, h),
             RequestStatus::Running => self.remove_running(h, store),
@@ -210,7 +219,7 @@ impl Queues {
     }
 
     /// Ids of a queue's requests, in order.
-    pub(super) fn ids<'a>(
+    pub(in crate::scheduler) fn ids<'a>(
         handles: impl IntoIterator<Item = &'a u32>,
         store: &'a RequestStore,
     ) -> Vec<&'a str> {
