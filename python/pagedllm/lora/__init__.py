@@ -7,7 +7,7 @@
 - `layers.py` — the LoRA-aware projections that add each step's deltas;
 - `manager.py` — `LoRAManager`, the engine's entry point.
 
-The scheduler (Rust, `scheduler/lora.rs`) keeps at most `max_loras` adapters per step and
+The scheduler (Rust, `scheduler/features/lora.rs`) keeps at most `max_loras` adapters per step and
 salts prefix-cache keys with the adapter; the products are `kernels/lora.py` (Triton) and
 `kernels/lora_reference.py` (torch, the CPU path).
 """

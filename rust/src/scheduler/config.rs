@@ -2,7 +2,7 @@
 use crate::error::{Error, Result};
 use crate::spec::NgramConfig;
 
-/// How a step is composed (SPEC §4).
+/// How a step is composed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// vLLM V0 default: a step is all prefills (whole prompts) or all decodes.

@@ -1,4 +1,4 @@
-//! The scheduler (SPEC §4, ARCHITECTURE §2): request state, the `waiting` / `running` /
+//! The scheduler (docs/ARCHITECTURE.md §2): request state, the `waiting` / `running` /
 //! `swapped` queues, the per-step budget, the three strategies, preemption and stop rules.
 //!
 //! One step is `schedule(now)` (decides which tokens of which sequences are computed, moves

@@ -8,7 +8,7 @@ use crate::kv::salted_key;
 
 use crate::scheduler::{FinishReason, StopParams};
 
-/// Lifecycle of a request (SPEC §4).
+/// Lifecycle of a request.
 ///
 /// `repr(u64)`: its 2^64 - 8 unused values are the largest niche in [`Request`] (a `Vec`'s
 /// capacity has 2^63), so an empty store slot (`Option<Request>::None`) is told by this field,

@@ -1,4 +1,4 @@
-//! Unit tests of the scheduler core (the Python tests cover every SPEC scenario through the
+//! Unit tests of the scheduler core (the Python tests cover every scenario through the
 //! bindings; these pin the core mechanics and run a seeded random workload), one file per
 //! behaviour; the shared fixtures live here.
 mod admission;
