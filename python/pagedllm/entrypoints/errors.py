@@ -75,8 +75,8 @@ def bad_request(exc: Exception) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """ "field: what is wrong" for up to 5 fields (a union's branches folded into one), and the
-    first field as the param."""
+    """The message, `field: what is wrong` for up to 5 fields (a union's branches folded into
+    one), and the first field as the param."""
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
         return f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error')}", None
