@@ -7,6 +7,7 @@ no tokenizer, grammar or response can encode it) with a 400 naming where it is.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import (
@@ -36,14 +37,19 @@ def _path(parts: tuple[str | int, ...]) -> str:
     return text
 
 
+_TEXT_OR_CONTAINER = frozenset((str, list, dict))  # the JSON values a surrogate can hide in
+
+
 def _lone_surrogate(value: Any, field: str) -> str | None:
     """Where the first lone surrogate in a JSON value is, or None. Iterative: a value nested
     deeper than Python's recursion limit is walked like any other."""
+    if not isinstance(value, (str, list, dict)) or (isinstance(value, str) and value.isascii()):
+        return None  # the usual field, at once (isascii is O(1))
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, (field,))]
     while stack:
         item, parts = stack.pop()
         if isinstance(item, str):
-            if item.isascii():  # O(1) for the usual prompt
+            if item.isascii():
                 continue
             try:
                 item.encode("utf-8")
@@ -54,9 +60,10 @@ def _lone_surrogate(value: Any, field: str) -> str | None:
             for key, inner in reversed(item.items()):
                 stack.append((inner, (*parts, key)))
                 stack.append((key, (*parts, "<key>")))
-        elif isinstance(item, list):
-            for i in range(len(item) - 1, -1, -1):  # token ids are skipped without a tuple each
-                if isinstance(item[i], (str, list, dict)):
+        elif isinstance(item, list) and _TEXT_OR_CONTAINER.intersection(map(type, item)):
+            # (a list of token ids is passed over at C speed: 100k ids in ~2 ms)
+            for i in range(len(item) - 1, -1, -1):
+                if type(item[i]) in _TEXT_OR_CONTAINER:
                     stack.append((item[i], (*parts, i)))
     return None
 
@@ -78,27 +85,22 @@ def _nullable_properties(schema: dict[str, Any], model: type[BaseModel]) -> None
 
 
 class _Body(BaseModel):
+    """A body object: null for an optional field means its default."""
+
     model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_properties)
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or None not in data.values():
             return data
-        required = {f.alias or n for n, f in cls.model_fields.items() if f.is_required()}
+        required = cls._required()
         return {k: v for k, v in data.items() if v is not None or k in required}
 
-    @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        found = _lone_surrogate(value, info.field_name or "")
-        if found is not None:
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "a lone surrogate {where} is not valid Unicode",
-                {"where": found},
-            )
-        return value
+    @functools.cache
+    def _required(cls) -> frozenset[str]:
+        return frozenset(f.alias or n for n, f in cls.model_fields.items() if f.is_required())
 
 
 class StreamOptions(_Body):
@@ -106,6 +108,19 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
+    """What both requests take. Each field's raw value is checked for lone surrogates once, here
+    (nested objects included), before anything reads it."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        found = _lone_surrogate(value, info.field_name or "")
+        if found is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "a lone surrogate {where} is not valid Unicode", {"where": found}
+            )
+        return value
+
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
@@ -135,7 +150,11 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # the first branch that fits, token ids before strings: in pydantic's default "smart" mode a
+    # 100k-token prompt first failed list[str] element by element (84 ms, not 7)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
+        union_mode="left_to_right"
+    )
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
