@@ -43,9 +43,9 @@ _GENERATION = {
 
 
 def check_api_key(api_key: str | None) -> None:
-    """ValueError for a key no client can send: empty (an unset variable in `--api-key "$KEY"`,
-    which must not silently serve without authentication) or with whitespace around it (HTTP
-    strips it from the header)."""
+    """ValueError for an empty key (an unset variable in `--api-key "$KEY"`, which must not
+    silently serve without authentication) or one with whitespace around it (a slip: HTTP drops
+    a header's trailing whitespace, so such a key would refuse every client)."""
     if api_key is None:
         return
     if not api_key.strip():
@@ -54,7 +54,7 @@ def check_api_key(api_key: str | None) -> None:
             "authentication"
         )
     if api_key != api_key.strip():
-        raise ValueError("the API key starts or ends with whitespace, which no client can send")
+        raise ValueError("the API key starts or ends with whitespace; give it without")
 
 
 class _ApiKeyMiddleware:
