@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
+
 from server_util import MODEL, live_server
 
 
@@ -109,3 +111,12 @@ def test_openapi_schema_is_served(server):
     schema = httpx.get(f"{server.url}/openapi.json").json()
     assert "/v1/completions" in schema["paths"]
     assert "/v1/chat/completions" in schema["paths"]
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"), [("", "is empty"), (" ", "is empty"), ("k ", "whitespace")]
+)
+def test_api_key_no_client_can_send_is_refused_before_the_model_loads(key, problem):
+    config = ServerConfig(served_model_name=MODEL, api_key=key)
+    with pytest.raises(ValueError, match=problem):
+        build_server_app({"model": "/no/such/model"}, config)  # never loaded

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from pagedllm.cli.app import build_parser
+from pagedllm.cli.app import build_parser, main
 
 from server_util import free_port
 
@@ -86,3 +86,9 @@ def test_sigterm_aborts_an_in_flight_stream_with_a_reason_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_an_empty_api_key_before_loading_the_model(capsys):
+    # `--api-key "$KEY"` with KEY unset must not serve without authentication
+    assert main(["serve", "--api-key", "", "--model", "/no/such/model"]) == 1
+    assert "API key is empty" in capsys.readouterr().err

@@ -363,7 +363,10 @@ def _serve(args: argparse.Namespace) -> int:
     _check_device(args.device)
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model,
-        api_key=args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None,
+        # an explicit --api-key "" is refused (check_api_key); an empty variable is unset
+        api_key=args.api_key
+        if args.api_key is not None
+        else os.environ.get("PAGEDLLM_API_KEY") or None,
         chat_template=load_chat_template(args.chat_template),
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
@@ -490,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (also: PAGEDLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 (also: PAGEDLLM_API_KEY; an empty "
+        "--api-key is refused)",
     )
     g.add_argument(
         "--chat-template",

@@ -15,16 +15,46 @@ import hmac
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.async_engine import AsyncEngine
-from pagedllm.entrypoints.errors import APIError, install_error_handlers, unavailable
+from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
 from pagedllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.serving import Server, ServerConfig
 from pagedllm.entrypoints.serving_chat import create_chat_completion
 from pagedllm.entrypoints.serving_completions import create_completion
 
-__all__ = ["ServerConfig", "build_app", "build_server_app", "run_server"]
+__all__ = ["ServerConfig", "build_app", "build_server_app", "check_api_key", "run_server"]
+
+# What the OpenAPI document says the routes answer besides 200. A client error is documented as
+# "4XX" (400 for a bad field, 401, 404, 405, 429, ...), which also stands in for FastAPI's
+# default 422 that this server never answers.
+_ERROR = {"model": ErrorResponse}
+_CLIENT_ERROR = {"4XX": {**_ERROR, "description": "A client error (400: a bad field, named)"}}
+_UNAVAILABLE = {503: {**_ERROR, "description": "The engine keeps failing or is shutting down"}}
+_GENERATION = {
+    200: {
+        "description": "The completion; with `stream`, server-sent events ending in `data: [DONE]`",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **_CLIENT_ERROR,
+    **_UNAVAILABLE,
+}
+
+
+def check_api_key(api_key: str | None) -> None:
+    """ValueError for an empty key (an unset variable in `--api-key "$KEY"`, which must not
+    silently serve without authentication) or one with whitespace around it (a slip: HTTP drops
+    a header's trailing whitespace, so such a key would refuse every client)."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise ValueError(
+            "the API key is empty (an unset variable?); give a key, or none to serve without "
+            "authentication"
+        )
+    if api_key != api_key.strip():
+        raise ValueError("the API key starts or ends with whitespace; give it without")
 
 
 class _ApiKeyMiddleware:
@@ -99,6 +129,7 @@ def _replay(messages: list, receive):
 
 def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI app; its lifespan starts and stops `engine`'s loop."""
+    check_api_key(config.api_key)
     server = Server(engine, config)
 
     @contextlib.asynccontextmanager
@@ -118,19 +149,30 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     # outermost: nothing reads a body before its size is known
     app.add_middleware(_BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine loop is running (empty body)"},
+            **_UNAVAILABLE,
+        },
+    )
     async def health():
         reason = engine.unhealthy_reason
         if reason is not None:
             return unavailable(reason).response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}},
+    )
     async def metrics():
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_CLIENT_ERROR)
     async def models():
         card = {
             "id": config.served_model_name,
@@ -146,11 +188,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         ]
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION)
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(server, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(server, body, request)
 
@@ -161,6 +203,7 @@ def build_server_app(engine_kwargs: dict, config: ServerConfig) -> FastAPI:
     from pagedllm.config import EngineArgs
     from pagedllm.engine import LLMEngine
 
+    check_api_key(config.api_key)  # before a model is loaded for nothing
     engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
     return build_app(AsyncEngine(engine), config)
 

@@ -10,7 +10,23 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.entrypoints.protocol import param_of
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (what the OpenAPI document shows for them)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -28,14 +44,10 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+        detail = ErrorDetail(
+            message=self.message, type=self.type, param=self.param, code=self.status
+        )
+        return ErrorResponse(error=detail).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -63,15 +75,20 @@ def bad_request(exc: Exception) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The message, `field: what is wrong` for up to 5 fields (a union's branches folded into
+    one), and the first field as the param."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = None if first.get("type") == "json_invalid" else ".".join(loc) or None
+    if errors and errors[0].get("type") == "json_invalid":
+        return f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error')}", None
+    problems: dict[str | None, list[str]] = {}
+    for error in errors:
+        msgs = problems.setdefault(param_of(error.get("loc", ())), [])
+        if error.get("msg") not in msgs:
+            msgs.append(error.get("msg"))
     message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-        for e in errors[:5]
+        f"{param or 'body'}: {' or '.join(msgs)}" for param, msgs in list(problems.items())[:5]
     )
-    return message, param
+    return message, next(iter(problems), None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -89,4 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return APIError(exc.status_code, str(exc.detail)).response()
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's json.loads of the body
+            message = "the body is nested too deeply to parse"
+        # a 405 keeps its Allow header (the methods the path takes)
+        return APIError(exc.status_code, message, headers=exc.headers).response()

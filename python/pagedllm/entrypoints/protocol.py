@@ -1,20 +1,125 @@
-"""Request bodies of the OpenAI API (pydantic), with vLLM's extra sampling fields."""
+"""Request bodies of the OpenAI API (pydantic), with vLLM's extra sampling fields.
+
+Every body object (`_Body`) takes `null` for an optional field as its default, as OpenAI's API
+does, and refuses a string holding a lone surrogate (`"\\ud800"` is valid JSON but not Unicode:
+no tokenizer, grammar or response can encode it) with a 400 naming where it is.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from pagedllm.sampling_params import SamplingParams
 
 Number = StrictInt | StrictFloat
 
 
-class StreamOptions(BaseModel):
+def _path(parts: tuple[str | int, ...]) -> str:
+    """`messages[0].content`: a location in the request body, as errors name it."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}" if text else part
+    return text
+
+
+_TEXT_OR_CONTAINER = frozenset((str, list, dict))  # the JSON values a surrogate can hide in
+
+
+def _lone_surrogate(value: Any, field: str) -> str | None:
+    """Where the first lone surrogate in a JSON value is, or None. Iterative: a value nested
+    deeper than Python's recursion limit is walked like any other."""
+    if not isinstance(value, (str, list, dict)) or (isinstance(value, str) and value.isascii()):
+        return None  # the usual field, at once (isascii is O(1))
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, (field,))]
+    while stack:
+        item, parts = stack.pop()
+        if isinstance(item, str):
+            if item.isascii():
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code_point = ord(item[exc.start])
+                return f"(U+{code_point:04X}) at index {exc.start} of {_path(parts)}"
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                stack.append((inner, (*parts, key)))
+                stack.append((key, (*parts, "<key>")))
+        elif isinstance(item, list) and _TEXT_OR_CONTAINER.intersection(map(type, item)):
+            # (a list of token ids is passed over at C speed: 100k ids in ~2 ms)
+            for i in range(len(item) - 1, -1, -1):
+                if type(item[i]) in _TEXT_OR_CONTAINER:
+                    stack.append((item[i], (*parts, i)))
+    return None
+
+
+def _nullable_properties(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The OpenAPI document says what `_Body` accepts: null for every optional field."""
+    for name, prop in schema.get("properties", {}).items():
+        field = model.model_fields.get(name) or next(
+            (f for f in model.model_fields.values() if f.alias == name), None
+        )
+        if field is None or field.is_required():
+            continue
+        branches = prop.get("anyOf")
+        if branches is None:
+            meta = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **meta}
+        elif {"type": "null"} not in branches:
+            branches.append({"type": "null"})
+
+
+class _Body(BaseModel):
+    """A body object: null for an optional field means its default."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_properties)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        required = cls._required()
+        return {k: v for k, v in data.items() if v is not None or k in required}
+
+    @classmethod
+    @functools.cache
+    def _required(cls) -> frozenset[str]:
+        return frozenset(f.alias or n for n, f in cls.model_fields.items() if f.is_required())
+
+
+class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Body):
+    """What both requests take. Each field's raw value is checked for lone surrogates once, here
+    (nested objects included), before anything reads it."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        found = _lone_surrogate(value, info.field_name or "")
+        if found is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "a lone surrogate {where} is not valid Unicode", {"where": found}
+            )
+        return value
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -45,14 +150,18 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # the first branch that fits, token ids before strings: in pydantic's default "smart" mode a
+    # 100k-token prompt first failed list[str] element by element (84 ms, not 7)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
+        union_mode="left_to_right"
+    )
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: StrictStr | None = None
     description: StrictStr | None = None
@@ -61,23 +170,51 @@ class JsonSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
+    # OpenAI's newer name for max_tokens; given, it is the one that counts
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_tokens_rule(cls, value: int | None) -> int | None:
+        # the engine's rule for max_tokens, checked here so that 0 is refused under the name the
+        # client sent instead of falling back to max_tokens
+        if value is not None:
+            SamplingParams(max_tokens=value)
+        return value
+
+
+def _field_names() -> frozenset[str]:
+    names, models = set(), [_Body]
+    while models:
+        model = models.pop()
+        models.extend(model.__subclasses__())
+        for name, field in model.model_fields.items():
+            names.update((name, field.alias or name))
+    return frozenset(names)
+
+
+_FIELD_NAMES = _field_names()
+
+
+def param_of(loc: tuple[str | int, ...]) -> str | None:
+    """The field a pydantic error location names (`messages[0].role`): the request fields and
+    list indices in it, without pydantic's union branch tags (`temperature.float`)."""
+    parts = tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)
+    return _path(parts) or None

@@ -14,9 +14,33 @@ from typing import Any
 # The constraint kinds, in the order they are named in errors.
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
+# How deeply objects and arrays may nest in a JSON schema: the grammar engine (llguidance, via
+# serde_json) refuses deeper ones anyway. Checked here, before anything recurses over the
+# schema: Python's json.dumps of the cache key overflows its stack at ~490 levels.
+MAX_JSON_DEPTH = 127
+_TOO_DEEP = (
+    f"StructuredOutputsParams.json must nest objects and arrays at most {MAX_JSON_DEPTH} levels"
+)
+
 
 def _fail(name: str, value: Any, rule: str) -> None:
     raise ValueError(f"StructuredOutputsParams.{name} {rule}, got {value!r}")
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether dicts and lists nest more than MAX_JSON_DEPTH levels in `value` (iteratively, so
+    any depth is measured)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, (list, tuple)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True
+        stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 @dataclass
@@ -60,8 +84,12 @@ class StructuredOutputsParams:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 _fail("json", self.json, f"must be a JSON schema; the str is not JSON ({exc})")
+            except RecursionError:
+                raise ValueError(_TOO_DEEP) from None
         if not isinstance(schema, (dict, bool)):
             _fail("json", self.json, "must be a JSON schema (a dict, or a str holding one)")
+        if _too_deep(schema):
+            raise ValueError(_TOO_DEEP)
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:
