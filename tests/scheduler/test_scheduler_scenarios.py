@@ -1,4 +1,5 @@
-"""The scheduler scenarios (strategies, policies, preemption, prefix caching), one test each (block size 4 unless stated)."""
+"""The scheduler scenarios (strategies, policies, preemption, prefix caching), one test each
+(block size 4 unless stated)."""
 
 from __future__ import annotations
 
