@@ -78,3 +78,45 @@ def test_readme_field_table_names_every_scheduler_output_field():
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert named == set(_core.SCHEDULER_OUTPUT_FIELDS)
+
+
+def keyword_parameters(func: ast.FunctionDef) -> dict[str, str]:
+    """A function's keyword-only parameters: name -> its default's source ('' when required)."""
+    args = func.args
+    return {
+        a.arg: "" if d is None else ast.unparse(d)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    }
+
+
+def stub_init_parameters(name: str) -> dict[str, str]:
+    cls = next(n for n in stub_tree().body if isinstance(n, ast.ClassDef) and n.name == name)
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return keyword_parameters(init)
+
+
+def readme_signature(name: str) -> dict[str, str]:
+    """The `Name(*, a, b=1, ...)` block README shows, read as a function's signature."""
+    text = README.read_text()
+    start = text.index(f"\n{name}(*, ") + 1
+    block = text[start : text.index(")\n", start) + 1]
+    func = ast.parse("def " + block + ": pass").body[0]
+    return keyword_parameters(func)
+
+
+def test_readme_scheduler_signature_is_the_stubs():
+    assert readme_signature("Scheduler") == stub_init_parameters("Scheduler")
+
+
+def test_readme_method_table_names_every_scheduler_method():
+    section = README.read_text().split("## The scheduler without a model", 1)[1]
+    table = section.split("| method | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = table.splitlines()[2:]
+    named = {m for row in rows for m in re.findall(r"`(\w+)\(", row.split("|")[1])}
+    cls = next(n for n in stub_tree().body if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
+    methods = {
+        n.name
+        for n in cls.body
+        if isinstance(n, ast.FunctionDef) and "property" not in map(ast.unparse, n.decorator_list)
+    }
+    assert named == public(methods) - {"__init__"}
