@@ -119,6 +119,15 @@ class StepGrammar:
         wait([self._fill])
 
 
+def consume_run(matcher, run: list[int]) -> bool:
+    """Feeds `run` to `matcher`; False if the grammar rejects a token. A matcher whose grammar
+    is complete has stopped, and llguidance's `consume_tokens` refuses even the EOS it must
+    accept then (its `consume_token` takes it): such a run goes token by token."""
+    if matcher.is_stopped():
+        return all(matcher.consume_token(token) for token in run)
+    return matcher.consume_tokens(run)
+
+
 class StructuredOutputManager:
     """Compiles constraints, fills each step's bitmask, advances the matchers."""
 
@@ -371,7 +380,7 @@ class StructuredOutputManager:
             counts = np.asarray(num_tokens, dtype=np.int64)
             starts = np.cumsum(counts) - counts
             picked = [tokens[starts[k] : starts[k] + counts[k]].tolist() for k in grammar.rows]
-            accepted = [m.consume_tokens(run) for m, run in zip(grammar.matchers, picked)]
+            accepted = [consume_run(m, run) for m, run in zip(grammar.matchers, picked)]
         stats = self.stats
         stats.steps += 1
         stats.rows += int(grammar.bits.shape[0])
