@@ -5,6 +5,15 @@ produces valid UTF-8 (the issue measured 12 of 12 valid outputs with it where xg
 control characters through). Whitespace is not flexible by default: one space after `,` and
 `:` and none elsewhere (`json.dumps`' layout), so a model cannot ramble in runs of spaces or
 newlines; a schema may still choose its own through its `x-guidance` options.
+
+llguidance keeps its own limits (`LIMITS`: at most 2,000 Earley items in a row, bounded lexer
+work), which bound the grammar's share of every step. A constraint that compiles but breaks
+them, or that no output can satisfy, fails as soon as it is used; `compile_grammar` takes the
+first step on a copy (`check_first_step`) so it is refused when it compiles, not mid-request.
+A choice list is one lexeme (`CHOICE: "a" | "b" | ...`): the lexer takes a list of any length,
+where one grammar alternative per choice went past the row limit at about 2,000 choices.
+llguidance's errors come without its state and grammar dump and are cut to
+`MAX_ERROR_CHARS` (`short_error`) wherever they reach a user or the log.
 """
 
 from __future__ import annotations
@@ -12,11 +21,15 @@ from __future__ import annotations
 import json
 
 import llguidance
+import numpy as np
 
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 JSON_OBJECT_SCHEMA = {"type": "object"}
+# llguidance's default limits; its errors without the parser state and grammar they would dump
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+MAX_ERROR_CHARS = 300
 
 _KIND_NAMES = {
     "json": "JSON schema",
@@ -31,6 +44,15 @@ class GrammarError(ValueError):
     """A constraint the grammar engine cannot compile; the message names the problem."""
 
 
+def short_error(message: str) -> str:
+    """An llguidance error message as a user or the log sees it: one paragraph, at most
+    `MAX_ERROR_CHARS` characters (a message may quote the whole grammar)."""
+    text = " ".join(message.replace("<non-verbose/>", "").split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[: MAX_ERROR_CHARS - 3] + "..."
+    return text
+
+
 def grammar_text(kind: str, spec: str) -> str:
     """llguidance's grammar for one (kind, spec) key (see `StructuredOutputsParams.key`)."""
     if kind == "json":
@@ -40,12 +62,15 @@ def grammar_text(kind: str, spec: str) -> str:
             JSON_OBJECT_SCHEMA, defaults=JSON_OPTIONS
         )
     if kind == "regex":
+        # llguidance's regex to Lark drops a trailing lone backslash ("a\\" would mean "a")
+        if (len(spec) - len(spec.rstrip("\\"))) % 2:
+            raise ValueError(f"{spec!r} ends in an unfinished escape (a lone backslash)")
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
-        # each choice a Lark string literal (JSON string escapes)
+        # one lexeme, each choice a Lark string literal (JSON string escapes)
         choices = json.loads(spec)
         return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in choices)
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
         )
     # Lark, or GBNF translated to Lark
     return llguidance.grammar_from("grammar", spec)
@@ -56,14 +81,35 @@ def compile_grammar(
 ) -> llguidance.LLMatcher:
     """A fresh matcher for (kind, spec): the template each request's matchers are copied
     from. Raises `GrammarError` naming the problem. Releases the GIL while it compiles."""
+    name = _KIND_NAMES[kind]
     try:
         grammar = grammar_text(kind, spec)
     except ValueError as exc:
-        raise GrammarError(f"invalid {_KIND_NAMES[kind]}: {exc}") from None
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        raise GrammarError(f"invalid {name}: {short_error(str(exc))}") from None
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
-        raise GrammarError(f"invalid {_KIND_NAMES[kind]}: {matcher.get_error().strip()}")
+        raise GrammarError(f"invalid {name}: {short_error(matcher.get_error())}")
+    check_first_step(matcher, tokenizer.eos_tokens, name)
     return matcher
+
+
+def check_first_step(matcher: llguidance.LLMatcher, eos_token_ids, name: str) -> None:
+    """Raises `GrammarError` if `matcher`'s grammar fails on its first step (on a copy): its
+    first mask (a grammar no output satisfies, e.g. a schema that only refers to itself),
+    or its first token (llguidance builds the first rows then: a grammar past its limits fails
+    there whatever the token; the lowest allowed id other than EOS is taken)."""
+    probe = matcher.deep_copy()
+    bits = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
+    if probe.is_error():
+        raise GrammarError(
+            f"invalid {name}: no output satisfies it ({short_error(probe.get_error())})"
+        )
+    allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+    tokens = allowed[~np.isin(allowed, list(eos_token_ids))]
+    if len(tokens) and not probe.consume_token(int(tokens[0])):
+        raise GrammarError(
+            f"{name} too large or complex for the grammar engine ({short_error(probe.get_error())})"
+        )
 
 
 def compile_params(

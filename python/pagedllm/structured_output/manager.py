@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling.grammar_mask import TokenBitmask
-from pagedllm.structured_output.compiler import GrammarError, compile_params
+from pagedllm.structured_output.compiler import GrammarError, compile_params, short_error
 from pagedllm.structured_output.drafts import cut_drafts, mask_rows
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
@@ -393,6 +393,6 @@ class StructuredOutputManager:
                 what = f"tokens {token}" if isinstance(token, list) else f"token {token}"
                 faulty.setdefault(
                     request_id,
-                    GrammarError(f"{what} broke the grammar: {matcher.get_error()}"),
+                    GrammarError(f"{what} broke the grammar: {short_error(matcher.get_error())}"),
                 )
         return faulty
