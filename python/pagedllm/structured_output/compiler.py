@@ -8,8 +8,9 @@ newlines; a schema may still choose its own through its `x-guidance` options.
 
 llguidance keeps its own limits (`LIMITS`: at most 2,000 Earley items in a row, bounded lexer
 work), which bound the grammar's share of every step. A constraint that compiles but breaks
-them, or that no output can satisfy, fails as soon as it is used; `compile_grammar` takes the
-first step on a copy (`check_first_step`) so it is refused when it compiles, not mid-request.
+them, or that no output can satisfy, fails as soon as it is used; `compile_grammar` takes its
+first step on copies (`check_first_step`) so it is refused when it compiles, not mid-request
+(a grammar that breaks a limit only later still ends its request with a short error).
 A choice list is one lexeme (`CHOICE: "a" | "b" | ...`): the lexer takes a list of any length,
 where one grammar alternative per choice went past the row limit at about 2,000 choices.
 llguidance's errors come without its state and grammar dump and are cut to
@@ -18,6 +19,7 @@ llguidance's errors come without its state and grammar dump and are cut to
 
 from __future__ import annotations
 
+import functools
 import json
 
 import llguidance
@@ -89,27 +91,38 @@ def compile_grammar(
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
         raise GrammarError(f"invalid {name}: {short_error(matcher.get_error())}")
-    check_first_step(matcher, tokenizer.eos_tokens, name)
+    check_first_step(matcher, tokenizer, name)
     return matcher
 
 
-def check_first_step(matcher: llguidance.LLMatcher, eos_token_ids, name: str) -> None:
-    """Raises `GrammarError` if `matcher`'s grammar fails on its first step (on a copy): its
-    first mask (a grammar no output satisfies, e.g. a schema that only refers to itself),
-    or its first token (llguidance builds the first rows then: a grammar past its limits fails
-    there whatever the token; the lowest allowed id other than EOS is taken)."""
+def check_first_step(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, name: str):
+    """Raises `GrammarError` if `matcher`'s grammar fails on its first step: its first mask (a
+    grammar no output satisfies, e.g. a schema that only refers to itself), or its first token
+    (llguidance builds the first rows then, and a grammar past its limits fails there). Each
+    allowed single-byte token is tried on a copy: tokens that start with the same byte take
+    the parser the same first step, so this covers every first token the tokenizer can spell
+    byte by byte."""
     probe = matcher.deep_copy()
-    bits = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
+    allowed = np.unpackbits(
+        np.frombuffer(probe.compute_bitmask(), dtype=np.uint8), bitorder="little"
+    )
     if probe.is_error():
         raise GrammarError(
             f"invalid {name}: no output satisfies it ({short_error(probe.get_error())})"
         )
-    allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
-    tokens = allowed[~np.isin(allowed, list(eos_token_ids))]
-    if len(tokens) and not probe.consume_token(int(tokens[0])):
-        raise GrammarError(
-            f"{name} too large or complex for the grammar engine ({short_error(probe.get_error())})"
-        )
+    for token in _byte_tokens(tokenizer):
+        if allowed[token] and not (probe := matcher.deep_copy()).consume_token(token):
+            raise GrammarError(
+                f"{name} too large or complex for the grammar engine "
+                f"({short_error(probe.get_error())})"
+            )
+
+
+@functools.lru_cache(maxsize=8)  # one table per engine's tokenizer; a few engines per process
+def _byte_tokens(tokenizer: llguidance.LLTokenizer) -> tuple[int, ...]:
+    """The token of each byte value the tokenizer has one token for."""
+    singles = (tokenizer.tokenize_bytes(bytes([b])) for b in range(256))
+    return tuple(ids[0] for ids in singles if len(ids) == 1)
 
 
 def compile_params(
