@@ -16,6 +16,11 @@ BAD = {
         StructuredOutputsParams(regex="ab\\"),
         "invalid regex: .*unfinished escape",
     ),
+    # the same in a schema, where the unanchored pattern `\` would allow any string
+    "pattern with a trailing backslash": (
+        StructuredOutputsParams(json={"properties": {"a": {"type": "string", "pattern": "\\"}}}),
+        "invalid JSON schema: pattern '.*' ends in an unfinished escape",
+    ),
     # compiles, but no output satisfies it: it used to answer "" with `stop`
     "self-reference": (
         StructuredOutputsParams(json={"$ref": "#"}),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 
 import llguidance
 import numpy as np
@@ -58,15 +59,15 @@ def short_error(message: str) -> str:
 def grammar_text(kind: str, spec: str) -> str:
     """llguidance's grammar for one (kind, spec) key (see `StructuredOutputsParams.key`)."""
     if kind == "json":
+        for pattern in _schema_patterns(json.loads(spec)):
+            _check_escapes(pattern, "pattern ")
         return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
             JSON_OBJECT_SCHEMA, defaults=JSON_OPTIONS
         )
     if kind == "regex":
-        # llguidance's regex to Lark drops a trailing lone backslash ("a\\" would mean "a")
-        if (len(spec) - len(spec.rstrip("\\"))) % 2:
-            raise ValueError(f"{spec!r} ends in an unfinished escape (a lone backslash)")
+        _check_escapes(spec)
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         # one lexeme, each choice a Lark string literal (JSON string escapes)
@@ -76,6 +77,33 @@ def grammar_text(kind: str, spec: str) -> str:
         )
     # Lark, or GBNF translated to Lark
     return llguidance.grammar_from("grammar", spec)
+
+
+def _check_escapes(regex: str, what: str = "") -> None:
+    # llguidance's regex to Lark drops a trailing lone backslash: `a\` would mean `a`, and a
+    # JSON schema's unanchored pattern `\` anything
+    if (len(regex) - len(regex.rstrip("\\"))) % 2:
+        raise ValueError(f"{what}{regex!r} ends in an unfinished escape (a lone backslash)")
+
+
+def _schema_patterns(schema) -> Iterator[str]:
+    """The regexes of a JSON schema: `pattern` values and `patternProperties` keys. Walked
+    without recursion (a schema may nest deeply); instance data (`const`, `enum`, `default`,
+    `examples`) is not walked."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    yield value
+                elif key == "patternProperties" and isinstance(value, dict):
+                    yield from value
+                    stack.extend(value.values())
+                elif key not in ("const", "enum", "default", "examples"):
+                    stack.append(value)
 
 
 def compile_grammar(
