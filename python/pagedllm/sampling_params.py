@@ -87,7 +87,8 @@ class SamplingParams:
     logprob are returned. `logprobs=N` returns, per generated token, the sampled token and the N
     most likely ones, scored by the model's raw distribution (see `pagedllm.sampling.logprobs`).
     `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
-    (`StructuredOutputsParams`).
+    (`StructuredOutputsParams`); it takes no `min_tokens`, as the constraint decides where the
+    output ends.
     """
 
     n: int = 1
@@ -158,6 +159,14 @@ class SamplingParams:
             raise TypeError(
                 f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, "
                 f"got {type(so).__name__}"
+            )
+        if so is not None and self.min_tokens:
+            # the grammar decides where the output ends (only EOS may follow a complete one),
+            # and whether its outputs reach min_tokens is unknown ("yes" never does)
+            _fail(
+                "min_tokens",
+                self.min_tokens,
+                "must be 0 with structured_outputs (the constraint decides where the output ends)",
             )
 
     # --- derived views used by the engine and the sampler -------------------------------------

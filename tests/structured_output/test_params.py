@@ -67,3 +67,11 @@ def test_sampling_params_takes_only_structured_outputs_params():
     assert SamplingParams(structured_outputs=so).structured_outputs is so
     with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "x"})
+
+
+def test_structured_outputs_refuse_min_tokens_naming_it():
+    # the constraint decides where the output ends: choice "yes" cannot reach 10 tokens
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens must be 0 with structured"):
+        SamplingParams(structured_outputs=so, min_tokens=10)
+    assert SamplingParams(structured_outputs=so, min_tokens=0).min_tokens == 0

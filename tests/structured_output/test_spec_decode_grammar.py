@@ -21,7 +21,7 @@ from pagedllm.sampling_params import SamplingParams as Params
 from pagedllm.spec_decode import RejectionSampler
 from pagedllm.spec_decode.metadata import verification_rows
 from pagedllm.structured_output.drafts import cut_drafts, grammar_valid_prefix, mask_rows
-from pagedllm.structured_output.manager import DraftCuts
+from pagedllm.structured_output.manager import DraftCuts, consume_run
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": TINY_RANDOM_MODEL, "num_speculative_tokens": 3}
@@ -111,6 +111,29 @@ def test_drafts_the_grammar_rejects_are_cut_before_verification():
     cuts = llm.llm_engine.structured_output.draft_cuts
     assert cuts.proposed > cuts.kept
     assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] == cuts.kept
+
+
+def test_a_finished_grammar_takes_its_eos_while_another_row_accepts_drafts():
+    # with 3 drafts "delta" is complete (its matcher stopped) one step before it samples
+    # EOS, in a step where the regex request accepts its drafts: the EOS must end it with
+    # `stop`, as without speculation, not break its grammar
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=80, structured_outputs=StructuredOutputsParams(**so)
+        )
+        for so in ({"regex": "(ab){30}"}, {"choice": ["delta"]})
+    ]
+    prompts = ["abababab", "delta delta"]
+    plain = LLM(**ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(speculative_config={**NGRAM, "num_speculative_tokens": 3}, **ENGINE)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+
+    def results(outs):
+        return [(c.token_ids, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+
+    assert results(spec) == results(plain)
+    assert [reason for _, reason, _ in results(spec)] == ["stop", "stop"]
+    assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_sampled_constrained_outputs_stay_valid_with_speculation(ngram_run):
@@ -224,6 +247,14 @@ def test_grammar_cuts_drafts_at_the_first_rejected_token(regex_matcher):
     assert grammar_valid_prefix(matcher, [*ids("abcd"), eos[0]], eos) == 4
     # validation leaves the matcher where it was
     assert matcher.validate_tokens(ids("cdab")) == 4
+
+
+def test_a_stopped_matcher_consumes_a_run_of_its_eos(regex_matcher):
+    template, eos = regex_matcher
+    matcher = template.deep_copy()
+    assert matcher.consume_tokens(ids("abcd")) and matcher.is_stopped()
+    assert consume_run(matcher, [eos[0]])
+    assert not consume_run(template.deep_copy(), ids("abx"))
 
 
 def test_cut_drafts_trims_constrained_sequences_only(regex_matcher):

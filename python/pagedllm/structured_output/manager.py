@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling.grammar_mask import TokenBitmask
-from pagedllm.structured_output.compiler import GrammarError, compile_params
+from pagedllm.structured_output.compiler import GrammarError, compile_params, short_error
 from pagedllm.structured_output.drafts import cut_drafts, mask_rows
 from pagedllm.structured_output.params import StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
@@ -117,6 +117,15 @@ class StepGrammar:
         """Waits for the fill to end, whatever happens to the step (a failed step must not
         leave a fill running on matchers the next step uses)."""
         wait([self._fill])
+
+
+def consume_run(matcher, run: list[int]) -> bool:
+    """Feeds `run` to `matcher`; False if the grammar rejects a token. A matcher whose grammar
+    is complete has stopped, and llguidance's `consume_tokens` refuses even the EOS it must
+    accept then (its `consume_token` takes it): such a run goes token by token."""
+    if matcher.is_stopped():
+        return all(matcher.consume_token(token) for token in run)
+    return matcher.consume_tokens(run)
 
 
 class StructuredOutputManager:
@@ -371,7 +380,7 @@ class StructuredOutputManager:
             counts = np.asarray(num_tokens, dtype=np.int64)
             starts = np.cumsum(counts) - counts
             picked = [tokens[starts[k] : starts[k] + counts[k]].tolist() for k in grammar.rows]
-            accepted = [m.consume_tokens(run) for m, run in zip(grammar.matchers, picked)]
+            accepted = [consume_run(m, run) for m, run in zip(grammar.matchers, picked)]
         stats = self.stats
         stats.steps += 1
         stats.rows += int(grammar.bits.shape[0])
@@ -384,6 +393,6 @@ class StructuredOutputManager:
                 what = f"tokens {token}" if isinstance(token, list) else f"token {token}"
                 faulty.setdefault(
                     request_id,
-                    GrammarError(f"{what} broke the grammar: {matcher.get_error()}"),
+                    GrammarError(f"{what} broke the grammar: {short_error(matcher.get_error())}"),
                 )
         return faulty
