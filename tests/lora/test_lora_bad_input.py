@@ -37,6 +37,21 @@ def set_config(**changes):
     return edit
 
 
+def poison_weight(value: float):
+    """Writes `value` (NaN, inf) into one entry of the adapter's first lora_B matrix."""
+
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "adapter_model.safetensors"
+        tensors = load_file(path)
+        name = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[name][0, 0] = value
+        save_file(tensors, path)
+
+    return edit
+
+
 CASES = {
     "missing": (lambda f: shutil.rmtree(f), "no such folder"),
     "noconfig": (lambda f: (f / "adapter_config.json").unlink(), "no adapter_config.json"),
@@ -57,6 +72,8 @@ CASES = {
     ),
     "dora": (set_config(use_dora=True), "use_dora=True is not supported"),
     "bias": (set_config(bias="all"), "bias='all' is not supported"),
+    "nan": (poison_weight(float("nan")), r"weight '.*lora_B\.weight' holds NaN or infinite"),
+    "inf": (poison_weight(float("inf")), r"weight '.*lora_B\.weight' holds NaN or infinite"),
 }
 
 
