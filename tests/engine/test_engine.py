@@ -196,3 +196,22 @@ def test_metrics_and_cached_tokens_are_recorded_at_first_scheduling(llm):
     assert metrics.first_token_time >= metrics.first_scheduled_time
     assert out.num_cached_tokens == 36  # 9 full blocks of 4 reused from the first request
     assert not llm.engine._unscheduled
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Answer yes or no: \ufffd",  # the text ends in U+FFFD
+        {"prompt_token_ids": list("Answer yes or no: €".encode())[:-1]},  # inside a character
+    ],
+    ids=["u-fffd", "cut-character"],
+)
+def test_a_choice_after_a_prompt_ending_in_u_fffd_is_exactly_the_choice(llm, prompt):
+    from pagedllm import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice)
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.text in ("yes", "no")
+    assert completion.text == llm.get_tokenizer().decode(completion.token_ids)

@@ -3,11 +3,13 @@ serving; a fault that belongs to one request ends that request only; nothing lea
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import SCHEDULING_STRATEGIES
 from pagedllm.engine import LLMEngine
+from pagedllm.engine.faults import Group
 
 PROMPTS = ["Hello, my name is", "a", "The quick brown fox jumps over", "0123456789" * 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -109,13 +111,13 @@ def test_faults_under_preemption_lose_nothing(scheduling, preemption_mode, refer
     assert_nothing_leaked(engine)
 
 
-def test_requests_in_too_many_failed_steps_end_as_aborted_with_the_error():
+def test_a_request_failing_with_nothing_to_compare_ends_after_the_unattributed_limit():
     llm = make_llm()
     engine = llm.engine
     flaky = FlakyForward(engine, set(range(1, 1000)), RuntimeError("device lost (injected)"))
     engine.add_request("doomed", "Hello", GREEDY)
     finals, errors = run_to_end(engine)
-    assert len(errors) == LLMEngine.MAX_STEP_FAULTS
+    assert len(errors) == LLMEngine.MAX_UNATTRIBUTED_FAULTS
     out = finals["doomed"].outputs[0]
     assert out.finish_reason == "abort"
     assert "device lost (injected)" in out.stop_reason and "failed steps" in out.stop_reason
@@ -196,3 +198,146 @@ def test_outputs_owed_by_a_failed_step_come_with_the_next_one():
     assert finals["ok"].outputs[0].finish_reason == "abort"
     assert finals["ok2"].finished
     assert_nothing_leaked(engine)
+
+
+# ---- finding the request at fault -----------------------------------------------------------
+
+POISON_LEN = 80  # no innocent prompt plus its output gets this long
+POISONED = "z" * 90
+
+
+class PoisonedForward:
+    """Wraps the runner's forward: any forward over a sequence of `POISON_LEN` tokens or more
+    raises (an out-of-memory on one long prompt), every time."""
+
+    def __init__(self, engine: LLMEngine):
+        self.forward, self.calls = engine.runner.forward, 0
+        engine.runner.forward = self
+
+    def __call__(self, inputs):
+        self.calls += 1
+        if inputs[2].max_seq_len >= POISON_LEN:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return self.forward(inputs)
+
+
+def assert_innocents_unharmed(finals: dict, reference) -> None:
+    for i in range(len(PROMPTS)):
+        out = finals[str(i)].outputs[0]
+        assert out.finish_reason == "length" and out.token_ids == reference[i], f"request {i}"
+
+
+def assert_poisoned_ended_alone(out) -> None:
+    completion = out.outputs[0]
+    assert completion.finish_reason == "abort"
+    assert "alone" in completion.stop_reason and "injected" in completion.stop_reason
+
+
+@pytest.mark.parametrize("scheduling", STRATEGIES)
+def test_a_request_whose_forward_always_fails_ends_alone(scheduling, reference):
+    engine = make_llm(scheduling=scheduling).engine
+    PoisonedForward(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.add_request("poisoned", POISONED, GREEDY)
+    for i, prompt in enumerate(PROMPTS[2:], start=2):
+        engine.add_request(str(i), prompt, GREEDY)
+    finals, errors = run_to_end(engine)
+    assert errors and all("injected" in str(e) for e in errors)  # step() still re-raises
+    assert_poisoned_ended_alone(finals["poisoned"])
+    assert_innocents_unharmed(finals, reference)
+    assert_nothing_leaked(engine)
+
+
+def test_three_poisoned_requests_in_one_batch_end_alone(reference):
+    engine = make_llm().engine
+    PoisonedForward(engine)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"poisoned{i}", POISONED + str(i), GREEDY)
+        engine.add_request(str(i), prompt, GREEDY)
+    finals, _ = run_to_end(engine)
+    for i in range(len(PROMPTS)):
+        assert finals[f"poisoned{i}"].outputs[0].finish_reason == "abort"
+    assert_innocents_unharmed(finals, reference)
+    assert_nothing_leaked(engine)
+
+
+def test_three_poisoned_requests_in_a_row_end_alone(reference):
+    engine = make_llm().engine
+    PoisonedForward(engine)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    finals = {}
+    for k in range(3):  # each arrives while the innocents run, once the one before has ended
+        engine.add_request(f"poisoned{k}", POISONED, GREEDY)
+        while f"poisoned{k}" not in finals:
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                continue
+            finals.update((o.request_id, o) for o in outputs if o.finished)
+        assert_poisoned_ended_alone(finals[f"poisoned{k}"])
+    rest, _ = run_to_end(engine)
+    finals.update(rest)
+    assert_innocents_unharmed(finals, reference)
+    assert_nothing_leaked(engine)
+
+
+def test_a_transient_burst_of_failed_steps_blames_nobody(reference):
+    engine = make_llm().engine
+    flaky = FlakyForward(engine, set(range(1, 10**6)), RuntimeError("device error (injected)"))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    burst = LLMEngine.MAX_UNATTRIBUTED_FAULTS - 1
+    for _ in range(burst):
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+    flaky.fail_on = set()  # the device recovers
+    finals, errors = run_to_end(engine)
+    assert not errors
+    assert_innocents_unharmed(finals, reference)
+    assert_nothing_leaked(engine)
+
+
+def run_every_request_apart(engine: LLMEngine, monkeypatch) -> None:
+    """Every step runs each of its requests as a quarantine group of its own."""
+
+    def groups(step):
+        rows_of: dict[str, list[int]] = {}
+        for row, request_id in enumerate(step.request_ids):
+            rows_of.setdefault(request_id, []).append(row)
+        return [
+            Group(key, np.array(rows), [request_id])
+            for key, (request_id, rows) in enumerate(rows_of.items(), start=1)
+        ] or None
+
+    monkeypatch.setattr(engine.faults, "groups", groups)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize(
+    "kind, engine_kwargs, params",
+    [
+        ("plain", {}, GREEDY),
+        ("n=2", {}, SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True)),
+        ("ngram", {"speculative_config": NGRAM}, GREEDY),
+        ("chunked", {"scheduling": "chunked_prefill", "max_num_batched_tokens": 16}, GREEDY),
+    ],
+)
+def test_requests_run_in_groups_give_the_outputs_of_one_forward(
+    kind, engine_kwargs, params, monkeypatch
+):
+    want = make_llm(**engine_kwargs).generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(**engine_kwargs)
+    run_every_request_apart(llm.engine, monkeypatch)
+    forward = FlakyForward(llm.engine, set(), RuntimeError("unused"))
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in want
+    ]
+    assert forward.calls > llm.engine.get_stats()["num_steps"], "steps ran in several forwards"
+    if kind == "ngram":
+        assert llm.engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert_nothing_leaked(llm.engine)

@@ -37,6 +37,21 @@ def set_config(**changes):
     return edit
 
 
+def poison_weight(value: float):
+    """Writes `value` (NaN, inf) into one entry of the adapter's first lora_B matrix."""
+
+    def edit(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "adapter_model.safetensors"
+        tensors = load_file(path)
+        name = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[name][0, 0] = value
+        save_file(tensors, path)
+
+    return edit
+
+
 CASES = {
     "missing": (lambda f: shutil.rmtree(f), "no such folder"),
     "noconfig": (lambda f: (f / "adapter_config.json").unlink(), "no adapter_config.json"),
@@ -57,6 +72,8 @@ CASES = {
     ),
     "dora": (set_config(use_dora=True), "use_dora=True is not supported"),
     "bias": (set_config(bias="all"), "bias='all' is not supported"),
+    "nan": (poison_weight(float("nan")), r"weight '.*lora_B\.weight' holds NaN or infinite"),
+    "inf": (poison_weight(float("inf")), r"weight '.*lora_B\.weight' holds NaN or infinite"),
 }
 
 
@@ -141,3 +158,29 @@ def test_lora_request_checks_its_fields(fields, message):
 def test_engine_args_check_the_lora_knobs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(enable_lora=True, **kwargs)
+
+
+def test_an_adapter_whose_folder_vanished_after_loading_fails_only_its_requests(
+    llama_world, tmp_path
+):
+    w = llama_world
+    gone = broken(tmp_path, w.requests["alpha"], "gone", lambda folder: None)
+    beta = w.requests["beta"]
+    engine = w.llm(max_loras=1, max_cpu_loras=1).llm_engine
+    # arrival order: the first step holds the base requests and `gone`'s
+    requests = [(None, PROMPTS[0]), (gone, PROMPTS[1]), (None, PROMPTS[2]), (beta, PROMPTS[0])]
+    for i, (lora, prompt) in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, PARAMS, lora_request=lora)
+    # `beta` took the one host place: `gone` must be read from its folder again, now deleted
+    shutil.rmtree(gone.lora_path)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    lost = finals["1"].outputs[0]
+    assert lost.finish_reason == "abort"
+    assert "'gone'" in lost.stop_reason and "no such folder" in lost.stop_reason
+    w.check(
+        [finals[i] for i in "023"],
+        [(None, tuple(PROMPTS[0])), (None, tuple(PROMPTS[2])), ("beta", tuple(PROMPTS[0]))],
+    )
+    assert not engine.requests and engine.scheduler.get_stats()["num_rolled_back_steps"] == 1

@@ -48,14 +48,19 @@ class LLMEngine:
     """Step-wise engine (vLLM's names): add requests, call `step()` until nothing is left.
 
     A step that fails after scheduling (building inputs, the forward, sampling) is rolled back:
-    its requests are recomputed by later steps, and `step()` re-raises the error. A request
-    that was part of `MAX_STEP_FAULTS` failed steps is given up instead: it finishes with
-    `finish_reason="abort"` and the error in `stop_reason`. A fault that belongs to one
-    request (its sampling or output processing raises) ends only that request, the same way,
+    its requests are recomputed by later steps, and `step()` re-raises the error. The requests
+    of the failed forward then run apart, in halves, until the one at fault is found
+    (`engine/faults.py`): a request whose forward fails alone in `MAX_STEP_FAULTS` steps while
+    the rest ran fine is given up (it finishes with `finish_reason="abort"` and the error in
+    `stop_reason`), and so is one in `MAX_UNATTRIBUTED_FAULTS` failed steps in a row where
+    nothing ran fine (the device may be failing); the others finish with the outputs they
+    would have had. A fault that belongs to one request (its sampling or output processing
+    raises, its LoRA adapter can no longer be read) ends only that request, the same way,
     without raising.
     """
 
     MAX_STEP_FAULTS = 3
+    MAX_UNATTRIBUTED_FAULTS = 8
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
@@ -145,7 +150,9 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids
         )
-        self.faults = StepFaults(self.scheduler, self.requests, self.MAX_STEP_FAULTS)
+        self.faults = StepFaults(
+            self.scheduler, self.requests, self.MAX_STEP_FAULTS, self.MAX_UNATTRIBUTED_FAULTS
+        )
         # finished requests whose final output the next step returns (aborted, or owed by a
         # step that failed)
         self._owed_outputs: list[str] = []
@@ -334,25 +341,30 @@ class LLMEngine:
             request.finish_all("length", reason)
             touched[request_id] = request
         sampled = grammar = None
+        t2 = t3 = t1
         try:
             self._note_scheduled(step)
-            # structured output: the bitmask fills on its thread while the forward runs
-            grammar = self.structured_output.start_fill(step, self.requests)
-            inputs = self.runner.prepare_step(step)
-            if self.spec is not None:
-                self.spec.execute_block_ops(step)
-            t2 = time.perf_counter()
-            logits = self.runner.forward(inputs) if inputs is not None else None
-            if self.spec is not None and inputs is not None:
-                self.spec.mirror(inputs)
-            t3 = time.perf_counter()
-            faulty = {}
-            if logits is not None:
-                if self.spec is not None and has_drafts(step):
-                    sample = partial(self._verify, grammar=grammar)
+            # before anything runs: a request whose adapter can no longer be read fails alone
+            faulty = self._lost_adapters(step)
+            stage = "loading its LoRA adapter"
+            if not faulty:
+                # structured output: the bitmask fills on its thread while the forward runs
+                grammar = self.structured_output.start_fill(step, self.requests)
+                groups = self.faults.groups(step)  # None: nobody in quarantine, one forward
+                inputs = self._prepare(step, groups)
+                t2 = time.perf_counter()
+                if groups is not None:
+                    logits = self.faults.run_groups(step, groups, self._forward_rows)
                 else:
-                    sample = partial(self._sample, grammar=grammar)
-                sampled, faulty = sample_isolating(sample, step, logits)
+                    logits = self._forward(inputs) if inputs is not None else None
+                t3 = time.perf_counter()
+                stage = "sampling"
+                if logits is not None:
+                    if self.spec is not None and has_drafts(step):
+                        sample = partial(self._verify, grammar=grammar)
+                    else:
+                        sample = partial(self._sample, grammar=grammar)
+                    sampled, faulty = sample_isolating(sample, step, logits)
         except BaseException as exc:
             if grammar is not None:
                 grammar.settle()
@@ -360,7 +372,7 @@ class LLMEngine:
             self._owed_outputs.extend(touched)  # the outputs this step owed come with the next one
             raise
         if faulty:
-            self.faults.end_faulty(step, faulty, touched)
+            self.faults.end_faulty(step, faulty, touched, stage)
             return self._outputs(touched)
         t4 = t3
         generated = 0
@@ -382,6 +394,47 @@ class LLMEngine:
         self._stats.record(int(step.num_batched_tokens), generated)
         return self._outputs(touched)
 
+    def _lost_adapters(self, step) -> dict[str, Exception]:
+        """Puts the step's LoRA adapters into device slots; returns the requests whose adapter
+        can no longer be read (its folder changed or vanished since it was added) -> the error."""
+        if self.lora is None:
+            return {}
+        lora_ids = step.lora_ids
+        if not lora_ids.any():
+            return {}
+        lost = self.lora.load_step(lora_ids)
+        if not lost:
+            return {}
+        return {
+            request_id: lost[lora_id]
+            for request_id, lora_id in zip(step.request_ids, lora_ids.tolist())
+            if lora_id in lost
+        }
+
+    def _prepare(self, step, groups):
+        """Runs the step's block operations; returns its inputs (None: nothing to compute, or
+        `groups` in quarantine, which build their own)."""
+        if groups is None:
+            inputs = self.runner.prepare_step(step)
+        else:
+            self.runner.cache_engine.execute(
+                step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy
+            )
+            inputs = None
+        if self.spec is not None:
+            self.spec.execute_block_ops(step)
+        return inputs
+
+    def _forward(self, inputs) -> torch.Tensor | None:
+        logits = self.runner.forward(inputs)
+        if self.spec is not None:
+            self.spec.mirror(inputs)
+        return logits
+
+    def _forward_rows(self, rows) -> torch.Tensor | None:
+        """The forward of some of the step's rows (a group in quarantine, `StepRows`)."""
+        return self._forward(self.runner.prepare(rows))
+
     def _grammars_compiled(self) -> None:
         """Requests whose grammar finished compiling: schedulable from this step on, or ended
         with the compile's error (their output comes with this step)."""
@@ -399,6 +452,7 @@ class LLMEngine:
             if request.finished:
                 del self.requests[request.request_id]
                 self._unscheduled.discard(request.request_id)
+                self.faults.forget(request.request_id)
                 self.structured_output.release(request.request_id)
         return outputs
 

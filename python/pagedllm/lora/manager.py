@@ -1,7 +1,9 @@
 """`LoRAManager`: the engine's one object for adapters — checks and loads them when a request
-names one (before it is queued), keeps them in the host LRU and the device slots, and turns
-each step's per-row adapter ids (`SchedulerOutput.lora_ids`) into the token segments the
-wrapped projections read.
+names one (before it is queued), keeps them in the host LRU and the device slots, puts each
+step's adapters into slots before the step runs (`load_step`: an adapter evicted from the host
+LRU is read from its folder again there, and one that can no longer be read fails its requests,
+not the step), and turns the step's per-row adapter ids (`SchedulerOutput.lora_ids`) into the
+token segments the wrapped projections read.
 """
 
 from __future__ import annotations
@@ -66,17 +68,39 @@ class LoRAManager:
         """Ids of the adapters requests have named."""
         return set(self.requests)
 
+    def load_step(self, lora_ids: np.ndarray) -> dict[int, ValueError]:
+        """Puts the adapters of a step's rows (`lora_ids [S]`) into device slots, before anything
+        of the step runs: one no longer in a slot nor in the host LRU is read from its folder
+        again. Returns those that can no longer be read (folder deleted or changed since it was
+        added): `{lora_int_id: ValueError naming the adapter}`; their requests cannot run, the
+        others' adapters are in slots."""
+        lost: dict[int, ValueError] = {}
+        ready = []
+        for lora_id in np.unique(lora_ids).tolist():
+            if lora_id == 0:
+                continue
+            if lora_id not in self.slots:
+                try:
+                    self._fetch(lora_id)
+                except ValueError as exc:
+                    lost[lora_id] = exc
+                    continue
+            ready.append(lora_id)
+        self.slots.assign(ready, self._fetch)
+        return lost
+
     def prepare_step(self, lora_ids: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Puts the step's adapters into device slots and builds its token segments from the
-        per-row adapter ids `[S]` and token counts `[S]` (array ops; a Python loop only over
-        the step's distinct adapters, at most `max_loras`)."""
+        """Builds the token segments of a step (or of some of its rows) from the per-row adapter
+        ids `[S]` and token counts `[S]`, their adapters already in slots (`load_step`: nothing
+        is read from disk inside a step). Array ops; a Python loop only over the distinct
+        adapters, at most `max_loras`."""
         lora_ids = np.asarray(lora_ids)
         if not lora_ids.any():
             self.state.segments = None  # no row has an adapter: the projections skip LoRA
             return
         distinct, inverse = np.unique(lora_ids, return_inverse=True)
         adapters = [int(i) for i in distinct.tolist() if i != 0]
-        slot_of = self.slots.assign(adapters, self._fetch)
+        slot_of = self.slots.slots_of(adapters)
         lookup = np.array([slot_of.get(int(i), -1) for i in distinct.tolist()], dtype=np.int64)
         token_slots = np.repeat(lookup[inverse.reshape(-1)], np.asarray(num_tokens))
         self.state.segments = build_segments(token_slots, self.device)

@@ -4,8 +4,9 @@
 Every problem is a ValueError naming the adapter, its folder and what is wrong: a missing or
 unreadable folder or file, a malformed config, a rank above `max_lora_rank`, a projection the
 model does not have (or that we do not adapt: embeddings, `lm_head`), a matrix whose shape does
-not fit the model, or a PEFT option whose effect we would silently drop (DoRA, biases,
-`modules_to_save`, per-module ranks).
+not fit the model or that holds NaN or infinite values (in the model's dtype, after scaling), or
+a PEFT option whose effect we would silently drop (DoRA, biases, `modules_to_save`, per-module
+ranks).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _read_weights(
         tensors = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise _Problem(f"{WEIGHTS_FILE} is not readable: {exc}") from None
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    # (layer, projection) -> "A" / "B" -> (weight name, matrix)
+    halves: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
@@ -148,7 +150,7 @@ def _read_weights(
             )
         if layer >= spec.num_layers:
             raise _Problem(f"weight {key!r}: the model has {spec.num_layers} layers")
-        halves.setdefault((layer, module), {})[half] = tensor
+        halves.setdefault((layer, module), {})[half] = (key, tensor)
     if not halves:
         raise _Problem(f"{WEIGHTS_FILE} holds no LoRA weights")
     weights = {}
@@ -156,12 +158,30 @@ def _read_weights(
         where = f"layer {layer} {module}"
         if set(pair) != {"A", "B"}:
             raise _Problem(f"{where}: lora_A and lora_B must both be present")
-        a, b = pair["A"], pair["B"]
+        (a_key, a), (b_key, b) = pair["A"], pair["B"]
         d_in, d_out = spec.shapes[module]
         if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
             raise _Problem(
                 f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit rank "
                 f"{rank} and the model's {d_in} -> {d_out} projection"
             )
-        weights[(layer, module)] = (a.to(dtype), (b.float() * scaling).to(dtype))
+        a_used, b_used = a.to(dtype), (b.float() * scaling).to(dtype)
+        _check_finite(a_key, a, a_used, dtype, 1.0)
+        _check_finite(b_key, b, b_used, dtype, scaling)
+        weights[(layer, module)] = (a_used, b_used)
     return weights
+
+
+def _check_finite(
+    key: str, raw: torch.Tensor, used: torch.Tensor, dtype: torch.dtype, scaling: float
+) -> None:
+    """A NaN or infinite weight (or one the scaling and `dtype` overflow) makes every logit of
+    the adapter's requests NaN: refused at load instead of sampling garbage."""
+    if torch.isfinite(used).all():
+        return
+    if not torch.isfinite(raw).all():
+        raise _Problem(f"weight {key!r} holds NaN or infinite values")
+    raise _Problem(
+        f"weight {key!r} overflows {str(dtype).removeprefix('torch.')} once scaled by "
+        f"{scaling:g} (values too large for the model's dtype)"
+    )

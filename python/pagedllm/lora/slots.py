@@ -66,6 +66,19 @@ class LoRASlots:
             self._load(self._free_slot(needed), fetch(lora_id))
         return {lora_id: self._slot_of[lora_id] for lora_id in lora_ids}
 
+    def slots_of(self, lora_ids: list[int]) -> dict[int, int]:
+        """Slots of adapters already in slots (`assign`); a RuntimeError for one that is not."""
+        missing = [i for i in lora_ids if i not in self._slot_of]
+        if missing:
+            raise RuntimeError(
+                f"LoRA adapters {missing} are not in device slots (LoRAManager.load_step loads a "
+                f"step's adapters before it runs)"
+            )
+        return {lora_id: self._slot_of[lora_id] for lora_id in lora_ids}
+
+    def __contains__(self, lora_id: int) -> bool:
+        return lora_id in self._slot_of
+
     def resident(self) -> list[int]:
         """Adapter ids in device slots, least recently used first."""
         return list(self._slot_of)
