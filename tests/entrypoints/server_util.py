@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 
@@ -56,6 +57,19 @@ class LiveServer:
                 return
             time.sleep(0.05)
         raise AssertionError("the server did not become idle (requests or KV blocks leaked)")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Waits until the server process `proc` answers /health with 200 (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "the server exited early"
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

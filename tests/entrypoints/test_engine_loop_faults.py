@@ -16,7 +16,7 @@ import httpx
 
 from pagedllm.entrypoints.async_engine import BACKOFF_CAP_S, UNHEALTHY_AFTER_FAILURES, backoff_s
 
-from server_util import ENGINE, MODEL, free_port, live_server
+from server_util import ENGINE, MODEL, free_port, live_server, wait_healthy
 
 BODY = {"model": MODEL, "prompt": "go", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
 
@@ -138,15 +138,7 @@ def test_serve_exits_with_status_1_once_the_engine_is_broken():
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "the server exited before serving"
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(proc, url)
         response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30)
         assert response.status_code == 503
         assert proc.wait(timeout=30) == 1

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
 from pagedllm.cli.app import build_parser, main
 
-from server_util import free_port
+from server_util import free_port, wait_healthy
 
 
 def test_serve_parser_takes_the_engine_and_server_flags():
@@ -29,25 +28,13 @@ def test_serve_parser_takes_the_engine_and_server_flags():
     assert (args.max_request_body_bytes, args.max_failed_steps) == (5000, 7)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, "the server exited early"
-        assert time.monotonic() < deadline, "the server did not start"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-
-
 def test_serve_answers_then_exits_0_on_sigterm():
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port)]
     cmd += ["--max-model-len", "64", "--num-gpu-blocks", "16", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
     try:
-        _wait_healthy(proc, f"http://127.0.0.1:{port}")
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         body = {"prompt": "hi", "max_tokens": 3}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
         assert reply.status_code == 200
@@ -67,7 +54,7 @@ def test_sigterm_aborts_an_in_flight_stream_with_a_reason_and_exits_0():
     proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         body = {"prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         chunks = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
