@@ -5,9 +5,10 @@ Pure Python on purpose: importing it must not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -72,6 +73,45 @@ def _normalize_stop_token_ids(ids: Any) -> list[int]:
     return list(ids)
 
 
+def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        _fail("logit_bias", bias, "must be None or a dict of token id -> bias")
+    for token, value in bias.items():
+        if not (_is_int(token) and 0 <= token <= MAX_TOKEN_ID):
+            _fail("logit_bias", token, f"keys must be token ids (ints in [0, {MAX_TOKEN_ID}])")
+        if not _is_real(value) or math.isinf(value):
+            _fail("logit_bias", value, f"values must be finite numbers (token {token})")
+    return {int(t): float(v) for t, v in bias.items()}
+
+
+def _normalize_allowed_token_ids(ids: Any) -> list[int] | None:
+    if ids is None:
+        return None
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or not all(_is_int(i) and 0 <= i <= MAX_TOKEN_ID for i in ids)
+    ):
+        _fail(
+            "allowed_token_ids",
+            ids,
+            f"must be None or a non-empty list of token ids (ints in [0, {MAX_TOKEN_ID}])",
+        )
+    return list(dict.fromkeys(ids))
+
+
+def _normalize_bad_words(words: Any) -> list[str] | None:
+    if words is None:
+        return None
+    if not isinstance(words, (list, tuple)) or not all(
+        isinstance(w, str) and w.strip() for w in words
+    ):
+        _fail("bad_words", words, "must be None or a list of non-blank strings")
+    return list(words)
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one request; validated at construction (`ValueError` names the field).
@@ -89,6 +129,16 @@ class SamplingParams:
     `structured_outputs` constrains the output to a JSON schema, regex, choice list or grammar
     (`StructuredOutputsParams`); it takes no `min_tokens`, as the constraint decides where the
     output ends.
+
+    Token-level controls (vLLM's): `logit_bias` adds a bias to the logit of each token id given
+    (the OpenAI server clips biases to [-100, 100]); `allowed_token_ids` lets only those ids be
+    sampled (EOS only if listed); `bad_words` bans each word: its last token is masked whenever
+    the output ends with the word's other tokens, for the word's tokenization with and without a
+    leading space. None of these changes the reported `logprobs` (the raw distribution).
+    `prompt_logprobs=N` returns, per prompt token after the first, its logprob and the N most
+    likely tokens at that position (`RequestOutput.prompt_logprobs`, None first, as vLLM).
+    `truncate_prompt_tokens=k` keeps only the last k prompt tokens (-1: the last
+    `max_model_len`). Ids are checked against the vocabulary by `LLMEngine.add_request`.
     """
 
     n: int = 1
@@ -110,6 +160,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    # `bad_words` tokenized by the engine (`with_bad_words_tokenized`), as vLLM keeps them
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -119,6 +176,9 @@ class SamplingParams:
         self._check_structured_outputs()
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalize_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _normalize_bad_words(self.bad_words)
 
     def _check_counts(self) -> None:
         _check_int("n", self.n, 1)
@@ -130,6 +190,11 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        k = self.truncate_prompt_tokens
+        if k is not None and not (_is_int(k) and (k == -1 or 1 <= k <= MAX_INT64)):
+            _fail("truncate_prompt_tokens", k, f"must be None, -1 or an int in [1, {MAX_INT64}]")
         if self.seed is not None and not (_is_int(self.seed) and MIN_INT64 <= self.seed < 2**64):
             _fail("seed", self.seed, f"must be None or an int in [{MIN_INT64}, {2**64 - 1}]")
 
@@ -191,6 +256,26 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token-id sequences (empty until the engine tokenized them)."""
+        return self._bad_words_token_ids or []
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """A copy whose `bad_words` are tokenized with `encode` (no special tokens), vLLM's way:
+        each word as given (leading space stripped) and, when it tokenizes differently, with
+        one leading space, so the word is banned at the start of the text and inside it."""
+        if not self.bad_words:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return dataclasses.replace(self, _bad_words_token_ids=sequences)
 
     def all_stop_token_ids(self, eos_token_ids: int | Iterable[int] | None) -> list[int]:
         """Token ids that end the sequence: stop_token_ids, plus the EOS id (or every one of a

@@ -197,3 +197,36 @@ def test_params_and_outputs_import_without_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {1: float("inf")}),
+        ("logit_bias", {"1": 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", [1, 2]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [1, -2]),
+        ("allowed_token_ids", [True]),
+        ("bad_words", "word"),
+        ("bad_words", ["ok", " "]),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 1.0),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+        ("truncate_prompt_tokens", 2.0),
+    ],
+)
+def test_token_control_fields_refuse_bad_values_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name}"):
+        SamplingParams(**{name: value})
+
+
+def test_bad_words_tokenize_with_and_without_a_leading_space():
+    vocab = {"bad": [7], " bad": [9], "two words": [1, 2], " two words": [3, 2]}
+    params = SamplingParams(bad_words=["bad", " two words"])
+    tokenized = params.with_bad_words_tokenized(vocab.__getitem__)
+    assert tokenized.bad_words_token_ids == [[7], [9], [1, 2], [3, 2]]
+    assert params.bad_words_token_ids == []  # the caller's params are left as they were

@@ -43,6 +43,9 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # float32 [K]; 0.0 = off
     penalties: PenaltyBatch | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked by min_tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [A], bool [A, V]) allowed_token_ids
+    bad_words: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) banned by bad_words
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases)
     seeds: list[tuple[int, int]]  # (row, generator seed) of seeded random rows
     max_num_logprobs: int | None  # largest `logprobs` asked; None: no row asked
 
@@ -80,6 +83,9 @@ class SamplingMetadata:
             min_p=_row_values(params, greedy, "min_p", 0.0, device),
             penalties=_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
             banned=_min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device),
+            allowed=_allowed(params, vocab_size, device),
+            bad_words=_bad_words_ban(params, output_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device),
             seeds=[
                 (i, sample_seed(params[i].seed, seq_index[i], len(output_token_ids[i])))
                 for i in random_rows
@@ -174,4 +180,59 @@ def _min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device
     return (
         torch.tensor(rows, dtype=torch.int64, device=device),
         torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
+
+
+def _allowed(params, vocab_size, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    pairs = [(r, t) for r, i in enumerate(rows) for t in params[i].allowed_token_ids]
+    pairs = [(r, t) for r, t in pairs if t < vocab_size]  # ids the model cannot produce
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.int64, device=device)
+        mask[index[:, 0], index[:, 1]] = True
+    return torch.tensor(rows, dtype=torch.int64, device=device), mask
+
+
+def _bad_words_ban(params, output_token_ids, vocab_size, device):
+    """vLLM's rule: a one-token word is always banned; a longer word's last token is banned when
+    the output so far ends with the word's other tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, p in enumerate(params):
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            output = output_token_ids[i]
+            if word[-1] < vocab_size and (
+                not prefix
+                or (len(output) >= len(prefix) and list(output[-len(prefix) :]) == prefix)
+            ):
+                rows.append(i)
+                tokens.append(word[-1])
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
+
+
+def _logit_bias(params, vocab_size, device):
+    rows: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for t, bias in (p.logit_bias or {}).items():
+            if t < vocab_size:
+                rows.append(i)
+                tokens.append(t)
+                biases.append(bias)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+        torch.tensor(biases, dtype=torch.float32, device=device),
     )

@@ -1,10 +1,17 @@
-"""Logits processing on whole [K, V] tensors: penalties, min-p, top-k, top-p."""
+"""Logits processing on whole [K, V] tensors: allowed tokens, penalties, min-p, top-k, top-p."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from pagedllm.sampling.metadata import PenaltyBatch
+
+
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` keep only their `allowed` tokens (bool [A, V]); the others get -inf."""
+    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, -math.inf))
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:

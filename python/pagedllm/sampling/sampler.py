@@ -6,15 +6,17 @@ sample's `SamplingParams` and state, and calls a `Sampler`. Everything below wor
 [K, V] tensors; Python only loops over the K rows to gather parameters, never over the vocabulary.
 Features no row uses cost nothing: an all-greedy batch without penalties is one argmax.
 
-Processing order (vLLM V1): structured output's token bitmask -> min_tokens mask -> penalties ->
+Processing order (vLLM V1): structured output's token bitmask -> allowed_token_ids -> bad_words
+-> min_tokens mask -> logit_bias -> penalties ->
 greedy argmax | (temperature -> min-p -> top-k -> top-p -> softmax -> exponential race). The
 bitmask comes first, as in vLLM where it is applied to the logits before the sampler runs, so
 everything after it (logprobs included) sees only the tokens the grammar allows.
 
 Logprobs are those of the *raw* model distribution (after the grammar mask, if any),
-`log_softmax(logits)` before min_tokens, penalties, temperature or truncation (vLLM V1's
-default "raw_logprobs"): they score what the model believes, independent of how the caller
-chose to sample, and `rank` 1 is the model's top token. `cumulative_logprob` sums these.
+`log_softmax(logits)` before allowed_token_ids, bad_words, min_tokens, logit_bias, penalties,
+temperature or truncation (vLLM V1's default "raw_logprobs"): they score what the model
+believes, independent of how the caller chose to sample, and `rank` 1 is the model's top token.
+`cumulative_logprob` sums these.
 
 Seeds: a seeded sample redraws its noise from its own generator (`pagedllm.sampling.seeds`);
 unseeded samples share one batched draw from the engine's generator.
@@ -29,7 +31,13 @@ import torch
 from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
 from pagedllm.sampling.logprobs import LogprobsTensors, compute_logprobs
 from pagedllm.sampling.metadata import SamplingMetadata
-from pagedllm.sampling.ops import apply_min_p, apply_penalties, apply_top_k, apply_top_k_top_p
+from pagedllm.sampling.ops import (
+    apply_allowed,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_k_top_p,
+)
 
 
 def _exponential_noise(shape, meta: SamplingMetadata, device, generator, seeded) -> torch.Tensor:
@@ -58,10 +66,18 @@ def random_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The first processing stages, shared by greedy and random rows: the min_tokens mask, then
-    penalties."""
+    """The first processing stages, shared by greedy and random rows, in vLLM's order:
+    allowed_token_ids, bad_words, the min_tokens mask, logit_bias, then penalties."""
+    minus_inf = torch.tensor(float("-inf"), device=logits.device)
+    if meta.allowed is not None:
+        logits = apply_allowed(logits, *meta.allowed)
+    if meta.bad_words is not None:
+        logits = logits.index_put(meta.bad_words, minus_inf)
     if meta.banned is not None:
-        logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put(meta.banned, minus_inf)
+    if meta.logit_bias is not None:
+        rows, tokens, biases = meta.logit_bias
+        logits = logits.index_put((rows, tokens), biases, accumulate=True)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     return logits
