@@ -40,13 +40,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     all_special_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
-    """Token i < 256 is byte i; then BOS, EOS, PAD. `encode` prepends BOS."""
+    """Token i < 256 is byte i; then BOS, EOS, PAD. `encode` prepends BOS (with special tokens)."""
 
     special_tokens = {BYTE_BOS_ID: "<s>", BYTE_EOS_ID: "</s>", BYTE_PAD_ID: "<pad>"}
 
@@ -57,8 +57,9 @@ class ByteTokenizer:
         self.vocab_size = BYTE_VOCAB_SIZE
         self.all_special_ids = frozenset(self.special_tokens)
 
-    def encode(self, text: str) -> list[int]:
-        return [BYTE_BOS_ID, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = list(text.encode("utf-8"))
+        return [BYTE_BOS_ID, *body] if add_special_tokens else body
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         pieces: list[str] = []
@@ -120,8 +121,8 @@ class HFTokenizer:
         (structured output hands it to its grammar engine)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -158,8 +159,8 @@ class AutoTokenizerAdapter:
         """The `transformers` tokenizer itself (see `HFTokenizer.backend`)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -71,13 +71,15 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 class StepRows:
     """Some sequence rows of a step (`rows`, ascending), with the fields `ModelRunner.prepare`
-    reads of a step: their tokens, KV slots, block tables, adapters, drafts and samples.
+    reads of a step: their requests, tokens, KV slots, block tables, adapters, drafts and
+    samples.
     `samples` are the step's sample indices these rows hold, in order."""
 
     def __init__(self, step, rows: np.ndarray) -> None:
         num_tokens = step.num_tokens[rows]
         tokens = _ranges(step.query_start_loc[rows], num_tokens)
         self.num_seqs = len(rows)
+        self.request_ids = [step.request_ids[r] for r in rows]
         self.num_tokens = num_tokens
         self.query_start_loc = np.concatenate(([0], np.cumsum(num_tokens))).astype(np.int32)
         self.seq_lens = step.seq_lens[rows]

@@ -34,10 +34,18 @@ class InputProcessor:
     """Checks one request's inputs against the engine (vocabulary, `max_num_seqs`, tokenizer)
     and turns its prompt into token ids."""
 
-    def __init__(self, tokenizer: Tokenizer | None, *, vocab_size: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        *,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len  # what truncate_prompt_tokens=-1 keeps
 
     def process(
         self,
@@ -46,17 +54,53 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: Any,
         priority: Any,
-    ) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids) of a request whose inputs are all valid."""
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """(prompt text or None, prompt token ids, the parameters the engine runs it with) of a
+        request whose inputs are all valid. The prompt is truncated to its last
+        `truncate_prompt_tokens` tokens (the text is kept as given, as vLLM does); `bad_words`
+        are tokenized."""
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"request {request_id!r}: params must be SamplingParams, "
                 f"got {type(params).__name__}"
             )
         self.check_limits(request_id, params, arrival_time, priority)
+        params = self.tokenize_bad_words(request_id, params)
         text, token_ids = self.tokenize(request_id, prompt)
+        token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
         self.check_prompt(request_id, token_ids)
-        return text, token_ids
+        return text, token_ids, params
+
+    def truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` prompt tokens (-1: the last `max_model_len`; None: all)."""
+        if keep == -1:
+            keep = self.max_model_len
+        return token_ids[-keep:] if keep is not None and len(token_ids) > keep else token_ids
+
+    def tokenize_bad_words(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: bad_words need a tokenizer (the engine was built "
+                f"with skip_tokenizer_init=True)"
+            )
+        tokenizer = self.tokenizer
+        params = params.with_bad_words_tokenized(
+            lambda word: tokenizer.encode(word, add_special_tokens=False)
+        )
+        for word in params.bad_words_token_ids:
+            self._check_token_ids(request_id, "bad_words", word)
+        return params
+
+    def _check_token_ids(self, request_id: str, name: str, ids) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"request {request_id!r}: {name}: token id {bad} is outside the vocabulary "
+                f"[0, {vocab})"
+            )
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -101,6 +145,8 @@ class InputProcessor:
                 raise ValueError(
                     f"request {request_id!r}: {name}={value} exceeds the vocabulary size {vocab}"
                 )
+        self._check_token_ids(request_id, "logit_bias", params.logit_bias or ())
+        self._check_token_ids(request_id, "allowed_token_ids", params.allowed_token_ids or ())
         if not is_int(priority) or not MIN_INT64 <= priority <= MAX_INT64:
             raise ValueError(
                 f"request {request_id!r}: priority must be an int in "

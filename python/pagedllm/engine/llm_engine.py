@@ -23,6 +23,7 @@ from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType, check_request_id
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.prompt_logprobs import PromptLogprobs
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
 from pagedllm.lora.request import LoRARequest
@@ -144,9 +145,13 @@ class LLMEngine:
         self.sampler = Sampler(generator)
         self.requests: dict[str, RequestState] = {}
         self.inputs = InputProcessor(
-            self.tokenizer, vocab_size=cfg.vocab_size, max_num_seqs=self.scheduler.max_num_seqs
+            self.tokenizer,
+            vocab_size=cfg.vocab_size,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.requests)
+        self.prompt_logprobs = PromptLogprobs(self.output_processor.decode_one)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids
         )
@@ -230,7 +235,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
         params = params if params is not None else SamplingParams()
-        text, token_ids = self.inputs.process(request_id, prompt, params, arrival_time, priority)
+        text, token_ids, params = self.inputs.process(
+            request_id, prompt, params, arrival_time, priority
+        )
         lora_id = self._lora_id(request_id, lora_request)
         constraint = params.structured_outputs
         if constraint is not None and self.tokenizer is None:
@@ -257,7 +264,9 @@ class LLMEngine:
             ignore_eos=params.ignore_eos,
             lora_id=lora_id,
             structured_output=constraint is not None,
+            extra_key=self.prompt_logprobs.cache_key(params),
         )
+        self.prompt_logprobs.add(request_id, token_ids, params)
         self._unscheduled.add(request_id)
         self.requests[request_id] = request
         if constraint is not None:
@@ -355,8 +364,10 @@ class LLMEngine:
                 t2 = time.perf_counter()
                 if groups is not None:
                     logits = self.faults.run_groups(step, groups, self._forward_rows)
+                elif inputs is not None:
+                    logits = self._forward(inputs, self.prompt_logprobs.rows_of(step))
                 else:
-                    logits = self._forward(inputs) if inputs is not None else None
+                    logits = None
                 t3 = time.perf_counter()
                 stage = "sampling"
                 if logits is not None:
@@ -425,15 +436,20 @@ class LLMEngine:
             self.spec.execute_block_ops(step)
         return inputs
 
-    def _forward(self, inputs) -> torch.Tensor | None:
-        logits = self.runner.forward(inputs)
+    def _forward(self, inputs, prompt=None) -> torch.Tensor | None:
+        """`prompt`: the rows whose logits prompt logprobs need (`PromptLogprobs.rows_of`)."""
+        # (no `prompt` argument when there is none: the usual call, which tests stand in for)
+        logits = (
+            self.runner.forward(inputs) if prompt is None else self.runner.forward(inputs, prompt)
+        )
+        self.prompt_logprobs.collect(prompt)
         if self.spec is not None:
             self.spec.mirror(inputs)
         return logits
 
     def _forward_rows(self, rows) -> torch.Tensor | None:
         """The forward of some of the step's rows (a group in quarantine, `StepRows`)."""
-        return self._forward(self.runner.prepare(rows))
+        return self._forward(self.runner.prepare(rows), self.prompt_logprobs.rows_of(rows))
 
     def _grammars_compiled(self) -> None:
         """Requests whose grammar finished compiling: schedulable from this step on, or ended
@@ -448,8 +464,11 @@ class LLMEngine:
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = [request.output() for request in touched.values()]
+        for output in outputs:
+            output.prompt_logprobs = self.prompt_logprobs.result(output.request_id)
         for request in touched.values():
             if request.finished:
+                self.prompt_logprobs.release(request.request_id)
                 del self.requests[request.request_id]
                 self._unscheduled.discard(request.request_id)
                 self.faults.forget(request.request_id)

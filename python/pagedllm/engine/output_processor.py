@@ -133,13 +133,13 @@ class OutputProcessor:
             seq.cumulative_logprob += logprobs.sampled_logprobs[k]
             if request.params.logprobs is not None:
                 seq.logprobs.append(
-                    logprobs.entry(k, token, request.params.logprobs, self._decode_one)
+                    logprobs.entry(k, token, request.params.logprobs, self.decode_one)
                 )
         if seq.detokenizer is not None and not request.ends_by_token(seq, token):
             return seq.detokenizer.append(token)[1]
         return None
 
-    def _decode_one(self, token_id: int) -> str | None:
+    def decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -18,7 +18,11 @@ from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_threads import configure_cpu_threads
 
 if TYPE_CHECKING:
+    from pagedllm.engine.prompt_logprobs import PromptRows
     from pagedllm.lora.manager import LoRAManager
+
+# prompt logprobs: logits rows computed at once (bounds the [rows, V] float32 buffers)
+PROMPT_LOGITS_SLICE = 256
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -87,11 +91,17 @@ class ModelRunner:
         return self.prepare(step)
 
     @torch.inference_mode()
-    def forward(self, inputs) -> torch.Tensor | None:
+    def forward(self, inputs, prompt: PromptRows | None = None) -> torch.Tensor | None:
         """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0); with
-        draft tokens, [sum(d + 1), V]: each sample's rows from its first scored position on."""
+        draft tokens, [sum(d + 1), V]: each sample's rows from its first scored position on.
+        `prompt`: rows whose logits prompt logprobs need, handed to `prompt.take` in slices."""
         input_ids, positions, meta, sample_rows = inputs
         hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
+        if prompt is not None:
+            rows = _to_device(prompt.rows, self.device)
+            for start in range(0, len(rows), PROMPT_LOGITS_SLICE):
+                picked = hidden.index_select(0, rows[start : start + PROMPT_LOGITS_SLICE])
+                prompt.take(self.model.compute_logits(picked), start)
         if sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, sample_rows))
