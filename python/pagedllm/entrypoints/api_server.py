@@ -2,9 +2,9 @@
 the API-key check, and running until a signal.
 
 Endpoints: `POST /v1/completions` (serving_completions.py), `POST /v1/chat/completions`
-(serving_chat.py), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and FastAPI's
-`/openapi.json`. What the two generating endpoints share lives in serving.py; errors in
-errors.py.
+(serving_chat.py), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize` (serving.py),
+`GET /health`, `GET /metrics` (Prometheus), and FastAPI's `/openapi.json`. What the two
+generating endpoints share lives in serving.py; errors in errors.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.async_engine import AsyncEngine
 from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
-from pagedllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pagedllm.entrypoints.serving import Server, ServerConfig
 from pagedllm.entrypoints.serving_chat import create_chat_completion
 from pagedllm.entrypoints.serving_completions import create_completion
@@ -195,6 +202,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(server, body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_CLIENT_ERROR)
+    async def tokenize(body: TokenizeRequest):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_CLIENT_ERROR)
+    async def detokenize(body: DetokenizeRequest):
+        return await server.detokenize(body)
 
     return app
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.entrypoints.protocol import param_of
+from pagedllm.entrypoints.protocol import param_of, unknown_field
 
 
 class ErrorDetail(BaseModel):
@@ -62,7 +62,8 @@ def _param_of(message: str) -> str | None:
     match = re.search(r"SamplingParams\.(\w+)", message)
     if match:
         return match.group(1)
-    for name in ("prompt", "best_of", "logprobs", "priority", "stop_token_ids", "n"):
+    names = ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs")
+    for name in (*names, "prompt", "best_of", "logprobs", "priority", "stop_token_ids", "n"):
         if re.search(rf"\b{name}\b", message):
             return name
     return None
@@ -82,9 +83,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error')}", None
     problems: dict[str | None, list[str]] = {}
     for error in errors:
-        msgs = problems.setdefault(param_of(error.get("loc", ())), [])
-        if error.get("msg") not in msgs:
-            msgs.append(error.get("msg"))
+        param, msg = param_of(error.get("loc", ())), error.get("msg")
+        if error.get("type") == "extra_forbidden":
+            param, msg = unknown_field(error.get("loc", ()))
+        msgs = problems.setdefault(param, [])
+        if msg not in msgs:
+            msgs.append(msg)
     message = "; ".join(
         f"{param or 'body'}: {' or '.join(msgs)}" for param, msgs in list(problems.items())[:5]
     )

@@ -3,6 +3,12 @@
 Every body object (`_Body`) takes `null` for an optional field as its default, as OpenAI's API
 does, and refuses a string holding a lone surrogate (`"\\ud800"` is valid JSON but not Unicode:
 no tokenizer, grammar or response can encode it) with a 400 naming where it is.
+
+A field a body does not declare is a 400 naming it (`extra="forbid"`, mapped by
+`unknown_field`): a request is never served with part of it silently dropped. The fields in
+`NO_OP_FIELDS` are declared and accepted but change nothing here (they steer OpenAI's platform:
+storage, billing tiers, abuse monitoring). Chat messages stay open, as OpenAI's are: a key such
+as `name` reaches the chat template.
 """
 
 from __future__ import annotations
@@ -85,9 +91,10 @@ def _nullable_properties(schema: dict[str, Any], model: type[BaseModel]) -> None
 
 
 class _Body(BaseModel):
-    """A body object: null for an optional field means its default."""
+    """A body object: null for an optional field means its default; an undeclared field is an
+    error."""
 
-    model_config = ConfigDict(extra="ignore", json_schema_extra=_nullable_properties)
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_nullable_properties)
 
     @model_validator(mode="before")
     @classmethod
@@ -105,6 +112,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # vLLM's: usage (tokens so far) in every chunk, not only in a final one
+    continuous_usage_stats: StrictBool = False
+
+
+# Accepted, documented, and without effect on this server (see the module docstring)
+NO_OP_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+)
 
 
 class _SamplingFields(_Body):
@@ -132,7 +152,15 @@ class _SamplingFields(_Body):
     frequency_penalty: Number = 0.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # NO_OP_FIELDS: accepted, no effect (prefix caching needs no prompt_cache_key)
     user: StrictStr | None = None
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    # OpenAI's: token id (as a string) -> bias, clipped to [-100, 100]
+    logit_bias: dict[StrictStr, Number] | None = None
     # vLLM's extras
     top_k: StrictInt | None = None
     min_p: Number | None = None
@@ -143,6 +171,10 @@ class _SamplingFields(_Body):
     priority: StrictInt = 0
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     # vLLM's structured output: {"json": schema} | {"regex": ...} | {"choice": [...]} | ...
     structured_outputs: dict[str, Any] | None = None
     # pagedllm's: seconds after which the request ends with finish reason "abort"
@@ -178,6 +210,9 @@ class ResponseFormat(_Body):
 
 
 class ChatMessage(_Body):
+    # open, as OpenAI's messages are: other keys (`name`, ...) reach the chat template
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
 
@@ -200,6 +235,33 @@ class ChatCompletionRequest(_SamplingFields):
         return value
 
 
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a `prompt` (special tokens added unless `add_special_tokens` is
+    false), or chat `messages` (tokenized as `/v1/chat/completions` does)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def _field_names() -> frozenset[str]:
     names, models = set(), [_Body]
     while models:
@@ -218,3 +280,12 @@ def param_of(loc: tuple[str | int, ...]) -> str | None:
     list indices in it, without pydantic's union branch tags (`temperature.float`)."""
     parts = tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)
     return _path(parts) or None
+
+
+def unknown_field(loc: tuple[str | int, ...]) -> tuple[str, str]:
+    """(the field, the message) for a field the body does not declare (pydantic's
+    `extra_forbidden` at `loc`)."""
+    *known, name = loc[1:] if loc and loc[0] == "body" else loc
+    param = _path((*(p for p in known if isinstance(p, int) or p in _FIELD_NAMES), name))
+    accepted = ", ".join(NO_OP_FIELDS)
+    return param, f"not a field this server supports (accepted without effect: {accepted})"

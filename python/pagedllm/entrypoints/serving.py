@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -19,12 +20,15 @@ from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, Eng
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
+from pagedllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_of
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.1
+# OpenAI's documented range of a logit_bias value; vLLM clips to it too
+MAX_LOGIT_BIAS = 100.0
 # a request body over this is a 413 before it is parsed: 4 MiB holds a text prompt of some 4
 # million ASCII characters, or some 500,000 token ids
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -148,6 +152,28 @@ def _mark_timeout(output: RequestOutput, timeout: float | None) -> None:
             completion.stop_reason = f"timeout after {timeout} s"
 
 
+def prompt_logprobs_json(output: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """vLLM's `prompt_logprobs` answer field: per prompt token None (the first) or token id ->
+    {logprob, rank, decoded_token}."""
+    entries = output.prompt_logprobs
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
+def continuous_usage(body: Any) -> bool:
+    """stream_options.continuous_usage_stats: usage in every streamed chunk."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -223,6 +249,10 @@ class Server:
         self, body: Any, *, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """The engine's parameters from the fields both endpoints share."""
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(
+                400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs"
+            )
         for token in body.stop_token_ids or ():
             if not 0 <= token < self.vocab_size:
                 raise APIError(
@@ -244,6 +274,11 @@ class Server:
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=constraint_of(body),
+            logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            prompt_logprobs=body.prompt_logprobs,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
@@ -262,23 +297,75 @@ class Server:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
 
-    async def prompts(self, raw: Sequence[str | list[int]]) -> list[Prompt]:
-        """Completion prompts (text or token ids), tokenized and checked."""
+    async def prompts(
+        self, raw: Sequence[str | list[int]], truncate: int | None = None
+    ) -> list[Prompt]:
+        """Completion prompts (text or token ids), tokenized, truncated to their last
+        `truncate` tokens (`truncate_prompt_tokens`) and checked."""
         return await self.in_tokenizer_thread(
-            lambda: [self._prompt(p, i, "prompt") for i, p in enumerate(raw)]
+            lambda: [self._prompt(p, i, "prompt", truncate) for i, p in enumerate(raw)]
         )
 
-    async def chat_prompt(self, messages: list[dict]) -> Prompt:
-        """A conversation rendered with the chat template, tokenized and checked."""
+    async def chat_prompt(self, messages: list[dict], truncate: int | None = None) -> Prompt:
+        """A conversation rendered with the chat template, tokenized, truncated and checked."""
+        return await self.in_tokenizer_thread(
+            lambda: self._prompt(self._render_chat(messages), 0, "messages", truncate)
+        )
 
-        def render() -> Prompt:
-            try:
-                text = render_chat(messages, self.engine.tokenizer, self.chat_template)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="messages") from None
-            return self._prompt(text, 0, "messages")
+    def _render_chat(self, messages: list[dict]) -> str:
+        try:
+            return render_chat(messages, self.engine.tokenizer, self.chat_template)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
 
-        return await self.in_tokenizer_thread(render)
+    def _tokenizer(self, what: str):
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer", param=what)
+        return tokenizer
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize` (no length check: `count` and `max_model_len` tell the caller)."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None and body.add_special_tokens is not None:
+            raise APIError(
+                400,
+                "add_special_tokens applies to prompt; messages are tokenized as "
+                "/v1/chat/completions tokenizes them",
+                param="add_special_tokens",
+            )
+        tokenizer = self._tokenizer("tokenize")
+
+        def encode() -> list[int]:
+            if body.messages is not None:
+                messages = [m.model_dump() for m in body.messages]
+                return encode_chat(tokenizer, self._render_chat(messages))
+            special = body.add_special_tokens is not False
+            return list(tokenizer.encode(body.prompt, add_special_tokens=special))
+
+        ids = await self.in_tokenizer_thread(encode)
+        answer: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            decode = self.engine.engine.output_processor.decode_one
+            answer["token_strs"] = await self.in_tokenizer_thread(lambda: list(map(decode, ids)))
+        return answer
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's `/detokenize`: the text of `tokens` (special tokens kept)."""
+        self.check_model(body.model)
+        tokenizer = self._tokenizer("detokenize")
+        if body.tokens:
+            self._check_ids(body.tokens, 0, "tokens")
+        text = await self.in_tokenizer_thread(
+            lambda: tokenizer.decode(body.tokens, skip_special_tokens=False)
+        )
+        return {"prompt": text}
 
     async def decode(self, prompts: list[Prompt], skip_special_tokens: bool) -> list[str]:
         """The text of each prompt (token-id prompts decoded as the output is), for `echo`."""
@@ -293,20 +380,25 @@ class Server:
 
         return await self.in_tokenizer_thread(lambda: [text(p) for p in prompts])
 
-    def _prompt(self, prompt: str | list[int], index: int, what: str) -> Prompt:
+    def _prompt(
+        self, prompt: str | list[int], index: int, what: str, truncate: int | None = None
+    ) -> Prompt:
         """Checks sizes first, before any per-token work: a text whose length alone shows it
-        cannot fit is never tokenized, a token-id list over the limit never range-checked."""
+        cannot fit is never tokenized (unless it is to be truncated), a token-id list over the
+        limit never range-checked. `truncate`: the engine's `truncate_prompt_tokens` rule."""
+        inputs = self.engine.engine.inputs
         if isinstance(prompt, str):
             tokenizer = self.engine.tokenizer
             if tokenizer is None:
                 raise APIError(400, f"{what}: text prompts need a tokenizer", param=what)
-            at_least = self.engine.engine.inputs.min_prompt_tokens(prompt)
-            size = f"{len(prompt)} characters, so at least {at_least} tokens"
-            self._check_length(at_least, index, what, size)
+            if truncate is None:
+                at_least = inputs.min_prompt_tokens(prompt)
+                size = f"{len(prompt)} characters, so at least {at_least} tokens"
+                self._check_length(at_least, index, what, size)
             ids = encode_chat(tokenizer, prompt) if what == "messages" else tokenizer.encode(prompt)
-            result = Prompt(prompt, list(ids))
+            result = Prompt(prompt, inputs.truncate(list(ids), truncate))
         else:
-            result = Prompt(None, list(prompt))
+            result = Prompt(None, inputs.truncate(list(prompt), truncate))
         self._check_length(len(result.ids), index, what)
         self._check_ids(result.ids, index, what)
         return result
@@ -424,3 +516,21 @@ class Server:
 
     def shutdown(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as strings) with each value clipped to +-100."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if math.isnan(value):
+            raise APIError(400, f"logit_bias: the bias of {key!r} is NaN", param="logit_bias")
+        out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+    return out

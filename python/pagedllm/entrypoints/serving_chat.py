@@ -11,7 +11,13 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.entrypoints.errors import APIError
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.serving import Job, Server, usage
+from pagedllm.entrypoints.serving import (
+    Job,
+    Server,
+    continuous_usage,
+    prompt_logprobs_json,
+    usage,
+)
 from pagedllm.entrypoints.streaming import Deltas, sse_stream
 
 
@@ -25,13 +31,14 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=top_n if body.logprobs else None,
     )
-    prompt = await server.chat_prompt([m.model_dump() for m in body.messages])
+    messages = [m.model_dump() for m in body.messages]
+    prompt = await server.chat_prompt(messages, params.truncate_prompt_tokens)
     job = await server.submit(
         [prompt], params, priority=body.priority, timeout=body.timeout, model=body.model
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(job, top_n, include_usage)
+        chunks = _chunks(job, top_n, include_usage, continuous_usage(body))
         return StreamingResponse(sse_stream(job, chunks), media_type="text/event-stream")
     finals = await job.finals(request)
     completions = [c for output in finals for c in output.outputs]
@@ -47,15 +54,27 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     ]
     num_tokens = sum(len(c.token_ids) for c in completions)
     response = _response(job, choices, "chat.completion")
+    if params.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(finals[0]) if finals else None
     return response | {"usage": usage(job.num_prompt_tokens, num_tokens)}
 
 
-async def _chunks(job: Job, top_n: int, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(
+    job: Job, top_n: int, include_usage: bool, continuous: bool
+) -> AsyncIterator[dict]:
+    """`continuous`: each chunk carries the usage so far (continuous_usage_stats)."""
+    deltas = Deltas()
+
+    def chunk(choices: list[dict]) -> dict[str, Any]:
+        out = _chunk(job, choices)
+        if continuous:
+            out["usage"] = usage(job.num_prompt_tokens, deltas.num_tokens)
+        return out
+
     for index in range(job.params.n):  # the role first, as OpenAI sends it
         role = {"role": "assistant", "content": ""}
         choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
-        yield _chunk(job, [choice])
-    deltas = Deltas()
+        yield chunk([choice])
     async for _, output in job.outputs():
         for completion in output.outputs:
             unsent = deltas.take(completion, completion.index)
@@ -69,7 +88,7 @@ async def _chunks(job: Job, top_n: int, include_usage: bool) -> AsyncIterator[di
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason,
             }
-            yield _chunk(job, [choice])
+            yield chunk([choice])
     if include_usage:
         yield _chunk(job, []) | {"usage": usage(job.num_prompt_tokens, deltas.num_tokens)}
 

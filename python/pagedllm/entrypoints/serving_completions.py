@@ -10,7 +10,13 @@ from fastapi.responses import StreamingResponse
 
 from pagedllm.entrypoints.errors import APIError
 from pagedllm.entrypoints.protocol import CompletionRequest
-from pagedllm.entrypoints.serving import Job, Server, usage
+from pagedllm.entrypoints.serving import (
+    Job,
+    Server,
+    continuous_usage,
+    prompt_logprobs_json,
+    usage,
+)
 from pagedllm.entrypoints.streaming import Deltas, sse_stream
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -28,14 +34,14 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
             f"the best candidates are known only at the end",
             param="best_of",
         )
-    prompts = await server.prompts(_raw_prompts(body))
+    prompts = await server.prompts(_raw_prompts(body), params.truncate_prompt_tokens)
     echo = await server.decode(prompts, params.skip_special_tokens) if body.echo else None
     job = await server.submit(
         prompts, params, priority=body.priority, timeout=body.timeout, model=body.model
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(job, echo, include_usage)
+        chunks = _chunks(job, echo, include_usage, continuous_usage(body))
         return StreamingResponse(sse_stream(job, chunks), media_type="text/event-stream")
     finals = await job.finals(request)
     choices, num_tokens = [], 0
@@ -44,7 +50,10 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         for completion in output.outputs:
             num_tokens += len(completion.token_ids)
             logprobs = _logprobs(completion, 0, len(prefix))
-            choices.append(_choice(job, i, completion, prefix + completion.text, logprobs))
+            choice = _choice(job, i, completion, prefix + completion.text, logprobs)
+            if params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(output)
+            choices.append(choice)
     return _response(job, choices) | {"usage": usage(job.num_prompt_tokens, num_tokens)}
 
 
@@ -60,7 +69,10 @@ def _raw_prompts(body: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def _chunks(job: Job, echo: list[str] | None, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(
+    job: Job, echo: list[str] | None, include_usage: bool, continuous: bool
+) -> AsyncIterator[dict]:
+    """`continuous`: each chunk carries the usage so far (continuous_usage_stats)."""
     deltas = Deltas()
     async for i, output in job.outputs():
         for completion in output.outputs:
@@ -73,7 +85,10 @@ async def _chunks(job: Job, echo: list[str] | None, include_usage: bool) -> Asyn
             prefix = echo[i] if echo and first else ""
             text_offset = text_start + (len(echo[i]) if echo else 0)
             logprobs = _logprobs(completion, token_start, text_offset)
-            yield _response(job, [_choice(job, i, completion, prefix + delta, logprobs)])
+            chunk = _response(job, [_choice(job, i, completion, prefix + delta, logprobs)])
+            if continuous:
+                chunk["usage"] = usage(job.num_prompt_tokens, deltas.num_tokens)
+            yield chunk
     if include_usage:
         yield _response(job, []) | {"usage": usage(job.num_prompt_tokens, deltas.num_tokens)}
 
