@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.engine.request import RequestState
-from pagedllm.spec_decode.decoder import has_drafts
+from pagedllm.sampling.verification import has_drafts
 
 logger = logging.getLogger("pagedllm")
 

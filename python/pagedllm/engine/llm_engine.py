@@ -35,9 +35,10 @@ from pagedllm.models import (
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
+from pagedllm.sampling.verification import has_drafts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig, VerifiedTokens
-from pagedllm.spec_decode.decoder import SpecDecoder, has_drafts
+from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
