@@ -3,9 +3,10 @@
 schedule (Rust) -> swap/copy blocks -> tensors from the step arrays -> forward -> sample ->
 detokenize and check stop strings -> `update_from_output` (Rust) -> RequestOutputs.
 
-The engine owns the live requests (`requests`) and drives its parts: the scheduler (Rust), the
-worker (model runner over the cache engine), the sampler, the output processor, the step-fault
-handling and the statistics.
+The engine holds the live requests (`requests`, a `RequestRegistry`: their one owner, which its
+parts read and go through) and drives its parts: the scheduler (Rust), the worker (model runner
+over the cache engine), the sampler, the output processor, the step-fault handling and the
+statistics.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType, check_request_id
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
 from pagedllm.lora.request import LoRARequest
@@ -143,7 +145,7 @@ class LLMEngine:
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
         self.sampler = Sampler(generator)
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestRegistry(self.scheduler)
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=cfg.vocab_size, max_num_seqs=self.scheduler.max_num_seqs
         )
@@ -260,7 +262,7 @@ class LLMEngine:
             structured_output=constraint is not None,
         )
         self._unscheduled.add(request_id)
-        self.requests[request_id] = request
+        self.requests.add(request)
         if constraint is not None:
             # compiles off the engine thread; the scheduler holds the request until then
             self.structured_output.submit(request_id, constraint)
@@ -310,15 +312,14 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None or request.finished:
                 continue
-            self.scheduler.abort_request(request.request_id)
-            request.finish_all("abort")
-            self._owed_outputs.append(request.request_id)
+            self.requests.abort(request_id)
+            self._owed_outputs.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._owed_outputs)
 
     def get_num_unfinished_requests(self) -> int:
-        return sum(not r.finished for r in self.requests.values())
+        return self.requests.num_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -337,10 +338,8 @@ class LLMEngine:
             touched[request_id] = self.requests[request_id]
         self._owed_outputs.clear()
         for request_id, reason in step.finished:
-            request = self.requests[request_id]
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
-            request.finish_all("length", reason)
-            touched[request_id] = request
+            touched[request_id] = self.requests.finish(request_id, "length", reason)
         sampled = grammar = None
         t2 = t3 = t1
         try:
@@ -443,15 +442,14 @@ class LLMEngine:
             if error is None:
                 self.scheduler.grammar_ready(request_id)
                 continue
-            self.scheduler.abort_request(request_id)
-            self.requests[request_id].finish_all("abort", f"structured output: {error}")
+            self.requests.abort(request_id, f"structured output: {error}")
             self._owed_outputs.append(request_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = [request.output() for request in touched.values()]
         for request in touched.values():
             if request.finished:
-                del self.requests[request.request_id]
+                self.requests.release(request.request_id)
                 self._unscheduled.discard(request.request_id)
                 self.faults.forget(request.request_id)
                 self.structured_output.release(request.request_id)
@@ -462,12 +460,9 @@ class LLMEngine:
             now = time.time()
             for request_id in self._unscheduled.intersection(step.request_ids):
                 self._unscheduled.discard(request_id)
-                request = self.requests[request_id]
-                request.metrics.first_scheduled_time = now
-                request.metrics.time_in_queue = now - request.metrics.arrival_time
-                request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
+                self.requests.first_scheduled(request_id, now)
         for request_id in step.preempted:
-            self.requests[request_id].metrics.num_preemptions += 1
+            self.requests.preempted(request_id)
 
     def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None, *, grammar=None):
         """Samples every row of `logits` (or only `rows` of them, to find a faulty request);
