@@ -1,7 +1,8 @@
 """Shared pytest setup for every test folder.
 
 The tests mirror the package: kv/ and scheduler/ (the Rust core through its bindings), engine/,
-worker/, sampling/, models/, kernels/, cli/, and packaging/ (the wheel and README.md). Helpers
+worker/, attention/, sampling/, models/, kernels/, cli/, and packaging/ (the wheel, README.md and
+the package's layering). Helpers
 shared across folders live next to this file (`model_factory`, `scheduler_util`) and are
 imported by their plain names: this folder is put on sys.path here.
 """

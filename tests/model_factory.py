@@ -30,7 +30,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagedllm.worker.attention import AttentionMetadata
+from pagedllm.attention.paged import AttentionMetadata
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB_SIZE = 320  # > the tokenizer's vocabulary, as in real checkpoints

@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
+from pagedllm.attention.paged import AttentionMetadata, _paged_attention_triton
 from pagedllm.kernels import reference as ref
 from pagedllm.kernels.block_copy import copy_blocks
 from pagedllm.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from pagedllm.kernels.prefill_attention import paged_prefill_attention
 from pagedllm.kernels.store_kv import store_kvcache
-from pagedllm.worker.attention import AttentionMetadata, _paged_attention_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (dtype, tolerance); low-precision inputs are compared with the reference run on the same values
@@ -161,7 +161,7 @@ def test_copy_blocks_kernel_matches_reference(dtype):
 
 @pytest.mark.parametrize("decode", [False, True])
 def test_triton_dispatch_stores_then_attends_like_the_reference(decode):
-    """The Triton dispatch of pagedllm.worker.attention (store, then attend) against the CPU
+    """The Triton dispatch of pagedllm.attention.paged (store, then attend) against the CPU
     path."""
     heads, kvh, d, page = 4, 2, 32, 8
     seq_lens, q_lens = ([12, 30, 0], [1, 1, 1]) if decode else ([12, 30], [12, 5])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.attention.cpu_rotary import RopeTables
 from pagedllm.models.config import RopeConfig
 from pagedllm.models.decoder import RMSNorm, RotaryEmbedding, apply_rope_
-from pagedllm.worker.cpu_rotary import RopeTables
 
 
 def _formula(x, weight, eps):

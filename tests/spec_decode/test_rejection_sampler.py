@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pagedllm.sampling import SamplingMetadata
+from pagedllm.sampling.verification import verification_rows
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import RejectionSampler
-from pagedllm.spec_decode.metadata import verification_rows
 
 VOCAB = 6
 # a chi-square p-value below this fails: a correct sampler fails once in a million runs

@@ -17,9 +17,9 @@ from so_constraints import CHOICES, MAX_TOKENS, REGEX, SCHEMA
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.config import TINY_RANDOM_MODEL
 from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
+from pagedllm.sampling.verification import verification_rows
 from pagedllm.sampling_params import SamplingParams as Params
 from pagedllm.spec_decode import RejectionSampler
-from pagedllm.spec_decode.metadata import verification_rows
 from pagedllm.structured_output.drafts import cut_drafts, grammar_valid_prefix, mask_rows
 from pagedllm.structured_output.manager import DraftCuts, consume_run
 

@@ -2,6 +2,7 @@
 
 - `llm_engine`: `LLMEngine`, add -> step -> outputs
 - `request`: per-request state (sequences, metrics, stop tokens)
+- `registry`: `RequestRegistry`, the live requests' one owner (add, abort, finish, release)
 - `inputs`: request input checks and prompt tokenization
 - `output_processor`: sampled tokens -> sequences, text, stop strings
 - `detokenizer`: incremental detokenization with stop strings

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState
-from pagedllm.spec_decode.decoder import has_drafts
+from pagedllm.sampling.verification import has_drafts
 
 logger = logging.getLogger("pagedllm")
 
@@ -122,12 +123,13 @@ class Group:
 
 class StepFaults:
     """Rolls failed steps back, quarantines the requests of failed forwards until the one at
-    fault is found, and ends the requests a fault belongs to."""
+    fault is found, and ends the requests a fault belongs to (through `requests`, their owner).
+    It keeps each live request's strikes itself."""
 
     def __init__(
         self,
         scheduler,
-        requests: dict[str, RequestState],
+        requests: RequestRegistry,
         max_step_faults: int,
         max_unattributed_faults: int,
     ) -> None:
@@ -136,6 +138,11 @@ class StepFaults:
         self.max_step_faults = max_step_faults
         self.max_unattributed_faults = max_unattributed_faults
         self._group_of: dict[str, int] = {}  # request in quarantine -> its group
+        # strikes: failed steps whose forward failed on the request alone while the rest ran
+        # fine (`max_step_faults`), and failed steps in a row in which nothing ran fine
+        # (`max_unattributed_faults`, reset when its group runs fine)
+        self._num_faults: dict[str, int] = {}
+        self._num_unattributed: dict[str, int] = {}
         self._keys = itertools.count(BATCH + 1)
         # (failed groups, whether another group ran fine) of the step `run_groups` failed
         self._failed: tuple[list[Group], bool] | None = None
@@ -194,7 +201,7 @@ class StepFaults:
             return
         for request_id in group.request_ids:
             if self._group_of.pop(request_id, None) is not None:
-                self.requests[request_id].num_unattributed_faults = 0
+                self._num_unattributed.pop(request_id, None)
 
     def _quarantine(self, request_ids: list[str]) -> None:
         """Two new groups of halves (one of a lone request)."""
@@ -205,8 +212,10 @@ class StepFaults:
                 self._group_of[request_id] = key
 
     def forget(self, request_id: str) -> None:
-        """A finished request leaves quarantine."""
+        """A finished request leaves quarantine, its strikes with it."""
         self._group_of.pop(request_id, None)
+        self._num_faults.pop(request_id, None)
+        self._num_unattributed.pop(request_id, None)
 
     # ---- failed steps -----------------------------------------------------------------------
 
@@ -241,25 +250,30 @@ class StepFaults:
     ) -> None:
         self._quarantine(request_ids)
         for request_id in request_ids:
-            request = self.requests[request_id]
             reason = None
             if not others_ran:
-                request.num_unattributed_faults += 1
-                if request.num_unattributed_faults >= self.max_unattributed_faults:
+                strikes = self._strike(self._num_unattributed, request_id)
+                if strikes >= self.max_unattributed_faults:
                     reason = (
-                        f"gave up after {request.num_unattributed_faults} failed steps in a row "
+                        f"gave up after {strikes} failed steps in a row "
                         f"in which nothing else ran fine"
                     )
             elif len(request_ids) == 1:
-                request.num_faults += 1
-                if request.num_faults >= self.max_step_faults:
+                strikes = self._strike(self._num_faults, request_id)
+                if strikes >= self.max_step_faults:
                     reason = (
-                        f"gave up after {request.num_faults} failed steps whose forward failed "
+                        f"gave up after {strikes} failed steps whose forward failed "
                         f"on this request alone while the rest of the step ran fine"
                     )
             if reason is not None:
-                self.give_up(request, f"{reason}; last error: {type(exc).__name__}: {exc}")
-                touched[request_id] = request
+                touched[request_id] = self.give_up(
+                    request_id, f"{reason}; last error: {type(exc).__name__}: {exc}"
+                )
+
+    @staticmethod
+    def _strike(counts: dict[str, int], request_id: str) -> int:
+        counts[request_id] = counts.get(request_id, 0) + 1
+        return counts[request_id]
 
     def end_faulty(
         self,
@@ -276,11 +290,11 @@ class StepFaults:
 
     def end_request(self, request_id: str, stage: str, exc: Exception) -> None:
         """Ends one request because its `stage` ("sampling", "output processing") failed."""
-        self.give_up(self.requests[request_id], f"{stage} failed: {type(exc).__name__}: {exc}")
+        self.give_up(request_id, f"{stage} failed: {type(exc).__name__}: {exc}")
         logger.error(
             "request %r ended: %s failed: %s: %s", request_id, stage, type(exc).__name__, exc
         )
 
-    def give_up(self, request: RequestState, reason: str) -> None:
-        self.scheduler.abort_request(request.request_id)
-        request.finish_all("abort", reason)
+    def give_up(self, request_id: str, reason: str) -> RequestState:
+        """Ends the request: aborted, with `reason` as its `stop_reason`."""
+        return self.requests.abort(request_id, reason)

@@ -11,9 +11,9 @@ import math
 
 import torch
 
+from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.config import EngineArgs, GiB
 from pagedllm.models import ModelConfig
-from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine
 
 

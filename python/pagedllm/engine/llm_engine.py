@@ -3,9 +3,10 @@
 schedule (Rust) -> swap/copy blocks -> tensors from the step arrays -> forward -> sample ->
 detokenize and check stop strings -> `update_from_output` (Rust) -> RequestOutputs.
 
-The engine owns the live requests (`requests`) and drives its parts: the scheduler (Rust), the
-worker (model runner over the cache engine), the sampler, the output processor, the step-fault
-handling and the statistics.
+The engine holds the live requests (`requests`, a `RequestRegistry`: their one owner, which its
+parts read and go through) and drives its parts: the scheduler (Rust), the worker (model runner
+over the cache engine), the sampler, the output processor, the step-fault handling and the
+statistics.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType, check_request_id
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.prompt_logprobs import PromptLogprobs
+from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
 from pagedllm.lora.request import LoRARequest
@@ -36,9 +37,11 @@ from pagedllm.models import (
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
+from pagedllm.sampling.prompt_logprobs import PromptLogprobs
+from pagedllm.sampling.verification import has_drafts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode import SpeculativeConfig, VerifiedTokens
-from pagedllm.spec_decode.decoder import SpecDecoder, has_drafts
+from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
@@ -143,7 +146,7 @@ class LLMEngine:
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
         self.sampler = Sampler(generator)
-        self.requests: dict[str, RequestState] = {}
+        self.requests = RequestRegistry(self.scheduler)
         self.inputs = InputProcessor(
             self.tokenizer,
             vocab_size=cfg.vocab_size,
@@ -268,7 +271,7 @@ class LLMEngine:
         )
         self.prompt_logprobs.add(request_id, token_ids, params)
         self._unscheduled.add(request_id)
-        self.requests[request_id] = request
+        self.requests.add(request)
         if constraint is not None:
             # compiles off the engine thread; the scheduler holds the request until then
             self.structured_output.submit(request_id, constraint)
@@ -318,15 +321,14 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None or request.finished:
                 continue
-            self.scheduler.abort_request(request.request_id)
-            request.finish_all("abort")
-            self._owed_outputs.append(request.request_id)
+            self.requests.abort(request_id)
+            self._owed_outputs.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._owed_outputs)
 
     def get_num_unfinished_requests(self) -> int:
-        return sum(not r.finished for r in self.requests.values())
+        return self.requests.num_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -345,10 +347,8 @@ class LLMEngine:
             touched[request_id] = self.requests[request_id]
         self._owed_outputs.clear()
         for request_id, reason in step.finished:
-            request = self.requests[request_id]
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
-            request.finish_all("length", reason)
-            touched[request_id] = request
+            touched[request_id] = self.requests.finish(request_id, "length", reason)
         sampled = grammar = None
         t2 = t3 = t1
         try:
@@ -458,8 +458,7 @@ class LLMEngine:
             if error is None:
                 self.scheduler.grammar_ready(request_id)
                 continue
-            self.scheduler.abort_request(request_id)
-            self.requests[request_id].finish_all("abort", f"structured output: {error}")
+            self.requests.abort(request_id, f"structured output: {error}")
             self._owed_outputs.append(request_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
@@ -469,7 +468,7 @@ class LLMEngine:
         for request in touched.values():
             if request.finished:
                 self.prompt_logprobs.release(request.request_id)
-                del self.requests[request.request_id]
+                self.requests.release(request.request_id)
                 self._unscheduled.discard(request.request_id)
                 self.faults.forget(request.request_id)
                 self.structured_output.release(request.request_id)
@@ -480,12 +479,9 @@ class LLMEngine:
             now = time.time()
             for request_id in self._unscheduled.intersection(step.request_ids):
                 self._unscheduled.discard(request_id)
-                request = self.requests[request_id]
-                request.metrics.first_scheduled_time = now
-                request.metrics.time_in_queue = now - request.metrics.arrival_time
-                request.num_cached_tokens = self.scheduler.num_cached_tokens(request_id) or 0
+                self.requests.first_scheduled(request_id, now)
         for request_id in step.preempted:
-            self.requests[request_id].metrics.num_preemptions += 1
+            self.requests.preempted(request_id)
 
     def _sample(self, step, logits: torch.Tensor, rows: list[int] | None = None, *, grammar=None):
         """Samples every row of `logits` (or only `rows` of them, to find a faulty request);

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, SequenceState
 from pagedllm.sampling import SamplerOutput
 from pagedllm.sampling.logprobs import LogprobsLists
@@ -32,9 +33,10 @@ class AppendedStep:
 
 
 class OutputProcessor:
-    """Appends sampled tokens to the requests of `requests` (the engine's live requests)."""
+    """Appends sampled tokens to the requests of `requests` (the engine's live requests);
+    finishes go through the registry."""
 
-    def __init__(self, tokenizer: Tokenizer | None, requests: dict[str, RequestState]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, requests: RequestRegistry) -> None:
         self.tokenizer = tokenizer
         self.requests = requests
 
@@ -107,12 +109,8 @@ class OutputProcessor:
         """Applies the sequences `update_from_output` finished; a stop string is the reason of
         the sequence that hit it."""
         for request_id, index, reason, stop_reason, _ in finished:
-            request = self.requests[request_id]
             stop_reason = appended.stop_strings.get((request_id, index), stop_reason)
-            request.seqs[index].finish(reason, stop_reason)
-            if request.finished:
-                request.metrics.finished_time = time.time()
-            touched[request_id] = request
+            touched[request_id] = self.requests.finish_seq(request_id, index, reason, stop_reason)
 
     def _append_token(
         self,

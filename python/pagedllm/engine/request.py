@@ -78,7 +78,8 @@ class SequenceState:
 
 @dataclass
 class RequestState:
-    """One request: prompt, parameters, sequences, metrics, stop tokens, fault count."""
+    """One request: prompt, parameters, sequences, metrics, stop tokens (owned, while live, by
+    the engine's `RequestRegistry`)."""
 
     request_id: str
     prompt: str | None
@@ -88,11 +89,6 @@ class RequestState:
     metrics: RequestMetrics
     stop: StopTokens
     num_cached_tokens: int = 0
-    # step faults (engine/faults.py): failed steps whose forward failed on it alone while the
-    # rest ran fine (LLMEngine.MAX_STEP_FAULTS), and failed steps in a row where nothing ran
-    # fine (LLMEngine.MAX_UNATTRIBUTED_FAULTS)
-    num_faults: int = 0
-    num_unattributed_faults: int = 0
     lora_request: Any = None  # its LoRARequest (None: the base model)
     # structured output: one grammar matcher per sequence, once its grammar compiled
     matchers: list | None = None

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedllm.attention import cpu_rotary
+from pagedllm.attention.cpu_rotary import RopeTables
+from pagedllm.attention.paged import AttentionMetadata, paged_attention
 from pagedllm.models.config import ModelConfig, RopeConfig
 from pagedllm.models.fused_linear import FusedLinear
-from pagedllm.worker import cpu_rotary
-from pagedllm.worker.attention import AttentionMetadata, paged_attention
-from pagedllm.worker.cpu_rotary import RopeTables
 
 
 class RMSNorm(nn.Module):

@@ -5,6 +5,8 @@
 - `logprobs`: logprobs of the raw model distribution
 - `seeds`: per-sample seeds for seeded requests
 - `sampler`: `Sampler`, which draws one token per row
+- `verification`: the rows of a speculative verification step (shared by the model runner and
+  `spec_decode`)
 
 `SamplingParams`, the public per-request parameters, live in `pagedllm.sampling_params`.
 """

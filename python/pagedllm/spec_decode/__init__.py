@@ -4,7 +4,10 @@ target agrees with plus one token of its own, so the output distribution is the 
 
 - `config`: `SpeculativeConfig`, parsed and checked from `LLM(speculative_config={...})`
 - `rejection_sampler`: `RejectionSampler`, verification (greedy and rejection sampling)
-- `metadata`: the per-position sampling rows a verification step scores
+- `decoder`: `SpecDecoder`, the engine's hooks; `draft_model`: the draft-model proposer
+
+The per-position rows a verification step scores are `pagedllm.sampling.verification` (below
+the model runner, which needs them too).
 
 The n-gram proposer runs in Rust over the scheduler's token histories
 (`Scheduler.propose_drafts`, `rust/src/spec/ngram.rs`).

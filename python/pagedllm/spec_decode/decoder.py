@@ -26,16 +26,11 @@ import numpy as np
 import torch
 
 from pagedllm.sampling.grammar_mask import TokenBitmask, apply_token_bitmask
+from pagedllm.sampling.verification import verification_rows
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.metadata import verification_rows
 from pagedllm.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
 
 logger = logging.getLogger("pagedllm")
-
-
-def has_drafts(step) -> bool:
-    """Whether the scheduled step carries draft tokens to verify."""
-    return len(step.spec_draft_token_ids) > 0
 
 
 class SpecDecoder:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.models import load_model
-from pagedllm.worker.attention import AttentionMetadata
 from pagedllm.worker.cache_engine import CacheEngine
 
 

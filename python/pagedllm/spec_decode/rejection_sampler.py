@@ -4,7 +4,7 @@ A sample with `d` draft tokens is scored at `d + 1` positions in one forward: po
 the target's distribution of the token after the sequence extended by drafts `0..j-1`. Those
 `R = sum(d + 1)` rows arrive as one logits tensor, with a `SamplingMetadata` of `R` rows whose
 row for position `j` sees the drafts before it as output (penalties, min_tokens, seeds: see
-`metadata.verification_rows`).
+`sampling.verification.verification_rows`).
 
 - Greedy rows: accept while the draft equals the target's argmax; the first mismatch is
   replaced by the argmax, and a fully accepted run gets the argmax of its last position (the

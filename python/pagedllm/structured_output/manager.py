@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -227,10 +227,10 @@ class StructuredOutputManager:
         if self._pending:
             wait(list(self._pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def take_compiled(self, requests: dict) -> list[tuple[str, Exception | None]]:
+    def take_compiled(self, requests) -> list[tuple[str, Exception | None]]:
         """(request id, error or None) for each request whose compile ended; each live one
-        that compiled gets one matcher per sequence. Requests gone meanwhile (aborted) are
-        dropped."""
+        that compiled gets one matcher per sequence (attached through `requests`, the engine's
+        `RequestRegistry`). Requests gone meanwhile (aborted) are dropped."""
         done = [rid for rid, future in self._pending.items() if future.done()]
         results = []
         for request_id in done:
@@ -241,7 +241,7 @@ class StructuredOutputManager:
             exc = future.exception()
             if exc is None:
                 template = future.result()
-                request.matchers = [template.deep_copy() for _ in request.seqs]
+                requests.attach_matchers(request_id, [template.deep_copy() for _ in request.seqs])
                 self.live.add(request_id)
                 self._unmapped.add(request_id)
             results.append((request_id, exc))
@@ -257,7 +257,7 @@ class StructuredOutputManager:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def start_fill(self, step, requests: dict) -> StepGrammar | None:
+    def start_fill(self, step, requests: Mapping) -> StepGrammar | None:
         """Starts filling the bitmask of `step`'s constrained samples on the fill thread;
         None when it has none."""
         if not self.live:
@@ -291,7 +291,7 @@ class StructuredOutputManager:
         self._inflight = StepGrammar(rows, ids, matchers, bits, fill, num_drafts)
         return self._inflight
 
-    def _map_seqs(self, step, requests: dict) -> None:
+    def _map_seqs(self, step, requests: Mapping) -> None:
         """Learns the sequence ids of constrained requests this step schedules for the first
         time (a request's sequence ids are consecutive from its first)."""
         seq_ids = step.seq_ids
@@ -306,7 +306,7 @@ class StructuredOutputManager:
             for i, seq_id in enumerate(ids):
                 self._seq_owner[seq_id] = (request_id, i)
 
-    def cut_drafts(self, proposals, requests: dict):
+    def cut_drafts(self, proposals, requests: Mapping):
         """`proposals` (`Scheduler.propose_drafts`' arrays) with each constrained sequence's
         drafts cut to the prefix its grammar accepts; None when nothing was cut."""
         if not self._seq_owner or not len(proposals[0]):

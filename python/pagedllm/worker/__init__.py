@@ -2,9 +2,8 @@
 
 - `model_runner`: step arrays -> device tensors -> forward -> logits of the rows to sample
 - `cache_engine`: the paged KV cache, its host swap space and the block operations
-- `attention`: the attention metadata of a step and the paged-attention entry point the models
-  call (Triton kernels on CUDA, the torch reference elsewhere)
+- `cpu_threads`: the CPU thread default
 
-Nothing is imported here, so `pagedllm.worker.attention` (imported by the models) does not pull
-in the runner.
+It sits above the models (it runs them) and below the engine; the attention the models call is
+the layer below the models (`pagedllm.attention`). Nothing is imported here.
 """

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.spec_decode.decoder import has_drafts
-from pagedllm.spec_decode.metadata import verification_logits_rows
-from pagedllm.worker.attention import AttentionMetadata
+from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.sampling.verification import has_drafts, verification_logits_rows
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_threads import configure_cpu_threads
 
 if TYPE_CHECKING:
-    from pagedllm.engine.prompt_logprobs import PromptRows
     from pagedllm.lora.manager import LoRAManager
+    from pagedllm.sampling.prompt_logprobs import PromptRows
 
 # prompt logprobs: logits rows computed at once (bounds the [rows, V] float32 buffers)
 PROMPT_LOGITS_SLICE = 256

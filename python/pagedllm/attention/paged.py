@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from pagedllm.attention import cpu_attention
 from pagedllm.kernels import reference as _ref
-from pagedllm.worker import cpu_attention
 
 __all__ = ["AttentionMetadata", "paged_attention"]
 

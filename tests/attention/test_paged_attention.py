@@ -1,4 +1,4 @@
-"""`pagedllm.worker.attention.paged_attention` on the CPU against dense causal attention: the
+"""`pagedllm.attention.paged.paged_attention` on the CPU against dense causal attention: the
 Rust kernels (float32, the engine's default) and the torch reference path with its step plan
 (other dtypes)."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from pagedllm.attention.paged import AttentionMetadata, _paged_attention_torch, paged_attention
 from pagedllm.kernels import reference as ref
-from pagedllm.worker.attention import AttentionMetadata, _paged_attention_torch, paged_attention
 
 # both CPU paths: `paged_attention` dispatches float32 to the Rust kernels
 CPU_PATHS = pytest.mark.parametrize("attend", [paged_attention, _paged_attention_torch])

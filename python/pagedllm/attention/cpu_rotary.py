@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from pagedllm import _core
-from pagedllm.worker.cpu_attention import _numpy
+from pagedllm.attention.cpu_attention import _numpy
 
 
 class RopeTables:

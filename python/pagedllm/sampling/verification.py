@@ -1,8 +1,13 @@
-"""The sampling rows of a verification step: sample `i` with drafts `x_0 .. x_{d-1}` is scored
-at `d + 1` positions, and position `j` is sampled as the token after the sequence extended by
-`x_0 .. x_{j-1}`. Its row therefore sees those drafts as output tokens: penalties count them,
-`min_tokens` is judged on the longer output, and a seeded row's seed is that of the token index
-it decides (`seeds.sample_seed`), exactly as plain decoding would have seen that position."""
+"""The rows of a verification step (speculative decoding): sample `i` with drafts
+`x_0 .. x_{d-1}` is scored at `d + 1` positions, and position `j` is sampled as the token after
+the sequence extended by `x_0 .. x_{j-1}`. Its row therefore sees those drafts as output tokens:
+penalties count them, `min_tokens` is judged on the longer output, and a seeded row's seed is
+that of the token index it decides (`seeds.sample_seed`), exactly as plain decoding would have
+seen that position.
+
+Below both the model runner (which picks the hidden-state rows to score,
+`verification_logits_rows`) and `spec_decode` (which verifies them), so neither imports the
+other."""
 
 from __future__ import annotations
 
@@ -13,6 +18,11 @@ import torch
 
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
+
+
+def has_drafts(step) -> bool:
+    """Whether the scheduled step carries draft tokens to verify."""
+    return len(step.spec_draft_token_ids) > 0
 
 
 def verification_rows(
