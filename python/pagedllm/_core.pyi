@@ -225,6 +225,7 @@ SCHEDULER_OUTPUT_FIELDS: list[str]
 def default_max_num_batched_tokens(scheduling: str, max_model_len: int) -> int:
     """The token budget ``max_num_batched_tokens=None`` stands for: ``prefill_first`` must fit
     a whole prompt of ``max_model_len`` (at least 2048), the chunking strategies take 8192."""
+
 def check_scheduler_config(
     *,
     block_size: int = 16,
@@ -241,6 +242,7 @@ def check_scheduler_config(
     """Check the scheduler's and the cache's knobs as the ``Scheduler`` constructor would,
     building nothing: ``ValueError`` naming the knob and the value (integers must be ints).
     ``max_model_len`` / ``max_num_batched_tokens`` None: not checked. ``EngineArgs`` asks it."""
+
 def min_kv_blocks(
     max_model_len: int,
     *,
@@ -252,11 +254,13 @@ def min_kv_blocks(
     """The fewest KV-cache blocks with which the longest sequence the scheduler can hold
     (``max_model_len``; under ``prefill_first`` at most the token budget) is ever admitted: its
     blocks plus the ``watermark``'s share, the cache admission's rule. Start-up sizing asks it."""
+
 def ngram_lookup_bounds(
     prompt_lookup_max: int | None = None, prompt_lookup_min: int | None = None
 ) -> tuple[int, int]:
     """The n-gram lookup bounds ``(max, min)`` from the ones given: one given, the other takes
     its value; neither, 4 and 1. ``ValueError`` when either is 0 or min > max."""
+
 def request_id_list(request_ids: str | _Iterable[str]) -> list[str]:
     """``abort_request``'s argument as a list of ids: one str, or an iterable of str;
     ``TypeError`` naming what was given for anything else (the engine's ``abort_request``)."""

@@ -10,11 +10,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pagedllm._core import (
+from pagedllm._core import (  # the mode names: re-exported for the CLI's choices
     DEFAULTS,
-    POLICIES,
-    PREEMPTION_MODES,
-    SCHEDULING_STRATEGIES,
+    POLICIES,  # noqa: F401
+    PREEMPTION_MODES,  # noqa: F401
+    SCHEDULING_STRATEGIES,  # noqa: F401
     check_scheduler_config,
     default_max_num_batched_tokens,
 )

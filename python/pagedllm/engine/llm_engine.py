@@ -252,9 +252,7 @@ class LLMEngine:
                 f"request {request_id!r}: structured_outputs needs a tokenizer (the engine was "
                 f"built with skip_tokenizer_init=True)"
             )
-        state = RequestState.new(
-            request_id, text, token_ids, params, stop, arrival, self.tokenizer
-        )
+        state = RequestState.new(request_id, text, token_ids, params, stop, arrival, self.tokenizer)
         state.lora_request = lora_request
         self.scheduler.add_request(request_id, token_ids, **request)
         self._unscheduled.add(request_id)

@@ -20,7 +20,8 @@ class SpeculativeConfig:
 
     `ngram`: prompt lookup over each sequence's own prompt + output; `prompt_lookup_max` /
     `prompt_lookup_min` bound the suffix length looked up (one given: the other takes its value;
-    neither: the proposer's defaults, 4 and 1; `_core.ngram_lookup_bounds` owns the rule). `draft_model`: a smaller checkpoint `model` with the target's vocabulary.
+    neither: the proposer's defaults, 4 and 1; `_core.ngram_lookup_bounds` owns the rule).
+    `draft_model`: a smaller checkpoint `model` with the target's vocabulary.
     """
 
     method: str

@@ -110,7 +110,13 @@ impl IntArg<'_> {
         range: (i128, i128),
         limit: &str,
     ) -> PyResult<i128> {
-        self.checked(&format!("request {}: ", request_repr(id)), name, range, limit, None)
+        self.checked(
+            &format!("request {}: ", request_repr(id)),
+            name,
+            range,
+            limit,
+            None,
+        )
     }
 
     /// `get` with the message above the range written by `over` (from the value as given).
@@ -121,7 +127,13 @@ impl IntArg<'_> {
         range: (i128, i128),
         over: &dyn Fn(&str) -> String,
     ) -> PyResult<i128> {
-        self.checked(&format!("request {}: ", request_repr(id)), name, range, "", Some(over))
+        self.checked(
+            &format!("request {}: ", request_repr(id)),
+            name,
+            range,
+            "",
+            Some(over),
+        )
     }
 
     /// The value of a configuration knob (errors name the knob only).

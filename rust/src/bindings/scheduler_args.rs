@@ -11,8 +11,8 @@ use super::errors::non_negative;
 use crate::ids::TokenId;
 use crate::kv::CacheConfig;
 use crate::scheduler::{
-    defaults, request_repr, too_many_seqs, Policy, PreemptionMode, RequestParams, Scheduler, SchedulerConfig,
-    StopParams, Strategy,
+    defaults, request_repr, too_many_seqs, Policy, PreemptionMode, RequestParams, Scheduler,
+    SchedulerConfig, StopParams, Strategy,
 };
 use crate::spec::NgramConfig;
 
@@ -204,7 +204,11 @@ impl RequestArgs<'_, '_> {
         let n = seqs.get_or(id, field, I64_RANGE, &over)?;
         let arrival_time = match self.arrival_time {
             None => wall_clock(),
-            Some(t) => seconds(t, &format!("request {}: ", request_repr(id)), "arrival_time")?,
+            Some(t) => seconds(
+                t,
+                &format!("request {}: ", request_repr(id)),
+                "arrival_time",
+            )?,
         };
         let count = |arg: IntArg<'_>, what: &str, lo: i128| {
             arg.get(id, what, (lo, I64_RANGE.1), "").map(|v| v as usize)
@@ -243,7 +247,11 @@ impl RequestArgs<'_, '_> {
         let stop_ids = match self.stop_token_ids {
             None => Vec::new(),
             Some(obj) => {
-                read_i64(obj, &format!("request {}: stop_token_ids", request_repr(id)), &mut raw)?;
+                read_i64(
+                    obj,
+                    &format!("request {}: stop_token_ids", request_repr(id)),
+                    &mut raw,
+                )?;
                 raw.iter()
                     .enumerate()
                     .map(|t| token(t, "stop token"))

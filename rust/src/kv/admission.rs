@@ -157,7 +157,11 @@ mod tests {
                     KvCacheManager::new(cfg).unwrap().can_allocate(num_tokens)
                 };
                 assert_ne!(status(n), AllocStatus::Never, "{watermark} {num_tokens}");
-                assert_eq!(status(n - 1), AllocStatus::Never, "{watermark} {num_tokens}");
+                assert_eq!(
+                    status(n - 1),
+                    AllocStatus::Never,
+                    "{watermark} {num_tokens}"
+                );
             }
         }
     }

@@ -56,7 +56,9 @@ impl NgramConfig {
         };
         for (name, value) in [("prompt_lookup_max", max), ("prompt_lookup_min", min)] {
             if value == 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be >= 1, got 0")));
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be >= 1, got 0"
+                )));
             }
         }
         if min > max {
@@ -240,6 +242,7 @@ mod tests {
         assert_eq!(bounds(Some(3), Some(2)).unwrap(), (3, 2));
         let err = |max, min| bounds(max, min).unwrap_err().to_string();
         assert!(err(Some(0), None).contains("prompt_lookup_max must be >= 1, got 0"));
-        assert!(err(Some(2), Some(3)).contains("prompt_lookup_min (3) must be <= prompt_lookup_max (2)"));
+        assert!(err(Some(2), Some(3))
+            .contains("prompt_lookup_min (3) must be <= prompt_lookup_max (2)"));
     }
 }

@@ -173,7 +173,9 @@ fn stop_cuts_end_each_run_where_the_update_does() {
     let cuts = s.stop_cuts(out.step, &[3, 5], Some(&[2])).unwrap();
     assert_eq!((cuts.kept, cuts.by_token), (vec![2], vec![false]));
     assert!(s.stop_cuts(out.step, &[3, 4], Some(&[3])).is_err());
-    assert!(s.stop_cuts(out.step + 1, &[3, 4, 5, 7], Some(&[4])).is_err());
+    assert!(s
+        .stop_cuts(out.step + 1, &[3, 4, 5, 7], Some(&[4]))
+        .is_err());
     let fin = s
         .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
         .unwrap();

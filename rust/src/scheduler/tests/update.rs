@@ -55,7 +55,10 @@ fn a_single_token_is_cut_as_a_run_of_one() {
     let cuts = s.stop_cuts(out.step, &[2], None).unwrap();
     assert_eq!(cuts.by_token, vec![true]);
     assert_eq!(cuts, s.stop_cuts(out.step, &[2], Some(&[1])).unwrap());
-    assert_eq!(s.stop_cuts(out.step, &[7], None).unwrap().by_token, vec![false]);
+    assert_eq!(
+        s.stop_cuts(out.step, &[7], None).unwrap().by_token,
+        vec![false]
+    );
     s.update_from_output(out.step, &[7], None).unwrap();
     let out = s.schedule(0.0).unwrap();
     // the third token reaches max_tokens: it stays in, and is not a stop token's
