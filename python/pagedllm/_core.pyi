@@ -226,6 +226,45 @@ def default_max_num_batched_tokens(scheduling: str, max_model_len: int) -> int:
     """The token budget ``max_num_batched_tokens=None`` stands for: ``prefill_first`` must fit
     a whole prompt of ``max_model_len`` (at least 2048), the chunking strategies take 8192."""
 
+def check_scheduler_config(
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    scheduling: str = "unified",
+    policy: str = "fcfs",
+    preemption_mode: str | None = None,
+    watermark: float = 0.01,
+    long_prefill_token_threshold: int = 0,
+    delay_factor: float = 0.0,
+) -> None:
+    """Check the scheduler's and the cache's knobs as the ``Scheduler`` constructor would,
+    building nothing: ``ValueError`` naming the knob and the value (integers must be ints).
+    ``max_model_len`` / ``max_num_batched_tokens`` None: not checked. ``EngineArgs`` asks it."""
+
+def min_kv_blocks(
+    max_model_len: int,
+    *,
+    block_size: int = 16,
+    watermark: float = 0.01,
+    scheduling: str = "unified",
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """The fewest KV-cache blocks with which the longest sequence the scheduler can hold
+    (``max_model_len``; under ``prefill_first`` at most the token budget) is ever admitted: its
+    blocks plus the ``watermark``'s share, the cache admission's rule. Start-up sizing asks it."""
+
+def ngram_lookup_bounds(
+    prompt_lookup_max: int | None = None, prompt_lookup_min: int | None = None
+) -> tuple[int, int]:
+    """The n-gram lookup bounds ``(max, min)`` from the ones given: one given, the other takes
+    its value; neither, 4 and 1. ``ValueError`` when either is 0 or min > max."""
+
+def request_id_list(request_ids: str | _Iterable[str]) -> list[str]:
+    """``abort_request``'s argument as a list of ids: one str, or an iterable of str;
+    ``TypeError`` naming what was given for anything else (the engine's ``abort_request``)."""
+
 @final
 class SchedulerOutput:
     """One step's work as arrays, each built on first access. S = scheduled sequences,
@@ -335,6 +374,7 @@ class Scheduler:
         prompt_token_ids: _IntArray,
         *,
         n: int = 1,
+        best_of: int | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
         max_tokens: int = 16,
@@ -347,14 +387,37 @@ class Scheduler:
         structured_output: bool = False,
     ) -> None:
         """Queue a request (``lora_id``: its adapter, 0 = base model; salts its prefix-cache
-        keys). ``ValueError`` naming the request (and the field and its limit)
-        for an empty prompt, a duplicate id, ``n`` above ``max_num_seqs``, token ids that are
+        keys; ``best_of``: the sequences it runs when given, else ``n``). ``ValueError`` naming
+        the request (and the field and its limit) for an empty prompt, a duplicate id, ``n`` /
+        ``best_of`` above ``max_num_seqs``, ``min_tokens`` above ``max_tokens``, a non-finite
+        ``arrival_time``, a ``lora_id`` with LoRA off (``max_loras=0``), token ids that are
         not integers (floats, bools, strings are refused, never truncated), integers outside
         their range (counts and ``priority``: int64; token ids: uint32; ``extra_key``: uint64);
         ``TypeError`` for a ``request_id`` that is not a str. Nothing is queued then. A request
         that can never be served (prompt too long, more blocks than the cache) is reported by
         the next ``schedule()`` in ``finished``. ``structured_output=True``: it samples under a
         grammar still compiling, and waits (letting others pass) until ``grammar_ready``."""
+    def validate_request(
+        self,
+        request_id: str,
+        prompt_token_ids: _IntArray,
+        *,
+        n: int = 1,
+        best_of: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: _IntArray | None = None,
+        ignore_eos: bool = False,
+        extra_key: int = 0,
+        lora_id: int = 0,
+        structured_output: bool = False,
+    ) -> list[int]:
+        """``add_request``'s checks (same arguments, same errors) without queuing anything, for
+        a caller that builds its own state of the request first; returns the prompt token ids
+        as a list of ints."""
     def grammar_ready(self, request_id: str) -> bool:
         """Mark the grammar of a ``structured_output`` request compiled: schedulable from the
         next ``schedule()``. False for unknown/finished ids or one already marked;
@@ -375,12 +438,17 @@ class Scheduler:
         tokens (its accepted drafts, then the target's token: 1 ..= drafts + 1), appended one by
         one under the stop rules; tokens after a stop are dropped, rejected drafts' blocks are
         given back."""
-    def run_stop_cuts(
-        self, output: SchedulerOutput, sampled_token_ids: _IntArray, num_tokens: _IntArray
-    ) -> _npt.NDArray[_np.int64]:
-        """For a verification step: how many tokens of each sample's run its sequence keeps
-        under the stop rules (EOS or a stop id once ``min_tokens`` are out, the length caps),
-        int64 [K]; ``update_from_output(num_tokens=...)`` cuts the runs at the same place."""
+    def stop_cuts(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: _IntArray,
+        num_tokens: _IntArray | None = None,
+    ) -> tuple[_npt.NDArray[_np.int64], _npt.NDArray[_np.bool_]]:
+        """Where the stop rules end the tokens of ``output`` (the latest step, before
+        ``update_from_output``): one token per sample, or with ``num_tokens`` a run per sample.
+        ``(kept int64 [K], by_token bool [K])``: the tokens each sequence keeps, and whether the
+        last kept one ends it by itself (EOS or a stop id once ``min_tokens`` are out: its text
+        is not part of the output); ``update_from_output`` ends them at the same place."""
     def discard_step(self, output: SchedulerOutput) -> list[str]:
         """Take back ``output`` (the latest step, before ``update_from_output``) when it could
         not be computed: its requests and the groups it swapped out go back to the head of

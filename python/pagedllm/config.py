@@ -1,7 +1,7 @@
 """Engine knobs (`EngineArgs`), shared by `LLM(...)`, `LLMEngine` and the CLI.
 
-The scheduler's and the cache's knobs (mode names, defaults, the default token budget) are the
-Rust core's: read from `pagedllm._core`, never restated here.
+The scheduler's and the cache's knobs (mode names, defaults, their rules, the default token
+budget) are the Rust core's: read from and checked by `pagedllm._core`, never restated here.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pagedllm._core import (
+from pagedllm._core import (  # the mode names: re-exported for the CLI's choices
     DEFAULTS,
-    POLICIES,
-    PREEMPTION_MODES,
-    SCHEDULING_STRATEGIES,
+    POLICIES,  # noqa: F401
+    PREEMPTION_MODES,  # noqa: F401
+    SCHEDULING_STRATEGIES,  # noqa: F401
+    check_scheduler_config,
     default_max_num_batched_tokens,
 )
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -76,14 +77,23 @@ class EngineArgs:
         self.validate()
 
     def validate(self) -> None:
-        _one_of("scheduling", self.scheduling, SCHEDULING_STRATEGIES)
-        _one_of("policy", self.policy, POLICIES)
-        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("dtype", self.dtype, DTYPES)
         SpeculativeConfig.from_dict(self.speculative_config)
-        _positive("block_size", self.block_size)
-        _positive("max_num_seqs", self.max_num_seqs)
-        for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "cpu_threads"):
+        # the scheduler's and the cache's knobs: the core's rules, asked, never restated
+        check_scheduler_config(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling=self.scheduling,
+            policy=self.policy,
+            preemption_mode=self.preemption_mode,
+            watermark=self.watermark,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            delay_factor=self.delay_factor,
+        )
+        # the engine's own knobs
+        for name in ("num_gpu_blocks", "cpu_threads"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
@@ -98,15 +108,8 @@ class EngineArgs:
             or not 0 < space < math.inf
         ):
             raise ValueError(f"cpu_kv_cache_space must be a number of GiB > 0, got {space!r}")
-        for name in (
-            "swap_space",
-            "delay_factor",
-            "long_prefill_token_threshold",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         self._validate_lora()
 
     def _validate_lora(self) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pagedllm import EngineArgs, Scheduler, _core
+from pagedllm import LLM, EngineArgs, Scheduler, _core
 from pagedllm.config import SCHEDULING_STRATEGIES
 
 
@@ -48,3 +48,37 @@ def test_default_token_budget_is_the_schedulers():
             args = EngineArgs(scheduling=scheduling)
             s = Scheduler(num_gpu_blocks=8, scheduling=scheduling, max_model_len=max_model_len)
             assert args.resolved_max_num_batched_tokens(max_model_len) == s.max_num_batched_tokens
+
+
+@pytest.mark.parametrize(
+    "knob, value",
+    [
+        ("max_model_len", 1),
+        ("delay_factor", float("nan")),
+        ("watermark", 1.0),
+        ("block_size", 0),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("long_prefill_token_threshold", -1),
+    ],
+    ids=repr,
+)
+def test_engine_args_refuse_what_the_scheduler_refuses_with_its_message(knob, value):
+    # the knobs' rules are the core's: EngineArgs asks them before any model is loaded
+    with pytest.raises(ValueError) as built:
+        Scheduler(num_gpu_blocks=8, **{knob: value})
+    with pytest.raises(ValueError, match=knob) as checked:
+        EngineArgs(**{knob: value})
+    assert str(checked.value) == str(built.value)
+
+
+def test_engine_args_refuse_a_non_integer_knob():
+    with pytest.raises(ValueError, match="max_num_seqs must be an int, got float 4.0"):
+        EngineArgs(max_num_seqs=4.0)
+
+
+def test_kv_cache_without_room_for_the_watermark_fails_at_start_up():
+    # 16 blocks hold one 64-token sequence, but a new sequence never takes the watermark's 4
+    assert _core.min_kv_blocks(64, block_size=4, watermark=0.25) == 21
+    with pytest.raises(ValueError, match=r"needs 21 blocks of 4 tokens.*only 16"):
+        LLM(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=16, watermark=0.25)

@@ -227,7 +227,7 @@ def test_priority_beyond_int64_is_rejected_naming_field_and_limit(engine):
         "prio",
         [1, 2],
         priority=2**70,
-        match=r"priority must be an int in \[-9223372036854775808, 9223372036854775807\]",
+        match=r"priority must be <= 9223372036854775807, got 1180591620717411303424",
     )
 
 
@@ -255,10 +255,10 @@ def test_sampling_params_pushed_out_of_range_after_construction_are_still_refuse
         ([1, None], r"\[1\] must be an int, got NoneType None"),
         ([1, float("nan")], r"\[1\] must be an int, got float nan"),
         ("hello", "must be a list of ints or an integer numpy array, got str"),
-        (np.array([72.9, 105.9]), "1-D integer array, got a 1-D float64 array"),
-        (np.array([True, False]), "1-D integer array, got a 1-D bool array"),
-        (np.array([[1, 2]]), "1-D integer array, got a 2-D int64 array"),
-        (torch.tensor([1.5, 2.0]), "1-D integer tensor, got a 1-D torch.float32 tensor"),
+        (np.array([72.9, 105.9]), "1-D integer array, got a 1-D float64 ndarray"),
+        (np.array([True, False]), "1-D integer array, got a 1-D bool ndarray"),
+        (np.array([[1, 2]]), "1-D integer array, got a 2-D int64 ndarray"),
+        (torch.tensor([1.5, 2.0]), "1-D integer array, got a 1-D torch.float32 Tensor"),
         (None, "got NoneType"),
     ],
     ids=repr,
@@ -322,7 +322,7 @@ def test_the_size_bound_of_a_text_prompt_never_exceeds_its_token_count(kind, tmp
     else:
         save_tiny_tokenizer(tmp_path)
         tokenizer = HFTokenizer(tmp_path)
-    inputs = InputProcessor(tokenizer, vocab_size=tokenizer.vocab_size, max_num_seqs=1)
+    inputs = InputProcessor(tokenizer, vocab_size=tokenizer.vocab_size)
     texts = ["x" * 5000, " " * 5000, "the cat " * 700, "é" * 3000, "e\u0301" * 2000, "<s>" * 900]
     for text in texts:
         bound = inputs.min_prompt_tokens(text)

@@ -61,3 +61,33 @@ def test_several_eos_checkpoint_never_ends_before_min_tokens_via_any_eos_id(engi
     assert not set(completion.token_ids[:MIN_TOKENS]) & set(EOS_IDS)
     assert completion.token_ids[MIN_TOKENS:] == [favoured]
     assert completion.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_id_ends_the_text_before_its_own_unless_kept(engine, keep):
+    # the scheduler says which token ends a sequence by itself (Scheduler.stop_cuts), before
+    # any text is appended: its text is left out unless include_stop_str_in_output
+    stop_id = next(t for t in range(32, 127) if t not in EOS_IDS)
+    piece = engine.tokenizer.decode([stop_id])
+    bonus = torch.zeros(engine.model_config.vocab_size)
+    bonus[stop_id] = 1000.0
+    compute_logits = engine.model.compute_logits
+    engine.model.compute_logits = lambda hidden: compute_logits(hidden) + bonus
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            stop_token_ids=[stop_id],
+            include_stop_str_in_output=keep,
+        )
+        engine.add_request(f"stop-{keep}", [3, 4, 5], params)
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+    finally:
+        del engine.model.compute_logits
+    (completion,) = final.outputs
+    assert completion.token_ids == [stop_id]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+    assert piece and completion.text == (piece if keep else "")

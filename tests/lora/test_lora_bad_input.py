@@ -113,7 +113,8 @@ def test_unknown_weight_of_a_module_the_model_lacks_is_refused(llm, llama_world,
 
 def test_lora_request_without_enable_lora_is_refused(llama_world):
     llm = LLM(str(llama_world.base), dtype="float32", device="cpu", block_size=4)
-    with pytest.raises(ValueError, match="'alpha'.*LoRA is not enabled"):
+    alpha_id = llama_world.requests["alpha"].lora_int_id
+    with pytest.raises(ValueError, match=f"lora_id={alpha_id} given but LoRA is not enabled"):
         llm.generate(
             {"prompt_token_ids": PROMPTS[0]},
             PARAMS,

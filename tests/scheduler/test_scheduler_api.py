@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedllm import _core
 from pagedllm._core import PagedLLMError, Scheduler, SchedulerOutput
 
 from scheduler_util import all_blocks_free, make, prompt, step
@@ -45,7 +46,7 @@ def test_constructor_defaults_are_readable_back():
     "kwargs, message",
     [
         ({"prompt_token_ids": []}, "empty prompt"),
-        ({"prompt_token_ids": [1, -2]}, "-2 is not a valid token id"),
+        ({"prompt_token_ids": [1, -2]}, r"prompt token id -2 \(position 1\) is outside"),
         ({"n": 0}, "n must be >= 1"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
@@ -74,7 +75,7 @@ def assert_nothing_queued_and_a_good_request_runs(s):
 def test_n_above_max_num_seqs_is_rejected_before_allocation(n):
     s = make(num_gpu_blocks=8, max_num_seqs=4)
     # 2**40 sequences used to be allocated first and abort the process
-    with pytest.raises(ValueError, match=r"n must be <= 4 \(max_num_seqs\)") as info:
+    with pytest.raises(ValueError, match=f"n={n} exceeds max_num_seqs=4") as info:
         s.add_request("req-7", [1, 2, 3], n=n)
     assert "req-7" in str(info.value)
     assert_nothing_queued_and_a_good_request_runs(s)
@@ -139,12 +140,12 @@ def test_non_integer_argument_is_refused_not_truncated(field, value):
         ([1, float("nan")], r"\[1\].*nan"),
         ((1, 2.5), r"\[1\].*float"),
         ([1, 2**70], r"\[1\].*out of range"),
-        (np.array([72.9, 105.9]), "dtype float64"),
-        (np.array([True, False]), "dtype bool"),
+        (np.array([72.9, 105.9]), "1-D integer array, got a 1-D float64 ndarray"),
+        (np.array([True, False]), "1-D integer array, got a 1-D bool ndarray"),
         (np.array([2**64 - 1], dtype=np.uint64), "out of range"),
         ("hello", "got str"),
         (5, "got int"),
-        (np.array([[1, 2]]), "one-dimensional"),
+        (np.array([[1, 2]]), "1-D integer array, got a 2-D int64 ndarray"),
     ],
     ids=repr,
 )
@@ -414,3 +415,123 @@ def test_repr_is_informative():
     s.add_request("a", prompt(0, 4))
     out = s.schedule()
     assert "unified" in repr(s) and "num_seqs=1" in repr(out)
+
+
+# ---- the request rules, asked without queuing (issue 22: one owner per rule) ------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_token_ids": []}, "empty prompt"),
+        ({"n": 5}, r"n=5 exceeds max_num_seqs=4 \(the most sequences one request may have\)"),
+        ({"best_of": 2**70}, f"best_of={2**70} exceeds max_num_seqs=4"),
+        ({"min_tokens": 5, "max_tokens": 2}, r"min_tokens \(5\) must not exceed max_tokens \(2\)"),
+        ({"arrival_time": float("inf")}, "arrival_time must be a finite number of seconds"),
+        ({"arrival_time": "now"}, "arrival_time must be None or a number of seconds, got str"),
+        ({"lora_id": 3}, "lora_id=3 given but LoRA is not enabled"),
+        ({"prompt_token_ids": [1, 2.5]}, r"prompt_token_ids\[1\] must be an int, got float"),
+    ],
+    ids=repr,
+)
+def test_validate_request_refuses_as_add_request_does_and_queues_nothing(kwargs, message):
+    s = make(num_gpu_blocks=8, max_num_seqs=4)
+    args = {"prompt_token_ids": [1, 2, 3], **kwargs}
+    ids = args.pop("prompt_token_ids")
+    with pytest.raises(ValueError, match=message) as validated:
+        s.validate_request("req-7", ids, **args)
+    with pytest.raises(ValueError) as added:
+        s.add_request("req-7", ids, **args)
+    assert str(validated.value) == str(added.value)
+    assert str(validated.value).startswith("request 'req-7': ")
+    assert_nothing_queued_and_a_good_request_runs(s)
+
+
+def test_validate_request_returns_the_prompt_as_ints_and_has_no_side_effect():
+    s = make(num_gpu_blocks=8)
+    ids = s.validate_request("a", np.array([5, 6, 7], dtype=np.uint16), n=2)
+    assert ids == [5, 6, 7] and all(type(t) is int for t in ids)
+    assert not s.has_unfinished_requests() and s.request_status("a") is None
+    s.add_request("a", ids)
+    with pytest.raises(ValueError, match="'a': duplicate request id"):
+        s.validate_request("a", ids)
+
+
+def test_best_of_sets_the_sequences_a_request_runs():
+    s = make(num_gpu_blocks=16, max_num_seqs=4)
+    s.add_request("a", [1, 2, 3], n=1, best_of=3)
+    out, _ = step(s)
+    assert out.num_samples == 3
+
+
+def test_request_id_list_is_abort_requests_rule():
+    assert _core.request_id_list("a") == ["a"]
+    assert _core.request_id_list(("a", "b")) == ["a", "b"]
+    with pytest.raises(TypeError, match=r"abort_request takes a request id \(str\).*got int 5"):
+        _core.request_id_list(5)
+    with pytest.raises(TypeError, match="item 1: request id must be a str, got int 5"):
+        _core.request_id_list(["a", 5])
+
+
+# ---- the stop rule, asked before the text (a token is a run of one) ---------------------------
+
+
+def test_stop_cuts_of_single_tokens_say_which_token_ends_its_sequence():
+    s = make(num_gpu_blocks=16)
+    s.add_request("eos", [1, 2, 3], eos_token_id=2, min_tokens=1, max_tokens=8)
+    s.add_request("stop", [4, 5, 6], stop_token_ids=[9], max_tokens=8)
+    s.add_request("len", [7, 8], eos_token_id=2, max_tokens=1)
+    out = s.schedule()
+    assert out.request_ids == ["eos", "stop", "len"]
+    sampled = np.array([2, 9, 3])
+    kept, by_token = s.stop_cuts(out, sampled)
+    # EOS and the stop id end their sequences by themselves (min_tokens=1 is out with the
+    # first token); max_tokens ends the third, whose token is not a stop token
+    assert kept.tolist() == [1, 1, 1] and by_token.tolist() == [True, True, False]
+    assert s.stop_cuts(out, sampled, np.ones(3, dtype=np.int64))[1].tolist() == [True, True, False]
+    finished = s.update_from_output(out, sampled)
+    assert [(f[0], f[2], f[3]) for f in finished] == [
+        ("eos", "stop", None),
+        ("stop", "stop", 9),
+        ("len", "length", None),
+    ]
+
+
+def test_stop_cuts_hold_eos_back_until_min_tokens():
+    s = make(num_gpu_blocks=16)
+    s.add_request("a", [1, 2, 3], eos_token_id=2, min_tokens=2, max_tokens=8)
+    out = s.schedule()
+    assert s.stop_cuts(out, [2])[1].tolist() == [False]
+    assert s.update_from_output(out, [2]) == []
+    out = s.schedule()
+    assert s.stop_cuts(out, [2])[1].tolist() == [True]
+
+
+# ---- the knobs' rules and defaults ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_model_len": 1}, "max_model_len must be >= 2"),
+        ({"delay_factor": float("nan")}, "delay_factor must be a finite number >= 0, got NaN"),
+        ({"watermark": 1.0}, r"watermark must be in \[0, 1\), got 1"),
+        ({"block_size": 0}, "block_size must be > 0, got 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"scheduling": "fastest"}, "scheduling must be one of"),
+    ],
+    ids=repr,
+)
+def test_check_scheduler_config_is_the_constructors_rule(kwargs, message):
+    with pytest.raises(ValueError, match=message) as checked:
+        _core.check_scheduler_config(**kwargs)
+    with pytest.raises(ValueError) as built:
+        Scheduler(num_gpu_blocks=8, **kwargs)
+    assert str(checked.value) == str(built.value)
+
+
+def test_check_scheduler_config_refuses_non_integer_knobs():
+    with pytest.raises(ValueError, match="max_num_seqs must be an int, got bool True"):
+        _core.check_scheduler_config(max_num_seqs=True)
+    with pytest.raises(ValueError, match="block_size must be an int, got float 16.0"):
+        _core.check_scheduler_config(block_size=16.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm import Scheduler, _core
 from pagedllm.spec_decode import SpeculativeConfig
 
 
@@ -52,3 +53,22 @@ def test_draft_vocabulary_must_match_the_target():
     c.check_draft_vocab(256, 256)
     with pytest.raises(ValueError, match="vocabulary"):
         c.check_draft_vocab(256, 512)
+
+
+def test_ngram_lookup_defaults_are_the_proposers():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == _core.ngram_lookup_bounds()
+    # a scheduler given no bounds proposes with the same ones: a bad pair names the same rule
+    with pytest.raises(ValueError, match=r"prompt_lookup_min \(3\) must be <= prompt_lookup_max"):
+        Scheduler(
+            num_gpu_blocks=8, num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2
+        )
+    with pytest.raises(ValueError, match=r"speculative_config: prompt_lookup_min \(3\) must"):
+        SpeculativeConfig.from_dict(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 3,
+                "prompt_lookup_max": 2,
+            }
+        )

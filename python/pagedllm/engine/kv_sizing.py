@@ -2,7 +2,9 @@
 
 On CUDA the device block count is profiled (a forward over a full token budget, then what memory
 is left goes to the cache); on the CPU it is a fixed budget (`cpu_kv_cache_space`). Either way a
-cache that cannot hold one `max_model_len` sequence is refused at start-up.
+cache that cannot hold one `max_model_len` sequence (under `prefill_first`, one of the token
+budget, if shorter) is refused at start-up: whether it can is the core's admission rule
+(`min_kv_blocks`: the sequence's blocks plus the watermark's share).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 
 import torch
 
+from pagedllm._core import min_kv_blocks
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.config import EngineArgs, GiB
 from pagedllm.models import ModelConfig
@@ -92,23 +95,32 @@ class KVCachePlanner:
         """Device and host block counts; fails if one max_model_len sequence cannot fit."""
         args = self.args
         block_bytes = self.bytes_per_block()
-        blocks_per_seq = math.ceil(self.max_model_len / args.block_size)
+        # the core's admission rule: the fewest blocks the longest sequence the scheduler holds
+        # is ever admitted into (its blocks plus the watermark's share)
+        least = min_kv_blocks(
+            self.max_model_len,
+            block_size=args.block_size,
+            watermark=args.watermark,
+            scheduling=args.scheduling,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
         if args.num_gpu_blocks is not None:
             num_gpu_blocks = args.num_gpu_blocks
         elif self.device.type == "cuda":
             num_gpu_blocks = self.profile_gpu_blocks(block_bytes)
         else:
             # CPU: a fixed memory budget, no more than every sequence at full length needs
+            full = math.ceil(self.max_model_len / args.block_size) * args.max_num_seqs
             num_gpu_blocks = min(
-                int(args.cpu_kv_cache_space * GiB) // block_bytes,
-                blocks_per_seq * args.max_num_seqs,
+                int(args.cpu_kv_cache_space * GiB) // block_bytes, max(full, least)
             )
             _check_host_memory(num_gpu_blocks * block_bytes, args.cpu_kv_cache_space)
-        if num_gpu_blocks < blocks_per_seq:
+        if num_gpu_blocks < least:
             raise ValueError(
                 f"KV cache too small: one sequence of max_model_len={self.max_model_len} needs "
-                f"{blocks_per_seq} blocks of {args.block_size} tokens, but only {num_gpu_blocks} "
-                f"are available; lower max_model_len or give more memory "
+                f"{least} blocks of {args.block_size} tokens (with the watermark's "
+                f"{args.watermark:g} of the cache kept free), but only {num_gpu_blocks} are "
+                f"available; lower max_model_len or give more memory "
                 f"(num_gpu_blocks / gpu_memory_utilization / cpu_kv_cache_space)"
             )
         num_cpu_blocks = int(args.swap_space * GiB) // block_bytes

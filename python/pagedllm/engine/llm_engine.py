@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from pagedllm._core import Scheduler
+from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
 from pagedllm.engine.faults import StepFaults, sample_isolating
-from pagedllm.engine.inputs import InputProcessor, PromptType, check_request_id
+from pagedllm.engine.inputs import InputProcessor, PromptType
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.registry import RequestRegistry
@@ -148,12 +148,9 @@ class LLMEngine:
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
         self.inputs = InputProcessor(
-            self.tokenizer,
-            vocab_size=cfg.vocab_size,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            max_model_len=self.max_model_len,
+            self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.requests)
+        self.output_processor = OutputProcessor(self.tokenizer, self.requests, self.scheduler)
         self.prompt_logprobs = PromptLogprobs(self.output_processor.decode_one)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids
@@ -234,59 +231,52 @@ class LLMEngine:
         `max_num_seqs`, `logprobs` by the vocabulary size, `priority` by the int64 range: each
         a ValueError naming the request, the field and the limit, before anything is allocated.
         """
-        check_request_id(request_id, "request_id")
+        params = params if params is not None else SamplingParams()
+        text, prompt_ids, params = self.inputs.process(request_id, prompt, params)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__} "
+                f"{lora_request!r}"
+            )
+        stop = StopTokens.of(params, self.eos_token_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        # the request rules are the scheduler's: asked here, before any per-sequence state
+        request = {
+            "n": params.n,
+            "best_of": params.best_of,
+            "priority": priority,
+            "arrival_time": arrival,
+            "max_tokens": params.max_tokens,
+            "min_tokens": params.min_tokens,
+            "eos_token_id": stop.eos_token_id,
+            "stop_token_ids": stop.stop_token_ids,
+            "ignore_eos": params.ignore_eos,
+            "lora_id": lora_request.lora_int_id if lora_request is not None else 0,
+            "structured_output": params.structured_outputs is not None,
+            "extra_key": self.prompt_logprobs.cache_key(params),
+        }
+        token_ids = self.scheduler.validate_request(request_id, prompt_ids, **request)
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r}: duplicate request id")
-        params = params if params is not None else SamplingParams()
-        text, token_ids, params = self.inputs.process(
-            request_id, prompt, params, arrival_time, priority
-        )
-        lora_id = self._lora_id(request_id, lora_request)
+        token_ids = self.inputs.truncate(token_ids, params.truncate_prompt_tokens)
+        self.inputs.check_prompt(request_id, token_ids)
+        if lora_request is not None:
+            self.lora.add(lora_request)  # checks and loads its adapter (LoRA is on: validated)
         constraint = params.structured_outputs
         if constraint is not None and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: structured_outputs needs a tokenizer (the engine was "
                 f"built with skip_tokenizer_init=True)"
             )
-        stop = StopTokens.of(params, self.eos_token_ids)
-        arrival = time.time() if arrival_time is None else arrival_time
-        request = RequestState.new(
-            request_id, text, token_ids, params, stop, arrival, self.tokenizer
-        )
-        request.lora_request = lora_request
-        self.scheduler.add_request(
-            request_id,
-            token_ids,
-            n=params.num_samples,
-            priority=priority,
-            arrival_time=arrival,
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_id=stop.eos_token_id,
-            stop_token_ids=stop.stop_token_ids,
-            ignore_eos=params.ignore_eos,
-            lora_id=lora_id,
-            structured_output=constraint is not None,
-            extra_key=self.prompt_logprobs.cache_key(params),
-        )
+        state = RequestState.new(request_id, text, token_ids, params, stop, arrival, self.tokenizer)
+        state.lora_request = lora_request
+        self.scheduler.add_request(request_id, token_ids, **request)
         self.prompt_logprobs.add(request_id, token_ids, params)
         self._unscheduled.add(request_id)
-        self.requests.add(request)
+        self.requests.add(state)
         if constraint is not None:
             # compiles off the engine thread; the scheduler holds the request until then
             self.structured_output.submit(request_id, constraint)
-
-    def _lora_id(self, request_id: str, lora_request: LoRARequest | None) -> int:
-        """The adapter id the scheduler carries (0: base model), its adapter checked and loaded."""
-        if lora_request is None:
-            return 0
-        if self.lora is None:
-            name = getattr(lora_request, "lora_name", lora_request)
-            raise ValueError(
-                f"request {request_id!r}: lora_request {name!r} given but LoRA is not enabled "
-                f"(LLM(..., enable_lora=True) / --enable-lora)"
-            )
-        return self.lora.add(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Checks and loads an adapter ahead of its requests (vLLM's `add_lora`)."""
@@ -305,18 +295,7 @@ class LLMEngine:
         Takes one id (a str, as given to `add_request`) or an iterable of them; anything else
         (an int, an iterable holding a non-str) is a TypeError, raised before anything is aborted.
         """
-        if isinstance(request_ids, str):
-            ids = [request_ids]
-        else:
-            try:
-                ids = list(request_ids)
-            except TypeError:
-                raise TypeError(
-                    f"abort_request takes a request id (str) or an iterable of them, "
-                    f"got {type(request_ids).__name__} {request_ids!r}"
-                ) from None
-            for request_id in ids:
-                check_request_id(request_id, "abort_request: request id")
+        ids = request_id_list(request_ids)  # the scheduler's rule of the argument
         for request_id in ids:
             request = self.requests.get(request_id)
             if request is None or request.finished:
@@ -517,9 +496,7 @@ class LLMEngine:
     def _update(self, step, sampled, touched: dict[str, RequestState], grammar=None) -> int:
         """Appends the step's tokens and applies them in the scheduler; returns how many."""
         if isinstance(sampled, VerifiedTokens):
-            tokens = sampled.token_ids.cpu().numpy()
-            cuts = self.scheduler.run_stop_cuts(step, tokens, sampled.num_tokens)
-            appended = self.output_processor.append_runs(step, sampled, tokens, cuts, touched)
+            appended = self.output_processor.append_runs(step, sampled, touched)
         else:
             appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():

@@ -3,7 +3,10 @@ text through the incremental detokenizer, stop strings), then the scheduler's fi
 applied to them.
 
 One step goes `append` -> `Scheduler.update_from_output` (Rust: the stop rules and the block
-bookkeeping, told which samples hit a stop string) -> `finish`.
+bookkeeping, told which samples hit a stop string) -> `finish`. Which token ends a sequence by
+itself (EOS or a stop id once `min_tokens` are out, whose text is left out) is the scheduler's
+answer too (`Scheduler.stop_cuts`, asked before any text is appended; a token is a run of one),
+so the stop rule lives in Rust alone.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ class AppendedStep:
 
 
 class OutputProcessor:
-    """Appends sampled tokens to the requests of `requests` (the engine's live requests);
-    finishes go through the registry."""
+    """Appends sampled tokens to the requests of `requests` (the engine's live requests), cut
+    where `scheduler`'s stop rules end them; finishes go through the registry."""
 
-    def __init__(self, tokenizer: Tokenizer | None, requests: RequestRegistry) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, requests: RequestRegistry, scheduler) -> None:
         self.tokenizer = tokenizer
         self.requests = requests
+        self.scheduler = scheduler
 
     def append(
         self, step, sampled: SamplerOutput, touched: dict[str, RequestState]
@@ -48,6 +52,10 @@ class OutputProcessor:
         tokens = sampled.sampled_token_ids.cpu().numpy()
         logprobs = sampled.logprobs.tolists() if sampled.logprobs is not None else None
         out = AppendedStep(tokens, np.zeros(len(tokens), dtype=bool))
+        # which tokens end their sequence by themselves: only the text needs it
+        ends = [False] * len(tokens)
+        if self.tokenizer is not None:
+            ends = self.scheduler.stop_cuts(step, tokens)[1].tolist()
         now = time.time()
         for k, (request_id, index, token) in enumerate(
             zip(step.sample_request_ids, step.sample_seq_index.tolist(), tokens.tolist())
@@ -55,7 +63,9 @@ class OutputProcessor:
             request = self.requests[request_id]
             touched[request_id] = request
             try:
-                stop = self._append_token(request, request.seqs[index], k, token, logprobs, now)
+                stop = self._append_token(
+                    request, request.seqs[index], k, token, logprobs, now, ends[k]
+                )
             except Exception as exc:  # this request's fault (e.g. its detokenizer): it alone ends
                 out.faulty.setdefault(request_id, exc)
                 continue
@@ -64,15 +74,13 @@ class OutputProcessor:
                 out.stop_strings[(request_id, index)] = stop
         return out
 
-    def append_runs(
-        self, step, verified, tokens, cuts, touched: dict[str, RequestState]
-    ) -> AppendedStep:
-        """`append` for a verification step (`VerifiedTokens`, its token ids as `tokens`):
-        sample `k` brings a run of tokens, appended one by one up to `cuts[k]`, where the
-        scheduler's stop rules end it (`Scheduler.run_stop_cuts`: EOS or a stop id once
-        `min_tokens` are out, the length caps), or up to a stop string; the tokens after the
-        cut are dropped."""
+    def append_runs(self, step, verified, touched: dict[str, RequestState]) -> AppendedStep:
+        """`append` for a verification step (`VerifiedTokens`): sample `k` brings a run of
+        tokens, appended one by one up to where the scheduler's stop rules end it
+        (`Scheduler.stop_cuts`), or up to a stop string; the tokens after the cut are dropped."""
+        tokens = verified.token_ids.cpu().numpy()
         counts = verified.num_tokens
+        cuts, ends = self.scheduler.stop_cuts(step, tokens, counts)
         logprobs = verified.logprobs.tolists() if verified.logprobs is not None else None
         keep = np.ones(len(tokens), dtype=bool)
         kept = counts.copy()
@@ -89,7 +97,13 @@ class OutputProcessor:
             for j in range(cut):
                 try:
                     stop = self._append_token(
-                        request, seq, start + j, int(tokens[start + j]), logprobs, now
+                        request,
+                        seq,
+                        start + j,
+                        int(tokens[start + j]),
+                        logprobs,
+                        now,
+                        j + 1 == cut and bool(ends[k]),
                     )
                 except Exception as exc:  # this request's fault: it alone ends
                     out.faulty.setdefault(request_id, exc)
@@ -120,9 +134,11 @@ class OutputProcessor:
         token: int,
         logprobs: LogprobsLists | None,
         now: float,
+        ends_by_token: bool,
     ) -> str | None:
         """Adds sample `k` to its sequence (token, logprobs, text); returns a matched stop
-        string."""
+        string. A token that ends its sequence by itself (`ends_by_token`, the scheduler's
+        answer) adds no text (vLLM), unless the request keeps stop strings in the output."""
         seq.token_ids.append(token)
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
@@ -133,9 +149,11 @@ class OutputProcessor:
                 seq.logprobs.append(
                     logprobs.entry(k, token, request.params.logprobs, self.decode_one)
                 )
-        if seq.detokenizer is not None and not request.ends_by_token(seq, token):
-            return seq.detokenizer.append(token)[1]
-        return None
+        if seq.detokenizer is None:
+            return None
+        if ends_by_token and not request.params.include_stop_str_in_output:
+            return None
+        return seq.detokenizer.append(token)[1]
 
     def decode_one(self, token_id: int) -> str | None:
         if self.tokenizer is None:

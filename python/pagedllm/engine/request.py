@@ -26,8 +26,9 @@ class StopTokens:
     `ids` is every token id that ends a sequence (`SamplingParams.all_stop_token_ids`: the
     request's stop ids, plus every EOS id of the checkpoint unless `ignore_eos`). The scheduler's
     stop rule gets it split in two: `eos_token_id` (the primary EOS, which stops with
-    `stop_reason` None) and `stop_token_ids` (the rest, which stop with the id as `stop_reason`).
-    The output text rule and the sampler's `min_tokens` mask use `ids`.
+    `stop_reason` None) and `stop_token_ids` (the rest, which stop with the id as `stop_reason`);
+    which token ends a sequence is its answer alone (`Scheduler.stop_cuts`). The sampler's
+    `min_tokens` mask uses `ids`.
     """
 
     eos_token_id: int | None
@@ -137,14 +138,6 @@ class RequestState:
         for seq in self.seqs:
             seq.finish(reason, stop_reason)
         self.metrics.finished_time = time.time()
-
-    def ends_by_token(self, seq: SequenceState, token: int) -> bool:
-        """EOS or a stop token id that will end the sequence: its text is not part of the output
-        (vLLM), unless the request keeps stop strings in the output."""
-        params = self.params
-        if params.include_stop_str_in_output or len(seq.token_ids) < params.min_tokens:
-            return False
-        return token in self.stop.ids
 
     def output(self) -> RequestOutput:
         seqs = self.seqs

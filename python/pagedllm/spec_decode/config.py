@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedllm._core import ngram_lookup_bounds
+
 # vLLM's method names
 SPEC_METHODS = ("ngram", "draft_model")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
@@ -18,7 +20,8 @@ class SpeculativeConfig:
 
     `ngram`: prompt lookup over each sequence's own prompt + output; `prompt_lookup_max` /
     `prompt_lookup_min` bound the suffix length looked up (one given: the other takes its value;
-    neither: 4 and 1). `draft_model`: a smaller checkpoint `model` with the target's vocabulary.
+    neither: the proposer's defaults, 4 and 1; `_core.ngram_lookup_bounds` owns the rule).
+    `draft_model`: a smaller checkpoint `model` with the target's vocabulary.
     """
 
     method: str
@@ -52,18 +55,15 @@ class SpeculativeConfig:
         k = value.get("num_speculative_tokens")
         _count("num_speculative_tokens", k)
         if method == "ngram":
-            lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
-            if lookup_max is None and lookup_min is None:
-                lookup_max, lookup_min = 4, 1
-            lookup_max = lookup_min if lookup_max is None else lookup_max
-            lookup_min = lookup_max if lookup_min is None else lookup_min
-            _count("prompt_lookup_max", lookup_max)
-            _count("prompt_lookup_min", lookup_min)
-            if lookup_min > lookup_max:
-                raise ValueError(
-                    f"speculative_config: prompt_lookup_min ({lookup_min}) must be <= "
-                    f"prompt_lookup_max ({lookup_max})"
-                )
+            given = {key: value.get(key) for key in ("prompt_lookup_max", "prompt_lookup_min")}
+            for key, bound in given.items():
+                if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool)):
+                    raise ValueError(f"speculative_config: {key} must be an integer, got {bound!r}")
+            try:
+                # the defaults and the rule of the bounds are the Rust proposer's
+                lookup_max, lookup_min = ngram_lookup_bounds(**given)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
             return cls("ngram", k, lookup_max, lookup_min)
         model = value.get("model")
         if not isinstance(model, str) or not model:

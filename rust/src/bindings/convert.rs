@@ -8,7 +8,9 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+
+use crate::scheduler::request_repr;
+use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 static NUMPY: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 
@@ -48,17 +50,19 @@ fn integer_value(obj: &Bound<'_, PyAny>) -> Option<i128> {
         .ok()
 }
 
-/// An integer argument within `[lo, hi]` (`limit` says where `hi` comes from, if anywhere):
-/// a `ValueError` naming the request, the field and the bound otherwise, never pyo3's bare
-/// `OverflowError` or a truncated float.
+/// An integer argument within `[lo, hi]`: a `ValueError` starting `prefix` (the request, if
+/// any) and naming the field and the bound otherwise, never pyo3's bare `OverflowError` or a
+/// truncated float. Above `hi` the message is `over(value as given)` when given, else the
+/// bound followed by `limit` (where `hi` comes from, if anywhere).
 fn int_arg(
     obj: &Bound<'_, PyAny>,
-    id: &str,
+    prefix: &str,
     name: &str,
     (lo, hi): (i128, i128),
     limit: &str,
+    over: Option<&dyn Fn(&str) -> String>,
 ) -> PyResult<i128> {
-    let bad = |m: String| PyValueError::new_err(format!("request {id:?}: {name} {m}"));
+    let bad = |m: String| PyValueError::new_err(format!("{prefix}{name} {m}"));
     if !is_integer(obj)? {
         return Err(bad(format!(
             "must be an int, got {} {}",
@@ -70,7 +74,13 @@ fn int_arg(
         Some(v) if v < lo => Err(bad(format!("must be >= {lo}, got {v}"))),
         Some(v) if v <= hi => Ok(v),
         _ if obj.lt(0)? => Err(bad(format!("must be >= {lo}, got {}", obj.repr()?))),
-        _ => Err(bad(format!("must be <= {hi}{limit}, got {}", obj.repr()?))),
+        _ => match over {
+            Some(over) => Err(PyValueError::new_err(format!(
+                "{prefix}{}",
+                over(&obj.repr()?.to_string())
+            ))),
+            None => Err(bad(format!("must be <= {hi}{limit}, got {}", obj.repr()?))),
+        },
     }
 }
 
@@ -92,6 +102,7 @@ impl<'py> FromPyObject<'py> for IntArg<'py> {
 }
 
 impl IntArg<'_> {
+    /// The value of a request's argument (errors name the request `id`).
     pub(crate) fn get(
         &self,
         id: &str,
@@ -99,11 +110,65 @@ impl IntArg<'_> {
         range: (i128, i128),
         limit: &str,
     ) -> PyResult<i128> {
+        self.checked(
+            &format!("request {}: ", request_repr(id)),
+            name,
+            range,
+            limit,
+            None,
+        )
+    }
+
+    /// `get` with the message above the range written by `over` (from the value as given).
+    pub(crate) fn get_or(
+        &self,
+        id: &str,
+        name: &str,
+        range: (i128, i128),
+        over: &dyn Fn(&str) -> String,
+    ) -> PyResult<i128> {
+        self.checked(
+            &format!("request {}: ", request_repr(id)),
+            name,
+            range,
+            "",
+            Some(over),
+        )
+    }
+
+    /// The value of a configuration knob (errors name the knob only).
+    pub(crate) fn knob(&self, name: &str, range: (i128, i128)) -> PyResult<i128> {
+        self.checked("", name, range, "", None)
+    }
+
+    fn checked(
+        &self,
+        prefix: &str,
+        name: &str,
+        range: (i128, i128),
+        limit: &str,
+        over: Option<&dyn Fn(&str) -> String>,
+    ) -> PyResult<i128> {
         match self {
-            IntArg::Given(obj) => int_arg(obj, id, name, range, limit),
+            IntArg::Given(obj) => int_arg(obj, prefix, name, range, limit, over),
             IntArg::Default(v) => Ok(*v),
         }
     }
+}
+
+/// A number of seconds (an int or a float; not a bool): a `ValueError` starting `prefix` and
+/// naming `name` for anything else. Whether it is finite is the core's rule.
+pub(crate) fn seconds(obj: &Bound<'_, PyAny>, prefix: &str, name: &str) -> PyResult<f64> {
+    if is_integer(obj)? || obj.is_instance_of::<PyFloat>() {
+        if let Ok(v) = obj.extract::<f64>() {
+            return Ok(v);
+        }
+    }
+    Err(PyValueError::new_err(format!(
+        "{prefix}{name} must be None or a number of seconds, got {} {}",
+        obj.get_type().name()?,
+        obj.repr()?
+    )))
 }
 
 /// Item `i` of a token list: an integer in the i64 range, else a `ValueError` naming the
@@ -157,9 +222,9 @@ pub(crate) fn read_i64(obj: &Bound<'_, PyAny>, what: &str, into: &mut Vec<i64>) 
     }
     let not_a_list = || -> PyResult<PyErr> {
         Ok(PyValueError::new_err(format!(
-            "{what} must be a list or numpy array of ints, got {} {}",
+            "{what} must be a list of ints or an integer numpy array, got {} {:.80}",
             obj.get_type().name()?,
-            obj.repr()?
+            obj.repr()?.to_string()
         )))
     };
     if obj.is_instance_of::<PyString>() {
@@ -174,21 +239,20 @@ pub(crate) fn read_i64(obj: &Bound<'_, PyAny>, what: &str, into: &mut Vec<i64>) 
     if ndim == 0 {
         return Err(not_a_list()?);
     }
-    if ndim != 1 {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be one-dimensional, got {ndim} dimensions"
-        )));
-    }
-    if arr.getattr("size")?.extract::<usize>()? == 0 {
-        return Ok(());
-    }
     let dtype = arr.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
-    if kind != "i" && kind != "u" {
+    let empty = arr.getattr("size")?.extract::<usize>()? == 0;
+    if ndim != 1 || (!empty && kind != "i" && kind != "u") {
+        // the array's own dtype (a torch tensor's is `torch.float32`, say)
+        let shown = obj.getattr("dtype").unwrap_or(dtype);
         return Err(PyValueError::new_err(format!(
-            "{what} must be integers (an int list or an integer-dtype array), got dtype {}",
-            dtype.str()?
+            "{what} must be a 1-D integer array, got a {ndim}-D {} {}",
+            shown.str()?,
+            obj.get_type().name()?
         )));
+    }
+    if empty {
+        return Ok(());
     }
     if kind == "u" && arr.call_method0("max")?.gt(i64::MAX)? {
         return Err(PyValueError::new_err(format!(

@@ -12,11 +12,13 @@ create_exception!(
     "Error raised by the pagedllm core (out of blocks, invalid state, broken invariant)."
 );
 
-/// Bad arguments become `ValueError`; capacity and state errors `PagedLLMError`.
+/// Bad arguments become `ValueError` (an `InvalidArgument`'s message as is: the type already
+/// says it is one); capacity and state errors `PagedLLMError`.
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         match err {
-            Error::InvalidArgument(_) | Error::UnknownSequence(_) | Error::DuplicateSequence(_) => {
+            Error::InvalidArgument(msg) => PyValueError::new_err(msg),
+            Error::UnknownSequence(_) | Error::DuplicateSequence(_) => {
                 PyValueError::new_err(err.to_string())
             }
             Error::OutOfDeviceBlocks { .. }

@@ -12,7 +12,7 @@ use super::errors::{non_negative, PagedLLMError};
 use super::kv_args;
 use super::kv_types::{PyAllocStatus, PyPrefixHit};
 use crate::ids::{BlockId, SeqId};
-use crate::kv::{CacheConfig, CacheStats, KvCacheManager};
+use crate::kv::{defaults, CacheConfig, CacheStats, KvCacheManager};
 
 /// The paged KV-cache memory manager: device and host block pools, block tables, fork /
 /// copy-on-write, swap and the prefix cache.
@@ -24,8 +24,9 @@ pub(crate) struct PyKvCacheManager {
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    #[pyo3(signature = (*, num_gpu_blocks, block_size = 16, num_cpu_blocks = 0, watermark = 0.01,
-                        enable_prefix_caching = true))]
+    #[pyo3(signature = (*, num_gpu_blocks, block_size = defaults::BLOCK_SIZE as i64,
+                        num_cpu_blocks = 0, watermark = defaults::WATERMARK,
+                        enable_prefix_caching = defaults::ENABLE_PREFIX_CACHING))]
     fn new(
         num_gpu_blocks: i64,
         block_size: i64,

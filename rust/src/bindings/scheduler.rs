@@ -12,7 +12,8 @@ use super::errors::PagedLLMError;
 use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerArgs};
 use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
-use crate::scheduler::{defaults, Policy, Scheduler, StepOutput, Strategy};
+use crate::ids::TokenId;
+use crate::scheduler::{defaults, Policy, RequestParams, Scheduler, StepOutput, Strategy};
 
 /// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -26,6 +27,22 @@ pub(crate) struct PyScheduler {
 }
 
 impl PyScheduler {
+    /// `add_request`'s arguments converted (`RequestArgs`) and checked by the core's request
+    /// rules (`Scheduler::validate_request`): the id as a Python str and the parameters.
+    fn checked_request<'py>(
+        &self,
+        request_id: &Bound<'py, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        args: RequestArgs<'_, '_>,
+    ) -> PyResult<(Bound<'py, PyString>, RequestParams)> {
+        let request_id = request_id_str(request_id)?.clone();
+        let id = request_id.to_str()?;
+        let max_num_seqs = self.inner.config().max_num_seqs;
+        let (params, n_field) = args.into_params(id, prompt_token_ids, max_num_seqs)?;
+        self.inner.check_request(id, &params, n_field)?;
+        Ok((request_id, params))
+    }
+
     /// Takes back an output's buffers (see `Scheduler::recycle`).
     pub(crate) fn recycle(&mut self, out: StepOutput) {
         self.inner.recycle(out);
@@ -155,21 +172,22 @@ impl PyScheduler {
     }
 
     /// Queues a request. ValueError (naming the request, the field and its limit) for an
-    /// empty prompt, a duplicate id, `n` above `max_num_seqs`, token ids that are not
-    /// integers (floats, bools, strings are refused, never truncated), integers outside their
-    /// range, or bad limits; TypeError for a `request_id` that is not a str. Nothing is queued
-    /// then. A request that can never be served (prompt too long, more blocks than the
-    /// cache) is reported by the next `schedule()` in `finished`, with the reason.
+    /// empty prompt, a duplicate id, `n` (or `best_of`, the sequences run when given) above
+    /// `max_num_seqs`, token ids that are not integers (floats, bools, strings are refused,
+    /// never truncated), integers outside their range, or bad limits (`validate_request`'s
+    /// rules); TypeError for a `request_id` that is not a str. Nothing is queued then. A
+    /// request that can never be served (prompt too long, more blocks than the cache) is
+    /// reported by the next `schedule()` in `finished`, with the reason.
     /// `structured_output=True`: the request samples under a grammar that is still
     /// compiling; it waits in `waiting`, letting others pass, until `grammar_ready`.
-    #[pyo3(signature = (request_id, prompt_token_ids, *, n = IntArg::Default(1),
+    #[pyo3(signature = (request_id, prompt_token_ids, *, n = IntArg::Default(1), best_of = None,
                         priority = IntArg::Default(0), arrival_time = None,
                         max_tokens = IntArg::Default(16), min_tokens = IntArg::Default(0),
                         eos_token_id = None, stop_token_ids = None, ignore_eos = false,
                         extra_key = IntArg::Default(0), lora_id = IntArg::Default(0),
                         structured_output = false),
-           text_signature = "($self, request_id, prompt_token_ids, *, n=1, priority=0, \
-                             arrival_time=None, max_tokens=16, min_tokens=0, \
+           text_signature = "($self, request_id, prompt_token_ids, *, n=1, best_of=None, \
+                             priority=0, arrival_time=None, max_tokens=16, min_tokens=0, \
                              eos_token_id=None, stop_token_ids=None, ignore_eos=False, \
                              extra_key=0, lora_id=0, structured_output=False)")]
     #[allow(clippy::too_many_arguments)]
@@ -178,8 +196,9 @@ impl PyScheduler {
         request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
         n: IntArg<'_>,
+        best_of: Option<IntArg<'_>>,
         priority: IntArg<'_>,
-        arrival_time: Option<f64>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
         max_tokens: IntArg<'_>,
         min_tokens: IntArg<'_>,
         eos_token_id: Option<IntArg<'_>>,
@@ -189,10 +208,9 @@ impl PyScheduler {
         lora_id: IntArg<'_>,
         structured_output: bool,
     ) -> PyResult<()> {
-        let request_id = request_id_str(request_id)?;
-        let id = request_id.to_str()?;
         let args = RequestArgs {
             n,
+            best_of,
             priority,
             arrival_time,
             max_tokens,
@@ -204,9 +222,8 @@ impl PyScheduler {
             lora_id,
             structured_output,
         };
-        let max_num_seqs = self.inner.config().max_num_seqs;
-        let params = args.into_params(id, prompt_token_ids, max_num_seqs)?;
-        let h = self.inner.add_request(id, params)? as usize;
+        let (request_id, params) = self.checked_request(request_id, prompt_token_ids, args)?;
+        let h = self.inner.queue_request(request_id.to_str()?, params) as usize;
         let gen = self.inner.slot_generation(h as u32);
         let entry = (gen, request_id.clone().unbind());
         if h < self.py_ids.len() {
@@ -215,6 +232,55 @@ impl PyScheduler {
             self.py_ids.push(entry);
         }
         Ok(())
+    }
+
+    /// The checks of `add_request` (same arguments, same errors), without queuing anything:
+    /// for a caller that builds its own state of the request first. Returns the prompt token
+    /// ids as a list of Python ints.
+    #[pyo3(signature = (request_id, prompt_token_ids, *, n = IntArg::Default(1), best_of = None,
+                        priority = IntArg::Default(0), arrival_time = None,
+                        max_tokens = IntArg::Default(16), min_tokens = IntArg::Default(0),
+                        eos_token_id = None, stop_token_ids = None, ignore_eos = false,
+                        extra_key = IntArg::Default(0), lora_id = IntArg::Default(0),
+                        structured_output = false),
+           text_signature = "($self, request_id, prompt_token_ids, *, n=1, best_of=None, \
+                             priority=0, arrival_time=None, max_tokens=16, min_tokens=0, \
+                             eos_token_id=None, stop_token_ids=None, ignore_eos=False, \
+                             extra_key=0, lora_id=0, structured_output=False)")]
+    #[allow(clippy::too_many_arguments)]
+    fn validate_request(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        n: IntArg<'_>,
+        best_of: Option<IntArg<'_>>,
+        priority: IntArg<'_>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
+        max_tokens: IntArg<'_>,
+        min_tokens: IntArg<'_>,
+        eos_token_id: Option<IntArg<'_>>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
+        ignore_eos: bool,
+        extra_key: IntArg<'_>,
+        lora_id: IntArg<'_>,
+        structured_output: bool,
+    ) -> PyResult<Vec<TokenId>> {
+        let args = RequestArgs {
+            n,
+            best_of,
+            priority,
+            arrival_time,
+            max_tokens,
+            min_tokens,
+            eos_token_id,
+            stop_token_ids,
+            ignore_eos,
+            extra_key,
+            lora_id,
+            structured_output,
+        };
+        let (_, params) = self.checked_request(request_id, prompt_token_ids, args)?;
+        Ok(params.prompt)
     }
 
     /// Decides the next step (`now`: seconds on the arrival-time clock, default
@@ -279,25 +345,35 @@ impl PyScheduler {
         Ok(())
     }
 
-    /// For a verification step: how many tokens of each sample's run (`num_tokens[k]`
-    /// consecutive tokens of `sampled_token_ids`, as `update_from_output` takes them) its
-    /// sequence keeps under the stop rules (EOS or a stop id once `min_tokens` are out, the
-    /// length caps): int64 [K]. Read before appending text, so tokens after a stop are never
-    /// detokenized; `update_from_output` then cuts the runs at the same place.
-    fn run_stop_cuts<'py>(
+    /// Where the stop rules end the tokens of `output` (the latest step, before
+    /// `update_from_output`): one token per sample (`num_tokens` None) or, for a verification
+    /// step, a run of `num_tokens[k]` consecutive tokens of `sampled_token_ids` per sample, as
+    /// `update_from_output` takes them. Returns `(kept int64 [K], by_token bool [K])`: the
+    /// tokens each sample's sequence keeps, and whether the last kept one ends it by itself
+    /// (EOS or a stop id once `min_tokens` are out; its text is not part of the output).
+    /// `update_from_output` then ends the sequences at the same place.
+    #[pyo3(signature = (output, sampled_token_ids, num_tokens = None))]
+    fn stop_cuts<'py>(
         &self,
         py: Python<'py>,
         output: PyRef<'_, PySchedulerOutput>,
         sampled_token_ids: &Bound<'py, PyAny>,
-        num_tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let (mut tokens, mut counts) = (Vec::new(), Vec::new());
+        num_tokens: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let mut tokens = Vec::new();
         read_i64(sampled_token_ids, "sampled_token_ids", &mut tokens)?;
-        read_i64(num_tokens, "num_tokens", &mut counts)?;
+        let counts = num_tokens
+            .map(|runs| {
+                let mut counts = Vec::new();
+                read_i64(runs, "num_tokens", &mut counts).map(|()| counts)
+            })
+            .transpose()?;
         let cuts = self
             .inner
-            .run_stop_cuts(output.out.step, &tokens, &counts)?;
-        Ok(PyArray1::from_vec(py, cuts))
+            .stop_cuts(output.out.step, &tokens, counts.as_deref())?;
+        let kept = PyArray1::from_vec(py, cuts.kept);
+        let by_token = PyArray1::from_vec(py, cuts.by_token);
+        PyTuple::new(py, [kept.into_any(), by_token.into_any()])
     }
 
     /// Marks the grammar of a request added with `structured_output=True` compiled: it is

@@ -2,7 +2,7 @@
 //! behind all of them), and the conservative room check for a step's appends.
 use super::block_pool::BlockState;
 use super::block_table::blocks_for;
-use super::manager::KvCacheManager;
+use super::manager::{CacheConfig, KvCacheManager};
 use super::prefix_cache::PrefixHit;
 
 /// Answer of the admission checks.
@@ -28,6 +28,30 @@ pub(super) struct Ask {
     pub off_limits: usize,
     /// Free blocks that must remain once it is in (the watermark, where kept).
     pub reserve: usize,
+}
+
+impl CacheConfig {
+    /// The fewest device blocks a cache of this block size and watermark needs so that a new
+    /// sequence of `num_tokens` tokens is ever admitted (`can_allocate` is not NEVER): its
+    /// blocks plus the watermark's share of the pool. Start-up sizing asks this.
+    pub fn min_device_blocks(&self, num_tokens: usize) -> usize {
+        let needed = blocks_for(num_tokens, self.block_size);
+        let usable = |num_device_blocks| {
+            let cfg = CacheConfig {
+                num_device_blocks,
+                ..self.clone()
+            };
+            num_device_blocks - cfg.watermark_blocks()
+        };
+        // The pool less its watermark grows by at most one block per block, so the smallest
+        // pool that leaves `needed` is reached by stepping up the shortfall (few steps: the
+        // watermark is a fraction below 1).
+        let mut n = needed;
+        while usable(n) < needed {
+            n += needed - usable(n);
+        }
+        n
+    }
 }
 
 impl KvCacheManager {
@@ -116,6 +140,30 @@ mod tests {
         assert!(!m.can_append_slots(2, 5)); // 2 * (1 + 2)
         alloc(&mut m, 1, &toks(0..4));
         assert!(!m.can_append_slots(4, 0));
+    }
+
+    #[test]
+    fn min_device_blocks_is_the_smallest_pool_that_admits_the_sequence() {
+        for watermark in [0.0, 0.01, 0.1, 0.25, 0.5, 0.9] {
+            for num_tokens in [1, 4, 5, 64, 257, 2048] {
+                let mut cfg = CacheConfig::new(4, 0, 0);
+                cfg.watermark = watermark;
+                let n = cfg.min_device_blocks(num_tokens);
+                let status = |num_device_blocks| {
+                    let cfg = CacheConfig {
+                        num_device_blocks,
+                        ..cfg.clone()
+                    };
+                    KvCacheManager::new(cfg).unwrap().can_allocate(num_tokens)
+                };
+                assert_ne!(status(n), AllocStatus::Never, "{watermark} {num_tokens}");
+                assert_eq!(
+                    status(n - 1),
+                    AllocStatus::Never,
+                    "{watermark} {num_tokens}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -20,20 +20,28 @@ pub struct CacheConfig {
     pub enable_prefix_caching: bool,
 }
 
+/// Defaults of the cache's knobs: the one place they are written (the scheduler's `defaults`,
+/// the bindings and, through `_core.DEFAULTS`, Python read them from here).
+pub mod defaults {
+    pub const BLOCK_SIZE: usize = 16;
+    pub const WATERMARK: f64 = 0.01;
+    pub const ENABLE_PREFIX_CACHING: bool = true;
+}
+
 impl Default for CacheConfig {
     fn default() -> Self {
         Self {
-            block_size: 16,
+            block_size: defaults::BLOCK_SIZE,
             num_device_blocks: 0,
             num_host_blocks: 0,
-            watermark: 0.01,
-            enable_prefix_caching: true,
+            watermark: defaults::WATERMARK,
+            enable_prefix_caching: defaults::ENABLE_PREFIX_CACHING,
         }
     }
 }
 
 impl CacheConfig {
-    /// Defaults (watermark 0.01, prefix caching on) with the given sizes.
+    /// Defaults (watermark, prefix caching) with the given sizes.
     pub fn new(block_size: usize, num_device_blocks: usize, num_host_blocks: usize) -> Self {
         Self {
             block_size,
@@ -41,6 +49,27 @@ impl CacheConfig {
             num_host_blocks,
             ..Self::default()
         }
+    }
+
+    /// The knobs' rules (`KvCacheManager::new` checks them; so can a caller before sizing).
+    pub fn validate(&self) -> Result<()> {
+        if self.block_size == 0 {
+            return Err(Error::InvalidArgument(
+                "block_size must be > 0, got 0".into(),
+            ));
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return Err(Error::InvalidArgument(format!(
+                "watermark must be in [0, 1), got {}",
+                self.watermark
+            )));
+        }
+        Ok(())
+    }
+
+    /// Device blocks admission keeps free for running sequences (never given to a new one).
+    pub fn watermark_blocks(&self) -> usize {
+        (self.watermark * self.num_device_blocks as f64) as usize
     }
 }
 
@@ -141,21 +170,11 @@ fn usage_of(pool: &BlockPool) -> f64 {
 
 impl KvCacheManager {
     pub fn new(config: CacheConfig) -> Result<Self> {
-        if config.block_size == 0 {
-            return Err(Error::InvalidArgument(
-                "block_size must be > 0, got 0".into(),
-            ));
-        }
-        if !(0.0..1.0).contains(&config.watermark) {
-            return Err(Error::InvalidArgument(format!(
-                "watermark must be in [0, 1), got {}",
-                config.watermark
-            )));
-        }
+        config.validate()?;
         let device = BlockPool::new(config.num_device_blocks)?;
         let host = BlockPool::new(config.num_host_blocks)?;
         let prefix_cache = PrefixCache::new(config.num_device_blocks, config.enable_prefix_caching);
-        let watermark_blocks = (config.watermark * config.num_device_blocks as f64) as usize;
+        let watermark_blocks = config.watermark_blocks();
         Ok(Self {
             config,
             device,

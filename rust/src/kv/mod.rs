@@ -28,5 +28,5 @@ mod testing;
 pub use admission::AllocStatus;
 pub use block_pool::BlockState;
 pub use block_table::{BlockTable, Location};
-pub use manager::{CacheConfig, CacheStats, KvCacheManager};
+pub use manager::{defaults, CacheConfig, CacheStats, KvCacheManager};
 pub use prefix_cache::{salted_key, IdBuildHasher, PrefixCacheStats, PrefixHit};

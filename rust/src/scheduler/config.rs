@@ -117,13 +117,11 @@ impl PreemptionMode {
 }
 
 /// Defaults of the public knobs, one place for Rust, the bindings and Python (`_core.DEFAULTS`
-/// is built from these; `EngineArgs` reads it).
+/// is built from these; `EngineArgs` reads it). The cache's own are `kv::defaults`'.
 pub mod defaults {
-    pub const BLOCK_SIZE: usize = 16;
+    pub use crate::kv::defaults::{BLOCK_SIZE, ENABLE_PREFIX_CACHING, WATERMARK};
     pub const MAX_NUM_SEQS: usize = 256;
     pub const MAX_MODEL_LEN: usize = 2048;
-    pub const WATERMARK: f64 = 0.01;
-    pub const ENABLE_PREFIX_CACHING: bool = true;
     pub const LONG_PREFILL_TOKEN_THRESHOLD: usize = 0;
     pub const NUM_LOOKAHEAD_SLOTS: usize = 0;
     pub const DELAY_FACTOR: f64 = 0.0;
@@ -164,19 +162,35 @@ impl SchedulerConfig {
         }
     }
 
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: &str| Err(Error::InvalidArgument(m.to_string()));
+    /// `max_num_batched_tokens` 0 (not given) becomes the strategy's default.
+    pub fn resolve_budget(&mut self) {
         if self.max_num_batched_tokens == 0 {
-            return bad("max_num_batched_tokens must be >= 1");
+            self.max_num_batched_tokens =
+                Self::default_batched_tokens(self.strategy, self.max_model_len);
+        }
+    }
+
+    /// The knobs' rules, each error naming the knob and the value given (the engine's
+    /// `EngineArgs.validate` asks these through `_core.check_scheduler_config`).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.max_num_batched_tokens == 0 {
+            return bad("max_num_batched_tokens must be >= 1, got 0".into());
         }
         if self.max_num_seqs == 0 {
-            return bad("max_num_seqs must be >= 1");
+            return bad("max_num_seqs must be >= 1, got 0".into());
         }
         if self.max_model_len < 2 {
-            return bad("max_model_len must be >= 2 (a prompt token and a generated one)");
+            return bad(format!(
+                "max_model_len must be >= 2 (a prompt token and a generated one), got {}",
+                self.max_model_len
+            ));
         }
         if !(self.delay_factor >= 0.0 && self.delay_factor.is_finite()) {
-            return bad("delay_factor must be a finite number >= 0");
+            return bad(format!(
+                "delay_factor must be a finite number >= 0, got {}",
+                self.delay_factor
+            ));
         }
         Ok(())
     }

@@ -1,19 +1,81 @@
-//! Requests in and out: `add_request` (argument checks, the request's state, the NEVER check
-//! at the door) and `abort_request`.
+//! Requests in and out: `add_request` (the request rules, `validate_request`, owned here
+//! alone; the request's state; the NEVER check at the door) and `abort_request`.
 use crate::error::{Error, Result};
 use crate::kv::AllocStatus;
 
 use super::state::request::{Request, RequestParams, RequestStatus};
 use super::Scheduler;
 
+/// A request id as Python's `repr` shows it: every error about a request names it so
+/// (`request 'a': ...`), whether the core or the bindings raise it.
+pub fn request_repr(id: &str) -> String {
+    let quote = if id.contains('\'') && !id.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(id.len() + 2);
+    out.push(quote);
+    for c in id.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// The error of a request asking for more sequences than `max_num_seqs`: `field` (`n`, or
+/// the engine's `best_of`) and the value as given. The one text of the rule, also for Python
+/// integers too large for the Rust type (the bindings).
+pub fn too_many_seqs(field: &str, value: &dyn std::fmt::Display, max_num_seqs: usize) -> String {
+    format!(
+        "{field}={value} exceeds max_num_seqs={max_num_seqs} (the most sequences one request \
+         may have)"
+    )
+}
+
 impl Scheduler {
-    /// Queues a request; returns its slot. `n` above `max_num_seqs` is an `InvalidArgument`
-    /// error before anything is allocated. Unservable requests (prompt too long, more blocks
-    /// than the pool) are accepted and reported as ignored by the next `schedule()`.
-    pub fn add_request(&mut self, request_id: &str, mut params: RequestParams) -> Result<u32> {
+    /// Queues a request; returns its slot. A request `validate_request` refuses is an
+    /// `InvalidArgument` error before anything is allocated. Unservable requests (prompt too
+    /// long, more blocks than the pool) are accepted and reported as ignored by the next
+    /// `schedule()`.
+    pub fn add_request(&mut self, request_id: &str, params: RequestParams) -> Result<u32> {
+        self.validate_request(request_id, &params)?;
+        Ok(self.queue_request(request_id, params))
+    }
+
+    /// The request rules, without side effects (`add_request` applies them first; the engine
+    /// asks them before it builds its own per-sequence state): a new id, a non-empty prompt,
+    /// `1 <= n <= max_num_seqs`, `1 <= max_tokens`, `min_tokens <= max_tokens`, a finite
+    /// arrival time, an adapter only with LoRA on. Each error names the request, the field
+    /// and the limit.
+    pub fn validate_request(&self, request_id: &str, params: &RequestParams) -> Result<()> {
+        self.check_request(request_id, params, "n")
+    }
+
+    /// `validate_request`, naming the sequence count `n_field` (the bindings' `best_of`).
+    pub(crate) fn check_request(
+        &self,
+        request_id: &str,
+        params: &RequestParams,
+        n_field: &str,
+    ) -> Result<()> {
         let bad = |m: String| {
             Err(Error::InvalidArgument(format!(
-                "request {request_id:?}: {m}"
+                "request {}: {m}",
+                request_repr(request_id)
             )))
         };
         if params.prompt.is_empty() {
@@ -23,33 +85,41 @@ impl Scheduler {
             return bad("duplicate request id".into());
         }
         if params.n == 0 {
-            return bad("n must be >= 1".into());
+            return bad(format!("{n_field} must be >= 1"));
         }
-        if params.n > self.cfg.max_num_seqs {
+        let max_num_seqs = self.cfg.max_num_seqs;
+        if params.n > max_num_seqs {
             // checked before the n sequences are allocated: a huge n must not abort the process
-            return bad(format!(
-                "n={} exceeds max_num_seqs={} (the most sequences one request may have)",
-                params.n, self.cfg.max_num_seqs
-            ));
+            return bad(too_many_seqs(n_field, &params.n, max_num_seqs));
         }
-        if params.stop.max_tokens == 0 {
+        let stop = &params.stop;
+        if stop.max_tokens == 0 {
             return bad("max_tokens must be >= 1".into());
         }
-        if params.stop.min_tokens > params.stop.max_tokens {
+        if stop.min_tokens > stop.max_tokens {
             return bad(format!(
                 "min_tokens ({}) must not exceed max_tokens ({})",
-                params.stop.min_tokens, params.stop.max_tokens
+                stop.min_tokens, stop.max_tokens
             ));
         }
         if !params.arrival_time.is_finite() {
-            return bad("arrival_time must be finite".into());
+            return bad(format!(
+                "arrival_time must be a finite number of seconds, got {}",
+                params.arrival_time
+            ));
         }
         if params.lora_id != 0 && self.cfg.max_loras == 0 {
             return bad(format!(
-                "lora_id={} but LoRA is off (max_loras=0)",
+                "lora_id={} given but LoRA is not enabled (max_loras=0; the engine's \
+                 enable_lora=True / --enable-lora)",
                 params.lora_id
             ));
         }
+        Ok(())
+    }
+
+    /// Queues a request `check_request` accepted; returns its slot.
+    pub(crate) fn queue_request(&mut self, request_id: &str, mut params: RequestParams) -> u32 {
         let (first_seq_id, order) = self.store.next_ids(params.n);
         let req = Request::new(
             request_id,
@@ -68,7 +138,7 @@ impl Scheduler {
             }
             None => self.queues.enqueue_waiting(h, &self.store),
         }
-        Ok(h)
+        h
     }
 
     /// Reason a new request can never be served, if any.

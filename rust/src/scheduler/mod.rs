@@ -56,7 +56,8 @@
 //!   of `crate::spec`, or drafts set from outside), their fast path (`fast_path.rs`), their
 //!   columns in the output (`record.rs`).
 //!
-//! Beside them: `intake.rs` — `add_request` / `abort_request`; `config.rs` —
+//! Beside them: `intake.rs` — `add_request` / `abort_request` and the request rules
+//! (`validate_request`, the one owner of what a request may ask); `config.rs` —
 //! [`SchedulerConfig`], the modes and `defaults`; `invariants.rs` — `check_invariants`;
 //! `stats.rs` — counters and the stats snapshot; `tests/` — the unit tests.
 //!
@@ -102,9 +103,10 @@ mod stats;
 use crate::error::Result;
 use crate::kv::{CacheConfig, KvCacheManager};
 
-pub use apply::stop::{FinishReason, StopParams};
+pub use apply::stop::{FinishReason, StopCuts, StopParams};
 pub use config::{defaults, Policy, PreemptionMode, SchedulerConfig, Strategy};
 pub use features::spec::DraftProposals;
+pub use intake::{request_repr, too_many_seqs};
 pub use output::{FinishedSeq, LazyTables, SharedTables, StepExtras, StepOutput, TableRow};
 pub use state::request::{
     GrammarState, MirrorTable, Request, RequestExtras, RequestParams, RequestStatus, Seqs, Sequence,
@@ -136,11 +138,8 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(cache: CacheConfig, mut cfg: SchedulerConfig) -> Result<Self> {
-        if cfg.max_num_batched_tokens == 0 {
-            cfg.max_num_batched_tokens =
-                SchedulerConfig::default_batched_tokens(cfg.strategy, cfg.max_model_len);
-        }
-        cfg.validate()?;
+        cfg.resolve_budget();
+        Self::check_config(&cache, &cfg)?;
         let mgr = KvCacheManager::new(cache)?;
         Ok(Scheduler {
             queues: Queues::new(cfg.policy),
@@ -155,6 +154,20 @@ impl Scheduler {
             counters: SchedulerCounters::default(),
             spec: SpecState::default(),
         })
+    }
+
+    /// The configuration rules `new` applies (the scheduler's, then the cache's), without
+    /// building anything; `cfg`'s budget as `resolve_budget` leaves it.
+    pub fn check_config(cache: &CacheConfig, cfg: &SchedulerConfig) -> Result<()> {
+        cfg.validate()?;
+        cache.validate()
+    }
+
+    /// The fewest device blocks (`cache`'s block size and watermark) with which the longest
+    /// sequence `cfg` can hold (`max_seq_len`) is ever admitted; a smaller cache refuses some
+    /// request the configuration allows, whatever happens. Start-up sizing asks this.
+    pub fn min_device_blocks(cache: &CacheConfig, cfg: &SchedulerConfig) -> usize {
+        cache.min_device_blocks(cfg.max_seq_len())
     }
 
     // ---- accessors ----------------------------------------------------------------------

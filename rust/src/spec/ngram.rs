@@ -23,30 +23,50 @@ pub struct NgramConfig {
     pub prompt_lookup_min: usize,
 }
 
+/// Lookup bounds when neither is given (vLLM's).
+pub const DEFAULT_PROMPT_LOOKUP_MAX: usize = 4;
+pub const DEFAULT_PROMPT_LOOKUP_MIN: usize = 1;
+
 impl NgramConfig {
     /// Checks the parameters: `k >= 1`, `1 <= min <= max`.
     pub fn new(k: usize, prompt_lookup_max: usize, prompt_lookup_min: usize) -> Result<Self> {
         if k == 0 {
             return Err(Error::InvalidArgument(
-                "num_speculative_tokens must be >= 1".into(),
+                "num_speculative_tokens must be >= 1, got 0".into(),
             ));
         }
-        if prompt_lookup_min == 0 {
-            return Err(Error::InvalidArgument(
-                "prompt_lookup_min must be >= 1".into(),
-            ));
-        }
-        if prompt_lookup_min > prompt_lookup_max {
-            return Err(Error::InvalidArgument(format!(
-                "prompt_lookup_min ({prompt_lookup_min}) must be <= prompt_lookup_max \
-                 ({prompt_lookup_max})"
-            )));
-        }
+        let (prompt_lookup_max, prompt_lookup_min) =
+            Self::lookup_bounds(Some(prompt_lookup_max), Some(prompt_lookup_min))?;
         Ok(NgramConfig {
             num_speculative_tokens: k,
             prompt_lookup_max,
             prompt_lookup_min,
         })
+    }
+
+    /// The lookup bounds `(max, min)` from the ones given, checked (`1 <= min <= max`): one
+    /// given, the other takes its value; neither, `DEFAULT_PROMPT_LOOKUP_MAX` / `_MIN`. The
+    /// one rule behind the scheduler's arguments and the engine's `speculative_config`.
+    pub fn lookup_bounds(max: Option<usize>, min: Option<usize>) -> Result<(usize, usize)> {
+        let (max, min) = match (max, min) {
+            (None, None) => (DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN),
+            (Some(max), None) => (max, max),
+            (None, Some(min)) => (min, min),
+            (Some(max), Some(min)) => (max, min),
+        };
+        for (name, value) in [("prompt_lookup_max", max), ("prompt_lookup_min", min)] {
+            if value == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be >= 1, got 0"
+                )));
+            }
+        }
+        if min > max {
+            return Err(Error::InvalidArgument(format!(
+                "prompt_lookup_min ({min}) must be <= prompt_lookup_max ({max})"
+            )));
+        }
+        Ok((max, min))
     }
 }
 
@@ -211,5 +231,18 @@ mod tests {
         assert!(NgramConfig::new(0, 4, 1).is_err());
         assert!(NgramConfig::new(2, 4, 0).is_err());
         assert!(NgramConfig::new(2, 1, 2).is_err());
+    }
+
+    #[test]
+    fn lookup_bounds_default_and_mirror_each_other() {
+        let bounds = NgramConfig::lookup_bounds;
+        assert_eq!(bounds(None, None).unwrap(), (4, 1));
+        assert_eq!(bounds(Some(5), None).unwrap(), (5, 5));
+        assert_eq!(bounds(None, Some(2)).unwrap(), (2, 2));
+        assert_eq!(bounds(Some(3), Some(2)).unwrap(), (3, 2));
+        let err = |max, min| bounds(max, min).unwrap_err().to_string();
+        assert!(err(Some(0), None).contains("prompt_lookup_max must be >= 1, got 0"));
+        assert!(err(Some(2), Some(3))
+            .contains("prompt_lookup_min (3) must be <= prompt_lookup_max (2)"));
     }
 }

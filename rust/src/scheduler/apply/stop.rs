@@ -1,6 +1,8 @@
 //! Stop rules: when a sequence that just received a token is done (EOS, stop ids, the length
 //! caps), and the length below which none of them can fire (`update_from_output`'s fast
-//! skip). The caller's stop strings arrive as `stop_hit` in `update_from_output`.
+//! skip). The one answer to "why did this sequence stop": the updates apply it, and the engine
+//! asks `stop_cuts` for its text (which token ends a sequence, and whether by itself). The
+//! caller's stop strings arrive as `stop_hit` in `update_from_output`.
 use crate::error::Result;
 use crate::ids::TokenId;
 
@@ -107,21 +109,45 @@ pub(super) fn run_starts(num_tokens: &[i64]) -> impl Iterator<Item = (usize, usi
     })
 }
 
+/// Where the stop rules cut each sample's tokens (`Scheduler::stop_cuts`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopCuts {
+    /// Tokens each sample's sequence keeps of its run (through the token that stops it).
+    pub kept: Vec<i64>,
+    /// Whether that last kept token stopped the sequence by itself (EOS or a stop id once
+    /// `min_tokens` are out): its text is not part of the output (vLLM).
+    pub by_token: Vec<bool>,
+}
+
 impl Scheduler {
-    /// How many tokens of each run of the latest step (`num_tokens[k]` tokens of `sampled`
-    /// per sample, as `update_from_output_runs` takes them) its sequence keeps under the stop
-    /// rules (`cut_run`): the engine reads it before appending text, so tokens after a stop are
-    /// never detokenized. A sample whose sequence is gone since the step keeps its count.
-    pub fn run_stop_cuts(
+    /// Where the stop rules (`cut_run`) end the tokens of the latest step, before they are
+    /// applied: one token per sample (`num_tokens` None), or a run of `num_tokens[k]` tokens of
+    /// `sampled` per sample (speculative decoding) as `update_from_output_runs` takes them — a
+    /// token is a run of one. The engine reads it before appending text, so tokens after a
+    /// stop are never detokenized and a stopping token's text is left out;
+    /// `update_from_output` then ends the sequences at the same place. A sample whose sequence
+    /// is gone since the step keeps its whole run.
+    pub fn stop_cuts(
         &self,
         step: u64,
         sampled: &[i64],
-        num_tokens: &[i64],
-    ) -> Result<Vec<i64>> {
+        num_tokens: Option<&[i64]>,
+    ) -> Result<StopCuts> {
         self.ledger.check_latest(step)?;
+        let ones;
+        let num_tokens = match num_tokens {
+            Some(counts) => counts,
+            None => {
+                ones = vec![1i64; sampled.len()];
+                &ones
+            }
+        };
         self.check_runs(sampled, num_tokens)?;
         let max_len = self.cfg.max_seq_len();
-        let mut cuts = Vec::with_capacity(num_tokens.len());
+        let mut cuts = StopCuts {
+            kept: Vec::with_capacity(num_tokens.len()),
+            by_token: Vec::with_capacity(num_tokens.len()),
+        };
         for (k, (start, n)) in run_starts(num_tokens).enumerate() {
             let run = &sampled[start..start + n];
             let (h, gen, idx) = self.ledger.sample(k);
@@ -130,20 +156,22 @@ impl Scheduler {
                 .is_live(h, gen)
                 .then(|| self.store.get(h))
                 .and_then(|req| Some((req, req.seqs.get(idx)?)));
-            cuts.push(match seq {
-                Some((req, s)) => {
-                    cut_run(
-                        &req.stop,
-                        req.prompt_len,
-                        s.tokens.len(),
-                        run,
-                        false,
-                        max_len,
-                    )
-                    .0
-                }
-                None => n,
-            } as i64);
+            let (kept, fin) = match seq {
+                // Common case: no rule can fire within the run (see `quiet_until`).
+                Some((req, s)) if s.tokens.len() + n < req.quiet_until => (n, None),
+                Some((req, s)) => cut_run(
+                    &req.stop,
+                    req.prompt_len,
+                    s.tokens.len(),
+                    run,
+                    false,
+                    max_len,
+                ),
+                None => (n, None),
+            };
+            cuts.kept.push(kept as i64);
+            cuts.by_token
+                .push(matches!(fin, Some((FinishReason::Stop, _))));
         }
         Ok(cuts)
     }

@@ -3,6 +3,7 @@
 //! behaviour; the shared fixtures live here.
 mod admission;
 mod grammar;
+mod intake;
 mod layout;
 mod lazy_outputs;
 mod preemption;

@@ -162,22 +162,26 @@ fn a_stop_inside_a_run_drops_the_tokens_after_it() {
 }
 
 #[test]
-fn run_stop_cuts_end_each_run_where_the_update_does() {
+fn stop_cuts_end_each_run_where_the_update_does() {
     let mut s = sched(Some(NgramConfig::new(3, 2, 1).unwrap()));
     drafted_with_stop_id(&mut s, 4);
     let out = s.schedule(0.0).unwrap();
-    // the stop id 4 is the run's second token: two kept, and nothing changed by asking
-    let cuts = s.run_stop_cuts(out.step, &[3, 4, 5, 7], &[4]).unwrap();
-    assert_eq!(cuts, vec![2]);
-    assert_eq!(s.run_stop_cuts(out.step, &[3, 5], &[2]).unwrap(), vec![2]);
-    assert!(s.run_stop_cuts(out.step, &[3, 4], &[3]).is_err());
-    assert!(s.run_stop_cuts(out.step + 1, &[3, 4, 5, 7], &[4]).is_err());
+    // the stop id 4 is the run's second token: two kept, ended by that token, and nothing
+    // changed by asking
+    let cuts = s.stop_cuts(out.step, &[3, 4, 5, 7], Some(&[4])).unwrap();
+    assert_eq!((cuts.kept, cuts.by_token), (vec![2], vec![true]));
+    let cuts = s.stop_cuts(out.step, &[3, 5], Some(&[2])).unwrap();
+    assert_eq!((cuts.kept, cuts.by_token), (vec![2], vec![false]));
+    assert!(s.stop_cuts(out.step, &[3, 4], Some(&[3])).is_err());
+    assert!(s
+        .stop_cuts(out.step + 1, &[3, 4, 5, 7], Some(&[4]))
+        .is_err());
     let fin = s
         .update_from_output_runs(out.step, &[3, 4, 5, 7], &[4], None)
         .unwrap();
     assert_eq!((fin.len(), fin[0].stop_reason), (1, Some(4)));
     // applied: the step's runs can no longer be asked about
-    assert!(s.run_stop_cuts(out.step, &[3, 4, 5, 7], &[4]).is_err());
+    assert!(s.stop_cuts(out.step, &[3, 4, 5, 7], Some(&[4])).is_err());
 }
 
 #[test]

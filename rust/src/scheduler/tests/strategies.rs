@@ -12,7 +12,7 @@ fn n_above_max_num_seqs_is_rejected_before_allocation() {
         assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
         let msg = err.to_string();
         assert!(
-            msg.contains("\"big\"") && msg.contains("max_num_seqs=4"),
+            msg.contains("request 'big'") && msg.contains("max_num_seqs=4"),
             "{msg}"
         );
     }

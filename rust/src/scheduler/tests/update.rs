@@ -36,3 +36,34 @@ fn update_requires_the_latest_output() {
         Err(Error::InvalidState(_))
     ));
 }
+
+#[test]
+fn a_single_token_is_cut_as_a_run_of_one() {
+    // the same stop rule as the update: EOS held back by min_tokens, then ending the
+    // sequence by itself; the length cap ends it without being the token's own stop
+    let mut s = Scheduler::new(cache(4, 64, 0), cfg(Strategy::Unified, 64)).unwrap();
+    let mut p = req(0, 4, 1, 3);
+    p.stop.eos_token_id = Some(2);
+    p.stop.min_tokens = 2;
+    s.add_request("a", p).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let cuts = s.stop_cuts(out.step, &[2], None).unwrap();
+    assert_eq!((cuts.kept, cuts.by_token), (vec![1], vec![false]));
+    assert!(s.stop_cuts(out.step, &[2, 2], None).is_err());
+    s.update_from_output(out.step, &[2], None).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let cuts = s.stop_cuts(out.step, &[2], None).unwrap();
+    assert_eq!(cuts.by_token, vec![true]);
+    assert_eq!(cuts, s.stop_cuts(out.step, &[2], Some(&[1])).unwrap());
+    assert_eq!(
+        s.stop_cuts(out.step, &[7], None).unwrap().by_token,
+        vec![false]
+    );
+    s.update_from_output(out.step, &[7], None).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    // the third token reaches max_tokens: it stays in, and is not a stop token's
+    let cuts = s.stop_cuts(out.step, &[7], None).unwrap();
+    assert_eq!((cuts.kept, cuts.by_token), (vec![1], vec![false]));
+    let fin = s.update_from_output(out.step, &[7], None).unwrap();
+    assert_eq!(fin[0].reason, FinishReason::Length);
+}
