@@ -17,6 +17,7 @@ from fastapi import Request
 
 from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
+from pagedllm.entrypoints.chat_tools import ChatOptions
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_of
@@ -42,6 +43,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # failed engine steps in a row after which the engine counts as broken (the server exits)
     max_failed_steps: int = MAX_FAILED_STEPS
+    # tool-call and reasoning parsers, and where structured output applies (chat_tools.py)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -268,14 +271,27 @@ class Server:
             lambda: [self._prompt(p, i, "prompt") for i, p in enumerate(raw)]
         )
 
-    async def chat_prompt(self, messages: list[dict]) -> Prompt:
+    async def chat_prompt(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> Prompt:
         """A conversation rendered with the chat template, tokenized and checked."""
 
         def render() -> Prompt:
             try:
-                text = render_chat(messages, self.engine.tokenizer, self.chat_template)
+                text = render_chat(
+                    messages,
+                    self.engine.tokenizer,
+                    self.chat_template,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
             except ValueError as exc:
-                raise APIError(400, str(exc), param="messages") from None
+                # a ChatRequestError names its own field
+                raise APIError(400, str(exc), param=getattr(exc, "param", "messages")) from None
             return self._prompt(text, 0, "messages")
 
         return await self.in_tokenizer_thread(render)
