@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+
 from pagedllm.entrypoints.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from pagedllm.entrypoints.tool_parsers import ToolCallDeltas, ToolParser, get_tool_parser
 from pagedllm.entrypoints.tool_parsers.base import (
@@ -41,7 +43,7 @@ from pagedllm.entrypoints.tool_parsers.base import (
 )
 from pagedllm.outputs import ToolCall
 from pagedllm.structured_output import StructuredOutputsParams
-from pagedllm.structured_output.compiler import grammar_text
+from pagedllm.structured_output.compiler import grammar_text, short_error
 
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -110,9 +112,13 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
             where = f"tools[{i}].function.parameters"
             try:
                 # the structured-output rules of a JSON schema, in their one place
-                grammar_text(*StructuredOutputsParams(json=parameters).key)
+                error = llguidance.LLMatcher.validate_grammar(
+                    grammar_text(*StructuredOutputsParams(json=parameters).key)
+                )
             except ValueError as exc:
-                raise ChatRequestError(f"{where}: {exc}", where) from None
+                error = str(exc)
+            if error:
+                raise ChatRequestError(f"{where}: {short_error(error)}", where)
     return tools
 
 

@@ -20,11 +20,9 @@ from typing import ClassVar
 from pagedllm.entrypoints.tool_parsers.base import held_back
 
 START, END = "<think>", "</think>"
-# after `</think>`, the whitespace before the answer belongs to neither rule
+# the thinking ends at the first `</think>` (lazy); the whitespace after it is no answer's
 _THINK_RULES = (
-    f'think_body[lazy]: THINK_TEXT "{END}" THINK_WS\n'
-    "THINK_TEXT: /(.|\\n)*/\n"
-    "THINK_WS: /[ \\t\\r\\n]*/\n"
+    f'think_body[lazy]: THINK_TEXT "{END}"\nTHINK_TEXT: /(.|\\n)*/\nTHINK_WS: /[ \\t\\r\\n]*/\n'
 )
 
 
@@ -64,7 +62,7 @@ class Qwen3ReasoningParser(ReasoningParser):
     thinks_without_start = False
 
     def grammar(self) -> str:
-        return f'start: ("{START}" think_body)? reply\n' + _THINK_RULES
+        return f'start: ("{START}" think_body THINK_WS)? reply\n' + _THINK_RULES
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -72,7 +70,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     thinks_without_start = True
 
     def grammar(self) -> str:
-        return f'start: "{START}"? think_body reply\n' + _THINK_RULES
+        return f'start: "{START}"? think_body THINK_WS reply\n' + _THINK_RULES
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -70,11 +70,15 @@ class HermesToolParser(ToolParser):
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         schema = {**function_schemas(tools, "arguments"), "x-guidance": JSON_OPTIONS}
+        # a call begins with the first `<tool_call>` after free text (lazy); with one call at
+        # most, the text after it may not open another
+        tail = "TEXT" if parallel else f"TEXT & ~/(.|\\n)*{OPEN}(.|\\n)*/"
         return (
             f"reply: {'call*' if parallel else 'call?'} tail\n"
             f'call: call_head "\\n" call_json "\\n{CLOSE}"\n'
             f'call_head[lazy]: TEXT "{OPEN}"\n'
-            "tail: TEXT\n"
+            "tail: TAIL\n"
             "TEXT: /(.|\\n)*/\n"
+            f"TAIL: {tail}\n"
             f"call_json: %json {json.dumps(schema)}\n"
         )
