@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -88,14 +89,28 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        tool_parser: str | None = None,
+        parallel_tool_calls: bool = True,
+        reasoning_parser: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation (a list of `{"role", "content"}`
-        messages) or to each of a list of conversations; one RequestOutput per conversation
+        """Generate the assistant's reply to one conversation (a list of OpenAI-style messages:
+        `role`, `content`, and an assistant's `tool_calls` / a tool message's `tool_call_id`)
+        or to each of a list of conversations; one RequestOutput per conversation
         (`lora_request`: as in `generate`).
 
         Messages are rendered as the server renders them (`pagedllm.entrypoints.chat`):
         `chat_template` (a Jinja2 template, or a file holding one), else the checkpoint's own,
-        else `DEFAULT_CHAT_TEMPLATE`.
+        else `DEFAULT_CHAT_TEMPLATE`; with `tools` (OpenAI function tools) and
+        `chat_template_kwargs` (e.g. `{"enable_thinking": False}`).
+
+        Tools and reasoning as on the server (`pagedllm.entrypoints.chat_tools`): `tool_choice`
+        "none", "required", `{"type": "function", "function": {"name": ...}}` or "auto" (the
+        default when `tool_parser`, "hermes" or "llama3_json", is given; else "none").
+        With calls to parse or a `reasoning_parser` ("qwen3", "deepseek_r1"), each completion
+        also has `reasoning`, `content` and `tool_calls` (see `CompletionOutput`).
         """
         from pagedllm.entrypoints.chat import (
             checkpoint_chat_template,
@@ -103,6 +118,7 @@ class LLM:
             load_chat_template,
             render_chat,
         )
+        from pagedllm.entrypoints.chat_tools import ChatOptions, finish_reason, plan_chat
 
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             conversations = [messages]
@@ -117,11 +133,55 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (the engine has none)")
+        options = ChatOptions(
+            tool_call_parser=tool_parser,
+            enable_auto_tool_choice=tool_parser is not None,
+            reasoning_parser=reasoning_parser,
+        )
+        if tool_choice is None:
+            tool_choice = "auto" if tools and tool_parser else "none"
+        params = _per_prompt(
+            "sampling_params", sampling_params, len(conversations), SamplingParams()
+        )
+        plans = [
+            plan_chat(
+                options,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                constraint=getattr(p, "structured_outputs", None),
+            )
+            for p in params
+        ]
+        params = [
+            dataclasses.replace(p, structured_outputs=plan.constraint)
+            if isinstance(p, SamplingParams) and plan.constraint is not p.structured_outputs
+            else p
+            for p, plan in zip(params, plans)
+        ]
         prompts = []
         for conversation in conversations:
-            text = render_chat(conversation, tokenizer, template)
+            text = render_chat(
+                conversation,
+                tokenizer,
+                template,
+                tools=plans[0].tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
             prompts.append({"prompt_token_ids": encode_chat(tokenizer, text), "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for output, plan in zip(outputs, plans):
+            if not plan.splits:
+                continue
+            for completion in output.outputs:
+                message = plan.message(completion.text)
+                completion.reasoning = message.reasoning
+                completion.content = message.content
+                completion.tool_calls = message.tool_calls
+                completion.finish_reason = finish_reason(
+                    bool(message.tool_calls), completion.finish_reason
+                )
+        return outputs
 
     def _abandon(self, request_ids: list[str]) -> None:
         """Aborts these requests and drains their final outputs (no forward runs for them)."""

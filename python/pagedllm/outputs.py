@@ -5,8 +5,35 @@ Pure Python on purpose: importing it must not import torch.
 
 from __future__ import annotations
 
+import secrets
+import string
 from dataclasses import dataclass, field
 from typing import Any
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def tool_call_id() -> str:
+    """A tool call id in OpenAI's format: `call_` and 24 letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass
+class ToolCall:
+    """A function call the model made: `arguments` is the JSON text of its arguments, exactly as
+    the model wrote it (OpenAI's `tool_calls[].function.arguments`)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=tool_call_id)
+    type: str = "function"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -30,6 +57,10 @@ class CompletionOutput:
     max_model_len), "abort", or None while running. `stop_reason` is the stop token id or the
     stop string that ended it (None for EOS and the other reasons). `cumulative_logprob` and
     `logprobs` are None unless the request asked for logprobs.
+
+    `LLM.chat` with tools or a reasoning parser also splits `text` as the server's message:
+    `reasoning` (the thinking), `content` (the answer's text, None when empty) and `tool_calls`
+    (the calls parsed from it; finish_reason is then "tool_calls"). They stay None otherwise.
     """
 
     index: int
@@ -39,6 +70,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -359,8 +359,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
     from pagedllm.entrypoints.chat import load_chat_template
+    from pagedllm.entrypoints.chat_tools import ChatOptions, structured_outputs_config
 
     _check_device(args.device)
+    structured = structured_outputs_config(args.structured_outputs_config)
+    chat_options = ChatOptions(
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
+        enable_in_reasoning=structured.get("enable_in_reasoning", False),
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+    )
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model,
         # an explicit --api-key "" is refused (check_api_key); an empty variable is unset
@@ -371,6 +380,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         lora_modules=dict(args.lora_modules or ()),
+        chat_options=chat_options,
         # unset: ServerConfig's defaults (kept there, not imported here: fastapi is slow to load)
         **{
             name: getattr(args, name)
@@ -536,6 +546,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    g = serve.add_argument_group("tool calling and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, as Qwen "
+        "and the built-in template do; llama3_json: a JSON object, after <|python_tag|>)",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt for tool_choice "none"',
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think>...</think> into the message's `reasoning` field (qwen3: when the "
+        "reply starts with <think>; deepseek_r1: everything before </think>)",
+    )
+    g.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        metavar="JSON",
+        help="'{\"enable_in_reasoning\": true}': structured output constrains the thinking too "
+        "(by default it applies after </think>)",
     )
     _common_flags(serve)
     _engine_flags(serve)

@@ -209,12 +209,54 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+class ToolCallFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr  # the arguments object as JSON text (OpenAI's shape)
+
+
+class MessageToolCall(_Body):
+    """A call an earlier assistant message made, sent back for the next turn."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     # open, as OpenAI's messages are: other keys (`name`, ...) reach the chat template
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    # an assistant's calls, and a tool message's answer to one of them
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    # an assistant's thinking, as this server returned it (vLLM's name and the older one)
+    reasoning: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    refusal: StrictStr | None = None  # in OpenAI's assistant messages; not rendered
+
+
+class FunctionDefinition(_Body):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None  # accepted; calls are always constrained when forced
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -224,6 +266,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     response_format: ResponseFormat | None = None
+    # tool calling (see chat_tools.py): tool_choice defaults to "auto" when tools are given
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    # extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -18,6 +18,7 @@ from fastapi import Request
 
 from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
+from pagedllm.entrypoints.chat_tools import ChatOptions
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
@@ -46,6 +47,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # failed engine steps in a row after which the engine counts as broken (the server exits)
     max_failed_steps: int = MAX_FAILED_STEPS
+    # tool-call and reasoning parsers, and where structured output applies (chat_tools.py)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -306,17 +309,42 @@ class Server:
             lambda: [self._prompt(p, i, "prompt", truncate) for i, p in enumerate(raw)]
         )
 
-    async def chat_prompt(self, messages: list[dict], truncate: int | None = None) -> Prompt:
+    async def chat_prompt(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        truncate: int | None = None,
+    ) -> Prompt:
         """A conversation rendered with the chat template, tokenized, truncated and checked."""
         return await self.in_tokenizer_thread(
-            lambda: self._prompt(self._render_chat(messages), 0, "messages", truncate)
+            lambda: self._prompt(
+                self._render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs),
+                0,
+                "messages",
+                truncate,
+            )
         )
 
-    def _render_chat(self, messages: list[dict]) -> str:
+    def _render_chat(
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
         try:
-            return render_chat(messages, self.engine.tokenizer, self.chat_template)
+            return render_chat(
+                messages,
+                self.engine.tokenizer,
+                self.chat_template,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
+            # a ChatRequestError names its own field
+            raise APIError(400, str(exc), param=getattr(exc, "param", "messages")) from None
 
     def _tokenizer(self, what: str):
         tokenizer = self.engine.tokenizer

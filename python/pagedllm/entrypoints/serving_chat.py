@@ -1,15 +1,21 @@
 """`POST /v1/chat/completions`: the conversation rendered with the chat template, one choice per
-sample; streamed `delta.content` chunks concatenate to the non-streamed message."""
+sample; streamed `delta.content` chunks concatenate to the non-streamed message. With tools or a
+reasoning parser (chat_tools.py) a reply is split into `reasoning`, `content` and `tool_calls`
+(finish reason "tool_calls" when it made calls), streamed in OpenAI's delta shape: a call's
+first delta has its id, type and name, the later ones pieces of its arguments.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.entrypoints.errors import APIError
+from pagedllm.entrypoints.chat_tools import ChatPlan, ChatRequestError, finish_reason, plan_chat
+from pagedllm.entrypoints.errors import APIError, bad_request
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.serving import (
     Job,
@@ -31,27 +37,39 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=top_n if body.logprobs else None,
     )
-    messages = [m.model_dump() for m in body.messages]
-    prompt = await server.chat_prompt(messages, params.truncate_prompt_tokens)
+    plan = _plan(server, body, params.structured_outputs)
+    if plan.constraint is not params.structured_outputs:
+        try:  # the tools' constraint, under SamplingParams' own rules
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+    prompt = await server.chat_prompt(
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        tools=plan.tools,
+        chat_template_kwargs=body.chat_template_kwargs,
+        truncate=params.truncate_prompt_tokens,
+    )
     job = await server.submit(
         [prompt], params, priority=body.priority, timeout=body.timeout, model=body.model
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _chunks(job, top_n, include_usage, continuous_usage(body))
+        chunks = _chunks(job, plan, top_n, include_usage, continuous_usage(body))
         return StreamingResponse(sse_stream(job, chunks), media_type="text/event-stream")
     finals = await job.finals(request)
     completions = [c for output in finals for c in output.outputs]
-    choices = [
-        {
-            "index": completion.index,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": _logprobs(completion, 0, top_n),
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }
-        for completion in completions
-    ]
+    choices = []
+    for completion in completions:
+        message, finish = _message(plan, completion)
+        choices.append(
+            {
+                "index": completion.index,
+                "message": message,
+                "logprobs": _logprobs(completion, 0, top_n),
+                "finish_reason": finish,
+                "stop_reason": completion.stop_reason,
+            }
+        )
     num_tokens = sum(len(c.token_ids) for c in completions)
     response = _response(job, choices, "chat.completion")
     if params.prompt_logprobs is not None:
@@ -59,11 +77,41 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     return response | {"usage": usage(job.num_prompt_tokens, num_tokens)}
 
 
+def _plan(server: Server, body: ChatCompletionRequest, constraint) -> ChatPlan:
+    tool_choice = body.tool_choice
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        tool_choice = tool_choice.model_dump()
+    try:
+        return plan_chat(
+            server.config.chat_options,
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
+            tool_choice=tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            constraint=constraint,
+        )
+    except ChatRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
+def _message(plan: ChatPlan, completion) -> tuple[dict[str, Any], str | None]:
+    """A completion's message and finish reason."""
+    if not plan.splits:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    split = plan.message(completion.text)
+    message: dict[str, Any] = {"role": "assistant", "content": split.content}
+    if plan.reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = split.reasoning
+    if split.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in split.tool_calls]
+    return message, finish_reason(bool(split.tool_calls), completion.finish_reason)
+
+
 async def _chunks(
-    job: Job, top_n: int, include_usage: bool, continuous: bool
+    job: Job, plan: ChatPlan, top_n: int, include_usage: bool, continuous: bool
 ) -> AsyncIterator[dict]:
     """`continuous`: each chunk carries the usage so far (continuous_usage_stats)."""
     deltas = Deltas()
+    messages = {}  # choice index -> its MessageDeltas, when replies are split
 
     def chunk(choices: list[dict]) -> dict[str, Any]:
         out = _chunk(job, choices)
@@ -80,12 +128,24 @@ async def _chunks(
             unsent = deltas.take(completion, completion.index)
             if unsent is None:
                 continue
-            delta, _, token_start = unsent
+            text, _, token_start = unsent
+            logprobs = _logprobs(completion, token_start, top_n)
+            finish = completion.finish_reason
+            if plan.splits:
+                stream = messages.setdefault(completion.index, plan.stream())
+                delta = stream.update(completion.text, finish is not None)
+                if "reasoning" in delta:
+                    delta["reasoning_content"] = delta["reasoning"]
+                if not delta and finish is None and logprobs is None:
+                    continue  # held back (a tag that may be starting): nothing to send yet
+                finish = finish_reason(stream.num_calls > 0, finish)
+            else:
+                delta = {"content": text}
             choice = {
                 "index": completion.index,
-                "delta": {"content": delta},
-                "logprobs": _logprobs(completion, token_start, top_n),
-                "finish_reason": completion.finish_reason,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish,
                 "stop_reason": completion.stop_reason,
             }
             yield chunk([choice])
