@@ -126,6 +126,7 @@ def test_lora_request_without_enable_lora_is_refused(llama_world):
 
 def test_one_id_names_one_adapter(llm, llama_world):
     alpha, beta = llama_world.requests["alpha"], llama_world.requests["beta"]
+    llm.engine.add_lora(alpha)  # known to the engine whatever ran before
     clash = LoRARequest("impostor", alpha.lora_int_id, beta.lora_path)
     with pytest.raises(ValueError, match="'impostor'.*already names adapter 'alpha'"):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, PARAMS, lora_request=clash, use_tqdm=False)

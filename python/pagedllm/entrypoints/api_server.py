@@ -39,10 +39,16 @@ __all__ = ["ServerConfig", "build_app", "build_server_app", "check_api_key", "ru
 _ERROR = {"model": ErrorResponse}
 _CLIENT_ERROR = {"4XX": {**_ERROR, "description": "A client error (400: a bad field, named)"}}
 _UNAVAILABLE = {503: {**_ERROR, "description": "The engine keeps failing or is shutting down"}}
+# one server-sent event of a stream (OpenAPI before 3.2: `schema` describes each event)
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}},
+    "required": ["data"],
+}
 _GENERATION = {
     200: {
         "description": "The completion; with `stream`, server-sent events ending in `data: [DONE]`",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": _SSE_EVENT}},
     },
     **_CLIENT_ERROR,
     **_UNAVAILABLE,
