@@ -1,9 +1,11 @@
-"""Export our decoder back to Hugging Face `transformers`: config, state dict, model.
+"""Export our decoder back to Hugging Face `transformers`: config, state dict, model, and a
+checkpoint folder (plus a PEFT LoRA adapter for it).
 
-Used by `pagedllm bench --compare-transformers` (and by parity tests that run the same weights
-through `transformers` as an outside oracle, which also write checkpoint folders from it).
-`transformers` is an optional dependency, imported only inside the functions that need it, so
-`import pagedllm.models` never pulls it in.
+Used by `pagedllm bench --compare-transformers`, by `pagedllm export-tiny` (checkpoint folders
+a new user can point `--model`, LoRA and draft models at; `save_checkpoint` and
+`save_random_lora_adapter` need no `transformers`), and by parity tests that run the same
+weights through `transformers` as an outside oracle. `transformers` is an optional dependency,
+imported only inside the functions that need it, so `import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
 along dim 0) and the split sizes come from `loader.expected_shapes`: loading and exporting share
@@ -12,13 +14,17 @@ one definition of the checkpoint format.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import TORCH_DTYPES, checkpoint_layout, expected_shapes
+from pagedllm.models.loader import SINGLE_FILE, TORCH_DTYPES, checkpoint_layout, expected_shapes
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from transformers import PretrainedConfig, PreTrainedModel
@@ -91,19 +97,10 @@ def _eos_value(cfg: ModelConfig) -> int | list[int] | None:
     return cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
 
 
-def hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The LlamaConfig / Qwen2Config / Qwen3Config with exactly the shapes and flags of `cfg`.
-
-    Raises ValueError for flag combinations the family's transformers config cannot express.
-    """
-    transformers = _import_transformers()
+def _config_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The family's config fields with exactly the shapes and flags of `cfg` (checked)."""
     _check_representable(cfg)
-    config_class = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[cfg.family]
-    kwargs: dict[str, Any] = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -124,15 +121,39 @@ def hf_config(cfg: ModelConfig) -> PretrainedConfig:
         pad_token_id=cfg.pad_token_id,
     )
     if cfg.family == "llama":
-        kwargs.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+        fields.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
     elif cfg.family == "qwen3":
-        kwargs.update(attention_bias=cfg.qkv_bias, use_sliding_window=False)
+        fields.update(attention_bias=cfg.qkv_bias, use_sliding_window=False)
     else:
-        kwargs.update(use_sliding_window=False)
-    config = config_class(**kwargs)
+        fields.update(use_sliding_window=False)
+    return fields
+
+
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The LlamaConfig / Qwen2Config / Qwen3Config with exactly the shapes and flags of `cfg`.
+
+    Raises ValueError for flag combinations the family's transformers config cannot express.
+    """
+    transformers = _import_transformers()
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[cfg.family]
+    config = config_class(**_config_fields(cfg))
     config.architectures = [cfg.architecture]
     if cfg.checkpoint_dtype is not None:
         _set_config_dtype(config, cfg.checkpoint_dtype)
+    return config
+
+
+def config_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The `config.json` of `cfg` as a dict, without `transformers` (the fields `hf_config`
+    sets, under the names its `save_pretrained` writes)."""
+    config = {"architectures": [cfg.architecture], "model_type": cfg.family}
+    config.update(_config_fields(cfg))
+    if cfg.checkpoint_dtype is not None:
+        config["torch_dtype"] = cfg.checkpoint_dtype
     return config
 
 
@@ -235,3 +256,96 @@ def _generation_config(transformers, cfg: ModelConfig):
         eos_token_id=eos[0] if eos and len(eos) == 1 else eos,
         pad_token_id=cfg.pad_token_id,
     )
+
+
+def save_checkpoint(model: nn.Module, folder: str | Path, *, num_layers: int | None = None) -> Path:
+    """`model` as a checkpoint folder our loader and `transformers` read: `config.json`,
+    `generation_config.json` and `model.safetensors` (in the model's dtype). No tokenizer.
+
+    `num_layers` keeps only the first decoder layers (with the same embeddings, final norm and
+    head): a smaller model with the same vocabulary, e.g. a draft model for speculative
+    decoding. Needs no `transformers`.
+    """
+    from safetensors.torch import save_file
+
+    cfg = _model_config(model, None)
+    kept = cfg.num_layers if num_layers is None else num_layers
+    if not 1 <= kept <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config_json(dataclasses.replace(cfg, num_layers=kept))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    eos = _eos_value(cfg)
+    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos}
+    generation["pad_token_id"] = cfg.pad_token_id
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    # safetensors wants contiguous tensors that do not share storage: the split views do
+    tensors = {
+        name: tensor.to("cpu").contiguous().clone()
+        for name, tensor in hf_state_dict(model, cfg).items()
+        if _layer_of(name) < kept
+    }
+    # transformers refuses safetensors files without the {"format": "pt"} metadata
+    save_file(tensors, folder / SINGLE_FILE, metadata={"format": "pt"})
+    return folder
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor belongs to; -1 for embeddings, final norm, head."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+
+
+def save_random_lora_adapter(
+    folder: str | Path,
+    cfg: ModelConfig,
+    *,
+    rank: int = 8,
+    lora_alpha: int = 16,
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+) -> Path:
+    """A PEFT LoRA adapter for a model of `cfg` with seeded random A and B (an untrained
+    adapter large enough to change greedy tokens): `adapter_config.json` and
+    `adapter_model.safetensors` as PEFT writes them. Needs no `peft`."""
+    from safetensors.torch import save_file
+
+    from pagedllm.lora.adapter import ModelLoRASpec
+    from pagedllm.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE
+
+    shapes = ModelLoRASpec.of(cfg).shapes
+    unknown = sorted(set(target_modules) - set(shapes))
+    if unknown:
+        raise ValueError(f"target_modules {unknown} are not projections LoRA adapts")
+    # the checkpoint's name of each adapted weight: PEFT prefixes it with base_model.model.
+    targets = [
+        (name.removesuffix(".weight"), shapes[module])
+        for name in sorted({src for srcs in checkpoint_layout(cfg).values() for src in srcs})
+        for module in target_modules
+        if name.startswith("model.layers.") and name.endswith(f".{module}.weight")
+    ]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (d_in, d_out) in targets:
+        a = torch.randn(rank, d_in, generator=generator) / math.sqrt(d_in)
+        b = torch.randn(d_out, rank, generator=generator) / math.sqrt(rank)
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.path,
+        "r": rank,
+        "lora_alpha": lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(target_modules),
+        "bias": "none",
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
