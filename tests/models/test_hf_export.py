@@ -338,3 +338,8 @@ def test_exported_first_layer_is_a_draft_model_for_the_full_one(exported, tmp_pa
 def test_export_tiny_refuses_a_folder_that_is_not_empty(exported):
     with pytest.raises(ValueError, match="already exists and is not an empty folder"):
         export_tiny_random(exported["model"])
+
+
+def test_tiny_random_config_refuses_an_unknown_family():
+    with pytest.raises(ValueError, match=r"family must be one of \['llama', 'qwen2', 'qwen3'\]"):
+        tiny_random_config("mistral")

@@ -478,6 +478,7 @@ def _serve(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)-8s %(name)s: %(message)s"))
     logger.addHandler(handler)
+    level = logger.level
     logger.setLevel(args.log_level.upper())
     try:
         app = build_server_app(engine_kwargs, config)
@@ -492,6 +493,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def loaded_summary(engine) -> list[str]:
@@ -534,7 +536,8 @@ def _export_tiny(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     folder = written["model"]
-    print(f"{folder}: a {args.family} checkpoint of random weights (byte tokenizer)")
+    layers = f"its first {args.num_layers} layers, " if args.num_layers else ""
+    print(f"{folder}: the tiny random model as a {args.family} checkpoint ({layers}byte tokenizer)")
     print(f"  try: pagedllm generate --model {folder} 'Hello'")
     if "adapter" in written:
         print(f"{written['adapter']}: a PEFT LoRA adapter for it")
@@ -725,6 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--family",
         default="llama",
+        # tiny_random.FAMILIES, spelled out: importing it would import torch before --help
         choices=["llama", "qwen2", "qwen3"],
         help="the architecture written (llama with --seed 0 is pagedllm/tiny-random itself)",
     )

@@ -102,15 +102,12 @@ def save_byte_tokenizer(folder: str | Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     # byte-level BPE spells byte b as the printable character GPT-2's table gives it
-    chars = pre_tokenizers.ByteLevel.alphabet()
-    byte_char = {b: _gpt2_byte_char(b) for b in range(256)}
-    assert set(byte_char.values()) == set(chars)
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in byte_char.items()}, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={_gpt2_byte_char(b): b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     specials = {BYTE_BOS_ID: "<s>", BYTE_EOS_ID: "</s>", BYTE_PAD_ID: "<pad>"}
+    # added after the 256 bytes, in id order: they take exactly those ids
     tok.add_special_tokens([AddedToken(t, special=True) for _, t in sorted(specials.items())])
-    assert [tok.token_to_id(t) for t in specials.values()] == list(specials)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", BYTE_BOS_ID)]
     )
