@@ -536,18 +536,3 @@ def test_serve_logs_what_it_loaded(monkeypatch, capsys):
         "structured output on",
     ):
         assert part in err, err
-
-
-def test_export_tiny_writes_a_model_and_an_adapter_that_generate(tmp_path, capsys):
-    from pagedllm import LLM, LoRARequest, SamplingParams
-
-    folder = tmp_path / "tiny"
-    assert main(["export-tiny", str(folder), "--with-adapter", "--family", "qwen3"]) == 0
-    out = capsys.readouterr().out
-    assert f"pagedllm generate --model {folder}" in out and f"{folder / 'adapter'}" in out
-    llm = LLM(model=str(folder), device="cpu", max_model_len=64, enable_lora=True)
-    lora = LoRARequest("tiny", 1, str(folder / "adapter"))
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    outputs = llm.generate(["Hi", "Hi"], params, lora_request=[None, lora], use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
-    assert llm.llm_engine.model_config.family == "qwen3"

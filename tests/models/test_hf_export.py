@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import pagedllm
-from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.models import (
     ModelConfig,
     RopeConfig,
@@ -36,7 +35,7 @@ from pagedllm.models.hf_export import (
     save_checkpoint,
     to_transformers,
 )
-from pagedllm.models.tiny_random import export_tiny_random, save_byte_tokenizer
+from pagedllm.models.tiny_random import save_byte_tokenizer
 from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 
 from model_factory import PagedRunner, paged_greedy, save_tiny_checkpoint
@@ -284,60 +283,6 @@ def test_exported_byte_tokenizer_encodes_and_decodes_as_the_built_in_one(tmp_pat
         assert theirs.encode(text) == ours.encode(text), text
         assert theirs.decode(ours.encode(text)) == text
     assert (theirs.bos_token_id, theirs.eos_token_id) == (BYTE_BOS_ID, BYTE_EOS_ID)
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    return export_tiny_random(tmp_path_factory.mktemp("export") / "tiny", with_adapter=True)
-
-
-def test_exported_tiny_folder_generates_as_the_built_in_model(exported):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    knobs = dict(device="cpu", max_model_len=64, num_gpu_blocks=16)
-    folder = LLM(model=str(exported["model"]), **knobs).generate(["Hello"], params, use_tqdm=False)
-    built_in = LLM(**knobs).generate(["Hello"], params, use_tqdm=False)
-    assert folder[0].outputs[0].token_ids == built_in[0].outputs[0].token_ids
-
-
-def test_exported_adapter_is_the_same_adapter_under_peft(exported):
-    from peft import PeftModel
-
-    prompt = [BYTE_BOS_ID, *b"Hello"]
-    llm = LLM(model=str(exported["model"]), device="cpu", max_model_len=64, enable_lora=True)
-    lora = LoRARequest("tiny", 1, str(exported["adapter"]))
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    base, adapted = llm.generate(
-        [{"prompt_token_ids": prompt}] * 2, params, lora_request=[None, lora], use_tqdm=False
-    )
-    hf = AutoModelForCausalLM.from_pretrained(exported["model"], dtype=torch.float32)
-    hf = PeftModel.from_pretrained(hf, exported["adapter"]).eval()
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=8,
-            min_new_tokens=8,
-            do_sample=False,
-        )
-    assert adapted.outputs[0].token_ids == out[0, len(prompt) :].tolist()
-    assert adapted.outputs[0].token_ids != base.outputs[0].token_ids  # the adapter matters
-
-
-def test_exported_first_layer_is_a_draft_model_for_the_full_one(exported, tmp_path):
-    draft = export_tiny_random(tmp_path / "draft", num_layers=1)["model"]
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    knobs = dict(model=str(exported["model"]), device="cpu", max_model_len=64, num_gpu_blocks=16)
-    speculating = LLM(**knobs, speculative_config=spec)
-    out = speculating.generate(["Hello"], params, use_tqdm=False)
-    plain = LLM(**knobs).generate(["Hello"], params, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    assert speculating.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
-
-
-def test_export_tiny_refuses_a_folder_that_is_not_empty(exported):
-    with pytest.raises(ValueError, match="already exists and is not an empty folder"):
-        export_tiny_random(exported["model"])
 
 
 def test_tiny_random_config_refuses_an_unknown_family():

@@ -526,9 +526,9 @@ def loaded_summary(engine) -> list[str]:
 
 
 def _export_tiny(args: argparse.Namespace) -> int:
-    from pagedllm.models.tiny_random import export_tiny_random
+    from pagedllm.cli.export_tiny import export_tiny
 
-    written = export_tiny_random(
+    written = export_tiny(
         args.folder,
         family=args.family,
         num_layers=args.num_layers,

@@ -1,10 +1,10 @@
 """Export our decoder back to Hugging Face `transformers`: config, state dict, model, and a
-checkpoint folder (plus a PEFT LoRA adapter for it).
+checkpoint folder.
 
 Used by `pagedllm bench --compare-transformers`, by `pagedllm export-tiny` (checkpoint folders
-a new user can point `--model`, LoRA and draft models at; `save_checkpoint` and
-`save_random_lora_adapter` need no `transformers`), and by parity tests that run the same
-weights through `transformers` as an outside oracle. `transformers` is an optional dependency,
+a new user can point `--model` and draft models at; `save_checkpoint` needs no
+`transformers`), and by parity tests that run the same weights through `transformers` as an
+outside oracle. `transformers` is an optional dependency,
 imported only inside the functions that need it, so `import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -295,57 +294,3 @@ def _layer_of(name: str) -> int:
     """The decoder layer a tensor belongs to; -1 for embeddings, final norm, head."""
     parts = name.split(".")
     return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
-
-
-def save_random_lora_adapter(
-    folder: str | Path,
-    cfg: ModelConfig,
-    *,
-    rank: int = 8,
-    lora_alpha: int = 16,
-    target_modules: tuple[str, ...] = ("q_proj", "v_proj"),
-    seed: int = 0,
-) -> Path:
-    """A PEFT LoRA adapter for a model of `cfg` with seeded random A and B (an untrained
-    adapter large enough to change greedy tokens): `adapter_config.json` and
-    `adapter_model.safetensors` as PEFT writes them. Needs no `peft`."""
-    from safetensors.torch import save_file
-
-    from pagedllm.lora.adapter import ModelLoRASpec
-    from pagedllm.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE
-
-    shapes = ModelLoRASpec.of(cfg).shapes
-    unknown = sorted(set(target_modules) - set(shapes))
-    if unknown:
-        raise ValueError(f"target_modules {unknown} are not projections LoRA adapts")
-    # the checkpoint's name of each adapted weight: PEFT prefixes it with base_model.model.
-    targets = [
-        (name.removesuffix(".weight"), shapes[module])
-        for name in sorted({src for srcs in checkpoint_layout(cfg).values() for src in srcs})
-        for module in target_modules
-        if name.startswith("model.layers.") and name.endswith(f".{module}.weight")
-    ]
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, (d_in, d_out) in targets:
-        a = torch.randn(rank, d_in, generator=generator) / math.sqrt(d_in)
-        b = torch.randn(d_out, rank, generator=generator) / math.sqrt(rank)
-        tensors[f"base_model.model.{name}.lora_A.weight"] = a
-        tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cfg.path,
-        "r": rank,
-        "lora_alpha": lora_alpha,
-        "lora_dropout": 0.0,
-        "target_modules": list(target_modules),
-        "bias": "none",
-        "use_rslora": False,
-        "inference_mode": True,
-    }
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return folder

@@ -129,32 +129,3 @@ def _gpt2_byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + sum(1 for other in range(b) if other not in printable))
-
-
-def export_tiny_random(
-    folder: str | Path,
-    *,
-    family: str = "llama",
-    num_layers: int | None = None,
-    with_adapter: bool = False,
-    seed: int = DEFAULT_SEED,
-) -> dict[str, Path]:
-    """The tiny model as a checkpoint folder (config, safetensors, byte tokenizer), for trying
-    `--model DIR`, LoRA and draft models without a download: the llama family with the default
-    seed is `pagedllm/tiny-random` itself. `num_layers` keeps the first layers only (a draft
-    model for the full one); `with_adapter` also writes a random PEFT LoRA adapter in
-    `folder/adapter`. Returns {"model": folder, "adapter": ...}."""
-    from pagedllm.models.hf_export import save_checkpoint, save_random_lora_adapter
-
-    folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ValueError(f"{folder} already exists and is not an empty folder")
-    cfg = tiny_random_config(family)
-    model = build_tiny_random(cfg, seed=seed)
-    save_checkpoint(model, folder, num_layers=num_layers)
-    save_byte_tokenizer(folder)
-    written = {"model": folder}
-    if with_adapter:
-        kept = dataclasses.replace(cfg, num_layers=num_layers or cfg.num_layers, path=str(folder))
-        written["adapter"] = save_random_lora_adapter(folder / "adapter", kept, seed=seed + 1)
-    return written
