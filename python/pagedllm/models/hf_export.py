@@ -4,8 +4,8 @@ checkpoint folder.
 Used by `pagedllm bench --compare-transformers`, by `pagedllm export-tiny` (checkpoint folders
 a new user can point `--model` and draft models at; `save_checkpoint` needs no
 `transformers`), and by parity tests that run the same weights through `transformers` as an
-outside oracle. `transformers` is an optional dependency,
-imported only inside the functions that need it, so `import pagedllm.models` never pulls it in.
+outside oracle. `transformers` is an optional dependency, imported only inside the functions
+that need it, so `import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
 along dim 0) and the split sizes come from `loader.expected_shapes`: loading and exporting share
@@ -147,8 +147,8 @@ def hf_config(cfg: ModelConfig) -> PretrainedConfig:
 
 
 def config_json(cfg: ModelConfig) -> dict[str, Any]:
-    """The `config.json` of `cfg` as a dict, without `transformers` (the fields `hf_config`
-    sets, under the names its `save_pretrained` writes)."""
+    """The `config.json` of `cfg` as a dict, without `transformers`: the fields `hf_config`
+    sets, named as transformers 4 writes them (transformers 5 and our loader read them too)."""
     config = {"architectures": [cfg.architecture], "model_type": cfg.family}
     config.update(_config_fields(cfg))
     if cfg.checkpoint_dtype is not None:
@@ -275,9 +275,11 @@ def save_checkpoint(model: nn.Module, folder: str | Path, *, num_layers: int | N
     folder.mkdir(parents=True, exist_ok=True)
     config = config_json(dataclasses.replace(cfg, num_layers=kept))
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    eos = _eos_value(cfg)
-    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos}
-    generation["pad_token_id"] = cfg.pad_token_id
+    generation = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": _eos_value(cfg),
+        "pad_token_id": cfg.pad_token_id,
+    }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     # safetensors wants contiguous tensors that do not share storage: the split views do
     tensors = {
