@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -460,3 +461,78 @@ def test_bench_refuses_prompts_over_the_prefill_first_token_budget():
         "cpu",
     )
     assert_one_line_error(run, "max_num_batched_tokens=16", "--max-num-batched-tokens")
+
+
+# ---- the first hour: flags, help and messages a new user meets -------------------------------
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    """`parser` and every (nested) subcommand's parser."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_bench_takes_no_progress_like_the_other_commands():
+    parser = pagedllm.cli.app.build_parser()
+    for command in (["generate", "x"], ["bench"], ["bench", "serve"]):
+        assert parser.parse_args([*command, "--no-progress"]).no_progress is True, command
+
+
+@pytest.mark.parametrize("command", [["generate"], ["bench"], ["bench", "serve"], ["serve"]])
+def test_unknown_flag_names_the_subcommands_help(command):
+    prog = " ".join(["pagedllm", *command])
+    assert_one_line_error(run_cli(*command, "--no-such-flag"), "--no-such-flag", f"{prog} --help")
+
+
+def test_missing_draft_model_folder_is_a_one_line_error_naming_the_draft_model(tmp_path):
+    missing = str(tmp_path / "no-such-draft")
+    spec = json.dumps({"method": "draft_model", "model": missing, "num_speculative_tokens": 2})
+    assert_one_line_error(
+        run_cli("generate", "Hi", "--device", "cpu", "--speculative-config", spec),
+        "draft model",
+        missing,
+        "does not exist",
+    )
+
+
+def test_every_option_has_help_text():
+    for parser in _parsers(pagedllm.cli.app.build_parser()):
+        for action in parser._actions:
+            assert action.help, f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+
+
+def test_help_shows_every_options_default():
+    for parser in _parsers(pagedllm.cli.app.build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if action.default is None or action.default is False or not action.option_strings:
+                continue  # no value to show: its help says what happens (checked above)
+            if action.default is argparse.SUPPRESS or "default" in action.help:
+                continue
+            assert f"(default: {action.default})" in text, f"{parser.prog} {action.dest}"
+    generate = " ".join(run_cli("generate", "--help").stdout.split())
+    assert f"tokens per KV block (default: {EngineArgs().block_size})" in generate
+
+
+def test_serve_logs_what_it_loaded(monkeypatch, capsys):
+    import pagedllm.entrypoints.api_server as api_server
+
+    monkeypatch.setattr(api_server, "run_server", lambda app, *args, **kwargs: 0)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    argv = ["serve", "--device", "cpu", "--max-model-len", "64", "--num-gpu-blocks", "32"]
+    assert main([*argv, "--cpu-threads", "1", "--speculative-config", spec]) == 0
+    err = capsys.readouterr().err
+    for part in (
+        "loaded pagedllm/tiny-random on cpu in float32",
+        "max_model_len 64",
+        "KV cache 32 blocks on the device",
+        "16 tokens per block",
+        "1 CPU threads",
+        "LoRA off",
+        "speculative decoding ngram (k=3)",
+        "structured output on",
+    ):
+        assert part in err, err

@@ -28,9 +28,15 @@ from pagedllm.models import (
     tiny_random_config,
 )
 from pagedllm.models.config import parse_model_config
-from pagedllm.models.hf_export import hf_config, hf_state_dict, to_transformers
-from pagedllm.models.loader import SINGLE_FILE
-from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID
+from pagedllm.models.hf_export import (
+    config_json,
+    hf_config,
+    hf_state_dict,
+    save_checkpoint,
+    to_transformers,
+)
+from pagedllm.models.tiny_random import save_byte_tokenizer
+from pagedllm.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, ByteTokenizer, load_tokenizer
 
 from model_factory import PagedRunner, paged_greedy, save_tiny_checkpoint
 
@@ -40,23 +46,6 @@ PROMPTS = [
     [BYTE_BOS_ID, *b"paged attention, 42"],
 ]
 NEW_TOKENS = 16
-
-
-def save_pretrained(model, folder: Path) -> Path:
-    """Write config.json, model.safetensors and generation_config.json of `model` into `folder`,
-    from its export (the config and generation config `to_transformers` builds, the tensors of
-    `hf_state_dict`). Weights are saved in the model's dtype."""
-    from safetensors.torch import save_file
-
-    exported = to_transformers(model)
-    folder.mkdir(parents=True, exist_ok=True)
-    exported.config.save_pretrained(folder)
-    exported.generation_config.save_pretrained(folder)
-    # safetensors wants contiguous tensors that do not share storage: the split views do share it
-    tensors = {name: t.to("cpu").contiguous().clone() for name, t in hf_state_dict(model).items()}
-    # transformers refuses safetensors files without the {"format": "pt"} metadata
-    save_file(tensors, folder / SINGLE_FILE, metadata={"format": "pt"})
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +99,8 @@ def test_tiny_random_greedy_generate_matches_paged_greedy(tiny, tiny_hf, prompt)
     assert len(expected) >= NEW_TOKENS // 2  # the comparison covers a real continuation
 
 
-def test_save_pretrained_round_trips_through_our_loader_and_transformers(tiny, tmp_path):
-    folder = save_pretrained(tiny, tmp_path / "tiny")
+def test_save_checkpoint_round_trips_through_our_loader_and_transformers(tiny, tmp_path):
+    folder = save_checkpoint(tiny, tmp_path / "tiny")
     assert {p.name for p in folder.iterdir()} == {
         "config.json",
         "model.safetensors",
@@ -249,3 +238,53 @@ def test_missing_transformers_gives_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ImportError, match="optional dependency 'transformers'"):
         hf_config(tiny_random_config())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_config_json_reads_back_as_what_transformers_writes(family):
+    cfg = tiny_random_config(family)
+    written = json.loads(hf_config(cfg).to_json_string())
+    assert parse_model_config(config_json(cfg)) == parse_model_config(written) == cfg
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_saved_checkpoint_of_each_family_gives_transformers_our_logits(family, tmp_path):
+    ours = build_tiny_random(tiny_random_config(family), seed=5)
+    folder = save_checkpoint(ours, tmp_path / family)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf.config.architectures == [ours.config.architecture]
+    with torch.no_grad():
+        expected = to_transformers(ours)(torch.tensor([PROMPTS[0]])).logits
+        torch.testing.assert_close(hf(torch.tensor([PROMPTS[0]])).logits, expected, **TOLERANCE)
+
+
+def test_save_checkpoint_with_fewer_layers_keeps_the_first_ones(tiny, tmp_path):
+    folder = save_checkpoint(tiny, tmp_path / "draft", num_layers=1)
+    draft = load_model(folder, dtype="float32", device="cpu")
+    assert draft.config.num_layers == 1
+    assert draft.config.vocab_size == tiny.config.vocab_size
+    full = tiny.state_dict()
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(tensor, full[name]), name
+
+
+def test_save_checkpoint_refuses_more_layers_than_the_model_has(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 4\], got 5"):
+        save_checkpoint(tiny, tmp_path / "x", num_layers=5)
+
+
+# ---- export_tiny_random (`pagedllm export-tiny`) --------------------------------------------
+
+
+def test_exported_byte_tokenizer_encodes_and_decodes_as_the_built_in_one(tmp_path):
+    save_byte_tokenizer(tmp_path)
+    theirs, ours = load_tokenizer(tmp_path), ByteTokenizer()
+    for text in ["Hello, my name is", "Größe — naïve café\n\t 123", ""]:
+        assert theirs.encode(text) == ours.encode(text), text
+        assert theirs.decode(ours.encode(text)) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (BYTE_BOS_ID, BYTE_EOS_ID)
+
+
+def test_tiny_random_config_refuses_an_unknown_family():
+    with pytest.raises(ValueError, match=r"family must be one of \['llama', 'qwen2', 'qwen3'\]"):
+        tiny_random_config("mistral")

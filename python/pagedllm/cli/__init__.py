@@ -1,7 +1,9 @@
-"""The `pagedllm` command line: `pagedllm generate` and `pagedllm bench`.
+"""The `pagedllm` command line: `generate`, `bench`, `serve` and `export-tiny`.
 
-- `app`: the argument parser, the two commands and the one-line error reporting (`main`)
-- `bench`: the offline throughput benchmark behind `pagedllm bench`
+- `app`: the argument parser, the commands and the one-line error reporting (`main`)
+- `bench`: the offline throughput benchmark behind `pagedllm bench` (`bench_serve`: against a
+  running server)
+- `export_tiny`: the tiny model as a checkpoint folder, a draft model and a LoRA adapter
 
 `pagedllm.cli:main` is the console script; `python -m pagedllm.cli` runs the same.
 """

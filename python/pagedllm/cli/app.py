@@ -1,10 +1,11 @@
-"""The `pagedllm` command: `generate`, `bench` and `serve`."""
+"""The `pagedllm` command: `generate`, `bench`, `serve` and `export-tiny`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -24,11 +25,35 @@ EPILOG = (
 )
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, except a switch's (off) and an option whose
+    default is None or whose help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (exit 2), like every other error."""
+    """argparse, but a usage error is one line on stderr (exit 2), like every other error, and
+    names the --help of the (sub)command it is about."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)  # subcommands' parsers too
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse hands a subcommand's unknown arguments up to the top-level parser, whose
+        # error would name `pagedllm --help`: each parser refuses its own instead
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -102,27 +127,49 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=_ENGINE["model"],
-        help=f"checkpoint folder, or the built-in {_ENGINE['model']} (default)",
+        help=f"checkpoint folder (config.json, *.safetensors, tokenizer files), or the built-in "
+        f"{_ENGINE['model']} (default; random weights: its text is gibberish)",
     )
-    g.add_argument("--tokenizer", default=_ENGINE["tokenizer"])
     g.add_argument(
-        "--device", default=_ENGINE["device"], help="auto (default), cpu, cuda or cuda:N"
+        "--tokenizer", default=_ENGINE["tokenizer"], help="tokenizer folder (default: --model)"
     )
-    g.add_argument("--dtype", default=_ENGINE["dtype"], choices=DTYPES)
-    g.add_argument("--seed", type=int, default=_ENGINE["seed"])
-    g.add_argument("--block-size", type=_POSITIVE, default=_ENGINE["block_size"])
-    g.add_argument("--num-gpu-blocks", type=_POSITIVE, default=_ENGINE["num_gpu_blocks"])
+    g.add_argument(
+        "--device", default=_ENGINE["device"], help="auto (a GPU if any, else cpu), cpu, cuda[:N]"
+    )
+    g.add_argument(
+        "--dtype",
+        default=_ENGINE["dtype"],
+        choices=DTYPES,
+        help="weights and KV cache (auto: float32 on CPU; on CUDA the checkpoint's half dtype, "
+        "bfloat16 for a float32 one)",
+    )
+    g.add_argument("--seed", type=int, default=_ENGINE["seed"], help="random seed of the engine")
+    g.add_argument(
+        "--block-size", type=_POSITIVE, default=_ENGINE["block_size"], help="tokens per KV block"
+    )
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=_POSITIVE,
+        default=_ENGINE["num_gpu_blocks"],
+        help="KV-cache blocks on the device (default: sized from the free memory)",
+    )
     g.add_argument(
         "--gpu-memory-utilization",
         type=_number(0.0, 1.0, low_open=True),
         default=_ENGINE["gpu_memory_utilization"],
+        help="fraction of the GPU's memory the engine may use (CUDA)",
     )
-    g.add_argument("--swap-space", type=_number(0.0), default=_ENGINE["swap_space"], help="GiB")
+    g.add_argument(
+        "--swap-space",
+        type=_number(0.0),
+        default=_ENGINE["swap_space"],
+        help="GiB of host memory for preempted sequences' swapped-out blocks",
+    )
     g.add_argument(
         "--cpu-kv-cache-space",
         type=_number(0.0, low_open=True),
         default=_ENGINE["cpu_kv_cache_space"],
-        help="GiB of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE; default %(default)s)",
+        help="GiB of KV cache on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)",
     )
     g.add_argument(
         "--cpu-threads",
@@ -130,20 +177,51 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE["cpu_threads"],
         help="torch threads on CPU (default: OMP_NUM_THREADS if set, else all physical cores)",
     )
-    g.add_argument("--max-model-len", type=_POSITIVE, default=_ENGINE["max_model_len"])
-    g.add_argument("--max-num-seqs", type=_POSITIVE, default=_ENGINE["max_num_seqs"])
     g.add_argument(
-        "--max-num-batched-tokens", type=_POSITIVE, default=_ENGINE["max_num_batched_tokens"]
+        "--max-model-len",
+        type=_POSITIVE,
+        default=_ENGINE["max_model_len"],
+        help="longest sequence, prompt + output (default: the model's max_position_embeddings)",
     )
-    g.add_argument("--scheduling", default=_ENGINE["scheduling"], choices=SCHEDULING_STRATEGIES)
-    g.add_argument("--policy", default=_ENGINE["policy"], choices=POLICIES)
+    g.add_argument(
+        "--max-num-seqs",
+        type=_POSITIVE,
+        default=_ENGINE["max_num_seqs"],
+        help="most sequences in one step",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=_POSITIVE,
+        default=_ENGINE["max_num_batched_tokens"],
+        help="most tokens in one step (default: the scheduler's for --scheduling)",
+    )
+    g.add_argument(
+        "--scheduling",
+        default=_ENGINE["scheduling"],
+        choices=SCHEDULING_STRATEGIES,
+        help="step strategy (see README, 'The scheduler without a model')",
+    )
+    g.add_argument(
+        "--policy",
+        default=_ENGINE["policy"],
+        choices=POLICIES,
+        help="admission order: arrival, or request priority",
+    )
     g.add_argument(
         "--preemption-mode",
         default=_ENGINE["preemption_mode"],
         choices=[mode for mode in PREEMPTION_MODES if mode is not None],
+        help="how a preempted sequence resumes (default: swap groups of several sequences, "
+        "recompute the others)",
     )
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks"
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (accepted; every step runs eagerly today)",
+    )
     g.add_argument(
         "--speculative-config",
         type=_json_object,
@@ -163,7 +241,12 @@ def _lora_flags(parser: argparse.ArgumentParser) -> None:
         default=_ENGINE["max_loras"],
         help="most adapters in one step",
     )
-    g.add_argument("--max-lora-rank", type=_POSITIVE, default=_ENGINE["max_lora_rank"])
+    g.add_argument(
+        "--max-lora-rank",
+        type=_POSITIVE,
+        default=_ENGINE["max_lora_rank"],
+        help="largest adapter rank accepted",
+    )
     g.add_argument(
         "--max-cpu-loras",
         type=_POSITIVE,
@@ -215,17 +298,29 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 def _sampling_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     # the command line generates more than the API's 16 tokens by default, greedily
-    g.add_argument("--max-tokens", type=_POSITIVE, default=32)
+    g.add_argument("--max-tokens", type=_POSITIVE, default=32, help="tokens to generate")
     g.add_argument("--temperature", type=_number(0.0), default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=_SAMPLING["top_p"])
+    g.add_argument(
+        "--top-p",
+        type=_number(0.0, 1.0, low_open=True),
+        default=_SAMPLING["top_p"],
+        help="nucleus sampling: keep the most likely tokens up to this probability mass",
+    )
     g.add_argument(
         "--top-k", type=_int_at_least(-1), default=_SAMPLING["top_k"], help="-1 or 0 = off"
     )
-    g.add_argument("--min-p", type=_number(0.0, 1.0), default=_SAMPLING["min_p"])
-    g.add_argument("--n", type=_POSITIVE, default=_SAMPLING["n"])
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument(
+        "--min-p",
+        type=_number(0.0, 1.0),
+        default=_SAMPLING["min_p"],
+        help="drop tokens below this fraction of the most likely one's probability",
+    )
+    g.add_argument("--n", type=_POSITIVE, default=_SAMPLING["n"], help="completions per prompt")
+    g.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request seed (default: none)"
+    )
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
 
 
 def _check_device(name: str) -> None:
@@ -391,10 +486,78 @@ def _serve(args: argparse.Namespace) -> int:
     engine_kwargs = _engine_kwargs(args)
     if config.lora_modules:
         engine_kwargs["enable_lora"] = True  # serving adapters implies --enable-lora
-    app = build_server_app(engine_kwargs, config)
-    return run_server(
-        app, args.host, args.port, log_level=args.log_level, shutdown_grace_s=args.shutdown_grace
+    # pagedllm's own log lines (start-up, engine faults) next to uvicorn's, at --log-level
+    logger = logging.getLogger("pagedllm")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)-8s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(args.log_level.upper())
+    try:
+        app = build_server_app(engine_kwargs, config)
+        for line in loaded_summary(app.state.server.engine.engine):
+            logger.info(line)
+        return run_server(
+            app,
+            args.host,
+            args.port,
+            log_level=args.log_level,
+            shutdown_grace_s=args.shutdown_grace,
+        )
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def loaded_summary(engine) -> list[str]:
+    """What an engine loaded, in two lines (`pagedllm serve` logs them at start-up)."""
+    args, cache = engine.args, engine.cache_engine
+    dtype = str(engine.dtype).removeprefix("torch.")
+    threads = engine.runner.cpu_threads
+    loaded = (
+        f"loaded {args.model} on {engine.device} in {dtype}: max_model_len {engine.max_model_len}, "
+        f"KV cache {cache.num_gpu_blocks} blocks on the device + {cache.num_cpu_blocks} swap "
+        f"blocks on the host, {args.block_size} tokens per block"
+        + (f", {threads} CPU threads" if threads is not None else "")
     )
+    lora = (
+        f"on (max_loras {args.max_loras}, max_lora_rank {args.max_lora_rank})"
+        if engine.lora is not None
+        else "off"
+    )
+    spec = "off"
+    if engine.spec is not None:
+        c = engine.spec.config
+        spec = f"{c.method}{f' {c.model}' if c.model else ''} (k={c.num_speculative_tokens})"
+    structured = "on" if engine.tokenizer is not None else "off (no tokenizer)"
+    features = (
+        f"scheduling {args.scheduling}, prefix caching "
+        f"{'on' if args.enable_prefix_caching else 'off'}, LoRA {lora}, speculative decoding "
+        f"{spec}, structured output {structured}"
+    )
+    return [loaded, features]
+
+
+def _export_tiny(args: argparse.Namespace) -> int:
+    from pagedllm.cli.export_tiny import export_tiny
+
+    written = export_tiny(
+        args.folder,
+        family=args.family,
+        num_layers=args.num_layers,
+        with_adapter=args.with_adapter,
+        seed=args.seed,
+    )
+    folder = written["model"]
+    layers = f"its first {args.num_layers} layers, " if args.num_layers else ""
+    print(f"{folder}: the tiny random model as a {args.family} checkpoint ({layers}byte tokenizer)")
+    print(f"  try: pagedllm generate --model {folder} 'Hello'")
+    if "adapter" in written:
+        print(f"{written['adapter']}: a PEFT LoRA adapter for it")
+        print(
+            f"  try: pagedllm serve --model {folder} --lora-modules tiny-lora={written['adapter']}"
+        )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -405,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help=f"show full Python tracebacks on errors (also: {DEBUG_ENV}=1)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     gen = sub.add_parser("generate", help="generate text for prompts", epilog=EPILOG)
     gen.add_argument("prompts", nargs="*", help="prompt strings")
     gen.add_argument("--file", help="a file with one prompt per line")
@@ -415,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(gen)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="offline throughput on random prompts", epilog=EPILOG)
-    bench.add_argument("--num-prompts", type=_POSITIVE, default=64)
+    bench.add_argument("--num-prompts", type=_POSITIVE, default=64, help="random prompts")
     bench.add_argument("--input-len", type=_POSITIVE, default=128, help="prompt tokens")
     bench.add_argument(
         "--output-len",
@@ -432,13 +595,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-input-len",
         type=_POSITIVE,
         default=None,
-        help="draw each prompt's length uniformly from [this, --input-len]",
+        help="draw each prompt's length uniformly from [this, --input-len] (default: fixed)",
     )
     bench.add_argument(
         "--min-output-len",
         type=_POSITIVE,
         default=None,
-        help="draw each output length uniformly from [this, --output-len]",
+        help="draw each output length uniformly from [this, --output-len] (default: fixed)",
     )
     bench.add_argument(
         "--rounds", type=_POSITIVE, default=1, help="timed runs of the workload (median reported)"
@@ -451,19 +614,30 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint and prompts, alternating with pagedllm each round",
     )
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
+    bench.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="accepted as by the other commands (bench never draws a progress bar)",
+    )
     _common_flags(bench)
     _engine_flags(bench)
     bench.set_defaults(func=_bench)
-    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve}")
+    modes = bench.add_subparsers(
+        dest="bench_mode", metavar="{serve}", help="benchmark a running server instead"
+    )
     bench_serve = modes.add_parser(
         "serve",
         help="concurrent streaming clients against a running `pagedllm serve`",
         epilog=EPILOG,
     )
-    bench_serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bench_serve.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the running server's address"
+    )
     bench_serve.add_argument("--model", default=None, help="model name sent (default: none)")
-    bench_serve.add_argument("--api-key", default=None)
-    bench_serve.add_argument("--num-prompts", type=_POSITIVE, default=64)
+    bench_serve.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
+    )
+    bench_serve.add_argument("--num-prompts", type=_POSITIVE, default=64, help="requests sent")
     bench_serve.add_argument(
         "--input-len", type=_POSITIVE, default=128, help="prompt length in characters"
     )
@@ -472,12 +646,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-rate",
         type=float,
         default=math.inf,
-        help="requests per second, Poisson arrivals (default inf: all at once)",
+        help="requests per second, Poisson arrivals (default: inf, all at once)",
     )
     bench_serve.add_argument(
-        "--max-concurrency", type=_POSITIVE, default=None, help="most requests in flight"
+        "--max-concurrency",
+        type=_POSITIVE,
+        default=None,
+        help="most requests in flight (default: no limit)",
     )
-    bench_serve.add_argument("--seed", type=int, default=0)
+    bench_serve.add_argument(
+        "--seed", type=int, default=0, help="random seed of the prompts and arrivals"
+    )
     bench_serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench_serve.add_argument("--json", action="store_true", help="print the full result as JSON")
     _common_flags(bench_serve)
@@ -486,8 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="an OpenAI-compatible HTTP server (SIGINT/SIGTERM stop it)", epilog=EPILOG
     )
     g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=_int_at_least(0), default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=_int_at_least(0), default=8000, help="port to listen on")
     g.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: --model)"
     )
@@ -503,8 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (also: PAGEDLLM_API_KEY; an empty "
-        "--api-key is refused)",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: PAGEDLLM_API_KEY, else none; "
+        "an empty --api-key is refused)",
     )
     g.add_argument(
         "--chat-template",
@@ -515,37 +694,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=_POSITIVE,
         default=None,
-        help="429 beyond this many requests waiting (not yet generating)",
+        help="429 beyond this many requests waiting, not yet generating (default: no limit)",
     )
     g.add_argument(
         "--max-queued-tokens",
         type=_POSITIVE,
         default=None,
-        help="429 beyond this many prompt tokens waiting (not yet generating)",
+        help="429 beyond this many prompt tokens waiting (default: no limit)",
     )
     g.add_argument(
         "--max-request-body-bytes",
         type=_POSITIVE,
         default=None,
-        help="413 for a request body over this many bytes (default 4 MiB)",
+        help="413 for a request body over this many bytes (default: 4 MiB)",
     )
     g.add_argument(
         "--max-failed-steps",
         type=_POSITIVE,
         default=None,
         help="failed engine steps in a row (none succeeding) after which the server exits with "
-        "status 1, for a supervisor to restart it (default 30: ~25 s of failing; fewer are "
-        "retried with back-off, /health failing meanwhile)",
+        "status 1, for a supervisor to restart it (default: 30, ~25 s of failing; fewer "
+        "are retried with back-off, /health failing meanwhile)",
     )
     g.add_argument(
         "--shutdown-grace",
         type=_number(0.0),
         default=5.0,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are "
-        "aborted (default 5)",
+        "aborted",
     )
     g.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the server's log level (uvicorn's and pagedllm's)",
     )
     g = serve.add_argument_group("tool calling and reasoning")
     g.add_argument(
@@ -580,6 +762,34 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=_serve)
+    export = sub.add_parser(
+        "export-tiny",
+        help="write the built-in tiny model as a checkpoint folder (and a LoRA adapter) to try "
+        "--model, LoRA and draft models with",
+        epilog=EPILOG,
+    )
+    export.add_argument("folder", help="where to write it (must not exist, or be empty)")
+    export.add_argument(
+        "--family",
+        default="llama",
+        # tiny_random.FAMILIES, spelled out: importing it would import torch before --help
+        choices=["llama", "qwen2", "qwen3"],
+        help="the architecture written (llama with --seed 0 is pagedllm/tiny-random itself)",
+    )
+    export.add_argument(
+        "--num-layers",
+        type=_POSITIVE,
+        default=None,
+        help="keep the first N of the 4 layers: a draft model for the full one (default: all)",
+    )
+    export.add_argument(
+        "--with-adapter",
+        action="store_true",
+        help="also write a random PEFT LoRA adapter for it in FOLDER/adapter",
+    )
+    export.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    _common_flags(export)
+    export.set_defaults(func=_export_tiny)
     return parser
 
 

@@ -29,6 +29,7 @@ from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import (
+    CheckpointError,
     ModelConfig,
     load_model,
     load_model_config,
@@ -178,9 +179,11 @@ class LLMEngine:
         if config is None:
             return None
         if config.method == "draft_model":
-            config.check_draft_vocab(
-                self.model_config.vocab_size, load_model_config(config.model).vocab_size
-            )
+            try:
+                draft = load_model_config(config.model)
+            except CheckpointError as exc:  # else it reads like a missing --model
+                raise type(exc)(f"speculative_config: the draft model: {exc}") from None
+            config.check_draft_vocab(self.model_config.vocab_size, draft.vocab_size)
         return SpecDecoder(config, generator)
 
     def _draft_model(self):

@@ -220,6 +220,8 @@ class MessageToolCall(_Body):
     id: StrictStr
     type: Literal["function"] = "function"
     function: ToolCallFunction
+    # a streamed call's position, which clients that accumulate deltas send back: ignored
+    index: StrictInt | None = None
 
 
 class ChatMessage(_Body):

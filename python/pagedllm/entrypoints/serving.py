@@ -443,6 +443,22 @@ class Server:
                 param=what,
             )
 
+    def check_max_tokens(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
+        """A `max_tokens` the client asked for must fit the context with every prompt (OpenAI's
+        and vLLM's 400); unset, generation simply stops at max_model_len."""
+        if max_tokens is None:
+            return
+        limit = self.engine.max_model_len
+        longest = max(len(p.ids) for p in prompts)
+        if max_tokens > limit - longest:
+            prompt = "the prompt" if len(prompts) == 1 else "the longest prompt"
+            raise APIError(
+                400,
+                f"{param}={max_tokens} is too large: max_model_len is {limit} tokens and "
+                f"{prompt} has {longest}, so at most {limit - longest} can be generated",
+                param=param,
+            )
+
     def _check_ids(self, ids: list[int], index: int, what: str) -> None:
         if not ids:
             raise APIError(400, f"{what}[{index}] is empty", param=what)

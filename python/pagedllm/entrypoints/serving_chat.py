@@ -32,10 +32,9 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     top_n = body.top_logprobs or 0
+    max_tokens = body.max_completion_tokens or body.max_tokens
     params = server.sampling_params(
-        body,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        logprobs=top_n if body.logprobs else None,
+        body, max_tokens=max_tokens, logprobs=top_n if body.logprobs else None
     )
     plan = _plan(server, body, params.structured_outputs)
     if plan.constraint is not params.structured_outputs:
@@ -49,6 +48,8 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         chat_template_kwargs=body.chat_template_kwargs,
         truncate=params.truncate_prompt_tokens,
     )
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    server.check_max_tokens([prompt], max_tokens, asked)
     job = await server.submit(
         [prompt], params, priority=body.priority, timeout=body.timeout, model=body.model
     )

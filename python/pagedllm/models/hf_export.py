@@ -1,9 +1,11 @@
-"""Export our decoder back to Hugging Face `transformers`: config, state dict, model.
+"""Export our decoder back to Hugging Face `transformers`: config, state dict, model, and a
+checkpoint folder.
 
-Used by `pagedllm bench --compare-transformers` (and by parity tests that run the same weights
-through `transformers` as an outside oracle, which also write checkpoint folders from it).
-`transformers` is an optional dependency, imported only inside the functions that need it, so
-`import pagedllm.models` never pulls it in.
+Used by `pagedllm bench --compare-transformers`, by `pagedllm export-tiny` (checkpoint folders
+a new user can point `--model` and draft models at; `save_checkpoint` needs no
+`transformers`), and by parity tests that run the same weights through `transformers` as an
+outside oracle. `transformers` is an optional dependency, imported only inside the functions
+that need it, so `import pagedllm.models` never pulls it in.
 
 The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
 along dim 0) and the split sizes come from `loader.expected_shapes`: loading and exporting share
@@ -12,13 +14,16 @@ one definition of the checkpoint format.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import TORCH_DTYPES, checkpoint_layout, expected_shapes
+from pagedllm.models.loader import SINGLE_FILE, TORCH_DTYPES, checkpoint_layout, expected_shapes
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from transformers import PretrainedConfig, PreTrainedModel
@@ -91,19 +96,10 @@ def _eos_value(cfg: ModelConfig) -> int | list[int] | None:
     return cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
 
 
-def hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The LlamaConfig / Qwen2Config / Qwen3Config with exactly the shapes and flags of `cfg`.
-
-    Raises ValueError for flag combinations the family's transformers config cannot express.
-    """
-    transformers = _import_transformers()
+def _config_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The family's config fields with exactly the shapes and flags of `cfg` (checked)."""
     _check_representable(cfg)
-    config_class = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[cfg.family]
-    kwargs: dict[str, Any] = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -124,15 +120,39 @@ def hf_config(cfg: ModelConfig) -> PretrainedConfig:
         pad_token_id=cfg.pad_token_id,
     )
     if cfg.family == "llama":
-        kwargs.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+        fields.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias, pretraining_tp=1)
     elif cfg.family == "qwen3":
-        kwargs.update(attention_bias=cfg.qkv_bias, use_sliding_window=False)
+        fields.update(attention_bias=cfg.qkv_bias, use_sliding_window=False)
     else:
-        kwargs.update(use_sliding_window=False)
-    config = config_class(**kwargs)
+        fields.update(use_sliding_window=False)
+    return fields
+
+
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The LlamaConfig / Qwen2Config / Qwen3Config with exactly the shapes and flags of `cfg`.
+
+    Raises ValueError for flag combinations the family's transformers config cannot express.
+    """
+    transformers = _import_transformers()
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[cfg.family]
+    config = config_class(**_config_fields(cfg))
     config.architectures = [cfg.architecture]
     if cfg.checkpoint_dtype is not None:
         _set_config_dtype(config, cfg.checkpoint_dtype)
+    return config
+
+
+def config_json(cfg: ModelConfig) -> dict[str, Any]:
+    """The `config.json` of `cfg` as a dict, without `transformers`: the fields `hf_config`
+    sets, named as transformers 4 writes them (transformers 5 and our loader read them too)."""
+    config = {"architectures": [cfg.architecture], "model_type": cfg.family}
+    config.update(_config_fields(cfg))
+    if cfg.checkpoint_dtype is not None:
+        config["torch_dtype"] = cfg.checkpoint_dtype
     return config
 
 
@@ -235,3 +255,44 @@ def _generation_config(transformers, cfg: ModelConfig):
         eos_token_id=eos[0] if eos and len(eos) == 1 else eos,
         pad_token_id=cfg.pad_token_id,
     )
+
+
+def save_checkpoint(model: nn.Module, folder: str | Path, *, num_layers: int | None = None) -> Path:
+    """`model` as a checkpoint folder our loader and `transformers` read: `config.json`,
+    `generation_config.json` and `model.safetensors` (in the model's dtype). No tokenizer.
+
+    `num_layers` keeps only the first decoder layers (with the same embeddings, final norm and
+    head): a smaller model with the same vocabulary, e.g. a draft model for speculative
+    decoding. Needs no `transformers`.
+    """
+    from safetensors.torch import save_file
+
+    cfg = _model_config(model, None)
+    kept = cfg.num_layers if num_layers is None else num_layers
+    if not 1 <= kept <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config_json(dataclasses.replace(cfg, num_layers=kept))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": _eos_value(cfg),
+        "pad_token_id": cfg.pad_token_id,
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    # safetensors wants contiguous tensors that do not share storage: the split views do
+    tensors = {
+        name: tensor.to("cpu").contiguous().clone()
+        for name, tensor in hf_state_dict(model, cfg).items()
+        if _layer_of(name) < kept
+    }
+    # transformers refuses safetensors files without the {"format": "pt"} metadata
+    save_file(tensors, folder / SINGLE_FILE, metadata={"format": "pt"})
+    return folder
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a tensor belongs to; -1 for embeddings, final norm, head."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1

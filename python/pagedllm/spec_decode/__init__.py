@@ -11,9 +11,35 @@ the model runner, which needs them too).
 
 The n-gram proposer runs in Rust over the scheduler's token histories
 (`Scheduler.propose_drafts`, `rust/src/spec/ngram.rs`).
+
+Names are resolved lazily: `pagedllm.config` needs `config` (pure Python), and importing the
+package for it must not import torch (the CLI's `--help` would take seconds).
 """
 
-from pagedllm.spec_decode.config import SPEC_METHODS, SpeculativeConfig
-from pagedllm.spec_decode.rejection_sampler import RejectionSampler, VerifiedTokens
+from __future__ import annotations
 
-__all__ = ["SPEC_METHODS", "RejectionSampler", "SpeculativeConfig", "VerifiedTokens"]
+import importlib
+from typing import Any
+
+# public name -> submodule defining it
+_LAZY = {
+    "SPEC_METHODS": "config",
+    "SpeculativeConfig": "config",
+    "RejectionSampler": "rejection_sampler",
+    "VerifiedTokens": "rejection_sampler",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -48,19 +48,21 @@ impl NgramConfig {
     /// given, the other takes its value; neither, `DEFAULT_PROMPT_LOOKUP_MAX` / `_MIN`. The
     /// one rule behind the scheduler's arguments and the engine's `speculative_config`.
     pub fn lookup_bounds(max: Option<usize>, min: Option<usize>) -> Result<(usize, usize)> {
+        // the values given are checked before one mirrors the other, so an error names the
+        // setting the caller wrote
+        for (name, value) in [("prompt_lookup_max", max), ("prompt_lookup_min", min)] {
+            if value == Some(0) {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be >= 1, got 0"
+                )));
+            }
+        }
         let (max, min) = match (max, min) {
             (None, None) => (DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN),
             (Some(max), None) => (max, max),
             (None, Some(min)) => (min, min),
             (Some(max), Some(min)) => (max, min),
         };
-        for (name, value) in [("prompt_lookup_max", max), ("prompt_lookup_min", min)] {
-            if value == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{name} must be >= 1, got 0"
-                )));
-            }
-        }
         if min > max {
             return Err(Error::InvalidArgument(format!(
                 "prompt_lookup_min ({min}) must be <= prompt_lookup_max ({max})"
@@ -242,6 +244,7 @@ mod tests {
         assert_eq!(bounds(Some(3), Some(2)).unwrap(), (3, 2));
         let err = |max, min| bounds(max, min).unwrap_err().to_string();
         assert!(err(Some(0), None).contains("prompt_lookup_max must be >= 1, got 0"));
+        assert!(err(None, Some(0)).contains("prompt_lookup_min must be >= 1, got 0"));
         assert!(err(Some(2), Some(3))
             .contains("prompt_lookup_min (3) must be <= prompt_lookup_max (2)"));
     }
