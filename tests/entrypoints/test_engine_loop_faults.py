@@ -1,6 +1,7 @@
 """The server's engine loop under injected step faults: a transient burst is survived (health
 fails only while steps keep failing), a broken engine ends its requests with 503 and makes
-`pagedllm serve` exit with status 1 instead of living on refusing everything."""
+`pagedllm serve` exit with status 1 instead of living on refusing everything; a poisoned request
+(its forward always fails) ends alone while the others finish as they would without it."""
 
 from __future__ import annotations
 
@@ -146,3 +147,72 @@ def test_serve_exits_with_status_1_once_the_engine_is_broken():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- a poisoned request among others ----------------------------------------------------------
+
+POISON_LEN = 80  # no innocent prompt plus its output gets this long
+POISONED = {"model": MODEL, "prompt": "z" * 90, "max_tokens": 4, "temperature": 0}
+INNOCENTS = [
+    {"model": MODEL, "prompt": p, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    for p in ("hello", "the sky", "one two three")
+]
+
+
+def poison_long_forwards(engine) -> None:
+    """From now on any forward over a sequence of `POISON_LEN` tokens or more raises, every
+    time (an out-of-memory on one long prompt)."""
+    runner = engine.runner
+    real_forward = runner.forward
+
+    def forward(inputs, *args, **kwargs):
+        if inputs[2].max_seq_len >= POISON_LEN:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real_forward(inputs, *args, **kwargs)
+
+    runner.forward = forward
+
+
+def completions(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{url}/v1/completions", json=b, timeout=60) for b in bodies
+        ]
+        return [f.result() for f in futures]
+
+
+def texts(responses: list[httpx.Response]) -> list[str]:
+    assert [r.status_code for r in responses] == [200] * len(responses)
+    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
+    return [r.json()["choices"][0]["text"] for r in responses]
+
+
+def assert_given_up_alone(response: httpx.Response) -> None:
+    assert response.status_code == 200
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    assert "injected" in choice["stop_reason"]
+
+
+def test_a_poisoned_request_ends_alone_and_the_others_finish_as_without_it():
+    with live_server() as live:
+        expected = texts(completions(live.url, INNOCENTS))
+        poison_long_forwards(live.engine.engine)
+        *innocents, poisoned = completions(live.url, [*INNOCENTS, POISONED])
+        assert_given_up_alone(poisoned)
+        assert texts(innocents) == expected
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        live.wait_idle()
+
+
+def test_three_poisoned_requests_in_a_row_leave_the_server_serving():
+    with live_server() as live:
+        expected = texts(completions(live.url, INNOCENTS))
+        poison_long_forwards(live.engine.engine)
+        for _ in range(3):
+            *innocents, poisoned = completions(live.url, [*INNOCENTS, POISONED])
+            assert_given_up_alone(poisoned)
+            assert texts(innocents) == expected
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        assert not live.engine.dead
+        live.wait_idle()
