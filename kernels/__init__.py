@@ -10,8 +10,7 @@ name is first accessed.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm._lazy import lazy_names
 
 # public name -> submodule defining it (module names differ from function names so that importing
 # a submodule, which sets it as a package attribute, never shadows a function)
@@ -26,16 +25,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*__all__, "reference"])
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, also=["reference"])

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     # parameter modules that `EngineArgs` and `SamplingParams` embed
     (
         "pagedllm._core",
+        "pagedllm._lazy",
         "pagedllm.config",
         "pagedllm.outputs",
         "pagedllm.sampling_params",

@@ -18,8 +18,7 @@ package for it must not import torch (the CLI's `--help` would take seconds).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from pagedllm._lazy import lazy_names
 
 # public name -> submodule defining it
 _LAZY = {
@@ -30,16 +29,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
