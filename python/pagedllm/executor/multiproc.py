@@ -261,23 +261,31 @@ class MultiprocExecutor:
 
     # ---- shutdown -----------------------------------------------------------------------------
 
+    def __del__(self) -> None:
+        # the engine (an `LLM`) dropped without shutdown(): its workers go with it
+        if getattr(self, "procs", None):
+            self.shutdown()
+
     def shutdown(self) -> None:
-        """Stop every worker (asked first, then terminated) and leave the group. Idempotent."""
+        """Stop every worker and leave the group. Idempotent. Healthy workers are asked to stop
+        first; after a failure (a rank may be hung) they are killed at once."""
         atexit.unregister(self._atexit)
-        for conn in self.conns:
+        healthy = self.dead is None
+        for conn in self.conns if healthy else ():
             with contextlib.suppress(OSError):
                 conn.send(("shutdown",))
         for proc in self.procs:
-            proc.join(timeout=JOIN_TIMEOUT_S)
+            if healthy:
+                proc.join(timeout=JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+            proc.join()
         for conn in self.conns:
             conn.close()
         self.conns = []
         self.procs = []
         parallel_state.destroy_tensor_parallel()
-        if self.dead is None:
+        if healthy:
             self.dead = "the engine was shut down"
 
 
