@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.multiproc import EngineDeadError
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 from model_factory import save_tiny_checkpoint
 
@@ -155,3 +156,35 @@ def test_dropping_the_llm_stops_its_workers(tmp_path_factory):
     gc.collect()
     assert _gone(pid)
     assert not torch.distributed.is_initialized()
+
+
+def _generate(folder, tp: int, prompts, params) -> list:
+    llm = LLM(str(folder), tensor_parallel_size=tp, **KNOBS)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_json_schema_request_under_two_ranks_matches_one(tmp_path_factory):
+    # the grammar's bitmask applies to rank 0's gathered logits: the workers never see it
+    folder = _checkpoint(tmp_path_factory, "qwen3", 2)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    one, two = (_generate(folder, tp, ["hello world"], params) for tp in (1, 2))
+    assert two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert two[0].outputs[0].text.startswith("{")
+
+
+def test_prompt_logprobs_under_two_ranks_match_one(tmp_path_factory):
+    # the prompt rows' logits are gathered from both ranks, in slices, like the sampled rows
+    folder = _checkpoint(tmp_path_factory, "llama", 2)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    prompts = [{"prompt_token_ids": PROMPTS[1]}]
+    one, two = (_generate(folder, tp, prompts, params) for tp in (1, 2))
+    for mine, theirs in zip(two[0].prompt_logprobs[1:], one[0].prompt_logprobs[1:], strict=True):
+        assert mine.keys() == theirs.keys()
+        for token, logprob in mine.items():
+            assert logprob.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
