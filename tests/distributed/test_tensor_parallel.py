@@ -4,8 +4,10 @@ rank, the knobs refused up front, and a worker that dies or hangs failing the en
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -188,3 +190,28 @@ def test_prompt_logprobs_under_two_ranks_match_one(tmp_path_factory):
         assert mine.keys() == theirs.keys()
         for token, logprob in mine.items():
             assert logprob.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+
+
+def test_a_worker_dead_before_joining_fails_the_start_at_once(tmp_path_factory):
+    folder = _checkpoint(tmp_path_factory, "llama", 2)
+    stop = threading.Event()
+
+    def kill_the_first_worker() -> None:
+        while not stop.is_set():
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_the_first_worker)
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="rank 1 .* died"):
+            LLM(str(folder), tensor_parallel_size=2, tp_step_timeout=60.0, **KNOBS)
+    finally:
+        stop.set()
+        killer.join()
+    # long before the rendezvous' timeout
+    assert time.monotonic() - start < 10.0
+    assert not torch.distributed.is_initialized()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -173,13 +174,33 @@ class MultiprocExecutor:
         self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
         atexit.register(self._atexit)
         try:
-            parallel_state.init_tensor_parallel(
-                0, self.size, init_method, device=torch.device("cpu"), timeout_s=self.timeout_s
-            )
+            self._join_group(init_method)
             self._expect("loaded")
         except BaseException:
             self.shutdown()
             raise
+
+    def _join_group(self, init_method: str) -> None:
+        """Join as rank 0 while watching the workers: one that dies before it joins fails the
+        start at once, not when the rendezvous times out."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                parallel_state.init_tensor_parallel(
+                    0, self.size, init_method, device=torch.device("cpu"), timeout_s=self.timeout_s
+                )
+            except BaseException as exc:
+                failed.append(exc)
+
+        joiner = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
+        joiner.start()
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
+        while joiner.is_alive():
+            for sentinel in connection.wait(list(sentinels), timeout=0.05):
+                self._die(self._death(sentinels[sentinel]))
+        if failed:
+            raise failed[0]
 
     def num_kv_heads(self, num_kv_heads: int) -> int:
         """KV heads in each rank's cache."""
