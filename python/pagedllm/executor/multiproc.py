@@ -33,7 +33,7 @@ import torch
 
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
-from pagedllm.distributed.layers import TPShard, tp_kv_heads
+from pagedllm.distributed.layers import TPShard
 from pagedllm.models import load_model
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner
@@ -202,10 +202,6 @@ class MultiprocExecutor:
         if failed:
             raise failed[0]
 
-    def num_kv_heads(self, num_kv_heads: int) -> int:
-        """KV heads in each rank's cache."""
-        return tp_kv_heads(num_kv_heads, self.size)
-
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the workers the cache size rank 0 planned (every rank holds as many blocks)."""
         self._send(("cache", num_gpu_blocks, num_cpu_blocks))
@@ -265,19 +261,18 @@ class MultiprocExecutor:
             if not proc.is_alive():
                 self._die(self._death(rank))
 
-    def _die(self, reason: str, cause: BaseException | None = None):
+    def _die(self, reason: str):
         self.dead = reason
         self.shutdown()
-        raise EngineDeadError(reason) from cause
+        raise EngineDeadError(reason)
 
     def step(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
         self._send(("step", block_ops, arrays, prompt_rows))
 
-    def wait_step(self, error: BaseException | None = None) -> None:
-        """The workers' answers to the step; `error`: rank 0's own failure in it (a collective
-        that failed because a worker did: reported as that worker's)."""
-        if error is not None and self.dead is None:
-            self._check_alive()
+    def wait_step(self) -> None:
+        """The workers' answers to the step. Also after rank 0's own forward failed: a collective
+        that failed because a worker did is reported as that worker's failure."""
+        self._check_alive()
         self._expect("ok")
 
     # ---- shutdown -----------------------------------------------------------------------------
@@ -347,8 +342,10 @@ class ParallelModelRunner:
         self.executor.step(block_ops, arrays, None if prompt is None else prompt.rows)
         try:
             logits = self.local.forward(local_inputs, prompt)
-        except BaseException as exc:
-            self.executor.wait_step(exc)  # raises EngineDeadError when a worker is at fault
+        except BaseException:
+            # the ranks are out of step now: EngineDeadError (a worker's death, error or
+            # silence), with rank 0's error as its context
+            self.executor.wait_step()
             raise
         self.executor.wait_step()
         return logits
