@@ -27,6 +27,8 @@ DEFAULT_MODEL = TINY_RANDOM_MODEL
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
+# how the ranks of tensor parallelism are launched ("ray" is named, not built yet)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -68,6 +70,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # tensor parallelism (vLLM's names): ranks the model is sharded over, how they are launched,
+    # and how long a step may wait for a rank before the engine is declared dead
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    tp_step_timeout: float = 60.0
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -111,6 +118,36 @@ class EngineArgs:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         self._validate_lora()
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _one_of(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
+        )
+        if self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "distributed_executor_backend='ray' is not available yet; use 'mp' (one machine)"
+            )
+        timeout = self.tp_step_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"tp_step_timeout must be a number of seconds > 0, got {timeout!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        # features not yet verified under tensor parallelism are refused, not run untested
+        unverified = {
+            "enable_lora": self.enable_lora,
+            "speculative_config": self.speculative_config is not None,
+            "model='pagedllm/tiny-random'": self.model == TINY_RANDOM_MODEL,
+        }
+        for name, used in unverified.items():
+            if used:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} does not support "
+                    f"{name} yet (tensor parallelism runs on CPU with checkpoint folders)"
+                )
 
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

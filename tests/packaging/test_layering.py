@@ -32,11 +32,13 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("pagedllm.kernels",),  # Triton kernels and their torch references
     ("pagedllm.attention",),  # paged attention: metadata, CUDA / Rust-CPU / torch dispatch
+    ("pagedllm.distributed",),  # tensor parallelism: the process group, the sharded layers
     ("pagedllm.models",),  # the decoder, loader, exports
     ("pagedllm.lora",),  # adapters wrapped around the models' projections
     ("pagedllm.sampling",),  # the sampler and the rows of a verification step
     ("pagedllm.structured_output",),  # grammars, matchers, bitmasks
     ("pagedllm.worker",),  # model runner and cache engine: run the models
+    ("pagedllm.executor",),  # the ranks of tensor parallelism: worker processes, rank 0's runner
     ("pagedllm.spec_decode",),  # SpecDecoder, the draft model (a second runner-like user)
     ("pagedllm.engine",),  # the step loop over all of the above
     ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.cli", ROOT),  # user entry points
@@ -132,8 +134,8 @@ def test_the_scan_finds_the_models_import_of_attention():
 def test_an_upward_import_is_reported():
     edge = ("pagedllm.models.decoder", "pagedllm.worker.model_runner", "models/decoder.py:1")
     assert upward_imports([edge]) == [
-        "models/decoder.py:1: pagedllm.models.decoder (layer 3) imports "
-        "pagedllm.worker.model_runner (layer 7)"
+        "models/decoder.py:1: pagedllm.models.decoder (layer 4) imports "
+        "pagedllm.worker.model_runner (layer 8)"
     ]
 
 

@@ -178,6 +178,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="torch threads on CPU (default: OMP_NUM_THREADS if set, else all physical cores)",
     )
     g.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=_POSITIVE,
+        default=_ENGINE["tensor_parallel_size"],
+        help="ranks the model is sharded over (CPU, one process per rank)",
+    )
+    g.add_argument(
         "--max-model-len",
         type=_POSITIVE,
         default=_ENGINE["max_model_len"],
@@ -279,6 +286,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         swap_space=args.swap_space,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         cpu_threads=args.cpu_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -16,6 +16,7 @@ import torch
 from pagedllm._core import min_kv_blocks
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.config import EngineArgs, GiB
+from pagedllm.distributed.layers import tp_kv_heads
 from pagedllm.models import ModelConfig
 from pagedllm.worker.cache_engine import CacheEngine
 
@@ -81,9 +82,10 @@ class KVCachePlanner:
 
     def bytes_per_block(self) -> int:
         cfg = self.cfg
+        # per rank: under tensor parallelism each rank's cache holds its KV heads
         target = CacheEngine.bytes_per_block(
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=tp_kv_heads(cfg.num_kv_heads, self.args.tensor_parallel_size),
             head_dim=cfg.head_dim,
             block_size=self.args.block_size,
             dtype=self.dtype,

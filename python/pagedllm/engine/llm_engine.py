@@ -20,6 +20,7 @@ import torch
 
 from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
+from pagedllm.distributed.layers import check_tensor_parallel, tp_kv_heads
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
@@ -74,6 +75,13 @@ class LLMEngine:
         # config.json is validated before anything big is allocated
         self.model_config: ModelConfig = load_model_config(args.model)
         cfg = self.model_config
+        tp = args.tensor_parallel_size
+        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tp)
+        if tp > 1 and self.device.type != "cpu":
+            raise ValueError(
+                f"tensor_parallel_size={tp} runs on CPU only for now (device resolved to "
+                f"{self.device}); pass device='cpu'"
+            )
         self.max_model_len = resolve_max_model_len(args, cfg)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         torch.manual_seed(args.seed)
@@ -93,7 +101,20 @@ class LLMEngine:
         generator.manual_seed(args.seed)
         # speculative decoding (None: off); checked before the model is loaded
         self.spec = self._spec_decoder(args, generator)
-        self.model = load_model(args.model, dtype=self.dtype, device=self.device)
+        # tensor parallelism: ranks 1..N-1 start loading their shards while rank 0 loads its own
+        self.executor = self._executor(args)
+        try:
+            self._build(args, cfg, generator)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, args: EngineArgs, cfg: ModelConfig, generator: torch.Generator) -> None:
+        """The model (this rank's shard), its KV cache, the scheduler and the step's parts."""
+        shard = self.executor.shard if self.executor is not None else None
+        self.model = load_model(
+            args.model, dtype=self.dtype, device=self.device, **({"tp": shard} if shard else {})
+        )
         draft = self._draft_model()
         # before the KV cache is sized: the adapters' device slots take memory too
         self.lora = self._lora_manager(args)
@@ -110,7 +131,7 @@ class LLMEngine:
         ).plan()
         self.cache_engine = CacheEngine(
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=tp_kv_heads(cfg.num_kv_heads, args.tensor_parallel_size),
             head_dim=cfg.head_dim,
             block_size=args.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -146,6 +167,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
+        if self.executor is not None:
+            self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
+            self.runner = self.executor.runner(self.runner)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
         self.inputs = InputProcessor(
@@ -173,6 +197,19 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def _executor(self, args: EngineArgs):
+        if args.tensor_parallel_size == 1:
+            return None
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(args, self.dtype)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (none with one rank). The engine runs no more steps
+        after it under tensor parallelism."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _spec_decoder(self, args: EngineArgs, generator) -> SpecDecoder | None:
         config = SpeculativeConfig.from_dict(args.speculative_config)
@@ -410,9 +447,7 @@ class LLMEngine:
         if groups is None:
             inputs = self.runner.prepare_step(step)
         else:
-            self.runner.cache_engine.execute(
-                step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy
-            )
+            self.runner.execute_block_ops(step)
             inputs = None
         if self.spec is not None:
             self.spec.execute_block_ops(step)

@@ -4,6 +4,10 @@ The families differ only in flags of `ModelConfig` (q/k/v bias, per-head q/k RMS
 scaling). Q/K/V and gate/up projections are fused into one matmul each (`FusedLinear`, which names
 each projection's columns); the loader concatenates the checkpoint's separate tensors. Token rows
 are packed: `[T, ...]` over every scheduled sequence.
+
+Built with a `TPShard` of more than one rank, the model holds that rank's shard
+(`distributed/layers.py`): its q/KV heads, its share of the MLP and the vocabulary; the
+row-parallel projections and the embedding sum over the ranks, and only rank 0 gets logits.
 """
 
 from __future__ import annotations
@@ -17,8 +21,16 @@ from torch import Tensor, nn
 from pagedllm.attention import cpu_rotary
 from pagedllm.attention.cpu_rotary import RopeTables
 from pagedllm.attention.paged import AttentionMetadata, paged_attention
+from pagedllm.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPShard,
+    VocabParallelEmbedding,
+)
 from pagedllm.models.config import ModelConfig, RopeConfig
-from pagedllm.models.fused_linear import FusedLinear
+from pagedllm.models.fused_linear import SINGLE, FusedLinear
 
 
 class RMSNorm(nn.Module):
@@ -99,20 +111,31 @@ def apply_rope_(x: Tensor, rope: RopeTables) -> Tensor:
 class Attention(nn.Module):
     """Self-attention with GQA; K/V go through the paged cache of this layer."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            cfg.num_heads // tp.size,
+            tp.kv_heads(cfg.num_kv_heads),
             cfg.head_dim,
         )
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = FusedLinear(
-            cfg.hidden_size,
-            {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-            bias=cfg.qkv_bias,
-        )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if tp.size == 1:
+            self.qkv_proj = FusedLinear(
+                cfg.hidden_size,
+                {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
+                bias=cfg.qkv_bias,
+            )
+            self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        else:
+            self.qkv_proj = QKVParallelLinear(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                tp,
+                bias=cfg.qkv_bias,
+            )
+            self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -147,14 +170,17 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = FusedLinear(
-            cfg.hidden_size,
-            {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
-            bias=cfg.mlp_bias,
-        )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        sizes = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+        if tp.size == 1:
+            self.gate_up_proj = FusedLinear(cfg.hidden_size, sizes, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        else:
+            self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, tp, bias=cfg.mlp_bias)
+            self.down_proj = RowParallelLinear(
+                cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -165,12 +191,12 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg, tp)
 
     def forward(
         self,
@@ -188,10 +214,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (checkpoint prefix `model.`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 
@@ -208,11 +237,15 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The engine's model: `forward` gives hidden states, `compute_logits` the float32 logits."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
+        if tp.size == 1:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -232,6 +265,8 @@ class DecoderForCausalLM(nn.Module):
         `[T, E]`."""
         return self.model(input_ids, positions, kv_cache, meta)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden `[K, E]` -> logits `[K, vocab_size]` in float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """hidden `[K, E]` -> logits `[K, vocab_size]` in float32 (sharded: on rank 0 only, None
+        on the others)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()

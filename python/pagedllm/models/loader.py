@@ -16,10 +16,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import DTYPE_NAMES
+from pagedllm.distributed.layers import TPShard
 from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
+from pagedllm.models.fused_linear import SINGLE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,19 +73,23 @@ def load_model(
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = "auto",
+    tp: TPShard = SINGLE,
 ) -> DecoderForCausalLM:
     """Build the model of a checkpoint folder (or `pagedllm/tiny-random`) on `device` in `dtype`.
 
-    The returned module is in eval mode without gradients; its ModelConfig is `.config`.
+    The returned module is in eval mode without gradients; its ModelConfig is `.config`. With a
+    `tp` of more than one rank it is that rank's shard, and only its slices are read.
     """
     target = resolve_device(device)
     cfg = load_model_config(model)
     torch_dtype = resolve_dtype(dtype, cfg, target)
     if cfg.path is None:
+        if tp.size > 1:
+            raise ValueError(f"{tiny_random.MODEL_NAME} cannot be sharded; use a checkpoint folder")
         return tiny_random.build_tiny_random(cfg, device=target, dtype=torch_dtype)
     tensors = index_checkpoint(Path(cfg.path))
     check_checkpoint(cfg, tensors)
-    return _materialize(cfg, tensors, target, torch_dtype)
+    return _materialize(cfg, tensors, target, torch_dtype, tp)
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, list[str]]:
@@ -201,11 +207,51 @@ def check_checkpoint(cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
             )
 
 
+def shard_of(cfg: ModelConfig, name: str, tp: TPShard) -> tuple[int, slice] | None:
+    """(axis, slice) of checkpoint tensor `name` that rank `tp` holds; None: the whole tensor.
+    The vocabulary slice may reach past `vocab_size` (the padding rows, zeros)."""
+    if tp.size == 1:
+        return None
+    module, kind = name.rsplit(".", 2)[-2:]
+    if module in ("embed_tokens", "lm_head"):
+        return 0, tp.vocab_slice(cfg.vocab_size)
+    if module == "q_proj":
+        return 0, tp.split(cfg.q_size)
+    if module in ("k_proj", "v_proj"):
+        heads = tp.kv_head_slice(cfg.num_kv_heads)
+        return 0, slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
+    if module in ("gate_proj", "up_proj"):
+        return 0, tp.split(cfg.intermediate_size)
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        return 1, tp.split(cfg.q_size if module == "o_proj" else cfg.intermediate_size)
+    return None  # norms, and the row-parallel biases (added once, by rank 0)
+
+
+def _read_slice(handle, name: str, shard: tuple[int, slice] | None) -> torch.Tensor:
+    """Reads only `shard` of the tensor from the file (zero rows past its end: vocab padding)."""
+    if shard is None:
+        return handle.get_tensor(name)
+    axis, rows = shard
+    view = handle.get_slice(name)
+    length = view.get_shape()[axis]
+    stop = max(rows.start, min(rows.stop, length))
+    part = view[rows.start : stop] if axis == 0 else view[:, rows.start : stop]
+    missing = rows.stop - stop
+    if missing > 0:
+        pad = torch.zeros((missing, *part.shape[1:]), dtype=part.dtype, device=part.device)
+        part = torch.cat([part, pad])
+    return part
+
+
 def _materialize(
-    cfg: ModelConfig, tensors: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype
+    cfg: ModelConfig,
+    tensors: dict[str, TensorInfo],
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TPShard = SINGLE,
 ) -> DecoderForCausalLM:
     with torch.device("meta"):
-        model = DecoderForCausalLM(cfg)
+        model = DecoderForCausalLM(cfg, tp)
     state = {}
     with ExitStack() as open_files:
         handles: dict[Path, Any] = {}
@@ -217,7 +263,7 @@ def _materialize(
                 handles[file] = open_files.enter_context(
                     safe_open(file, framework="pt", device=str(device))
                 )
-            return handles[file].get_tensor(name).to(dtype)
+            return _read_slice(handles[file], name, shard_of(cfg, name, tp)).to(dtype)
 
         for param, sources in checkpoint_layout(cfg).items():
             parts = [read(name) for name in sources]

@@ -80,11 +80,15 @@ class ModelRunner:
             _to_device(sample_rows, device),
         )
 
-    def prepare_step(self, step):
-        """Run the step's block operations and build its inputs (None: nothing to compute)."""
+    def execute_block_ops(self, step) -> None:
+        """The step's swaps and copy-on-write copies, before its forward."""
         self.cache_engine.execute(
             step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy
         )
+
+    def prepare_step(self, step):
+        """Run the step's block operations and build its inputs (None: nothing to compute)."""
+        self.execute_block_ops(step)
         if step.num_seqs == 0:
             return None
         return self.prepare(step)

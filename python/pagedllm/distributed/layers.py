@@ -1,0 +1,162 @@
+"""Sharded layers for tensor parallelism (nano-vllm's set, with vLLM's KV-head replication).
+
+Rank r of `size` holds: column-parallel layers' output columns r (q/k/v heads, gate/up rows) —
+outputs stay sharded; row-parallel layers' input columns r, summed over the ranks (all-reduce);
+rows r of the vocabulary (padded to a multiple of 64) for the embedding and the LM head, whose
+logits are gathered to rank 0 only. When there are fewer KV heads than ranks, each KV head is
+replicated on `size // num_kv_heads` consecutive ranks.
+
+The shapes and slices (`TPShard`) are the one rule the loader reads each rank's weights by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedllm.distributed import parallel_state
+
+VOCAB_PADDING = 64
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """The head counts a model must have to be sharded over `tp` ranks (ValueError otherwise)."""
+    if num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's num_attention_heads={num_heads}"
+        )
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's num_key_value_heads="
+            f"{num_kv_heads} or be a multiple of it"
+        )
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """One rank's place in the group, and the slices of the model it holds."""
+
+    rank: int
+    size: int
+
+    def split(self, total: int) -> slice:
+        """This rank's equal part of `total` (which `size` divides)."""
+        part = total // self.size
+        return slice(self.rank * part, (self.rank + 1) * part)
+
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads this rank holds (1 when they are replicated)."""
+        return max(1, num_kv_heads // self.size)
+
+    def kv_head_slice(self, num_kv_heads: int) -> slice:
+        """The KV heads of this rank: with replication, rank r holds head r // replicas."""
+        local = self.kv_heads(num_kv_heads)
+        replicas = max(1, self.size // num_kv_heads)
+        first = (self.rank // replicas) * local
+        return slice(first, first + local)
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        multiple = math.lcm(VOCAB_PADDING, self.size)
+        return -(-vocab_size // multiple) * multiple
+
+    def vocab_slice(self, vocab_size: int) -> slice:
+        """This rank's vocabulary rows (of the padded vocabulary: may reach past `vocab_size`)."""
+        return self.split(self.padded_vocab(vocab_size))
+
+
+def tp_kv_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads per rank's cache (every rank holds the same count)."""
+    return TPShard(0, tp).kv_heads(num_kv_heads)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Named projections side by side (gate/up, q/k/v) whose output columns are split over the
+    ranks: each projection keeps its name, with this rank's share of its size (`sizes` are the
+    whole model's). Outputs stay sharded. With one rank this is `models.FusedLinear`."""
+
+    def __init__(self, in_features: int, sizes: dict[str, int], tp: TPShard, *, bias: bool) -> None:
+        local = {name: size // tp.size for name, size in sizes.items()}
+        super().__init__(in_features, sum(local.values()), bias=bias)
+        self.output_names = tuple(local)
+        self.output_sizes = tuple(local.values())
+        self.output_slices: dict[str, slice] = {}
+        start = 0
+        for name, size in local.items():
+            self.output_slices[name] = slice(start, start + size)
+            start += size
+
+    def split(self, out: Tensor) -> tuple[Tensor, ...]:
+        """The projections' views of a fused output `[..., out_features]`, in order."""
+        return out.split(self.output_sizes, dim=-1)
+
+    def part(self, out: Tensor, name: str) -> Tensor:
+        """One projection's view of a fused output `[..., out_features]`."""
+        return out[..., self.output_slices[name]]
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v with this rank's q heads and its KV heads (replicated when the ranks outnumber
+    the KV heads: each rank then holds one)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tp: TPShard,
+        *,
+        bias: bool,
+    ) -> None:
+        # sizes are whole-model: a replicated KV head counts as `size` heads' worth
+        kv = tp.kv_heads(num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden, {"q": num_heads * head_dim, "k": kv, "v": kv}, tp, bias=bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """`in_features` split over the ranks; the partial products are summed (all-reduce). The bias
+    is added once, by rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPShard, *, bias: bool) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return parallel_state.all_reduce(out)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the padded vocabulary; a token outside them embeds to zeros, and the
+    sum over the ranks is the full embedding (exactly: one rank adds its row to zeros)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPShard) -> None:
+        super().__init__()
+        rows = tp.vocab_slice(vocab_size)
+        self.start, self.stop = rows.start, rows.stop
+        self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        mine = (ids >= self.start) & (ids < self.stop)
+        out = F.embedding((ids - self.start) * mine, self.weight)
+        out.mul_(mine.unsqueeze(-1).to(out.dtype))
+        return parallel_state.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """This rank's vocabulary rows of the output head; the logits are gathered to rank 0 (the
+    only rank that samples), cut back to `vocab_size`. Other ranks get None."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPShard) -> None:
+        super().__init__()
+        rows = tp.vocab_slice(vocab_size)
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
+
+    def forward(self, hidden: Tensor) -> Tensor | None:
+        logits = parallel_state.gather_to_first(F.linear(hidden, self.weight))
+        return None if logits is None else logits[:, : self.vocab_size]

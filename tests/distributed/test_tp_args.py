@@ -1,0 +1,84 @@
+"""The tensor-parallel knobs are checked before anything is loaded or spawned."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.cli.app import build_parser
+from pagedllm.config import EngineArgs
+from pagedllm.engine import llm_engine
+from pagedllm.engine.llm_engine import LLMEngine
+
+from model_factory import save_tiny_checkpoint
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(llm_engine, "load_model", refuse)
+    monkeypatch.setattr(LLMEngine, "_executor", refuse)
+
+
+@pytest.mark.parametrize("tp", [0, -1, True, 1.5])
+def test_tensor_parallel_size_must_be_a_positive_integer(tp):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=tp)
+
+
+def test_the_ray_backend_is_refused_as_not_available_yet():
+    with pytest.raises(ValueError, match="'ray' is not available yet"):
+        EngineArgs(distributed_executor_backend="ray")
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        EngineArgs(distributed_executor_backend="slurm")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, "5"])
+def test_tp_step_timeout_must_be_positive_seconds(timeout):
+    with pytest.raises(ValueError, match="tp_step_timeout"):
+        EngineArgs(tp_step_timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "feature"),
+    [
+        ({"enable_lora": True}, "enable_lora"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "specul"),
+        ({}, "tiny-random"),
+    ],
+)
+def test_features_not_verified_under_tp_are_refused(knobs, feature):
+    with pytest.raises(ValueError, match=feature):
+        EngineArgs(tensor_parallel_size=2, **knobs)
+
+
+def test_heads_not_divisible_by_tp_are_refused_before_loading(tmp_path, no_model_load):
+    folder = save_tiny_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads=4"
+    ):
+        LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=3, device="cpu"))
+
+
+def test_kv_heads_neither_divided_by_nor_dividing_tp_are_refused(tmp_path, no_model_load):
+    folder = save_tiny_checkpoint(
+        tmp_path, "qwen3", num_attention_heads=12, num_key_value_heads=4, head_dim=8
+    )
+    with pytest.raises(ValueError, match="num_key_value_heads=4 or be a multiple of it"):
+        LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=6, device="cpu"))
+
+
+def test_tp_runs_on_cpu_only_for_now(tmp_path, no_model_load):
+    folder = save_tiny_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=2, device="cuda"))
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_the_cli_takes_tp(command):
+    args = build_parser().parse_args([command, "-tp", "2"])
+    assert args.tensor_parallel_size == 2
