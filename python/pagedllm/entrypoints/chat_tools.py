@@ -37,7 +37,7 @@ from pagedllm.entrypoints.tool_parsers.base import (
     PartialCall,
     arguments_text,
     blank_to_none,
-    partial_call,
+    partial_calls,
     skip_ws,
     value_end,
 )
@@ -144,23 +144,10 @@ class RequiredCalls(ToolParser):
         return None, [ToolCall(call.name, call.arguments) for call in calls]
 
     def partial(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        calls: list[PartialCall] = []
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
-            return "", calls
-        i = skip_ws(text, i + 1)
-        try:
-            while i < len(text) and text[i] == "{":
-                call = partial_call(text, i, self._KEYS)
-                calls.append(call)
-                if call.end is None:
-                    break
-                i = skip_ws(text, call.end)
-                if i < len(text) and text[i] == ",":
-                    i = skip_ws(text, i + 1)
-        except ValueError:
-            pass
-        return "", calls
+            return "", []
+        return "", partial_calls(text, skip_ws(text, i + 1), self._KEYS, ",")
 
     @staticmethod
     def schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:

@@ -144,6 +144,26 @@ def partial_call(text: str, i: int, argument_keys: tuple[str, ...]) -> PartialCa
     return PartialCall(name, arguments, end)
 
 
+def partial_calls(
+    text: str, i: int, argument_keys: tuple[str, ...], separator: str
+) -> list[PartialCall]:
+    """The JSON calls from `text[i]` on, one after another with `separator` between them: every
+    complete one and a last one still open; the list ends before a malformed one."""
+    calls: list[PartialCall] = []
+    try:
+        while i < len(text) and text[i] == "{":
+            call = partial_call(text, i, argument_keys)
+            calls.append(call)
+            if call.end is None:
+                break
+            i = skip_ws(text, call.end)
+            if i < len(text) and text[i] == separator:
+                i = skip_ws(text, i + 1)
+    except ValueError:
+        pass
+    return calls
+
+
 def arguments_text(text: str, start: int, stop: int | None) -> str:
     """The arguments text of the value text[start:stop] (stop None: still open). An open object
     or array is certain up to where the text ends; an open string or scalar is not yet."""

@@ -15,7 +15,7 @@ from pagedllm.entrypoints.tool_parsers.base import (
     complete_call,
     function_schemas,
     held_back,
-    partial_call,
+    partial_calls,
     skip_ws,
     value_end,
 )
@@ -67,22 +67,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def partial(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         content, start = _calls_start(text, final)
-        calls: list[PartialCall] = []
         if start is None:
-            return content, calls
-        i = skip_ws(text, start)
-        try:
-            while i < len(text) and text[i] == "{":
-                call = partial_call(text, i, _KEYS)
-                calls.append(call)
-                if call.end is None:
-                    break
-                i = skip_ws(text, call.end)
-                if i < len(text) and text[i] == ";":
-                    i = skip_ws(text, i + 1)
-        except ValueError:
-            pass
-        return content, calls
+            return content, []
+        return content, partial_calls(text, skip_ws(text, start), _KEYS, ";")
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         schema = {**function_schemas(tools, "parameters"), "x-guidance": JSON_OPTIONS}
