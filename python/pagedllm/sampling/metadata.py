@@ -166,6 +166,16 @@ def _penalties(
     )
 
 
+def _index_pairs(rows: list[int], tokens: list[int], device):
+    """(rows, tokens) as the int64 index pair `index_put` takes; None when there is none."""
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(tokens, dtype=torch.int64, device=device),
+    )
+
+
 def _min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device):
     rows: list[int] = []
     tokens: list[int] = []
@@ -175,12 +185,7 @@ def _min_tokens_ban(params, output_token_ids, stop_token_ids, vocab_size, device
                 if t < vocab_size:  # an id the model cannot produce needs no mask
                     rows.append(i)
                     tokens.append(t)
-    if not rows:
-        return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(tokens, dtype=torch.int64, device=device),
-    )
+    return _index_pairs(rows, tokens, device)
 
 
 def _allowed(params, vocab_size, device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -211,12 +216,7 @@ def _bad_words_ban(params, output_token_ids, vocab_size, device):
             ):
                 rows.append(i)
                 tokens.append(word[-1])
-    if not rows:
-        return None
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(tokens, dtype=torch.int64, device=device),
-    )
+    return _index_pairs(rows, tokens, device)
 
 
 def _logit_bias(params, vocab_size, device):
