@@ -527,6 +527,12 @@ def loaded_summary(engine) -> list[str]:
         f"KV cache {cache.num_gpu_blocks} blocks on the device + {cache.num_cpu_blocks} swap "
         f"blocks on the host, {args.block_size} tokens per block"
         + (f", {threads} CPU threads" if threads is not None else "")
+        + (
+            f" per rank, tensor parallel over {args.tensor_parallel_size} ranks "
+            f"({args.distributed_executor_backend})"
+            if args.tensor_parallel_size > 1
+            else ""
+        )
     )
     lora = (
         f"on (max_loras {args.max_loras}, max_lora_rank {args.max_lora_rank})"

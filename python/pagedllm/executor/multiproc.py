@@ -317,6 +317,7 @@ class ParallelModelRunner:
         self.model = local.model
         self.cache_engine = local.cache_engine
         self.device = local.device
+        self.cpu_threads = local.cpu_threads
         self.lora = None
         self._block_ops: list = []
 
