@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 
-from pagedllm.cli.app import build_parser
+from pagedllm.cli.app import _engine_kwargs, build_parser
 from pagedllm.config import EngineArgs
 from pagedllm.engine import llm_engine
 from pagedllm.engine.llm_engine import LLMEngine
@@ -27,8 +32,14 @@ def test_tensor_parallel_size_must_be_a_positive_integer(tp):
         EngineArgs(tensor_parallel_size=tp)
 
 
-def test_the_ray_backend_is_refused_as_not_available_yet():
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
+def test_the_ray_backend_without_ray_installed_is_refused_naming_the_extra(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ray" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"needs Ray.*pagedllm\[ray\]"):
         EngineArgs(distributed_executor_backend="ray")
 
 
@@ -82,3 +93,29 @@ def test_tp_runs_on_cpu_only_for_now(tmp_path, no_model_load):
 def test_the_cli_takes_tp(command):
     args = build_parser().parse_args([command, "-tp", "2"])
     assert args.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_the_cli_takes_the_executor_backend(command, backend):
+    args = build_parser().parse_args([command, "--distributed-executor-backend", backend])
+    assert _engine_kwargs(args)["distributed_executor_backend"] == backend
+
+
+def test_the_cli_refuses_an_unknown_executor_backend(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
+    assert "distributed-executor-backend" in capsys.readouterr().err
+
+
+def test_ray_is_imported_only_when_the_ray_backend_is_asked_for():
+    code = (
+        "import sys; import pagedllm.cli.app, pagedllm.engine.llm_engine, pagedllm.executor, "
+        "pagedllm.executor.ray_executor, pagedllm.entrypoints.api_server; "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )

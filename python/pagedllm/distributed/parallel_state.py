@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 
-def free_init_method() -> str:
-    """A `tcp://` rendezvous address on this host with a port that is free right now."""
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A `tcp://` rendezvous address on this machine's `host` address (another machine's ranks
+    reach it there) with a port that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
 def init_tensor_parallel(

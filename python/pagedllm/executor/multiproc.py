@@ -101,41 +101,60 @@ class _DiscardPromptRows:
         pass
 
 
+class RankWorker:
+    """One worker rank (1..N-1): its group membership, shard, KV cache and runner. The `mp`
+    worker process and the `ray` actor both run one; what carries the messages differs."""
+
+    def __init__(self, rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str) -> None:
+        """Join the group (blocks until every rank has) and load this rank's shard."""
+        self.args, self.dtype = args, dtype
+        self.device = torch.device("cpu")
+        self.tp = TPShard(rank, args.tensor_parallel_size)
+        parallel_state.init_tensor_parallel(
+            rank, self.tp.size, init_method, device=self.device, timeout_s=args.tp_step_timeout
+        )
+        self.model = load_model(args.model, dtype=dtype, device=self.device, tp=self.tp)
+
+    def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The KV cache rank 0 planned (every rank holds as many blocks) and the runner."""
+        cfg = self.model.config
+        self.cache = CacheEngine(
+            num_layers=cfg.num_layers,
+            num_kv_heads=self.tp.kv_heads(cfg.num_kv_heads),
+            head_dim=cfg.head_dim,
+            block_size=self.args.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache, self.device, cpu_threads=self.args.cpu_threads
+        )
+
+    def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+        """One message of rank 0's: its block operations, then its forward (if any)."""
+        for ops in block_ops:
+            self.cache.execute(*ops)
+        if arrays is not None:
+            prompt = _DiscardPromptRows(prompt_rows) if prompt_rows is not None else None
+            self.runner.forward(self.runner.prepare(arrays), prompt)
+
+
 def _worker_main(rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str, conn) -> None:
     """Rank `rank`'s process: join the group, load its shard, then run messages until told to
     stop (or the engine's end of the pipe closes). An error is sent back, then the worker exits."""
     try:
-        device = torch.device("cpu")
-        tp = TPShard(rank, args.tensor_parallel_size)
-        parallel_state.init_tensor_parallel(
-            rank, tp.size, init_method, device=device, timeout_s=args.tp_step_timeout
-        )
-        model = load_model(args.model, dtype=dtype, device=device, tp=tp)
+        worker = RankWorker(rank, args, dtype, init_method)
         conn.send(("loaded",))
         _, num_gpu_blocks, num_cpu_blocks = conn.recv()
-        cfg = model.config
-        cache = CacheEngine(
-            num_layers=cfg.num_layers,
-            num_kv_heads=tp.kv_heads(cfg.num_kv_heads),
-            head_dim=cfg.head_dim,
-            block_size=args.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            dtype=dtype,
-            device=device,
-        )
-        runner = ModelRunner(model, cache, device, cpu_threads=args.cpu_threads)
+        worker.allocate(num_gpu_blocks, num_cpu_blocks)
         conn.send(("ready",))
         while True:
             message = conn.recv()
             if message[0] == "shutdown":
                 break
-            _, block_ops, arrays, prompt_rows = message
-            for ops in block_ops:
-                cache.execute(*ops)
-            if arrays is not None:
-                prompt = _DiscardPromptRows(prompt_rows) if prompt_rows is not None else None
-                runner.forward(runner.prepare(arrays), prompt)
+            worker.execute(*message[1:])
             conn.send(("ok",))
     except EOFError:
         pass  # the engine is gone
