@@ -27,6 +27,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -79,6 +80,8 @@ class StepArrays:
     spec_num_draft_tokens: np.ndarray
     lora_ids: np.ndarray
     num_seqs: int
+    # LoRA: (slot, LoRARequest) of rank 0's slot loads since the last step, for the workers
+    lora_loads: tuple = ()
 
     @classmethod
     def of(cls, step) -> StepArrays:
@@ -114,6 +117,18 @@ class RankWorker:
             rank, self.tp.size, init_method, device=self.device, timeout_s=args.tp_step_timeout
         )
         self.model = load_model(args.model, dtype=dtype, device=self.device, tp=self.tp)
+        self.lora = None
+        if args.enable_lora:  # this rank's shard of the adapters rank 0 puts in slots
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.resolved_max_cpu_loras,
+                dtype=dtype,
+                device=self.device,
+            )
 
     def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The KV cache rank 0 planned (every rank holds as many blocks) and the runner."""
@@ -129,7 +144,7 @@ class RankWorker:
             device=self.device,
         )
         self.runner = ModelRunner(
-            self.model, self.cache, self.device, cpu_threads=self.args.cpu_threads
+            self.model, self.cache, self.device, self.lora, cpu_threads=self.args.cpu_threads
         )
 
     def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
@@ -137,6 +152,8 @@ class RankWorker:
         for ops in block_ops:
             self.cache.execute(*ops)
         if arrays is not None:
+            if arrays.lora_loads:
+                self.lora.place(arrays.lora_loads)
             prompt = _DiscardPromptRows(prompt_rows) if prompt_rows is not None else None
             self.runner.forward(self.runner.prepare(arrays), prompt)
 
@@ -324,6 +341,14 @@ class MultiprocExecutor:
             self.dead = "the engine was shut down"
 
 
+class ParallelInputs(NamedTuple):
+    """A forward's inputs on rank 0: the arrays the workers get, and rank 0's own tensors (what
+    `ModelRunner.prepare` returns; a rank-0-only draft model runs on these)."""
+
+    arrays: StepArrays
+    local: tuple
+
+
 class ParallelModelRunner:
     """Rank 0's runner: `ModelRunner`'s interface, every call mirrored on the workers.
 
@@ -352,9 +377,11 @@ class ParallelModelRunner:
             return None
         return self.prepare(step)
 
-    def prepare(self, step):
+    def prepare(self, step) -> ParallelInputs:
         arrays = StepArrays.of(step)
-        return arrays, self.local.prepare(arrays)
+        if self.local.lora is not None:
+            arrays.lora_loads = tuple(self.local.lora.take_loads())
+        return ParallelInputs(arrays, self.local.prepare(arrays))
 
     def forward(self, inputs, prompt=None) -> torch.Tensor | None:
         arrays, local_inputs = inputs
