@@ -22,14 +22,20 @@ def free_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
+def backend_for(device: torch.device) -> str:
+    """The collectives' backend for ranks on `device`: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_tensor_parallel(
     rank: int, world_size: int, init_method: str, *, device: torch.device, timeout_s: float
 ) -> None:
     """Join the group (blocks until every rank has joined). `timeout_s` bounds every collective:
     a rank that stops answering fails the others' collectives instead of hanging them."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
     dist.init_process_group(
-        backend,
+        backend_for(device),
         init_method=init_method,
         rank=rank,
         world_size=world_size,
