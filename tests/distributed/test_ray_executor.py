@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,8 +23,20 @@ from model_factory import save_tiny_checkpoint
 
 ray = pytest.importorskip("ray")
 
-PROMPTS = [list(range(40, 60)), list(range(80, 87)), list(range(120, 150))]
-KNOBS = dict(device="cpu", cpu_threads=1, max_model_len=96, num_gpu_blocks=32)
+# sharing a 32-token prefix (prefix-cache hits), longer than the token budget (chunked
+# prefill), more than the cache holds at once (swap preemption: block swaps go to the actor)
+PREFIX = list(range(40, 72))
+PROMPTS = [PREFIX + [100 + 7 * i + j for j in range(5 + 3 * i)] for i in range(5)]
+KNOBS = dict(
+    device="cpu",
+    cpu_threads=1,
+    max_model_len=96,
+    num_gpu_blocks=14,
+    max_num_batched_tokens=24,
+    swap_space=0.01,
+    enable_prefix_caching=True,
+    preemption_mode="swap",
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +94,9 @@ def test_two_ray_ranks_generate_the_greedy_tokens_of_one(cluster, folder):
     try:
         assert type(engine.executor).__name__ == "RayExecutor"
         assert _greedy(engine) == expected
+        stats = engine.get_stats()
+        assert stats["prefix_cache_hits"] > 0
+        assert stats["num_preemptions_swap"] > 0
     finally:
         engine.shutdown()
 
@@ -88,7 +105,7 @@ def test_a_killed_ray_actor_fails_the_step_naming_its_rank(cluster, folder):
     engine = _engine(folder, 2, tp_step_timeout=20.0)
     executor = engine.executor
     try:
-        engine.add_request("a", {"prompt_token_ids": PROMPTS[2]}, SamplingParams(max_tokens=60))
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=50))
         engine.step()
         (pid,) = executor.pids()
         group = executor.group
@@ -118,3 +135,20 @@ def test_shutdown_kills_the_actors_and_removes_the_placement_group(cluster, fold
         ray.get(actor.pid.remote(), timeout=30)
     with pytest.raises(EngineDeadError, match="shut down"):
         executor.step([], None, None)
+
+
+def _cli_generate(folder, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "pagedllm.cli", "generate", "--model", str(folder)]
+    cmd += ["--device", "cpu", "--cpu-threads", "1", "--max-tokens", "8", "--temperature", "0"]
+    cmd += ["--no-progress", *flags, "hello world"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()[0]
+
+
+def test_the_cli_with_no_cluster_running_starts_ray_and_matches_one_rank(folder):
+    # no `cluster` fixture: the engine starts (and at exit stops) a local Ray itself
+    ray_line = _cli_generate(folder, "-tp", "2", "--distributed-executor-backend", "ray")
+    assert ray_line == _cli_generate(folder)

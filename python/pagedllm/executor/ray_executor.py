@@ -29,6 +29,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -62,7 +63,10 @@ class RayRank:
         self.worker.allocate(num_gpu_blocks, num_cpu_blocks)
 
     def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
-        self.worker.execute(block_ops, arrays, prompt_rows)
+        with warnings.catch_warnings():
+            # Ray hands over numpy arrays read-only (zero-copy); the runner only reads them
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            self.worker.execute(block_ops, arrays, prompt_rows)
 
 
 class RayExecutor:
