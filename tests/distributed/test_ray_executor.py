@@ -4,6 +4,7 @@ actor or placement group. Skipped only where Ray is not installed."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import pagedllm
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.multiproc import EngineDeadError
@@ -152,3 +154,15 @@ def test_the_cli_with_no_cluster_running_starts_ray_and_matches_one_rank(folder)
     # no `cluster` fixture: the engine starts (and at exit stops) a local Ray itself
     ray_line = _cli_generate(folder, "-tp", "2", "--distributed-executor-backend", "ray")
     assert ray_line == _cli_generate(folder)
+
+
+def test_dropping_the_llm_kills_its_actors_and_removes_the_group(cluster, folder):
+    llm = LLM(str(folder), tensor_parallel_size=2, distributed_executor_backend="ray", **KNOBS)
+    executor = llm.llm_engine.executor
+    (actor,) = executor.actors
+    group = executor.group
+    del llm, executor
+    gc.collect()
+    assert _group_state(group) == "REMOVED"
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.pid.remote(), timeout=30)
