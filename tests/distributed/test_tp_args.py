@@ -6,10 +6,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from pagedllm.cli.app import _engine_kwargs, build_parser
+from pagedllm.cli.app import _engine_kwargs, build_parser, loaded_summary
 from pagedllm.config import EngineArgs
 from pagedllm.engine import llm_engine
 from pagedllm.engine.llm_engine import LLMEngine
@@ -111,3 +113,22 @@ def test_ray_is_imported_only_when_the_ray_backend_is_asked_for():
         check=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_serve_logs_the_ranks_and_their_launcher(monkeypatch, backend):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # ray or not
+    args = EngineArgs(model="/m", tensor_parallel_size=2, distributed_executor_backend=backend)
+    engine = SimpleNamespace(
+        args=args,
+        cache_engine=SimpleNamespace(num_gpu_blocks=8, num_cpu_blocks=2),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_model_len=64,
+        runner=SimpleNamespace(cpu_threads=1),
+        lora=None,
+        spec=None,
+        tokenizer=None,
+    )
+    loaded = loaded_summary(engine)[0]
+    assert loaded.endswith(f"1 CPU threads per rank, tensor parallel over 2 ranks ({backend})")

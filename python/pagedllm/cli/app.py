@@ -536,16 +536,16 @@ def loaded_summary(engine) -> list[str]:
     """What an engine loaded, in two lines (`pagedllm serve` logs them at start-up)."""
     args, cache = engine.args, engine.cache_engine
     dtype = str(engine.dtype).removeprefix("torch.")
-    threads = engine.runner.cpu_threads
+    threads, tp = engine.runner.cpu_threads, args.tensor_parallel_size
     loaded = (
         f"loaded {args.model} on {engine.device} in {dtype}: max_model_len {engine.max_model_len}, "
         f"KV cache {cache.num_gpu_blocks} blocks on the device + {cache.num_cpu_blocks} swap "
         f"blocks on the host, {args.block_size} tokens per block"
         + (f", {threads} CPU threads" if threads is not None else "")
+        + (" per rank" if threads is not None and tp > 1 else "")
         + (
-            f" per rank, tensor parallel over {args.tensor_parallel_size} ranks "
-            f"({args.distributed_executor_backend})"
-            if args.tensor_parallel_size > 1
+            f", tensor parallel over {tp} ranks ({args.distributed_executor_backend})"
+            if tp > 1
             else ""
         )
     )

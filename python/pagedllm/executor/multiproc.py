@@ -3,8 +3,9 @@
 The Rust scheduler stays in the engine process; ranks never schedule. Each forward, rank 0 sends
 every worker one message over its own `multiprocessing` pipe: the block operations since the last
 message and the step's arrays (`StepArrays`: the numpy buffers `ModelRunner.prepare` reads,
-pickled, with the LoRA slot loads rank 0 made for them). Every rank then runs the same `ModelRunner` over its shard and its own paged KV cache
-(its KV heads, the same block tables); the collectives (gloo on CPU) run inside the model. Only
+pickled, with the LoRA slot loads rank 0 made for them). Every rank then runs the same
+`ModelRunner` over its shard and its own paged KV cache (its KV heads, the same block tables);
+the collectives (gloo on CPU) run inside the model. Only
 rank 0 gets logits; sampling and everything after stay in the engine. Each worker answers each
 message, so a rank that raises, dies or hangs is known at the step it fails.
 
