@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import pagedllm
 from pagedllm import LLM
@@ -166,3 +167,16 @@ def test_dropping_the_llm_kills_its_actors_and_removes_the_group(cluster, folder
     assert _group_state(group) == "REMOVED"
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.pid.remote(), timeout=30)
+
+
+def test_a_cluster_too_small_for_the_ranks_fails_the_start_naming_it(cluster, folder, monkeypatch):
+    from pagedllm.executor import ray_executor
+
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 3.0)
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(RuntimeError, match="could not place 4 bundles of 1 CPU"):
+        _engine(folder, 4)
+    # the group it asked for is removed, nothing else was started
+    created = set(ray.util.placement_group_table()) - before
+    assert [ray.util.placement_group_table()[g]["state"] for g in created] == ["REMOVED"]
+    assert not torch.distributed.is_initialized()

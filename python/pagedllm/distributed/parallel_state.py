@@ -34,13 +34,21 @@ def init_tensor_parallel(
     a rank that stops answering fails the others' collectives instead of hanging them."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-    dist.init_process_group(
-        backend_for(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend_for(device),
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except BaseException:
+        # torch counted the group before its rendezvous failed, and names the next group's
+        # store keys after that count: reset it, or no later group of this process would meet
+        # freshly started ranks (their count starts again)
+        if not dist.is_initialized():
+            dist.distributed_c10d._world.group_count = 0
+        raise
 
 
 def is_initialized() -> bool:
