@@ -34,21 +34,18 @@ def init_tensor_parallel(
     a rank that stops answering fails the others' collectives instead of hanging them."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-    try:
-        dist.init_process_group(
-            backend_for(device),
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except BaseException:
-        # torch counted the group before its rendezvous failed, and names the next group's
-        # store keys after that count: reset it, or no later group of this process would meet
-        # freshly started ranks (their count starts again)
-        if not dist.is_initialized():
-            dist.distributed_c10d._world.group_count = 0
-        raise
+    if not dist.is_initialized():
+        # torch names a group's store keys after the count of groups this process began, joins
+        # that failed or are still pending included (an engine whose start failed); the other
+        # ranks are fresh processes counting from zero, so this group counts from zero too
+        dist.distributed_c10d._world.group_count = 0
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def is_initialized() -> bool:
