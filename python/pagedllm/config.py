@@ -7,6 +7,7 @@ budget) are the Rust core's: read from and checked by `pagedllm._core`, never re
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ DEFAULT_MODEL = TINY_RANDOM_MODEL
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
-# how the ranks of tensor parallelism are launched ("ray" is named, not built yet)
+# how the ranks of tensor parallelism are launched: spawned processes, or Ray actors
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -127,27 +128,21 @@ class EngineArgs:
             self.distributed_executor_backend,
             DISTRIBUTED_EXECUTOR_BACKENDS,
         )
-        if self.distributed_executor_backend == "ray":
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError(
-                "distributed_executor_backend='ray' is not available yet; use 'mp' (one machine)"
+                "distributed_executor_backend='ray' needs Ray, which is not installed: "
+                "pip install 'pagedllm[ray]' (or use 'mp' on one machine)"
             )
         timeout = self.tp_step_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ValueError(f"tp_step_timeout must be a number of seconds > 0, got {timeout!r}")
         if self.tensor_parallel_size == 1:
             return
-        # features not yet verified under tensor parallelism are refused, not run untested
-        unverified = {
-            "enable_lora": self.enable_lora,
-            "speculative_config": self.speculative_config is not None,
-            "model='pagedllm/tiny-random'": self.model == TINY_RANDOM_MODEL,
-        }
-        for name, used in unverified.items():
-            if used:
-                raise ValueError(
-                    f"tensor_parallel_size={self.tensor_parallel_size} does not support "
-                    f"{name} yet (tensor parallelism runs on CPU with checkpoint folders)"
-                )
+        if self.model == TINY_RANDOM_MODEL:  # built in one piece, with no shards to read
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} does not support "
+                f"model='{TINY_RANDOM_MODEL}' (tensor parallelism needs a checkpoint folder)"
+            )
 
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

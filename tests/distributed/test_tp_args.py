@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
-from pagedllm.cli.app import build_parser
+import pytest
+import torch
+
+from pagedllm.cli.app import _engine_kwargs, build_parser, loaded_summary
 from pagedllm.config import EngineArgs
 from pagedllm.engine import llm_engine
 from pagedllm.engine.llm_engine import LLMEngine
@@ -27,8 +34,14 @@ def test_tensor_parallel_size_must_be_a_positive_integer(tp):
         EngineArgs(tensor_parallel_size=tp)
 
 
-def test_the_ray_backend_is_refused_as_not_available_yet():
-    with pytest.raises(ValueError, match="'ray' is not available yet"):
+def test_the_ray_backend_without_ray_installed_is_refused_naming_the_extra(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ray" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"needs Ray.*pagedllm\[ray\]"):
         EngineArgs(distributed_executor_backend="ray")
 
 
@@ -43,17 +56,9 @@ def test_tp_step_timeout_must_be_positive_seconds(timeout):
         EngineArgs(tp_step_timeout=timeout)
 
 
-@pytest.mark.parametrize(
-    ("knobs", "feature"),
-    [
-        ({"enable_lora": True}, "enable_lora"),
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "specul"),
-        ({}, "tiny-random"),
-    ],
-)
-def test_features_not_verified_under_tp_are_refused(knobs, feature):
-    with pytest.raises(ValueError, match=feature):
-        EngineArgs(tensor_parallel_size=2, **knobs)
+def test_the_built_in_tiny_random_model_is_refused_under_tp():
+    with pytest.raises(ValueError, match="tiny-random"):
+        EngineArgs(tensor_parallel_size=2)
 
 
 def test_heads_not_divisible_by_tp_are_refused_before_loading(tmp_path, no_model_load):
@@ -82,3 +87,48 @@ def test_tp_runs_on_cpu_only_for_now(tmp_path, no_model_load):
 def test_the_cli_takes_tp(command):
     args = build_parser().parse_args([command, "-tp", "2"])
     assert args.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_the_cli_takes_the_executor_backend(command, backend):
+    args = build_parser().parse_args([command, "--distributed-executor-backend", backend])
+    assert _engine_kwargs(args)["distributed_executor_backend"] == backend
+
+
+def test_the_cli_refuses_an_unknown_executor_backend(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
+    assert "distributed-executor-backend" in capsys.readouterr().err
+
+
+def test_ray_is_imported_only_when_the_ray_backend_is_asked_for():
+    code = (
+        "import sys; import pagedllm.cli.app, pagedllm.engine.llm_engine, pagedllm.executor, "
+        "pagedllm.executor.ray_executor, pagedllm.entrypoints.api_server; "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_serve_logs_the_ranks_and_their_launcher(monkeypatch, backend):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # ray or not
+    args = EngineArgs(model="/m", tensor_parallel_size=2, distributed_executor_backend=backend)
+    engine = SimpleNamespace(
+        args=args,
+        cache_engine=SimpleNamespace(num_gpu_blocks=8, num_cpu_blocks=2),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_model_len=64,
+        runner=SimpleNamespace(cpu_threads=1),
+        lora=None,
+        spec=None,
+        tokenizer=None,
+    )
+    loaded = loaded_summary(engine)[0]
+    assert loaded.endswith(f"1 CPU threads per rank, tensor parallel over 2 ranks ({backend})")

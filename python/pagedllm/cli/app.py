@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from pagedllm.config import DTYPES, POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES, EngineArgs
+from pagedllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    DTYPES,
+    POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_STRATEGIES,
+    EngineArgs,
+)
 from pagedllm.sampling_params import SamplingParams
 
 DEBUG_ENV = "PAGEDLLM_DEBUG"
@@ -185,6 +192,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="ranks the model is sharded over (CPU, one process per rank)",
     )
     g.add_argument(
+        "--distributed-executor-backend",
+        default=_ENGINE["distributed_executor_backend"],
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        help="how the ranks are launched: mp (processes on this machine) or ray (actors on a "
+        "Ray cluster: one machine or several; pip install 'pagedllm[ray]')",
+    )
+    g.add_argument(
         "--max-model-len",
         type=_POSITIVE,
         default=_ENGINE["max_model_len"],
@@ -287,6 +301,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -521,12 +536,18 @@ def loaded_summary(engine) -> list[str]:
     """What an engine loaded, in two lines (`pagedllm serve` logs them at start-up)."""
     args, cache = engine.args, engine.cache_engine
     dtype = str(engine.dtype).removeprefix("torch.")
-    threads = engine.runner.cpu_threads
+    threads, tp = engine.runner.cpu_threads, args.tensor_parallel_size
     loaded = (
         f"loaded {args.model} on {engine.device} in {dtype}: max_model_len {engine.max_model_len}, "
         f"KV cache {cache.num_gpu_blocks} blocks on the device + {cache.num_cpu_blocks} swap "
         f"blocks on the host, {args.block_size} tokens per block"
         + (f", {threads} CPU threads" if threads is not None else "")
+        + (" per rank" if threads is not None and tp > 1 else "")
+        + (
+            f", tensor parallel over {tp} ranks ({args.distributed_executor_backend})"
+            if tp > 1
+            else ""
+        )
     )
     lora = (
         f"on (max_loras {args.max_loras}, max_lora_rank {args.max_lora_rank})"

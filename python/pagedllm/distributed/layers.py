@@ -126,8 +126,11 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        return parallel_state.all_reduce(out)
+        return parallel_state.all_reduce(self.partial(x))
+
+    def partial(self, x: Tensor) -> Tensor:
+        """This rank's term of the sum (LoRA adds its own partial delta before the reduce)."""
+        return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,11 +14,17 @@ import torch
 import torch.distributed as dist
 
 
-def free_init_method() -> str:
-    """A `tcp://` rendezvous address on this host with a port that is free right now."""
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A `tcp://` rendezvous address on this machine's `host` address (another machine's ranks
+    reach it there) with a port that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+def backend_for(device: torch.device) -> str:
+    """The collectives' backend for ranks on `device`: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_tensor_parallel(
@@ -26,9 +32,15 @@ def init_tensor_parallel(
 ) -> None:
     """Join the group (blocks until every rank has joined). `timeout_s` bounds every collective:
     a rank that stops answering fails the others' collectives instead of hanging them."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    if not dist.is_initialized():
+        # torch names a group's store keys after the count of groups this process began, joins
+        # that failed or are still pending included (an engine whose start failed); the other
+        # ranks are fresh processes counting from zero, so this group counts from zero too
+        dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
-        backend,
+        backend_for(device),
         init_method=init_method,
         rank=rank,
         world_size=world_size,

@@ -201,9 +201,9 @@ class LLMEngine:
     def _executor(self, args: EngineArgs):
         if args.tensor_parallel_size == 1:
             return None
-        from pagedllm.executor.multiproc import MultiprocExecutor
+        from pagedllm.executor import create_executor
 
-        return MultiprocExecutor(args, self.dtype)
+        return create_executor(args, self.dtype)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (none with one rank). The engine runs no more steps

@@ -11,7 +11,9 @@ so a transient fault is survived. While steps keep failing (`UNHEALTHY_AFTER_FAI
 work still pending) the engine is unhealthy: `/health` fails and new requests get 503; one step
 that succeeds, or the engine running out of work, makes it healthy again. `max_failed_steps` failed
 steps in a row (no success in between) mean a broken engine: the loop stops, live requests get
-503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it).
+503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it). A
+tensor-parallel rank that died, hung or failed (the executor's `EngineDeadError`) cannot come
+back: the first such step takes the same way out at once, with nothing retried.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine import LLMEngine
+from pagedllm.executor.multiproc import EngineDeadError as RankDeadError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -131,6 +134,8 @@ class AsyncEngine:
                 self._task.cancel()
             except Exception:  # noqa: BLE001 - already logged by the loop
                 pass
+        # tensor-parallel workers stop with the server (a no-op with one rank)
+        await asyncio.to_thread(self.engine.shutdown)
 
     @property
     def healthy(self) -> bool:
@@ -288,7 +293,9 @@ class AsyncEngine:
             self.consecutive_failures += 1
             self.last_error = error
             logger.error("engine step failed (%d in a row): %r", self.consecutive_failures, error)
-            if self.consecutive_failures >= self.max_failed_steps:
+            if self.consecutive_failures >= self.max_failed_steps or isinstance(
+                error, RankDeadError
+            ):
                 return
             self.failing = self.consecutive_failures >= UNHEALTHY_AFTER_FAILURES
             await asyncio.sleep(backoff_s(self.consecutive_failures))

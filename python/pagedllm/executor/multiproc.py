@@ -3,8 +3,9 @@
 The Rust scheduler stays in the engine process; ranks never schedule. Each forward, rank 0 sends
 every worker one message over its own `multiprocessing` pipe: the block operations since the last
 message and the step's arrays (`StepArrays`: the numpy buffers `ModelRunner.prepare` reads,
-pickled). Every rank then runs the same `ModelRunner` over its shard and its own paged KV cache
-(its KV heads, the same block tables); the collectives (gloo on CPU) run inside the model. Only
+pickled, with the LoRA slot loads rank 0 made for them). Every rank then runs the same
+`ModelRunner` over its shard and its own paged KV cache (its KV heads, the same block tables);
+the collectives (gloo on CPU) run inside the model. Only
 rank 0 gets logits; sampling and everything after stay in the engine. Each worker answers each
 message, so a rank that raises, dies or hangs is known at the step it fails.
 
@@ -27,6 +28,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -79,6 +81,8 @@ class StepArrays:
     spec_num_draft_tokens: np.ndarray
     lora_ids: np.ndarray
     num_seqs: int
+    # LoRA: (slot, LoRARequest) of rank 0's slot loads since the last step, for the workers
+    lora_loads: tuple = ()
 
     @classmethod
     def of(cls, step) -> StepArrays:
@@ -101,41 +105,74 @@ class _DiscardPromptRows:
         pass
 
 
+class RankWorker:
+    """One worker rank (1..N-1): its group membership, shard, KV cache and runner. The `mp`
+    worker process and the `ray` actor both run one; what carries the messages differs."""
+
+    def __init__(self, rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str) -> None:
+        """Join the group (blocks until every rank has) and load this rank's shard."""
+        self.args, self.dtype = args, dtype
+        self.device = torch.device("cpu")
+        self.tp = TPShard(rank, args.tensor_parallel_size)
+        parallel_state.init_tensor_parallel(
+            rank, self.tp.size, init_method, device=self.device, timeout_s=args.tp_step_timeout
+        )
+        self.model = load_model(args.model, dtype=dtype, device=self.device, tp=self.tp)
+        self.lora = None
+        if args.enable_lora:  # this rank's shard of the adapters rank 0 puts in slots
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank,
+                max_cpu_loras=args.resolved_max_cpu_loras,
+                dtype=dtype,
+                device=self.device,
+            )
+
+    def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The KV cache rank 0 planned (every rank holds as many blocks) and the runner."""
+        cfg = self.model.config
+        self.cache = CacheEngine(
+            num_layers=cfg.num_layers,
+            num_kv_heads=self.tp.kv_heads(cfg.num_kv_heads),
+            head_dim=cfg.head_dim,
+            block_size=self.args.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache, self.device, self.lora, cpu_threads=self.args.cpu_threads
+        )
+
+    def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+        """One message of rank 0's: its block operations, then its forward (if any)."""
+        for ops in block_ops:
+            self.cache.execute(*ops)
+        if arrays is not None:
+            if arrays.lora_loads:
+                self.lora.place(arrays.lora_loads)
+            prompt = _DiscardPromptRows(prompt_rows) if prompt_rows is not None else None
+            self.runner.forward(self.runner.prepare(arrays), prompt)
+
+
 def _worker_main(rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str, conn) -> None:
     """Rank `rank`'s process: join the group, load its shard, then run messages until told to
     stop (or the engine's end of the pipe closes). An error is sent back, then the worker exits."""
     try:
-        device = torch.device("cpu")
-        tp = TPShard(rank, args.tensor_parallel_size)
-        parallel_state.init_tensor_parallel(
-            rank, tp.size, init_method, device=device, timeout_s=args.tp_step_timeout
-        )
-        model = load_model(args.model, dtype=dtype, device=device, tp=tp)
+        worker = RankWorker(rank, args, dtype, init_method)
         conn.send(("loaded",))
         _, num_gpu_blocks, num_cpu_blocks = conn.recv()
-        cfg = model.config
-        cache = CacheEngine(
-            num_layers=cfg.num_layers,
-            num_kv_heads=tp.kv_heads(cfg.num_kv_heads),
-            head_dim=cfg.head_dim,
-            block_size=args.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            dtype=dtype,
-            device=device,
-        )
-        runner = ModelRunner(model, cache, device, cpu_threads=args.cpu_threads)
+        worker.allocate(num_gpu_blocks, num_cpu_blocks)
         conn.send(("ready",))
         while True:
             message = conn.recv()
             if message[0] == "shutdown":
                 break
-            _, block_ops, arrays, prompt_rows = message
-            for ops in block_ops:
-                cache.execute(*ops)
-            if arrays is not None:
-                prompt = _DiscardPromptRows(prompt_rows) if prompt_rows is not None else None
-                runner.forward(runner.prepare(arrays), prompt)
+            worker.execute(*message[1:])
             conn.send(("ok",))
     except EOFError:
         pass  # the engine is gone
@@ -305,6 +342,14 @@ class MultiprocExecutor:
             self.dead = "the engine was shut down"
 
 
+class ParallelInputs(NamedTuple):
+    """A forward's inputs on rank 0: the arrays the workers get, and rank 0's own tensors (what
+    `ModelRunner.prepare` returns; a rank-0-only draft model runs on these)."""
+
+    arrays: StepArrays
+    local: tuple
+
+
 class ParallelModelRunner:
     """Rank 0's runner: `ModelRunner`'s interface, every call mirrored on the workers.
 
@@ -317,6 +362,7 @@ class ParallelModelRunner:
         self.model = local.model
         self.cache_engine = local.cache_engine
         self.device = local.device
+        self.cpu_threads = local.cpu_threads
         self.lora = None
         self._block_ops: list = []
 
@@ -332,9 +378,11 @@ class ParallelModelRunner:
             return None
         return self.prepare(step)
 
-    def prepare(self, step):
+    def prepare(self, step) -> ParallelInputs:
         arrays = StepArrays.of(step)
-        return arrays, self.local.prepare(arrays)
+        if self.local.lora is not None:
+            arrays.lora_loads = tuple(self.local.lora.take_loads())
+        return ParallelInputs(arrays, self.local.prepare(arrays))
 
     def forward(self, inputs, prompt=None) -> torch.Tensor | None:
         arrays, local_inputs = inputs

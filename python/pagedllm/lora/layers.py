@@ -3,6 +3,8 @@ is enabled, by a module that runs the base projection and then adds the step's L
 its output columns (vLLM does the same with its merged column-parallel layers).
 
 A step whose rows have no adapter (`LoRAState.segments is None`) runs the base projection only.
+Under tensor parallelism the slots hold this rank's shard (see `slots.py`); a row-parallel
+projection's delta is added to this rank's partial output, before the all-reduce that sums both.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from pagedllm.distributed import parallel_state
+from pagedllm.distributed.layers import RowParallelLinear
 from pagedllm.kernels import lora_reference
 from pagedllm.kernels.lora_reference import LoRASegments
 from pagedllm.lora.adapter import FUSED_PARTS
@@ -51,16 +55,17 @@ class LoRALinear(nn.Module):
         self.parts = tuple(zip(parts, starts))
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base_layer(x)
         seg = self.state.segments
         if seg is None:
-            return out
+            return self.base_layer(x)
+        row_parallel = isinstance(self.base_layer, RowParallelLinear)
+        out = self.base_layer.partial(x) if row_parallel else self.base_layer(x)
         slots = self.state.slots
         shrink, expand = self.state.ops(x)
         y = shrink(x, slots.a[self.fused][self.layer], seg)
         for j, (part, start) in enumerate(self.parts):
             expand(y, slots.b[part][self.layer], seg, out, j * slots.rank, start)
-        return out
+        return parallel_state.all_reduce(out) if row_parallel else out
 
     # the decoder reads a fused projection's parts through these
     def split(self, out: Tensor) -> tuple[Tensor, ...]:

@@ -12,12 +12,13 @@ import numpy as np
 import torch
 
 from pagedllm.kernels.lora_reference import build_segments
-from pagedllm.lora.adapter import LoRAAdapter, ModelLoRASpec
+from pagedllm.lora.adapter import PROJECTIONS, LoRAAdapter, ModelLoRASpec
 from pagedllm.lora.host_cache import HostAdapterCache
 from pagedllm.lora.layers import LoRAState, wrap_projections
 from pagedllm.lora.peft_loader import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoRASlots
+from pagedllm.models.loader import shard_of
 
 
 class LoRAManager:
@@ -37,8 +38,17 @@ class LoRAManager:
         # every adapter a request has named: id -> request (an id always names one adapter)
         self.requests: dict[int, LoRARequest] = {}
         self.host = HostAdapterCache(max_cpu_loras, self._read)
+        # tensor parallelism: this rank's shard of each adapter, cut like the model's weights;
+        # rank 0 records its slot loads for the other ranks (`take_loads` / `place`)
+        tp = model.tp
         self.slots = LoRASlots(
-            self.spec, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype, device=device
+            self.spec,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            dtype=dtype,
+            device=device,
+            shards={part: shard_of(model.config, f"{part}.weight", tp) for part in PROJECTIONS},
+            record_loads=tp.size > 1 and tp.rank == 0,
         )
         self.state = LoRAState(self.slots)
         wrap_projections(model, self.state)
@@ -104,6 +114,17 @@ class LoRAManager:
         lookup = np.array([slot_of.get(int(i), -1) for i in distinct.tolist()], dtype=np.int64)
         token_slots = np.repeat(lookup[inverse.reshape(-1)], np.asarray(num_tokens))
         self.state.segments = build_segments(token_slots, self.device)
+
+    def take_loads(self) -> list[tuple[int, LoRARequest]]:
+        """Rank 0 under tensor parallelism: (slot, adapter) of each slot load since the last
+        call, for the other ranks to `place` before they run the same rows."""
+        return [(slot, self.requests[i]) for slot, i in self.slots.take_loads()]
+
+    def place(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """Another rank's copy of rank 0's slot loads (its own shard of each adapter)."""
+        for slot, request in loads:
+            self.requests[request.lora_int_id] = request
+            self.slots.place(slot, self.host.get(request))
 
     def _fetch(self, lora_int_id: int) -> LoRAAdapter:
         return self.host.get(self.requests[lora_int_id])

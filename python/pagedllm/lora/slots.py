@@ -6,6 +6,13 @@ adds nothing.
 A fused layer's A stacks its parts' ranks: `qkv_proj` A is `[L, S, 3 * R, hidden]` with q's
 rows first, so one shrink serves q, k and v; each part's B `[L, S, out, R]` expands its share
 into its columns of the fused output.
+
+Under tensor parallelism each rank's slots hold its shard of every adapter, cut the way vLLM
+cuts them, by the rule its base weights are cut by (`models.loader.shard_of`): a
+column-parallel projection (q/k/v, gate/up) keeps A whole and its B rows of this rank's output
+columns; a row-parallel one (o, down) keeps its A columns of this rank's input and B whole (its
+delta is a partial sum, reduced with the base output's). Rank 0 decides which adapter goes in
+which slot; its `loads` (kept only when asked for) are what the other ranks `place` in theirs.
 """
 
 from __future__ import annotations
@@ -27,17 +34,23 @@ class LoRASlots:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        shards: dict[str, tuple[int, slice] | None] | None = None,
+        record_loads: bool = False,
     ) -> None:
+        """`shards`: per projection, (axis, slice) of its base weight `[out, in]` this rank
+        holds (None: all of it); `record_loads`: keep `loads` for the other ranks."""
         self.max_loras, self.rank = max_loras, max_lora_rank
         num_layers, r = spec.num_layers, max_lora_rank
+        # per projection: (A's column slice, B's row slice), None where whole
+        self._cuts = {part: _cuts((shards or {}).get(part)) for part in spec.shapes}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for fused, parts in FUSED_PARTS.items():
-            d_in = spec.shapes[parts[0]][0]
+            d_in = _length(spec.shapes[parts[0]][0], self._cuts[parts[0]][0])
             shape = (num_layers, max_loras, len(parts) * r, d_in)
             self.a[fused] = torch.zeros(shape, dtype=dtype, device=device)
             for part in parts:
-                d_out = spec.shapes[part][1]
+                d_out = _length(spec.shapes[part][1], self._cuts[part][1])
                 self.b[part] = torch.zeros(
                     (num_layers, max_loras, d_out, r), dtype=dtype, device=device
                 )
@@ -50,6 +63,8 @@ class LoRASlots:
         # lora_int_id -> slot, least recently used first
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         self.num_loads = 0
+        # (slot, lora_int_id) of each load since the last `take_loads` (when recording)
+        self.loads: list[tuple[int, int]] | None = [] if record_loads else None
 
     def assign(self, lora_ids: list[int], fetch: Callable[[int], LoRAAdapter]) -> dict[int, int]:
         """Slots for this step's distinct adapters (at most `max_loras`), loading the missing ones
@@ -91,13 +106,44 @@ class LoRASlots:
         victim = next(i for i in self._slot_of if i not in needed)
         return self._slot_of.pop(victim)
 
+    def take_loads(self) -> list[tuple[int, int]]:
+        """(slot, lora_int_id) of the loads since the last call, in order (needs
+        `record_loads`)."""
+        loads, self.loads = self.loads, []
+        return loads
+
+    def place(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Load `adapter` into `slot`, as another rank decided (its previous adapter goes)."""
+        for lora_id, held in list(self._slot_of.items()):
+            if held == slot:
+                del self._slot_of[lora_id]
+        self._load(slot, adapter)
+
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         for buffer in (*self.a.values(), *self.b.values()):
             buffer[:, slot].zero_()
         r = adapter.rank
         for (layer, part), (a, b) in adapter.weights.items():
             fused, row = self._a_rows[part]
+            a_cols, b_rows = self._cuts[part]
+            a = a if a_cols is None else a[:, a_cols]
+            b = b if b_rows is None else b[b_rows]
             self.a[fused][layer, slot, row : row + r].copy_(a, non_blocking=True)
             self.b[part][layer, slot, :, :r].copy_(b, non_blocking=True)
         self._slot_of[adapter.lora_int_id] = slot
         self.num_loads += 1
+        if self.loads is not None:
+            self.loads.append((slot, adapter.lora_int_id))
+
+
+def _cuts(shard: tuple[int, slice] | None) -> tuple[slice | None, slice | None]:
+    """A base weight `[out, in]` cut on its rows (output: column-parallel) cuts B's rows; cut
+    on its columns (input: row-parallel), A's columns."""
+    if shard is None:
+        return None, None
+    axis, cut = shard
+    return (None, cut) if axis == 0 else (cut, None)
+
+
+def _length(size: int, cut: slice | None) -> int:
+    return size if cut is None else len(range(size)[cut])

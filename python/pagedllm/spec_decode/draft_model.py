@@ -16,6 +16,11 @@ sequence's table is its shared blocks holding only computed tokens, then its scr
 the partly computed block copied into the first of them. A proposal never touches a shared
 block, and the next step's mirrored forward rewrites every position it scheduled.
 
+Under tensor parallelism the draft is not sharded: it runs whole on rank 0, in the engine
+process, beside the scheduler and the verification that use its proposals. A draft is small
+(splitting it would add two collectives per layer to each of its `k` one-token forwards, for
+little work saved), and the other ranks never see it: their steps carry the drafts as token ids.
+
 Greedy drafts are a point mass `q`, which the rejection sampler takes as such (`draft_probs`
 None): sampled requests still get exactly the target's distribution.
 """
@@ -75,8 +80,9 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def mirror(self, inputs) -> None:
-        """The draft's forward over the target's step inputs: its KV for the same slots."""
-        input_ids, positions, meta, _ = inputs
+        """The draft's forward over the target's step inputs: its KV for the same slots. Under
+        tensor parallelism the draft runs whole on rank 0 (`inputs.local`: rank 0's tensors)."""
+        input_ids, positions, meta, _ = getattr(inputs, "local", inputs)
         self.model(input_ids, positions, self.cache.kv_cache, meta)
 
     @torch.inference_mode()

@@ -1,0 +1,237 @@
+"""The `ray` tensor-parallel executor: ranks 1..N-1 as Ray actors, rank 0 in the engine process.
+
+The same ranks as the `mp` executor (`multiproc.RankWorker` in each actor, `ParallelModelRunner`
+in the engine), placed by Ray so that a model can span machines. Rank 0 stays in the engine
+process, as with `mp`: the scheduler, sampling and rank 0's forward share one process, logits
+never cross a process boundary, and rank 0's runner is the one `mp` uses; an actor for rank 0
+would add a hop to every step for nothing.
+
+Placement: one placement group, one bundle of 1 CPU per rank; bundle 0 is pinned to the engine's
+node (Ray's `node:<ip>` resource) and held for rank 0, so the group reserves what the engine
+uses there too; actor r runs in bundle r (`PACK`: as few nodes as fit). The ranks meet at a
+`tcp://` address on the engine's node (its Ray node address, a port free there) and run their
+collectives over torch.distributed (gloo on CPU).
+
+Each step is one remote call per actor (the block operations and the step's arrays, pickled by
+Ray); `wait_step` takes the answers as they come. An actor that dies fails its call at once
+(Ray's `ActorDiedError`), one that does not answer within `tp_step_timeout` counts as hung; an
+actor that raises returns its traceback. Each makes the executor dead: `EngineDeadError` naming
+the rank, now and at every later step. `shutdown()` kills the actors, removes the placement group
+and, if the engine started Ray itself (no cluster was running), stops Ray.
+
+Ray is imported only here, and only when `distributed_executor_backend="ray"` asks for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+
+from pagedllm.config import EngineArgs
+from pagedllm.distributed import parallel_state
+from pagedllm.distributed.layers import TPShard
+from pagedllm.executor.multiproc import (
+    EngineDeadError,
+    ParallelModelRunner,
+    RankWorker,
+    StepArrays,
+)
+from pagedllm.worker.model_runner import ModelRunner
+
+# seconds the cluster is given to place the group's bundles before the start fails
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class RayRank:
+    """Actor body: one worker rank (made a Ray actor by `RayExecutor`, so this module loads
+    without Ray)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def join(self, rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str) -> None:
+        self.worker = RankWorker(rank, args, dtype, init_method)
+
+    def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.allocate(num_gpu_blocks, num_cpu_blocks)
+
+    def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+        with warnings.catch_warnings():
+            # Ray hands over numpy arrays read-only (zero-copy); the runner only reads them
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            self.worker.execute(block_ops, arrays, prompt_rows)
+
+
+class RayExecutor:
+    """Places ranks 1..N-1 as Ray actors and joins the group as rank 0 (in this process)."""
+
+    def __init__(self, args: EngineArgs, dtype: torch.dtype) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray = ray
+        self.size = args.tensor_parallel_size
+        self.timeout_s = args.tp_step_timeout
+        self.shard = TPShard(0, self.size)
+        self.dead: str | None = None  # why the executor can run no more steps
+        self.actors: list = []
+        self.group = None
+        self._pending: list = []  # the running step's calls
+        # a cluster started with `ray start` (or RAY_ADDRESS), else a local one we own
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(include_dashboard=False, logging_level="warning")
+        ref = weakref.ref(self)
+        self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
+        atexit.register(self._atexit)
+        try:
+            host = ray.util.get_node_ip_address()
+            bundles = [{"CPU": 1, f"node:{host}": 0.001}] + [{"CPU": 1}] * (self.size - 1)
+            self.group = placement_group(bundles, strategy="PACK")
+            try:
+                ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"tensor_parallel_size={self.size}: the Ray cluster could not place "
+                    f"{self.size} bundles of 1 CPU (one on this node, {host}) within "
+                    f"{PLACEMENT_TIMEOUT_S:g}s; available: {ray.available_resources()}"
+                ) from None
+            actor = ray.remote(num_cpus=1, max_restarts=0)(RayRank)
+            self.actors = [
+                actor.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=rank
+                    ),
+                ).remote()
+                for rank in range(1, self.size)
+            ]
+            init_method = parallel_state.free_init_method(host)
+            joins = [
+                a.join.remote(rank, args, dtype, init_method)
+                for rank, a in enumerate(self.actors, start=1)
+            ]
+            self._join_group(init_method, joins)
+            self._wait(joins)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _join_group(self, init_method: str, joins: list) -> None:
+        """Join as rank 0 while watching the actors: one that fails or dies before it joins
+        fails the start at once, not when the rendezvous times out."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                parallel_state.init_tensor_parallel(
+                    0, self.size, init_method, device=torch.device("cpu"), timeout_s=self.timeout_s
+                )
+            except BaseException as exc:
+                failed.append(exc)
+
+        joiner = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            done, _ = self.ray.wait(joins, num_returns=len(joins), timeout=0.05)
+            for ref in done:
+                self._result(ref, joins.index(ref) + 1)
+        if failed:
+            raise failed[0]
+
+    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Give the actors the cache size rank 0 planned (every rank holds as many blocks)."""
+        self._check_alive()
+        self._wait([a.allocate.remote(num_gpu_blocks, num_cpu_blocks) for a in self.actors])
+
+    def runner(self, local: ModelRunner) -> ParallelModelRunner:
+        return ParallelModelRunner(local, self)
+
+    def pids(self) -> list[int]:
+        """The actors' process ids, rank 1 first."""
+        return self.ray.get([a.pid.remote() for a in self.actors], timeout=self.timeout_s)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def step(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+        self._check_alive()
+        self._pending = [a.execute.remote(block_ops, arrays, prompt_rows) for a in self.actors]
+
+    def wait_step(self) -> None:
+        """The actors' answers to the step. Also after rank 0's own forward failed: a collective
+        that failed because an actor did is reported as that actor's failure."""
+        self._check_alive()
+        pending, self._pending = self._pending, []
+        self._wait(pending)
+
+    def _wait(self, refs: list) -> None:
+        """Every call's result, taken as each arrives (rank r's call is `refs[r - 1]`): the first
+        death or error kills at once; silence past `tp_step_timeout` kills too."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(refs)
+        while pending:
+            done, pending = self.ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not done:
+                rank = min(rank_of[ref] for ref in pending)
+                self._die(
+                    f"tensor-parallel rank {rank} did not answer within "
+                    f"tp_step_timeout={self.timeout_s:g}s"
+                )
+            for ref in done:
+                self._result(ref, rank_of[ref])
+
+    def _result(self, ref, rank: int) -> None:
+        exceptions = self.ray.exceptions
+        try:
+            self.ray.get(ref)
+        except exceptions.RayActorError as exc:
+            self._die(f"tensor-parallel rank {rank} (Ray actor) died: {exc}")
+        except exceptions.RayTaskError as exc:
+            self._die(f"tensor-parallel rank {rank} failed:\n{exc}")
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    def _die(self, reason: str):
+        self.dead = reason
+        self.shutdown()
+        raise EngineDeadError(reason)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+
+    def __del__(self) -> None:
+        # the engine (an `LLM`) dropped without shutdown(): its actors go with it
+        if getattr(self, "actors", None) or getattr(self, "group", None):
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement group, leave the process group; stop Ray if
+        this executor started it. Idempotent."""
+        atexit.unregister(self._atexit)
+        ray = self.ray
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.group)
+            self.group = None
+        parallel_state.destroy_tensor_parallel()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        if self.dead is None:
+            self.dead = "the engine was shut down"
