@@ -18,6 +18,7 @@ from pagedllm._core import (  # the mode names: re-exported for the CLI's choice
     check_scheduler_config,
     default_max_num_batched_tokens,
 )
+from pagedllm.kv_events.config import KVEventsConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 # the built-in model (no files: seeded random weights over a byte vocabulary)
@@ -75,6 +76,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     tp_step_timeout: float = 60.0
+    # KV events (vLLM's dict: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
+    kv_events_config: dict | None = None
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -86,6 +90,7 @@ class EngineArgs:
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
         SpeculativeConfig.from_dict(self.speculative_config)
+        KVEventsConfig.from_dict(self.kv_events_config)
         # the scheduler's and the cache's knobs: the core's rules, asked, never restated
         check_scheduler_config(
             block_size=self.block_size,

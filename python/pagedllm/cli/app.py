@@ -236,6 +236,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\'',
     )
+    g.add_argument(
+        "--kv-events-config",
+        type=_json_object,
+        default=None,
+        help="publish the prefix cache's changes (vLLM's KV events) as JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+    )
     _lora_flags(parser)
 
 
@@ -300,6 +308,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
     )
 
 
