@@ -526,6 +526,32 @@ def _serve(args: argparse.Namespace) -> int:
         logger.setLevel(level)
 
 
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.router.app import build_router_app
+    from pagedllm.router.replicas import ReplicaSet
+
+    # the balance knobs left out: the router core's defaults
+    knobs = {
+        name: getattr(args, name)
+        for name in ("balance_abs_threshold", "balance_rel_threshold")
+        if getattr(args, name) is not None
+    }
+    replicas = ReplicaSet(
+        args.replica,
+        block_size=args.block_size,
+        policy=args.routing_policy,
+        health_interval=args.health_interval,
+        **knobs,
+    )
+    app = build_router_app(replicas, session_header=args.session_header)
+    logging.getLogger("pagedllm").addHandler(logging.StreamHandler())
+    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def loaded_summary(engine) -> list[str]:
     """What an engine loaded, in two lines (`pagedllm serve` logs them at start-up)."""
     args, cache = engine.args, engine.cache_engine
@@ -779,6 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(serve)
     _engine_flags(serve)
     serve.set_defaults(func=_serve)
+    _router_parser(sub)
     export = sub.add_parser(
         "export-tiny",
         help="write the built-in tiny model as a checkpoint folder (and a LoRA adapter) to try "
@@ -808,6 +835,70 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(export)
     export.set_defaults(func=_export_tiny)
     return parser
+
+
+def _router_parser(sub) -> None:
+    from pagedllm._core import ROUTING_POLICIES
+
+    router = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible proxy routing over `pagedllm serve` replicas by their prefix "
+        "caches (KV events) and load",
+        epilog=EPILOG,
+    )
+    router.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each); its KV "
+        "events are found through its GET /load",
+    )
+    router.add_argument(
+        "--routing-policy",
+        default=ROUTING_POLICIES[0],
+        choices=ROUTING_POLICIES,
+        help="cache_aware: most prompt blocks already cached, minus a load penalty; "
+        "least_loaded; round_robin; session: sticky by --session-header",
+    )
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=_int_at_least(0), default=8000, help="port to listen on")
+    router.add_argument(
+        "--block-size",
+        type=_POSITIVE,
+        default=_ENGINE["block_size"],
+        help="the replicas' KV block size (a replica reporting another is routed by load only)",
+    )
+    router.add_argument(
+        "--session-header", default="x-session-id", help="the header the session policy reads"
+    )
+    router.add_argument(
+        "--health-interval",
+        type=_number(0.0, low_open=True),
+        default=0.5,
+        help="seconds between polls of each replica's /load (two failures in a row take it "
+        "out of rotation)",
+    )
+    router.add_argument(
+        "--balance-abs-threshold",
+        type=_int_at_least(0),
+        default=None,
+        help="cache_aware falls back to least_loaded when the longest and shortest queues "
+        "differ by more than this (default: 32) ...",
+    )
+    router.add_argument(
+        "--balance-rel-threshold",
+        type=_number(1.0),
+        default=None,
+        help="... and the longest is more than this times the shortest (default: 1.5)",
+    )
+    router.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the router's log level",
+    )
+    router.set_defaults(func=_router)
 
 
 def _debug_requested(args: argparse.Namespace) -> bool:
