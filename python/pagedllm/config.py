@@ -30,6 +30,8 @@ DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
 # how the ranks of tensor parallelism are launched ("ray" is named, not built yet)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# how data-parallel replicas are launched (one process per replica; "ray" not built yet)
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -79,6 +81,9 @@ class EngineArgs:
     # KV events (vLLM's dict: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
     kv_events_config: dict | None = None
+    # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -126,6 +131,12 @@ class EngineArgs:
         self._validate_parallel()
 
     def _validate_parallel(self) -> None:
+        _positive("data_parallel_size", self.data_parallel_size)
+        _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
+        if self.data_parallel_backend == "ray":
+            raise ValueError(
+                "data_parallel_backend='ray' is not available yet; use 'mp' (one machine)"
+            )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _one_of(
             "distributed_executor_backend",

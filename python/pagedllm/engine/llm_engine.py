@@ -70,6 +70,11 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; "
+                "replicas run behind a router (`pagedllm serve -dp N`, or `pagedllm router`)"
+            )
         self.args = args
         self.device = resolve_device(args.device)
         # config.json is validated before anything big is allocated

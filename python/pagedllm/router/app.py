@@ -256,6 +256,31 @@ def build_router_app(
     return app
 
 
+def run_router(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Serves until SIGINT/SIGTERM, then returns 0 (uvicorn would re-raise the signal and kill
+    this process before `serve -dp` stops its replicas)."""
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def stop(signum, frame) -> None:
+                self.force_exit = self.should_exit and signum == signal.SIGINT
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    return 0
+
+
 def _headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
 
