@@ -9,6 +9,10 @@ two; the medians of the per-step times are printed. The scheduler alone is the w
 engine's step adds the model's forward, which dwarfs both.
 
     PYTHONPATH=python python benches/kv_events_overhead.py [rounds]
+    PYTHONPATH=python python benches/kv_events_overhead.py engine [rounds]
+
+`engine`: the same A/B over whole `LLMEngine.step()`s (the built-in tiny model on CPU, 1 torch
+thread, 1024 requests decoding, 32-token prompts), two engines alternating rounds of 8 steps.
 """
 
 from __future__ import annotations
@@ -97,5 +101,62 @@ def main(rounds: int = 7) -> None:
     print(f"batches received {received[0]}, mean {received[1] / max(received[0], 1):.0f} bytes")
 
 
+def engine_round(engine, steps: int = 8) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main_engine(rounds: int = 7) -> None:
+    from pagedllm import EngineArgs, LLMEngine, SamplingParams
+
+    folder = tempfile.mkdtemp()
+    engines = {}
+    for name in ("off", "on"):
+        events = None
+        if name == "on":
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"ipc://{folder}/pub",
+                "replay_endpoint": f"ipc://{folder}/replay",
+            }
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                device="cpu",
+                cpu_threads=1,
+                max_num_seqs=1024,
+                max_model_len=512,
+                max_num_batched_tokens=8192,
+                num_gpu_blocks=1024 * 20,
+                kv_events_config=events,
+            )
+        )
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        rng = np.random.default_rng(0)
+        for i in range(1024):
+            prompt = {"prompt_token_ids": rng.integers(0, 256, 32).tolist()}
+            engine.add_request(f"r{i}", prompt, params)
+        while engine.scheduler.num_waiting():
+            engine.step()
+        engines[name] = engine
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            times[name].append(engine_round(engine))
+    for engine in engines.values():
+        engine.shutdown()
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"engine steps, {rounds} rounds x 8, 1024 running, tiny model, 1 thread")
+    for name in ("off", "on"):
+        rounds_ms = ", ".join(f"{t * 1e3:.1f}" for t in times[name])
+        print(f"events {name}: median {med[name]:.2f} ms/step  (rounds: {rounds_ms})")
+    print(f"difference: {med['on'] - med['off']:+.2f} ms/step")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    if len(sys.argv) > 1 and sys.argv[1] == "engine":
+        main_engine(int(sys.argv[2]) if len(sys.argv) > 2 else 7)
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)

@@ -248,6 +248,8 @@ class Server:
         events = KVEventsConfig.from_dict(engine.args.kv_events_config)
         return {
             "instance_id": self.instance_id,
+            # what /health says: a failing engine is taken out of rotation
+            "healthy": self.engine.unhealthy_reason is None,
             "num_waiting": int(stats.get("num_waiting", 0)),
             "num_running": int(stats.get("num_running", 0)),
             "kv_usage": float(stats.get("kv_usage", 0.0)),

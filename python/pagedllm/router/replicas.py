@@ -138,6 +138,8 @@ class ReplicaSet:
             )
             response.raise_for_status()
             load = response.json()
+            if not load.get("healthy", True):
+                raise ValueError("its engine reports itself unhealthy")
         except (httpx.HTTPError, ValueError) as exc:
             replica.failed_polls += 1
             if replica.failed_polls >= MAX_FAILED_POLLS:
