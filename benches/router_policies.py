@@ -112,7 +112,14 @@ def run_policy(policy: str, args, prompts) -> dict:
                 pass
             time.sleep(0.5)
         time.sleep(1.0)  # the router's first polls and subscriptions
-        return asyncio.run(drive(url, args, prompts))
+        result = asyncio.run(drive(url, args, prompts))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        result["routed"] = "/".join(
+            line.split()[1].split(".")[0]
+            for line in metrics.splitlines()
+            if line.startswith("pagedllm_router:routed_requests_total")
+        )
+        return result
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -141,13 +148,16 @@ def main() -> None:
         f"{args.prefix_len} chars, {args.max_tokens} out, concurrency {args.concurrency}, "
         f"{args.blocks} blocks per replica, model {args.model}"
     )
-    print("| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | wall (s) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | wall (s) "
+        "| routed per replica |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for policy in args.policies:
         r = run_policy(policy, args, prompts)
         print(
             f"| {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} "
-            f"| {r['out_tok_s']:.1f} | {r['wall_s']:.1f} |",
+            f"| {r['out_tok_s']:.1f} | {r['wall_s']:.1f} | {r['routed']} |",
             flush=True,
         )
 
