@@ -1,5 +1,6 @@
 """`pagedllm serve -dp 2`: two engine processes behind the router in one command; they serve,
-both are in rotation, and SIGTERM stops the router and both replicas (no process left)."""
+both are in rotation; a replica killed outright is routed around (requests still succeed) and
+leaves rotation; SIGTERM stops the router and the replicas (no process left)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_serve_dp_2_runs_two_replicas_behind_the_router_and_stops_them_all():
+def test_serve_dp_2_serves_survives_a_killed_replica_and_stops_them_all():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
@@ -59,6 +60,15 @@ def test_serve_dp_2_runs_two_replicas_behind_the_router_and_stops_them_all():
             return all(f'replica_up{{engine="{i}"}} 1.0' in text for i in (0, 1))
 
         wait_for(both_up, what="both replicas in rotation")
+        os.kill(replicas[1], signal.SIGKILL)
+        for i in range(4):
+            assert complete(url, f"one replica gone {i}").status_code == 200
+
+        def one_down() -> bool:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            return sum(f'replica_up{{engine="{i}"}} 0.0' in text for i in (0, 1)) == 1
+
+        wait_for(one_down, what="the killed replica to leave rotation")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)
