@@ -197,6 +197,92 @@ def hash_block(parent_hash: int, token_ids: list[int], extra_key: int = 0) -> in
 def hash_block_chain(token_ids: list[int], block_size: int, extra_key: int = 0) -> list[int]:
     """Chain hashes of every full block of `token_ids`."""
 
+def lora_hash_key(lora_id: int, extra_key: int = 0) -> int:
+    """The prefix-cache hash key of a request run with LoRA adapter ``lora_id`` (0: none): what
+    the scheduler salts its blocks with, so a router hashes prompts the way the cache does."""
+
+def encode_kv_event_batch(
+    ts: float,
+    kinds: _npt.NDArray[_np.uint8],
+    starts: _npt.NDArray[_np.uint32],
+    parents: _npt.NDArray[_np.uint64],
+    extra_keys: _npt.NDArray[_np.uint64],
+    hashes: _npt.NDArray[_np.uint64],
+    tokens: _npt.NDArray[_np.uint32],
+    *,
+    block_size: int,
+    lora_keys: list[int],
+    lora_ids: list[int],
+    medium: str | None = None,
+    data_parallel_rank: int | None = None,
+) -> bytes:
+    """One step's KV events (the arrays ``Scheduler.drain_kv_events`` returns) as vLLM's msgpack
+    ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank?]`` with ``["BlockStored", hashes,
+    parent | None, token_ids, block_size, lora_id | None, medium]``, ``["BlockRemoved", hashes,
+    medium]`` and ``["AllBlocksCleared"]``. Empty ``tokens``: stored blocks list no token ids."""
+
+ROUTING_POLICIES: list[str]
+
+class Router:
+    """The data-parallel router core: a prefix index (block hash -> replicas) built from the
+    replicas' KV events, per-replica load, and the routing policies (``ROUTING_POLICIES``)."""
+
+    def __init__(
+        self,
+        num_replicas: int,
+        block_size: int,
+        policy: str = "cache_aware",
+        *,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        load_weight: float = 0.5,
+        pending_ttl: float = 5.0,
+    ) -> None: ...
+    @property
+    def num_replicas(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def policy(self) -> str: ...
+    def route(
+        self,
+        token_ids: list[int],
+        *,
+        lora_id: int = 0,
+        session: str | None = None,
+        excluded: int = 0,
+        now: float = 0.0,
+    ) -> tuple[int, int, int]:
+        """``(replica, matched_blocks, eligible_blocks)`` for a prompt; the replica counts it
+        in flight. ``excluded``: a mask of replicas not to pick. ``PagedLLMError`` when no live
+        replica is left."""
+    def finish(self, replica: int) -> None:
+        """A request routed to ``replica`` ended."""
+    def set_alive(self, replica: int, alive: bool) -> None: ...
+    def is_alive(self, replica: int) -> bool: ...
+    def set_load(self, replica: int, waiting: int, running: int, kv_usage: float) -> None: ...
+    def apply_events(
+        self,
+        replica: int,
+        seq: int,
+        kinds: _npt.NDArray[_np.uint8],
+        starts: _npt.NDArray[_np.uint32],
+        hashes: _npt.NDArray[_np.uint64],
+    ) -> int:
+        """Applies batch ``seq`` of the replica's events: -1 applied, -2 stale (already
+        applied), else the sequence number to replay from (batches were lost)."""
+    def apply_snapshot(self, replica: int, seq: int, hashes: _npt.NDArray[_np.uint64]) -> None:
+        """Replaces the replica's part of the index with its cache as of batch ``seq``."""
+    def reset_replica(self, replica: int) -> None:
+        """Forgets the replica's part (a restarted replica: batches from 0 again)."""
+    def next_seq(self, replica: int) -> int: ...
+    def replica_hashes(self, replica: int) -> _npt.NDArray[_np.uint64]:
+        """Every block hash the index says the replica holds (in no order)."""
+    def expire_pending(self, now: float) -> None: ...
+    def stats(self) -> list[dict[str, int | float | bool]]:
+        """Per replica: routed, query_blocks, hit_blocks, in_flight, waiting, running,
+        kv_usage, alive."""
+
 def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
     """Benchmark helper: nanoseconds per chained hash of a `block_size`-token block, timed
     inside Rust."""
@@ -468,6 +554,23 @@ class Scheduler:
     def num_cached_tokens(self, request_id: str) -> int | None: ...
     def get_stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
+    def set_kv_events(self, enabled: bool) -> None:
+        """Turns the prefix cache's KV events on or off (read with ``drain_kv_events``)."""
+    def drain_kv_events(
+        self,
+    ) -> tuple[
+        _npt.NDArray[_np.uint8],
+        _npt.NDArray[_np.uint32],
+        _npt.NDArray[_np.uint64],
+        _npt.NDArray[_np.uint64],
+        _npt.NDArray[_np.uint64],
+        _npt.NDArray[_np.uint32],
+    ]:
+        """The prefix cache's changes since the last call: ``(kinds [R], starts [R+1],
+        parents [R], extra_keys [R], hashes [H], tokens [H * block_size])``; record r is kind
+        0 stored / 1 removed / 2 all cleared over ``hashes[starts[r]:starts[r+1]]``."""
+    def cached_block_hashes(self) -> _npt.NDArray[_np.uint64]:
+        """Every block hash registered in the prefix cache now (in no order)."""
     def propose_drafts(
         self,
     ) -> tuple[_npt.NDArray[_np.int64], _npt.NDArray[_np.int32], _npt.NDArray[_np.int64]]:

@@ -19,6 +19,7 @@ from pagedllm._core import (  # the mode names: re-exported for the CLI's choice
     check_scheduler_config,
     default_max_num_batched_tokens,
 )
+from pagedllm.kv_events.config import KVEventsConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 # the built-in model (no files: seeded random weights over a byte vocabulary)
@@ -30,6 +31,8 @@ DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
 # how the ranks of tensor parallelism are launched: spawned processes, or Ray actors
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# how data-parallel replicas are launched (one process per replica; "ray" not built yet)
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -76,6 +79,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     tp_step_timeout: float = 60.0
+    # KV events (vLLM's dict: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
+    kv_events_config: dict | None = None
+    # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -87,6 +96,7 @@ class EngineArgs:
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
         SpeculativeConfig.from_dict(self.speculative_config)
+        KVEventsConfig.from_dict(self.kv_events_config)
         # the scheduler's and the cache's knobs: the core's rules, asked, never restated
         check_scheduler_config(
             block_size=self.block_size,
@@ -122,6 +132,12 @@ class EngineArgs:
         self._validate_parallel()
 
     def _validate_parallel(self) -> None:
+        _positive("data_parallel_size", self.data_parallel_size)
+        _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
+        if self.data_parallel_backend == "ray":
+            raise ValueError(
+                "data_parallel_backend='ray' is not available yet; use 'mp' (one machine)"
+            )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _one_of(
             "distributed_executor_backend",

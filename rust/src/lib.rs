@@ -4,6 +4,7 @@
 //! - [`ids`], [`error`]: the shared id types and the error type (leaves);
 //! - [`kv`]: the KV-cache memory manager (block pools, block tables, prefix cache, swap);
 //! - [`spec`]: speculative decoding's proposers over token histories (n-gram lookup);
+//! - [`router`]: data-parallel routing over replicas' prefix caches (KV events), over `kv`;
 //! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks and `spec` for drafts;
 //! - [`cpu`]: CPU kernels of the model's forward pass (paged attention), independent of the rest;
 //! - `bindings` (feature `python`): the `pagedllm._core` extension module over both.
@@ -14,6 +15,7 @@ pub mod cpu;
 pub mod error;
 pub mod ids;
 pub mod kv;
+pub mod router;
 pub mod scheduler;
 pub mod spec;
 

@@ -79,7 +79,7 @@ def test_client_error_answers_are_documented(server, document, path, body):
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models"])
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/load"])
 def test_get_answers_are_documented(server, document, path):
     response = httpx.get(f"{server.url}{path}", timeout=10)
     assert response.status_code == 200

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.tokenizer",
         "pagedllm.spec_decode.config",
         "pagedllm.structured_output.params",
+        "pagedllm.kv_events.config",
     ),
     ("pagedllm.kernels",),  # Triton kernels and their torch references
     ("pagedllm.attention",),  # paged attention: metadata, CUDA / Rust-CPU / torch dispatch
@@ -40,8 +41,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.worker",),  # model runner and cache engine: run the models
     ("pagedllm.executor",),  # the ranks of tensor parallelism: worker processes, rank 0's runner
     ("pagedllm.spec_decode",),  # SpecDecoder, the draft model (a second runner-like user)
+    ("pagedllm.kv_events",),  # KV events: the publisher (engine side), the subscriber (router)
     ("pagedllm.engine",),  # the step loop over all of the above
-    ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.cli", ROOT),  # user entry points
+    # user entry points; the data-parallel router in front of `serve` processes
+    ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.router", "pagedllm.cli", ROOT),
 ]
 
 

@@ -15,6 +15,7 @@ from dataclasses import fields
 from typing import Any
 
 from pagedllm.config import (
+    DATA_PARALLEL_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
     POLICIES,
@@ -199,6 +200,20 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "Ray cluster: one machine or several; pip install 'pagedllm[ray]')",
     )
     g.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=_POSITIVE,
+        default=_ENGINE["data_parallel_size"],
+        help="serve: engine replicas (one process each) behind a router on --host/--port; on "
+        "CPU each takes its share of the cores unless --cpu-threads is given",
+    )
+    g.add_argument(
+        "--data-parallel-backend",
+        default=_ENGINE["data_parallel_backend"],
+        choices=DATA_PARALLEL_BACKENDS,
+        help="how the replicas are launched: mp (processes on this machine); ray is not built yet",
+    )
+    g.add_argument(
         "--max-model-len",
         type=_POSITIVE,
         default=_ENGINE["max_model_len"],
@@ -249,6 +264,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\'',
+    )
+    g.add_argument(
+        "--kv-events-config",
+        type=_json_object,
+        default=None,
+        help="publish the prefix cache's changes (vLLM's KV events) as JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
     )
     _lora_flags(parser)
 
@@ -315,6 +338,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         speculative_config=args.speculative_config,
+        kv_events_config=args.kv_events_config,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_backend=args.data_parallel_backend,
     )
 
 
@@ -475,6 +501,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        return _serve_data_parallel(args)
     from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
     from pagedllm.entrypoints.chat import load_chat_template
     from pagedllm.entrypoints.chat_tools import ChatOptions, structured_outputs_config
@@ -530,6 +558,40 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def _serve_data_parallel(args: argparse.Namespace) -> int:
+    """`serve -dp N`: N replicas (processes) behind the router, on --host/--port."""
+    from pagedllm.router.launcher import run_data_parallel
+
+    EngineArgs.from_kwargs(**_engine_kwargs(args))  # bad knobs refused before any process
+    _check_device(args.device)
+    return run_data_parallel(
+        args, _serve, lambda urls: _router(argparse.Namespace(**{**vars(args), "replica": urls}))
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    from pagedllm.router.app import build_router_app, run_router
+    from pagedllm.router.replicas import ReplicaSet
+
+    # the balance knobs left out: the router core's defaults
+    knobs = {
+        name: getattr(args, name)
+        for name in ("balance_abs_threshold", "balance_rel_threshold")
+        if getattr(args, name) is not None
+    }
+    replicas = ReplicaSet(
+        args.replica,
+        block_size=args.block_size,
+        policy=args.routing_policy,
+        health_interval=args.health_interval,
+        **knobs,
+    )
+    app = build_router_app(replicas, session_header=args.session_header)
+    logging.getLogger("pagedllm").addHandler(logging.StreamHandler())
+    logging.getLogger("pagedllm").setLevel(args.log_level.upper())
+    return run_router(app, args.host, args.port, log_level=args.log_level)
 
 
 def loaded_summary(engine) -> list[str]:
@@ -790,7 +852,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common_flags(serve)
     _engine_flags(serve)
+    _routing_flags(serve)
     serve.set_defaults(func=_serve)
+    _router_parser(sub)
     export = sub.add_parser(
         "export-tiny",
         help="write the built-in tiny model as a checkpoint folder (and a LoRA adapter) to try "
@@ -820,6 +884,75 @@ def build_parser() -> argparse.ArgumentParser:
     _common_flags(export)
     export.set_defaults(func=_export_tiny)
     return parser
+
+
+def _routing_flags(parser: argparse.ArgumentParser) -> None:
+    from pagedllm._core import ROUTING_POLICIES
+
+    g = parser.add_argument_group("routing over data-parallel replicas")
+    g.add_argument(
+        "--routing-policy",
+        default=ROUTING_POLICIES[0],
+        choices=ROUTING_POLICIES,
+        help="cache_aware: most prompt blocks already cached, minus a load penalty; "
+        "least_loaded; round_robin; session: sticky by --session-header",
+    )
+    g.add_argument(
+        "--session-header", default="x-session-id", help="the header the session policy reads"
+    )
+    g.add_argument(
+        "--health-interval",
+        type=_number(0.0, low_open=True),
+        default=0.5,
+        help="seconds between polls of each replica's /load (two failures in a row take it "
+        "out of rotation)",
+    )
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=_int_at_least(0),
+        default=None,
+        help="cache_aware falls back to least_loaded when the longest and shortest queues "
+        "differ by more than this (default: 32) ...",
+    )
+    g.add_argument(
+        "--balance-rel-threshold",
+        type=_number(1.0),
+        default=None,
+        help="... and the longest is more than this times the shortest (default: 1.5)",
+    )
+
+
+def _router_parser(sub) -> None:
+    router = sub.add_parser(
+        "router",
+        help="an OpenAI-compatible proxy routing over `pagedllm serve` replicas by their prefix "
+        "caches (KV events) and load",
+        epilog=EPILOG,
+    )
+    router.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each); its KV "
+        "events are found through its GET /load",
+    )
+    router.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    router.add_argument("--port", type=_int_at_least(0), default=8000, help="port to listen on")
+    router.add_argument(
+        "--block-size",
+        type=_POSITIVE,
+        default=_ENGINE["block_size"],
+        help="the replicas' KV block size (a replica reporting another is routed by load only)",
+    )
+    _routing_flags(router)
+    router.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the router's log level",
+    )
+    router.set_defaults(func=_router)
 
 
 def _debug_requested(args: argparse.Namespace) -> bool:

@@ -70,6 +70,11 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: one LLMEngine is one replica; "
+                "replicas run behind a router (`pagedllm serve -dp N`, or `pagedllm router`)"
+            )
         self.args = args
         self.device = resolve_device(args.device)
         # config.json is validated before anything big is allocated
@@ -164,6 +169,7 @@ class LLMEngine:
             max_loras=args.max_loras if args.enable_lora else 0,
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
+        self.kv_events = self._kv_events_publisher(args)
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
@@ -206,10 +212,34 @@ class LLMEngine:
         return create_executor(args, self.dtype)
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (none with one rank). The engine runs no more steps
-        after it under tensor parallelism."""
+        """Stops the tensor-parallel workers (none with one rank) and the KV-event publisher.
+        The engine runs no more steps after it under tensor parallelism."""
         if self.executor is not None:
             self.executor.shutdown()
+        self.close_kv_events()
+
+    def close_kv_events(self) -> None:
+        """Stops publishing KV events and frees the sockets (nothing when events are off)."""
+        publisher = getattr(self, "kv_events", None)
+        if publisher is not None:
+            self.kv_events = None
+            self.scheduler.set_kv_events(False)
+            publisher.close()
+
+    def _kv_events_publisher(self, args: EngineArgs):
+        """The KV-event publisher (`kv_events_config`), None when events are off."""
+        from pagedllm.kv_events import KVEventsConfig
+
+        config = KVEventsConfig.from_dict(args.kv_events_config)
+        if config is None or not config.publishes:
+            return None
+        from pagedllm.kv_events.publisher import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            config, args.block_size, medium="GPU" if self.device.type == "cuda" else "CPU"
+        )
+        self.scheduler.set_kv_events(True)
+        return publisher
 
     def _spec_decoder(self, args: EngineArgs, generator) -> SpecDecoder | None:
         config = SpeculativeConfig.from_dict(args.speculative_config)
@@ -302,6 +332,8 @@ class LLMEngine:
         self.inputs.check_prompt(request_id, token_ids)
         if lora_request is not None:
             self.lora.add(lora_request)  # checks and loads its adapter (LoRA is on: validated)
+            if self.kv_events is not None:
+                self.kv_events.note_lora(lora_request.lora_int_id)
         constraint = params.structured_outputs
         if constraint is not None and self.tokenizer is None:
             raise ValueError(
@@ -355,7 +387,16 @@ class LLMEngine:
         """One scheduling step; returns the (cumulative) state of every request it touched.
 
         If building, running or sampling the step raises, the step is rolled back (see the
-        class docstring) and the error re-raised; the engine keeps serving."""
+        class docstring) and the error re-raised; the engine keeps serving. With KV events on,
+        the step's prefix-cache changes are published as one batch, failed step or not."""
+        if self.kv_events is None:
+            return self._step()
+        try:
+            return self._step()
+        finally:
+            self.kv_events.publish(self.scheduler.drain_kv_events())
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.structured_output.has_pending:
             self._grammars_compiled()

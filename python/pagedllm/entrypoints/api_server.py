@@ -3,7 +3,8 @@ the API-key check, and running until a signal.
 
 Endpoints: `POST /v1/completions` (serving_completions.py), `POST /v1/chat/completions`
 (serving_chat.py), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize` (serving.py),
-`GET /health`, `GET /metrics` (Prometheus), and FastAPI's `/openapi.json`. What the two
+`GET /health`, `GET /metrics` (Prometheus), `GET /load` (what a data-parallel router reads: queue
+lengths, KV usage, where the KV events are published), and FastAPI's `/openapi.json`. What the two
 generating endpoints share lives in serving.py; errors in errors.py.
 """
 
@@ -184,6 +185,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def metrics():
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/load", responses={200: {"description": "Load and KV-event endpoints (JSON)"}})
+    async def load():
+        return server.load_report()
 
     @app.get("/v1/models", responses=_CLIENT_ERROR)
     async def models():

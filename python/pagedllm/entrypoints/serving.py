@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 import uuid
@@ -23,6 +24,7 @@ from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_of
+from pagedllm.kv_events import KVEventsConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -68,6 +70,8 @@ class Job:
     timeout: float | None
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = ""  # the model id the client asked for (the base model or an adapter)
+    # prompt index -> its prompt tokens served from the prefix cache (as the outputs say)
+    cached: dict[int, int] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -76,6 +80,10 @@ class Job:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.ids) for p in self.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached.values())
 
     def abort(self) -> None:
         for request_id, _ in self.streams:
@@ -110,6 +118,7 @@ class Job:
                         raise unavailable(str(item))
                     if timed_out and item.finished:
                         _mark_timeout(item, self.timeout)
+                    self.cached[index] = item.num_cached_tokens
                     yield index, item
                     if not item.finished:
                         watch(index)
@@ -177,11 +186,15 @@ def continuous_usage(body: Any) -> bool:
     return bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(job: Job, completion_tokens: int) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    prefix cache served (so far: known once each prompt was first scheduled)."""
+    prompt_tokens = job.num_prompt_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": job.num_cached_tokens},
     }
 
 
@@ -213,6 +226,7 @@ class Server:
         # one thread keeps it off the event loop, in arrival order
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
         self.loras = self._register_loras(config.lora_modules)
+        self.instance_id = uuid.uuid4().hex
 
     def _register_loras(self, modules: dict[str, str]) -> dict[str, LoRARequest]:
         """Each `--lora-modules` adapter as a model id, read and checked now (a bad folder stops
@@ -224,6 +238,25 @@ class Server:
             loras[name] = LoRARequest(name, i + 1, path)
             self.engine.engine.add_lora(loras[name])
         return loras
+
+    def load_report(self) -> dict:
+        """What a data-parallel router polls (`GET /load`): this process's identity (a new one
+        after a restart), its queues and KV usage from the engine loop's latest snapshot, the
+        block size and the adapters' ids it hashes prompts with, and where its KV events go."""
+        stats = self.engine.snapshot.stats
+        engine = self.engine.engine
+        events = KVEventsConfig.from_dict(engine.args.kv_events_config)
+        return {
+            "instance_id": self.instance_id,
+            # what /health says: a failing engine is taken out of rotation
+            "healthy": self.engine.unhealthy_reason is None,
+            "num_waiting": int(stats.get("num_waiting", 0)),
+            "num_running": int(stats.get("num_running", 0)),
+            "kv_usage": float(stats.get("kv_usage", 0.0)),
+            "block_size": engine.args.block_size,
+            "lora_ids": {name: lora.lora_int_id for name, lora in self.loras.items()},
+            "kv_events": dataclasses.asdict(events) if events and events.publishes else None,
+        }
 
     @property
     def model_name(self) -> str:
@@ -560,6 +593,7 @@ class Server:
 
     def shutdown(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.engine.close_kv_events()  # the engine loop has stopped: no step publishes
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -75,7 +75,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     response = _response(job, choices, "chat.completion")
     if params.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_json(finals[0]) if finals else None
-    return response | {"usage": usage(job.num_prompt_tokens, num_tokens)}
+    return response | {"usage": usage(job, num_tokens)}
 
 
 def _plan(server: Server, body: ChatCompletionRequest, constraint) -> ChatPlan:
@@ -117,7 +117,7 @@ async def _chunks(
     def chunk(choices: list[dict]) -> dict[str, Any]:
         out = _chunk(job, choices)
         if continuous:
-            out["usage"] = usage(job.num_prompt_tokens, deltas.num_tokens)
+            out["usage"] = usage(job, deltas.num_tokens)
         return out
 
     for index in range(job.params.n):  # the role first, as OpenAI sends it
@@ -151,7 +151,7 @@ async def _chunks(
             }
             yield chunk([choice])
     if include_usage:
-        yield _chunk(job, []) | {"usage": usage(job.num_prompt_tokens, deltas.num_tokens)}
+        yield _chunk(job, []) | {"usage": usage(job, deltas.num_tokens)}
 
 
 def _chunk(job: Job, choices: list[dict]) -> dict[str, Any]:

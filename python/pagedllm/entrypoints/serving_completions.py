@@ -55,7 +55,7 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
             if params.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(output)
             choices.append(choice)
-    return _response(job, choices) | {"usage": usage(job.num_prompt_tokens, num_tokens)}
+    return _response(job, choices) | {"usage": usage(job, num_tokens)}
 
 
 def _raw_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -88,10 +88,10 @@ async def _chunks(
             logprobs = _logprobs(completion, token_start, text_offset)
             chunk = _response(job, [_choice(job, i, completion, prefix + delta, logprobs)])
             if continuous:
-                chunk["usage"] = usage(job.num_prompt_tokens, deltas.num_tokens)
+                chunk["usage"] = usage(job, deltas.num_tokens)
             yield chunk
     if include_usage:
-        yield _response(job, []) | {"usage": usage(job.num_prompt_tokens, deltas.num_tokens)}
+        yield _response(job, []) | {"usage": usage(job, deltas.num_tokens)}
 
 
 def _response(job: Job, choices: list[dict]) -> dict[str, Any]:

@@ -6,8 +6,10 @@ mod convert;
 mod cpu_ops;
 mod errors;
 mod kv_args;
+mod kv_events;
 mod kv_types;
 mod manager;
+mod router;
 mod scheduler;
 mod scheduler_args;
 mod scheduler_results;
@@ -19,6 +21,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     cpu_ops::register(m)?;
     manager::register(m)?;
+    kv_events::register(m)?;
+    router::register(m)?;
     scheduler::register(m)?;
     step_output::register(m)?;
     Ok(())

@@ -477,6 +477,22 @@ impl PyScheduler {
         drafts_tuple(py, self.inner.set_drafts(&seqs, &counts, &drafts)?)
     }
 
+    /// Turns the prefix cache's KV events on or off (read with `drain_kv_events`).
+    fn set_kv_events(&mut self, enabled: bool) {
+        let block_size = self.inner.block_size();
+        self.inner.kv_events_mut().set_enabled(enabled, block_size);
+    }
+
+    /// The prefix cache's changes since the last call, as arrays (`bindings/kv_events.rs`).
+    fn drain_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        super::kv_events::batch_tuple(py, self.inner.kv_events_mut().drain())
+    }
+
+    /// Every block hash registered in the prefix cache now (uint64, in no order).
+    fn cached_block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
+        PyArray1::from_vec(py, self.inner.manager().registered_hashes())
+    }
+
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
         self.inner

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use super::block_pool::{BlockPool, BlockState};
 use super::block_table::{BlockTable, Location};
+use super::events::KvEventLog;
 use super::prefix_cache::{IdBuildHasher, PrefixCache, PrefixCacheStats};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
@@ -285,6 +286,22 @@ impl KvCacheManager {
     /// Cached device blocks in eviction order (first evicted first).
     pub fn evictable_blocks(&self) -> Vec<BlockId> {
         self.device.lru_order()
+    }
+
+    /// Turns KV-event recording on or off (`events.rs`).
+    pub fn set_kv_events(&mut self, enabled: bool) {
+        let bs = self.config.block_size;
+        self.prefix_cache.events_mut().set_enabled(enabled, bs);
+    }
+
+    /// The KV-event log, drained once per step.
+    pub fn kv_events_mut(&mut self) -> &mut KvEventLog {
+        self.prefix_cache.events_mut()
+    }
+
+    /// Every hash registered in the prefix cache (what the KV events add up to).
+    pub fn registered_hashes(&self) -> Vec<u64> {
+        self.prefix_cache.registered_hashes()
     }
 
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {

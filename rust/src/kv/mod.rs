@@ -9,6 +9,7 @@
 //! `Ok(None)` "not enough blocks" answer) leaves the manager exactly as it was.
 pub mod block_pool;
 pub mod block_table;
+pub mod events;
 pub mod prefix_cache;
 
 mod admission;
@@ -28,5 +29,6 @@ mod testing;
 pub use admission::AllocStatus;
 pub use block_pool::BlockState;
 pub use block_table::{BlockTable, Location};
+pub use events::{KvEventBatch, KvEventKind, KvEventLog};
 pub use manager::{defaults, CacheConfig, CacheStats, KvCacheManager};
 pub use prefix_cache::{salted_key, IdBuildHasher, PrefixCacheStats, PrefixHit};

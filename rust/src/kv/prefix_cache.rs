@@ -8,6 +8,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashTable;
 
+use super::events::KvEventLog;
 use crate::ids::{BlockId, TokenId};
 
 /// Prefix-map entries reserved up front (at most the pool size).
@@ -189,11 +190,14 @@ pub struct PrefixCache {
     /// them back (their KV was never written). `None` until a scheduler starts one, so a
     /// manager used without steps keeps no list that only grows.
     journal: Option<Vec<BlockId>>,
+    /// KV events (off unless a publisher turns them on; see `events.rs`).
+    events: KvEventLog,
 }
 
 impl PrefixCache {
     pub fn new(num_device_blocks: usize, enabled: bool) -> Self {
         Self {
+            events: KvEventLog::default(),
             enabled,
             // Registrations up to 32K blocks never rehash (growth rehashes were ~7% of an
             // admission burst); larger pools grow past that on demand, which keeps a big but
@@ -286,6 +290,35 @@ impl PrefixCache {
         }
     }
 
+    /// `register`, recording a stored event: `hash` chains on `parent` over `tokens`.
+    #[inline]
+    pub fn register_chained(
+        &mut self,
+        block: BlockId,
+        hash: u64,
+        parent: u64,
+        tokens: &[TokenId],
+        extra_key: u64,
+    ) -> bool {
+        let registered = self.register(block, hash);
+        if registered {
+            self.events.stored(hash, parent, tokens, extra_key);
+        }
+        registered
+    }
+
+    pub fn events_mut(&mut self) -> &mut KvEventLog {
+        &mut self.events
+    }
+
+    /// Every registered hash (a snapshot of the cache's contents, in no order).
+    pub fn registered_hashes(&self) -> Vec<u64> {
+        self.map
+            .iter()
+            .map(|&b| self.block_hash[b as usize])
+            .collect()
+    }
+
     /// Drops the registration of a block being reused for other contents.
     pub fn evict(&mut self, block: BlockId) {
         if self.unregister(block) {
@@ -318,11 +351,13 @@ impl PrefixCache {
         if let Ok(entry) = self.map.find_entry(hash, |&b| b == block) {
             entry.remove();
         }
+        self.events.removed(hash);
         true
     }
 
     /// Drops every registration (counters are kept).
     pub fn clear(&mut self) {
+        self.events.all_cleared();
         self.map.clear();
         self.block_hash.fill(NO_HASH);
     }

@@ -46,7 +46,7 @@ fn bad_num_computed(
 /// Decode's common case: exactly one block has newly filled (`full` is one past the blocks
 /// offered so far) and the hash chain reaches its parent. Hashes it straight from its parent
 /// (no chain loop), marks it offered and returns (block, hash) to register. `None`, with
-/// nothing changed, for anything else.
+/// nothing changed, for anything else. The parent hash comes back too (for the KV events).
 #[inline]
 fn stage_next_block(
     table: &mut BlockTable,
@@ -54,7 +54,7 @@ fn stage_next_block(
     full: usize,
     bs: usize,
     extra_key: u64,
-) -> Option<(BlockId, u64)> {
+) -> Option<(BlockId, u64, u64)> {
     if full != table.num_registered + 1 || table.hashes.len() + 1 != full {
         return None;
     }
@@ -63,7 +63,7 @@ fn stage_next_block(
     let hash = hash_block(parent, &tokens[i * bs..full * bs], extra_key);
     table.hashes.push(hash);
     table.num_registered = full;
-    Some((table.blocks[i], hash))
+    Some((table.blocks[i], hash, parent))
 }
 
 impl KvCacheManager {
@@ -98,13 +98,32 @@ impl KvCacheManager {
         if !self.prefix_cache.is_enabled() || full <= table.num_registered {
             return Ok(0);
         }
-        if let Some((block, hash)) = stage_next_block(table, tokens, full, bs, extra_key) {
-            return Ok(self.prefix_cache.register(block, hash) as usize);
+        if let Some((block, hash, parent)) = stage_next_block(table, tokens, full, bs, extra_key) {
+            let block_tokens = &tokens[(full - 1) * bs..full * bs];
+            return Ok(self.prefix_cache.register_chained(
+                block,
+                hash,
+                parent,
+                block_tokens,
+                extra_key,
+            ) as usize);
         }
         extend_chain(&mut table.hashes, tokens, bs, extra_key, full);
         let mut registered = 0;
         for i in table.num_registered..full {
-            if self.prefix_cache.register(table.blocks[i], table.hashes[i]) {
+            let parent = if i == 0 {
+                ROOT_HASH
+            } else {
+                table.hashes[i - 1]
+            };
+            let block_tokens = &tokens[i * bs..(i + 1) * bs];
+            if self.prefix_cache.register_chained(
+                table.blocks[i],
+                table.hashes[i],
+                parent,
+                block_tokens,
+                extra_key,
+            ) {
                 registered += 1;
             }
         }
@@ -126,7 +145,7 @@ impl KvCacheManager {
         let bs = self.config.block_size;
         let enabled = self.prefix_cache.is_enabled();
         // (block, hash) staged by the first pass; `None`: take the general path.
-        let mut staged: Vec<Option<(BlockId, u64)>> = Vec::with_capacity(items.len());
+        let mut staged: Vec<Option<(BlockId, u64, u64)>> = Vec::with_capacity(items.len());
         for &(seq, tokens, num_computed, extra_key) in items {
             let simple = match self.tables.get_mut(&seq) {
                 Some(table) if enabled && table.location == Location::Device => {
@@ -135,7 +154,7 @@ impl KvCacheManager {
                 }
                 _ => None,
             };
-            if let Some((block, _)) = simple {
+            if let Some((block, _, _)) = simple {
                 self.prefix_cache.prefetch_block(block);
             }
             staged.push(simple);
@@ -143,7 +162,13 @@ impl KvCacheManager {
         let mut registered = 0;
         for (&(seq, tokens, num_computed, extra_key), st) in items.iter().zip(staged) {
             registered += match st {
-                Some((block, hash)) => self.prefix_cache.register(block, hash) as usize,
+                Some((block, hash, parent)) => {
+                    let full = num_computed / bs;
+                    let block_tokens = &tokens[(full - 1) * bs..full * bs];
+                    self.prefix_cache
+                        .register_chained(block, hash, parent, block_tokens, extra_key)
+                        as usize
+                }
                 None => self.cache_full_blocks(seq, tokens, num_computed, extra_key)?,
             };
         }

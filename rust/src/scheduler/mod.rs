@@ -180,6 +180,11 @@ impl Scheduler {
         &self.mgr
     }
 
+    /// The prefix cache's KV-event log, which the engine turns on and drains once per step.
+    pub fn kv_events_mut(&mut self) -> &mut crate::kv::KvEventLog {
+        self.mgr.kv_events_mut()
+    }
+
     pub fn block_size(&self) -> usize {
         self.mgr.block_size()
     }

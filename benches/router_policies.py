@@ -1,0 +1,166 @@
+"""Routing policies side by side on 2 data-parallel replicas (issue 25's measurement).
+
+For each policy, `pagedllm serve -dp 2 --routing-policy P` (1 torch thread per replica) serves
+SGLang's generated-shared-prefix workload: GROUPS groups, each a long shared system prompt,
+QUESTIONS short questions per group, in a shuffled order, CONCURRENCY at a time, streamed with
+usage. The KV cache of one replica holds only part of the groups' prefixes (--num-gpu-blocks).
+Reported per policy: prefix hit rate (cached / prompt tokens, from the responses' usage), TTFT
+p50 / p99 and output tokens per second.
+
+    PYTHONPATH=python python benches/router_policies.py [--model DIR] [--groups 8] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+POLICIES = ("cache_aware", "round_robin", "least_loaded")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(args) -> list[str]:
+    rng = random.Random(0)
+    prompts = []
+    for g in range(args.groups):
+        words = [f"w{rng.randrange(10_000)}" for _ in range(args.prefix_len // 6)]
+        prefix = f"System {g}: " + " ".join(words)
+        for q in range(args.questions):
+            prompts.append(f"{prefix[: args.prefix_len]}\nQuestion {q}: what about item {q * 7}?")
+    rng.shuffle(prompts)
+    return prompts
+
+
+async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, int]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, usage = None, {}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return ttft or 0.0, usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", 0)
+
+
+async def drive(url, args, prompts) -> dict:
+    sem = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def bounded(p):
+            async with sem:
+                return await one(client, url, args.served_model, p, args.max_tokens)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    prompt_tokens = sum(r[1] for r in results)
+    return {
+        "hit_rate": sum(r[2] for r in results) / max(prompt_tokens, 1),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "out_tok_s": sum(r[3] for r in results) / wall,
+        "wall_s": wall,
+    }
+
+
+def run_policy(policy: str, args, prompts) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
+    cmd += ["--routing-policy", policy, "--model", args.model, "--cpu-threads", "1"]
+    cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
+    cmd += ["--log-level", "warning", "--served-model-name", args.served_model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, "serve -dp 2 exited"
+            assert time.monotonic() < deadline, "serve -dp 2 did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        time.sleep(1.0)  # the router's first polls and subscriptions
+        result = asyncio.run(drive(url, args, prompts))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        result["routed"] = "/".join(
+            line.split()[1].split(".")[0]
+            for line in metrics.splitlines()
+            if line.startswith("pagedllm_router:routed_requests_total")
+        )
+        return result
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="pagedllm/tiny-random")
+    ap.add_argument("--served-model", default="m")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=384, help="characters of shared prompt")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=112, help="KV blocks per replica")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    args = ap.parse_args()
+    prompts = workload(args)
+    print(
+        f"{len(prompts)} requests ({args.groups} groups x {args.questions}), prefix "
+        f"{args.prefix_len} chars, {args.max_tokens} out, concurrency {args.concurrency}, "
+        f"{args.blocks} blocks per replica, model {args.model}"
+    )
+    print(
+        "| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | wall (s) "
+        "| routed per replica |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for policy in args.policies:
+        r = run_policy(policy, args, prompts)
+        print(
+            f"| {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} "
+            f"| {r['out_tok_s']:.1f} | {r['wall_s']:.1f} | {r['routed']} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""`KVEventSubscriber`: one replica's KV events into a router's index, on a thread of its own.
+
+It reads the PUB socket and hands each batch to the index (`apply`); a batch whose sequence
+number skips ahead (batches were lost) makes it ask the replay socket for the missing ones, or
+for a snapshot when the replica no longer holds them (a replay answer that does not start where
+it was asked to is a snapshot). `resync()` asks for a replay from the index's next number at
+the next turn (a replica that came back)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import msgpack
+import numpy as np
+import zmq
+
+from pagedllm.kv_events.publisher import CLEARED, REMOVED, STORED
+
+logger = logging.getLogger(__name__)
+
+TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEARED}
+REPLAY_TIMEOUT_MS = 1000
+
+
+def decode_batch(payload: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A msgpack KVEventBatch -> (kinds uint8, starts uint32, hashes uint64), the arrays the
+    router core applies. Events of unknown kinds, and hashes that are not integers (a vLLM
+    replica's bytes hashes), are skipped."""
+    batch = msgpack.unpackb(payload, use_list=True, raw=False)
+    kinds, starts, hashes = [], [0], []
+    for event in batch[1]:
+        kind = TAGS.get(event[0])
+        if kind is None:
+            continue
+        if kind != CLEARED:
+            hashes.extend(h for h in event[1] if isinstance(h, int))
+        kinds.append(kind)
+        starts.append(len(hashes))
+    return (
+        np.array(kinds, np.uint8),
+        np.array(starts, np.uint32),
+        np.array(hashes, np.uint64),
+    )
+
+
+class KVEventSubscriber:
+    """Feeds replica `replica`'s events into `index` (anything with `apply_events`,
+    `apply_snapshot`, `reset_replica` and `next_seq`, called under `lock`)."""
+
+    def __init__(
+        self,
+        index,
+        lock: threading.Lock,
+        replica: int,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str = "",
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.lock = lock
+        self.replica = replica
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.on_batch = on_batch
+        self.batches = 0  # applied, live or replayed
+        self.replays = 0  # replay requests answered
+        self._resync = threading.Event()
+        self._resync.set()  # a new subscriber catches up from the start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica}", daemon=True)
+
+    def start(self) -> KVEventSubscriber:
+        self._thread.start()
+        return self
+
+    def resync(self) -> None:
+        self._resync.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        replay = None
+        if self.replay_endpoint is not None:
+            replay = ctx.socket(zmq.DEALER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.connect(self.replay_endpoint)
+        try:
+            while not self._stop.is_set():
+                if self._resync.is_set() and replay is not None and self._replay(replay):
+                    self._resync.clear()
+                if not sub.poll(100):
+                    continue
+                _, seq, payload = sub.recv_multipart()
+                self._apply(int.from_bytes(seq, "big", signed=True), payload)
+        except zmq.ZMQError:
+            if not self._stop.is_set():
+                logger.exception("KV-event subscriber %d failed", self.replica)
+        finally:
+            sub.close(0)
+            if replay is not None:
+                replay.close(0)
+            ctx.term()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        arrays = decode_batch(payload)
+        with self.lock:
+            status = self.index.apply_events(self.replica, seq, *arrays)
+        if status == -1:
+            self.batches += 1
+            if self.on_batch is not None:
+                self.on_batch(self.replica)
+        elif status >= 0:  # lost batches: replay from the one expected
+            logger.info(
+                "replica %d: KV events %d..%d lost, replaying", self.replica, status, seq - 1
+            )
+            self._resync.set()
+
+    def _replay(self, sock: zmq.Socket) -> bool:
+        """Asks for every batch from the index's next number on; True once answered."""
+        with self.lock:
+            start = self.index.next_seq(self.replica)
+        sock.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
+        first = True
+        while sock.poll(REPLAY_TIMEOUT_MS):
+            frames = sock.recv_multipart()
+            seq_bytes, payload = frames[-2], frames[-1]
+            if not payload:  # the end marker
+                self.replays += 1
+                return True
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if first and seq != start:
+                self._snapshot(seq, payload)
+            else:
+                self._apply(seq, payload)
+            first = False
+        return False  # the replica does not answer: asked again next turn
+
+    def _snapshot(self, seq: int, payload: bytes) -> None:
+        # [AllBlocksCleared, BlockStored(every cached block)]: its hashes are the cache
+        _, _, hashes = decode_batch(payload)
+        with self.lock:
+            if seq < 0:  # the replica has sent nothing yet
+                self.index.reset_replica(self.replica)
+            else:
+                self.index.apply_snapshot(self.replica, seq, hashes)
+        self.batches += 1

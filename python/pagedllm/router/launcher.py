@@ -1,0 +1,126 @@
+"""`pagedllm serve -dp N` with the `mp` backend: N `serve` processes on this machine (one engine
+each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
+each TCP port + its rank) behind the router in this process, on the address `serve` was given.
+
+A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
+the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import httpx
+
+from pagedllm.kv_events import KVEventsConfig
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 300.0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.Namespace:
+    """`serve`'s arguments for replica `rank`: one replica, a local port, its events endpoint,
+    and (on CPU, unless given) its share of the cores."""
+    ns = copy.copy(args)
+    ns.data_parallel_size = 1
+    ns.host = "127.0.0.1"
+    ns.port = _free_port("127.0.0.1")
+    events = KVEventsConfig.from_dict(args.kv_events_config)
+    if events is not None and events.publishes:
+        ns.kv_events_config = {**vars(events.for_rank(rank))}
+    else:
+        ns.kv_events_config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"ipc://{folder}/replica{rank}-pub",
+            "replay_endpoint": f"ipc://{folder}/replica{rank}-replay",
+        }
+    if ns.cpu_threads is None and args.device in ("cpu", "auto"):
+        ns.cpu_threads = max(1, (os.cpu_count() or 1) // args.data_parallel_size)
+    return ns
+
+
+def _replica_main(serve_replica: Callable[[argparse.Namespace], int], ns) -> int:
+    """A replica process: on Linux it is sent SIGTERM when its parent dies, so a router killed
+    outright leaves no engine behind."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return serve_replica(ns)
+
+
+def _wait_healthy(procs, urls: list[str]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(range(len(urls)))
+    while pending:
+        for rank in list(pending):
+            if not procs[rank].is_alive():
+                raise RuntimeError(
+                    f"data-parallel replica {rank} exited during start-up "
+                    f"(status {procs[rank].exitcode})"
+                )
+            try:
+                if httpx.get(f"{urls[rank]}/health", timeout=1).status_code == 200:
+                    pending.discard(rank)
+            except httpx.TransportError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"data-parallel replicas {sorted(pending)} did not start")
+        time.sleep(0.2)
+
+
+def _stop(procs, grace_s: float) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s + 10
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def run_data_parallel(
+    args: argparse.Namespace,
+    serve_replica: Callable[[argparse.Namespace], int],
+    run_router: Callable[[list[str]], int],
+) -> int:
+    """Starts `args.data_parallel_size` replicas (`serve_replica(namespace)` in a spawned
+    process each), waits until all answer /health, then `run_router(urls)` here; stops them
+    when it returns."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pagedllm-dp-") as folder:
+        procs, urls = [], []
+        try:
+            for rank in range(args.data_parallel_size):
+                ns = replica_args(args, rank, folder)
+                proc = ctx.Process(
+                    target=_replica_main, args=(serve_replica, ns), name=f"replica-{rank}"
+                )
+                proc.start()
+                procs.append(proc)
+                urls.append(f"http://127.0.0.1:{ns.port}")
+            _wait_healthy(procs, urls)
+            logger.info("data-parallel replicas up: %s", ", ".join(urls))
+            return run_router(urls)
+        finally:
+            _stop(procs, args.shutdown_grace)

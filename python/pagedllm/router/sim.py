@@ -1,0 +1,181 @@
+"""A cluster simulation: K replicas, each the real Rust scheduler and prefix cache (KV events
+on), behind the real router core, with a step-time model instead of a forward pass, to compare
+routing policies at replica counts this machine cannot run for real.
+
+Step time = `base + per_token * batched tokens` (calibrate both from measured step times, e.g.
+`pagedllm bench`'s; the defaults are this machine's 56M model on 1 thread, roughly). Requests
+arrive as a Poisson process; a step's events reach the router when the step ends. Policies: the
+core's four, plus `approx`: the router's own guesses of what it sent where (SGLang's approximate
+tree, as block hashes) and never the replicas' events, so it cannot see evictions.
+
+    python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import statistics
+
+import numpy as np
+
+from pagedllm._core import Router, Scheduler
+
+POLICIES = ("cache_aware", "approx", "least_loaded", "round_robin")
+
+
+def shared_prefix(groups: int, questions: int, prefix: int, question: int, seed: int = 0):
+    """SGLang's generated-shared-prefix: `groups` system prompts x `questions` questions each."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        system = [rng.randrange(1, 30000) for _ in range(prefix)]
+        prompts += [
+            system + [rng.randrange(1, 30000) for _ in range(question)] for _ in range(questions)
+        ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def multi_turn(convs: int, turns: int, turn_len: int, seed: int = 0):
+    """Conversations whose every turn repeats the history: turn t of all, then t + 1."""
+    rng = random.Random(seed)
+    histories = [[] for _ in range(convs)]
+    prompts = []
+    for _ in range(turns):
+        order = list(range(convs))
+        rng.shuffle(order)
+        for c in order:
+            histories[c] = histories[c] + [rng.randrange(1, 30000) for _ in range(turn_len)]
+            prompts.append(list(histories[c]))
+    return prompts
+
+
+def simulate(
+    prompts,
+    *,
+    replicas: int,
+    policy: str,
+    rate: float,
+    blocks: int,
+    out: int = 16,
+    base: float = 0.02,
+    per_token: float = 0.0004,
+    block_size: int = 16,
+    seed: int = 0,
+):
+    """Runs the trace; returns hit rate (cached / prompt tokens), TTFT p50 / p99 and tokens/s."""
+    rng = random.Random(seed)
+    approx = policy == "approx"
+    router = Router(
+        replicas,
+        block_size,
+        "cache_aware" if approx else policy,
+        pending_ttl=1e18 if approx else 5.0,
+    )
+    scheds = []
+    for _ in range(replicas):
+        s = Scheduler(
+            block_size=block_size,
+            num_gpu_blocks=blocks,
+            max_model_len=4096,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+        )
+        s.set_kv_events(not approx)
+        scheds.append(s)
+    seqs = [0] * replicas
+    t, arrivals = 0.0, []
+    for p in prompts:
+        t += rng.expovariate(rate)
+        arrivals.append((t, p))
+    events: list = [(a, 0, i) for i, (a, _) in enumerate(arrivals)]  # (time, kind, what)
+    heapq.heapify(events)
+    busy = [False] * replicas
+    arrival_of, home, first = {}, {}, {}
+    prompt_tokens = cached = generated = 0
+    now = 0.0
+
+    def start_step(r: int) -> None:
+        s = scheds[r]
+        if busy[r] or not s.has_unfinished_requests():
+            return
+        step = s.schedule(now)
+        busy[r] = True
+        heapq.heappush(events, (now + base + per_token * step.num_batched_tokens, 1, (r, step)))
+
+    while events:
+        now, kind, what = heapq.heappop(events)
+        if kind == 0:
+            _, prompt = arrivals[what]
+            rid = f"q{what}"
+            r, _, _ = router.route(prompt, now=now)
+            scheds[r].add_request(rid, prompt, max_tokens=out, ignore_eos=True, arrival_time=now)
+            arrival_of[rid], home[rid] = now, r
+            prompt_tokens += len(prompt)
+            start_step(r)
+            continue
+        r, step = what
+        s = scheds[r]
+        for rid in step.sample_request_ids:
+            if rid not in first:
+                first[rid] = now
+                cached += s.num_cached_tokens(rid) or 0
+        generated += step.num_samples
+        for _rid, _, _, _, done in s.update_from_output(
+            step, np.full(step.num_samples, 7, np.int64)
+        ):
+            if done:
+                router.finish(r)
+        if not approx:
+            kinds, starts, _, _, hashes, _ = s.drain_kv_events()
+            if len(kinds):
+                router.apply_events(r, seqs[r], kinds, starts, hashes)
+                seqs[r] += 1
+        stats = s.get_stats()
+        router.set_load(r, stats["num_waiting"], stats["num_running"], stats["kv_usage"])
+        busy[r] = False
+        start_step(r)
+    ttfts = sorted(first[rid] - arrival_of[rid] for rid in first)
+    return {
+        "hit_rate": cached / max(prompt_tokens, 1),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "tok_s": generated / now,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 64])
+    ap.add_argument("--workload", choices=["shared_prefix", "multi_turn"], default="shared_prefix")
+    ap.add_argument("--groups-per-replica", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=128, help="KV blocks per replica")
+    ap.add_argument("--rate-per-replica", type=float, default=4.0, help="requests/s")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    args = ap.parse_args(argv)
+    print("| replicas | policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | tok/s |")
+    print("|---|---|---|---|---|---|")
+    for k in args.replicas:
+        if args.workload == "shared_prefix":
+            prompts = shared_prefix(args.groups_per_replica * k, 8, 512, 32)
+        else:
+            prompts = multi_turn(8 * k, 4, 96)
+        for policy in args.policies:
+            m = simulate(
+                prompts,
+                replicas=k,
+                policy=policy,
+                blocks=args.blocks,
+                rate=args.rate_per_replica * k,
+            )
+            print(
+                f"| {k} | {policy} | {m['hit_rate']:.3f} | {m['ttft_p50']:.3f} "
+                f"| {m['ttft_p99']:.3f} | {m['tok_s']:.0f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+//! Data-parallel routing: which replica serves a request.
+//!
+//! [`index::PrefixIndex`] knows every replica's prefix cache exactly (built from its KV
+//! events). Per request, [`Router::route`] hashes the prompt's blocks once, with the function
+//! and the LoRA salt the cache itself uses (`kv::prefix_cache`), counts each replica's leading
+//! matched blocks and picks by policy:
+//! - `cache_aware` (default): the best of matched-prefix fraction minus a load penalty, unless
+//!   the replicas' loads are out of balance beyond a bound (SGLang's guard: max - min over
+//!   `balance_abs_threshold` and max over `balance_rel_threshold` x min), then least loaded;
+//! - `least_loaded`: fewest requests in flight (then waiting + running, then KV usage);
+//! - `round_robin`: the next live replica in turn;
+//! - `session`: sticky by a session key (rendezvous hashing over the live replicas, so a
+//!   replica leaving moves only its own sessions).
+//!
+//! A routed prompt's blocks count as held by its replica for `pending_ttl` seconds before its
+//! events arrive, so a burst sharing a new prefix follows its first request.
+pub mod index;
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use crate::error::{Error, Result};
+use crate::ids::TokenId;
+use crate::kv::prefix_cache::{chain_hashes, PrefixCache};
+use crate::kv::{salted_key, IdBuildHasher};
+pub use index::{Applied, PrefixIndex, MAX_REPLICAS};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoutingPolicy {
+    CacheAware,
+    LeastLoaded,
+    RoundRobin,
+    Session,
+}
+
+impl RoutingPolicy {
+    pub const ALL: [RoutingPolicy; 4] = [
+        RoutingPolicy::CacheAware,
+        RoutingPolicy::LeastLoaded,
+        RoutingPolicy::RoundRobin,
+        RoutingPolicy::Session,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPolicy::CacheAware => "cache_aware",
+            RoutingPolicy::LeastLoaded => "least_loaded",
+            RoutingPolicy::RoundRobin => "round_robin",
+            RoutingPolicy::Session => "session",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == name)
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|p| p.as_str()).collect();
+                Error::InvalidArgument(format!(
+                    "routing_policy must be one of {}, got {name:?}",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// The router's knobs; `defaults` holds their default values (the one place they are written).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterConfig {
+    pub num_replicas: usize,
+    pub block_size: usize,
+    pub policy: RoutingPolicy,
+    pub balance_abs_threshold: u32,
+    pub balance_rel_threshold: f64,
+    /// Weight of the load penalty against the matched-prefix fraction (in [0, 1]).
+    pub load_weight: f64,
+    pub pending_ttl: f64,
+}
+
+pub mod defaults {
+    pub const BALANCE_ABS_THRESHOLD: u32 = 32;
+    pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
+    pub const LOAD_WEIGHT: f64 = 0.5;
+    pub const PENDING_TTL: f64 = 5.0;
+}
+
+impl RouterConfig {
+    pub fn new(num_replicas: usize, block_size: usize, policy: RoutingPolicy) -> Self {
+        Self {
+            num_replicas,
+            block_size,
+            policy,
+            balance_abs_threshold: defaults::BALANCE_ABS_THRESHOLD,
+            balance_rel_threshold: defaults::BALANCE_REL_THRESHOLD,
+            load_weight: defaults::LOAD_WEIGHT,
+            pending_ttl: defaults::PENDING_TTL,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.block_size == 0 {
+            return bad("block_size must be > 0, got 0".into());
+        }
+        if self.balance_rel_threshold.is_nan() || self.balance_rel_threshold < 1.0 {
+            return bad(format!(
+                "balance_rel_threshold must be >= 1, got {}",
+                self.balance_rel_threshold
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.load_weight) {
+            return bad(format!(
+                "load_weight must be in [0, 1], got {}",
+                self.load_weight
+            ));
+        }
+        if self.pending_ttl.is_nan() || self.pending_ttl < 0.0 {
+            return bad(format!(
+                "pending_ttl must be >= 0, got {}",
+                self.pending_ttl
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A replica's load as the router knows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaLoad {
+    /// Requests the router sent it that have not finished.
+    pub in_flight: u32,
+    /// From the replica's last load report.
+    pub waiting: u32,
+    pub running: u32,
+    pub kv_usage: f64,
+}
+
+impl ReplicaLoad {
+    /// The queue length the balance rules compare.
+    fn queue(&self) -> u32 {
+        self.in_flight.max(self.waiting + self.running)
+    }
+}
+
+/// Per replica counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaCounters {
+    pub routed: u64,
+    /// Prompt blocks eligible for reuse over the requests routed to it.
+    pub query_blocks: u64,
+    /// Of those, blocks its cache held when routed (the index's view).
+    pub hit_blocks: u64,
+}
+
+/// Where a request goes and what the index expected it to find there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    pub replica: usize,
+    pub matched_blocks: usize,
+    pub eligible_blocks: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct Router {
+    cfg: RouterConfig,
+    index: PrefixIndex,
+    /// Blocks of recently routed prompts: hash -> (replica mask, expiry time).
+    pending: HashMap<u64, (u64, f64), IdBuildHasher>,
+    alive: u64,
+    loads: Vec<ReplicaLoad>,
+    counters: Vec<ReplicaCounters>,
+    rr_next: usize,
+}
+
+impl Router {
+    pub fn new(cfg: RouterConfig) -> Result<Self> {
+        cfg.validate()?;
+        let n = cfg.num_replicas;
+        let index = PrefixIndex::new(n)?;
+        Ok(Self {
+            cfg,
+            index,
+            pending: HashMap::default(),
+            alive: if n == 64 { u64::MAX } else { (1u64 << n) - 1 },
+            loads: vec![ReplicaLoad::default(); n],
+            counters: vec![ReplicaCounters::default(); n],
+            rr_next: 0,
+        })
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    pub fn index_mut(&mut self) -> &mut PrefixIndex {
+        &mut self.index
+    }
+
+    /// Takes a replica in or out of rotation (its index part is kept: see `PrefixIndex`).
+    pub fn set_alive(&mut self, replica: usize, alive: bool) -> Result<()> {
+        self.index.check_replica(replica)?;
+        if alive {
+            self.alive |= 1 << replica;
+        } else {
+            self.alive &= !(1 << replica);
+            self.loads[replica].in_flight = 0;
+        }
+        Ok(())
+    }
+
+    pub fn is_alive(&self, replica: usize) -> bool {
+        replica < self.cfg.num_replicas && self.alive & (1 << replica) != 0
+    }
+
+    /// The replica's last load report (queue lengths, KV usage in [0, 1]).
+    pub fn set_load(
+        &mut self,
+        replica: usize,
+        waiting: u32,
+        running: u32,
+        kv_usage: f64,
+    ) -> Result<()> {
+        self.index.check_replica(replica)?;
+        let l = &mut self.loads[replica];
+        (l.waiting, l.running, l.kv_usage) = (waiting, running, kv_usage);
+        Ok(())
+    }
+
+    /// A request routed to `replica` finished (or failed).
+    pub fn finish(&mut self, replica: usize) -> Result<()> {
+        self.index.check_replica(replica)?;
+        let l = &mut self.loads[replica];
+        l.in_flight = l.in_flight.saturating_sub(1);
+        Ok(())
+    }
+
+    pub fn load(&self, replica: usize) -> Option<ReplicaLoad> {
+        self.loads.get(replica).copied()
+    }
+
+    pub fn counters(&self, replica: usize) -> Option<ReplicaCounters> {
+        self.counters.get(replica).copied()
+    }
+
+    /// Picks a replica for a prompt (`lora_id` 0: the base model; `session`: the sticky key
+    /// of the `session` policy) at time `now` (seconds, for the pending blocks' expiry), and
+    /// counts it as in flight there. `excluded`: a mask of replicas not to pick (those a retry
+    /// already failed on). Err when no live replica is left.
+    pub fn route(
+        &mut self,
+        tokens: &[TokenId],
+        lora_id: u64,
+        session: Option<&str>,
+        excluded: u64,
+        now: f64,
+    ) -> Result<Decision> {
+        let candidates = self.alive & !excluded;
+        if candidates == 0 {
+            return Err(Error::InvalidState("no live replica to route to".into()));
+        }
+        let bs = self.cfg.block_size;
+        let eligible = PrefixCache::eligible_blocks(tokens.len(), bs);
+        let key = salted_key(0, lora_id);
+        let hashes = chain_hashes(&tokens[..eligible * bs], bs, key);
+        let matched = self.matched_blocks(&hashes, candidates, now);
+        let replica = match self.cfg.policy {
+            RoutingPolicy::CacheAware => self.cache_aware(&matched, candidates, eligible),
+            RoutingPolicy::LeastLoaded => self.least_loaded(candidates),
+            RoutingPolicy::RoundRobin => self.round_robin(candidates),
+            RoutingPolicy::Session => match session {
+                Some(key) => rendezvous(key, candidates),
+                None => self.least_loaded(candidates),
+            },
+        };
+        if self.cfg.pending_ttl > 0.0 {
+            let expiry = now + self.cfg.pending_ttl;
+            for &h in &hashes {
+                let e = self.pending.entry(h).or_insert((0, expiry));
+                e.0 |= 1 << replica;
+                e.1 = expiry;
+            }
+        }
+        self.loads[replica].in_flight += 1;
+        let c = &mut self.counters[replica];
+        c.routed += 1;
+        c.query_blocks += eligible as u64;
+        c.hit_blocks += matched[replica] as u64;
+        Ok(Decision {
+            replica,
+            matched_blocks: matched[replica],
+            eligible_blocks: eligible,
+        })
+    }
+
+    /// Drops pending blocks whose time is up (call now and then; `route` ignores them anyway).
+    pub fn expire_pending(&mut self, now: f64) {
+        self.pending.retain(|_, (_, expiry)| *expiry > now);
+    }
+
+    /// Leading blocks of `hashes` each candidate holds (index or pending).
+    fn matched_blocks(&self, hashes: &[u64], candidates: u64, now: f64) -> Vec<usize> {
+        let mut matched = vec![0; self.cfg.num_replicas];
+        let mut live = candidates;
+        for (i, &h) in hashes.iter().enumerate() {
+            let mut holders = self.index.holders(h);
+            if let Some(&(mask, expiry)) = self.pending.get(&h) {
+                if expiry > now {
+                    holders |= mask;
+                }
+            }
+            let dropped = live & !holders;
+            for r in bits(dropped) {
+                matched[r] = i;
+            }
+            live &= holders;
+            if live == 0 {
+                return matched;
+            }
+        }
+        for r in bits(live) {
+            matched[r] = hashes.len();
+        }
+        matched
+    }
+
+    fn cache_aware(&mut self, matched: &[usize], candidates: u64, eligible: usize) -> usize {
+        let queues: Vec<(usize, u32)> = bits(candidates)
+            .map(|r| (r, self.loads[r].queue()))
+            .collect();
+        let max = queues.iter().map(|q| q.1).max().unwrap_or(0);
+        let min = queues.iter().map(|q| q.1).min().unwrap_or(0);
+        let imbalanced = max - min > self.cfg.balance_abs_threshold
+            && max as f64 > self.cfg.balance_rel_threshold * min as f64;
+        if imbalanced || eligible == 0 || matched.iter().all(|&m| m == 0) {
+            return self.least_loaded(candidates);
+        }
+        let w = self.cfg.load_weight;
+        let score = |r: usize, q: u32| {
+            matched[r] as f64 / eligible as f64
+                - w * (q as f64 / (max as f64 + 1.0) + 0.5 * self.loads[r].kv_usage)
+        };
+        let mut best = queues[0].0;
+        let mut best_score = f64::NEG_INFINITY;
+        for &(r, q) in &queues {
+            let s = score(r, q);
+            if s > best_score {
+                (best, best_score) = (r, s);
+            }
+        }
+        best
+    }
+
+    /// Fewest in flight, then shortest reported queue, then lowest KV usage; ties taken in
+    /// turn, so an idle cluster spreads new prefixes.
+    fn least_loaded(&mut self, candidates: u64) -> usize {
+        let n = self.cfg.num_replicas;
+        let key = |r: usize| {
+            let l = &self.loads[r];
+            (
+                l.in_flight,
+                l.waiting + l.running,
+                (l.kv_usage * 1e6) as u64,
+            )
+        };
+        let start = self.rr_next;
+        let best = (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|&r| candidates & (1 << r) != 0)
+            .min_by_key(|&r| key(r))
+            .expect("candidates is not empty");
+        self.rr_next = (best + 1) % n;
+        best
+    }
+
+    fn round_robin(&mut self, candidates: u64) -> usize {
+        let n = self.cfg.num_replicas;
+        let r = (0..n)
+            .map(|k| (self.rr_next + k) % n)
+            .find(|&r| candidates & (1 << r) != 0)
+            .expect("candidates is not empty");
+        self.rr_next = (r + 1) % n;
+        r
+    }
+}
+
+/// The set bits of `mask`, lowest first.
+fn bits(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        if mask == 0 {
+            return None;
+        }
+        let r = mask.trailing_zeros() as usize;
+        mask &= mask - 1;
+        Some(r)
+    })
+}
+
+/// Highest-random-weight choice of `key` among `candidates`: stable while they stay, and a
+/// replica leaving moves only the keys it held.
+fn rendezvous(key: &str, candidates: u64) -> usize {
+    bits(candidates)
+        .max_by_key(|&r| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            (key, r).hash(&mut h);
+            h.finish()
+        })
+        .expect("candidates is not empty")
+}
+
+#[cfg(test)]
+mod tests;

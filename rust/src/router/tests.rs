@@ -1,0 +1,210 @@
+use super::*;
+use crate::kv::KvCacheManager;
+use crate::kv::{CacheConfig, KvEventKind};
+
+const BS: usize = 4;
+
+fn router(n: usize, policy: RoutingPolicy) -> Router {
+    let mut cfg = RouterConfig::new(n, BS, policy);
+    cfg.pending_ttl = 0.0;
+    Router::new(cfg).unwrap()
+}
+
+/// A replica's cache: a manager with events on.
+fn replica() -> KvCacheManager {
+    let mut cfg = CacheConfig::new(BS, 64, 0);
+    cfg.watermark = 0.0;
+    let mut m = KvCacheManager::new(cfg).unwrap();
+    m.set_kv_events(true);
+    m
+}
+
+/// Runs a prompt through `m` (allocate, register, free) under `key`, and hands its events
+/// to the router as batch `seq` of `replica`.
+fn serve(r: &mut Router, m: &mut KvCacheManager, replica: usize, seq: u64, p: &[u32], key: u64) {
+    let s = seq + 1000;
+    m.allocate_prompt(s, p, None, key, false).unwrap().unwrap();
+    m.cache_full_blocks(s, p, p.len(), key).unwrap();
+    m.free(s).unwrap();
+    let b = m.kv_events_mut().drain();
+    let got = r
+        .index_mut()
+        .apply_batch(replica, seq, &b.kinds, &b.starts, &b.hashes)
+        .unwrap();
+    assert_eq!(got, Applied::Applied);
+}
+
+fn turn(history: &[u32], extra: u32) -> Vec<u32> {
+    let mut t = history.to_vec();
+    t.extend((0..9).map(|i| extra * 100 + i));
+    t
+}
+
+#[test]
+fn a_conversations_later_turns_go_to_the_replica_holding_its_prefix() {
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    let mut caches = [replica(), replica()];
+    let mut seqs = [0u64; 2];
+    // Two conversations, each served where the router sends it.
+    let mut convs = [turn(&[], 1), turn(&[], 2)];
+    let mut home = [usize::MAX; 2];
+    for step in 0..4 {
+        for (c, conv) in convs.iter_mut().enumerate() {
+            let d = r.route(conv, 0, None, 0, 0.0).unwrap();
+            if step == 0 {
+                home[c] = d.replica;
+            } else {
+                assert_eq!(d.replica, home[c], "turn {step} of conversation {c}");
+                assert!(d.matched_blocks > 0);
+            }
+            let rep = d.replica;
+            serve(&mut r, &mut caches[rep], rep, seqs[rep], conv, 0);
+            seqs[rep] += 1;
+            r.finish(rep).unwrap();
+            *conv = turn(conv, 10 + step as u32);
+        }
+    }
+    assert_ne!(home[0], home[1], "new prefixes spread over idle replicas");
+}
+
+#[test]
+fn the_lora_salt_keeps_an_adapters_prefix_apart() {
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    let mut m = replica();
+    let p = turn(&[], 3);
+    serve(&mut r, &mut m, 1, 0, &p, salted_key(0, 5));
+    assert_eq!(r.route(&p, 5, None, 0, 0.0).unwrap().matched_blocks, 2);
+    assert_eq!(r.route(&p, 0, None, 0, 0.0).unwrap().matched_blocks, 0);
+}
+
+#[test]
+fn an_index_rebuilt_from_a_snapshot_after_a_lost_batch_matches_the_cache() {
+    let mut r = router(1, RoutingPolicy::CacheAware);
+    let mut m = replica();
+    serve(&mut r, &mut m, 0, 0, &turn(&[], 1), 0);
+    // Batch 1 is lost on the way; batch 2 shows the gap.
+    let s = 77;
+    let p = turn(&[], 2);
+    m.allocate_prompt(s, &p, None, 0, false).unwrap().unwrap();
+    m.cache_full_blocks(s, &p, p.len(), 0).unwrap();
+    let _lost = m.kv_events_mut().drain();
+    m.reset_prefix_cache();
+    let b = m.kv_events_mut().drain();
+    let got = r
+        .index_mut()
+        .apply_batch(0, 2, &b.kinds, &b.starts, &b.hashes)
+        .unwrap();
+    assert_eq!(got, Applied::Gap { expected: 1 });
+    m.cache_full_blocks(s, &p, p.len(), 0).unwrap();
+    r.index_mut()
+        .apply_snapshot(0, 2, &m.registered_hashes())
+        .unwrap();
+    let mut ours = r.index().replica_hashes(0).unwrap();
+    let mut theirs = m.registered_hashes();
+    ours.sort_unstable();
+    theirs.sort_unstable();
+    assert_eq!(ours, theirs);
+    assert_eq!(r.index().next_seq(0).unwrap(), 3);
+}
+
+#[test]
+fn least_loaded_takes_the_replica_with_fewest_in_flight() {
+    let mut r = router(3, RoutingPolicy::LeastLoaded);
+    let p = [1, 2, 3];
+    let picks: Vec<_> = (0..3)
+        .map(|_| r.route(&p, 0, None, 0, 0.0).unwrap().replica)
+        .collect();
+    assert_eq!(picks, vec![0, 1, 2]);
+    r.finish(1).unwrap();
+    assert_eq!(r.route(&p, 0, None, 0, 0.0).unwrap().replica, 1);
+}
+
+#[test]
+fn round_robin_cycles_over_live_replicas_only() {
+    let mut r = router(3, RoutingPolicy::RoundRobin);
+    r.set_alive(1, false).unwrap();
+    let picks: Vec<_> = (0..4)
+        .map(|_| r.route(&[1], 0, None, 0, 0.0).unwrap().replica)
+        .collect();
+    assert_eq!(picks, vec![0, 2, 0, 2]);
+}
+
+#[test]
+fn a_session_sticks_and_moves_only_when_its_replica_leaves() {
+    let mut r = router(4, RoutingPolicy::Session);
+    let first = r.route(&[1], 0, Some("user-7"), 0, 0.0).unwrap().replica;
+    for _ in 0..5 {
+        assert_eq!(
+            r.route(&[2], 0, Some("user-7"), 0, 0.0).unwrap().replica,
+            first
+        );
+    }
+    let others: Vec<_> = (0..20)
+        .map(|i| {
+            let k = format!("s{i}");
+            (
+                k.clone(),
+                r.route(&[1], 0, Some(&k), 0, 0.0).unwrap().replica,
+            )
+        })
+        .collect();
+    r.set_alive(first, false).unwrap();
+    let moved = r.route(&[1], 0, Some("user-7"), 0, 0.0).unwrap().replica;
+    assert_ne!(moved, first);
+    for (k, was) in others.into_iter().filter(|(_, was)| *was != first) {
+        assert_eq!(r.route(&[1], 0, Some(&k), 0, 0.0).unwrap().replica, was);
+    }
+}
+
+#[test]
+fn cache_aware_falls_back_to_least_loaded_beyond_the_imbalance_bound() {
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    let mut m = replica();
+    let p = turn(&[], 4);
+    serve(&mut r, &mut m, 0, 0, &p, 0);
+    r.set_load(0, 20, 10, 0.5).unwrap();
+    assert_eq!(
+        r.route(&p, 0, None, 0, 0.0).unwrap().replica,
+        0,
+        "within bound"
+    );
+    r.set_load(0, 60, 10, 0.5).unwrap();
+    assert_eq!(
+        r.route(&p, 0, None, 0, 0.0).unwrap().replica,
+        1,
+        "beyond bound"
+    );
+}
+
+#[test]
+fn a_routed_prompt_draws_its_burst_before_its_events_arrive() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 5.0;
+    let mut r = Router::new(cfg).unwrap();
+    let p = turn(&[], 5);
+    let first = r.route(&p, 0, None, 0, 0.0).unwrap().replica;
+    assert_eq!(r.route(&p, 0, None, 0, 1.0).unwrap().replica, first);
+    // After the time-to-live the guess is gone: the idle replica takes it.
+    assert_ne!(r.route(&p, 0, None, 0, 10.0).unwrap().replica, first);
+}
+
+#[test]
+fn excluded_and_dead_replicas_are_never_picked_and_none_left_is_an_error() {
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    assert_eq!(r.route(&[1], 0, None, 0b01, 0.0).unwrap().replica, 1);
+    r.set_alive(1, false).unwrap();
+    assert!(r.route(&[1], 0, None, 0b01, 0.0).is_err());
+}
+
+#[test]
+fn unknown_policy_and_bad_knobs_are_refused_by_name() {
+    let e = RoutingPolicy::parse("random").unwrap_err().to_string();
+    assert!(e.contains("cache_aware") && e.contains("random"), "{e}");
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.balance_rel_threshold = 0.5;
+    assert!(Router::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("balance_rel"));
+    let _ = KvEventKind::Stored;
+}

@@ -1,0 +1,38 @@
+"""`pagedllm router`'s flags: replicas required, the policy among the core's, and the router
+core's balance defaults unless given."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.cli.app import build_parser
+
+
+def test_router_needs_a_replica(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router"])
+    assert "--replica" in capsys.readouterr().err
+
+
+def test_an_unknown_routing_policy_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--replica", "http://x", "--routing-policy", "rnd"])
+    assert "cache_aware" in capsys.readouterr().err
+
+
+def test_router_flags_parse_with_the_cores_defaults_left_unset():
+    args = build_parser().parse_args(
+        ["router", "--replica", "http://a:1", "--replica", "http://b:2", "--port", "9000"]
+    )
+    assert args.replica == ["http://a:1", "http://b:2"]
+    assert args.routing_policy == "cache_aware"
+    assert (args.balance_abs_threshold, args.balance_rel_threshold) == (None, None)
+
+
+def test_serve_takes_a_kv_events_config_as_json(capsys):
+    args = build_parser().parse_args(
+        ["serve", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq"}']
+    )
+    assert args.kv_events_config == {"enable_kv_cache_events": True, "publisher": "zmq"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-events-config", "[1]"])
