@@ -4,6 +4,7 @@
 //! forward pass over `input_ids`.
 use std::sync::{Arc, Mutex};
 
+use crate::connector::ConnectorMeta;
 use crate::ids::{BlockId, TokenId};
 
 use crate::scheduler::FinishReason;
@@ -87,6 +88,8 @@ pub struct StepOutput {
     pub num_batched_tokens: usize,
     /// What features beyond the core hand the model runner per row (see [`StepExtras`]).
     pub extras: StepExtras,
+    /// A KV connector's loads and saves for the workers (empty without one).
+    pub kv_meta: ConnectorMeta,
 }
 
 /// The place for per-row (or per-request) step data that features beyond the core add:
@@ -191,6 +194,7 @@ impl StepOutput {
         self.finished.clear();
         self.num_batched_tokens = 0;
         self.extras.clear();
+        self.kv_meta.clear();
     }
 
     /// Pre-size the per-sequence arrays from the previous step's size.

@@ -23,7 +23,7 @@ use super::budget::{Budget, Cut};
 use super::plan::sync_mirror;
 use crate::scheduler::output::StepOutput;
 use crate::scheduler::state::queue::{Queue, Queues};
-use crate::scheduler::state::request::{GrammarState, Request};
+use crate::scheduler::state::request::{GrammarState, Request, RequestStatus};
 use crate::scheduler::state::store::RequestStore;
 use crate::scheduler::Scheduler;
 
@@ -76,6 +76,10 @@ pub(in crate::scheduler) enum Short {
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {
     let _ = from;
+    // KV connector: its prefix is loading (`features/connector.rs`).
+    if req.status == RequestStatus::WaitingForRemoteKvs {
+        return Some(Verdict::Wait);
+    }
     // Structured output: nothing to sample with until the grammar is compiled.
     if req.extras.grammar == GrammarState::Compiling {
         return Some(Verdict::Wait);
@@ -210,6 +214,14 @@ impl Scheduler {
                 .lookup_prefix(&req.seqs[leader].tokens[..target], req.extra_key)
         } else {
             PrefixHit::default()
+        };
+        // A KV connector that holds the prefix past the hit parks the request while it loads.
+        let hit = match self.kv.is_attached() {
+            false => hit,
+            true => match self.park_for_remote_kvs(h, hit)? {
+                Some(hit) => hit,
+                None => return Ok(Verdict::Wait),
+            },
         };
         let computed = hit.num_cached_tokens;
         let take = budget.cut.take(target - computed, budget.tokens, cap);
