@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from pagedllm.config import DTYPES, POLICIES, PREEMPTION_MODES, SCHEDULING_STRATEGIES, EngineArgs
+from pagedllm.config import (
+    DTYPES,
+    KV_OFFLOADING_BACKENDS,
+    POLICIES,
+    PREEMPTION_MODES,
+    SCHEDULING_STRATEGIES,
+    EngineArgs,
+)
 from pagedllm.sampling_params import SamplingParams
 
 DEBUG_ENV = "PAGEDLLM_DEBUG"
@@ -166,6 +173,19 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="GiB of host memory for preempted sequences' swapped-out blocks",
     )
     g.add_argument(
+        "--kv-offloading-size",
+        type=_number(0.0, low_open=True),
+        default=_ENGINE["kv_offloading_size"],
+        help="GiB of host memory for a second KV tier: prefixes the device cache lets go are "
+        "loaded from it instead of recomputed",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        choices=KV_OFFLOADING_BACKENDS,
+        default=_ENGINE["kv_offloading_backend"],
+        help="backend of the KV offload tier (default with --kv-offloading-size: native)",
+    )
+    g.add_argument(
         "--cpu-kv-cache-space",
         type=_number(0.0, low_open=True),
         default=_ENGINE["cpu_kv_cache_space"],
@@ -284,6 +304,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,

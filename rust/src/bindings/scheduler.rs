@@ -8,11 +8,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::convert::{read_flags, read_i64, wall_clock, IntArg};
-use super::errors::PagedLLMError;
+use super::errors::{non_negative, PagedLLMError};
 use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerArgs};
 use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
 use crate::ids::TokenId;
+use crate::connector::OffloadConnector;
 use crate::scheduler::{defaults, Policy, RequestParams, Scheduler, StepOutput, Strategy};
 
 /// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
@@ -117,7 +118,8 @@ impl PyScheduler {
                         num_lookahead_slots = defaults::NUM_LOOKAHEAD_SLOTS as i64,
                         delay_factor = defaults::DELAY_FACTOR,
                         max_loras = 0, num_speculative_tokens = 0,
-                        prompt_lookup_max = None, prompt_lookup_min = None))]
+                        prompt_lookup_max = None, prompt_lookup_min = None,
+                        kv_offloading_blocks = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -138,6 +140,7 @@ impl PyScheduler {
         num_speculative_tokens: i64,
         prompt_lookup_max: Option<i64>,
         prompt_lookup_min: Option<i64>,
+        kv_offloading_blocks: i64,
     ) -> PyResult<Self> {
         let (cache, cfg) = SchedulerArgs {
             num_gpu_blocks,
@@ -160,8 +163,14 @@ impl PyScheduler {
             prompt_lookup_min,
         }
         .into_configs()?;
+        let slots = non_negative("kv_offloading_blocks", kv_offloading_blocks)?;
+        let block_size = cache.block_size;
+        let mut inner = Scheduler::new(cache, cfg)?;
+        if slots > 0 {
+            inner.set_kv_connector(Box::new(OffloadConnector::new(block_size, slots)))?;
+        }
         Ok(PyScheduler {
-            inner: Scheduler::new(cache, cfg)?,
+            inner,
             py_ids: Vec::new(),
             token_scratch: Vec::new(),
         })
@@ -435,6 +444,38 @@ impl PyScheduler {
     /// unknown or finished requests).
     fn num_cached_tokens(&self, request_id: &str) -> Option<usize> {
         self.inner.request(request_id).map(|r| r.num_cached_tokens)
+    }
+
+    /// Prompt tokens of `num_cached_tokens` that the KV connector (the offload tier) loaded
+    /// (None for unknown or finished requests).
+    fn num_external_tokens(&self, request_id: &str) -> Option<usize> {
+        self.inner
+            .request(request_id)
+            .map(|r| r.extras.num_external_tokens)
+    }
+
+    /// The workers' report of the KV connector's transfers (vLLM's `get_finished`): transfer
+    /// ids whose loads are done, whose saves are done, and the device blocks whose load
+    /// failed (their tokens are computed again). ValueError for an id the scheduler is not
+    /// waiting for; nothing is applied then.
+    #[pyo3(signature = (finished_recving, finished_sending, invalid_blocks = Vec::new()))]
+    fn update_connector_output(
+        &mut self,
+        finished_recving: Vec<u64>,
+        finished_sending: Vec<u64>,
+        invalid_blocks: Vec<u32>,
+    ) -> PyResult<()> {
+        Ok(self.inner.update_connector_output(
+            &finished_recving,
+            &finished_sending,
+            &invalid_blocks,
+        )?)
+    }
+
+    /// Whether the KV connector has loads or saves the workers have not reported yet (their
+    /// blocks stay allocated until then).
+    fn has_pending_transfers(&self) -> bool {
+        self.inner.has_pending_transfers()
     }
 
     /// Queue lengths, KV usage, prefix-cache counters (in blocks), preemptions by mode.

@@ -105,7 +105,7 @@ pub struct ConnectorOutput<'a> {
 }
 
 /// The scheduler's side of a KV connector (vLLM's names).
-pub trait KvConnector: std::fmt::Debug + Send {
+pub trait KvConnector: std::fmt::Debug + Send + Sync {
     /// Tokens past `num_computed` (a block boundary: the device prefix hit) that the
     /// connector can load, a multiple of the block size and never the prompt's last token;
     /// and whether they load asynchronously. The scheduler parks the request while they load

@@ -265,6 +265,32 @@ fn an_aborted_loading_request_keeps_its_blocks_until_the_load_is_reported() {
 }
 
 #[test]
+fn a_lone_running_request_short_of_blocks_held_by_a_load_waits_instead_of_being_ignored() {
+    let mut s = with_offload(4, 5, 16, 64);
+    let mut w = Workers::default();
+    s.add_request("seed", params(prompt(0, 13), 1)).unwrap();
+    drain(&mut s, &mut w);
+    s.mgr.reset_prefix_cache();
+    s.add_request("loads", params(prompt(0, 13), 1)).unwrap();
+    s.add_request("grows", params(prompt(1, 4), 8)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    w.take(&out.kv_meta, 0, || 0);
+    s.update_from_output(out.step, &[7], None).unwrap();
+    // "loads" holds 3 blocks, "grows" 1: one left, and "grows" needs a third at token 9.
+    for _ in 0..6 {
+        let out = s.schedule(0.0).unwrap();
+        assert!(out.finished.is_empty(), "{:?}", out.finished);
+        s.update_from_output(out.step, &vec![7; out.num_samples()], None)
+            .unwrap();
+        s.check_invariants().unwrap();
+    }
+    assert_eq!(s.request("grows").unwrap().seqs[0].tokens.len(), 4 + 5);
+    w.report(&mut s, None, |_| 0, |_| false);
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 5);
+}
+
+#[test]
 fn unknown_or_repeated_transfer_ids_are_refused() {
     let mut s = with_offload(4, 16, 16, 64);
     let err = s.update_connector_output(&[5], &[], &[]).unwrap_err();
