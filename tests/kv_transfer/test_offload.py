@@ -145,7 +145,26 @@ def test_a_request_waits_for_its_load_without_blocking_others():
             if out.finished:
                 done[out.request_id] = out
     assert done["loads"].num_cached_tokens == 48
+    # all of them loaded from the tier, none found on the device
+    assert done["loads"].metrics.num_offloaded_cached_tokens == 48
     drained(llm)
+
+
+def test_engine_stats_count_the_bytes_moved_and_the_load_latencies():
+    llm = make_llm(kv_offloading_size=0.01)
+    history = histories(1)[0]
+    seed_tier(llm, history)
+    llm.generate({"prompt_token_ids": history + [9]}, GREEDY, use_tqdm=False)
+    drained(llm)
+    stats = llm.llm_engine.get_stats()
+    pool = llm.llm_engine.kv_transfer.pool
+    assert stats["kv_offload_bytes_loaded"] == 12 * pool.bytes_per_block
+    assert (
+        stats["kv_offload_bytes_saved"] == stats["kv_offload_saved_blocks"] * pool.bytes_per_block
+    )
+    assert stats["kv_offload_load_latency_count"] == 1
+    assert sum(stats["kv_offload_load_latency_buckets"]) == 1
+    assert stats["kv_offload_pool_bytes"] == pool.num_slots * pool.bytes_per_block
 
 
 def test_a_corrupted_entry_is_never_loaded_and_its_tokens_are_recomputed():
@@ -164,6 +183,7 @@ def test_a_corrupted_entry_is_never_loaded_and_its_tokens_are_recomputed():
     assert stats["kv_offload_failed_blocks"] >= 1
     # the blocks before the corrupted one loaded, it and the rest were computed again
     assert got[0].num_cached_tokens == 4 * 5
+    assert got[0].metrics.num_offloaded_cached_tokens == 4 * 5
     drained(llm)
 
 

@@ -601,4 +601,6 @@ class LLMEngine:
         stats = dict(self.scheduler.get_stats())
         stats.update(self._stats.totals())
         stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
+        if self.kv_transfer is not None:
+            stats.update(self.kv_transfer.stats())
         return stats

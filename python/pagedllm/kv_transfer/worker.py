@@ -22,6 +22,7 @@ computed the saved blocks by an event, and reported once the stream has finished
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -54,6 +55,25 @@ def copy_slots_in(pool: torch.Tensor, slots: list[int], out: torch.Tensor) -> No
         out[i].copy_(pool[slot], non_blocking=True)
 
 
+class LatencyHistogram:
+    """Counts of load latencies per upper bound (seconds; the last bucket is +inf), and their
+    sum, as a Prometheus histogram keeps them."""
+
+    BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, float("inf"))
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BOUNDS)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[next(i for i, b in enumerate(self.BOUNDS) if seconds <= b)] += 1
+        self.sum += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
 class OffloadingConnector:
     def __init__(self, kv_cache: torch.Tensor, pool: HostKVPool) -> None:
         self.kv_cache = kv_cache
@@ -68,9 +88,10 @@ class OffloadingConnector:
         self._invalid: list[int] = []
         self._inflight: list[Future] = []
         self._done = threading.Condition(self._lock)
-        # bytes moved each way and the load latencies (seconds), for the metrics
+        # bytes moved each way and the loads' latencies (submitted -> copied), for the metrics
         self.bytes_loaded = 0
         self.bytes_saved = 0
+        self.load_latency = LatencyHistogram()
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -86,7 +107,7 @@ class OffloadingConnector:
             after.record()
         saves = (save_jobs, step.kv_save_blocks, step.kv_save_slots, step.kv_save_hashes)
         loads = (load_jobs, step.kv_load_blocks, step.kv_load_slots, step.kv_load_hashes)
-        future = self._executor.submit(self._run, saves, loads, after)
+        future = self._executor.submit(self._run, saves, loads, after, time.perf_counter())
         with self._lock:
             self._inflight = [f for f in self._inflight if not f.done()] + [future]
 
@@ -114,12 +135,23 @@ class OffloadingConnector:
             if not (self._recving or self._sending):
                 self._done.wait(timeout)
 
+    def stats(self) -> dict[str, float | int | list[int]]:
+        """Bytes moved each way and the loads' latency histogram (`LatencyHistogram.BOUNDS`)."""
+        return {
+            "kv_offload_bytes_loaded": self.bytes_loaded,
+            "kv_offload_bytes_saved": self.bytes_saved,
+            "kv_offload_pool_bytes": self.pool.nbytes,
+            "kv_offload_load_latency_buckets": list(self.load_latency.counts),
+            "kv_offload_load_latency_sum": self.load_latency.sum,
+            "kv_offload_load_latency_count": self.load_latency.count,
+        }
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
 
     # ---- copy thread --------------------------------------------------------------------
 
-    def _run(self, saves, loads, after) -> None:
+    def _run(self, saves, loads, after, submitted: float) -> None:
         stream = self.stream
         if stream is None:
             sent = self._save(*saves)
@@ -130,6 +162,8 @@ class OffloadingConnector:
                 sent = self._save(*saves)
                 received, invalid = self._load(*loads)
             stream.synchronize()
+        if received:
+            self.load_latency.observe(time.perf_counter() - submitted)
         with self._done:
             self._sending += sent
             self._recving += received
