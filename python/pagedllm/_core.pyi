@@ -261,6 +261,9 @@ def ngram_lookup_bounds(
     """The n-gram lookup bounds ``(max, min)`` from the ones given: one given, the other takes
     its value; neither, 4 and 1. ``ValueError`` when either is 0 or min > max."""
 
+def kv_block_file_name(block_hash: int) -> str:
+    """The disk KV tier's file name of the block with chained hash ``block_hash``."""
+
 def request_id_list(request_ids: str | _Iterable[str]) -> list[str]:
     """``abort_request``'s argument as a list of ids: one str, or an iterable of str;
     ``TypeError`` naming what was given for anything else (the engine's ``abort_request``)."""
@@ -387,11 +390,14 @@ class Scheduler:
         prompt_lookup_max: int | None = None,
         prompt_lookup_min: int | None = None,
         kv_offloading_blocks: int = 0,
+        kv_offloading_path: str | None = None,
     ) -> None:
         """``kv_offloading_blocks`` > 0 attaches the native offload tier's index with that
         many block slots (the workers own the memory): finished requests' blocks are saved
         into it, and a request whose prefix is there waits in ``WAITING_FOR_REMOTE_KVS`` while
-        it loads. ``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
+        it loads. ``kv_offloading_path``: the disk tier instead, a directory of block files
+        (``kv_block_file_name``) shared with other engines.
+        ``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
         LoRA off (a request with an adapter is then a ``ValueError``).
         ``num_speculative_tokens`` > 0 turns on n-gram speculation (``propose_drafts``) with
         lookups of ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens (one missing takes the

@@ -28,7 +28,7 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
 # backends of the KV offload tier (kv_offloading_backend)
-KV_OFFLOADING_BACKENDS = ("native",)
+KV_OFFLOADING_BACKENDS = ("native", "disk")
 
 # how the ranks of tensor parallelism are launched ("ray" is named, not built yet)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -82,6 +82,8 @@ class EngineArgs:
     # blocks the device cache lets go (finished requests' prefixes), and its backend
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    # the disk tier's directory (kv_offloading_backend="disk"; created when missing)
+    kv_offloading_path: str | None = None
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -133,13 +135,19 @@ class EngineArgs:
         if backend is not None:
             _one_of("kv_offloading_backend", backend, KV_OFFLOADING_BACKENDS)
         if size is None:
-            if backend is not None:
+            if backend is not None or self.kv_offloading_path is not None:
                 raise ValueError(
-                    f"kv_offloading_backend={backend!r} needs kv_offloading_size (GiB)"
+                    f"kv_offloading_backend={backend!r} / kv_offloading_path="
+                    f"{self.kv_offloading_path!r} need kv_offloading_size (GiB)"
                 )
             return
         if isinstance(size, bool) or not isinstance(size, int | float) or not 0 < size < math.inf:
             raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
+        if (self.resolved_kv_offloading_backend == "disk") != (self.kv_offloading_path is not None):
+            raise ValueError(
+                "kv_offloading_path (a directory) goes with kv_offloading_backend='disk', and "
+                f"only with it; got backend {backend!r}, path {self.kv_offloading_path!r}"
+            )
         if not self.enable_prefix_caching:
             raise ValueError(
                 "kv_offloading_size needs enable_prefix_caching=True: the tier's blocks are "

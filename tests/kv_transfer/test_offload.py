@@ -257,7 +257,7 @@ def test_block_copies_round_trip_through_slots_in_the_pool_layout():
 
 
 def test_offloading_knobs_are_checked():
-    with pytest.raises(ValueError, match="needs kv_offloading_size"):
+    with pytest.raises(ValueError, match="need kv_offloading_size"):
         EngineArgs(kv_offloading_backend="native")
     with pytest.raises(ValueError, match="kv_offloading_backend"):
         EngineArgs(kv_offloading_size=1, kv_offloading_backend="lmcache")

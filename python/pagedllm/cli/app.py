@@ -183,7 +183,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-offloading-backend",
         choices=KV_OFFLOADING_BACKENDS,
         default=_ENGINE["kv_offloading_backend"],
-        help="backend of the KV offload tier (default with --kv-offloading-size: native)",
+        help="backend of the KV offload tier: native (host memory; the default with "
+        "--kv-offloading-size) or disk (block files in --kv-offloading-path, kept across "
+        "restarts and shared by engines)",
+    )
+    g.add_argument(
+        "--kv-offloading-path",
+        default=_ENGINE["kv_offloading_path"],
+        help="directory of the disk KV tier (--kv-offloading-backend disk)",
     )
     g.add_argument(
         "--cpu-kv-cache-space",
@@ -306,6 +313,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         swap_space=args.swap_space,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_path=args.kv_offloading_path,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,

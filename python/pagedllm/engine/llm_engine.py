@@ -164,7 +164,7 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             delay_factor=args.delay_factor,
             max_loras=args.max_loras if args.enable_lora else 0,
-            kv_offloading_blocks=self.kv_transfer.pool.num_slots if self.kv_transfer else 0,
+            **self._kv_offloading_kwargs(args),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
         self.runner = ModelRunner(
@@ -217,15 +217,19 @@ class LLMEngine:
             self.kv_transfer.shutdown()
 
     def _kv_transfer(self, args: EngineArgs):
-        """kv_offloading_size: the host pool (exactly as many blocks as the GiB hold) and the
-        worker connector that copies blocks in and out of it."""
-        if args.resolved_kv_offloading_backend is None:
+        """kv_offloading_size: the worker connector that copies blocks in and out of the tier:
+        a host pool (exactly as many blocks as the GiB hold) or the disk tier's directory."""
+        backend = args.resolved_kv_offloading_backend
+        if backend is None:
             return None
-        from pagedllm.kv_transfer import HostKVPool, OffloadingConnector
+        from pagedllm.kv_transfer import DiskConnector, HostKVPool, OffloadingConnector
 
         kv_cache = self.cache_engine.kv_cache
+        size = int(args.kv_offloading_size * 2**30)
+        if backend == "disk":
+            return DiskConnector(kv_cache, args.kv_offloading_path, size, model=args.model)
         pool = HostKVPool(
-            int(args.kv_offloading_size * 2**30),
+            size,
             block_shape=(2, kv_cache.shape[1], *kv_cache.shape[3:]),
             dtype=kv_cache.dtype,
             pin_memory=self.device.type == "cuda",
@@ -254,6 +258,14 @@ class LLMEngine:
         return DraftModelProposer(
             c.model, c.num_speculative_tokens, dtype=self.dtype, device=self.device
         )
+
+    def _kv_offloading_kwargs(self, args: EngineArgs) -> dict:
+        """The scheduler's side of the tier: the host pool's slots, or the disk directory."""
+        if self.kv_transfer is None:
+            return {}
+        if args.resolved_kv_offloading_backend == "disk":
+            return {"kv_offloading_path": args.kv_offloading_path}
+        return {"kv_offloading_blocks": self.kv_transfer.pool.num_slots}
 
     def _lora_manager(self, args: EngineArgs):
         if not args.enable_lora:

@@ -74,10 +74,14 @@ class LatencyHistogram:
         return sum(self.counts)
 
 
-class OffloadingConnector:
-    def __init__(self, kv_cache: torch.Tensor, pool: HostKVPool) -> None:
+class CopyThreadConnector:
+    """The copy thread and the reports, shared by the tiers; a tier implements `_save` and
+    `_load` (run on the thread, in step order) and `bytes_per_block`."""
+
+    bytes_per_block: int
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-        self.pool = pool
         self.device = kv_cache.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -140,7 +144,6 @@ class OffloadingConnector:
         return {
             "kv_offload_bytes_loaded": self.bytes_loaded,
             "kv_offload_bytes_saved": self.bytes_saved,
-            "kv_offload_pool_bytes": self.pool.nbytes,
             "kv_offload_load_latency_buckets": list(self.load_latency.counts),
             "kv_offload_load_latency_sum": self.load_latency.sum,
             "kv_offload_load_latency_count": self.load_latency.count,
@@ -170,6 +173,18 @@ class OffloadingConnector:
             self._invalid += invalid
             self._done.notify_all()
 
+
+class OffloadingConnector(CopyThreadConnector):
+    """The native tier: blocks in a host pool, in the slots the scheduler picks."""
+
+    def __init__(self, kv_cache: torch.Tensor, pool: HostKVPool) -> None:
+        super().__init__(kv_cache)
+        self.pool = pool
+        self.bytes_per_block = pool.bytes_per_block
+
+    def stats(self) -> dict[str, float | int | list[int]]:
+        return {**super().stats(), "kv_offload_pool_bytes": self.pool.nbytes}
+
     def _save(self, jobs, blocks, slots, hashes) -> list[int]:
         if not len(jobs):
             return []
@@ -181,7 +196,7 @@ class OffloadingConnector:
         else:
             self.pool.blocks.index_copy_(0, torch.from_numpy(slots), data)
         self.pool.hashes[torch.from_numpy(slots)] = torch.from_numpy(hashes.view(np.int64))
-        self.bytes_saved += len(slot_list) * self.pool.bytes_per_block
+        self.bytes_saved += len(slot_list) * self.bytes_per_block
         return list(dict.fromkeys(jobs.tolist()))
 
     def _load(self, jobs, blocks, slots, hashes) -> tuple[list[int], list[int]]:
@@ -204,5 +219,5 @@ class OffloadingConnector:
             else:
                 staging = self.pool.blocks.index_select(0, torch.from_numpy(good_slots))
             scatter_blocks(self.kv_cache, index, staging)
-            self.bytes_loaded += len(good_slots) * self.pool.bytes_per_block
+            self.bytes_loaded += len(good_slots) * self.bytes_per_block
         return list(dict.fromkeys(jobs.tolist())), invalid

@@ -13,7 +13,8 @@ use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerA
 use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
 use crate::ids::TokenId;
-use crate::connector::OffloadConnector;
+use crate::connector::{block_file_name, DiskConnector, OffloadConnector};
+use pyo3::exceptions::PyValueError;
 use crate::scheduler::{defaults, Policy, RequestParams, Scheduler, StepOutput, Strategy};
 
 /// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
@@ -119,7 +120,7 @@ impl PyScheduler {
                         delay_factor = defaults::DELAY_FACTOR,
                         max_loras = 0, num_speculative_tokens = 0,
                         prompt_lookup_max = None, prompt_lookup_min = None,
-                        kv_offloading_blocks = 0))]
+                        kv_offloading_blocks = 0, kv_offloading_path = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -141,6 +142,7 @@ impl PyScheduler {
         prompt_lookup_max: Option<i64>,
         prompt_lookup_min: Option<i64>,
         kv_offloading_blocks: i64,
+        kv_offloading_path: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let (cache, cfg) = SchedulerArgs {
             num_gpu_blocks,
@@ -166,8 +168,26 @@ impl PyScheduler {
         let slots = non_negative("kv_offloading_blocks", kv_offloading_blocks)?;
         let block_size = cache.block_size;
         let mut inner = Scheduler::new(cache, cfg)?;
-        if slots > 0 {
-            inner.set_kv_connector(Box::new(OffloadConnector::new(block_size, slots)))?;
+        match (slots, kv_offloading_path) {
+            (0, None) => {}
+            (_, None) => {
+                inner.set_kv_connector(Box::new(OffloadConnector::new(block_size, slots)))?
+            }
+            (0, Some(dir)) => {
+                if !dir.is_dir() {
+                    return Err(PyValueError::new_err(format!(
+                        "kv_offloading_path {} is not a directory",
+                        dir.display()
+                    )));
+                }
+                inner.set_kv_connector(Box::new(DiskConnector::new(block_size, dir)))?
+            }
+            (_, Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "kv_offloading_blocks (the host tier) and kv_offloading_path (the disk \
+                     tier) exclude each other",
+                ))
+            }
         }
         Ok(PyScheduler {
             inner,
@@ -561,7 +581,15 @@ impl PyScheduler {
     }
 }
 
+/// The disk tier's file name of the block with chained hash `block_hash` (the scheduler
+/// looks for it, the workers write and read it).
+#[pyfunction]
+fn kv_block_file_name(block_hash: u64) -> String {
+    block_file_name(block_hash)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
+    m.add_function(wrap_pyfunction!(kv_block_file_name, m)?)?;
     super::scheduler_args::register(m)
 }

@@ -14,10 +14,12 @@
 //! Loads and saves are named by transfer ids (`job`) the scheduler assigns, unique for its
 //! lifetime; the workers report them as vLLM's `get_finished` does (finished-loading and
 //! finished-saving ids) plus the device blocks whose load failed (`invalid_blocks`).
+pub mod disk;
 pub mod offload;
 
 use crate::ids::{BlockId, TokenId};
 
+pub use disk::{block_file_name, DiskConnector};
 pub use offload::{OffloadConnector, OffloadStats};
 
 /// What a connector sees of a request.
