@@ -12,10 +12,10 @@ use super::errors::{non_negative, PagedLLMError};
 use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerArgs};
 use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
-use crate::ids::TokenId;
 use crate::connector::{block_file_name, DiskConnector, OffloadConnector};
-use pyo3::exceptions::PyValueError;
+use crate::ids::TokenId;
 use crate::scheduler::{defaults, Policy, RequestParams, Scheduler, StepOutput, Strategy};
+use pyo3::exceptions::PyValueError;
 
 /// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
