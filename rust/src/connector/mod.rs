@@ -52,6 +52,17 @@ pub struct ConnectorMeta {
 }
 
 impl ConnectorMeta {
+    pub const EMPTY: ConnectorMeta = ConnectorMeta {
+        load_jobs: Vec::new(),
+        load_blocks: Vec::new(),
+        load_slots: Vec::new(),
+        load_hashes: Vec::new(),
+        save_jobs: Vec::new(),
+        save_blocks: Vec::new(),
+        save_slots: Vec::new(),
+        save_hashes: Vec::new(),
+    };
+
     pub fn push_load(&mut self, job: u64, block: BlockId, slot: u32, hash: u64) {
         self.load_jobs.push(job);
         self.load_blocks.push(block as i64);

@@ -213,7 +213,7 @@ impl Scheduler {
     #[inline]
     pub(in crate::scheduler) fn seal_connector_meta(&mut self, out: &mut StepOutput) {
         if let Some(connector) = self.kv.connector.as_mut() {
-            connector.build_connector_meta(&mut out.kv_meta);
+            connector.build_connector_meta(out.kv_meta.get_or_insert_with(Default::default));
         }
     }
 

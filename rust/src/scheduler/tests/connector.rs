@@ -128,7 +128,7 @@ fn with_offload(bs: usize, device: usize, slots: usize, budget: usize) -> Schedu
 fn drain(s: &mut Scheduler, w: &mut Workers) {
     for _ in 0..100 {
         let out = s.schedule(0.0).unwrap();
-        w.take(&out.kv_meta, 0, || 0);
+        w.take(out.kv_meta(), 0, || 0);
         let sampled = vec![7; out.num_samples()];
         s.update_from_output(out.step, &sampled, None).unwrap();
         w.report(s, None, |_| 0, |_| false);
@@ -152,8 +152,8 @@ fn a_finished_requests_blocks_are_held_until_saved_then_loaded_by_a_later_reques
     assert_eq!(s.manager().num_free_device_blocks(), 8 - 4);
     s.check_invariants().unwrap();
     let out = s.schedule(0.0).unwrap();
-    assert_eq!(out.kv_meta.save_blocks.len(), 3);
-    w.take(&out.kv_meta, 0, || 0);
+    assert_eq!(out.kv_meta().save_blocks.len(), 3);
+    w.take(out.kv_meta(), 0, || 0);
     w.report(&mut s, None, |_| 0, |_| false);
     assert!(!s.has_pending_transfers());
     assert_eq!(s.manager().num_free_device_blocks(), 8);
@@ -162,14 +162,14 @@ fn a_finished_requests_blocks_are_held_until_saved_then_loaded_by_a_later_reques
     s.add_request("b", params(prompt(0, 13), 1)).unwrap();
     let out = s.schedule(0.0).unwrap();
     assert_eq!(out.num_seqs(), 0);
-    assert_eq!(out.kv_meta.load_blocks.len(), 3);
+    assert_eq!(out.kv_meta().load_blocks.len(), 3);
     assert_eq!(
         s.request_status("b"),
         Some(RequestStatus::WaitingForRemoteKvs)
     );
     s.check_invariants().unwrap();
     s.update_from_output(out.step, &[], None).unwrap();
-    w.take(&out.kv_meta, 0, || 0);
+    w.take(out.kv_meta(), 0, || 0);
     w.report(&mut s, None, |_| 0, |_| false);
     assert_eq!(s.request_status("b"), Some(RequestStatus::Waiting));
     let out = s.schedule(0.0).unwrap();
@@ -204,11 +204,11 @@ fn a_request_waiting_for_remote_kv_does_not_block_those_behind_it() {
         Some(RequestStatus::WaitingForRemoteKvs)
     );
     assert_eq!(s.waiting_ids(), vec!["loads"]);
-    w.take(&out.kv_meta, 3, || 0);
+    w.take(out.kv_meta(), 3, || 0);
     s.update_from_output(out.step, &[7], None).unwrap();
     for now in 0..3 {
         let out = s.schedule(0.0).unwrap();
-        w.take(&out.kv_meta, now, || 0);
+        w.take(out.kv_meta(), now, || 0);
         s.update_from_output(out.step, &vec![7; out.num_samples()], None)
             .unwrap();
         w.report(&mut s, Some(now), |_| 0, |_| false);
@@ -230,8 +230,8 @@ fn a_failed_load_recomputes_from_the_first_failed_block() {
     seeded_tier(&mut s, &mut w);
     s.add_request("b", params(prompt(0, 13), 1)).unwrap();
     let out = s.schedule(0.0).unwrap();
-    let failed = out.kv_meta.load_blocks[1] as u32;
-    w.take(&out.kv_meta, 0, || 0);
+    let failed = out.kv_meta().load_blocks[1] as u32;
+    w.take(out.kv_meta(), 0, || 0);
     s.update_from_output(out.step, &[], None).unwrap();
     w.report(&mut s, None, |_| 0, |b| b == failed);
     let out = s.schedule(0.0).unwrap();
@@ -252,7 +252,7 @@ fn an_aborted_loading_request_keeps_its_blocks_until_the_load_is_reported() {
     seeded_tier(&mut s, &mut w);
     s.add_request("b", params(prompt(0, 13), 1)).unwrap();
     let out = s.schedule(0.0).unwrap();
-    w.take(&out.kv_meta, 0, || 0);
+    w.take(out.kv_meta(), 0, || 0);
     s.update_from_output(out.step, &[], None).unwrap();
     assert!(s.abort_request("b").unwrap());
     assert!(!s.has_unfinished_requests());
@@ -274,7 +274,7 @@ fn a_lone_running_request_short_of_blocks_held_by_a_load_waits_instead_of_being_
     s.add_request("loads", params(prompt(0, 13), 1)).unwrap();
     s.add_request("grows", params(prompt(1, 4), 8)).unwrap();
     let out = s.schedule(0.0).unwrap();
-    w.take(&out.kv_meta, 0, || 0);
+    w.take(out.kv_meta(), 0, || 0);
     s.update_from_output(out.step, &[7], None).unwrap();
     // "loads" holds 3 blocks, "grows" 1: one left, and "grows" needs a third at token 9.
     for _ in 0..6 {
@@ -379,9 +379,9 @@ fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, d
             s.abort_request(&format!("q{}", rng.next(added))).unwrap();
         }
         let out = s.schedule(stepno as f64).unwrap();
-        loads += out.kv_meta.load_jobs.len();
-        saves += out.kv_meta.save_jobs.len();
-        w.take(&out.kv_meta, stepno, || delays.next(4));
+        loads += out.kv_meta().load_jobs.len();
+        saves += out.kv_meta().save_jobs.len();
+        w.take(out.kv_meta(), stepno, || delays.next(4));
         if drafts && rng.next(20) == 0 {
             s.discard_step(&out).unwrap();
         } else if drafts {
