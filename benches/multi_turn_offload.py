@@ -8,8 +8,10 @@ time a conversation comes back its prefix has been evicted from the device. With
 (`kv_offloading_size`) it is loaded from host memory instead of computed again.
 
 Runs alternate (off, on, off, on, ...) and the script prints the medians of each: TTFT mean /
-p50 / p99 (arrival to first token), output tokens per second, prefill tokens computed and
-those served by each tier, and checks that both configurations produce the same tokens.
+p50 / p99 (arrival to first token), output tokens per second, prompt tokens computed and
+those served by each tier (at first admission), every token computed (recomputation after
+preemption included) and the preemptions, and checks that both configurations produce the
+same tokens.
 
     python benches/multi_turn_offload.py [--conversations 32 --turns 6 --repeats 3]
 """
@@ -25,7 +27,13 @@ import numpy as np
 from pagedllm import LLM, SamplingParams
 
 
-def run(args, offload: bool) -> tuple[dict[str, float], list[list[int]]]:
+def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float], list[list[int]]]:
+    """One pass of the workload; `disk`: the disk tier in that directory instead of host memory."""
+    tier = {}
+    if offload:
+        tier = {"kv_offloading_size": args.offload_gib}
+    if disk is not None:
+        tier.update(kv_offloading_backend="disk", kv_offloading_path=disk)
     llm = LLM(
         device="cpu",
         block_size=16,
@@ -33,7 +41,7 @@ def run(args, offload: bool) -> tuple[dict[str, float], list[list[int]]]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         swap_space=0.01,
-        **({"kv_offloading_size": args.offload_gib} if offload else {}),
+        **tier,
     )
     vocab = llm.llm_engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -60,6 +68,7 @@ def run(args, offload: bool) -> tuple[dict[str, float], list[list[int]]]:
             replies.append(tokens)
             h.extend(tokens)
     wall = time.perf_counter() - start
+    stats = llm.llm_engine.get_stats()
     llm.llm_engine.shutdown()
     ttfts.sort()
     figures = {
@@ -71,6 +80,10 @@ def run(args, offload: bool) -> tuple[dict[str, float], list[list[int]]]:
         "prefill_computed": prompt_tokens - cached,
         "cached_device": cached - offloaded,
         "cached_offload": offloaded,
+        "hit_rate_pct": 100 * cached / prompt_tokens,
+        # every token computed, recomputation after preemptions included
+        "batched_tokens": stats["num_batched_tokens_total"],
+        "preemptions": stats["num_preemptions"],
     }
     return figures, replies
 
@@ -87,7 +100,16 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--offload-gib", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--restart-replay",
+        metavar="DIR",
+        help="instead: the workload on the disk tier in DIR (emptied first), then again in a "
+        "new engine (a restart); prints both hit rates",
+    )
     args = p.parse_args()
+    if args.restart_replay:
+        restart_replay(args, args.restart_replay)
+        return
     results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     outputs = {}
     run(args, False)  # warm-up (first-call costs), not counted
@@ -108,6 +130,19 @@ def main() -> None:
         on = statistics.median(r[key] for r in results[True])
         ratio = off / on if on else float("nan")
         print(f"{key:22} {off:10.1f} {on:10.1f} {ratio:8.2f}")
+
+
+def restart_replay(args, directory: str) -> None:
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+    warm, warm_out = run(args, True, disk=directory)
+    restarted, restarted_out = run(args, True, disk=directory)
+    assert warm_out == restarted_out, "the restart changed the outputs"
+    for name, figures in (("warm", warm), ("after restart", restarted)):
+        print(name, {k: round(v, 2) for k, v in figures.items()})
+    ratio = restarted["hit_rate_pct"] / warm["hit_rate_pct"]
+    print(f"hit rate after restart / warm: {ratio:.2f}")
 
 
 if __name__ == "__main__":
