@@ -281,7 +281,9 @@ impl Scheduler {
         req.status = l.prev;
         req.extras.remote_job = 0;
         if !req.admitted_once {
-            req.extras.num_external_tokens = loaded * bs;
+            // Summed over its loads (a request whose loaded blocks were evicted before its
+            // admission parks again); the first admission caps it at what it found.
+            req.extras.num_external_tokens += loaded * bs;
         }
         Ok(())
     }

@@ -242,6 +242,8 @@ impl Scheduler {
         if !req.admitted_once {
             req.admitted_once = true;
             req.num_cached_tokens = computed;
+            let external = &mut req.extras.num_external_tokens;
+            *external = (*external).min(computed);
         }
         self.planner.plan_one(leader, take);
         self.apply_plan(h, out)?;

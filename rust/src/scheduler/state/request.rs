@@ -331,8 +331,8 @@ pub struct RequestExtras {
     pub grammar: GrammarState,
     /// KV connector: the transfer loading its prefix while it waits for remote KV (0: none).
     pub remote_job: u64,
-    /// KV connector: prompt tokens its first admission found through the connector (a
-    /// part of `Request::num_cached_tokens`).
+    /// KV connector: prompt tokens the connector loaded for it before its first admission,
+    /// capped there at `Request::num_cached_tokens` (of which they are a part).
     pub num_external_tokens: usize,
     /// Test-only stand-in for a feature's admission state: what
     /// `schedule::admission::conditions` answers for this request (unit tests of the seam).

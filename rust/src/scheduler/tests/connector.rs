@@ -291,6 +291,37 @@ fn a_lone_running_request_short_of_blocks_held_by_a_load_waits_instead_of_being_
 }
 
 #[test]
+fn a_request_whose_loaded_blocks_are_evicted_before_admission_loads_again_counted_once() {
+    let mut s = with_offload(4, 16, 16, 64);
+    let mut w = Workers::default();
+    seeded_tier(&mut s, &mut w);
+    s.add_request("b", params(prompt(0, 13), 1)).unwrap();
+    for _ in 0..2 {
+        let out = s.schedule(0.0).unwrap();
+        assert_eq!(out.kv_meta().load_blocks.len(), 3);
+        w.take(out.kv_meta(), 0, || 0);
+        s.update_from_output(out.step, &[], None).unwrap();
+        w.report(&mut s, None, |_| 0, |_| false);
+        // Promoted, but the device cache lets the loaded blocks go before it is admitted.
+        s.mgr.reset_prefix_cache();
+    }
+    s.mgr.reset_prefix_cache();
+    let out = s.schedule(0.0).unwrap();
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(out.num_tokens, vec![1]);
+    let r = s.request("b").unwrap();
+    assert_eq!(
+        (r.num_cached_tokens, r.extras.num_external_tokens),
+        (12, 12)
+    );
+    s.update_from_output(out.step, &[7], None).unwrap();
+    drain(&mut s, &mut w);
+}
+
+#[test]
 fn unknown_or_repeated_transfer_ids_are_refused() {
     let mut s = with_offload(4, 16, 16, 64);
     let err = s.update_connector_output(&[5], &[], &[]).unwrap_err();
