@@ -87,6 +87,19 @@ def test_outputs_are_identical_with_the_tier_on_a_workload_that_evicts_and_reloa
     drained(llm)
 
 
+def test_outputs_are_identical_with_the_tier_under_ngram_speculation_and_chunked_prefill():
+    knobs = dict(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        scheduling="chunked_prefill",
+        max_num_batched_tokens=32,
+    )
+    want = multi_turn(make_llm(**knobs), GREEDY)
+    llm = make_llm(kv_offloading_size=0.01, **knobs)
+    assert multi_turn(llm, GREEDY) == want
+    assert llm.llm_engine.scheduler.get_stats()["kv_offload_loaded_blocks"] > 0
+    drained(llm)
+
+
 class GatedLoads:
     """Holds the copy thread's loads until `release()` (a slow tier)."""
 
