@@ -100,6 +100,34 @@ def test_outputs_are_identical_with_the_tier_under_ngram_speculation_and_chunked
     drained(llm)
 
 
+def test_an_adapters_request_never_loads_the_base_models_blocks(tmp_path):
+    from pagedllm.cli.export_tiny import save_random_lora_adapter
+    from pagedllm.lora.request import LoRARequest
+
+    def turns(llm: LLM) -> list[list[int]]:
+        adapter = save_random_lora_adapter(tmp_path / "a", llm.llm_engine.model_config)
+        lora = LoRARequest("a", 1, str(adapter))
+        history = histories(1)[0]
+        out = []
+        for req in (None, lora):  # the base model's blocks, then the adapter's request
+            llm.generate({"prompt_token_ids": history}, GREEDY, lora_request=req, use_tqdm=False)
+            evict_device_cache(llm)
+        for req in (lora, None):
+            got = llm.generate(
+                {"prompt_token_ids": history + [9]}, GREEDY, lora_request=req, use_tqdm=False
+            )
+            out.append((got[0].outputs[0].token_ids, got[0].metrics.num_offloaded_cached_tokens))
+        return out
+
+    want = turns(make_llm(enable_lora=True, max_lora_rank=8))
+    llm = make_llm(kv_offloading_size=0.01, enable_lora=True, max_lora_rank=8)
+    got = turns(llm)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    # each loaded its own 12 blocks (salted by the adapter), never the other's
+    assert [offloaded for _, offloaded in got] == [48, 48]
+    drained(llm)
+
+
 class GatedLoads:
     """Holds the copy thread's loads until `release()` (a slow tier)."""
 
