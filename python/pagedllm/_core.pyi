@@ -347,6 +347,9 @@ def ngram_lookup_bounds(
     """The n-gram lookup bounds ``(max, min)`` from the ones given: one given, the other takes
     its value; neither, 4 and 1. ``ValueError`` when either is 0 or min > max."""
 
+def kv_block_file_name(block_hash: int) -> str:
+    """The disk KV tier's file name of the block with chained hash ``block_hash``."""
+
 def request_id_list(request_ids: str | _Iterable[str]) -> list[str]:
     """``abort_request``'s argument as a list of ids: one str, or an iterable of str;
     ``TypeError`` naming what was given for anything else (the engine's ``abort_request``)."""
@@ -423,6 +426,30 @@ class SchedulerOutput:
     @property
     def structured_output_samples(self) -> _npt.NDArray[_np.int64]:
         """[G] indices (into the K samples) of the samples drawn under a grammar."""
+    @property
+    def kv_load_jobs(self) -> _npt.NDArray[_np.uint64]:
+        """[L] KV connector: the transfer of each load this step starts."""
+    @property
+    def kv_load_blocks(self) -> _npt.NDArray[_np.int64]:
+        """[L] the device block each load writes."""
+    @property
+    def kv_load_slots(self) -> _npt.NDArray[_np.int64]:
+        """[L] the tier's slot each load reads."""
+    @property
+    def kv_load_hashes(self) -> _npt.NDArray[_np.uint64]:
+        """[L] the block hash each load expects to find in its slot."""
+    @property
+    def kv_save_jobs(self) -> _npt.NDArray[_np.uint64]:
+        """[M] KV connector: the transfer of each save this step starts."""
+    @property
+    def kv_save_blocks(self) -> _npt.NDArray[_np.int64]:
+        """[M] the device block each save reads."""
+    @property
+    def kv_save_slots(self) -> _npt.NDArray[_np.int64]:
+        """[M] the tier's slot each save writes."""
+    @property
+    def kv_save_hashes(self) -> _npt.NDArray[_np.uint64]:
+        """[M] the block hash of each saved block."""
 
 class Scheduler:
     """The engine's scheduler (strategies unified / prefill_first / chunked_prefill,
@@ -448,8 +475,15 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         prompt_lookup_max: int | None = None,
         prompt_lookup_min: int | None = None,
+        kv_offloading_blocks: int = 0,
+        kv_offloading_path: str | None = None,
     ) -> None:
-        """``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
+        """``kv_offloading_blocks`` > 0 attaches the native offload tier's index with that
+        many block slots (the workers own the memory): finished requests' blocks are saved
+        into it, and a request whose prefix is there waits in ``WAITING_FOR_REMOTE_KVS`` while
+        it loads. ``kv_offloading_path``: the disk tier instead, a directory of block files
+        (``kv_block_file_name``) shared with other engines.
+        ``max_loras``: most distinct LoRA adapters (``lora_id`` != 0) one step holds; 0 =
         LoRA off (a request with an adapter is then a ``ValueError``).
         ``num_speculative_tokens`` > 0 turns on n-gram speculation (``propose_drafts``) with
         lookups of ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens (one missing takes the
@@ -552,6 +586,19 @@ class Scheduler:
     def swapped_ids(self) -> list[str]: ...
     def request_status(self, request_id: str) -> str | None: ...
     def num_cached_tokens(self, request_id: str) -> int | None: ...
+    def num_external_tokens(self, request_id: str) -> int | None:
+        """The part of ``num_cached_tokens`` the KV connector (offload tier) loaded."""
+    def update_connector_output(
+        self,
+        finished_recving: _Iterable[int],
+        finished_sending: _Iterable[int],
+        invalid_blocks: _Iterable[int] = ...,
+    ) -> None:
+        """The workers' report of the KV connector's transfers: finished loads, finished
+        saves, device blocks whose load failed (recomputed). ``ValueError`` for an id the
+        scheduler is not waiting for."""
+    def has_pending_transfers(self) -> bool:
+        """Loads or saves not reported yet (their blocks stay allocated until then)."""
     def get_stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
     def set_kv_events(self, enabled: bool) -> None:

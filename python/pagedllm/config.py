@@ -29,6 +29,9 @@ DEFAULT_MODEL = TINY_RANDOM_MODEL
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
 GiB = 1 << 30
+# backends of the KV offload tier (kv_offloading_backend)
+KV_OFFLOADING_BACKENDS = ("native", "disk")
+
 # how the ranks of tensor parallelism are launched: spawned processes, or Ray actors
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # how data-parallel replicas are launched (one process per replica; "ray" not built yet)
@@ -85,6 +88,12 @@ class EngineArgs:
     # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
+    # KV offloading (vLLM's names): GiB of host memory for a second KV tier that keeps the
+    # blocks the device cache lets go (finished requests' prefixes), and its backend
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    # the disk tier's directory (kv_offloading_backend="disk"; created when missing)
+    kv_offloading_path: str | None = None
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -130,6 +139,40 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         self._validate_lora()
         self._validate_parallel()
+        self._validate_offloading()
+
+    def _validate_offloading(self) -> None:
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        if backend is not None:
+            _one_of("kv_offloading_backend", backend, KV_OFFLOADING_BACKENDS)
+        if size is None:
+            if backend is not None or self.kv_offloading_path is not None:
+                raise ValueError(
+                    f"kv_offloading_backend={backend!r} / kv_offloading_path="
+                    f"{self.kv_offloading_path!r} need kv_offloading_size (GiB)"
+                )
+            return
+        if isinstance(size, bool) or not isinstance(size, int | float) or not 0 < size < math.inf:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
+        if (self.resolved_kv_offloading_backend == "disk") != (self.kv_offloading_path is not None):
+            raise ValueError(
+                "kv_offloading_path (a directory) goes with kv_offloading_backend='disk', and "
+                f"only with it; got backend {backend!r}, path {self.kv_offloading_path!r}"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size needs enable_prefix_caching=True: the tier's blocks are "
+                "keyed by the prefix cache's hashes"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size runs with tensor_parallel_size=1 for now")
+
+    @property
+    def resolved_kv_offloading_backend(self) -> str | None:
+        """The offload tier's backend: None when off, "native" when only the size is given."""
+        if self.kv_offloading_size is None:
+            return None
+        return self.kv_offloading_backend or "native"
 
     def _validate_parallel(self) -> None:
         _positive("data_parallel_size", self.data_parallel_size)

@@ -89,6 +89,9 @@ class RequestMetrics:
     time_in_queue: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # of RequestOutput.num_cached_tokens: the tokens loaded from the KV offload tier (the rest
+    # were hits in the device prefix cache)
+    num_offloaded_cached_tokens: int = 0
 
 
 @dataclass

@@ -3,6 +3,8 @@
 //! Layers, lowest first; a module imports only from the ones before it:
 //! - [`ids`], [`error`]: the shared id types and the error type (leaves);
 //! - [`kv`]: the KV-cache memory manager (block pools, block tables, prefix cache, swap);
+//! - [`connector`]: KV connectors, the scheduler's side of a second KV tier (the native host
+//!   offload tier's index), keyed by `kv`'s block hashes;
 //! - [`spec`]: speculative decoding's proposers over token histories (n-gram lookup);
 //! - [`router`]: data-parallel routing over replicas' prefix caches (KV events), over `kv`;
 //! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks and `spec` for drafts;
@@ -11,6 +13,7 @@
 //!
 //! Everything except `bindings` is plain Rust with no Python types, so `cargo test` runs
 //! without an interpreter.
+pub mod connector;
 pub mod cpu;
 pub mod error;
 pub mod ids;

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.sampling",),  # the sampler and the rows of a verification step
     ("pagedllm.structured_output",),  # grammars, matchers, bitmasks
     ("pagedllm.worker",),  # model runner and cache engine: run the models
+    ("pagedllm.kv_transfer",),  # the offload tier's worker side: host pool, copy thread
     ("pagedllm.executor",),  # the ranks of tensor parallelism: worker processes, rank 0's runner
     ("pagedllm.spec_decode",),  # SpecDecoder, the draft model (a second runner-like user)
     ("pagedllm.kv_events",),  # KV events: the publisher (engine side), the subscriber (router)

@@ -18,6 +18,7 @@ from pagedllm.config import (
     DATA_PARALLEL_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
+    KV_OFFLOADING_BACKENDS,
     POLICIES,
     PREEMPTION_MODES,
     SCHEDULING_STRATEGIES,
@@ -174,6 +175,26 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="GiB of host memory for preempted sequences' swapped-out blocks",
     )
     g.add_argument(
+        "--kv-offloading-size",
+        type=_number(0.0, low_open=True),
+        default=_ENGINE["kv_offloading_size"],
+        help="GiB of host memory for a second KV tier: prefixes the device cache lets go are "
+        "loaded from it instead of recomputed",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        choices=KV_OFFLOADING_BACKENDS,
+        default=_ENGINE["kv_offloading_backend"],
+        help="backend of the KV offload tier: native (host memory; the default with "
+        "--kv-offloading-size) or disk (block files in --kv-offloading-path, kept across "
+        "restarts and shared by engines)",
+    )
+    g.add_argument(
+        "--kv-offloading-path",
+        default=_ENGINE["kv_offloading_path"],
+        help="directory of the disk KV tier (--kv-offloading-backend disk)",
+    )
+    g.add_argument(
         "--cpu-kv-cache-space",
         type=_number(0.0, low_open=True),
         default=_ENGINE["cpu_kv_cache_space"],
@@ -321,6 +342,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_path=args.kv_offloading_path,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -144,6 +144,8 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
+        # the offload tier (None: off): its host pool, and the copies the scheduler asks for
+        self.kv_transfer = self._kv_transfer(args)
         if draft is not None:
             draft.allocate_cache(
                 block_size=args.block_size,
@@ -167,6 +169,7 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             delay_factor=args.delay_factor,
             max_loras=args.max_loras if args.enable_lora else 0,
+            **self._kv_offloading_kwargs(args),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
         self.kv_events = self._kv_events_publisher(args)
@@ -212,10 +215,13 @@ class LLMEngine:
         return create_executor(args, self.dtype)
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (none with one rank) and the KV-event publisher.
-        The engine runs no more steps after it under tensor parallelism."""
+        """Stops the tensor-parallel workers (none with one rank), the offload tier's copy
+        thread and the KV-event publisher. The engine runs no more steps after it under tensor
+        parallelism."""
         if self.executor is not None:
             self.executor.shutdown()
+        if getattr(self, "kv_transfer", None) is not None:
+            self.kv_transfer.shutdown()
         self.close_kv_events()
 
     def close_kv_events(self) -> None:
@@ -241,6 +247,26 @@ class LLMEngine:
         self.scheduler.set_kv_events(True)
         return publisher
 
+    def _kv_transfer(self, args: EngineArgs):
+        """kv_offloading_size: the worker connector that copies blocks in and out of the tier:
+        a host pool (exactly as many blocks as the GiB hold) or the disk tier's directory."""
+        backend = args.resolved_kv_offloading_backend
+        if backend is None:
+            return None
+        from pagedllm.kv_transfer import DiskConnector, HostKVPool, OffloadingConnector
+
+        kv_cache = self.cache_engine.kv_cache
+        size = int(args.kv_offloading_size * 2**30)
+        if backend == "disk":
+            return DiskConnector(kv_cache, args.kv_offloading_path, size, model=args.model)
+        pool = HostKVPool(
+            size,
+            block_shape=(2, kv_cache.shape[1], *kv_cache.shape[3:]),
+            dtype=kv_cache.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+        return OffloadingConnector(kv_cache, pool)
+
     def _spec_decoder(self, args: EngineArgs, generator) -> SpecDecoder | None:
         config = SpeculativeConfig.from_dict(args.speculative_config)
         if config is None:
@@ -263,6 +289,14 @@ class LLMEngine:
         return DraftModelProposer(
             c.model, c.num_speculative_tokens, dtype=self.dtype, device=self.device
         )
+
+    def _kv_offloading_kwargs(self, args: EngineArgs) -> dict:
+        """The scheduler's side of the tier: the host pool's slots, or the disk directory."""
+        if self.kv_transfer is None:
+            return {}
+        if args.resolved_kv_offloading_backend == "disk":
+            return {"kv_offloading_path": args.kv_offloading_path}
+        return {"kv_offloading_blocks": self.kv_transfer.pool.num_slots}
 
     def _lora_manager(self, args: EngineArgs):
         if not args.enable_lora:
@@ -376,7 +410,12 @@ class LLMEngine:
             self._owed_outputs.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._owed_outputs)
+        # the offload tier's transfers count: their blocks come back once they are reported
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._owed_outputs)
+            or (self.kv_transfer is not None and self.scheduler.has_pending_transfers())
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.requests.num_unfinished()
@@ -400,7 +439,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.structured_output.has_pending:
             self._grammars_compiled()
+        if self.kv_transfer is not None:
+            self._transfers_finished()
         step = self.scheduler.schedule()
+        if self.kv_transfer is not None:
+            # first, before anything can fail: the scheduler holds their blocks until reported
+            self.kv_transfer.start_load_kv(step)
         t1 = time.perf_counter()
         touched: dict[str, RequestState] = {}
         for request_id in self._owed_outputs:
@@ -453,6 +497,9 @@ class LLMEngine:
         elif not step.num_seqs and self.structured_output.has_pending:
             # nothing to run but grammars to wait for: wait for one instead of spinning
             self.structured_output.wait_for_compile(timeout=0.05)
+        elif not step.num_seqs and self.kv_transfer and self.scheduler.has_pending_transfers():
+            # nothing to run but transfers (a parked request's load): wait for one
+            self.kv_transfer.wait_for_any(timeout=0.05)
         if self.spec is not None:
             self.spec.propose(
                 self.scheduler,
@@ -508,6 +555,13 @@ class LLMEngine:
     def _forward_rows(self, rows) -> torch.Tensor | None:
         """The forward of some of the step's rows (a group in quarantine, `StepRows`)."""
         return self._forward(self.runner.prepare(rows), self.prompt_logprobs.rows_of(rows))
+
+    def _transfers_finished(self) -> None:
+        """The offload tier's finished loads and saves, fed back to the scheduler: parked
+        requests whose prefix loaded become admissible, saved blocks are given back."""
+        recving, sending, invalid = self.kv_transfer.get_finished()
+        if recving or sending:
+            self.scheduler.update_connector_output(recving, sending, invalid)
 
     def _grammars_compiled(self) -> None:
         """Requests whose grammar finished compiling: schedulable from this step on, or ended
@@ -601,4 +655,6 @@ class LLMEngine:
         stats = dict(self.scheduler.get_stats())
         stats.update(self._stats.totals())
         stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
+        if self.kv_transfer is not None:
+            stats.update(self.kv_transfer.stats())
         return stats

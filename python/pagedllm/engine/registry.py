@@ -72,11 +72,14 @@ class RequestRegistry(Mapping[str, RequestState]):
     # ---- what happens to a live request -----------------------------------------------------
 
     def first_scheduled(self, request_id: str, now: float) -> None:
-        """Its first step: time in queue, and the prompt tokens the prefix cache held."""
+        """Its first step: time in queue, and the prompt tokens the prefix cache held (and
+        of those, the ones the offload tier loaded)."""
         request = self._requests[request_id]
         request.metrics.first_scheduled_time = now
         request.metrics.time_in_queue = now - request.metrics.arrival_time
         request.num_cached_tokens = self._scheduler.num_cached_tokens(request_id) or 0
+        offloaded = self._scheduler.num_external_tokens(request_id) or 0
+        request.metrics.num_offloaded_cached_tokens = offloaded
 
     def preempted(self, request_id: str) -> None:
         self._requests[request_id].metrics.num_preemptions += 1

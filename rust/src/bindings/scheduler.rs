@@ -8,12 +8,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use super::convert::{read_flags, read_i64, wall_clock, IntArg};
-use super::errors::PagedLLMError;
+use super::errors::{non_negative, PagedLLMError};
 use super::scheduler_args::{request_id_str, request_ids, RequestArgs, SchedulerArgs};
 use super::scheduler_results::{describe, drafts_tuple, finished_list, stats_dict};
 use super::step_output::PySchedulerOutput;
+use crate::connector::{block_file_name, DiskConnector, OffloadConnector};
 use crate::ids::TokenId;
 use crate::scheduler::{defaults, Policy, RequestParams, Scheduler, StepOutput, Strategy};
+use pyo3::exceptions::PyValueError;
 
 /// The engine's scheduler, usable without a model: add requests, `schedule()`, feed back
 /// sampled tokens with `update_from_output`, abort, read queues and stats.
@@ -117,7 +119,8 @@ impl PyScheduler {
                         num_lookahead_slots = defaults::NUM_LOOKAHEAD_SLOTS as i64,
                         delay_factor = defaults::DELAY_FACTOR,
                         max_loras = 0, num_speculative_tokens = 0,
-                        prompt_lookup_max = None, prompt_lookup_min = None))]
+                        prompt_lookup_max = None, prompt_lookup_min = None,
+                        kv_offloading_blocks = 0, kv_offloading_path = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: i64,
@@ -138,6 +141,8 @@ impl PyScheduler {
         num_speculative_tokens: i64,
         prompt_lookup_max: Option<i64>,
         prompt_lookup_min: Option<i64>,
+        kv_offloading_blocks: i64,
+        kv_offloading_path: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let (cache, cfg) = SchedulerArgs {
             num_gpu_blocks,
@@ -160,8 +165,32 @@ impl PyScheduler {
             prompt_lookup_min,
         }
         .into_configs()?;
+        let slots = non_negative("kv_offloading_blocks", kv_offloading_blocks)?;
+        let block_size = cache.block_size;
+        let mut inner = Scheduler::new(cache, cfg)?;
+        match (slots, kv_offloading_path) {
+            (0, None) => {}
+            (_, None) => {
+                inner.set_kv_connector(Box::new(OffloadConnector::new(block_size, slots)))?
+            }
+            (0, Some(dir)) => {
+                if !dir.is_dir() {
+                    return Err(PyValueError::new_err(format!(
+                        "kv_offloading_path {} is not a directory",
+                        dir.display()
+                    )));
+                }
+                inner.set_kv_connector(Box::new(DiskConnector::new(block_size, dir)))?
+            }
+            (_, Some(_)) => {
+                return Err(PyValueError::new_err(
+                    "kv_offloading_blocks (the host tier) and kv_offloading_path (the disk \
+                     tier) exclude each other",
+                ))
+            }
+        }
         Ok(PyScheduler {
-            inner: Scheduler::new(cache, cfg)?,
+            inner,
             py_ids: Vec::new(),
             token_scratch: Vec::new(),
         })
@@ -437,6 +466,38 @@ impl PyScheduler {
         self.inner.request(request_id).map(|r| r.num_cached_tokens)
     }
 
+    /// Prompt tokens of `num_cached_tokens` that the KV connector (the offload tier) loaded
+    /// (None for unknown or finished requests).
+    fn num_external_tokens(&self, request_id: &str) -> Option<usize> {
+        self.inner
+            .request(request_id)
+            .map(|r| r.extras.num_external_tokens)
+    }
+
+    /// The workers' report of the KV connector's transfers (vLLM's `get_finished`): transfer
+    /// ids whose loads are done, whose saves are done, and the device blocks whose load
+    /// failed (their tokens are computed again). ValueError for an id the scheduler is not
+    /// waiting for; nothing is applied then.
+    #[pyo3(signature = (finished_recving, finished_sending, invalid_blocks = Vec::new()))]
+    fn update_connector_output(
+        &mut self,
+        finished_recving: Vec<u64>,
+        finished_sending: Vec<u64>,
+        invalid_blocks: Vec<u32>,
+    ) -> PyResult<()> {
+        Ok(self.inner.update_connector_output(
+            &finished_recving,
+            &finished_sending,
+            &invalid_blocks,
+        )?)
+    }
+
+    /// Whether the KV connector has loads or saves the workers have not reported yet (their
+    /// blocks stay allocated until then).
+    fn has_pending_transfers(&self) -> bool {
+        self.inner.has_pending_transfers()
+    }
+
     /// Queue lengths, KV usage, prefix-cache counters (in blocks), preemptions by mode.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, self.inner.stats())
@@ -536,7 +597,15 @@ impl PyScheduler {
     }
 }
 
+/// The disk tier's file name of the block with chained hash `block_hash` (the scheduler
+/// looks for it, the workers write and read it).
+#[pyfunction]
+fn kv_block_file_name(block_hash: u64) -> String {
+    block_file_name(block_hash)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
+    m.add_function(wrap_pyfunction!(kv_block_file_name, m)?)?;
     super::scheduler_args::register(m)
 }

@@ -64,6 +64,17 @@ pub(crate) fn stats_dict(py: Python<'_>, s: SchedulerStats) -> PyResult<Bound<'_
     d.set_item("num_aborted", c.num_aborted)?;
     d.set_item("num_batched_tokens_total", c.num_batched_tokens_total)?;
     d.set_item("num_rolled_back_steps", c.num_rolled_back_steps)?;
+    if let Some(o) = s.offload {
+        d.set_item("num_waiting_for_remote_kvs", s.num_waiting_for_remote_kvs)?;
+        d.set_item("kv_offload_num_slots", o.num_slots)?;
+        d.set_item("kv_offload_used_slots", o.num_used_slots)?;
+        d.set_item("kv_offload_hit_blocks", o.hit_blocks)?;
+        d.set_item("kv_offload_missed_blocks", o.missed_blocks)?;
+        d.set_item("kv_offload_loaded_blocks", o.loaded_blocks)?;
+        d.set_item("kv_offload_failed_blocks", o.failed_blocks)?;
+        d.set_item("kv_offload_saved_blocks", o.saved_blocks)?;
+        d.set_item("kv_offload_evicted_blocks", o.evicted_blocks)?;
+    }
     Ok(d)
 }
 

@@ -199,6 +199,22 @@ step_output_fields! {
         };
         /// int64 [D] the draft tokens, row order.
         spec_draft_token_ids = |o, s, py| array_of(py, &o.extras.spec_draft_token_ids);
+        /// uint64 [L] KV connector: the transfer of each load this step starts.
+        kv_load_jobs = |o, s, py| array_of(py, &o.kv_meta().load_jobs);
+        /// int64 [L] the device block each load writes.
+        kv_load_blocks = |o, s, py| array_of(py, &o.kv_meta().load_blocks);
+        /// int64 [L] the tier's slot each load reads.
+        kv_load_slots = |o, s, py| array_of(py, &o.kv_meta().load_slots);
+        /// uint64 [L] the block hash each load expects to find in its slot.
+        kv_load_hashes = |o, s, py| array_of(py, &o.kv_meta().load_hashes);
+        /// uint64 [M] KV connector: the transfer of each save this step starts.
+        kv_save_jobs = |o, s, py| array_of(py, &o.kv_meta().save_jobs);
+        /// int64 [M] the device block each save reads.
+        kv_save_blocks = |o, s, py| array_of(py, &o.kv_meta().save_blocks);
+        /// int64 [M] the tier's slot each save writes.
+        kv_save_slots = |o, s, py| array_of(py, &o.kv_meta().save_slots);
+        /// uint64 [M] the block hash of each saved block.
+        kv_save_hashes = |o, s, py| array_of(py, &o.kv_meta().save_hashes);
     }
 }
 

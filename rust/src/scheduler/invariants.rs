@@ -40,6 +40,7 @@ impl Scheduler {
             ));
         }
         let mut seats = 0;
+        let mut held_by_requests = 0;
         for (&h, &q) in &place {
             let Some(req) = self.store.try_get(h) else {
                 return Err(format!("queue {q} names empty slot {h}"));
@@ -66,8 +67,16 @@ impl Scheduler {
                 return Err(format!("request {}: unfinished count is off", req.id));
             }
             let active: Vec<usize> = req.active_seqs().collect();
+            // Parked for a KV connector's load: its one sequence holds device blocks.
+            let loading = req.status == RequestStatus::WaitingForRemoteKvs;
+            if loading && (req.seqs.len() != 1 || req.extras.remote_job == 0) {
+                return Err(format!(
+                    "request {} waits for remote KV without a load",
+                    req.id
+                ));
+            }
             for (i, s) in req.seqs.iter().enumerate() {
-                let holds = q == "running" || q == "swapped";
+                let holds = q == "running" || q == "swapped" || loading;
                 let should_hold = holds && active.contains(&i);
                 if self.mgr.contains(s.id) != should_hold {
                     return Err(format!(
@@ -106,13 +115,23 @@ impl Scheduler {
                     }
                 }
                 let stale_progress = q == "waiting" && !s.is_finished() && s.num_computed != 0;
-                if !should_hold && (!s.table.is_empty() || stale_progress) {
+                if (!should_hold || loading) && (!s.table.is_empty() || stale_progress) {
                     return Err(format!("request {} seq {i}: holds state while {q}", req.id));
                 }
             }
             if q == "running" {
                 seats += req.seats();
             }
+            held_by_requests += req.seqs.iter().filter(|s| self.mgr.contains(s.id)).count();
+        }
+        // Every other table is a finished or aborted request's, held for a connector's transfer.
+        if self.mgr.num_sequences() != held_by_requests + self.kv.num_held_seqs() {
+            return Err(format!(
+                "the manager holds {} sequences: {held_by_requests} of live requests, {} held \
+                 for transfers",
+                self.mgr.num_sequences(),
+                self.kv.num_held_seqs()
+            ));
         }
         if seats != queues.running_seats {
             return Err(format!("running seats {} != {seats}", queues.running_seats));

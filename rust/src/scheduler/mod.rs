@@ -52,6 +52,8 @@
 //! - `features/lora.rs` — a step holds at most `max_loras` adapters; each row's adapter;
 //! - `features/grammar.rs` — structured output: a grammar compiled (`grammar_ready`), the
 //!   step's constrained samples;
+//! - `features/connector.rs` — a KV connector (`crate::connector`): requests parked in
+//!   `WAITING_FOR_REMOTE_KVS` while their prefix loads, blocks held while they are saved;
 //! - `features/spec/` — speculative decoding: the drafts (`propose.rs`: the n-gram proposer
 //!   of `crate::spec`, or drafts set from outside), their fast path (`fast_path.rs`), their
 //!   columns in the output (`record.rs`).
@@ -113,6 +115,7 @@ pub use state::request::{
 };
 pub use stats::{SchedulerCounters, SchedulerStats};
 
+use features::connector::ConnectorState;
 use features::spec::SpecState;
 use output::record::Recorder;
 use schedule::admission::AdmissionDelay;
@@ -134,6 +137,7 @@ pub struct Scheduler {
     delay: AdmissionDelay,
     counters: SchedulerCounters,
     spec: SpecState,
+    kv: ConnectorState,
 }
 
 impl Scheduler {
@@ -153,6 +157,7 @@ impl Scheduler {
             delay: AdmissionDelay::default(),
             counters: SchedulerCounters::default(),
             spec: SpecState::default(),
+            kv: ConnectorState::default(),
         })
     }
 
@@ -272,9 +277,14 @@ impl Scheduler {
     /// Drops a request that left every queue, freeing whatever blocks it still holds.
     fn release(&mut self, h: u32) -> Result<Request> {
         self.recorder.materialize_pending(&self.store);
+        // A KV connector may keep a sequence's blocks while it loads or saves them.
+        let held = match self.kv.is_attached() {
+            true => self.kv.hold(self.store.get(h), &self.mgr),
+            false => None,
+        };
         let req = self.store.take(h);
         for s in &req.seqs {
-            if self.mgr.contains(s.id) {
+            if Some(s.id) != held && self.mgr.contains(s.id) {
                 self.mgr.free(s.id)?;
             }
         }

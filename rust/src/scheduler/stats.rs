@@ -1,4 +1,5 @@
 //! Statistics: counters beyond the queue lengths, and the `get_stats()` snapshot.
+use crate::connector::OffloadStats;
 use crate::kv::CacheStats;
 
 use super::Scheduler;
@@ -26,6 +27,9 @@ pub struct SchedulerStats {
     pub num_running_seqs: usize,
     pub counters: SchedulerCounters,
     pub cache: CacheStats,
+    /// The KV connector's tier, when one is attached and keeps counters.
+    pub offload: Option<OffloadStats>,
+    pub num_waiting_for_remote_kvs: usize,
 }
 
 impl Scheduler {
@@ -37,6 +41,8 @@ impl Scheduler {
             num_running_seqs: self.queues.running_seats,
             counters: self.counters,
             cache: self.mgr.stats(),
+            offload: self.kv_connector().and_then(|c| c.offload_stats()),
+            num_waiting_for_remote_kvs: self.num_waiting_for_remote_kvs(),
         }
     }
 }

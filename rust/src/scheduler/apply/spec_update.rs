@@ -51,6 +51,7 @@ impl Scheduler {
             mgr,
             queues,
             ledger,
+            kv,
             recorder,
             ..
         } = self;
@@ -75,6 +76,7 @@ impl Scheduler {
                     idx as u32,
                     fin,
                     mgr,
+                    kv,
                     queues,
                     &mut ledger.finished,
                     &mut finished,

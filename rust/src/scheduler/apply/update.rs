@@ -6,6 +6,7 @@ use crate::ids::TokenId;
 use crate::kv::KvCacheManager;
 
 use super::stop::FinishReason;
+use crate::scheduler::features::connector::ConnectorState;
 use crate::scheduler::output::FinishedSeq;
 use crate::scheduler::state::queue::Queues;
 use crate::scheduler::state::request::{Request, RequestStatus, Seqs, Sequence};
@@ -32,6 +33,7 @@ impl Scheduler {
             mgr,
             queues,
             ledger,
+            kv,
             ..
         } = self;
         let slots = store.slots_mut();
@@ -89,6 +91,7 @@ impl Scheduler {
                 idx,
                 (reason, stop_reason),
                 mgr,
+                kv,
                 queues,
                 &mut ledger.finished,
                 &mut finished,
@@ -152,6 +155,7 @@ pub(super) fn finish_seq(
     idx: u32,
     (reason, stop_reason): (FinishReason, Option<TokenId>),
     mgr: &mut KvCacheManager,
+    kv: &mut ConnectorState,
     queues: &mut Queues,
     ledger_finished: &mut Vec<(u32, u32)>,
     finished: &mut Vec<FinishedSeq>,
@@ -161,7 +165,9 @@ pub(super) fn finish_seq(
     // The mirror is cleared by the caller, once pending outputs have their snapshots.
     ledger_finished.push((h, idx));
     let seq_id = seq.id;
-    if mgr.contains(seq_id) {
+    // A KV connector may save the last sequence's blocks: they stay allocated until it is done.
+    let held = kv.is_attached() && req.num_unfinished == 1 && kv.hold(req, mgr).is_some();
+    if !held && mgr.contains(seq_id) {
         mgr.free(seq_id)?;
     }
     req.num_unfinished -= 1;

@@ -4,6 +4,7 @@
 //! forward pass over `input_ids`.
 use std::sync::{Arc, Mutex};
 
+use crate::connector::ConnectorMeta;
 use crate::ids::{BlockId, TokenId};
 
 use crate::scheduler::FinishReason;
@@ -87,6 +88,9 @@ pub struct StepOutput {
     pub num_batched_tokens: usize,
     /// What features beyond the core hand the model runner per row (see [`StepExtras`]).
     pub extras: StepExtras,
+    /// A KV connector's loads and saves for the workers (`None` without one: boxed, so a
+    /// scheduler without a connector moves no larger output; read it with `kv_meta()`).
+    pub kv_meta: Option<Box<ConnectorMeta>>,
 }
 
 /// The place for per-row (or per-request) step data that features beyond the core add:
@@ -191,6 +195,15 @@ impl StepOutput {
         self.finished.clear();
         self.num_batched_tokens = 0;
         self.extras.clear();
+        if let Some(meta) = &mut self.kv_meta {
+            meta.clear();
+        }
+    }
+
+    /// The KV connector's loads and saves (empty without a connector).
+    pub fn kv_meta(&self) -> &ConnectorMeta {
+        static EMPTY: ConnectorMeta = ConnectorMeta::EMPTY;
+        self.kv_meta.as_deref().unwrap_or(&EMPTY)
     }
 
     /// Pre-size the per-sequence arrays from the previous step's size.

@@ -23,7 +23,7 @@ use super::budget::{Budget, Cut};
 use super::plan::sync_mirror;
 use crate::scheduler::output::StepOutput;
 use crate::scheduler::state::queue::{Queue, Queues};
-use crate::scheduler::state::request::{GrammarState, Request};
+use crate::scheduler::state::request::{GrammarState, Request, RequestStatus};
 use crate::scheduler::state::store::RequestStore;
 use crate::scheduler::Scheduler;
 
@@ -76,6 +76,10 @@ pub(in crate::scheduler) enum Short {
 #[inline]
 pub(super) fn conditions(req: &Request, from: Queue, budget: &Budget) -> Option<Verdict> {
     let _ = from;
+    // KV connector: its prefix is loading (`features/connector.rs`).
+    if req.status == RequestStatus::WaitingForRemoteKvs {
+        return Some(Verdict::Wait);
+    }
     // Structured output: nothing to sample with until the grammar is compiled.
     if req.extras.grammar == GrammarState::Compiling {
         return Some(Verdict::Wait);
@@ -211,6 +215,14 @@ impl Scheduler {
         } else {
             PrefixHit::default()
         };
+        // A KV connector that holds the prefix past the hit parks the request while it loads.
+        let hit = match self.kv.is_attached() {
+            false => hit,
+            true => match self.park_for_remote_kvs(h, hit)? {
+                Some(hit) => hit,
+                None => return Ok(Verdict::Wait),
+            },
+        };
         let computed = hit.num_cached_tokens;
         let take = budget.cut.take(target - computed, budget.tokens, cap);
         if take == 0 {
@@ -230,6 +242,8 @@ impl Scheduler {
         if !req.admitted_once {
             req.admitted_once = true;
             req.num_cached_tokens = computed;
+            let external = &mut req.extras.num_external_tokens;
+            *external = (*external).min(computed);
         }
         self.planner.plan_one(leader, take);
         self.apply_plan(h, out)?;

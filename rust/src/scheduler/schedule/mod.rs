@@ -51,6 +51,7 @@ impl Scheduler {
         self.record_lora_ids(&mut out);
         self.recorder.seal(&mut out);
         self.seal_drafts(&mut out);
+        self.seal_connector_meta(&mut out);
         self.ledger.open(&out);
         self.counters.num_steps += 1;
         self.counters.num_batched_tokens_total += out.num_batched_tokens as u64;

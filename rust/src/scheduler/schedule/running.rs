@@ -61,6 +61,12 @@ impl Scheduler {
                     i += 1;
                     break;
                 }
+                if self.queues.running.len() == 1 && self.has_pending_transfers() {
+                    // Alone and short while a KV connector's transfers hold blocks: they
+                    // come back once reported, so it waits (keeping its blocks) meanwhile.
+                    i += 1;
+                    break;
+                }
                 if self.queues.running.len() == 1 {
                     // Alone and still short: only this request holds device blocks, so it
                     // can never grow. Preempting it would only bring it back (a livelock).

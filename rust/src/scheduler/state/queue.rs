@@ -209,7 +209,9 @@ impl Queues {
     /// puts it in. Returns false for statuses no queue holds.
     pub(in crate::scheduler) fn remove_request(&mut self, h: u32, store: &RequestStore) -> bool {
         match store.get(h).status {
-            RequestStatus::Waiting | RequestStatus::Preempted => self.remove(Queue::Waiting, h),
+            RequestStatus::Waiting
+            | RequestStatus::WaitingForRemoteKvs
+            | RequestStatus::Preempted => self.remove(Queue::Waiting, h),
             RequestStatus::Running => self.remove_running(h, store),
             RequestStatus::Swapped => self.remove(Queue::Swapped, h),
             RequestStatus::FinishedIgnored => self.pending_ignored.retain(|(x, _)| *x != h),

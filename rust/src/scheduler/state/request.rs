@@ -19,6 +19,9 @@ use crate::scheduler::{FinishReason, StopParams};
 #[repr(u64)]
 pub enum RequestStatus {
     Waiting,
+    /// In `waiting` with device blocks allocated while a KV connector loads its prefix
+    /// (`features/connector.rs`); admission steps over it until the load is reported.
+    WaitingForRemoteKvs,
     Running,
     Swapped,
     /// Preempted by recompute: back in `waiting`, its generated tokens kept.
@@ -33,6 +36,7 @@ impl RequestStatus {
     pub fn as_str(self) -> &'static str {
         match self {
             RequestStatus::Waiting => "WAITING",
+            RequestStatus::WaitingForRemoteKvs => "WAITING_FOR_REMOTE_KVS",
             RequestStatus::Running => "RUNNING",
             RequestStatus::Swapped => "SWAPPED",
             RequestStatus::Preempted => "PREEMPTED",
@@ -55,7 +59,10 @@ impl RequestStatus {
 
     /// Statuses a request sitting in `waiting` may have.
     pub fn is_waiting(self) -> bool {
-        matches!(self, RequestStatus::Waiting | RequestStatus::Preempted)
+        matches!(
+            self,
+            RequestStatus::Waiting | RequestStatus::WaitingForRemoteKvs | RequestStatus::Preempted
+        )
     }
 }
 
@@ -322,6 +329,11 @@ pub struct RequestExtras {
     /// Structured output: whether the request samples under a grammar and whether that
     /// grammar is compiled yet (see `features/grammar.rs`).
     pub grammar: GrammarState,
+    /// KV connector: the transfer loading its prefix while it waits for remote KV (0: none).
+    pub remote_job: u64,
+    /// KV connector: prompt tokens the connector loaded for it before its first admission,
+    /// capped there at `Request::num_cached_tokens` (of which they are a part).
+    pub num_external_tokens: usize,
     /// Test-only stand-in for a feature's admission state: what
     /// `schedule::admission::conditions` answers for this request (unit tests of the seam).
     #[cfg(test)]

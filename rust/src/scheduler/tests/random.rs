@@ -9,9 +9,10 @@ const STRATEGIES: [Strategy; 3] = [
 ];
 
 /// Tiny deterministic generator for the seeded workload.
-struct Lcg(u64);
+#[derive(Debug)]
+pub(super) struct Lcg(pub(super) u64);
 impl Lcg {
-    fn next(&mut self, n: u64) -> u64 {
+    pub(super) fn next(&mut self, n: u64) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)

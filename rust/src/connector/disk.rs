@@ -1,0 +1,178 @@
+//! The disk tier's scheduler side (`kv_offloading_backend="disk"`): one file per block in a
+//! directory, named by the block's chained hash ([`block_file_name`]), so that the tier
+//! outlives the engine and several engines on one machine (data-parallel replicas) share it:
+//! a block one of them saved is a hit for every other.
+//!
+//! The directory is the index: a block matches when its file exists (the workers write a
+//! file under a temporary name and rename it, so a visible file is complete). The workers
+//! check each file's header (model, dtype, block size, layout) before loading it and report
+//! a mismatched or truncated one as a failed load; this side then never offers that hash
+//! again. Capacity (LRU by modification time) is the workers' business: they touch a file
+//! when they load it and delete the oldest when a save would exceed the size.
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use super::{ConnectorMeta, ConnectorOutput, ConnectorRequest, KvConnector, OffloadStats};
+use crate::ids::BlockId;
+use crate::kv::prefix_cache::PrefixCache;
+
+/// The file of block `hash` inside the tier's directory (the workers name files by this too).
+pub fn block_file_name(hash: u64) -> String {
+    format!("{hash:016x}.kvblock")
+}
+
+#[derive(Debug)]
+pub struct DiskConnector {
+    block_size: usize,
+    dir: PathBuf,
+    /// Hashes whose file failed to load here (mismatched, truncated, gone): not offered again.
+    bad: HashSet<u64>,
+    /// Hashes this engine is saving (not visible until renamed): not saved twice.
+    saving: HashSet<u64>,
+    /// Transfer -> (device block, hash) of each block it moves.
+    jobs: std::collections::HashMap<u64, Vec<(BlockId, u64)>>,
+    pending: ConnectorMeta,
+    stats: OffloadStats,
+}
+
+impl DiskConnector {
+    pub fn new(block_size: usize, dir: impl Into<PathBuf>) -> Self {
+        DiskConnector {
+            block_size,
+            dir: dir.into(),
+            bad: HashSet::new(),
+            saving: HashSet::new(),
+            jobs: Default::default(),
+            pending: ConnectorMeta::default(),
+            stats: OffloadStats::default(),
+        }
+    }
+
+    fn on_disk(&self, hash: u64) -> bool {
+        !self.bad.contains(&hash) && self.dir.join(block_file_name(hash)).is_file()
+    }
+}
+
+impl KvConnector for DiskConnector {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: &ConnectorRequest<'_>,
+        num_computed: usize,
+    ) -> (usize, bool) {
+        let bs = self.block_size;
+        let eligible =
+            PrefixCache::eligible_blocks(req.tokens.len(), bs).min(req.block_hashes.len());
+        let start = (num_computed / bs).min(eligible);
+        let hits = req.block_hashes[start..eligible]
+            .iter()
+            .take_while(|&&h| self.on_disk(h))
+            .count();
+        if hits == 0 {
+            self.stats.missed_blocks += (eligible - start) as u64;
+        }
+        (hits * bs, true)
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        req: &ConnectorRequest<'_>,
+        blocks: &[BlockId],
+        num_external_tokens: usize,
+    ) {
+        let n = num_external_tokens / self.block_size;
+        let first = blocks.len() - n;
+        let mut moved = Vec::with_capacity(n);
+        for (i, &block) in blocks.iter().enumerate().skip(first) {
+            let hash = req.block_hashes[i];
+            self.pending.push_load(req.job, block, 0, hash);
+            moved.push((block, hash));
+        }
+        self.stats.hit_blocks += n as u64;
+        self.jobs.insert(req.job, moved);
+    }
+
+    fn build_connector_meta(&mut self, meta: &mut ConnectorMeta) {
+        self.pending.drain_into(meta);
+    }
+
+    fn request_finished(&mut self, req: &ConnectorRequest<'_>, blocks: &[BlockId]) -> bool {
+        let mut moved = Vec::new();
+        for (&block, &hash) in blocks.iter().zip(req.block_hashes) {
+            if self.saving.contains(&hash) || self.on_disk(hash) {
+                continue;
+            }
+            self.bad.remove(&hash); // a fresh save replaces a bad file
+            self.saving.insert(hash);
+            self.pending.push_save(req.job, block, 0, hash);
+            moved.push((block, hash));
+        }
+        if moved.is_empty() {
+            return false;
+        }
+        self.stats.saved_blocks += moved.len() as u64;
+        self.jobs.insert(req.job, moved);
+        true
+    }
+
+    fn update_connector_output(&mut self, out: &ConnectorOutput<'_>) {
+        for job in out.finished_sending {
+            for (_, hash) in self.jobs.remove(job).unwrap_or_default() {
+                self.saving.remove(&hash);
+            }
+        }
+        for job in out.finished_recving {
+            for (block, hash) in self.jobs.remove(job).unwrap_or_default() {
+                if out.invalid_blocks.contains(&block) {
+                    self.stats.failed_blocks += 1;
+                    self.bad.insert(hash);
+                } else {
+                    self.stats.loaded_blocks += 1;
+                }
+            }
+        }
+    }
+
+    fn offload_stats(&self) -> Option<OffloadStats> {
+        Some(self.stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_matches_while_its_file_exists_and_never_after_a_failed_load() {
+        let dir = std::env::temp_dir().join(format!("pagedllm-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = DiskConnector::new(2, &dir);
+        let tokens = [1; 7];
+        let hashes = [10, 11, 12];
+        let r = |job| ConnectorRequest {
+            id: "r",
+            job,
+            tokens: &tokens,
+            block_hashes: &hashes,
+        };
+        assert_eq!(c.get_num_new_matched_tokens(&r(0), 0), (0, true));
+        // Saving: not offered until the file is there, never saved twice meanwhile.
+        assert!(c.request_finished(&r(1), &[4, 5, 6]));
+        assert!(!c.request_finished(&r(2), &[4, 5, 6]));
+        for h in [10, 11] {
+            std::fs::write(dir.join(block_file_name(h)), b"x").unwrap();
+        }
+        c.update_connector_output(&ConnectorOutput {
+            finished_sending: &[1],
+            ..Default::default()
+        });
+        assert_eq!(c.get_num_new_matched_tokens(&r(0), 0), (4, true));
+        c.update_state_after_alloc(&r(3), &[7, 8], 4);
+        c.update_connector_output(&ConnectorOutput {
+            finished_recving: &[3],
+            invalid_blocks: &[8],
+            ..Default::default()
+        });
+        assert_eq!(c.get_num_new_matched_tokens(&r(0), 0), (2, true));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

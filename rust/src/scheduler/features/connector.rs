@@ -1,0 +1,298 @@
+//! A KV connector attached to the scheduler (`crate::connector`): requests whose prefix the
+//! connector holds past the device hit wait in `WAITING_FOR_REMOTE_KVS` with their blocks
+//! allocated while the workers load it; finished requests' blocks stay allocated while the
+//! connector saves them (delay_free).
+//!
+//! The lifecycle of a load (`park_for_remote_kvs` at admission, `promote` when reported):
+//! the request's leader gets a table of its device hit plus fresh blocks for the external
+//! tokens, keeps its place in `waiting` (admission steps over it, others pass) and takes no
+//! seat; once the load is reported the blocks that loaded (up to the first failed one) are
+//! registered in the device prefix cache and the table is given back, so the request's next
+//! admission finds them as an ordinary prefix hit and computes only the rest (a failed
+//! block and those after it are computed again; the connector forgets the failed entry).
+//!
+//! Blocks that the workers may still be writing or reading are never freed early: an
+//! aborted loading request, or a finished one being saved, leaves its sequence in `held`
+//! under the transfer until the workers report it.
+//!
+//! Scope: single-sequence requests (`n = 1`) with prefix caching on (the tier is keyed by
+//! its hashes); `n > 1` requests run as if no connector were attached.
+use std::collections::HashMap;
+
+use crate::connector::{ConnectorOutput, ConnectorRequest, KvConnector};
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::kv::{KvCacheManager, Location, PrefixHit};
+use crate::scheduler::output::StepOutput;
+use crate::scheduler::state::request::{Request, RequestStatus};
+use crate::scheduler::Scheduler;
+
+/// A parked request's load.
+#[derive(Debug, Clone, Copy)]
+struct Loading {
+    handle: u32,
+    seq: SeqId,
+    /// Its first loaded block and how many.
+    first_block: usize,
+    num_blocks: usize,
+    /// Its status before it was parked (`Waiting`, or `Preempted` for one coming back).
+    prev: RequestStatus,
+}
+
+#[derive(Debug, Default)]
+pub(in crate::scheduler) struct ConnectorState {
+    connector: Option<Box<dyn KvConnector>>,
+    next_job: u64,
+    loading: HashMap<u64, Loading>,
+    /// Transfer -> sequences whose blocks stay allocated until it is reported.
+    held: HashMap<u64, Vec<SeqId>>,
+}
+
+impl ConnectorState {
+    #[inline]
+    pub(in crate::scheduler) fn is_attached(&self) -> bool {
+        self.connector.is_some()
+    }
+
+    fn next_job(&mut self) -> u64 {
+        self.next_job += 1;
+        self.next_job
+    }
+
+    /// Sequences the held transfers keep in the manager.
+    pub(in crate::scheduler) fn num_held_seqs(&self) -> usize {
+        self.held.values().map(Vec::len).sum()
+    }
+
+    pub(in crate::scheduler) fn connector(&self) -> Option<&dyn KvConnector> {
+        self.connector.as_deref()
+    }
+
+    /// Request `req` gives back its blocks (it finished, or was aborted): the sequence whose
+    /// blocks must stay allocated, if any, moved to `held` (the caller frees the others). A
+    /// load in flight keeps its blocks (the workers may still write them); otherwise the
+    /// connector may save the computed full blocks of a single-sequence request
+    /// (`request_finished` -> delay_free).
+    pub(in crate::scheduler) fn hold(
+        &mut self,
+        req: &Request,
+        mgr: &KvCacheManager,
+    ) -> Option<SeqId> {
+        let connector = self.connector.as_mut()?;
+        let job = req.extras.remote_job;
+        if job != 0 {
+            let l = self.loading.remove(&job)?;
+            self.held.entry(job).or_default().push(l.seq);
+            return Some(l.seq);
+        }
+        if req.seqs.len() != 1 {
+            return None;
+        }
+        let seq = req.seqs[0].id;
+        if self.held.values().any(|seqs| seqs.contains(&seq)) {
+            return Some(seq); // held when it finished (a save in flight)
+        }
+        let table = mgr.table(seq).ok()?;
+        if table.location != Location::Device || table.num_registered == 0 {
+            return None;
+        }
+        let n = table.num_registered;
+        let job = self.next_job + 1;
+        let creq = ConnectorRequest {
+            id: &req.id,
+            job,
+            tokens: &req.seqs[0].tokens,
+            block_hashes: &table.hashes[..n],
+        };
+        if !connector.request_finished(&creq, &table.blocks[..n]) {
+            return None;
+        }
+        self.next_job = job;
+        self.held.insert(job, vec![seq]);
+        Some(seq)
+    }
+}
+
+impl Scheduler {
+    /// Attaches `connector` (before any request is added). Needs prefix caching: the
+    /// connector's entries are keyed by the prefix cache's block hashes.
+    pub fn set_kv_connector(&mut self, connector: Box<dyn KvConnector>) -> Result<()> {
+        if !self.caching() {
+            return Err(Error::InvalidArgument(
+                "a KV connector (kv_offloading_size) needs enable_prefix_caching=True: its \
+                 blocks are keyed by the prefix cache's hashes"
+                    .into(),
+            ));
+        }
+        if self.has_unfinished_requests() {
+            return Err(Error::InvalidState(
+                "a KV connector is attached before any request is added".into(),
+            ));
+        }
+        self.kv.connector = Some(connector);
+        Ok(())
+    }
+
+    pub fn kv_connector(&self) -> Option<&dyn KvConnector> {
+        self.kv.connector()
+    }
+
+    /// Loads or saves the workers have not reported yet.
+    pub fn has_pending_transfers(&self) -> bool {
+        !self.kv.loading.is_empty() || !self.kv.held.is_empty()
+    }
+
+    /// Requests waiting in `WAITING_FOR_REMOTE_KVS`.
+    pub fn num_waiting_for_remote_kvs(&self) -> usize {
+        self.kv.loading.len()
+    }
+
+    /// Admission of waiting request `h`, whose leader's device hit is `hit`: when the
+    /// connector can load tokens past it, the leader gets blocks for them and the request is
+    /// parked (returns `Ok(None)`: the hit was consumed). `Ok(Some(hit))`: admit as usual.
+    /// `Err` only from the manager; `Ok(Some(..))` also when the blocks do not fit now (the
+    /// usual admission then answers LATER).
+    pub(in crate::scheduler) fn park_for_remote_kvs(
+        &mut self,
+        h: u32,
+        hit: PrefixHit,
+    ) -> Result<Option<PrefixHit>> {
+        let Some(connector) = self.kv.connector.as_mut() else {
+            return Ok(Some(hit));
+        };
+        let req = self.store.get(h);
+        if req.seqs.len() != 1 {
+            return Ok(Some(hit));
+        }
+        let s = &req.seqs[0];
+        let target = req.leader_target();
+        let computed = hit.num_cached_tokens;
+        let creq = ConnectorRequest {
+            id: &req.id,
+            job: 0,
+            tokens: &s.tokens[..target],
+            block_hashes: &hit.hashes,
+        };
+        let (external, _is_async) = connector.get_num_new_matched_tokens(&creq, computed);
+        let bs = self.mgr.block_size();
+        if external == 0 || external % bs != 0 || computed + external >= target {
+            return Ok(Some(hit));
+        }
+        let seq = s.id;
+        let hashes = hit.hashes.clone();
+        if !self.mgr.allocate(seq, &hit, computed + external, true)? {
+            return Ok(Some(hit));
+        }
+        let job = self.kv.next_job();
+        let req = self.store.get_mut(h);
+        let creq = ConnectorRequest {
+            id: &req.id,
+            job,
+            tokens: &req.seqs[0].tokens[..target],
+            block_hashes: &hashes,
+        };
+        let blocks = self.mgr.block_table(seq)?;
+        let connector = self.kv.connector.as_mut().expect("checked above");
+        connector.update_state_after_alloc(&creq, blocks, external);
+        self.kv.loading.insert(
+            job,
+            Loading {
+                handle: h,
+                seq,
+                first_block: computed / bs,
+                num_blocks: external / bs,
+                prev: req.status,
+            },
+        );
+        req.status = RequestStatus::WaitingForRemoteKvs;
+        req.extras.remote_job = job;
+        Ok(None)
+    }
+
+    /// The connector's loads and saves of this step, into `out` (end of `schedule`).
+    #[inline]
+    pub(in crate::scheduler) fn seal_connector_meta(&mut self, out: &mut StepOutput) {
+        if let Some(connector) = self.kv.connector.as_mut() {
+            connector.build_connector_meta(out.kv_meta.get_or_insert_with(Default::default));
+        }
+    }
+
+    /// The workers' report (vLLM's `get_finished`): transfers whose loads are done (with the
+    /// device blocks that failed to load) and whose saves are done. Parked requests whose
+    /// load is done go back to `waiting`'s ordinary admission; held blocks are freed.
+    /// An id the scheduler does not know is an error, and nothing is applied then.
+    pub fn update_connector_output(
+        &mut self,
+        finished_recving: &[u64],
+        finished_sending: &[u64],
+        invalid_blocks: &[BlockId],
+    ) -> Result<()> {
+        for job in finished_recving {
+            if !self.kv.loading.contains_key(job) && !self.kv.held.contains_key(job) {
+                return Err(unknown_transfer("finished_recving", *job));
+            }
+        }
+        for job in finished_sending {
+            if !self.kv.held.contains_key(job) || self.kv.loading.contains_key(job) {
+                return Err(unknown_transfer("finished_sending", *job));
+            }
+        }
+        let Some(connector) = self.kv.connector.as_mut() else {
+            return Ok(());
+        };
+        connector.update_connector_output(&ConnectorOutput {
+            finished_recving,
+            finished_sending,
+            invalid_blocks,
+        });
+        for job in finished_sending.iter().chain(finished_recving) {
+            if let Some(seqs) = self.kv.held.remove(job) {
+                for seq in seqs {
+                    self.mgr.free(seq)?;
+                }
+            }
+        }
+        for job in finished_recving {
+            if let Some(l) = self.kv.loading.remove(job) {
+                self.promote(l, invalid_blocks)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A parked request whose load is done: the blocks that loaded go to the device prefix
+    /// cache (up to the first failed one), its table is given back, it waits as before.
+    fn promote(&mut self, l: Loading, invalid_blocks: &[BlockId]) -> Result<()> {
+        let bs = self.mgr.block_size();
+        let table = self.mgr.block_table(l.seq)?;
+        let loaded = table[l.first_block..l.first_block + l.num_blocks]
+            .iter()
+            .take_while(|b| !invalid_blocks.contains(b))
+            .count();
+        let req = self.store.get_mut(l.handle);
+        let s = &req.seqs[0];
+        self.mgr.cache_full_blocks(
+            l.seq,
+            &s.tokens,
+            (l.first_block + loaded) * bs,
+            req.extra_key,
+        )?;
+        self.mgr.free(l.seq)?;
+        req.status = l.prev;
+        req.extras.remote_job = 0;
+        if !req.admitted_once {
+            // Summed over its loads (a request whose loaded blocks were evicted before its
+            // admission parks again); the first admission caps it at what it found.
+            req.extras.num_external_tokens += loaded * bs;
+        }
+        Ok(())
+    }
+}
+
+#[cold]
+fn unknown_transfer(field: &str, job: u64) -> Error {
+    Error::InvalidArgument(format!(
+        "{field}: transfer {job} is not one the scheduler is waiting for (unknown, or \
+         reported twice)"
+    ))
+}

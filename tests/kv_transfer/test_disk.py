@@ -1,0 +1,118 @@
+"""The disk KV tier (kv_offloading_backend="disk"): block files survive a restart, engines
+sharing a directory load each other's prefixes, mismatched or truncated files are never
+loaded (warned, recomputed), the directory stays within its size, nothing is left behind."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm._core import hash_block_chain, kv_block_file_name
+from pagedllm.config import EngineArgs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def make_llm(path, **kw) -> LLM:
+    kw.setdefault("kv_offloading_size", 0.01)
+    return LLM(
+        device="cpu",
+        block_size=4,
+        num_gpu_blocks=24,
+        swap_space=0.01,
+        max_model_len=80,
+        kv_offloading_backend="disk",
+        kv_offloading_path=str(path),
+        **kw,
+    )
+
+
+def prompt(seed: int = 0, n: int = 48) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 250, size=n).tolist()
+
+
+def generate(llm: LLM, tokens: list[int]):
+    out = llm.generate({"prompt_token_ids": tokens}, GREEDY, use_tqdm=False)[0]
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():  # the saves' reports
+        engine.step()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    llm = LLM(device="cpu", block_size=4, num_gpu_blocks=24, swap_space=0.01, max_model_len=80)
+    return llm.generate({"prompt_token_ids": prompt() + [9]}, GREEDY, use_tqdm=False)[0]
+
+
+def block_files(path) -> list:
+    return sorted(p for p in path.iterdir() if p.suffix == ".kvblock")
+
+
+def test_prefixes_survive_a_restart(tmp_path, reference):
+    first = make_llm(tmp_path)
+    generate(first, prompt())
+    first.llm_engine.shutdown()
+    # the 53 computed tokens (prompt and output but the last): 13 full blocks
+    assert len(block_files(tmp_path)) == 13
+    second = make_llm(tmp_path)
+    out = generate(second, prompt() + [9])
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert out.metrics.num_offloaded_cached_tokens == 48
+    # no temporary file is left behind
+    assert all(p.suffix == ".kvblock" for p in tmp_path.iterdir())
+
+
+def test_two_engines_sharing_a_directory_load_each_others_prefixes(tmp_path, reference):
+    a, b = make_llm(tmp_path), make_llm(tmp_path)
+    generate(a, prompt())
+    out = generate(b, prompt() + [9])
+    assert out.metrics.num_offloaded_cached_tokens == 48
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_model"])
+def test_a_damaged_block_file_is_ignored_with_a_warning_and_recomputed(
+    tmp_path, reference, caplog, damage
+):
+    generate(make_llm(tmp_path), prompt())
+    # the file of the prompt's sixth block
+    victim = tmp_path / kv_block_file_name(hash_block_chain(prompt(), 4)[5])
+    raw = victim.read_bytes()
+    if damage == "truncated":
+        victim.write_bytes(raw[:-10])
+    else:
+        victim.write_bytes(raw.replace(b"pagedllm/tiny-random", b"someone/else/model__", 1))
+    llm = make_llm(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        out = generate(llm, prompt() + [9])
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert "KV disk tier: ignoring" in caplog.text
+    assert str(victim) in caplog.text
+    stats = llm.llm_engine.get_stats()
+    assert stats["kv_offload_failed_blocks"] == 1
+    # the five blocks before it loaded; it and those after it were computed again
+    assert out.num_cached_tokens == 5 * 4
+
+
+def test_the_directory_keeps_within_its_size(tmp_path):
+    one = make_llm(tmp_path).llm_engine.kv_transfer
+    block_file = len(one._header(0)) + one.bytes_per_block
+    llm = make_llm(tmp_path, kv_offloading_size=20 * block_file / 2**30)
+    for seed in range(3):
+        generate(llm, prompt(seed))  # 12 blocks each
+    sizes = sum(p.stat().st_size for p in block_files(tmp_path))
+    assert sizes <= 20 * block_file + 64
+    assert len(block_files(tmp_path)) >= 12
+
+
+def test_disk_knobs_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="kv_offloading_path"):
+        EngineArgs(kv_offloading_size=1, kv_offloading_backend="disk")
+    with pytest.raises(ValueError, match="kv_offloading_path"):
+        EngineArgs(kv_offloading_size=1, kv_offloading_path=str(tmp_path))
+    with pytest.raises(ValueError, match="need kv_offloading_size"):
+        EngineArgs(kv_offloading_backend="disk", kv_offloading_path=str(tmp_path))
