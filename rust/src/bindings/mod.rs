@@ -11,6 +11,7 @@ mod manager;
 mod scheduler;
 mod scheduler_args;
 mod scheduler_results;
+mod shm;
 mod step_output;
 
 #[pymodule]
@@ -21,5 +22,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     manager::register(m)?;
     scheduler::register(m)?;
     step_output::register(m)?;
+    shm::register(m)?;
     Ok(())
 }
