@@ -591,13 +591,13 @@ class ShmRingWriter:
     ) -> bool:
         """Send a message (C-contiguous bool/uint8/int16/int32/int64/float32/float64 arrays of at
         most 4 dimensions) to every reader, waiting for a free chunk; ``False`` when it does not
-        fit one chunk (nothing sent). ``TimeoutError`` naming the slow reader, ``ConnectionError``
-        when a reader died while the ring was full."""
+        fit one chunk (nothing sent). ``TimeoutError`` naming the slow reader's rank,
+        ``ConnectionError`` when a reader died while the ring was full."""
 
 class ShmRingReader:
-    """A reader's end of a broadcast ring (``reader``: 0-based)."""
+    """A reader's end of a broadcast ring: rank ``rank`` (1..n_readers; the writer is rank 0)."""
 
-    def __init__(self, name: str, reader: int) -> None: ...
+    def __init__(self, name: str, rank: int) -> None: ...
     def receive(
         self, timeout_s: float | None = None
     ) -> tuple[int, list[int], list[_npt.NDArray[_np.generic] | None]] | None:

@@ -237,10 +237,10 @@ fn view<'py, T: numpy::Element>(
 
 #[pymethods]
 impl PyShmRingReader {
-    /// Reader `reader` (0-based) of the ring `name`.
+    /// The reader of rank `rank` (1..=n_readers) of the ring `name`.
     #[new]
-    fn new(name: &str, reader: usize) -> PyResult<Self> {
-        let inner = Reader::attach(name, reader).map_err(to_py)?;
+    fn new(name: &str, rank: usize) -> PyResult<Self> {
+        let inner = Reader::attach(name, rank).map_err(to_py)?;
         Ok(PyShmRingReader { inner })
     }
 

@@ -7,6 +7,8 @@
 //! place (zero-copy) until it calls `ack`. Both sides wait through `wait::wait_until` (spin,
 //! yield, futex), watching the other side's process.
 //!
+//! The writer is rank 0, the readers ranks 1..=n_readers.
+//!
 //! A message is a tag, a few integers and a list of arrays (or None), encoded in the chunk:
 //! `[len u64][tag u32][n_ints u32][n_items u32][pad u32]`, the integers (i64), one `ItemDesc`
 //! per item, then each item's bytes at a 64-byte aligned offset.
@@ -324,7 +326,7 @@ impl Writer {
                     }
                     peers.as_ref().map_or(Ok(()), Peers::check)
                 },
-                || format!("reader {} did not free a ring chunk", r + 1),
+                || format!("rank {} did not free a ring chunk", r + 1),
             )?;
         }
         let index = m as usize % self.n_chunks;
@@ -356,8 +358,8 @@ pub struct Reader {
 }
 
 impl Reader {
-    /// Attaches reader `reader` (0-based) to the ring `name`.
-    pub fn attach(name: &str, reader: usize) -> DistResult<Reader> {
+    /// Attaches the reader of rank `rank` (1..=n_readers) to the ring `name`.
+    pub fn attach(name: &str, rank: usize) -> DistResult<Reader> {
         let segment = Segment::open(name)?;
         if segment.len() < HEADER_BYTES || header_of(&segment).magic.load(Ordering::SeqCst) != MAGIC
         {
@@ -371,11 +373,12 @@ impl Reader {
             header.n_chunks as usize,
             header.chunk_bytes as usize,
         );
-        if reader >= n_readers {
+        if !(1..=n_readers).contains(&rank) {
             return Err(DistError::InvalidArgument(format!(
-                "reader must be in 0..{n_readers}, got {reader}"
+                "a reader's rank must be in 1..={n_readers}, got {rank}"
             )));
         }
+        let reader = rank - 1;
         if segment.len() < HEADER_BYTES + n_chunks * chunk_bytes {
             return Err(DistError::InvalidArgument(format!("{name} is truncated")));
         }
@@ -463,7 +466,7 @@ mod tests {
         let name = writer.name().to_string();
         let readers: Vec<_> = (0..2)
             .map(|r| {
-                let mut reader = Reader::attach(&name, r).unwrap();
+                let mut reader = Reader::attach(&name, r + 1).unwrap();
                 std::thread::spawn(move || {
                     let mut got = vec![];
                     for _ in 0..50 {
@@ -526,18 +529,18 @@ mod tests {
     #[test]
     fn a_full_ring_times_out_naming_the_slow_reader() {
         let mut writer = Writer::create(1, 1, 1024).unwrap();
-        let _reader = Reader::attach(writer.name(), 0).unwrap();
+        let _reader = Reader::attach(writer.name(), 1).unwrap();
         writer.unlink().unwrap();
         let short = Some(Duration::from_millis(30));
         assert!(writer.publish(0, &[], &[], short).unwrap());
         let err = writer.publish(1, &[], &[], short).unwrap_err();
-        assert!(matches!(err, DistError::Timeout(ref m) if m.contains("reader 1")));
+        assert!(matches!(err, DistError::Timeout(ref m) if m.contains("rank 1")));
     }
 
     #[test]
     fn a_reader_with_nothing_to_read_gets_none_after_its_timeout() {
         let writer = Writer::create(1, 2, 1024).unwrap();
-        let mut reader = Reader::attach(writer.name(), 0).unwrap();
+        let mut reader = Reader::attach(writer.name(), 1).unwrap();
         writer.unlink().unwrap();
         assert_eq!(
             reader.receive(Some(Duration::from_millis(20))).unwrap(),
