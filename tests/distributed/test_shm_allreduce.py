@@ -76,6 +76,21 @@ def _reduce_until_failure(rank: int, init_method: str, results) -> None:
         results.put(("failed", rank, type(exc).__name__, str(exc)))
 
 
+def _abort_or_reduce(rank: int, init_method: str, results) -> None:
+    """Rank 1 gives up; rank 0 reports how its all-reduce ended and how long it took."""
+    _join(rank, init_method, None)
+    if rank == 1:
+        time.sleep(0.5)
+        parallel_state.abort()
+        return
+    start = time.monotonic()
+    try:
+        parallel_state.all_reduce(torch.ones(10))
+        results.put(("reduced", time.monotonic() - start))
+    except ConnectionError as exc:
+        results.put((str(exc), time.monotonic() - start))
+
+
 def _spawn(target, *args):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -152,3 +167,13 @@ def test_a_killed_rank_fails_the_other_at_once_and_leaves_no_segment():
     finally:
         _finish(procs)
     assert _segments(procs[0].pid) == []
+
+
+def test_a_rank_that_aborts_fails_the_others_all_reduce_at_once():
+    procs, results = _spawn(_abort_or_reduce)
+    try:
+        outcome, seconds = results.get(timeout=120)
+    finally:
+        _finish(procs)
+    assert outcome == "a peer aborted the shared-memory group"
+    assert seconds < 10.0  # the timeout is 30 s

@@ -139,6 +139,13 @@ def gather_to_first(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if rank == 0 else None
 
 
+def abort() -> None:
+    """This rank gives up (its step failed): the other ranks' shared-memory all-reduces fail at
+    once instead of waiting for it until their timeout."""
+    if _shm is not None:
+        _shm.abort()
+
+
 def destroy_tensor_parallel() -> None:
     global _shm
     _shm = None  # unmaps this rank's view of the segment (its name is gone already)

@@ -203,6 +203,7 @@ def _worker_main(
     except (EOFError, ConnectionError):
         pass  # the engine is gone
     except BaseException:
+        parallel_state.abort()  # rank 0 may be waiting for this rank inside a collective
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()))
     finally:

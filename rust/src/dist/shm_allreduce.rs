@@ -157,14 +157,15 @@ impl ShmAllReduce {
         }
         let len = HEADER_BYTES + 2 * (world + 1) * chunk_bytes;
         let segment = Segment::create("pagedllm-allreduce", len)?;
-        let this = Self::new(segment, 0, world, chunk_bytes, timeout);
-        let header = this.header();
-        // SAFETY-free plain fields: no other process has the name yet.
+        // SAFETY: the plain fields are written before any reference to the header exists, and
+        // no other process has the name yet.
         unsafe {
-            let h = this.segment.as_ptr() as *mut Header;
+            let h = segment.as_ptr() as *mut Header;
             (*h).world = world as u32;
             (*h).chunk_bytes = chunk_bytes as u64;
         }
+        let this = Self::new(segment, 0, world, chunk_bytes, timeout);
+        let header = this.header();
         header.pids[0].store(std::process::id(), Ordering::SeqCst);
         header.magic.store(MAGIC, Ordering::SeqCst);
         Ok(this)
