@@ -14,11 +14,18 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm._core import Scheduler, ShmRingReader, ShmRingWriter
+from pagedllm.config import EngineArgs
 from pagedllm.executor import multiproc
-from pagedllm.executor.multiproc import EngineDeadError, StepArrays, decode_step
+from pagedllm.executor.multiproc import (
+    EngineDeadError,
+    MultiprocExecutor,
+    StepArrays,
+    decode_step,
+)
 
 from model_factory import save_tiny_checkpoint
 
@@ -152,3 +159,27 @@ def test_workers_exit_when_the_engine_is_killed(tmp_path):
     finally:
         engine.kill()
         engine.wait()
+
+
+class _RefusingContext:
+    """A multiprocessing context whose processes cannot start (e.g. out of pids)."""
+
+    def __init__(self, real) -> None:
+        self.Pipe = real.Pipe
+
+    class Process:
+        def __init__(self, **kwargs) -> None:
+            pass
+
+        def start(self) -> None:
+            raise OSError("cannot fork")
+
+
+def test_a_failed_spawn_leaves_no_segment(tmp_path, monkeypatch):
+    folder = save_tiny_checkpoint(tmp_path, "llama", num_key_value_heads=2, seed=5)
+    real = multiproc.get_context
+    monkeypatch.setattr(multiproc, "get_context", lambda kind: _RefusingContext(real(kind)))
+    args = EngineArgs(model=str(folder), tensor_parallel_size=2, **KNOBS)
+    with pytest.raises(OSError, match="cannot fork"):
+        MultiprocExecutor(args, torch.float32)
+    assert _segments(os.getpid()) == []

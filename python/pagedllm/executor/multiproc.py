@@ -223,27 +223,28 @@ class MultiprocExecutor:
         context = get_context("spawn")
         self.procs, self.conns = [], []
         self.ring = ShmRingWriter(self.size - 1, RING_CHUNKS, RING_CHUNK_BYTES)
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(
-                target=_worker_main,
-                args=(rank, args, dtype, init_method, self.ring.name, theirs),
-                name=f"pagedllm-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()  # so the worker's death reads as EOF here
-            self.procs.append(proc)
-            self.conns.append(ours)
         # at exit, even if the engine is never shut down (a weak reference: no cycle kept alive)
         ref = weakref.ref(self)
         self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
         atexit.register(self._atexit)
         try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe()
+                proc = context.Process(
+                    target=_worker_main,
+                    args=(rank, args, dtype, init_method, self.ring.name, theirs),
+                    name=f"pagedllm-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()  # so the worker's death reads as EOF here
+                self.procs.append(proc)
+                self.conns.append(ours)
             self._join_group(init_method)
             self._expect("loaded")
             self.ring.unlink()  # every worker has it mapped
         except BaseException:
+            # also when a spawn fails: the workers started so far and the ring's name go
             self.shutdown()
             raise
 
