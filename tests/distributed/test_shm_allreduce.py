@@ -177,3 +177,13 @@ def test_a_rank_that_aborts_fails_the_others_all_reduce_at_once():
         _finish(procs)
     assert outcome == "a peer aborted the shared-memory group"
     assert seconds < 10.0  # the timeout is 30 s
+
+
+def test_a_group_that_fails_while_joining_leaves_no_segment(monkeypatch):
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("connection reset by peer")
+
+    monkeypatch.setattr(dist, "broadcast_object_list", peer_gone)
+    with pytest.raises(RuntimeError, match="connection reset"):
+        parallel_state._join_shm_allreduce(0, 2, timeout_s=5.0)
+    assert _segments(os.getpid()) == []

@@ -82,16 +82,19 @@ def _join_shm_allreduce(rank: int, size: int, timeout_s: float) -> ShmAllReduce 
             name[0] = handle.name
         except OSError as exc:
             failure = exc
-    dist.broadcast_object_list(name, src=0)
-    if rank != 0 and name[0] is not None:
-        try:
-            handle = ShmAllReduce.attach(name[0], rank, timeout_s)
-        except (OSError, ValueError) as exc:
-            failure = exc
     attached: list[bool | None] = [None] * size
-    dist.all_gather_object(attached, handle is not None)
-    if rank == 0 and handle is not None:
-        handle.unlink()
+    try:
+        dist.broadcast_object_list(name, src=0)
+        if rank != 0 and name[0] is not None:
+            try:
+                handle = ShmAllReduce.attach(name[0], rank, timeout_s)
+            except (OSError, ValueError) as exc:
+                failure = exc
+        dist.all_gather_object(attached, handle is not None)
+    finally:
+        # every rank has mapped it, or the group failed (a rank died): the name goes either way
+        if rank == 0 and handle is not None:
+            handle.unlink()
     if all(attached):
         return handle
     if failure is not None:
