@@ -595,7 +595,8 @@ class ShmRingWriter:
         ``ConnectionError`` when a reader died while the ring was full."""
 
 class ShmRingReader:
-    """A reader's end of a broadcast ring: rank ``rank`` (1..n_readers; the writer is rank 0)."""
+    """A reader's end of a broadcast ring: rank ``rank`` (1..n_readers; the writer is rank 0).
+    The last reader to attach removes the ring's name from /dev/shm."""
 
     def __init__(self, name: str, rank: int) -> None: ...
     def receive(

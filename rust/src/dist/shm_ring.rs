@@ -38,6 +38,8 @@ struct Header {
     chunk_bytes: u64,
     sleepers: AtomicU32,
     writer_pid: AtomicU32,
+    /// readers attached so far: the last one unlinks the name
+    attached: AtomicU32,
     reader_pids: [AtomicU32; MAX_READERS],
     written: Line,
     read: [Line; MAX_READERS],
@@ -358,7 +360,8 @@ pub struct Reader {
 }
 
 impl Reader {
-    /// Attaches the reader of rank `rank` (1..=n_readers) to the ring `name`.
+    /// Attaches the reader of rank `rank` (1..=n_readers) to the ring `name`; the last reader
+    /// to attach unlinks the name.
     pub fn attach(name: &str, rank: usize) -> DistResult<Reader> {
         let segment = Segment::open(name)?;
         if segment.len() < HEADER_BYTES || header_of(&segment).magic.load(Ordering::SeqCst) != MAGIC
@@ -383,6 +386,11 @@ impl Reader {
             return Err(DistError::InvalidArgument(format!("{name} is truncated")));
         }
         header.reader_pids[reader].store(std::process::id(), Ordering::SeqCst);
+        if header.attached.fetch_add(1, Ordering::SeqCst) + 1 == n_readers as u32 {
+            // every reader has it mapped: the name can go (nothing left in /dev/shm even if
+            // every process is killed from here on)
+            segment.unlink()?;
+        }
         let peers = Peers::new([(0, header.writer_pid.load(Ordering::SeqCst))]);
         let next = header.read[reader].0.load(Ordering::SeqCst);
         Ok(Reader {
@@ -511,6 +519,16 @@ mod tests {
                 assert_eq!(shape, vec![(m % 7) as usize]);
             }
         }
+    }
+
+    #[test]
+    fn the_last_reader_to_attach_unlinks_the_name() {
+        let writer = Writer::create(2, 2, 1024).unwrap();
+        let path = format!("/dev/shm{}", writer.name());
+        let _first = Reader::attach(writer.name(), 1).unwrap();
+        assert!(std::path::Path::new(&path).exists());
+        let _second = Reader::attach(writer.name(), 2).unwrap();
+        assert!(!std::path::Path::new(&path).exists());
     }
 
     #[test]
