@@ -691,3 +691,68 @@ def cpu_rotary_in_place(x: _F32Array, cos: _F32Array, sin: _F32Array) -> None:
     place by ``cos``/``sin`` ``[T, D / 2]``: halves (a, b) become (a*cos - b*sin, b*cos + a*sin),
     bit-identical to torch's rotate_half formula. ``ValueError`` for an odd ``D``, tables of the
     wrong shape, or a head that is not contiguous."""
+
+class ShmAllReduce:
+    """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
+    host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with
+    ``TimeoutError`` past ``timeout_s``, ``ConnectionError`` when a peer died or aborted (and
+    this rank's failure aborts the others). After a failure every call fails."""
+
+    @staticmethod
+    def create(world_size: int, chunk_bytes: int, timeout_s: float) -> ShmAllReduce:
+        """Rank 0: a new segment (``name``) for ``world_size`` ranks (2..16); tensors move in
+        pieces of ``chunk_bytes`` (a multiple of 64). ``OSError`` when /dev/shm refuses."""
+    @staticmethod
+    def attach(name: str, rank: int, timeout_s: float) -> ShmAllReduce:
+        """Rank ``rank`` (1..world_size-1): maps the segment rank 0 created."""
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm (mappings stay valid). Idempotent."""
+    def abort(self) -> None:
+        """Fail every rank's current and later all-reduces at once."""
+    def all_reduce_f32(self, data: _F32Array) -> None:
+        """Sum the contiguous 1-D ``data`` over the ranks in place (every rank, the same call
+        order and length); all ranks get bit-identical sums (added in rank order)."""
+    def all_reduce_bf16(self, data: _npt.NDArray[_np.int16]) -> None:
+        """The same for bfloat16 bits viewed as int16, summed in float32, rounded once."""
+
+class ShmRingWriter:
+    """The writer's end of a shared-memory broadcast ring: ``n_chunks`` chunks of
+    ``chunk_bytes``, every message read by each of ``n_readers`` readers."""
+
+    def __init__(self, n_readers: int, n_chunks: int, chunk_bytes: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm (mappings stay valid). Idempotent."""
+    def publish(
+        self,
+        tag: int,
+        ints: list[int],
+        arrays: list[_npt.NDArray[_np.generic] | None],
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Send a message (C-contiguous bool/uint8/int16/int32/int64/float32/float64 arrays of at
+        most 4 dimensions) to every reader, waiting for a free chunk; ``False`` when it does not
+        fit one chunk (nothing sent). ``TimeoutError`` naming the slow reader's rank,
+        ``ConnectionError`` when a reader died while the ring was full."""
+
+class ShmRingReader:
+    """A reader's end of a broadcast ring: rank ``rank`` (1..n_readers; the writer is rank 0).
+    The last reader to attach removes the ring's name from /dev/shm."""
+
+    def __init__(self, name: str, rank: int) -> None: ...
+    def receive(
+        self, timeout_s: float | None = None
+    ) -> tuple[int, list[int], list[_npt.NDArray[_np.generic] | None]] | None:
+        """The next message (None once ``timeout_s`` passes). Its arrays are views of the ring,
+        valid until ``ack()`` or the next ``receive``. ``ConnectionError`` when the writer died."""
+    def ack(self) -> None:
+        """Done with the last message: its chunk may be reused."""

@@ -9,12 +9,15 @@
 //! - [`router`]: data-parallel routing over replicas' prefix caches (KV events), over `kv`;
 //! - [`scheduler`]: requests, queues and steps, asking `kv` for blocks and `spec` for drafts;
 //! - [`cpu`]: CPU kernels of the model's forward pass (paged attention), independent of the rest;
+//! - [`dist`]: shared-memory transports of tensor-parallel ranks on one host (all-reduce, the
+//!   step broadcast ring), independent of the rest;
 //! - `bindings` (feature `python`): the `pagedllm._core` extension module over both.
 //!
 //! Everything except `bindings` is plain Rust with no Python types, so `cargo test` runs
 //! without an interpreter.
 pub mod connector;
 pub mod cpu;
+pub mod dist;
 pub mod error;
 pub mod ids;
 pub mod kv;

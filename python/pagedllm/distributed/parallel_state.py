@@ -3,15 +3,34 @@
 One group per process (every rank of it is a TP rank). The layers hold their own rank and size
 (`TPShard`), so a model built for one rank never asks this module who it is; this module only
 joins, runs the collectives and leaves.
+
+On CPU, ranks on one host sum through a shared-memory all-reduce (`_core.ShmAllReduce`: one
+segment, one barrier per chunk) instead of gloo, whose TCP round trips dominate small messages;
+gloo stays the fallback (ranks on several hosts, no /dev/shm, other dtypes) and the reference.
+`PAGEDLLM_CPU_ALLREDUCE=gloo` forces gloo.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pagedllm._core import ShmAllReduce
+
+logger = logging.getLogger(__name__)
+
+# the knob: "shm" (the default; used when every rank can map the segment) or "gloo"
+CPU_ALLREDUCE_ENV = "PAGEDLLM_CPU_ALLREDUCE"
+CPU_ALLREDUCE_CHOICES = ("shm", "gloo")
+# a tensor crosses the segment in pieces of this size (the segment holds 2 x (ranks + 1) of them)
+SHM_CHUNK_BYTES = 1 << 20
+
+_shm: ShmAllReduce | None = None
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -32,6 +51,9 @@ def init_tensor_parallel(
 ) -> None:
     """Join the group (blocks until every rank has joined). `timeout_s` bounds every collective:
     a rank that stops answering fails the others' collectives instead of hanging them."""
+    global _shm
+    backend = backend_for(device)
+    choice = cpu_allreduce_choice()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
     if not dist.is_initialized():
@@ -40,12 +62,62 @@ def init_tensor_parallel(
         # ranks are fresh processes counting from zero, so this group counts from zero too
         dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
-        backend_for(device),
+        backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    if backend == "gloo" and world_size > 1 and choice == "shm":
+        _shm = _join_shm_allreduce(rank, world_size, timeout_s)
+
+
+def cpu_allreduce_choice() -> str:
+    """The CPU all-reduce asked for (`PAGEDLLM_CPU_ALLREDUCE`); ValueError for an unknown one."""
+    value = os.environ.get(CPU_ALLREDUCE_ENV, "shm").strip().lower()
+    if value not in CPU_ALLREDUCE_CHOICES:
+        raise ValueError(
+            f"{CPU_ALLREDUCE_ENV} must be one of {', '.join(CPU_ALLREDUCE_CHOICES)}, got {value!r}"
+        )
+    return value
+
+
+def _join_shm_allreduce(rank: int, size: int, timeout_s: float) -> ShmAllReduce | None:
+    """Rank 0 creates the segment and tells the others its name over gloo; every rank maps it,
+    or none uses it (a rank on another host, /dev/shm refused). The name is unlinked as soon as
+    every rank has it mapped, so nothing is left in /dev/shm even if a rank is killed later."""
+    handle: ShmAllReduce | None = None
+    failure: Exception | None = None
+    name: list[str | None] = [None]
+    if rank == 0:
+        try:
+            handle = ShmAllReduce.create(size, SHM_CHUNK_BYTES, timeout_s)
+            name[0] = handle.name
+        except OSError as exc:
+            failure = exc
+    attached: list[bool | None] = [None] * size
+    try:
+        dist.broadcast_object_list(name, src=0)
+        if rank != 0 and name[0] is not None:
+            try:
+                handle = ShmAllReduce.attach(name[0], rank, timeout_s)
+            except (OSError, ValueError) as exc:
+                failure = exc
+        dist.all_gather_object(attached, handle is not None)
+    finally:
+        # every rank has mapped it, or the group failed (a rank died): the name goes either way
+        if rank == 0 and handle is not None:
+            handle.unlink()
+    if all(attached):
+        return handle
+    if failure is not None:
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", failure)
+    return None
+
+
+def uses_shm_allreduce() -> bool:
+    """Whether `all_reduce` goes through shared memory (else torch.distributed)."""
+    return _shm is not None
 
 
 def is_initialized() -> bool:
@@ -61,7 +133,16 @@ def get_tp_size() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; every rank gets the same result."""
+    """Sum `x` over the ranks, in place; every rank gets the same result. The shared-memory
+    path takes contiguous float32 / bfloat16 tensors (the same on every rank: the ranks run the
+    same model), anything else goes through torch.distributed."""
+    if _shm is not None and x.is_contiguous():
+        if x.dtype == torch.float32:
+            _shm.all_reduce_f32(x.detach().view(-1).numpy())
+            return x
+        if x.dtype == torch.bfloat16:
+            _shm.all_reduce_bf16(x.detach().view(-1).view(torch.int16).numpy())
+            return x
     dist.all_reduce(x)
     return x
 
@@ -74,6 +155,15 @@ def gather_to_first(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if rank == 0 else None
 
 
+def abort() -> None:
+    """This rank gives up (its step failed): the other ranks' shared-memory all-reduces fail at
+    once instead of waiting for it until their timeout."""
+    if _shm is not None:
+        _shm.abort()
+
+
 def destroy_tensor_parallel() -> None:
+    global _shm
+    _shm = None  # unmaps this rank's view of the segment (its name is gone already)
     if is_initialized():
         dist.destroy_process_group()

@@ -1,22 +1,25 @@
 """The `mp` tensor-parallel executor: rank 0 in the engine process, ranks 1..N-1 spawned.
 
-The Rust scheduler stays in the engine process; ranks never schedule. Each forward, rank 0 sends
-every worker one message over its own `multiprocessing` pipe: the block operations since the last
-message and the step's arrays (`StepArrays`: the numpy buffers `ModelRunner.prepare` reads,
-pickled, with the LoRA slot loads rank 0 made for them). Every rank then runs the same
-`ModelRunner` over its shard and its own paged KV cache (its KV heads, the same block tables);
-the collectives (gloo on CPU) run inside the model. Only
-rank 0 gets logits; sampling and everything after stay in the engine. Each worker answers each
-message, so a rank that raises, dies or hangs is known at the step it fails.
-
-(vLLM sends the step through a shared-memory broadcast ring instead of pipes; that is the next
-step for the control plane.)
+The Rust scheduler stays in the engine process; ranks never schedule. Each forward, rank 0
+broadcasts one message to every worker through a shared-memory ring (`_core.ShmRingWriter`,
+vLLM's `MessageQueue` design: written once, read in place by every worker): the block operations
+since the last message and the step's arrays (`StepArrays`: the numpy buffers
+`ModelRunner.prepare` reads), as raw arrays, no pickling. A message larger than a ring chunk, or
+one carrying the LoRA slot loads rank 0 made for the step (objects, rare), goes through each
+worker's `multiprocessing` pipe instead (the ring carries a marker, so the order holds). Every rank then runs the same `ModelRunner` over its shard and its own paged KV cache
+(its KV heads, the same block tables); the collectives (the shared-memory all-reduce, gloo) run
+inside the model. Only rank 0 gets logits; sampling and everything after stay in the engine.
+Each worker answers each message over its pipe, so a rank that raises, dies or hangs is known at
+the step it fails. `RankWorker` is a worker's share of a step, whatever carried it (the `ray`
+launcher's actors run it too).
 
 Failure: a worker's death is seen from its process sentinel (waited on beside its answer), a
 worker that does not answer within `tp_step_timeout` is declared hung (the collectives share the
 timeout, so rank 0 cannot block in one for longer). Either makes the executor dead: this step and
-every later one raise `EngineDeadError` naming the rank. `shutdown()` (also at exit) stops and
-joins every worker.
+every later one raise `EngineDeadError` naming the rank. A worker whose engine died sees it from
+the ring (it watches rank 0's pid) and exits. `shutdown()` (also at exit) stops and joins every
+worker. The ring's name leaves /dev/shm once every worker has mapped it (and at shutdown, in case
+one never did).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagedllm._core import ShmRingReader, ShmRingWriter
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.layers import TPShard
@@ -56,8 +60,16 @@ STEP_FIELDS = (
     "lora_ids",
     "num_seqs",
 )
+# the fields that travel as arrays (the others are a bool and an int)
+ARRAY_FIELDS = tuple(name for name in STEP_FIELDS if name not in ("is_decode_only", "num_seqs"))
 # seconds a worker is given to exit on its own at shutdown before it is terminated
 JOIN_TIMEOUT_S = 5.0
+# the broadcast ring: rank 0 waits for every answer before it sends again, so two chunks never
+# run out; a chunk holds a step of 16k tokens with its block tables
+RING_CHUNKS = 2
+RING_CHUNK_BYTES = 4 << 20
+# the ring's message tags
+TAG_STEP, TAG_CACHE, TAG_SHUTDOWN, TAG_PIPE = range(4)
 
 
 class EngineDeadError(RuntimeError):
@@ -159,24 +171,69 @@ class RankWorker:
             self.runner.forward(self.runner.prepare(arrays), prompt)
 
 
-def _worker_main(rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str, conn) -> None:
-    """Rank `rank`'s process: join the group, load its shard, then run messages until told to
-    stop (or the engine's end of the pipe closes). An error is sent back, then the worker exits."""
+def _encode(message) -> tuple[int, list[int], list] | None:
+    """A message as the ring's (tag, ints, arrays); None: it must go through the pipes."""
+    if message[0] == "cache":
+        return TAG_CACHE, [message[1], message[2]], []
+    if message[0] == "shutdown":
+        return TAG_SHUTDOWN, [], []
+    _, block_ops, arrays, prompt_rows = message
+    if arrays is not None and arrays.lora_loads:
+        return None  # adapter requests are objects: the pipes carry this step
+    items = [np.ascontiguousarray(op) for ops in block_ops for op in ops]
+    ints = [len(block_ops), arrays is not None, prompt_rows is not None]
+    if arrays is not None:
+        ints += [bool(arrays.is_decode_only), int(arrays.num_seqs)]
+        items += [np.ascontiguousarray(getattr(arrays, name)) for name in ARRAY_FIELDS]
+    if prompt_rows is not None:
+        items.append(np.ascontiguousarray(prompt_rows))
+    return TAG_STEP, ints, items
+
+
+def decode_step(ints: list[int], items: list) -> tuple[list, StepArrays | None, np.ndarray | None]:
+    """A step message's (block_ops, arrays, prompt_rows), the arrays views of the ring."""
+    num_ops, has_arrays, has_prompt = ints[:3]
+    block_ops = [tuple(items[3 * i : 3 * i + 3]) for i in range(num_ops)]
+    at = 3 * num_ops
+    arrays = None
+    if has_arrays:
+        fields = dict(zip(ARRAY_FIELDS, items[at : at + len(ARRAY_FIELDS)], strict=True))
+        arrays = StepArrays(**fields, is_decode_only=bool(ints[3]), num_seqs=ints[4])
+        at += len(ARRAY_FIELDS)
+    return block_ops, arrays, items[at] if has_prompt else None
+
+
+def _worker_main(
+    rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str, ring_name: str, conn
+) -> None:
+    """Rank `rank`'s process: map the ring, join the group, load its shard, then run messages
+    until told to stop (or the engine dies). An error is sent back, then the worker exits."""
     try:
+        ring = ShmRingReader(ring_name, rank)
         worker = RankWorker(rank, args, dtype, init_method)
         conn.send(("loaded",))
-        _, num_gpu_blocks, num_cpu_blocks = conn.recv()
-        worker.allocate(num_gpu_blocks, num_cpu_blocks)
+        tag, ints, _ = ring.receive()
+        ring.ack()
+        if tag != TAG_CACHE:
+            return  # shut down before the cache was planned
+        worker.allocate(*ints)
         conn.send(("ready",))
         while True:
-            message = conn.recv()
-            if message[0] == "shutdown":
+            tag, ints, items = ring.receive()  # waits for ever; ConnectionError: engine died
+            if tag == TAG_SHUTDOWN:
                 break
-            worker.execute(*message[1:])
+            if tag == TAG_PIPE:
+                _, block_ops, arrays, prompt_rows = conn.recv()
+            else:
+                block_ops, arrays, prompt_rows = decode_step(ints, items)
+            worker.execute(block_ops, arrays, prompt_rows)
+            del block_ops, arrays, prompt_rows, items  # views of the chunk: gone before the ack
+            ring.ack()
             conn.send(("ok",))
-    except EOFError:
+    except (EOFError, ConnectionError):
         pass  # the engine is gone
     except BaseException:
+        parallel_state.abort()  # rank 0 may be waiting for this rank inside a collective
         with contextlib.suppress(OSError):
             conn.send(("error", traceback.format_exc()))
     finally:
@@ -191,29 +248,33 @@ class MultiprocExecutor:
         self.timeout_s = args.tp_step_timeout
         self.shard = TPShard(0, self.size)
         self.dead: str | None = None  # why the executor can run no more steps
+        self.pipe_messages = 0  # messages that outgrew a ring chunk and went through the pipes
         init_method = parallel_state.free_init_method()
         context = get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(
-                target=_worker_main,
-                args=(rank, args, dtype, init_method, theirs),
-                name=f"pagedllm-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()  # so the worker's death reads as EOF here
-            self.procs.append(proc)
-            self.conns.append(ours)
+        self.ring = ShmRingWriter(self.size - 1, RING_CHUNKS, RING_CHUNK_BYTES)
         # at exit, even if the engine is never shut down (a weak reference: no cycle kept alive)
         ref = weakref.ref(self)
         self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
         atexit.register(self._atexit)
         try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe()
+                proc = context.Process(
+                    target=_worker_main,
+                    args=(rank, args, dtype, init_method, self.ring.name, theirs),
+                    name=f"pagedllm-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()  # so the worker's death reads as EOF here
+                self.procs.append(proc)
+                self.conns.append(ours)
             self._join_group(init_method)
             self._expect("loaded")
+            self.ring.unlink()  # every worker has it mapped
         except BaseException:
+            # also when a spawn fails: the workers started so far and the ring's name go
             self.shutdown()
             raise
 
@@ -250,7 +311,16 @@ class MultiprocExecutor:
     # ---- messages -----------------------------------------------------------------------------
 
     def _send(self, message) -> None:
+        """Broadcast `message` through the ring, or its pipes when it outgrows a chunk."""
         self._check_alive()
+        try:
+            encoded = _encode(message)
+            if encoded is not None and self.ring.publish(*encoded, self.timeout_s):
+                return
+            self.ring.publish(TAG_PIPE, [], [], self.timeout_s)
+            self.pipe_messages += 1
+        except (TimeoutError, ConnectionError) as exc:
+            self._die(f"tensor-parallel {exc}")
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send(message)
@@ -324,9 +394,9 @@ class MultiprocExecutor:
         first; after a failure (a rank may be hung) they are killed at once."""
         atexit.unregister(self._atexit)
         healthy = self.dead is None
-        for conn in self.conns if healthy else ():
-            with contextlib.suppress(OSError):
-                conn.send(("shutdown",))
+        if healthy and self.procs:
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                self.ring.publish(*_encode(("shutdown",)), JOIN_TIMEOUT_S)
         for proc in self.procs:
             if healthy:
                 proc.join(timeout=JOIN_TIMEOUT_S)
@@ -337,6 +407,7 @@ class MultiprocExecutor:
             conn.close()
         self.conns = []
         self.procs = []
+        self.ring.unlink()  # a worker that died before mapping it left the name
         parallel_state.destroy_tensor_parallel()
         if healthy:
             self.dead = "the engine was shut down"

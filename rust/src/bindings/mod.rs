@@ -13,6 +13,7 @@ mod router;
 mod scheduler;
 mod scheduler_args;
 mod scheduler_results;
+mod shm;
 mod step_output;
 
 #[pymodule]
@@ -25,5 +26,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     router::register(m)?;
     scheduler::register(m)?;
     step_output::register(m)?;
+    shm::register(m)?;
     Ok(())
 }
