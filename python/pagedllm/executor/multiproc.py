@@ -6,9 +6,10 @@ vLLM's `MessageQueue` design: written once, read in place by every worker): the 
 since the last message and the step's arrays (`StepArrays`: the numpy buffers
 `ModelRunner.prepare` reads), as raw arrays, no pickling. A message larger than a ring chunk, or
 one carrying the LoRA slot loads rank 0 made for the step (objects, rare), goes through each
-worker's `multiprocessing` pipe instead (the ring carries a marker, so the order holds). Every rank then runs the same `ModelRunner` over its shard and its own paged KV cache
-(its KV heads, the same block tables); the collectives (the shared-memory all-reduce, gloo) run
-inside the model. Only rank 0 gets logits; sampling and everything after stay in the engine.
+worker's `multiprocessing` pipe instead (the ring carries a marker, so the order holds). Every
+rank then runs the same `ModelRunner` over its shard and its own paged KV cache (its KV heads,
+the same block tables); the collectives (the shared-memory all-reduce, gloo) run inside the
+model. Only rank 0 gets logits; sampling and everything after stay in the engine.
 Each worker answers each message over its pipe, so a rank that raises, dies or hangs is known at
 the step it fails. `RankWorker` is a worker's share of a step, whatever carried it (the `ray`
 launcher's actors run it too).
