@@ -62,6 +62,8 @@ def test_ranks_join_over_nccl_on_cuda_and_gloo_on_cpu(monkeypatch, device, backe
         lambda name, **kwargs: joined.update(backend=name, **kwargs),
     )
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    # the group alone: the shared-memory all-reduce would meet the other rank over it
+    monkeypatch.setenv(parallel_state.CPU_ALLREDUCE_ENV, "gloo")
     parallel_state.init_tensor_parallel(1, 2, "tcp://127.0.0.1:1", device=device, timeout_s=5)
     assert joined["backend"] == backend == parallel_state.backend_for(device)
     assert (joined["rank"], joined["world_size"]) == (1, 2)
