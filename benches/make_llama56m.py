@@ -8,6 +8,7 @@ on seeded random text (so detokenizing costs what a real 32k vocabulary costs).
 
 from __future__ import annotations
 
+import json
 import random
 import string
 import sys
@@ -29,7 +30,7 @@ def corpus(seed: int, words: int = 400_000) -> list[str]:
 def main(folder: str, seed: int = 0) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,10 +43,17 @@ def main(folder: str, seed: int = 0) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(out)
+    # the trained tokenizer as it is (save_pretrained of a wrapping PreTrainedTokenizerFast
+    # may rebuild it), with the config naming its special tokens
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 2048,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=32_000,
