@@ -57,10 +57,11 @@ def freeze_heap() -> None:
     as vLLM does after start-up. A loaded engine (torch, the model, the tokenizer) holds ~330K
     tracked objects: each full collection walks them all (0.1-0.3 s on a 2-core machine), and
     the collections that a server's per-token objects trigger land inside steps as latency
-    spikes. Young start-up garbage is collected first; at exit the heap is unfrozen so that
-    interpreter shutdown still frees (and extension modules do not report as leaked) what was
-    frozen."""
-    gc.collect(1)
+    spikes. Garbage is collected first (a full collection, once per start: frozen garbage
+    would never be freed, e.g. an earlier engine kept by a cycle); at exit the heap is unfrozen
+    so that interpreter shutdown still frees (and extension modules do not report as leaked)
+    what was frozen."""
+    gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # registered once however many engines start
     atexit.register(gc.unfreeze)
