@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pagedllm.worker.cpu_threads import prefer_passive_openmp
+
 __version__ = "0.1.0"
+
+# before anything imports torch: libgomp reads its wait policy once, at load
+prefer_passive_openmp()
 
 # public name -> module that defines it
 _LAZY = {

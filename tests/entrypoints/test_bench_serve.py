@@ -31,6 +31,17 @@ def test_bench_serve_completes_every_request_and_reports_latencies(server):
     server.wait_idle()
 
 
+def test_bench_serve_reports_the_gaps_between_a_streams_chunks(server):
+    result = run_bench_serve(
+        base_url=server.url, num_prompts=2, input_len=8, output_len=6, progress=False
+    )
+    itl = result["itl_ms"]
+    # every chunk after a stream's first carries one more token: 5 gaps per request at most
+    assert 0 < itl["p50"] <= itl["p99"] and itl["mean"] > 0
+    assert "ITL" in result["summary"]
+    server.wait_idle()
+
+
 def test_bench_serve_with_a_request_rate(server, capsys):
     argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "3", "--input-len", "5"]
     argv += ["--output-len", "3", "--request-rate", "50", "--no-progress"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -11,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from server_util import MODEL, live_server
+from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
+
+from server_util import ENGINE, MODEL, LiveServer, free_port, live_server
 
 LONG = {"model": MODEL, "prompt": "go", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
 
@@ -226,3 +229,19 @@ def test_prompts_are_tokenized_off_the_event_loop(server):
         del tokenizer.encode
     assert len(threads) == 2
     assert all(name.startswith("pagedllm-tokenize") for name in threads)
+
+
+def test_server_start_freezes_the_heap():
+    app = build_server_app(ENGINE, ServerConfig(served_model_name=MODEL))
+    gc.unfreeze()  # what the engine froze: only the server's start freezes from here on
+    live = LiveServer(app, free_port())
+    live.thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not live.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert live.server.started
+        assert gc.get_freeze_count() > 100_000
+    finally:
+        live.server.should_exit = True
+        live.thread.join(timeout=30)

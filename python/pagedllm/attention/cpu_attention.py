@@ -3,8 +3,10 @@
 The kernels read each sequence's keys and values where they sit in the paged cache (no gather of
 the context per layer and step, unlike the torch reference) and write the output in place. Torch
 CPU tensors cross as numpy views of the same memory; the kernels release the GIL and use at most
-torch's intra-op thread count, after torch's own work of the layer has finished (so the two never
-compete for cores). float32 only: other dtypes take the torch reference path.
+torch's intra-op thread count (the calling thread and parked workers of a persistent pool), after
+torch's own work of the layer has finished, while torch's OpenMP workers sleep (the passive wait
+policy, `worker/cpu_threads.py`), so the two never compete for cores. float32 only: other dtypes
+take the torch reference path.
 """
 
 from __future__ import annotations

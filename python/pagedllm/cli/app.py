@@ -496,11 +496,37 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve_compare(args: argparse.Namespace) -> int:
+    from pagedllm.cli.serve_compare import run_serve_compare
+
+    if args.model is None:
+        raise ValueError(
+            "bench serve --compare-vllm-python needs --model: the checkpoint folder both "
+            "servers load"
+        )
+    result = run_serve_compare(
+        model=args.model,
+        vllm_python=args.compare_vllm_python,
+        rounds=args.rounds,
+        max_model_len=args.max_model_len,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+    )
+    print(json.dumps(result, indent=2) if args.json else result["summary"])
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from pagedllm.cli.bench_serve import run_bench_serve
 
     if not (args.request_rate > 0):
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if args.compare_vllm_python is not None:
+        return _bench_serve_compare(args)
     result = run_bench_serve(
         base_url=args.base_url,
         model=args.model,
@@ -774,6 +800,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench_serve.add_argument("--json", action="store_true", help="print the full result as JSON")
+    bench_serve.add_argument(
+        "--compare-vllm-python",
+        default=None,
+        metavar="PATH",
+        help="side by side: start `pagedllm serve` and vLLM's server (run by this interpreter) "
+        "in turn on --model, alternating --rounds times (--base-url is not used)",
+    )
+    bench_serve.add_argument(
+        "--rounds", type=_POSITIVE, default=2, help="with --compare-vllm-python: rounds"
+    )
+    bench_serve.add_argument(
+        "--max-model-len",
+        type=_POSITIVE,
+        default=1024,
+        help="with --compare-vllm-python: both servers' max_model_len",
+    )
     _common_flags(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
     serve = sub.add_parser(

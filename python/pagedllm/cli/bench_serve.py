@@ -3,7 +3,8 @@
 Each request streams `/v1/completions` (EOS ignored, `output_len` tokens, usage included) with a
 random prompt of `input_len` characters; arrivals are a Poisson process at `request_rate`
 (inf: all at once), at most `max_concurrency` in flight. Reports request throughput, output
-tokens/s and TTFT / TPOT / end-to-end latency percentiles.
+tokens/s and TTFT / TPOT / ITL (the gaps between a stream's chunks) / end-to-end latency
+percentiles.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import random
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PERCENTILES = (50, 90, 99)
 
@@ -27,6 +28,8 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    # seconds between consecutive streamed chunks that carry text (inter-token latency)
+    itl: list[float] = field(default_factory=list)
 
     @property
     def tpot(self) -> float | None:
@@ -43,6 +46,8 @@ async def _one(client, url: str, body: dict) -> RequestResult:
     start = time.perf_counter()
     ttft = None
     usage = None
+    last = None
+    itl = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -54,8 +59,13 @@ async def _one(client, url: str, body: dict) -> RequestResult:
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return RequestResult(False, error=str(chunk["error"])[:200])
-                if ttft is None and chunk.get("choices"):
-                    ttft = time.perf_counter() - start
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
@@ -69,6 +79,7 @@ async def _one(client, url: str, body: dict) -> RequestResult:
         e2e=e2e,
         prompt_tokens=usage["prompt_tokens"],
         output_tokens=usage["completion_tokens"],
+        itl=itl,
     )
 
 
@@ -183,6 +194,7 @@ def run_bench_serve(
         "output_throughput": output_tokens / elapsed,
         "ttft_ms": ms([r.ttft for r in ok]),
         "tpot_ms": ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": ms([gap for r in ok for gap in r.itl]),
         "e2e_ms": ms([r.e2e for r in ok]),
     }
 
@@ -200,6 +212,7 @@ def run_bench_serve(
             f"{result['output_throughput']:.1f} output tok/s",
             line("ttft_ms"),
             line("tpot_ms"),
+            line("itl_ms"),
             line("e2e_ms"),
         ]
     )

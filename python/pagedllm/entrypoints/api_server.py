@@ -18,6 +18,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from pagedllm.engine.llm_engine import freeze_heap
 from pagedllm.entrypoints.async_engine import AsyncEngine
 from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
 from pagedllm.entrypoints.protocol import (
@@ -149,6 +150,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        freeze_heap()  # the server's start-up objects too (FastAPI, pydantic, uvicorn)
         try:
             yield
         finally:

@@ -1,10 +1,21 @@
-"""How many threads torch's CPU operators (GEMMs, elementwise ops) and the Rust attention kernels
-use: `cpu_threads` when given, else `OMP_NUM_THREADS` when set (torch already honours it), else
-one per physical core this process may run on (hyperthread siblings share one core's FMA units,
-so a second GEMM thread on them mostly waits).
+"""How many threads torch's CPU operators (GEMMs, elementwise ops) and the Rust kernels use, and
+how torch's OpenMP threads wait between operators.
 
-The engine's own Python and the Rust scheduler run between the model's operators, never
-alongside them, so they need no core of their own.
+Thread count: `cpu_threads` when given, else `OMP_NUM_THREADS` when set (torch already honours
+it), else the physical cores this process may run on (hyperthread siblings share one core's FMA
+units, so a second GEMM thread on them mostly waits) less one CPU left for everything that is
+not the model — the HTTP front end and the engine's Python between operators, the Rust
+scheduler, other processes — as vLLM's CPU worker leaves one: a spare hyperthread where the
+cores have them, else a whole core. Under tensor parallelism the ranks share those cores (each
+rank `usable // ranks`). At least one thread. Every model thread is one that each operator waits
+for at its barrier: a thread on a core that something else holds stalls every GEMM, so a count
+that leaves nothing free collapses as soon as the machine is busy.
+
+Wait policy: libgomp's OpenMP workers (torch's CPU wheels) spin for up to milliseconds after
+each parallel region before they sleep, on cores that the Rust kernels' threads, the front end
+and other processes want in between. `prefer_passive_openmp` asks for `OMP_WAIT_POLICY=PASSIVE`
+(sleep at once) unless the user chose a wait policy; libgomp reads it once, when torch loads it,
+so `import pagedllm` calls it before anything imports torch.
 """
 
 from __future__ import annotations
@@ -12,14 +23,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 _TOPOLOGY = Path("/sys/devices/system/cpu")
+# variables by which a user chooses libgomp's wait policy themselves
+_WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def prefer_passive_openmp() -> None:
+    """Sets OMP_WAIT_POLICY=PASSIVE unless a wait policy is already chosen. Effective only
+    before torch is imported (libgomp reads it at load)."""
+    if not any(os.environ.get(name) for name in _WAIT_POLICY_ENV):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def _allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def physical_cores() -> int:
     """Physical cores among the CPUs this process may run on (at least 1)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = _allowed_cpus()
     if not cpus:
         return max(1, os.cpu_count() or 1)
     cores = set()
@@ -34,16 +56,24 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_cpu_threads() -> int | None:
-    """The thread count the engine sets when none is given (None: leave OMP_NUM_THREADS's)."""
+def default_cpu_threads(ranks: int = 1) -> int | None:
+    """The thread count each of `ranks` tensor-parallel ranks sets when none is given (None:
+    leave OMP_NUM_THREADS's)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    return physical_cores()
+    cores = physical_cores()
+    logical = len(_allowed_cpus()) or os.cpu_count() or 1
+    # one CPU for the rest: a spare hyperthread when the cores have them, else a core
+    usable = cores if logical > cores else cores - 1
+    return max(1, usable // max(1, ranks))
 
 
-def configure_cpu_threads(cpu_threads: int | None) -> int:
-    """Set torch's intra-op threads (process-wide, like vLLM's CPU worker); returns the count."""
-    threads = cpu_threads if cpu_threads is not None else default_cpu_threads()
+def configure_cpu_threads(cpu_threads: int | None, ranks: int = 1) -> int:
+    """Set torch's intra-op threads (process-wide, like vLLM's CPU worker); returns the count.
+    `ranks`: the tensor-parallel ranks sharing this machine's cores (the default's divisor)."""
+    import torch
+
+    threads = cpu_threads if cpu_threads is not None else default_cpu_threads(ranks)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return torch.get_num_threads()

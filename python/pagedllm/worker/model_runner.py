@@ -46,8 +46,12 @@ class ModelRunner:
         self.device = device
         # multi-LoRA: puts the step's adapters in device slots, builds its token segments
         self.lora = lora
-        # CPU: torch's intra-op threads (worker/cpu_threads.py); None on CUDA
-        self.cpu_threads = configure_cpu_threads(cpu_threads) if device.type == "cpu" else None
+        # CPU: torch's intra-op threads (worker/cpu_threads.py), the cores shared by the
+        # model's tensor-parallel ranks; None on CUDA
+        self.cpu_threads = None
+        if device.type == "cpu":
+            ranks = getattr(getattr(model, "tp", None), "size", 1)
+            self.cpu_threads = configure_cpu_threads(cpu_threads, ranks)
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""

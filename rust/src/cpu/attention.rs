@@ -12,7 +12,7 @@
 //! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
 use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
-use super::simd;
+use super::{pool, simd};
 use crate::error::{Error, Result};
 
 /// Keys scored per pass of the online softmax.
@@ -87,7 +87,8 @@ fn store_one(
 }
 
 /// Attention of every query row over its sequence's paged context, written into `out`.
-/// `num_threads` workers at most (1: the calling thread only).
+/// `num_threads` threads at most (1: the calling thread only; more: the calling thread and
+/// parked workers of the kernels' pool, `cpu::pool`).
 pub fn paged_attention<'a>(
     q: ArrayView3<'a, f32>,
     k_cache: ArrayView4<'a, f32>,
@@ -125,13 +126,7 @@ pub fn paged_attention<'a>(
         run(&ctx, chunks);
         return Ok(());
     }
-    let buckets = balance(chunks, threads);
-    std::thread::scope(|scope| {
-        let ctx = &ctx;
-        for bucket in buckets {
-            scope.spawn(move || run(ctx, bucket));
-        }
-    });
+    pool::WORKERS.run_shares(balance(chunks, threads), |bucket| run(&ctx, bucket));
     Ok(())
 }
 
