@@ -8,11 +8,12 @@ import json
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
+from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, freeze_heap
 
 from server_util import ENGINE, MODEL, LiveServer, free_port, live_server
 
@@ -231,9 +232,9 @@ def test_prompts_are_tokenized_off_the_event_loop(server):
     assert all(name.startswith("pagedllm-tokenize") for name in threads)
 
 
-def test_server_start_freezes_the_heap():
+def test_server_start_freezes_the_heap_and_its_stop_unfreezes_it():
     app = build_server_app(ENGINE, ServerConfig(served_model_name=MODEL))
-    gc.unfreeze()  # what the engine froze: only the server's start freezes from here on
+    gc.unfreeze()
     live = LiveServer(app, free_port())
     live.thread.start()
     try:
@@ -241,7 +242,27 @@ def test_server_start_freezes_the_heap():
         while not live.server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         assert live.server.started
-        assert gc.get_freeze_count() > 100_000
+        assert gc.get_freeze_count() > 100_000  # torch's and the model's objects among them
     finally:
         live.server.should_exit = True
         live.thread.join(timeout=30)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_second_freeze_frees_the_garbage_the_first_one_kept():
+    class Node:
+        pass
+
+    gc.unfreeze()
+    node = Node()
+    node.self = node  # a cycle: only the collector frees it
+    alive = weakref.ref(node)
+    freeze_heap()
+    del node
+    gc.collect()
+    assert alive() is not None  # frozen: out of the collector's reach
+    freeze_heap()
+    try:
+        assert alive() is None
+    finally:
+        gc.unfreeze()

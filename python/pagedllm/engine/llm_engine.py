@@ -11,8 +11,6 @@ statistics.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -50,21 +48,6 @@ from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner
-
-
-def freeze_heap() -> None:
-    """Moves every object alive now out of the cyclic garbage collector's reach (`gc.freeze`),
-    as vLLM does after start-up. A loaded engine (torch, the model, the tokenizer) holds ~330K
-    tracked objects: each full collection walks them all (0.1-0.3 s on a 2-core machine), and
-    the collections that a server's per-token objects trigger land inside steps as latency
-    spikes. Garbage is collected first (a full collection, once per start: frozen garbage
-    would never be freed, e.g. an earlier engine kept by a cycle); at exit the heap is unfrozen
-    so that interpreter shutdown still frees (and extension modules do not report as leaked)
-    what was frozen."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # registered once however many engines start
-    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
@@ -130,7 +113,6 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        freeze_heap()  # the steps' garbage collections walk only what the steps allocate
 
     def _build(self, args: EngineArgs, cfg: ModelConfig, generator: torch.Generator) -> None:
         """The model (this rank's shard), its KV cache, the scheduler and the step's parts."""
