@@ -290,6 +290,7 @@ def test_a_prefix_preempted_by_recompute_is_saved_and_loaded_later_with_outputs_
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
     assert engine.scheduler.get_stats()["kv_offload_loaded_blocks"] - loaded >= 11
     assert out.metrics.num_offloaded_cached_tokens >= 44
+    assert out.metrics.offload_tier == "host"
     drained(llm)
 
 
