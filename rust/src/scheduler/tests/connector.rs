@@ -452,7 +452,7 @@ fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, d
             );
             p.priority = rng.next(3) as i64;
             p.stop.eos_token_id = Some(0);
-            if seed % 3 != 0 {
+            if !seed.is_multiple_of(3) {
                 p.lora_id = rng.next(3);
             }
             s.add_request(&format!("q{added}"), p).unwrap();
