@@ -92,6 +92,9 @@ class RequestMetrics:
     # of RequestOutput.num_cached_tokens: the tokens loaded from the KV offload tier (the rest
     # were hits in the device prefix cache)
     num_offloaded_cached_tokens: int = 0
+    # the tier they came from: "host" (kv_offloading_backend="native") or "disk"; None when
+    # the offload tier loaded none
+    offload_tier: str | None = None
 
 
 @dataclass

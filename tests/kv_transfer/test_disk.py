@@ -62,6 +62,7 @@ def test_prefixes_survive_a_restart(tmp_path, reference):
     out = generate(second, prompt() + [9])
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
     assert out.metrics.num_offloaded_cached_tokens == 48
+    assert out.metrics.offload_tier == "disk"
     # no temporary file is left behind
     assert all(p.suffix == ".kvblock" for p in tmp_path.iterdir())
 

@@ -270,6 +270,30 @@ def test_nothing_leaks_after_preemptions_while_loads_are_in_flight():
     drained(llm)
 
 
+def test_a_prefix_preempted_by_recompute_is_saved_and_loaded_later_with_outputs_unchanged():
+    first, second = histories(2)
+    want = make_llm().generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    # 26 blocks: two 48-token prompts take 24, so their decodes soon preempt the second
+    llm = make_llm(kv_offloading_size=0.01, num_gpu_blocks=26, preemption_mode="recompute")
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": first}, long)
+    engine.add_request("b", {"prompt_token_ids": second}, long)
+    while not engine.requests["b"].metrics.num_preemptions:
+        engine.step()
+    # "b" never runs again: only its preemption can have saved its prefix
+    engine.abort_request("b")
+    drained(llm)
+    evict_device_cache(llm)
+    loaded = engine.scheduler.get_stats()["kv_offload_loaded_blocks"]
+    out = llm.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert engine.scheduler.get_stats()["kv_offload_loaded_blocks"] - loaded >= 11
+    assert out.metrics.num_offloaded_cached_tokens >= 44
+    assert out.metrics.offload_tier == "host"
+    drained(llm)
+
+
 def test_the_pool_allocates_exactly_the_whole_blocks_its_size_holds():
     shape = (2, 3, 4, 2, 8)  # 384 elements: 1536 bytes in float32
     pool = HostKVPool(10_000, block_shape=shape, dtype=torch.float32)

@@ -181,6 +181,9 @@ class LLMEngine:
             self.runner = self.executor.runner(self.runner)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
+        if self.kv_transfer is not None:
+            backend = args.resolved_kv_offloading_backend
+            self.requests.offload_tier = "host" if backend == "native" else backend
         self.inputs = InputProcessor(
             self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len
         )

@@ -19,6 +19,7 @@ from pagedllm.engine.request import RequestState
 class RequestRegistry(Mapping[str, RequestState]):
     def __init__(self, scheduler) -> None:
         self._scheduler = scheduler
+        self.offload_tier: str | None = None  # RequestMetrics.offload_tier of loaded tokens
         self._requests: dict[str, RequestState] = {}
 
     def __getitem__(self, request_id: str) -> RequestState:
@@ -80,6 +81,7 @@ class RequestRegistry(Mapping[str, RequestState]):
         request.num_cached_tokens = self._scheduler.num_cached_tokens(request_id) or 0
         offloaded = self._scheduler.num_external_tokens(request_id) or 0
         request.metrics.num_offloaded_cached_tokens = offloaded
+        request.metrics.offload_tier = self.offload_tier if offloaded else None
 
     def preempted(self, request_id: str) -> None:
         self._requests[request_id].metrics.num_preemptions += 1

@@ -2,15 +2,21 @@
 
 Gauges and engine counters are read from the engine loop's latest snapshot (taken in the engine
 thread after each step, so a scrape never touches the engine); per-request histograms are fed by
-each finished request.
+each finished request. With the KV offload tier on, its hits and misses (prompt tokens), the
+bytes it moved each way, its load latency histogram and its usage come from the same snapshot.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pagedllm.kv_transfer.worker import LatencyHistogram
 from pagedllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -19,6 +25,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class _EngineCollector:
     def __init__(self, engine) -> None:
         self.engine = engine
+        # the tier counts blocks; its metrics count tokens
+        self.block_size = engine.engine.scheduler.block_size
 
     def collect(self):
         stats = self.engine.snapshot.stats
@@ -51,6 +59,53 @@ class _EngineCollector:
         }
         for name, (key, doc) in counters.items():
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
+        if "kv_offload_num_slots" in stats:
+            yield from _offload_metrics(stats, self.block_size)
+
+
+def _offload_metrics(stats, block_size: int):
+    """The KV offload tier's families (only while the tier is on)."""
+    tokens = {
+        "kv_offload_hit_tokens": ("kv_offload_hit_blocks", "Prompt tokens found in the tier"),
+        "kv_offload_miss_tokens": (
+            "kv_offload_missed_blocks",
+            "Prompt tokens past the device hit that the tier did not hold",
+        ),
+    }
+    for name, (key, doc) in tokens.items():
+        yield CounterMetricFamily(f"pagedllm:{name}", doc, value=float(stats[key] * block_size))
+    moved = {
+        "kv_offload_bytes_loaded": "Bytes copied from the tier into the device cache",
+        "kv_offload_bytes_saved": "Bytes copied from the device cache into the tier",
+    }
+    for key, doc in moved.items():
+        yield CounterMetricFamily(f"pagedllm:{key}", doc, value=float(stats[key]))
+    yield GaugeMetricFamily(
+        "pagedllm:num_requests_waiting_for_remote_kvs",
+        "Requests parked while their prefix loads from the tier",
+        value=float(stats["num_waiting_for_remote_kvs"]),
+    )
+    used, slots = stats["kv_offload_used_slots"], stats["kv_offload_num_slots"]
+    yield GaugeMetricFamily(
+        "pagedllm:kv_offload_usage_perc",
+        "Fraction of the tier's blocks in use (0-1)",
+        value=used / slots if slots else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "pagedllm:kv_offload_used_blocks", "Blocks the tier holds", value=float(used)
+    )
+    counts = stats["kv_offload_load_latency_buckets"]
+    buckets, total = [], 0
+    for bound, count in zip(LatencyHistogram.BOUNDS, counts):
+        total += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(total)))
+    latency = HistogramMetricFamily(
+        "pagedllm:kv_offload_load_latency_seconds",
+        "Submitted to copied, per step's loads from the tier",
+        buckets=buckets,
+        sum_value=float(stats["kv_offload_load_latency_sum"]),
+    )
+    yield latency
 
 
 class ServerMetrics:

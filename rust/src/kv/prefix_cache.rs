@@ -340,6 +340,11 @@ impl PrefixCache {
             .unwrap_or_default()
     }
 
+    /// Whether `block` was registered since `start_journal`.
+    pub fn in_journal(&self, block: BlockId) -> bool {
+        self.journal.as_ref().is_some_and(|j| j.contains(&block))
+    }
+
     /// Drops a block's registration without counting an eviction (its contents turned out
     /// not to be what the hash says). Returns whether it was registered.
     pub fn unregister(&mut self, block: BlockId) -> bool {

@@ -181,6 +181,12 @@ impl KvCacheManager {
         self.prefix_cache.start_journal();
     }
 
+    /// Whether `block` was registered since `begin_step` (its KV is computed by the step
+    /// being built, which may yet be discarded).
+    pub fn registered_this_step(&self, block: BlockId) -> bool {
+        self.prefix_cache.in_journal(block)
+    }
+
     /// Takes back the prefix-cache registrations made since `begin_step`, for a step whose
     /// computation failed: those blocks never received their KV. Call it once the step's
     /// sequences have released them; a block still held keeps its registration (an error,

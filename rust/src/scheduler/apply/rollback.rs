@@ -49,11 +49,19 @@ impl Scheduler {
             .copied()
             .filter(|h| touched.remove(h))
             .collect();
+        // Their blocks may lack their KV: a KV connector saves none of them.
+        self.kv.discarding = true;
+        let mut preempted = Ok(());
         for h in victims {
             self.queues.remove_running(h, &self.store);
-            self.preempt(h, &mut scratch, true)?;
+            preempted = self.preempt(h, &mut scratch, true);
+            if preempted.is_err() {
+                break;
+            }
             rolled_back.push(self.store.get(h).id.clone());
         }
+        self.kv.discarding = false;
+        preempted?;
         self.queues.requeue_preempted(&self.store);
         self.mgr.forget_step_registrations()?;
         // A rollback is not a preemption: the statistics keep counting real ones only.

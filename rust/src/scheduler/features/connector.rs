@@ -10,6 +10,16 @@
 //! registered in the device prefix cache and the table is given back, so the request's next
 //! admission finds them as an ordinary prefix hit and computes only the rest (a failed
 //! block and those after it are computed again; the connector forgets the failed entry).
+//! Until that admission a fork of the table (`kept`) keeps them out of the evictable pool,
+//! so other requests' growth cannot evict them and make the load run again.
+//!
+//! Saves: a finished or aborted request's computed full blocks (`hold`), and a request's
+//! preempted by recompute (`save_before_recompute`, held by a fork of its table). These are
+//! the ways a block reaches the device cache's evictable pool, so a block the device cache
+//! evicts is already in the tier (or was refused by a full one): no save at eviction time,
+//! when the block is about to be overwritten. A request is never parked on a device hit
+//! that the step being built computes (a discarded step would leave it holding blocks
+//! without their KV).
 //!
 //! Blocks that the workers may still be writing or reading are never freed early: an
 //! aborted loading request, or a finished one being saved, leaves its sequence in `held`
@@ -46,6 +56,12 @@ pub(in crate::scheduler) struct ConnectorState {
     loading: HashMap<u64, Loading>,
     /// Transfer -> sequences whose blocks stay allocated until it is reported.
     held: HashMap<u64, Vec<SeqId>>,
+    /// Request -> a fork of its table keeping the blocks its load brought in (and its device
+    /// hit) out of the device cache's evictable pool until it is admitted (or released).
+    kept: HashMap<u32, SeqId>,
+    /// Set while `discard_step` sends the failed step's requests back: their blocks may
+    /// never have received their KV, so nothing is saved from them.
+    pub(in crate::scheduler) discarding: bool,
 }
 
 impl ConnectorState {
@@ -61,7 +77,7 @@ impl ConnectorState {
 
     /// Sequences the held transfers keep in the manager.
     pub(in crate::scheduler) fn num_held_seqs(&self) -> usize {
-        self.held.values().map(Vec::len).sum()
+        self.held.values().map(Vec::len).sum::<usize>() + self.kept.len()
     }
 
     pub(in crate::scheduler) fn connector(&self) -> Option<&dyn KvConnector> {
@@ -78,7 +94,7 @@ impl ConnectorState {
         req: &Request,
         mgr: &KvCacheManager,
     ) -> Option<SeqId> {
-        let connector = self.connector.as_mut()?;
+        self.connector.as_ref()?;
         let job = req.extras.remote_job;
         if job != 0 {
             let l = self.loading.remove(&job)?;
@@ -92,7 +108,17 @@ impl ConnectorState {
         if self.held.values().any(|seqs| seqs.contains(&seq)) {
             return Some(seq); // held when it finished (a save in flight)
         }
-        let table = mgr.table(seq).ok()?;
+        let job = self.offer_save(req, mgr)?;
+        self.held.insert(job, vec![seq]);
+        Some(seq)
+    }
+
+    /// Offers the computed full blocks of single-sequence request `req` (on the device) to
+    /// the connector (`request_finished`); returns the save's transfer when it takes some.
+    /// The caller holds blocks under it until the save is reported.
+    fn offer_save(&mut self, req: &Request, mgr: &KvCacheManager) -> Option<u64> {
+        let connector = self.connector.as_mut()?;
+        let table = mgr.table(req.seqs[0].id).ok()?;
         if table.location != Location::Device || table.num_registered == 0 {
             return None;
         }
@@ -108,8 +134,7 @@ impl ConnectorState {
             return None;
         }
         self.next_job = job;
-        self.held.insert(job, vec![seq]);
-        Some(seq)
+        Some(job)
     }
 }
 
@@ -135,6 +160,45 @@ impl Scheduler {
 
     pub fn kv_connector(&self) -> Option<&dyn KvConnector> {
         self.kv.connector()
+    }
+
+    /// Request `h` is preempted by recompute: the connector may save its computed full
+    /// blocks first, since the device cache may evict them before it comes back (every other
+    /// way a block reaches the device cache's evictable pool, a finish or an abort, saves it
+    /// already, so by the time the device cache evicts a block the tier has it). A fork of
+    /// its table under a fresh sequence id holds them until the save is reported; the
+    /// request's own sequence is freed as usual and finds them as a prefix hit when it is
+    /// admitted again. Single-sequence requests on the device only.
+    pub(in crate::scheduler) fn save_before_recompute(&mut self, h: u32) -> Result<()> {
+        let req = self.store.get(h);
+        if self.kv.discarding
+            || req.seqs.len() != 1
+            || req.extras.remote_job != 0
+            || !self.mgr.contains(req.seqs[0].id)
+        {
+            return Ok(());
+        }
+        let seq = req.seqs[0].id;
+        let Some(job) = self.kv.offer_save(req, &self.mgr) else {
+            return Ok(());
+        };
+        let copy = self.store.next_ids(1).0;
+        let registered = self.mgr.table(seq)?.num_registered;
+        self.mgr.fork(seq, copy)?;
+        // Only the saved (registered) blocks are held; the tail goes back with the request's.
+        self.mgr
+            .truncate_slots(copy, registered * self.mgr.block_size())?;
+        self.kv.held.insert(job, vec![copy]);
+        Ok(())
+    }
+
+    /// Request `h` was admitted or released: the blocks kept for it since its load go back
+    /// (an admitted request holds them through its own table by now).
+    pub(in crate::scheduler) fn release_kept(&mut self, h: u32) -> Result<()> {
+        if let Some(copy) = self.kv.kept.remove(&h) {
+            self.mgr.free(copy)?;
+        }
+        Ok(())
     }
 
     /// Loads or saves the workers have not reported yet.
@@ -173,6 +237,11 @@ impl Scheduler {
             tokens: &s.tokens[..target],
             block_hashes: &hit.hashes,
         };
+        // A parked request is no row of this step: if the step is discarded it is not sent
+        // back, so it must not hold blocks the step is computing (their KV may never come).
+        if hit.blocks.iter().any(|&b| self.mgr.registered_this_step(b)) {
+            return Ok(Some(hit));
+        }
         let (external, _is_async) = connector.get_num_new_matched_tokens(&creq, computed);
         let bs = self.mgr.block_size();
         if external == 0 || external % bs != 0 || computed + external >= target {
@@ -277,7 +346,18 @@ impl Scheduler {
             (l.first_block + loaded) * bs,
             req.extra_key,
         )?;
+        // The loaded blocks stay out of the evictable pool until the request is admitted
+        // (else other requests' growth could evict them first and the load be repeated).
+        let keep = (l.first_block + loaded) * bs;
+        if keep > 0 {
+            self.release_kept(l.handle)?;
+            let copy = self.store.next_ids(1).0;
+            self.mgr.fork(l.seq, copy)?;
+            self.mgr.truncate_slots(copy, keep)?;
+            self.kv.kept.insert(l.handle, copy);
+        }
         self.mgr.free(l.seq)?;
+        let req = self.store.get_mut(l.handle);
         req.status = l.prev;
         req.extras.remote_job = 0;
         if !req.admitted_once {

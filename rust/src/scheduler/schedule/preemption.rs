@@ -44,6 +44,9 @@ impl Scheduler {
             self.queues.preempted_swap.push(h);
             self.counters.num_preemptions_swap += 1;
         } else {
+            if self.kv.is_attached() {
+                self.save_before_recompute(h)?;
+            }
             self.reset_to_recompute(h)?;
             self.counters.num_preemptions_recompute += 1;
         }
