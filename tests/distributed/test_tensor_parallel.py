@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.config import SCHEDULING_STRATEGIES, EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.multiproc import EngineDeadError
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -254,3 +254,34 @@ def test_two_engines_started_at_once_both_come_up(tmp_path_factory):
                 proc.kill()
     assert first == second and len(first) == 4
     assert [proc.exitcode for proc in engines] == [0, 0]
+
+
+def _greedy(folder, tp: int, **knobs) -> list[list[int]]:
+    """A few prompts' greedy tokens (short: one compact run per strategy)."""
+    engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**KNOBS, **knobs}))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS[:4]):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        return [tokens[str(i)] for i in range(4)]
+    finally:
+        engine.shutdown()
+
+
+# each strategy with a budget it accepts (prefill_first never splits a prompt)
+STRATEGY_BUDGETS = [("unified", 24), ("chunked_prefill", 24), ("prefill_first", 96)]
+
+
+@pytest.mark.parametrize(("scheduling", "budget"), STRATEGY_BUDGETS)
+def test_two_ranks_generate_the_greedy_tokens_of_one_under_each_strategy(
+    tmp_path_factory, scheduling, budget
+):
+    assert {scheduling for scheduling, _ in STRATEGY_BUDGETS} == set(SCHEDULING_STRATEGIES)
+    folder = _checkpoint(tmp_path_factory, "qwen2", 1)
+    knobs = dict(scheduling=scheduling, max_num_batched_tokens=budget)
+    assert _greedy(folder, 2, **knobs) == _greedy(folder, 1, **knobs)
