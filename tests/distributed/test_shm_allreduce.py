@@ -57,6 +57,25 @@ def _compare_with_gloo(rank: int, rendezvous, results) -> None:
     parallel_state.destroy_tensor_parallel()
 
 
+def _gather_both_ways(rank: int, rendezvous, results) -> None:
+    """Rank 0: the shm gather of each dtype's parts against gloo's gather of the same parts."""
+    _join(rank, rendezvous, None)
+    gloo_gather = dist.gather
+    dist.gather = None  # (this process only) the gather must not go through gloo
+    same = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 300, generator=torch.Generator().manual_seed(rank)) - 0.5).to(dtype)
+        parts = [torch.empty_like(x) for _ in range(2)] if rank == 0 else None
+        gloo_gather(x, parts, dst=0)
+        got = parallel_state.gather_to_first(x)
+        if rank == 0:
+            same[str(dtype)] = torch.equal(got, torch.cat(parts, dim=-1))
+        else:
+            same[str(dtype)] = got is None
+    results.put((rank, parallel_state.uses_shm_allreduce(), same))
+    parallel_state.destroy_tensor_parallel()
+
+
 def _report_path(rank: int, rendezvous, env: str, results) -> None:
     _join(rank, rendezvous, env)
     results.put((rank, parallel_state.uses_shm_allreduce()))
@@ -131,6 +150,17 @@ def test_shm_sums_equal_gloos_for_every_shape_and_dtype():
             assert diff <= tolerance, (dtype, shape, diff)
     # both ranks hold the same result
     assert got[0][3] == got[1][3]
+
+
+def test_the_shm_gather_to_rank_0_equals_gloos_bit_for_bit():
+    procs, results = _spawn(_gather_both_ways)
+    try:
+        got = sorted(results.get(timeout=120) for _ in procs)
+    finally:
+        _finish(procs)
+    for _, used_shm, same in got:
+        assert used_shm
+        assert same == {"torch.float32": True, "torch.bfloat16": True}
 
 
 def test_no_segment_is_left_after_shutdown():
