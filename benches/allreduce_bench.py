@@ -26,10 +26,10 @@ def _burst(size: int) -> int:
     return max(3, min(200, (8 << 20) // size))
 
 
-def _rank(rank: int, init_method: str, rounds: int, results) -> None:
+def _rank(rank: int, rendezvous, rounds: int, results) -> None:
     torch.set_num_threads(1)
     parallel_state.init_tensor_parallel(
-        rank, 2, init_method, device=torch.device("cpu"), timeout_s=120.0
+        rank, 2, rendezvous, device=torch.device("cpu"), timeout_s=120.0, startup_timeout_s=120.0
     )
     assert parallel_state.uses_shm_allreduce()
     ways = {"shm": parallel_state.all_reduce, "gloo": dist.all_reduce}
@@ -63,9 +63,10 @@ def main() -> None:
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    init_method = parallel_state.free_init_method()
+    store = parallel_state.open_rendezvous(2, 120.0)  # held here while the ranks meet
+    rendezvous = parallel_state.Rendezvous("127.0.0.1", store.port)
     procs = [
-        context.Process(target=_rank, args=(r, init_method, args.rounds, results)) for r in range(2)
+        context.Process(target=_rank, args=(r, rendezvous, args.rounds, results)) for r in range(2)
     ]
     for proc in procs:
         proc.start()

@@ -28,6 +28,8 @@ DEFAULT_MODEL = TINY_RANDOM_MODEL
 # the dtypes the models run in (and a checkpoint may state); "auto" picks one per device
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
+# the least time tensor-parallel ranks are given to start (`EngineArgs.tp_startup_timeout`)
+TP_MIN_STARTUP_TIMEOUT_S = 120.0
 GiB = 1 << 30
 # backends of the KV offload tier (kv_offloading_backend)
 KV_OFFLOADING_BACKENDS = ("native", "disk")
@@ -78,7 +80,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
     # tensor parallelism (vLLM's names): ranks the model is sharded over, how they are launched,
-    # and how long a step may wait for a rank before the engine is declared dead
+    # and how long a step may wait for a rank before the engine is declared dead (start-up has
+    # its own bound: `tp_startup_timeout`)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     tp_step_timeout: float = 60.0
@@ -94,6 +97,13 @@ class EngineArgs:
     kv_offloading_backend: str | None = None
     # the disk tier's directory (kv_offloading_backend="disk"; created when missing)
     kv_offloading_path: str | None = None
+
+    @property
+    def tp_startup_timeout(self) -> float:
+        """Seconds the ranks may take to start (spawn, import, meet, load their shards) before
+        the start fails: never less than `TP_MIN_STARTUP_TIMEOUT_S`, however short the step
+        timeout (a loaded machine can take longer than a step just to import torch)."""
+        return max(float(self.tp_step_timeout), TP_MIN_STARTUP_TIMEOUT_S)
 
     @property
     def resolved_max_cpu_loras(self) -> int:

@@ -62,9 +62,13 @@ def test_ranks_join_over_nccl_on_cuda_and_gloo_on_cpu(monkeypatch, device, backe
         lambda name, **kwargs: joined.update(backend=name, **kwargs),
     )
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    # the group alone: the shared-memory all-reduce would meet the other rank over it
+    monkeypatch.setattr(parallel_state, "_wait_for_every_rank", lambda store, size: None)
+    # no group really forms: the shared-memory all-reduce's join (a collective) is not tried
     monkeypatch.setenv(parallel_state.CPU_ALLREDUCE_ENV, "gloo")
-    parallel_state.init_tensor_parallel(1, 2, "tcp://127.0.0.1:1", device=device, timeout_s=5)
+    store = torch.distributed.HashStore()  # no rank 0 to meet: only the join's arguments count
+    parallel_state.init_tensor_parallel(
+        1, 2, store, device=device, timeout_s=5, startup_timeout_s=5
+    )
     assert joined["backend"] == backend == parallel_state.backend_for(device)
     assert (joined["rank"], joined["world_size"]) == (1, 2)
     # NCCL's communicator binds to the current CUDA device: the rank's own, set before joining

@@ -4,7 +4,9 @@ engine whose start failed: a rank never came) does not stop the next engine's ra
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -14,21 +16,27 @@ from pagedllm.distributed import parallel_state
 CPU = torch.device("cpu")
 
 
-def _rank_one(init_method: str, out) -> None:
-    parallel_state.init_tensor_parallel(1, 2, init_method, device=CPU, timeout_s=60)
+def _rank_one(rendezvous, out, delay_s: float = 0.0) -> None:
+    time.sleep(delay_s)  # a rank slow to start (a loaded machine)
+    parallel_state.init_tensor_parallel(
+        1, 2, rendezvous, device=CPU, timeout_s=60, startup_timeout_s=120
+    )
     out.put(parallel_state.all_reduce(torch.ones(3)).tolist())
     parallel_state.destroy_tensor_parallel()
 
 
-def _meet_a_fresh_rank() -> None:
+def _meet_a_fresh_rank(step_timeout_s: float = 30, delay_s: float = 0.0) -> None:
     """Rank 0 here, rank 1 a freshly spawned process: both sum a tensor."""
-    init_method = parallel_state.free_init_method()
+    store = parallel_state.open_rendezvous(2, 120)
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    worker = context.Process(target=_rank_one, args=(init_method, out), daemon=True)
+    rendezvous = parallel_state.Rendezvous("127.0.0.1", store.port)
+    worker = context.Process(target=_rank_one, args=(rendezvous, out, delay_s), daemon=True)
     worker.start()
     try:
-        parallel_state.init_tensor_parallel(0, 2, init_method, device=CPU, timeout_s=30)
+        parallel_state.init_tensor_parallel(
+            0, 2, store, device=CPU, timeout_s=step_timeout_s, startup_timeout_s=120
+        )
         assert parallel_state.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
         assert out.get(timeout=30) == [2.0, 2.0, 2.0]
     finally:
@@ -40,8 +48,9 @@ def _meet_a_fresh_rank() -> None:
 
 def _join_alone(timeout_s: float) -> None:
     """Rank 0 of 2 waiting for a rank 1 that never comes."""
+    store = parallel_state.open_rendezvous(2, timeout_s)
     parallel_state.init_tensor_parallel(
-        0, 2, parallel_state.free_init_method(), device=CPU, timeout_s=timeout_s
+        0, 2, store, device=CPU, timeout_s=timeout_s, startup_timeout_s=timeout_s
     )
 
 
@@ -65,3 +74,15 @@ def test_a_join_still_pending_does_not_stop_the_next_group_from_meeting():
     finally:
         pending.join(timeout=60)
     assert failed == [1]
+
+
+def test_a_rank_slower_to_start_than_the_step_timeout_still_joins():
+    # the step timeout bounds collectives, not the wait for a rank still starting
+    _meet_a_fresh_rank(step_timeout_s=1, delay_s=3.0)
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
+    # nothing else (another engine's rendezvous) can take it before the ranks arrive
+    store = parallel_state.open_rendezvous(2, 5)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, pytest.raises(OSError):
+        sock.bind(("127.0.0.1", store.port))

@@ -33,17 +33,17 @@ def _segments(pid: int) -> list[str]:
     return glob.glob(f"/dev/shm/pagedllm-allreduce-{pid}-*")
 
 
-def _join(rank: int, init_method: str, env: str | None, timeout_s: float = 30.0) -> None:
+def _join(rank: int, rendezvous, env: str | None, timeout_s: float = 30.0) -> None:
     if env is not None:
         os.environ[parallel_state.CPU_ALLREDUCE_ENV] = env
     parallel_state.init_tensor_parallel(
-        rank, 2, init_method, device=torch.device("cpu"), timeout_s=timeout_s
+        rank, 2, rendezvous, device=torch.device("cpu"), timeout_s=timeout_s, startup_timeout_s=120
     )
 
 
-def _compare_with_gloo(rank: int, init_method: str, results) -> None:
+def _compare_with_gloo(rank: int, rendezvous, results) -> None:
     """Each shape and dtype: the shm sum and gloo's of the same per-rank inputs."""
-    _join(rank, init_method, None)
+    _join(rank, rendezvous, None)
     worst = {}
     for dtype in (torch.float32, torch.bfloat16):
         for shape in SHAPES:
@@ -57,15 +57,34 @@ def _compare_with_gloo(rank: int, init_method: str, results) -> None:
     parallel_state.destroy_tensor_parallel()
 
 
-def _report_path(rank: int, init_method: str, env: str, results) -> None:
-    _join(rank, init_method, env)
+def _gather_both_ways(rank: int, rendezvous, results) -> None:
+    """Rank 0: the shm gather of each dtype's parts against gloo's gather of the same parts."""
+    _join(rank, rendezvous, None)
+    gloo_gather = dist.gather
+    dist.gather = None  # (this process only) the gather must not go through gloo
+    same = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, 300, generator=torch.Generator().manual_seed(rank)) - 0.5).to(dtype)
+        parts = [torch.empty_like(x) for _ in range(2)] if rank == 0 else None
+        gloo_gather(x, parts, dst=0)
+        got = parallel_state.gather_to_first(x)
+        if rank == 0:
+            same[str(dtype)] = torch.equal(got, torch.cat(parts, dim=-1))
+        else:
+            same[str(dtype)] = got is None
+    results.put((rank, parallel_state.uses_shm_allreduce(), same))
+    parallel_state.destroy_tensor_parallel()
+
+
+def _report_path(rank: int, rendezvous, env: str, results) -> None:
+    _join(rank, rendezvous, env)
     results.put((rank, parallel_state.uses_shm_allreduce()))
     parallel_state.destroy_tensor_parallel()
 
 
-def _reduce_until_failure(rank: int, init_method: str, results) -> None:
+def _reduce_until_failure(rank: int, rendezvous, results) -> None:
     """Reduce until a peer vanishes; report how it failed."""
-    _join(rank, init_method, None)
+    _join(rank, rendezvous, None)
     results.put(("joined", rank, os.getpid()))
     x = torch.ones(1000)
     try:
@@ -76,9 +95,9 @@ def _reduce_until_failure(rank: int, init_method: str, results) -> None:
         results.put(("failed", rank, type(exc).__name__, str(exc)))
 
 
-def _abort_or_reduce(rank: int, init_method: str, results) -> None:
+def _abort_or_reduce(rank: int, rendezvous, results) -> None:
     """Rank 1 gives up; rank 0 reports how its all-reduce ended and how long it took."""
-    _join(rank, init_method, None)
+    _join(rank, rendezvous, None)
     if rank == 1:
         time.sleep(0.5)
         parallel_state.abort()
@@ -91,12 +110,18 @@ def _abort_or_reduce(rank: int, init_method: str, results) -> None:
         results.put((str(exc), time.monotonic() - start))
 
 
+_store = None
+
+
 def _spawn(target, *args):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    init_method = parallel_state.free_init_method()
+    global _store
+    # the ranks meet at a store this process holds (until the next spawn)
+    _store = parallel_state.open_rendezvous(2, 120)
+    rendezvous = parallel_state.Rendezvous("127.0.0.1", _store.port)
     procs = [
-        context.Process(target=target, args=(rank, init_method, *args, results), daemon=True)
+        context.Process(target=target, args=(rank, rendezvous, *args, results), daemon=True)
         for rank in range(2)
     ]
     for proc in procs:
@@ -125,6 +150,17 @@ def test_shm_sums_equal_gloos_for_every_shape_and_dtype():
             assert diff <= tolerance, (dtype, shape, diff)
     # both ranks hold the same result
     assert got[0][3] == got[1][3]
+
+
+def test_the_shm_gather_to_rank_0_equals_gloos_bit_for_bit():
+    procs, results = _spawn(_gather_both_ways)
+    try:
+        got = sorted(results.get(timeout=120) for _ in procs)
+    finally:
+        _finish(procs)
+    for _, used_shm, same in got:
+        assert used_shm
+        assert same == {"torch.float32": True, "torch.bfloat16": True}
 
 
 def test_no_segment_is_left_after_shutdown():

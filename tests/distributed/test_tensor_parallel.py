@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.config import SCHEDULING_STRATEGIES, EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.multiproc import EngineDeadError
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -215,3 +215,73 @@ def test_a_worker_dead_before_joining_fails_the_start_at_once(tmp_path_factory):
     # long before the rendezvous' timeout
     assert time.monotonic() - start < 10.0
     assert not torch.distributed.is_initialized()
+
+
+def test_a_step_timeout_shorter_than_the_start_up_does_not_fail_the_start(tmp_path_factory):
+    # spawning a worker and importing torch alone takes longer than this step timeout
+    llm = LLM(
+        str(_checkpoint(tmp_path_factory, "llama", 2)),
+        tensor_parallel_size=2,
+        tp_step_timeout=0.2,
+        **KNOBS,
+    )
+    llm.llm_engine.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def _engine_in_a_process(folder: str, out) -> None:
+    llm = LLM(folder, tensor_parallel_size=2, **KNOBS)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (result,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    out.put(list(result.outputs[0].token_ids))
+    llm.llm_engine.shutdown()
+
+
+def test_two_engines_started_at_once_both_come_up(tmp_path_factory):
+    # each engine's rank 0 holds its own rendezvous port: no race for a free one
+    folder = str(_checkpoint(tmp_path_factory, "llama", 2))
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    engines = [context.Process(target=_engine_in_a_process, args=(folder, out)) for _ in range(2)]
+    for proc in engines:
+        proc.start()
+    try:
+        first, second = out.get(timeout=300), out.get(timeout=300)
+    finally:
+        for proc in engines:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert first == second and len(first) == 4
+    assert [proc.exitcode for proc in engines] == [0, 0]
+
+
+def _greedy(folder, tp: int, **knobs) -> list[list[int]]:
+    """A few prompts' greedy tokens (short: one compact run per strategy)."""
+    engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**KNOBS, **knobs}))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS[:4]):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        return [tokens[str(i)] for i in range(4)]
+    finally:
+        engine.shutdown()
+
+
+# each strategy with a budget it accepts (prefill_first never splits a prompt)
+STRATEGY_BUDGETS = [("unified", 24), ("chunked_prefill", 24), ("prefill_first", 96)]
+
+
+@pytest.mark.parametrize(("scheduling", "budget"), STRATEGY_BUDGETS)
+def test_two_ranks_generate_the_greedy_tokens_of_one_under_each_strategy(
+    tmp_path_factory, scheduling, budget
+):
+    assert {scheduling for scheduling, _ in STRATEGY_BUDGETS} == set(SCHEDULING_STRATEGIES)
+    folder = _checkpoint(tmp_path_factory, "qwen2", 1)
+    knobs = dict(scheduling=scheduling, max_num_batched_tokens=budget)
+    assert _greedy(folder, 2, **knobs) == _greedy(folder, 1, **knobs)

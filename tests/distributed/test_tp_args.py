@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm.cli.app import _engine_kwargs, build_parser, loaded_summary
-from pagedllm.config import EngineArgs
+from pagedllm.config import TP_MIN_STARTUP_TIMEOUT_S, EngineArgs
 from pagedllm.engine import llm_engine
 from pagedllm.engine.llm_engine import LLMEngine
 
@@ -132,3 +132,8 @@ def test_serve_logs_the_ranks_and_their_launcher(monkeypatch, backend):
     )
     loaded = loaded_summary(engine)[0]
     assert loaded.endswith(f"1 CPU threads per rank, tensor parallel over 2 ranks ({backend})")
+
+
+def test_start_up_is_given_at_least_the_floor_however_short_the_step_timeout():
+    assert EngineArgs(tp_step_timeout=3).tp_startup_timeout == TP_MIN_STARTUP_TIMEOUT_S
+    assert EngineArgs(tp_step_timeout=600).tp_startup_timeout == 600

@@ -237,6 +237,7 @@ def _start_vllm(python: str, engine, folder: Path, prompts, max_tokens, seed: in
         prompts=prompts,
         max_tokens=max_tokens,
         kv_cache_space_gib=engine.args.cpu_kv_cache_space,
+        tensor_parallel_size=engine.args.tensor_parallel_size,
     )
 
 

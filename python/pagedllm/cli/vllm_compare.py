@@ -38,11 +38,16 @@ class VllmProcess:
         prompts: list[list[int]],
         max_tokens: list[int],
         kv_cache_space_gib: float,
+        tensor_parallel_size: int = 1,
     ) -> None:
         check_interpreter(python)
         env = dict(os.environ)
-        # vLLM's CPU backend sizes its KV cache from this (whole GiB)
+        # vLLM's CPU backend sizes its KV cache from this (whole GiB, per rank)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_space_gib))))
+        if tensor_parallel_size > 1:
+            # one core per rank ("0|1|..."): vLLM's automatic binding keeps a core back for its
+            # front end and has none left for a second rank on a small machine
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self._proc = subprocess.Popen(
             [python, str(DRIVER)],
@@ -59,6 +64,7 @@ class VllmProcess:
             seed=seed,
             prompts=prompts,
             max_tokens=max_tokens,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.version = self._ask(workload)["version"]
 
@@ -95,6 +101,18 @@ class VllmProcess:
                 self._proc.kill()
                 self._proc.wait()
         self._stderr.close()
+
+
+def cpu_binding(ranks: int) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` giving rank r the r-th core this process may use
+    (ValueError where there are fewer cores than ranks)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(
+            f"tensor_parallel_size={ranks} for vLLM's CPU backend needs a core per rank; "
+            f"this process may use {len(cores)}"
+        )
+    return "|".join(str(core) for core in cores[:ranks])
 
 
 def export_checkpoint(engine, folder: Path) -> str:

@@ -4,7 +4,8 @@ It imports only the standard library and vLLM (the other interpreter has no page
 one JSON object per line on stdin, one reply per line on stdout prefixed with `MARKER` (vLLM logs
 to stdout too; other lines are ignored):
 - first line, the workload: {"model", "dtype", "max_model_len", "seed", "prompts": [[ids]],
-  "max_tokens": [int]} -> {"ready": true, "version": vLLM's version} after loading and a warm-up;
+  "max_tokens": [int], "tensor_parallel_size": int (optional, 1)} -> {"ready": true, "version":
+  vLLM's version} after loading and a warm-up;
 - {"cmd": "run"} -> {"elapsed_s", "generated_tokens", "outputs": [[ids]]}: one timed greedy
   generate of every prompt (EOS ignored), outputs in prompt order;
 - {"cmd": "exit"} or end of input -> exit 0.
@@ -36,6 +37,7 @@ def main() -> int:
         seed=workload["seed"],
         skip_tokenizer_init=True,
         enforce_eager=True,
+        tensor_parallel_size=workload.get("tensor_parallel_size", 1),
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)

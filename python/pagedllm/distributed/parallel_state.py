@@ -8,14 +8,20 @@ On CPU, ranks on one host sum through a shared-memory all-reduce (`_core.ShmAllR
 segment, one barrier per chunk) instead of gloo, whose TCP round trips dominate small messages;
 gloo stays the fallback (ranks on several hosts, no /dev/shm, other dtypes) and the reference.
 `PAGEDLLM_CPU_ALLREDUCE=gloo` forces gloo.
+
+Rendezvous: rank 0's process owns it. `open_rendezvous` starts a torch.distributed `TCPStore` on a
+port the OS picks and holds it from then on, so engines started side by side never race for a
+port; the other ranks get its `(host, port)` and connect to it. Start-up (every rank reaching the
+store: spawning, importing) is bounded by its own timeout; the group's timeout bounds each
+collective once every rank is there.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,12 +39,28 @@ SHM_CHUNK_BYTES = 1 << 20
 _shm: ShmAllReduce | None = None
 
 
-def free_init_method(host: str = "127.0.0.1") -> str:
-    """A `tcp://` rendezvous address on this machine's `host` address (another machine's ranks
-    reach it there) with a port that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+class Rendezvous(NamedTuple):
+    """Where the ranks meet: rank 0's store (another machine's ranks reach it at `host`)."""
+
+    host: str
+    port: int
+
+
+# the store's key every rank adds itself to, and the one the last to arrive sets
+_ARRIVED_KEY, _ALL_ARRIVED_KEY = "pagedllm/arrived", "pagedllm/all-arrived"
+
+
+def open_rendezvous(world_size: int, startup_timeout_s: float, host: str = "127.0.0.1"):
+    """Rank 0's store, listening on `host` at a port the OS picked (`store.port`), held until
+    the store is dropped. `startup_timeout_s` bounds how long the ranks may take to arrive."""
+    return dist.TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=startup_timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def backend_for(device: torch.device) -> str:
@@ -47,15 +69,33 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, *, device: torch.device, timeout_s: float
+    rank: int,
+    world_size: int,
+    rendezvous: dist.Store | Rendezvous,
+    *,
+    device: torch.device,
+    timeout_s: float,
+    startup_timeout_s: float,
 ) -> None:
-    """Join the group (blocks until every rank has joined). `timeout_s` bounds every collective:
-    a rank that stops answering fails the others' collectives instead of hanging them."""
+    """Join the group: rank 0 passes the store it opened (`open_rendezvous`), the others its
+    `Rendezvous`. Blocks until every rank has arrived, for up to `startup_timeout_s`; then
+    `timeout_s` bounds every collective: a rank that stops answering fails the others'
+    collectives instead of hanging them."""
     global _shm
     backend = backend_for(device)
     choice = cpu_allreduce_choice()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    store = rendezvous
+    if isinstance(rendezvous, Rendezvous):
+        store = dist.TCPStore(
+            rendezvous.host,
+            rendezvous.port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=startup_timeout_s),
+        )
+    _wait_for_every_rank(store, world_size)
     if not dist.is_initialized():
         # torch names a group's store keys after the count of groups this process began, joins
         # that failed or are still pending included (an engine whose start failed); the other
@@ -63,13 +103,21 @@ def init_tensor_parallel(
         dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     if backend == "gloo" and world_size > 1 and choice == "shm":
         _shm = _join_shm_allreduce(rank, world_size, timeout_s)
+
+
+def _wait_for_every_rank(store: dist.Store, world_size: int) -> None:
+    """Return once every rank has reached the store (bounded by the store's start-up timeout):
+    the group's own handshake then runs under the step timeout with nobody still starting."""
+    if store.add(_ARRIVED_KEY, 1) == world_size:
+        store.set(_ALL_ARRIVED_KEY, b"1")
+    store.wait([_ALL_ARRIVED_KEY])
 
 
 def cpu_allreduce_choice() -> str:
@@ -148,8 +196,19 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_to_first(x: torch.Tensor) -> torch.Tensor | None:
-    """Rank 0: the ranks' `x` concatenated along the last axis (in rank order); others: None."""
+    """Rank 0: the ranks' `x` concatenated along the last axis (in rank order); others: None.
+
+    Through the shared-memory segment when it is in use: each rank puts its part in its columns
+    of a zeroed whole and the whole is summed (adding zeros is exact), twice the bytes of a
+    gather but no TCP round trip: gloo's gather of a step's logits costs more than all of its
+    all-reduces together."""
     rank, size = dist.get_rank(), dist.get_world_size()
+    if _shm is not None and x.dtype in (torch.float32, torch.bfloat16):
+        width = x.shape[-1]
+        whole = x.new_zeros((*x.shape[:-1], width * size))
+        whole[..., rank * width : (rank + 1) * width] = x
+        all_reduce(whole)
+        return whole if rank == 0 else None
     parts = [torch.empty_like(x) for _ in range(size)] if rank == 0 else None
     dist.gather(x.contiguous(), parts, dst=0)
     return torch.cat(parts, dim=-1) if rank == 0 else None

@@ -15,12 +15,16 @@ the step it fails. `RankWorker` is a worker's share of a step, whatever carried 
 launcher's actors run it too).
 
 Failure: a worker's death is seen from its process sentinel (waited on beside its answer), a
-worker that does not answer within `tp_step_timeout` is declared hung (the collectives share the
-timeout, so rank 0 cannot block in one for longer). Either makes the executor dead: this step and
-every later one raise `EngineDeadError` naming the rank. A worker whose engine died sees it from
-the ring (it watches rank 0's pid) and exits. `shutdown()` (also at exit) stops and joins every
-worker. The ring's name leaves /dev/shm once every worker has mapped it (and at shutdown, in case
-one never did).
+worker that does not answer a step within `tp_step_timeout` is declared hung (the collectives
+share the timeout, so rank 0 cannot block in one for longer). Either makes the executor dead: this
+step and every later one raise `EngineDeadError` naming the rank. A worker whose engine died sees
+it from the ring (it watches rank 0's pid) and exits. `shutdown()` (also at exit) stops and joins
+every worker. The ring's name leaves /dev/shm once every worker has mapped it (and at shutdown,
+in case one never did).
+
+Start-up (spawning, meeting, loading the shards, allocating the KV cache) has its own, longer
+bound, `EngineArgs.tp_startup_timeout`: a worker that dies meanwhile still fails it at once. Rank 0
+owns the rendezvous: it opens the store on a port the OS gives it before spawning the workers.
 """
 
 from __future__ import annotations
@@ -122,13 +126,24 @@ class RankWorker:
     """One worker rank (1..N-1): its group membership, shard, KV cache and runner. The `mp`
     worker process and the `ray` actor both run one; what carries the messages differs."""
 
-    def __init__(self, rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        args: EngineArgs,
+        dtype: torch.dtype,
+        rendezvous: parallel_state.Rendezvous,
+    ) -> None:
         """Join the group (blocks until every rank has) and load this rank's shard."""
         self.args, self.dtype = args, dtype
         self.device = torch.device("cpu")
         self.tp = TPShard(rank, args.tensor_parallel_size)
         parallel_state.init_tensor_parallel(
-            rank, self.tp.size, init_method, device=self.device, timeout_s=args.tp_step_timeout
+            rank,
+            self.tp.size,
+            rendezvous,
+            device=self.device,
+            timeout_s=args.tp_step_timeout,
+            startup_timeout_s=args.tp_startup_timeout,
         )
         self.model = load_model(args.model, dtype=dtype, device=self.device, tp=self.tp)
         self.lora = None
@@ -205,13 +220,18 @@ def decode_step(ints: list[int], items: list) -> tuple[list, StepArrays | None, 
 
 
 def _worker_main(
-    rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str, ring_name: str, conn
+    rank: int,
+    args: EngineArgs,
+    dtype: torch.dtype,
+    rendezvous: parallel_state.Rendezvous,
+    ring_name: str,
+    conn,
 ) -> None:
     """Rank `rank`'s process: map the ring, join the group, load its shard, then run messages
     until told to stop (or the engine dies). An error is sent back, then the worker exits."""
     try:
         ring = ShmRingReader(ring_name, rank)
-        worker = RankWorker(rank, args, dtype, init_method)
+        worker = RankWorker(rank, args, dtype, rendezvous)
         conn.send(("loaded",))
         tag, ints, _ = ring.receive()
         ring.ack()
@@ -247,10 +267,13 @@ class MultiprocExecutor:
     def __init__(self, args: EngineArgs, dtype: torch.dtype) -> None:
         self.size = args.tensor_parallel_size
         self.timeout_s = args.tp_step_timeout
+        self.startup_timeout_s = args.tp_startup_timeout
         self.shard = TPShard(0, self.size)
         self.dead: str | None = None  # why the executor can run no more steps
         self.pipe_messages = 0  # messages that outgrew a ring chunk and went through the pipes
-        init_method = parallel_state.free_init_method()
+        # the rendezvous' port is ours from here on: engines started side by side never collide
+        store = parallel_state.open_rendezvous(self.size, self.startup_timeout_s)
+        rendezvous = parallel_state.Rendezvous("127.0.0.1", store.port)
         context = get_context("spawn")
         self.procs, self.conns = [], []
         self.ring = ShmRingWriter(self.size - 1, RING_CHUNKS, RING_CHUNK_BYTES)
@@ -263,7 +286,7 @@ class MultiprocExecutor:
                 ours, theirs = context.Pipe()
                 proc = context.Process(
                     target=_worker_main,
-                    args=(rank, args, dtype, init_method, self.ring.name, theirs),
+                    args=(rank, args, dtype, rendezvous, self.ring.name, theirs),
                     name=f"pagedllm-tp{rank}",
                     daemon=True,
                 )
@@ -271,15 +294,15 @@ class MultiprocExecutor:
                 theirs.close()  # so the worker's death reads as EOF here
                 self.procs.append(proc)
                 self.conns.append(ours)
-            self._join_group(init_method)
-            self._expect("loaded")
+            self._join_group(store)
+            self._expect("loaded", self.startup_timeout_s)
             self.ring.unlink()  # every worker has it mapped
         except BaseException:
             # also when a spawn fails: the workers started so far and the ring's name go
             self.shutdown()
             raise
 
-    def _join_group(self, init_method: str) -> None:
+    def _join_group(self, store) -> None:
         """Join as rank 0 while watching the workers: one that dies before it joins fails the
         start at once, not when the rendezvous times out."""
         failed: list[BaseException] = []
@@ -287,7 +310,12 @@ class MultiprocExecutor:
         def join() -> None:
             try:
                 parallel_state.init_tensor_parallel(
-                    0, self.size, init_method, device=torch.device("cpu"), timeout_s=self.timeout_s
+                    0,
+                    self.size,
+                    store,
+                    device=torch.device("cpu"),
+                    timeout_s=self.timeout_s,
+                    startup_timeout_s=self.startup_timeout_s,
                 )
             except BaseException as exc:
                 failed.append(exc)
@@ -304,7 +332,7 @@ class MultiprocExecutor:
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the workers the cache size rank 0 planned (every rank holds as many blocks)."""
         self._send(("cache", num_gpu_blocks, num_cpu_blocks))
-        self._expect("ready")
+        self._expect("ready", self.startup_timeout_s)
 
     def runner(self, local: ModelRunner) -> ParallelModelRunner:
         return ParallelModelRunner(local, self)
@@ -328,16 +356,18 @@ class MultiprocExecutor:
             except OSError as exc:
                 self._die(f"tensor-parallel rank {rank} is unreachable ({exc})")
 
-    def _expect(self, kind: str) -> None:
-        """Wait for every worker's answer `kind`; a death, an error or the timeout kills."""
+    def _expect(self, kind: str, timeout_s: float) -> None:
+        """Wait for every worker's answer `kind`; a death, an error or silence for `timeout_s`
+        kills."""
         pending = dict(enumerate(self.conns, start=1))
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
         while pending:
-            ready = connection.wait([*pending.values(), *sentinels], timeout=self.timeout_s)
+            ready = connection.wait([*pending.values(), *sentinels], timeout=timeout_s)
             if not ready:
+                bound = "tp_step_timeout" if kind == "ok" else "the start-up timeout"
                 self._die(
                     f"tensor-parallel rank {min(pending)} did not answer within "
-                    f"tp_step_timeout={self.timeout_s:g}s"
+                    f"{bound} ({timeout_s:g}s)"
                 )
             for rank, conn in list(pending.items()):
                 if conn in ready:
@@ -381,7 +411,7 @@ class MultiprocExecutor:
         """The workers' answers to the step. Also after rank 0's own forward failed: a collective
         that failed because a worker did is reported as that worker's failure."""
         self._check_alive()
-        self._expect("ok")
+        self._expect("ok", self.timeout_s)
 
     # ---- shutdown -----------------------------------------------------------------------------
 

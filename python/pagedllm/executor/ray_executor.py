@@ -8,13 +8,14 @@ would add a hop to every step for nothing.
 
 Placement: one placement group, one bundle of 1 CPU per rank; bundle 0 is pinned to the engine's
 node (Ray's `node:<ip>` resource) and held for rank 0, so the group reserves what the engine
-uses there too; actor r runs in bundle r (`PACK`: as few nodes as fit). The ranks meet at a
-`tcp://` address on the engine's node (its Ray node address, a port free there) and run their
+uses there too; actor r runs in bundle r (`PACK`: as few nodes as fit). The ranks meet at rank
+0's store on the engine's node (its Ray node address, a port rank 0 holds) and run their
 collectives over torch.distributed (gloo on CPU).
 
 Each step is one remote call per actor (the block operations and the step's arrays, pickled by
 Ray); `wait_step` takes the answers as they come. An actor that dies fails its call at once
-(Ray's `ActorDiedError`), one that does not answer within `tp_step_timeout` counts as hung; an
+(Ray's `ActorDiedError`), one that does not answer a step within `tp_step_timeout` counts as hung
+(start-up: placing, meeting, loading, within `EngineArgs.tp_startup_timeout`); an
 actor that raises returns its traceback. Each makes the executor dead: `EngineDeadError` naming
 the rank, now and at every later step. `shutdown()` kills the actors, removes the placement group
 and, if the engine started Ray itself (no cluster was running), stops Ray.
@@ -47,6 +48,8 @@ from pagedllm.worker.model_runner import ModelRunner
 
 # seconds the cluster is given to place the group's bundles before the start fails
 PLACEMENT_TIMEOUT_S = 60.0
+# how a start-up call's silence is named in the error
+STARTUP_BOUND = "the start-up timeout"
 
 
 class RayRank:
@@ -56,8 +59,14 @@ class RayRank:
     def pid(self) -> int:
         return os.getpid()
 
-    def join(self, rank: int, args: EngineArgs, dtype: torch.dtype, init_method: str) -> None:
-        self.worker = RankWorker(rank, args, dtype, init_method)
+    def join(
+        self,
+        rank: int,
+        args: EngineArgs,
+        dtype: torch.dtype,
+        rendezvous: parallel_state.Rendezvous,
+    ) -> None:
+        self.worker = RankWorker(rank, args, dtype, rendezvous)
 
     def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.allocate(num_gpu_blocks, num_cpu_blocks)
@@ -80,6 +89,7 @@ class RayExecutor:
         self.ray = ray
         self.size = args.tensor_parallel_size
         self.timeout_s = args.tp_step_timeout
+        self.startup_timeout_s = args.tp_startup_timeout
         self.shard = TPShard(0, self.size)
         self.dead: str | None = None  # why the executor can run no more steps
         self.actors: list = []
@@ -113,18 +123,20 @@ class RayExecutor:
                 ).remote()
                 for rank in range(1, self.size)
             ]
-            init_method = parallel_state.free_init_method(host)
+            # the rendezvous' port is ours from here on: engines side by side never collide
+            store = parallel_state.open_rendezvous(self.size, self.startup_timeout_s, host)
+            rendezvous = parallel_state.Rendezvous(host, store.port)
             joins = [
-                a.join.remote(rank, args, dtype, init_method)
+                a.join.remote(rank, args, dtype, rendezvous)
                 for rank, a in enumerate(self.actors, start=1)
             ]
-            self._join_group(init_method, joins)
-            self._wait(joins)
+            self._join_group(store, joins)
+            self._wait(joins, self.startup_timeout_s, STARTUP_BOUND)
         except BaseException:
             self.shutdown()
             raise
 
-    def _join_group(self, init_method: str, joins: list) -> None:
+    def _join_group(self, store, joins: list) -> None:
         """Join as rank 0 while watching the actors: one that fails or dies before it joins
         fails the start at once, not when the rendezvous times out."""
         failed: list[BaseException] = []
@@ -132,7 +144,12 @@ class RayExecutor:
         def join() -> None:
             try:
                 parallel_state.init_tensor_parallel(
-                    0, self.size, init_method, device=torch.device("cpu"), timeout_s=self.timeout_s
+                    0,
+                    self.size,
+                    store,
+                    device=torch.device("cpu"),
+                    timeout_s=self.timeout_s,
+                    startup_timeout_s=self.startup_timeout_s,
                 )
             except BaseException as exc:
                 failed.append(exc)
@@ -149,7 +166,8 @@ class RayExecutor:
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the actors the cache size rank 0 planned (every rank holds as many blocks)."""
         self._check_alive()
-        self._wait([a.allocate.remote(num_gpu_blocks, num_cpu_blocks) for a in self.actors])
+        allocations = [a.allocate.remote(num_gpu_blocks, num_cpu_blocks) for a in self.actors]
+        self._wait(allocations, self.startup_timeout_s, STARTUP_BOUND)
 
     def runner(self, local: ModelRunner) -> ParallelModelRunner:
         return ParallelModelRunner(local, self)
@@ -169,13 +187,13 @@ class RayExecutor:
         that failed because an actor did is reported as that actor's failure."""
         self._check_alive()
         pending, self._pending = self._pending, []
-        self._wait(pending)
+        self._wait(pending, self.timeout_s)
 
-    def _wait(self, refs: list) -> None:
+    def _wait(self, refs: list, timeout_s: float, bound: str = "tp_step_timeout") -> None:
         """Every call's result, taken as each arrives (rank r's call is `refs[r - 1]`): the first
-        death or error kills at once; silence past `tp_step_timeout` kills too."""
+        death or error kills at once; silence past `timeout_s` (named `bound`) kills too."""
         rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
             done, pending = self.ray.wait(
@@ -184,8 +202,7 @@ class RayExecutor:
             if not done:
                 rank = min(rank_of[ref] for ref in pending)
                 self._die(
-                    f"tensor-parallel rank {rank} did not answer within "
-                    f"tp_step_timeout={self.timeout_s:g}s"
+                    f"tensor-parallel rank {rank} did not answer within {bound} ({timeout_s:g}s)"
                 )
             for ref in done:
                 self._result(ref, rank_of[ref])
