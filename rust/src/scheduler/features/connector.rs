@@ -10,8 +10,6 @@
 //! registered in the device prefix cache and the table is given back, so the request's next
 //! admission finds them as an ordinary prefix hit and computes only the rest (a failed
 //! block and those after it are computed again; the connector forgets the failed entry).
-//! Until that admission a fork of the table (`kept`) keeps them out of the evictable pool,
-//! so other requests' growth cannot evict them and make the load run again.
 //!
 //! Saves: a finished or aborted request's computed full blocks (`hold`), and a request's
 //! preempted by recompute (`save_before_recompute`, held by a fork of its table). These are
@@ -56,9 +54,6 @@ pub(in crate::scheduler) struct ConnectorState {
     loading: HashMap<u64, Loading>,
     /// Transfer -> sequences whose blocks stay allocated until it is reported.
     held: HashMap<u64, Vec<SeqId>>,
-    /// Request -> a fork of its table keeping the blocks its load brought in (and its device
-    /// hit) out of the device cache's evictable pool until it is admitted (or released).
-    kept: HashMap<u32, SeqId>,
     /// Set while `discard_step` sends the failed step's requests back: their blocks may
     /// never have received their KV, so nothing is saved from them.
     pub(in crate::scheduler) discarding: bool,
@@ -77,7 +72,7 @@ impl ConnectorState {
 
     /// Sequences the held transfers keep in the manager.
     pub(in crate::scheduler) fn num_held_seqs(&self) -> usize {
-        self.held.values().map(Vec::len).sum::<usize>() + self.kept.len()
+        self.held.values().map(Vec::len).sum()
     }
 
     pub(in crate::scheduler) fn connector(&self) -> Option<&dyn KvConnector> {
@@ -189,15 +184,6 @@ impl Scheduler {
         self.mgr
             .truncate_slots(copy, registered * self.mgr.block_size())?;
         self.kv.held.insert(job, vec![copy]);
-        Ok(())
-    }
-
-    /// Request `h` was admitted or released: the blocks kept for it since its load go back
-    /// (an admitted request holds them through its own table by now).
-    pub(in crate::scheduler) fn release_kept(&mut self, h: u32) -> Result<()> {
-        if let Some(copy) = self.kv.kept.remove(&h) {
-            self.mgr.free(copy)?;
-        }
         Ok(())
     }
 
@@ -346,18 +332,7 @@ impl Scheduler {
             (l.first_block + loaded) * bs,
             req.extra_key,
         )?;
-        // The loaded blocks stay out of the evictable pool until the request is admitted
-        // (else other requests' growth could evict them first and the load be repeated).
-        let keep = (l.first_block + loaded) * bs;
-        if keep > 0 {
-            self.release_kept(l.handle)?;
-            let copy = self.store.next_ids(1).0;
-            self.mgr.fork(l.seq, copy)?;
-            self.mgr.truncate_slots(copy, keep)?;
-            self.kv.kept.insert(l.handle, copy);
-        }
         self.mgr.free(l.seq)?;
-        let req = self.store.get_mut(l.handle);
         req.status = l.prev;
         req.extras.remote_job = 0;
         if !req.admitted_once {

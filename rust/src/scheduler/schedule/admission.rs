@@ -178,9 +178,6 @@ impl Scheduler {
                 Verdict::Ok => {
                     any = true;
                     budget.loras.hold(self.store.get(h).extras.lora_id);
-                    if self.kv.is_attached() {
-                        self.release_kept(h)?;
-                    }
                 }
                 Verdict::Later(_) => break,
                 Verdict::Wait => at += 1,

@@ -227,29 +227,6 @@ fn a_request_preempted_by_recompute_has_its_blocks_saved_and_loaded_later() {
     assert_eq!(s.manager().num_free_device_blocks(), 8);
 }
 
-#[test]
-fn loaded_blocks_stay_out_of_the_evictable_pool_until_the_request_is_admitted() {
-    let mut s = with_offload(4, 8, 16, 64);
-    let mut w = Workers::default();
-    seeded_tier(&mut s, &mut w);
-    s.add_request("b", params(prompt(0, 13), 1)).unwrap();
-    let out = s.schedule(0.0).unwrap();
-    w.take(out.kv_meta(), 0, || 0);
-    s.update_from_output(out.step, &[], None).unwrap();
-    w.report(&mut s, None, |_| 0, |_| false);
-    assert_eq!(s.request_status("b"), Some(RequestStatus::Waiting));
-    // Promoted: its 3 loaded blocks are kept for it, not free to evict.
-    assert_eq!(s.manager().num_free_device_blocks(), 8 - 3);
-    s.check_invariants().unwrap();
-    let out = s.schedule(0.0).unwrap();
-    assert_eq!(out.num_tokens, vec![1]);
-    // Admitted: its own table holds them, plus a block for its last token.
-    assert_eq!(s.manager().num_free_device_blocks(), 8 - 4);
-    s.update_from_output(out.step, &[7], None).unwrap();
-    drain(&mut s, &mut w);
-    assert_eq!(s.manager().num_free_device_blocks(), 8);
-}
-
 /// Puts `prompt(0, 13)`'s 3 full blocks into the tier and clears the device cache.
 fn seeded_tier(s: &mut Scheduler, w: &mut Workers) {
     s.add_request("seed", params(prompt(0, 13), 1)).unwrap();
