@@ -261,6 +261,33 @@ def _worker_main(
         parallel_state.destroy_tensor_parallel()
 
 
+def join_as_rank_zero(size: int, store, timeout_s: float, startup_timeout_s: float, watch) -> None:
+    """Join the group as rank 0 on a thread while `watch()` (called every ~50 ms, it waits that
+    long itself) checks the other ranks: one that fails or dies before it joins raises from
+    `watch` at once, not when the rendezvous times out. Both launchers start this way."""
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            parallel_state.init_tensor_parallel(
+                0,
+                size,
+                store,
+                device=torch.device("cpu"),
+                timeout_s=timeout_s,
+                startup_timeout_s=startup_timeout_s,
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    joiner = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
+    joiner.start()
+    while joiner.is_alive():
+        watch()
+    if failed:
+        raise failed[0]
+
+
 class MultiprocExecutor:
     """Spawns ranks 1..N-1 and joins the group as rank 0 (in this process)."""
 
@@ -303,31 +330,14 @@ class MultiprocExecutor:
             raise
 
     def _join_group(self, store) -> None:
-        """Join as rank 0 while watching the workers: one that dies before it joins fails the
-        start at once, not when the rendezvous times out."""
-        failed: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                parallel_state.init_tensor_parallel(
-                    0,
-                    self.size,
-                    store,
-                    device=torch.device("cpu"),
-                    timeout_s=self.timeout_s,
-                    startup_timeout_s=self.startup_timeout_s,
-                )
-            except BaseException as exc:
-                failed.append(exc)
-
-        joiner = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
-        joiner.start()
+        """Join as rank 0 while watching the workers' process sentinels."""
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
-        while joiner.is_alive():
+
+        def watch() -> None:
             for sentinel in connection.wait(list(sentinels), timeout=0.05):
                 self._die(self._death(sentinels[sentinel]))
-        if failed:
-            raise failed[0]
+
+        join_as_rank_zero(self.size, store, self.timeout_s, self.startup_timeout_s, watch)
 
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the workers the cache size rank 0 planned (every rank holds as many blocks)."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -43,6 +42,7 @@ from pagedllm.executor.multiproc import (
     ParallelModelRunner,
     RankWorker,
     StepArrays,
+    join_as_rank_zero,
 )
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -137,31 +137,14 @@ class RayExecutor:
             raise
 
     def _join_group(self, store, joins: list) -> None:
-        """Join as rank 0 while watching the actors: one that fails or dies before it joins
-        fails the start at once, not when the rendezvous times out."""
-        failed: list[BaseException] = []
+        """Join as rank 0 while watching the actors' join calls."""
 
-        def join() -> None:
-            try:
-                parallel_state.init_tensor_parallel(
-                    0,
-                    self.size,
-                    store,
-                    device=torch.device("cpu"),
-                    timeout_s=self.timeout_s,
-                    startup_timeout_s=self.startup_timeout_s,
-                )
-            except BaseException as exc:
-                failed.append(exc)
-
-        joiner = threading.Thread(target=join, name="pagedllm-tp-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():
+        def watch() -> None:
             done, _ = self.ray.wait(joins, num_returns=len(joins), timeout=0.05)
             for ref in done:
                 self._result(ref, joins.index(ref) + 1)
-        if failed:
-            raise failed[0]
+
+        join_as_rank_zero(self.size, store, self.timeout_s, self.startup_timeout_s, watch)
 
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the actors the cache size rank 0 planned (every rank holds as many blocks)."""
