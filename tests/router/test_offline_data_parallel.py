@@ -81,6 +81,11 @@ def test_llm_engine_is_refused_with_replicas_in_other_processes(dp_llm):
         dp_llm.llm_engine  # noqa: B018
 
 
+def test_the_ray_backend_is_refused_naming_serve():
+    with pytest.raises(ValueError, match="Ray replicas are for `pagedllm serve -dp`"):
+        LLM(MODEL, data_parallel_size=2, data_parallel_backend="ray", **ENGINE)
+
+
 def test_a_killed_replica_is_named_and_the_others_are_stopped():
     llm = LLM(MODEL, data_parallel_size=2, **ENGINE)
     pids, folder = llm.replicas.pids(), llm.replicas.folder

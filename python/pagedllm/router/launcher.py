@@ -33,18 +33,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def replica_events_config(kv_events_config, rank: int, folder: str) -> dict:
+def replica_events_config(kv_events_config, rank: int, endpoint: str, replay: str) -> dict:
     """Replica `rank`'s KV-events config: the given one (each TCP port + rank) when it
-    publishes, else ipc sockets in `folder`."""
+    publishes, else `endpoint` and `replay` (the launcher's own sockets)."""
     events = KVEventsConfig.from_dict(kv_events_config)
     if events is not None and events.publishes:
         return {**vars(events.for_rank(rank))}
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"ipc://{folder}/replica{rank}-pub",
-        "replay_endpoint": f"ipc://{folder}/replica{rank}-replay",
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
     }
+
+
+def ipc_endpoints(folder: str, rank: int) -> tuple[str, str]:
+    """Replica `rank`'s events and replay sockets in `folder` (one machine)."""
+    return f"ipc://{folder}/replica{rank}-pub", f"ipc://{folder}/replica{rank}-replay"
 
 
 def replica_cpu_threads(cpu_threads: int | None, device: str, size: int) -> int | None:
@@ -61,7 +66,9 @@ def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.N
     ns.data_parallel_size = 1
     ns.host = "127.0.0.1"
     ns.port = _free_port("127.0.0.1")
-    ns.kv_events_config = replica_events_config(args.kv_events_config, rank, folder)
+    ns.kv_events_config = replica_events_config(
+        args.kv_events_config, rank, *ipc_endpoints(folder, rank)
+    )
     ns.cpu_threads = replica_cpu_threads(args.cpu_threads, args.device, args.data_parallel_size)
     return ns
 

@@ -35,6 +35,7 @@ from pagedllm.models.loader import load_model_config
 from pagedllm.router.launcher import (
     START_TIMEOUT_S,
     _replica_main,
+    ipc_endpoints,
     replica_cpu_threads,
     replica_events_config,
 )
@@ -56,7 +57,9 @@ def replica_engine_args(args: EngineArgs, rank: int, folder: str) -> EngineArgs:
     return dataclasses.replace(
         args,
         data_parallel_size=1,
-        kv_events_config=replica_events_config(args.kv_events_config, rank, folder),
+        kv_events_config=replica_events_config(
+            args.kv_events_config, rank, *ipc_endpoints(folder, rank)
+        ),
         cpu_threads=replica_cpu_threads(args.cpu_threads, args.device, args.data_parallel_size),
     )
 
@@ -142,6 +145,11 @@ class DataParallelEngines:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        if args.data_parallel_backend != "mp":
+            raise ValueError(
+                f"data_parallel_backend={args.data_parallel_backend!r}: LLM runs its replicas "
+                "as processes on this machine ('mp'); Ray replicas are for `pagedllm serve -dp`"
+            )
         self.args = args
         self.size = args.data_parallel_size
         self.router = Router(self.size, args.block_size)
