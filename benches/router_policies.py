@@ -2,7 +2,8 @@
 
 For each policy, `pagedllm serve -dp 2 --routing-policy P` (1 torch thread per replica) serves
 SGLang's generated-shared-prefix workload: GROUPS groups, each a long shared system prompt,
-QUESTIONS short questions per group, in a shuffled order, CONCURRENCY at a time, streamed with
+QUESTIONS short questions per group, in a shuffled order (or in rounds: --order), CONCURRENCY
+at a time, streamed with
 usage. The KV cache of one replica holds only part of the groups' prefixes (--num-gpu-blocks).
 Reported per policy: prefix hit rate (cached / prompt tokens, from the responses' usage), TTFT
 p50 / p99 and output tokens per second.
@@ -35,14 +36,30 @@ def free_port() -> int:
 
 
 def workload(args) -> list[str]:
+    """`shuffled`: every question of every group in one random order. `rounds`: users taking
+    turns: in each round every group sends its next question, the groups in a fresh random
+    order (a replica's LRU cache then meets all the groups between two visits of one: what a
+    policy that spreads a group over the replicas pays for)."""
     rng = random.Random(0)
-    prompts = []
+    groups = []
     for g in range(args.groups):
         words = [f"w{rng.randrange(10_000)}" for _ in range(args.prefix_len // 6)]
         prefix = f"System {g}: " + " ".join(words)
-        for q in range(args.questions):
-            prompts.append(f"{prefix[: args.prefix_len]}\nQuestion {q}: what about item {q * 7}?")
-    rng.shuffle(prompts)
+        groups.append(
+            [
+                f"{prefix[: args.prefix_len]}\nQuestion {q}: what about item {q * 7}?"
+                for q in range(args.questions)
+            ]
+        )
+    if args.order == "shuffled":
+        prompts = [p for group in groups for p in group]
+        rng.shuffle(prompts)
+        return prompts
+    prompts = []
+    for q in range(args.questions):
+        turn = [group[q] for group in groups]
+        rng.shuffle(turn)
+        prompts.extend(turn)
     return prompts
 
 
@@ -141,25 +158,49 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=112, help="KV blocks per replica")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="runs of every policy, interleaved (medians)"
+    )
     args = ap.parse_args()
     prompts = workload(args)
     print(
-        f"{len(prompts)} requests ({args.groups} groups x {args.questions}), prefix "
-        f"{args.prefix_len} chars, {args.max_tokens} out, concurrency {args.concurrency}, "
-        f"{args.blocks} blocks per replica, model {args.model}"
+        f"{len(prompts)} requests ({args.groups} groups x {args.questions}, {args.order}), "
+        f"prefix {args.prefix_len} chars, {args.max_tokens} out, concurrency "
+        f"{args.concurrency}, {args.blocks} blocks per replica, model {args.model}"
     )
     print(
-        "| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s | wall (s) "
-        "| routed per replica |"
+        "| round | policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
+        "| wall (s) | routed per replica |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for policy in args.policies:
-        r = run_policy(policy, args, prompts)
-        print(
-            f"| {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} "
-            f"| {r['out_tok_s']:.1f} | {r['wall_s']:.1f} | {r['routed']} |",
-            flush=True,
-        )
+    print("|---|---|---|---|---|---|---|---|")
+    runs: dict[str, list[dict]] = {p: [] for p in args.policies}
+    for i in range(args.rounds):
+        # the policies in a rotated order each round, so the machine's swings hit all alike
+        k = i % len(args.policies)
+        for policy in args.policies[k:] + args.policies[:k]:
+            r = run_policy(policy, args, prompts)
+            runs[policy].append(r)
+            print(
+                f"| {i + 1} | {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} "
+                f"| {r['ttft_p99']:.3f} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} "
+                f"| {r['routed']} |",
+                flush=True,
+            )
+    if args.rounds > 1:
+        print("\nmedians over the rounds:\n")
+        print("| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s |")
+        print("|---|---|---|---|---|")
+        for policy, rs in runs.items():
+            med = {
+                key: statistics.median(r[key] for r in rs)
+                for key in ("hit_rate", "ttft_p50", "ttft_p99", "out_tok_s")
+            }
+            print(
+                f"| {policy} | {med['hit_rate']:.3f} | {med['ttft_p50']:.3f} "
+                f"| {med['ttft_p99']:.3f} | {med['out_tok_s']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -187,10 +187,6 @@ class EngineArgs:
     def _validate_parallel(self) -> None:
         _positive("data_parallel_size", self.data_parallel_size)
         _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
-        if self.data_parallel_backend == "ray":
-            raise ValueError(
-                "data_parallel_backend='ray' is not available yet; use 'mp' (one machine)"
-            )
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _one_of(
             "distributed_executor_backend",

@@ -19,21 +19,53 @@ class LLM:
 
     Every `EngineArgs` field is accepted as a keyword (block_size, num_gpu_blocks, scheduling,
     policy, preemption_mode, enable_prefix_caching, max_num_seqs, ...).
+
+    `data_parallel_size=N` runs N engine processes (`pagedllm.router.offline`): each prompt
+    goes to the replica the cache-aware router picks, outputs come back in order; `close()`
+    (or deleting the `LLM`) stops them.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs) -> None:
-        self.engine = LLMEngine.from_engine_args(
-            EngineArgs.from_kwargs(model=model, **engine_kwargs)
-        )
+        self._init(EngineArgs.from_kwargs(model=model, **engine_kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(args)
+        return llm
+
+    def _init(self, args: EngineArgs) -> None:
         self._ids = itertools.count()
+        self.replicas = None
+        self.engine: LLMEngine | None = None
+        if args.data_parallel_size > 1:
+            from pagedllm.router.offline import DataParallelEngines
+
+            self.replicas = DataParallelEngines(args)
+            self.args = args
+            self._tokenizer = self.replicas.tokenizer
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
+            self.args = self.engine.args
+            self._tokenizer = self.engine.tokenizer
 
     @property
     def llm_engine(self) -> LLMEngine:
         """The engine behind this `LLM` (vLLM's name; `engine` is the same object)."""
+        if self.engine is None:
+            raise AttributeError(
+                f"this LLM runs {self.args.data_parallel_size} data-parallel replicas in "
+                "processes of their own; there is no engine in this process"
+            )
         return self.engine
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Stops the data-parallel replicas (nothing to do for one in-process engine)."""
+        if self.replicas is not None:
+            self.replicas.close()
 
     def generate(
         self,
@@ -56,6 +88,8 @@ class LLM:
         params = _per_prompt("sampling_params", sampling_params, count, SamplingParams())
         priorities = _per_prompt("priority", priority, count, 0, broadcast=False)
         loras = _per_prompt("lora_request", lora_request, count, None)
+        if self.replicas is not None:
+            return self._generate_replicated(prompt_list, params, priorities, loras, use_tqdm)
         # bad constraints are refused before anything is queued (compiled in parallel, cached)
         self.engine.structured_output.check(
             (f"sampling_params[{i}].structured_outputs", p.structured_outputs)
@@ -127,10 +161,9 @@ class LLM:
             if not conversations:
                 raise ValueError("messages is empty")
         template = load_chat_template(chat_template)
+        tokenizer = self.get_tokenizer()
         if template is None:
-            args = self.engine.args
-            template = checkpoint_chat_template(self.engine.tokenizer, args.tokenizer or args.model)
-        tokenizer = self.engine.tokenizer
+            template = checkpoint_chat_template(tokenizer, self.args.tokenizer or self.args.model)
         if tokenizer is None:
             raise ValueError("LLM.chat needs a tokenizer (the engine has none)")
         options = ChatOptions(
@@ -182,6 +215,51 @@ class LLM:
                     bool(message.tool_calls), completion.finish_reason
                 )
         return outputs
+
+    def _generate_replicated(self, prompts, params, priorities, loras, use_tqdm):
+        """Routes each prompt to a replica, runs every replica's share at once, and puts the
+        outputs back in the prompts' order under this LLM's request ids."""
+        request_ids = [f"{next(self._ids)}" for _ in prompts]
+        shares: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            lora_id = loras[i].lora_int_id if loras[i] is not None else 0
+            rank = self.replicas.route(self._routing_tokens(prompt), lora_id)
+            shares.setdefault(rank, []).append(i)
+        bar = _progress_bar(len(prompts)) if use_tqdm else None
+        try:
+            results = self.replicas.run(
+                {
+                    rank: (
+                        [prompts[i] for i in rows],
+                        [params[i] for i in rows],
+                        [priorities[i] for i in rows],
+                        [loras[i] for i in rows],
+                    )
+                    for rank, rows in shares.items()
+                },
+                on_done=bar.update if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+            for rank, rows in shares.items():
+                for _ in rows:
+                    self.replicas.finish(rank)
+        outputs: list[RequestOutput] = [None] * len(prompts)  # type: ignore[list-item]
+        for rank, rows in shares.items():
+            for i, output in zip(rows, results[rank]):
+                output.request_id = request_ids[i]
+                outputs[i] = output
+        return outputs
+
+    def _routing_tokens(self, prompt: PromptType) -> list[int]:
+        """The token ids the router hashes: the replica's own tokenization of a text prompt
+        (none without a tokenizer: the replica then refuses the prompt itself)."""
+        if isinstance(prompt, dict):
+            return list(prompt.get("prompt_token_ids") or ())
+        if self._tokenizer is None:
+            return []
+        return self._tokenizer.encode(prompt)
 
     def _abandon(self, request_ids: list[str]) -> None:
         """Aborts these requests and drains their final outputs (no forward runs for them)."""

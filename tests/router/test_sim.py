@@ -22,3 +22,11 @@ def test_multi_turn_prompts_repeat_their_history():
     longest = max(prompts, key=len)
     assert len(longest) == 15
     assert sum(1 for p in prompts if longest[: len(p)] == p) == 3
+
+
+def test_the_long_chat_workload_runs_from_the_command_line(capsys):
+    from pagedllm.router.sim import main
+
+    main(["--replicas", "2", "--workload", "long_chat", "--turns", "3", "--policies", "approx"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and rows[0].startswith("| 2 | approx |")

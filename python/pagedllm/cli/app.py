@@ -232,7 +232,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--data-parallel-backend",
         default=_ENGINE["data_parallel_backend"],
         choices=DATA_PARALLEL_BACKENDS,
-        help="how the replicas are launched: mp (processes on this machine); ray is not built yet",
+        help="how the replicas are launched: mp (processes on this machine) or ray (actors "
+        "spread over a Ray cluster's nodes; pip install 'pagedllm[ray]')",
     )
     g.add_argument(
         "--max-model-len",
@@ -612,10 +613,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_data_parallel(args: argparse.Namespace) -> int:
     """`serve -dp N`: N replicas (processes) behind the router, on --host/--port."""
-    from pagedllm.router.launcher import run_data_parallel
-
     EngineArgs.from_kwargs(**_engine_kwargs(args))  # bad knobs refused before any process
     _check_device(args.device)
+    if args.data_parallel_backend == "ray":
+        from pagedllm.router.ray_launcher import run_data_parallel_ray as run_data_parallel
+    else:
+        from pagedllm.router.launcher import run_data_parallel
     return run_data_parallel(
         args, _serve, lambda urls: _router(argparse.Namespace(**{**vars(args), "replica": urls}))
     )

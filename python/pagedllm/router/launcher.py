@@ -33,6 +33,32 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def replica_events_config(kv_events_config, rank: int, endpoint: str, replay: str) -> dict:
+    """Replica `rank`'s KV-events config: the given one (each TCP port + rank) when it
+    publishes, else `endpoint` and `replay` (the launcher's own sockets)."""
+    events = KVEventsConfig.from_dict(kv_events_config)
+    if events is not None and events.publishes:
+        return {**vars(events.for_rank(rank))}
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+    }
+
+
+def ipc_endpoints(folder: str, rank: int) -> tuple[str, str]:
+    """Replica `rank`'s events and replay sockets in `folder` (one machine)."""
+    return f"ipc://{folder}/replica{rank}-pub", f"ipc://{folder}/replica{rank}-replay"
+
+
+def replica_cpu_threads(cpu_threads: int | None, device: str, size: int) -> int | None:
+    """A replica's CPU threads: the given number, else (on CPU) its share of the cores."""
+    if cpu_threads is None and device in ("cpu", "auto"):
+        return max(1, (os.cpu_count() or 1) // size)
+    return cpu_threads
+
+
 def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.Namespace:
     """`serve`'s arguments for replica `rank`: one replica, a local port, its events endpoint,
     and (on CPU, unless given) its share of the cores."""
@@ -40,18 +66,10 @@ def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.N
     ns.data_parallel_size = 1
     ns.host = "127.0.0.1"
     ns.port = _free_port("127.0.0.1")
-    events = KVEventsConfig.from_dict(args.kv_events_config)
-    if events is not None and events.publishes:
-        ns.kv_events_config = {**vars(events.for_rank(rank))}
-    else:
-        ns.kv_events_config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"ipc://{folder}/replica{rank}-pub",
-            "replay_endpoint": f"ipc://{folder}/replica{rank}-replay",
-        }
-    if ns.cpu_threads is None and args.device in ("cpu", "auto"):
-        ns.cpu_threads = max(1, (os.cpu_count() or 1) // args.data_parallel_size)
+    ns.kv_events_config = replica_events_config(
+        args.kv_events_config, rank, *ipc_endpoints(folder, rank)
+    )
+    ns.cpu_threads = replica_cpu_threads(args.cpu_threads, args.device, args.data_parallel_size)
     return ns
 
 

@@ -8,7 +8,7 @@ arrive as a Poisson process; a step's events reach the router when the step ends
 core's four, plus `approx`: the router's own guesses of what it sent where (SGLang's approximate
 tree, as block hashes) and never the replicas' events, so it cannot see evictions.
 
-    python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn]
+    python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import numpy as np
 from pagedllm._core import Router, Scheduler
 
 POLICIES = ("cache_aware", "approx", "least_loaded", "round_robin")
+# conversations per replica, turns, tokens per turn. long_chat: histories of up to 512 tokens
+# (32 blocks), 4 per replica: more than a replica's cache holds at the default --blocks, so
+# evictions decide what is cached (None: shared_prefix, sized by --groups-per-replica)
+WORKLOADS = {"shared_prefix": None, "multi_turn": (8, 4, 96), "long_chat": (4, 8, 64)}
 
 
 def shared_prefix(groups: int, questions: int, prefix: int, question: int, seed: int = 0):
@@ -149,8 +153,13 @@ def simulate(
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 64])
-    ap.add_argument("--workload", choices=["shared_prefix", "multi_turn"], default="shared_prefix")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="shared_prefix")
     ap.add_argument("--groups-per-replica", type=int, default=4)
+    ap.add_argument(
+        "--convs-per-replica", type=int, help="multi_turn / long_chat: conversations per replica"
+    )
+    ap.add_argument("--turns", type=int, help="multi_turn / long_chat: turns per conversation")
+    ap.add_argument("--turn-len", type=int, help="multi_turn / long_chat: tokens per turn")
     ap.add_argument("--blocks", type=int, default=128, help="KV blocks per replica")
     ap.add_argument("--rate-per-replica", type=float, default=4.0, help="requests/s")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
@@ -161,7 +170,12 @@ def main(argv=None) -> None:
         if args.workload == "shared_prefix":
             prompts = shared_prefix(args.groups_per_replica * k, 8, 512, 32)
         else:
-            prompts = multi_turn(8 * k, 4, 96)
+            convs, turns, turn_len = WORKLOADS[args.workload]
+            prompts = multi_turn(
+                (args.convs_per_replica or convs) * k,
+                args.turns or turns,
+                args.turn_len or turn_len,
+            )
         for policy in args.policies:
             m = simulate(
                 prompts,

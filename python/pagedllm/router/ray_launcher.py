@@ -1,0 +1,140 @@
+"""`pagedllm serve -dp N --data-parallel-backend ray`: the N replicas as Ray actors, placed across
+a Ray cluster's nodes, behind the router in this process.
+
+Each actor runs `serve` (one engine, its HTTP server on its node's address and a port free
+there, its KV events on TCP ports free there unless `--kv-events-config` names them: each TCP
+port + its rank) in its main thread, so the call lasts as long as the replica: one that ends
+or dies during start-up fails the start naming it; afterwards the router's health polls take
+a dead one out of rotation, as with `mp`. Placement: one placement group, one bundle per
+replica of as many CPUs as its threads (`SPREAD`: over as many nodes as there are); when the
+router returns, the actors are killed, the group removed and, if this process started Ray
+itself (no cluster was running), Ray stopped.
+
+Ray is imported only here, and only when `--data-parallel-backend ray` asks for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+
+from pagedllm.router.launcher import (
+    START_TIMEOUT_S,
+    _free_port,
+    replica_cpu_threads,
+    replica_events_config,
+)
+
+logger = logging.getLogger(__name__)
+# seconds the cluster is given to place the replicas' bundles before the start fails
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class RayServeReplica:
+    """Actor body: one `serve` replica (made a Ray actor by `run_data_parallel_ray`, so this
+    module loads without Ray)."""
+
+    def place(self, args: argparse.Namespace, rank: int) -> argparse.Namespace:
+        """`serve`'s arguments on this actor's node: its address, free ports, its events."""
+        import ray
+
+        ns = copy.copy(args)
+        ns.data_parallel_size = 1
+        ns.data_parallel_backend = "mp"
+        ns.host = ray.util.get_node_ip_address()
+        ns.port = _free_port(ns.host)
+        ns.kv_events_config = replica_events_config(
+            args.kv_events_config,
+            rank,
+            f"tcp://*:{_free_port(ns.host)}",
+            f"tcp://*:{_free_port(ns.host)}",
+        )
+        return ns
+
+    def serve(self, serve_replica: Callable[[argparse.Namespace], int], ns) -> int:
+        return serve_replica(ns)
+
+
+def run_data_parallel_ray(
+    args: argparse.Namespace,
+    serve_replica: Callable[[argparse.Namespace], int],
+    run_router: Callable[[list[str]], int],
+) -> int:
+    """Starts `args.data_parallel_size` replica actors (`serve_replica(namespace)` in each),
+    waits until all answer /health, then `run_router(urls)` here; stops them when it returns."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    size = args.data_parallel_size
+    threads = replica_cpu_threads(args.cpu_threads, args.device, size) or 1
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(include_dashboard=False, logging_level="warning")
+    group, actors = None, []
+    try:
+        group = placement_group([{"CPU": threads}] * size, strategy="SPREAD")
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"data_parallel_size={size}: the Ray cluster could not place {size} bundles "
+                f"of {threads} CPU within {PLACEMENT_TIMEOUT_S:g}s; available: "
+                f"{ray.available_resources()}"
+            ) from None
+        actor = ray.remote(num_cpus=threads, max_restarts=0)(RayServeReplica)
+        actors = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            for rank in range(size)
+        ]
+        placed = ray.get([a.place.remote(args, rank) for rank, a in enumerate(actors)])
+        for ns in placed:
+            ns.cpu_threads = threads
+        runs = [a.serve.remote(serve_replica, ns) for a, ns in zip(actors, placed)]
+        urls = [f"http://{ns.host}:{ns.port}" for ns in placed]
+        _wait_healthy(ray, runs, urls)
+        logger.info("data-parallel replicas (Ray actors) up: %s", ", ".join(urls))
+        return run_router(urls)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        if group is not None:
+            remove_placement_group(group)
+        if owns_ray:
+            ray.shutdown()
+
+
+def _wait_healthy(ray, runs: list, urls: list[str]) -> None:
+    """Until every replica answers /health; one whose `serve` call ends first (it exited or its
+    actor died) fails the start naming it."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = set(range(len(urls)))
+    while pending:
+        done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        for ref in done:
+            rank = runs.index(ref)
+            try:
+                status = f"status {ray.get(ref)}"
+            except ray.exceptions.RayError as exc:
+                status = f"{type(exc).__name__}: {exc}"
+            raise RuntimeError(
+                f"data-parallel replica {rank} (Ray actor) ended during start-up ({status})"
+            )
+        for rank in list(pending):
+            try:
+                if httpx.get(f"{urls[rank]}/health", timeout=1).status_code == 200:
+                    pending.discard(rank)
+            except httpx.TransportError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"data-parallel replicas {sorted(pending)} did not start")
+        time.sleep(0.2)
