@@ -65,3 +65,40 @@ def test_a_missing_interpreter_is_refused_before_any_server_starts(capsys):
 def test_compare_mode_needs_the_model_folder(capsys):
     assert main(["bench", "serve", "--compare-vllm-python", sys.executable]) == 1
     assert "needs --model" in capsys.readouterr().err
+
+
+def test_a_named_dtype_is_passed_to_both_servers():
+    argvs: list[list[str]] = []
+    real_running_server = serve_compare.running_server
+
+    def recording(name, command, port, env):
+        argvs.append(command)
+        return real_running_server(name, command, port, env)
+
+    serve_compare.running_server, saved = recording, serve_compare.running_server
+    try:
+        result = serve_compare.run_serve_compare(
+            model="pagedllm/tiny-random",
+            vllm_python=sys.executable,
+            rounds=1,
+            max_model_len=64,
+            dtype="bfloat16",
+            vllm_server=_stand_in([]),
+            **WORKLOAD,
+        )
+    finally:
+        serve_compare.running_server = saved
+    assert len(argvs) == 2
+    assert all(argv[-2:] == ["--dtype", "bfloat16"] for argv in argvs)
+    assert result["dtype"] == "bfloat16"
+
+
+def test_an_unknown_dtype_is_refused_before_any_server_starts():
+    with pytest.raises(ValueError, match=r"--dtype must be one of .*got 'fp8'"):
+        serve_compare.run_serve_compare(
+            model="pagedllm/tiny-random",
+            vllm_python=sys.executable,
+            dtype="fp8",
+            vllm_server=_stand_in([]),
+            **WORKLOAD,
+        )

@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm.config import (
     DATA_PARALLEL_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    DTYPE_NAMES,
     DTYPES,
     KV_OFFLOADING_BACKENDS,
     POLICIES,
@@ -510,6 +511,7 @@ def _bench_serve_compare(args: argparse.Namespace) -> int:
         vllm_python=args.compare_vllm_python,
         rounds=args.rounds,
         max_model_len=args.max_model_len,
+        dtype=args.dtype,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -818,6 +820,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_POSITIVE,
         default=1024,
         help="with --compare-vllm-python: both servers' max_model_len",
+    )
+    bench_serve.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="with --compare-vllm-python: both servers run this dtype (default: each its own; "
+        "vLLM's runs a float32 checkpoint in bfloat16 on CPU, pagedllm's in float32)",
     )
     _common_flags(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)

