@@ -2,8 +2,12 @@
 
 One background task owns the `LLMEngine`. Every engine call (add, abort, step, stats) runs in
 one worker thread (`asyncio.to_thread`), so the event loop stays responsive while the model runs
-and the engine is never touched by two threads at once. Requests enter through a lock-guarded
-inbox; each request gets an `asyncio.Queue` of its (cumulative) `RequestOutput`s.
+and the engine is never touched by two threads at once. While work lasts, that thread steps
+back to back (a burst) and hands each step's outputs to the event loop as they come
+(`call_soon_threadsafe`): the next step never waits for the event loop to be scheduled, which on
+a busy machine cost a scheduling delay per token (vLLM runs its engine core in a process of its
+own for the same reason). Requests enter through a lock-guarded inbox; each request gets an
+`asyncio.Queue` of its (cumulative) `RequestOutput`s.
 
 A step that raises was already rolled back by the engine (see `engine/faults.py`): the error is
 logged and the loop goes on after a back-off (doubling from `BACKOFF_BASE_S` to `BACKOFF_CAP_S`),
@@ -264,31 +268,13 @@ class AsyncEngine:
                     self.last_progress = time.monotonic()
                     await self._wake.wait()
                     continue
-            self._turn_started = time.monotonic()
             try:
-                added, outputs, error = await asyncio.to_thread(self._engine_turn)
+                error = await asyncio.to_thread(self._engine_burst)
             finally:
                 self._turn_started = None
+            # every turn's `_after_turn` ran before this await returned (callbacks run in order)
             self.last_progress = time.monotonic()
-            for pending, exc in added:
-                if pending.added.done():
-                    continue
-                if exc is None:
-                    self._live[pending.request_id] = _Live(pending.queue, pending.num_prompt_tokens)
-                    pending.added.set_result(None)
-                else:
-                    pending.added.set_exception(exc)
-            with self._lock:
-                self._adding = []
-            for output in outputs:
-                self._deliver(output)
             if error is None:
-                if self.consecutive_failures:
-                    logger.warning(
-                        "engine steps succeed again after %d failures", self.consecutive_failures
-                    )
-                self.consecutive_failures = 0
-                self.failing = False
                 continue
             self.consecutive_failures += 1
             self.last_error = error
@@ -300,12 +286,52 @@ class AsyncEngine:
             self.failing = self.consecutive_failures >= UNHEALTHY_AFTER_FAILURES
             await asyncio.sleep(backoff_s(self.consecutive_failures))
 
+    def _engine_burst(self) -> BaseException | None:
+        """In the engine thread: turns back to back until no work is left (None) or a step
+        fails (its error); each turn's results go to the event loop as soon as it ends."""
+        assert self._loop is not None
+        while True:
+            self._turn_started = time.monotonic()
+            added, outputs, error = self._engine_turn()
+            self.last_progress = time.monotonic()
+            self._loop.call_soon_threadsafe(self._after_turn, added, outputs, error is None)
+            if error is not None:
+                return error
+            with self._lock:
+                has_input = bool(self._inbox or self._aborts)
+            if not has_input and not self.engine.has_unfinished_requests():
+                return None
+
+    def _after_turn(self, added: list, outputs: list[RequestOutput], succeeded: bool) -> None:
+        """In the event loop, once per engine turn: settle the requests it added, deliver its
+        outputs, and count a successful step."""
+        for pending, exc in added:
+            if pending.added.done():
+                continue
+            if exc is None:
+                self._live[pending.request_id] = _Live(pending.queue, pending.num_prompt_tokens)
+                pending.added.set_result(None)
+            else:
+                pending.added.set_exception(exc)
+        with self._lock:
+            taken = {id(pending) for pending, _ in added}
+            self._adding = [p for p in self._adding if id(p) not in taken]
+        for output in outputs:
+            self._deliver(output)
+        if succeeded:
+            if self.consecutive_failures:
+                logger.warning(
+                    "engine steps succeed again after %d failures", self.consecutive_failures
+                )
+            self.consecutive_failures = 0
+            self.failing = False
+
     def _engine_turn(self):
         """In the engine thread: take the inbox and aborts, run one step if work exists."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-            self._adding = inbox
+            self._adding += inbox
         added = []
         for pending in inbox:
             try:
