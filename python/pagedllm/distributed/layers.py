@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedllm.distributed import parallel_state
+from pagedllm.kernels import cpu_linear
 
 VOCAB_PADDING = 64
 
@@ -73,7 +74,30 @@ def tp_kv_heads(num_kv_heads: int, tp: int) -> int:
     return TPShard(0, tp).kv_heads(num_kv_heads)
 
 
-class ColumnParallelLinear(nn.Linear):
+class PackableWeight:
+    """A layer whose `weight` the engine may pack once for the CPU's matmul
+    (`kernels.cpu_linear.pack_linears`, which may then drop the unpacked copy); `packed` is None
+    until then. Its state dict still holds the weight, unpacked."""
+
+    packed: Tensor | None = None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
+        if self.packed is not None and self.weight.numel() == 0:  # type: ignore[attr-defined]
+            destination[prefix + "weight"] = cpu_linear.unpack(self.packed)
+
+
+class Linear(PackableWeight, nn.Linear):
+    """`nn.Linear` whose weight may be packed for the CPU (`PackableWeight`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return cpu_linear.linear(x, self.weight, bias, self.packed)
+
+
+class ColumnParallelLinear(Linear):
     """Named projections side by side (gate/up, q/k/v) whose output columns are split over the
     ranks: each projection keeps its name, with this rank's share of its size (`sizes` are the
     whole model's). Outputs stay sharded. With one rank this is `models.FusedLinear`."""
@@ -117,7 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, {"q": num_heads * head_dim, "k": kv, "v": kv}, tp, bias=bias)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """`in_features` split over the ranks; the partial products are summed (all-reduce). The bias
     is added once, by rank 0."""
 
@@ -130,7 +154,7 @@ class RowParallelLinear(nn.Linear):
 
     def partial(self, x: Tensor) -> Tensor:
         """This rank's term of the sum (LoRA adds its own partial delta before the reduce)."""
-        return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        return self.matmul(x, self.bias if self.tp.rank == 0 else None)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -150,7 +174,7 @@ class VocabParallelEmbedding(nn.Module):
         return parallel_state.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackableWeight, nn.Module):
     """This rank's vocabulary rows of the output head; the logits are gathered to rank 0 (the
     only rank that samples), cut back to `vocab_size`. Other ranks get None."""
 
@@ -161,5 +185,6 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
 
     def forward(self, hidden: Tensor) -> Tensor | None:
-        logits = parallel_state.gather_to_first(F.linear(hidden, self.weight))
+        logits = cpu_linear.linear(hidden, self.weight, None, self.packed)
+        logits = parallel_state.gather_to_first(logits)
         return None if logits is None else logits[:, : self.vocab_size]

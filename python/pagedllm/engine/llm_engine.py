@@ -118,7 +118,11 @@ class LLMEngine:
         """The model (this rank's shard), its KV cache, the scheduler and the step's parts."""
         shard = self.executor.shard if self.executor is not None else None
         self.model = load_model(
-            args.model, dtype=self.dtype, device=self.device, **({"tp": shard} if shard else {})
+            args.model,
+            dtype=self.dtype,
+            device=self.device,
+            pack_for_cpu=True,
+            **({"tp": shard} if shard else {}),
         )
         draft = self._draft_model()
         # before the KV cache is sized: the adapters' device slots take memory too

@@ -145,7 +145,9 @@ class RankWorker:
             timeout_s=args.tp_step_timeout,
             startup_timeout_s=args.tp_startup_timeout,
         )
-        self.model = load_model(args.model, dtype=dtype, device=self.device, tp=self.tp)
+        self.model = load_model(
+            args.model, dtype=dtype, device=self.device, tp=self.tp, pack_for_cpu=True
+        )
         self.lora = None
         if args.enable_lora:  # this rank's shard of the adapters rank 0 puts in slots
             from pagedllm.lora.manager import LoRAManager

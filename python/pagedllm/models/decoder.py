@@ -23,6 +23,7 @@ from pagedllm.attention.cpu_rotary import RopeTables
 from pagedllm.attention.paged import AttentionMetadata, paged_attention
 from pagedllm.distributed.layers import (
     ColumnParallelLinear,
+    Linear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -125,7 +126,7 @@ class Attention(nn.Module):
                 {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
                 bias=cfg.qkv_bias,
             )
-            self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+            self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         else:
             self.qkv_proj = QKVParallelLinear(
                 cfg.hidden_size,
@@ -175,7 +176,7 @@ class GatedMLP(nn.Module):
         sizes = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
         if tp.size == 1:
             self.gate_up_proj = FusedLinear(cfg.hidden_size, sizes, bias=cfg.mlp_bias)
-            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         else:
             self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, tp, bias=cfg.mlp_bias)
             self.down_proj = RowParallelLinear(
@@ -243,7 +244,7 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
         if tp.size == 1:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.tie_weights()

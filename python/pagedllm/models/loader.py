@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import DTYPE_NAMES
 from pagedllm.distributed.layers import TPShard
+from pagedllm.kernels import cpu_linear
 from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
@@ -74,11 +75,14 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = "auto",
     tp: TPShard = SINGLE,
+    pack_for_cpu: bool = False,
 ) -> DecoderForCausalLM:
     """Build the model of a checkpoint folder (or `pagedllm/tiny-random`) on `device` in `dtype`.
 
     The returned module is in eval mode without gradients; its ModelConfig is `.config`. With a
     `tp` of more than one rank it is that rank's shard, and only its slices are read.
+    `pack_for_cpu`: on the CPU, pack the linear layers' weights for oneDNN (what the engine
+    runs; `kernels.cpu_linear`), dropping the unpacked copies; leave it off to read weights.
     """
     target = resolve_device(device)
     cfg = load_model_config(model)
@@ -86,10 +90,14 @@ def load_model(
     if cfg.path is None:
         if tp.size > 1:
             raise ValueError(f"{tiny_random.MODEL_NAME} cannot be sharded; use a checkpoint folder")
-        return tiny_random.build_tiny_random(cfg, device=target, dtype=torch_dtype)
-    tensors = index_checkpoint(Path(cfg.path))
-    check_checkpoint(cfg, tensors)
-    return _materialize(cfg, tensors, target, torch_dtype, tp)
+        built = tiny_random.build_tiny_random(cfg, device=target, dtype=torch_dtype)
+    else:
+        tensors = index_checkpoint(Path(cfg.path))
+        check_checkpoint(cfg, tensors)
+        built = _materialize(cfg, tensors, target, torch_dtype, tp)
+    if pack_for_cpu:
+        cpu_linear.pack_linears(built)
+    return built
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, list[str]]:

@@ -39,7 +39,7 @@ class DraftModelProposer:
     def __init__(self, model_dir: str, k: int, *, dtype: torch.dtype, device: torch.device) -> None:
         self.k = k
         self.device = device
-        self.model = load_model(model_dir, dtype=dtype, device=device)
+        self.model = load_model(model_dir, dtype=dtype, device=device, pack_for_cpu=True)
         self.config = self.model.config
         self.dtype = dtype
         self.cache: CacheEngine | None = None
