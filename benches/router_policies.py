@@ -6,7 +6,11 @@ QUESTIONS short questions per group, in a shuffled order (or in rounds: --order)
 at a time, streamed with
 usage. The KV cache of one replica holds only part of the groups' prefixes (--num-gpu-blocks).
 Reported per policy: prefix hit rate (cached / prompt tokens, from the responses' usage), TTFT
-p50 / p99 and output tokens per second.
+p50 / p99, output tokens per second, and where the time went: the prompt tokens the replicas
+computed (prompt - cached) and the CPU seconds the replicas and the router process used during
+the run (from /proc's schedstat; `busy` = replicas' CPU seconds / (2 x wall), `starved` = their
+seconds runnable but waiting for a CPU / (2 x wall): on a shared machine the second is what
+other processes took from them).
 
     PYTHONPATH=python python benches/router_policies.py [--model DIR] [--groups 8] ...
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -106,7 +111,51 @@ async def drive(url, args, prompts) -> dict:
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "out_tok_s": sum(r[3] for r in results) / wall,
         "wall_s": wall,
+        "prompt_tokens": prompt_tokens / max(len(results), 1),
+        "computed_tokens": prompt_tokens - sum(r[2] for r in results),
     }
+
+
+def sched_seconds(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid`'s threads so
+    far, from /proc's schedstat; (0, 0) once it is gone."""
+    run = wait = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:
+            continue  # the thread ended
+        run += int(fields[0])
+        wait += int(fields[1])
+    return run / 1e9, wait / 1e9
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (serve -dp's replicas), from /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        todo += kids
+    return found
+
+
+def cpu_split(pid: int) -> tuple[float, float, float]:
+    """(the router process's CPU seconds, its replicas' CPU seconds together, the replicas'
+    seconds runnable but waiting for a CPU together)."""
+    router = sched_seconds(pid)[0]
+    replicas = [sched_seconds(p) for p in descendants(pid)]
+    return router, sum(r[0] for r in replicas), sum(r[1] for r in replicas)
 
 
 def run_policy(policy: str, args, prompts) -> dict:
@@ -129,7 +178,12 @@ def run_policy(policy: str, args, prompts) -> dict:
                 pass
             time.sleep(0.5)
         time.sleep(1.0)  # the router's first polls and subscriptions
+        before = cpu_split(proc.pid)
         result = asyncio.run(drive(url, args, prompts))
+        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid)))
+        result["router_cpu_s"] = router
+        result["busy"] = run / (2 * result["wall_s"])
+        result["starved"] = wait / (2 * result["wall_s"])
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         result["routed"] = "/".join(
             line.split()[1].split(".")[0]
@@ -171,9 +225,10 @@ def main() -> None:
     )
     print(
         "| round | policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
-        "| wall (s) | routed per replica |"
+        "| wall (s) | prompt tokens computed | replicas busy / starved | router CPU (s) "
+        "| routed per replica |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     runs: dict[str, list[dict]] = {p: [] for p in args.policies}
     for i in range(args.rounds):
         # the policies in a rotated order each round, so the machine's swings hit all alike
@@ -184,23 +239,30 @@ def main() -> None:
             print(
                 f"| {i + 1} | {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} "
                 f"| {r['ttft_p99']:.3f} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} "
+                f"| {r['computed_tokens']} | {r['busy']:.2f} / {r['starved']:.2f} "
+                f"| {r['router_cpu_s']:.1f} "
                 f"| {r['routed']} |",
                 flush=True,
             )
     if args.rounds > 1:
         print("\nmedians over the rounds:\n")
-        print("| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s |")
-        print("|---|---|---|---|---|")
+        print(
+            "| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
+            "| prompt tokens computed | replicas busy / starved |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        keys = ("hit_rate", "ttft_p50", "ttft_p99", "out_tok_s", "computed_tokens", "busy")
+        keys += ("starved",)
         for policy, rs in runs.items():
-            med = {
-                key: statistics.median(r[key] for r in rs)
-                for key in ("hit_rate", "ttft_p50", "ttft_p99", "out_tok_s")
-            }
+            med = {key: statistics.median(r[key] for r in rs) for key in keys}
             print(
                 f"| {policy} | {med['hit_rate']:.3f} | {med['ttft_p50']:.3f} "
-                f"| {med['ttft_p99']:.3f} | {med['out_tok_s']:.1f} |",
+                f"| {med['ttft_p99']:.3f} | {med['out_tok_s']:.1f} "
+                f"| {med['computed_tokens']:.0f} | {med['busy']:.2f} / {med['starved']:.2f} |",
                 flush=True,
             )
+    first = next(iter(runs.values()))[0]
+    print(f"\n{first['prompt_tokens']:.0f} prompt tokens per request (mean)")
 
 
 if __name__ == "__main__":
