@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 
 import httpx
 
@@ -68,6 +69,43 @@ def workload(args) -> list[str]:
     return prompts
 
 
+def lru_model(args, capacity: int, seeds: int = 500) -> dict[str, float]:
+    """Prefix hit rates of an idealized run: requests one at a time in `workload`'s order of
+    groups, each replica an LRU cache of `capacity` whole prefixes; cache_aware keeps a group
+    where its first request went (those alternating), least_loaded picks at random."""
+    hits = {"cache_aware": 0, "round_robin": 0, "least_loaded": 0}
+    total = 0
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        order = []
+        for _ in range(args.questions):
+            turn = list(range(args.groups))
+            rng.shuffle(turn)
+            order += turn
+        if args.order == "shuffled":
+            rng.shuffle(order)
+        total += len(order)
+        for policy in hits:
+            caches = [OrderedDict(), OrderedDict()]
+            home, turn = {}, 0
+            for g in order:
+                if policy == "least_loaded":
+                    r = rng.randrange(2)
+                elif policy == "round_robin" or g not in home:
+                    r, turn = turn, 1 - turn
+                    home.setdefault(g, r)
+                r = home[g] if policy == "cache_aware" else r
+                cache = caches[r]
+                if g in cache:
+                    hits[policy] += 1
+                    cache.move_to_end(g)
+                else:
+                    cache[g] = None
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)
+    return {policy: h / total for policy, h in hits.items()}
+
+
 async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, int]:
     body = {
         "model": model,
@@ -80,14 +118,20 @@ async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, 
     }
     t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:  # counted as failed, so one broken stream ends no run
+        print(f"request failed: {exc!r}", file=sys.stderr, flush=True)
+        return None
+    if not usage:  # ended without its usage chunk (an error event)
+        return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return ttft or 0.0, usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", 0)
 
@@ -101,8 +145,9 @@ async def drive(url, args, prompts) -> dict:
                 return await one(client, url, args.served_model, p, args.max_tokens)
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        answers = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - t0
+    results = [a for a in answers if a is not None] or [(0.0, 0, 0, 0)]
     ttfts = sorted(r[0] for r in results)
     prompt_tokens = sum(r[1] for r in results)
     return {
@@ -113,6 +158,7 @@ async def drive(url, args, prompts) -> dict:
         "wall_s": wall,
         "prompt_tokens": prompt_tokens / max(len(results), 1),
         "computed_tokens": prompt_tokens - sum(r[2] for r in results),
+        "failed": answers.count(None),
     }
 
 
@@ -158,14 +204,15 @@ def cpu_split(pid: int) -> tuple[float, float, float]:
     return router, sum(r[0] for r in replicas), sum(r[1] for r in replicas)
 
 
-def run_policy(policy: str, args, prompts) -> dict:
+def run_policy(policy: str, args, prompts, log: str | None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
     cmd += ["--routing-policy", policy, "--model", args.model, "--cpu-threads", "1"]
     cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
     cmd += ["--log-level", "warning", "--served-model-name", args.served_model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -198,6 +245,8 @@ def run_policy(policy: str, args, prompts) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log:
+            out.close()
 
 
 def main() -> None:
@@ -213,10 +262,24 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
+    ap.add_argument("--serve-log", help="folder for each serve's output (default: discarded)")
+    ap.add_argument(
+        "--lru-model",
+        type=int,
+        metavar="C",
+        help="print the hit rates of an LRU model with caches of C prefixes instead of running",
+    )
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of every policy, interleaved (medians)"
     )
     args = ap.parse_args()
+    if args.serve_log:
+        os.makedirs(args.serve_log, exist_ok=True)
+    if args.lru_model is not None:
+        rates = lru_model(args, args.lru_model)
+        print(f"{args.groups} x {args.questions} ({args.order}), {args.lru_model} prefixes:")
+        print(", ".join(f"{policy} {rate:.3f}" for policy, rate in rates.items()))
+        return
     prompts = workload(args)
     print(
         f"{len(prompts)} requests ({args.groups} groups x {args.questions}, {args.order}), "
@@ -234,14 +297,16 @@ def main() -> None:
         # the policies in a rotated order each round, so the machine's swings hit all alike
         k = i % len(args.policies)
         for policy in args.policies[k:] + args.policies[:k]:
-            r = run_policy(policy, args, prompts)
+            log = args.serve_log and os.path.join(args.serve_log, f"{i + 1}-{policy}.log")
+            r = run_policy(policy, args, prompts, log)
+            failed = f" ({r['failed']} failed)" if r["failed"] else ""
             runs[policy].append(r)
             print(
                 f"| {i + 1} | {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} "
                 f"| {r['ttft_p99']:.3f} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} "
                 f"| {r['computed_tokens']} | {r['busy']:.2f} / {r['starved']:.2f} "
                 f"| {r['router_cpu_s']:.1f} "
-                f"| {r['routed']} |",
+                f"| {r['routed']}{failed} |",
                 flush=True,
             )
     if args.rounds > 1:
