@@ -6,7 +6,11 @@ QUESTIONS short questions per group, in a shuffled order (or in rounds: --order)
 at a time, streamed with
 usage. The KV cache of one replica holds only part of the groups' prefixes (--num-gpu-blocks).
 Reported per policy: prefix hit rate (cached / prompt tokens, from the responses' usage), TTFT
-p50 / p99 and output tokens per second.
+p50 / p99, output tokens per second, and where the time went: the prompt tokens the replicas
+computed (prompt - cached) and the CPU seconds the replicas and the router process used during
+the run (from /proc's schedstat; `busy` = replicas' CPU seconds / (2 x wall), `starved` = their
+seconds runnable but waiting for a CPU / (2 x wall): on a shared machine the second is what
+other processes took from them).
 
     PYTHONPATH=python python benches/router_policies.py [--model DIR] [--groups 8] ...
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -23,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 
 import httpx
 
@@ -63,6 +69,43 @@ def workload(args) -> list[str]:
     return prompts
 
 
+def lru_model(args, capacity: int, seeds: int = 500) -> dict[str, float]:
+    """Prefix hit rates of an idealized run: requests one at a time in `workload`'s order of
+    groups, each replica an LRU cache of `capacity` whole prefixes; cache_aware keeps a group
+    where its first request went (those alternating), least_loaded picks at random."""
+    hits = {"cache_aware": 0, "round_robin": 0, "least_loaded": 0}
+    total = 0
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        order = []
+        for _ in range(args.questions):
+            turn = list(range(args.groups))
+            rng.shuffle(turn)
+            order += turn
+        if args.order == "shuffled":
+            rng.shuffle(order)
+        total += len(order)
+        for policy in hits:
+            caches = [OrderedDict(), OrderedDict()]
+            home, turn = {}, 0
+            for g in order:
+                if policy == "least_loaded":
+                    r = rng.randrange(2)
+                elif policy == "round_robin" or g not in home:
+                    r, turn = turn, 1 - turn
+                    home.setdefault(g, r)
+                r = home[g] if policy == "cache_aware" else r
+                cache = caches[r]
+                if g in cache:
+                    hits[policy] += 1
+                    cache.move_to_end(g)
+                else:
+                    cache[g] = None
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)
+    return {policy: h / total for policy, h in hits.items()}
+
+
 async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, int]:
     body = {
         "model": model,
@@ -75,14 +118,20 @@ async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, 
     }
     t0 = time.perf_counter()
     ttft, usage = None, {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:  # counted as failed, so one broken stream ends no run
+        print(f"request failed: {exc!r}", file=sys.stderr, flush=True)
+        return None
+    if not usage:  # ended without its usage chunk (an error event)
+        return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return ttft or 0.0, usage.get("prompt_tokens", 0), cached, usage.get("completion_tokens", 0)
 
@@ -96,8 +145,9 @@ async def drive(url, args, prompts) -> dict:
                 return await one(client, url, args.served_model, p, args.max_tokens)
 
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        answers = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - t0
+    results = [a for a in answers if a is not None] or [(0.0, 0, 0, 0)]
     ttfts = sorted(r[0] for r in results)
     prompt_tokens = sum(r[1] for r in results)
     return {
@@ -106,17 +156,63 @@ async def drive(url, args, prompts) -> dict:
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "out_tok_s": sum(r[3] for r in results) / wall,
         "wall_s": wall,
+        "prompt_tokens": prompt_tokens / max(len(results), 1),
+        "computed_tokens": prompt_tokens - sum(r[2] for r in results),
+        "failed": answers.count(None),
     }
 
 
-def run_policy(policy: str, args, prompts) -> dict:
+def sched_seconds(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid`'s threads so
+    far, from /proc's schedstat; (0, 0) once it is gone."""
+    run = wait = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:
+            continue  # the thread ended
+        run += int(fields[0])
+        wait += int(fields[1])
+    return run / 1e9, wait / 1e9
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (serve -dp's replicas), from /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        found += kids
+        todo += kids
+    return found
+
+
+def cpu_split(pid: int) -> tuple[float, float, float]:
+    """(the router process's CPU seconds, its replicas' CPU seconds together, the replicas'
+    seconds runnable but waiting for a CPU together)."""
+    router = sched_seconds(pid)[0]
+    replicas = [sched_seconds(p) for p in descendants(pid)]
+    return router, sum(r[0] for r in replicas), sum(r[1] for r in replicas)
+
+
+def run_policy(policy: str, args, prompts, log: str | None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
     cmd += ["--routing-policy", policy, "--model", args.model, "--cpu-threads", "1"]
     cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
     cmd += ["--log-level", "warning", "--served-model-name", args.served_model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -129,7 +225,12 @@ def run_policy(policy: str, args, prompts) -> dict:
                 pass
             time.sleep(0.5)
         time.sleep(1.0)  # the router's first polls and subscriptions
+        before = cpu_split(proc.pid)
         result = asyncio.run(drive(url, args, prompts))
+        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid)))
+        result["router_cpu_s"] = router
+        result["busy"] = run / (2 * result["wall_s"])
+        result["starved"] = wait / (2 * result["wall_s"])
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         result["routed"] = "/".join(
             line.split()[1].split(".")[0]
@@ -144,6 +245,8 @@ def run_policy(policy: str, args, prompts) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log:
+            out.close()
 
 
 def main() -> None:
@@ -159,10 +262,24 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
+    ap.add_argument("--serve-log", help="folder for each serve's output (default: discarded)")
+    ap.add_argument(
+        "--lru-model",
+        type=int,
+        metavar="C",
+        help="print the hit rates of an LRU model with caches of C prefixes instead of running",
+    )
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of every policy, interleaved (medians)"
     )
     args = ap.parse_args()
+    if args.serve_log:
+        os.makedirs(args.serve_log, exist_ok=True)
+    if args.lru_model is not None:
+        rates = lru_model(args, args.lru_model)
+        print(f"{args.groups} x {args.questions} ({args.order}), {args.lru_model} prefixes:")
+        print(", ".join(f"{policy} {rate:.3f}" for policy, rate in rates.items()))
+        return
     prompts = workload(args)
     print(
         f"{len(prompts)} requests ({args.groups} groups x {args.questions}, {args.order}), "
@@ -171,36 +288,46 @@ def main() -> None:
     )
     print(
         "| round | policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
-        "| wall (s) | routed per replica |"
+        "| wall (s) | prompt tokens computed | replicas busy / starved | router CPU (s) "
+        "| routed per replica |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     runs: dict[str, list[dict]] = {p: [] for p in args.policies}
     for i in range(args.rounds):
         # the policies in a rotated order each round, so the machine's swings hit all alike
         k = i % len(args.policies)
         for policy in args.policies[k:] + args.policies[:k]:
-            r = run_policy(policy, args, prompts)
+            log = args.serve_log and os.path.join(args.serve_log, f"{i + 1}-{policy}.log")
+            r = run_policy(policy, args, prompts, log)
+            failed = f" ({r['failed']} failed)" if r["failed"] else ""
             runs[policy].append(r)
             print(
                 f"| {i + 1} | {policy} | {r['hit_rate']:.3f} | {r['ttft_p50']:.3f} "
                 f"| {r['ttft_p99']:.3f} | {r['out_tok_s']:.1f} | {r['wall_s']:.1f} "
-                f"| {r['routed']} |",
+                f"| {r['computed_tokens']} | {r['busy']:.2f} / {r['starved']:.2f} "
+                f"| {r['router_cpu_s']:.1f} "
+                f"| {r['routed']}{failed} |",
                 flush=True,
             )
     if args.rounds > 1:
         print("\nmedians over the rounds:\n")
-        print("| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s |")
-        print("|---|---|---|---|---|")
+        print(
+            "| policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
+            "| prompt tokens computed | replicas busy / starved |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        keys = ("hit_rate", "ttft_p50", "ttft_p99", "out_tok_s", "computed_tokens", "busy")
+        keys += ("starved",)
         for policy, rs in runs.items():
-            med = {
-                key: statistics.median(r[key] for r in rs)
-                for key in ("hit_rate", "ttft_p50", "ttft_p99", "out_tok_s")
-            }
+            med = {key: statistics.median(r[key] for r in rs) for key in keys}
             print(
                 f"| {policy} | {med['hit_rate']:.3f} | {med['ttft_p50']:.3f} "
-                f"| {med['ttft_p99']:.3f} | {med['out_tok_s']:.1f} |",
+                f"| {med['ttft_p99']:.3f} | {med['out_tok_s']:.1f} "
+                f"| {med['computed_tokens']:.0f} | {med['busy']:.2f} / {med['starved']:.2f} |",
                 flush=True,
             )
+    first = next(iter(runs.values()))[0]
+    print(f"\n{first['prompt_tokens']:.0f} prompt tokens per request (mean)")
 
 
 if __name__ == "__main__":

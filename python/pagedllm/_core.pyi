@@ -236,6 +236,7 @@ class Router:
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 1.5,
         load_weight: float = 0.5,
+        token_weight: float = 0.0,
         pending_ttl: float = 5.0,
     ) -> None: ...
     @property
@@ -252,12 +253,13 @@ class Router:
         session: str | None = None,
         excluded: int = 0,
         now: float = 0.0,
-    ) -> tuple[int, int, int]:
-        """``(replica, matched_blocks, eligible_blocks)`` for a prompt; the replica counts it
-        in flight. ``excluded``: a mask of replicas not to pick. ``PagedLLMError`` when no live
-        replica is left."""
-    def finish(self, replica: int) -> None:
-        """A request routed to ``replica`` ended."""
+    ) -> tuple[int, int, int, int]:
+        """``(replica, matched_blocks, eligible_blocks, uncached_tokens)`` for a prompt; the
+        replica counts it (and its uncached tokens) in flight. ``excluded``: a mask of replicas
+        not to pick. ``PagedLLMError`` when no live replica is left."""
+    def finish(self, replica: int, uncached_tokens: int) -> None:
+        """A request routed to ``replica`` ended; ``uncached_tokens``: what its ``route``
+        returned."""
     def set_alive(self, replica: int, alive: bool) -> None: ...
     def is_alive(self, replica: int) -> bool: ...
     def set_load(self, replica: int, waiting: int, running: int, kv_usage: float) -> None: ...
@@ -280,8 +282,8 @@ class Router:
         """Every block hash the index says the replica holds (in no order)."""
     def expire_pending(self, now: float) -> None: ...
     def stats(self) -> list[dict[str, int | float | bool]]:
-        """Per replica: routed, query_blocks, hit_blocks, in_flight, waiting, running,
-        kv_usage, alive."""
+        """Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
+        running, kv_usage, alive."""
 
 def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
     """Benchmark helper: nanoseconds per chained hash of a `block_size`-token block, timed

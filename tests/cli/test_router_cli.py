@@ -27,6 +27,15 @@ def test_router_flags_parse_with_the_cores_defaults_left_unset():
     assert args.replica == ["http://a:1", "http://b:2"]
     assert args.routing_policy == "cache_aware"
     assert (args.balance_abs_threshold, args.balance_rel_threshold) == (None, None)
+    assert args.token_weight is None
+
+
+def test_a_token_weight_outside_zero_to_one_is_refused(capsys):
+    args = build_parser().parse_args(["router", "--replica", "http://a:1", "--token-weight", "1"])
+    assert args.token_weight == 1.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--replica", "http://a:1", "--token-weight", "2"])
+    assert "--token-weight" in capsys.readouterr().err
 
 
 def test_serve_takes_a_kv_events_config_as_json(capsys):

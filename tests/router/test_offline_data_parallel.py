@@ -106,3 +106,10 @@ def test_deleting_the_llm_stops_its_replicas_and_removes_their_sockets():
     gc.collect()
     assert not any(alive(pid) for pid in pids)
     assert not Path(folder).exists()
+
+
+def test_a_generate_call_gives_back_every_requests_uncached_tokens(dp_llm):
+    dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = dp_llm.replicas.router.stats()
+    assert [(s["in_flight"], s["uncached_tokens"]) for s in stats] == [(0, 0), (0, 0)]
+    assert sum(s["routed"] for s in stats) >= len(PROMPTS)

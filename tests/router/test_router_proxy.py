@@ -122,3 +122,14 @@ def test_a_client_error_is_relayed_as_the_replica_answered_it(cluster):
     response = complete(router.url, "x", max_tokens=-1)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
+
+
+def test_finished_requests_give_back_their_uncached_tokens(cluster):
+    _, router, state = cluster
+    complete(router.url, "A prompt no replica has seen yet, long enough for blocks " * 3)
+    body = {"model": MODEL, "prompt": "Another unseen prompt " * 5, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        r.read()
+    wait_for(lambda: all(s["in_flight"] == 0 for s in state.stats()), what="the requests to finish")
+    assert [s["uncached_tokens"] for s in state.stats()] == [0, 0]

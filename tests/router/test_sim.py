@@ -4,6 +4,8 @@ its first token."""
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm.router.sim import multi_turn, shared_prefix, simulate
 
 
@@ -30,3 +32,15 @@ def test_the_long_chat_workload_runs_from_the_command_line(capsys):
     main(["--replicas", "2", "--workload", "long_chat", "--turns", "3", "--policies", "approx"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1 and rows[0].startswith("| 2 | approx |")
+
+
+def test_the_token_weight_is_handed_to_the_router_core():
+    with pytest.raises(ValueError, match="token_weight"):
+        simulate(
+            multi_turn(convs=1, turns=1, turn_len=4),
+            replicas=1,
+            policy="cache_aware",
+            rate=1.0,
+            blocks=8,
+            token_weight=2.0,
+        )

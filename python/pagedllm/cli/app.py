@@ -633,7 +633,7 @@ def _router(args: argparse.Namespace) -> int:
     # the balance knobs left out: the router core's defaults
     knobs = {
         name: getattr(args, name)
-        for name in ("balance_abs_threshold", "balance_rel_threshold")
+        for name in ("balance_abs_threshold", "balance_rel_threshold", "token_weight")
         if getattr(args, name) is not None
     }
     replicas = ReplicaSet(
@@ -997,6 +997,13 @@ def _routing_flags(parser: argparse.ArgumentParser) -> None:
         type=_number(1.0),
         default=None,
         help="... and the longest is more than this times the shortest (default: 1.5)",
+    )
+    g.add_argument(
+        "--token-weight",
+        type=_number(0.0, 1.0),
+        default=None,
+        help="cache_aware's penalty for a replica's prefill backlog: its in-flight uncached "
+        "prompt tokens plus this prompt's uncached tokens there (default: 0, off)",
     )
 
 

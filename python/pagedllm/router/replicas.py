@@ -73,21 +73,22 @@ class ReplicaSet:
 
     def route(
         self, token_ids: list[int], lora_id: int, session: str | None, excluded: int
-    ) -> tuple[Replica, int, int]:
-        """(replica, matched blocks, eligible blocks); PagedLLMError when none is left."""
+    ) -> tuple[Replica, int]:
+        """(replica, the prompt's tokens its cache lacks: give them back to `finish`);
+        PagedLLMError when none is left."""
         with self.lock:
-            r, matched, eligible = self.router.route(
+            r, _, _, uncached = self.router.route(
                 token_ids,
                 lora_id=lora_id,
                 session=session,
                 excluded=excluded,
                 now=time.monotonic(),
             )
-        return self.replicas[r], matched, eligible
+        return self.replicas[r], uncached
 
-    def finish(self, replica: Replica) -> None:
+    def finish(self, replica: Replica, uncached_tokens: int) -> None:
         with self.lock:
-            self.router.finish(replica.index)
+            self.router.finish(replica.index, uncached_tokens)
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         """Out of rotation now (a request could not reach it); the poll brings it back."""

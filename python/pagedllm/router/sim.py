@@ -68,15 +68,18 @@ def simulate(
     per_token: float = 0.0004,
     block_size: int = 16,
     seed: int = 0,
+    token_weight: float | None = None,
 ):
     """Runs the trace; returns hit rate (cached / prompt tokens), TTFT p50 / p99 and tokens/s."""
     rng = random.Random(seed)
     approx = policy == "approx"
+    knobs = {} if token_weight is None else {"token_weight": token_weight}
     router = Router(
         replicas,
         block_size,
         "cache_aware" if approx else policy,
         pending_ttl=1e18 if approx else 5.0,
+        **knobs,
     )
     scheds = []
     for _ in range(replicas):
@@ -97,7 +100,7 @@ def simulate(
     events: list = [(a, 0, i) for i, (a, _) in enumerate(arrivals)]  # (time, kind, what)
     heapq.heapify(events)
     busy = [False] * replicas
-    arrival_of, home, first = {}, {}, {}
+    arrival_of, home, first, uncached = {}, {}, {}, {}
     prompt_tokens = cached = generated = 0
     now = 0.0
 
@@ -114,7 +117,7 @@ def simulate(
         if kind == 0:
             _, prompt = arrivals[what]
             rid = f"q{what}"
-            r, _, _ = router.route(prompt, now=now)
+            r, _, _, uncached[rid] = router.route(prompt, now=now)
             scheds[r].add_request(rid, prompt, max_tokens=out, ignore_eos=True, arrival_time=now)
             arrival_of[rid], home[rid] = now, r
             prompt_tokens += len(prompt)
@@ -127,11 +130,11 @@ def simulate(
                 first[rid] = now
                 cached += s.num_cached_tokens(rid) or 0
         generated += step.num_samples
-        for _rid, _, _, _, done in s.update_from_output(
+        for done_rid, _, _, _, done in s.update_from_output(
             step, np.full(step.num_samples, 7, np.int64)
         ):
             if done:
-                router.finish(r)
+                router.finish(r, uncached.pop(done_rid))
         if not approx:
             kinds, starts, _, _, hashes, _ = s.drain_kv_events()
             if len(kinds):
@@ -163,6 +166,11 @@ def main(argv=None) -> None:
     ap.add_argument("--blocks", type=int, default=128, help="KV blocks per replica")
     ap.add_argument("--rate-per-replica", type=float, default=4.0, help="requests/s")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument(
+        "--token-weight",
+        type=float,
+        help="cache_aware / approx: the prefill-cost weight (default: the router core's)",
+    )
     args = ap.parse_args(argv)
     print("| replicas | policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | tok/s |")
     print("|---|---|---|---|---|---|")
@@ -183,6 +191,7 @@ def main(argv=None) -> None:
                 policy=policy,
                 blocks=args.blocks,
                 rate=args.rate_per_replica * k,
+                token_weight=args.token_weight,
             )
             print(
                 f"| {k} | {policy} | {m['hit_rate']:.3f} | {m['ttft_p50']:.3f} "

@@ -21,6 +21,7 @@ impl PyRouter {
                         balance_abs_threshold = defaults::BALANCE_ABS_THRESHOLD,
                         balance_rel_threshold = defaults::BALANCE_REL_THRESHOLD,
                         load_weight = defaults::LOAD_WEIGHT,
+                        token_weight = defaults::TOKEN_WEIGHT,
                         pending_ttl = defaults::PENDING_TTL))]
     fn new(
         num_replicas: i64,
@@ -29,6 +30,7 @@ impl PyRouter {
         balance_abs_threshold: u32,
         balance_rel_threshold: f64,
         load_weight: f64,
+        token_weight: f64,
         pending_ttl: f64,
     ) -> PyResult<Self> {
         let mut cfg = RouterConfig::new(
@@ -39,6 +41,7 @@ impl PyRouter {
         cfg.balance_abs_threshold = balance_abs_threshold;
         cfg.balance_rel_threshold = balance_rel_threshold;
         cfg.load_weight = load_weight;
+        cfg.token_weight = token_weight;
         cfg.pending_ttl = pending_ttl;
         Ok(Self {
             inner: Router::new(cfg)?,
@@ -61,7 +64,8 @@ impl PyRouter {
     }
 
     /// Picks a replica for `token_ids` (see `Router::route`): `(replica, matched_blocks,
-    /// eligible_blocks)`. PagedLLMError when no live replica is left outside `excluded`.
+    /// eligible_blocks, uncached_tokens)`. PagedLLMError when no live replica is left outside
+    /// `excluded`.
     #[pyo3(signature = (token_ids, *, lora_id = 0, session = None, excluded = 0, now = 0.0))]
     fn route(
         &mut self,
@@ -70,15 +74,20 @@ impl PyRouter {
         session: Option<&str>,
         excluded: u64,
         now: f64,
-    ) -> PyResult<(usize, usize, usize)> {
+    ) -> PyResult<(usize, usize, usize, usize)> {
         let tokens = kv_args::token_ids(token_ids)?;
         let d = self.inner.route(&tokens, lora_id, session, excluded, now)?;
-        Ok((d.replica, d.matched_blocks, d.eligible_blocks))
+        Ok((
+            d.replica,
+            d.matched_blocks,
+            d.eligible_blocks,
+            d.uncached_tokens,
+        ))
     }
 
-    /// A request routed to `replica` ended.
-    fn finish(&mut self, replica: usize) -> PyResult<()> {
-        Ok(self.inner.finish(replica)?)
+    /// A request routed to `replica` ended; `uncached_tokens`: what its `route` returned.
+    fn finish(&mut self, replica: usize, uncached_tokens: usize) -> PyResult<()> {
+        Ok(self.inner.finish(replica, uncached_tokens)?)
     }
 
     fn set_alive(&mut self, replica: usize, alive: bool) -> PyResult<()> {
@@ -162,8 +171,8 @@ impl PyRouter {
         self.inner.expire_pending(now)
     }
 
-    /// Per replica: routed, query_blocks, hit_blocks, in_flight, waiting, running, kv_usage,
-    /// alive.
+    /// Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
+    /// running, kv_usage, alive.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         (0..self.inner.config().num_replicas)
             .map(|r| {
@@ -174,6 +183,7 @@ impl PyRouter {
                 d.set_item("query_blocks", c.query_blocks)?;
                 d.set_item("hit_blocks", c.hit_blocks)?;
                 d.set_item("in_flight", l.in_flight)?;
+                d.set_item("uncached_tokens", l.uncached_tokens)?;
                 d.set_item("waiting", l.waiting)?;
                 d.set_item("running", l.running)?;
                 d.set_item("kv_usage", l.kv_usage)?;

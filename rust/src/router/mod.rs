@@ -4,9 +4,12 @@
 //! events). Per request, [`Router::route`] hashes the prompt's blocks once, with the function
 //! and the LoRA salt the cache itself uses (`kv::prefix_cache`), counts each replica's leading
 //! matched blocks and picks by policy:
-//! - `cache_aware` (default): the best of matched-prefix fraction minus a load penalty, unless
-//!   the replicas' loads are out of balance beyond a bound (SGLang's guard: max - min over
-//!   `balance_abs_threshold` and max over `balance_rel_threshold` x min), then least loaded;
+//! - `cache_aware` (default): the best of matched-prefix fraction minus a load penalty and,
+//!   with `token_weight` > 0, a prefill-cost penalty (the replica's in-flight uncached prompt
+//!   tokens plus this prompt's uncached tokens there: an estimate of its time to first token,
+//!   as NVIDIA Dynamo's KV router scores), unless the replicas' loads are out of balance beyond
+//!   a bound (SGLang's guard: max - min over `balance_abs_threshold` and max over
+//!   `balance_rel_threshold` x min), then least loaded;
 //! - `least_loaded`: fewest requests in flight (then waiting + running, then KV usage);
 //! - `round_robin`: the next live replica in turn;
 //! - `session`: sticky by a session key (rendezvous hashing over the live replicas, so a
@@ -74,6 +77,8 @@ pub struct RouterConfig {
     pub balance_rel_threshold: f64,
     /// Weight of the load penalty against the matched-prefix fraction (in [0, 1]).
     pub load_weight: f64,
+    /// Weight of the prefill-cost penalty against the matched-prefix fraction (in [0, 1]).
+    pub token_weight: f64,
     pub pending_ttl: f64,
 }
 
@@ -81,6 +86,7 @@ pub mod defaults {
     pub const BALANCE_ABS_THRESHOLD: u32 = 32;
     pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
     pub const LOAD_WEIGHT: f64 = 0.5;
+    pub const TOKEN_WEIGHT: f64 = 0.0;
     pub const PENDING_TTL: f64 = 5.0;
 }
 
@@ -93,6 +99,7 @@ impl RouterConfig {
             balance_abs_threshold: defaults::BALANCE_ABS_THRESHOLD,
             balance_rel_threshold: defaults::BALANCE_REL_THRESHOLD,
             load_weight: defaults::LOAD_WEIGHT,
+            token_weight: defaults::TOKEN_WEIGHT,
             pending_ttl: defaults::PENDING_TTL,
         }
     }
@@ -114,6 +121,12 @@ impl RouterConfig {
                 self.load_weight
             ));
         }
+        if !(0.0..=1.0).contains(&self.token_weight) {
+            return bad(format!(
+                "token_weight must be in [0, 1], got {}",
+                self.token_weight
+            ));
+        }
         if self.pending_ttl.is_nan() || self.pending_ttl < 0.0 {
             return bad(format!(
                 "pending_ttl must be >= 0, got {}",
@@ -129,6 +142,8 @@ impl RouterConfig {
 pub struct ReplicaLoad {
     /// Requests the router sent it that have not finished.
     pub in_flight: u32,
+    /// Their prompt tokens its cache did not hold when routed (prefill to do or under way).
+    pub uncached_tokens: u64,
     /// From the replica's last load report.
     pub waiting: u32,
     pub running: u32,
@@ -158,6 +173,8 @@ pub struct Decision {
     pub replica: usize,
     pub matched_blocks: usize,
     pub eligible_blocks: usize,
+    /// Prompt tokens outside the matched blocks: what `finish` is given back.
+    pub uncached_tokens: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -208,6 +225,7 @@ impl Router {
         } else {
             self.alive &= !(1 << replica);
             self.loads[replica].in_flight = 0;
+            self.loads[replica].uncached_tokens = 0;
         }
         Ok(())
     }
@@ -230,11 +248,13 @@ impl Router {
         Ok(())
     }
 
-    /// A request routed to `replica` finished (or failed).
-    pub fn finish(&mut self, replica: usize) -> Result<()> {
+    /// A request routed to `replica` finished (or failed); `uncached_tokens`: its
+    /// `Decision::uncached_tokens`.
+    pub fn finish(&mut self, replica: usize, uncached_tokens: usize) -> Result<()> {
         self.index.check_replica(replica)?;
         let l = &mut self.loads[replica];
         l.in_flight = l.in_flight.saturating_sub(1);
+        l.uncached_tokens = l.uncached_tokens.saturating_sub(uncached_tokens as u64);
         Ok(())
     }
 
@@ -268,7 +288,9 @@ impl Router {
         let hashes = chain_hashes(&tokens[..eligible * bs], bs, key);
         let matched = self.matched_blocks(&hashes, candidates, now);
         let replica = match self.cfg.policy {
-            RoutingPolicy::CacheAware => self.cache_aware(&matched, candidates, eligible),
+            RoutingPolicy::CacheAware => {
+                self.cache_aware(&matched, candidates, eligible, tokens.len())
+            }
             RoutingPolicy::LeastLoaded => self.least_loaded(candidates),
             RoutingPolicy::RoundRobin => self.round_robin(candidates),
             RoutingPolicy::Session => match session {
@@ -284,7 +306,9 @@ impl Router {
                 e.1 = expiry;
             }
         }
+        let uncached = tokens.len().saturating_sub(matched[replica] * bs);
         self.loads[replica].in_flight += 1;
+        self.loads[replica].uncached_tokens += uncached as u64;
         let c = &mut self.counters[replica];
         c.routed += 1;
         c.query_blocks += eligible as u64;
@@ -293,6 +317,7 @@ impl Router {
             replica,
             matched_blocks: matched[replica],
             eligible_blocks: eligible,
+            uncached_tokens: uncached,
         })
     }
 
@@ -327,7 +352,13 @@ impl Router {
         matched
     }
 
-    fn cache_aware(&mut self, matched: &[usize], candidates: u64, eligible: usize) -> usize {
+    fn cache_aware(
+        &mut self,
+        matched: &[usize],
+        candidates: u64,
+        eligible: usize,
+        prompt_len: usize,
+    ) -> usize {
         let queues: Vec<(usize, u32)> = bits(candidates)
             .map(|r| (r, self.loads[r].queue()))
             .collect();
@@ -338,10 +369,20 @@ impl Router {
         if imbalanced || eligible == 0 || matched.iter().all(|&m| m == 0) {
             return self.least_loaded(candidates);
         }
-        let w = self.cfg.load_weight;
+        let (w, tw, bs) = (
+            self.cfg.load_weight,
+            self.cfg.token_weight,
+            self.cfg.block_size,
+        );
+        // prefill tokens ahead of this prompt's first token there, its own included
+        let cost = |r: usize| {
+            self.loads[r].uncached_tokens as f64 + prompt_len.saturating_sub(matched[r] * bs) as f64
+        };
+        let max_cost = queues.iter().map(|q| cost(q.0)).fold(1.0, f64::max);
         let score = |r: usize, q: u32| {
             matched[r] as f64 / eligible as f64
                 - w * (q as f64 / (max as f64 + 1.0) + 0.5 * self.loads[r].kv_usage)
+                - tw * cost(r) / max_cost
         };
         let mut best = queues[0].0;
         let mut best_score = f64::NEG_INFINITY;

@@ -60,7 +60,7 @@ fn a_conversations_later_turns_go_to_the_replica_holding_its_prefix() {
             let rep = d.replica;
             serve(&mut r, &mut caches[rep], rep, seqs[rep], conv, 0);
             seqs[rep] += 1;
-            r.finish(rep).unwrap();
+            r.finish(rep, d.uncached_tokens).unwrap();
             *conv = turn(conv, 10 + step as u32);
         }
     }
@@ -115,7 +115,7 @@ fn least_loaded_takes_the_replica_with_fewest_in_flight() {
         .map(|_| r.route(&p, 0, None, 0, 0.0).unwrap().replica)
         .collect();
     assert_eq!(picks, vec![0, 1, 2]);
-    r.finish(1).unwrap();
+    r.finish(1, 3).unwrap();
     assert_eq!(r.route(&p, 0, None, 0, 0.0).unwrap().replica, 1);
 }
 
@@ -206,5 +206,64 @@ fn unknown_policy_and_bad_knobs_are_refused_by_name() {
         .unwrap_err()
         .to_string()
         .contains("balance_rel"));
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.token_weight = 2.0;
+    assert!(Router::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("token_weight"));
     let _ = KvEventKind::Stored;
+}
+
+#[test]
+fn a_routed_prompts_uncached_tokens_count_on_its_replica_until_it_finishes() {
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    let mut m = replica();
+    let p = turn(&[], 6); // 9 tokens: 2 reusable blocks of 4
+    serve(&mut r, &mut m, 1, 0, &p, 0);
+    let hit = r.route(&p, 0, None, 0, 0.0).unwrap();
+    assert_eq!(
+        (hit.replica, hit.matched_blocks, hit.uncached_tokens),
+        (1, 2, 1)
+    );
+    let cold = r.route(&turn(&[], 7), 0, None, 0, 0.0).unwrap();
+    assert_eq!((cold.replica, cold.uncached_tokens), (0, 9));
+    assert_eq!(r.load(0).unwrap().uncached_tokens, 9);
+    assert_eq!(r.load(1).unwrap().uncached_tokens, 1);
+    r.finish(1, hit.uncached_tokens).unwrap();
+    r.finish(0, cold.uncached_tokens).unwrap();
+    assert_eq!(r.load(0).unwrap().uncached_tokens, 0);
+    assert_eq!(r.load(1).unwrap().uncached_tokens, 0);
+}
+
+#[test]
+fn a_replica_leaving_rotation_drops_its_uncached_tokens() {
+    let mut r = router(2, RoutingPolicy::RoundRobin);
+    let d = r.route(&turn(&[], 6), 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.load(d.replica).unwrap().uncached_tokens, 9);
+    r.set_alive(d.replica, false).unwrap();
+    assert_eq!(r.load(d.replica).unwrap().uncached_tokens, 0);
+}
+
+#[test]
+fn with_a_token_weight_cache_aware_leaves_a_hit_behind_a_long_prefill_queue() {
+    let pick = |token_weight: f64| {
+        let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+        cfg.pending_ttl = 0.0;
+        cfg.token_weight = token_weight;
+        let mut r = Router::new(cfg).unwrap();
+        let mut m = replica();
+        let p = turn(&[], 8);
+        serve(&mut r, &mut m, 1, 0, &p, 0);
+        // a long cold prompt already under way on replica 1 (replica 0 excluded)
+        let long: Vec<u32> = (0..400).map(|i| 5000 + i).collect();
+        r.route(&long, 0, None, 0b01, 0.0).unwrap();
+        r.route(&p, 0, None, 0, 0.0).unwrap().replica
+    };
+    assert_eq!(pick(0.0), 1, "without the token cost the hit wins");
+    assert_eq!(
+        pick(1.0),
+        0,
+        "400 queued prefill tokens outweigh a 2-block hit"
+    );
 }
