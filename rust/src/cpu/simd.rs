@@ -102,8 +102,35 @@ unsafe fn load8<T: Elem>(p: *const T) -> std::arch::x86_64::__m256 {
 #[inline(always)]
 pub(crate) fn axpy<const F: bool, T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
     debug_assert_eq!(y.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    if F && T::IS_BF16 {
+        // SAFETY: as in `dot`. (f32 keeps the loop below, which LLVM vectorizes as it is.)
+        return unsafe { axpy_avx2_fma(y, a, x) };
+    }
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi = madd::<F>(a, xi.to_f32(), *yi);
+    }
+}
+
+// The widening load spelled out: the loop above widens bf16 lane by lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn axpy_avx2_fma<T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
+    use std::arch::x86_64::*;
+    let n = y.len().min(x.len());
+    let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+    let va = _mm256_set1_ps(a);
+    let mut i = 0;
+    // every access covers i..i + 8 <= n of both slices
+    while i + 8 <= n {
+        let acc = _mm256_fmadd_ps(va, load8(px.add(i)), _mm256_loadu_ps(py.add(i)));
+        _mm256_storeu_ps(py.add(i), acc);
+        i += 8;
+    }
+    while i < n {
+        y[i] = a.mul_add(x[i].to_f32(), y[i]);
+        i += 1;
     }
 }
 
@@ -211,6 +238,15 @@ mod tests {
             axpy::<false, Bf16>(&mut y, 0.75, &b);
             axpy::<false, f32>(&mut y_wide, 0.75, &wide);
             assert_eq!(y, y_wide);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                let (mut y, mut y_wide) = (a.clone(), a.clone());
+                axpy::<true, Bf16>(&mut y, 0.75, &b);
+                axpy::<true, f32>(&mut y_wide, 0.75, &wide);
+                assert_eq!(y, y_wide, "len {len}");
+            }
         }
     }
 
