@@ -7,6 +7,7 @@ time is reported beside it: a step made long by another process holding the core
 time only, one made long by work of our own (a collection) in both.
 
     python benches/decode_jitter.py --model /tmp/llama56m --batch 8 --steps 600 [--gc default]
+        [--dtype bfloat16]
 
 `--gc default` undoes the engine's start-up heap handling (unfreezes the heap and restores
 Python's default thresholds) after the engine is built, for a before/after in the same minutes.
@@ -36,6 +37,8 @@ def main() -> int:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--gc", choices=["engine", "default"], default="engine")
+    # the engine's dtype argument ("auto": the checkpoint's, float32 on the CPU)
+    p.add_argument("--dtype", default="auto")
     args = p.parse_args()
 
     from pagedllm import EngineArgs, LLMEngine, SamplingParams
@@ -44,6 +47,7 @@ def main() -> int:
         EngineArgs(
             model=args.model,
             device="cpu",
+            dtype=args.dtype,
             max_model_len=args.prompt_len + args.steps + args.warmup_steps + 8,
             cpu_threads=args.cpu_threads,
             disable_log_stats=True,
@@ -98,6 +102,7 @@ def main() -> int:
         "batch": args.batch,
         "steps": args.steps,
         "gc": args.gc,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "threads": engine.runner.cpu_threads,
         "wall_ms": _summary(wall),
         "cpu_ms": _summary(cpu),

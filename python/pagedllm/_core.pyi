@@ -660,38 +660,44 @@ class Scheduler:
 # CPU kernels (rust/src/bindings/cpu_ops.rs)
 # =============================================================================================
 
+# float32, or bfloat16 as its uint16 bits (numpy has no bfloat16: `t.view(torch.uint16).numpy()`
+# shares the tensor's memory). The first float argument of a call picks the kernel; every other
+# float argument must have its dtype (``TypeError`` otherwise).
 _F32Array = _npt.NDArray[_np.float32]
+_KernelArray = _F32Array | _npt.NDArray[_np.uint16]
 
 def cpu_store_kvcache(
-    k: _F32Array,
-    v: _F32Array,
-    k_cache: _F32Array,
-    v_cache: _F32Array,
+    k: _KernelArray,
+    v: _KernelArray,
+    k_cache: _KernelArray,
+    v_cache: _KernelArray,
     slot_mapping: _npt.NDArray[_np.int64],
 ) -> None:
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
     (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes."""
 
 def cpu_paged_attention(
-    q: _F32Array,
-    k_cache: _F32Array,
-    v_cache: _F32Array,
+    q: _KernelArray,
+    k_cache: _KernelArray,
+    v_cache: _KernelArray,
     query_start_loc: _npt.NDArray[_np.int32],
     seq_lens: _npt.NDArray[_np.int32],
     block_tables: _npt.NDArray[_np.int32],
     scale: float,
-    out: _F32Array,
+    out: _KernelArray,
     num_threads: int,
 ) -> None:
     """Paged attention of q ``[T, H, D]`` over the caches into ``out`` (contiguous ``[T, H, D]``),
     causal within each sequence's query rows, reading the cache in place; GIL released, at most
-    ``num_threads`` threads. ``ValueError`` for block ids outside the cache, a table too narrow
-    for its context, or mismatched shapes."""
+    ``num_threads`` threads. Computed in float32 for either dtype; a bfloat16 ``out`` is rounded
+    once, at the end. ``ValueError`` for block ids outside the cache, a table too narrow for its
+    context, or mismatched shapes."""
 
-def cpu_rotary_in_place(x: _F32Array, cos: _F32Array, sin: _F32Array) -> None:
+def cpu_rotary_in_place(x: _KernelArray, cos: _KernelArray, sin: _KernelArray) -> None:
     """Rotate the heads of ``x`` ``[T, heads, D]`` (each head contiguous, any other strides) in
     place by ``cos``/``sin`` ``[T, D / 2]``: halves (a, b) become (a*cos - b*sin, b*cos + a*sin),
-    bit-identical to torch's rotate_half formula. ``ValueError`` for an odd ``D``, tables of the
+    bit-identical to torch's rotate_half formula in that dtype (in bfloat16 each product and sum
+    rounded as torch's bfloat16 ops round them). ``ValueError`` for an odd ``D``, tables of the
     wrong shape, or a head that is not contiguous."""
 
 class ShmAllReduce:

@@ -1,12 +1,13 @@
 """`pagedllm.attention.paged.paged_attention` on the CPU against dense causal attention: the
-Rust kernels (float32, the engine's default) and the torch reference path with its step plan
-(other dtypes)."""
+Rust kernels (float32, the engine's default, and bfloat16) and the torch reference path with its
+step plan (other dtypes)."""
 
 import math
 
 import pytest
 import torch
 
+from pagedllm.attention import paged
 from pagedllm.attention.paged import AttentionMetadata, _paged_attention_torch, paged_attention
 from pagedllm.kernels import reference as ref
 
@@ -181,6 +182,51 @@ def test_low_precision_inputs_follow_float32_reference():
         0.125,
     )
     torch.testing.assert_close(out.float(), exp, atol=2e-2, rtol=2e-2)
+
+
+TENSORS = ("q", "k", "v", "k_cache", "v_cache")
+
+
+@pytest.mark.parametrize(
+    "ctx_lens,q_lens,heads,kv_heads",
+    [
+        # mixed: whole prompt, decodes over several blocks, chunk over a cached prefix; GQA 4
+        ([13, 40, 29, 1], [13, 1, 7, 1], 8, 2),
+        # decode only over many blocks, no GQA
+        ([70, 33, 129], [1, 1, 1], 4, 4),
+    ],
+)
+def test_bf16_takes_the_rust_kernels_and_matches_the_torch_reference_path(
+    ctx_lens, q_lens, heads, kv_heads, monkeypatch
+):
+    def build():
+        b = _build(
+            ctx_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, block_size=8
+        )
+        return [b[key].bfloat16() for key in TENSORS] + [b["meta"]]
+
+    rust, torch_path = build(), build()
+    want = _paged_attention_torch(*torch_path, 0.2)
+
+    def no_fallback(*args):
+        raise AssertionError("bfloat16 on the CPU fell back to the torch reference")
+
+    monkeypatch.setattr(paged, "_paged_attention_torch", no_fallback)
+    out = paged_attention(*rust, 0.2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want)
+    # the new K/V stored bit for bit, as the torch path stores them (k_cache, v_cache)
+    assert torch.equal(rust[3], torch_path[3]) and torch.equal(rust[4], torch_path[4])
+
+
+def test_float16_takes_the_torch_reference_path(monkeypatch):
+    b = _build([9, 4], [3, 1], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+    q, k, v, kc, vc = (b[key].half() for key in TENSORS)
+    calls = []
+    fallback = paged._paged_attention_torch
+    monkeypatch.setattr(paged, "_paged_attention_torch", lambda *a: calls.append(1) or fallback(*a))
+    out = paged_attention(q, k, v, kc, vc, b["meta"], 0.2)
+    assert calls == [1] and out.dtype == torch.float16
 
 
 def test_step_plan_is_built_once_and_reused_by_every_layer(monkeypatch):

@@ -55,9 +55,21 @@ def test_in_place_rope_is_bit_identical_to_rotate_half_on_the_fused_qkv_columns(
     assert torch.equal(qkv[:, 8 * 16 :], v_before)
 
 
-def test_in_place_rope_in_half_precision_matches_rotate_half():
-    tables = _tables(torch.bfloat16)  # the torch path (what CUDA runs)
+def test_in_place_rope_in_float16_matches_rotate_half():
+    tables = _tables(torch.float16)  # the torch path (what CUDA runs)
     assert tables.arrays is None
-    x = (torch.randn(5, 3, 16) * 3).to(torch.bfloat16)
+    x = (torch.randn(5, 3, 16) * 3).to(torch.float16)
     want = _rotate_half_formula(x.clone(), tables.cos, tables.sin)
     assert torch.equal(apply_rope_(x, tables), want)
+
+
+def test_in_place_rope_in_bfloat16_is_bit_identical_to_rotate_half_on_fused_columns():
+    tables = _tables(torch.bfloat16)  # bfloat16 on the CPU: the Rust kernel
+    assert tables.arrays is not None
+    qkv = (torch.randn(5, 10 * 16, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    qk = qkv[:, : 8 * 16].view(5, 8, 16)
+    want = _rotate_half_formula(qk.clone(), tables.cos, tables.sin)
+    v_before = qkv[:, 8 * 16 :].clone()
+    assert apply_rope_(qk, tables) is qk
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, 8 * 16 :], v_before)

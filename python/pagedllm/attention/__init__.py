@@ -2,7 +2,7 @@
 worker or the engine).
 
 - `paged`: the attention metadata of a step and the paged-attention entry point (Triton kernels
-  on CUDA, the Rust kernels for float32 on the CPU, the torch reference otherwise)
+  on CUDA, the Rust kernels for float32 and bfloat16 on the CPU, the torch reference otherwise)
 - `cpu_attention`: the CPU path through the Rust kernels (`pagedllm._core.cpu_*`)
 - `cpu_rotary`: rotary embedding in place on the CPU through Rust (`RopeTables`)
 

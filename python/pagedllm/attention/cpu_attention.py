@@ -5,8 +5,8 @@ the context per layer and step, unlike the torch reference) and write the output
 CPU tensors cross as numpy views of the same memory; the kernels release the GIL and use at most
 torch's intra-op thread count (the calling thread and parked workers of a persistent pool), after
 torch's own work of the layer has finished, while torch's OpenMP workers sleep (the passive wait
-policy, `worker/cpu_threads.py`), so the two never compete for cores. float32 only: other dtypes
-take the torch reference path.
+policy, `worker/cpu_threads.py`), so the two never compete for cores. float32 and bfloat16 (the
+kernels compute in float32 either way); other dtypes take the torch reference path.
 """
 
 from __future__ import annotations
@@ -17,13 +17,24 @@ from torch import Tensor
 
 from pagedllm import _core
 
+# The dtypes the Rust kernels (attention and rotary) take, each with the numpy dtype its tensors
+# cross as, sharing their memory: numpy has no bfloat16, so bfloat16 crosses as its uint16 bits.
+_NUMPY_DTYPE = {torch.float32: np.float32, torch.bfloat16: np.uint16}
+_BITS_VIEW = {torch.bfloat16: torch.uint16}
+
+
+def kernel_dtype(dtype: torch.dtype) -> bool:
+    """Whether the Rust CPU kernels take tensors of this dtype."""
+    return dtype in _NUMPY_DTYPE
+
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the Rust kernels handle these tensors (float32 on the CPU, contiguous cache)."""
+    """Whether the Rust kernels handle these tensors (float32 or bfloat16 on the CPU, the cache
+    of q's dtype and contiguous)."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and kernel_dtype(q.dtype)
+        and k_cache.dtype == q.dtype
         and k_cache.is_contiguous()
     )
 
@@ -44,8 +55,12 @@ def _array(t: Tensor, dtype) -> np.ndarray:
 
 
 def _numpy(t: Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory (detached first only when autograd tracks it)."""
-    return t.detach().numpy() if t.requires_grad else t.numpy()
+    """A numpy view of a CPU tensor's memory (detached first only when autograd tracks it;
+    bfloat16 as uint16, see `_NUMPY_DTYPE`)."""
+    if t.requires_grad:
+        t = t.detach()
+    bits = _BITS_VIEW.get(t.dtype)
+    return t.numpy() if bits is None else t.view(bits).numpy()
 
 
 def store_and_attend(
@@ -62,7 +77,8 @@ def store_and_attend(
     kc, vc = _numpy(k_cache), _numpy(v_cache)
     _core.cpu_store_kvcache(_numpy(k), _numpy(v), kc, vc, slots)
     # allocated on the numpy side and shared with torch: no dispatcher ops for the bridge
-    out = np.empty(q.shape, dtype=np.float32)
+    # (bfloat16: one, the view of the uint16 bits as bfloat16)
+    out = np.empty(q.shape, dtype=_NUMPY_DTYPE[q.dtype])
     _core.cpu_paged_attention(
         _numpy(q),
         kc,
@@ -74,4 +90,5 @@ def store_and_attend(
         out,
         torch.get_num_threads(),
     )
-    return torch.from_numpy(out)
+    out = torch.from_numpy(out)
+    return out if out.dtype == q.dtype else out.view(q.dtype)

@@ -4,28 +4,29 @@ projection's output, no head-sized temporaries (torch's formula makes three per 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from pagedllm import _core
-from pagedllm.attention.cpu_attention import _numpy
+from pagedllm.attention.cpu_attention import _numpy, kernel_dtype
 
 
 class RopeTables:
-    """A step's cos/sin `[T, D / 2]`, shared by every layer; on the CPU in float32 also their
-    numpy views for the kernel, made once per step rather than once per layer."""
+    """A step's cos/sin `[T, D / 2]`, shared by every layer; on the CPU in a dtype the kernels
+    take (`cpu_attention.kernel_dtype`) also their numpy views for the kernel, made once per step
+    rather than once per layer."""
 
     __slots__ = ("cos", "sin", "arrays")
 
     def __init__(self, cos: Tensor, sin: Tensor) -> None:
         self.cos, self.sin = cos, sin
-        on_cpu = cos.device.type == "cpu" and cos.dtype == torch.float32
+        on_cpu = cos.device.type == "cpu" and kernel_dtype(cos.dtype)
         self.arrays = (_numpy(cos.contiguous()), _numpy(sin.contiguous())) if on_cpu else None
 
 
 def supports(x: Tensor, tables: RopeTables) -> bool:
-    """Whether the kernel handles x: float32 on the CPU, each head contiguous."""
-    return tables.arrays is not None and x.dtype == torch.float32 and x.stride(-1) == 1
+    """Whether the kernel handles x: on the CPU in the tables' dtype (float32 or bfloat16), each
+    head contiguous."""
+    return tables.arrays is not None and x.dtype == tables.cos.dtype and x.stride(-1) == 1
 
 
 def rotary_in_place(x: Tensor, tables: RopeTables) -> None:

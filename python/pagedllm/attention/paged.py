@@ -2,8 +2,8 @@
 
 `paged_attention` stores this step's K/V into the paged cache and attends. CUDA tensors go to the
 Triton kernels (triton is imported only then, so this module imports on machines without it);
-float32 CPU tensors to the Rust kernels (`cpu_attention.py`), which read the cache in place;
-anything else (half precision on the CPU) to the vectorized torch reference.
+float32 and bfloat16 CPU tensors to the Rust kernels (`cpu_attention.py`), which read the cache
+in place; anything else (float16 on the CPU) to the vectorized torch reference.
 """
 
 from __future__ import annotations

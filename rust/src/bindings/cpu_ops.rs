@@ -1,76 +1,237 @@
 //! The CPU kernels (`crate::cpu`) for the model runner: torch CPU tensors arrive as numpy views
 //! of the same memory (`Tensor.numpy()`, no copy), the kernels run with the GIL released.
+//!
+//! The float arrays of a call are float32, or bfloat16 passed as its uint16 bits (numpy has no
+//! bfloat16; torch's `t.view(torch.uint16).numpy()` shares the memory). The first float argument
+//! picks the kernel; the others must have its dtype.
+use ndarray::{ArrayView, ArrayViewMut, Dimension};
 use numpy::{
-    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3,
-    PyReadwriteArray4,
+    Element, PyArrayDescrMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cpu::{self, PagedBatch};
+use crate::cpu::{self, Bf16, PagedBatch};
 
 fn contiguous<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<T>) -> PyResult<&'a [T]> {
     a.as_slice()
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous 1-D array")))
 }
 
-/// Writes k/v `[T, KVH, D]` (float32) into the caches `[blocks, block_size, KVH, D]` at
-/// `slot_mapping` (int64 `[T]`, -1 = padding row, skipped).
+/// A numpy dtype the kernels take and the kernel element behind it (same size and layout).
+trait Dtype: Element + 'static {
+    type Kernel: cpu::Elem;
+    const NAME: &'static str;
+}
+
+impl Dtype for f32 {
+    type Kernel = f32;
+    const NAME: &'static str = "float32";
+}
+
+impl Dtype for u16 {
+    type Kernel = Bf16;
+    const NAME: &'static str = "uint16 (bfloat16 bits)";
+}
+
+/// Which kernel a call takes, from its first float array's dtype.
+enum Kind {
+    F32,
+    Bf16,
+}
+
+impl Kind {
+    fn of(name: &str, a: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let array = a
+            .cast::<PyUntypedArray>()
+            .map_err(|_| PyTypeError::new_err(format!("{name} must be a numpy array")))?;
+        let dtype = array.dtype();
+        let py = a.py();
+        if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
+            Ok(Kind::F32)
+        } else if dtype.is_equiv_to(&numpy::dtype::<u16>(py)) {
+            Ok(Kind::Bf16)
+        } else {
+            Err(PyTypeError::new_err(format!(
+                "{name} has dtype {dtype}; the CPU kernels take float32, or bfloat16 as its \
+                 uint16 bits"
+            )))
+        }
+    }
+}
+
+fn readonly<'py, N: Dtype, D: Dimension>(
+    name: &str,
+    a: &Bound<'py, PyAny>,
+) -> PyResult<PyReadonlyArray<'py, N, D>> {
+    a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
+}
+
+fn readwrite<'py, N: Dtype, D: Dimension>(
+    name: &str,
+    a: &Bound<'py, PyAny>,
+) -> PyResult<PyReadwriteArray<'py, N, D>> {
+    a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
+}
+
+/// The error for an array that did not extract: its dtype or rank if those are wrong, else
+/// numpy's own (e.g. not writeable).
+fn wrong_array<N: Dtype, D: Dimension>(name: &str, a: &Bound<'_, PyAny>, err: PyErr) -> PyErr {
+    let ndim = D::NDIM.unwrap_or(0);
+    match a.cast::<PyUntypedArray>() {
+        Ok(array)
+            if array.ndim() == ndim && array.dtype().is_equiv_to(&numpy::dtype::<N>(a.py())) =>
+        {
+            err
+        }
+        Ok(array) => PyTypeError::new_err(format!(
+            "{name} must be a {ndim}-D {} array (the dtype of the call's first float array), \
+             got a {}-D {} array",
+            N::NAME,
+            array.ndim(),
+            array.dtype()
+        )),
+        Err(_) => PyTypeError::new_err(format!("{name} must be a numpy array")),
+    }
+}
+
+/// The numpy array's elements as the kernel's element type, without a copy.
+fn view<'a, N: Dtype, D: Dimension>(a: ArrayView<'a, N, D>) -> ArrayView<'a, N::Kernel, D> {
+    // SAFETY: `N::Kernel` is `N` itself or a `repr(transparent)` wrapper of it (`cast` asserts
+    // the size), so every element pointer stays valid and aligned for the borrow's lifetime.
+    unsafe { a.raw_view().cast::<N::Kernel>().deref_into_view() }
+}
+
+fn view_mut<'a, N: Dtype, D: Dimension>(
+    mut a: ArrayViewMut<'a, N, D>,
+) -> ArrayViewMut<'a, N::Kernel, D> {
+    // SAFETY: as in `view`; the exclusive borrow moves into the returned view.
+    unsafe { a.raw_view_mut().cast::<N::Kernel>().deref_into_view_mut() }
+}
+
+/// Writes k/v `[T, KVH, D]` into the caches `[blocks, block_size, KVH, D]` at `slot_mapping`
+/// (int64 `[T]`, -1 = padding row, skipped); all four float32, or all bfloat16 as uint16.
 #[pyfunction]
 fn cpu_store_kvcache(
     py: Python<'_>,
-    k: PyReadonlyArray3<'_, f32>,
-    v: PyReadonlyArray3<'_, f32>,
-    mut k_cache: PyReadwriteArray4<'_, f32>,
-    mut v_cache: PyReadwriteArray4<'_, f32>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    slot_mapping: PyReadonlyArray1<'_, i64>,
+) -> PyResult<()> {
+    match Kind::of("k", k)? {
+        Kind::F32 => store::<f32>(py, k, v, k_cache, v_cache, slot_mapping),
+        Kind::Bf16 => store::<u16>(py, k, v, k_cache, v_cache, slot_mapping),
+    }
+}
+
+fn store<N: Dtype>(
+    py: Python<'_>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
 ) -> PyResult<()> {
     let slots = contiguous("slot_mapping", &slot_mapping)?;
-    let (k, v) = (k.as_array(), v.as_array());
-    let (kc, vc) = (k_cache.as_array_mut(), v_cache.as_array_mut());
+    let (k, v) = (readonly::<N, _>("k", k)?, readonly::<N, _>("v", v)?);
+    let mut kc = readwrite::<N, ndarray::Ix4>("k_cache", k_cache)?;
+    let mut vc = readwrite::<N, ndarray::Ix4>("v_cache", v_cache)?;
+    let (k, v) = (view(k.as_array()), view(v.as_array()));
+    let (kc, vc) = (view_mut(kc.as_array_mut()), view_mut(vc.as_array_mut()));
     py.detach(|| cpu::store_kv(k, v, slots, kc, vc))?;
     Ok(())
 }
 
-/// Paged attention of q `[T, H, D]` over the caches into `out` `[T, H, D]` (float32, contiguous),
-/// causal within each sequence's query rows; `num_threads` workers at most.
+/// Paged attention of q `[T, H, D]` over the caches into `out` `[T, H, D]` (contiguous), causal
+/// within each sequence's query rows; `num_threads` workers at most. q, the caches and out are
+/// all float32 or all bfloat16 as uint16.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn cpu_paged_attention(
     py: Python<'_>,
-    q: PyReadonlyArray3<'_, f32>,
-    k_cache: PyReadonlyArray4<'_, f32>,
-    v_cache: PyReadonlyArray4<'_, f32>,
+    q: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
     query_start_loc: PyReadonlyArray1<'_, i32>,
     seq_lens: PyReadonlyArray1<'_, i32>,
     block_tables: PyReadonlyArray2<'_, i32>,
     scale: f32,
-    mut out: PyReadwriteArray3<'_, f32>,
+    out: &Bound<'_, PyAny>,
     num_threads: usize,
 ) -> PyResult<()> {
+    let floats = (q, k_cache, v_cache, out);
+    let ints = (query_start_loc, seq_lens, block_tables);
+    match Kind::of("q", q)? {
+        Kind::F32 => attend::<f32>(py, floats, ints, scale, num_threads),
+        Kind::Bf16 => attend::<u16>(py, floats, ints, scale, num_threads),
+    }
+}
+
+type Floats<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+);
+
+type Ints<'py> = (
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray2<'py, i32>,
+);
+
+fn attend<N: Dtype>(
+    py: Python<'_>,
+    (q, k_cache, v_cache, out): Floats<'_, '_>,
+    (query_start_loc, seq_lens, block_tables): Ints<'_>,
+    scale: f32,
+    num_threads: usize,
+) -> PyResult<()> {
+    let q = readonly::<N, ndarray::Ix3>("q", q)?;
+    let kc = readonly::<N, ndarray::Ix4>("k_cache", k_cache)?;
+    let vc = readonly::<N, ndarray::Ix4>("v_cache", v_cache)?;
+    let mut out = readwrite::<N, ndarray::Ix3>("out", out)?;
     let batch = PagedBatch {
         query_start_loc: contiguous("query_start_loc", &query_start_loc)?,
         seq_lens: contiguous("seq_lens", &seq_lens)?,
         block_tables: block_tables.as_array(),
     };
-    let (q, kc, vc) = (q.as_array(), k_cache.as_array(), v_cache.as_array());
-    let out = out.as_array_mut();
+    let (q, kc, vc) = (view(q.as_array()), view(kc.as_array()), view(vc.as_array()));
+    let out = view_mut(out.as_array_mut());
     py.detach(|| cpu::paged_attention(q, kc, vc, batch, scale, out, num_threads))?;
     Ok(())
 }
 
-/// Rotates the heads of x `[T, heads, D]` (float32, each head contiguous; e.g. the q/k columns of
-/// the fused projection) in place by cos/sin `[T, D / 2]`: halves (a, b) -> (a·cos − b·sin,
-/// b·cos + a·sin).
+/// Rotates the heads of x `[T, heads, D]` (each head contiguous; e.g. the q/k columns of the
+/// fused projection) in place by cos/sin `[T, D / 2]`: halves (a, b) -> (a·cos − b·sin,
+/// b·cos + a·sin). x, cos and sin all float32 or all bfloat16 as uint16.
 #[pyfunction]
 fn cpu_rotary_in_place(
     py: Python<'_>,
-    mut x: PyReadwriteArray3<'_, f32>,
-    cos: PyReadonlyArray2<'_, f32>,
-    sin: PyReadonlyArray2<'_, f32>,
+    x: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let x = x.as_array_mut();
-    let (cos, sin) = (cos.as_array(), sin.as_array());
+    match Kind::of("x", x)? {
+        Kind::F32 => rotate::<f32>(py, x, cos, sin),
+        Kind::Bf16 => rotate::<u16>(py, x, cos, sin),
+    }
+}
+
+fn rotate<N: Dtype>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    cos: &Bound<'_, PyAny>,
+    sin: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let mut x = readwrite::<N, ndarray::Ix3>("x", x)?;
+    let cos = readonly::<N, ndarray::Ix2>("cos", cos)?;
+    let sin = readonly::<N, ndarray::Ix2>("sin", sin)?;
+    let x = view_mut(x.as_array_mut());
+    let (cos, sin) = (view(cos.as_array()), view(sin.as_array()));
     py.detach(|| cpu::rotary_in_place(x, cos, sin))?;
     Ok(())
 }

@@ -10,8 +10,12 @@
 //! Layouts (the engine's): q `[T, H, D]` (any strides), caches `[blocks, block_size, KVH, D]`
 //! contiguous, out `[T, H, D]` contiguous, sequence `s` owns query rows
 //! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
+//!
+//! q, the caches and out share one element type (`Elem`: f32 or bf16); scores, the softmax and
+//! the output sums are f32 whatever it is, and a bf16 output is rounded once, at the end.
 use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
+use super::elem::Elem;
 use super::{pool, simd};
 use crate::error::{Error, Result};
 
@@ -35,12 +39,12 @@ pub struct PagedBatch<'a> {
 
 /// Write this step's keys and values `[T, KVH, D]` into their cache slots
 /// (`slot = block * block_size + offset`); slot -1 marks a padding row and is skipped.
-pub fn store_kv(
-    k: ArrayView3<f32>,
-    v: ArrayView3<f32>,
+pub fn store_kv<T: Elem>(
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
     slot_mapping: &[i64],
-    k_cache: ArrayViewMut4<f32>,
-    v_cache: ArrayViewMut4<f32>,
+    k_cache: ArrayViewMut4<T>,
+    v_cache: ArrayViewMut4<T>,
 ) -> Result<()> {
     if v_cache.dim() != k_cache.dim() {
         return Err(invalid("k_cache and v_cache must have the same shape"));
@@ -49,11 +53,11 @@ pub fn store_kv(
     store_one("v", v, slot_mapping, v_cache)
 }
 
-fn store_one(
+fn store_one<T: Elem>(
     name: &str,
-    rows: ArrayView3<f32>,
+    rows: ArrayView3<T>,
     slot_mapping: &[i64],
-    mut cache: ArrayViewMut4<f32>,
+    mut cache: ArrayViewMut4<T>,
 ) -> Result<()> {
     let (blocks, block_size, kv_heads, head_dim) = cache.dim();
     if rows.dim() != (slot_mapping.len(), kv_heads, head_dim) {
@@ -89,13 +93,13 @@ fn store_one(
 /// Attention of every query row over its sequence's paged context, written into `out`.
 /// `num_threads` threads at most (1: the calling thread only; more: the calling thread and
 /// parked workers of the kernels' pool, `cpu::pool`).
-pub fn paged_attention<'a>(
-    q: ArrayView3<'a, f32>,
-    k_cache: ArrayView4<'a, f32>,
-    v_cache: ArrayView4<'a, f32>,
+pub fn paged_attention<'a, T: Elem>(
+    q: ArrayView3<'a, T>,
+    k_cache: ArrayView4<'a, T>,
+    v_cache: ArrayView4<'a, T>,
     batch: PagedBatch<'a>,
     scale: f32,
-    mut out: ArrayViewMut3<f32>,
+    mut out: ArrayViewMut3<T>,
     num_threads: usize,
 ) -> Result<()> {
     let shape = check_shapes(&q, &k_cache, &v_cache, &out)?;
@@ -149,11 +153,11 @@ fn invalid(msg: impl Into<String>) -> Error {
     Error::InvalidArgument(msg.into())
 }
 
-fn check_shapes(
-    q: &ArrayView3<f32>,
-    k_cache: &ArrayView4<f32>,
-    v_cache: &ArrayView4<f32>,
-    out: &ArrayViewMut3<f32>,
+fn check_shapes<T: Elem>(
+    q: &ArrayView3<T>,
+    k_cache: &ArrayView4<T>,
+    v_cache: &ArrayView4<T>,
+    out: &ArrayViewMut3<T>,
 ) -> Result<Shape> {
     let (_, heads, head_dim) = q.dim();
     let (num_blocks, block_size, kv_heads, cache_dim) = k_cache.dim();
@@ -268,27 +272,31 @@ fn plan_items(batch: PagedBatch<'_>, shape: Shape, num_rows: usize) -> Result<Ve
 }
 
 /// Cuts `out` into each item's rows (disjoint, in row order) and zeroes the rows no item owns.
-fn split_out<'o>(mut out: &'o mut [f32], items: &[Item], row: usize) -> Vec<(Item, &'o mut [f32])> {
+fn split_out<'o, T: Elem>(
+    mut out: &'o mut [T],
+    items: &[Item],
+    row: usize,
+) -> Vec<(Item, &'o mut [T])> {
     let mut chunks = Vec::with_capacity(items.len());
     let mut at = 0;
     for item in items {
         let start = item.first + item.r0;
         let (gap, rest) = out.split_at_mut((start - at) * row);
-        gap.fill(0.0);
+        gap.fill(T::ZERO);
         let (mine, rest) = rest.split_at_mut((item.r1 - item.r0) * row);
         chunks.push((*item, mine));
         out = rest;
         at = item.first + item.r1;
     }
-    out.fill(0.0);
+    out.fill(T::ZERO);
     chunks
 }
 
 /// Longest-first assignment of the items to `threads` buckets of similar work.
-fn balance(chunks: Vec<(Item, &mut [f32])>, threads: usize) -> Vec<Vec<(Item, &mut [f32])>> {
+fn balance<T>(chunks: Vec<(Item, &mut [T])>, threads: usize) -> Vec<Vec<(Item, &mut [T])>> {
     let mut chunks = chunks;
     chunks.sort_by_key(|(item, _)| std::cmp::Reverse(item.pairs()));
-    let mut buckets: Vec<Vec<(Item, &mut [f32])>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut buckets: Vec<Vec<(Item, &mut [T])>> = (0..threads).map(|_| Vec::new()).collect();
     let mut load = vec![0usize; threads];
     for chunk in chunks {
         let (i, _) = load
@@ -302,10 +310,10 @@ fn balance(chunks: Vec<(Item, &mut [f32])>, threads: usize) -> Vec<Vec<(Item, &m
     buckets
 }
 
-struct Ctx<'a> {
-    q: ArrayView3<'a, f32>,
-    k: &'a [f32],
-    v: &'a [f32],
+struct Ctx<'a, T> {
+    q: ArrayView3<'a, T>,
+    k: &'a [T],
+    v: &'a [T],
     tables: ArrayView2<'a, i32>,
     shape: Shape,
     scale: f32,
@@ -319,9 +327,11 @@ struct Scratch {
     max: Vec<f32>,
     sum: Vec<f32>,
     key_at: Vec<usize>,
+    /// an item's output sums when `out` is not f32 (rounded into it at the end)
+    acc: Vec<f32>,
 }
 
-fn run(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>) {
+fn run<T: Elem>(ctx: &Ctx<'_, T>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
@@ -329,19 +339,38 @@ fn run(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>) {
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
         return;
     }
-    run_with::<false>(ctx, chunks, &mut scratch);
+    run_with::<false, T>(ctx, chunks, &mut scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2_fma(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: &mut Scratch) {
-    run_with::<true>(ctx, chunks, scratch);
+unsafe fn run_avx2_fma<T: Elem>(
+    ctx: &Ctx<'_, T>,
+    chunks: Vec<(Item, &mut [T])>,
+    scratch: &mut Scratch,
+) {
+    run_with::<true, T>(ctx, chunks, scratch);
 }
 
 #[inline(always)]
-fn run_with<const F: bool>(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scratch: &mut Scratch) {
+fn run_with<const F: bool, T: Elem>(
+    ctx: &Ctx<'_, T>,
+    chunks: Vec<(Item, &mut [T])>,
+    scratch: &mut Scratch,
+) {
     for (item, out) in chunks {
-        attend_item::<F>(ctx, item, out, scratch);
+        match T::as_f32_mut(out) {
+            Some(out) => attend_item::<F, T>(ctx, item, out, scratch),
+            None => {
+                let mut acc = std::mem::take(&mut scratch.acc);
+                acc.resize(out.len(), 0.0);
+                attend_item::<F, T>(ctx, item, &mut acc, scratch);
+                for (o, a) in out.iter_mut().zip(&acc) {
+                    *o = T::from_f32(*a);
+                }
+                scratch.acc = acc;
+            }
+        }
     }
 }
 
@@ -349,7 +378,12 @@ fn run_with<const F: bool>(ctx: &Ctx<'_>, chunks: Vec<(Item, &mut [f32])>, scrat
 /// sums accumulated straight into `out`. Position-major: a position's keys of all kv heads are
 /// one contiguous run of the cache, read once for the query heads of every group.
 #[inline(always)]
-fn attend_item<const F: bool>(ctx: &Ctx<'_>, item: Item, out: &mut [f32], sc: &mut Scratch) {
+fn attend_item<const F: bool, T: Elem>(
+    ctx: &Ctx<'_, T>,
+    item: Item,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
     let Shape {
         heads,
         kv_heads,
@@ -363,7 +397,12 @@ fn attend_item<const F: bool>(ctx: &Ctx<'_>, item: Item, out: &mut [f32], sc: &m
     out.fill(0.0);
     sc.q.clear();
     for r in item.r0..item.r1 {
-        sc.q.extend(ctx.q.index_axis(Axis(0), item.first + r).iter());
+        sc.q.extend(
+            ctx.q
+                .index_axis(Axis(0), item.first + r)
+                .iter()
+                .map(|x| x.to_f32()),
+        );
     }
     sc.scores.resize(rows * KEY_TILE, 0.0);
     sc.max.clear();
@@ -387,7 +426,7 @@ fn attend_item<const F: bool>(ctx: &Ctx<'_>, item: Item, out: &mut [f32], sc: &m
             for rr in 0..rows {
                 let h = head_at(rr);
                 sc.scores[rr * KEY_TILE + j] = if t0 + j < visible(rr) {
-                    simd::dot::<F>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + d]) * ctx.scale
+                    simd::dot::<F, T>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + d]) * ctx.scale
                 } else {
                     f32::NEG_INFINITY
                 };
@@ -418,7 +457,7 @@ fn attend_item<const F: bool>(ctx: &Ctx<'_>, item: Item, out: &mut [f32], sc: &m
                 if t0 + j < visible(rr) {
                     let h = head_at(rr);
                     let p = sc.scores[rr * KEY_TILE + j];
-                    simd::axpy::<F>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + d]);
+                    simd::axpy::<F, T>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + d]);
                 }
             }
         }

@@ -1,10 +1,13 @@
-//! The paged kernel against a dense, obviously-correct attention over the same context.
+//! The paged kernel against a dense, obviously-correct attention over the same context, in f32
+//! and in bf16 (inputs exact in bf16, so the dense reference sees the very values the kernel
+//! reads; the output then differs from it by the one final rounding to bf16).
 use ndarray::{Array2, Array3, Array4, Axis};
 
 use super::attention::{paged_attention, store_kv, PagedBatch};
+use super::elem::{Bf16, Elem};
 
-/// Deterministic pseudo-random values in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
+/// Deterministic pseudo-random values in [-1, 1), exact in `T`.
+fn noise<T: Elem>(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -13,7 +16,7 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
             state = state
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            T::round(((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
         })
         .collect()
 }
@@ -67,7 +70,7 @@ fn dense(
     out
 }
 
-fn check(case: Case, threads: usize) {
+fn check<T: Elem>(case: Case, threads: usize) {
     let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
     let widths: Vec<usize> = case.seqs.iter().map(|(_, l)| l.div_ceil(bs)).collect();
     let width = widths.iter().copied().max().unwrap_or(0) + 1;
@@ -76,10 +79,10 @@ fn check(case: Case, threads: usize) {
     let mut free: Vec<i32> = (0..num_blocks as i32).rev().collect();
     free.swap(0, num_blocks / 2);
     let mut tables = Array2::<i32>::from_elem((case.seqs.len(), width), -1);
-    let mut k_cache = Array4::<f32>::zeros((num_blocks, bs, kvh, d));
-    let mut v_cache = Array4::<f32>::zeros((num_blocks, bs, kvh, d));
+    let mut k_cache = Array4::<T>::from_elem((num_blocks, bs, kvh, d), T::ZERO);
+    let mut v_cache = Array4::<T>::from_elem((num_blocks, bs, kvh, d), T::ZERO);
     let total_q: usize = case.seqs.iter().map(|(q, _)| q).sum();
-    let q = Array3::from_shape_vec((total_q, h, d), noise(total_q * h * d, 1)).unwrap();
+    let q = Array3::from_shape_vec((total_q, h, d), noise::<T>(total_q * h * d, 1)).unwrap();
     let (mut ks, mut vs, mut new_k, mut new_v, mut slots) =
         (vec![], vec![], vec![], vec![], vec![]);
     let mut qsl = vec![0i32];
@@ -87,8 +90,10 @@ fn check(case: Case, threads: usize) {
         for j in 0..widths[s] {
             tables[[s, j]] = free.pop().unwrap();
         }
-        let k = Array3::from_shape_vec((len, kvh, d), noise(len * kvh * d, 10 + s as u64)).unwrap();
-        let v = Array3::from_shape_vec((len, kvh, d), noise(len * kvh * d, 99 + s as u64)).unwrap();
+        let k = Array3::from_shape_vec((len, kvh, d), noise::<T>(len * kvh * d, 10 + s as u64))
+            .unwrap();
+        let v = Array3::from_shape_vec((len, kvh, d), noise::<T>(len * kvh * d, 99 + s as u64))
+            .unwrap();
         for p in 0..len {
             let slot = tables[[s, p / bs]] as usize * bs + p % bs;
             if p < len - q_len {
@@ -96,14 +101,14 @@ fn check(case: Case, threads: usize) {
                 k_cache
                     .index_axis_mut(Axis(0), slot / bs)
                     .index_axis_mut(Axis(0), slot % bs)
-                    .assign(&k.index_axis(Axis(0), p));
+                    .assign(&k.index_axis(Axis(0), p).mapv(T::from_f32));
                 v_cache
                     .index_axis_mut(Axis(0), slot / bs)
                     .index_axis_mut(Axis(0), slot % bs)
-                    .assign(&v.index_axis(Axis(0), p));
+                    .assign(&v.index_axis(Axis(0), p).mapv(T::from_f32));
             } else {
-                new_k.extend(k.index_axis(Axis(0), p).iter());
-                new_v.extend(v.index_axis(Axis(0), p).iter());
+                new_k.extend(k.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
+                new_v.extend(v.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
                 slots.push(slot as i64);
             }
         }
@@ -128,9 +133,9 @@ fn check(case: Case, threads: usize) {
         block_tables: tables.view(),
     };
     let scale = (d as f32).powf(-0.5);
-    let mut out = Array3::<f32>::from_elem((total_q, h, d), f32::NAN);
+    let mut out = Array3::<T>::from_elem((total_q, h, d), T::from_f32(f32::NAN));
     paged_attention(
-        q.view(),
+        q.mapv(T::from_f32).view(),
         k_cache.view(),
         v_cache.view(),
         batch,
@@ -141,14 +146,17 @@ fn check(case: Case, threads: usize) {
     .unwrap();
     let want = dense(&case, &q, &ks, &vs, scale);
     for (got, want) in out.iter().zip(want.iter()) {
-        assert!((got - want).abs() < 2e-5, "{got} vs {want}");
+        let got = got.to_f32();
+        // f32 sums, then (bf16 only) the output's rounding: half an ulp, 2^-9 relative
+        let rounding = if T::IS_BF16 { want.abs() / 256.0 } else { 0.0 };
+        assert!((got - want).abs() <= 2e-5 + rounding, "{got} vs {want}");
     }
 }
 
 #[test]
 fn decode_rows_with_grouped_heads_match_dense_attention() {
     let seqs = vec![(1, 1), (1, 17), (1, 64), (1, 130)];
-    check(
+    check::<f32>(
         Case {
             heads: 8,
             kv_heads: 2,
@@ -164,7 +172,7 @@ fn decode_rows_with_grouped_heads_match_dense_attention() {
 fn prefill_chunks_over_a_cached_prefix_are_causal() {
     // chunked prefill (prefix cached) and a whole prompt, with an odd block size
     let seqs = vec![(5, 12), (40, 40), (3, 3), (1, 9)];
-    check(
+    check::<f32>(
         Case {
             heads: 4,
             kv_heads: 4,
@@ -179,7 +187,53 @@ fn prefill_chunks_over_a_cached_prefix_are_causal() {
 #[test]
 fn threads_split_long_prompts_and_give_the_same_result() {
     let seqs = vec![(150, 200), (1, 300), (70, 70), (1, 5)];
-    check(
+    check::<f32>(
+        Case {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 32,
+            block_size: 8,
+            seqs,
+        },
+        3,
+    );
+}
+
+#[test]
+fn bf16_decode_rows_over_several_blocks_with_grouped_heads_match_dense_attention() {
+    let seqs = vec![(1, 1), (1, 17), (1, 64), (1, 130)];
+    check::<Bf16>(
+        Case {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            block_size: 16,
+            seqs,
+        },
+        1,
+    );
+}
+
+#[test]
+fn bf16_prefill_chunks_over_a_cached_prefix_are_causal() {
+    // odd head size: the SIMD loads' scalar tails
+    let seqs = vec![(5, 12), (40, 40), (3, 3), (1, 9)];
+    check::<Bf16>(
+        Case {
+            heads: 4,
+            kv_heads: 4,
+            head_dim: 20,
+            block_size: 5,
+            seqs,
+        },
+        1,
+    );
+}
+
+#[test]
+fn bf16_threads_split_long_prompts_and_give_the_same_result() {
+    let seqs = vec![(150, 200), (1, 300), (70, 70), (1, 5)];
+    check::<Bf16>(
         Case {
             heads: 6,
             kv_heads: 2,

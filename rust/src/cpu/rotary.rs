@@ -5,17 +5,19 @@
 //! head-sized temporaries and five ops per layer. Here every head is rotated where it sits (in
 //! the fused q/k/v projection's output), with the step's cos/sin tables computed once for all
 //! layers. Products and sums are rounded one at a time (no fused multiply-add), so the result is
-//! bit-identical to torch's formula.
+//! bit-identical to torch's formula; in bf16 each product and sum is rounded to bf16 as well, as
+//! torch's bf16 ops do (x, cos and sin share one element type, `Elem`).
 use ndarray::{ArrayView2, ArrayViewMut3};
 
+use super::elem::Elem;
 use crate::error::{Error, Result};
 
 /// Rotates `x` `[T, heads, D]` (rows and heads at any stride, each head contiguous) in place by
 /// its token's angles: `cos`, `sin` `[T, D / 2]` (rows contiguous).
-pub fn rotary_in_place(
-    mut x: ArrayViewMut3<f32>,
-    cos: ArrayView2<f32>,
-    sin: ArrayView2<f32>,
+pub fn rotary_in_place<T: Elem>(
+    mut x: ArrayViewMut3<T>,
+    cos: ArrayView2<T>,
+    sin: ArrayView2<T>,
 ) -> Result<()> {
     let (tokens, _, head_dim) = x.dim();
     if head_dim % 2 != 0 {
@@ -47,12 +49,12 @@ pub fn rotary_in_place(
     Ok(())
 }
 
-fn rotate_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+fn rotate_head<T: Elem>(head: &mut [T], cos: &[T], sin: &[T]) {
     let (a, b) = head.split_at_mut(cos.len());
-    for (((a, b), &c), &s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
-        let (x1, x2) = (*a, *b);
-        *a = x1 * c - x2 * s;
-        *b = x2 * c + x1 * s;
+    for (((a, b), c), s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+        let (x1, x2, c, s) = (a.to_f32(), b.to_f32(), c.to_f32(), s.to_f32());
+        *a = T::from_f32(T::round(x1 * c) - T::round(x2 * s));
+        *b = T::from_f32(T::round(x2 * c) + T::round(x1 * s));
     }
 }
 
@@ -65,6 +67,7 @@ mod tests {
     use ndarray::{s, Array2, Array3};
 
     use super::rotary_in_place;
+    use crate::cpu::elem::{Bf16, Elem};
 
     fn tables(tokens: usize, half: usize) -> (Array2<f32>, Array2<f32>) {
         let angle = |t: usize, i: usize| (t as f32 + 1.0) * 0.37 / (1.0 + i as f32);
@@ -114,6 +117,37 @@ mod tests {
             fused.slice(s![.., heads, ..]),
             fused0.slice(s![.., heads, ..])
         );
+    }
+
+    #[test]
+    fn bf16_rounds_every_product_and_sum_like_torch() {
+        // torch's bf16 formula: a*c - b*s with each product and the difference rounded to bf16
+        let (tokens, heads, dim) = (3, 2, 8);
+        let half = dim / 2;
+        let r = |x: f32| Bf16::from_f32(x);
+        let x0 = Array3::from_shape_fn((tokens, heads, dim), |(t, h, d)| {
+            r((t * 7 + h * 3 + d) as f32 * 0.173 - 1.1)
+        });
+        let (cos, sin) = tables(tokens, half);
+        let (cos, sin) = (cos.mapv(r), sin.mapv(r));
+        let mut x = x0.clone();
+        rotary_in_place(x.view_mut(), cos.view(), sin.view()).unwrap();
+        let w = |x: Bf16| x.to_f32();
+        let mut rounded_differently = 0;
+        for ((t, h, d), &got) in x.indexed_iter() {
+            let i = d % half;
+            let (a, b) = (w(x0[[t, h, i]]), w(x0[[t, h, i + half]]));
+            let (c, s) = (w(cos[[t, i]]), w(sin[[t, i]]));
+            let (want, unrounded) = if d < half {
+                (r(w(r(a * c)) - w(r(b * s))), a * c - b * s)
+            } else {
+                (r(w(r(b * c)) + w(r(a * s))), b * c + a * s)
+            };
+            assert_eq!(got, want, "token {t} head {h} dim {d}");
+            rounded_differently += (got != r(unrounded)) as usize;
+        }
+        // the case exercises the per-op rounding (one final rounding would differ somewhere)
+        assert!(rounded_differently > 0);
     }
 
     #[test]

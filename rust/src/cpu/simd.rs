@@ -2,6 +2,10 @@
 //! them into one AVX register op per chunk. `F` selects fused multiply-add: the kernels are
 //! instantiated once with `F = true` inside an `avx2,fma` function (runtime-detected) and once
 //! with `F = false` for any other x86-64 or non-x86 CPU (where `mul_add` would be a libm call).
+//! The cache-side operand of `dot` and `axpy` is any kernel element (`Elem`): bf16 widens to f32
+//! as it is loaded, the arithmetic stays in f32.
+
+use super::elem::Elem;
 
 pub(crate) const LANES: usize = 8;
 
@@ -17,7 +21,7 @@ fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// `sum(a[i] * b[i])` over equal-length slices. With `F` (avx2 + fma available) two 8-lane
 /// accumulators in registers; otherwise 8 scalar partial sums.
 #[inline(always)]
-pub(crate) fn dot<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot<const F: bool, T: Elem>(a: &[f32], b: &[T]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
     if F {
@@ -30,12 +34,12 @@ pub(crate) fn dot<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
     let (bc, br) = b.split_at(ac.len());
     for (x, y) in ac.chunks_exact(LANES).zip(bc.chunks_exact(LANES)) {
         for l in 0..LANES {
-            acc[l] = madd::<F>(x[l], y[l], acc[l]);
+            acc[l] = madd::<F>(x[l], y[l].to_f32(), acc[l]);
         }
     }
     let mut tail = 0.0f32;
     for (x, y) in ar.iter().zip(br) {
-        tail = madd::<F>(*x, *y, tail);
+        tail = madd::<F>(*x, y.to_f32(), tail);
     }
     let pairs = [
         acc[0] + acc[4],
@@ -51,25 +55,21 @@ pub(crate) fn dot<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn dot_avx2_fma(a: &[f32], b: &[f32]) -> f32 {
+unsafe fn dot_avx2_fma<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     use std::arch::x86_64::*;
     let n = a.len().min(b.len());
     let (pa, pb) = (a.as_ptr(), b.as_ptr());
     let mut s0 = _mm256_setzero_ps();
     let mut s1 = _mm256_setzero_ps();
     let mut i = 0;
-    // every load reads 8 floats at i..i + 8 <= n of both slices
+    // every load reads 8 elements at i..i + 8 <= n of both slices
     while i + 16 <= n {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
-        s1 = _mm256_fmadd_ps(
-            _mm256_loadu_ps(pa.add(i + 8)),
-            _mm256_loadu_ps(pb.add(i + 8)),
-            s1,
-        );
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8(pb.add(i)), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), load8(pb.add(i + 8)), s1);
         i += 16;
     }
     if i + 8 <= n {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), load8(pb.add(i)), s0);
         i += 8;
     }
     let s = _mm256_add_ps(s0, s1);
@@ -77,18 +77,60 @@ unsafe fn dot_avx2_fma(a: &[f32], b: &[f32]) -> f32 {
     let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
     let mut total = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
     while i < n {
-        total = a[i].mul_add(b[i], total);
+        total = a[i].mul_add(b[i].to_f32(), total);
         i += 1;
     }
     total
 }
 
+/// Eight elements at `p` as f32 lanes: a plain load for f32, for bf16 eight 16-bit loads
+/// zero-extended and shifted into the high half of each lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load8<T: Elem>(p: *const T) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    if T::IS_BF16 {
+        let halves = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+    } else {
+        _mm256_loadu_ps(p as *const f32)
+    }
+}
+
 /// `y += a * x`.
 #[inline(always)]
-pub(crate) fn axpy<const F: bool>(y: &mut [f32], a: f32, x: &[f32]) {
+pub(crate) fn axpy<const F: bool, T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
     debug_assert_eq!(y.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    if F && T::IS_BF16 {
+        // SAFETY: as in `dot`. (f32 keeps the loop below, which LLVM vectorizes as it is.)
+        return unsafe { axpy_avx2_fma(y, a, x) };
+    }
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi = madd::<F>(a, *xi, *yi);
+        *yi = madd::<F>(a, xi.to_f32(), *yi);
+    }
+}
+
+// The widening load spelled out: the loop above widens bf16 lane by lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn axpy_avx2_fma<T: Elem>(y: &mut [f32], a: f32, x: &[T]) {
+    use std::arch::x86_64::*;
+    let n = y.len().min(x.len());
+    let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+    let va = _mm256_set1_ps(a);
+    let mut i = 0;
+    // every access covers i..i + 8 <= n of both slices
+    while i + 8 <= n {
+        let acc = _mm256_fmadd_ps(va, load8(px.add(i)), _mm256_loadu_ps(py.add(i)));
+        _mm256_storeu_ps(py.add(i), acc);
+        i += 8;
+    }
+    while i < n {
+        y[i] = a.mul_add(x[i].to_f32(), y[i]);
+        i += 1;
     }
 }
 
@@ -145,6 +187,7 @@ fn exp1<const F: bool>(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::elem::Bf16;
 
     #[test]
     fn dot_matches_sequential_sum_for_ragged_lengths() {
@@ -156,18 +199,53 @@ mod tests {
                 .zip(&b)
                 .map(|(x, y)| (*x as f64) * (*y as f64))
                 .sum();
-            let mut got = vec![dot::<false>(&a, &b)];
+            let mut got = vec![dot::<false, f32>(&a, &b)];
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")
                 && std::arch::is_x86_feature_detected!("fma")
             {
-                got.push(dot::<true>(&a, &b));
+                got.push(dot::<true, f32>(&a, &b));
             }
             for got in got {
                 assert!(
                     (got as f64 - want).abs() < 1e-5,
                     "len {len}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_dot_and_axpy_widen_the_cache_operand_exactly() {
+        // values exact in bf16: the bf16 operand must give the f32 result of its widened copy
+        for len in [0usize, 1, 7, 8, 9, 16, 17, 40, 64, 67, 129] {
+            let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<Bf16> = (0..len)
+                .map(|i| Bf16::from_f32((i as f32 * 0.11).cos()))
+                .collect();
+            let wide: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+            let mut pairs = vec![(dot::<false, Bf16>(&a, &b), dot::<false, f32>(&a, &wide))];
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                pairs.push((dot::<true, Bf16>(&a, &b), dot::<true, f32>(&a, &wide)));
+            }
+            for (got, want) in pairs {
+                assert_eq!(got, want, "len {len}");
+            }
+            let (mut y, mut y_wide) = (a.clone(), a.clone());
+            axpy::<false, Bf16>(&mut y, 0.75, &b);
+            axpy::<false, f32>(&mut y_wide, 0.75, &wide);
+            assert_eq!(y, y_wide);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                let (mut y, mut y_wide) = (a.clone(), a.clone());
+                axpy::<true, Bf16>(&mut y, 0.75, &b);
+                axpy::<true, f32>(&mut y_wide, 0.75, &wide);
+                assert_eq!(y, y_wide, "len {len}");
             }
         }
     }
@@ -189,7 +267,7 @@ mod tests {
     fn axpy_and_scale_are_elementwise() {
         let mut y = vec![1.0f32; 11];
         let x: Vec<f32> = (0..11).map(|i| i as f32).collect();
-        axpy::<false>(&mut y, 2.0, &x);
+        axpy::<false, f32>(&mut y, 2.0, &x);
         scale(&mut y, 0.5);
         for (i, v) in y.iter().enumerate() {
             assert_eq!(*v, (1.0 + 2.0 * i as f32) * 0.5);
