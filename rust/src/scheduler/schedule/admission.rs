@@ -148,7 +148,12 @@ impl Scheduler {
         if let Some(verdict) = conditions(req, from, budget) {
             return Some(verdict);
         }
-        if self.queues.running_seats + req.seats() > self.cfg.max_num_seqs {
+        // A KV connector's loading and loaded requests hold their seats until admitted.
+        let reserved = match self.kv.is_attached() {
+            false => 0,
+            true => self.kv.reserved_seats(h),
+        };
+        if self.queues.running_seats + reserved + req.seats() > self.cfg.max_num_seqs {
             return Some(Verdict::Later(Short::Seats));
         }
         None
@@ -250,6 +255,9 @@ impl Scheduler {
         budget.admitted(take);
         self.queues
             .start_running(Queue::Waiting, at, &mut self.store);
+        if self.kv.is_attached() {
+            self.kv.unstage(h);
+        }
         Ok(Verdict::Ok)
     }
 

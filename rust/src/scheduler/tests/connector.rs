@@ -427,6 +427,42 @@ fn a_multi_turn_workload_over_a_small_device_cache_runs_to_completion_with_the_t
 }
 
 #[test]
+fn loading_and_loaded_requests_hold_their_seats_until_admitted() {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 2;
+    let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..3 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 13), 1))
+            .unwrap();
+    }
+    drain(&mut s, &mut w);
+    s.mgr.reset_prefix_cache();
+    for i in 0..3 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 13), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    // Two seats: two requests load, the third waits for a seat (it would load too early).
+    assert_eq!(s.num_waiting_for_remote_kvs(), 2);
+    assert_eq!(s.request_status("r2"), Some(RequestStatus::Waiting));
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    s.check_invariants().unwrap();
+    // Promoted: they still hold both seats, so "r2" is not parked before they run.
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.running_ids(), vec!["r0", "r1"]);
+    assert_eq!(s.num_waiting_for_remote_kvs(), 0);
+    assert!(out.kv_meta().load_jobs.is_empty());
+    s.update_from_output(out.step, &[7, 7], None).unwrap();
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 32);
+}
+
+#[test]
 fn unknown_or_repeated_transfer_ids_are_refused() {
     let mut s = with_offload(4, 16, 16, 64);
     let err = s.update_connector_output(&[5], &[], &[]).unwrap_err();
