@@ -84,6 +84,8 @@ def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float],
         # every token computed, recomputation after preemptions included
         "batched_tokens": stats["num_batched_tokens_total"],
         "preemptions": stats["num_preemptions"],
+        # blocks copied in from the tier, a load repeated after an eviction included
+        "tier_loaded_blocks": stats.get("kv_offload_loaded_blocks", 0),
     }
     return figures, replies
 
