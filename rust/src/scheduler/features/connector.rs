@@ -28,7 +28,11 @@
 //! Without that bound every waiting request whose prefix the tier holds parked at once, and
 //! on a device cache smaller than their prefixes together the later loads evicted the earlier
 //! ones' blocks before those were admitted: the same blocks loaded again and again, and a
-//! batch admitted over several steps.
+//! batch admitted over several steps. The loaded blocks themselves are not kept for the
+//! promoted request (they are evictable like any cached block): kept, the loads of requests
+//! holding seats could fill the device cache and leave the first of them no block for its
+//! last token, with nothing running to free one (0b2dbdb did that and stalled the
+//! multi-turn benchmark).
 //!
 //! Scope: single-sequence requests (`n = 1`) with prefix caching on (the tier is keyed by
 //! its hashes); `n > 1` requests run as if no connector were attached.

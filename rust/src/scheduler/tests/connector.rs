@@ -463,6 +463,36 @@ fn loading_and_loaded_requests_hold_their_seats_until_admitted() {
 }
 
 #[test]
+fn loads_that_fill_the_device_cache_do_not_stop_the_first_of_them_from_running() {
+    // 12 blocks; three 17-token prompts whose first 4 blocks the tier holds: their loads
+    // take all 12, and the first needs a 13th for its last token.
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 3;
+    let mut s = Scheduler::new(cache(4, 12, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..3 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 17), 1))
+            .unwrap();
+        drain(&mut s, &mut w);
+    }
+    s.mgr.reset_prefix_cache();
+    for i in 0..3 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 17), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.num_waiting_for_remote_kvs(), 3);
+    assert_eq!(s.manager().num_free_device_blocks(), 0);
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 12);
+}
+
+#[test]
 fn unknown_or_repeated_transfer_ids_are_refused() {
     let mut s = with_offload(4, 16, 16, 64);
     let err = s.update_connector_output(&[5], &[], &[]).unwrap_err();
