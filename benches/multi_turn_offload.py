@@ -13,7 +13,9 @@ those served by each tier (at first admission), every token computed (recomputat
 preemption included) and the preemptions, and checks that both configurations produce the
 same tokens.
 
-    python benches/multi_turn_offload.py [--conversations 32 --turns 6 --repeats 3]
+    python benches/make_llama56m.py /tmp/llama56m
+    python benches/multi_turn_offload.py --model /tmp/llama56m [--conversations 32 --turns 6 \
+        --repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import numpy as np
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import TINY_RANDOM_MODEL
 
 
 def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float], list[list[int]]]:
@@ -35,6 +38,7 @@ def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float],
     if disk is not None:
         tier.update(kv_offloading_backend="disk", kv_offloading_path=disk)
     llm = LLM(
+        args.model,
         device="cpu",
         block_size=16,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -92,6 +96,12 @@ def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float],
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model",
+        default=TINY_RANDOM_MODEL,
+        help="a checkpoint folder (the issue's figures: the 56M Llama of "
+        "benches/make_llama56m.py); default: the built-in tiny model",
+    )
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first", type=int, default=64, help="tokens of the first user message")
