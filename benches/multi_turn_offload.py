@@ -135,13 +135,16 @@ def main() -> None:
             )
     assert outputs[False] == outputs[True], "the tier changed the outputs"
     print("\nmedians of", args.repeats, "alternated runs each")
-    # off/on: > 1 means the tier helps, except for output_tok_s and the cached tokens
-    print(f"{'':22} {'off':>10} {'on':>10} {'off/on':>8}")
+    # off/on: > 1 means the tier helps, except for output_tok_s and the cached tokens; the
+    # last column is the median of each pair's ratio (a pair ran in the same minutes)
+    print(f"{'':22} {'off':>10} {'on':>10} {'off/on':>8} {'pairs':>8}")
     for key in results[False][0]:
         off = statistics.median(r[key] for r in results[False])
         on = statistics.median(r[key] for r in results[True])
+        pairs = [a[key] / b[key] for a, b in zip(results[False], results[True]) if b[key]]
         ratio = off / on if on else float("nan")
-        print(f"{key:22} {off:10.1f} {on:10.1f} {ratio:8.2f}")
+        paired = statistics.median(pairs) if pairs else float("nan")
+        print(f"{key:22} {off:10.1f} {on:10.1f} {ratio:8.2f} {paired:8.2f}")
 
 
 def restart_replay(args, directory: str) -> None:
