@@ -24,7 +24,9 @@
 //! under the transfer until the workers report it.
 //!
 //! Seats: a parked request, and a promoted one until its admission, holds a seat of
-//! `max_num_seqs` (`reserved_seats`), so no more requests load than can be admitted next.
+//! `max_num_seqs` (`reserved_seats`), so no more requests load than can be admitted next. A
+//! candidate short only of those seats steps aside while a promoted request waits (under
+//! `priority` a newcomer ranks first, and would otherwise wait for seats only they free).
 //! Without that bound every waiting request whose prefix the tier holds parked at once, and
 //! on a device cache smaller than their prefixes together the later loads evicted the earlier
 //! ones' blocks before those were admitted: the same blocks loaded again and again, and a
@@ -93,6 +95,12 @@ impl ConnectorState {
     #[inline]
     pub(in crate::scheduler) fn reserved_seats(&self, h: u32) -> usize {
         self.loading.len() + self.promoted.len() - usize::from(self.promoted.contains(&h))
+    }
+
+    /// Whether a request other than `h` is loaded and waits for admission.
+    #[inline]
+    pub(in crate::scheduler) fn has_promoted_besides(&self, h: u32) -> bool {
+        self.promoted.len() > usize::from(self.promoted.contains(&h))
     }
 
     /// Request `h` was admitted or released: the seat its load held is its own or free.

@@ -463,6 +463,44 @@ fn loading_and_loaded_requests_hold_their_seats_until_admitted() {
 }
 
 #[test]
+fn a_more_urgent_request_short_only_of_seats_held_by_loads_lets_the_loaded_ones_run() {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 2;
+    c.policy = Policy::Priority;
+    let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..2 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 13), 1))
+            .unwrap();
+    }
+    drain(&mut s, &mut w);
+    s.mgr.reset_prefix_cache();
+    for i in 0..2 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 13), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.num_waiting_for_remote_kvs(), 2);
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    // Ranked before both (priority -1 < 0, nothing to load): first in `waiting`, while the
+    // two seats are theirs.
+    let mut urgent = params(prompt(7, 6), 2);
+    urgent.priority = -1;
+    s.add_request("urgent", urgent).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    assert_eq!(s.waiting_ids()[0], "urgent");
+    // It steps aside for them (else it would wait first in line for seats only they free).
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.running_ids(), vec!["r0", "r1"]);
+    s.update_from_output(out.step, &[7, 7], None).unwrap();
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 32);
+}
+
+#[test]
 fn loads_that_fill_the_device_cache_do_not_stop_the_first_of_them_from_running() {
     // 12 blocks; three 17-token prompts whose first 4 blocks the tier holds: their loads
     // take all 12, and the first needs a 13th for its last token.
