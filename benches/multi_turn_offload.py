@@ -13,7 +13,9 @@ those served by each tier (at first admission), every token computed (recomputat
 preemption included) and the preemptions, and checks that both configurations produce the
 same tokens.
 
-    python benches/multi_turn_offload.py [--conversations 32 --turns 6 --repeats 3]
+    python benches/make_llama56m.py /tmp/llama56m
+    python benches/multi_turn_offload.py --model /tmp/llama56m [--conversations 32 --turns 6 \
+        --repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import numpy as np
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import TINY_RANDOM_MODEL
 
 
 def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float], list[list[int]]]:
@@ -35,6 +38,7 @@ def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float],
     if disk is not None:
         tier.update(kv_offloading_backend="disk", kv_offloading_path=disk)
     llm = LLM(
+        args.model,
         device="cpu",
         block_size=16,
         num_gpu_blocks=args.num_gpu_blocks,
@@ -84,12 +88,20 @@ def run(args, offload: bool, disk: str | None = None) -> tuple[dict[str, float],
         # every token computed, recomputation after preemptions included
         "batched_tokens": stats["num_batched_tokens_total"],
         "preemptions": stats["num_preemptions"],
+        # blocks copied in from the tier, a load repeated after an eviction included
+        "tier_loaded_blocks": stats.get("kv_offload_loaded_blocks", 0),
     }
     return figures, replies
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model",
+        default=TINY_RANDOM_MODEL,
+        help="a checkpoint folder (the issue's figures: the 56M Llama of "
+        "benches/make_llama56m.py); default: the built-in tiny model",
+    )
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first", type=int, default=64, help="tokens of the first user message")
@@ -123,13 +135,16 @@ def main() -> None:
             )
     assert outputs[False] == outputs[True], "the tier changed the outputs"
     print("\nmedians of", args.repeats, "alternated runs each")
-    # off/on: > 1 means the tier helps, except for output_tok_s and the cached tokens
-    print(f"{'':22} {'off':>10} {'on':>10} {'off/on':>8}")
+    # off/on: > 1 means the tier helps, except for output_tok_s and the cached tokens; the
+    # last column is the median of each pair's ratio (a pair ran in the same minutes)
+    print(f"{'':22} {'off':>10} {'on':>10} {'off/on':>8} {'pairs':>8}")
     for key in results[False][0]:
         off = statistics.median(r[key] for r in results[False])
         on = statistics.median(r[key] for r in results[True])
+        pairs = [a[key] / b[key] for a, b in zip(results[False], results[True]) if b[key]]
         ratio = off / on if on else float("nan")
-        print(f"{key:22} {off:10.1f} {on:10.1f} {ratio:8.2f}")
+        paired = statistics.median(pairs) if pairs else float("nan")
+        print(f"{key:22} {off:10.1f} {on:10.1f} {ratio:8.2f} {paired:8.2f}")
 
 
 def restart_replay(args, directory: str) -> None:

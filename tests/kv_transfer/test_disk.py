@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+from kv_transfer_util import GatedLoads
 
 from pagedllm import LLM, SamplingParams
 from pagedllm._core import hash_block_chain, kv_block_file_name
@@ -97,6 +98,31 @@ def test_a_damaged_block_file_is_ignored_with_a_warning_and_recomputed(
     assert stats["kv_offload_failed_blocks"] == 1
     # the five blocks before it loaded; it and those after it were computed again
     assert out.num_cached_tokens == 5 * 4
+
+
+def test_nothing_is_left_behind_after_an_abort_mid_load(tmp_path):
+    generate(make_llm(tmp_path), prompt())
+    files = block_files(tmp_path)
+    llm = make_llm(tmp_path)  # a restart: the prefix is on disk only
+    engine = llm.llm_engine
+    gate = GatedLoads(llm)
+    engine.add_request("loads", {"prompt_token_ids": prompt() + [9]}, GREEDY)
+    engine.step()
+    assert engine.scheduler.request_status("loads") == "WAITING_FOR_REMOTE_KVS"
+    engine.abort_request("loads")
+    engine.step()
+    gate.release()
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    stats = engine.scheduler.get_stats()
+    assert not engine.scheduler.has_pending_transfers()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    # the files are those the first engine wrote, and no temporary file is left
+    assert block_files(tmp_path) == files
+    assert all(p.suffix == ".kvblock" for p in tmp_path.iterdir())
+    engine.scheduler.check_invariants()
 
 
 def test_the_directory_keeps_within_its_size(tmp_path):

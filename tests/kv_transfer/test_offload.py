@@ -5,11 +5,10 @@ recomputed; nothing leaks."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
+from kv_transfer_util import GatedLoads
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
@@ -126,25 +125,6 @@ def test_an_adapters_request_never_loads_the_base_models_blocks(tmp_path):
     # each loaded its own 12 blocks (salted by the adapter), never the other's
     assert [offloaded for _, offloaded in got] == [48, 48]
     drained(llm)
-
-
-class GatedLoads:
-    """Holds the copy thread's loads until `release()` (a slow tier)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.gate = threading.Event()
-        connector = llm.llm_engine.kv_transfer
-        load = connector._load
-
-        def gated(*args):
-            if len(args[0]):
-                self.gate.wait(10)
-            return load(*args)
-
-        connector._load = gated
-
-    def release(self) -> None:
-        self.gate.set()
 
 
 def evict_device_cache(llm: LLM) -> None:

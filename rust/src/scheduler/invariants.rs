@@ -136,6 +136,19 @@ impl Scheduler {
         if seats != queues.running_seats {
             return Err(format!("running seats {} != {seats}", queues.running_seats));
         }
+        // A KV connector's loading and loaded-not-admitted requests wait, each holding a seat.
+        for h in self.kv.promoted() {
+            if place.get(&h) != Some(&"waiting") {
+                return Err(format!("promoted request slot {h} is not waiting"));
+            }
+        }
+        let reserved = self.kv.reserved_seats(u32::MAX);
+        if queues.running_seats + reserved > self.cfg.max_num_seqs {
+            return Err(format!(
+                "{} running sequences and {reserved} seats held by loads exceed max_num_seqs={}",
+                queues.running_seats, self.cfg.max_num_seqs
+            ));
+        }
         if queues.running_seats > self.cfg.max_num_seqs {
             return Err(format!(
                 "{} running sequences exceed max_num_seqs={}",

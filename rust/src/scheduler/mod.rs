@@ -279,7 +279,10 @@ impl Scheduler {
         self.recorder.materialize_pending(&self.store);
         // A KV connector may keep a sequence's blocks while it loads or saves them.
         let held = match self.kv.is_attached() {
-            true => self.kv.hold(self.store.get(h), &self.mgr),
+            true => {
+                self.kv.unstage(h);
+                self.kv.hold(self.store.get(h), &self.mgr)
+            }
             false => None,
         };
         let req = self.store.take(h);

@@ -23,9 +23,22 @@
 //! aborted loading request, or a finished one being saved, leaves its sequence in `held`
 //! under the transfer until the workers report it.
 //!
+//! Seats: a parked request, and a promoted one until its admission, holds a seat of
+//! `max_num_seqs` (`reserved_seats`), so no more requests load than can be admitted next. A
+//! candidate short only of those seats steps aside while a promoted request waits (under
+//! `priority` a newcomer ranks first, and would otherwise wait for seats only they free).
+//! Without that bound every waiting request whose prefix the tier holds parked at once, and
+//! on a device cache smaller than their prefixes together the later loads evicted the earlier
+//! ones' blocks before those were admitted: the same blocks loaded again and again, and a
+//! batch admitted over several steps. The loaded blocks themselves are not kept for the
+//! promoted request (they are evictable like any cached block): kept, the loads of requests
+//! holding seats could fill the device cache and leave the first of them no block for its
+//! last token, with nothing running to free one (0b2dbdb did that and stalled the
+//! multi-turn benchmark).
+//!
 //! Scope: single-sequence requests (`n = 1`) with prefix caching on (the tier is keyed by
 //! its hashes); `n > 1` requests run as if no connector were attached.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::connector::{ConnectorOutput, ConnectorRequest, KvConnector};
 use crate::error::{Error, Result};
@@ -54,6 +67,8 @@ pub(in crate::scheduler) struct ConnectorState {
     loading: HashMap<u64, Loading>,
     /// Transfer -> sequences whose blocks stay allocated until it is reported.
     held: HashMap<u64, Vec<SeqId>>,
+    /// Requests promoted (their load reported) and not admitted yet: each holds a seat.
+    promoted: HashSet<u32>,
     /// Set while `discard_step` sends the failed step's requests back: their blocks may
     /// never have received their KV, so nothing is saved from them.
     pub(in crate::scheduler) discarding: bool,
@@ -73,6 +88,30 @@ impl ConnectorState {
     /// Sequences the held transfers keep in the manager.
     pub(in crate::scheduler) fn num_held_seqs(&self) -> usize {
         self.held.values().map(Vec::len).sum()
+    }
+
+    /// Seats held by requests other than `h` that are loading or loaded and not admitted yet
+    /// (a `WAITING_FOR_REMOTE_KVS` request is never a candidate itself).
+    #[inline]
+    pub(in crate::scheduler) fn reserved_seats(&self, h: u32) -> usize {
+        self.loading.len() + self.promoted.len() - usize::from(self.promoted.contains(&h))
+    }
+
+    /// Whether a request other than `h` is loaded and waits for admission.
+    #[inline]
+    pub(in crate::scheduler) fn has_promoted_besides(&self, h: u32) -> bool {
+        self.promoted.len() > usize::from(self.promoted.contains(&h))
+    }
+
+    /// Request `h` was admitted or released: the seat its load held is its own or free.
+    #[inline]
+    pub(in crate::scheduler) fn unstage(&mut self, h: u32) {
+        self.promoted.remove(&h);
+    }
+
+    /// Requests promoted and not admitted yet (handles), for the invariants.
+    pub(in crate::scheduler) fn promoted(&self) -> impl Iterator<Item = u32> + '_ {
+        self.promoted.iter().copied()
     }
 
     pub(in crate::scheduler) fn connector(&self) -> Option<&dyn KvConnector> {
@@ -261,6 +300,8 @@ impl Scheduler {
         );
         req.status = RequestStatus::WaitingForRemoteKvs;
         req.extras.remote_job = job;
+        // Promoted before, parked again (its loaded blocks were evicted): the same seat.
+        self.kv.promoted.remove(&h);
         Ok(None)
     }
 
@@ -333,6 +374,7 @@ impl Scheduler {
             req.extra_key,
         )?;
         self.mgr.free(l.seq)?;
+        self.kv.promoted.insert(l.handle);
         req.status = l.prev;
         req.extras.remote_job = 0;
         if !req.admitted_once {

@@ -148,8 +148,18 @@ impl Scheduler {
         if let Some(verdict) = conditions(req, from, budget) {
             return Some(verdict);
         }
-        if self.queues.running_seats + req.seats() > self.cfg.max_num_seqs {
+        let seats = self.queues.running_seats + req.seats();
+        if seats > self.cfg.max_num_seqs {
             return Some(Verdict::Later(Short::Seats));
+        }
+        // A KV connector's loading and loaded requests hold their seats until admitted. One
+        // short only of those seats steps aside while a loaded one waits (it may be behind:
+        // `priority` ranks a newcomer first, and nothing else would free them).
+        if self.kv.is_attached() && seats + self.kv.reserved_seats(h) > self.cfg.max_num_seqs {
+            return Some(match self.kv.has_promoted_besides(h) {
+                true => Verdict::Wait,
+                false => Verdict::Later(Short::Seats),
+            });
         }
         None
     }
@@ -250,6 +260,9 @@ impl Scheduler {
         budget.admitted(take);
         self.queues
             .start_running(Queue::Waiting, at, &mut self.store);
+        if self.kv.is_attached() {
+            self.kv.unstage(h);
+        }
         Ok(Verdict::Ok)
     }
 

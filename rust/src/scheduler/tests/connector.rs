@@ -366,6 +366,170 @@ fn a_request_whose_loaded_blocks_are_evicted_before_admission_loads_again_counte
     drain(&mut s, &mut w);
 }
 
+/// The multi-turn benchmark's shape in small (`benches/multi_turn_offload.py`): `convs`
+/// conversations, each turn the whole history plus a new user message, one turn of every
+/// conversation submitted at once, a device cache holding about a quarter of the final
+/// histories and the host tier on. Returns the steps taken; panics past `max_steps`.
+fn multi_turn(s: &mut Scheduler, convs: u32, turns: usize, max_steps: usize) -> usize {
+    let mut w = Workers::default();
+    let mut histories: Vec<Vec<TokenId>> = (0..convs).map(|c| prompt(c, 8)).collect();
+    let (reply, user) = (4, 4);
+    let mut steps = 0;
+    for turn in 0..turns {
+        for (c, h) in histories.iter_mut().enumerate() {
+            if turn > 0 {
+                h.extend(prompt(100 + c as u32 * 10 + turn as u32, user));
+            }
+            s.add_request(&format!("c{c}t{turn}"), params(h.clone(), reply))
+                .unwrap();
+        }
+        while s.has_unfinished_requests() || s.has_pending_transfers() {
+            steps += 1;
+            assert!(
+                steps <= max_steps,
+                "turn {turn}: no end after {max_steps} steps: waiting {:?} ({} loading), \
+                 running {:?}, {} free blocks",
+                s.waiting_ids(),
+                s.num_waiting_for_remote_kvs(),
+                s.running_ids(),
+                s.manager().num_free_device_blocks()
+            );
+            let out = s.schedule(steps as f64).unwrap();
+            w.take(out.kv_meta(), 0, || 0);
+            // every reply token is 7 (the histories stay distinct by their user messages)
+            s.update_from_output(out.step, &vec![7; out.num_samples()], None)
+                .unwrap();
+            w.report(s, None, |_| 0, |_| false);
+            s.check_invariants().unwrap();
+        }
+        for h in histories.iter_mut() {
+            h.extend([7; 4]);
+        }
+    }
+    steps
+}
+
+#[test]
+fn a_multi_turn_workload_over_a_small_device_cache_runs_to_completion_with_the_tier() {
+    // 12 conversations of up to 8 + 3 x 4 + 4 x 4 = 36 tokens (9 blocks): 108 blocks in
+    // all against 28 on the device, 4 running at a time.
+    let mut c = cfg(Strategy::Unified, 256);
+    c.max_num_seqs = 4;
+    let mut s = Scheduler::new(cache(4, 28, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 256)))
+        .unwrap();
+    // 4 turns x 12 requests of 4 tokens each, 4 at a time: about 50 decode steps and
+    // a few for prefills and loads; 600 is far past what a run that makes progress needs.
+    let steps = multi_turn(&mut s, 12, 4, 600);
+    let stats = s.kv_connector().unwrap().offload_stats().unwrap();
+    assert!(stats.loaded_blocks > 0, "the tier was never used: {stats:?}");
+    assert_eq!(s.manager().num_free_device_blocks(), 28, "after {steps} steps");
+}
+
+#[test]
+fn loading_and_loaded_requests_hold_their_seats_until_admitted() {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 2;
+    let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..3 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 13), 1))
+            .unwrap();
+    }
+    drain(&mut s, &mut w);
+    s.mgr.reset_prefix_cache();
+    for i in 0..3 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 13), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    // Two seats: two requests load, the third waits for a seat (it would load too early).
+    assert_eq!(s.num_waiting_for_remote_kvs(), 2);
+    assert_eq!(s.request_status("r2"), Some(RequestStatus::Waiting));
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    s.check_invariants().unwrap();
+    // Promoted: they still hold both seats, so "r2" is not parked before they run.
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.running_ids(), vec!["r0", "r1"]);
+    assert_eq!(s.num_waiting_for_remote_kvs(), 0);
+    assert!(out.kv_meta().load_jobs.is_empty());
+    s.update_from_output(out.step, &[7, 7], None).unwrap();
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 32);
+}
+
+#[test]
+fn a_more_urgent_request_short_only_of_seats_held_by_loads_lets_the_loaded_ones_run() {
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 2;
+    c.policy = Policy::Priority;
+    let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..2 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 13), 1))
+            .unwrap();
+    }
+    drain(&mut s, &mut w);
+    s.mgr.reset_prefix_cache();
+    for i in 0..2 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 13), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.num_waiting_for_remote_kvs(), 2);
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    // Ranked before both (priority -1 < 0, nothing to load): first in `waiting`, while the
+    // two seats are theirs.
+    let mut urgent = params(prompt(7, 6), 2);
+    urgent.priority = -1;
+    s.add_request("urgent", urgent).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    assert_eq!(s.waiting_ids()[0], "urgent");
+    // It steps aside for them (else it would wait first in line for seats only they free).
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.running_ids(), vec!["r0", "r1"]);
+    s.update_from_output(out.step, &[7, 7], None).unwrap();
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 32);
+}
+
+#[test]
+fn loads_that_fill_the_device_cache_do_not_stop_the_first_of_them_from_running() {
+    // 12 blocks; three 17-token prompts whose first 4 blocks the tier holds: their loads
+    // take all 12, and the first needs a 13th for its last token.
+    let mut c = cfg(Strategy::Unified, 64);
+    c.max_num_seqs = 3;
+    let mut s = Scheduler::new(cache(4, 12, 0), c).unwrap();
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+        .unwrap();
+    let mut w = Workers::default();
+    for i in 0..3 {
+        s.add_request(&format!("seed{i}"), params(prompt(i, 17), 1))
+            .unwrap();
+        drain(&mut s, &mut w);
+    }
+    s.mgr.reset_prefix_cache();
+    for i in 0..3 {
+        s.add_request(&format!("r{i}"), params(prompt(i, 17), 2))
+            .unwrap();
+    }
+    let out = s.schedule(0.0).unwrap();
+    assert_eq!(s.num_waiting_for_remote_kvs(), 3);
+    assert_eq!(s.manager().num_free_device_blocks(), 0);
+    w.take(out.kv_meta(), 0, || 0);
+    s.update_from_output(out.step, &[], None).unwrap();
+    w.report(&mut s, None, |_| 0, |_| false);
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 12);
+}
+
 #[test]
 fn unknown_or_repeated_transfer_ids_are_refused() {
     let mut s = with_offload(4, 16, 16, 64);
