@@ -85,16 +85,14 @@ def _replica_main(serve_replica: Callable[[argparse.Namespace], int], ns) -> int
     return serve_replica(ns)
 
 
-def _wait_healthy(procs, urls: list[str]) -> None:
+def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
+    """Until every replica answers /health; `check_alive` raises (naming the replica) when one
+    ended during start-up. RuntimeError naming those not up after START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     pending = set(range(len(urls)))
     while pending:
+        check_alive()
         for rank in list(pending):
-            if not procs[rank].is_alive():
-                raise RuntimeError(
-                    f"data-parallel replica {rank} exited during start-up "
-                    f"(status {procs[rank].exitcode})"
-                )
             try:
                 if httpx.get(f"{urls[rank]}/health", timeout=1).status_code == 200:
                     pending.discard(rank)
@@ -103,6 +101,14 @@ def _wait_healthy(procs, urls: list[str]) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"data-parallel replicas {sorted(pending)} did not start")
         time.sleep(0.2)
+
+
+def _check_processes(procs) -> None:
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"data-parallel replica {rank} exited during start-up (status {proc.exitcode})"
+            )
 
 
 def _stop(procs, grace_s: float) -> None:
@@ -137,7 +143,7 @@ def run_data_parallel(
                 proc.start()
                 procs.append(proc)
                 urls.append(f"http://127.0.0.1:{ns.port}")
-            _wait_healthy(procs, urls)
+            wait_healthy(urls, lambda: _check_processes(procs))
             logger.info("data-parallel replicas up: %s", ", ".join(urls))
             return run_router(urls)
         finally:

@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import time
 from collections.abc import Callable
 
-import httpx
-
 from pagedllm.router.launcher import (
-    START_TIMEOUT_S,
     _free_port,
     replica_cpu_threads,
     replica_events_config,
+    wait_healthy,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,7 +98,7 @@ def run_data_parallel_ray(
             ns.cpu_threads = threads
         runs = [a.serve.remote(serve_replica, ns) for a, ns in zip(actors, placed)]
         urls = [f"http://{ns.host}:{ns.port}" for ns in placed]
-        _wait_healthy(ray, runs, urls)
+        wait_healthy(urls, lambda: _check_actors(ray, runs))
         logger.info("data-parallel replicas (Ray actors) up: %s", ", ".join(urls))
         return run_router(urls)
     finally:
@@ -113,28 +110,16 @@ def run_data_parallel_ray(
             ray.shutdown()
 
 
-def _wait_healthy(ray, runs: list, urls: list[str]) -> None:
-    """Until every replica answers /health; one whose `serve` call ends first (it exited or its
-    actor died) fails the start naming it."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    pending = set(range(len(urls)))
-    while pending:
-        done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
-        for ref in done:
-            rank = runs.index(ref)
-            try:
-                status = f"status {ray.get(ref)}"
-            except ray.exceptions.RayError as exc:
-                status = f"{type(exc).__name__}: {exc}"
-            raise RuntimeError(
-                f"data-parallel replica {rank} (Ray actor) ended during start-up ({status})"
-            )
-        for rank in list(pending):
-            try:
-                if httpx.get(f"{urls[rank]}/health", timeout=1).status_code == 200:
-                    pending.discard(rank)
-            except httpx.TransportError:
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"data-parallel replicas {sorted(pending)} did not start")
-        time.sleep(0.2)
+def _check_actors(ray, runs: list) -> None:
+    """A replica whose `serve` call ended during start-up (it exited or its actor died) fails
+    the start naming it."""
+    done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    for ref in done:
+        rank = runs.index(ref)
+        try:
+            status = f"status {ray.get(ref)}"
+        except ray.exceptions.RayError as exc:
+            status = f"{type(exc).__name__}: {exc}"
+        raise RuntimeError(
+            f"data-parallel replica {rank} (Ray actor) ended during start-up ({status})"
+        )
