@@ -102,6 +102,12 @@ def test_vllm_runs_alternate_and_agreement_counts_identical_greedy_outputs(fake_
     assert "pagedllm / vLLM =" in result["summary"] and "agreement 3/3" in result["summary"]
 
 
+def test_with_an_even_count_of_rounds_the_rate_is_the_median_of_the_rounds(fake_python):
+    result = _bench(fake_python, rounds=2)
+    rates = result["output_tokens_per_s_runs"]
+    assert result["output_tokens_per_s"] == pytest.approx((rates[0] + rates[1]) / 2)
+
+
 def test_a_differing_output_lowers_the_agreement(fake_python, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_MODE", "flip")
     assert _bench(fake_python)["greedy_agreement_vs_vllm"] == "2/3"

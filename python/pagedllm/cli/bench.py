@@ -160,9 +160,13 @@ def run_bench(
             if vllm is not None:
                 vllm.close()
     median = statistics.median(r[0] for r in runs)
+    # the step timings and outputs of the round nearest the median; the rates are medians
     elapsed, outputs, timings = min(runs, key=lambda r: abs(r[0] - median))
     engine.timings = timings
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    # as vLLM's rounds are summarized: the median of the rounds' rates (with an even count of
+    # rounds the round nearest the median is one of the middle two, not their median)
+    rate = statistics.median(generated / r[0] for r in runs)
     ignored = [o for o in outputs if _ignored(o)]
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not _ignored(o))
     result = {
@@ -184,8 +188,8 @@ def run_bench(
         else None,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
-        "output_tokens_per_s": generated / elapsed,
-        "total_tokens_per_s": (generated + prompt_tokens) / elapsed,
+        "output_tokens_per_s": rate,
+        "total_tokens_per_s": rate * (generated + prompt_tokens) / generated if generated else 0.0,
         "steps": engine.timings.steps,
         "mean_step_ms": engine.timings.mean_ms(),
     }
