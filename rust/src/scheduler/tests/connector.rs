@@ -422,8 +422,15 @@ fn a_multi_turn_workload_over_a_small_device_cache_runs_to_completion_with_the_t
     // a few for prefills and loads; 600 is far past what a run that makes progress needs.
     let steps = multi_turn(&mut s, 12, 4, 600);
     let stats = s.kv_connector().unwrap().offload_stats().unwrap();
-    assert!(stats.loaded_blocks > 0, "the tier was never used: {stats:?}");
-    assert_eq!(s.manager().num_free_device_blocks(), 28, "after {steps} steps");
+    assert!(
+        stats.loaded_blocks > 0,
+        "the tier was never used: {stats:?}"
+    );
+    assert_eq!(
+        s.manager().num_free_device_blocks(),
+        28,
+        "after {steps} steps"
+    );
 }
 
 #[test]
