@@ -23,6 +23,7 @@ impl PyRouter {
                         load_weight = defaults::LOAD_WEIGHT,
                         token_weight = defaults::TOKEN_WEIGHT,
                         pending_ttl = defaults::PENDING_TTL))]
+    #[allow(clippy::too_many_arguments)] // one per Python keyword argument
     fn new(
         num_replicas: i64,
         block_size: i64,
