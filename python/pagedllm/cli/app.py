@@ -512,6 +512,15 @@ def _bench_serve_compare(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        **_serve_workload(args),
+    )
+    print(json.dumps(result, indent=2) if args.json else result["summary"])
+    return 0
+
+
+def _serve_workload(args: argparse.Namespace) -> dict:
+    """The client workload `bench serve` sends, alone or side by side."""
+    return dict(
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -519,8 +528,6 @@ def _bench_serve_compare(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         seed=args.seed,
     )
-    print(json.dumps(result, indent=2) if args.json else result["summary"])
-    return 0
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -533,12 +540,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     result = run_bench_serve(
         base_url=args.base_url,
         model=args.model,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        request_rate=args.request_rate,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
+        **_serve_workload(args),
         api_key=args.api_key,
         progress=not args.no_progress,
     )
