@@ -47,6 +47,7 @@ from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cuda_graphs import DecodeCudaGraphs, decode_graphs_enabled
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -180,6 +181,16 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
         )
+        if decode_graphs_enabled(
+            self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None
+        ):
+            self.runner.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                self.cache_engine.kv_cache,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=args.block_size,
+            ).capture()
         if self.executor is not None:
             self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
             self.runner = self.executor.runner(self.runner)

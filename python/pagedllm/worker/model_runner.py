@@ -19,6 +19,7 @@ from pagedllm.worker.cpu_threads import configure_cpu_threads
 if TYPE_CHECKING:
     from pagedllm.lora.manager import LoRAManager
     from pagedllm.sampling.prompt_logprobs import PromptRows
+    from pagedllm.worker.cuda_graphs import DecodeCudaGraphs
 
 # prompt logprobs: logits rows computed at once (bounds the [rows, V] float32 buffers)
 PROMPT_LOGITS_SLICE = 256
@@ -46,6 +47,8 @@ class ModelRunner:
         self.device = device
         # multi-LoRA: puts the step's adapters in device slots, builds its token segments
         self.lora = lora
+        # decode-only steps replay these when set (the engine captures them on CUDA)
+        self.cuda_graphs: DecodeCudaGraphs | None = None
         # CPU: torch's intra-op threads (worker/cpu_threads.py), the cores shared by the
         # model's tensor-parallel ranks; None on CUDA
         self.cpu_threads = None
@@ -103,7 +106,11 @@ class ModelRunner:
         draft tokens, [sum(d + 1), V]: each sample's rows from its first scored position on.
         `prompt`: rows whose logits prompt logprobs need, handed to `prompt.take` in slices."""
         input_ids, positions, meta, sample_rows = inputs
-        hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(input_ids, meta):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
         if prompt is not None:
             rows = _to_device(prompt.rows, self.device)
             for start in range(0, len(rows), PROMPT_LOGITS_SLICE):
