@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (docs/ARCHITECTURE.md, "CUDA graphs").
+"""CUDA graphs for decode-only steps (docs/ARCHITECTURE.md §6f).
 
 A decode step launches hundreds of small kernels whose launch cost outweighs their work at small
 batches. At start-up the model's forward is captured once per batch-size bucket (1, 2, 4, 8, then
