@@ -151,6 +151,8 @@ BUDGETS = {
     "attention": (30, 40),
 }
 STAGES = tuple(BUDGETS)
+# seconds any one GPU test may take (where pytest-timeout is installed, as on the device)
+TEST_TIMEOUT_S = 90
 
 
 # --- helpers shared by the stages ----------------------------------------------------------
@@ -317,6 +319,8 @@ def stage_tests(sizes: Sizes, rec: Record, work: Path, out: Path, deadline: floa
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", f"--junitxml={report}", *sizes.tests]
     if sizes.test_workers and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(sizes.test_workers)]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", str(TEST_TIMEOUT_S)]  # one hung test must not take the stage
     rec.put(command=" ".join(cmd[1:]))
     env = dict(os.environ)
     if sizes.device == "cuda":

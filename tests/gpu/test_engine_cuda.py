@@ -79,16 +79,20 @@ def test_greedy_matches_transformers_on_cuda(family, dtype, enforce_eager):
     assert_close_to_reference(completions, expected, dtype)
 
 
-def test_cuda_cache_is_sized_by_profiling_within_the_memory_budget(family):
-    utilization = 0.3
+def test_cuda_cache_is_sized_by_profiling_within_the_memory_budget(tmp_path):
+    # one test only, on one family: its cache takes whatever the budget leaves, and the budget
+    # counts other processes' memory (pytest-xdist workers), so it asks for what is in use now
+    # plus 4 GiB rather than a share of the whole device
+    folder = save_tiny_checkpoint(tmp_path, "qwen3", seed=3)
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(0.9, (total - free + (4 << 30)) / total)
     llm, completions = generate(
-        family, "float32", num_gpu_blocks=None, gpu_memory_utilization=utilization
+        folder, "float32", num_gpu_blocks=None, gpu_memory_utilization=utilization
     )
-    engine = llm.llm_engine
-    cache = engine.cache_engine.kv_cache
-    assert engine.cache_engine.num_gpu_blocks > 0
-    assert cache.numel() * cache.element_size() <= utilization * torch.cuda.mem_get_info()[1]
-    assert_close_to_reference(completions, hf_greedy(family, torch.float32, PROMPTS), "float32")
+    cache = llm.llm_engine.cache_engine.kv_cache
+    assert llm.llm_engine.cache_engine.num_gpu_blocks > 256
+    assert cache.numel() * cache.element_size() <= 4 << 30
+    assert_close_to_reference(completions, hf_greedy(folder, torch.float32, PROMPTS), "float32")
 
 
 def test_blocks_all_return_after_a_cuda_run(family):

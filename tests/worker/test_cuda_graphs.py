@@ -12,6 +12,7 @@ from pagedllm import LLM
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.worker.cuda_graphs import (
     DecodeBuffers,
+    DecodeCudaGraphs,
     batch_buckets,
     bucket_for,
     decode_graphs_enabled,
@@ -169,3 +170,46 @@ def test_padding_rows_change_nothing_in_the_real_rows(engine):
         padded = model(buf.input_ids[:8], buf.positions[:8], kv, buf.meta(8, 128))
     torch.testing.assert_close(padded[:3], expected)
     assert torch.equal(kv, stored), "padding rows stored K/V"
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay reruns the forward over the
+    buffers' views and writes the captured output tensor in place, as a replay does."""
+
+    def __init__(self, forward, output: torch.Tensor) -> None:
+        self.forward, self.output = forward, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward())
+
+
+def eagerly_captured(engine, max_num_seqs: int) -> DecodeCudaGraphs:
+    graphs = DecodeCudaGraphs(
+        engine.model,
+        engine.cache_engine.kv_cache,
+        max_num_seqs=max_num_seqs,
+        max_model_len=128,
+        block_size=16,
+    )
+    buf = graphs.buffers
+    for batch in graphs.buckets:
+        meta = buf.meta(batch, 128)
+
+        def forward(batch=batch, meta=meta):
+            return engine.model(buf.input_ids[:batch], buf.positions[:batch], graphs.kv_cache, meta)
+
+        graphs.outputs[batch] = forward()
+        graphs.graphs[batch] = EagerGraph(forward, graphs.outputs[batch])
+    return graphs
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_run_replays_the_bucket_and_returns_the_steps_rows(engine, n):
+    graphs = eagerly_captured(engine, max_num_seqs=6)  # buckets 1, 2, 4, 6
+    ids, positions, meta, _ = decode_inputs(engine, n)
+    with torch.inference_mode():
+        out = graphs.run(ids, positions, meta)
+        expected = engine.model(ids, positions, engine.cache_engine.kv_cache, meta)
+    assert out.shape[0] == n
+    assert out.data_ptr() == graphs.outputs[bucket_for(graphs.buckets, n)].data_ptr()
+    torch.testing.assert_close(out, expected)
