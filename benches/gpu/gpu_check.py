@@ -96,6 +96,8 @@ class Sizes:
     # the GPU tests to run, and pytest's worker count (0: no xdist)
     tests: tuple[str, ...]
     test_workers: int
+    # run after, alone on the device (their engines size the cache from its free memory)
+    serial_tests: tuple[str, ...]
 
 
 DEVICE = Sizes(
@@ -120,6 +122,7 @@ DEVICE = Sizes(
         "tests/gpu",
     ),
     test_workers=4,
+    serial_tests=("tests/lora/test_lora_parity.py::test_the_triton_kernels_drive_the_model",),
 )
 DRY_RUN = Sizes(
     device="cpu",
@@ -137,9 +140,10 @@ DRY_RUN = Sizes(
     block_size=16,
     copy_bytes=8 << 20,
     reps=3,
-    # a kernel test that runs under the interpreter, and the GPU tests (skipped: no CUDA)
-    tests=("tests/kernels/test_kernels.py::test_copy_blocks_kernel_matches_reference", "tests/gpu"),
+    # the GPU tests (skipped: no CUDA), then a kernel test that runs under the interpreter
+    tests=("tests/gpu",),
     test_workers=0,
+    serial_tests=("tests/kernels/test_kernels.py::test_copy_blocks_kernel_matches_reference",),
 )
 
 # seconds per stage (device, dry run): the device run's total stays within 8 minutes
@@ -312,39 +316,55 @@ def stage_env(sizes: Sizes, rec: Record, work: Path) -> None:
 
 
 def stage_tests(sizes: Sizes, rec: Record, work: Path, out: Path, deadline: float) -> None:
+    """The parallel run (pytest-xdist workers share the device), then the serial one (tests
+    that size their cache from the device's free memory, so nothing else may run beside them).
+    Counts and failures are summed over both."""
+    runs = [("tests.xml", sizes.tests, sizes.test_workers)]
+    if sizes.serial_tests:
+        runs.append(("tests_serial.xml", sizes.serial_tests, 0))
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped", "passed"), 0)
+    failed, codes = [], []
+    for report_name, tests, workers in runs:
+        code, counts, names = run_pytest(sizes, out / report_name, tests, workers, deadline)
+        codes.append(code)
+        failed += names
+        for key in totals:
+            totals[key] += counts[key]
+        rec.put(**totals, failed=failed[:40], pytest_exits=codes)
+    if any(codes):
+        raise RuntimeError(f"pytest exits {codes}: {len(failed)} failed")
+
+
+def run_pytest(
+    sizes: Sizes, report: Path, tests: tuple[str, ...], workers: int, deadline: float
+) -> tuple[int, dict, list[str]]:
     import importlib.util
     import xml.etree.ElementTree as ET
 
-    report = out / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", f"--junitxml={report}", *sizes.tests]
-    if sizes.test_workers and importlib.util.find_spec("xdist") is not None:
-        cmd += ["-n", str(sizes.test_workers)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", f"--junitxml={report}", *tests]
+    if workers and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout", str(TEST_TIMEOUT_S)]  # one hung test must not take the stage
-    rec.put(command=" ".join(cmd[1:]))
+    print("  $ " + " ".join(cmd[1:]), flush=True)
     env = dict(os.environ)
     if sizes.device == "cuda":
         env.pop("TRITON_INTERPRET", None)  # natively: the interpreter must not mask the kernels
     # pytest gets what is left of the stage's budget, less a margin to read its report
     budget = max(5.0, deadline - time.monotonic() - 5.0)
     code = run_bounded(cmd, budget, cwd=ROOT, env=env)
-    rec.put(pytest_exit=code)
     if not report.exists():
-        raise RuntimeError(f"pytest wrote no report (exit {code})")
+        raise RuntimeError(f"pytest wrote no report {report.name} (exit {code})")
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     failed = [
         f"{case.get('classname')}::{case.get('name')}"
         for case in suite.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None
     ]
-    rec.put(
-        **counts, passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    )
-    rec.put(failed=failed[:40])
-    if code != 0:
-        raise RuntimeError(f"pytest exit {code}: {len(failed)} failed")
+    return code, counts, failed
 
 
 def stage_throughput(sizes: Sizes, rec: Record, work: Path, deadline: float) -> None:
