@@ -54,11 +54,11 @@ def test_dry_run_runs_every_stage_to_its_figures(full_dry_run):
     code, summary, output = full_dry_run
     assert code == 0, output
     stages = summary["stages"]
-    assert list(stages) == ["env", "tests", "throughput", "decode_step", "attention"]
+    assert list(stages) == ["env", "tests", "throughput", "hf_generate", "decode_step", "attention"]
     assert all(s["status"] == "ok" for s in stages.values()), stages
     assert stages["env"]["copy_bw_GBps"] > 0
     assert stages["throughput"]["pagedllm_output_tok_s"] > 0
-    assert stages["throughput"]["hf_output_tok_s"] > 0
+    assert stages["hf_generate"]["hf_output_tok_s"] > 0
     assert stages["decode_step"]["floor_ms"] > 0 and stages["decode_step"]["eager_ms"] > 0
     assert stages["attention"]["kernel_over_copy_bw"] > 0
     assert stages["attention"]["rel_error"] < 1e-4
@@ -78,6 +78,17 @@ def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path):
     assert code == 1
     assert [s["status"] for s in summary["stages"].values()] == ["timeout", "timeout"]
     assert all(s["seconds"] < 5 for s in summary["stages"].values())
+
+
+def test_the_device_budgets_fit_one_eight_minute_run():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    device_total = sum(device for device, _ in gpu_check.BUDGETS.values())
+    assert device_total <= gpu_check.DEVICE_RUN_LIMIT_S
+    assert set(gpu_check.BUDGETS) == set(gpu_check.STAGES) == set(gpu_check.HEADLINE)
 
 
 def test_unknown_stage_is_refused_by_name(tmp_path):
