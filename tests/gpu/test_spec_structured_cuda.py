@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
@@ -24,6 +23,12 @@ SCHEMA = {
 }
 MAX_TOKENS = 64
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def assert_matches_schema(value) -> None:
+    # by hand: the device image has no jsonschema
+    assert isinstance(value, dict) and set(value) == {"done", "color"}, value
+    assert isinstance(value["done"], bool) and value["color"] in ("red", "green", "blue"), value
 
 
 @pytest.fixture(scope="module")
@@ -70,4 +75,4 @@ def test_json_schema_outputs_validate_on_cuda(temperature):
     for out in outs:
         (completion,) = out.outputs
         assert completion.finish_reason == "stop", completion
-        jsonschema.validate(json.loads(completion.text), SCHEMA)
+        assert_matches_schema(json.loads(completion.text))
