@@ -178,7 +178,10 @@ class Record:
         self.data.update(items)
         for key, value in items.items():
             print(f"  {key} = {value}", flush=True)
-        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+        # whole or not at all: the stage may be killed at its budget mid-write
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
 
 
 def sig(x: float, digits: int = 4) -> float:
@@ -633,6 +636,15 @@ def run_stage(name: str, args) -> None:
         raise ValueError(f"unknown stage {name!r}; expected one of {STAGES}")
 
 
+def read_figures(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:  # never lose the stages after this one over it
+        return {"figures_unreadable": str(e)}
+
+
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -678,7 +690,7 @@ def orchestrate(args) -> int:
             # the stage's output goes to the log; the tests stage's pytest summary too
             code = run_bounded(cmd, budget, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
             seconds = time.monotonic() - t0
-            figures = json.loads(stage_json.read_text()) if stage_json.exists() else {}
+            figures = read_figures(stage_json)
             status = "ok" if code == 0 else ("timeout" if code == 124 else "failed")
             result["stages"][name] = {
                 "status": status,

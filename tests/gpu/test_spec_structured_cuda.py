@@ -1,6 +1,6 @@
-"""Speculative decoding and structured output on CUDA: n-gram speculation leaves greedy outputs
-unchanged (verification's logits rows and rejection sampling on the device), and constrained
-outputs validate with the grammar's token bitmask applied to logits on the device."""
+"""Speculative decoding and structured output on CUDA: n-gram and draft-model speculation leave
+greedy outputs unchanged (verification's logits rows and rejection sampling on the device), and
+constrained outputs validate with the grammar's token bitmask applied to logits on the device."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 
-from model_factory import save_tiny_checkpoint
+from model_factory import save_tiny_checkpoint, save_truncated_checkpoint
 
 MAX_NEW = 20
 PROMPTS = [[5, 17, 99, 3] * 3, list(range(20, 41)) * 2, [7] * 9 + [11, 12, 13], [9, 8, 7, 6, 9, 8]]
@@ -59,6 +59,17 @@ def test_ngram_speculation_keeps_greedy_outputs_on_cuda(qwen3, dtype):
     stats = llm.llm_engine.get_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_draft_model_speculation_keeps_greedy_outputs_on_cuda(qwen3, dtype, tmp_path):
+    # the draft runs on the device too, over its own mirrored cache
+    draft = save_truncated_checkpoint(qwen3, tmp_path / "draft", 1)
+    _, plain = greedy(qwen3, dtype)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm, speculated = greedy(qwen3, dtype, config)
+    assert speculated == plain
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
