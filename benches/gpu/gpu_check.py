@@ -6,7 +6,8 @@ stages on the CPU (Triton interpreter, tiny sizes) so CI proves the plumbing.
     python benches/gpu/gpu_check.py --out DIR [--dry-run] [--stages env,tests,...]
 
 Writes DIR/gpu_check.json (every stage's status, seconds and figures, rewritten as each stage
-ends), DIR/gpu_check.log (every stage's output) and DIR/tests.xml (the tests' JUnit report), and
+ends), DIR/gpu_check.log (every stage's output), DIR/tests.xml and DIR/tests_serial.xml (the
+tests' JUnit reports) and DIR/gpu_check.md (the figures as a table for benches/RESULTS.md), and
 prints a summary table last. Stages:
 
 - env: device, versions, the measured device-to-device copy bandwidth (bytes read + written).
@@ -654,7 +655,11 @@ def orchestrate(args) -> int:
     unknown = sorted(set(stages) - set(STAGES))
     if unknown:
         raise SystemExit(f"unknown stage(s) {unknown}; expected some of {list(STAGES)}")
-    result = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stages": {}}
+    result = {
+        "dry_run": args.dry_run,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "stages": {},
+    }
     summary = out / "gpu_check.json"
     log_path = out / "gpu_check.log"
     started = time.monotonic()
@@ -704,6 +709,7 @@ def orchestrate(args) -> int:
             result["total_seconds"] = sig(time.monotonic() - started)
             summary.write_text(json.dumps(result, indent=1, default=str))
     print_summary(result, log_path)
+    write_markdown(result, out / "gpu_check.md")
     return 0 if all(s["status"] == "ok" for s in result["stages"].values()) else 1
 
 
@@ -716,6 +722,26 @@ HEADLINE = {
     "decode_step": ("floor_ms", "graph_ms", "eager_ms", "graph_over_floor", "eager_over_floor"),
     "attention": ("kernel_GBps", "copy_GBps", "kernel_over_copy_bw", "rel_error"),
 }
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    """The figures as a table to paste into benches/RESULTS.md (the device name included)."""
+    device = result["stages"].get("env", {}).get("device_name", "?")
+    lines = [
+        f"Device: {device}; run {result['started']} UTC, {result['total_seconds']} s in all"
+        + (" (dry run: CPU, interpreter, tiny sizes; not figures)" if result["dry_run"] else ""),
+        "",
+        "| stage | status | s | figures |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, stage in result["stages"].items():
+        figures = ", ".join(
+            f"{k}={v}"
+            for k, v in stage.items()
+            if k not in ("status", "exit", "seconds") and not isinstance(v, (list, dict))
+        )
+        lines.append(f"| {name} | {stage['status']} | {stage['seconds']} | {figures} |")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def print_summary(result: dict, log_path: Path) -> None:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benches" / "gpu" / "gpu_check.py"
 
 
-def dry_run(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
+def dry_run(tmp_path: Path, *args: str) -> tuple[int, dict, str, Path]:
     env = dict(os.environ)
     # the stages import the pagedllm this test imported (installed, or the source tree)
     package_root = str(Path(pagedllm.__file__).resolve().parents[1])
@@ -42,7 +42,7 @@ def dry_run(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
         timeout=600,
     )
     summary = json.loads((out / "gpu_check.json").read_text())
-    return proc.returncode, summary, proc.stdout + proc.stderr
+    return proc.returncode, summary, proc.stdout + proc.stderr, out
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def full_dry_run(tmp_path_factory):
 
 
 def test_dry_run_runs_every_stage_to_its_figures(full_dry_run):
-    code, summary, output = full_dry_run
+    code, summary, output, _ = full_dry_run
     assert code == 0, output
     stages = summary["stages"]
     assert list(stages) == ["env", "tests", "throughput", "hf_generate", "decode_step", "attention"]
@@ -66,15 +66,23 @@ def test_dry_run_runs_every_stage_to_its_figures(full_dry_run):
     assert output.rstrip().splitlines()[-1].startswith("total ")
 
 
+def test_dry_run_writes_a_results_table_with_every_stage(full_dry_run):
+    _, summary, _, out = full_dry_run
+    table = (out / "gpu_check.md").read_text()
+    assert table.startswith("Device: cpu;") and "dry run" in table
+    for name in summary["stages"]:
+        assert f"| {name} | ok |" in table
+
+
 def test_dry_run_collects_the_gpu_tests_and_skips_them(full_dry_run):
-    _, summary, _ = full_dry_run
+    _, summary, _, _ = full_dry_run
     tests = summary["stages"]["tests"]
     assert tests["skipped"] > 0 and tests["passed"] > 0
     assert tests["failures"] == 0 and tests["errors"] == 0
 
 
 def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path):
-    code, summary, _ = dry_run(tmp_path, "--stages", "env,attention", "--budget-scale", "0.002")
+    code, summary, _, _ = dry_run(tmp_path, "--stages", "env,attention", "--budget-scale", "0.002")
     assert code == 1
     assert [s["status"] for s in summary["stages"].values()] == ["timeout", "timeout"]
     assert all(s["seconds"] < 5 for s in summary["stages"].values())
