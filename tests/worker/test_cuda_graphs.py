@@ -213,3 +213,32 @@ def test_run_replays_the_bucket_and_returns_the_steps_rows(engine, n):
     assert out.shape[0] == n
     assert out.data_ptr() == graphs.outputs[bucket_for(graphs.buckets, n)].data_ptr()
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_engine_asks_with_its_enforce_eager_and_captures_when_told(monkeypatch, enforce_eager):
+    from pagedllm.engine import llm_engine
+
+    asked = []
+
+    def enabled(device, *, enforce_eager, lora):
+        asked.append((device.type, enforce_eager, lora))
+        return not enforce_eager  # as on CUDA
+
+    monkeypatch.setattr(llm_engine, "decode_graphs_enabled", enabled)
+    monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self: self)
+    engine = LLM(
+        device="cpu",
+        block_size=16,
+        max_model_len=128,
+        num_gpu_blocks=64,
+        enforce_eager=enforce_eager,
+    ).llm_engine
+    assert asked == [("cpu", enforce_eager, False)]
+    graphs = engine.runner.cuda_graphs
+    if enforce_eager:
+        assert graphs is None
+    else:
+        assert graphs.kv_cache is engine.cache_engine.kv_cache
+        assert graphs.buckets == batch_buckets(engine.args.max_num_seqs)
+        assert graphs.buffers.max_blocks == 128 // 16
