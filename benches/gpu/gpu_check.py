@@ -148,14 +148,15 @@ DRY_RUN = Sizes(
     serial_tests=("tests/kernels/test_kernels.py::test_copy_blocks_kernel_matches_reference",),
 )
 
-# seconds per stage (device, dry run): the device run's total stays within 8 minutes
+# seconds per stage (device, dry run): the device run's total stays within 8 minutes; the dry
+# run's only guard against a hang (a busy CI machine can take half a minute for the imports)
 BUDGETS = {
-    "env": (30, 30),
-    "tests": (200, 60),
-    "throughput": (100, 40),
-    "hf_generate": (45, 30),
-    "decode_step": (60, 40),
-    "attention": (30, 40),
+    "env": (30, 180),
+    "tests": (200, 240),
+    "throughput": (100, 180),
+    "hf_generate": (45, 180),
+    "decode_step": (60, 180),
+    "attention": (30, 180),
 }
 # the bound on one device run: every stage at its budget stays inside it
 DEVICE_RUN_LIMIT_S = 8 * 60

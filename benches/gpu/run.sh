@@ -40,8 +40,10 @@ else
     echo "neither $WHEELS/*.whl nor python/pagedllm/_core.abi3.so: run make_wheelhouse.sh here" >&2
     exit 3
 fi
-# the device image has no Rust toolchain: the extension must be importable before any stage
-"$PY" -c "import pagedllm._core, pagedllm; print('pagedllm from', pagedllm.__file__)" || exit 3
+# before any stage: the extension (the device image has no Rust toolchain) and the engine's
+# imports (llguidance comes from the wheelhouse)
+"$PY" -c "import pagedllm._core, pagedllm; from pagedllm import LLM; print('pagedllm from', pagedllm.__file__)" \
+    || { echo "pagedllm does not import: run benches/gpu/make_wheelhouse.sh here first" >&2; exit 3; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem \
     --format=csv | tee "$OUT/nvidia_smi.csv"
 exec "$PY" "$HERE/gpu_check.py" --out "$OUT" "$@"

@@ -39,7 +39,7 @@ def dry_run(tmp_path: Path, *args: str) -> tuple[int, dict, str, Path]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,
     )
     summary = json.loads((out / "gpu_check.json").read_text())
     return proc.returncode, summary, proc.stdout + proc.stderr, out
