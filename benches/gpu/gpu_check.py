@@ -89,6 +89,8 @@ class Sizes:
     token_id_max: int
     hf_seqs: int
     hf_new_tokens: int
+    # the engine's token budget per step (nano-vllm's default, 16384; None: ours)
+    max_num_batched_tokens: int | None
     # decode_step and attention
     batch: int
     context: int
@@ -113,6 +115,7 @@ DEVICE = Sizes(
     token_id_max=10000,
     hf_seqs=64,
     hf_new_tokens=256,
+    max_num_batched_tokens=16384,
     batch=256,
     context=1024,
     block_size=16,
@@ -137,6 +140,7 @@ DRY_RUN = Sizes(
     token_id_max=400,
     hf_seqs=2,
     hf_new_tokens=4,
+    max_num_batched_tokens=None,
     batch=4,
     context=32,
     block_size=16,
@@ -384,9 +388,16 @@ def stage_throughput(sizes: Sizes, rec: Record, work: Path) -> None:
         skip_tokenizer_init=True,
         max_model_len=sizes.max_input_len + sizes.max_output_len,
         max_num_seqs=min(256, sizes.num_seqs) if sizes.device == "cpu" else 256,
+        max_num_batched_tokens=sizes.max_num_batched_tokens,
         block_size=sizes.block_size,
     )
-    rec.put(engine_start_s=sig(time.perf_counter() - t0), **graph_stats(llm.llm_engine))
+    engine = llm.llm_engine
+    rec.put(
+        engine_start_s=sig(time.perf_counter() - t0),
+        num_gpu_blocks=engine.cache_engine.num_gpu_blocks,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        **graph_stats(engine),
+    )
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in outputs]
     batch = [{"prompt_token_ids": p} for p in prompts]
