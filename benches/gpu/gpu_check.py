@@ -27,6 +27,7 @@ prints a summary table last. Stages:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -381,15 +382,19 @@ def stage_throughput(sizes: Sizes, rec: Record, work: Path) -> None:
         output_tokens=sum(outputs),
     )
     t0 = time.perf_counter()
-    llm = LLM(
-        str(folder),
-        dtype=sizes.dtype,
-        device=sizes.device,
-        skip_tokenizer_init=True,
-        max_model_len=sizes.max_input_len + sizes.max_output_len,
-        max_num_seqs=min(256, sizes.num_seqs) if sizes.device == "cpu" else 256,
-        max_num_batched_tokens=sizes.max_num_batched_tokens,
-        block_size=sizes.block_size,
+    llm = start_engine(
+        rec,
+        lambda eager: LLM(
+            str(folder),
+            dtype=sizes.dtype,
+            device=sizes.device,
+            skip_tokenizer_init=True,
+            max_model_len=sizes.max_input_len + sizes.max_output_len,
+            max_num_seqs=min(256, sizes.num_seqs) if sizes.device == "cpu" else 256,
+            max_num_batched_tokens=sizes.max_num_batched_tokens,
+            block_size=sizes.block_size,
+            enforce_eager=eager,
+        ),
     )
     engine = llm.llm_engine
     rec.put(
@@ -465,6 +470,25 @@ def stage_hf_generate(sizes: Sizes, rec: Record, work: Path) -> None:
     )
 
 
+def start_engine(rec: Record, build):
+    """`build(enforce_eager)`, with CUDA graphs; should their capture fail, the error is recorded
+    and the engine built eagerly, so that the stage still gives its eager figures."""
+    try:
+        return build(False)
+    except Exception as e:  # any failure: its traceback goes to the log
+        traceback.print_exc()
+        rec.put(graph_start_error=repr(e)[:500])
+    # outside the handler: the failed engine's memory goes with the exception
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return build(True)
+
+
 def graph_stats(engine) -> dict:
     """The engine's CUDA-graph capture figures (empty when it captured none)."""
     graphs = getattr(engine.runner, "cuda_graphs", None)
@@ -509,17 +533,21 @@ def stage_decode_step(sizes: Sizes, rec: Record, work: Path, copy_bw: float | No
     folder = make_checkpoint(sizes, work / checkpoint_name(sizes))
     page = sizes.block_size
     max_model_len = sizes.context + page
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(folder),
-            dtype=sizes.dtype,
-            device=sizes.device,
-            skip_tokenizer_init=True,
-            block_size=page,
-            max_num_seqs=sizes.batch,
-            max_model_len=max_model_len,
-            num_gpu_blocks=sizes.batch * (-(-max_model_len // page)),
-        )
+    engine = start_engine(
+        rec,
+        lambda eager: LLMEngine.from_engine_args(
+            EngineArgs(
+                model=str(folder),
+                dtype=sizes.dtype,
+                device=sizes.device,
+                skip_tokenizer_init=True,
+                block_size=page,
+                max_num_seqs=sizes.batch,
+                max_model_len=max_model_len,
+                num_gpu_blocks=sizes.batch * (-(-max_model_len // page)),
+                enforce_eager=eager,
+            )
+        ),
     )
     rec.put(**graph_stats(engine))
     runner = engine.runner
@@ -630,6 +658,8 @@ def run_bounded(cmd: list[str], seconds: float, **kwargs) -> int:
 def run_stage(name: str, args) -> None:
     """Child process: one stage, its figures to `args.stage_json`."""
     sizes = DRY_RUN if args.dry_run else DEVICE
+    if args.tests:
+        sizes = dataclasses.replace(sizes, tests=tuple(args.tests.split(",")), serial_tests=())
     rec = Record(Path(args.stage_json))
     work, out = Path(args.work), Path(args.out)
     deadline = time.monotonic() + args.budget
@@ -699,6 +729,8 @@ def orchestrate(args) -> int:
                 cmd.append("--dry-run")
             if copy_bw is not None:
                 cmd += ["--copy-bw", str(copy_bw)]
+            if args.tests:
+                cmd += ["--tests", args.tests]
             header = f"=== stage {name} (budget {budget:.0f} s)"
             print(header, flush=True)
             log_file.write(header + "\n")
@@ -783,6 +815,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny sizes")
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {STAGES}")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="multiplies every budget")
+    parser.add_argument(
+        "--tests",
+        default=None,
+        help="comma-separated pytest paths/ids for the tests stage, instead of its list (a rerun "
+        "of what failed); no serial run then",
+    )
     # internal: one stage in a child process
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stage-json", default=None, help=argparse.SUPPRESS)

@@ -88,15 +88,46 @@ def test_a_stage_past_its_budget_is_stopped_and_the_next_still_runs(tmp_path):
     assert all(s["seconds"] < 5 for s in summary["stages"].values())
 
 
-def test_the_device_budgets_fit_one_eight_minute_run():
+@pytest.fixture
+def gpu_check():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import gpu_check
+
+        return gpu_check
     finally:
         sys.path.remove(str(SCRIPT.parent))
+
+
+def test_the_device_budgets_fit_one_eight_minute_run(gpu_check):
     device_total = sum(device for device, _ in gpu_check.BUDGETS.values())
     assert device_total <= gpu_check.DEVICE_RUN_LIMIT_S
     assert set(gpu_check.BUDGETS) == set(gpu_check.STAGES) == set(gpu_check.HEADLINE)
+
+
+def test_a_failed_graph_capture_is_recorded_and_the_engine_built_eagerly(gpu_check, tmp_path):
+    built = []
+
+    def build(eager: bool):
+        built.append(eager)
+        if not eager:
+            raise RuntimeError("capture failed")
+        return "engine"
+
+    rec = gpu_check.Record(tmp_path / "stage.json")
+    assert gpu_check.start_engine(rec, build) == "engine"
+    assert built == [False, True]
+    assert (
+        "capture failed" in json.loads((tmp_path / "stage.json").read_text())["graph_start_error"]
+    )
+
+
+def test_tests_override_runs_only_the_named_tests(tmp_path):
+    test_id = "tests/kernels/test_kernels.py::test_choose_num_splits_is_static_and_bounded"
+    code, summary, _, _ = dry_run(tmp_path, "--stages", "tests", "--tests", test_id)
+    assert code == 0
+    tests = summary["stages"]["tests"]
+    assert tests["tests"] == tests["passed"] == 1 and tests["skipped"] == 0
 
 
 def test_unknown_stage_is_refused_by_name(tmp_path):
