@@ -10,7 +10,8 @@
 # Without a wheelhouse the source tree is used (carry python/pagedllm/_core.abi3.so then).
 #
 #     bash benches/gpu/run.sh --dry-run     # the same stages on this CPU, in seconds
-# Further arguments go to gpu_check.py (e.g. --stages env,attention).
+# Further arguments go to gpu_check.py: --stages env,attention (a subset), --tests ID,ID (only
+# those tests in the tests stage), --budget-scale F.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
