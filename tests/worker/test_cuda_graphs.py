@@ -1,7 +1,7 @@
 """The CPU-side parts of the decode CUDA graphs (`pagedllm.worker.cuda_graphs`): when graphs are
 used, the batch buckets, the copy of a step into the persistent buffers with inert padding rows,
 which steps replay, and the model runner's hook. Capture and replay themselves need a GPU:
-tests/gpu/test_cuda_graphs.py."""
+tests/gpu/test_cuda_graphs_replay.py."""
 
 from __future__ import annotations
 
