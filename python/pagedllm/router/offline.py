@@ -154,7 +154,7 @@ class DataParallelEngines:
         self.size = args.data_parallel_size
         self.router = Router(self.size, args.block_size)
         # per replica: the uncached prompt tokens of its requests under way (for `finish`)
-        self._uncached: list[list[int]] = [[] for _ in range(self.size)]
+        self._tickets: list[list[int]] = [[] for _ in range(self.size)]
         # the prompts are tokenized here as the replicas will, to be hashed for routing
         self.tokenizer = None
         if not args.skip_tokenizer_init:
@@ -229,17 +229,17 @@ class DataParallelEngines:
 
     def route(self, token_ids: list[int], lora_id: int) -> int:
         with self.lock:
-            replica, _, _, uncached = self.router.route(
+            replica, _, _, _, ticket = self.router.route(
                 token_ids, lora_id=lora_id, now=time.monotonic()
             )
-            self._uncached[replica].append(uncached)
+            self._tickets[replica].append(ticket)
         return replica
 
     def finish(self, replica: int) -> None:
         """One of the requests routed to `replica` ended. `generate` ends a call's requests
-        together, so which one's uncached tokens are given back first does not matter."""
+        together, so which one's ticket is given back first does not matter."""
         with self.lock:
-            self.router.finish(replica, self._uncached[replica].pop())
+            self.router.finish(self._tickets[replica].pop())
 
     def run(self, shares: dict[int, tuple], on_done=None) -> dict[int, list]:
         """Sends `shares[rank]` (generate's arguments) to each replica and returns each one's

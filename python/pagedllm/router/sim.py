@@ -4,9 +4,10 @@ routing policies at replica counts this machine cannot run for real.
 
 Step time = `base + per_token * batched tokens` (calibrate both from measured step times, e.g.
 `pagedllm bench`'s; the defaults are this machine's 56M model on 1 thread, roughly). Requests
-arrive as a Poisson process; a step's events reach the router when the step ends. Policies: the
-core's four, plus `approx`: the router's own guesses of what it sent where (SGLang's approximate
-tree, as block hashes) and never the replicas' events, so it cannot see evictions.
+arrive as a Poisson process; a step's events reach the router when the step ends, before the
+requests it finished are. Policies: the core's four, plus `approx`: cache-aware scoring over the
+core's record of what it sent where (SGLang's approximate tree, as block hashes) instead of the
+replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
 """
@@ -75,11 +76,7 @@ def simulate(
     approx = policy == "approx"
     knobs = {} if token_weight is None else {"token_weight": token_weight}
     router = Router(
-        replicas,
-        block_size,
-        "cache_aware" if approx else policy,
-        pending_ttl=1e18 if approx else 5.0,
-        **knobs,
+        replicas, block_size, "cache_aware" if approx else policy, approximate=approx, **knobs
     )
     scheds = []
     for _ in range(replicas):
@@ -100,7 +97,7 @@ def simulate(
     events: list = [(a, 0, i) for i, (a, _) in enumerate(arrivals)]  # (time, kind, what)
     heapq.heapify(events)
     busy = [False] * replicas
-    arrival_of, home, first, uncached = {}, {}, {}, {}
+    arrival_of, home, first, tickets = {}, {}, {}, {}
     prompt_tokens = cached = generated = 0
     now = 0.0
 
@@ -117,7 +114,7 @@ def simulate(
         if kind == 0:
             _, prompt = arrivals[what]
             rid = f"q{what}"
-            r, _, _, uncached[rid] = router.route(prompt, now=now)
+            r, _, _, _, tickets[rid] = router.route(prompt, now=now)
             scheds[r].add_request(rid, prompt, max_tokens=out, ignore_eos=True, arrival_time=now)
             arrival_of[rid], home[rid] = now, r
             prompt_tokens += len(prompt)
@@ -130,16 +127,15 @@ def simulate(
                 first[rid] = now
                 cached += s.num_cached_tokens(rid) or 0
         generated += step.num_samples
-        for done_rid, _, _, _, done in s.update_from_output(
-            step, np.full(step.num_samples, 7, np.int64)
-        ):
-            if done:
-                router.finish(r, uncached.pop(done_rid))
+        finished = s.update_from_output(step, np.full(step.num_samples, 7, np.int64))
         if not approx:
             kinds, starts, _, _, hashes, _ = s.drain_kv_events()
             if len(kinds):
                 router.apply_events(r, seqs[r], kinds, starts, hashes)
                 seqs[r] += 1
+        for done_rid, _, _, _, done in finished:
+            if done:
+                router.finish(tickets.pop(done_rid))
         stats = s.get_stats()
         router.set_load(r, stats["num_waiting"], stats["num_running"], stats["kv_usage"])
         busy[r] = False
