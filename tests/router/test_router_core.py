@@ -63,3 +63,13 @@ def test_a_requests_uncached_tokens_are_in_flight_from_route_to_finish():
 def test_a_token_weight_outside_zero_to_one_is_refused_by_name():
     with pytest.raises(ValueError, match="token_weight"):
         Router(2, 4, token_weight=1.5)
+
+
+def test_a_routed_prompts_blocks_are_pending_on_its_replica_until_it_finishes():
+    router = Router(2, 4)
+    replica, _, _, _, ticket = router.route(list(range(9)))
+    assert router.num_pending(replica) == 2
+    router.finish(ticket)
+    assert router.num_pending(replica) == 0
+    with pytest.raises(ValueError, match=f"ticket {ticket + 1} was never issued"):
+        router.finish(ticket + 1)

@@ -10,6 +10,7 @@ core's record of what it sent where (SGLang's approximate tree, as block hashes)
 replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
+        [--blocks B] [--seeds N]
 """
 
 from __future__ import annotations
@@ -149,6 +150,19 @@ def simulate(
     }
 
 
+def trace(args: argparse.Namespace, k: int, seed: int) -> list[list[int]]:
+    """The command line's workload for `k` replicas, drawn with `seed`."""
+    if args.workload == "shared_prefix":
+        return shared_prefix(args.groups_per_replica * k, 8, 512, 32, seed=seed)
+    convs, turns, turn_len = WORKLOADS[args.workload]
+    return multi_turn(
+        (args.convs_per_replica or convs) * k,
+        args.turns or turns,
+        args.turn_len or turn_len,
+        seed=seed,
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, nargs="+", default=[8, 16, 64])
@@ -167,28 +181,32 @@ def main(argv=None) -> None:
         type=float,
         help="cache_aware / approx: the prefill-cost weight (default: the router core's)",
     )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per row, each with its own trace and arrivals (seeds 0..N-1); the row is "
+        "their mean (one run's p99 rests on its few slowest requests)",
+    )
     args = ap.parse_args(argv)
     print("| replicas | policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | tok/s |")
     print("|---|---|---|---|---|---|")
     for k in args.replicas:
-        if args.workload == "shared_prefix":
-            prompts = shared_prefix(args.groups_per_replica * k, 8, 512, 32)
-        else:
-            convs, turns, turn_len = WORKLOADS[args.workload]
-            prompts = multi_turn(
-                (args.convs_per_replica or convs) * k,
-                args.turns or turns,
-                args.turn_len or turn_len,
-            )
+        traces = [trace(args, k, seed) for seed in range(args.seeds)]
         for policy in args.policies:
-            m = simulate(
-                prompts,
-                replicas=k,
-                policy=policy,
-                blocks=args.blocks,
-                rate=args.rate_per_replica * k,
-                token_weight=args.token_weight,
-            )
+            runs = [
+                simulate(
+                    prompts,
+                    replicas=k,
+                    policy=policy,
+                    blocks=args.blocks,
+                    rate=args.rate_per_replica * k,
+                    token_weight=args.token_weight,
+                    seed=seed,
+                )
+                for seed, prompts in enumerate(traces)
+            ]
+            m = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
             print(
                 f"| {k} | {policy} | {m['hit_rate']:.3f} | {m['ttft_p50']:.3f} "
                 f"| {m['ttft_p99']:.3f} | {m['tok_s']:.0f} |",
