@@ -175,7 +175,7 @@ impl PyRouter {
         self.inner.expire_pending(now)
     }
 
-    /// Blocks routed to `replica` that its events have not confirmed yet, as of `now`.
+    /// Blocks of the requests in flight on `replica` that count as held there at `now`.
     #[pyo3(signature = (replica, *, now = 0.0))]
     fn num_pending(&self, replica: usize, now: f64) -> usize {
         self.inner.num_pending(replica, now)
