@@ -57,6 +57,8 @@ def workload(args) -> list[str]:
                 for q in range(args.questions)
             ]
         )
+    if args.order_seed is not None:  # another order of the same prompts
+        rng = random.Random(args.order_seed)
     if args.order == "shuffled":
         prompts = [p for group in groups for p in group]
         rng.shuffle(prompts)
@@ -275,6 +277,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
+    ap.add_argument(
+        "--order-seed",
+        type=int,
+        help="draw the request order from this seed (default: the one order every run sends)",
+    )
     ap.add_argument("--serve-log", help="folder for each serve's output (default: discarded)")
     ap.add_argument(
         "--lru-model",
