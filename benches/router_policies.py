@@ -57,6 +57,8 @@ def workload(args) -> list[str]:
                 for q in range(args.questions)
             ]
         )
+    if args.order_seed is not None:  # another order of the same prompts
+        rng = random.Random(args.order_seed)
     if args.order == "shuffled":
         prompts = [p for group in groups for p in group]
         rng.shuffle(prompts)
@@ -69,10 +71,34 @@ def workload(args) -> list[str]:
     return prompts
 
 
+def lru_hits(order: list[int], capacity: int, rng: random.Random) -> dict[str, int]:
+    """Prefix hits of requests for groups `order` routed one at a time to 2 replicas, each an
+    LRU cache of `capacity` whole prefixes: cache_aware keeps a group where its first request
+    went (those alternating), round_robin alternates, least_loaded picks at random."""
+    hits = {"cache_aware": 0, "round_robin": 0, "least_loaded": 0}
+    for policy in hits:
+        caches = [OrderedDict(), OrderedDict()]
+        home, turn = {}, 0
+        for g in order:
+            if policy == "least_loaded":
+                r = rng.randrange(2)
+            elif policy == "round_robin" or g not in home:
+                r, turn = turn, 1 - turn
+                home.setdefault(g, r)
+            r = home[g] if policy == "cache_aware" else r
+            cache = caches[r]
+            if g in cache:
+                hits[policy] += 1
+                cache.move_to_end(g)
+            else:
+                cache[g] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits
+
+
 def lru_model(args, capacity: int, seeds: int = 500) -> dict[str, float]:
-    """Prefix hit rates of an idealized run: requests one at a time in `workload`'s order of
-    groups, each replica an LRU cache of `capacity` whole prefixes; cache_aware keeps a group
-    where its first request went (those alternating), least_loaded picks at random."""
+    """`lru_hits`'s hit rates over `seeds` random orders of `workload`'s shape."""
     hits = {"cache_aware": 0, "round_robin": 0, "least_loaded": 0}
     total = 0
     for seed in range(seeds):
@@ -85,25 +111,14 @@ def lru_model(args, capacity: int, seeds: int = 500) -> dict[str, float]:
         if args.order == "shuffled":
             rng.shuffle(order)
         total += len(order)
-        for policy in hits:
-            caches = [OrderedDict(), OrderedDict()]
-            home, turn = {}, 0
-            for g in order:
-                if policy == "least_loaded":
-                    r = rng.randrange(2)
-                elif policy == "round_robin" or g not in home:
-                    r, turn = turn, 1 - turn
-                    home.setdefault(g, r)
-                r = home[g] if policy == "cache_aware" else r
-                cache = caches[r]
-                if g in cache:
-                    hits[policy] += 1
-                    cache.move_to_end(g)
-                else:
-                    cache[g] = None
-                    if len(cache) > capacity:
-                        cache.popitem(last=False)
+        for policy, h in lru_hits(order, capacity, rng).items():
+            hits[policy] += h
     return {policy: h / total for policy, h in hits.items()}
+
+
+def bench_order(args) -> list[int]:
+    """The groups of `workload`'s prompts in the order it sends them (always the same)."""
+    return [int(p.split(":", 1)[0].removeprefix("System ")) for p in workload(args)]
 
 
 async def one(client, url, model, prompt, max_tokens) -> tuple[float, int, int, int]:
@@ -262,6 +277,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
+    ap.add_argument(
+        "--order-seed",
+        type=int,
+        help="draw the request order from this seed (default: the one order every run sends)",
+    )
     ap.add_argument("--serve-log", help="folder for each serve's output (default: discarded)")
     ap.add_argument(
         "--lru-model",
@@ -279,6 +299,19 @@ def main() -> None:
         rates = lru_model(args, args.lru_model)
         print(f"{args.groups} x {args.questions} ({args.order}), {args.lru_model} prefixes:")
         print(", ".join(f"{policy} {rate:.3f}" for policy, rate in rates.items()))
+        # the bench sends one fixed order: what round robin meets there, routed in that order
+        order = bench_order(args)
+        own = lru_hits(order, args.lru_model, random.Random(0))
+        last, same = {}, 0
+        for i, g in enumerate(order):
+            same += last.get(g) == i % 2
+            last[g] = i % 2
+        repeats = len(order) - len(set(order))
+        print(
+            f"this bench's own order: cache_aware {own['cache_aware'] / len(order):.3f}, "
+            f"round_robin {own['round_robin'] / len(order):.3f}; round robin sends {same} of "
+            f"{repeats} repeats where the group's previous request went"
+        )
         return
     prompts = workload(args)
     print(

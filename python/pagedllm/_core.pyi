@@ -237,7 +237,8 @@ class Router:
         balance_rel_threshold: float = 1.5,
         load_weight: float = 0.5,
         token_weight: float = 0.0,
-        pending_ttl: float = 5.0,
+        pending_ttl: float = 120.0,
+        approximate: bool = False,
     ) -> None: ...
     @property
     def num_replicas(self) -> int: ...
@@ -253,13 +254,19 @@ class Router:
         session: str | None = None,
         excluded: int = 0,
         now: float = 0.0,
-    ) -> tuple[int, int, int, int]:
-        """``(replica, matched_blocks, eligible_blocks, uncached_tokens)`` for a prompt; the
-        replica counts it (and its uncached tokens) in flight. ``excluded``: a mask of replicas
-        not to pick. ``PagedLLMError`` when no live replica is left."""
-    def finish(self, replica: int, uncached_tokens: int) -> None:
-        """A request routed to ``replica`` ended; ``uncached_tokens``: what its ``route``
-        returned."""
+    ) -> tuple[int, int, int, int, int]:
+        """``(replica, matched_blocks, eligible_blocks, uncached_tokens, ticket)`` for a
+        prompt; the replica counts it (and its uncached tokens) in flight until
+        ``finish(ticket)``, and its blocks count as held there (pending) until then
+        (``pending_ttl`` seconds at most): that replica holds them or will once its prefill runs.
+        ``excluded``: a mask of replicas not to pick. ``PagedLLMError`` when no live replica is
+        left. With ``approximate``, what is routed where is recorded for good instead (no
+        events needed, evictions never seen)."""
+    def finish(self, ticket: int) -> None:
+        """The request of ``ticket`` ended (or failed): it and its pending blocks stop counting
+        on its replica (what its prefill stored, the events say). An ended ticket, or one
+        dropped when its replica left rotation, is ignored; ``ValueError`` for one never
+        issued."""
     def set_alive(self, replica: int, alive: bool) -> None: ...
     def is_alive(self, replica: int) -> bool: ...
     def set_load(self, replica: int, waiting: int, running: int, kv_usage: float) -> None: ...
@@ -281,6 +288,8 @@ class Router:
     def replica_hashes(self, replica: int) -> _npt.NDArray[_np.uint64]:
         """Every block hash the index says the replica holds (in no order)."""
     def expire_pending(self, now: float) -> None: ...
+    def num_pending(self, replica: int, *, now: float = 0.0) -> int:
+        """Blocks of the requests in flight on the replica that count as held there."""
     def stats(self) -> list[dict[str, int | float | bool]]:
         """Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
         running, kv_usage, alive."""

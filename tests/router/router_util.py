@@ -74,3 +74,24 @@ def wait_for(condition, timeout: float = 10.0, what: str = "the condition") -> N
 def complete(url: str, prompt, max_tokens: int = 4, **extra) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def bound_sockets(prefix: str) -> list[str]:
+    """Unix sockets listening now whose path starts with `prefix` (abstract ones as `@name`,
+    as /proc/net/unix lists them; their accepted connections, which carry the same path, are
+    left out)."""
+    listening = 0x10000  # __SO_ACCEPTCON in the Flags column
+    rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    return [
+        row[7]
+        for row in rows
+        if len(row) > 7 and int(row[3], 16) & listening and row[7].startswith(prefix)
+    ]
+
+
+def leftover_sockets(folder: str) -> list[str]:
+    """What is left of `launcher.socket_folder`'s `folder`: its bound sockets, and the folder
+    itself where it is one on disk."""
+    if folder.startswith("@"):
+        return bound_sockets(folder + "/")
+    return [folder] if Path(folder).exists() else []

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from router_util import MODEL, wait_for
+from router_util import MODEL, leftover_sockets, wait_for
 
 from pagedllm import LLM, SamplingParams
 from pagedllm._core import hash_block_chain
@@ -93,7 +93,7 @@ def test_a_killed_replica_is_named_and_the_others_are_stopped():
     with pytest.raises(ReplicaDiedError, match=rf"replica 1 \(pid {pids[1]}\) died"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert not any(alive(pid) for pid in pids)
-    assert not Path(folder).exists()
+    assert not leftover_sockets(folder)
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
@@ -101,11 +101,11 @@ def test_a_killed_replica_is_named_and_the_others_are_stopped():
 def test_deleting_the_llm_stops_its_replicas_and_removes_their_sockets():
     llm = LLM(MODEL, data_parallel_size=2, **ENGINE)
     pids, folder = llm.replicas.pids(), llm.replicas.folder
-    assert all(alive(pid) for pid in pids) and Path(folder).is_dir()
+    assert all(alive(pid) for pid in pids) and leftover_sockets(folder)
     del llm
     gc.collect()
     assert not any(alive(pid) for pid in pids)
-    assert not Path(folder).exists()
+    assert not leftover_sockets(folder)
 
 
 def test_a_generate_call_gives_back_every_requests_uncached_tokens(dp_llm):

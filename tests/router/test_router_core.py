@@ -29,7 +29,7 @@ def test_a_prompt_goes_where_its_blocks_are_hashed_as_the_cache_hashes_them():
     router = Router(2, 4, pending_ttl=0.0)
     prompt = list(range(100, 113))
     assert stored(router, 1, 0, hash_block_chain(prompt, 4)) == -1
-    assert router.route(prompt) == (1, 3, 3, 1)  # 13 tokens, 12 of them cached
+    assert router.route(prompt)[:4] == (1, 3, 3, 1)  # 13 tokens, 12 of them cached
     salted = hash_block_chain(prompt, 4, lora_hash_key(7))
     assert stored(router, 0, 0, salted) == -1
     assert router.route(prompt, lora_id=7)[0] == 0
@@ -53,13 +53,23 @@ def test_no_live_replica_is_an_error():
 
 def test_a_requests_uncached_tokens_are_in_flight_from_route_to_finish():
     router = Router(2, 4, "round_robin")
-    replica, _, _, uncached = router.route(list(range(10)))
+    replica, _, _, uncached, ticket = router.route(list(range(10)))
     assert uncached == 10
     assert router.stats()[replica]["uncached_tokens"] == 10
-    router.finish(replica, uncached)
+    router.finish(ticket)
     assert router.stats()[replica]["uncached_tokens"] == 0
 
 
 def test_a_token_weight_outside_zero_to_one_is_refused_by_name():
     with pytest.raises(ValueError, match="token_weight"):
         Router(2, 4, token_weight=1.5)
+
+
+def test_a_routed_prompts_blocks_are_pending_on_its_replica_until_it_finishes():
+    router = Router(2, 4)
+    replica, _, _, _, ticket = router.route(list(range(9)))
+    assert router.num_pending(replica) == 2
+    router.finish(ticket)
+    assert router.num_pending(replica) == 0
+    with pytest.raises(ValueError, match=f"ticket {ticket + 1} was never issued"):
+        router.finish(ticket + 1)

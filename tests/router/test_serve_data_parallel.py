@@ -1,6 +1,7 @@
 """`pagedllm serve -dp 2`: two engine processes behind the router in one command; they serve,
 both are in rotation; a replica killed outright is routed around (requests still succeed) and
-leaves rotation; SIGTERM stops the router and the replicas (no process left)."""
+leaves rotation; SIGTERM stops the router and the replicas (no process left); a front end killed
+outright (SIGKILL) leaves no replica and no socket or socket folder behind."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from router_util import MODEL, complete, wait_for
+from router_util import MODEL, bound_sockets, complete, wait_for
 
 from server_util import free_port, wait_healthy
 
@@ -77,3 +78,31 @@ def test_serve_dp_2_serves_survives_a_killed_replica_and_stops_them_all():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_front_end_killed_outright_leaves_no_replica_and_no_sockets_behind(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
+    cmd += ["--model", MODEL, "--max-model-len", "128", "--num-gpu-blocks", "32"]
+    cmd += ["--cpu-threads", "1", "--log-level", "warning", "--shutdown-grace", "1"]
+    # a private TMPDIR: a socket folder made there (where the platform needs one) is ours
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        replicas = [
+            c
+            for c in children(proc.pid)
+            if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()
+        ]
+        mine = f"@pagedllm-dp-{proc.pid}-"
+        assert len(bound_sockets(mine)) == 4  # each replica's events and replay sockets
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: not [p for p in replicas if alive(p)], 60, what="the replicas to exit")
+    assert not bound_sockets(mine)
+    assert not list(tmp_path.glob("pagedllm-dp-*"))

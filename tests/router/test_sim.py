@@ -44,3 +44,26 @@ def test_the_token_weight_is_handed_to_the_router_core():
             blocks=8,
             token_weight=2.0,
         )
+
+
+def test_with_several_seeds_a_row_is_the_mean_of_their_runs(capsys):
+    from pagedllm.router.sim import main
+
+    argv = ["--replicas", "2", "--workload", "multi_turn", "--convs-per-replica", "2"]
+    argv += ["--turns", "2", "--policies", "round_robin"]
+    main([*argv, "--seeds", "2"])
+    both = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    runs = [
+        simulate(
+            multi_turn(convs=4, turns=2, turn_len=96, seed=seed),
+            replicas=2,
+            policy="round_robin",
+            rate=8.0,
+            blocks=128,
+            seed=seed,
+        )
+        for seed in (0, 1)
+    ]
+    mean_p50 = (runs[0]["ttft_p50"] + runs[1]["ttft_p50"]) / 2
+    assert len(both) == 1 and both[0].split("|")[4].strip() == f"{mean_p50:.3f}"
+    assert runs[0]["ttft_p50"] != runs[1]["ttft_p50"]

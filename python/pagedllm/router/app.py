@@ -159,7 +159,7 @@ def build_router_app(
         excluded = 0
         while True:
             try:
-                replica, uncached = replicas.route(tokens, lora_id, session, excluded)
+                replica, ticket = replicas.route(tokens, lora_id, session, excluded)
             except PagedLLMError:
                 return error(503, "no replica is in rotation", "service_unavailable")
             excluded |= 1 << replica.index
@@ -169,29 +169,29 @@ def build_router_app(
             try:
                 response = await client.send(sent, stream=True)
             except httpx.TransportError as exc:  # never reached it: another replica
-                replicas.finish(replica, uncached)
+                replicas.finish(ticket)
                 replicas.mark_down(replica, repr(exc))
                 continue
             if response.status_code in RETRY_STATUSES:
                 await response.aclose()
-                replicas.finish(replica, uncached)
+                replicas.finish(ticket)
                 replicas.mark_down(replica, f"answered {response.status_code}")
                 continue
             if body.get("stream") and response.status_code == 200:
                 return StreamingResponse(
-                    _stream(replica, uncached, response),
+                    _stream(replica, ticket, response),
                     media_type="text/event-stream",
                     headers={REPLICA_HEADER: str(replica.index)},
                 )
             try:
                 content = await response.aread()
             except httpx.TransportError as exc:
-                replicas.finish(replica, uncached)
+                replicas.finish(ticket)
                 replicas.mark_down(replica, repr(exc))
                 return error(502, f"replica {replica.index} failed mid-response", "bad_gateway")
             finally:
                 await response.aclose()
-            replicas.finish(replica, uncached)
+            replicas.finish(ticket)
             _count_usage(replica, content)
             return Response(
                 content,
@@ -201,7 +201,7 @@ def build_router_app(
             )
 
     async def _stream(
-        replica: Replica, uncached: int, response: httpx.Response
+        replica: Replica, ticket: int, response: httpx.Response
     ) -> AsyncIterator[bytes]:
         last = b""
         try:
@@ -220,7 +220,7 @@ def build_router_app(
             yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
         finally:
             await response.aclose()
-            replicas.finish(replica, uncached)
+            replicas.finish(ticket)
             _count_usage(replica, last)
 
     async def _prompt_tokens(body: dict, request: Request) -> list[int]:

@@ -1,6 +1,8 @@
 """`pagedllm serve -dp N` with the `mp` backend: N `serve` processes on this machine (one engine
 each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
 each TCP port + its rank) behind the router in this process, on the address `serve` was given.
+On Linux the sockets are in the abstract namespace (`socket_folder`): nothing on disk outlives
+them, even when this process is killed outright (the replicas then get SIGTERM).
 
 A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
 the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
@@ -9,10 +11,12 @@ the router, then the replicas (each gets SIGTERM and its shutdown grace, then SI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import multiprocessing
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -45,6 +49,15 @@ def replica_events_config(kv_events_config, rank: int, endpoint: str, replay: st
         "endpoint": endpoint,
         "replay_endpoint": replay,
     }
+
+
+def socket_folder() -> contextlib.AbstractContextManager[str]:
+    """Where the replicas' ipc sockets go. On Linux a name in the abstract socket namespace
+    (`@...`): it has no file and ends with the sockets themselves, so a front end killed
+    outright (SIGKILL) leaves nothing behind; elsewhere a temporary folder, removed on exit."""
+    if sys.platform == "linux":
+        return contextlib.nullcontext(f"@pagedllm-dp-{os.getpid()}-{secrets.token_hex(4)}")
+    return tempfile.TemporaryDirectory(prefix="pagedllm-dp-")
 
 
 def ipc_endpoints(folder: str, rank: int) -> tuple[str, str]:
@@ -132,7 +145,7 @@ def run_data_parallel(
     process each), waits until all answer /health, then `run_router(urls)` here; stops them
     when it returns."""
     ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pagedllm-dp-") as folder:
+    with socket_folder() as folder:
         procs, urls = [], []
         try:
             for rank in range(args.data_parallel_size):

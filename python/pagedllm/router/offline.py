@@ -9,8 +9,9 @@ puts the outputs back in the caller's order.
 
 A replica that dies makes the call raise `ReplicaDiedError` naming it; the others are stopped
 (an engine missing a replica is not kept half-alive). `close()`, the object's deletion and the
-interpreter's exit stop every replica (SIGTERM, then SIGKILL) and remove the socket folder; a
-replica whose parent dies is sent SIGTERM by the kernel (`launcher._replica_main`).
+interpreter's exit stop every replica (SIGTERM, then SIGKILL) and remove the socket folder
+(on Linux there is none: `launcher.socket_folder`); a replica whose parent dies is sent SIGTERM
+by the kernel (`launcher._replica_main`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import threading
 import time
 import traceback
@@ -38,6 +37,7 @@ from pagedllm.router.launcher import (
     ipc_endpoints,
     replica_cpu_threads,
     replica_events_config,
+    socket_folder,
 )
 from pagedllm.router.replicas import connect_endpoint
 from pagedllm.tokenizer import load_tokenizer
@@ -118,9 +118,9 @@ class _Replica:
         )
 
 
-def _stop(replicas: list[_Replica], folder: str) -> None:
+def _stop(replicas: list[_Replica], folder: contextlib.ExitStack) -> None:
     """Stops every replica (None on its pipe, then SIGTERM, then SIGKILL), its subscriber, and
-    removes the socket folder. Safe to call twice."""
+    removes the socket folder (where it is one). Safe to call twice."""
     for r in replicas:
         with contextlib.suppress(OSError, ValueError):
             r.conn.send(None)
@@ -137,7 +137,7 @@ def _stop(replicas: list[_Replica], folder: str) -> None:
         if r.subscriber is not None:
             r.subscriber.close()
     replicas.clear()
-    shutil.rmtree(folder, ignore_errors=True)
+    folder.close()
 
 
 class DataParallelEngines:
@@ -153,8 +153,8 @@ class DataParallelEngines:
         self.args = args
         self.size = args.data_parallel_size
         self.router = Router(self.size, args.block_size)
-        # per replica: the uncached prompt tokens of its requests under way (for `finish`)
-        self._uncached: list[list[int]] = [[] for _ in range(self.size)]
+        # per replica: the router's tickets of its requests under way (for `finish`)
+        self._tickets: list[list[int]] = [[] for _ in range(self.size)]
         # the prompts are tokenized here as the replicas will, to be hashed for routing
         self.tokenizer = None
         if not args.skip_tokenizer_init:
@@ -165,9 +165,10 @@ class DataParallelEngines:
                 bos_token_id=cfg.bos_token_id,
             )
         self.lock = threading.Lock()
-        self.folder = tempfile.mkdtemp(prefix="pagedllm-dp-")
+        folder = contextlib.ExitStack()
+        self.folder = folder.enter_context(socket_folder())
         self._replicas: list[_Replica] = []
-        self._finalizer = weakref.finalize(self, _stop, self._replicas, self.folder)
+        self._finalizer = weakref.finalize(self, _stop, self._replicas, folder)
         try:
             self._start()
         except BaseException:
@@ -229,17 +230,17 @@ class DataParallelEngines:
 
     def route(self, token_ids: list[int], lora_id: int) -> int:
         with self.lock:
-            replica, _, _, uncached = self.router.route(
+            replica, _, _, _, ticket = self.router.route(
                 token_ids, lora_id=lora_id, now=time.monotonic()
             )
-            self._uncached[replica].append(uncached)
+            self._tickets[replica].append(ticket)
         return replica
 
     def finish(self, replica: int) -> None:
         """One of the requests routed to `replica` ended. `generate` ends a call's requests
-        together, so which one's uncached tokens are given back first does not matter."""
+        together, so which one's ticket is given back first does not matter."""
         with self.lock:
-            self.router.finish(replica, self._uncached[replica].pop())
+            self.router.finish(self._tickets[replica].pop())
 
     def run(self, shares: dict[int, tuple], on_done=None) -> dict[int, list]:
         """Sends `shares[rank]` (generate's arguments) to each replica and returns each one's

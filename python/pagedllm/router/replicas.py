@@ -74,21 +74,21 @@ class ReplicaSet:
     def route(
         self, token_ids: list[int], lora_id: int, session: str | None, excluded: int
     ) -> tuple[Replica, int]:
-        """(replica, the prompt's tokens its cache lacks: give them back to `finish`);
+        """(replica, the request's ticket: give it to `finish` when the request ends);
         PagedLLMError when none is left."""
         with self.lock:
-            r, _, _, uncached = self.router.route(
+            r, _, _, _, ticket = self.router.route(
                 token_ids,
                 lora_id=lora_id,
                 session=session,
                 excluded=excluded,
                 now=time.monotonic(),
             )
-        return self.replicas[r], uncached
+        return self.replicas[r], ticket
 
-    def finish(self, replica: Replica, uncached_tokens: int) -> None:
+    def finish(self, ticket: int) -> None:
         with self.lock:
-            self.router.finish(replica.index, uncached_tokens)
+            self.router.finish(ticket)
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         """Out of rotation now (a request could not reach it); the poll brings it back."""

@@ -4,11 +4,13 @@ routing policies at replica counts this machine cannot run for real.
 
 Step time = `base + per_token * batched tokens` (calibrate both from measured step times, e.g.
 `pagedllm bench`'s; the defaults are this machine's 56M model on 1 thread, roughly). Requests
-arrive as a Poisson process; a step's events reach the router when the step ends. Policies: the
-core's four, plus `approx`: the router's own guesses of what it sent where (SGLang's approximate
-tree, as block hashes) and never the replicas' events, so it cannot see evictions.
+arrive as a Poisson process; a step's events reach the router when the step ends, before the
+requests it finished are. Policies: the core's four, plus `approx`: cache-aware scoring over the
+core's record of what it sent where (SGLang's approximate tree, as block hashes) instead of the
+replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
+        [--blocks B] [--seeds N]
 """
 
 from __future__ import annotations
@@ -75,11 +77,7 @@ def simulate(
     approx = policy == "approx"
     knobs = {} if token_weight is None else {"token_weight": token_weight}
     router = Router(
-        replicas,
-        block_size,
-        "cache_aware" if approx else policy,
-        pending_ttl=1e18 if approx else 5.0,
-        **knobs,
+        replicas, block_size, "cache_aware" if approx else policy, approximate=approx, **knobs
     )
     scheds = []
     for _ in range(replicas):
@@ -100,7 +98,7 @@ def simulate(
     events: list = [(a, 0, i) for i, (a, _) in enumerate(arrivals)]  # (time, kind, what)
     heapq.heapify(events)
     busy = [False] * replicas
-    arrival_of, home, first, uncached = {}, {}, {}, {}
+    arrival_of, home, first, tickets = {}, {}, {}, {}
     prompt_tokens = cached = generated = 0
     now = 0.0
 
@@ -117,7 +115,7 @@ def simulate(
         if kind == 0:
             _, prompt = arrivals[what]
             rid = f"q{what}"
-            r, _, _, uncached[rid] = router.route(prompt, now=now)
+            r, _, _, _, tickets[rid] = router.route(prompt, now=now)
             scheds[r].add_request(rid, prompt, max_tokens=out, ignore_eos=True, arrival_time=now)
             arrival_of[rid], home[rid] = now, r
             prompt_tokens += len(prompt)
@@ -130,16 +128,15 @@ def simulate(
                 first[rid] = now
                 cached += s.num_cached_tokens(rid) or 0
         generated += step.num_samples
-        for done_rid, _, _, _, done in s.update_from_output(
-            step, np.full(step.num_samples, 7, np.int64)
-        ):
-            if done:
-                router.finish(r, uncached.pop(done_rid))
+        finished = s.update_from_output(step, np.full(step.num_samples, 7, np.int64))
         if not approx:
             kinds, starts, _, _, hashes, _ = s.drain_kv_events()
             if len(kinds):
                 router.apply_events(r, seqs[r], kinds, starts, hashes)
                 seqs[r] += 1
+        for done_rid, _, _, _, done in finished:
+            if done:
+                router.finish(tickets.pop(done_rid))
         stats = s.get_stats()
         router.set_load(r, stats["num_waiting"], stats["num_running"], stats["kv_usage"])
         busy[r] = False
@@ -151,6 +148,19 @@ def simulate(
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "tok_s": generated / now,
     }
+
+
+def trace(args: argparse.Namespace, k: int, seed: int) -> list[list[int]]:
+    """The command line's workload for `k` replicas, drawn with `seed`."""
+    if args.workload == "shared_prefix":
+        return shared_prefix(args.groups_per_replica * k, 8, 512, 32, seed=seed)
+    convs, turns, turn_len = WORKLOADS[args.workload]
+    return multi_turn(
+        (args.convs_per_replica or convs) * k,
+        args.turns or turns,
+        args.turn_len or turn_len,
+        seed=seed,
+    )
 
 
 def main(argv=None) -> None:
@@ -171,28 +181,32 @@ def main(argv=None) -> None:
         type=float,
         help="cache_aware / approx: the prefill-cost weight (default: the router core's)",
     )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per row, each with its own trace and arrivals (seeds 0..N-1); the row is "
+        "their mean (one run's p99 rests on its few slowest requests)",
+    )
     args = ap.parse_args(argv)
     print("| replicas | policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | tok/s |")
     print("|---|---|---|---|---|---|")
     for k in args.replicas:
-        if args.workload == "shared_prefix":
-            prompts = shared_prefix(args.groups_per_replica * k, 8, 512, 32)
-        else:
-            convs, turns, turn_len = WORKLOADS[args.workload]
-            prompts = multi_turn(
-                (args.convs_per_replica or convs) * k,
-                args.turns or turns,
-                args.turn_len or turn_len,
-            )
+        traces = [trace(args, k, seed) for seed in range(args.seeds)]
         for policy in args.policies:
-            m = simulate(
-                prompts,
-                replicas=k,
-                policy=policy,
-                blocks=args.blocks,
-                rate=args.rate_per_replica * k,
-                token_weight=args.token_weight,
-            )
+            runs = [
+                simulate(
+                    prompts,
+                    replicas=k,
+                    policy=policy,
+                    blocks=args.blocks,
+                    rate=args.rate_per_replica * k,
+                    token_weight=args.token_weight,
+                    seed=seed,
+                )
+                for seed, prompts in enumerate(traces)
+            ]
+            m = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
             print(
                 f"| {k} | {policy} | {m['hit_rate']:.3f} | {m['ttft_p50']:.3f} "
                 f"| {m['ttft_p99']:.3f} | {m['tok_s']:.0f} |",

@@ -22,7 +22,8 @@ impl PyRouter {
                         balance_rel_threshold = defaults::BALANCE_REL_THRESHOLD,
                         load_weight = defaults::LOAD_WEIGHT,
                         token_weight = defaults::TOKEN_WEIGHT,
-                        pending_ttl = defaults::PENDING_TTL))]
+                        pending_ttl = defaults::PENDING_TTL,
+                        approximate = false))]
     #[allow(clippy::too_many_arguments)] // one per Python keyword argument
     fn new(
         num_replicas: i64,
@@ -33,6 +34,7 @@ impl PyRouter {
         load_weight: f64,
         token_weight: f64,
         pending_ttl: f64,
+        approximate: bool,
     ) -> PyResult<Self> {
         let mut cfg = RouterConfig::new(
             non_negative("num_replicas", num_replicas)?,
@@ -44,6 +46,7 @@ impl PyRouter {
         cfg.load_weight = load_weight;
         cfg.token_weight = token_weight;
         cfg.pending_ttl = pending_ttl;
+        cfg.approximate = approximate;
         Ok(Self {
             inner: Router::new(cfg)?,
         })
@@ -65,8 +68,8 @@ impl PyRouter {
     }
 
     /// Picks a replica for `token_ids` (see `Router::route`): `(replica, matched_blocks,
-    /// eligible_blocks, uncached_tokens)`. PagedLLMError when no live replica is left outside
-    /// `excluded`.
+    /// eligible_blocks, uncached_tokens, ticket)`. PagedLLMError when no live replica is left
+    /// outside `excluded`.
     #[pyo3(signature = (token_ids, *, lora_id = 0, session = None, excluded = 0, now = 0.0))]
     fn route(
         &mut self,
@@ -75,7 +78,7 @@ impl PyRouter {
         session: Option<&str>,
         excluded: u64,
         now: f64,
-    ) -> PyResult<(usize, usize, usize, usize)> {
+    ) -> PyResult<(usize, usize, usize, usize, u64)> {
         let tokens = kv_args::token_ids(token_ids)?;
         let d = self.inner.route(&tokens, lora_id, session, excluded, now)?;
         Ok((
@@ -83,12 +86,13 @@ impl PyRouter {
             d.matched_blocks,
             d.eligible_blocks,
             d.uncached_tokens,
+            d.ticket,
         ))
     }
 
-    /// A request routed to `replica` ended; `uncached_tokens`: what its `route` returned.
-    fn finish(&mut self, replica: usize, uncached_tokens: usize) -> PyResult<()> {
-        Ok(self.inner.finish(replica, uncached_tokens)?)
+    /// The request of `ticket` (what its `route` returned) ended (see `Router::finish`).
+    fn finish(&mut self, ticket: u64) -> PyResult<()> {
+        Ok(self.inner.finish(ticket)?)
     }
 
     fn set_alive(&mut self, replica: usize, alive: bool) -> PyResult<()> {
@@ -120,7 +124,7 @@ impl PyRouter {
         starts: PyReadonlyArray1<'_, u32>,
         hashes: PyReadonlyArray1<'_, u64>,
     ) -> PyResult<i64> {
-        let r = self.inner.index_mut().apply_batch(
+        let r = self.inner.apply_batch(
             replica,
             seq,
             kinds.as_slice()?,
@@ -143,13 +147,12 @@ impl PyRouter {
     ) -> PyResult<()> {
         Ok(self
             .inner
-            .index_mut()
             .apply_snapshot(replica, seq, hashes.as_slice()?)?)
     }
 
     /// Forgets `replica`'s part of the index (a restarted replica: batches from 0 again).
     fn reset_replica(&mut self, replica: usize) -> PyResult<()> {
-        Ok(self.inner.index_mut().reset_replica(replica)?)
+        Ok(self.inner.reset_replica(replica)?)
     }
 
     fn next_seq(&self, replica: usize) -> PyResult<u64> {
@@ -170,6 +173,12 @@ impl PyRouter {
 
     fn expire_pending(&mut self, now: f64) {
         self.inner.expire_pending(now)
+    }
+
+    /// Blocks of the requests in flight on `replica` that count as held there at `now`.
+    #[pyo3(signature = (replica, *, now = 0.0))]
+    fn num_pending(&self, replica: usize, now: f64) -> usize {
+        self.inner.num_pending(replica, now)
     }
 
     /// Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,

@@ -118,6 +118,15 @@ impl PrefixIndex {
         Ok(Applied::Applied)
     }
 
+    /// Marks `hashes` as held by `replica` without an event (the approximate router's record
+    /// of what it sent there; outside the event sequence).
+    pub fn record(&mut self, replica: usize, hashes: &[u64]) {
+        let bit = 1u64 << replica;
+        for &h in hashes {
+            *self.blocks.entry(h).or_insert(0) |= bit;
+        }
+    }
+
     /// Replaces `replica`'s part with `hashes` (its whole cache as of batch `seq`): the next
     /// batch expected is `seq + 1`.
     pub fn apply_snapshot(&mut self, replica: usize, seq: u64, hashes: &[u64]) -> Result<()> {

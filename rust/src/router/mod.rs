@@ -15,8 +15,15 @@
 //! - `session`: sticky by a session key (rendezvous hashing over the live replicas, so a
 //!   replica leaving moves only its own sessions).
 //!
-//! A routed prompt's blocks count as held by its replica for `pending_ttl` seconds before its
-//! events arrive, so a burst sharing a new prefix follows its first request.
+//! A routed prompt's blocks count as held by its replica (pending) from `route` until the
+//! request finishes (`finish`), `pending_ttl` seconds at most (a bound for a finish that never
+//! comes): the replica holds them or will once that request's prefill runs, since a waiting
+//! or preempted request computes again whatever was evicted and a running one's blocks cannot
+//! be evicted. So a burst sharing a new prefix follows its first request however long that one
+//! waits, and after it ends the events alone speak: an eviction is seen at once. With
+//! `approximate`, the router instead records what it sent where for good and never learns of
+//! evictions (SGLang's approximate tree, as block hashes): the baseline the simulation
+//! compares against.
 pub mod index;
 
 use std::collections::HashMap;
@@ -79,7 +86,10 @@ pub struct RouterConfig {
     pub load_weight: f64,
     /// Weight of the prefill-cost penalty against the matched-prefix fraction (in [0, 1]).
     pub token_weight: f64,
+    /// The longest a routed request's blocks count as pending (seconds).
     pub pending_ttl: f64,
+    /// Index what was routed where instead of the replicas' events (the approximate baseline).
+    pub approximate: bool,
 }
 
 pub mod defaults {
@@ -87,7 +97,9 @@ pub mod defaults {
     pub const BALANCE_REL_THRESHOLD: f64 = 1.5;
     pub const LOAD_WEIGHT: f64 = 0.5;
     pub const TOKEN_WEIGHT: f64 = 0.0;
-    pub const PENDING_TTL: f64 = 5.0;
+    /// Longer than a request stays in flight under heavy load (`finish` ends its pending blocks
+    /// as a rule; this only bounds a finish that never comes).
+    pub const PENDING_TTL: f64 = 120.0;
 }
 
 impl RouterConfig {
@@ -101,6 +113,7 @@ impl RouterConfig {
             load_weight: defaults::LOAD_WEIGHT,
             token_weight: defaults::TOKEN_WEIGHT,
             pending_ttl: defaults::PENDING_TTL,
+            approximate: false,
         }
     }
 
@@ -173,16 +186,40 @@ pub struct Decision {
     pub replica: usize,
     pub matched_blocks: usize,
     pub eligible_blocks: usize,
-    /// Prompt tokens outside the matched blocks: what `finish` is given back.
+    /// Prompt tokens outside the matched blocks (in flight on the replica until `finish`).
     pub uncached_tokens: usize,
+    /// What `finish` is given when the request ends.
+    pub ticket: u64,
+}
+
+/// A block of requests in flight on a replica.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Pending {
+    replica: u8,
+    /// How many of them hold it.
+    count: u32,
+    /// The latest of their `pending_ttl` bounds.
+    expiry: f64,
+}
+
+/// A routed request that has not finished.
+#[derive(Debug, Clone)]
+struct InFlight {
+    replica: usize,
+    uncached_tokens: usize,
+    /// The blocks it holds pending (emptied when its bound passes).
+    pended: Vec<u64>,
+    expiry: f64,
 }
 
 #[derive(Debug, Clone)]
 pub struct Router {
     cfg: RouterConfig,
     index: PrefixIndex,
-    /// Blocks of recently routed prompts: hash -> (replica mask, expiry time).
-    pending: HashMap<u64, (u64, f64), IdBuildHasher>,
+    /// Blocks of requests in flight: hash -> one entry per replica.
+    pending: HashMap<u64, Vec<Pending>, IdBuildHasher>,
+    requests: HashMap<u64, InFlight, IdBuildHasher>,
+    next_ticket: u64,
     alive: u64,
     loads: Vec<ReplicaLoad>,
     counters: Vec<ReplicaCounters>,
@@ -198,6 +235,8 @@ impl Router {
             cfg,
             index,
             pending: HashMap::default(),
+            requests: HashMap::default(),
+            next_ticket: 0,
             alive: if n == 64 { u64::MAX } else { (1u64 << n) - 1 },
             loads: vec![ReplicaLoad::default(); n],
             counters: vec![ReplicaCounters::default(); n],
@@ -213,11 +252,31 @@ impl Router {
         &self.index
     }
 
-    pub fn index_mut(&mut self) -> &mut PrefixIndex {
-        &mut self.index
+    /// Applies batch `seq` of `replica`'s KV events to the index (`PrefixIndex::apply_batch`).
+    pub fn apply_batch(
+        &mut self,
+        replica: usize,
+        seq: u64,
+        kinds: &[u8],
+        starts: &[u32],
+        hashes: &[u64],
+    ) -> Result<Applied> {
+        self.index.apply_batch(replica, seq, kinds, starts, hashes)
+    }
+
+    /// Replaces `replica`'s part of the index with its whole cache as of batch `seq`
+    /// (`PrefixIndex::apply_snapshot`).
+    pub fn apply_snapshot(&mut self, replica: usize, seq: u64, hashes: &[u64]) -> Result<()> {
+        self.index.apply_snapshot(replica, seq, hashes)
+    }
+
+    /// Forgets `replica`'s part of the index (a restarted replica: batches from 0 again).
+    pub fn reset_replica(&mut self, replica: usize) -> Result<()> {
+        self.index.reset_replica(replica)
     }
 
     /// Takes a replica in or out of rotation (its index part is kept: see `PrefixIndex`).
+    /// Out of rotation, its requests stop counting: a late `finish` for one changes nothing.
     pub fn set_alive(&mut self, replica: usize, alive: bool) -> Result<()> {
         self.index.check_replica(replica)?;
         if alive {
@@ -226,6 +285,16 @@ impl Router {
             self.alive &= !(1 << replica);
             self.loads[replica].in_flight = 0;
             self.loads[replica].uncached_tokens = 0;
+            let gone: Vec<u64> = self
+                .requests
+                .iter()
+                .filter(|(_, q)| q.replica == replica)
+                .map(|(&t, _)| t)
+                .collect();
+            for t in gone {
+                let q = self.requests.remove(&t).expect("listed above");
+                self.unpend(q.replica, &q.pended);
+            }
         }
         Ok(())
     }
@@ -248,14 +317,40 @@ impl Router {
         Ok(())
     }
 
-    /// A request routed to `replica` finished (or failed); `uncached_tokens`: its
-    /// `Decision::uncached_tokens`.
-    pub fn finish(&mut self, replica: usize, uncached_tokens: usize) -> Result<()> {
-        self.index.check_replica(replica)?;
-        let l = &mut self.loads[replica];
+    /// The request of `ticket` (its `Decision::ticket`) finished or failed: it no longer
+    /// counts on its replica, nor do its blocks (what its prefill stored, the events say). A
+    /// ticket already ended, or dropped with its replica by `set_alive`, is ignored; one never
+    /// issued is an error.
+    pub fn finish(&mut self, ticket: u64) -> Result<()> {
+        let Some(q) = self.requests.remove(&ticket) else {
+            if ticket < self.next_ticket {
+                return Ok(());
+            }
+            return Err(Error::InvalidArgument(format!(
+                "ticket {ticket} was never issued by this router"
+            )));
+        };
+        let l = &mut self.loads[q.replica];
         l.in_flight = l.in_flight.saturating_sub(1);
-        l.uncached_tokens = l.uncached_tokens.saturating_sub(uncached_tokens as u64);
+        l.uncached_tokens = l.uncached_tokens.saturating_sub(q.uncached_tokens as u64);
+        self.unpend(q.replica, &q.pended);
         Ok(())
+    }
+
+    /// Requests routed and not yet finished (all replicas).
+    pub fn num_in_flight(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Blocks of requests in flight on `replica` that count as held there at `now`.
+    pub fn num_pending(&self, replica: usize, now: f64) -> usize {
+        self.pending
+            .values()
+            .filter(|v| {
+                v.iter()
+                    .any(|p| p.replica as usize == replica && p.expiry > now)
+            })
+            .count()
     }
 
     pub fn load(&self, replica: usize) -> Option<ReplicaLoad> {
@@ -268,7 +363,7 @@ impl Router {
 
     /// Picks a replica for a prompt (`lora_id` 0: the base model; `session`: the sticky key
     /// of the `session` policy) at time `now` (seconds, for the pending blocks' expiry), and
-    /// counts it as in flight there. `excluded`: a mask of replicas not to pick (those a retry
+    /// counts it as in flight there until `finish(decision.ticket)`. `excluded`: a mask of replicas not to pick (those a retry
     /// already failed on). Err when no live replica is left.
     pub fn route(
         &mut self,
@@ -298,15 +393,39 @@ impl Router {
                 None => self.least_loaded(candidates),
             },
         };
-        if self.cfg.pending_ttl > 0.0 {
-            let expiry = now + self.cfg.pending_ttl;
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let expiry = now + self.cfg.pending_ttl;
+        let mut pended = Vec::new();
+        if self.cfg.approximate {
+            self.index.record(replica, &hashes);
+        } else if self.cfg.pending_ttl > 0.0 {
             for &h in &hashes {
-                let e = self.pending.entry(h).or_insert((0, expiry));
-                e.0 |= 1 << replica;
-                e.1 = expiry;
+                let v = self.pending.entry(h).or_default();
+                match v.iter_mut().find(|p| p.replica as usize == replica) {
+                    Some(p) => {
+                        p.count += 1;
+                        p.expiry = p.expiry.max(expiry);
+                    }
+                    None => v.push(Pending {
+                        replica: replica as u8,
+                        count: 1,
+                        expiry,
+                    }),
+                }
             }
+            pended = hashes;
         }
         let uncached = tokens.len().saturating_sub(matched[replica] * bs);
+        self.requests.insert(
+            ticket,
+            InFlight {
+                replica,
+                uncached_tokens: uncached,
+                pended,
+                expiry,
+            },
+        );
         self.loads[replica].in_flight += 1;
         self.loads[replica].uncached_tokens += uncached as u64;
         let c = &mut self.counters[replica];
@@ -318,12 +437,39 @@ impl Router {
             matched_blocks: matched[replica],
             eligible_blocks: eligible,
             uncached_tokens: uncached,
+            ticket,
         })
     }
 
-    /// Drops pending blocks whose time is up (call now and then; `route` ignores them anyway).
+    /// Drops the pending blocks of requests in flight past their bound (call now and then;
+    /// `route` ignores expired ones anyway). The requests still count as load until `finish`.
     pub fn expire_pending(&mut self, now: f64) {
-        self.pending.retain(|_, (_, expiry)| *expiry > now);
+        let mut expired = Vec::new();
+        for q in self.requests.values_mut() {
+            if q.expiry <= now && !q.pended.is_empty() {
+                expired.push((q.replica, std::mem::take(&mut q.pended)));
+            }
+        }
+        for (replica, hashes) in expired {
+            self.unpend(replica, &hashes);
+        }
+    }
+
+    /// One request in flight on `replica` no longer holds `hashes`.
+    fn unpend(&mut self, replica: usize, hashes: &[u64]) {
+        for h in hashes {
+            if let Some(v) = self.pending.get_mut(h) {
+                if let Some(i) = v.iter().position(|p| p.replica as usize == replica) {
+                    v[i].count -= 1;
+                    if v[i].count == 0 {
+                        v.swap_remove(i);
+                    }
+                }
+                if v.is_empty() {
+                    self.pending.remove(h);
+                }
+            }
+        }
     }
 
     /// Leading blocks of `hashes` each candidate holds (index or pending).
@@ -332,9 +478,9 @@ impl Router {
         let mut live = candidates;
         for (i, &h) in hashes.iter().enumerate() {
             let mut holders = self.index.holders(h);
-            if let Some(&(mask, expiry)) = self.pending.get(&h) {
-                if expiry > now {
-                    holders |= mask;
+            for p in self.pending.get(&h).into_iter().flatten() {
+                if p.expiry > now {
+                    holders |= 1 << p.replica;
                 }
             }
             let dropped = live & !holders;

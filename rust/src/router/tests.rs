@@ -28,7 +28,6 @@ fn serve(r: &mut Router, m: &mut KvCacheManager, replica: usize, seq: u64, p: &[
     m.free(s).unwrap();
     let b = m.kv_events_mut().drain();
     let got = r
-        .index_mut()
         .apply_batch(replica, seq, &b.kinds, &b.starts, &b.hashes)
         .unwrap();
     assert_eq!(got, Applied::Applied);
@@ -60,7 +59,7 @@ fn a_conversations_later_turns_go_to_the_replica_holding_its_prefix() {
             let rep = d.replica;
             serve(&mut r, &mut caches[rep], rep, seqs[rep], conv, 0);
             seqs[rep] += 1;
-            r.finish(rep, d.uncached_tokens).unwrap();
+            r.finish(d.ticket).unwrap();
             *conv = turn(conv, 10 + step as u32);
         }
     }
@@ -90,15 +89,10 @@ fn an_index_rebuilt_from_a_snapshot_after_a_lost_batch_matches_the_cache() {
     let _lost = m.kv_events_mut().drain();
     m.reset_prefix_cache();
     let b = m.kv_events_mut().drain();
-    let got = r
-        .index_mut()
-        .apply_batch(0, 2, &b.kinds, &b.starts, &b.hashes)
-        .unwrap();
+    let got = r.apply_batch(0, 2, &b.kinds, &b.starts, &b.hashes).unwrap();
     assert_eq!(got, Applied::Gap { expected: 1 });
     m.cache_full_blocks(s, &p, p.len(), 0).unwrap();
-    r.index_mut()
-        .apply_snapshot(0, 2, &m.registered_hashes())
-        .unwrap();
+    r.apply_snapshot(0, 2, &m.registered_hashes()).unwrap();
     let mut ours = r.index().replica_hashes(0).unwrap();
     let mut theirs = m.registered_hashes();
     ours.sort_unstable();
@@ -112,10 +106,11 @@ fn least_loaded_takes_the_replica_with_fewest_in_flight() {
     let mut r = router(3, RoutingPolicy::LeastLoaded);
     let p = [1, 2, 3];
     let picks: Vec<_> = (0..3)
-        .map(|_| r.route(&p, 0, None, 0, 0.0).unwrap().replica)
+        .map(|_| r.route(&p, 0, None, 0, 0.0).unwrap())
         .collect();
-    assert_eq!(picks, vec![0, 1, 2]);
-    r.finish(1, 3).unwrap();
+    let replicas: Vec<_> = picks.iter().map(|d| d.replica).collect();
+    assert_eq!(replicas, vec![0, 1, 2]);
+    r.finish(picks[1].ticket).unwrap();
     assert_eq!(r.route(&p, 0, None, 0, 0.0).unwrap().replica, 1);
 }
 
@@ -230,8 +225,8 @@ fn a_routed_prompts_uncached_tokens_count_on_its_replica_until_it_finishes() {
     assert_eq!((cold.replica, cold.uncached_tokens), (0, 9));
     assert_eq!(r.load(0).unwrap().uncached_tokens, 9);
     assert_eq!(r.load(1).unwrap().uncached_tokens, 1);
-    r.finish(1, hit.uncached_tokens).unwrap();
-    r.finish(0, cold.uncached_tokens).unwrap();
+    r.finish(hit.ticket).unwrap();
+    r.finish(cold.ticket).unwrap();
     assert_eq!(r.load(0).unwrap().uncached_tokens, 0);
     assert_eq!(r.load(1).unwrap().uncached_tokens, 0);
 }
@@ -266,4 +261,123 @@ fn with_a_token_weight_cache_aware_leaves_a_hit_behind_a_long_prefill_queue() {
         0,
         "400 queued prefill tokens outweigh a 2-block hit"
     );
+}
+
+/// A cache-aware router with the default pending bound.
+fn pending_router(n: usize) -> Router {
+    Router::new(RouterConfig::new(n, BS, RoutingPolicy::CacheAware)).unwrap()
+}
+
+#[test]
+fn a_burst_follows_its_first_request_however_long_that_one_waits_for_its_prefill() {
+    let mut r = pending_router(2);
+    let p = turn(&[], 11);
+    let first = r.route(&p, 0, None, 0, 0.0).unwrap();
+    // no events yet (its prefill is queued): the blocks are still pending there
+    let later = r.route(&p, 0, None, 0, 20.0).unwrap();
+    assert_eq!((later.replica, later.matched_blocks), (first.replica, 2));
+}
+
+#[test]
+fn an_eviction_after_the_request_ended_is_seen_at_once() {
+    let mut r = pending_router(2);
+    let mut m = replica();
+    let p = turn(&[], 12);
+    let d = r.route(&p, 0, None, 0, 0.0).unwrap();
+    serve(&mut r, &mut m, d.replica, 0, &p, 0);
+    r.finish(d.ticket).unwrap();
+    m.reset_prefix_cache();
+    let b = m.kv_events_mut().drain();
+    r.apply_batch(d.replica, 1, &b.kinds, &b.starts, &b.hashes)
+        .unwrap();
+    assert_eq!(r.route(&p, 0, None, 0, 0.1).unwrap().matched_blocks, 0);
+}
+
+#[test]
+fn a_request_that_ends_without_events_stops_its_blocks_counting() {
+    let mut r = pending_router(2);
+    let p = turn(&[], 13);
+    let d = r.route(&p, 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.num_pending(d.replica, 0.0), 2);
+    r.finish(d.ticket).unwrap(); // failed before its prefill: no event will come
+    assert_eq!(r.num_pending(d.replica, 0.0), 0);
+    assert_eq!(r.route(&p, 0, None, 0, 0.1).unwrap().matched_blocks, 0);
+}
+
+#[test]
+fn finishing_one_of_two_requests_sharing_a_prefix_keeps_it_pending_for_the_other() {
+    let mut r = pending_router(2);
+    let p = turn(&[], 14);
+    let a = r.route(&p, 0, None, 0, 0.0).unwrap();
+    let b = r.route(&p, 0, None, 0, 0.0).unwrap();
+    assert_eq!(a.replica, b.replica);
+    r.finish(a.ticket).unwrap();
+    assert_eq!(r.num_pending(b.replica, 0.0), 2);
+    r.finish(b.ticket).unwrap();
+    assert_eq!(r.num_pending(b.replica, 0.0), 0);
+}
+
+#[test]
+fn a_waiting_requests_blocks_evicted_before_its_prefill_still_count_on_its_replica() {
+    let mut r = pending_router(2);
+    let mut m = replica();
+    let p = turn(&[], 15);
+    serve(&mut r, &mut m, 1, 0, &p, 0);
+    let waiting = r.route(&p, 0, None, 0, 0.0).unwrap();
+    assert_eq!(waiting.replica, 1);
+    // evicted while it waits: its prefill will compute them there again
+    m.reset_prefix_cache();
+    let b = m.kv_events_mut().drain();
+    r.apply_batch(1, 1, &b.kinds, &b.starts, &b.hashes).unwrap();
+    let next = r.route(&p, 0, None, 0, 0.1).unwrap();
+    assert_eq!((next.replica, next.matched_blocks), (1, 2));
+}
+
+#[test]
+fn a_requests_pending_blocks_end_at_its_bound_and_it_still_counts_as_load() {
+    let mut cfg = RouterConfig::new(1, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 5.0;
+    let mut r = Router::new(cfg).unwrap();
+    r.route(&turn(&[], 16), 0, None, 0, 0.0).unwrap();
+    r.expire_pending(6.0);
+    assert_eq!(r.num_pending(0, 0.0), 0);
+    assert_eq!(r.load(0).unwrap().in_flight, 1);
+}
+
+#[test]
+fn finish_ignores_an_ended_ticket_and_refuses_one_never_issued() {
+    let mut r = pending_router(1);
+    let d = r.route(&[1, 2, 3], 0, None, 0, 0.0).unwrap();
+    r.finish(d.ticket).unwrap();
+    r.finish(d.ticket).unwrap();
+    assert_eq!(r.num_in_flight(), 0);
+    let e = r.finish(d.ticket + 1).unwrap_err().to_string();
+    assert!(e.contains("never issued"), "{e}");
+}
+
+#[test]
+fn a_late_finish_for_a_replica_taken_out_of_rotation_leaves_its_new_load_alone() {
+    let mut r = router(1, RoutingPolicy::LeastLoaded);
+    let old = r.route(&turn(&[], 17), 0, None, 0, 0.0).unwrap();
+    r.set_alive(0, false).unwrap();
+    r.set_alive(0, true).unwrap();
+    let new = r.route(&turn(&[], 18), 0, None, 0, 0.0).unwrap();
+    r.finish(old.ticket).unwrap();
+    let l = r.load(0).unwrap();
+    assert_eq!(
+        (l.in_flight, l.uncached_tokens),
+        (1, new.uncached_tokens as u64)
+    );
+}
+
+#[test]
+fn the_approximate_router_keeps_what_it_sent_where_after_the_request_ends() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.approximate = true;
+    let mut r = Router::new(cfg).unwrap();
+    let p = turn(&[], 19);
+    let d = r.route(&p, 0, None, 0, 0.0).unwrap();
+    r.finish(d.ticket).unwrap();
+    let again = r.route(&p, 0, None, 0, 1e9).unwrap();
+    assert_eq!((again.replica, again.matched_blocks), (d.replica, 2));
 }
