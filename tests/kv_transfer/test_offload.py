@@ -1,9 +1,11 @@
 """The native KV offload tier (kv_offloading_size): prefixes the device cache lets go are
 saved into a host pool and loaded back instead of recomputed, with outputs unchanged; a
-request waits for its load without holding others back; a failed or corrupted load is
-recomputed; nothing leaks."""
+request is admitted in the step that loads its prefix; a failed or corrupted load discards
+that step and is recomputed; nothing leaks."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -222,6 +224,29 @@ def test_a_failed_load_discards_its_step_and_leaves_every_output_unchanged():
     # the step that loaded it was taken back, "other"'s row with it, and computed again
     assert engine.scheduler.get_stats()["num_rolled_back_steps"] == rolled_back + 1
     assert [done["other"], done["loads"]] == want
+    drained(llm)
+
+
+def test_a_load_that_raises_fails_its_blocks_and_their_tokens_are_recomputed(caplog):
+    history = histories(1)[0]
+    want = make_llm().generate({"prompt_token_ids": history + [9]}, GREEDY, use_tqdm=False)
+    llm = make_llm(kv_offloading_size=0.01)
+    seed_tier(llm, history)
+    connector = llm.llm_engine.kv_transfer
+    load = connector._load
+
+    def broken(*args):
+        connector._load = load  # once
+        raise RuntimeError("copy failed")
+
+    connector._load = broken
+    with caplog.at_level(logging.ERROR, logger="pagedllm"):
+        got = llm.generate({"prompt_token_ids": history + [9]}, GREEDY, use_tqdm=False)
+    assert "a KV load from the offload tier failed" in caplog.text
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    # every block of the load was dropped from the tier and computed again
+    assert llm.llm_engine.scheduler.get_stats()["kv_offload_failed_blocks"] == 12
+    assert got[0].metrics.num_offloaded_cached_tokens == 0
     drained(llm)
 
 
