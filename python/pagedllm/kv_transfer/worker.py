@@ -3,10 +3,13 @@ step's `kv_load_*` / `kv_save_*` arrays) on a copy thread and reports finished t
 
 - `start_load_kv(step)`: right after `schedule()`, before anything of the step can fail
   (the scheduler holds the blocks until each transfer is reported, so every one must run);
-  saves go first, in order, then loads. The step's synchronous loads (`kv_sync_jobs`: the
-  host tier's) are copied in before it returns, ahead of the forward (all layers at once:
-  vLLM's per-layer `wait_for_layer_load` would only overlap them with the first layers),
-  and it returns their (jobs, failed device blocks) for the engine to report at once.
+  the copy thread runs saves first, in order, then asynchronous loads. The step's
+  synchronous loads (`kv_sync_jobs`: the host tier's) are copied in on the calling thread
+  before it returns, ahead of the forward (all layers at once: vLLM's per-layer
+  `wait_for_layer_load` would only overlap them with the first layers), and it returns their
+  (jobs, failed device blocks) for the engine to report at once. They may overtake the copy
+  thread's saves: a save reads blocks held until it is reported and writes a slot no load
+  reads, a load reads a slot whose save was reported and writes a fresh block.
 - `get_finished()`: (finished loads, finished saves, device blocks whose load failed), the
   scheduler's `update_connector_output` arguments (vLLM's `get_finished`).
 - `wait_for_save()`: blocks until every transfer submitted so far is done.
@@ -18,8 +21,11 @@ block hash the scheduler expects (a corrupted or overwritten entry) is not copie
 reported as failed: those tokens are computed again.
 
 On CPU the copy thread overlaps the copies with the forward (torch releases the GIL). On
-CUDA the pool is pinned and the copies run on a side stream, ordered after the forward that
-computed the saved blocks by an event, and reported once the stream has finished them.
+CUDA the pool is pinned and the copy thread's copies run on a side stream, ordered after the
+forward that computed the saved blocks by an event, and reported once the stream has finished
+them; synchronous loads are queued on the current stream, so the forward after them waits for
+them (and a later step's saves, ordered after its own event, never overwrite a slot before
+they have read it).
 """
 
 from __future__ import annotations
