@@ -13,7 +13,7 @@
 //!   loads the blocks before the first failed one again and computes the rest. Another
 //!   request of the step may have hit the loaded blocks, so rolling back the one request
 //!   alone would not do.
-//! - Asynchronous (the disk tier, `park_for_remote_kvs` at admission, `promote` when
+//! - Asynchronous (the disk tier, parked by `match_remote_kvs` at admission, `promote` when
 //!   reported): the request's leader gets a table of its device hit plus fresh blocks for
 //!   the external tokens, keeps its place in `waiting` (admission steps over it, others
 //!   pass) in `WAITING_FOR_REMOTE_KVS`; once the load is reported the blocks that loaded
