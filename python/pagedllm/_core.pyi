@@ -461,6 +461,10 @@ class SchedulerOutput:
     @property
     def kv_save_hashes(self) -> _npt.NDArray[_np.uint64]:
         """[M] the block hash of each saved block."""
+    @property
+    def kv_sync_jobs(self) -> _npt.NDArray[_np.uint64]:
+        """[S] the transfers whose loads are synchronous: copied in before this step's
+        forward and reported (`update_connector_output`) before its output."""
 
 class Scheduler:
     """The engine's scheduler (strategies unified / prefill_first / chunked_prefill,
@@ -606,7 +610,9 @@ class Scheduler:
         invalid_blocks: _Iterable[int] = ...,
     ) -> None:
         """The workers' report of the KV connector's transfers: finished loads, finished
-        saves, device blocks whose load failed (recomputed). ``ValueError`` for an id the
+        saves, device blocks whose load failed (recomputed). A step's synchronous loads
+        (``kv_sync_jobs``) are reported before its output; when one of their blocks failed,
+        the step is discarded (``discard_step``), not applied. ``ValueError`` for an id the
         scheduler is not waiting for."""
     def has_pending_transfers(self) -> bool:
         """Loads or saves not reported yet (their blocks stay allocated until then)."""

@@ -19,12 +19,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 def make_llm(path, **kw) -> LLM:
     kw.setdefault("kv_offloading_size", 0.01)
+    kw.setdefault("num_gpu_blocks", 24)
+    kw.setdefault("max_model_len", 80)
     return LLM(
         device="cpu",
         block_size=4,
-        num_gpu_blocks=24,
         swap_space=0.01,
-        max_model_len=80,
         kv_offloading_backend="disk",
         kv_offloading_path=str(path),
         **kw,
@@ -143,3 +143,90 @@ def test_disk_knobs_are_checked(tmp_path):
         EngineArgs(kv_offloading_size=1, kv_offloading_path=str(tmp_path))
     with pytest.raises(ValueError, match="need kv_offloading_size"):
         EngineArgs(kv_offloading_backend="disk", kv_offloading_path=str(tmp_path))
+
+
+def test_a_request_waits_for_its_load_without_blocking_others(tmp_path):
+    generate(make_llm(tmp_path), prompt())
+    llm = make_llm(tmp_path)  # a restart: the prefix is on disk only
+    engine = llm.llm_engine
+    gate = GatedLoads(llm)
+    engine.add_request("loads", {"prompt_token_ids": prompt() + [9]}, GREEDY)
+    engine.add_request("other", {"prompt_token_ids": prompt(1, 8)}, GREEDY)
+    done = {}
+    for _ in range(8):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert "other" in done
+    assert engine.scheduler.request_status("loads") == "WAITING_FOR_REMOTE_KVS"
+    gate.release()
+    for _ in range(200):
+        if "loads" in done:
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["loads"].num_cached_tokens == 48
+    # all of them loaded from the tier, none found on the device
+    assert done["loads"].metrics.num_offloaded_cached_tokens == 48
+
+
+def test_a_request_preempted_then_reloading_from_disk_leaks_nothing_and_keeps_its_output(
+    tmp_path,
+):
+    # 28 device blocks: "loads" (13 blocks to start, 18 at the end) and two others growing to
+    # 13 each do not fit together, and "loads", arriving last, is the first victim
+    kw = dict(num_gpu_blocks=28, max_model_len=72, preemption_mode="recompute")
+    short = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = [("o0", prompt(1, 12), long), ("o1", prompt(2, 12), long)]
+    requests.append(("loads", prompt() + [9], short))
+    base = LLM(device="cpu", block_size=4, swap_space=0.01, **kw)
+    for rid, tokens, params in requests:
+        base.llm_engine.add_request(rid, {"prompt_token_ids": tokens}, params)
+    want = {}
+    while base.llm_engine.has_unfinished_requests():
+        for out in base.llm_engine.step():
+            if out.finished:
+                want[out.request_id] = out.outputs[0].token_ids
+    generate(make_llm(tmp_path), prompt())
+    llm = make_llm(tmp_path, **kw)  # a restart: the prefix is on disk only
+    engine = llm.llm_engine
+    status = engine.scheduler.request_status
+    done = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.scheduler.check_invariants()
+
+    first_load = GatedLoads(llm)
+    for rid, tokens, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": tokens}, params)
+    step()
+    assert status("loads") == "WAITING_FOR_REMOTE_KVS"
+    first_load.release()
+    while status("loads") != "PREEMPTED":
+        step()
+    # its computed blocks went to disk when it was preempted; its reload is held
+    reload = GatedLoads(llm)
+    while status("loads") != "WAITING_FOR_REMOTE_KVS":
+        step()
+    for _ in range(4):
+        step()
+    assert status("loads") == "WAITING_FOR_REMOTE_KVS"
+    reload.release()
+    for _ in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    assert done["loads"].metrics.num_preemptions > 0
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == want
+    stats = engine.scheduler.get_stats()
+    assert not engine.scheduler.has_pending_transfers()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    # only whole block files, and they load: a new engine serves the prefix from them
+    assert all(p.suffix == ".kvblock" for p in tmp_path.iterdir())
+    again = generate(make_llm(tmp_path, **kw), prompt() + [9])
+    assert again.metrics.num_offloaded_cached_tokens == 48

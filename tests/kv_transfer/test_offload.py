@@ -1,14 +1,15 @@
 """The native KV offload tier (kv_offloading_size): prefixes the device cache lets go are
 saved into a host pool and loaded back instead of recomputed, with outputs unchanged; a
-request waits for its load without holding others back; a failed or corrupted load is
-recomputed; nothing leaks."""
+request is admitted in the step that loads its prefix; a failed or corrupted load discards
+that step and is recomputed; nothing leaks."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 import torch
-from kv_transfer_util import GatedLoads
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
@@ -143,31 +144,18 @@ def seed_tier(llm: LLM, history: list[int]) -> None:
     drained(llm)
 
 
-def test_a_request_waits_for_its_load_without_blocking_others():
+def test_a_request_whose_prefix_is_in_the_host_tier_runs_in_the_step_that_loads_it():
     llm = make_llm(kv_offloading_size=0.01)
     engine = llm.llm_engine
-    history, other = histories(2)
+    history = histories(1)[0]
     seed_tier(llm, history)
-    gate = GatedLoads(llm)
     engine.add_request("loads", {"prompt_token_ids": history + [9]}, GREEDY)
-    engine.add_request("other", {"prompt_token_ids": other[:8]}, GREEDY)
-    done = {}
-    for _ in range(8):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert "other" in done
-    assert engine.scheduler.request_status("loads") == "WAITING_FOR_REMOTE_KVS"
-    gate.release()
-    for _ in range(200):
-        if "loads" in done:
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert done["loads"].num_cached_tokens == 48
-    # all of them loaded from the tier, none found on the device
-    assert done["loads"].metrics.num_offloaded_cached_tokens == 48
+    (out,) = engine.step()
+    # loaded and computed in one step: its first token is out, it never waited for the load
+    assert len(out.outputs[0].token_ids) == 1
+    assert engine.scheduler.request_status("loads") == "RUNNING"
+    assert engine.scheduler.num_cached_tokens("loads") == 48
+    assert engine.scheduler.num_external_tokens("loads") == 48
     drained(llm)
 
 
@@ -208,35 +196,68 @@ def test_a_corrupted_entry_is_never_loaded_and_its_tokens_are_recomputed():
     drained(llm)
 
 
-def test_nothing_leaks_after_an_abort_mid_load():
+def test_a_failed_load_discards_its_step_and_leaves_every_output_unchanged():
+    history, other = histories(2)
+    long = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [other[:12], history + [9]]
+    reference = make_llm()
+    want = [
+        out.outputs[0].token_ids
+        for out in reference.generate([{"prompt_token_ids": p} for p in prompts], long)
+    ]
     llm = make_llm(kv_offloading_size=0.01)
     engine = llm.llm_engine
-    history = histories(1)[0]
     seed_tier(llm, history)
-    gate = GatedLoads(llm)
-    engine.add_request("loads", {"prompt_token_ids": history + [9]}, GREEDY)
-    engine.step()
-    assert engine.scheduler.request_status("loads") == "WAITING_FOR_REMOTE_KVS"
-    engine.abort_request("loads")
-    engine.step()
-    # its blocks stay allocated while the copy thread may still write them
-    assert engine.scheduler.get_stats()["num_free_gpu_blocks"] < NUM_GPU_BLOCKS
-    gate.release()
+    engine.add_request("other", {"prompt_token_ids": prompts[0]}, long)
+    engine.step()  # "other" runs
+    pool = engine.kv_transfer.pool
+    used = (pool.hashes != -1).nonzero().flatten()
+    pool.hashes[used[3]] = 12345  # the 4th block of `history` no longer loads
+    engine.add_request("loads", {"prompt_token_ids": prompts[1]}, long)
+    rolled_back = engine.scheduler.get_stats()["num_rolled_back_steps"]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+    # the step that loaded it was taken back, "other"'s row with it, and computed again
+    assert engine.scheduler.get_stats()["num_rolled_back_steps"] == rolled_back + 1
+    assert [done["other"], done["loads"]] == want
     drained(llm)
 
 
-def test_nothing_leaks_after_preemptions_while_loads_are_in_flight():
-    # a cache so small that the running requests preempt each other while one loads
+def test_a_load_that_raises_fails_its_blocks_and_their_tokens_are_recomputed(caplog):
+    history = histories(1)[0]
+    want = make_llm().generate({"prompt_token_ids": history + [9]}, GREEDY, use_tqdm=False)
+    llm = make_llm(kv_offloading_size=0.01)
+    seed_tier(llm, history)
+    connector = llm.llm_engine.kv_transfer
+    load = connector._load
+
+    def broken(*args):
+        connector._load = load  # once
+        raise RuntimeError("copy failed")
+
+    connector._load = broken
+    with caplog.at_level(logging.ERROR, logger="pagedllm"):
+        got = llm.generate({"prompt_token_ids": history + [9]}, GREEDY, use_tqdm=False)
+    assert "a KV load from the offload tier failed" in caplog.text
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    # every block of the load was dropped from the tier and computed again
+    assert llm.llm_engine.scheduler.get_stats()["kv_offload_failed_blocks"] == 12
+    assert got[0].metrics.num_offloaded_cached_tokens == 0
+    drained(llm)
+
+
+def test_nothing_leaks_after_preemptions_and_aborts_with_the_tier():
+    # a cache so small that the running requests preempt each other while the tier loads
     llm = make_llm(
         kv_offloading_size=0.01, num_gpu_blocks=20, max_model_len=72, preemption_mode="recompute"
     )
     engine = llm.llm_engine
     history, *others = histories(3)
-    llm.generate({"prompt_token_ids": history}, GREEDY, use_tqdm=False)
-    drained_pool = engine.scheduler.get_stats()
-    assert drained_pool["kv_offload_saved_blocks"] > 0
-    evict_device_cache(llm)
-    gate = GatedLoads(llm)
+    seed_tier(llm, history)
     long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("loads", {"prompt_token_ids": history + [9]}, GREEDY)
     for i, other in enumerate(others):
@@ -245,7 +266,7 @@ def test_nothing_leaks_after_preemptions_while_loads_are_in_flight():
         engine.step()
         engine.scheduler.check_invariants()
     assert engine.scheduler.get_stats()["num_preemptions"] > 0
-    gate.release()
+    assert engine.scheduler.get_stats()["kv_offload_loaded_blocks"] > 0
     llm.llm_engine.abort_request(["o0"])
     drained(llm)
 

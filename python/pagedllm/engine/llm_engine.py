@@ -460,9 +460,10 @@ class LLMEngine:
         if self.kv_transfer is not None:
             self._transfers_finished()
         step = self.scheduler.schedule()
+        load_failed = False
         if self.kv_transfer is not None:
             # first, before anything can fail: the scheduler holds their blocks until reported
-            self.kv_transfer.start_load_kv(step)
+            load_failed = self._start_transfers(step)
         t1 = time.perf_counter()
         touched: dict[str, RequestState] = {}
         for request_id in self._owed_outputs:
@@ -471,6 +472,10 @@ class LLMEngine:
         for request_id, reason in step.finished:
             # never fits (prompt over max_model_len or the whole cache): finished, not dropped
             touched[request_id] = self.requests.finish(request_id, "length", reason)
+        if load_failed:
+            # the step would read blocks that never loaded: its requests compute them again
+            self.scheduler.discard_step(step)
+            return self._outputs(touched)
         sampled = grammar = None
         t2 = t3 = t1
         try:
@@ -573,6 +578,15 @@ class LLMEngine:
     def _forward_rows(self, rows) -> torch.Tensor | None:
         """The forward of some of the step's rows (a group in quarantine, `StepRows`)."""
         return self._forward(self.runner.prepare(rows), self.prompt_logprobs.rows_of(rows))
+
+    def _start_transfers(self, step) -> bool:
+        """Starts the step's saves and loads; its synchronous loads (the host tier's) are
+        copied in now and reported at once. True when one of them failed: the step must be
+        discarded."""
+        jobs, invalid = self.kv_transfer.start_load_kv(step)
+        if jobs:
+            self.scheduler.update_connector_output(jobs, [], invalid)
+        return bool(invalid)
 
     def _transfers_finished(self) -> None:
         """The offload tier's finished loads and saves, fed back to the scheduler: parked

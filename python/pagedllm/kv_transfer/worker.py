@@ -3,24 +3,34 @@ step's `kv_load_*` / `kv_save_*` arrays) on a copy thread and reports finished t
 
 - `start_load_kv(step)`: right after `schedule()`, before anything of the step can fail
   (the scheduler holds the blocks until each transfer is reported, so every one must run);
-  saves go first, in order, then loads.
+  the copy thread runs saves first, in order, then asynchronous loads. The step's
+  synchronous loads (`kv_sync_jobs`: the host tier's) are copied in on the calling thread
+  before it returns, ahead of the forward (all layers at once: vLLM's per-layer
+  `wait_for_layer_load` would only overlap them with the first layers), and it returns their
+  (jobs, failed device blocks) for the engine to report at once. They may overtake the copy
+  thread's saves: a save reads blocks held until it is reported and writes a slot no load
+  reads, a load reads a slot whose save was reported and writes a fresh block.
 - `get_finished()`: (finished loads, finished saves, device blocks whose load failed), the
   scheduler's `update_connector_output` arguments (vLLM's `get_finished`).
 - `wait_for_save()`: blocks until every transfer submitted so far is done.
 
-Loads are asynchronous: the scheduler parks the request until its load is reported, so no
-forward waits on a layer's load (vLLM's `wait_for_layer_load` / `save_kv_layer` have nothing
-to do here). A load whose slot no longer holds the block hash the scheduler expects (a
-corrupted or overwritten entry) is not copied and is reported as failed: those tokens are
-computed again.
+Asynchronous loads (the disk tier's) run on the copy thread: the scheduler parks the
+request until they are reported. Saves read blocks the forwards already wrote, so no layer
+waits on them (`save_kv_layer` has nothing to do here). A load whose slot no longer holds the
+block hash the scheduler expects (a corrupted or overwritten entry) is not copied and is
+reported as failed: those tokens are computed again.
 
 On CPU the copy thread overlaps the copies with the forward (torch releases the GIL). On
-CUDA the pool is pinned and the copies run on a side stream, ordered after the forward that
-computed the saved blocks by an event, and reported once the stream has finished them.
+CUDA the pool is pinned and the copy thread's copies run on a side stream, ordered after the
+forward that computed the saved blocks by an event, and reported once the stream has finished
+them; synchronous loads are queued on the current stream, so the forward after them waits for
+them (and a later step's saves, ordered after its own event, never overwrite a slot before
+they have read it).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +39,8 @@ import numpy as np
 import torch
 
 from pagedllm.kv_transfer.host_pool import HostKVPool
+
+logger = logging.getLogger("pagedllm")
 
 
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -99,21 +111,46 @@ class CopyThreadConnector:
 
     # ---- engine thread ------------------------------------------------------------------
 
-    def start_load_kv(self, step) -> None:
-        """Submits the step's saves, then its loads, to the copy thread."""
+    def start_load_kv(self, step) -> tuple[list[int], list[int]]:
+        """Submits the step's saves and asynchronous loads to the copy thread, and copies its
+        synchronous loads in; returns those loads' (jobs, failed device blocks)."""
         save_jobs = step.kv_save_jobs
         load_jobs = step.kv_load_jobs
         if not len(save_jobs) and not len(load_jobs):
-            return
-        after = None
-        if self.cuda:  # the saved blocks were written by forwards queued on the main stream
-            after = torch.cuda.Event()
-            after.record()
-        saves = (save_jobs, step.kv_save_blocks, step.kv_save_slots, step.kv_save_hashes)
+            return [], []
+        submitted = time.perf_counter()
         loads = (load_jobs, step.kv_load_blocks, step.kv_load_slots, step.kv_load_hashes)
-        future = self._executor.submit(self._run, saves, loads, after, time.perf_counter())
+        sync_jobs = step.kv_sync_jobs
+        now = None
+        if len(sync_jobs):
+            is_sync = np.isin(load_jobs, sync_jobs)
+            now = tuple(a[is_sync] for a in loads)
+            loads = tuple(a[~is_sync] for a in loads)
+        if len(save_jobs) or len(loads[0]):
+            after = None
+            if self.cuda:  # the saved blocks were written by forwards queued on the main stream
+                after = torch.cuda.Event()
+                after.record()
+            saves = (save_jobs, step.kv_save_blocks, step.kv_save_slots, step.kv_save_hashes)
+            future = self._executor.submit(self._run, saves, loads, after, submitted)
+            with self._lock:
+                self._inflight = [f for f in self._inflight if not f.done()] + [future]
+        if now is None:
+            return [], []
+        return self._load_now(now, submitted)
+
+    def _load_now(self, loads, submitted: float) -> tuple[list[int], list[int]]:
+        """A step's synchronous loads, on the engine thread (on CUDA: queued on the current
+        stream, ahead of the forward). A load that raises fails every block of the step's
+        synchronous loads: the step is discarded and those tokens computed again."""
+        try:
+            received, invalid = self._load(*loads)
+        except Exception:
+            logger.exception("pagedllm: a KV load from the offload tier failed")
+            return list(dict.fromkeys(loads[0].tolist())), loads[1].tolist()
         with self._lock:
-            self._inflight = [f for f in self._inflight if not f.done()] + [future]
+            self.load_latency.observe(time.perf_counter() - submitted)
+        return received, invalid
 
     def get_finished(self) -> tuple[list[int], list[int], list[int]]:
         """(finished loading, finished saving, invalid device blocks) since the last call;
@@ -165,9 +202,9 @@ class CopyThreadConnector:
                 sent = self._save(*saves)
                 received, invalid = self._load(*loads)
             stream.synchronize()
-        if received:
-            self.load_latency.observe(time.perf_counter() - submitted)
         with self._done:
+            if received:
+                self.load_latency.observe(time.perf_counter() - submitted)
             self._sending += sent
             self._recving += received
             self._invalid += invalid

@@ -476,7 +476,9 @@ impl PyScheduler {
 
     /// The workers' report of the KV connector's transfers (vLLM's `get_finished`): transfer
     /// ids whose loads are done, whose saves are done, and the device blocks whose load
-    /// failed (their tokens are computed again). ValueError for an id the scheduler is not
+    /// failed (their tokens are computed again). A step's synchronous loads (`kv_sync_jobs`)
+    /// are reported before its output; when one of their blocks failed, the step is
+    /// discarded (`discard_step`), not applied. ValueError for an id the scheduler is not
     /// waiting for; nothing is applied then.
     #[pyo3(signature = (finished_recving, finished_sending, invalid_blocks = Vec::new()))]
     fn update_connector_output(

@@ -215,6 +215,9 @@ step_output_fields! {
         kv_save_slots = |o, s, py| array_of(py, &o.kv_meta().save_slots);
         /// uint64 [M] the block hash of each saved block.
         kv_save_hashes = |o, s, py| array_of(py, &o.kv_meta().save_hashes);
+        /// uint64 [S] the transfers whose loads are synchronous: copied in before this step's
+        /// forward and reported (`update_connector_output`) before its output.
+        kv_sync_jobs = |o, s, py| array_of(py, &o.kv_meta().sync_jobs);
     }
 }
 

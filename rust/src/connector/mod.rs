@@ -3,8 +3,11 @@
 //! A connector knows KV blocks that live outside the device cache (host memory, disk, another
 //! engine), keyed by the same chained block hashes as the device prefix cache. The scheduler
 //! asks it, for a request it admits, how many tokens past the device prefix hit it can load
-//! (`get_num_new_matched_tokens`), allocates device blocks for them, tells it which
-//! (`update_state_after_alloc`) and parks the request in `WAITING_FOR_REMOTE_KVS` until the
+//! (`get_num_new_matched_tokens`), allocates device blocks for them and tells it which
+//! (`update_state_after_alloc`). A synchronous load (`is_async` false: the host tier) is
+//! part of the step that admits the request: its tokens count as computed, the workers copy
+//! the blocks in before that step's forward and report the load before its output. An
+//! asynchronous one (the disk tier) parks the request in `WAITING_FOR_REMOTE_KVS` until the
 //! workers report the load done. When a request finishes it asks the connector whether it
 //! saves the request's blocks (`request_finished` -> delay_free): the blocks then stay
 //! allocated until the workers report the save done. Each step the connector hands the
@@ -38,7 +41,9 @@ pub struct ConnectorRequest<'a> {
 /// One step's transfers for the workers, flat: load `l` copies the connector's entry
 /// `load_slots[l]` (whose block hash is `load_hashes[l]`) into device block `load_blocks[l]`
 /// as part of transfer `load_jobs[l]`; saves copy device blocks out the same way. The workers
-/// run a step's transfers even when the step itself is discarded.
+/// run a step's transfers even when the step itself is discarded. The loads of the
+/// transfers in `sync_jobs` are synchronous: the workers finish them before the step's
+/// forward and report them (`update_connector_output`) before its output.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnectorMeta {
     pub load_jobs: Vec<u64>,
@@ -49,6 +54,7 @@ pub struct ConnectorMeta {
     pub save_blocks: Vec<i64>,
     pub save_slots: Vec<i64>,
     pub save_hashes: Vec<u64>,
+    pub sync_jobs: Vec<u64>,
 }
 
 impl ConnectorMeta {
@@ -61,6 +67,7 @@ impl ConnectorMeta {
         save_blocks: Vec::new(),
         save_slots: Vec::new(),
         save_hashes: Vec::new(),
+        sync_jobs: Vec::new(),
     };
 
     pub fn push_load(&mut self, job: u64, block: BlockId, slot: u32, hash: u64) {
@@ -91,6 +98,7 @@ impl ConnectorMeta {
         into.save_blocks.append(&mut self.save_blocks);
         into.save_slots.append(&mut self.save_slots);
         into.save_hashes.append(&mut self.save_hashes);
+        into.sync_jobs.append(&mut self.sync_jobs);
     }
 
     pub fn clear(&mut self) {
@@ -102,6 +110,7 @@ impl ConnectorMeta {
         self.save_blocks.clear();
         self.save_slots.clear();
         self.save_hashes.clear();
+        self.sync_jobs.clear();
     }
 }
 
@@ -121,8 +130,9 @@ pub struct ConnectorOutput<'a> {
 pub trait KvConnector: std::fmt::Debug + Send + Sync {
     /// Tokens past `num_computed` (a block boundary: the device prefix hit) that the
     /// connector can load, a multiple of the block size and never the prompt's last token;
-    /// and whether they load asynchronously. The scheduler parks the request while they load
-    /// either way (a synchronous load only finishes sooner).
+    /// and whether they load asynchronously: the scheduler then parks the request while
+    /// they load; a synchronous load is part of the step that admits the request (the
+    /// workers copy the blocks in before its forward).
     fn get_num_new_matched_tokens(
         &mut self,
         req: &ConnectorRequest<'_>,

@@ -8,6 +8,11 @@
 //! a save that needs a slot takes a free one, else evicts the least recently used ready one.
 //! A slot whose load failed is forgotten (its hash leaves the index), so the tokens are
 //! computed again and never loaded from it twice.
+//!
+//! Loads are synchronous (`is_async` false): a copy from host memory takes a fraction of a
+//! step, so the request is admitted in the step that loads its prefix (the workers copy the
+//! blocks in before the forward) rather than parked for a step. `with_async_loads` parks it
+//! instead, as the disk tier does.
 use std::collections::{BTreeMap, HashMap};
 
 use super::{ConnectorMeta, ConnectorOutput, ConnectorRequest, KvConnector};
@@ -55,6 +60,8 @@ pub struct OffloadConnector {
     jobs: HashMap<u64, Vec<(BlockId, u32)>>,
     pending: ConnectorMeta,
     stats: OffloadStats,
+    /// Loads are asynchronous (the request parks while they run).
+    async_loads: bool,
 }
 
 impl OffloadConnector {
@@ -72,7 +79,14 @@ impl OffloadConnector {
                 num_slots,
                 ..OffloadStats::default()
             },
+            async_loads: false,
         }
+    }
+
+    /// Its loads park the request until reported, instead of joining the admitting step.
+    pub fn with_async_loads(mut self) -> Self {
+        self.async_loads = true;
+        self
     }
 
     /// The ready slot holding `hash`, if any.
@@ -204,7 +218,7 @@ impl KvConnector for OffloadConnector {
         if hits == 0 {
             self.stats.missed_blocks += eligible.saturating_sub(start) as u64;
         }
-        (hits * bs, true)
+        (hits * bs, self.async_loads)
     }
 
     fn update_state_after_alloc(
@@ -320,7 +334,7 @@ mod tests {
         assert!(c.request_finished(&request(1, &tokens, &hashes), &[5, 6, 7]));
         assert_eq!(
             c.get_num_new_matched_tokens(&request(0, &tokens, &hashes), 0),
-            (0, true)
+            (0, false)
         );
         let mut meta = ConnectorMeta::default();
         c.build_connector_meta(&mut meta);
@@ -333,7 +347,7 @@ mod tests {
         // 7 tokens: the last is always computed, so 3 full blocks are eligible.
         assert_eq!(
             c.get_num_new_matched_tokens(&request(0, &tokens, &hashes), 2),
-            (4, true)
+            (4, false)
         );
         c.check().unwrap();
     }
@@ -361,7 +375,7 @@ mod tests {
         save(&mut c, 1, &[10]);
         let tokens = [1; 3];
         let r = request(2, &tokens, &[10]);
-        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (2, true));
+        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (2, false));
         c.update_state_after_alloc(&r, &[3], 2);
         // The only slot is pinned by the load: nothing can be saved.
         assert!(!c.request_finished(&request(3, &tokens, &[20]), &[4]));
@@ -380,14 +394,14 @@ mod tests {
         let tokens = [1; 5];
         let hashes = [10, 11];
         let r = request(2, &tokens, &hashes);
-        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (4, true));
+        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (4, false));
         c.update_state_after_alloc(&r, &[7, 8], 4);
         c.update_connector_output(&ConnectorOutput {
             finished_recving: &[2],
             invalid_blocks: &[8],
             ..Default::default()
         });
-        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (2, true));
+        assert_eq!(c.get_num_new_matched_tokens(&r, 0), (2, false));
         let s = c.stats();
         assert_eq!(
             (s.loaded_blocks, s.failed_blocks, s.num_used_slots),

@@ -75,6 +75,14 @@ impl Scheduler {
                     req.id
                 ));
             }
+            // Otherwise a transfer is a synchronous load of a request the step admitted.
+            let job = req.extras.remote_job;
+            if !loading && job != 0 && !(q == "running" && self.kv.is_syncing(job)) {
+                return Err(format!(
+                    "request {} ({q}) names transfer {job}, which loads nothing for it",
+                    req.id
+                ));
+            }
             for (i, s) in req.seqs.iter().enumerate() {
                 let holds = q == "running" || q == "swapped" || loading;
                 let should_hold = holds && active.contains(&i);

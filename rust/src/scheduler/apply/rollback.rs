@@ -17,7 +17,10 @@ impl Scheduler {
     /// blocks it registered in the prefix cache are forgotten. Requests it finished as
     /// ignored stay finished. Returns the ids of the requests rolled back.
     pub fn discard_step(&mut self, out: &StepOutput) -> Result<Vec<String>> {
+        // Its synchronous KV loads must be reported first: their blocks are written until then.
+        self.kv.check_sync_loads_reported()?;
         self.ledger.close_for_discard(out.step)?;
+        self.kv.clear_sync_failure();
         let mut touched: HashSet<u32> = out
             .handles
             .iter()

@@ -29,6 +29,7 @@ impl Scheduler {
         num_tokens: &[i64],
         stop_hit: Option<&[bool]>,
     ) -> Result<Vec<FinishedSeq>> {
+        self.kv.check_step_output()?;
         self.check_runs(sampled, num_tokens)?;
         // The ledger checks the step, the sample count and each run's first token; the
         // runs' other tokens were checked above.

@@ -22,6 +22,8 @@ impl Scheduler {
         sampled: &[i64],
         stop_hit: Option<&[bool]>,
     ) -> Result<Vec<FinishedSeq>> {
+        // A KV connector's synchronous loads of the step: reported, none failed.
+        self.kv.check_step_output()?;
         self.ledger.close_for_update(step, sampled, stop_hit)?;
         let max_len = self.cfg.max_seq_len();
         let mut finished = Vec::new();

@@ -1,15 +1,26 @@
-//! A KV connector attached to the scheduler (`crate::connector`): requests whose prefix the
-//! connector holds past the device hit wait in `WAITING_FOR_REMOTE_KVS` with their blocks
-//! allocated while the workers load it; finished requests' blocks stay allocated while the
-//! connector saves them (delay_free).
+//! A KV connector attached to the scheduler (`crate::connector`): a request whose prefix the
+//! connector holds past the device hit has it loaded instead of computed; finished requests'
+//! blocks stay allocated while the connector saves them (delay_free).
 //!
-//! The lifecycle of a load (`park_for_remote_kvs` at admission, `promote` when reported):
-//! the request's leader gets a table of its device hit plus fresh blocks for the external
-//! tokens, keeps its place in `waiting` (admission steps over it, others pass) and takes no
-//! seat; once the load is reported the blocks that loaded (up to the first failed one) are
-//! registered in the device prefix cache and the table is given back, so the request's next
-//! admission finds them as an ordinary prefix hit and computes only the rest (a failed
-//! block and those after it are computed again; the connector forgets the failed entry).
+//! Loads come two ways, as the connector answers (`is_async`):
+//! - Synchronous (the host tier, `start_sync_load`): admission allocates blocks for the
+//!   external tokens, counts them as computed and schedules the rest of the request in the
+//!   same step; the workers copy the blocks in before that step's forward and report the
+//!   load before its output (`update_from_output` refuses until they have). A failed block
+//!   fails the whole step: the caller discards it (`discard_step`), which forgets the
+//!   step's prefix-cache registrations (the loaded blocks among them), and every request
+//!   of the step comes back; the connector has forgotten the failed entries, so the request
+//!   loads the blocks before the first failed one again and computes the rest. Another
+//!   request of the step may have hit the loaded blocks, so rolling back the one request
+//!   alone would not do.
+//! - Asynchronous (the disk tier, parked by `match_remote_kvs` at admission, `promote` when
+//!   reported): the request's leader gets a table of its device hit plus fresh blocks for
+//!   the external tokens, keeps its place in `waiting` (admission steps over it, others
+//!   pass) in `WAITING_FOR_REMOTE_KVS`; once the load is reported the blocks that loaded
+//!   (up to the first failed one) are registered in the device prefix cache and the table
+//!   is given back, so the request's next admission finds them as an ordinary prefix hit
+//!   and computes only the rest (a failed block and those after it are computed again; the
+//!   connector forgets the failed entry).
 //!
 //! Saves: a finished or aborted request's computed full blocks (`hold`), and a request's
 //! preempted by recompute (`save_before_recompute`, held by a fork of its table). These are
@@ -34,7 +45,8 @@
 //! promoted request (they are evictable like any cached block): kept, the loads of requests
 //! holding seats could fill the device cache and leave the first of them no block for its
 //! last token, with nothing running to free one (0b2dbdb did that and stalled the
-//! multi-turn benchmark).
+//! multi-turn benchmark). A synchronously loaded request is admitted at once: it holds its
+//! seat as any running request does.
 //!
 //! Scope: single-sequence requests (`n = 1`) with prefix caching on (the tier is keyed by
 //! its hashes); `n > 1` requests run as if no connector were attached.
@@ -47,6 +59,33 @@ use crate::kv::{KvCacheManager, Location, PrefixHit};
 use crate::scheduler::output::StepOutput;
 use crate::scheduler::state::request::{Request, RequestStatus};
 use crate::scheduler::Scheduler;
+
+/// A synchronous load of the latest step, not reported yet.
+#[derive(Debug, Clone)]
+struct SyncLoad {
+    handle: u32,
+    gen: u32,
+    /// The device blocks it writes.
+    blocks: Vec<BlockId>,
+    /// It came with the request's first admission (which counted its tokens as cached).
+    first: bool,
+}
+
+/// What admission does with a waiting request's connector match (`match_remote_kvs`).
+#[derive(Debug)]
+pub(in crate::scheduler) enum RemoteKvs {
+    /// Nothing to load: admitted on its device hit as usual.
+    None(PrefixHit),
+    /// Parked while an asynchronous load runs.
+    Parked,
+    /// A synchronous load of `external` tokens past the device hit, in the admitting step
+    /// (`hashes`: the chain hashes of its full blocks, for the connector).
+    Sync {
+        hit: PrefixHit,
+        hashes: Vec<u64>,
+        external: usize,
+    },
+}
 
 /// A parked request's load.
 #[derive(Debug, Clone, Copy)]
@@ -69,6 +108,12 @@ pub(in crate::scheduler) struct ConnectorState {
     held: HashMap<u64, Vec<SeqId>>,
     /// Requests promoted (their load reported) and not admitted yet: each holds a seat.
     promoted: HashSet<u32>,
+    /// Synchronous loads not reported yet (all of the latest step).
+    syncing: HashMap<u64, SyncLoad>,
+    /// Synchronous loads of the step being built, for its meta.
+    sync_jobs: Vec<u64>,
+    /// A synchronous load of the latest step failed: it is discarded, not applied.
+    sync_failed: bool,
     /// Set while `discard_step` sends the failed step's requests back: their blocks may
     /// never have received their KV, so nothing is saved from them.
     pub(in crate::scheduler) discarding: bool,
@@ -83,6 +128,51 @@ impl ConnectorState {
     fn next_job(&mut self) -> u64 {
         self.next_job += 1;
         self.next_job
+    }
+
+    /// Whether the latest step's output may be applied: its synchronous loads are reported
+    /// and none failed (`update_from_output`).
+    #[inline]
+    pub(in crate::scheduler) fn check_step_output(&self) -> Result<()> {
+        if self.syncing.is_empty() && !self.sync_failed {
+            return Ok(());
+        }
+        Err(self.step_output_refused())
+    }
+
+    #[cold]
+    fn step_output_refused(&self) -> Error {
+        Error::InvalidState(if self.sync_failed {
+            "a synchronous KV load of this step failed: call discard_step (its requests \
+             compute those tokens again)"
+                .into()
+        } else {
+            let mut jobs: Vec<u64> = self.syncing.keys().copied().collect();
+            jobs.sort_unstable();
+            format!(
+                "the step's synchronous KV loads (transfers {jobs:?}) are not reported yet: \
+                 call update_connector_output first"
+            )
+        })
+    }
+
+    /// `discard_step` of the latest step: its synchronous loads must be reported first
+    /// (their blocks are being written until then).
+    pub(in crate::scheduler) fn check_sync_loads_reported(&self) -> Result<()> {
+        match self.syncing.is_empty() {
+            true => Ok(()),
+            false => Err(self.step_output_refused()),
+        }
+    }
+
+    /// Whether transfer `job` is a synchronous load not reported yet (invariants).
+    pub(in crate::scheduler) fn is_syncing(&self, job: u64) -> bool {
+        self.syncing.contains_key(&job)
+    }
+
+    /// The latest step was discarded: a synchronous load's failure is dealt with.
+    pub(in crate::scheduler) fn clear_sync_failure(&mut self) {
+        self.sync_failed = false;
     }
 
     /// Sequences the held transfers keep in the manager.
@@ -130,6 +220,12 @@ impl ConnectorState {
     ) -> Option<SeqId> {
         self.connector.as_ref()?;
         let job = req.extras.remote_job;
+        if job != 0 && self.syncing.contains_key(&job) {
+            // Aborted before its synchronous load was reported: the workers write its blocks.
+            let seq = req.seqs[0].id;
+            self.held.entry(job).or_default().push(seq);
+            return Some(seq);
+        }
         if job != 0 {
             let l = self.loading.remove(&job)?;
             self.held.entry(job).or_default().push(l.seq);
@@ -228,7 +324,7 @@ impl Scheduler {
 
     /// Loads or saves the workers have not reported yet.
     pub fn has_pending_transfers(&self) -> bool {
-        !self.kv.loading.is_empty() || !self.kv.held.is_empty()
+        !self.kv.loading.is_empty() || !self.kv.held.is_empty() || !self.kv.syncing.is_empty()
     }
 
     /// Requests waiting in `WAITING_FOR_REMOTE_KVS`.
@@ -236,22 +332,23 @@ impl Scheduler {
         self.kv.loading.len()
     }
 
-    /// Admission of waiting request `h`, whose leader's device hit is `hit`: when the
-    /// connector can load tokens past it, the leader gets blocks for them and the request is
-    /// parked (returns `Ok(None)`: the hit was consumed). `Ok(Some(hit))`: admit as usual.
-    /// `Err` only from the manager; `Ok(Some(..))` also when the blocks do not fit now (the
-    /// usual admission then answers LATER).
-    pub(in crate::scheduler) fn park_for_remote_kvs(
+    /// Admission of waiting request `h`, whose leader's device hit is `hit`: what the
+    /// connector can load past it. An asynchronous load gets the leader blocks for the
+    /// external tokens and parks the request (`Parked`: the hit was consumed; when the blocks
+    /// do not fit now it is admitted as usual, and the usual admission answers LATER); a
+    /// synchronous one is returned for admission to allocate and schedule in this step
+    /// (`start_sync_load`). `Err` only from the manager.
+    pub(in crate::scheduler) fn match_remote_kvs(
         &mut self,
         h: u32,
         hit: PrefixHit,
-    ) -> Result<Option<PrefixHit>> {
+    ) -> Result<RemoteKvs> {
         let Some(connector) = self.kv.connector.as_mut() else {
-            return Ok(Some(hit));
+            return Ok(RemoteKvs::None(hit));
         };
         let req = self.store.get(h);
         if req.seqs.len() != 1 {
-            return Ok(Some(hit));
+            return Ok(RemoteKvs::None(hit));
         }
         let s = &req.seqs[0];
         let target = req.leader_target();
@@ -262,20 +359,28 @@ impl Scheduler {
             tokens: &s.tokens[..target],
             block_hashes: &hit.hashes,
         };
+        let (external, is_async) = connector.get_num_new_matched_tokens(&creq, computed);
+        let bs = self.mgr.block_size();
+        if external == 0 || external % bs != 0 || computed + external >= target {
+            return Ok(RemoteKvs::None(hit));
+        }
+        if !is_async {
+            let hashes = hit.hashes.clone();
+            return Ok(RemoteKvs::Sync {
+                hit,
+                hashes,
+                external,
+            });
+        }
         // A parked request is no row of this step: if the step is discarded it is not sent
         // back, so it must not hold blocks the step is computing (their KV may never come).
         if hit.blocks.iter().any(|&b| self.mgr.registered_this_step(b)) {
-            return Ok(Some(hit));
-        }
-        let (external, _is_async) = connector.get_num_new_matched_tokens(&creq, computed);
-        let bs = self.mgr.block_size();
-        if external == 0 || external % bs != 0 || computed + external >= target {
-            return Ok(Some(hit));
+            return Ok(RemoteKvs::None(hit));
         }
         let seq = s.id;
         let hashes = hit.hashes.clone();
         if !self.mgr.allocate(seq, &hit, computed + external, true)? {
-            return Ok(Some(hit));
+            return Ok(RemoteKvs::None(hit));
         }
         let job = self.kv.next_job();
         let req = self.store.get_mut(h);
@@ -302,21 +407,67 @@ impl Scheduler {
         req.extras.remote_job = job;
         // Promoted before, parked again (its loaded blocks were evicted): the same seat.
         self.kv.promoted.remove(&h);
-        Ok(None)
+        Ok(RemoteKvs::Parked)
+    }
+
+    /// Request `h`, just allocated up to and past `computed` tokens (its device hit plus
+    /// `external` tokens the connector loads synchronously; `hashes`: its full blocks'),
+    /// hands the connector the blocks to load: they are written before this step's forward.
+    pub(in crate::scheduler) fn start_sync_load(
+        &mut self,
+        h: u32,
+        hashes: &[u64],
+        computed: usize,
+        external: usize,
+    ) -> Result<()> {
+        let bs = self.mgr.block_size();
+        let job = self.kv.next_job();
+        let gen = self.store.gen(h);
+        let req = self.store.get_mut(h);
+        let target = req.leader_target();
+        let blocks = &self.mgr.block_table(req.seqs[0].id)?[..computed / bs];
+        let creq = ConnectorRequest {
+            id: &req.id,
+            job,
+            tokens: &req.seqs[0].tokens[..target],
+            block_hashes: hashes,
+        };
+        let connector = self.kv.connector.as_mut().expect("a match came from it");
+        connector.update_state_after_alloc(&creq, blocks, external);
+        let loaded = blocks[(computed - external) / bs..].to_vec();
+        self.kv.syncing.insert(
+            job,
+            SyncLoad {
+                handle: h,
+                gen,
+                blocks: loaded,
+                first: !req.admitted_once,
+            },
+        );
+        self.kv.sync_jobs.push(job);
+        req.extras.remote_job = job;
+        if !req.admitted_once {
+            req.extras.num_external_tokens += external;
+        }
+        Ok(())
     }
 
     /// The connector's loads and saves of this step, into `out` (end of `schedule`).
     #[inline]
     pub(in crate::scheduler) fn seal_connector_meta(&mut self, out: &mut StepOutput) {
         if let Some(connector) = self.kv.connector.as_mut() {
-            connector.build_connector_meta(out.kv_meta.get_or_insert_with(Default::default));
+            let meta = out.kv_meta.get_or_insert_with(Default::default);
+            connector.build_connector_meta(meta);
+            meta.sync_jobs.append(&mut self.kv.sync_jobs);
         }
     }
 
     /// The workers' report (vLLM's `get_finished`): transfers whose loads are done (with the
     /// device blocks that failed to load) and whose saves are done. Parked requests whose
-    /// load is done go back to `waiting`'s ordinary admission; held blocks are freed.
-    /// An id the scheduler does not know is an error, and nothing is applied then.
+    /// load is done go back to `waiting`'s ordinary admission; held blocks are freed. A
+    /// synchronous load with a failed block fails its step: `update_from_output` refuses it
+    /// and the caller discards it. An id the scheduler does not know is an error, and
+    /// nothing is applied then.
     pub fn update_connector_output(
         &mut self,
         finished_recving: &[u64],
@@ -324,7 +475,10 @@ impl Scheduler {
         invalid_blocks: &[BlockId],
     ) -> Result<()> {
         for job in finished_recving {
-            if !self.kv.loading.contains_key(job) && !self.kv.held.contains_key(job) {
+            if !self.kv.loading.contains_key(job)
+                && !self.kv.held.contains_key(job)
+                && !self.kv.syncing.contains_key(job)
+            {
                 return Err(unknown_transfer("finished_recving", *job));
             }
         }
@@ -351,6 +505,25 @@ impl Scheduler {
         for job in finished_recving {
             if let Some(l) = self.kv.loading.remove(job) {
                 self.promote(l, invalid_blocks)?;
+            }
+            if let Some(l) = self.kv.syncing.remove(job) {
+                let bs = self.mgr.block_size();
+                let failed = l.blocks.iter().position(|b| invalid_blocks.contains(b));
+                self.kv.sync_failed |= failed.is_some();
+                if !self.store.is_live(l.handle, l.gen) {
+                    continue;
+                }
+                let req = self.store.get_mut(l.handle);
+                if req.extras.remote_job == *job {
+                    req.extras.remote_job = 0;
+                }
+                if let (Some(i), true) = (failed, l.first) {
+                    // Its first admission counted tokens that never loaded: the step is
+                    // discarded and they are computed (or loaded) again, counted then.
+                    let lost = (l.blocks.len() - i) * bs;
+                    req.num_cached_tokens -= lost;
+                    req.extras.num_external_tokens -= lost;
+                }
             }
         }
         Ok(())

@@ -21,6 +21,7 @@ use crate::kv::{AllocStatus, PrefixHit};
 
 use super::budget::{Budget, Cut};
 use super::plan::sync_mirror;
+use crate::scheduler::features::connector::RemoteKvs;
 use crate::scheduler::output::StepOutput;
 use crate::scheduler::state::queue::{Queue, Queues};
 use crate::scheduler::state::request::{GrammarState, Request, RequestStatus};
@@ -225,15 +226,21 @@ impl Scheduler {
         } else {
             PrefixHit::default()
         };
-        // A KV connector that holds the prefix past the hit parks the request while it loads.
-        let hit = match self.kv.is_attached() {
-            false => hit,
-            true => match self.park_for_remote_kvs(h, hit)? {
-                Some(hit) => hit,
-                None => return Ok(Verdict::Wait),
+        // A KV connector that holds the prefix past the hit loads it: asynchronously the
+        // request is parked meanwhile; synchronously its tokens count as computed now.
+        let (hit, sync) = match self.kv.is_attached() {
+            false => (hit, None),
+            true => match self.match_remote_kvs(h, hit)? {
+                RemoteKvs::None(hit) => (hit, None),
+                RemoteKvs::Parked => return Ok(Verdict::Wait),
+                RemoteKvs::Sync {
+                    hit,
+                    hashes,
+                    external,
+                } => (hit, Some((hashes, external))),
             },
         };
-        let computed = hit.num_cached_tokens;
+        let computed = hit.num_cached_tokens + sync.as_ref().map_or(0, |s| s.1);
         let take = budget.cut.take(target - computed, budget.tokens, cap);
         if take == 0 {
             return Ok(Verdict::Later(Short::Budget));
@@ -243,6 +250,9 @@ impl Scheduler {
             .allocate_owned(seq_id, hit, computed + take + la, true)?
         {
             return Ok(Verdict::Later(Short::Blocks));
+        }
+        if let Some((hashes, external)) = sync {
+            self.start_sync_load(h, &hashes, computed, external)?;
         }
         let req = self.store.get_mut(h);
         let s = &mut req.seqs[leader];

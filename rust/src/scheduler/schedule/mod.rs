@@ -25,6 +25,9 @@ impl Scheduler {
     /// Decides this step's work. `now` is in seconds on the clock of the arrival times
     /// (used by `delay_factor` only).
     pub fn schedule(&mut self, now: f64) -> Result<StepOutput> {
+        // A KV connector's synchronous loads of the last step: reported, and a failed one's
+        // step discarded (its registrations would otherwise stay).
+        self.kv.check_step_output()?;
         let step = self.ledger.begin()?;
         self.mgr.begin_step();
         let mut out = self.recorder.next_output(step, &self.cfg);

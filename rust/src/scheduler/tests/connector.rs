@@ -8,6 +8,7 @@ use crate::connector::{
     ConnectorMeta, ConnectorOutput, ConnectorRequest, KvConnector, OffloadConnector,
 };
 use crate::kv::prefix_cache::PrefixCache;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 /// Offers a random run of blocks past every device hit and saves finished requests' blocks
 /// half of the time; the harness plays the workers.
@@ -83,6 +84,31 @@ impl Workers {
         add(&meta.save_jobs, &meta.save_blocks, false);
     }
 
+    /// Reports the step's synchronous loads at once (the workers copy them in before the
+    /// forward), with the load blocks `fail` picks marked invalid; true when one failed (the
+    /// step is then discarded). Call after `take`.
+    fn sync_loads(
+        &mut self,
+        s: &mut Scheduler,
+        meta: &ConnectorMeta,
+        mut fail: impl FnMut(u32) -> bool,
+    ) -> bool {
+        if meta.sync_jobs.is_empty() {
+            return false;
+        }
+        let mut invalid = Vec::new();
+        self.in_flight.retain(|t| {
+            if !meta.sync_jobs.contains(&t.1) {
+                return true;
+            }
+            invalid.extend(t.3.iter().copied().filter(|&b| fail(b)));
+            false
+        });
+        s.update_connector_output(&meta.sync_jobs, &[], &invalid)
+            .unwrap();
+        !invalid.is_empty()
+    }
+
     /// Reports what is due (all when `now` is None), in the order `shuffle` gives, with the
     /// load blocks `fail` picks marked invalid.
     fn report(
@@ -116,7 +142,18 @@ impl Workers {
     }
 }
 
+/// The host tier with asynchronous loads (requests park while they load).
 fn with_offload(bs: usize, device: usize, slots: usize, budget: usize) -> Scheduler {
+    let mut s = Scheduler::new(cache(bs, device, 0), cfg(Strategy::Unified, budget)).unwrap();
+    s.set_kv_connector(Box::new(
+        OffloadConnector::new(bs, slots).with_async_loads(),
+    ))
+    .unwrap();
+    s
+}
+
+/// The host tier as the engine attaches it: synchronous loads.
+fn with_sync_offload(bs: usize, device: usize, slots: usize, budget: usize) -> Scheduler {
     let mut s = Scheduler::new(cache(bs, device, 0), cfg(Strategy::Unified, budget)).unwrap();
     s.set_kv_connector(Box::new(OffloadConnector::new(bs, slots)))
         .unwrap();
@@ -129,6 +166,7 @@ fn drain(s: &mut Scheduler, w: &mut Workers) {
     for _ in 0..100 {
         let out = s.schedule(0.0).unwrap();
         w.take(out.kv_meta(), 0, || 0);
+        w.sync_loads(s, out.kv_meta(), |_| false);
         let sampled = vec![7; out.num_samples()];
         s.update_from_output(out.step, &sampled, None).unwrap();
         w.report(s, None, |_| 0, |_| false);
@@ -366,6 +404,100 @@ fn a_request_whose_loaded_blocks_are_evicted_before_admission_loads_again_counte
     drain(&mut s, &mut w);
 }
 
+#[test]
+fn a_synchronous_load_admits_the_request_in_the_step_that_loads_it() {
+    let mut s = with_sync_offload(4, 16, 16, 64);
+    let mut w = Workers::default();
+    seeded_tier(&mut s, &mut w);
+    s.add_request("b", params(prompt(0, 13), 2)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    // Its 12 loaded tokens count as computed: only the last one runs, in this very step.
+    assert_eq!(out.num_tokens, vec![1]);
+    assert_eq!(out.kv_meta().load_blocks.len(), 3);
+    assert_eq!(out.kv_meta().sync_jobs.len(), 1);
+    assert_eq!(s.running_ids(), vec!["b"]);
+    assert_eq!(s.num_waiting_for_remote_kvs(), 0);
+    s.check_invariants().unwrap();
+    w.take(out.kv_meta(), 0, || 0);
+    assert!(!w.sync_loads(&mut s, out.kv_meta(), |_| false));
+    s.update_from_output(out.step, &[7], None).unwrap();
+    let r = s.request("b").unwrap();
+    assert_eq!(
+        (r.num_cached_tokens, r.extras.num_external_tokens),
+        (12, 12)
+    );
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 16);
+}
+
+#[test]
+fn a_step_with_an_unreported_synchronous_load_is_neither_applied_nor_discarded() {
+    let mut s = with_sync_offload(4, 16, 16, 64);
+    let mut w = Workers::default();
+    seeded_tier(&mut s, &mut w);
+    s.add_request("b", params(prompt(0, 13), 2)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let err = s.update_from_output(out.step, &[7], None).unwrap_err();
+    assert!(err.to_string().contains("not reported"), "{err}");
+    assert!(s.discard_step(&out).is_err());
+    assert!(s.schedule(0.0).is_err());
+    w.take(out.kv_meta(), 0, || 0);
+    w.sync_loads(&mut s, out.kv_meta(), |_| false);
+    s.update_from_output(out.step, &[7], None).unwrap();
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 16);
+}
+
+#[test]
+fn a_failed_synchronous_load_discards_the_step_and_recomputes_from_the_failed_block() {
+    let mut s = with_sync_offload(4, 16, 16, 64);
+    let mut w = Workers::default();
+    seeded_tier(&mut s, &mut w);
+    s.add_request("b", params(prompt(0, 13), 2)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let failed = out.kv_meta().load_blocks[1] as u32;
+    w.take(out.kv_meta(), 0, || 0);
+    assert!(w.sync_loads(&mut s, out.kv_meta(), |b| b == failed));
+    // The step read a block that never loaded: it is discarded, not applied.
+    let err = s.update_from_output(out.step, &[7], None).unwrap_err();
+    assert!(err.to_string().contains("discard_step"), "{err}");
+    assert!(s.schedule(0.0).is_err());
+    assert_eq!(s.discard_step(&out).unwrap(), vec!["b"]);
+    let out = s.schedule(0.0).unwrap();
+    // Block 0 loads again; blocks 1 (failed, forgotten by the tier) and 2 are computed.
+    assert_eq!(out.num_tokens, vec![9]);
+    assert_eq!(out.kv_meta().load_blocks.len(), 1);
+    w.take(out.kv_meta(), 0, || 0);
+    assert!(!w.sync_loads(&mut s, out.kv_meta(), |_| false));
+    s.update_from_output(out.step, &[7], None).unwrap();
+    let stats = s.kv_connector().unwrap().offload_stats().unwrap();
+    assert_eq!((stats.loaded_blocks, stats.failed_blocks), (3, 1));
+    // Counted as served from the tier: the one block that loaded in the step that ran.
+    let r = s.request("b").unwrap();
+    assert_eq!((r.num_cached_tokens, r.extras.num_external_tokens), (4, 4));
+    drain(&mut s, &mut w);
+    assert_eq!(s.manager().num_free_device_blocks(), 16);
+}
+
+#[test]
+fn a_request_aborted_before_its_synchronous_load_is_reported_keeps_its_blocks_until_then() {
+    let mut s = with_sync_offload(4, 16, 16, 64);
+    let mut w = Workers::default();
+    seeded_tier(&mut s, &mut w);
+    s.add_request("b", params(prompt(0, 13), 2)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    assert!(s.abort_request("b").unwrap());
+    // 3 loaded blocks and the one of its last token: the workers may be writing them.
+    assert_eq!(s.manager().num_free_device_blocks(), 16 - 4);
+    s.check_invariants().unwrap();
+    w.take(out.kv_meta(), 0, || 0);
+    w.sync_loads(&mut s, out.kv_meta(), |_| false);
+    s.update_from_output(out.step, &[7], None).unwrap();
+    assert!(!s.has_pending_transfers() && !s.has_unfinished_requests());
+    assert_eq!(s.manager().num_free_device_blocks(), 16);
+    s.check_invariants().unwrap();
+}
+
 /// The multi-turn benchmark's shape in small (`benches/multi_turn_offload.py`): `convs`
 /// conversations, each turn the whole history plus a new user message, one turn of every
 /// conversation submitted at once, a device cache holding about a quarter of the final
@@ -396,6 +528,7 @@ fn multi_turn(s: &mut Scheduler, convs: u32, turns: usize, max_steps: usize) -> 
             );
             let out = s.schedule(steps as f64).unwrap();
             w.take(out.kv_meta(), 0, || 0);
+            w.sync_loads(s, out.kv_meta(), |_| false);
             // every reply token is 7 (the histories stay distinct by their user messages)
             s.update_from_output(out.step, &vec![7; out.num_samples()], None)
                 .unwrap();
@@ -413,24 +546,32 @@ fn multi_turn(s: &mut Scheduler, convs: u32, turns: usize, max_steps: usize) -> 
 fn a_multi_turn_workload_over_a_small_device_cache_runs_to_completion_with_the_tier() {
     // 12 conversations of up to 8 + 3 x 4 + 4 x 4 = 36 tokens (9 blocks): 108 blocks in
     // all against 28 on the device, 4 running at a time.
-    let mut c = cfg(Strategy::Unified, 256);
-    c.max_num_seqs = 4;
-    let mut s = Scheduler::new(cache(4, 28, 0), c).unwrap();
-    s.set_kv_connector(Box::new(OffloadConnector::new(4, 256)))
-        .unwrap();
-    // 4 turns x 12 requests of 4 tokens each, 4 at a time: about 50 decode steps and
-    // a few for prefills and loads; 600 is far past what a run that makes progress needs.
-    let steps = multi_turn(&mut s, 12, 4, 600);
-    let stats = s.kv_connector().unwrap().offload_stats().unwrap();
-    assert!(
-        stats.loaded_blocks > 0,
-        "the tier was never used: {stats:?}"
-    );
-    assert_eq!(
-        s.manager().num_free_device_blocks(),
-        28,
-        "after {steps} steps"
-    );
+    // Both ways of loading: parked while loading (async), admitted with the load (sync).
+    for async_loads in [true, false] {
+        let mut c = cfg(Strategy::Unified, 256);
+        c.max_num_seqs = 4;
+        let mut s = Scheduler::new(cache(4, 28, 0), c).unwrap();
+        let tier = OffloadConnector::new(4, 256);
+        let tier = if async_loads {
+            tier.with_async_loads()
+        } else {
+            tier
+        };
+        s.set_kv_connector(Box::new(tier)).unwrap();
+        // 4 turns x 12 requests of 4 tokens each, 4 at a time: about 50 decode steps and
+        // a few for prefills and loads; 600 is far past what a run that makes progress needs.
+        let steps = multi_turn(&mut s, 12, 4, 600);
+        let stats = s.kv_connector().unwrap().offload_stats().unwrap();
+        assert!(
+            stats.loaded_blocks > 0,
+            "the tier was never used: {stats:?}"
+        );
+        assert_eq!(
+            s.manager().num_free_device_blocks(),
+            28,
+            "after {steps} steps (async loads: {async_loads})"
+        );
+    }
 }
 
 #[test]
@@ -438,7 +579,7 @@ fn loading_and_loaded_requests_hold_their_seats_until_admitted() {
     let mut c = cfg(Strategy::Unified, 64);
     c.max_num_seqs = 2;
     let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
-    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64).with_async_loads()))
         .unwrap();
     let mut w = Workers::default();
     for i in 0..3 {
@@ -475,7 +616,7 @@ fn a_more_urgent_request_short_only_of_seats_held_by_loads_lets_the_loaded_ones_
     c.max_num_seqs = 2;
     c.policy = Policy::Priority;
     let mut s = Scheduler::new(cache(4, 32, 0), c).unwrap();
-    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64).with_async_loads()))
         .unwrap();
     let mut w = Workers::default();
     for i in 0..2 {
@@ -514,7 +655,7 @@ fn loads_that_fill_the_device_cache_do_not_stop_the_first_of_them_from_running()
     let mut c = cfg(Strategy::Unified, 64);
     c.max_num_seqs = 3;
     let mut s = Scheduler::new(cache(4, 12, 0), c).unwrap();
-    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64)))
+    s.set_kv_connector(Box::new(OffloadConnector::new(4, 64).with_async_loads()))
         .unwrap();
     let mut w = Workers::default();
     for i in 0..3 {
@@ -587,7 +728,16 @@ fn random_workloads_with_a_fake_connector_keep_invariants_and_leak_nothing() {
             }
         }
     }
+    let (sync, failed) = (SYNC.load(Relaxed), SYNC_FAILURES.load(Relaxed));
+    assert!(
+        sync > 100 && failed > 10,
+        "{sync} synchronous loads, {failed} failed"
+    );
 }
+
+/// Synchronous loads, and steps discarded for a failed one, over every random workload.
+static SYNC: AtomicUsize = AtomicUsize::new(0);
+static SYNC_FAILURES: AtomicUsize = AtomicUsize::new(0);
 
 fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, drafts: bool) {
     let mut rng = Lcg(k * 977 + seed + 3);
@@ -611,6 +761,7 @@ fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, d
     let mut delays = Lcg(k + 5);
     let mut added = 0;
     let (mut loads, mut saves) = (0, 0);
+    let (mut sync_loads, mut sync_failures) = (0, 0);
     let ctx = format!("{st:?}/{mo:?}/{po:?}/{seed}");
     for stepno in 0..800u64 {
         if added < 30 && rng.next(2) == 0 {
@@ -635,8 +786,17 @@ fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, d
         let out = s.schedule(stepno as f64).unwrap();
         loads += out.kv_meta().load_jobs.len();
         saves += out.kv_meta().save_jobs.len();
+        sync_loads += out.kv_meta().sync_jobs.len();
         w.take(out.kv_meta(), stepno, || delays.next(4));
-        if drafts && rng.next(20) == 0 {
+        let mut r3 = Lcg(stepno * 7 + k);
+        if w.sync_loads(&mut s, out.kv_meta(), |_| r3.next(4) == 0) {
+            // A synchronous load failed: the step cannot be applied.
+            assert!(s
+                .update_from_output(out.step, &vec![0; out.num_samples()], None)
+                .is_err());
+            s.discard_step(&out).unwrap();
+            sync_failures += 1;
+        } else if drafts && rng.next(20) == 0 {
             s.discard_step(&out).unwrap();
         } else if drafts {
             let runs = vec![1i64; out.num_samples()];
@@ -669,6 +829,8 @@ fn run_random(st: Strategy, mo: PreemptionMode, po: Policy, seed: u64, k: u64, d
         loads > 0 && saves > 0,
         "{ctx}: {loads} loads, {saves} saves"
     );
+    SYNC.fetch_add(sync_loads, Relaxed);
+    SYNC_FAILURES.fetch_add(sync_failures, Relaxed);
     let stats = s.manager().stats();
     assert_eq!(stats.num_free_device_blocks, 14, "{ctx}");
     assert_eq!(stats.num_free_host_blocks, 6, "{ctx}");
