@@ -51,7 +51,7 @@ def pack(weight: Tensor) -> PackedWeight:
     padded = weight.detach().new_zeros(num_panels * PANEL, in_features)
     padded[:out_features] = weight.detach()
     panels = padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
-    return PackedWeight(panels, out_features, _numpy(panels))
+    return PackedWeight(panels, out_features, numpy_view(panels))
 
 
 def unpack(packed: PackedWeight) -> Tensor:
@@ -71,16 +71,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight 
     rows = x.reshape(-1, panels.shape[1]).contiguous()
     out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype)
     _core.cpu_linear(
-        _numpy(rows),
+        numpy_view(rows),
         packed.array,
-        None if bias is None else _numpy(bias.detach()),
-        _numpy(out),
+        None if bias is None else numpy_view(bias.detach()),
+        numpy_view(out),
         torch.get_num_threads(),
     )
     return out.view(*x.shape[:-1], packed.out_features)
 
 
-def _numpy(t: Tensor) -> np.ndarray:
+def numpy_view(t: Tensor) -> np.ndarray:
+    """The tensor's memory as numpy, no copy (bfloat16 as its uint16 bits: numpy has none)."""
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 

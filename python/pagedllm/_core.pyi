@@ -713,6 +713,11 @@ def cpu_linear(
     not depend on the rows beside it); a bfloat16 ``out`` is rounded once. ``num_threads``
     workers at most. ``ValueError`` for shapes that do not fit together."""
 
+def cpu_rms_norm(x: _KernelArray, weight: _KernelArray, eps: float, out: _KernelArray) -> None:
+    """``out = weight * (x * rsqrt(mean(x**2, -1) + eps))`` for every row of ``x`` ``[T, E]``,
+    sums in float32 (a bfloat16 row rounded as ``weight * (x32 * r).to(bfloat16)`` rounds it);
+    all arrays contiguous and of one dtype. ``ValueError`` for shapes that do not fit."""
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

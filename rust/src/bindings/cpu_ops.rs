@@ -287,10 +287,47 @@ fn multiply<N: Dtype>(
     Ok(())
 }
 
+/// RMS norm of every row of x `[T, E]` into out `[T, E]` by weight `[E]` (`crate::cpu::norm`);
+/// all float32 or all bfloat16 as uint16, contiguous.
+#[pyfunction]
+fn cpu_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    match Kind::of("x", x)? {
+        Kind::F32 => normalize::<f32>(py, x, weight, eps, out),
+        Kind::Bf16 => normalize::<u16>(py, x, weight, eps, out),
+    }
+}
+
+fn normalize<N: Dtype>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let x = readonly::<N, ndarray::Ix2>("x", x)?;
+    let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
+    let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let weight = view(weight.as_array());
+    let weight = weight
+        .as_slice()
+        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let x = view(x.as_array());
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::rms_norm(x, weight, eps, out))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
     Ok(())
 }
