@@ -1,49 +1,88 @@
-"""Linear layers on the CPU over weights reordered once, at load, for oneDNN's matmul.
+"""Linear layers on the CPU over weights packed once, at load, into column panels for the Rust
+kernel (`pagedllm._core.cpu_linear`, `rust/src/cpu/linear.rs`).
 
-`F.linear` on the CPU repacks the whole weight into the GEMM's blocked layout on every call
-with more than one row: at decode batch sizes (2-16 rows) that copy costs as much as the
-product itself, and a step's linear layers take ~1.7x the time of a product over a weight
-packed once (benches/RESULTS.md, "Serving speed on CPU"). vLLM's CPU backend packs its weights
-with oneDNN for the same reason. Packing needs torch's oneDNN (mkldnn) build and float32
-weights (its bfloat16 path needs AVX-512 or AVX-NE-CONVERT); anything else keeps `F.linear`.
+At decode batch sizes the product is memory-bound: each weight is read once per step. The
+panel layout `[ceil(N / 16), K, 16]` makes that read one sequential stream, and the same layout
+serves prefill chunks (blocks of rows over each panel), so each weight is held once. `F.linear`
+reads the `[N, K]` weight well at one row but repacks it into its GEMM's layout on every call
+with more than one row; oneDNN's weight packed once is slower than the panels at 1-16 rows
+(benches/RESULTS.md, "Serving speed on CPU"). float32 and bfloat16 weights are packed;
+anything else keeps `F.linear`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# the row count oneDNN picks the packed layout for (vLLM's choice too): decode batches and
-# prefill chunks both run well on it
-PACK_BATCH_HINT = 32
+from pagedllm import _core
+
+# output columns per panel (`PANEL` in rust/src/cpu/linear.rs)
+PANEL = 16
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight `[out_features, in_features]` as the kernel's panels."""
+
+    panels: Tensor  # [ceil(out_features / PANEL), in_features, PANEL], the weight's dtype
+    out_features: int
+    array: np.ndarray  # the panels' memory as numpy (bfloat16 as its uint16 bits), made once
 
 
 def packable(weight: Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and weight.dtype in KERNEL_DTYPES
         and weight.dim() == 2
         and weight.numel() > 0
-        and torch.backends.mkldnn.is_available()
     )
 
 
-def pack(weight: Tensor) -> Tensor:
-    """`weight` `[out, in]` reordered for `linear` (an opaque oneDNN tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+def pack(weight: Tensor) -> PackedWeight:
+    """`weight` `[out, in]` as column panels (the last padded with zeros)."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL)
+    padded = weight.detach().new_zeros(num_panels * PANEL, in_features)
+    padded[:out_features] = weight.detach()
+    panels = padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+    return PackedWeight(panels, out_features, numpy_view(panels))
 
 
-def unpack(packed: Tensor) -> Tensor:
-    """The `[out, in]` weight back from its packed form (a copy)."""
-    return packed.to_dense()
+def unpack(packed: PackedWeight) -> Tensor:
+    """The `[out, in]` weight back from its panels (a copy)."""
+    num_panels, in_features, _ = packed.panels.shape
+    whole = packed.panels.transpose(1, 2).reshape(num_panels * PANEL, in_features)
+    return whole[: packed.out_features].clone()
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: Tensor | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
     """`F.linear(x, weight, bias)`, through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    panels = packed.panels
+    if x.dtype != panels.dtype:
+        raise TypeError(f"input dtype {x.dtype} does not match the layer's weight ({panels.dtype})")
+    rows = x.reshape(-1, panels.shape[1]).contiguous()
+    out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype)
+    _core.cpu_linear(
+        numpy_view(rows),
+        packed.array,
+        None if bias is None else numpy_view(bias.detach()),
+        numpy_view(out),
+        torch.get_num_threads(),
+    )
+    return out.view(*x.shape[:-1], packed.out_features)
+
+
+def numpy_view(t: Tensor) -> np.ndarray:
+    """The tensor's memory as numpy, no copy (bfloat16 as its uint16 bits: numpy has none)."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -715,6 +715,24 @@ def cpu_rotary_in_place(x: _KernelArray, cos: _KernelArray, sin: _KernelArray) -
     rounded as torch's bfloat16 ops round them). ``ValueError`` for an odd ``D``, tables of the
     wrong shape, or a head that is not contiguous."""
 
+def cpu_linear(
+    x: _KernelArray,
+    panels: _KernelArray,
+    bias: _KernelArray | None,
+    out: _KernelArray,
+    num_threads: int,
+) -> None:
+    """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with the weight ``W [N, K]`` given as its
+    column panels ``[ceil(N / 16), K, 16]`` (the last zero-padded); every array contiguous and of
+    one dtype. Sums in float32 (one FMA chain per output in ``k`` order, so a row's result does
+    not depend on the rows beside it); a bfloat16 ``out`` is rounded once. ``num_threads``
+    workers at most. ``ValueError`` for shapes that do not fit together."""
+
+def cpu_rms_norm(x: _KernelArray, weight: _KernelArray, eps: float, out: _KernelArray) -> None:
+    """``out = weight * (x * rsqrt(mean(x**2, -1) + eps))`` for every row of ``x`` ``[T, E]``,
+    sums in float32 (a bfloat16 row rounded as ``weight * (x32 * r).to(bfloat16)`` rounds it);
+    all arrays contiguous and of one dtype. ``ValueError`` for shapes that do not fit."""
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

@@ -36,9 +36,9 @@ def assert_step_matches(
         torch.testing.assert_close(logits, expected, **TOLERANCE)
 
 
-def run_prefill_decode_chunk(folder) -> None:
+def run_prefill_decode_chunk(folder, *, pack_for_cpu: bool = False) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model = load_model(folder, dtype="float32", device="cpu")
+    model = load_model(folder, dtype="float32", device="cpu", pack_for_cpu=pack_for_cpu)
     runner = PagedRunner(model, num_blocks=32, block_size=4, seed=1)
     assert_step_matches(hf_model, runner, runner.step(PROMPTS))
     for step in range(DECODE_STEPS):
@@ -72,3 +72,13 @@ def test_attention_bias_llama_matches_transformers(tmp_path):
         tmp_path, "llama", tokenizer=None, seed=6, attention_bias=True, mlp_bias=True
     )
     run_prefill_decode_chunk(folder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_packed_for_the_cpu_kernel_match_transformers(tmp_path, family):
+    # what the engine runs on the CPU: every projection and the LM head through the Rust
+    # kernel's panels (kernels/cpu_linear.py), biases included
+    folder = save_tiny_checkpoint(
+        tmp_path, family, tokenizer=None, seed=7, attention_bias=True, mlp_bias=True
+    )
+    run_prefill_decode_chunk(folder, pack_for_cpu=True)

@@ -75,11 +75,11 @@ def tp_kv_heads(num_kv_heads: int, tp: int) -> int:
 
 
 class PackableWeight:
-    """A layer whose `weight` the engine may pack once for the CPU's matmul
+    """A layer whose `weight` the engine may pack once for the CPU's matmul kernel
     (`kernels.cpu_linear.pack_linears`, which may then drop the unpacked copy); `packed` is None
     until then. Its state dict still holds the weight, unpacked."""
 
-    packed: Tensor | None = None
+    packed: cpu_linear.PackedWeight | None = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]

@@ -81,8 +81,8 @@ def load_model(
 
     The returned module is in eval mode without gradients; its ModelConfig is `.config`. With a
     `tp` of more than one rank it is that rank's shard, and only its slices are read.
-    `pack_for_cpu`: on the CPU, pack the linear layers' weights for oneDNN (what the engine
-    runs; `kernels.cpu_linear`), dropping the unpacked copies; leave it off to read weights.
+    `pack_for_cpu`: on the CPU, pack the linear layers' weights for the CPU kernel (what the
+    engine runs; `kernels.cpu_linear`), dropping the unpacked copies; leave it off to read weights.
     """
     target = resolve_device(device)
     cfg = load_model_config(model)

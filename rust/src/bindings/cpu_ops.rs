@@ -236,9 +236,98 @@ fn rotate<N: Dtype>(
     Ok(())
 }
 
+/// `out [M, N] = x [M, K] · W^T (+ bias [N])` with W as its panels `[ceil(N / 16), K, 16]`
+/// (`crate::cpu::linear`); `num_threads` workers at most. x, the panels, bias and out all
+/// float32 or all bfloat16 as uint16, contiguous.
+#[pyfunction]
+#[pyo3(signature = (x, panels, bias, out, num_threads))]
+fn cpu_linear(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    panels: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    match Kind::of("x", x)? {
+        Kind::F32 => multiply::<f32>(py, (x, panels, bias, out), num_threads),
+        Kind::Bf16 => multiply::<u16>(py, (x, panels, bias, out), num_threads),
+    }
+}
+
+type LinearArgs<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    Option<&'a Bound<'py, PyAny>>,
+    &'a Bound<'py, PyAny>,
+);
+
+fn multiply<N: Dtype>(
+    py: Python<'_>,
+    (x, panels, bias, out): LinearArgs<'_, '_>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let x = readonly::<N, ndarray::Ix2>("x", x)?;
+    let panels = readonly::<N, ndarray::Ix3>("panels", panels)?;
+    let bias = bias
+        .map(|b| readonly::<N, ndarray::Ix1>("bias", b))
+        .transpose()?;
+    let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let bias = bias.as_ref().map(|b| view(b.as_array()));
+    let bias = match &bias {
+        Some(b) => Some(
+            b.as_slice()
+                .ok_or_else(|| PyValueError::new_err("bias must be a contiguous 1-D array"))?,
+        ),
+        None => None,
+    };
+    let (x, panels) = (view(x.as_array()), view(panels.as_array()));
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::linear(x, panels, bias, out, num_threads))?;
+    Ok(())
+}
+
+/// RMS norm of every row of x `[T, E]` into out `[T, E]` by weight `[E]` (`crate::cpu::norm`);
+/// all float32 or all bfloat16 as uint16, contiguous.
+#[pyfunction]
+fn cpu_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    match Kind::of("x", x)? {
+        Kind::F32 => normalize::<f32>(py, x, weight, eps, out),
+        Kind::Bf16 => normalize::<u16>(py, x, weight, eps, out),
+    }
+}
+
+fn normalize<N: Dtype>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let x = readonly::<N, ndarray::Ix2>("x", x)?;
+    let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
+    let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let weight = view(weight.as_array());
+    let weight = weight
+        .as_slice()
+        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let x = view(x.as_array());
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::rms_norm(x, weight, eps, out))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
     Ok(())
 }

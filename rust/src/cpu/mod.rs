@@ -1,11 +1,13 @@
 //! CPU kernels of the engine's CPU execution path (the model's hot loops that torch does not
 //! cover well): paged attention straight over the block-paged KV cache, rotary embedding in
-//! place. Each kernel takes f32 or bf16 tensors (`elem`), computing in f32.
+//! place, linear layers over weights packed into column panels (`linear`), RMS norm. Each kernel takes f32 or bf16 tensors (`elem`), computing in f32.
 //!
 //! Plain Rust over `ndarray` views, so `cargo test` runs them without Python; the bindings
 //! (`bindings/cpu_ops.rs`) view torch CPU tensors as numpy arrays without a copy.
 pub mod attention;
 pub mod elem;
+pub mod linear;
+pub mod norm;
 mod pool;
 pub mod rotary;
 mod simd;
@@ -15,4 +17,6 @@ mod attention_tests;
 
 pub use attention::{paged_attention, store_kv, PagedBatch};
 pub use elem::{Bf16, Elem};
+pub use linear::{linear, pack_panels, PANEL};
+pub use norm::rms_norm;
 pub use rotary::rotary_in_place;

@@ -88,7 +88,7 @@ unsafe fn dot_avx2_fma<T: Elem>(a: &[f32], b: &[T]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn load8<T: Elem>(p: *const T) -> std::arch::x86_64::__m256 {
+pub(crate) unsafe fn load8<T: Elem>(p: *const T) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     if T::IS_BF16 {
         let halves = _mm_loadu_si128(p as *const __m128i);
