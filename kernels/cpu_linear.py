@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedllm import _core
+from pagedllm.kernels.cpu_arrays import KERNEL_DTYPES, numpy_view
 
 # output columns per panel (`PANEL` in rust/src/cpu/linear.rs)
 PANEL = 16
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight 
         torch.get_num_threads(),
     )
     return out.view(*x.shape[:-1], packed.out_features)
-
-
-def numpy_view(t: Tensor) -> np.ndarray:
-    """The tensor's memory as numpy, no copy (bfloat16 as its uint16 bits: numpy has none)."""
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from pagedllm import _core
-from pagedllm.kernels.cpu_linear import KERNEL_DTYPES, numpy_view
+from pagedllm.kernels.cpu_arrays import KERNEL_DTYPES, numpy_view
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:

@@ -1,7 +1,7 @@
 """The Rust CPU kernels (`_core.cpu_store_kvcache`, `_core.cpu_paged_attention`) against the torch
 reference (`pagedllm.kernels.reference`), like the Triton kernels in test_kernels.py: GQA, several
 query tokens per sequence over a cached prefix, odd block sizes, ragged lengths, threads; in
-float32 and in bfloat16 (crossing as its uint16 bits, `cpu_attention._numpy`)."""
+float32 and in bfloat16 (crossing as its uint16 bits, `kernels.cpu_arrays.numpy_view`)."""
 
 import math
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagedllm import _core
-from pagedllm.attention.cpu_attention import _numpy
 from pagedllm.kernels import reference as ref
+from pagedllm.kernels.cpu_arrays import numpy_view
 
 SHAPES = pytest.mark.parametrize(
     "ctx_lens,q_lens,heads,kv_heads,head_dim,block_size",
@@ -48,14 +48,14 @@ def _batch(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, seed):
 def _rust(q, k_cache, v_cache, qsl, lens, tables, scale, threads=1):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     _core.cpu_paged_attention(
-        _numpy(q),
-        _numpy(k_cache),
-        _numpy(v_cache),
+        numpy_view(q),
+        numpy_view(k_cache),
+        numpy_view(v_cache),
         qsl.numpy(),
         lens.numpy(),
         tables.numpy(),
         scale,
-        _numpy(out),
+        numpy_view(out),
         threads,
     )
     return out
@@ -106,7 +106,8 @@ def test_bf16_cpu_store_kvcache_copies_the_bits_of_strided_rows():
     kc = torch.randn(num_blocks, page, kvh, d, generator=g).bfloat16()
     vc = torch.randn(num_blocks, page, kvh, d, generator=g).bfloat16()
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    _core.cpu_store_kvcache(_numpy(k), _numpy(v), _numpy(kc), _numpy(vc), slots.numpy())
+    views = (numpy_view(t) for t in (k, v, kc, vc))
+    _core.cpu_store_kvcache(*views, slots.numpy())
     ref.store_kvcache(k, v, kc_ref, vc_ref, slots)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
@@ -120,7 +121,7 @@ def test_cpu_kernels_refuse_a_call_mixing_float32_and_bf16_with_a_type_error():
     k = torch.zeros(1, 1, 8)
     with pytest.raises(TypeError, match=r"v_cache must be a 4-D float32 array"):
         _core.cpu_store_kvcache(
-            k.numpy(), k.numpy(), kc.numpy(), _numpy(vc.bfloat16()), np.array([0], np.int64)
+            k.numpy(), k.numpy(), kc.numpy(), numpy_view(vc.bfloat16()), np.array([0], np.int64)
         )
 
 

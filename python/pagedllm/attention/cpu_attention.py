@@ -16,16 +16,7 @@ import torch
 from torch import Tensor
 
 from pagedllm import _core
-
-# The dtypes the Rust kernels (attention and rotary) take, each with the numpy dtype its tensors
-# cross as, sharing their memory: numpy has no bfloat16, so bfloat16 crosses as its uint16 bits.
-_NUMPY_DTYPE = {torch.float32: np.float32, torch.bfloat16: np.uint16}
-_BITS_VIEW = {torch.bfloat16: torch.uint16}
-
-
-def kernel_dtype(dtype: torch.dtype) -> bool:
-    """Whether the Rust CPU kernels take tensors of this dtype."""
-    return dtype in _NUMPY_DTYPE
+from pagedllm.kernels.cpu_arrays import NUMPY_DTYPE, kernel_dtype, numpy_view
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -51,16 +42,7 @@ def step_arrays(meta) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _array(t: Tensor, dtype) -> np.ndarray:
-    return np.ascontiguousarray(_numpy(t.cpu()), dtype=dtype)
-
-
-def _numpy(t: Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory (detached first only when autograd tracks it;
-    bfloat16 as uint16, see `_NUMPY_DTYPE`)."""
-    if t.requires_grad:
-        t = t.detach()
-    bits = _BITS_VIEW.get(t.dtype)
-    return t.numpy() if bits is None else t.view(bits).numpy()
+    return np.ascontiguousarray(numpy_view(t.cpu()), dtype=dtype)
 
 
 def store_and_attend(
@@ -74,13 +56,13 @@ def store_and_attend(
 ) -> Tensor:
     """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]`."""
     slots, query_start_loc, seq_lens, block_tables = arrays
-    kc, vc = _numpy(k_cache), _numpy(v_cache)
-    _core.cpu_store_kvcache(_numpy(k), _numpy(v), kc, vc, slots)
+    kc, vc = numpy_view(k_cache), numpy_view(v_cache)
+    _core.cpu_store_kvcache(numpy_view(k), numpy_view(v), kc, vc, slots)
     # allocated on the numpy side and shared with torch: no dispatcher ops for the bridge
     # (bfloat16: one, the view of the uint16 bits as bfloat16)
-    out = np.empty(q.shape, dtype=_NUMPY_DTYPE[q.dtype])
+    out = np.empty(q.shape, dtype=NUMPY_DTYPE[q.dtype])
     _core.cpu_paged_attention(
-        _numpy(q),
+        numpy_view(q),
         kc,
         vc,
         query_start_loc,

@@ -7,20 +7,22 @@ from __future__ import annotations
 from torch import Tensor
 
 from pagedllm import _core
-from pagedllm.attention.cpu_attention import _numpy, kernel_dtype
+from pagedllm.kernels.cpu_arrays import kernel_dtype, numpy_view
 
 
 class RopeTables:
     """A step's cos/sin `[T, D / 2]`, shared by every layer; on the CPU in a dtype the kernels
-    take (`cpu_attention.kernel_dtype`) also their numpy views for the kernel, made once per step
-    rather than once per layer."""
+    take (`kernels.cpu_arrays.kernel_dtype`) also their numpy views for the kernel, made once
+    per step rather than once per layer."""
 
     __slots__ = ("cos", "sin", "arrays")
 
     def __init__(self, cos: Tensor, sin: Tensor) -> None:
         self.cos, self.sin = cos, sin
         on_cpu = cos.device.type == "cpu" and kernel_dtype(cos.dtype)
-        self.arrays = (_numpy(cos.contiguous()), _numpy(sin.contiguous())) if on_cpu else None
+        self.arrays = (
+            (numpy_view(cos.contiguous()), numpy_view(sin.contiguous())) if on_cpu else None
+        )
 
 
 def supports(x: Tensor, tables: RopeTables) -> bool:
@@ -32,4 +34,4 @@ def supports(x: Tensor, tables: RopeTables) -> bool:
 def rotary_in_place(x: Tensor, tables: RopeTables) -> None:
     """Rotate x `[T, heads, D]` in place by the step's angles (see `supports`)."""
     cos, sin = tables.arrays
-    _core.cpu_rotary_in_place(_numpy(x), cos, sin)
+    _core.cpu_rotary_in_place(numpy_view(x), cos, sin)
