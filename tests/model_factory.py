@@ -294,3 +294,25 @@ def paged_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int)
         if len(out) == max_new_tokens:
             return out
         logits = runner.step({"s": [out[-1]]})["s"][-1]
+
+
+def hf_generate_greedy(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy `generate` of a loaded model (on its device): exactly
+    `max_new_tokens` per prompt (no stop on EOS, like `ignore_eos`), one prompt at a time."""
+    model.generation_config.eos_token_id = None
+    device = next(model.parameters()).device
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs

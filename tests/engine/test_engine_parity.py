@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from model_factory import build_hf_model, save_tiny_checkpoint, tiny_hf_config
+from model_factory import build_hf_model, hf_generate_greedy, save_tiny_checkpoint, tiny_hf_config
 
 MAX_NEW = 10
 # different lengths: shorter than a block, across block boundaries, several blocks
@@ -22,20 +22,7 @@ def hf_greedy(folder, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # always MAX_NEW tokens, like ignore_eos
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
+    return hf_generate_greedy(model, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
-from model_factory import save_tiny_checkpoint
+from model_factory import hf_generate_greedy, save_tiny_checkpoint
 
 MAX_NEW = 12
 # shorter than a block, across a block boundary, several blocks
@@ -26,20 +26,7 @@ def hf_greedy(folder, dtype: torch.dtype, prompts) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
-    model.generation_config.eos_token_id = None  # always MAX_NEW tokens, like ignore_eos
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
+    return hf_generate_greedy(model, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])

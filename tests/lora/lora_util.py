@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 
-from model_factory import build_hf_model, save_tiny_checkpoint, tiny_hf_config
+from model_factory import build_hf_model, hf_generate_greedy, save_tiny_checkpoint, tiny_hf_config
 
 MAX_NEW = 8
 # shorter than a block, across block boundaries, several blocks (block_size 4)
@@ -51,22 +51,9 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) -> l
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # always MAX_NEW tokens, like ignore_eos
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
+    return hf_generate_greedy(model, prompts, MAX_NEW)
 
 
 class LoRAWorld:
