@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -243,3 +245,17 @@ def test_dtype_auto_on_gpu_follows_the_checkpoint_in_half_precision(llama_copy, 
     edit_config(llama_copy, torch_dtype=saved, dtype=None)
     cfg = load_model_config(llama_copy)
     assert resolve_dtype("auto", cfg, torch.device("cuda")) == expected
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported(llama_dir):
+    # building the model on the meta device must not run torch ops there: they import
+    # torch._dynamo, seconds of every start-up (a fresh interpreter, as a server starts)
+    code = (
+        "import sys; from pagedllm.models.loader import load_model; "
+        f"load_model({str(llama_dir)!r}, pack_for_cpu=True); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False"

@@ -58,7 +58,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
     """Inverse frequencies `[head_dim / 2]` (float32), with linear or Llama 3 scaling applied."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    # on the CPU even while the model is built on the meta device: arithmetic on meta tensors
+    # imports torch._dynamo, seconds of start-up (`reset_rotary` moves the table)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -223,7 +225,10 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         if tp.size == 1:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # an explicit weight skips nn.Embedding's random init, which the checkpoint
+            # overwrites anyway and which, on the meta device, imports torch._dynamo (seconds)
+            shape = (cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
