@@ -30,6 +30,8 @@ const TILE_ROWS: usize = 6;
 const X_BLOCK_BYTES: usize = 256 * 1024;
 /// Below this many weight elements a share, a worker thread costs more than it saves.
 const MIN_SHARE_ELEMS: usize = 1 << 16;
+/// Runs of panels a call is cut into per thread, claimed by whichever thread is free.
+const CHUNKS_PER_THREAD: usize = 4;
 
 /// `out [M, N] = x [M, K] · W^T + bias` with W given as its panels `[ceil(N / PANEL), K,
 /// PANEL]` (`pack_panels`). All contiguous. `num_threads` threads at most (the calling thread
@@ -100,10 +102,15 @@ pub fn linear<T: Elem>(
         run(&ctx, 0..num_panels);
         return Ok(());
     }
-    let shares = (0..threads)
-        .map(|i| (i * num_panels / threads)..((i + 1) * num_panels / threads))
-        .collect();
-    pool::WORKERS.run_shares(shares, |panels| run(&ctx, panels));
+    // runs of panels claimed in turn, several per thread: on a busy machine a thread that
+    // shares its core with another process does fewer of them
+    let chunk = num_panels
+        .div_ceil(threads * CHUNKS_PER_THREAD)
+        .max(per_share);
+    let chunks = num_panels.div_ceil(chunk);
+    pool::WORKERS.run_claimed(threads, chunks, |c| {
+        run(&ctx, c * chunk..((c + 1) * chunk).min(num_panels));
+    });
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 //! compete with torch's OpenMP threads). A call with `n` shares runs one on the calling thread
 //! and the others on `n - 1` pool workers; the pool is rebuilt only when a call asks for a
 //! different count (torch's thread count changed).
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rayon_core::{ThreadPool, ThreadPoolBuilder};
@@ -64,6 +65,23 @@ impl Workers {
             task(mine);
         });
     }
+
+    /// Runs `task(i)` for every `i` in `0..items`, each claimed in turn by whichever of the
+    /// calling thread and up to `threads - 1` workers is free: a thread that another process
+    /// slows down takes fewer items rather than holding the others up at the end of the call
+    /// (fixed shares make every call as slow as its slowest thread). Returns when all have run.
+    pub(crate) fn run_claimed(&self, threads: usize, items: usize, task: impl Fn(usize) + Sync) {
+        let next = AtomicUsize::new(0);
+        let claim = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= items {
+                return;
+            }
+            task(i);
+        };
+        let helpers = threads.min(items).saturating_sub(1);
+        self.run_shares(vec![(); helpers + 1], |()| claim());
+    }
 }
 
 #[cfg(test)]
@@ -122,6 +140,39 @@ mod tests {
         let other = pool_threads(&workers);
         assert_eq!(other.len(), 1);
         assert!(other.is_disjoint(&first), "another count: a new pool");
+    }
+
+    #[test]
+    fn every_claimed_item_runs_exactly_once() {
+        let workers = Workers::new();
+        for (threads, items) in [(1, 5), (2, 1), (2, 37), (3, 1000), (4, 0)] {
+            let ran = Mutex::new(vec![0; items]);
+            workers.run_claimed(threads, items, |i| ran.lock().unwrap()[i] += 1);
+            assert_eq!(
+                ran.into_inner().unwrap(),
+                vec![1; items],
+                "{threads} threads"
+            );
+        }
+    }
+
+    #[test]
+    fn a_slow_thread_takes_fewer_claimed_items() {
+        // the caller sleeps on each item it takes: the worker, free, takes most of them
+        let workers = Workers::new();
+        let caller = thread::current().id();
+        let by_caller = Mutex::new(0);
+        workers.run_claimed(2, 40, |_| {
+            if thread::current().id() == caller {
+                *by_caller.lock().unwrap() += 1;
+                thread::sleep(std::time::Duration::from_millis(25));
+            }
+        });
+        let by_caller = by_caller.into_inner().unwrap();
+        assert!(
+            by_caller < 20,
+            "the slow caller ran {by_caller} of 40 items"
+        );
     }
 
     #[test]
