@@ -31,6 +31,13 @@ DTYPES = ("auto", *DTYPE_NAMES)
 # the least time tensor-parallel ranks are given to start (`EngineArgs.tp_startup_timeout`)
 TP_MIN_STARTUP_TIMEOUT_S = 120.0
 GiB = 1 << 30
+# what the engine is run for (vLLM's usage context): "server" is `pagedllm serve`
+USAGE_CONTEXTS = ("offline", "server")
+# the token budget per step of a server whose --max-num-batched-tokens is unset, when its
+# scheduling splits prompts into chunks (vLLM's OpenAI server on CPU: 2048): a burst of prompts
+# is prefilled a chunk at a time, so the first of them stream while the rest wait, where the
+# offline default (the core's) takes them all in one long step
+SERVER_MAX_NUM_BATCHED_TOKENS = 2048
 # backends of the KV offload tier (kv_offloading_backend)
 KV_OFFLOADING_BACKENDS = ("native", "disk")
 
@@ -88,6 +95,8 @@ class EngineArgs:
     # KV events (vLLM's dict: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
     kv_events_config: dict | None = None
+    # "server" (set by `pagedllm serve`) or "offline": picks the default token budget per step
+    usage_context: str = "offline"
     # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
@@ -114,6 +123,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("usage_context", self.usage_context, USAGE_CONTEXTS)
         SpeculativeConfig.from_dict(self.speculative_config)
         KVEventsConfig.from_dict(self.kv_events_config)
         # the scheduler's and the cache's knobs: the core's rules, asked, never restated
@@ -229,10 +239,14 @@ class EngineArgs:
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The token budget per step: `max_num_batched_tokens`, else the scheduler's default for
-        the strategy (prefill_first never splits a prompt, so its budget holds a whole one)."""
+        the strategy (prefill_first never splits a prompt, so its budget holds a whole one),
+        capped at `SERVER_MAX_NUM_BATCHED_TOKENS` for a server whose strategy splits prompts."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return default_max_num_batched_tokens(self.scheduling, max_model_len)
+        budget = default_max_num_batched_tokens(self.scheduling, max_model_len)
+        if self.usage_context == "server" and self.scheduling != "prefill_first":
+            return min(budget, SERVER_MAX_NUM_BATCHED_TOKENS)
+        return budget
 
 
 def _one_of(name: str, value, allowed) -> None:

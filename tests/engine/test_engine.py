@@ -215,3 +215,31 @@ def test_a_choice_after_a_prompt_ending_in_u_fffd_is_exactly_the_choice(llm, pro
     completion = out.outputs[0]
     assert completion.text in ("yes", "no")
     assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
+
+
+def test_server_engine_prefills_a_burst_in_chunks_with_the_same_greedy_tokens():
+    """A burst over the server's token budget is prefilled a chunk per step (the first prompts
+    produce a token before the last are computed), and greedy outputs equal the offline
+    engine's, which takes the burst in one step."""
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(300)] for i in range(8)]  # 2,400 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    first_steps = {}
+    for context in ("offline", "server"):
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(device="cpu", max_model_len=512, num_gpu_blocks=200, usage_context=context)
+        )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        step = 0
+        while engine.has_unfinished_requests():
+            step += 1
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    first_steps.setdefault((context, out.request_id), step)
+                if out.finished:
+                    tokens[(context, out.request_id)] = out.outputs[0].token_ids
+    assert all(tokens[("server", str(i))] == tokens[("offline", str(i))] for i in range(8))
+    assert {first_steps[("offline", str(i))] for i in range(8)} == {1}
+    server_first = [first_steps[("server", str(i))] for i in range(8)]
+    assert server_first[0] == 1 and server_first[-1] > 1

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pagedllm import LLM, EngineArgs, Scheduler, _core
-from pagedllm.config import SCHEDULING_STRATEGIES
+from pagedllm.config import SCHEDULING_STRATEGIES, SERVER_MAX_NUM_BATCHED_TOKENS
 
 
 def test_engine_args_defaults_are_the_schedulers():
@@ -48,6 +48,26 @@ def test_default_token_budget_is_the_schedulers():
             args = EngineArgs(scheduling=scheduling)
             s = Scheduler(num_gpu_blocks=8, scheduling=scheduling, max_model_len=max_model_len)
             assert args.resolved_max_num_batched_tokens(max_model_len) == s.max_num_batched_tokens
+
+
+def test_server_caps_the_default_budget_where_prompts_are_split():
+    for scheduling in SCHEDULING_STRATEGIES:
+        for max_model_len in (512, 4096, 16384):
+            core = EngineArgs(scheduling=scheduling).resolved_max_num_batched_tokens(max_model_len)
+            server = EngineArgs(scheduling=scheduling, usage_context="server")
+            expected = core if scheduling == "prefill_first" else min(core, 2048)
+            assert server.resolved_max_num_batched_tokens(max_model_len) == expected
+    assert SERVER_MAX_NUM_BATCHED_TOKENS == 2048  # vLLM's OpenAI server on CPU
+
+
+def test_server_budget_gives_way_to_an_explicit_one():
+    args = EngineArgs(usage_context="server", max_num_batched_tokens=8192)
+    assert args.resolved_max_num_batched_tokens(4096) == 8192
+
+
+def test_unknown_usage_context_is_refused_by_name():
+    with pytest.raises(ValueError, match="usage_context"):
+        EngineArgs(usage_context="batch")
 
 
 @pytest.mark.parametrize(

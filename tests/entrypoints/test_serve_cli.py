@@ -28,6 +28,22 @@ def test_serve_parser_takes_the_engine_and_server_flags():
     assert (args.max_request_body_bytes, args.max_failed_steps) == (5000, 7)
 
 
+def test_serve_builds_its_engine_as_a_server(monkeypatch):
+    """`serve` marks its engine's usage context (the server's default token budget)."""
+    from pagedllm.entrypoints import api_server
+
+    seen = {}
+
+    def capture(engine_kwargs, config):
+        seen.update(engine_kwargs)
+        raise KeyboardInterrupt  # stop before a model loads
+
+    monkeypatch.setattr(api_server, "build_server_app", capture)
+    assert main(["serve", "--port", "0", "--max-model-len", "64"]) == 130
+    assert seen["usage_context"] == "server"
+    assert seen["max_num_batched_tokens"] is None  # unset: the engine config's default
+
+
 def test_serve_answers_then_exits_0_on_sigterm():
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port)]

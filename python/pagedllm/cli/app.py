@@ -23,6 +23,7 @@ from pagedllm.config import (
     POLICIES,
     PREEMPTION_MODES,
     SCHEDULING_STRATEGIES,
+    SERVER_MAX_NUM_BATCHED_TOKENS,
     EngineArgs,
 )
 from pagedllm.sampling_params import SamplingParams
@@ -252,7 +253,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=_POSITIVE,
         default=_ENGINE["max_num_batched_tokens"],
-        help="most tokens in one step (default: the scheduler's for --scheduling)",
+        help="most tokens in one step (default: the scheduler's for --scheduling; `serve` "
+        f"caps it at {SERVER_MAX_NUM_BATCHED_TOKENS} where prompts are split into chunks)",
     )
     g.add_argument(
         "--scheduling",
@@ -589,7 +591,7 @@ def _serve(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None
         },
     )
-    engine_kwargs = _engine_kwargs(args)
+    engine_kwargs = _engine_kwargs(args) | {"usage_context": "server"}
     if config.lora_modules:
         engine_kwargs["enable_lora"] = True  # serving adapters implies --enable-lora
     # pagedllm's own log lines (start-up, engine faults) next to uvicorn's, at --log-level

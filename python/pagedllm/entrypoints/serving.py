@@ -92,6 +92,10 @@ class Job:
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as outputs arrive, until every request finished.
         A request past `timeout` is aborted (its last output has finish reason "abort")."""
+        if len(self.streams) == 1:
+            async for output in self._one_stream():
+                yield 0, output
+            return
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         timed_out = False
         getters: dict[asyncio.Task, int] = {}
@@ -126,6 +130,30 @@ class Job:
             for task in getters:
                 task.cancel()
 
+    async def _one_stream(self) -> AsyncIterator[RequestOutput]:
+        """`outputs` of a job with one request (one prompt, n = 1 or n > 1 in one output): its
+        queue awaited directly, with no task per output as the multi-stream wait needs."""
+        queue = self.streams[0][1]
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        timed_out = False
+        while True:
+            try:
+                async with asyncio.timeout_at(None if deadline is None else _loop_time(deadline)):
+                    item = await queue.get()
+            except TimeoutError:  # the deadline passed: abort once, then drain the final outputs
+                timed_out, deadline = True, None
+                self.abort()
+                continue
+            item = _latest(item, queue)
+            if isinstance(item, BaseException):
+                raise unavailable(str(item))
+            if timed_out and item.finished:
+                _mark_timeout(item, self.timeout)
+            self.cached[0] = item.num_cached_tokens
+            yield item
+            if item.finished:
+                return
+
     async def finals(self, request: Request) -> list[RequestOutput]:
         """The final output of every prompt; a client that disconnects first has its requests
         aborted (and gets nothing: the connection is gone)."""
@@ -149,6 +177,11 @@ class Job:
             gather_task.cancel()
             if any(f is None for f in finals):  # disconnected or failed: abort what is left
                 self.abort()
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    """A `time.monotonic()` deadline on the running event loop's clock."""
+    return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
 
 
 def _latest(item: Any, queue: asyncio.Queue) -> Any:
