@@ -1018,7 +1018,7 @@ def _routing_flags(parser: argparse.ArgumentParser) -> None:
         type=_number(0.0, 1.0),
         default=None,
         help="cache_aware: what a prompt block counts for on the replica it was last routed to "
-        "once that replica evicted it (keeps prefixes where they went; default: 0.5)",
+        "once that replica evicted it (keeps prefixes where they went; default: 1)",
     )
     g.add_argument(
         "--unresponsive-after",

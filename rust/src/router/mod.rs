@@ -103,7 +103,7 @@ pub mod defaults {
     /// Longer than a request stays in flight under heavy load (`finish` ends its pending blocks
     /// as a rule; this only bounds a finish that never comes).
     pub const PENDING_TTL: f64 = 120.0;
-    pub const AFFINITY_WEIGHT: f64 = 0.5;
+    pub const AFFINITY_WEIGHT: f64 = 1.0;
     /// Blocks whose last replica the router remembers, per generation (two are kept: a block
     /// not routed during two generations is forgotten).
     pub const AFFINITY_CAPACITY: usize = 1 << 20;
@@ -586,7 +586,8 @@ impl Router {
         let mut best_score = f64::NEG_INFINITY;
         for &(r, q) in &queues {
             let s = score(r, q);
-            if s > best_score {
+            // on a tie, blocks it holds beat blocks it only was sent
+            if s > best_score || (s == best_score && matched[r] > matched[best]) {
                 (best, best_score) = (r, s);
             }
         }
