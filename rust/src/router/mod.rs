@@ -24,6 +24,11 @@
 //! `approximate`, the router instead records what it sent where for good and never learns of
 //! evictions (SGLang's approximate tree, as block hashes): the baseline the simulation
 //! compares against.
+//!
+//! `cache_aware` also remembers where each block was last routed (bounded: two generations of
+//! `AFFINITY_CAPACITY` hashes) and counts a block that replica no longer holds as
+//! `affinity_weight` of a held one: a prefix evicted everywhere goes back where it went, so the
+//! prefixes stay partitioned over the replicas instead of being copied onto the least loaded.
 pub mod index;
 
 use std::collections::HashMap;
