@@ -424,3 +424,28 @@ fn the_approximate_router_keeps_what_it_sent_where_after_the_request_ends() {
     let again = r.route(&p, 0, None, 0, 1e9).unwrap();
     assert_eq!((again.replica, again.matched_blocks), (d.replica, 2));
 }
+
+#[test]
+fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let small = turn(&[], 23);
+    let first = chain_hashes(&small[..2 * BS], BS, salted_key(0, 0))[0];
+    let d = r.route(&small, 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.last_routed(first), Some(d.replica));
+    // prompts of a whole generation of blocks each, all different
+    let big = |base: u32| -> Vec<u32> {
+        (0..(defaults::AFFINITY_CAPACITY * BS) as u32)
+            .map(|i| base.wrapping_add(i))
+            .collect()
+    };
+    r.route(&big(1 << 30), 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.last_routed(first), Some(d.replica), "one generation back");
+    r.route(&big(3 << 30), 0, None, 0, 0.0).unwrap();
+    assert_eq!(
+        r.last_routed(first),
+        None,
+        "two generations back: forgotten"
+    );
+}
