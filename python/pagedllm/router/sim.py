@@ -10,7 +10,7 @@ core's record of what it sent where (SGLang's approximate tree, as block hashes)
 replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
-        [--blocks B] [--seeds N]
+        [--blocks B] [--seeds N] [--first-seed S] [--affinity-weight A]
 """
 
 from __future__ import annotations
