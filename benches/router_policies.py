@@ -4,7 +4,11 @@ For each policy, `pagedllm serve -dp 2 --routing-policy P` (1 torch thread per r
 SGLang's generated-shared-prefix workload: GROUPS groups, each a long shared system prompt,
 QUESTIONS short questions per group, in a shuffled order (or in rounds: --order), CONCURRENCY
 at a time, streamed with
-usage. The KV cache of one replica holds only part of the groups' prefixes (--num-gpu-blocks).
+usage. The KV cache of a replica is sized by one rule (`rule_blocks`, unless --blocks says
+otherwise): it holds 60 % of the groups' prefixes plus the blocks of its share of the requests
+in flight, so one replica cannot hold them all, two can with room for an uneven split, and a
+policy that sends every group to both replicas (round robin) thrashes where one that partitions
+the groups (cache_aware) does not.
 Reported per policy: prefix hit rate (cached / prompt tokens, from the responses' usage), TTFT
 p50 / p99, output tokens per second, and where the time went: the prompt tokens the replicas
 computed (prompt - cached) and the CPU seconds the replicas and the router process used during
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -69,6 +74,30 @@ def workload(args) -> list[str]:
         rng.shuffle(turn)
         prompts.extend(turn)
     return prompts
+
+
+# the share of the groups' prefixes one replica's cache holds (over 1/2: two hold them all with
+# room for an uneven split; well under 1: one cannot)
+PREFIX_SHARE = 0.6
+
+
+def rule_blocks(args, prompts: list[str], block_size: int = 16) -> int:
+    """KV blocks per replica by the rule above: ceil(PREFIX_SHARE x groups) prefixes, plus for
+    each request in flight (`concurrency`, all on one replica at worst) the blocks beyond its
+    prefix (its question and output)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+    lens = [len(tok.encode(p).ids) for p in prompts]
+    # the shared part: the tokens the prompts of group 0 have in common
+    group0 = [tok.encode(p).ids for p in prompts if p.startswith("System 0:")]
+    shared = next(
+        (i for i, col in enumerate(zip(*group0)) if len(set(col)) > 1), min(map(len, group0))
+    )
+    prefix_blocks = shared // block_size
+    request_blocks = -(-(max(lens) + args.max_tokens) // block_size)
+    prefixes = math.ceil(round(PREFIX_SHARE * args.groups, 6))  # 0.6 x 10: 6, not 7
+    return prefixes * prefix_blocks + args.concurrency * (request_blocks - prefix_blocks)
 
 
 def lru_hits(order: list[int], capacity: int, rng: random.Random) -> dict[str, int]:
@@ -273,7 +302,7 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=384, help="characters of shared prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=112, help="KV blocks per replica")
+    ap.add_argument("--blocks", type=int, help="KV blocks per replica (default: by `rule_blocks`)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")
@@ -314,6 +343,8 @@ def main() -> None:
         )
         return
     prompts = workload(args)
+    if args.blocks is None:
+        args.blocks = rule_blocks(args, prompts)
     print(
         f"{len(prompts)} requests ({args.groups} groups x {args.questions}, {args.order}), "
         f"prefix {args.prefix_len} chars, {args.max_tokens} out, concurrency "

@@ -238,6 +238,7 @@ class Router:
         load_weight: float = 0.5,
         token_weight: float = 0.0,
         pending_ttl: float = 120.0,
+        affinity_weight: float = 1.0,
         approximate: bool = False,
     ) -> None: ...
     @property

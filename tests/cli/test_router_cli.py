@@ -28,6 +28,7 @@ def test_router_flags_parse_with_the_cores_defaults_left_unset():
     assert args.routing_policy == "cache_aware"
     assert (args.balance_abs_threshold, args.balance_rel_threshold) == (None, None)
     assert args.token_weight is None
+    assert (args.affinity_weight, args.unresponsive_after) == (None, None)
 
 
 def test_a_token_weight_outside_zero_to_one_is_refused(capsys):
@@ -36,6 +37,22 @@ def test_a_token_weight_outside_zero_to_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--replica", "http://a:1", "--token-weight", "2"])
     assert "--token-weight" in capsys.readouterr().err
+
+
+def test_an_affinity_weight_outside_zero_to_one_is_refused(capsys):
+    base = ["router", "--replica", "http://a:1", "--affinity-weight"]
+    assert build_parser().parse_args([*base, "0"]).affinity_weight == 0.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "1.5"])
+    assert "--affinity-weight" in capsys.readouterr().err
+
+
+def test_unresponsive_after_must_be_positive(capsys):
+    base = ["router", "--replica", "http://a:1", "--unresponsive-after"]
+    assert build_parser().parse_args([*base, "2.5"]).unresponsive_after == 2.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "0"])
+    assert "--unresponsive-after" in capsys.readouterr().err
 
 
 def test_serve_takes_a_kv_events_config_as_json(capsys):

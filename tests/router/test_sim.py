@@ -34,15 +34,16 @@ def test_the_long_chat_workload_runs_from_the_command_line(capsys):
     assert len(rows) == 1 and rows[0].startswith("| 2 | approx |")
 
 
-def test_the_token_weight_is_handed_to_the_router_core():
-    with pytest.raises(ValueError, match="token_weight"):
+@pytest.mark.parametrize("knob", ["token_weight", "affinity_weight", "load_weight"])
+def test_the_router_knobs_are_handed_to_the_router_core(knob):
+    with pytest.raises(ValueError, match=knob):
         simulate(
             multi_turn(convs=1, turns=1, turn_len=4),
             replicas=1,
             policy="cache_aware",
             rate=1.0,
             blocks=8,
-            token_weight=2.0,
+            **{knob: 2.0},
         )
 
 
@@ -67,3 +68,21 @@ def test_with_several_seeds_a_row_is_the_mean_of_their_runs(capsys):
     mean_p50 = (runs[0]["ttft_p50"] + runs[1]["ttft_p50"]) / 2
     assert len(both) == 1 and both[0].split("|")[4].strip() == f"{mean_p50:.3f}"
     assert runs[0]["ttft_p50"] != runs[1]["ttft_p50"]
+
+
+def test_first_seed_picks_the_seeds_a_row_averages(capsys):
+    from pagedllm.router.sim import main
+
+    argv = ["--replicas", "2", "--workload", "multi_turn", "--convs-per-replica", "2"]
+    argv += ["--turns", "2", "--policies", "round_robin", "--first-seed", "5"]
+    main(argv)
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
+    run = simulate(
+        multi_turn(convs=4, turns=2, turn_len=96, seed=5),
+        replicas=2,
+        policy="round_robin",
+        rate=8.0,
+        blocks=128,
+        seed=5,
+    )
+    assert len(row) == 1 and row[0].split("|")[4].strip() == f"{run['ttft_p50']:.3f}"

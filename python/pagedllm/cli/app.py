@@ -637,7 +637,13 @@ def _router(args: argparse.Namespace) -> int:
     # the balance knobs left out: the router core's defaults
     knobs = {
         name: getattr(args, name)
-        for name in ("balance_abs_threshold", "balance_rel_threshold", "token_weight")
+        for name in (
+            "balance_abs_threshold",
+            "balance_rel_threshold",
+            "token_weight",
+            "affinity_weight",
+            "unresponsive_after",
+        )
         if getattr(args, name) is not None
     }
     replicas = ReplicaSet(
@@ -986,8 +992,8 @@ def _routing_flags(parser: argparse.ArgumentParser) -> None:
         "--health-interval",
         type=_number(0.0, low_open=True),
         default=0.5,
-        help="seconds between polls of each replica's /load (two failures in a row take it "
-        "out of rotation)",
+        help="seconds between polls of each replica's /load (two failures in a row, or no "
+        "answer for --unresponsive-after seconds, take it out of rotation)",
     )
     g.add_argument(
         "--balance-abs-threshold",
@@ -1008,6 +1014,20 @@ def _routing_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cache_aware's penalty for a replica's prefill backlog: its in-flight uncached "
         "prompt tokens plus this prompt's uncached tokens there (default: 0, off)",
+    )
+    g.add_argument(
+        "--affinity-weight",
+        type=_number(0.0, 1.0),
+        default=None,
+        help="cache_aware: what a prompt block counts for on the replica it was last routed to "
+        "once that replica evicted it (keeps prefixes where they went; default: 1)",
+    )
+    g.add_argument(
+        "--unresponsive-after",
+        type=_number(0.0, low_open=True),
+        default=None,
+        help="seconds without an answer to /load after which a replica leaves rotation (a "
+        "slow answer within them keeps it; default: 5)",
     )
 
 

@@ -19,9 +19,14 @@ from pagedllm.kv_events.subscriber import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
 
-# a replica that fails this many polls in a row leaves rotation (at the default interval of
-# 0.5 s: within about a second; a refused connection on a request takes it out at once)
+# a replica whose /load fails outright (refused, an error status, an unhealthy engine) this many
+# times in a row leaves rotation (at the default interval of 0.5 s: within about a second; a
+# refused connection on a request takes it out at once)
 MAX_FAILED_POLLS = 2
+# a replica whose /load has not answered for this long leaves rotation (a hung process). A poll
+# that merely times out is not a failure: a busy replica (a long prefill holding its GIL on a
+# starved host) answers late but answers, and stays in rotation meanwhile
+UNRESPONSIVE_AFTER = 5.0
 
 
 @dataclass
@@ -30,6 +35,7 @@ class Replica:
     url: str
     alive: bool = True  # until a poll or a request says otherwise
     failed_polls: int = 0
+    last_answer: float = field(default_factory=time.monotonic)  # its last good /load
     instance_id: str | None = None
     lora_ids: dict[str, int] = field(default_factory=dict)
     subscriber: KVEventSubscriber | None = None
@@ -60,16 +66,20 @@ class ReplicaSet:
         block_size: int,
         policy: str,
         health_interval: float = 0.5,
+        unresponsive_after: float = UNRESPONSIVE_AFTER,
         **router_knobs,
     ) -> None:
         if not urls:
             raise ValueError("give at least one --replica URL")
+        if not unresponsive_after > 0:
+            raise ValueError(f"unresponsive_after must be > 0 seconds, got {unresponsive_after}")
         self.replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(urls)]
         self.router = Router(len(urls), block_size, policy, **router_knobs)
         self.block_size = block_size
         self.lock = threading.Lock()
         self.health_interval = health_interval
-        self._task: asyncio.Task | None = None
+        self.unresponsive_after = unresponsive_after
+        self._tasks: list[asyncio.Task] = []
 
     def route(
         self, token_ids: list[int], lora_id: int, session: str | None, excluded: int
@@ -110,43 +120,64 @@ class ReplicaSet:
     # ---- the health and load poll ---------------------------------------------------------
 
     def start(self, client: httpx.AsyncClient) -> None:
-        self._task = asyncio.ensure_future(self._poll_forever(client))
+        # one loop per replica: a slow one's poll does not hold back the others' load reports
+        self._tasks = [
+            asyncio.ensure_future(self._poll_forever(client, r)) for r in self.replicas
+        ] + [asyncio.ensure_future(self._expire_forever())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        self._tasks = []
         for replica in self.replicas:
             if replica.subscriber is not None:
                 replica.subscriber.close()
                 replica.subscriber = None
 
-    async def _poll_forever(self, client: httpx.AsyncClient) -> None:
+    async def _poll_forever(self, client: httpx.AsyncClient, replica: Replica) -> None:
         while True:
-            await self.poll(client)
+            await self._poll_one(client, replica)
+            await asyncio.sleep(self.health_interval)
+
+    async def _expire_forever(self) -> None:
+        while True:
             with self.lock:
                 self.router.expire_pending(time.monotonic())
             await asyncio.sleep(self.health_interval)
 
     async def poll(self, client: httpx.AsyncClient) -> None:
+        """Polls every replica once, together."""
         await asyncio.gather(*(self._poll_one(client, r) for r in self.replicas))
 
     async def _poll_one(self, client: httpx.AsyncClient, replica: Replica) -> None:
         try:
-            response = await client.get(
-                f"{replica.url}/load", timeout=max(1.0, 2 * self.health_interval)
+            # bounded as a whole (httpx's timeouts are per phase): a hung replica's poll ends
+            # when its silence reaches the bound, so it leaves rotation then
+            bound = self.unresponsive_after
+            if replica.alive:  # what is left of its bound
+                bound -= time.monotonic() - replica.last_answer
+            response = await asyncio.wait_for(
+                client.get(f"{replica.url}/load"), max(bound, self.health_interval)
             )
             response.raise_for_status()
             load = response.json()
             if not load.get("healthy", True):
                 raise ValueError("its engine reports itself unhealthy")
+        except (TimeoutError, httpx.TimeoutException):
+            silent_for = time.monotonic() - replica.last_answer
+            if silent_for >= self.unresponsive_after:
+                self.mark_down(replica, f"/load has not answered for {silent_for:.1f} s")
+            return
         except (httpx.HTTPError, ValueError) as exc:
             replica.failed_polls += 1
             if replica.failed_polls >= MAX_FAILED_POLLS:
                 self.mark_down(replica, f"/load failed {replica.failed_polls} times ({exc!r})")
             return
         replica.failed_polls = 0
+        replica.last_answer = time.monotonic()
         self._update(replica, load)
 
     def _update(self, replica: Replica, load: dict) -> None:

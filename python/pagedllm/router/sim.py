@@ -10,7 +10,7 @@ core's record of what it sent where (SGLang's approximate tree, as block hashes)
 replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
-        [--blocks B] [--seeds N]
+        [--blocks B] [--seeds N] [--first-seed S] [--affinity-weight A]
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def simulate(
     per_token: float = 0.0004,
     block_size: int = 16,
     seed: int = 0,
-    token_weight: float | None = None,
+    **knobs,
 ):
-    """Runs the trace; returns hit rate (cached / prompt tokens), TTFT p50 / p99 and tokens/s."""
+    """Runs the trace; returns hit rate (cached / prompt tokens), TTFT p50 / p99 and tokens/s.
+    `knobs`: the router core's keyword arguments (its defaults where absent or None)."""
     rng = random.Random(seed)
     approx = policy == "approx"
-    knobs = {} if token_weight is None else {"token_weight": token_weight}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
     router = Router(
         replicas, block_size, "cache_aware" if approx else policy, approximate=approx, **knobs
     )
@@ -182,17 +183,33 @@ def main(argv=None) -> None:
         help="cache_aware / approx: the prefill-cost weight (default: the router core's)",
     )
     ap.add_argument(
+        "--affinity-weight",
+        type=float,
+        help="cache_aware: what a block counts for on the replica it was last routed to once "
+        "that replica evicted it (default: the router core's)",
+    )
+    ap.add_argument("--load-weight", type=float, help="cache_aware / approx (default: the core's)")
+    ap.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the seeds are first-seed .. first-seed + seeds - 1 (tune on other seeds than "
+        "those reported)",
+    )
+    ap.add_argument(
         "--seeds",
         type=int,
         default=1,
-        help="runs per row, each with its own trace and arrivals (seeds 0..N-1); the row is "
-        "their mean (one run's p99 rests on its few slowest requests)",
+        help="runs per row, each with its own trace and arrivals; the row is their mean (one "
+        "run's p99 rests on its few slowest requests)",
     )
     args = ap.parse_args(argv)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    knobs = {"token_weight": args.token_weight, "load_weight": args.load_weight}
     print("| replicas | policy | hit rate | TTFT p50 (s) | TTFT p99 (s) | tok/s |")
     print("|---|---|---|---|---|---|")
     for k in args.replicas:
-        traces = [trace(args, k, seed) for seed in range(args.seeds)]
+        traces = [(seed, trace(args, k, seed)) for seed in seeds]
         for policy in args.policies:
             runs = [
                 simulate(
@@ -201,10 +218,11 @@ def main(argv=None) -> None:
                     policy=policy,
                     blocks=args.blocks,
                     rate=args.rate_per_replica * k,
-                    token_weight=args.token_weight,
                     seed=seed,
+                    affinity_weight=args.affinity_weight,
+                    **knobs,
                 )
-                for seed, prompts in enumerate(traces)
+                for seed, prompts in traces
             ]
             m = {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
             print(

@@ -23,6 +23,7 @@ impl PyRouter {
                         load_weight = defaults::LOAD_WEIGHT,
                         token_weight = defaults::TOKEN_WEIGHT,
                         pending_ttl = defaults::PENDING_TTL,
+                        affinity_weight = defaults::AFFINITY_WEIGHT,
                         approximate = false))]
     #[allow(clippy::too_many_arguments)] // one per Python keyword argument
     fn new(
@@ -34,6 +35,7 @@ impl PyRouter {
         load_weight: f64,
         token_weight: f64,
         pending_ttl: f64,
+        affinity_weight: f64,
         approximate: bool,
     ) -> PyResult<Self> {
         let mut cfg = RouterConfig::new(
@@ -46,6 +48,7 @@ impl PyRouter {
         cfg.load_weight = load_weight;
         cfg.token_weight = token_weight;
         cfg.pending_ttl = pending_ttl;
+        cfg.affinity_weight = affinity_weight;
         cfg.approximate = approximate;
         Ok(Self {
             inner: Router::new(cfg)?,

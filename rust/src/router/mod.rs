@@ -24,6 +24,11 @@
 //! `approximate`, the router instead records what it sent where for good and never learns of
 //! evictions (SGLang's approximate tree, as block hashes): the baseline the simulation
 //! compares against.
+//!
+//! `cache_aware` also remembers where each block was last routed (bounded: two generations of
+//! `AFFINITY_CAPACITY` hashes) and counts a block that replica no longer holds as
+//! `affinity_weight` of a held one: a prefix evicted everywhere goes back where it went, so the
+//! prefixes stay partitioned over the replicas instead of being copied onto the least loaded.
 pub mod index;
 
 use std::collections::HashMap;
@@ -88,6 +93,9 @@ pub struct RouterConfig {
     pub token_weight: f64,
     /// The longest a routed request's blocks count as pending (seconds).
     pub pending_ttl: f64,
+    /// What a block counts for on the replica it was last routed to once that replica no
+    /// longer holds it (in [0, 1]; 0: only what the events and pending blocks say).
+    pub affinity_weight: f64,
     /// Index what was routed where instead of the replicas' events (the approximate baseline).
     pub approximate: bool,
 }
@@ -100,6 +108,10 @@ pub mod defaults {
     /// Longer than a request stays in flight under heavy load (`finish` ends its pending blocks
     /// as a rule; this only bounds a finish that never comes).
     pub const PENDING_TTL: f64 = 120.0;
+    pub const AFFINITY_WEIGHT: f64 = 1.0;
+    /// Blocks whose last replica the router remembers, per generation (two are kept: a block
+    /// not routed during two generations is forgotten).
+    pub const AFFINITY_CAPACITY: usize = 1 << 20;
 }
 
 impl RouterConfig {
@@ -113,6 +125,7 @@ impl RouterConfig {
             load_weight: defaults::LOAD_WEIGHT,
             token_weight: defaults::TOKEN_WEIGHT,
             pending_ttl: defaults::PENDING_TTL,
+            affinity_weight: defaults::AFFINITY_WEIGHT,
             approximate: false,
         }
     }
@@ -138,6 +151,12 @@ impl RouterConfig {
             return bad(format!(
                 "token_weight must be in [0, 1], got {}",
                 self.token_weight
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.affinity_weight) {
+            return bad(format!(
+                "affinity_weight must be in [0, 1], got {}",
+                self.affinity_weight
             ));
         }
         if self.pending_ttl.is_nan() || self.pending_ttl < 0.0 {
@@ -219,6 +238,8 @@ pub struct Router {
     /// Blocks of requests in flight: hash -> one entry per replica.
     pending: HashMap<u64, Vec<Pending>, IdBuildHasher>,
     requests: HashMap<u64, InFlight, IdBuildHasher>,
+    /// The replica each block was last routed to: this generation's and the previous one's.
+    last_routed: [HashMap<u64, u8, IdBuildHasher>; 2],
     next_ticket: u64,
     alive: u64,
     loads: Vec<ReplicaLoad>,
@@ -236,6 +257,7 @@ impl Router {
             index,
             pending: HashMap::default(),
             requests: HashMap::default(),
+            last_routed: Default::default(),
             next_ticket: 0,
             alive: if n == 64 { u64::MAX } else { (1u64 << n) - 1 },
             loads: vec![ReplicaLoad::default(); n],
@@ -381,10 +403,15 @@ impl Router {
         let eligible = PrefixCache::eligible_blocks(tokens.len(), bs);
         let key = salted_key(0, lora_id);
         let hashes = chain_hashes(&tokens[..eligible * bs], bs, key);
-        let matched = self.matched_blocks(&hashes, candidates, now);
+        let matched = self.matched_blocks(&hashes, candidates, now, false);
         let replica = match self.cfg.policy {
             RoutingPolicy::CacheAware => {
-                self.cache_aware(&matched, candidates, eligible, tokens.len())
+                let homed = if self.cfg.affinity_weight > 0.0 && !self.cfg.approximate {
+                    self.matched_blocks(&hashes, candidates, now, true)
+                } else {
+                    matched.clone()
+                };
+                self.cache_aware(&matched, &homed, candidates, eligible, tokens.len())
             }
             RoutingPolicy::LeastLoaded => self.least_loaded(candidates),
             RoutingPolicy::RoundRobin => self.round_robin(candidates),
@@ -397,6 +424,9 @@ impl Router {
         self.next_ticket += 1;
         let expiry = now + self.cfg.pending_ttl;
         let mut pended = Vec::new();
+        if !self.cfg.approximate && self.cfg.affinity_weight > 0.0 {
+            self.remember_routed(replica, &hashes);
+        }
         if self.cfg.approximate {
             self.index.record(replica, &hashes);
         } else if self.cfg.pending_ttl > 0.0 {
@@ -472,8 +502,28 @@ impl Router {
         }
     }
 
-    /// Leading blocks of `hashes` each candidate holds (index or pending).
-    fn matched_blocks(&self, hashes: &[u64], candidates: u64, now: f64) -> Vec<usize> {
+    /// Records `replica` as where `hashes` last went (the oldest generation is dropped when
+    /// this one is full, so the memory stays bounded).
+    fn remember_routed(&mut self, replica: usize, hashes: &[u64]) {
+        if self.last_routed[0].len() + hashes.len() > defaults::AFFINITY_CAPACITY {
+            self.last_routed[1] = std::mem::take(&mut self.last_routed[0]);
+        }
+        for &h in hashes {
+            self.last_routed[0].insert(h, replica as u8);
+        }
+    }
+
+    /// The replica `hash` was last routed to, if remembered.
+    fn last_routed(&self, hash: u64) -> Option<usize> {
+        self.last_routed
+            .iter()
+            .find_map(|g| g.get(&hash))
+            .map(|&r| r as usize)
+    }
+
+    /// Leading blocks of `hashes` each candidate holds (index or pending; with `homed`, also
+    /// those it was the last to be routed).
+    fn matched_blocks(&self, hashes: &[u64], candidates: u64, now: f64, homed: bool) -> Vec<usize> {
         let mut matched = vec![0; self.cfg.num_replicas];
         let mut live = candidates;
         for (i, &h) in hashes.iter().enumerate() {
@@ -481,6 +531,11 @@ impl Router {
             for p in self.pending.get(&h).into_iter().flatten() {
                 if p.expiry > now {
                     holders |= 1 << p.replica;
+                }
+            }
+            if homed {
+                if let Some(r) = self.last_routed(h) {
+                    holders |= 1 << r;
                 }
             }
             let dropped = live & !holders;
@@ -501,6 +556,7 @@ impl Router {
     fn cache_aware(
         &mut self,
         matched: &[usize],
+        homed: &[usize],
         candidates: u64,
         eligible: usize,
         prompt_len: usize,
@@ -512,7 +568,7 @@ impl Router {
         let min = queues.iter().map(|q| q.1).min().unwrap_or(0);
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && max as f64 > self.cfg.balance_rel_threshold * min as f64;
-        if imbalanced || eligible == 0 || matched.iter().all(|&m| m == 0) {
+        if imbalanced || eligible == 0 || homed.iter().all(|&m| m == 0) {
             return self.least_loaded(candidates);
         }
         let (w, tw, bs) = (
@@ -525,8 +581,9 @@ impl Router {
             self.loads[r].uncached_tokens as f64 + prompt_len.saturating_sub(matched[r] * bs) as f64
         };
         let max_cost = queues.iter().map(|q| cost(q.0)).fold(1.0, f64::max);
+        let aw = self.cfg.affinity_weight;
         let score = |r: usize, q: u32| {
-            matched[r] as f64 / eligible as f64
+            (matched[r] as f64 + aw * homed[r].saturating_sub(matched[r]) as f64) / eligible as f64
                 - w * (q as f64 / (max as f64 + 1.0) + 0.5 * self.loads[r].kv_usage)
                 - tw * cost(r) / max_cost
         };
@@ -534,7 +591,8 @@ impl Router {
         let mut best_score = f64::NEG_INFINITY;
         for &(r, q) in &queues {
             let s = score(r, q);
-            if s > best_score {
+            // on a tie, blocks it holds beat blocks it only was sent
+            if s > best_score || (s == best_score && matched[r] > matched[best]) {
                 (best, best_score) = (r, s);
             }
         }

@@ -7,6 +7,7 @@ const BS: usize = 4;
 fn router(n: usize, policy: RoutingPolicy) -> Router {
     let mut cfg = RouterConfig::new(n, BS, policy);
     cfg.pending_ttl = 0.0;
+    cfg.affinity_weight = 0.0;
     Router::new(cfg).unwrap()
 }
 
@@ -175,6 +176,7 @@ fn cache_aware_falls_back_to_least_loaded_beyond_the_imbalance_bound() {
 fn a_routed_prompt_draws_its_burst_before_its_events_arrive() {
     let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
     cfg.pending_ttl = 5.0;
+    cfg.affinity_weight = 0.0;
     let mut r = Router::new(cfg).unwrap();
     let p = turn(&[], 5);
     let first = r.route(&p, 0, None, 0, 0.0).unwrap().replica;
@@ -207,6 +209,12 @@ fn unknown_policy_and_bad_knobs_are_refused_by_name() {
         .unwrap_err()
         .to_string()
         .contains("token_weight"));
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.affinity_weight = -0.1;
+    assert!(Router::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("affinity_weight"));
     let _ = KvEventKind::Stored;
 }
 
@@ -261,6 +269,41 @@ fn with_a_token_weight_cache_aware_leaves_a_hit_behind_a_long_prefill_queue() {
         0,
         "400 queued prefill tokens outweigh a 2-block hit"
     );
+}
+
+#[test]
+fn a_prefix_no_replica_holds_goes_back_where_it_was_last_routed() {
+    let pick = |affinity_weight: f64| {
+        let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+        cfg.affinity_weight = affinity_weight;
+        let mut r = Router::new(cfg).unwrap();
+        let p = turn(&[], 21);
+        let first = r.route(&p, 0, None, 0, 0.0).unwrap();
+        r.finish(first.ticket).unwrap(); // ended; its blocks evicted since (no event held them)
+        let again = r.route(&p, 0, None, 0, 1.0).unwrap();
+        assert_eq!(again.matched_blocks, 0, "the index knows it is not cached");
+        (first.replica, again.replica)
+    };
+    let (first, again) = pick(0.5);
+    assert_eq!(
+        again, first,
+        "kept where it went: the prefixes stay partitioned"
+    );
+    let (first, again) = pick(0.0);
+    assert_ne!(again, first, "without affinity: the next replica in turn");
+}
+
+#[test]
+fn affinity_gives_way_to_a_replica_that_holds_the_prefix() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let mut m = replica();
+    let p = turn(&[], 22);
+    let d = r.route(&p, 0, None, 0b10, 0.0).unwrap(); // routed to 0 ...
+    r.finish(d.ticket).unwrap();
+    serve(&mut r, &mut m, 1, 0, &p, 0); // ... but replica 1 holds it
+    assert_eq!(r.route(&p, 0, None, 0, 1.0).unwrap().replica, 1);
 }
 
 /// A cache-aware router with the default pending bound.
@@ -380,4 +423,29 @@ fn the_approximate_router_keeps_what_it_sent_where_after_the_request_ends() {
     r.finish(d.ticket).unwrap();
     let again = r.route(&p, 0, None, 0, 1e9).unwrap();
     assert_eq!((again.replica, again.matched_blocks), (d.replica, 2));
+}
+
+#[test]
+fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let small = turn(&[], 23);
+    let first = chain_hashes(&small[..2 * BS], BS, salted_key(0, 0))[0];
+    let d = r.route(&small, 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.last_routed(first), Some(d.replica));
+    // prompts of a whole generation of blocks each, all different
+    let big = |base: u32| -> Vec<u32> {
+        (0..(defaults::AFFINITY_CAPACITY * BS) as u32)
+            .map(|i| base.wrapping_add(i))
+            .collect()
+    };
+    r.route(&big(1 << 30), 0, None, 0, 0.0).unwrap();
+    assert_eq!(r.last_routed(first), Some(d.replica), "one generation back");
+    r.route(&big(3 << 30), 0, None, 0, 0.0).unwrap();
+    assert_eq!(
+        r.last_routed(first),
+        None,
+        "two generations back: forgotten"
+    );
 }
