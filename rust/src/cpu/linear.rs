@@ -17,6 +17,7 @@
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
@@ -95,6 +96,7 @@ pub fn linear<T: Elem>(
         &widened
     };
     let ctx = Ctx {
+        call: CALLS.fetch_add(1, Ordering::Relaxed),
         x,
         w,
         bias,
@@ -140,6 +142,8 @@ unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
 struct Ctx<'a, T> {
+    /// This call's number (`CALLS`).
+    call: u64,
     /// `[m, k]` as f32.
     x: &'a [f32],
     w: &'a [T],
@@ -194,17 +198,18 @@ fn run_direct<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     }
 }
 
-/// Prefill-sized row counts (compute-bound), BLIS-style: an M block of x (`X_BLOCK_BYTES`) is
-/// packed once into tiles of `[K, rows]` (each step's broadcasts are adjacent floats) and stays
-/// in L2 while every panel of the share passes over it, `K_BLOCK` weight rows at a time: each
-/// slice of a panel stays in L1 while every tile of the block runs over it. A tile's partial
-/// sums wait in a small scratch between slices, and the next slice continues the same FMA chain
-/// in order, so the sums are bit-identical to `run_direct`'s.
+/// Prefill-sized row counts (compute-bound), BLIS-style: x is packed into tiles of `[K, rows]`
+/// (each step's broadcasts are adjacent floats) once per thread and call, and walked in M
+/// blocks (`X_BLOCK_BYTES`) that stay in L2 while every panel of the run passes over them,
+/// `K_BLOCK` weight rows at a time: each slice of a panel stays in L1 while every tile of the
+/// block runs over it. A tile's partial sums wait in a small scratch between slices, and the
+/// next slice continues the same FMA chain in order, so the sums are bit-identical to
+/// `run_direct`'s.
 #[inline(always)]
 fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
     // M blocks of at most X_BLOCK_BYTES, as even as whole tiles allow (a last block of a few
-    // rows would stream the whole share of weights for little work)
+    // rows would stream the whole run of weights for little work)
     let most = (X_BLOCK_BYTES / (4 * k)).max(TILE_ROWS);
     let block = ctx
         .m
@@ -212,8 +217,13 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         .next_multiple_of(TILE_ROWS);
     SCRATCH.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
-        let (packed, acc) = &mut *scratch;
-        packed.resize(block.min(ctx.m) * k, 0.0);
+        let Scratch { call, packed, acc } = &mut *scratch;
+        // a thread given several runs of panels in one call packs x for the first only
+        if *call != ctx.call {
+            packed.resize(ctx.m * k, 0.0);
+            pack_rows(ctx.x, k, packed);
+            *call = ctx.call;
+        }
         acc.resize(
             block.min(ctx.m).div_ceil(TILE_ROWS),
             [[0.0; PANEL]; TILE_ROWS],
@@ -221,7 +231,8 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         let mut first = 0;
         while first < ctx.m {
             let end = (first + block).min(ctx.m);
-            pack_rows(&ctx.x[first * k..end * k], k, packed);
+            // block starts are whole tiles: the block's tiles are packed[first * k..end * k]
+            let xs = &packed[first * k..end * k];
             for p in panels.clone() {
                 let panel = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
                 let tiles = &mut acc[..(end - first).div_ceil(TILE_ROWS)];
@@ -233,7 +244,7 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                     for (t, sums) in tiles.iter_mut().enumerate() {
                         let row = t * TILE_ROWS;
                         let rows = (end - first - row).min(TILE_ROWS);
-                        let x = &packed[row * k + k0 * rows..row * k + (k0 + depth) * rows];
+                        let x = &xs[row * k + k0 * rows..row * k + (k0 + depth) * rows];
                         tile_rows::<F, T, true>(rows, x, w, depth, k, sums);
                     }
                     k0 += depth;
@@ -252,12 +263,25 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 /// A register tile's sums (`TILE_ROWS` rows of one panel).
 type TileSums = [[f32; PANEL]; TILE_ROWS];
 
-thread_local! {
-    /// Per thread: the packed M block of x and its tiles' partial sums (`run_blocked`), kept
-    /// between calls so that a prefill does not allocate per layer.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<TileSums>)> =
-        const { RefCell::new((Vec::new(), Vec::new())) };
+/// One thread's buffers for `run_blocked`, kept between calls so that a prefill does not
+/// allocate per layer.
+struct Scratch {
+    /// The call (`Ctx::call`) whose x `packed` holds.
+    call: u64,
+    /// x as `pack_rows` lays it out.
+    packed: Vec<f32>,
+    /// The partial sums of an M block's tiles for one panel.
+    acc: Vec<TileSums>,
 }
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch { call: 0, packed: Vec::new(), acc: Vec::new() })
+    };
+}
+
+/// Numbers the calls of `linear` (from 1: a fresh `Scratch` holds none).
+static CALLS: AtomicU64 = AtomicU64::new(1);
 
 /// Rows `x [rows, k]` as tiles of `TILE_ROWS` rows (the last may have fewer), each stored as
 /// `[k, rows]`: `packed[t * TILE_ROWS * k + i * rows + r] = x[(t * TILE_ROWS + r) * k + i]`.
