@@ -530,6 +530,21 @@ mod tests {
     }
 
     #[test]
+    fn each_call_packs_its_own_x_even_at_the_same_shape() {
+        // the thread's packed copy of x is tagged with its call: a second call on the same
+        // thread, same shape, other values must not reuse the first call's copy
+        let (m, k, n) = (30, 40, 20);
+        let w = Array2::from_shape_vec((n, k), values(n * k, 20.0)).unwrap();
+        for seed in [21.0, 22.0] {
+            let x = Array2::from_shape_vec((m, k), values(m * k, seed)).unwrap();
+            let want = reference(&x, &w, None);
+            for (g, w) in run_f32(&x, &w, None, 1).iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-4, "seed {seed}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
     fn pack_rows_stores_each_tile_step_major() {
         // 8 rows of 3: a tile of 6 then one of 2
         let x: Vec<f32> = (0..24).map(|v| v as f32).collect();
