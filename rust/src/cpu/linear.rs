@@ -12,8 +12,9 @@
 //! stays in L1 while every tile of the block passes over it.
 //!
 //! Each output element is one FMA chain over `k` in order, whatever the row count, tiling, K
-//! slices or threads: a row's result does not depend on the batch it runs in. x, the panels, the bias and
-//! y share one element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is rounded once.
+//! slices or threads: a row's result does not depend on the batch it runs in. x, the panels,
+//! the bias and y share one element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is
+//! rounded once.
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -264,7 +265,7 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 type TileSums = [[f32; PANEL]; TILE_ROWS];
 
 /// One thread's buffers for `run_blocked`, kept between calls so that a prefill does not
-/// allocate per layer.
+/// allocate per layer (x's copy is as large as the largest call's x: rows x K floats).
 struct Scratch {
     /// The call (`Ctx::call`) whose x `packed` holds.
     call: u64,
