@@ -1,10 +1,12 @@
 """The CPU linear kernel (`kernels/cpu_linear.py`, Rust panels) against oneDNN's matmul over a
 weight packed once and `F.linear`, on the 56M Llama's shapes, one thread, thread CPU time
 (`time.thread_time`), medians of calls alternated between the three. The weight's bytes over
-the time give GB/s, set against the machine's single-core read bandwidth measured first (a
-float32 sum over 256 MB).
+the time give GB/s (what bounds 1-16 rows), set against the machine's single-core read
+bandwidth measured first (a float32 sum over 256 MB); 2 * rows * N * K over the time gives
+GFLOP/s (what bounds prefill chunks).
 
-    python benches/cpu_linear_kernel.py --rows 1 2 4 8 16 [--dtype bfloat16] [--repeats 15]
+    python benches/cpu_linear_kernel.py [--rows 1 4 16 64 256 1024] [--dtype bfloat16]
+        [--repeats 15] [--threads 1]
 """
 
 from __future__ import annotations
@@ -41,16 +43,22 @@ def read_bandwidth(repeats: int = 7) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="torch's (and so the kernel's) threads")
     args = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     bandwidth = read_bandwidth()
-    print(f"single-core read bandwidth: {bandwidth:.1f} GB/s ({args.dtype}, 1 thread)")
-    print("| shape | rows | kernel ms | oneDNN packed ms | F.linear ms | kernel GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        f"single-core read bandwidth: {bandwidth:.1f} GB/s ({args.dtype}, {args.threads} thread(s))"
+    )
+    print(
+        "| shape | rows | kernel ms | oneDNN packed ms | F.linear ms | kernel GB/s "
+        "| kernel GFLOP/s | oneDNN GFLOP/s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     totals: dict[int, list[float]] = {}
     with torch.inference_mode():
         for name, n, k, count in SHAPES:
@@ -77,22 +85,32 @@ def main() -> int:
                         times[key].append(time.thread_time() - t)
                 ms = {key: statistics.median(v) * 1e3 for key, v in times.items()}
                 gbs = n * k * weight.element_size() / (ms["kernel"] / 1e3) / 1e9
+                flops = 2 * rows * n * k / 1e9
                 sums = totals.setdefault(rows, [0.0, 0.0, 0.0])
                 sums[0] += count * ms["kernel"]
                 sums[1] += count * ms.get("onednn", float("nan"))
                 sums[2] += count * ms["F.linear"]
                 print(
                     f"| {name} {n}x{k} | {rows} | {ms['kernel']:.3f} | "
-                    f"{ms.get('onednn', float('nan')):.3f} | {ms['F.linear']:.3f} | {gbs:.1f} |"
+                    f"{ms.get('onednn', float('nan')):.3f} | {ms['F.linear']:.3f} | {gbs:.1f} | "
+                    f"{flops / ms['kernel'] * 1e3:.1f} | "
+                    f"{flops / ms.get('onednn', float('nan')) * 1e3:.1f} |"
                 )
     params = sum(n * k * count for _, n, k, count in SHAPES)
     print(f"\nwhole model ({params / 1e6:.1f}M weights, {params * 4 / 1e6:.0f} MB in float32):")
-    print("| rows | kernel ms | oneDNN packed ms | F.linear ms | kernel GB/s |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| rows | kernel ms | oneDNN packed ms | F.linear ms | kernel GB/s | kernel GFLOP/s "
+        "| kernel / oneDNN time |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     size = 2 if dtype == torch.bfloat16 else 4
     for rows, (ours, onednn, plain) in totals.items():
         gbs = params * size / (ours / 1e3) / 1e9
-        print(f"| {rows} | {ours:.2f} | {onednn:.2f} | {plain:.2f} | {gbs:.1f} |")
+        gflops = 2 * rows * params / (ours / 1e3) / 1e9
+        print(
+            f"| {rows} | {ours:.2f} | {onednn:.2f} | {plain:.2f} | {gbs:.1f} | {gflops:.1f} "
+            f"| {ours / onednn:.2f} |"
+        )
     return 0
 
 

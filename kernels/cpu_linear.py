@@ -3,7 +3,8 @@ kernel (`pagedllm._core.cpu_linear`, `rust/src/cpu/linear.rs`).
 
 At decode batch sizes the product is memory-bound: each weight is read once per step. The
 panel layout `[ceil(N / 16), K, 16]` makes that read one sequential stream, and the same layout
-serves prefill chunks (blocks of rows over each panel), so each weight is held once. `F.linear`
+serves prefill chunks (the kernel blocks them by rows and by K, BLIS-style), so each weight is
+held once. `F.linear`
 reads the `[N, K]` weight well at one row but repacks it into its GEMM's layout on every call
 with more than one row; oneDNN's weight packed once is slower than the panels at 1-16 rows
 (benches/RESULTS.md, "Serving speed on CPU"). float32 and bfloat16 weights are packed;

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from pagedllm import _core
 from pagedllm.distributed.layers import Linear
 from pagedllm.kernels import cpu_linear
+from pagedllm.kernels.cpu_arrays import numpy_view
 
 
 def _case(rows: int, in_features: int, out_features: int, seed: int, dtype=torch.float32):
@@ -37,6 +38,25 @@ def test_rows_beyond_one_block_of_x_equal_f_linear():
     x, weight, b = _case(70, 2000, 40, seed=1)
     out = cpu_linear.linear(x, weight, b, cpu_linear.pack(weight))
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_rows_equal_the_exact_product_for_either_dtype_and_thread_count(
+    dtype, threads
+):
+    # 233 rows at K = 600: x packed in 2 M blocks with a ragged last tile, K in slices of 256
+    # and a ragged one, N = 45 pads the last panel
+    x, weight, b = _case(233, 600, 45, seed=9, dtype=dtype)
+    packed = cpu_linear.pack(weight)
+    out = torch.empty(233, 45, dtype=dtype)
+    _core.cpu_linear(numpy_view(x), packed.array, numpy_view(b), numpy_view(out), threads)
+    exact = F.linear(x.double(), weight.double(), b.double())
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), exact, rtol=rtol, atol=1e-3)
+    for row in (0, 100, 232):
+        alone = cpu_linear.linear(x[row : row + 1], weight, b, packed)
+        assert torch.equal(alone[0], out[row]), row
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])

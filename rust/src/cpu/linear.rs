@@ -5,15 +5,20 @@
 //! weight is stored as `[ceil(N / PANEL), K, PANEL]` (panel `p` holds output columns
 //! `p * PANEL..`, column-major within the panel, the last one zero-padded), so a register tile
 //! of up to `TILE_ROWS` rows of x by `PANEL` columns walks its panel front to back with one
-//! broadcast of x and two FMAs per weight vector. The same layout serves every row count (a
-//! prefill chunk runs the same tiles over blocks of rows that stay in L2), so the engine holds
-//! one copy of each weight.
+//! broadcast of x and two FMAs per weight vector. The same layout serves every row count, so
+//! the engine holds one copy of each weight: above `DIRECT_MAX_ROWS` rows (prefill chunks, where
+//! the product is compute-bound) the kernel blocks it BLIS-style instead (`run_blocked`): an M
+//! block of x packed for sequential broadcasts stays in L2, each `K_BLOCK`-deep slice of a panel
+//! stays in L1 while every tile of the block passes over it.
 //!
-//! Each output element is one FMA chain over `k` in order, whatever the row count, tiling or
-//! threads: a row's result does not depend on the batch it runs in. x, the panels, the bias and
-//! y share one element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is rounded once.
+//! Each output element is one FMA chain over `k` in order, whatever the row count, tiling, K
+//! slices or threads: a row's result does not depend on the batch it runs in. x, the panels,
+//! the bias and y share one element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is
+//! rounded once.
 use std::any::TypeId;
+use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
@@ -28,6 +33,12 @@ pub const PANEL: usize = 16;
 const TILE_ROWS: usize = 6;
 /// Bytes of x (as f32) per block of rows that every panel passes over while it stays in L2.
 const X_BLOCK_BYTES: usize = 256 * 1024;
+/// Weight rows (k steps) of a panel per slice that stays in L1 while every tile of an M block
+/// runs over it (`run_blocked`): 16 KiB of f32.
+const K_BLOCK: usize = 256;
+/// Up to this many rows the product is memory-bound and the tiles read x in place
+/// (`run_direct`); above it x is packed and K blocked (`run_blocked`).
+const DIRECT_MAX_ROWS: usize = 16;
 /// Below this many weight elements a share, a worker thread costs more than it saves.
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of panels a call is cut into per thread, claimed by whichever thread is free.
@@ -88,6 +99,7 @@ pub fn linear<T: Elem>(
         &widened
     };
     let ctx = Ctx {
+        call: CALLS.fetch_add(1, Ordering::Relaxed),
         x,
         w,
         bias,
@@ -138,6 +150,8 @@ unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
 struct Ctx<'a, T> {
+    /// This call's number (`CALLS`).
+    call: u64,
     /// `[m, k]` as f32.
     x: &'a [f32],
     w: &'a [T],
@@ -166,31 +180,162 @@ unsafe fn run_avx2_fma<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 
 #[inline(always)]
 fn run_with<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    if ctx.m <= DIRECT_MAX_ROWS {
+        run_direct::<F, T>(ctx, panels);
+    } else {
+        run_blocked::<F, T>(ctx, panels);
+    }
+}
+
+/// Few rows (memory-bound): each tile walks its whole panel over x in place, so the weight is
+/// one sequential read.
+#[inline(always)]
+fn run_direct<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
-    let block = (X_BLOCK_BYTES / (4 * k) / TILE_ROWS * TILE_ROWS).max(TILE_ROWS);
-    let mut first = 0;
-    while first < ctx.m {
-        let end = (first + block).min(ctx.m);
-        for p in panels.clone() {
-            let w = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
-            let mut row = first;
-            while row < end {
-                let rows = (end - row).min(TILE_ROWS);
-                let x = &ctx.x[row * k..(row + rows) * k];
-                let mut acc = [[0.0f32; PANEL]; TILE_ROWS];
-                match rows {
-                    1 => tile::<F, T, 1>(x, w, k, &mut acc),
-                    2 => tile::<F, T, 2>(x, w, k, &mut acc),
-                    3 => tile::<F, T, 3>(x, w, k, &mut acc),
-                    4 => tile::<F, T, 4>(x, w, k, &mut acc),
-                    5 => tile::<F, T, 5>(x, w, k, &mut acc),
-                    _ => tile::<F, T, 6>(x, w, k, &mut acc),
+    for p in panels {
+        let w = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
+        let mut row = 0;
+        while row < ctx.m {
+            let rows = (ctx.m - row).min(TILE_ROWS);
+            let x = &ctx.x[row * k..(row + rows) * k];
+            let mut acc = [[0.0f32; PANEL]; TILE_ROWS];
+            tile_rows::<F, T, false>(rows, x, w, k, k, &mut acc);
+            store(ctx, &acc[..rows], row, p * PANEL);
+            row += rows;
+        }
+    }
+}
+
+/// Prefill-sized row counts (compute-bound), BLIS-style: x is packed into tiles of `[K, rows]`
+/// (each step's broadcasts are adjacent floats) once per thread and call, and walked in M
+/// blocks (`X_BLOCK_BYTES`) that stay in L2 while every panel of the run passes over them,
+/// `K_BLOCK` weight rows at a time: each slice of a panel stays in L1 while every tile of the
+/// block runs over it. A tile's partial sums wait in a small scratch between slices, and the
+/// next slice continues the same FMA chain in order, so the sums are bit-identical to
+/// `run_direct`'s.
+#[inline(always)]
+fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    let k = ctx.k;
+    // M blocks of at most X_BLOCK_BYTES, as even as whole tiles allow (a last block of a few
+    // rows would stream the whole run of weights for little work)
+    let most = (X_BLOCK_BYTES / (4 * k)).max(TILE_ROWS);
+    let block = ctx
+        .m
+        .div_ceil(ctx.m.div_ceil(most))
+        .next_multiple_of(TILE_ROWS);
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        let Scratch { call, packed, acc } = &mut *scratch;
+        // a thread given several runs of panels in one call packs x for the first only
+        if *call != ctx.call {
+            packed.resize(ctx.m * k, 0.0);
+            pack_rows(ctx.x, k, packed);
+            *call = ctx.call;
+        }
+        acc.resize(
+            block.min(ctx.m).div_ceil(TILE_ROWS),
+            [[0.0; PANEL]; TILE_ROWS],
+        );
+        let mut first = 0;
+        while first < ctx.m {
+            let end = (first + block).min(ctx.m);
+            // block starts are whole tiles: the block's tiles are packed[first * k..end * k]
+            let xs = &packed[first * k..end * k];
+            for p in panels.clone() {
+                let panel = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
+                let tiles = &mut acc[..(end - first).div_ceil(TILE_ROWS)];
+                tiles.fill([[0.0; PANEL]; TILE_ROWS]);
+                let mut k0 = 0;
+                while k0 < k {
+                    let depth = (k - k0).min(K_BLOCK);
+                    let w = &panel[k0 * PANEL..(k0 + depth) * PANEL];
+                    for (t, sums) in tiles.iter_mut().enumerate() {
+                        let row = t * TILE_ROWS;
+                        let rows = (end - first - row).min(TILE_ROWS);
+                        let x = &xs[row * k + k0 * rows..row * k + (k0 + depth) * rows];
+                        tile_rows::<F, T, true>(rows, x, w, depth, k, sums);
+                    }
+                    k0 += depth;
                 }
-                store(ctx, &acc[..rows], row, p * PANEL);
-                row += rows;
+                for (t, sums) in tiles.iter().enumerate() {
+                    let row = t * TILE_ROWS;
+                    let rows = (end - first - row).min(TILE_ROWS);
+                    store(ctx, &sums[..rows], first + row, p * PANEL);
+                }
+            }
+            first = end;
+        }
+    });
+}
+
+/// A register tile's sums (`TILE_ROWS` rows of one panel).
+type TileSums = [[f32; PANEL]; TILE_ROWS];
+
+/// One thread's buffers for `run_blocked`, kept between calls so that a prefill does not
+/// allocate per layer (x's copy is as large as the largest call's x: rows x K floats).
+struct Scratch {
+    /// The call (`Ctx::call`) whose x `packed` holds.
+    call: u64,
+    /// x as `pack_rows` lays it out.
+    packed: Vec<f32>,
+    /// The partial sums of an M block's tiles for one panel.
+    acc: Vec<TileSums>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = const {
+        RefCell::new(Scratch { call: 0, packed: Vec::new(), acc: Vec::new() })
+    };
+}
+
+/// Numbers the calls of `linear` (from 1: a fresh `Scratch` holds none).
+static CALLS: AtomicU64 = AtomicU64::new(1);
+
+/// Rows `x [rows, k]` as tiles of `TILE_ROWS` rows (the last may have fewer), each stored as
+/// `[k, rows]`: `packed[t * TILE_ROWS * k + i * rows + r] = x[(t * TILE_ROWS + r) * k + i]`.
+fn pack_rows(x: &[f32], k: usize, packed: &mut [f32]) {
+    let m = x.len() / k;
+    let mut row = 0;
+    while row < m {
+        let rows = (m - row).min(TILE_ROWS);
+        let dst = &mut packed[row * k..(row + rows) * k];
+        for r in 0..rows {
+            let src = &x[(row + r) * k..(row + r + 1) * k];
+            for (i, v) in src.iter().enumerate() {
+                dst[i * rows + r] = *v;
             }
         }
-        first = end;
+        row += rows;
+    }
+}
+
+/// `tile` for a runtime row count `rows` (1..=TILE_ROWS).
+#[inline(always)]
+fn tile_rows<const F: bool, T: Elem, const PACKED: bool>(
+    rows: usize,
+    x: &[f32],
+    w: &[T],
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]; TILE_ROWS],
+) {
+    match rows {
+        1 => tile::<F, T, 1, PACKED>(x, w, depth, k, acc),
+        2 => tile::<F, T, 2, PACKED>(x, w, depth, k, acc),
+        3 => tile::<F, T, 3, PACKED>(x, w, depth, k, acc),
+        4 => tile::<F, T, 4, PACKED>(x, w, depth, k, acc),
+        5 => tile::<F, T, 5, PACKED>(x, w, depth, k, acc),
+        _ => tile::<F, T, 6, PACKED>(x, w, depth, k, acc),
+    }
+}
+
+/// Where step `i` of row `r` of a tile's x is: rows of `k` in place, or packed `[depth, R]`.
+#[inline(always)]
+fn x_at<const PACKED: bool, const R: usize>(r: usize, i: usize, k: usize) -> usize {
+    if PACKED {
+        i * R + r
+    } else {
+        r * k + i
     }
 }
 
@@ -219,26 +364,29 @@ fn store<T: Elem>(ctx: &Ctx<'_, T>, acc: &[[f32; PANEL]], row: usize, col: usize
     }
 }
 
-/// `acc[r][j] = sum over i of x[r * k + i] * w[i * PANEL + j]` for the tile's `R` rows.
+/// `acc[r][j] += x(r, i) * w[i * PANEL + j]` for `i` in `0..depth` in order (one FMA chain per
+/// element, continuing the sums in `acc`), for the tile's `R` rows; `x(r, i)` is `x_at`.
 #[inline(always)]
-fn tile<const F: bool, T: Elem, const R: usize>(
+fn tile<const F: bool, T: Elem, const R: usize, const PACKED: bool>(
     x: &[f32],
     w: &[T],
+    depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]; TILE_ROWS],
 ) {
-    debug_assert!(x.len() == R * k && w.len() == k * PANEL);
+    debug_assert!(w.len() == depth * PANEL);
+    debug_assert!(x.len() == if PACKED { depth * R } else { R * k } && depth <= k);
     #[cfg(target_arch = "x86_64")]
     if F {
         // SAFETY: `F` is true only inside `run_avx2_fma`, which runs only on a CPU with avx2
         // and fma; the slices' lengths are those the loads read (asserted above).
-        unsafe { tile_avx2_fma::<T, R>(x, w, k, acc) };
+        unsafe { tile_avx2_fma::<T, R, PACKED>(x, w, depth, k, acc) };
         return;
     }
-    for i in 0..k {
+    for i in 0..depth {
         let wi = &w[i * PANEL..(i + 1) * PANEL];
         for r in 0..R {
-            let a = x[r * k + i];
+            let a = x[x_at::<PACKED, R>(r, i, k)];
             for (s, wv) in acc[r].iter_mut().zip(wi) {
                 *s += a * wv.to_f32();
             }
@@ -249,9 +397,10 @@ fn tile<const F: bool, T: Elem, const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn tile_avx2_fma<T: Elem, const R: usize>(
+unsafe fn tile_avx2_fma<T: Elem, const R: usize, const PACKED: bool>(
     x: &[f32],
     w: &[T],
+    depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]; TILE_ROWS],
 ) {
@@ -260,12 +409,16 @@ unsafe fn tile_avx2_fma<T: Elem, const R: usize>(
     use super::simd::load8;
     let (px, pw) = (x.as_ptr(), w.as_ptr());
     let mut sums = [[_mm256_setzero_ps(); 2]; R];
-    // every load reads inside x[r * k + i] (r < R, i < k) and w[i * PANEL..(i + 1) * PANEL]
-    for i in 0..k {
+    for (s, src) in sums.iter_mut().zip(acc.iter()) {
+        s[0] = _mm256_loadu_ps(src.as_ptr());
+        s[1] = _mm256_loadu_ps(src.as_ptr().add(8));
+    }
+    // every load reads inside x (x_at of r < R, i < depth) and w[i * PANEL..(i + 1) * PANEL]
+    for i in 0..depth {
         let lo = load8(pw.add(i * PANEL));
         let hi = load8(pw.add(i * PANEL + 8));
         for (r, s) in sums.iter_mut().enumerate() {
-            let a = _mm256_broadcast_ss(&*px.add(r * k + i));
+            let a = _mm256_broadcast_ss(&*px.add(x_at::<PACKED, R>(r, i, k)));
             s[0] = _mm256_fmadd_ps(a, lo, s[0]);
             s[1] = _mm256_fmadd_ps(a, hi, s[1]);
         }
@@ -343,6 +496,106 @@ mod tests {
     }
 
     #[test]
+    fn blocked_rows_match_a_float64_reference_for_ragged_blocks_of_m_k_and_n() {
+        // more than DIRECT_MAX_ROWS rows: x packed, K in slices of K_BLOCK. K = 600 is 2 whole
+        // slices and a ragged one; 250 rows at K = 600 are 3 M blocks, the last tile ragged;
+        // N = 37 pads the last panel
+        for (m, k, n) in [(17, 600, 37), (23, 256, 16), (250, 600, 37), (40, 5, 3)] {
+            let x = Array2::from_shape_vec((m, k), values(m * k, 11.0)).unwrap();
+            let w = Array2::from_shape_vec((n, k), values(n * k, 12.0)).unwrap();
+            let b = values(n, 13.0);
+            for bias in [None, Some(&b[..])] {
+                let want = reference(&x, &w, bias);
+                for threads in [1, 2] {
+                    let got = run_f32(&x, &w, bias, threads);
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((*g as f64 - w).abs() < 1e-3, "{m}x{k}x{n}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn blocked_rows_continue_the_direct_paths_fma_chain_bit_for_bit() {
+        // 70 rows at K = 2100 (3 M blocks of ~30 rows, 9 K slices, 2 threads) against each row
+        // alone (the direct path over all of K at once)
+        let (m, k, n) = (70, 2100, 16 * 3 + 5);
+        let x = Array2::from_shape_vec((m, k), values(m * k, 14.0)).unwrap();
+        let w = Array2::from_shape_vec((n, k), values(n * k, 15.0)).unwrap();
+        let b = values(n, 16.0);
+        let batch = run_f32(&x, &w, Some(&b), 2);
+        assert_eq!(batch, run_f32(&x, &w, Some(&b), 1));
+        for r in [0, 29, 30, 31, 63, 69] {
+            let one = run_f32(
+                &x.slice(ndarray::s![r..r + 1, ..]).to_owned(),
+                &w,
+                Some(&b),
+                1,
+            );
+            assert_eq!(one.row(0), batch.row(r), "row {r}");
+        }
+    }
+
+    #[test]
+    fn each_call_packs_its_own_x_even_at_the_same_shape() {
+        // the thread's packed copy of x is tagged with its call: a second call on the same
+        // thread, same shape, other values must not reuse the first call's copy
+        let (m, k, n) = (30, 40, 20);
+        let w = Array2::from_shape_vec((n, k), values(n * k, 20.0)).unwrap();
+        for seed in [21.0, 22.0] {
+            let x = Array2::from_shape_vec((m, k), values(m * k, seed)).unwrap();
+            let want = reference(&x, &w, None);
+            for (g, w) in run_f32(&x, &w, None, 1).iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-4, "seed {seed}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn pack_rows_stores_each_tile_step_major() {
+        // 8 rows of 3: a tile of 6 then one of 2
+        let x: Vec<f32> = (0..24).map(|v| v as f32).collect();
+        let mut packed = vec![0.0; 24];
+        pack_rows(&x, 3, &mut packed);
+        let first: Vec<f32> = (0..3)
+            .flat_map(|i| (0..6).map(move |r| (r * 3 + i) as f32))
+            .collect();
+        assert_eq!(packed[..18], first[..]);
+        assert_eq!(packed[18..], [18.0, 21.0, 19.0, 22.0, 20.0, 23.0]);
+    }
+
+    #[test]
+    fn bf16_blocked_rows_sum_the_widened_values_like_f32() {
+        let (m, k, n) = (20, 300, 21);
+        let xb: Vec<Bf16> = values(m * k, 17.0)
+            .into_iter()
+            .map(Bf16::from_f32)
+            .collect();
+        let wb: Vec<Bf16> = values(n * k, 18.0)
+            .into_iter()
+            .map(Bf16::from_f32)
+            .collect();
+        let bb: Vec<Bf16> = values(n, 19.0).into_iter().map(Bf16::from_f32).collect();
+        let xw = Array2::from_shape_vec((m, k), xb.iter().map(|v| v.to_f32()).collect()).unwrap();
+        let ww = Array2::from_shape_vec((n, k), wb.iter().map(|v| v.to_f32()).collect()).unwrap();
+        let bw: Vec<f32> = bb.iter().map(|v| v.to_f32()).collect();
+        let want = run_f32(&xw, &ww, Some(&bw), 1);
+
+        let x = Array2::from_shape_vec((m, k), xb).unwrap();
+        let w = Array2::from_shape_vec((n, k), wb).unwrap();
+        let panels =
+            Array3::from_shape_vec((n.div_ceil(PANEL), k, PANEL), pack_panels(w.view())).unwrap();
+        for threads in [1, 2] {
+            let mut out = Array2::from_elem((m, n), Bf16(0));
+            linear(x.view(), panels.view(), Some(&bb), out.view_mut(), threads).unwrap();
+            for (g, w) in out.iter().zip(&want) {
+                assert_eq!(*g, Bf16::from_f32(*w));
+            }
+        }
+    }
+
+    #[test]
     fn bf16_sums_the_widened_values_in_f32_and_rounds_once() {
         let (m, k, n) = (3, 45, 21);
         let xb: Vec<Bf16> = values(m * k, 6.0).into_iter().map(Bf16::from_f32).collect();
@@ -365,7 +618,7 @@ mod tests {
     }
 
     #[test]
-    fn portable_and_avx2_tiles_agree_within_rounding() {
+    fn portable_and_avx2_tiles_agree_within_rounding_and_packed_slices_continue_the_chain() {
         let (k, n) = (77, 16);
         let x = values(6 * k, 9.0);
         let w: Vec<f32> = pack_panels(
@@ -374,16 +627,48 @@ mod tests {
                 .view(),
         );
         let mut portable = [[0.0f32; PANEL]; TILE_ROWS];
-        tile::<false, f32, 6>(&x, &w, k, &mut portable);
+        tile::<false, f32, 6, false>(&x, &w, k, k, &mut portable);
+        // the packed layout of the same rows, in two slices (the second continues the sums)
+        let mut packed_x = vec![0.0; 6 * k];
+        pack_rows(&x, k, &mut packed_x);
+        let mut sliced = [[0.0f32; PANEL]; TILE_ROWS];
+        tile::<false, f32, 6, true>(&packed_x[..6 * 40], &w[..40 * PANEL], 40, k, &mut sliced);
+        tile::<false, f32, 6, true>(
+            &packed_x[6 * 40..],
+            &w[40 * PANEL..],
+            k - 40,
+            k,
+            &mut sliced,
+        );
+        assert_eq!(portable, sliced);
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             let mut fast = [[0.0f32; PANEL]; TILE_ROWS];
             // SAFETY: the CPU has avx2 and fma (checked above)
-            unsafe { tile_avx2_fma::<f32, 6>(&x, &w, k, &mut fast) };
+            unsafe { tile_avx2_fma::<f32, 6, false>(&x, &w, k, k, &mut fast) };
             for (a, b) in portable.iter().flatten().zip(fast.iter().flatten()) {
                 assert!((a - b).abs() < 1e-4, "{a} vs {b}");
             }
+            let mut fast_sliced = [[0.0f32; PANEL]; TILE_ROWS];
+            // SAFETY: as above
+            unsafe {
+                tile_avx2_fma::<f32, 6, true>(
+                    &packed_x[..240],
+                    &w[..40 * PANEL],
+                    40,
+                    k,
+                    &mut fast_sliced,
+                );
+                tile_avx2_fma::<f32, 6, true>(
+                    &packed_x[240..],
+                    &w[40 * PANEL..],
+                    k - 40,
+                    k,
+                    &mut fast_sliced,
+                );
+            }
+            assert_eq!(fast, fast_sliced);
         }
     }
 
