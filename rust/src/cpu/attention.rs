@@ -365,7 +365,7 @@ fn run_with<const F: bool, T: Elem>(
 ) {
     let attend = |item, out: &mut [f32], scratch: &mut Scratch| {
         #[cfg(target_arch = "x86_64")]
-        if F && ctx.shape.head_dim % simd::LANES == 0 {
+        if F && ctx.shape.head_dim.is_multiple_of(simd::LANES) {
             // SAFETY: `F` is true only inside `run_avx2_fma`, run after the CPU was checked.
             return unsafe { attend_item_avx2(ctx, item, out, scratch) };
         }

@@ -27,7 +27,7 @@ const EXP2_C: [f32; 8] = [
     1.333_355_8e-3,
     9.618_129e-3,
     5.550_411e-2,
-    2.402_265_1e-1,
+    2.402_265e-1,
     6.931_472e-1,
     1.0,
 ];
@@ -114,6 +114,7 @@ pub(crate) unsafe fn qk_rows_in_lanes(
 /// `KB` keys by `RV` row vectors of the scores, `KB * RV` accumulators in registers.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
+#[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
 unsafe fn qk_block<const KB: usize, const RV: usize>(
     qt: *const f32,
     rp: usize,
@@ -290,6 +291,7 @@ type PvRows<'a> = (*mut f32, &'a [usize], &'a [f32], *const f32);
 /// `R` rows by `C` 8-column vectors from column `x`, `R * C` accumulators in registers.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
+#[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
 unsafe fn pv_block<const R: usize, const C: usize, T: Elem>(
     (out, row_at, corr, p): PvRows<'_>,
     p_row: usize,
