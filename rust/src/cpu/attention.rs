@@ -530,7 +530,11 @@ unsafe fn attend_item_avx2<T: Elem>(
     let visible = |r: usize| item.visible(item.r0 + r / group);
     let first_visible = visible(0);
     sc.scores.clear();
-    sc.scores.resize(KEY_TILE * rp.max(1), 0.0);
+    // in lanes: one kv head's tile at a time; else every kv head's rows
+    sc.scores.resize(
+        KEY_TILE * rp.max(1) * if in_lanes { 1 } else { kv_heads },
+        0.0,
+    );
     if T::IS_BF16 && in_lanes {
         sc.keys.resize(KEY_TILE * d, 0.0);
     }
@@ -563,6 +567,23 @@ unsafe fn attend_item_avx2<T: Elem>(
     // cache) are read from memory once, then served from cache to each head
     for t0 in (0..keys).step_by(KEY_TILE) {
         let n = KEY_TILE.min(keys - t0);
+        if !in_lanes {
+            // few rows: every kv head's scores of eight positions at a time, so that each
+            // position's keys (all heads, one contiguous run) are read in one go
+            for j0 in (0..n).step_by(simd::LANES) {
+                // past the tile's end: the last key again, masked below
+                let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[t0 + (j0 + l).min(n - 1)]);
+                for g in 0..kv_heads {
+                    let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * d));
+                    for r in 0..rows {
+                        let q = sc.q.as_ptr().add((g * rows + r) * d);
+                        let scores = k::qk_keys_in_lanes(q, &eight, d);
+                        let row = sc.scores.as_mut_ptr().add((g * rows + r) * KEY_TILE);
+                        std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
+                    }
+                }
+            }
+        }
         for g in 0..kv_heads {
             let mut key_ptr = [null::<T>(); KEY_TILE];
             let mut value_ptr = [null::<T>(); KEY_TILE];
@@ -605,14 +626,9 @@ unsafe fn attend_item_avx2<T: Elem>(
                 k::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, &value_ptr[..n], d);
             } else {
                 let n8 = n.next_multiple_of(simd::LANES);
+                let s = s.add(g * rows * KEY_TILE);
                 for r in 0..rows {
                     let row = s.add(r * KEY_TILE);
-                    for j0 in (0..n).step_by(simd::LANES) {
-                        // past the tile's end: the last key again, masked below
-                        let eight = std::array::from_fn(|l| key_ptr[(j0 + l).min(n - 1)]);
-                        let scores = k::qk_keys_in_lanes(q.add(r * d), &eight, d);
-                        std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
-                    }
                     for j in visible(r).saturating_sub(t0).min(n)..n8 {
                         *row.add(j) = f32::NEG_INFINITY;
                     }
