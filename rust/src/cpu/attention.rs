@@ -482,8 +482,9 @@ fn attend_item<const F: bool, T: Elem>(
     }
 }
 
-/// `attend_item` with AVX2 + FMA for head sizes that are a multiple of 8, one kv head at a time
-/// (`rows` = the item's queries times the heads of a group, which share every key and value).
+/// `attend_item` with AVX2 + FMA for head sizes that are a multiple of 8: per key tile, each kv
+/// head's `rows` (the item's queries times the heads of its group, which share every key and
+/// value) in turn, with a running max / sum per (kv head, row).
 /// Many rows (prefill): the scores tile is a small GEMM with the rows in the vector lanes;
 /// fewer than 8 (decode): eight keys' dot products per vector. Scores are in log2 units (q
 /// pre-scaled by `scale * log2(e)`, the softmax in `exp2`). Key tiles past the last query's
