@@ -24,6 +24,9 @@ SHAPES = pytest.mark.parametrize(
         ([50, 9], [21, 9], 2, 2, 128, 1),
         # speculative-verification shape: a few query tokens each over long contexts
         ([300, 257, 129], [4, 5, 3], 4, 1, 32, 16),
+        # the offline workload's step (56M Llama): prompts across 16-query and 64-key tiles (the
+        # register-blocked prefill tiles), a chunk starting mid-block, decodes beside them
+        ([256, 100, 17, 300, 65], [256, 37, 17, 1, 1], 8, 4, 64, 16),
     ],
 )
 

@@ -327,6 +327,11 @@ struct Scratch {
     max: Vec<f32>,
     sum: Vec<f32>,
     key_at: Vec<usize>,
+    /// the AVX2 path: each row's place in the item's output, its output's rescaling factor in
+    /// the current key tile, a key tile widened to f32 (bf16 caches)
+    row_at: Vec<usize>,
+    corr: Vec<f32>,
+    keys: Vec<f32>,
     /// an item's output sums when `out` is not f32 (rounded into it at the end)
     acc: Vec<f32>,
 }
@@ -358,13 +363,21 @@ fn run_with<const F: bool, T: Elem>(
     chunks: Vec<(Item, &mut [T])>,
     scratch: &mut Scratch,
 ) {
+    let attend = |item, out: &mut [f32], scratch: &mut Scratch| {
+        #[cfg(target_arch = "x86_64")]
+        if F && ctx.shape.head_dim.is_multiple_of(simd::LANES) {
+            // SAFETY: `F` is true only inside `run_avx2_fma`, run after the CPU was checked.
+            return unsafe { attend_item_avx2(ctx, item, out, scratch) };
+        }
+        attend_item::<F, T>(ctx, item, out, scratch)
+    };
     for (item, out) in chunks {
         match T::as_f32_mut(out) {
-            Some(out) => attend_item::<F, T>(ctx, item, out, scratch),
+            Some(out) => attend(item, out, scratch),
             None => {
                 let mut acc = std::mem::take(&mut scratch.acc);
                 acc.resize(out.len(), 0.0);
-                attend_item::<F, T>(ctx, item, &mut acc, scratch);
+                attend(item, &mut acc, scratch);
                 for (o, a) in out.iter_mut().zip(&acc) {
                     *o = T::from_f32(*a);
                 }
@@ -465,6 +478,180 @@ fn attend_item<const F: bool, T: Elem>(
     for rr in 0..rows {
         if sc.sum[rr] > 0.0 {
             simd::scale(&mut out[rr * d..(rr + 1) * d], 1.0 / sc.sum[rr]);
+        }
+    }
+}
+
+/// `attend_item` with AVX2 + FMA for head sizes that are a multiple of 8: per key tile, each kv
+/// head's `rows` (the item's queries times the heads of its group, which share every key and
+/// value) in turn, with a running max / sum per (kv head, row).
+/// Many rows (prefill): the scores tile is a small GEMM with the rows in the vector lanes;
+/// fewer than 8 (decode): eight keys' dot products per vector. Scores are in log2 units (q
+/// pre-scaled by `scale * log2(e)`, the softmax in `exp2`). Key tiles past the last query's
+/// position are never read; within the diagonal tile, the keys a row must not see are masked.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn attend_item_avx2<T: Elem>(
+    ctx: &Ctx<'_, T>,
+    item: Item,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    use std::ptr::null;
+
+    use super::attention_avx2 as k;
+
+    let Shape {
+        heads,
+        kv_heads,
+        head_dim: d,
+        block_size: bs,
+        ..
+    } = ctx.shape;
+    let group = ctx.shape.group();
+    let rows = (item.r1 - item.r0) * group;
+    let in_lanes = rows >= simd::LANES;
+    // rows padded to whole vectors when they are in the lanes
+    let rp = if in_lanes {
+        rows.next_multiple_of(simd::LANES)
+    } else {
+        rows
+    };
+    out.fill(0.0);
+    let keys = item.visible(item.r1 - 1);
+    let table = ctx.tables.row(item.seq);
+    sc.key_at.clear();
+    sc.key_at.extend((0..keys).map(|pos| {
+        let block = table[pos / bs] as usize;
+        (block * bs + pos % bs) * kv_heads * d
+    }));
+    let q_scale = ctx.scale * std::f32::consts::LOG2_E;
+    // row r: query r0 + r / group, head g * group + r % group
+    let visible = |r: usize| item.visible(item.r0 + r / group);
+    let first_visible = visible(0);
+    sc.scores.clear();
+    // in lanes: one kv head's tile at a time; else every kv head's rows
+    sc.scores.resize(
+        KEY_TILE * rp.max(1) * if in_lanes { 1 } else { kv_heads },
+        0.0,
+    );
+    if T::IS_BF16 && in_lanes {
+        sc.keys.resize(KEY_TILE * d, 0.0);
+    }
+    // per kv head g: rows g * rows.., q at g * rp * d, running max / sum / factor at g * rp
+    sc.row_at.clear();
+    sc.q.clear();
+    sc.q.resize(kv_heads * rp * d, 0.0);
+    for g in 0..kv_heads {
+        sc.row_at
+            .extend((0..rows).map(|r| ((r / group) * heads + g * group + r % group) * d));
+        // q rows, scaled: transposed ([d][rp]) in lanes, else row-major ([rows][d])
+        let qg = &mut sc.q[g * rp * d..(g + 1) * rp * d];
+        for r in 0..rows {
+            let q = ctx
+                .q
+                .index_axis(Axis(0), item.first + item.r0 + r / group)
+                .index_axis_move(Axis(0), g * group + r % group);
+            for (x, v) in q.iter().enumerate() {
+                let at = if in_lanes { x * rp + r } else { r * d + x };
+                qg[at] = v.to_f32() * q_scale;
+            }
+        }
+    }
+    sc.max.clear();
+    sc.max.resize(kv_heads * rp, f32::NEG_INFINITY);
+    sc.sum.clear();
+    sc.sum.resize(kv_heads * rp, 0.0);
+    sc.corr.resize(kv_heads * rp, 1.0);
+    // key tiles outer, kv heads inner: a tile's positions (all kv heads, contiguous in the
+    // cache) are read from memory once, then served from cache to each head
+    for t0 in (0..keys).step_by(KEY_TILE) {
+        let n = KEY_TILE.min(keys - t0);
+        if !in_lanes {
+            // few rows: every kv head's scores of eight positions at a time, so that each
+            // position's keys (all heads, one contiguous run) are read in one go
+            for j0 in (0..n).step_by(simd::LANES) {
+                // past the tile's end: the last key again, masked below
+                let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[t0 + (j0 + l).min(n - 1)]);
+                for g in 0..kv_heads {
+                    let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * d));
+                    for r in 0..rows {
+                        let q = sc.q.as_ptr().add((g * rows + r) * d);
+                        let scores = k::qk_keys_in_lanes(q, &eight, d);
+                        let row = sc.scores.as_mut_ptr().add((g * rows + r) * KEY_TILE);
+                        std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
+                    }
+                }
+            }
+        }
+        for g in 0..kv_heads {
+            let mut key_ptr = [null::<T>(); KEY_TILE];
+            let mut value_ptr = [null::<T>(); KEY_TILE];
+            for j in 0..n {
+                let at = sc.key_at[t0 + j] + g * d;
+                key_ptr[j] = ctx.k.as_ptr().add(at);
+                value_ptr[j] = ctx.v.as_ptr().add(at);
+            }
+            let (q, row_at) = (
+                sc.q.as_ptr().add(g * rp * d),
+                &sc.row_at[g * rows..(g + 1) * rows],
+            );
+            let state = g * rp..(g + 1) * rp;
+            let (max, sum, corr) = (
+                &mut sc.max[state.clone()],
+                &mut sc.sum[state.clone()],
+                &mut sc.corr[state],
+            );
+            let s = sc.scores.as_mut_ptr();
+            if in_lanes {
+                let mut key_f32 = [null::<f32>(); KEY_TILE];
+                for j in 0..n {
+                    key_f32[j] = if T::IS_BF16 {
+                        let dst = sc.keys.as_mut_ptr().add(j * d);
+                        k::widen(key_ptr[j], dst, d);
+                        dst
+                    } else {
+                        key_ptr[j] as *const f32
+                    };
+                }
+                k::qk_rows_in_lanes(q, rp, &key_f32[..n], d, s);
+                if t0 + n > first_visible {
+                    for r in 0..rows {
+                        for j in visible(r).saturating_sub(t0).min(n)..n {
+                            *s.add(j * rp + r) = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                k::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
+                k::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, &value_ptr[..n], d);
+            } else {
+                let n8 = n.next_multiple_of(simd::LANES);
+                let s = s.add(g * rows * KEY_TILE);
+                for r in 0..rows {
+                    let row = s.add(r * KEY_TILE);
+                    for j in visible(r).saturating_sub(t0).min(n)..n8 {
+                        *row.add(j) = f32::NEG_INFINITY;
+                    }
+                    k::softmax_row(row, n8, &mut max[r], &mut sum[r], &mut corr[r]);
+                }
+                k::pv(
+                    out.as_mut_ptr(),
+                    row_at,
+                    corr,
+                    s,
+                    KEY_TILE,
+                    1,
+                    &value_ptr[..n],
+                    d,
+                );
+            }
+        }
+    }
+    for (i, &at) in sc.row_at.iter().enumerate() {
+        let total = sc.sum[i / rows * rp + i % rows];
+        if total > 0.0 {
+            simd::scale(&mut out[at..at + d], 1.0 / total);
         }
     }
 }

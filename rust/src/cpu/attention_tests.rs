@@ -305,3 +305,83 @@ fn rows_outside_every_sequence_are_zero_and_bad_tables_are_refused() {
     )
     .is_err());
 }
+
+// The AVX2 path (head sizes that are a multiple of 8; the tests above with 12 and 20 take the
+// portable one): many rows per kv head put the rows in the vector lanes, fewer than 8 the keys.
+
+fn case(heads: usize, kv_heads: usize, head_dim: usize, seqs: Vec<(usize, usize)>) -> Case {
+    Case {
+        heads,
+        kv_heads,
+        head_dim,
+        block_size: 16,
+        seqs,
+    }
+}
+
+/// Query counts around the 16-query tile and key counts around the 64-key tile, chunks that
+/// start mid-block over a cached prefix, a whole prompt, and a decode row beside them.
+fn tile_edges() -> Vec<(usize, usize)> {
+    vec![
+        (15, 15),
+        (16, 16),
+        (17, 17),
+        (33, 100),
+        (7, 64),
+        (20, 65),
+        (1, 129),
+        (3, 130),
+    ]
+}
+
+#[test]
+fn prefill_tiles_match_dense_attention_for_every_group_ratio() {
+    for kv_heads in [8, 4, 2, 1] {
+        check::<f32>(case(8, kv_heads, 64, tile_edges()), 1);
+    }
+}
+
+#[test]
+fn head_size_128_matches_dense_attention() {
+    check::<f32>(case(4, 2, 128, tile_edges()), 1);
+}
+
+#[test]
+fn bf16_prefill_tiles_with_grouped_heads_match_dense_attention() {
+    check::<Bf16>(case(8, 4, 64, tile_edges()), 1);
+    check::<Bf16>(case(4, 1, 128, tile_edges()), 1);
+}
+
+#[test]
+fn decode_rows_at_key_tile_edges_match_dense_attention() {
+    // contexts not a multiple of 8 (the last eight-key group is partly past the tile's end)
+    let seqs = [1, 2, 7, 8, 9, 63, 64, 65, 100, 128, 129, 511]
+        .map(|len| (1, len))
+        .to_vec();
+    for kv_heads in [8, 4, 2] {
+        check::<f32>(case(8, kv_heads, 64, seqs.clone()), 1);
+    }
+    check::<Bf16>(case(8, 4, 64, seqs), 1);
+}
+
+#[test]
+fn a_few_queries_per_sequence_are_causal_with_keys_in_lanes() {
+    // 2-3 queries x a group of 2 heads: fewer than 8 rows per kv head, on the causal diagonal
+    let seqs = vec![(2, 2), (3, 3), (3, 66), (2, 64), (3, 17)];
+    check::<f32>(case(8, 4, 64, seqs.clone()), 1);
+    check::<f32>(case(4, 4, 32, seqs), 1);
+}
+
+#[test]
+fn diagonal_tiles_mask_the_keys_after_each_query() {
+    // long chunks whose queries cross several key tiles, with and without a cached prefix
+    let seqs = vec![(200, 200), (130, 190), (64, 64), (65, 129)];
+    check::<f32>(case(4, 2, 64, seqs), 1);
+}
+
+#[test]
+fn threads_give_the_same_result_on_the_avx2_path() {
+    let seqs = vec![(150, 200), (1, 300), (70, 70), (1, 5), (3, 40)];
+    check::<f32>(case(8, 2, 64, seqs.clone()), 3);
+    check::<Bf16>(case(8, 2, 64, seqs), 2);
+}

@@ -5,6 +5,7 @@
 //! Plain Rust over `ndarray` views, so `cargo test` runs them without Python; the bindings
 //! (`bindings/cpu_ops.rs`) view torch CPU tensors as numpy arrays without a copy.
 pub mod attention;
+mod attention_avx2;
 pub mod elem;
 pub mod linear;
 pub mod norm;
