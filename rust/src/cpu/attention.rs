@@ -13,6 +13,8 @@
 //!
 //! q, the caches and out share one element type (`Elem`: f32 or bf16); scores, the softmax and
 //! the output sums are f32 whatever it is, and a bf16 output is rounded once, at the end.
+use std::sync::Mutex;
+
 use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
 use super::elem::Elem;
@@ -25,6 +27,8 @@ const KEY_TILE: usize = 64;
 const QUERY_TILE: usize = 16;
 /// Below this many query-key pairs in a call, threads cost more than they save.
 const MIN_PARALLEL_PAIRS: usize = 1 << 15;
+/// Buckets of work items a threaded call is cut into per thread (`paged_attention`).
+const BUCKETS_PER_THREAD: usize = 4;
 
 /// The per-sequence part of a step: where its queries are, how long its context is, its blocks.
 #[derive(Clone, Copy)]
@@ -130,7 +134,17 @@ pub fn paged_attention<'a, T: Elem>(
         run(&ctx, chunks);
         return Ok(());
     }
-    pool::WORKERS.run_shares(balance(chunks, threads), |bucket| run(&ctx, bucket));
+    // more buckets than threads, claimed in turn (heaviest first) by whichever thread is free:
+    // on a busy machine a thread sharing its core with another process takes fewer of them
+    let buckets: Vec<_> = balance(chunks, threads * BUCKETS_PER_THREAD)
+        .into_iter()
+        .filter(|bucket| !bucket.is_empty())
+        .map(|bucket| Mutex::new(Some(bucket)))
+        .collect();
+    pool::WORKERS.run_claimed(threads, buckets.len(), |i| {
+        let bucket = buckets[i].lock().unwrap_or_else(|e| e.into_inner()).take();
+        run(&ctx, bucket.unwrap_or_default());
+    });
     Ok(())
 }
 
@@ -292,12 +306,12 @@ fn split_out<'o, T: Elem>(
     chunks
 }
 
-/// Longest-first assignment of the items to `threads` buckets of similar work.
-fn balance<T>(chunks: Vec<(Item, &mut [T])>, threads: usize) -> Vec<Vec<(Item, &mut [T])>> {
+/// Longest-first assignment of the items to `count` buckets of similar work.
+fn balance<T>(chunks: Vec<(Item, &mut [T])>, count: usize) -> Vec<Vec<(Item, &mut [T])>> {
     let mut chunks = chunks;
     chunks.sort_by_key(|(item, _)| std::cmp::Reverse(item.pairs()));
-    let mut buckets: Vec<Vec<(Item, &mut [T])>> = (0..threads).map(|_| Vec::new()).collect();
-    let mut load = vec![0usize; threads];
+    let mut buckets: Vec<Vec<(Item, &mut [T])>> = (0..count).map(|_| Vec::new()).collect();
+    let mut load = vec![0usize; count];
     for chunk in chunks {
         let (i, _) = load
             .iter()
