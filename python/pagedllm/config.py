@@ -96,6 +96,7 @@ class EngineArgs:
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
     kv_events_config: dict | None = None
     # "server" (set by `pagedllm serve`) or "offline": picks the default token budget per step
+    # and the default CPU threads (`serving`)
     usage_context: str = "offline"
     # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
     data_parallel_size: int = 1
@@ -237,6 +238,12 @@ class EngineArgs:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+    @property
+    def serving(self) -> bool:
+        """Whether the engine runs behind a server (`usage_context`): its token budget and its
+        CPU threads leave room for the front end."""
+        return self.usage_context == "server"
+
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The token budget per step: `max_num_batched_tokens`, else the scheduler's default for
         the strategy (prefill_first never splits a prompt, so its budget holds a whole one),
@@ -244,7 +251,7 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         budget = default_max_num_batched_tokens(self.scheduling, max_model_len)
-        if self.usage_context == "server" and self.scheduling != "prefill_first":
+        if self.serving and self.scheduling != "prefill_first":
             return min(budget, SERVER_MAX_NUM_BATCHED_TOKENS)
         return budget
 

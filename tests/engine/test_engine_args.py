@@ -102,3 +102,9 @@ def test_kv_cache_without_room_for_the_watermark_fails_at_start_up():
     assert _core.min_kv_blocks(64, block_size=4, watermark=0.25) == 21
     with pytest.raises(ValueError, match=r"needs 21 blocks of 4 tokens.*only 16"):
         LLM(device="cpu", block_size=4, max_model_len=64, num_gpu_blocks=16, watermark=0.25)
+
+
+def test_only_a_server_engine_counts_as_serving():
+    # `serving` is what the token budget and the CPU thread default ask
+    assert EngineArgs(usage_context="server").serving
+    assert not EngineArgs().serving

@@ -179,7 +179,12 @@ class LLMEngine:
         )
         self.kv_events = self._kv_events_publisher(args)
         self.runner = ModelRunner(
-            self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
+            self.model,
+            self.cache_engine,
+            self.device,
+            self.lora,
+            cpu_threads=args.cpu_threads,
+            serving=args.serving,
         )
         if decode_graphs_enabled(
             self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None

@@ -175,7 +175,12 @@ class RankWorker:
             device=self.device,
         )
         self.runner = ModelRunner(
-            self.model, self.cache, self.device, self.lora, cpu_threads=self.args.cpu_threads
+            self.model,
+            self.cache,
+            self.device,
+            self.lora,
+            cpu_threads=self.args.cpu_threads,
+            serving=self.args.serving,
         )
 
     def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:

@@ -3,13 +3,15 @@ how torch's OpenMP threads wait between operators.
 
 Thread count: `cpu_threads` when given, else `OMP_NUM_THREADS` when set (torch already honours
 it), else the physical cores this process may run on (hyperthread siblings share one core's FMA
-units, so a second GEMM thread on them mostly waits) less one CPU left for everything that is
-not the model — the HTTP front end and the engine's Python between operators, the Rust
-scheduler, other processes — as vLLM's CPU worker leaves one: a spare hyperthread where the
-cores have them, else a whole core. Under tensor parallelism the ranks share those cores (each
-rank `usable // ranks`). At least one thread. Every model thread is one that each operator waits
-for at its barrier: a thread on a core that something else holds stalls every GEMM, so a count
-that leaves nothing free collapses as soon as the machine is busy.
+units, so a second GEMM thread on them mostly waits). A server leaves one CPU of them for
+everything that is not the model — the HTTP front end, the router, other processes — as vLLM's
+CPU worker leaves one: a spare hyperthread where the cores have them, else a whole core.
+Offline nothing else runs: the engine's Python runs on the calling thread, which is one of the
+model's threads, so every core computes (1.3x the output of one thread on 2 cores). Under
+tensor parallelism the ranks share those cores (each rank `usable // ranks`). At least one
+thread. The Rust kernels' threads claim their work in small runs (`rust/src/cpu/pool.rs`), so
+a thread whose core another process takes does less rather than stalling the call; torch's own
+operators still wait at their barriers, which is why a server keeps a core free.
 
 Wait policy: libgomp's OpenMP workers (torch's CPU wheels) spin for up to milliseconds after
 each parallel region before they sleep, on cores that the Rust kernels' threads, the front end
@@ -56,24 +58,27 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_cpu_threads(ranks: int = 1) -> int | None:
+def default_cpu_threads(ranks: int = 1, *, serving: bool = False) -> int | None:
     """The thread count each of `ranks` tensor-parallel ranks sets when none is given (None:
-    leave OMP_NUM_THREADS's)."""
+    leave OMP_NUM_THREADS's); `serving`: the engine runs behind a server, which keeps a CPU."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = physical_cores()
     logical = len(_allowed_cpus()) or os.cpu_count() or 1
-    # one CPU for the rest: a spare hyperthread when the cores have them, else a core
-    usable = cores if logical > cores else cores - 1
+    # a server's CPU for the rest: a spare hyperthread when the cores have them, else a core
+    usable = cores - 1 if serving and logical == cores else cores
     return max(1, usable // max(1, ranks))
 
 
-def configure_cpu_threads(cpu_threads: int | None, ranks: int = 1) -> int:
+def configure_cpu_threads(cpu_threads: int | None, ranks: int = 1, *, serving: bool = False) -> int:
     """Set torch's intra-op threads (process-wide, like vLLM's CPU worker); returns the count.
-    `ranks`: the tensor-parallel ranks sharing this machine's cores (the default's divisor)."""
+    `ranks`: the tensor-parallel ranks sharing this machine's cores (the default's divisor);
+    `serving`: behind a server (`default_cpu_threads`)."""
     import torch
 
-    threads = cpu_threads if cpu_threads is not None else default_cpu_threads(ranks)
+    threads = (
+        cpu_threads if cpu_threads is not None else default_cpu_threads(ranks, serving=serving)
+    )
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return torch.get_num_threads()
