@@ -96,7 +96,6 @@ class EngineArgs:
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)
     kv_events_config: dict | None = None
     # "server" (set by `pagedllm serve`) or "offline": picks the default token budget per step
-    # and the default CPU threads (`serving`)
     usage_context: str = "offline"
     # data parallelism (vLLM's names): engine replicas behind one router (`pagedllm serve -dp`)
     data_parallel_size: int = 1
@@ -240,8 +239,8 @@ class EngineArgs:
 
     @property
     def serving(self) -> bool:
-        """Whether the engine runs behind a server (`usage_context`): its token budget and its
-        CPU threads leave room for the front end."""
+        """Whether the engine runs behind a server (`usage_context`): its token budget per step
+        is capped so that a burst's first prompts stream before the last are prefilled."""
         return self.usage_context == "server"
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:

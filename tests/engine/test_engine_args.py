@@ -105,6 +105,6 @@ def test_kv_cache_without_room_for_the_watermark_fails_at_start_up():
 
 
 def test_only_a_server_engine_counts_as_serving():
-    # `serving` is what the token budget and the CPU thread default ask
+    # `serving` is what the token budget asks
     assert EngineArgs(usage_context="server").serving
     assert not EngineArgs().serving

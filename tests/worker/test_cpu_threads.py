@@ -1,6 +1,5 @@
-"""The CPU thread default (`cpu_threads`, else OMP_NUM_THREADS, else the physical cores, less one
-CPU for the rest behind a server, shared by the tensor-parallel ranks) and OpenMP's wait
-policy."""
+"""The CPU thread default (`cpu_threads`, else OMP_NUM_THREADS, else the physical cores, shared
+by the tensor-parallel ranks) and OpenMP's wait policy."""
 
 from __future__ import annotations
 
@@ -38,19 +37,13 @@ def test_omp_num_threads_is_left_to_torch(monkeypatch):
     assert cpu_threads.default_cpu_threads() is None
 
 
-def test_offline_default_takes_every_core(tmp_path, monkeypatch):
+def test_default_is_one_thread_per_physical_core(tmp_path, monkeypatch):
     _machine(tmp_path, monkeypatch, [0, 1])
     assert cpu_threads.default_cpu_threads() == 2
 
 
-def test_a_server_leaves_one_core_when_there_are_no_hyperthreads(tmp_path, monkeypatch):
-    _machine(tmp_path, monkeypatch, [0, 1])
-    assert cpu_threads.default_cpu_threads(serving=True) == 1
-
-
-def test_a_server_leaves_a_spare_hyperthread_rather_than_a_core(tmp_path, monkeypatch):
+def test_default_leaves_the_hyperthread_siblings_spare(tmp_path, monkeypatch):
     _machine(tmp_path, monkeypatch, [0, 0, 1, 1])
-    assert cpu_threads.default_cpu_threads(serving=True) == 2
     assert cpu_threads.default_cpu_threads() == 2
 
 
@@ -60,24 +53,21 @@ def test_one_core_gets_one_thread(tmp_path, monkeypatch):
 
 
 def test_tensor_parallel_ranks_share_the_usable_cores(tmp_path, monkeypatch):
-    _machine(tmp_path, monkeypatch, list(range(9)))  # 9 cores: 8 usable behind a server
-    assert cpu_threads.default_cpu_threads(ranks=2, serving=True) == 4
-    assert cpu_threads.default_cpu_threads(ranks=3, serving=True) == 2
+    _machine(tmp_path, monkeypatch, list(range(9)))  # 9 cores
+    assert cpu_threads.default_cpu_threads(ranks=2) == 4
     assert cpu_threads.default_cpu_threads(ranks=3) == 3
     assert cpu_threads.default_cpu_threads(ranks=16) == 1
 
 
-def test_model_runner_divides_the_default_by_the_models_ranks_and_says_if_it_serves(monkeypatch):
+def test_model_runner_divides_the_default_by_the_models_ranks(monkeypatch):
     seen = []
     monkeypatch.setattr(
-        model_runner,
-        "configure_cpu_threads",
-        lambda threads, ranks, serving: seen.append((ranks, serving)) or 1,
+        model_runner, "configure_cpu_threads", lambda threads, ranks: seen.append(ranks) or 1
     )
     sharded = SimpleNamespace(tp=SimpleNamespace(size=2))
-    model_runner.ModelRunner(sharded, None, torch.device("cpu"), serving=True)
+    model_runner.ModelRunner(sharded, None, torch.device("cpu"))
     model_runner.ModelRunner(SimpleNamespace(), None, torch.device("cpu"))  # not sharded
-    assert seen == [(2, True), (1, False)]
+    assert seen == [2, 1]
 
 
 def test_configure_sets_torch_threads_and_reports_them():

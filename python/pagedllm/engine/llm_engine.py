@@ -184,7 +184,6 @@ class LLMEngine:
             self.device,
             self.lora,
             cpu_threads=args.cpu_threads,
-            serving=args.serving,
         )
         if decode_graphs_enabled(
             self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None

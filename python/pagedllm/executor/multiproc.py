@@ -180,7 +180,6 @@ class RankWorker:
             self.device,
             self.lora,
             cpu_threads=self.args.cpu_threads,
-            serving=self.args.serving,
         )
 
     def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:

@@ -3,15 +3,14 @@ how torch's OpenMP threads wait between operators.
 
 Thread count: `cpu_threads` when given, else `OMP_NUM_THREADS` when set (torch already honours
 it), else the physical cores this process may run on (hyperthread siblings share one core's FMA
-units, so a second GEMM thread on them mostly waits). A server leaves one CPU of them for
-everything that is not the model — the HTTP front end, the router, other processes — as vLLM's
-CPU worker leaves one: a spare hyperthread where the cores have them, else a whole core.
-Offline nothing else runs: the engine's Python runs on the calling thread, which is one of the
-model's threads, so every core computes (1.3x the output of one thread on 2 cores). Under
-tensor parallelism the ranks share those cores (each rank `usable // ranks`). At least one
-thread. The Rust kernels' threads claim their work in small runs (`rust/src/cpu/pool.rs`), so
-a thread whose core another process takes does less rather than stalling the call; torch's own
-operators still wait at their barriers, which is why a server keeps a core free.
+units, so a second GEMM thread on them mostly waits; the spare hyperthreads are left to the
+rest). The engine's Python runs on the calling thread, which is one of the model's threads, and
+a server's front end needs a few percent of a core: on 2 cores, every core computing gave 1.3x
+the offline output of one thread and a server's TPOT 0.6-0.8x (benches/RESULTS.md, "Serving
+speed on CPU", round 4). Under tensor parallelism the ranks share the cores (each rank
+`cores // ranks`). At least one thread. The Rust kernels' threads claim their work in small runs
+(`rust/src/cpu/pool.rs`), so a thread whose core another process takes does less rather than
+stalling the call (with a CPU hog on one of 2 cores, 0.67x the quiet output).
 
 Wait policy: libgomp's OpenMP workers (torch's CPU wheels) spin for up to milliseconds after
 each parallel region before they sleep, on cores that the Rust kernels' threads, the front end
@@ -58,27 +57,20 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_cpu_threads(ranks: int = 1, *, serving: bool = False) -> int | None:
+def default_cpu_threads(ranks: int = 1) -> int | None:
     """The thread count each of `ranks` tensor-parallel ranks sets when none is given (None:
-    leave OMP_NUM_THREADS's); `serving`: the engine runs behind a server, which keeps a CPU."""
+    leave OMP_NUM_THREADS's)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    cores = physical_cores()
-    logical = len(_allowed_cpus()) or os.cpu_count() or 1
-    # a server's CPU for the rest: a spare hyperthread when the cores have them, else a core
-    usable = cores - 1 if serving and logical == cores else cores
-    return max(1, usable // max(1, ranks))
+    return max(1, physical_cores() // max(1, ranks))
 
 
-def configure_cpu_threads(cpu_threads: int | None, ranks: int = 1, *, serving: bool = False) -> int:
+def configure_cpu_threads(cpu_threads: int | None, ranks: int = 1) -> int:
     """Set torch's intra-op threads (process-wide, like vLLM's CPU worker); returns the count.
-    `ranks`: the tensor-parallel ranks sharing this machine's cores (the default's divisor);
-    `serving`: behind a server (`default_cpu_threads`)."""
+    `ranks`: the tensor-parallel ranks sharing this machine's cores (the default's divisor)."""
     import torch
 
-    threads = (
-        cpu_threads if cpu_threads is not None else default_cpu_threads(ranks, serving=serving)
-    )
+    threads = cpu_threads if cpu_threads is not None else default_cpu_threads(ranks)
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return torch.get_num_threads()

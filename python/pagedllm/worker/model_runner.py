@@ -41,7 +41,6 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         *,
         cpu_threads: int | None = None,
-        serving: bool = False,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
@@ -55,7 +54,7 @@ class ModelRunner:
         self.cpu_threads = None
         if device.type == "cpu":
             ranks = getattr(getattr(model, "tp", None), "size", 1)
-            self.cpu_threads = configure_cpu_threads(cpu_threads, ranks, serving=serving)
+            self.cpu_threads = configure_cpu_threads(cpu_threads, ranks)
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""
