@@ -565,18 +565,16 @@ mod tests {
         assert_eq!(packed[18..], [18.0, 21.0, 19.0, 22.0, 20.0, 23.0]);
     }
 
-    #[test]
-    fn bf16_blocked_rows_sum_the_widened_values_like_f32() {
-        let (m, k, n) = (20, 300, 21);
-        let xb: Vec<Bf16> = values(m * k, 17.0)
-            .into_iter()
-            .map(Bf16::from_f32)
-            .collect();
-        let wb: Vec<Bf16> = values(n * k, 18.0)
-            .into_iter()
-            .map(Bf16::from_f32)
-            .collect();
-        let bb: Vec<Bf16> = values(n, 19.0).into_iter().map(Bf16::from_f32).collect();
+    /// bf16 x, weight and bias `[m, k] x [n, k]` (values seeded by `seed`, `seed + 1`, `seed +
+    /// 2`) give, on each of `threads`, the f32 product of their widened values rounded once.
+    fn check_bf16_matches_widened_f32(m: usize, k: usize, n: usize, seed: f32, threads: &[usize]) {
+        let bf16 =
+            |len, s| -> Vec<Bf16> { values(len, s).into_iter().map(Bf16::from_f32).collect() };
+        let (xb, wb, bb) = (
+            bf16(m * k, seed),
+            bf16(n * k, seed + 1.0),
+            bf16(n, seed + 2.0),
+        );
         let xw = Array2::from_shape_vec((m, k), xb.iter().map(|v| v.to_f32()).collect()).unwrap();
         let ww = Array2::from_shape_vec((n, k), wb.iter().map(|v| v.to_f32()).collect()).unwrap();
         let bw: Vec<f32> = bb.iter().map(|v| v.to_f32()).collect();
@@ -586,9 +584,9 @@ mod tests {
         let w = Array2::from_shape_vec((n, k), wb).unwrap();
         let panels =
             Array3::from_shape_vec((n.div_ceil(PANEL), k, PANEL), pack_panels(w.view())).unwrap();
-        for threads in [1, 2] {
+        for &t in threads {
             let mut out = Array2::from_elem((m, n), Bf16(0));
-            linear(x.view(), panels.view(), Some(&bb), out.view_mut(), threads).unwrap();
+            linear(x.view(), panels.view(), Some(&bb), out.view_mut(), t).unwrap();
             for (g, w) in out.iter().zip(&want) {
                 assert_eq!(*g, Bf16::from_f32(*w));
             }
@@ -596,25 +594,13 @@ mod tests {
     }
 
     #[test]
-    fn bf16_sums_the_widened_values_in_f32_and_rounds_once() {
-        let (m, k, n) = (3, 45, 21);
-        let xb: Vec<Bf16> = values(m * k, 6.0).into_iter().map(Bf16::from_f32).collect();
-        let wb: Vec<Bf16> = values(n * k, 7.0).into_iter().map(Bf16::from_f32).collect();
-        let bb: Vec<Bf16> = values(n, 8.0).into_iter().map(Bf16::from_f32).collect();
-        let xw = Array2::from_shape_vec((m, k), xb.iter().map(|v| v.to_f32()).collect()).unwrap();
-        let ww = Array2::from_shape_vec((n, k), wb.iter().map(|v| v.to_f32()).collect()).unwrap();
-        let bw: Vec<f32> = bb.iter().map(|v| v.to_f32()).collect();
-        let want = run_f32(&xw, &ww, Some(&bw), 1);
+    fn bf16_blocked_rows_sum_the_widened_values_like_f32() {
+        check_bf16_matches_widened_f32(20, 300, 21, 17.0, &[1, 2]);
+    }
 
-        let x = Array2::from_shape_vec((m, k), xb).unwrap();
-        let w = Array2::from_shape_vec((n, k), wb).unwrap();
-        let panels =
-            Array3::from_shape_vec((n.div_ceil(PANEL), k, PANEL), pack_panels(w.view())).unwrap();
-        let mut out = Array2::from_elem((m, n), Bf16(0));
-        linear(x.view(), panels.view(), Some(&bb), out.view_mut(), 1).unwrap();
-        for (g, w) in out.iter().zip(&want) {
-            assert_eq!(*g, Bf16::from_f32(*w));
-        }
+    #[test]
+    fn bf16_sums_the_widened_values_in_f32_and_rounds_once() {
+        check_bf16_matches_widened_f32(3, 45, 21, 6.0, &[1]);
     }
 
     #[test]
