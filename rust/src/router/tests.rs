@@ -215,6 +215,12 @@ fn unknown_policy_and_bad_knobs_are_refused_by_name() {
         .unwrap_err()
         .to_string()
         .contains("affinity_weight"));
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.divert_ratio = 0.5;
+    assert!(Router::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("divert_ratio"));
     let _ = KvEventKind::Stored;
 }
 
@@ -254,6 +260,7 @@ fn with_a_token_weight_cache_aware_leaves_a_hit_behind_a_long_prefill_queue() {
         let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
         cfg.pending_ttl = 0.0;
         cfg.token_weight = token_weight;
+        cfg.divert_ratio = 0.0;
         let mut r = Router::new(cfg).unwrap();
         let mut m = replica();
         let p = turn(&[], 8);
@@ -448,4 +455,49 @@ fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
         None,
         "two generations back: forgotten"
     );
+}
+
+/// Where a prompt goes when replica 1 holds its 2 reusable blocks (or, `held` false, was only
+/// the last sent them) and `queued` cold prompt tokens are in flight there.
+fn divert_pick(queued: u32, held: bool, approximate: bool) -> usize {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    cfg.approximate = approximate;
+    let mut r = Router::new(cfg).unwrap();
+    let p = turn(&[], 30); // 9 tokens: 8 in 2 reusable blocks, 1 always computed
+    if held {
+        serve(&mut r, &mut replica(), 1, 0, &p, 0);
+    } else {
+        let d = r.route(&p, 0, None, 0b01, 0.0).unwrap();
+        r.finish(d.ticket).unwrap(); // ended, its blocks evicted since (no event held them)
+    }
+    let long: Vec<u32> = (0..queued).map(|i| 5000 + i).collect();
+    r.route(&long, 0, None, 0b01, 0.0).unwrap(); // under way on replica 1
+    r.route(&p, 0, None, 0, 1.0).unwrap().replica
+}
+
+#[test]
+fn a_held_prefix_is_left_behind_a_prefill_queue_over_the_divert_ratio() {
+    // replica 1: 400 queued + 1 = 401 tokens ahead; replica 0: 9 (5 x 9 = 45 < 401)
+    assert_eq!(divert_pick(400, true, false), 0);
+}
+
+#[test]
+fn a_held_prefix_is_worth_a_queue_within_the_divert_ratio() {
+    // replica 1: 30 + 1 = 31 tokens ahead, under 5 x 9
+    assert_eq!(divert_pick(30, true, false), 1);
+}
+
+#[test]
+fn a_prefix_its_home_evicted_counts_as_recompute_there_against_the_queue() {
+    // the same 30 queued tokens, but replica 1 no longer holds the prefix: 39 ahead there,
+    // 9 on replica 0 (39 < 45 stays; 40 + 9 = 49 > 45 leaves)
+    assert_eq!(divert_pick(30, false, false), 1);
+    assert_eq!(divert_pick(40, false, false), 0);
+    assert_eq!(divert_pick(40, true, false), 1, "held: 41 ahead, worth the wait");
+}
+
+#[test]
+fn the_approximate_router_never_diverts() {
+    assert_eq!(divert_pick(400, false, true), 1);
 }
