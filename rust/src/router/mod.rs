@@ -29,6 +29,10 @@
 //! `AFFINITY_CAPACITY` hashes) and counts a block that replica no longer holds as
 //! `affinity_weight` of a held one: a prefix evicted everywhere goes back where it went, so the
 //! prefixes stay partitioned over the replicas instead of being copied onto the least loaded.
+//! A prompt that matches nothing anywhere (a new prefix) goes to the replica fewest remembered
+//! blocks were last routed to (then least loaded): new conversations and system prompts are
+//! spread by the cache they will claim, not by the moment's queue, which a short first turn
+//! barely touches and which leaves some replicas a prefix more than their cache holds.
 //!
 //! Last, `cache_aware` weighs the replica its score picked against the one with the least
 //! prefill ahead of this prompt's first token (its in-flight uncached prompt tokens plus this
@@ -261,6 +265,8 @@ pub struct Router {
     requests: HashMap<u64, InFlight, IdBuildHasher>,
     /// The replica each block was last routed to: this generation's and the previous one's.
     last_routed: [HashMap<u64, u8, IdBuildHasher>; 2],
+    /// Per replica, the remembered blocks last routed to it (both generations).
+    homed_blocks: Vec<u64>,
     next_ticket: u64,
     alive: u64,
     loads: Vec<ReplicaLoad>,
@@ -279,6 +285,7 @@ impl Router {
             pending: HashMap::default(),
             requests: HashMap::default(),
             last_routed: Default::default(),
+            homed_blocks: vec![0; n],
             next_ticket: 0,
             alive: if n == 64 { u64::MAX } else { (1u64 << n) - 1 },
             loads: vec![ReplicaLoad::default(); n],
@@ -527,11 +534,26 @@ impl Router {
     /// this one is full, so the memory stays bounded).
     fn remember_routed(&mut self, replica: usize, hashes: &[u64]) {
         if self.last_routed[0].len() + hashes.len() > defaults::AFFINITY_CAPACITY {
-            self.last_routed[1] = std::mem::take(&mut self.last_routed[0]);
+            let young = std::mem::take(&mut self.last_routed[0]);
+            let old = std::mem::replace(&mut self.last_routed[1], young);
+            for (h, r) in old {
+                if !self.last_routed[1].contains_key(&h) {
+                    self.homed_blocks[r as usize] -= 1; // forgotten
+                }
+            }
         }
         for &h in hashes {
+            if let Some(prev) = self.last_routed(h) {
+                self.homed_blocks[prev] -= 1;
+            }
             self.last_routed[0].insert(h, replica as u8);
+            self.homed_blocks[replica] += 1;
         }
+    }
+
+    /// Remembered blocks last routed to `replica` (the placement key of a new prefix).
+    pub fn num_homed_blocks(&self, replica: usize) -> u64 {
+        self.homed_blocks.get(replica).copied().unwrap_or(0)
     }
 
     /// The replica `hash` was last routed to, if remembered.
@@ -589,8 +611,19 @@ impl Router {
         let min = queues.iter().map(|q| q.1).min().unwrap_or(0);
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && max as f64 > self.cfg.balance_rel_threshold * min as f64;
-        if imbalanced || eligible == 0 || homed.iter().all(|&m| m == 0) {
+        if imbalanced || eligible == 0 {
             return self.least_loaded(candidates);
+        }
+        if homed.iter().all(|&m| m == 0) {
+            // a new prefix: where the fewest blocks were last sent (all 0 without affinity)
+            let homed_blocks = self.homed_blocks.clone(); // at most 64
+            return self.pick_in_turn(candidates, |r, l| {
+                (
+                    homed_blocks[r],
+                    l.in_flight as u64,
+                    (l.waiting + l.running) as u64,
+                )
+            });
         }
         let (w, tw, bs) = (
             self.cfg.load_weight,
@@ -634,20 +667,27 @@ impl Router {
     /// Fewest in flight, then shortest reported queue, then lowest KV usage; ties taken in
     /// turn, so an idle cluster spreads new prefixes.
     fn least_loaded(&mut self, candidates: u64) -> usize {
-        let n = self.cfg.num_replicas;
-        let key = |r: usize| {
-            let l = &self.loads[r];
+        self.pick_in_turn(candidates, |_, l| {
             (
-                l.in_flight,
-                l.waiting + l.running,
+                l.in_flight as u64,
+                (l.waiting + l.running) as u64,
                 (l.kv_usage * 1e6) as u64,
             )
-        };
+        })
+    }
+
+    /// The candidate with the smallest `key(replica, its load)`; ties taken in turn.
+    fn pick_in_turn(
+        &mut self,
+        candidates: u64,
+        key: impl Fn(usize, &ReplicaLoad) -> (u64, u64, u64),
+    ) -> usize {
+        let n = self.cfg.num_replicas;
         let start = self.rr_next;
         let best = (0..n)
             .map(|k| (start + k) % n)
             .filter(|&r| candidates & (1 << r) != 0)
-            .min_by_key(|&r| key(r))
+            .min_by_key(|&r| key(r, &self.loads[r]))
             .expect("candidates is not empty");
         self.rr_next = (best + 1) % n;
         best

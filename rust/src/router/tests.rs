@@ -501,3 +501,51 @@ fn a_prefix_its_home_evicted_counts_as_recompute_there_against_the_queue() {
 fn the_approximate_router_never_diverts() {
     assert_eq!(divert_pick(400, false, true), 1);
 }
+
+#[test]
+fn a_new_prefix_goes_where_the_fewest_remembered_blocks_were_sent_not_the_shortest_queue() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let long: Vec<u32> = (0..13).map(|i| 7000 + i).collect(); // 3 blocks
+    let d = r.route(&long, 0, None, 0b10, 0.0).unwrap(); // to replica 0, ended
+    r.finish(d.ticket).unwrap();
+    r.route(&turn(&[], 31)[..5], 0, None, 0b01, 0.0).unwrap(); // 1 block, in flight on 1
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (3, 1));
+    // least loaded would take replica 0 (nothing in flight); the claimed cache says 1
+    assert_eq!(r.route(&turn(&[], 32), 0, None, 0, 1.0).unwrap().replica, 1);
+}
+
+/// `num_homed_blocks` recounted from the remembered hashes.
+fn recount_homed(r: &Router) -> Vec<u64> {
+    let mut n = vec![0u64; r.cfg.num_replicas];
+    let young = &r.last_routed[0];
+    let old = r.last_routed[1].iter().filter(|(h, _)| !young.contains_key(h));
+    for (_, &rep) in young.iter().chain(old) {
+        n[rep as usize] += 1;
+    }
+    n
+}
+
+#[test]
+fn remembered_block_counts_follow_a_moved_prefix_and_forgotten_generations() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let small = turn(&[], 33); // 2 blocks
+    r.route(&small, 0, None, 0b10, 0.0).unwrap();
+    r.route(&small, 0, None, 0b01, 0.0).unwrap(); // moved to replica 1
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (0, 2));
+    let big = |base: u32| -> Vec<u32> {
+        (0..(defaults::AFFINITY_CAPACITY * BS) as u32)
+            .map(|i| base.wrapping_add(i))
+            .collect()
+    };
+    r.route(&big(1 << 30), 0, None, 0b10, 0.0).unwrap();
+    assert_eq!(r.num_homed_blocks(1), 2, "one generation back");
+    r.route(&small, 0, None, 0b10, 0.0).unwrap(); // back to 0 from the old generation
+    assert_eq!(recount_homed(&r), [r.num_homed_blocks(0), r.num_homed_blocks(1)]);
+    r.route(&big(3 << 30), 0, None, 0b01, 0.0).unwrap();
+    assert_eq!(recount_homed(&r), [r.num_homed_blocks(0), r.num_homed_blocks(1)]);
+    assert_eq!(r.num_homed_blocks(1), defaults::AFFINITY_CAPACITY as u64 - 1);
+}
