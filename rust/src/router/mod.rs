@@ -655,7 +655,11 @@ impl Router {
             let quick = queues
                 .iter()
                 .map(|q| q.0)
-                .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(matched[b].cmp(&matched[a])))
+                .min_by(|&a, &b| {
+                    cost(a)
+                        .total_cmp(&cost(b))
+                        .then(matched[b].cmp(&matched[a]))
+                })
                 .expect("candidates is not empty");
             if cost(best) > self.cfg.divert_ratio * cost(quick) {
                 return quick;

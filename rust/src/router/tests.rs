@@ -494,7 +494,11 @@ fn a_prefix_its_home_evicted_counts_as_recompute_there_against_the_queue() {
     // 9 on replica 0 (39 < 45 stays; 40 + 9 = 49 > 45 leaves)
     assert_eq!(divert_pick(30, false, false), 1);
     assert_eq!(divert_pick(40, false, false), 0);
-    assert_eq!(divert_pick(40, true, false), 1, "held: 41 ahead, worth the wait");
+    assert_eq!(
+        divert_pick(40, true, false),
+        1,
+        "held: 41 ahead, worth the wait"
+    );
 }
 
 #[test]
@@ -520,7 +524,9 @@ fn a_new_prefix_goes_where_the_fewest_remembered_blocks_were_sent_not_the_shorte
 fn recount_homed(r: &Router) -> Vec<u64> {
     let mut n = vec![0u64; r.cfg.num_replicas];
     let young = &r.last_routed[0];
-    let old = r.last_routed[1].iter().filter(|(h, _)| !young.contains_key(h));
+    let old = r.last_routed[1]
+        .iter()
+        .filter(|(h, _)| !young.contains_key(h));
     for (_, &rep) in young.iter().chain(old) {
         n[rep as usize] += 1;
     }
@@ -544,8 +550,17 @@ fn remembered_block_counts_follow_a_moved_prefix_and_forgotten_generations() {
     r.route(&big(1 << 30), 0, None, 0b10, 0.0).unwrap();
     assert_eq!(r.num_homed_blocks(1), 2, "one generation back");
     r.route(&small, 0, None, 0b10, 0.0).unwrap(); // back to 0 from the old generation
-    assert_eq!(recount_homed(&r), [r.num_homed_blocks(0), r.num_homed_blocks(1)]);
+    assert_eq!(
+        recount_homed(&r),
+        [r.num_homed_blocks(0), r.num_homed_blocks(1)]
+    );
     r.route(&big(3 << 30), 0, None, 0b01, 0.0).unwrap();
-    assert_eq!(recount_homed(&r), [r.num_homed_blocks(0), r.num_homed_blocks(1)]);
-    assert_eq!(r.num_homed_blocks(1), defaults::AFFINITY_CAPACITY as u64 - 1);
+    assert_eq!(
+        recount_homed(&r),
+        [r.num_homed_blocks(0), r.num_homed_blocks(1)]
+    );
+    assert_eq!(
+        r.num_homed_blocks(1),
+        defaults::AFFINITY_CAPACITY as u64 - 1
+    );
 }
