@@ -615,15 +615,10 @@ impl Router {
             return self.least_loaded(candidates);
         }
         if homed.iter().all(|&m| m == 0) {
-            // a new prefix: where the fewest blocks were last sent (all 0 without affinity)
+            // a new prefix: where the fewest blocks were last sent, then least loaded (all 0
+            // without affinity or with `approximate`: least loaded alone)
             let homed_blocks = self.homed_blocks.clone(); // at most 64
-            return self.pick_in_turn(candidates, |r, l| {
-                (
-                    homed_blocks[r],
-                    l.in_flight as u64,
-                    (l.waiting + l.running) as u64,
-                )
-            });
+            return self.pick_in_turn(candidates, |r, l| (homed_blocks[r], least_loaded_key(l)));
         }
         let (w, tw, bs) = (
             self.cfg.load_weight,
@@ -671,20 +666,14 @@ impl Router {
     /// Fewest in flight, then shortest reported queue, then lowest KV usage; ties taken in
     /// turn, so an idle cluster spreads new prefixes.
     fn least_loaded(&mut self, candidates: u64) -> usize {
-        self.pick_in_turn(candidates, |_, l| {
-            (
-                l.in_flight as u64,
-                (l.waiting + l.running) as u64,
-                (l.kv_usage * 1e6) as u64,
-            )
-        })
+        self.pick_in_turn(candidates, |_, l| least_loaded_key(l))
     }
 
     /// The candidate with the smallest `key(replica, its load)`; ties taken in turn.
-    fn pick_in_turn(
+    fn pick_in_turn<K: Ord>(
         &mut self,
         candidates: u64,
-        key: impl Fn(usize, &ReplicaLoad) -> (u64, u64, u64),
+        key: impl Fn(usize, &ReplicaLoad) -> K,
     ) -> usize {
         let n = self.cfg.num_replicas;
         let start = self.rr_next;
@@ -706,6 +695,15 @@ impl Router {
         self.rr_next = (r + 1) % n;
         r
     }
+}
+
+/// `least_loaded`'s order: fewest in flight, then shortest reported queue, then lowest KV usage.
+fn least_loaded_key(l: &ReplicaLoad) -> (u32, u32, u64) {
+    (
+        l.in_flight,
+        l.waiting + l.running,
+        (l.kv_usage * 1e6) as u64,
+    )
 }
 
 /// The set bits of `mask`, lowest first.

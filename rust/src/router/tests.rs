@@ -564,3 +564,11 @@ fn remembered_block_counts_follow_a_moved_prefix_and_forgotten_generations() {
         defaults::AFFINITY_CAPACITY as u64 - 1
     );
 }
+
+#[test]
+fn without_remembered_blocks_a_new_prefix_is_placed_least_loaded_kv_usage_included() {
+    let mut r = router(2, RoutingPolicy::CacheAware); // no affinity: nothing remembered
+    r.set_load(0, 1, 1, 0.9).unwrap();
+    r.set_load(1, 1, 1, 0.1).unwrap();
+    assert_eq!(r.route(&turn(&[], 34), 0, None, 0, 0.0).unwrap().replica, 1);
+}
