@@ -127,6 +127,9 @@ pub mod defaults {
     /// Chosen on the simulation's tuning seeds (RESULTS, sixth slice): 4 and below give up hit
     /// rate on multi-turn chats, 6 and above rarely divert.
     pub const DIVERT_RATIO: f64 = 5.0;
+    /// A new prefix goes where the fewest remembered blocks were last routed among the
+    /// replicas with at most this many more requests in flight than the least loaded.
+    pub const NEW_PREFIX_SLACK: u32 = 4;
     /// Blocks whose last replica the router remembers, per generation (two are kept: a block
     /// not routed during two generations is forgotten).
     pub const AFFINITY_CAPACITY: usize = 1 << 20;
@@ -616,9 +619,21 @@ impl Router {
         }
         if homed.iter().all(|&m| m == 0) {
             // a new prefix: where the fewest blocks were last sent, then least loaded (all 0
-            // without affinity or with `approximate`: least loaded alone)
+            // without affinity or with `approximate`: least loaded alone), among the replicas
+            // within `NEW_PREFIX_SLACK` requests in flight of the fewest (a replica that was
+            // sent few blocks, say one back in rotation, does not draw every new prefix)
             let homed_blocks = self.homed_blocks.clone(); // at most 64
-            return self.pick_in_turn(candidates, |r, l| (homed_blocks[r], least_loaded_key(l)));
+            let fewest = bits(candidates)
+                .map(|r| self.loads[r].in_flight)
+                .min()
+                .unwrap_or(0);
+            return self.pick_in_turn(candidates, |r, l| {
+                (
+                    l.in_flight > fewest + defaults::NEW_PREFIX_SLACK,
+                    homed_blocks[r],
+                    least_loaded_key(l),
+                )
+            });
         }
         let (w, tw, bs) = (
             self.cfg.load_weight,

@@ -572,3 +572,19 @@ fn without_remembered_blocks_a_new_prefix_is_placed_least_loaded_kv_usage_includ
     r.set_load(1, 1, 1, 0.1).unwrap();
     assert_eq!(r.route(&turn(&[], 34), 0, None, 0, 0.0).unwrap().replica, 1);
 }
+
+#[test]
+fn a_new_prefix_skips_a_replica_more_than_the_slack_in_flight_above_the_least_loaded() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let long: Vec<u32> = (0..13).map(|i| 7000 + i).collect(); // 3 blocks, remembered on 0
+    let d = r.route(&long, 0, None, 0b10, 0.0).unwrap();
+    r.finish(d.ticket).unwrap();
+    // replica 1: no remembered block, but slack + 1 short requests (no full block) in flight
+    for i in 0..=defaults::NEW_PREFIX_SLACK {
+        r.route(&[i, i, i], 0, None, 0b01, 0.0).unwrap();
+    }
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (3, 0));
+    assert_eq!(r.route(&turn(&[], 35), 0, None, 0, 1.0).unwrap().replica, 0);
+}
