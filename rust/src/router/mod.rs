@@ -30,7 +30,8 @@
 //! `affinity_weight` of a held one: a prefix evicted everywhere goes back where it went, so the
 //! prefixes stay partitioned over the replicas instead of being copied onto the least loaded.
 //! A prompt that matches nothing anywhere (a new prefix) goes to the replica fewest remembered
-//! blocks were last routed to (then least loaded): new conversations and system prompts are
+//! blocks were last routed to (then least loaded; among the replicas within
+//! `NEW_PREFIX_SLACK` in flight of the least loaded): new conversations and system prompts are
 //! spread by the cache they will claim, not by the moment's queue, which a short first turn
 //! barely touches and which leaves some replicas a prefix more than their cache holds.
 //!
