@@ -239,6 +239,7 @@ class Router:
         token_weight: float = 0.0,
         pending_ttl: float = 120.0,
         affinity_weight: float = 1.0,
+        divert_ratio: float = 5.0,
         approximate: bool = False,
     ) -> None: ...
     @property

@@ -34,8 +34,11 @@ def test_the_long_chat_workload_runs_from_the_command_line(capsys):
     assert len(rows) == 1 and rows[0].startswith("| 2 | approx |")
 
 
-@pytest.mark.parametrize("knob", ["token_weight", "affinity_weight", "load_weight"])
-def test_the_router_knobs_are_handed_to_the_router_core(knob):
+@pytest.mark.parametrize(
+    "knob, bad",
+    [("token_weight", 2.0), ("affinity_weight", 2.0), ("load_weight", 2.0), ("divert_ratio", 0.5)],
+)
+def test_the_router_knobs_are_handed_to_the_router_core(knob, bad):
     with pytest.raises(ValueError, match=knob):
         simulate(
             multi_turn(convs=1, turns=1, turn_len=4),
@@ -43,7 +46,16 @@ def test_the_router_knobs_are_handed_to_the_router_core(knob):
             policy="cache_aware",
             rate=1.0,
             blocks=8,
-            **{knob: 2.0},
+            **{knob: bad},
+        )
+
+
+def test_the_divert_ratio_flag_reaches_the_router_core():
+    from pagedllm.router.sim import main
+
+    with pytest.raises(ValueError, match="divert_ratio"):
+        main(
+            ["--replicas", "2", "--workload", "long_chat", "--turns", "1", "--divert-ratio", "0.5"]
         )
 
 

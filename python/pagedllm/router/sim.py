@@ -10,7 +10,7 @@ core's record of what it sent where (SGLang's approximate tree, as block hashes)
 replicas' events, so it cannot see evictions.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
-        [--blocks B] [--seeds N] [--first-seed S] [--affinity-weight A]
+        [--blocks B] [--seeds N] [--first-seed S] [--affinity-weight A] [--divert-ratio D]
 """
 
 from __future__ import annotations
@@ -188,6 +188,12 @@ def main(argv=None) -> None:
         help="cache_aware: what a block counts for on the replica it was last routed to once "
         "that replica evicted it (default: the router core's)",
     )
+    ap.add_argument(
+        "--divert-ratio",
+        type=float,
+        help="cache_aware: leave the best-scored replica for the one with the least prefill "
+        "ahead when the best's is over this many times that; 0: never (default: the core's)",
+    )
     ap.add_argument("--load-weight", type=float, help="cache_aware / approx (default: the core's)")
     ap.add_argument(
         "--first-seed",
@@ -220,6 +226,7 @@ def main(argv=None) -> None:
                     rate=args.rate_per_replica * k,
                     seed=seed,
                     affinity_weight=args.affinity_weight,
+                    divert_ratio=args.divert_ratio,
                     **knobs,
                 )
                 for seed, prompts in traces

@@ -24,6 +24,7 @@ impl PyRouter {
                         token_weight = defaults::TOKEN_WEIGHT,
                         pending_ttl = defaults::PENDING_TTL,
                         affinity_weight = defaults::AFFINITY_WEIGHT,
+                        divert_ratio = defaults::DIVERT_RATIO,
                         approximate = false))]
     #[allow(clippy::too_many_arguments)] // one per Python keyword argument
     fn new(
@@ -36,6 +37,7 @@ impl PyRouter {
         token_weight: f64,
         pending_ttl: f64,
         affinity_weight: f64,
+        divert_ratio: f64,
         approximate: bool,
     ) -> PyResult<Self> {
         let mut cfg = RouterConfig::new(
@@ -49,6 +51,7 @@ impl PyRouter {
         cfg.token_weight = token_weight;
         cfg.pending_ttl = pending_ttl;
         cfg.affinity_weight = affinity_weight;
+        cfg.divert_ratio = divert_ratio;
         cfg.approximate = approximate;
         Ok(Self {
             inner: Router::new(cfg)?,

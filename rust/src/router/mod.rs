@@ -29,6 +29,19 @@
 //! `AFFINITY_CAPACITY` hashes) and counts a block that replica no longer holds as
 //! `affinity_weight` of a held one: a prefix evicted everywhere goes back where it went, so the
 //! prefixes stay partitioned over the replicas instead of being copied onto the least loaded.
+//! A prompt that matches nothing anywhere (a new prefix) goes to the replica fewest remembered
+//! blocks were last routed to (then least loaded; among the replicas within
+//! `NEW_PREFIX_SLACK` in flight of the least loaded): new conversations and system prompts are
+//! spread by the cache they will claim, not by the moment's queue, which a short first turn
+//! barely touches and which leaves some replicas a prefix more than their cache holds.
+//!
+//! Last, `cache_aware` weighs the replica its score picked against the one with the least
+//! prefill ahead of this prompt's first token (its in-flight uncached prompt tokens plus this
+//! prompt's tokens it does not hold or have pending): where the pick's is over
+//! `divert_ratio` x that, the request goes there instead. The exact index is what makes this
+//! safe: a prefix its home has evicted is counted as recompute there, so the request leaves a
+//! long queue when the hit it would wait for is gone or small next to the queue, and stays for a
+//! hit that is still held and worth the wait. The approximate baseline never diverts.
 pub mod index;
 
 use std::collections::HashMap;
@@ -96,6 +109,9 @@ pub struct RouterConfig {
     /// What a block counts for on the replica it was last routed to once that replica no
     /// longer holds it (in [0, 1]; 0: only what the events and pending blocks say).
     pub affinity_weight: f64,
+    /// Leave the best-scored replica for the one with the least prefill ahead when the
+    /// best's is over this many times that (0: never; else >= 1). Not with `approximate`.
+    pub divert_ratio: f64,
     /// Index what was routed where instead of the replicas' events (the approximate baseline).
     pub approximate: bool,
 }
@@ -109,6 +125,12 @@ pub mod defaults {
     /// as a rule; this only bounds a finish that never comes).
     pub const PENDING_TTL: f64 = 120.0;
     pub const AFFINITY_WEIGHT: f64 = 1.0;
+    /// Chosen on the simulation's tuning seeds (RESULTS, sixth slice): 4 and below give up hit
+    /// rate on multi-turn chats, 6 and above rarely divert.
+    pub const DIVERT_RATIO: f64 = 5.0;
+    /// A new prefix goes where the fewest remembered blocks were last routed among the
+    /// replicas with at most this many more requests in flight than the least loaded.
+    pub const NEW_PREFIX_SLACK: u32 = 4;
     /// Blocks whose last replica the router remembers, per generation (two are kept: a block
     /// not routed during two generations is forgotten).
     pub const AFFINITY_CAPACITY: usize = 1 << 20;
@@ -126,6 +148,7 @@ impl RouterConfig {
             token_weight: defaults::TOKEN_WEIGHT,
             pending_ttl: defaults::PENDING_TTL,
             affinity_weight: defaults::AFFINITY_WEIGHT,
+            divert_ratio: defaults::DIVERT_RATIO,
             approximate: false,
         }
     }
@@ -157,6 +180,12 @@ impl RouterConfig {
             return bad(format!(
                 "affinity_weight must be in [0, 1], got {}",
                 self.affinity_weight
+            ));
+        }
+        if !(self.divert_ratio == 0.0 || self.divert_ratio >= 1.0) {
+            return bad(format!(
+                "divert_ratio must be 0 (never) or >= 1, got {}",
+                self.divert_ratio
             ));
         }
         if self.pending_ttl.is_nan() || self.pending_ttl < 0.0 {
@@ -240,6 +269,8 @@ pub struct Router {
     requests: HashMap<u64, InFlight, IdBuildHasher>,
     /// The replica each block was last routed to: this generation's and the previous one's.
     last_routed: [HashMap<u64, u8, IdBuildHasher>; 2],
+    /// Per replica, the remembered blocks last routed to it (both generations).
+    homed_blocks: Vec<u64>,
     next_ticket: u64,
     alive: u64,
     loads: Vec<ReplicaLoad>,
@@ -258,6 +289,7 @@ impl Router {
             pending: HashMap::default(),
             requests: HashMap::default(),
             last_routed: Default::default(),
+            homed_blocks: vec![0; n],
             next_ticket: 0,
             alive: if n == 64 { u64::MAX } else { (1u64 << n) - 1 },
             loads: vec![ReplicaLoad::default(); n],
@@ -506,11 +538,26 @@ impl Router {
     /// this one is full, so the memory stays bounded).
     fn remember_routed(&mut self, replica: usize, hashes: &[u64]) {
         if self.last_routed[0].len() + hashes.len() > defaults::AFFINITY_CAPACITY {
-            self.last_routed[1] = std::mem::take(&mut self.last_routed[0]);
+            let young = std::mem::take(&mut self.last_routed[0]);
+            let old = std::mem::replace(&mut self.last_routed[1], young);
+            for (h, r) in old {
+                if !self.last_routed[1].contains_key(&h) {
+                    self.homed_blocks[r as usize] -= 1; // forgotten
+                }
+            }
         }
         for &h in hashes {
+            if let Some(prev) = self.last_routed(h) {
+                self.homed_blocks[prev] -= 1;
+            }
             self.last_routed[0].insert(h, replica as u8);
+            self.homed_blocks[replica] += 1;
         }
+    }
+
+    /// Remembered blocks last routed to `replica` (the placement key of a new prefix).
+    pub fn num_homed_blocks(&self, replica: usize) -> u64 {
+        self.homed_blocks.get(replica).copied().unwrap_or(0)
     }
 
     /// The replica `hash` was last routed to, if remembered.
@@ -568,8 +615,26 @@ impl Router {
         let min = queues.iter().map(|q| q.1).min().unwrap_or(0);
         let imbalanced = max - min > self.cfg.balance_abs_threshold
             && max as f64 > self.cfg.balance_rel_threshold * min as f64;
-        if imbalanced || eligible == 0 || homed.iter().all(|&m| m == 0) {
+        if imbalanced || eligible == 0 {
             return self.least_loaded(candidates);
+        }
+        if homed.iter().all(|&m| m == 0) {
+            // a new prefix: where the fewest blocks were last sent, then least loaded (all 0
+            // without affinity or with `approximate`: least loaded alone), among the replicas
+            // within `NEW_PREFIX_SLACK` requests in flight of the fewest (a replica that was
+            // sent few blocks, say one back in rotation, does not draw every new prefix)
+            let homed_blocks = self.homed_blocks.clone(); // at most 64
+            let fewest = bits(candidates)
+                .map(|r| self.loads[r].in_flight)
+                .min()
+                .unwrap_or(0);
+            return self.pick_in_turn(candidates, |r, l| {
+                (
+                    l.in_flight > fewest + defaults::NEW_PREFIX_SLACK,
+                    homed_blocks[r],
+                    least_loaded_key(l),
+                )
+            });
         }
         let (w, tw, bs) = (
             self.cfg.load_weight,
@@ -596,26 +661,42 @@ impl Router {
                 (best, best_score) = (r, s);
             }
         }
+        if self.cfg.divert_ratio > 0.0 && !self.cfg.approximate {
+            // least prefill ahead; on a tie, the one holding more of the prompt
+            let quick = queues
+                .iter()
+                .map(|q| q.0)
+                .min_by(|&a, &b| {
+                    cost(a)
+                        .total_cmp(&cost(b))
+                        .then(matched[b].cmp(&matched[a]))
+                })
+                .expect("candidates is not empty");
+            if cost(best) > self.cfg.divert_ratio * cost(quick) {
+                return quick;
+            }
+        }
         best
     }
 
     /// Fewest in flight, then shortest reported queue, then lowest KV usage; ties taken in
     /// turn, so an idle cluster spreads new prefixes.
     fn least_loaded(&mut self, candidates: u64) -> usize {
+        self.pick_in_turn(candidates, |_, l| least_loaded_key(l))
+    }
+
+    /// The candidate with the smallest `key(replica, its load)`; ties taken in turn.
+    fn pick_in_turn<K: Ord>(
+        &mut self,
+        candidates: u64,
+        key: impl Fn(usize, &ReplicaLoad) -> K,
+    ) -> usize {
         let n = self.cfg.num_replicas;
-        let key = |r: usize| {
-            let l = &self.loads[r];
-            (
-                l.in_flight,
-                l.waiting + l.running,
-                (l.kv_usage * 1e6) as u64,
-            )
-        };
         let start = self.rr_next;
         let best = (0..n)
             .map(|k| (start + k) % n)
             .filter(|&r| candidates & (1 << r) != 0)
-            .min_by_key(|&r| key(r))
+            .min_by_key(|&r| key(r, &self.loads[r]))
             .expect("candidates is not empty");
         self.rr_next = (best + 1) % n;
         best
@@ -630,6 +711,15 @@ impl Router {
         self.rr_next = (r + 1) % n;
         r
     }
+}
+
+/// `least_loaded`'s order: fewest in flight, then shortest reported queue, then lowest KV usage.
+fn least_loaded_key(l: &ReplicaLoad) -> (u32, u32, u64) {
+    (
+        l.in_flight,
+        l.waiting + l.running,
+        (l.kv_usage * 1e6) as u64,
+    )
 }
 
 /// The set bits of `mask`, lowest first.

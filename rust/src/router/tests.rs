@@ -215,6 +215,12 @@ fn unknown_policy_and_bad_knobs_are_refused_by_name() {
         .unwrap_err()
         .to_string()
         .contains("affinity_weight"));
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.divert_ratio = 0.5;
+    assert!(Router::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .contains("divert_ratio"));
     let _ = KvEventKind::Stored;
 }
 
@@ -254,6 +260,7 @@ fn with_a_token_weight_cache_aware_leaves_a_hit_behind_a_long_prefill_queue() {
         let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
         cfg.pending_ttl = 0.0;
         cfg.token_weight = token_weight;
+        cfg.divert_ratio = 0.0;
         let mut r = Router::new(cfg).unwrap();
         let mut m = replica();
         let p = turn(&[], 8);
@@ -448,4 +455,136 @@ fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
         None,
         "two generations back: forgotten"
     );
+}
+
+/// Where a prompt goes when replica 1 holds its 2 reusable blocks (or, `held` false, was only
+/// the last sent them) and `queued` cold prompt tokens are in flight there.
+fn divert_pick(queued: u32, held: bool, approximate: bool) -> usize {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    cfg.approximate = approximate;
+    let mut r = Router::new(cfg).unwrap();
+    let p = turn(&[], 30); // 9 tokens: 8 in 2 reusable blocks, 1 always computed
+    if held {
+        serve(&mut r, &mut replica(), 1, 0, &p, 0);
+    } else {
+        let d = r.route(&p, 0, None, 0b01, 0.0).unwrap();
+        r.finish(d.ticket).unwrap(); // ended, its blocks evicted since (no event held them)
+    }
+    let long: Vec<u32> = (0..queued).map(|i| 5000 + i).collect();
+    r.route(&long, 0, None, 0b01, 0.0).unwrap(); // under way on replica 1
+    r.route(&p, 0, None, 0, 1.0).unwrap().replica
+}
+
+#[test]
+fn a_held_prefix_is_left_behind_a_prefill_queue_over_the_divert_ratio() {
+    // replica 1: 400 queued + 1 = 401 tokens ahead; replica 0: 9 (5 x 9 = 45 < 401)
+    assert_eq!(divert_pick(400, true, false), 0);
+}
+
+#[test]
+fn a_held_prefix_is_worth_a_queue_within_the_divert_ratio() {
+    // replica 1: 30 + 1 = 31 tokens ahead, under 5 x 9
+    assert_eq!(divert_pick(30, true, false), 1);
+}
+
+#[test]
+fn a_prefix_its_home_evicted_counts_as_recompute_there_against_the_queue() {
+    // the same 30 queued tokens, but replica 1 no longer holds the prefix: 39 ahead there,
+    // 9 on replica 0 (39 < 45 stays; 40 + 9 = 49 > 45 leaves)
+    assert_eq!(divert_pick(30, false, false), 1);
+    assert_eq!(divert_pick(40, false, false), 0);
+    assert_eq!(
+        divert_pick(40, true, false),
+        1,
+        "held: 41 ahead, worth the wait"
+    );
+}
+
+#[test]
+fn the_approximate_router_never_diverts() {
+    assert_eq!(divert_pick(400, false, true), 1);
+}
+
+#[test]
+fn a_new_prefix_goes_where_the_fewest_remembered_blocks_were_sent_not_the_shortest_queue() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let long: Vec<u32> = (0..13).map(|i| 7000 + i).collect(); // 3 blocks
+    let d = r.route(&long, 0, None, 0b10, 0.0).unwrap(); // to replica 0, ended
+    r.finish(d.ticket).unwrap();
+    r.route(&turn(&[], 31)[..5], 0, None, 0b01, 0.0).unwrap(); // 1 block, in flight on 1
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (3, 1));
+    // least loaded would take replica 0 (nothing in flight); the claimed cache says 1
+    assert_eq!(r.route(&turn(&[], 32), 0, None, 0, 1.0).unwrap().replica, 1);
+}
+
+/// `num_homed_blocks` recounted from the remembered hashes.
+fn recount_homed(r: &Router) -> Vec<u64> {
+    let mut n = vec![0u64; r.cfg.num_replicas];
+    let young = &r.last_routed[0];
+    let old = r.last_routed[1]
+        .iter()
+        .filter(|(h, _)| !young.contains_key(h));
+    for (_, &rep) in young.iter().chain(old) {
+        n[rep as usize] += 1;
+    }
+    n
+}
+
+#[test]
+fn remembered_block_counts_follow_a_moved_prefix_and_forgotten_generations() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let small = turn(&[], 33); // 2 blocks
+    r.route(&small, 0, None, 0b10, 0.0).unwrap();
+    r.route(&small, 0, None, 0b01, 0.0).unwrap(); // moved to replica 1
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (0, 2));
+    let big = |base: u32| -> Vec<u32> {
+        (0..(defaults::AFFINITY_CAPACITY * BS) as u32)
+            .map(|i| base.wrapping_add(i))
+            .collect()
+    };
+    r.route(&big(1 << 30), 0, None, 0b10, 0.0).unwrap();
+    assert_eq!(r.num_homed_blocks(1), 2, "one generation back");
+    r.route(&small, 0, None, 0b10, 0.0).unwrap(); // back to 0 from the old generation
+    assert_eq!(
+        recount_homed(&r),
+        [r.num_homed_blocks(0), r.num_homed_blocks(1)]
+    );
+    r.route(&big(3 << 30), 0, None, 0b01, 0.0).unwrap();
+    assert_eq!(
+        recount_homed(&r),
+        [r.num_homed_blocks(0), r.num_homed_blocks(1)]
+    );
+    assert_eq!(
+        r.num_homed_blocks(1),
+        defaults::AFFINITY_CAPACITY as u64 - 1
+    );
+}
+
+#[test]
+fn without_remembered_blocks_a_new_prefix_is_placed_least_loaded_kv_usage_included() {
+    let mut r = router(2, RoutingPolicy::CacheAware); // no affinity: nothing remembered
+    r.set_load(0, 1, 1, 0.9).unwrap();
+    r.set_load(1, 1, 1, 0.1).unwrap();
+    assert_eq!(r.route(&turn(&[], 34), 0, None, 0, 0.0).unwrap().replica, 1);
+}
+
+#[test]
+fn a_new_prefix_skips_a_replica_more_than_the_slack_in_flight_above_the_least_loaded() {
+    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
+    cfg.pending_ttl = 0.0;
+    let mut r = Router::new(cfg).unwrap();
+    let long: Vec<u32> = (0..13).map(|i| 7000 + i).collect(); // 3 blocks, remembered on 0
+    let d = r.route(&long, 0, None, 0b10, 0.0).unwrap();
+    r.finish(d.ticket).unwrap();
+    // replica 1: no remembered block, but slack + 1 short requests (no full block) in flight
+    for i in 0..=defaults::NEW_PREFIX_SLACK {
+        r.route(&[i, i, i], 0, None, 0b01, 0.0).unwrap();
+    }
+    assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (3, 0));
+    assert_eq!(r.route(&turn(&[], 35), 0, None, 0, 1.0).unwrap().replica, 0);
 }
