@@ -535,11 +535,14 @@ unsafe fn attend_item_avx2<T: Elem>(
     out.fill(0.0);
     let keys = item.visible(item.r1 - 1);
     let table = ctx.tables.row(item.seq);
+    // each position's offset in the caches, a block at a time (no division per position)
+    let run = kv_heads * d;
     sc.key_at.clear();
-    sc.key_at.extend((0..keys).map(|pos| {
-        let block = table[pos / bs] as usize;
-        (block * bs + pos % bs) * kv_heads * d
-    }));
+    for &block in table.iter().take(keys.div_ceil(bs)) {
+        let first = block as usize * bs;
+        sc.key_at.extend((first..first + bs).map(|slot| slot * run));
+    }
+    sc.key_at.truncate(keys);
     let q_scale = ctx.scale * std::f32::consts::LOG2_E;
     // row r: query r0 + r / group, head g * group + r % group
     let visible = |r: usize| item.visible(item.r0 + r / group);
