@@ -586,17 +586,6 @@ unsafe fn attend_item_avx2<T: Elem>(
     for t0 in (0..keys).step_by(KEY_TILE) {
         let n = KEY_TILE.min(keys - t0);
         if !in_lanes {
-            // decode: first the tile's values, read once in address order a block's run at a
-            // time: `pv` walks them a kv head at a time (a strided quarter of each position's
-            // run per pass), an order the hardware prefetcher follows poorly, and then finds
-            // them in L2 (decode from memory 20-25% faster; ~5% slower when the whole context
-            // is already in cache: benches/RESULTS.md, issue 23)
-            let mut j = 0;
-            while j < n {
-                let len = (bs - (t0 + j) % bs).min(n - j);
-                std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[t0 + j]), len * run));
-                j += len;
-            }
             // few rows: every kv head's scores of eight positions at a time, so that each
             // position's keys (all heads, one contiguous run) are read in one go
             for j0 in (0..n).step_by(simd::LANES) {
@@ -611,6 +600,19 @@ unsafe fn attend_item_avx2<T: Elem>(
                         std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
                     }
                 }
+            }
+        }
+        if !in_lanes {
+            // decode: the tile's values read once in address order, a block's run at a time:
+            // `pv` walks them a kv head at a time (a strided quarter of each position's run
+            // per pass), an order the hardware prefetcher follows poorly, and then finds them
+            // in L2 (decode from memory 20-25% faster; ~5-10% slower when the whole context is
+            // already in cache: benches/RESULTS.md, issue 23)
+            let mut j = 0;
+            while j < n {
+                let len = (bs - (t0 + j) % bs).min(n - j);
+                std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[t0 + j]), len * run));
+                j += len;
             }
         }
         for g in 0..kv_heads {
