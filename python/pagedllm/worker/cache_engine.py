@@ -3,8 +3,41 @@ scheduler asks for each step (swap out, swap in, copy-on-write copies)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
+
 import numpy as np
 import torch
+
+# The x86-64 transparent huge page size.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype)` on the host, backed by transparent huge pages where the
+    kernel grants them (THP `always` or `madvise`; with `never`, or without madvise, ordinary
+    pages: the same tensor).
+
+    Why: the CPU attention kernel reads every sequence's keys and values from blocks scattered
+    over the cache; with 4 KiB pages each block spans several pages, every one a TLB miss and a
+    place where the hardware prefetcher stops. torch has no huge-page allocation, so the memory
+    is an anonymous private mapping aligned to 2 MiB, advised before any page is touched.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    # private: a shared anonymous mapping is shmem, which follows shmem's THP setting instead
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    with contextlib.suppress(OSError):  # THP not built into the kernel: ordinary pages
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf` as long as any view lives
+    skip = -raw.data_ptr() % HUGE_PAGE_BYTES
+    tensor = raw[skip : skip + nbytes].view(dtype).view(shape)
+    # the mapping reads as zeros already; writing them faults every page in now, as
+    # torch.zeros does: the memory is committed at start-up, not in the middle of serving
+    tensor.zero_()
+    return tensor
 
 
 class CacheEngine:
@@ -31,7 +64,11 @@ class CacheEngine:
         self.device = device
         self._block_shape = (num_layers, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: attention kernels mask unused slots, but 0 * NaN garbage is NaN.
-        self.kv_cache = torch.zeros(self._shape(num_gpu_blocks), dtype=dtype, device=device)
+        shape = self._shape(num_gpu_blocks)
+        if device.type == "cpu":
+            self.kv_cache = host_zeros(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._host_cache: torch.Tensor | None = None
         self._dtype = dtype
 

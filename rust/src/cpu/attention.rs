@@ -535,11 +535,14 @@ unsafe fn attend_item_avx2<T: Elem>(
     out.fill(0.0);
     let keys = item.visible(item.r1 - 1);
     let table = ctx.tables.row(item.seq);
+    // each position's offset in the caches, a block at a time (no division per position)
+    let run = kv_heads * d;
     sc.key_at.clear();
-    sc.key_at.extend((0..keys).map(|pos| {
-        let block = table[pos / bs] as usize;
-        (block * bs + pos % bs) * kv_heads * d
-    }));
+    for &block in table.iter().take(keys.div_ceil(bs)) {
+        let first = block as usize * bs;
+        sc.key_at.extend((first..first + bs).map(|slot| slot * run));
+    }
+    sc.key_at.truncate(keys);
     let q_scale = ctx.scale * std::f32::consts::LOG2_E;
     // row r: query r0 + r / group, head g * group + r % group
     let visible = |r: usize| item.visible(item.r0 + r / group);
@@ -597,6 +600,19 @@ unsafe fn attend_item_avx2<T: Elem>(
                         std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
                     }
                 }
+            }
+        }
+        if !in_lanes {
+            // decode: the tile's values read once in address order, a block's run at a time:
+            // `pv` walks them a kv head at a time (a strided quarter of each position's run
+            // per pass), an order the hardware prefetcher follows poorly, and then finds them
+            // in L2 (decode from memory 20-25% faster; ~5-10% slower when the whole context is
+            // already in cache: benches/RESULTS.md, issue 23)
+            let mut j = 0;
+            while j < n {
+                let len = (bs - (t0 + j) % bs).min(n - j);
+                std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[t0 + j]), len * run));
+                j += len;
             }
         }
         for g in 0..kv_heads {

@@ -326,6 +326,23 @@ unsafe fn pv_block<const R: usize, const C: usize, T: Elem>(
     }
 }
 
+/// Reads one byte of every cache line of the `len` elements at `p` (a run of the cache about to
+/// be computed on), in address order: the lines come in at the rate of a streaming read (the
+/// hardware prefetcher follows a sequential run), not in the order the arithmetic asks for them.
+/// Returns the bytes xor-ed (for `black_box`: the reads are the point).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn touch<T>(p: *const T, len: usize) -> u8 {
+    let (start, bytes) = (p as *const u8, len * std::mem::size_of::<T>());
+    let mut acc = 0u8;
+    let mut at = 0;
+    while at < bytes {
+        acc ^= std::ptr::read_volatile(start.add(at));
+        at += 64;
+    }
+    acc
+}
+
 /// `dst[x] = src[x]` widened to f32, `x < d` (a multiple of 8).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
@@ -367,6 +384,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn touch_reads_one_byte_of_every_line_of_the_run() {
+        if !avx2() {
+            return;
+        }
+        let bytes: Vec<u8> = (0..256u32).map(|i| (i * 37 % 251) as u8).collect();
+        // a run of 50 u32 (200 bytes): lines at 0, 64, 128 and 192
+        let got = unsafe { touch(bytes.as_ptr() as *const u32, 50) };
+        assert_eq!(got, bytes[0] ^ bytes[64] ^ bytes[128] ^ bytes[192]);
+        assert_eq!(unsafe { touch(bytes.as_ptr(), 0) }, 0);
     }
 
     #[test]
