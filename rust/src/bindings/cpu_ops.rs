@@ -323,11 +323,80 @@ fn normalize<N: Dtype>(
     Ok(())
 }
 
+/// The residual step between two blocks, in place: `residual += x`, then `x = rms_norm(residual)`
+/// by weight `[E]` (`crate::cpu::norm::add_rms_norm`); x and residual `[T, E]`, distinct; all
+/// float32 or all bfloat16 as uint16, contiguous.
+#[pyfunction]
+fn cpu_add_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    match Kind::of("x", x)? {
+        Kind::F32 => add_normalize::<f32>(py, x, residual, weight, eps),
+        Kind::Bf16 => add_normalize::<u16>(py, x, residual, weight, eps),
+    }
+}
+
+fn add_normalize<N: Dtype>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let mut x = readwrite::<N, ndarray::Ix2>("x", x)?;
+    let mut residual = readwrite::<N, ndarray::Ix2>("residual", residual)?;
+    let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
+    let weight = view(weight.as_array());
+    let weight = weight
+        .as_slice()
+        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let x = view_mut(x.as_array_mut());
+    let residual = view_mut(residual.as_array_mut());
+    py.detach(|| cpu::add_rms_norm(x, residual, weight, eps))?;
+    Ok(())
+}
+
+/// `out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]` (`crate::cpu::activation`); gate_up
+/// `[T, 2I]`; `num_threads` workers at most; both float32 or both bfloat16 as uint16,
+/// contiguous.
+#[pyfunction]
+fn cpu_silu_and_mul(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    match Kind::of("gate_up", gate_up)? {
+        Kind::F32 => activate::<f32>(py, gate_up, out, num_threads),
+        Kind::Bf16 => activate::<u16>(py, gate_up, out, num_threads),
+    }
+}
+
+fn activate<N: Dtype>(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let gate_up = readonly::<N, ndarray::Ix2>("gate_up", gate_up)?;
+    let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let gate_up = view(gate_up.as_array());
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::silu_and_mul(gate_up, out, num_threads))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_silu_and_mul, m)?)?;
     Ok(())
 }
