@@ -749,6 +749,14 @@ def cpu_silu_and_mul(gate_up: _KernelArray, out: _KernelArray, num_threads: int)
     Large calls use up to ``num_threads`` threads. Both contiguous, of one dtype. ``ValueError``
     for shapes that do not fit."""
 
+def cpu_argmax(
+    logits: _npt.NDArray[_np.float32], out: _npt.NDArray[_np.int64], num_threads: int
+) -> None:
+    """``out[r]`` = the index of the largest value of row ``r`` of ``logits`` ``[K, V]``: the
+    first on ties, the first NaN if the row holds one (``torch.argmax``'s rules); ``out``
+    ``[K]``; up to ``num_threads`` threads for large calls. ``ValueError`` for shapes that do not
+    fit or an empty row."""
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

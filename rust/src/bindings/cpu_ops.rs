@@ -6,7 +6,7 @@
 //! picks the kernel; the others must have its dtype.
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 use numpy::{
-    Element, PyArrayDescrMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
+    Element, PyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
     PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -68,11 +68,20 @@ fn readonly<'py, N: Dtype, D: Dimension>(
     a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
 }
 
+/// A writeable array; a ValueError (not numpy's panic) when it shares memory with an array the
+/// call already holds.
 fn readwrite<'py, N: Dtype, D: Dimension>(
     name: &str,
     a: &Bound<'py, PyAny>,
 ) -> PyResult<PyReadwriteArray<'py, N, D>> {
-    a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
+    let array = a
+        .cast::<PyArray<N, D>>()
+        .map_err(|e| wrong_array::<N, D>(name, a, e.into()))?;
+    array.try_readwrite().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{name} must be writeable and share no memory with the call's other arrays ({e})"
+        ))
+    })
 }
 
 /// The error for an array that did not extract: its dtype or rank if those are wrong, else
@@ -390,6 +399,28 @@ fn activate<N: Dtype>(
     Ok(())
 }
 
+/// `out[r]` = the index of row r's largest logit (the first on ties, the first NaN if any) of
+/// float32 `logits` `[K, V]` (contiguous) into int64 `out` `[K]`; `num_threads` workers at most.
+#[pyfunction]
+fn cpu_argmax(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let mut out = out
+        .cast::<PyArray1<i64>>()
+        .map_err(|_| PyTypeError::new_err("out must be a 1-D int64 numpy array"))?
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out must be writeable ({e})")))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be contiguous"))?;
+    let logits = logits.as_array();
+    py.detach(|| cpu::argmax_rows(logits, out, num_threads))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
@@ -398,5 +429,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_argmax, m)?)?;
     Ok(())
 }
