@@ -6,8 +6,8 @@
 //! picks the kernel; the others must have its dtype.
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 use numpy::{
-    Element, PyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

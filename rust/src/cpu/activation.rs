@@ -79,7 +79,10 @@ unsafe fn rows_avx2_fma<T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
 #[inline(always)]
 fn rows_with<const AVX: bool, T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
     let mut act = vec![0.0f32; width];
-    for (src, dst) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
+    for (src, dst) in gate_up
+        .chunks_exact(2 * width)
+        .zip(out.chunks_exact_mut(width))
+    {
         let (gate, up) = src.split_at(width);
         for (a, g) in act.iter_mut().zip(gate) {
             *a = g.to_f32();
@@ -136,7 +139,10 @@ unsafe fn exp(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let overflow = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.722_83));
     // 88: n <= 127 below, so 2^n is a normal number
-    let x_in = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
+    let x_in = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x_in,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
@@ -145,7 +151,13 @@ unsafe fn exp(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x_in);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+    for c in [
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     // 1 + r + r^2 * y
@@ -201,14 +213,28 @@ mod tests {
             for c in 0..width {
                 let (g, u) = (gate_up[[r, c]], gate_up[[r, width + c]]);
                 let want = (silu64(g as f64) as f32) * u;
-                assert!(ulps(out[[r, c]], want) <= 4, "{r},{c}: {} vs {want}", out[[r, c]]);
+                assert!(
+                    ulps(out[[r, c]], want) <= 4,
+                    "{r},{c}: {} vs {want}",
+                    out[[r, c]]
+                );
             }
         }
     }
 
     #[test]
     fn silu_at_the_ends_of_the_range() {
-        let gate = [-200.0, -89.0, -88.5, -80.0, 0.0, -0.0, 80.0, 100.0, f32::INFINITY];
+        let gate = [
+            -200.0,
+            -89.0,
+            -88.5,
+            -80.0,
+            0.0,
+            -0.0,
+            80.0,
+            100.0,
+            f32::INFINITY,
+        ];
         let width = gate.len() * 2; // two 8-lane chunks and a tail, each seeing the extremes
         let mut gate_up = Array2::from_elem((1, 2 * width), 1.0f32);
         for c in 0..width {

@@ -139,7 +139,8 @@ mod tests {
 
     #[test]
     fn each_row_gets_its_largest_index() {
-        let logits = Array2::from_shape_fn((9, 1003), |(r, c)| ((r * 1009 + c * 7919) % 997) as f32);
+        let logits =
+            Array2::from_shape_fn((9, 1003), |(r, c)| ((r * 1009 + c * 7919) % 997) as f32);
         check(&logits, 1);
     }
 

@@ -126,7 +126,10 @@ fn add_rows_with<const F: bool, T: Elem>(
     width: usize,
 ) {
     let mut wide = vec![0.0f32; width];
-    for (row, res) in x.chunks_exact_mut(width).zip(residual.chunks_exact_mut(width)) {
+    for (row, res) in x
+        .chunks_exact_mut(width)
+        .zip(residual.chunks_exact_mut(width))
+    {
         for ((w, v), r) in wide.iter_mut().zip(row.iter()).zip(res.iter_mut()) {
             // the sum as the residual keeps it (rounded to T), which is what gets normalized
             *r = T::from_f32(v.to_f32() + r.to_f32());
