@@ -261,8 +261,8 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = RopeTables(*self.rotary_emb(positions, x.dtype))  # once per step, for all layers
         residual = None
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache[0], kv_cache[1]):
-            x, residual = layer.forward(x, residual, rope, k_cache, v_cache, meta)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.forward(x, residual, rope, kv_cache[0, i], kv_cache[1, i], meta)
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.add_and_norm(x, residual)[0]
