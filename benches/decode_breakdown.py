@@ -1,7 +1,9 @@
 """Where one decode step's time goes at a fixed batch: thread CPU time (`time.thread_time`, so
 time other processes hold the core is not counted) of each projection kind, the LM head,
 attention, norms, rotary, sampling, scheduling, input preparation, output processing, and the
-rest of the step (Python between the ops, small torch ops: silu, adds, embedding). Medians over
+rest of the step (Python between the ops, small torch ops: adds, embedding; silu and its
+product where they are not one call). Where the residual add is fused into the norm
+(`RMSNorm.add_and_norm`) it counts under norms; the fused activation under silu_mul. Medians over
 the timed steps.
 
     python benches/decode_breakdown.py --model /tmp/llama56m --batch 1 4 8 --steps 60
@@ -29,6 +31,13 @@ class _Timed:
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
+
+
+def _time_norm(norm, timed) -> None:
+    """Counts a norm under "norms", with the residual add when it is fused into the norm."""
+    norm.forward = timed("norms", norm.forward)
+    if hasattr(norm, "add_and_norm"):
+        norm.add_and_norm = timed("norms", norm.add_and_norm)
 
 
 def main() -> int:
@@ -76,11 +85,13 @@ def main() -> int:
             mod = getattr(layer.mlp, name)
             mod.forward = timed(name, mod.forward)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.forward = timed("norms", norm.forward)
-    model.model.norm.forward = timed("norms", model.model.norm.forward)
+            _time_norm(norm, timed)
+    _time_norm(model.model.norm, timed)
     model.lm_head.forward = timed("lm_head", model.lm_head.forward)
     decoder.paged_attention = timed("attention", decoder.paged_attention)
     decoder.apply_rope_ = timed("rotary", decoder.apply_rope_)
+    if hasattr(decoder, "silu_and_mul"):  # the fused activation (older trees: in "rest")
+        decoder.silu_and_mul = timed("silu_mul", decoder.silu_and_mul)
     rot = model.model.rotary_emb
     rot.forward = timed("rotary", rot.forward)
     engine.scheduler = _Timed(engine.scheduler, "schedule", timed)

@@ -735,6 +735,29 @@ def cpu_rms_norm(x: _KernelArray, weight: _KernelArray, eps: float, out: _Kernel
     sums in float32 (a bfloat16 row rounded as ``weight * (x32 * r).to(bfloat16)`` rounds it);
     all arrays contiguous and of one dtype. ``ValueError`` for shapes that do not fit."""
 
+def cpu_add_rms_norm(
+    x: _KernelArray, residual: _KernelArray, weight: _KernelArray, eps: float
+) -> None:
+    """The residual step between two blocks, in place: ``residual += x`` (rounded to its dtype),
+    then ``x = weight * (residual * rsqrt(mean(residual**2, -1) + eps))`` as ``cpu_rms_norm``
+    computes it. ``x`` and ``residual`` ``[T, E]``, distinct, contiguous, of one dtype with
+    ``weight`` ``[E]``. ``ValueError`` for shapes that do not fit."""
+
+def cpu_silu_and_mul(gate_up: _KernelArray, out: _KernelArray, num_threads: int) -> None:
+    """``out = silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``gate_up`` ``[T, 2I]`` (the fused
+    gate/up projection's output) into ``out`` ``[T, I]``; silu is ``x / (1 + exp(-x))`` in
+    float32 (within a few ulp of torch's), rounded to bfloat16 before the product in bfloat16.
+    Large calls use up to ``num_threads`` threads. Both contiguous, of one dtype. ``ValueError``
+    for shapes that do not fit."""
+
+def cpu_argmax(
+    logits: _npt.NDArray[_np.float32], out: _npt.NDArray[_np.int64], num_threads: int
+) -> None:
+    """``out[r]`` = the index of the largest value of row ``r`` of ``logits`` ``[K, V]``: the
+    first on ties, the first NaN if the row holds one (``torch.argmax``'s rules); ``out``
+    ``[K]``; up to ``num_threads`` threads for large calls. ``ValueError`` for shapes that do not
+    fit or an empty row."""
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

@@ -56,3 +56,36 @@ def test_the_kernel_names_a_weight_of_the_wrong_size():
 def test_half_precision_is_left_to_torch():
     x = torch.randn(2, 8).to(torch.float16)
     assert not cpu_norm.supports(x, torch.ones(8, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_the_kernels_norm_of_the_sum(dtype):
+    # the residual step between two blocks: the same numbers as torch's add then the norm
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 48, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(5, 48, generator=gen) * 3).to(dtype)
+    weight = torch.randn(48, generator=gen).to(dtype)
+    total = x + residual
+    want = cpu_norm.rms_norm(total, weight, 1e-6)
+    normed, summed = cpu_norm.add_rms_norm(x, residual, weight, 1e-6)
+    assert normed is x and summed is residual  # in place: no new buffers
+    assert torch.equal(summed, total)
+    assert torch.equal(normed, want)
+
+
+def test_add_rms_norm_refuses_one_buffer_as_both_inputs():
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ValueError, match="share no memory"):
+        _core.cpu_add_rms_norm(x, x, np.ones(8, np.float32), 1e-6)
+
+
+def test_the_add_kernel_names_a_residual_of_another_shape():
+    x, res = np.zeros((2, 8), np.float32), np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match=r"residual \[3, 8\]"):
+        _core.cpu_add_rms_norm(x, res, np.ones(8, np.float32), 1e-6)
+
+
+def test_strided_rows_are_left_to_torch_by_the_add():
+    x = torch.randn(4, 16)[:, :8]
+    assert not cpu_norm.supports_add(x, torch.randn(4, 8), torch.ones(8))
+    assert cpu_norm.supports_add(x.contiguous(), torch.randn(4, 8), torch.ones(8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm.attention.cpu_rotary import RopeTables
@@ -29,6 +30,21 @@ def test_half_precision_rms_norm_keeps_the_float32_formula():
     norm = RMSNorm(16, 1e-5).to(torch.bfloat16)
     x = torch.randn(4, 16).to(torch.bfloat16)
     assert torch.equal(norm(x), _formula(x, norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_and_norm_normalizes_the_sum_and_returns_it_as_the_residual(dtype):
+    # float32/bfloat16: the in-place Rust kernel; float16: torch's add, then the norm
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(32, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(32, generator=g).to(dtype)
+    x = (torch.randn(6, 32, generator=g) * 3).to(dtype)
+    residual = (torch.randn(6, 32, generator=g) * 3).to(dtype)
+    total = x + residual
+    want = norm(total)
+    normed, summed = norm.add_and_norm(x.clone(), residual.clone())
+    assert torch.equal(summed, total)
+    assert torch.equal(normed, want)
 
 
 def _rotate_half_formula(x, cos, sin):

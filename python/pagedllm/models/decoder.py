@@ -5,6 +5,11 @@ scaling). Q/K/V and gate/up projections are fused into one matmul each (`FusedLi
 each projection's columns); the loader concatenates the checkpoint's separate tensors. Token rows
 are packed: `[T, ...]` over every scheduled sequence.
 
+The residual stream is carried beside the blocks' outputs (vLLM's layout): between two blocks one
+call adds a block's output into the residual and normalizes the sum (`RMSNorm.add_and_norm`, in
+place on the CPU), and the layers call their parts' `forward` directly (no `nn.Module.__call__`
+hook machinery, which the engine never uses, on the ~100 calls of a step).
+
 Built with a `TPShard` of more than one rank, the model holds that rank's shard
 (`distributed/layers.py`): its q/KV heads, its share of the MLP and the vocabulary; the
 row-parallel projections and the embedding sum over the ranks, and only rank 0 gets logits.
@@ -15,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedllm.attention import cpu_rotary
@@ -31,6 +35,7 @@ from pagedllm.distributed.layers import (
     VocabParallelEmbedding,
 )
 from pagedllm.kernels import cpu_norm
+from pagedllm.kernels.cpu_activation import silu_and_mul
 from pagedllm.models.config import ModelConfig, RopeConfig
 from pagedllm.models.fused_linear import SINGLE, FusedLinear
 
@@ -54,6 +59,14 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual step after a block: `(norm(x + residual), x + residual)`. Both inputs
+        are consumed (their buffers are reused for the results)."""
+        if cpu_norm.supports_add(x, residual, self.weight):
+            return cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x.add_(residual)
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
@@ -156,12 +169,12 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         q, k, v = self.qkv_proj.split(qkv)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = self.q_norm.forward(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm.forward(k.view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rope_(q, rope), apply_rope_(k, rope)
         else:
             # q and k heads (adjacent in the fused output) rotated together, in place: one
@@ -172,7 +185,7 @@ class Attention(nn.Module):
             apply_rope_(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
 class GatedMLP(nn.Module):
@@ -191,13 +204,13 @@ class GatedMLP(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        # silu's fresh output takes the product in place: one activation-sized buffer less
-        return self.down_proj(F.silu(gate).mul_(up))
+        # the fused output's columns are gate then up (the order of `sizes` above)
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual stream is carried
+    separately (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
@@ -209,14 +222,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
+        residual: Tensor | None,
         rope: RopeTables,
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
-    ) -> Tensor:
-        # the residual is added into each block's fresh output (no new buffer per add)
-        x = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    ) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's MLP output (the embedding for the first layer, whose
+        `residual` is None). Returns this layer's MLP output and the residual before it."""
+        if residual is None:
+            x, residual = self.input_layernorm.forward(x), x
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn.forward(x, rope, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -240,9 +260,12 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         x = self.embed_tokens(input_ids)
         rope = RopeTables(*self.rotary_emb(positions, x.dtype))  # once per step, for all layers
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache[0, i], kv_cache[1, i], meta)
+        if residual is None:  # no layers
+            return self.norm.forward(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

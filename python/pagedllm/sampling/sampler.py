@@ -37,6 +37,7 @@ from pagedllm.sampling.ops import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    argmax_rows,
 )
 
 
@@ -87,7 +88,7 @@ def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.T
     probs = random_probs(logits, meta)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p.
     noise = _exponential_noise(probs.shape, meta, logits.device, generator, seeded)
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
 
 
 @dataclass
@@ -132,8 +133,8 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         drawn = _sample_random(logits, meta, self.generator, self._seeded_generator(logits.device))
         if meta.all_random:
             return drawn
-        return torch.where(meta.greedy, logits.argmax(dim=-1), drawn)
+        return torch.where(meta.greedy, argmax_rows(logits), drawn)

@@ -6,8 +6,8 @@
 //! picks the kernel; the others must have its dtype.
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 use numpy::{
-    Element, PyArrayDescrMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -68,11 +68,20 @@ fn readonly<'py, N: Dtype, D: Dimension>(
     a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
 }
 
+/// A writeable array; a ValueError (not numpy's panic) when it shares memory with an array the
+/// call already holds.
 fn readwrite<'py, N: Dtype, D: Dimension>(
     name: &str,
     a: &Bound<'py, PyAny>,
 ) -> PyResult<PyReadwriteArray<'py, N, D>> {
-    a.extract().map_err(|e| wrong_array::<N, D>(name, a, e))
+    let array = a
+        .cast::<PyArray<N, D>>()
+        .map_err(|e| wrong_array::<N, D>(name, a, e.into()))?;
+    array.try_readwrite().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{name} must be writeable and share no memory with the call's other arrays ({e})"
+        ))
+    })
 }
 
 /// The error for an array that did not extract: its dtype or rank if those are wrong, else
@@ -323,11 +332,103 @@ fn normalize<N: Dtype>(
     Ok(())
 }
 
+/// The residual step between two blocks, in place: `residual += x`, then `x = rms_norm(residual)`
+/// by weight `[E]` (`crate::cpu::norm::add_rms_norm`); x and residual `[T, E]`, distinct; all
+/// float32 or all bfloat16 as uint16, contiguous.
+#[pyfunction]
+fn cpu_add_rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    match Kind::of("x", x)? {
+        Kind::F32 => add_normalize::<f32>(py, x, residual, weight, eps),
+        Kind::Bf16 => add_normalize::<u16>(py, x, residual, weight, eps),
+    }
+}
+
+fn add_normalize<N: Dtype>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    eps: f32,
+) -> PyResult<()> {
+    let mut x = readwrite::<N, ndarray::Ix2>("x", x)?;
+    let mut residual = readwrite::<N, ndarray::Ix2>("residual", residual)?;
+    let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
+    let weight = view(weight.as_array());
+    let weight = weight
+        .as_slice()
+        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let x = view_mut(x.as_array_mut());
+    let residual = view_mut(residual.as_array_mut());
+    py.detach(|| cpu::add_rms_norm(x, residual, weight, eps))?;
+    Ok(())
+}
+
+/// `out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]` (`crate::cpu::activation`); gate_up
+/// `[T, 2I]`; `num_threads` workers at most; both float32 or both bfloat16 as uint16,
+/// contiguous.
+#[pyfunction]
+fn cpu_silu_and_mul(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    match Kind::of("gate_up", gate_up)? {
+        Kind::F32 => activate::<f32>(py, gate_up, out, num_threads),
+        Kind::Bf16 => activate::<u16>(py, gate_up, out, num_threads),
+    }
+}
+
+fn activate<N: Dtype>(
+    py: Python<'_>,
+    gate_up: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let gate_up = readonly::<N, ndarray::Ix2>("gate_up", gate_up)?;
+    let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let gate_up = view(gate_up.as_array());
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::silu_and_mul(gate_up, out, num_threads))?;
+    Ok(())
+}
+
+/// `out[r]` = the index of row r's largest logit (the first on ties, the first NaN if any) of
+/// float32 `logits` `[K, V]` (contiguous) into int64 `out` `[K]`; `num_threads` workers at most.
+#[pyfunction]
+fn cpu_argmax(
+    py: Python<'_>,
+    logits: PyReadonlyArray2<'_, f32>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let mut out = out
+        .cast::<PyArray1<i64>>()
+        .map_err(|_| PyTypeError::new_err("out must be a 1-D int64 numpy array"))?
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out must be writeable ({e})")))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be contiguous"))?;
+    let logits = logits.as_array();
+    py.detach(|| cpu::argmax_rows(logits, out, num_threads))?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_store_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_add_rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_silu_and_mul, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_argmax, m)?)?;
     Ok(())
 }

@@ -1,9 +1,13 @@
 //! CPU kernels of the engine's CPU execution path (the model's hot loops that torch does not
 //! cover well): paged attention straight over the block-paged KV cache, rotary embedding in
-//! place, linear layers over weights packed into column panels (`linear`), RMS norm. Each kernel takes f32 or bf16 tensors (`elem`), computing in f32.
+//! place, linear layers over weights packed into column panels (`linear`), RMS norm (with the
+//! residual add fused in), SwiGLU's activation, greedy sampling's argmax. Each kernel takes f32 or bf16 tensors (`elem`),
+//! computing in f32.
 //!
 //! Plain Rust over `ndarray` views, so `cargo test` runs them without Python; the bindings
 //! (`bindings/cpu_ops.rs`) view torch CPU tensors as numpy arrays without a copy.
+pub mod activation;
+pub mod argmax;
 pub mod attention;
 mod attention_avx2;
 pub mod elem;
@@ -16,8 +20,10 @@ mod simd;
 #[cfg(test)]
 mod attention_tests;
 
+pub use activation::silu_and_mul;
+pub use argmax::argmax_rows;
 pub use attention::{paged_attention, store_kv, PagedBatch};
 pub use elem::{Bf16, Elem};
 pub use linear::{linear, pack_panels, PANEL};
-pub use norm::rms_norm;
+pub use norm::{add_rms_norm, rms_norm};
 pub use rotary::rotary_in_place;

@@ -4,6 +4,10 @@
 //!
 //! Sums and the scale are f32; a bf16 row is widened, and rounded as the reference formula
 //! rounds it (`weight * (x32 * r).to(bf16)`: the normalized value, then the product).
+//!
+//! `add_rms_norm` is the residual stream's step between two blocks (vLLM's `fused_add_rms_norm`):
+//! the block's output is added into the residual and the sum normalized, in one pass, in place,
+//! instead of a torch add, a new buffer and a norm call.
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::elem::Elem;
@@ -46,10 +50,60 @@ pub fn rms_norm<T: Elem>(
     Ok(())
 }
 
+/// The residual step between two blocks, in place: `residual += x` (rounded to `T`, as torch's
+/// add rounds it), then `x = rms_norm(residual)` by `weight` (the same arithmetic as
+/// `rms_norm`). Both `[T, E]`, contiguous, distinct buffers.
+pub fn add_rms_norm<T: Elem>(
+    mut x: ArrayViewMut2<T>,
+    mut residual: ArrayViewMut2<T>,
+    weight: &[T],
+    eps: f32,
+) -> Result<()> {
+    let (rows, width) = x.dim();
+    if weight.len() != width || residual.dim() != (rows, width) {
+        return Err(Error::InvalidArgument(format!(
+            "add_rms_norm: x has shape {:?}, residual {:?}, weight {} elements (want [T, E], \
+             [T, E], [E])",
+            x.shape(),
+            residual.shape(),
+            weight.len()
+        )));
+    }
+    let x = x
+        .as_slice_mut()
+        .ok_or_else(|| Error::InvalidArgument("x must be contiguous".into()))?;
+    let residual = residual
+        .as_slice_mut()
+        .ok_or_else(|| Error::InvalidArgument("residual must be contiguous".into()))?;
+    if rows == 0 || width == 0 {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the function is compiled for (checked above).
+        unsafe { add_rows_avx2_fma(x, residual, weight, eps, width) };
+        return Ok(());
+    }
+    add_rows_with::<false, T>(x, residual, weight, eps, width);
+    Ok(())
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_avx2_fma<T: Elem>(x: &[T], weight: &[T], eps: f32, out: &mut [T], width: usize) {
     rows_with::<true, T>(x, weight, eps, out, width);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_rows_avx2_fma<T: Elem>(
+    x: &mut [T],
+    residual: &mut [T],
+    weight: &[T],
+    eps: f32,
+    width: usize,
+) {
+    add_rows_with::<true, T>(x, residual, weight, eps, width);
 }
 
 #[inline(always)]
@@ -59,11 +113,39 @@ fn rows_with<const F: bool, T: Elem>(x: &[T], weight: &[T], eps: f32, out: &mut 
         for (w, v) in wide.iter_mut().zip(row) {
             *w = v.to_f32();
         }
-        let mean = simd::dot::<F, f32>(&wide, &wide) / width as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((d, v), g) in dst.iter_mut().zip(&wide).zip(weight) {
-            *d = T::from_f32(g.to_f32() * T::round(v * scale));
+        normalize_row::<F, T>(&wide, weight, eps, dst);
+    }
+}
+
+#[inline(always)]
+fn add_rows_with<const F: bool, T: Elem>(
+    x: &mut [T],
+    residual: &mut [T],
+    weight: &[T],
+    eps: f32,
+    width: usize,
+) {
+    let mut wide = vec![0.0f32; width];
+    for (row, res) in x
+        .chunks_exact_mut(width)
+        .zip(residual.chunks_exact_mut(width))
+    {
+        for ((w, v), r) in wide.iter_mut().zip(row.iter()).zip(res.iter_mut()) {
+            // the sum as the residual keeps it (rounded to T), which is what gets normalized
+            *r = T::from_f32(v.to_f32() + r.to_f32());
+            *w = r.to_f32();
         }
+        normalize_row::<F, T>(&wide, weight, eps, row);
+    }
+}
+
+/// `dst = weight * round(wide * rsqrt(mean(wide^2) + eps))` for one row widened to f32.
+#[inline(always)]
+fn normalize_row<const F: bool, T: Elem>(wide: &[f32], weight: &[T], eps: f32, dst: &mut [T]) {
+    let mean = simd::dot::<F, f32>(wide, wide) / wide.len() as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((d, v), g) in dst.iter_mut().zip(wide).zip(weight) {
+        *d = T::from_f32(g.to_f32() * T::round(v * scale));
     }
 }
 
@@ -109,6 +191,44 @@ mod tests {
                 assert!((out[[r, c]].0 as i32 - want.0 as i32).abs() <= 1, "{r},{c}");
             }
         }
+    }
+
+    #[test]
+    fn add_rms_norm_keeps_the_sum_and_normalizes_it_as_rms_norm_does() {
+        let (rows, width) = (3, 45);
+        let x = Array2::from_shape_fn((rows, width), |(r, c)| ((r * 7 + c) as f32 * 0.21).cos());
+        let res = Array2::from_shape_fn((rows, width), |(r, c)| ((r + 3 * c) as f32 * 0.13).sin());
+        let weight: Vec<f32> = (0..width).map(|c| 0.75 + c as f32 * 0.02).collect();
+        let sum = &x + &res;
+        let mut want = Array2::zeros((rows, width));
+        rms_norm(sum.view(), &weight, 1e-6, want.view_mut()).unwrap();
+        let (mut got, mut residual) = (x.clone(), res.clone());
+        add_rms_norm(got.view_mut(), residual.view_mut(), &weight, 1e-6).unwrap();
+        assert_eq!(residual, sum);
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn add_rms_norm_rounds_the_bf16_sum_before_normalizing_it() {
+        let bf = |v: f32| Bf16::from_f32(v);
+        let x = Array2::from_shape_fn((2, 24), |(r, c)| bf((r + c) as f32 * 0.37 - 4.0));
+        let res = Array2::from_shape_fn((2, 24), |(r, c)| bf((2 * r + c) as f32 * 0.011 + 0.3));
+        let weight: Vec<Bf16> = (0..24).map(|c| bf(1.0 + c as f32 / 16.0)).collect();
+        let sum = Array2::from_shape_fn((2, 24), |i| bf(x[i].to_f32() + res[i].to_f32()));
+        let mut want = Array2::from_elem((2, 24), Bf16(0));
+        rms_norm(sum.view(), &weight, 1e-5, want.view_mut()).unwrap();
+        let (mut got, mut residual) = (x.clone(), res.clone());
+        add_rms_norm(got.view_mut(), residual.view_mut(), &weight, 1e-5).unwrap();
+        assert_eq!(residual, sum);
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn add_rms_norm_rejects_a_residual_of_another_shape() {
+        let mut x = Array2::<f32>::zeros((2, 8));
+        let mut res = Array2::<f32>::zeros((3, 8));
+        let err = add_rms_norm(x.view_mut(), res.view_mut(), &[1.0; 8], 1e-6).unwrap_err();
+        assert!(format!("{err}").contains("residual [3, 8]"), "{err}");
     }
 
     #[test]
