@@ -19,6 +19,12 @@ fn contiguous<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<T>) -> 
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous 1-D array")))
 }
 
+/// A kernel's 1-D view as a slice, or a ValueError naming the array.
+fn contiguous_view<'a, T>(name: &str, a: &'a ndarray::ArrayView1<'_, T>) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .ok_or_else(|| PyValueError::new_err(format!("{name} must be a contiguous 1-D array")))
+}
+
 /// A numpy dtype the kernels take and the kernel element behind it (same size and layout).
 trait Dtype: Element + 'static {
     type Kernel: cpu::Elem;
@@ -283,13 +289,10 @@ fn multiply<N: Dtype>(
         .transpose()?;
     let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
     let bias = bias.as_ref().map(|b| view(b.as_array()));
-    let bias = match &bias {
-        Some(b) => Some(
-            b.as_slice()
-                .ok_or_else(|| PyValueError::new_err("bias must be a contiguous 1-D array"))?,
-        ),
-        None => None,
-    };
+    let bias = bias
+        .as_ref()
+        .map(|b| contiguous_view("bias", b))
+        .transpose()?;
     let (x, panels) = (view(x.as_array()), view(panels.as_array()));
     let out = view_mut(out.as_array_mut());
     py.detach(|| cpu::linear(x, panels, bias, out, num_threads))?;
@@ -323,9 +326,7 @@ fn normalize<N: Dtype>(
     let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
     let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
     let weight = view(weight.as_array());
-    let weight = weight
-        .as_slice()
-        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let weight = contiguous_view("weight", &weight)?;
     let x = view(x.as_array());
     let out = view_mut(out.as_array_mut());
     py.detach(|| cpu::rms_norm(x, weight, eps, out))?;
@@ -360,9 +361,7 @@ fn add_normalize<N: Dtype>(
     let mut residual = readwrite::<N, ndarray::Ix2>("residual", residual)?;
     let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
     let weight = view(weight.as_array());
-    let weight = weight
-        .as_slice()
-        .ok_or_else(|| PyValueError::new_err("weight must be a contiguous 1-D array"))?;
+    let weight = contiguous_view("weight", &weight)?;
     let x = view_mut(x.as_array_mut());
     let residual = view_mut(residual.as_array_mut());
     py.detach(|| cpu::add_rms_norm(x, residual, weight, eps))?;
