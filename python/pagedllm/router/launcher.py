@@ -26,6 +26,7 @@ from collections.abc import Callable
 import httpx
 
 from pagedllm.kv_events import KVEventsConfig
+from pagedllm.worker.cpu_threads import default_cpu_threads
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
@@ -66,9 +67,10 @@ def ipc_endpoints(folder: str, rank: int) -> tuple[str, str]:
 
 
 def replica_cpu_threads(cpu_threads: int | None, device: str, size: int) -> int | None:
-    """A replica's CPU threads: the given number, else (on CPU) its share of the cores."""
+    """A replica's CPU threads: the given number, else (on CPU) the engine's own default for
+    `size` engines sharing the machine's cores (`default_cpu_threads`)."""
     if cpu_threads is None and device in ("cpu", "auto"):
-        return max(1, (os.cpu_count() or 1) // size)
+        return default_cpu_threads(size)
     return cpu_threads
 
 

@@ -58,8 +58,8 @@ def physical_cores() -> int:
 
 
 def default_cpu_threads(ranks: int = 1) -> int | None:
-    """The thread count each of `ranks` tensor-parallel ranks sets when none is given (None:
-    leave OMP_NUM_THREADS's)."""
+    """The thread count each of `ranks` engines sharing this machine's cores (tensor-parallel
+    ranks, data-parallel replicas) sets when none is given (None: leave OMP_NUM_THREADS's)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
     return max(1, physical_cores() // max(1, ranks))
