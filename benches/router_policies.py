@@ -27,23 +27,16 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import OrderedDict
 
 import httpx
 
+from pagedllm.cli.serve_compare import free_port, server_process
+
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(args) -> list[str]:
@@ -82,9 +75,10 @@ PREFIX_SHARE = 0.6
 
 
 def rule_blocks(args, prompts: list[str], block_size: int = 16) -> int:
-    """KV blocks per replica by the rule above: ceil(PREFIX_SHARE x groups) prefixes, plus for
-    each request in flight (`concurrency`, all on one replica at worst) the blocks beyond its
-    prefix (its question and output)."""
+    """KV blocks per replica by the rule above: ceil(share x groups) prefixes (share:
+    `--prefix-share`, PREFIX_SHARE unless given), plus for each request in flight
+    (`concurrency`, all on one replica at worst) the blocks beyond its prefix (its question and
+    output)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
@@ -96,7 +90,7 @@ def rule_blocks(args, prompts: list[str], block_size: int = 16) -> int:
     )
     prefix_blocks = shared // block_size
     request_blocks = -(-(max(lens) + args.max_tokens) // block_size)
-    prefixes = math.ceil(round(PREFIX_SHARE * args.groups, 6))  # 0.6 x 10: 6, not 7
+    prefixes = math.ceil(round(args.prefix_share * args.groups, 6))  # 0.6 x 10: 6, not 7
     return prefixes * prefix_blocks + args.concurrency * (request_blocks - prefix_blocks)
 
 
@@ -255,19 +249,7 @@ def run_policy(policy: str, args, prompts, log: str | None) -> dict:
     cmd += ["--routing-policy", policy, "--model", args.model, "--cpu-threads", "1"]
     cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
     cmd += ["--log-level", "warning", "--served-model-name", args.served_model]
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, "serve -dp 2 exited"
-            assert time.monotonic() < deadline, "serve -dp 2 did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    with server_process("pagedllm", cmd, port, log=log) as proc:
         time.sleep(1.0)  # the router's first polls and subscriptions
         before = cpu_split(proc.pid)
         result = asyncio.run(drive(url, args, prompts))
@@ -281,16 +263,7 @@ def run_policy(policy: str, args, prompts, log: str | None) -> dict:
             for line in metrics.splitlines()
             if line.startswith("pagedllm_router:routed_requests_total")
         )
-        return result
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()
+    return result
 
 
 def main() -> None:
@@ -303,6 +276,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--blocks", type=int, help="KV blocks per replica (default: by `rule_blocks`)")
+    ap.add_argument(
+        "--prefix-share",
+        type=float,
+        default=PREFIX_SHARE,
+        help="the share of the groups' prefixes one replica's cache holds in `rule_blocks`",
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--order", choices=("shuffled", "rounds"), default="shuffled")

@@ -15,15 +15,13 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
-from serve_thread_cpu import free_port, thread_cpu
+from serve_thread_cpu import thread_cpu
+
+from pagedllm.cli.serve_compare import free_port, server_process
 
 # runs in the server process: `LLMEngine.step` timed, the records written at exit
 _SERVER = """
@@ -64,17 +62,7 @@ def main() -> int:
     steps_file = os.path.join(tempfile.mkdtemp(), "steps.json")
     cmd = [sys.executable, "-c", _SERVER, steps_file, "serve", "--model", args.model]
     cmd += ["--port", str(port), "--max-model-len", "1024", *args.serve_args]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start") from None
-                time.sleep(0.5)
+    with server_process("pagedllm", cmd, port) as server:
         load = [os.getloadavg()[0]]
         before = thread_cpu(server.pid)
         result = run_bench_serve(
@@ -87,13 +75,6 @@ def main() -> int:
         )
         after = thread_cpu(server.pid)
         load.append(os.getloadavg()[0])
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
     with open(steps_file) as f:
         steps = json.load(f)
     os.unlink(steps_file)

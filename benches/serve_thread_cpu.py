@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from pagedllm.cli.serve_compare import free_port, server_process
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -36,12 +35,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
         cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
         out[f"{name}/{task.name}"] = cpu
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -79,17 +72,7 @@ def main() -> int:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", args.model]
     cmd += ["--port", str(port), *args.serve_arg]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start") from None
-                time.sleep(0.5)
+    with server_process("pagedllm", cmd, port) as server:
         prompt = [(13 * j + 7) % 30000 + 100 for j in range(args.input_len)]
         stream(port, args.model, prompt, 8)  # warm-up
         before = thread_cpu(server.pid)
@@ -114,14 +97,7 @@ def main() -> int:
             "cpu_ms_per_token_by_thread": dict(sorted(per_token.items(), key=lambda kv: -kv[1])),
             "cpu_ms_per_token_total": round(sum(per_token.values()), 2),
         }
-        print(json.dumps(report))
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    print(json.dumps(report))
     return 0
 
 

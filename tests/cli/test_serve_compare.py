@@ -102,3 +102,15 @@ def test_an_unknown_dtype_is_refused_before_any_server_starts():
             vllm_server=_stand_in([]),
             **WORKLOAD,
         )
+
+
+def test_a_server_process_keeps_its_output_in_the_named_log(tmp_path):
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-c", "import sys; print('starting up'); sys.exit(2)"]
+    port = serve_compare.free_port()
+    with (
+        pytest.raises(RuntimeError, match=r"exited with status 2(.|\n)*starting up"),
+        serve_compare.server_process("pagedllm", command, port, log=log),
+    ):
+        pass
+    assert "starting up" in log.read_text()

@@ -69,19 +69,22 @@ def vllm_command(python: str) -> Callable[[str, int, int], list[str]]:
 
 
 @contextmanager
-def running_server(name: str, command: list[str], port: int, env: dict) -> Iterator[str]:
+def server_process(
+    name: str, command: list[str], port: int, env: dict | None = None, log: str | None = None
+) -> Iterator[subprocess.Popen]:
     """The server of `command` until the block ends (SIGINT, then killed after
-    STOP_TIMEOUT_S); yields its base URL once /health answers 200. RuntimeError with the end of
-    its log if it exits or does not answer within START_TIMEOUT_S."""
+    STOP_TIMEOUT_S); yields its process once /health on `port` answers 200. Its output goes to
+    the file `log` (default: a temporary one). RuntimeError with the end of that output if it
+    exits or does not answer within START_TIMEOUT_S."""
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(log, "w+b") if log else tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             while not _healthy(url):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-_LOG_TAIL:]
+                    out.seek(0)
+                    tail = out.read().decode(errors="replace")[-_LOG_TAIL:]
                     state = (
                         f"exited with status {proc.returncode}"
                         if proc.poll() is not None
@@ -91,7 +94,7 @@ def running_server(name: str, command: list[str], port: int, env: dict) -> Itera
                         f"{name} server ({command[0]}) {state}; its log ends:\n{tail}"
                     )
                 time.sleep(0.5)
-            yield url
+            yield proc
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
@@ -100,6 +103,13 @@ def running_server(name: str, command: list[str], port: int, env: dict) -> Itera
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+@contextmanager
+def running_server(name: str, command: list[str], port: int, env: dict) -> Iterator[str]:
+    """`server_process`, yielding the server's base URL."""
+    with server_process(name, command, port, env):
+        yield f"http://127.0.0.1:{port}"
 
 
 def _healthy(url: str) -> bool:

@@ -122,59 +122,11 @@ unsafe fn silu_avx2_fma(xs: &mut [f32]) -> usize {
     let mut i = 0;
     while i < whole {
         let x = _mm256_loadu_ps(p.add(i));
-        let e = exp(_mm256_xor_ps(x, sign));
+        let e = super::simd::exp8(_mm256_xor_ps(x, sign));
         _mm256_storeu_ps(p.add(i), _mm256_div_ps(x, _mm256_add_ps(one, e)));
         i += 8;
     }
     whole
-}
-
-/// `exp(x)` per lane (Cephes' `expf`: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r
-/// times 2^n). Above ln(f32::MAX) it is +inf; below -87 it returns exp(-87) (~1.6e-38), which
-/// `1 + exp(-x)` cannot tell from 0. NaN stays NaN.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn exp(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    let overflow = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.722_83));
-    // 88: n <= 127 below, so 2^n is a normal number
-    let x_in = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-        _mm256_set1_ps(88.0),
-    );
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x_in,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    // r = x - n ln2, with ln2 in two parts so that n * the first is exact
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x_in);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_2e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-    }
-    // 1 + r + r^2 * y
-    let y = _mm256_add_ps(
-        _mm256_fmadd_ps(_mm256_mul_ps(r, r), y, r),
-        _mm256_set1_ps(1.0),
-    );
-    // 2^n from the exponent bits: n + 127 in 2..=254
-    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-    let e = _mm256_blendv_ps(e, _mm256_set1_ps(f32::INFINITY), overflow);
-    // NaN in, NaN out (the clamps above would have turned it into a number)
-    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
-    _mm256_blendv_ps(e, x, nan)
 }
 
 #[cfg(test)]

@@ -184,6 +184,48 @@ fn exp1<const F: bool>(x: f32) -> f32 {
     y * f32::from_bits(bits)
 }
 
+/// `e^x` on 8 lanes with AVX2 + FMA intrinsics: the polynomial of `exp_inplace`, for loops the
+/// compiler does not vectorize by itself (a division or a blend around it). Above ln(f32::MAX)
+/// it is +inf, from 88 up to there e^88; below -87 it returns e^-87 (~1.6e-38), which `1 + e^x`
+/// cannot tell from 1. NaN stays NaN.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let overflow = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(88.722_83));
+    // 88: n <= 127 below, so 2^n is a normal number
+    let x_in = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x_in,
+        _mm256_set1_ps(LOG2E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x_in);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    let mut y = _mm256_set1_ps(P[0]);
+    for c in &P[1..] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+    }
+    // 1 + r + r^2 * y
+    let y = _mm256_add_ps(
+        _mm256_fmadd_ps(_mm256_mul_ps(r, r), y, r),
+        _mm256_set1_ps(1.0),
+    );
+    // 2^n from the exponent bits: n + 127 in 2..=254
+    let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let e = _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+    let e = _mm256_blendv_ps(e, _mm256_set1_ps(f32::INFINITY), overflow);
+    // NaN in, NaN out (the clamps above would have turned it into a number)
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    _mm256_blendv_ps(e, x, nan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +303,58 @@ mod tests {
             let tol = 4.0 * f32::EPSILON * w.abs() + 1e-37;
             assert!((g - w).abs() <= tol, "exp({x}) = {g}, want {w}");
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp8_is_close_to_std_exp_and_keeps_its_range_ends() {
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma"))
+        {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..4000).map(|i| -86.0 + i as f32 * 0.0435).collect();
+        xs.extend([0.0, -0.0, 1e-8, -1e-8, 3.5, 88.0, -87.0, 0.5, 0.75]);
+        xs.truncate(xs.len() / 8 * 8);
+        let mut got = vec![0.0f32; xs.len()];
+        for (x8, g8) in xs.chunks_exact(8).zip(got.chunks_exact_mut(8)) {
+            // SAFETY: the CPU has avx2 and fma (checked above); both pointers cover 8 floats.
+            unsafe {
+                use std::arch::x86_64::*;
+                _mm256_storeu_ps(g8.as_mut_ptr(), exp8(_mm256_loadu_ps(x8.as_ptr())));
+            }
+        }
+        for (x, g) in xs.iter().zip(&got) {
+            let w = x.exp();
+            let tol = 4.0 * f32::EPSILON * w.abs();
+            assert!((g - w).abs() <= tol, "exp8({x}) = {g}, want {w}");
+        }
+        let ends = [
+            89.0f32,
+            f32::INFINITY,
+            -100.0,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            88.5,
+            88.0,
+            0.0,
+        ];
+        let mut out = [0.0f32; 8];
+        // SAFETY: as above.
+        unsafe {
+            use std::arch::x86_64::*;
+            _mm256_storeu_ps(out.as_mut_ptr(), exp8(_mm256_loadu_ps(ends.as_ptr())));
+        }
+        assert_eq!(out[..2], [f32::INFINITY; 2]);
+        let floor = (-87.0f32).exp();
+        assert!(
+            (out[2] - floor).abs() <= 4.0 * f32::EPSILON * floor,
+            "{}",
+            out[2]
+        );
+        assert_eq!(out[2], out[3]);
+        assert!(out[4].is_nan());
+        assert_eq!(out[5], out[6]);
     }
 
     #[test]
