@@ -15,13 +15,12 @@ use pyo3::prelude::*;
 use crate::cpu::{self, Bf16, PagedBatch};
 
 fn contiguous<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<T>) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous 1-D array")))
+    contiguous_view(name, a.as_array())
 }
 
 /// A kernel's 1-D view as a slice, or a ValueError naming the array.
-fn contiguous_view<'a, T>(name: &str, a: &'a ndarray::ArrayView1<'_, T>) -> PyResult<&'a [T]> {
-    a.as_slice()
+fn contiguous_view<'a, T>(name: &str, a: ndarray::ArrayView1<'a, T>) -> PyResult<&'a [T]> {
+    a.to_slice()
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a contiguous 1-D array")))
 }
 
@@ -288,10 +287,9 @@ fn multiply<N: Dtype>(
         .map(|b| readonly::<N, ndarray::Ix1>("bias", b))
         .transpose()?;
     let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
-    let bias = bias.as_ref().map(|b| view(b.as_array()));
     let bias = bias
         .as_ref()
-        .map(|b| contiguous_view("bias", b))
+        .map(|b| contiguous_view("bias", view(b.as_array())))
         .transpose()?;
     let (x, panels) = (view(x.as_array()), view(panels.as_array()));
     let out = view_mut(out.as_array_mut());
@@ -325,8 +323,7 @@ fn normalize<N: Dtype>(
     let x = readonly::<N, ndarray::Ix2>("x", x)?;
     let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
     let mut out = readwrite::<N, ndarray::Ix2>("out", out)?;
-    let weight = view(weight.as_array());
-    let weight = contiguous_view("weight", &weight)?;
+    let weight = contiguous_view("weight", view(weight.as_array()))?;
     let x = view(x.as_array());
     let out = view_mut(out.as_array_mut());
     py.detach(|| cpu::rms_norm(x, weight, eps, out))?;
@@ -360,8 +357,7 @@ fn add_normalize<N: Dtype>(
     let mut x = readwrite::<N, ndarray::Ix2>("x", x)?;
     let mut residual = readwrite::<N, ndarray::Ix2>("residual", residual)?;
     let weight = readonly::<N, ndarray::Ix1>("weight", weight)?;
-    let weight = view(weight.as_array());
-    let weight = contiguous_view("weight", &weight)?;
+    let weight = contiguous_view("weight", view(weight.as_array()))?;
     let x = view_mut(x.as_array_mut());
     let residual = view_mut(residual.as_array_mut());
     py.detach(|| cpu::add_rms_norm(x, residual, weight, eps))?;
