@@ -165,3 +165,11 @@ def test_cpu_kernels_refuse_bad_slots_and_block_tables_with_value_errors():
         _rust(q, kc, vc, qsl, lens, tables, 0.5)
     with pytest.raises(ValueError, match="needs 3 blocks"):
         _rust(q, kc, vc, qsl, lens, tables[:, :2].contiguous(), 0.5)
+
+
+def test_cpu_store_kvcache_names_a_strided_slot_mapping():
+    k = torch.zeros(2, 1, 8)
+    kc = torch.zeros(2, 4, 1, 8)
+    slots = torch.tensor([0, 9, 1, 9])[::2]
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous 1-D array"):
+        _core.cpu_store_kvcache(k.numpy(), k.numpy(), kc.numpy(), kc.clone().numpy(), slots.numpy())

@@ -53,6 +53,12 @@ def test_the_kernel_names_a_weight_of_the_wrong_size():
         _core.cpu_rms_norm(x, np.ones(7, np.float32), 1e-6, np.zeros((2, 8), np.float32))
 
 
+def test_the_kernel_names_a_strided_weight():
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="weight must be a contiguous 1-D array"):
+        _core.cpu_rms_norm(x, np.ones(16, np.float32)[::2], 1e-6, np.zeros((2, 8), np.float32))
+
+
 def test_half_precision_is_left_to_torch():
     x = torch.randn(2, 8).to(torch.float16)
     assert not cpu_norm.supports(x, torch.ones(8, dtype=torch.float16))
