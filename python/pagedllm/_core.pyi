@@ -194,8 +194,11 @@ class KVCacheManager:
 def hash_block(parent_hash: int, token_ids: list[int], extra_key: int = 0) -> int:
     """Chained 64-bit hash of one block (`parent_hash` = ROOT_HASH for the first block)."""
 
-def hash_block_chain(token_ids: list[int], block_size: int, extra_key: int = 0) -> list[int]:
-    """Chain hashes of every full block of `token_ids`."""
+def hash_block_chain(
+    token_ids: list[int], block_size: int, extra_key: int = 0, parent_hash: int = ...
+) -> list[int]:
+    """Chain hashes of every full block of `token_ids`, continuing the chain whose last block
+    hashed to `parent_hash` (default ROOT_HASH: from a sequence's first block)."""
 
 def lora_hash_key(lora_id: int, extra_key: int = 0) -> int:
     """The prefix-cache hash key of a request run with LoRA adapter ``lora_id`` (0: none): what

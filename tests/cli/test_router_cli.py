@@ -1,17 +1,24 @@
-"""`pagedllm router`'s flags: replicas required, the policy among the core's, and the router
-core's balance defaults unless given."""
+"""`pagedllm router`'s flags: replicas required (pagedllm's or external ones), the policy among
+the core's, and the router core's balance defaults unless given."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedllm.cli.app import build_parser
+from pagedllm.cli.app import build_parser, main
 
 
 def test_router_needs_a_replica(capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["router"])
-    assert "--replica" in capsys.readouterr().err
+    assert main(["router"]) == 1
+    assert "give at least one --replica URL (or --external-replica)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("values", [["http://x"], ["http://x", "tcp://x:1", "tcp://x:2", "y"]])
+def test_an_external_replica_takes_its_url_events_and_optional_replay_endpoint(capsys, values):
+    assert main(["router", "--external-replica", *values]) == 1
+    assert (
+        "--external-replica takes URL EVENTS_ENDPOINT [REPLAY_ENDPOINT]" in capsys.readouterr().err
+    )
 
 
 def test_an_unknown_routing_policy_is_refused(capsys):

@@ -647,7 +647,8 @@ def _router(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None
     }
     replicas = ReplicaSet(
-        args.replica,
+        args.replica or [],
+        external=_external_replicas(getattr(args, "external_replica", None) or []),
         block_size=args.block_size,
         policy=args.routing_policy,
         health_interval=args.health_interval,
@@ -1031,6 +1032,19 @@ def _routing_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _external_replicas(given: list[list[str]]) -> list[tuple[str, str, str | None]]:
+    """`--external-replica URL EVENTS [REPLAY]` values -> (URL, EVENTS, REPLAY or None)."""
+    out = []
+    for values in given:
+        if len(values) not in (2, 3):
+            raise ValueError(
+                "--external-replica takes URL EVENTS_ENDPOINT [REPLAY_ENDPOINT], got "
+                f"{' '.join(values)!r}"
+            )
+        out.append((values[0], values[1], values[2] if len(values) == 3 else None))
+    return out
+
+
 def _router_parser(sub) -> None:
     router = sub.add_parser(
         "router",
@@ -1041,10 +1055,19 @@ def _router_parser(sub) -> None:
     router.add_argument(
         "--replica",
         action="append",
-        required=True,
         metavar="URL",
-        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each); its KV "
-        "events are found through its GET /load",
+        help="a `pagedllm serve` replica's base URL, e.g. http://127.0.0.1:8001 (repeat for "
+        "each); its KV events are found through its GET /load",
+    )
+    router.add_argument(
+        "--external-replica",
+        action="append",
+        nargs="+",
+        metavar=("URL", "EVENTS"),
+        help="another engine's server (vLLM's, started with --kv-events-config) and its KV-event "
+        "endpoint, optionally its replay endpoint: URL EVENTS [REPLAY], e.g. "
+        "http://10.0.0.5:8000 tcp://10.0.0.5:5557 (repeat for each); its load is read from its "
+        "/metrics, its blocks re-hashed from the token ids its events carry",
     )
     router.add_argument("--host", default="127.0.0.1", help="address to listen on")
     router.add_argument("--port", type=_int_at_least(0), default=8000, help="port to listen on")

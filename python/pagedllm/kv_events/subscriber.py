@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from pagedllm.kv_events.foreign import ForeignHashes
 from pagedllm.kv_events.publisher import CLEARED, REMOVED, STORED
 
 logger = logging.getLogger(__name__)
@@ -24,18 +25,28 @@ TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEA
 REPLAY_TIMEOUT_MS = 1000
 
 
-def decode_batch(payload: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_batch(
+    payload: bytes, foreign: ForeignHashes | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A msgpack KVEventBatch -> (kinds uint8, starts uint32, hashes uint64), the arrays the
-    router core applies. Events of unknown kinds, and hashes that are not integers (a vLLM
-    replica's bytes hashes), are skipped."""
+    router core applies. Events of unknown kinds are skipped. With `foreign` (another engine's
+    events), the blocks are re-hashed into this router's hashes and the changes staged there
+    (`commit` or `rollback` next); without it, hashes that are not integers are skipped."""
     batch = msgpack.unpackb(payload, use_list=True, raw=False)
     kinds, starts, hashes = [], [0], []
     for event in batch[1]:
         kind = TAGS.get(event[0])
         if kind is None:
             continue
-        if kind != CLEARED:
-            hashes.extend(h for h in event[1] if isinstance(h, int))
+        if foreign is None:
+            if kind != CLEARED:
+                hashes.extend(h for h in event[1] if isinstance(h, int))
+        elif kind == STORED:
+            hashes.extend(foreign.stored(event))
+        elif kind == REMOVED:
+            hashes.extend(foreign.removed(event[1]))
+        else:
+            foreign.cleared()
         kinds.append(kind)
         starts.append(len(hashes))
     return (
@@ -58,6 +69,7 @@ class KVEventSubscriber:
         replay_endpoint: str | None,
         topic: str = "",
         on_batch: Callable[[int], None] | None = None,
+        foreign: ForeignHashes | None = None,
     ) -> None:
         self.index = index
         self.lock = lock
@@ -66,10 +78,12 @@ class KVEventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.on_batch = on_batch
+        self.foreign = foreign  # another engine's events: re-hashed (`decode_batch`)
         self.batches = 0  # applied, live or replayed
         self.replays = 0  # replay requests answered
         self._resync = threading.Event()
         self._resync.set()  # a new subscriber catches up from the start
+        self._restarted = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica}", daemon=True)
 
@@ -77,7 +91,11 @@ class KVEventSubscriber:
         self._thread.start()
         return self
 
-    def resync(self) -> None:
+    def resync(self, restarted: bool = False) -> None:
+        """Replays from the index's next number at the next turn; `restarted`: the replica is a
+        new process (the index's part was reset), so a foreign table starts empty as well."""
+        if restarted:
+            self._restarted.set()
         self._resync.set()
 
     def close(self) -> None:
@@ -97,6 +115,10 @@ class KVEventSubscriber:
             replay.connect(self.replay_endpoint)
         try:
             while not self._stop.is_set():
+                if self._restarted.is_set() and self.foreign is not None:
+                    self.foreign.cleared()  # on this thread: the table is the subscriber's
+                    self.foreign.commit()
+                self._restarted.clear()
                 if self._resync.is_set() and replay is not None and self._replay(replay):
                     self._resync.clear()
                 if not sub.poll(100):
@@ -113,13 +135,20 @@ class KVEventSubscriber:
             ctx.term()
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        arrays = decode_batch(payload)
+        arrays = decode_batch(payload, self.foreign)
         with self.lock:
             status = self.index.apply_events(self.replica, seq, *arrays)
+        if self.foreign is not None:
+            self.foreign.commit() if status == -1 else self.foreign.rollback()
         if status == -1:
             self.batches += 1
             if self.on_batch is not None:
                 self.on_batch(self.replica)
+        elif status >= 0 and self.replay_endpoint is None:
+            # lost batches and no replay to ask: what the replica holds from before is unknown,
+            # so its part starts empty at this batch (its prefixes are found again as it stores)
+            logger.info("replica %d: KV events %d..%d lost", self.replica, status, seq - 1)
+            self._restart_at(seq, payload)
         elif status >= 0:  # lost batches: replay from the one expected
             logger.info(
                 "replica %d: KV events %d..%d lost, replaying", self.replica, status, seq - 1
@@ -139,12 +168,27 @@ class KVEventSubscriber:
                 self.replays += 1
                 return True
             seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if first and seq != start:
+            if first and seq != start and self.foreign is not None:
+                self._restart_at(seq, payload)
+            elif first and seq != start:
                 self._snapshot(seq, payload)
             else:
                 self._apply(seq, payload)
             first = False
         return False  # the replica does not answer: asked again next turn
+
+    def _restart_at(self, seq: int, payload: bytes) -> None:
+        """The replica's part of the index emptied and `seq` applied as its next batch (another
+        engine's replay starts with the oldest batch it still holds, not a snapshot)."""
+        if self.foreign is not None:
+            self.foreign.cleared()
+            self.foreign.commit()
+        with self.lock:
+            if seq <= 0:
+                self.index.reset_replica(self.replica)
+            else:
+                self.index.apply_snapshot(self.replica, seq - 1, np.array([], np.uint64))
+        self._apply(seq, payload)
 
     def _snapshot(self, seq: int, payload: bytes) -> None:
         # [AllBlocksCleared, BlockStored(every cached block)]: its hashes are the cache

@@ -1,6 +1,12 @@
 """The replicas as the router knows them: the Rust `Router` (prefix index, load, policies) behind
 one lock, a KV-event subscriber per replica, and the health poll that takes a replica out of
-rotation when it stops answering and back in (resynced) when it answers again."""
+rotation when it stops answering and back in (resynced) when it answers again.
+
+A `pagedllm serve` replica reports its load, identity and KV-event endpoints on GET /load. An
+external one (a vLLM server started with `--kv-events-config`) is given with its events endpoint;
+its load comes from its Prometheus /metrics (`vllm:num_requests_waiting`, `..._running`,
+`kv_cache_usage_perc`; the `pagedllm:` names as well) and its events are re-hashed from the token
+ids they carry (`kv_events/foreign.py`)."""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm._core import Router
+from pagedllm.kv_events.foreign import ForeignHashes
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 
 logger = logging.getLogger(__name__)
@@ -40,9 +48,43 @@ class Replica:
     lora_ids: dict[str, int] = field(default_factory=dict)
     subscriber: KVEventSubscriber | None = None
     events_key: tuple | None = None  # (endpoint, replay endpoint, topic) subscribed to
+    # an external replica's KV-event endpoint and replay endpoint (None: a pagedllm replica)
+    external_events: str | None = None
+    external_replay: str | None = None
     # from the responses' usage: what the replica's prefix cache actually served
     prompt_tokens: int = 0
     cached_tokens: int = 0
+
+
+# an external replica's /metrics gauges (either engine's prefix) -> /load's keys
+_LOAD_GAUGES = {
+    "num_requests_waiting": "num_waiting",
+    "num_requests_running": "num_running",
+    "kv_cache_usage_perc": "kv_usage",
+}
+
+
+def external_load(metrics_text: str) -> dict:
+    """An external replica's Prometheus /metrics as /load's fields: the queue gauges (summed over
+    their label sets), `instance_id` from `process_start_time_seconds` (a restarted process has
+    a new one; None when not exported) and `block_size` from `vllm:cache_config_info`'s label
+    (None when not exported). ValueError when the queue gauges are missing (not an engine)."""
+    load: dict = {"instance_id": None, "block_size": None}
+    for family in text_string_to_metric_families(metrics_text):
+        engine, _, name = family.name.rpartition(":")
+        for sample in family.samples:
+            if engine in ("vllm", "pagedllm") and name in _LOAD_GAUGES:
+                key = _LOAD_GAUGES[name]
+                load[key] = load.get(key, 0.0) + sample.value
+            elif family.name == "process_start_time_seconds":
+                load["instance_id"] = repr(sample.value)
+            elif family.name == "vllm:cache_config_info" and "block_size" in sample.labels:
+                load["block_size"] = int(sample.labels["block_size"])
+    missing = [key for key in _LOAD_GAUGES.values() if key not in load]
+    if missing:
+        raise ValueError(f"its /metrics has no {', '.join(sorted(missing))} gauge")
+    load["num_waiting"], load["num_running"] = int(load["num_waiting"]), int(load["num_running"])
+    return load
 
 
 def connect_endpoint(endpoint: str, replica_url: str) -> str:
@@ -65,16 +107,23 @@ class ReplicaSet:
         *,
         block_size: int,
         policy: str,
+        external: list[tuple[str, str, str | None]] = (),
         health_interval: float = 0.5,
         unresponsive_after: float = UNRESPONSIVE_AFTER,
         **router_knobs,
     ) -> None:
-        if not urls:
-            raise ValueError("give at least one --replica URL")
+        """`urls`: `pagedllm serve` replicas; `external`: others' (URL, KV-event endpoint, replay
+        endpoint or None)."""
+        if not urls and not external:
+            raise ValueError("give at least one --replica URL (or --external-replica)")
         if not unresponsive_after > 0:
             raise ValueError(f"unresponsive_after must be > 0 seconds, got {unresponsive_after}")
         self.replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(urls)]
-        self.router = Router(len(urls), block_size, policy, **router_knobs)
+        self.replicas += [
+            Replica(len(urls) + i, url.rstrip("/"), external_events=events, external_replay=replay)
+            for i, (url, events, replay) in enumerate(external)
+        ]
+        self.router = Router(len(self.replicas), block_size, policy, **router_knobs)
         self.block_size = block_size
         self.lock = threading.Lock()
         self.health_interval = health_interval
@@ -159,11 +208,12 @@ class ReplicaSet:
             bound = self.unresponsive_after
             if replica.alive:  # what is left of its bound
                 bound -= time.monotonic() - replica.last_answer
+            path = "/metrics" if replica.external_events else "/load"
             response = await asyncio.wait_for(
-                client.get(f"{replica.url}/load"), max(bound, self.health_interval)
+                client.get(f"{replica.url}{path}"), max(bound, self.health_interval)
             )
             response.raise_for_status()
-            load = response.json()
+            load = external_load(response.text) if replica.external_events else response.json()
             if not load.get("healthy", True):
                 raise ValueError("its engine reports itself unhealthy")
         except (TimeoutError, httpx.TimeoutException):
@@ -192,7 +242,7 @@ class ReplicaSet:
                 self.router.reset_replica(replica.index)
         self._subscribe(replica, load)
         if restarted and replica.subscriber is not None:
-            replica.subscriber.resync()
+            replica.subscriber.resync(restarted=True)
         if not replica.alive:
             if replica.subscriber is not None:
                 replica.subscriber.resync()  # catch up on what happened while it was out
@@ -202,13 +252,19 @@ class ReplicaSet:
                 self.router.set_alive(replica.index, True)
 
     def _subscribe(self, replica: Replica, load: dict) -> None:
-        events = load.get("kv_events")
-        if events is None or load.get("block_size") != self.block_size:
+        events, block_size = load.get("kv_events"), load.get("block_size")
+        if replica.external_events:
+            events = {
+                "endpoint": replica.external_events,
+                "replay_endpoint": replica.external_replay,
+            }
+            block_size = block_size or self.block_size  # not on its /metrics: its events say
+        if events is None or block_size != self.block_size:
             if events is not None and replica.events_key != "mismatch":
                 logger.warning(
                     "replica %d hashes %s-token blocks, the router %d: its events are ignored",
                     replica.index,
-                    load.get("block_size"),
+                    block_size,
                     self.block_size,
                 )
                 replica.events_key = "mismatch"
@@ -224,4 +280,7 @@ class ReplicaSet:
         if replica.subscriber is not None:
             replica.subscriber.close()
         replica.events_key = key
-        replica.subscriber = KVEventSubscriber(self.router, self.lock, replica.index, *key).start()
+        foreign = ForeignHashes(self.block_size) if replica.external_events else None
+        replica.subscriber = KVEventSubscriber(
+            self.router, self.lock, replica.index, *key, foreign=foreign
+        ).start()

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use super::errors::non_negative;
 use super::kv_args;
 use crate::ids::TokenId;
-use crate::kv::prefix_cache::{chain_hashes, hash_block, ROOT_HASH};
+use crate::kv::prefix_cache::{chain_hashes_from, hash_block, ROOT_HASH};
 
 /// Chained hash of one block (`parent_hash` = ROOT_HASH for a sequence's first block).
 #[pyfunction]
@@ -22,15 +22,25 @@ fn py_hash_block(parent_hash: u64, token_ids: Vec<i64>, extra_key: u64) -> PyRes
     ))
 }
 
-/// Chain hashes of every full block of `token_ids`.
+/// Chain hashes of every full block of `token_ids`, continuing the chain whose last block hashed
+/// to `parent_hash` (ROOT_HASH: from a sequence's first block).
 #[pyfunction]
-#[pyo3(name = "hash_block_chain", signature = (token_ids, block_size, extra_key = 0))]
-fn py_hash_block_chain(token_ids: Vec<i64>, block_size: i64, extra_key: u64) -> PyResult<Vec<u64>> {
+#[pyo3(
+    name = "hash_block_chain",
+    signature = (token_ids, block_size, extra_key = 0, parent_hash = ROOT_HASH)
+)]
+fn py_hash_block_chain(
+    token_ids: Vec<i64>,
+    block_size: i64,
+    extra_key: u64,
+    parent_hash: u64,
+) -> PyResult<Vec<u64>> {
     let block_size = non_negative("block_size", block_size)?;
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be > 0, got 0"));
     }
-    Ok(chain_hashes(
+    Ok(chain_hashes_from(
+        parent_hash,
         &kv_args::token_ids(token_ids)?,
         block_size,
         extra_key,

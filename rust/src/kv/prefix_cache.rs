@@ -76,15 +76,26 @@ pub fn salted_key(extra_key: u64, salt: u64) -> u64 {
 
 /// Chain hashes of every full block of `tokens`.
 pub fn chain_hashes(tokens: &[TokenId], block_size: usize, extra_key: u64) -> Vec<u64> {
-    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
-    extend_chain(
-        &mut out,
-        tokens,
-        block_size,
-        extra_key,
-        tokens.len() / block_size.max(1),
-    );
-    out
+    chain_hashes_from(ROOT_HASH, tokens, block_size, extra_key)
+}
+
+/// Chain hashes of every full block of `tokens` continuing the chain whose last block hashed to
+/// `parent` (`ROOT_HASH`: a sequence's first block). A router re-hashes another engine's stored
+/// blocks with it, from the parent it already knows and the tokens the event carries.
+pub fn chain_hashes_from(
+    parent: u64,
+    tokens: &[TokenId],
+    block_size: usize,
+    extra_key: u64,
+) -> Vec<u64> {
+    let mut parent = parent;
+    tokens
+        .chunks_exact(block_size.max(1))
+        .map(|block| {
+            parent = hash_block(parent, block, extra_key);
+            parent
+        })
+        .collect()
 }
 
 /// Extends `hashes` (the chain of the first `hashes.len()` blocks of `tokens`) up to `num_blocks`.
@@ -511,6 +522,16 @@ mod tests {
         assert_eq!(h.len(), 2);
         assert_eq!(h[0], hash_block(ROOT_HASH, &t[..16], 0));
         assert_eq!(h[1], hash_block(h[0], &t[16..32], 0));
+    }
+
+    #[test]
+    fn a_chain_continued_from_a_parent_equals_the_whole_chains_tail() {
+        let t: Vec<TokenId> = (0..64).map(|i| i * 7 + 1).collect();
+        let whole = chain_hashes(&t, 16, 5);
+        assert_eq!(chain_hashes_from(whole[1], &t[32..], 16, 5), whole[2..]);
+        assert_eq!(chain_hashes_from(ROOT_HASH, &t, 16, 5), whole);
+        // another parent, another chain
+        assert_ne!(chain_hashes_from(whole[0], &t[32..], 16, 5), whole[2..]);
     }
 
     #[test]
