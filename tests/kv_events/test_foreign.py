@@ -37,6 +37,38 @@ def test_a_stored_chain_gets_the_routers_own_hashes():
     assert hashes.tolist() == hash_block_chain(TOKENS[:8], BLOCK)
 
 
+def test_vllms_map_form_is_read_as_the_array_form():
+    # what vLLM 0.32 publishes by default: each event a map, its tag under "type"
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [901, 902],
+        "parent_block_hash": None,
+        "token_ids": TOKENS[:8],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None, None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+    table = ForeignHashes(BLOCK)
+    payload = msgpack.packb([1.0, [event, {"type": "BlockRemoved", "block_hashes": [902]}], 0])
+    kinds, starts, hashes = decode_batch(payload, table)
+    own = hash_block_chain(TOKENS[:8], BLOCK)
+    assert kinds.tolist() == [0, 1] and starts.tolist() == [0, 2, 3]
+    assert hashes.tolist() == [*own, own[1]]
+
+
+def test_a_payload_that_is_not_a_batch_is_skipped_in_sequence():
+    index = Router(1, BLOCK, "cache_aware")
+    sub = KVEventSubscriber(index, threading.Lock(), 0, "ipc://unused", None)
+    sub._apply(0, b"\xc1 not msgpack")
+    assert index.next_seq(0) == 1
+    sub._apply(1, batch(stored([901], None, TOKENS[:4])))
+    assert index.replica_hashes(0).tolist() == [901]
+
+
 def test_a_chain_continued_from_a_stored_parent_continues_the_own_chain():
     table = ForeignHashes(BLOCK)
     decode_batch(batch(stored([901, 902], None, TOKENS[:8])), table)

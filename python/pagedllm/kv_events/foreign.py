@@ -40,18 +40,16 @@ class ForeignHashes:
         self._staged: dict[int, int | None] = {}  # None: removed in this batch
         self._cleared = False
 
-    def stored(self, event: list) -> list[int]:
-        """A `BlockStored` (vLLM's array form: tag, block_hashes, parent_block_hash, token_ids,
-        block_size, lora_id, medium, lora_name, extra_keys, ...) -> its blocks' own hashes, []
-        when they cannot be had (see the module's note)."""
-        hashes, parent, tokens, block_size = event[1], event[2], event[3], event[4]
-        lora_id = event[5] if len(event) > 5 else None
-        extra_keys = event[8] if len(event) > 8 else None
-        if block_size != self.block_size or lora_id is not None:
+    def stored(self, event: dict) -> list[int]:
+        """A `BlockStored`'s fields by name (`subscriber.event_fields`) -> its blocks' own
+        hashes, [] when they cannot be had (see the module's note)."""
+        hashes, parent = event.get("block_hashes") or [], event.get("parent_block_hash")
+        tokens, block_size = event.get("token_ids") or [], event.get("block_size")
+        if block_size != self.block_size or event.get("lora_id") is not None:
             return []
-        if extra_keys and any(keys for keys in extra_keys):
+        if event.get("lora_name") or any(event.get("extra_keys") or []):
             return []
-        if len(tokens) != len(hashes) * block_size:
+        if not hashes or len(tokens) != len(hashes) * block_size:
             return []
         own_parent = ROOT_HASH if parent is None else self._get(foreign_key(parent))
         if own_parent is None:

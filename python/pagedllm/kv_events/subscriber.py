@@ -25,26 +25,60 @@ TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEA
 REPLAY_TIMEOUT_MS = 1000
 
 
+# each event's fields in order, for its array form (what pagedllm sends, vLLM's structs with
+# array_like); the map form (vLLM's default) names them, its tag under "type"
+_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def event_fields(event) -> tuple[str | None, dict]:
+    """(tag, fields by name) of one event in either form; (None, {}) for anything else."""
+    if isinstance(event, dict):
+        return event.get("type"), event
+    if isinstance(event, list) and event and isinstance(event[0], str):
+        return event[0], dict(zip(_FIELDS.get(event[0], ()), event[1:]))
+    return None, {}
+
+
 def decode_batch(
     payload: bytes, foreign: ForeignHashes | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A msgpack KVEventBatch -> (kinds uint8, starts uint32, hashes uint64), the arrays the
     router core applies. Events of unknown kinds are skipped. With `foreign` (another engine's
     events), the blocks are re-hashed into this router's hashes and the changes staged there
-    (`commit` or `rollback` next); without it, hashes that are not integers are skipped."""
-    batch = msgpack.unpackb(payload, use_list=True, raw=False)
+    (`commit` or `rollback` next); without it, hashes that are not integers are skipped.
+    ValueError for a payload that is not a batch."""
+    try:
+        batch = msgpack.unpackb(payload, use_list=True, raw=False)
+        events = batch[1] if isinstance(batch, list) else batch["events"]
+    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as exc:
+        raise ValueError(f"not a KV event batch ({exc!r})") from None
     kinds, starts, hashes = [], [0], []
-    for event in batch[1]:
-        kind = TAGS.get(event[0])
+    for event in events:
+        tag, fields = event_fields(event)
+        kind = TAGS.get(tag)
         if kind is None:
             continue
+        block_hashes = fields.get("block_hashes") or []
         if foreign is None:
             if kind != CLEARED:
-                hashes.extend(h for h in event[1] if isinstance(h, int))
+                hashes.extend(h for h in block_hashes if isinstance(h, int))
         elif kind == STORED:
-            hashes.extend(foreign.stored(event))
+            hashes.extend(foreign.stored(fields))
         elif kind == REMOVED:
-            hashes.extend(foreign.removed(event[1]))
+            hashes.extend(foreign.removed(block_hashes))
         else:
             foreign.cleared()
         kinds.append(kind)
@@ -135,7 +169,14 @@ class KVEventSubscriber:
             ctx.term()
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        arrays = decode_batch(payload, self.foreign)
+        try:
+            arrays = decode_batch(payload, self.foreign)
+        except ValueError as exc:  # kept in sequence as an empty batch: the next one follows
+            logger.warning("replica %d: KV event batch %d skipped: %s", self.replica, seq, exc)
+            empty = np.array([], np.uint8), np.array([0], np.uint32), np.array([], np.uint64)
+            arrays = empty
+            if self.foreign is not None:
+                self.foreign.rollback()
         with self.lock:
             status = self.index.apply_events(self.replica, seq, *arrays)
         if self.foreign is not None:
