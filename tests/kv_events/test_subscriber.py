@@ -7,9 +7,11 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from pagedllm._core import Router, Scheduler
 from pagedllm.kv_events import KVEventsConfig
+from pagedllm.kv_events.foreign import ForeignHashes
 from pagedllm.kv_events.publisher import KVEventPublisher
 from pagedllm.kv_events.subscriber import KVEventSubscriber, decode_batch
 
@@ -51,10 +53,15 @@ class Replica:
         return sorted(self.scheduler.cached_block_hashes().tolist())
 
 
-def subscriber(replica: Replica, index: Router, drop: set[int]) -> KVEventSubscriber:
+def subscriber(replica: Replica, index: Router, drop: set[int], **kwargs) -> KVEventSubscriber:
     """A subscriber whose live socket loses the batches numbered in `drop` (once each)."""
     sub = KVEventSubscriber(
-        index, threading.Lock(), 0, replica.config.endpoint, replica.config.replay_endpoint
+        index,
+        threading.Lock(),
+        0,
+        replica.config.endpoint,
+        replica.config.replay_endpoint,
+        **kwargs,
     )
     apply = sub._apply
 
@@ -72,10 +79,14 @@ def indexed(index: Router) -> list[int]:
     return sorted(index.replica_hashes(0).tolist())
 
 
-def test_a_lost_batch_is_replayed_and_the_index_matches_the_cache(tmp_path):
+@pytest.mark.parametrize("rehashed", [False, True], ids=["own-hashes", "rehashed-as-foreign"])
+def test_a_lost_batch_is_replayed_and_the_index_matches_the_cache(tmp_path, rehashed):
+    # rehashed: the events read as another engine's (kv_events/foreign.py); pagedllm's carry the
+    # tokens beside its hashes, so re-hashing them must give the very hashes its cache holds
     replica = Replica(tmp_path)
     index = Router(1, BLOCK)
-    sub = subscriber(replica, index, drop={2}).start()
+    foreign = ForeignHashes(BLOCK) if rehashed else None
+    sub = subscriber(replica, index, drop={2}, foreign=foreign).start()
     try:
         wait_for(lambda: sub.replays == 1)  # the first catch-up, from 0
         time.sleep(0.2)  # the SUB socket's subscription reaches the publisher
