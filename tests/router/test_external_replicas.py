@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 from router_util import (
     REPLICA_ENGINE,
@@ -75,6 +76,32 @@ def test_an_external_replica_is_polled_on_its_metrics():
         assert paths == ["/metrics"]
         assert replicas.stats()[0]["waiting"] == 3
         assert replicas.replicas[0].events_key[0] == "tcp://v0:5557"  # subscribed, at its host
+    finally:
+        asyncio.run(replicas.stop())
+
+
+def test_a_new_process_start_time_resets_the_replica_and_its_hash_table():
+    replicas = ReplicaSet(
+        [], external=[("http://v0", "tcp://*:5557", None)], block_size=32, policy="cache_aware"
+    )
+    answers = iter([VLLM_METRICS, VLLM_METRICS.replace("1.78e+09", "1.79e+09")])
+
+    async def poll() -> None:
+        def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, text=next(answers))
+
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await replicas.poll(client)
+
+    try:
+        asyncio.run(poll())
+        table = replicas.replicas[0].subscriber.foreign
+        table.own[11] = 22  # what its events had stored
+        kinds, starts = np.array([0], np.uint8), np.array([0, 1], np.uint32)
+        replicas.router.apply_events(0, 0, kinds, starts, np.array([22], np.uint64))
+        asyncio.run(poll())  # restarted: a new process start time
+        assert replicas.router.replica_hashes(0).size == 0
+        wait_for(lambda: not table.own, what="the subscriber to empty its table")
     finally:
         asyncio.run(replicas.stop())
 
