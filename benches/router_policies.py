@@ -17,12 +17,17 @@ seconds runnable but waiting for a CPU / (2 x wall): on a shared machine the sec
 other processes took from them).
 
     PYTHONPATH=python python benches/router_policies.py [--model DIR] [--groups 8] ...
+
+With `--vllm-python PY` the replicas are two vLLM servers run by that interpreter instead (one
+core each, the same cache rule in vLLM's 32-token blocks), behind `pagedllm router
+--external-replica`: the router over another engine's KV events.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -31,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import httpx
 
@@ -234,26 +240,44 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def cpu_split(pid: int) -> tuple[float, float, float]:
+def cpu_split(pid: int, replica_pids: list[int]) -> tuple[float, float, float]:
     """(the router process's CPU seconds, its replicas' CPU seconds together, the replicas'
     seconds runnable but waiting for a CPU together)."""
     router = sched_seconds(pid)[0]
-    replicas = [sched_seconds(p) for p in descendants(pid)]
+    replicas = [sched_seconds(p) for p in replica_pids]
     return router, sum(r[0] for r in replicas), sum(r[1] for r in replicas)
 
 
-def run_policy(policy: str, args, prompts, log: str | None) -> dict:
+def run_policy(policy: str, args, prompts, log: str | None, fleet=None) -> dict:
+    """One run of `policy`: `serve -dp 2`, or with `fleet` (`vllm_fleet`'s) `pagedllm router`
+    in front of those vLLM servers, their prefix caches emptied first."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
-    cmd += ["--routing-policy", policy, "--model", args.model, "--cpu-threads", "1"]
-    cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
-    cmd += ["--log-level", "warning", "--served-model-name", args.served_model]
+    if fleet is None:
+        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "-dp", "2", "--port", str(port)]
+        cmd += [
+            "--model",
+            args.model,
+            "--cpu-threads",
+            "1",
+            "--served-model-name",
+            args.served_model,
+        ]
+        cmd += ["--max-model-len", str(args.max_model_len), "--num-gpu-blocks", str(args.blocks)]
+    else:
+        for server in fleet:
+            httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).raise_for_status()
+        cmd = [sys.executable, "-m", "pagedllm.cli", "router", "--port", str(port)]
+        cmd += ["--block-size", str(VLLM_BLOCK)]
+        for server in fleet:
+            cmd += ["--external-replica", server.url, server.events, server.replay]
+    cmd += ["--routing-policy", policy, "--log-level", "warning"]
     with server_process("pagedllm", cmd, port, log=log) as proc:
-        time.sleep(1.0)  # the router's first polls and subscriptions
-        before = cpu_split(proc.pid)
+        time.sleep(1.5)  # the router's first polls and subscriptions (and replays)
+        replicas = (lambda: descendants(proc.pid)) if fleet is None else (lambda: fleet_pids(fleet))
+        before = cpu_split(proc.pid, replicas())
         result = asyncio.run(drive(url, args, prompts))
-        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid)))
+        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid, replicas())))
         result["router_cpu_s"] = router
         result["busy"] = run / (2 * result["wall_s"])
         result["starved"] = wait / (2 * result["wall_s"])
@@ -264,6 +288,58 @@ def run_policy(policy: str, args, prompts, log: str | None) -> dict:
             if line.startswith("pagedllm_router:routed_requests_total")
         )
     return result
+
+
+# vLLM's CPU backend takes blocks of a multiple of 32 tokens only
+VLLM_BLOCK = 32
+
+
+@dataclass
+class VLLMServer:
+    url: str
+    events: str
+    replay: str
+    pid: int
+
+
+@contextlib.contextmanager
+def vllm_fleet(args):
+    """Two vLLM servers from `--vllm-python`, each on a core of its own, `args.blocks` blocks of
+    32 tokens (`--num-gpu-blocks-override`), KV events on TCP,
+    `cached_tokens` in its usage, the dev-mode `/reset_prefix_cache`; yields them."""
+    blocks = args.blocks
+    with contextlib.ExitStack() as stack:
+        fleet = []
+        for core in range(2):
+            port, pub, replay = free_port(), free_port(), free_port()
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{pub}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            }
+            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
+            cmd += ["--model", args.model, "--served-model-name", args.served_model]
+            cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
+            cmd += ["--block-size", str(VLLM_BLOCK), "--num-gpu-blocks-override", str(blocks)]
+            cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+            cmd += ["--kv-events-config", json.dumps(events)]
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                "VLLM_SERVER_DEV_MODE": "1",
+            }
+            log = args.serve_log and os.path.join(args.serve_log, f"vllm-{core}.log")
+            proc = stack.enter_context(server_process("vllm", cmd, port, env=env, log=log))
+            url = f"http://127.0.0.1:{port}"
+            fleet.append(VLLMServer(url, events["endpoint"], events["replay_endpoint"], proc.pid))
+        print(f"2 vLLM servers ({args.vllm_python}), {blocks} blocks of {VLLM_BLOCK} each")
+        yield fleet
+
+
+def fleet_pids(fleet: list[VLLMServer]) -> list[int]:
+    return [pid for server in fleet for pid in (server.pid, *descendants(server.pid))]
 
 
 def main() -> None:
@@ -300,6 +376,11 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="runs of every policy, interleaved (medians)"
     )
+    ap.add_argument(
+        "--vllm-python",
+        help="route over 2 vLLM servers run by this interpreter (`pagedllm router "
+        "--external-replica`) instead of `serve -dp 2`",
+    )
     args = ap.parse_args()
     if args.serve_log:
         os.makedirs(args.serve_log, exist_ok=True)
@@ -322,12 +403,13 @@ def main() -> None:
         )
         return
     prompts = workload(args)
+    block_size = VLLM_BLOCK if args.vllm_python else 16
     if args.blocks is None:
-        args.blocks = rule_blocks(args, prompts)
+        args.blocks = rule_blocks(args, prompts, block_size)
     print(
         f"{len(prompts)} requests ({args.groups} groups x {args.questions}, {args.order}), "
         f"prefix {args.prefix_len} chars, {args.max_tokens} out, concurrency "
-        f"{args.concurrency}, {args.blocks} blocks per replica, model {args.model}"
+        f"{args.concurrency}, {args.blocks} blocks of {block_size} per replica, model {args.model}"
     )
     print(
         "| round | policy | prefix hit rate | TTFT p50 (s) | TTFT p99 (s) | output tok/s "
@@ -336,12 +418,19 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     runs: dict[str, list[dict]] = {p: [] for p in args.policies}
+    with contextlib.ExitStack() as stack:
+        fleet = stack.enter_context(vllm_fleet(args)) if args.vllm_python else None
+        run_rounds(args, prompts, runs, fleet)
+    report(args, runs)
+
+
+def run_rounds(args, prompts, runs: dict[str, list[dict]], fleet) -> None:
     for i in range(args.rounds):
         # the policies in a rotated order each round, so the machine's swings hit all alike
         k = i % len(args.policies)
         for policy in args.policies[k:] + args.policies[:k]:
             log = args.serve_log and os.path.join(args.serve_log, f"{i + 1}-{policy}.log")
-            r = run_policy(policy, args, prompts, log)
+            r = run_policy(policy, args, prompts, log, fleet)
             failed = f" ({r['failed']} failed)" if r["failed"] else ""
             runs[policy].append(r)
             print(
@@ -352,6 +441,9 @@ def main() -> None:
                 f"| {r['routed']}{failed} |",
                 flush=True,
             )
+
+
+def report(args, runs: dict[str, list[dict]]) -> None:
     if args.rounds > 1:
         print("\nmedians over the rounds:\n")
         print(
