@@ -39,6 +39,15 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="32",enable_prefix_caching="True",engine="0"} 1.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 9.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 7.5
+# HELP vllm:num_requests_waiting_by_reason Requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 7.0
 # HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
 # TYPE process_start_time_seconds gauge
 process_start_time_seconds 1.78e+09

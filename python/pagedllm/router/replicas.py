@@ -64,13 +64,35 @@ _LOAD_GAUGES = {
 }
 
 
+# the families `external_load` reads: a /metrics page is tens of kB (histograms), parsed twice
+# a second per replica, so only their lines are handed to the parser
+_WANTED = (
+    *(f"{engine}:{name}" for engine in ("vllm", "pagedllm") for name in _LOAD_GAUGES),
+    "process_start_time_seconds",
+    "vllm:cache_config_info",
+)
+
+
+def _wanted_lines(metrics_text: str) -> str:
+    keep = []
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):  # "# HELP name ..." / "# TYPE name kind"
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line
+        if name.startswith(_WANTED):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def external_load(metrics_text: str) -> dict:
     """An external replica's Prometheus /metrics as /load's fields: the queue gauges (summed over
     their label sets), `instance_id` from `process_start_time_seconds` (a restarted process has
     a new one; None when not exported) and `block_size` from `vllm:cache_config_info`'s label
     (None when not exported). ValueError when the queue gauges are missing (not an engine)."""
     load: dict = {"instance_id": None, "block_size": None}
-    for family in text_string_to_metric_families(metrics_text):
+    for family in text_string_to_metric_families(_wanted_lines(metrics_text)):
         engine, _, name = family.name.rpartition(":")
         for sample in family.samples:
             if engine in ("vllm", "pagedllm") and name in _LOAD_GAUGES:
