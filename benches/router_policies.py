@@ -334,8 +334,19 @@ def vllm_fleet(args):
             proc = stack.enter_context(server_process("vllm", cmd, port, env=env, log=log))
             url = f"http://127.0.0.1:{port}"
             fleet.append(VLLMServer(url, events["endpoint"], events["replay_endpoint"], proc.pid))
+        warm_up(args, fleet)
         print(f"2 vLLM servers ({args.vllm_python}), {blocks} blocks of {VLLM_BLOCK} each")
         yield fleet
+
+
+def warm_up(args, fleet: list[VLLMServer]) -> None:
+    """A burst like the workload's (other text) on each server before any run: vLLM's CPU
+    backend compiles its graphs on the first batches of each shape (tens of seconds when its
+    compile cache is cold), which would otherwise fall on the first policy's run."""
+    text = " ".join(f"warm-up {i}" for i in range(args.prefix_len // 10))
+    prompts = [f"Warm-up {i}: {text}" for i in range(args.concurrency)]
+    for server in fleet:
+        asyncio.run(drive(server.url, args, prompts))
 
 
 def fleet_pids(fleet: list[VLLMServer]) -> list[int]:
