@@ -11,8 +11,9 @@ use std::sync::Mutex;
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::elem::Elem;
+use super::invalid;
 use super::pool;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Elements of `out` below which a call runs on the calling thread alone (a decode step's
 /// `[64, 1376]` is ~90 us of work: not worth waking a worker).
@@ -27,7 +28,7 @@ pub fn silu_and_mul<T: Elem>(
 ) -> Result<()> {
     let (rows, width) = out.dim();
     if gate_up.dim() != (rows, 2 * width) {
-        return Err(Error::InvalidArgument(format!(
+        return Err(invalid(format!(
             "silu_and_mul: gate_up has shape {:?}, out {:?} (want [T, 2I], [T, I])",
             gate_up.shape(),
             out.shape()
@@ -35,10 +36,10 @@ pub fn silu_and_mul<T: Elem>(
     }
     let gate_up = gate_up
         .to_slice()
-        .ok_or_else(|| Error::InvalidArgument("gate_up must be contiguous".into()))?;
+        .ok_or_else(|| invalid("gate_up must be contiguous"))?;
     let out = out
         .as_slice_mut()
-        .ok_or_else(|| Error::InvalidArgument("out must be contiguous".into()))?;
+        .ok_or_else(|| invalid("out must be contiguous"))?;
     if rows == 0 || width == 0 {
         return Ok(());
     }
@@ -62,7 +63,7 @@ pub fn silu_and_mul<T: Elem>(
 /// The rows of `gate_up` `[n, 2 * width]` into `out` `[n, width]`.
 fn run<T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { rows_avx2_fma(gate_up, out, width) };
         return;

@@ -7,8 +7,9 @@ use std::sync::Mutex;
 
 use ndarray::ArrayView2;
 
+use super::invalid;
 use super::pool;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Logits below which a call runs on the calling thread alone.
 const MIN_PER_THREAD: usize = 1 << 19;
@@ -17,19 +18,17 @@ const MIN_PER_THREAD: usize = 1 << 19;
 pub fn argmax_rows(logits: ArrayView2<f32>, out: &mut [i64], num_threads: usize) -> Result<()> {
     let (rows, vocab) = logits.dim();
     if out.len() != rows {
-        return Err(Error::InvalidArgument(format!(
+        return Err(invalid(format!(
             "argmax: logits have {rows} rows, out {} elements",
             out.len()
         )));
     }
     if vocab == 0 && rows > 0 {
-        return Err(Error::InvalidArgument(
-            "argmax: the logits have no columns".into(),
-        ));
+        return Err(invalid("argmax: the logits have no columns"));
     }
     let logits = logits
         .to_slice()
-        .ok_or_else(|| Error::InvalidArgument("logits must be contiguous".into()))?;
+        .ok_or_else(|| invalid("logits must be contiguous"))?;
     let threads = num_threads.clamp(1, (rows * vocab / MIN_PER_THREAD).max(1));
     if threads == 1 {
         for (row, o) in logits.chunks_exact(vocab).zip(out.iter_mut()) {

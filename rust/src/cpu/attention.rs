@@ -18,8 +18,9 @@ use std::sync::Mutex;
 use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
 use super::elem::Elem;
+use super::invalid;
 use super::{pool, simd};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Keys scored per pass of the online softmax.
 const KEY_TILE: usize = 64;
@@ -161,10 +162,6 @@ impl Shape {
     fn group(&self) -> usize {
         self.heads / self.kv_heads
     }
-}
-
-fn invalid(msg: impl Into<String>) -> Error {
-    Error::InvalidArgument(msg.into())
 }
 
 fn check_shapes<T: Elem>(
@@ -353,7 +350,7 @@ struct Scratch {
 fn run<T: Elem>(ctx: &Ctx<'_, T>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
         return;

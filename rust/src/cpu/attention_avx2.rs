@@ -357,14 +357,11 @@ pub(crate) unsafe fn widen<T: Elem>(src: *const T, dst: *mut f32, d: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn avx2() -> bool {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
+    use crate::cpu::simd::has_avx2_fma;
 
     #[test]
     fn exp2_is_within_two_ulp_of_f64_over_the_softmax_range() {
-        if !avx2() {
+        if !has_avx2_fma() {
             return;
         }
         let mut xs: Vec<f32> = (0..40_000).map(|i| -125.9 + i as f32 * 0.003_2).collect();
@@ -388,7 +385,7 @@ mod tests {
 
     #[test]
     fn touch_reads_one_byte_of_every_line_of_the_run() {
-        if !avx2() {
+        if !has_avx2_fma() {
             return;
         }
         let bytes: Vec<u8> = (0..256u32).map(|i| (i * 37 % 251) as u8).collect();
@@ -400,7 +397,7 @@ mod tests {
 
     #[test]
     fn exp2_of_minus_infinity_and_of_underflow_is_exactly_zero() {
-        if !avx2() {
+        if !has_avx2_fma() {
             return;
         }
         let xs = [

@@ -23,8 +23,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 use super::elem::Elem;
+use super::invalid;
 use super::pool;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Output columns per panel: two AVX registers of f32.
 pub const PANEL: usize = 16;
@@ -137,10 +138,6 @@ pub fn pack_panels<T: Elem>(w: ArrayView2<T>) -> Vec<T> {
     panels
 }
 
-fn invalid(msg: impl Into<String>) -> Error {
-    Error::InvalidArgument(msg.into())
-}
-
 /// `out`'s first element; the shares write disjoint columns of it.
 #[derive(Clone, Copy)]
 struct OutPtr<T>(*mut T);
@@ -164,7 +161,7 @@ struct Ctx<'a, T> {
 
 fn run<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { run_avx2_fma(ctx, panels) };
         return;
@@ -628,8 +625,7 @@ mod tests {
         );
         assert_eq!(portable, sliced);
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::cpu::simd::has_avx2_fma() {
             let mut fast = [[0.0f32; PANEL]; TILE_ROWS];
             // SAFETY: the CPU has avx2 and fma (checked above)
             unsafe { tile_avx2_fma::<f32, 6, false>(&x, &w, k, k, &mut fast) };

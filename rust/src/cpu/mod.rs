@@ -27,3 +27,8 @@ pub use elem::{Bf16, Elem};
 pub use linear::{linear, pack_panels, PANEL};
 pub use norm::{add_rms_norm, rms_norm};
 pub use rotary::rotary_in_place;
+
+/// A kernel's argument error (the bindings raise it as ValueError).
+fn invalid(msg: impl Into<String>) -> crate::error::Error {
+    crate::error::Error::InvalidArgument(msg.into())
+}

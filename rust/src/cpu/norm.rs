@@ -11,8 +11,9 @@
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::elem::Elem;
+use super::invalid;
 use super::simd;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Normalizes every row of `x [T, E]` into `out [T, E]` (both contiguous rows).
 pub fn rms_norm<T: Elem>(
@@ -23,7 +24,7 @@ pub fn rms_norm<T: Elem>(
 ) -> Result<()> {
     let (rows, width) = x.dim();
     if weight.len() != width || out.dim() != (rows, width) {
-        return Err(Error::InvalidArgument(format!(
+        return Err(invalid(format!(
             "rms_norm: x has shape {:?}, weight {} elements, out shape {:?} (want [T, E], [E], \
              [T, E])",
             x.shape(),
@@ -33,15 +34,15 @@ pub fn rms_norm<T: Elem>(
     }
     let x = x
         .to_slice()
-        .ok_or_else(|| Error::InvalidArgument("x must be contiguous".into()))?;
+        .ok_or_else(|| invalid("x must be contiguous"))?;
     let out = out
         .as_slice_mut()
-        .ok_or_else(|| Error::InvalidArgument("out must be contiguous".into()))?;
+        .ok_or_else(|| invalid("out must be contiguous"))?;
     if rows == 0 || width == 0 {
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { rows_avx2_fma(x, weight, eps, out, width) };
         return Ok(());
@@ -61,7 +62,7 @@ pub fn add_rms_norm<T: Elem>(
 ) -> Result<()> {
     let (rows, width) = x.dim();
     if weight.len() != width || residual.dim() != (rows, width) {
-        return Err(Error::InvalidArgument(format!(
+        return Err(invalid(format!(
             "add_rms_norm: x has shape {:?}, residual {:?}, weight {} elements (want [T, E], \
              [T, E], [E])",
             x.shape(),
@@ -71,15 +72,15 @@ pub fn add_rms_norm<T: Elem>(
     }
     let x = x
         .as_slice_mut()
-        .ok_or_else(|| Error::InvalidArgument("x must be contiguous".into()))?;
+        .ok_or_else(|| invalid("x must be contiguous"))?;
     let residual = residual
         .as_slice_mut()
-        .ok_or_else(|| Error::InvalidArgument("residual must be contiguous".into()))?;
+        .ok_or_else(|| invalid("residual must be contiguous"))?;
     if rows == 0 || width == 0 {
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { add_rows_avx2_fma(x, residual, weight, eps, width) };
         return Ok(());

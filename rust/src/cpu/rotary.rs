@@ -10,7 +10,8 @@
 use ndarray::{ArrayView2, ArrayViewMut3};
 
 use super::elem::Elem;
-use crate::error::{Error, Result};
+use super::invalid;
+use crate::error::Result;
 
 /// Rotates `x` `[T, heads, D]` (rows and heads at any stride, each head contiguous) in place by
 /// its token's angles: `cos`, `sin` `[T, D / 2]` (rows contiguous).
@@ -56,10 +57,6 @@ fn rotate_head<T: Elem>(head: &mut [T], cos: &[T], sin: &[T]) {
         *a = T::from_f32(T::round(x1 * c) - T::round(x2 * s));
         *b = T::from_f32(T::round(x2 * c) + T::round(x1 * s));
     }
-}
-
-fn invalid(msg: impl Into<String>) -> Error {
-    Error::InvalidArgument(msg.into())
 }
 
 #[cfg(test)]

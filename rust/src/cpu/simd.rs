@@ -9,6 +9,13 @@ use super::elem::Elem;
 
 pub(crate) const LANES: usize = 8;
 
+/// Whether this CPU runs the kernels' `avx2,fma` functions (the one check before calling any).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
 #[inline(always)]
 fn madd<const F: bool>(a: f32, b: f32, c: f32) -> f32 {
     if F {
@@ -243,9 +250,7 @@ mod tests {
                 .sum();
             let mut got = vec![dot::<false, f32>(&a, &b)];
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2_fma() {
                 got.push(dot::<true, f32>(&a, &b));
             }
             for got in got {
@@ -268,9 +273,7 @@ mod tests {
             let wide: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
             let mut pairs = vec![(dot::<false, Bf16>(&a, &b), dot::<false, f32>(&a, &wide))];
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2_fma() {
                 pairs.push((dot::<true, Bf16>(&a, &b), dot::<true, f32>(&a, &wide)));
             }
             for (got, want) in pairs {
@@ -281,9 +284,7 @@ mod tests {
             axpy::<false, f32>(&mut y_wide, 0.75, &wide);
             assert_eq!(y, y_wide);
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if has_avx2_fma() {
                 let (mut y, mut y_wide) = (a.clone(), a.clone());
                 axpy::<true, Bf16>(&mut y, 0.75, &b);
                 axpy::<true, f32>(&mut y_wide, 0.75, &wide);
@@ -308,9 +309,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn exp8_is_close_to_std_exp_and_keeps_its_range_ends() {
-        if !(std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma"))
-        {
+        if !has_avx2_fma() {
             return;
         }
         let mut xs: Vec<f32> = (0..4000).map(|i| -86.0 + i as f32 * 0.0435).collect();
