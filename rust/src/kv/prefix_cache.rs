@@ -88,14 +88,7 @@ pub fn chain_hashes_from(
     block_size: usize,
     extra_key: u64,
 ) -> Vec<u64> {
-    let mut parent = parent;
-    tokens
-        .chunks_exact(block_size.max(1))
-        .map(|block| {
-            parent = hash_block(parent, block, extra_key);
-            parent
-        })
-        .collect()
+    chain(parent, tokens, block_size, extra_key).collect()
 }
 
 /// Extends `hashes` (the chain of the first `hashes.len()` blocks of `tokens`) up to `num_blocks`.
@@ -107,15 +100,28 @@ pub(crate) fn extend_chain(
     extra_key: u64,
     num_blocks: usize,
 ) {
-    let mut parent = hashes.last().copied().unwrap_or(ROOT_HASH);
-    for i in hashes.len()..num_blocks {
-        parent = hash_block(
-            parent,
-            &tokens[i * block_size..(i + 1) * block_size],
-            extra_key,
-        );
-        hashes.push(parent);
+    let done = hashes.len();
+    if num_blocks <= done {
+        return;
     }
+    let parent = hashes.last().copied().unwrap_or(ROOT_HASH);
+    let rest = &tokens[done * block_size..num_blocks * block_size];
+    hashes.extend(chain(parent, rest, block_size, extra_key));
+}
+
+/// The hashes of `tokens`' full blocks, each chained to the one before, the first to `parent`.
+fn chain(
+    parent: u64,
+    tokens: &[TokenId],
+    block_size: usize,
+    extra_key: u64,
+) -> impl Iterator<Item = u64> + '_ {
+    tokens
+        .chunks_exact(block_size.max(1))
+        .scan(parent, move |parent, block| {
+            *parent = hash_block(*parent, block, extra_key);
+            Some(*parent)
+        })
 }
 
 /// Hasher for keys that are already well-mixed 64-bit values (block hashes) or small ids
