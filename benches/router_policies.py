@@ -274,10 +274,10 @@ def run_policy(policy: str, args, prompts, log: str | None, fleet=None) -> dict:
     cmd += ["--routing-policy", policy, "--log-level", "warning"]
     with server_process("pagedllm", cmd, port, log=log) as proc:
         time.sleep(1.5)  # the router's first polls and subscriptions (and replays)
-        replicas = (lambda: descendants(proc.pid)) if fleet is None else (lambda: fleet_pids(fleet))
-        before = cpu_split(proc.pid, replicas())
+        replicas = descendants(proc.pid) if fleet is None else fleet_pids(fleet)
+        before = cpu_split(proc.pid, replicas)
         result = asyncio.run(drive(url, args, prompts))
-        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid, replicas())))
+        router, run, wait = (b - a for a, b in zip(before, cpu_split(proc.pid, replicas)))
         result["router_cpu_s"] = router
         result["busy"] = run / (2 * result["wall_s"])
         result["starved"] = wait / (2 * result["wall_s"])

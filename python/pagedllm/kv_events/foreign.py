@@ -75,6 +75,11 @@ class ForeignHashes:
         self._staged.clear()
         self._cleared = True
 
+    def reset(self) -> None:
+        """Forgets every block at once, staged or kept (the replica starts over)."""
+        self.own.clear()
+        self.rollback()
+
     def commit(self) -> None:
         """Keeps the staged batch's changes (the index applied it)."""
         if self._cleared:

@@ -150,8 +150,7 @@ class KVEventSubscriber:
         try:
             while not self._stop.is_set():
                 if self._restarted.is_set() and self.foreign is not None:
-                    self.foreign.cleared()  # on this thread: the table is the subscriber's
-                    self.foreign.commit()
+                    self.foreign.reset()  # on this thread: the table is the subscriber's
                 self._restarted.clear()
                 if self._resync.is_set() and replay is not None and self._replay(replay):
                     self._resync.clear()
@@ -173,8 +172,7 @@ class KVEventSubscriber:
             arrays = decode_batch(payload, self.foreign)
         except ValueError as exc:  # kept in sequence as an empty batch: the next one follows
             logger.warning("replica %d: KV event batch %d skipped: %s", self.replica, seq, exc)
-            empty = np.array([], np.uint8), np.array([0], np.uint32), np.array([], np.uint64)
-            arrays = empty
+            arrays = np.array([], np.uint8), np.array([0], np.uint32), np.array([], np.uint64)
             if self.foreign is not None:
                 self.foreign.rollback()
         with self.lock:
@@ -222,8 +220,7 @@ class KVEventSubscriber:
         """The replica's part of the index emptied and `seq` applied as its next batch (another
         engine's replay starts with the oldest batch it still holds, not a snapshot)."""
         if self.foreign is not None:
-            self.foreign.cleared()
-            self.foreign.commit()
+            self.foreign.reset()
         with self.lock:
             if seq <= 0:
                 self.index.reset_replica(self.replica)
