@@ -1,18 +1,23 @@
 """The router's HTTP face: OpenAI's `/v1/completions` and `/v1/chat/completions` (streaming
-included) forwarded to the replica the Rust core picks, plus `/v1/models`, `/health` and
-`/metrics` (per replica, label `engine`).
+included) forwarded to the replica the Rust core picks, plus `/v1/models`, `/tokenize` and
+`/detokenize` (a live replica's), `/health` and `/metrics` (per replica, label `engine`). With an
+API key every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`.
 
 Per request: the prompt's token ids (token-id prompts as given, text and chat through a live
 replica's `/tokenize`, so the chat template and special tokens are exactly the replicas'), the
 adapter's LoRA id (from the replicas' `/load`), the session header; then `Router.route`. A
-replica that cannot be reached, or answers 502/503 before anything was sent to the client, is
-taken out of rotation and the request goes to another; a stream that breaks after its first
-byte ends with an error event (OpenAI's `{"error": {...}}`) and `[DONE]`.
+replica that cannot be reached, or answers 502/503, is taken out of rotation and the request
+goes to another; so does a request whose replica stops answering (its /load silent for
+`unresponsive_after`) before the client got a byte (a stream's first event is read before the
+client is answered). A replica that breaks off before the first byte is a 502. A stream that
+breaks, or whose replica stops answering, after its first byte ends with an error event
+(OpenAI's `{"error": {...}}`) and `[DONE]`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -25,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedllm._core import PagedLLMError
-from pagedllm.router.replicas import Replica, ReplicaSet
+from pagedllm.router.replicas import InFlight, Replica, ReplicaDown, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +40,42 @@ REPLICA_HEADER = "x-pagedllm-replica"
 # the client's headers a replica needs (the API key, the content type)
 FORWARDED_HEADERS = ("authorization", "content-type")
 RETRY_STATUSES = (502, 503)
+# open without the API key: what probes and scrapers read
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def error(status: int, message: str, type_: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": type_, "code": status}}, status_code=status
     )
+
+
+def check_api_key(api_key: str | None) -> None:
+    """ValueError for an empty key (an unset variable in `--api-key "$KEY"`) or one with
+    whitespace around it, as `serve` refuses them (its check is not imported: it loads torch)."""
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise ValueError(
+            "the router's API key is empty or has whitespace around it; give it plainly, or "
+            "none to route without authentication"
+        )
+
+
+class _ApiKeyMiddleware:
+    """401 without `Authorization: Bearer <key>` (compared in constant time) on every path but
+    OPEN_PATHS. Plain ASGI: Starlette's BaseHTTPMiddleware would interfere with streams."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error(401, "invalid or missing API key", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Collector:
@@ -85,6 +120,11 @@ class _Collector:
         up = GaugeMetricFamily(
             "pagedllm_router:replica_up", "In rotation (1) or not (0)", labels=["engine"]
         )
+        restarts = CounterMetricFamily(
+            "pagedllm_router:replica_restarts",
+            "New instances of the replica seen (restarted by its supervisor or `serve -dp`)",
+            labels=["engine"],
+        )
         for replica, s in zip(self.replicas.replicas, stats):
             label = [str(replica.index)]
             for key, family in families.items():
@@ -93,13 +133,20 @@ class _Collector:
             prompt.add_metric(label, replica.prompt_tokens)
             hit_rate.add_metric(label, replica.cached_tokens / max(replica.prompt_tokens, 1))
             up.add_metric(label, 1.0 if replica.alive else 0.0)
+            restarts.add_metric(label, replica.restarts)
         yield from families.values()
-        yield from (hit_rate, cached, prompt, up)
+        yield from (hit_rate, cached, prompt, up, restarts)
 
 
 def build_router_app(
-    replicas: ReplicaSet, *, session_header: str = SESSION_HEADER, request_timeout: float = 600.0
+    replicas: ReplicaSet,
+    *,
+    session_header: str = SESSION_HEADER,
+    request_timeout: float = 600.0,
+    api_key: str | None = None,
 ) -> FastAPI:
+    """`api_key`: wanted from clients on every path but OPEN_PATHS (None: open)."""
+    check_api_key(api_key)
     client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=2.0))
 
     @contextlib.asynccontextmanager
@@ -114,6 +161,8 @@ def build_router_app(
 
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.replicas = replicas
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     registry = CollectorRegistry()
     registry.register(_Collector(replicas))
 
@@ -129,13 +178,35 @@ def build_router_app(
 
     @app.get("/v1/models")
     async def models(request: Request):
+        return await _any_replica(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _any_replica(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _any_replica(request, "POST", "/detokenize")
+
+    async def _any_replica(request: Request, method: str, path: str) -> Response:
+        """The first live replica's answer to the request (they all answer alike)."""
+        raw = await request.body()
         for replica in replicas.live():
             try:
-                r = await client.get(f"{replica.url}/v1/models", headers=_headers(request))
-            except httpx.HTTPError:
+                r = await _ask(replica, method, path, raw, _headers(request))
+            except (httpx.HTTPError, ReplicaDown):
                 continue
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         return error(503, "no replica answers", "service_unavailable")
+
+    async def _ask(
+        replica: Replica, method: str, path: str, raw: bytes, headers: dict
+    ) -> httpx.Response:
+        """One short call to `replica`, ended (ReplicaDown) if it stops answering meanwhile."""
+        with replicas.watch(replica) as in_flight, in_flight.waiting():
+            return await client.request(
+                method, f"{replica.url}{path}", content=raw, headers=headers
+            )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -163,65 +234,90 @@ def build_router_app(
             except PagedLLMError:
                 return error(503, "no replica is in rotation", "service_unavailable")
             excluded |= 1 << replica.index
+            answer = await _forward(replicas.track(replica, ticket), path, raw, request, body)
+            if answer is not None:
+                return answer
+
+    async def _forward(
+        in_flight: InFlight, path: str, raw: bytes, request: Request, body: dict
+    ) -> Response | None:
+        """The replica's answer for the client, or None for "try another": it answered 502/503
+        or could not be reached (it leaves rotation), or it stopped answering before the first
+        byte (a stream's first event is read before the client is answered, so that holds for
+        streams too). Releases `in_flight`, or hands it to the stream."""
+        replica = in_flight.replica
+        response = None
+        try:
             sent = client.build_request(
                 "POST", f"{replica.url}{path}", content=raw, headers=_headers(request)
             )
             try:
-                response = await client.send(sent, stream=True)
-            except httpx.TransportError as exc:  # never reached it: another replica
-                replicas.finish(ticket)
+                with in_flight.waiting():
+                    response = await client.send(sent, stream=True)
+            except httpx.TransportError as exc:  # never reached it
                 replicas.mark_down(replica, repr(exc))
-                continue
+                return None
             if response.status_code in RETRY_STATUSES:
-                await response.aclose()
-                replicas.finish(ticket)
                 replicas.mark_down(replica, f"answered {response.status_code}")
-                continue
+                return None
+            headers = {REPLICA_HEADER: str(replica.index)}
             if body.get("stream") and response.status_code == 200:
-                return StreamingResponse(
-                    _stream(replica, ticket, response),
-                    media_type="text/event-stream",
-                    headers={REPLICA_HEADER: str(replica.index)},
-                )
-            try:
+                chunks = response.aiter_raw()
+                with in_flight.waiting():
+                    first = await anext(chunks, b"")
+                stream = _stream(in_flight, first, chunks, response)
+                in_flight = response = None  # the stream's to release
+                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            with in_flight.waiting():
                 content = await response.aread()
-            except httpx.TransportError as exc:
-                replicas.finish(ticket)
-                replicas.mark_down(replica, repr(exc))
-                return error(502, f"replica {replica.index} failed mid-response", "bad_gateway")
-            finally:
-                await response.aclose()
-            replicas.finish(ticket)
             _count_usage(replica, content)
             return Response(
                 content,
                 status_code=response.status_code,
                 media_type=response.headers.get("content-type"),
-                headers={REPLICA_HEADER: str(replica.index)},
+                headers=headers,
             )
+        except ReplicaDown:
+            return None
+        except httpx.TransportError as exc:  # broke off mid-answer: maybe the request's doing
+            replicas.mark_down(replica, repr(exc))
+            return error(502, f"replica {replica.index} failed mid-response", "bad_gateway")
+        finally:
+            if response is not None:
+                await response.aclose()
+            if in_flight is not None:
+                replicas.release(in_flight)
 
     async def _stream(
-        replica: Replica, ticket: int, response: httpx.Response
+        in_flight: InFlight, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response
     ) -> AsyncIterator[bytes]:
-        last = b""
+        """The replica's stream to the client from its `first` chunk (read already); releases
+        `in_flight` when it ends."""
+        replica = in_flight.replica
+        last = first if b'"usage"' in first else b""
+        failure = None
         try:
-            async for chunk in response.aiter_raw():
+            if first:
+                yield first
+            while True:
+                with in_flight.waiting():  # never around a yield (see InFlight.waiting)
+                    chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
                 last = chunk if b'"usage"' in chunk else last
                 yield chunk
         except httpx.TransportError as exc:
             replicas.mark_down(replica, repr(exc))
-            event = {
-                "error": {
-                    "message": f"replica {replica.index} failed mid-stream: {exc!r}",
-                    "type": "bad_gateway",
-                    "code": 502,
-                }
-            }
-            yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+            failure = f"replica {replica.index} failed mid-stream: {exc!r}"
+        except ReplicaDown:
+            failure = f"replica {replica.index} stopped answering mid-stream"
         finally:
             await response.aclose()
-            replicas.finish(ticket)
+            replicas.release(in_flight)
             _count_usage(replica, last)
+        if failure is not None:
+            event = {"error": {"message": failure, "type": "bad_gateway", "code": 502}}
+            yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
 
     async def _prompt_tokens(body: dict, request: Request) -> list[int]:
         """The prompt's token ids as the replicas tokenize it (the first prompt of a batch);
@@ -239,12 +335,12 @@ def build_router_app(
             query = {"model": body.get("model"), "messages": body["messages"]}
         else:
             return []
+        raw, headers = json.dumps(query).encode(), _headers(request)
+        headers["content-type"] = "application/json"
         for replica in replicas.live():
             try:
-                r = await client.post(
-                    f"{replica.url}/tokenize", json=query, headers=_headers(request)
-                )
-            except httpx.HTTPError:
+                r = await _ask(replica, "POST", "/tokenize", raw, headers)
+            except (httpx.HTTPError, ReplicaDown):
                 continue
             return r.json().get("tokens", []) if r.status_code == 200 else []
         return []

@@ -2,6 +2,14 @@
 one lock, a KV-event subscriber per replica, and the health poll that takes a replica out of
 rotation when it stops answering and back in (resynced) when it answers again.
 
+A replica that stops answering altogether (a frozen or hung process: no reply, no reset) has
+its requests under way ended when it leaves rotation (`InFlight`): nothing else would end them.
+A replica refusing connections (dead, or draining on shutdown) or answering errors leaves
+rotation too, but what it has under way ends by itself (its connections close, or it finishes).
+A /load answer of the wrong shape counts as a failed poll; nothing a replica answers ends its
+poll loop. A new `instance_id` (a restarted process) is counted (`restarts`) and resets its part
+of the index, rebuilt from the new instance's events.
+
 A `pagedllm serve` replica reports its load, identity and KV-event endpoints on GET /load. An
 external one (a vLLM server started with `--kv-events-config`) is given with its events endpoint;
 its load comes from its Prometheus /metrics (`vllm:num_requests_waiting`, `..._running`,
@@ -13,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,6 +65,41 @@ class Replica:
     # from the responses' usage: what the replica's prefix cache actually served
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    restarts: int = 0  # new instances seen (a supervisor, or `serve -dp`, restarted it)
+    in_flight: set[InFlight] = field(default_factory=set)  # requests waiting on it now
+
+
+class ReplicaDown(Exception):
+    """The replica a request waits on stopped answering and left rotation."""
+
+
+class InFlight:
+    """A request under way on a replica (and its routing ticket, if routed). `end` (the replica
+    stopped answering) cancels the wait on it in progress and fails every later one with
+    ReplicaDown."""
+
+    def __init__(self, replica: Replica, ticket: int | None) -> None:
+        self.replica = replica
+        self.ticket = ticket
+        self.ended = False
+        self._scope: anyio.CancelScope | None = None
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around one wait on the replica (never around a `yield` to the client: the cancel
+        would then land outside it)."""
+        if self.ended:
+            raise ReplicaDown
+        with anyio.CancelScope() as self._scope:
+            yield
+        self._scope = None
+        if self.ended:
+            raise ReplicaDown
+
+    def end(self) -> None:
+        self.ended = True
+        if self._scope is not None:
+            self._scope.cancel()
 
 
 # an external replica's /metrics gauges (either engine's prefix) -> /load's keys
@@ -119,6 +165,45 @@ def connect_endpoint(endpoint: str, replica_url: str) -> str:
     return endpoint
 
 
+def _count(load: dict, key: str) -> int:
+    value = load.get(key)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"its /load {key} is {value!r}, not a count")
+    return value
+
+
+def parse_load(load) -> dict:
+    """A /load answer (or `external_load`'s) checked field by field: ValueError naming the first
+    of the wrong shape (a buggy or foreign replica must not reach the router core with it)."""
+    if not isinstance(load, dict):
+        raise ValueError(f"its /load is a {type(load).__name__}, not a JSON object")
+    _count(load, "num_waiting")
+    _count(load, "num_running")
+    usage = load.get("kv_usage")
+    if type(usage) not in (int, float) or not math.isfinite(usage):
+        raise ValueError(f"its /load kv_usage is {usage!r}, not a number")
+    if not isinstance(load.get("instance_id"), (str, type(None))):
+        raise ValueError(f"its /load instance_id is {load['instance_id']!r}, not a string")
+    if not isinstance(load.get("healthy", True), bool):
+        raise ValueError(f"its /load healthy is {load['healthy']!r}, not a boolean")
+    if load.get("block_size") is not None:
+        _count(load, "block_size")
+    loras = load.get("lora_ids") or {}
+    if not isinstance(loras, dict) or not all(
+        isinstance(k, str) and type(v) is int for k, v in loras.items()
+    ):
+        raise ValueError(f"its /load lora_ids is {loras!r}, not names to ids")
+    events = load.get("kv_events")
+    if events is not None and not (
+        isinstance(events, dict)
+        and isinstance(events.get("endpoint"), str)
+        and isinstance(events.get("replay_endpoint"), (str, type(None)))
+        and isinstance(events.get("topic", ""), str)
+    ):
+        raise ValueError(f"its /load kv_events is {events!r}, not endpoints")
+    return load
+
+
 class ReplicaSet:
     """The replicas, their Rust router core and its lock (the subscribers' threads and the
     request handlers share it)."""
@@ -132,10 +217,11 @@ class ReplicaSet:
         external: list[tuple[str, str, str | None]] = (),
         health_interval: float = 0.5,
         unresponsive_after: float = UNRESPONSIVE_AFTER,
+        api_key: str | None = None,
         **router_knobs,
     ) -> None:
         """`urls`: `pagedllm serve` replicas; `external`: others' (URL, KV-event endpoint, replay
-        endpoint or None)."""
+        endpoint or None); `api_key`: sent on the polls (replicas behind the same key)."""
         if not urls and not external:
             raise ValueError("give at least one --replica URL (or --external-replica)")
         if not unresponsive_after > 0:
@@ -150,6 +236,7 @@ class ReplicaSet:
         self.lock = threading.Lock()
         self.health_interval = health_interval
         self.unresponsive_after = unresponsive_after
+        self.poll_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._tasks: list[asyncio.Task] = []
 
     def route(
@@ -171,8 +258,9 @@ class ReplicaSet:
         with self.lock:
             self.router.finish(ticket)
 
-    def mark_down(self, replica: Replica, reason: str) -> None:
-        """Out of rotation now (a request could not reach it); the poll brings it back."""
+    def mark_down(self, replica: Replica, reason: str, *, end_in_flight: bool = False) -> None:
+        """Out of rotation now; the poll brings it back. `end_in_flight` (it stopped answering):
+        its requests under way end as well."""
         if replica.alive:
             logger.warning(
                 "replica %d (%s) out of rotation: %s", replica.index, replica.url, reason
@@ -180,6 +268,35 @@ class ReplicaSet:
         replica.alive = False
         with self.lock:
             self.router.set_alive(replica.index, False)
+        if end_in_flight and replica.in_flight:
+            logger.warning(
+                "replica %d: ending its %d requests under way",
+                replica.index,
+                len(replica.in_flight),
+            )
+            for request in replica.in_flight:
+                request.end()
+
+    def track(self, replica: Replica, ticket: int | None) -> InFlight:
+        """A request under way on `replica` from now until `release` (see `InFlight`)."""
+        request = InFlight(replica, ticket)
+        replica.in_flight.add(request)
+        return request
+
+    def release(self, request: InFlight) -> None:
+        """The request ended: no longer tracked, its ticket finished."""
+        request.replica.in_flight.discard(request)
+        if request.ticket is not None:
+            self.finish(request.ticket)
+
+    @contextlib.contextmanager
+    def watch(self, replica: Replica) -> Iterator[InFlight]:
+        """An unrouted call to `replica` (no ticket) tracked for the `with` block."""
+        request = self.track(replica, None)
+        try:
+            yield request
+        finally:
+            self.release(request)
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
@@ -197,20 +314,26 @@ class ReplicaSet:
         ] + [asyncio.ensure_future(self._expire_forever())]
 
     async def stop(self) -> None:
+        """Stops the polls and the subscribers, whatever state they are in (a shutdown that
+        raised here would leave the router up after SIGTERM)."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        for replica in self.replicas:
-            if replica.subscriber is not None:
-                replica.subscriber.close()
-                replica.subscriber = None
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._tasks = []
+            for replica in self.replicas:
+                if replica.subscriber is not None:
+                    replica.subscriber.close()
+                    replica.subscriber = None
 
     async def _poll_forever(self, client: httpx.AsyncClient, replica: Replica) -> None:
         while True:
-            await self._poll_one(client, replica)
+            try:
+                await self._poll_one(client, replica)
+            except Exception as exc:  # noqa: BLE001 - nothing a replica answers ends its poll
+                logger.exception("replica %d: polling it failed", replica.index)
+                self._failed_poll(replica, exc)
             await asyncio.sleep(self.health_interval)
 
     async def _expire_forever(self) -> None:
@@ -232,28 +355,38 @@ class ReplicaSet:
                 bound -= time.monotonic() - replica.last_answer
             path = "/metrics" if replica.external_events else "/load"
             response = await asyncio.wait_for(
-                client.get(f"{replica.url}{path}"), max(bound, self.health_interval)
+                client.get(f"{replica.url}{path}", headers=self.poll_headers),
+                max(bound, self.health_interval),
             )
             response.raise_for_status()
-            load = external_load(response.text) if replica.external_events else response.json()
+            load = parse_load(
+                external_load(response.text) if replica.external_events else response.json()
+            )
             if not load.get("healthy", True):
                 raise ValueError("its engine reports itself unhealthy")
         except (TimeoutError, httpx.TimeoutException):
             silent_for = time.monotonic() - replica.last_answer
             if silent_for >= self.unresponsive_after:
-                self.mark_down(replica, f"/load has not answered for {silent_for:.1f} s")
+                reason = f"/load has not answered for {silent_for:.1f} s"
+                self.mark_down(replica, reason, end_in_flight=True)
             return
-        except (httpx.HTTPError, ValueError) as exc:
-            replica.failed_polls += 1
-            if replica.failed_polls >= MAX_FAILED_POLLS:
-                self.mark_down(replica, f"/load failed {replica.failed_polls} times ({exc!r})")
+        except (httpx.HTTPError, ValueError) as exc:  # a JSON error is a ValueError
+            self._failed_poll(replica, exc)
             return
         replica.failed_polls = 0
         replica.last_answer = time.monotonic()
         self._update(replica, load)
 
+    def _failed_poll(self, replica: Replica, exc: Exception) -> None:
+        replica.failed_polls += 1
+        if replica.failed_polls >= MAX_FAILED_POLLS:
+            self.mark_down(replica, f"/load failed {replica.failed_polls} times ({exc!r})")
+
     def _update(self, replica: Replica, load: dict) -> None:
         restarted = replica.instance_id is not None and load["instance_id"] != replica.instance_id
+        if restarted:
+            replica.restarts += 1
+            logger.warning("replica %d (%s) is a new instance", replica.index, replica.url)
         replica.instance_id = load["instance_id"]
         replica.lora_ids = dict(load.get("lora_ids") or {})
         with self.lock:
