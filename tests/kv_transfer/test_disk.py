@@ -6,51 +6,27 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
-from kv_transfer_util import GatedLoads
+from kv_transfer_util import (
+    GREEDY,
+    GatedLoads,
+    block_files,
+    generate,
+    make_disk_llm,
+    make_plain_llm,
+    prompt,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm._core import hash_block_chain, kv_block_file_name
 from pagedllm.config import EngineArgs
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("kv_offloading_size", 0.01)
-    kw.setdefault("num_gpu_blocks", 24)
-    kw.setdefault("max_model_len", 80)
-    return LLM(
-        device="cpu",
-        block_size=4,
-        swap_space=0.01,
-        kv_offloading_backend="disk",
-        kv_offloading_path=str(path),
-        **kw,
-    )
-
-
-def prompt(seed: int = 0, n: int = 48) -> list[int]:
-    return np.random.default_rng(seed).integers(2, 250, size=n).tolist()
-
-
-def generate(llm: LLM, tokens: list[int]):
-    out = llm.generate({"prompt_token_ids": tokens}, GREEDY, use_tqdm=False)[0]
-    engine = llm.llm_engine
-    while engine.has_unfinished_requests():  # the saves' reports
-        engine.step()
-    return out
+make_llm = make_disk_llm
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[int]:
-    llm = LLM(device="cpu", block_size=4, num_gpu_blocks=24, swap_space=0.01, max_model_len=80)
-    return llm.generate({"prompt_token_ids": prompt() + [9]}, GREEDY, use_tqdm=False)[0]
-
-
-def block_files(path) -> list:
-    return sorted(p for p in path.iterdir() if p.suffix == ".kvblock")
+def reference():
+    return generate(make_plain_llm(), prompt() + [9])
 
 
 def test_prefixes_survive_a_restart(tmp_path, reference):
@@ -127,7 +103,7 @@ def test_nothing_is_left_behind_after_an_abort_mid_load(tmp_path):
 
 def test_the_directory_keeps_within_its_size(tmp_path):
     one = make_llm(tmp_path).llm_engine.kv_transfer
-    block_file = len(one._header(0)) + one.bytes_per_block
+    block_file = one.file_bytes(0)
     llm = make_llm(tmp_path, kv_offloading_size=20 * block_file / 2**30)
     for seed in range(3):
         generate(llm, prompt(seed))  # 12 blocks each

@@ -280,7 +280,13 @@ class LLMEngine:
         kv_cache = self.cache_engine.kv_cache
         size = int(args.kv_offloading_size * 2**30)
         if backend == "disk":
-            return DiskConnector(kv_cache, args.kv_offloading_path, size, model=args.model)
+            return DiskConnector(
+                kv_cache,
+                args.kv_offloading_path,
+                size,
+                model=args.model,
+                tokenizer=args.tokenizer,
+            )
         pool = HostKVPool(
             size,
             block_shape=(2, kv_cache.shape[1], *kv_cache.shape[3:]),

@@ -80,6 +80,8 @@ def _offload_metrics(stats, block_size: int):
     }
     for key, doc in moved.items():
         yield CounterMetricFamily(f"pagedllm:{key}", doc, value=float(stats[key]))
+    if "kv_offload_disk_io_errors" in stats:
+        yield _disk_errors(stats)
     yield GaugeMetricFamily(
         "pagedllm:num_requests_waiting_for_remote_kvs",
         "Requests parked while their prefix loads from the tier",
@@ -106,6 +108,19 @@ def _offload_metrics(stats, block_size: int):
         sum_value=float(stats["kv_offload_load_latency_sum"]),
     )
     yield latency
+
+
+def _disk_errors(stats) -> CounterMetricFamily:
+    """The disk tier's failures, each of which it survives (the blocks are computed again)."""
+    errors = CounterMetricFamily(
+        "pagedllm:kv_offload_disk_errors",
+        "Disk tier failures: io (an OS error: the folder deleted, read-only or full) and "
+        "corrupt (a block file whose payload failed its checksum, deleted)",
+        labels=["reason"],
+    )
+    errors.add_metric(["io"], float(stats["kv_offload_disk_io_errors"]))
+    errors.add_metric(["corrupt"], float(stats["kv_offload_disk_corrupt_blocks"]))
+    return errors
 
 
 class ServerMetrics:

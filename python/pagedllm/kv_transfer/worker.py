@@ -18,7 +18,9 @@ Asynchronous loads (the disk tier's) run on the copy thread: the scheduler parks
 request until they are reported. Saves read blocks the forwards already wrote, so no layer
 waits on them (`save_kv_layer` has nothing to do here). A load whose slot no longer holds the
 block hash the scheduler expects (a corrupted or overwritten entry) is not copied and is
-reported as failed: those tokens are computed again.
+reported as failed: those tokens are computed again. A transfer that raises never stalls the
+scheduler: a save is reported all the same (its blocks released, nothing saved), a load fails
+every block it was to load.
 
 On CPU the copy thread overlaps the copies with the forward (torch releases the GIL). On
 CUDA the pool is pinned and the copy thread's copies run on a side stream, ordered after the
@@ -143,11 +145,7 @@ class CopyThreadConnector:
         """A step's synchronous loads, on the engine thread (on CUDA: queued on the current
         stream, ahead of the forward). A load that raises fails every block of the step's
         synchronous loads: the step is discarded and those tokens computed again."""
-        try:
-            received, invalid = self._load(*loads)
-        except Exception:
-            logger.exception("pagedllm: a KV load from the offload tier failed")
-            return list(dict.fromkeys(loads[0].tolist())), loads[1].tolist()
+        received, invalid = self._load_or_fail(*loads)
         with self._lock:
             self.load_latency.observe(time.perf_counter() - submitted)
         return received, invalid
@@ -191,16 +189,36 @@ class CopyThreadConnector:
 
     # ---- copy thread --------------------------------------------------------------------
 
+    def _save_or_release(self, jobs, blocks, slots, hashes) -> list[int]:
+        """`_save`; one that raises still reports its jobs (nothing saved), so the scheduler
+        releases the device blocks it held for them."""
+        try:
+            return self._save(jobs, blocks, slots, hashes)
+        except Exception:
+            logger.exception(
+                "pagedllm: a KV save to the offload tier failed; its blocks are released unsaved"
+            )
+            return list(dict.fromkeys(jobs.tolist()))
+
+    def _load_or_fail(self, jobs, blocks, slots, hashes) -> tuple[list[int], list[int]]:
+        """`_load`; one that raises fails every block it was to load: those tokens are
+        computed again."""
+        try:
+            return self._load(jobs, blocks, slots, hashes)
+        except Exception:
+            logger.exception("pagedllm: a KV load from the offload tier failed")
+            return list(dict.fromkeys(jobs.tolist())), blocks.tolist()
+
     def _run(self, saves, loads, after, submitted: float) -> None:
         stream = self.stream
         if stream is None:
-            sent = self._save(*saves)
-            received, invalid = self._load(*loads)
+            sent = self._save_or_release(*saves)
+            received, invalid = self._load_or_fail(*loads)
         else:
             with torch.cuda.stream(stream):
                 stream.wait_event(after)
-                sent = self._save(*saves)
-                received, invalid = self._load(*loads)
+                sent = self._save_or_release(*saves)
+                received, invalid = self._load_or_fail(*loads)
             stream.synchronize()
         with self._done:
             if received:
