@@ -195,3 +195,85 @@ def test_auto_needs_the_server_flags():
         )
     assert response.status_code == 400
     assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
+
+
+# "required": a random model keeps adding calls to the array; at temperature 0 its first call
+# closes within 42 tokens and its second after 60, so 60 tokens cut the array mid-second-call
+CUT_IN_SECOND_CALL = 60
+# the named "weather" tool's arguments ({"city": ..., "unit": ...}) close after 30 tokens
+WEATHER = {"type": "function", "function": {"name": "weather"}}
+CUT_IN_ARGUMENTS = 20
+
+
+def _cut_request(tool_choice, max_tokens: int) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "go"}],
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "logprobs": True,
+    }
+
+
+def _stream_choices(server, body: dict) -> list[dict]:
+    """The streamed chunks' choices, in order."""
+    choices = []
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices += json.loads(line[6:])["choices"]
+    return choices
+
+
+def _reply_text(logprobs: list[dict]) -> str:
+    """The raw reply, from its tokens' logprobs (the byte tokenizer: one token per byte)."""
+    return "".join(token["token"] for token in logprobs)
+
+
+def test_a_required_array_cut_by_max_tokens_keeps_the_calls_completed_before_the_cut(server):
+    body = _cut_request("required", CUT_IN_SECOND_CALL)
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    (choice,) = response.json()["choices"]
+    # the cut landed inside the second call
+    assert _reply_text(choice["logprobs"]["content"]).count('{"name"') == 2
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
+
+
+def test_a_streamed_required_array_cut_by_max_tokens_never_sends_the_cut_call(server):
+    body = _cut_request("required", CUT_IN_SECOND_CALL)
+    choices = _stream_choices(server, body)
+    reply = _reply_text([t for c in choices for t in (c["logprobs"] or {}).get("content", ())])
+    assert reply.count('{"name"') == 2
+    calls = [d for c in choices for d in c["delta"].get("tool_calls") or ()]
+    # the completed call in one delta (id, name, all its arguments); nothing of the cut one
+    (call,) = calls
+    assert call["index"] == 0 and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
+    assert all("content" not in c["delta"] for c in choices[1:])
+    assert choices[-1]["finish_reason"] == "length"
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
+
+
+def test_a_named_call_cut_by_max_tokens_is_no_call(server):
+    body = _cut_request(WEATHER, CUT_IN_ARGUMENTS)
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    (choice,) = response.json()["choices"]
+    assert _reply_text(choice["logprobs"]["content"]).startswith("{")
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] is None
+    assert "tool_calls" not in choice["message"]
+
+
+def test_a_streamed_named_call_cut_by_max_tokens_never_sends_its_name(server):
+    choices = _stream_choices(server, _cut_request(WEATHER, CUT_IN_ARGUMENTS))
+    assert all("tool_calls" not in c["delta"] for c in choices)
+    assert all("content" not in c["delta"] for c in choices[1:])
+    assert choices[-1]["finish_reason"] == "length"

@@ -158,9 +158,31 @@ def test_required_calls_are_read_from_the_json_array():
     }
 
 
-def test_a_required_reply_cut_short_is_content():
-    text = '[{"name": "a", "parameters": {"x": 1'
-    assert RequiredCalls().extract(text) == (text, [])
+def test_a_required_reply_cut_short_keeps_the_calls_completed_before_the_cut():
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 1'
+    content, calls = RequiredCalls().extract(text)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')]
+
+
+def test_a_required_reply_cut_in_its_first_call_has_no_calls_and_no_content():
+    assert RequiredCalls().extract('[{"name": "a", "parameters": {"x": 1') == (None, [])
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_a_required_call_is_streamed_whole_once_its_object_closes(step):
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 1'
+    for end in range(1, len(text) + 1):  # nothing of "b" is ever sent
+        assert [c.name for c in RequiredCalls().partial(text[:end], final=False)[1]] in (
+            [],
+            ["a"],
+        )
+    assert _stream(RequiredCalls(), text, step) == ("", {0: {"name": "a", "arguments": '{"x": 1}'}})
+
+
+def test_a_named_call_cut_short_is_no_call_streamed_or_whole():
+    text = '{"x": [1, 2'
+    assert NamedCall("f").extract(text) == (None, [])
+    assert _stream(NamedCall("f"), text) == ("", {})
 
 
 def test_a_named_call_is_the_whole_reply():

@@ -9,7 +9,10 @@ constraint the request samples under, and how its reply becomes a message (`reas
   with `parallel_tool_calls=False`), `[{"name": <a tool's name>, "parameters": {...}}]`, each
   valid against its tool's schema; named (`{"type": "function", "function": {"name": N}}`):
   the reply is constrained to N's arguments. Either way the arguments always parse and
-  validate (unless cut off by max_tokens). Neither combines with a request's own constraint.
+  validate. Neither combines with a request's own constraint. A reply cut short (max_tokens,
+  a stop string) keeps the calls completed before the cut and drops the cut one; streamed, a
+  call is sent whole (id, name and all of its arguments in one delta) once its JSON object
+  closes, so a cut never leaves a call sent that the whole answer does not have.
 - `"auto"` (the default when tools are given): needs a tool parser (`--enable-auto-tool-choice
   --tool-call-parser NAME`). The model writes freely, but once it opens a call (hermes:
   `<tool_call>`; llama3_json: a reply starting with `{`) the grammar holds the rest of the call
@@ -123,17 +126,20 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
 
 
 class RequiredCalls(ToolParser):
-    """`tool_choice="required"`: the reply is `[{"name": ..., "parameters": {...}}, ...]`."""
+    """`tool_choice="required"`: the reply is `[{"name": ..., "parameters": {...}}, ...]`; only
+    complete calls are calls (the grammar makes each valid, but a cut one is not a call)."""
 
     name = "required"
     _KEYS = ("parameters", "arguments")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        _, calls = self.partial(text, final=True)
         try:
             items = json.loads(text)
         except ValueError:
+            if text.lstrip().startswith("["):  # the array cut short: the calls made before
+                return None, [ToolCall(call.name, call.arguments) for call in calls]
             return blank_to_none(text), []
-        _, calls = self.partial(text, final=True)
         valid = (
             isinstance(items, list)
             and len(items) == len(calls) > 0
@@ -147,7 +153,8 @@ class RequiredCalls(ToolParser):
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return "", []
-        return "", partial_calls(text, skip_ws(text, i + 1), self._KEYS, ",")
+        calls = partial_calls(text, skip_ws(text, i + 1), self._KEYS, ",")
+        return "", [call for call in calls if call.end is not None and call.name is not None]
 
     @staticmethod
     def schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -169,7 +176,8 @@ class RequiredCalls(ToolParser):
 
 
 class NamedCall(ToolParser):
-    """A named tool choice: the whole reply is the arguments of that function."""
+    """A named tool choice: the whole reply is the arguments of that function, a call once
+    they are complete (cut short, there is no call)."""
 
     def __init__(self, name: str) -> None:
         self.function = name
@@ -178,6 +186,8 @@ class NamedCall(ToolParser):
         try:
             value = json.loads(text)
         except ValueError:
+            if text.lstrip()[:1] in ("{", '"'):  # the arguments cut short: no call
+                return None, []
             return blank_to_none(text), []
         if not isinstance(value, (dict, str)):
             return blank_to_none(text), []
@@ -186,12 +196,14 @@ class NamedCall(ToolParser):
 
     def partial(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         i = skip_ws(text, 0)
-        if i >= len(text):
-            return "", [PartialCall(self.function, "", None)]
+        if i >= len(text) or text[i] not in '{"':
+            return "", []
         try:
             end = value_end(text, i)
         except ValueError:
-            return "", [PartialCall(self.function, "", None)]
+            return "", []
+        if end is None:  # open: sent whole once it closes (a cut must not leave a call sent)
+            return "", []
         return "", [PartialCall(self.function, arguments_text(text, i, end), end)]
 
 

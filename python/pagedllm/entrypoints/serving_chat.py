@@ -2,7 +2,8 @@
 sample; streamed `delta.content` chunks concatenate to the non-streamed message. With tools or a
 reasoning parser (chat_tools.py) a reply is split into `reasoning`, `content` and `tool_calls`
 (finish reason "tool_calls" when it made calls), streamed in OpenAI's delta shape: a call's
-first delta has its id, type and name, the later ones pieces of its arguments.
+first delta has its id, type and name, the later ones pieces of its arguments (a required or
+named call comes whole in one delta once complete, so a cut one is never sent).
 """
 
 from __future__ import annotations
