@@ -72,16 +72,23 @@ def check_api_key(api_key: str | None) -> None:
         raise ValueError("the API key starts or ends with whitespace; give it without")
 
 
+# what stays open with --api-key: the probes of supervisors, Prometheus and a data-parallel
+# router (which polls /load without a key). Every other path, a future route included, is
+# closed (an allow-list of open paths, not a list of closed ones).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/load"})
+
+
 class _ApiKeyMiddleware:
-    """401 on /v1 without `Authorization: Bearer <key>` (compared in constant time). Plain ASGI:
-    Starlette's BaseHTTPMiddleware would interfere with streamed responses."""
+    """401 without `Authorization: Bearer <key>` (compared in constant time) on every path but
+    OPEN_PATHS. Plain ASGI: Starlette's BaseHTTPMiddleware would interfere with streamed
+    responses."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "invalid or missing API key", type_="authentication_error")
