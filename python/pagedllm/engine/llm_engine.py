@@ -123,6 +123,7 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
             pack_for_cpu=True,
+            quantization=args.quantization,
             **({"tp": shard} if shard else {}),
         )
         draft = self._draft_model()

@@ -71,7 +71,8 @@ def load_chat_template(value: str | None) -> str | None:
 def checkpoint_chat_template(tokenizer: Any, folder: str | None) -> str | None:
     """The checkpoint's own chat template, if it has one."""
     inner = getattr(tokenizer, "_tok", None)
-    template = getattr(inner, "chat_template", None)
+    # a GGUF file's tokenizer carries it; a transformers tokenizer (`_tok`) too
+    template = getattr(tokenizer, "chat_template", None) or getattr(inner, "chat_template", None)
     if isinstance(template, str):
         return template
     if folder is None:

@@ -146,7 +146,12 @@ class RankWorker:
             startup_timeout_s=args.tp_startup_timeout,
         )
         self.model = load_model(
-            args.model, dtype=dtype, device=self.device, tp=self.tp, pack_for_cpu=True
+            args.model,
+            dtype=dtype,
+            device=self.device,
+            tp=self.tp,
+            pack_for_cpu=True,
+            quantization=args.quantization,
         )
         self.lora = None
         if args.enable_lora:  # this rank's shard of the adapters rank 0 puts in slots

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedllm.config import DTYPE_NAMES
-from pagedllm.distributed.layers import TPShard
+from pagedllm.config import DTYPE_NAMES, QUANTIZATIONS
+from pagedllm.distributed.layers import PackableWeight, TPShard
 from pagedllm.kernels import cpu_linear
 from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.fused_linear import SINGLE
+from pagedllm.models.gguf.reader import is_gguf_path
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,9 +64,15 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
-    """The ModelConfig of a checkpoint folder or of the built-in `pagedllm/tiny-random`."""
-    if str(model) == tiny_random.MODEL_NAME:
+    """The ModelConfig of a checkpoint folder, a GGUF file, a packaged model (`smollm2`) or the
+    built-in `pagedllm/tiny-random`."""
+    from pagedllm.models import gguf
+
+    model = gguf.resolve_model(str(model))
+    if model == tiny_random.MODEL_NAME:
         return tiny_random.tiny_random_config()
+    if gguf.is_gguf_path(model):
+        return gguf.read_gguf_config(model)
     return read_model_config(model)
 
 
@@ -76,28 +83,80 @@ def load_model(
     device: str | torch.device | None = "auto",
     tp: TPShard = SINGLE,
     pack_for_cpu: bool = False,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
-    """Build the model of a checkpoint folder (or `pagedllm/tiny-random`) on `device` in `dtype`.
+    """Build the model of a checkpoint folder, a GGUF file (or `pagedllm/tiny-random`) on
+    `device` in `dtype`.
 
     The returned module is in eval mode without gradients; its ModelConfig is `.config`. With a
     `tp` of more than one rank it is that rank's shard, and only its slices are read.
     `pack_for_cpu`: on the CPU, pack the linear layers' weights for the CPU kernel (what the
     engine runs; `kernels.cpu_linear`), dropping the unpacked copies; leave it off to read weights.
+    `quantization` ("q8_0" | "q4_0", `QUANTIZATIONS`): quantize the linear layers at load
+    (`quantize_linears`); GGUF weights keep their own types.
     """
     target = resolve_device(device)
     cfg = load_model_config(model)
     torch_dtype = resolve_dtype(dtype, cfg, target)
+    check_quantization(quantization, cfg, target, torch_dtype)
     if cfg.path is None:
         if tp.size > 1:
             raise ValueError(f"{tiny_random.MODEL_NAME} cannot be sharded; use a checkpoint folder")
         built = tiny_random.build_tiny_random(cfg, device=target, dtype=torch_dtype)
+    elif is_gguf_path(cfg.path):
+        from pagedllm.models.gguf.weights import load_gguf_model
+
+        built = load_gguf_model(cfg.path, cfg, device=target, dtype=torch_dtype, tp=tp)
     else:
         tensors = index_checkpoint(Path(cfg.path))
         check_checkpoint(cfg, tensors)
         built = _materialize(cfg, tensors, target, torch_dtype, tp)
+    if quantization is not None:
+        quantize_linears(built, QUANTIZATIONS[quantization])
     if pack_for_cpu:
         cpu_linear.pack_linears(built)
     return built
+
+
+def check_quantization(
+    quantization: str | None, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> None:
+    """`quantization` is one of QUANTIZATIONS, for a safetensors checkpoint run on the CPU in
+    float32 (where the quantized kernels run); ValueError naming what does not fit."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {list(QUANTIZATIONS)} or None, got {quantization!r}"
+        )
+    if cfg.path is not None and is_gguf_path(cfg.path):
+        raise ValueError(
+            f"quantization={quantization!r} is for safetensors checkpoints; a GGUF file's "
+            "weights keep the types they are stored in"
+        )
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU in float32 (got {device}, {dtype})"
+        )
+
+
+def quantize_linears(model: torch.nn.Module, qtype: int) -> int:
+    """Quantizes every linear layer's weight (`cpu_quant.quantize`: llama.cpp's rounding) into
+    its `quant` slot and drops the float copy; the embedding stays in float (its rows are read,
+    not multiplied), and so does a head tied to it. Returns how many were quantized."""
+    from pagedllm.kernels import cpu_quant
+
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, PackableWeight) or weight is None or weight.dim() != 2:
+            continue
+        if module is getattr(model, "lm_head", None) and model.config.tie_word_embeddings:
+            continue
+        module.quant = cpu_quant.quantize(weight.detach().float().contiguous(), qtype)
+        module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=False)
+        count += 1
+    return count
 
 
 def checkpoint_layout(cfg: ModelConfig) -> dict[str, list[str]]:
