@@ -232,6 +232,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "Ray cluster: one machine or several; pip install 'pagedllm[ray]')",
     )
     g.add_argument(
+        "--tp-step-timeout",
+        type=_number(0.0, low_open=True),
+        default=_ENGINE["tp_step_timeout"],
+        help="seconds a step waits for a tensor-parallel rank before the engine is declared dead "
+        "(a frozen rank: serve's /health fails and it exits 1)",
+    )
+    g.add_argument(
         "-dp",
         "--data-parallel-size",
         type=_POSITIVE,
@@ -363,6 +370,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        tp_step_timeout=args.tp_step_timeout,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -237,6 +237,18 @@ class LLMEngine:
 
         return create_executor(args, self.dtype)
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died, hung or failed; the
+        engine was shut down), known between steps too; None while it can run them."""
+        return None if self.executor is None else self.executor.dead
+
+    def on_death(self, callback) -> None:
+        """Have `callback(reason)` called (from another thread) when a tensor-parallel rank dies
+        between steps; a death in a step raises from the step instead."""
+        if self.executor is not None:
+            self.executor.on_death.append(callback)
+
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (none with one rank), the offload tier's copy
         thread and the KV-event publisher. The engine runs no more steps after it under tensor

@@ -17,12 +17,14 @@ that succeeds, or the engine running out of work, makes it healthy again. `max_f
 steps in a row (no success in between) mean a broken engine: the loop stops, live requests get
 503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it). A
 tensor-parallel rank that died, hung or failed (the executor's `EngineDeadError`) cannot come
-back: the first such step takes the same way out at once, with nothing retried.
+back: the first such step takes the same way out at once, with nothing retried; a rank that dies
+while the engine is idle does too, as soon as the executor sees it (it wakes the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -118,6 +120,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._task = self._loop.create_task(self._run(), name="pagedllm-engine-loop")
+        self.engine.on_death(self._rank_died)
+
+    def _rank_died(self, reason: str) -> None:
+        """From the executor's watch thread: wake the loop, which then stops (see `_serve`)."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                loop.call_soon_threadsafe(wake.set)
 
     def begin_shutdown(self) -> None:
         """Refuses new requests and aborts the live ones: their streams end with finish reason
@@ -152,6 +162,9 @@ class AsyncEngine:
         if self.dead or self._task is None or self._task.done():
             last = f" (last error: {self.last_error!r})" if self.last_error else ""
             return f"the engine loop is not running{last}"
+        dead = self.engine.dead_reason  # a tensor-parallel rank died, even between steps
+        if dead is not None:
+            return f"the engine cannot run steps: {dead}"
         if self.failing:
             return (
                 f"the engine is failing ({self.consecutive_failures} failed steps in a row, "
@@ -254,6 +267,10 @@ class AsyncEngine:
         """Runs engine turns until stopped (returns) or `max_failed_steps` failures (returns)."""
         assert self._wake is not None
         while True:
+            dead = self.engine.dead_reason
+            if dead is not None and not self._stopping:
+                self.last_error = RankDeadError(dead)  # a rank died while the engine was idle
+                return
             with self._lock:
                 has_input = bool(self._inbox or self._aborts)
             if not has_input and not self._live and self._stopping:

@@ -14,13 +14,18 @@ Each worker answers each message over its pipe, so a rank that raises, dies or h
 the step it fails. `RankWorker` is a worker's share of a step, whatever carried it (the `ray`
 launcher's actors run it too).
 
-Failure: a worker's death is seen from its process sentinel (waited on beside its answer), a
-worker that does not answer a step within `tp_step_timeout` is declared hung (the collectives
-share the timeout, so rank 0 cannot block in one for longer). Either makes the executor dead: this
-step and every later one raise `EngineDeadError` naming the rank. A worker whose engine died sees
-it from the ring (it watches rank 0's pid) and exits. `shutdown()` (also at exit) stops and joins
-every worker. The ring's name leaves /dev/shm once every worker has mapped it (and at shutdown,
-in case one never did).
+Failure: a worker's death is seen from its process sentinel, waited on beside its answer during
+a step and by a watch thread between steps (an idle engine is dead, and its health says so, within
+moments of the death; `on_death` callbacks are told). A worker that does not answer a step within
+`tp_step_timeout` is declared hung: the collectives share the timeout, and once rank 0's own
+forward failed in one (it waited for the frozen rank for that long already) only what is left of
+the step's bound is waited, so a frozen rank is declared dead after `tp_step_timeout`, not twice
+that. Either makes the executor dead: this step and every later one raise `EngineDeadError`
+naming the rank. A worker dies with its engine at any moment of its life (`lifeline.Tie`: a watch
+from its first instruction, then the kernel's parent-death signal; in steps it also sees rank 0's
+death from the ring). `shutdown()` (also at exit) stops and joins every worker. The ring's name
+leaves /dev/shm once every worker has mapped it (and at shutdown, or by a worker whose engine died
+before it mapped it).
 
 Start-up (spawning, meeting, loading the shards, allocating the KV cache) has its own, longer
 bound, `EngineArgs.tp_startup_timeout`: a worker that dies meanwhile still fails it at once. Rank 0
@@ -31,9 +36,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import os
+import pickle
 import threading
+import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import NamedTuple
@@ -45,9 +55,12 @@ from pagedllm._core import ShmRingReader, ShmRingWriter
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.layers import TPShard
+from pagedllm.executor.lifeline import Tie, run_tied
 from pagedllm.models import load_model
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm.executor")
 
 # the step fields `ModelRunner.prepare` reads (a scheduler step, or a `StepRows` group of one)
 STEP_FIELDS = (
@@ -69,6 +82,9 @@ STEP_FIELDS = (
 ARRAY_FIELDS = tuple(name for name in STEP_FIELDS if name not in ("is_decode_only", "num_seqs"))
 # seconds a worker is given to exit on its own at shutdown before it is terminated
 JOIN_TIMEOUT_S = 5.0
+# after rank 0's own forward failed past the step's bound, seconds still given to the workers'
+# answers (one that failed and aborted the collective sends its error at once)
+FAILED_STEP_GRACE_S = 0.5
 # the broadcast ring: rank 0 waits for every answer before it sends again, so two chunks never
 # run out; a chunk holds a step of 16k tokens with its block tables
 RING_CHUNKS = 2
@@ -236,12 +252,15 @@ def _worker_main(
     dtype: torch.dtype,
     rendezvous: parallel_state.Rendezvous,
     ring_name: str,
+    tie: Tie,
     conn,
 ) -> None:
-    """Rank `rank`'s process: map the ring, join the group, load its shard, then run messages
-    until told to stop (or the engine dies). An error is sent back, then the worker exits."""
+    """Rank `rank`'s process (started by `lifeline.run_tied`): map the ring, join the group, load
+    its shard, then run messages until told to stop (or the engine dies). An error is sent back,
+    then the worker exits."""
     try:
         ring = ShmRingReader(ring_name, rank)
+        tie.hold()  # the ring is mapped: the kernel may kill this worker with its engine now
         worker = RankWorker(rank, args, dtype, rendezvous)
         conn.send(("loaded",))
         tag, ints, _ = ring.receive()
@@ -308,6 +327,11 @@ class MultiprocExecutor:
         self.startup_timeout_s = args.tp_startup_timeout
         self.shard = TPShard(0, self.size)
         self.dead: str | None = None  # why the executor can run no more steps
+        # called (from the watch thread) with the reason when a worker dies between steps
+        self.on_death: list[Callable[[str], None]] = []
+        self._deadline = 0.0  # the running step's bound (monotonic seconds)
+        self._watcher: threading.Thread | None = None
+        self._stop_watch: tuple[int, int] | None = None  # the watch thread's wake-up pipe
         self.pipe_messages = 0  # messages that outgrew a ring chunk and went through the pipes
         # the rendezvous' port is ours from here on: engines started side by side never collide
         store = parallel_state.open_rendezvous(self.size, self.startup_timeout_s)
@@ -320,11 +344,14 @@ class MultiprocExecutor:
         self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
         atexit.register(self._atexit)
         try:
+            # until a worker maps the ring, it removes the ring's name if this process dies
+            tie = Tie.to_this_process(orphan_names=(self.ring.name,))
             for rank in range(1, self.size):
                 ours, theirs = context.Pipe()
+                work = (_worker_main, (rank, args, dtype, rendezvous, self.ring.name))
                 proc = context.Process(
-                    target=_worker_main,
-                    args=(rank, args, dtype, rendezvous, self.ring.name, theirs),
+                    target=run_tied,
+                    args=(tie, pickle.dumps(work), theirs),
                     name=f"pagedllm-tp{rank}",
                     daemon=True,
                 )
@@ -335,10 +362,36 @@ class MultiprocExecutor:
             self._join_group(store)
             self._expect("loaded", self.startup_timeout_s)
             self.ring.unlink()  # every worker has it mapped
+            self._start_watch()
         except BaseException:
             # also when a spawn fails: the workers started so far and the ring's name go
             self.shutdown()
             raise
+
+    def _start_watch(self) -> None:
+        """The thread that sees a worker die between steps (weakly tied: dropping the executor
+        still shuts it down)."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
+        self._stop_watch = os.pipe()
+        self._watcher = threading.Thread(
+            target=_watch_workers,
+            args=(weakref.ref(self), sentinels, self._stop_watch[0]),
+            name="pagedllm-tp-watch",
+            daemon=True,
+        )
+        self._watcher.start()
+
+    def _mark_dead(self, reason: str) -> None:
+        """From the watch thread: dead from now on (the next step raises and shuts down), and
+        the `on_death` callbacks are told."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        for callback in self.on_death:
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 - a listener's bug must not hide the death
+                logger.exception("an on_death callback failed")
 
     def _join_group(self, store) -> None:
         """Join as rank 0 while watching the workers' process sentinels."""
@@ -377,13 +430,15 @@ class MultiprocExecutor:
             except OSError as exc:
                 self._die(f"tensor-parallel rank {rank} is unreachable ({exc})")
 
-    def _expect(self, kind: str, timeout_s: float) -> None:
+    def _expect(self, kind: str, timeout_s: float, wait_s: float | None = None) -> None:
         """Wait for every worker's answer `kind`; a death, an error or silence for `timeout_s`
-        kills."""
+        (or `wait_s` in all, when given: what is left of the step's bound) kills."""
         pending = dict(enumerate(self.conns, start=1))
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs, start=1)}
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         while pending:
-            ready = connection.wait([*pending.values(), *sentinels], timeout=timeout_s)
+            left = timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait([*pending.values(), *sentinels], timeout=left)
             if not ready:
                 bound = "tp_step_timeout" if kind == "ok" else "the start-up timeout"
                 self._die(
@@ -415,6 +470,8 @@ class MultiprocExecutor:
 
     def _check_alive(self) -> None:
         if self.dead is not None:
+            if self.procs:  # the watch thread saw the death: the other workers go now
+                self.shutdown()
             raise EngineDeadError(self.dead)
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
@@ -426,13 +483,19 @@ class MultiprocExecutor:
         raise EngineDeadError(reason)
 
     def step(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+        self._deadline = time.monotonic() + self.timeout_s
         self._send(("step", block_ops, arrays, prompt_rows))
 
-    def wait_step(self) -> None:
-        """The workers' answers to the step. Also after rank 0's own forward failed: a collective
-        that failed because a worker did is reported as that worker's failure."""
+    def wait_step(self, rank_zero_failed: bool = False) -> None:
+        """The workers' answers to the step. Also after rank 0's own forward failed
+        (`rank_zero_failed`): a collective that failed because a worker did is reported as that
+        worker's failure, and only what is left of the step's bound is waited (at least
+        `FAILED_STEP_GRACE_S`): a collective that timed out waited for the frozen rank already."""
         self._check_alive()
-        self._expect("ok", self.timeout_s)
+        wait_s = None
+        if rank_zero_failed:
+            wait_s = max(self._deadline - time.monotonic(), FAILED_STEP_GRACE_S)
+        self._expect("ok", self.timeout_s, wait_s)
 
     # ---- shutdown -----------------------------------------------------------------------------
 
@@ -445,6 +508,7 @@ class MultiprocExecutor:
         """Stop every worker and leave the group. Idempotent. Healthy workers are asked to stop
         first; after a failure (a rank may be hung) they are killed at once."""
         atexit.unregister(self._atexit)
+        self._end_watch()
         healthy = self.dead is None
         if healthy and self.procs:
             with contextlib.suppress(TimeoutError, ConnectionError):
@@ -463,6 +527,26 @@ class MultiprocExecutor:
         parallel_state.destroy_tensor_parallel()
         if healthy:
             self.dead = "the engine was shut down"
+
+    def _end_watch(self) -> None:
+        """Stop the watch thread before the workers are stopped (their exits are no deaths)."""
+        if self._stop_watch is None:
+            return
+        wake, self._stop_watch = self._stop_watch, None
+        os.close(wake[1])  # the thread reads EOF and returns
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join()
+        os.close(wake[0])
+
+
+def _watch_workers(ref: weakref.ref, sentinels: dict, stop_fd: int) -> None:
+    """The watch thread: waits for a worker's death (its sentinel) or for `stop_fd`'s EOF."""
+    ready = connection.wait([*sentinels, stop_fd])
+    dead = sorted(sentinels[sentinel] for sentinel in ready if sentinel in sentinels)
+    executor = ref()
+    if executor is None or stop_fd in ready or not dead:
+        return
+    executor._mark_dead(executor._death(dead[0]))
 
 
 class ParallelInputs(NamedTuple):
@@ -516,7 +600,7 @@ class ParallelModelRunner:
         except BaseException:
             # the ranks are out of step now: EngineDeadError (a worker's death, error or
             # silence), with rank 0's error as its context
-            self.executor.wait_step()
+            self.executor.wait_step(rank_zero_failed=True)
             raise
         self.executor.wait_step()
         return logits

@@ -38,6 +38,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.layers import TPShard
 from pagedllm.executor.multiproc import (
+    FAILED_STEP_GRACE_S,
     EngineDeadError,
     ParallelModelRunner,
     RankWorker,
@@ -95,6 +96,8 @@ class RayExecutor:
         self.actors: list = []
         self.group = None
         self._pending: list = []  # the running step's calls
+        self._deadline = 0.0  # the running step's bound (monotonic seconds)
+        self.on_death: list = []  # told of a rank's death between steps (`mp` only, for now)
         # a cluster started with `ray start` (or RAY_ADDRESS), else a local one we own
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -163,20 +166,33 @@ class RayExecutor:
 
     def step(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
         self._check_alive()
+        self._deadline = time.monotonic() + self.timeout_s
         self._pending = [a.execute.remote(block_ops, arrays, prompt_rows) for a in self.actors]
 
-    def wait_step(self) -> None:
-        """The actors' answers to the step. Also after rank 0's own forward failed: a collective
-        that failed because an actor did is reported as that actor's failure."""
+    def wait_step(self, rank_zero_failed: bool = False) -> None:
+        """The actors' answers to the step. Also after rank 0's own forward failed
+        (`rank_zero_failed`): a collective that failed because an actor did is reported as that
+        actor's failure, and only what is left of the step's bound is waited (at least
+        `FAILED_STEP_GRACE_S`): a collective that timed out waited for the frozen rank already."""
         self._check_alive()
         pending, self._pending = self._pending, []
-        self._wait(pending, self.timeout_s)
+        wait_s = None
+        if rank_zero_failed:
+            wait_s = max(self._deadline - time.monotonic(), FAILED_STEP_GRACE_S)
+        self._wait(pending, self.timeout_s, wait_s=wait_s)
 
-    def _wait(self, refs: list, timeout_s: float, bound: str = "tp_step_timeout") -> None:
+    def _wait(
+        self,
+        refs: list,
+        timeout_s: float,
+        bound: str = "tp_step_timeout",
+        wait_s: float | None = None,
+    ) -> None:
         """Every call's result, taken as each arrives (rank r's call is `refs[r - 1]`): the first
-        death or error kills at once; silence past `timeout_s` (named `bound`) kills too."""
+        death or error kills at once; silence past `timeout_s` (named `bound`; `wait_s` when
+        given) kills too."""
         rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
         pending = list(refs)
         while pending:
             done, pending = self.ray.wait(

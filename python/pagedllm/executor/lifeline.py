@@ -1,0 +1,94 @@
+"""A spawned worker's tie to its engine: the worker dies with the engine, at any moment of its life.
+
+`run_tied` is the worker process' entry. Its module imports nothing heavy, so the tie is made a
+fraction of a second after the spawn, before the worker's own target is even unpickled (which
+imports torch and takes seconds): from then on a thread watches the engine (the parent's
+sentinel, a pipe multiprocessing closes when the parent dies, and `os.getppid()` as a backstop)
+and ends the worker as soon as it is gone. Before the worker has opened the shared-memory names
+the engine made for it, a parent that died cannot remove them any more: the watch removes them.
+
+Once the worker holds what it needs (`Tie.hold`: the names are its to open no more),
+`PR_SET_PDEATHSIG` makes the kernel kill it with its parent as well, even while a C call holds the
+interpreter. Only when the parent spawned it from its main thread: the signal follows the
+*thread* that spawned the child, and a worker spawned from a thread that ends before the engine
+would be killed with that thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing import connection
+
+# how often the watch also checks the parent's pid (the sentinel wakes it at once otherwise)
+PARENT_POLL_S = 0.5
+# the exit status of a worker whose engine died
+ORPHAN_EXIT_CODE = 1
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass
+class Tie:
+    """What a worker needs to die with its engine: the engine's pid, whether the kernel's death
+    signal may be armed (the engine spawned it from its main thread), and the shared-memory names
+    the engine made for it (under /dev/shm) that it removes if the engine dies first."""
+
+    parent_pid: int
+    death_signal: bool
+    orphan_names: tuple[str, ...] = ()
+
+    @classmethod
+    def to_this_process(cls, orphan_names: tuple[str, ...] = ()) -> Tie:
+        """The tie to the calling process, for a child spawned by the calling thread."""
+        main = threading.current_thread() is threading.main_thread()
+        return cls(os.getpid(), main and sys.platform == "linux", orphan_names)
+
+    def bind(self) -> None:
+        """In the worker, first thing: exit now if the engine is already gone, else watch it."""
+        if os.getppid() != self.parent_pid:
+            self._orphaned()
+        watch = threading.Thread(target=self._watch, name="pagedllm-engine-watch", daemon=True)
+        watch.start()
+
+    def hold(self) -> None:
+        """The worker has opened its names (they are gone from /dev/shm, or another worker still
+        to open them watches them): from here the kernel may kill it with its parent."""
+        self.orphan_names = ()
+        if self.death_signal:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+            if os.getppid() != self.parent_pid:  # died before the signal was armed
+                self._orphaned()
+
+    def _watch(self) -> None:
+        parent = multiprocessing.parent_process()  # None: not started by multiprocessing
+        sentinels = [] if parent is None else [parent.sentinel]
+        while not connection.wait(sentinels, timeout=PARENT_POLL_S):
+            if os.getppid() != self.parent_pid:
+                break
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """The engine is gone: remove its names this worker had still to open, and exit at once
+        (nothing the worker holds needs finishing: the kernel unmaps its memory)."""
+        for name in self.orphan_names:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name.lstrip('/')}")
+        os._exit(ORPHAN_EXIT_CODE)
+
+
+def run_tied(tie: Tie, payload: bytes, *handles) -> None:
+    """A spawned worker's entry: tie it to its engine, then run the target `payload` pickles
+    (`(function, args)`, unpickled only now: that is what imports torch) with `args`, `tie` and
+    `handles` (what multiprocessing must hand over itself: pipes)."""
+    tie.bind()
+    target, args = pickle.loads(payload)
+    target(*args, tie, *handles)
