@@ -665,15 +665,21 @@ def _router(args: argparse.Namespace) -> int:
         )
         if getattr(args, name) is not None
     }
+    # wanted from clients, sent on the replicas' polls (`serve -dp`: the replicas' key too); as
+    # `serve`'s: an empty variable is unset, an empty --api-key refused
+    api_key = args.api_key
+    if api_key is None:
+        api_key = os.environ.get("PAGEDLLM_API_KEY") or None
     replicas = ReplicaSet(
         args.replica or [],
         external=_external_replicas(getattr(args, "external_replica", None) or []),
         block_size=args.block_size,
         policy=args.routing_policy,
         health_interval=args.health_interval,
+        api_key=api_key,
         **knobs,
     )
-    app = build_router_app(replicas, session_header=args.session_header)
+    app = build_router_app(replicas, session_header=args.session_header, api_key=api_key)
     logging.getLogger("pagedllm").addHandler(logging.StreamHandler())
     logging.getLogger("pagedllm").setLevel(args.log_level.upper())
     return run_router(app, args.host, args.port, log_level=args.log_level)
@@ -1097,6 +1103,13 @@ def _router_parser(sub) -> None:
         help="the replicas' KV block size (a replica reporting another is routed by load only)",
     )
     _routing_flags(router)
+    router.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics, and "
+        "send it on the replicas' /load polls (default: PAGEDLLM_API_KEY, else none; an empty "
+        "--api-key is refused)",
+    )
     router.add_argument(
         "--log-level",
         default="info",
