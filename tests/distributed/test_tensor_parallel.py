@@ -139,14 +139,16 @@ def test_a_killed_worker_fails_the_step_naming_its_rank(tmp_path_factory):
 
 
 def test_a_hung_worker_fails_the_step_within_the_timeout(tmp_path_factory):
-    llm = _started(_checkpoint(tmp_path_factory, "qwen2", 1), timeout=3.0)
+    timeout = 2.0
+    llm = _started(_checkpoint(tmp_path_factory, "qwen2", 1), timeout=timeout)
     pid = _worker_pid(llm)
     os.kill(pid, signal.SIGSTOP)  # alive, never answers
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match="rank 1"):
         llm.llm_engine.step()
-    # the collective's timeout and the answer's, each tp_step_timeout
-    assert time.monotonic() - start < 3.0 * 2 + 2.0
+    # one bound: rank 0's collective gives up after tp_step_timeout, and the answer is not then
+    # awaited for as long again
+    assert time.monotonic() - start < timeout + 1.5
     llm.llm_engine.shutdown()
     assert _gone(pid)
 

@@ -96,6 +96,21 @@ def test_the_cli_takes_the_executor_backend(command, backend):
     assert _engine_kwargs(args)["distributed_executor_backend"] == backend
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+def test_the_cli_takes_the_tp_step_timeout(command):
+    args = build_parser().parse_args([command, "--tp-step-timeout", "2.5"])
+    assert _engine_kwargs(args)["tp_step_timeout"] == 2.5
+    default = build_parser().parse_args([command])
+    assert _engine_kwargs(default)["tp_step_timeout"] == EngineArgs().tp_step_timeout
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_the_cli_refuses_a_tp_step_timeout_that_is_not_positive_seconds(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tp-step-timeout", value])
+    assert "--tp-step-timeout" in capsys.readouterr().err
+
+
 def test_the_cli_refuses_an_unknown_executor_backend(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
