@@ -20,6 +20,7 @@ import secrets
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,11 @@ from pagedllm.worker.cpu_threads import default_cpu_threads
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
+# a replica that dies is restarted after RESTART_FIRST_S, doubled for each death in a row, at
+# most RESTART_MAX_S; one that stayed up RESTART_RESET_S since its last start starts over
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 60.0
+RESTART_RESET_S = 60.0
 
 
 def _free_port(host: str) -> int:
@@ -138,28 +144,109 @@ def _stop(procs, grace_s: float) -> None:
             proc.join()
 
 
+class Supervisor:
+    """Restarts the replicas that die while the router runs, each after a back-off: RESTART_FIRST_S
+    doubled for each death in a row, at most RESTART_MAX_S (one that stayed up RESTART_RESET_S
+    is forgiven its earlier deaths). `dead()`: (rank, why) for each replica that ended; `restart`
+    starts one again, on its old address and event endpoints, so the router sees a new instance
+    on the same URL (counted on its /metrics; its part of the index reset and rebuilt from the
+    new instance's events). A `restart` that raises is tried again after the next back-off.
+
+    A replica started here gets SIGTERM when this thread ends (PR_SET_PDEATHSIG follows the
+    thread that started it, `_replica_main`): the thread lives until the replicas are stopped."""
+
+    def __init__(
+        self,
+        size: int,
+        dead: Callable[[], list[tuple[int, str]]],
+        restart: Callable[[int], None],
+        poll_s: float = 0.2,
+    ) -> None:
+        self.dead, self.restart, self.poll_s = dead, restart, poll_s
+        self._due: dict[int, float] = {}  # rank -> when it is started again
+        self._deaths = [0] * size  # in a row
+        self._started = [time.monotonic()] * size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-supervisor", daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                for rank, why in self.dead():
+                    if rank not in self._due:
+                        self._schedule(rank, why)
+                for rank, at in sorted(self._due.items()):
+                    if time.monotonic() >= at and not self._stop.is_set():
+                        self._restart(rank)
+            except Exception:  # noqa: BLE001 - the supervisor outlives a failed check
+                logger.exception("the data-parallel replicas' supervisor")
+
+    def _schedule(self, rank: int, why: str) -> None:
+        now = time.monotonic()
+        if now - self._started[rank] >= RESTART_RESET_S:
+            self._deaths[rank] = 0
+        delay = min(RESTART_FIRST_S * 2 ** self._deaths[rank], RESTART_MAX_S)
+        self._deaths[rank] += 1
+        self._due[rank] = now + delay
+        logger.warning("data-parallel replica %d %s; restarting it in %.1f s", rank, why, delay)
+
+    def _restart(self, rank: int) -> None:
+        del self._due[rank]
+        self._started[rank] = time.monotonic()
+        try:
+            self.restart(rank)
+        except Exception as exc:  # noqa: BLE001 - tried again after the back-off
+            self._schedule(rank, f"could not be restarted ({exc!r})")
+            return
+        logger.warning("data-parallel replica %d restarted", rank)
+
+
+def _dead_processes(procs) -> list[tuple[int, str]]:
+    return [
+        (rank, f"exited (status {proc.exitcode})")
+        for rank, proc in enumerate(procs)
+        if not proc.is_alive()
+    ]
+
+
 def run_data_parallel(
     args: argparse.Namespace,
     serve_replica: Callable[[argparse.Namespace], int],
     run_router: Callable[[list[str]], int],
 ) -> int:
     """Starts `args.data_parallel_size` replicas (`serve_replica(namespace)` in a spawned
-    process each), waits until all answer /health, then `run_router(urls)` here; stops them
-    when it returns."""
+    process each), waits until all answer /health, then `run_router(urls)` here, restarting
+    those that die meanwhile (`Supervisor`); stops them when it returns."""
     ctx = multiprocessing.get_context("spawn")
     with socket_folder() as folder:
-        procs, urls = [], []
+        procs, urls, namespaces = [], [], []
+
+        def start(rank: int):
+            proc = ctx.Process(
+                target=_replica_main, args=(serve_replica, namespaces[rank]), name=f"replica-{rank}"
+            )
+            proc.start()
+            return proc
+
+        def restart(rank: int) -> None:
+            procs[rank] = start(rank)
+
         try:
             for rank in range(args.data_parallel_size):
-                ns = replica_args(args, rank, folder)
-                proc = ctx.Process(
-                    target=_replica_main, args=(serve_replica, ns), name=f"replica-{rank}"
-                )
-                proc.start()
-                procs.append(proc)
-                urls.append(f"http://127.0.0.1:{ns.port}")
+                namespaces.append(replica_args(args, rank, folder))
+                procs.append(start(rank))
+                urls.append(f"http://127.0.0.1:{namespaces[rank].port}")
             wait_healthy(urls, lambda: _check_processes(procs))
             logger.info("data-parallel replicas up: %s", ", ".join(urls))
-            return run_router(urls)
+            with Supervisor(len(procs), lambda: _dead_processes(procs), restart):
+                return run_router(urls)
         finally:
             _stop(procs, args.shutdown_grace)
