@@ -15,12 +15,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import torch
 from kv_transfer_util import block_files, generate, make_disk_llm, make_plain_llm, prompt
 
 from pagedllm._core import hash_block_chain, kv_block_file_name
 from pagedllm.cli.export_tiny import export_tiny
 from pagedllm.entrypoints.metrics import _offload_metrics
-from pagedllm.kv_transfer import disk
+from pagedllm.kv_transfer import DiskConnector, disk
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +69,37 @@ def read_only(monkeypatch) -> None:
 # ---- the model's identity ---------------------------------------------------------------
 
 
-def test_new_weights_at_the_same_path_load_nothing_from_the_old_files(tmp_path):
-    model = export_tiny(tmp_path / "model", seed=0)["model"]
-    other = export_tiny(tmp_path / "other", seed=1)["model"]
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """The tiny model exported with two seeds: same shapes, other weights."""
+    root = tmp_path_factory.mktemp("exports")
+    return [export_tiny(root / f"seed{seed}", seed=seed)["model"] for seed in (0, 1)]
+
+
+def test_new_weights_at_the_same_path_load_nothing_from_the_old_files(tmp_path, exports):
+    model = shutil.copytree(exports[0], tmp_path / "model")
     tier = tmp_path / "tier"
     first = make_disk_llm(tier, model=str(model))
     generate(first, prompt())
     first.llm_engine.shutdown()
     # new weights at the same path (same shapes: the safetensors headers are identical)
-    shutil.copyfile(other / "model.safetensors", model / "model.safetensors")
-    want = generate(make_plain_llm(model=str(other)), prompt() + [9])
+    shutil.copyfile(exports[1] / "model.safetensors", model / "model.safetensors")
+    want = generate(make_plain_llm(model=str(exports[1])), prompt() + [9])
     out = generate(make_disk_llm(tier, model=str(model)), prompt() + [9])
     assert out.metrics.num_offloaded_cached_tokens == 0
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_files_of_a_model_are_not_loaded_by_its_run_quantized_at_load(tmp_path, exports):
+    # [2, layers, blocks, block_size, kv_heads, head_dim]
+    kv_cache = torch.randn(2, 2, 4, 4, 2, 8)
+    model = str(exports[0])
+    plain = DiskConnector(kv_cache, tmp_path, 1 << 20, model=model)
+    quantized = DiskConnector(kv_cache.clone(), tmp_path, 1 << 20, model=model, quantization="q8_0")
+    one = np.array([0])
+    plain._save(one.astype(np.uint64), one, one, np.array([42], dtype=np.uint64))
+    assert torch.equal(plain._read(42), kv_cache[:, :, 0])
+    assert quantized._read(42) is None
 
 
 # ---- the payload's checksum -------------------------------------------------------------

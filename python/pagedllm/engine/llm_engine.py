@@ -299,6 +299,7 @@ class LLMEngine:
                 size,
                 model=args.model,
                 tokenizer=args.tokenizer,
+                quantization=args.quantization,
             )
         pool = HostKVPool(
             size,

@@ -4,10 +4,11 @@ restart and engines on one machine share it (a prefix one replica computed is lo
 another).
 
 A file is a header, a checksum, then the block of every layer in the pool's slot layout: 8
-magic bytes, the header's length (4 bytes, little endian), the header as JSON (model identity
-— its path and its weights' and tokenizer's fingerprint, `fingerprint.py` — dtype, block
-size, layout, the block's hash), the payload's xxh3-64 (8 bytes, little endian), the payload.
-A file is written under a temporary name and renamed, so a visible file is complete.
+magic bytes, the header's length (4 bytes, little endian), the header as JSON (the model's
+identity: its path, its weights' and tokenizer's fingerprint (`fingerprint.py`), its
+quantization at load; dtype, block size, layout, the block's hash), the payload's xxh3-64 (8
+bytes, little endian), the payload. A file is written under a temporary name and renamed, so
+a visible file is complete.
 
 A load reads no more than a header before it knows the file's size (from its metadata), then
 checks the header against this engine's, the size, and the payload against its checksum,
@@ -60,6 +61,7 @@ class DiskConnector(CopyThreadConnector):
         *,
         model: str,
         tokenizer: str | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__(kv_cache)
         self.directory = Path(directory)
@@ -72,6 +74,7 @@ class DiskConnector(CopyThreadConnector):
         self.identity = {
             "model": model,
             "fingerprint": model_fingerprint(model, tokenizer),
+            "quantization": quantization,  # weights quantized at load compute other KV
             "dtype": str(kv_cache.dtype),
             "block_size": int(kv_cache.shape[3]),
             "layout": "slot:[2,layers,block_size,kv_heads,head_dim]",

@@ -8,7 +8,8 @@ tokenizer. Cheap: the weights are never read whole.
   included) and `SAMPLES` samples of `SAMPLE_BYTES` spread over the rest. New weights at the
   same path differ in almost every sample even where the headers and sizes are identical (a
   fine-tune of the same architecture).
-- a single file (a `.gguf`): the same, that file being model and tokenizer.
+- a single file (a `.gguf`, or a packaged model's, `smollm2`): the same, that file being
+  model and tokenizer.
 - the built-in `pagedllm/tiny-random`: the code that draws its seeded weights, and torch's
   version (its random generator).
 """
@@ -50,6 +51,9 @@ def model_fingerprint(model: str, tokenizer: str | None = None) -> str:
 
 
 def _add_source(digest, source: str, *, weights: bool) -> None:
+    from pagedllm.models.gguf import resolve_model
+
+    source = resolve_model(source)  # a packaged model's short name: its file
     path = Path(source)
     if source == TINY_RANDOM_MODEL:
         import torch
