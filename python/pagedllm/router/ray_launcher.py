@@ -5,7 +5,10 @@ Each actor runs `serve` (one engine, its HTTP server on its node's address and a
 there, its KV events on TCP ports free there unless `--kv-events-config` names them: each TCP
 port + its rank) in its main thread, so the call lasts as long as the replica: one that ends
 or dies during start-up fails the start naming it; afterwards the router's health polls take
-a dead one out of rotation, as with `mp`. Placement: one placement group, one bundle per
+a dead one out of rotation, as with `mp`, and a replica whose actor dies or whose `serve`
+ends is started again in a new actor on its bundle, on its old address (`launcher.Supervisor`:
+the same back-off; a bundle that moved to another node, its old one lost, is not: the router
+knows the replica at its old address). Placement: one placement group, one bundle per
 replica of as many CPUs as its threads (`SPREAD`: over as many nodes as there are); when the
 router returns, the actors are killed, the group removed and, if this process started Ray
 itself (no cluster was running), Ray stopped.
@@ -21,6 +24,7 @@ import logging
 from collections.abc import Callable
 
 from pagedllm.router.launcher import (
+    Supervisor,
     _free_port,
     replica_cpu_threads,
     replica_events_config,
@@ -56,6 +60,11 @@ class RayServeReplica:
     def serve(self, serve_replica: Callable[[argparse.Namespace], int], ns) -> int:
         return serve_replica(ns)
 
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
 
 def run_data_parallel_ray(
     args: argparse.Namespace,
@@ -85,14 +94,20 @@ def run_data_parallel_ray(
                 f"{ray.available_resources()}"
             ) from None
         actor = ray.remote(num_cpus=threads, max_restarts=0)(RayServeReplica)
-        actors = [
-            actor.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank
-                ),
-            ).remote()
-            for rank in range(size)
-        ]
+
+        def new_actor(rank: int):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            return actor.options(scheduling_strategy=strategy).remote()
+
+        def restart(rank: int) -> None:
+            ray.kill(actors[rank])
+            actors[rank] = new_actor(rank)
+            node = ray.get(actors[rank].node_ip.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            if node != placed[rank].host:
+                raise RuntimeError(f"its bundle is on {node} now, not {placed[rank].host}")
+            runs[rank] = actors[rank].serve.remote(serve_replica, placed[rank])
+
+        actors = [new_actor(rank) for rank in range(size)]
         placed = ray.get([a.place.remote(args, rank) for rank, a in enumerate(actors)])
         for ns in placed:
             ns.cpu_threads = threads
@@ -100,7 +115,14 @@ def run_data_parallel_ray(
         urls = [f"http://{ns.host}:{ns.port}" for ns in placed]
         wait_healthy(urls, lambda: _check_actors(ray, runs))
         logger.info("data-parallel replicas (Ray actors) up: %s", ", ".join(urls))
-        return run_router(urls)
+
+        def ended() -> list[tuple[int, str]]:
+            return [
+                (rank, f"(Ray actor) ended ({status})") for rank, status in _ended_actors(ray, runs)
+            ]
+
+        with Supervisor(size, ended, restart):
+            return run_router(urls)
     finally:
         for a in actors:
             ray.kill(a)
@@ -110,16 +132,22 @@ def run_data_parallel_ray(
             ray.shutdown()
 
 
-def _check_actors(ray, runs: list) -> None:
-    """A replica whose `serve` call ended during start-up (it exited or its actor died) fails
-    the start naming it."""
+def _ended_actors(ray, runs: list) -> list[tuple[int, str]]:
+    """(rank, status) for each replica whose `serve` call ended (it exited or its actor died)."""
     done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    ended = []
     for ref in done:
-        rank = runs.index(ref)
         try:
             status = f"status {ray.get(ref)}"
         except ray.exceptions.RayError as exc:
             status = f"{type(exc).__name__}: {exc}"
+        ended.append((runs.index(ref), status))
+    return ended
+
+
+def _check_actors(ray, runs: list) -> None:
+    """A replica that ended during start-up fails the start naming it."""
+    for rank, status in _ended_actors(ray, runs):
         raise RuntimeError(
             f"data-parallel replica {rank} (Ray actor) ended during start-up ({status})"
         )
