@@ -84,14 +84,34 @@ def _gone(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def test_serve_with_a_killed_worker_answers_503_and_exits_1_leaving_nothing(tmp_path):
+def _serve_tp(tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`pagedllm serve -tp 2` over a tiny checkpoint: the process and its URL."""
     folder = save_tiny_checkpoint(tmp_path / "llama", "llama", seed=3)
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(folder)]
     cmd += ["--port", str(port), "-tp", "2", "--device", "cpu", "--cpu-threads", "1"]
-    cmd += ["--max-model-len", "256", "--num-gpu-blocks", "32", "--log-level", "warning"]
+    cmd += ["--max-model-len", "256", "--num-gpu-blocks", "32", "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, env={**os.environ, "PAGEDLLM_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _health_fails_within(url: str, seconds: float) -> float:
+    """Seconds until /health stops answering 200 (a 503, or the server gone); fails past
+    `seconds`."""
+    start = time.monotonic()
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=seconds).status_code != 200:
+                break
+        except httpx.TransportError:
+            break
+        assert time.monotonic() - start < seconds, f"/health still 200 after {seconds}s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_serve_with_a_killed_worker_answers_503_and_exits_1_leaving_nothing(tmp_path):
+    proc, url = _serve_tp(tmp_path)
     worker = None
     try:
         wait_healthy(proc, url)
@@ -119,6 +139,49 @@ def test_serve_with_a_killed_worker_answers_503_and_exits_1_leaving_nothing(tmp_
             assert time.monotonic() < deadline, f"worker {worker} outlived the server"
             time.sleep(0.05)
         assert not [path for path in segments if os.path.exists(path)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if worker is not None and not _gone(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_serve_with_a_worker_killed_while_idle_fails_health_at_once_and_exits_1(tmp_path):
+    proc, url = _serve_tp(tmp_path)
+    worker = None
+    try:
+        wait_healthy(proc, url)
+        worker = _tp_worker(proc.pid)
+        segments = _shm_segments(proc.pid) | _shm_segments(worker)
+        os.kill(worker, signal.SIGKILL)  # no request in flight: nothing steps
+        _health_fails_within(url, 2.0)
+        assert proc.wait(timeout=30) == 1
+        assert not [path for path in segments if os.path.exists(path)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_declares_a_frozen_worker_dead_within_its_tp_step_timeout(tmp_path):
+    proc, url = _serve_tp(tmp_path, "--tp-step-timeout", "2")
+    worker = None
+    try:
+        wait_healthy(proc, url)
+        worker = _tp_worker(proc.pid)
+        os.kill(worker, signal.SIGSTOP)  # alive, never answers
+        start = time.monotonic()
+        body = {"prompt": "go", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 503
+        assert "rank 1" in response.json()["error"]["message"]
+        assert time.monotonic() - start < 2.0 + 1.5
+        assert proc.wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while not _gone(worker):
+            assert time.monotonic() < deadline, f"worker {worker} outlived the server"
+            time.sleep(0.05)
     finally:
         if proc.poll() is None:
             proc.kill()
