@@ -11,14 +11,18 @@
 //! contiguous, out `[T, H, D]` contiguous, sequence `s` owns query rows
 //! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
 //!
-//! q, the caches and out share one element type (`Elem`: f32 or bf16); scores, the softmax and
-//! the output sums are f32 whatever it is, and a bf16 output is rounded once, at the end.
+//! q and out share one element type (`Elem`: f32 or bf16); the caches hold it too, or a quantized
+//! format (`KvElem`: int8, fp8) whose rows are `d` codes and their f32 scale (`kv_quant`), read
+//! in place and dequantized in registers (the scale folded into the score or the probability).
+//! Scores, the softmax and the output sums are f32 whatever it is, and a bf16 output is rounded
+//! once, at the end.
 use std::sync::Mutex;
 
 use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, Axis};
 
 use super::elem::Elem;
 use super::invalid;
+use super::kv_quant::KvElem;
 use super::{pool, simd};
 use crate::error::Result;
 
@@ -43,13 +47,14 @@ pub struct PagedBatch<'a> {
 }
 
 /// Write this step's keys and values `[T, KVH, D]` into their cache slots
-/// (`slot = block * block_size + offset`); slot -1 marks a padding row and is skipped.
-pub fn store_kv<T: Elem>(
+/// (`slot = block * block_size + offset`); slot -1 marks a padding row and is skipped. A
+/// quantized cache (`[.., D + 4]`) gets each row coded with its scale, in the same pass.
+pub fn store_kv<T: Elem, C: KvElem>(
     k: ArrayView3<T>,
     v: ArrayView3<T>,
     slot_mapping: &[i64],
-    k_cache: ArrayViewMut4<T>,
-    v_cache: ArrayViewMut4<T>,
+    k_cache: ArrayViewMut4<C>,
+    v_cache: ArrayViewMut4<C>,
 ) -> Result<()> {
     if v_cache.dim() != k_cache.dim() {
         return Err(invalid("k_cache and v_cache must have the same shape"));
@@ -58,19 +63,25 @@ pub fn store_kv<T: Elem>(
     store_one("v", v, slot_mapping, v_cache)
 }
 
-fn store_one<T: Elem>(
+fn store_one<T: Elem, C: KvElem>(
     name: &str,
     rows: ArrayView3<T>,
     slot_mapping: &[i64],
-    mut cache: ArrayViewMut4<T>,
+    mut cache: ArrayViewMut4<C>,
 ) -> Result<()> {
-    let (blocks, block_size, kv_heads, head_dim) = cache.dim();
-    if rows.dim() != (slot_mapping.len(), kv_heads, head_dim) {
+    let (blocks, block_size, kv_heads, row) = cache.dim();
+    let head_dim = row.saturating_sub(C::EXTRA);
+    if rows.dim() != (slot_mapping.len(), kv_heads, head_dim) || row < C::EXTRA {
         return Err(invalid(format!(
             "{name} has shape {:?}, expected [{}, {kv_heads}, {head_dim}] (slot_mapping length, \
-             cache heads and head size)",
+             cache heads and head size{})",
             rows.shape(),
-            slot_mapping.len()
+            slot_mapping.len(),
+            if C::EXTRA > 0 {
+                ", the cache's rows less their scale"
+            } else {
+                ""
+            }
         )));
     }
     let num_slots = (blocks * block_size) as i64;
@@ -83,13 +94,23 @@ fn store_one<T: Elem>(
             slot_mapping[t]
         )));
     }
+    let mut wide = vec![0.0f32; head_dim];
     for (t, &slot) in slot_mapping.iter().enumerate() {
-        if slot >= 0 {
-            let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
-            cache
-                .index_axis_mut(Axis(0), block)
-                .index_axis_mut(Axis(0), offset)
-                .assign(&rows.index_axis(Axis(0), t));
+        if slot < 0 {
+            continue;
+        }
+        let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+        let mut dst = cache.index_axis_mut(Axis(0), block);
+        let mut dst = dst.index_axis_mut(Axis(0), offset);
+        for (h, src) in rows.index_axis(Axis(0), t).outer_iter().enumerate() {
+            for (w, x) in wide.iter_mut().zip(src) {
+                *w = x.to_f32();
+            }
+            let mut dst_row = dst.index_axis_mut(Axis(0), h);
+            match dst_row.as_slice_mut() {
+                Some(dst_row) => C::encode(&wide, dst_row),
+                None => return Err(invalid(format!("{name}'s cache rows must be contiguous"))),
+            }
         }
     }
     Ok(())
@@ -98,10 +119,10 @@ fn store_one<T: Elem>(
 /// Attention of every query row over its sequence's paged context, written into `out`.
 /// `num_threads` threads at most (1: the calling thread only; more: the calling thread and
 /// parked workers of the kernels' pool, `cpu::pool`).
-pub fn paged_attention<'a, T: Elem>(
+pub fn paged_attention<'a, T: Elem, C: KvElem>(
     q: ArrayView3<'a, T>,
-    k_cache: ArrayView4<'a, T>,
-    v_cache: ArrayView4<'a, T>,
+    k_cache: ArrayView4<'a, C>,
+    v_cache: ArrayView4<'a, C>,
     batch: PagedBatch<'a>,
     scale: f32,
     mut out: ArrayViewMut3<T>,
@@ -154,6 +175,9 @@ struct Shape {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// elements of a (position, kv head) row in the cache: `head_dim`, plus a quantized row's
+    /// scale
+    row: usize,
     block_size: usize,
     num_blocks: usize,
 }
@@ -164,21 +188,26 @@ impl Shape {
     }
 }
 
-fn check_shapes<T: Elem>(
+fn check_shapes<T: Elem, C: KvElem>(
     q: &ArrayView3<T>,
-    k_cache: &ArrayView4<T>,
-    v_cache: &ArrayView4<T>,
+    k_cache: &ArrayView4<C>,
+    v_cache: &ArrayView4<C>,
     out: &ArrayViewMut3<T>,
 ) -> Result<Shape> {
     let (_, heads, head_dim) = q.dim();
-    let (num_blocks, block_size, kv_heads, cache_dim) = k_cache.dim();
+    let (num_blocks, block_size, kv_heads, row) = k_cache.dim();
     if v_cache.dim() != k_cache.dim() {
         return Err(invalid("k_cache and v_cache must have the same shape"));
     }
-    if cache_dim != head_dim || block_size == 0 {
+    if row != head_dim + C::EXTRA || block_size == 0 {
         return Err(invalid(format!(
-            "cache shape {:?} does not match q's head size {head_dim}",
-            k_cache.shape()
+            "cache shape {:?} does not match q's head size {head_dim}{}",
+            k_cache.shape(),
+            if C::EXTRA > 0 {
+                " (plus each row's scale)"
+            } else {
+                ""
+            }
         )));
     }
     if kv_heads == 0 || heads % kv_heads != 0 {
@@ -197,6 +226,7 @@ fn check_shapes<T: Elem>(
         heads,
         kv_heads,
         head_dim,
+        row,
         block_size,
         num_blocks,
     })
@@ -321,10 +351,10 @@ fn balance<T>(chunks: Vec<(Item, &mut [T])>, count: usize) -> Vec<Vec<(Item, &mu
     buckets
 }
 
-struct Ctx<'a, T> {
+struct Ctx<'a, T, C> {
     q: ArrayView3<'a, T>,
-    k: &'a [T],
-    v: &'a [T],
+    k: &'a [C],
+    v: &'a [C],
     tables: ArrayView2<'a, i32>,
     shape: Shape,
     scale: f32,
@@ -347,7 +377,7 @@ struct Scratch {
     acc: Vec<f32>,
 }
 
-fn run<T: Elem>(ctx: &Ctx<'_, T>, chunks: Vec<(Item, &mut [T])>) {
+fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
@@ -355,22 +385,22 @@ fn run<T: Elem>(ctx: &Ctx<'_, T>, chunks: Vec<(Item, &mut [T])>) {
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
         return;
     }
-    run_with::<false, T>(ctx, chunks, &mut scratch);
+    run_with::<false, T, C>(ctx, chunks, &mut scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2_fma<T: Elem>(
-    ctx: &Ctx<'_, T>,
+unsafe fn run_avx2_fma<T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
     chunks: Vec<(Item, &mut [T])>,
     scratch: &mut Scratch,
 ) {
-    run_with::<true, T>(ctx, chunks, scratch);
+    run_with::<true, T, C>(ctx, chunks, scratch);
 }
 
 #[inline(always)]
-fn run_with<const F: bool, T: Elem>(
-    ctx: &Ctx<'_, T>,
+fn run_with<const F: bool, T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
     chunks: Vec<(Item, &mut [T])>,
     scratch: &mut Scratch,
 ) {
@@ -380,7 +410,7 @@ fn run_with<const F: bool, T: Elem>(
             // SAFETY: `F` is true only inside `run_avx2_fma`, run after the CPU was checked.
             return unsafe { attend_item_avx2(ctx, item, out, scratch) };
         }
-        attend_item::<F, T>(ctx, item, out, scratch)
+        attend_item::<F, T, C>(ctx, item, out, scratch)
     };
     for (item, out) in chunks {
         match T::as_f32_mut(out) {
@@ -402,8 +432,8 @@ fn run_with<const F: bool, T: Elem>(
 /// sums accumulated straight into `out`. Position-major: a position's keys of all kv heads are
 /// one contiguous run of the cache, read once for the query heads of every group.
 #[inline(always)]
-fn attend_item<const F: bool, T: Elem>(
-    ctx: &Ctx<'_, T>,
+fn attend_item<const F: bool, T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
     item: Item,
     out: &mut [f32],
     sc: &mut Scratch,
@@ -412,6 +442,7 @@ fn attend_item<const F: bool, T: Elem>(
         heads,
         kv_heads,
         head_dim: d,
+        row,
         block_size: bs,
         ..
     } = ctx.shape;
@@ -435,7 +466,7 @@ fn attend_item<const F: bool, T: Elem>(
     sc.sum.resize(rows, 0.0);
     let visible = |rr: usize| item.visible(item.r0 + rr / heads);
     // offset of row rr's kv head within a position's keys
-    let head_at = |rr: usize| (rr % heads) / group * d;
+    let head_at = |rr: usize| (rr % heads) / group * row;
     let table = ctx.tables.row(item.seq);
     let keys = item.visible(item.r1 - 1);
     for t0 in (0..keys).step_by(KEY_TILE) {
@@ -443,14 +474,14 @@ fn attend_item<const F: bool, T: Elem>(
         sc.key_at.clear();
         sc.key_at.extend((t0..t0 + n).map(|pos| {
             let block = table[pos / bs] as usize;
-            (block * bs + pos % bs) * kv_heads * d
+            (block * bs + pos % bs) * kv_heads * row
         }));
         for (j, &at) in sc.key_at.iter().enumerate() {
-            let keys_at = &ctx.k[at..at + kv_heads * d];
+            let keys_at = &ctx.k[at..at + kv_heads * row];
             for rr in 0..rows {
                 let h = head_at(rr);
                 sc.scores[rr * KEY_TILE + j] = if t0 + j < visible(rr) {
-                    simd::dot::<F, T>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + d]) * ctx.scale
+                    C::dot::<F>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + row]) * ctx.scale
                 } else {
                     f32::NEG_INFINITY
                 };
@@ -476,12 +507,12 @@ fn attend_item<const F: bool, T: Elem>(
             sc.max[rr] = new_max;
         }
         for (j, &at) in sc.key_at.iter().enumerate() {
-            let values_at = &ctx.v[at..at + kv_heads * d];
+            let values_at = &ctx.v[at..at + kv_heads * row];
             for rr in 0..rows {
                 if t0 + j < visible(rr) {
                     let h = head_at(rr);
                     let p = sc.scores[rr * KEY_TILE + j];
-                    simd::axpy::<F, T>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + d]);
+                    C::axpy::<F>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + row]);
                 }
             }
         }
@@ -503,8 +534,8 @@ fn attend_item<const F: bool, T: Elem>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn attend_item_avx2<T: Elem>(
-    ctx: &Ctx<'_, T>,
+unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
     item: Item,
     out: &mut [f32],
     sc: &mut Scratch,
@@ -517,6 +548,7 @@ unsafe fn attend_item_avx2<T: Elem>(
         heads,
         kv_heads,
         head_dim: d,
+        row,
         block_size: bs,
         ..
     } = ctx.shape;
@@ -533,7 +565,7 @@ unsafe fn attend_item_avx2<T: Elem>(
     let keys = item.visible(item.r1 - 1);
     let table = ctx.tables.row(item.seq);
     // each position's offset in the caches, a block at a time (no division per position)
-    let run = kv_heads * d;
+    let run = kv_heads * row;
     sc.key_at.clear();
     for &block in table.iter().take(keys.div_ceil(bs)) {
         let first = block as usize * bs;
@@ -550,7 +582,7 @@ unsafe fn attend_item_avx2<T: Elem>(
         KEY_TILE * rp.max(1) * if in_lanes { 1 } else { kv_heads },
         0.0,
     );
-    if T::IS_BF16 && in_lanes {
+    if C::WIDEN && in_lanes {
         sc.keys.resize(KEY_TILE * d, 0.0);
     }
     // per kv head g: rows g * rows.., q at g * rp * d, running max / sum / factor at g * rp
@@ -589,7 +621,7 @@ unsafe fn attend_item_avx2<T: Elem>(
                 // past the tile's end: the last key again, masked below
                 let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[t0 + (j0 + l).min(n - 1)]);
                 for g in 0..kv_heads {
-                    let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * d));
+                    let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * row));
                     for r in 0..rows {
                         let q = sc.q.as_ptr().add((g * rows + r) * d);
                         let scores = k::qk_keys_in_lanes(q, &eight, d);
@@ -613,10 +645,10 @@ unsafe fn attend_item_avx2<T: Elem>(
             }
         }
         for g in 0..kv_heads {
-            let mut key_ptr = [null::<T>(); KEY_TILE];
-            let mut value_ptr = [null::<T>(); KEY_TILE];
+            let mut key_ptr = [null::<C>(); KEY_TILE];
+            let mut value_ptr = [null::<C>(); KEY_TILE];
             for j in 0..n {
-                let at = sc.key_at[t0 + j] + g * d;
+                let at = sc.key_at[t0 + j] + g * row;
                 key_ptr[j] = ctx.k.as_ptr().add(at);
                 value_ptr[j] = ctx.v.as_ptr().add(at);
             }
@@ -634,7 +666,7 @@ unsafe fn attend_item_avx2<T: Elem>(
             if in_lanes {
                 let mut key_f32 = [null::<f32>(); KEY_TILE];
                 for j in 0..n {
-                    key_f32[j] = if T::IS_BF16 {
+                    key_f32[j] = if C::WIDEN {
                         let dst = sc.keys.as_mut_ptr().add(j * d);
                         k::widen(key_ptr[j], dst, d);
                         dst
@@ -651,6 +683,9 @@ unsafe fn attend_item_avx2<T: Elem>(
                     }
                 }
                 k::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
+                if C::EXTRA > 0 {
+                    k::scale_by_values(s, 1, rp, rp, &value_ptr[..n], d);
+                }
                 k::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, &value_ptr[..n], d);
             } else {
                 let n8 = n.next_multiple_of(simd::LANES);
@@ -661,6 +696,9 @@ unsafe fn attend_item_avx2<T: Elem>(
                         *row.add(j) = f32::NEG_INFINITY;
                     }
                     k::softmax_row(row, n8, &mut max[r], &mut sum[r], &mut corr[r]);
+                }
+                if C::EXTRA > 0 {
+                    k::scale_by_values(s, KEY_TILE, 1, rows, &value_ptr[..n], d);
                 }
                 k::pv(
                     out.as_mut_ptr(),

@@ -16,8 +16,7 @@
 
 use std::arch::x86_64::*;
 
-use super::elem::Elem;
-use super::simd::load8;
+use super::kv_quant::KvElem;
 
 // 2^f on |f| <= 1/2: Taylor coefficients (ln 2)^k / k!, k = 7..0 (truncation error < 1e-8
 // relative: below half an ulp of f32; the Horner rounding adds about one ulp)
@@ -145,12 +144,13 @@ unsafe fn qk_block<const KB: usize, const RV: usize>(
     }
 }
 
-/// The eight scores `q . keys[j]`, `j < 8`, as one vector (`d` a multiple of 8; `q` f32).
+/// The eight scores `q . keys[j]`, `j < 8`, as one vector (`d` a multiple of 8; `q` f32;
+/// quantized keys: each times its row's scale).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-pub(crate) unsafe fn qk_keys_in_lanes<T: Elem>(
+pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem>(
     q: *const f32,
-    keys: &[*const T; 8],
+    keys: &[*const C; 8],
     d: usize,
 ) -> __m256 {
     let mut acc = [_mm256_setzero_ps(); 8];
@@ -158,7 +158,7 @@ pub(crate) unsafe fn qk_keys_in_lanes<T: Elem>(
     while x < d {
         let qv = _mm256_loadu_ps(q.add(x));
         for (a, k) in acc.iter_mut().zip(keys) {
-            *a = _mm256_fmadd_ps(qv, load8(k.add(x)), *a);
+            *a = _mm256_fmadd_ps(qv, C::load8(k.add(x)), *a);
         }
         x += 8;
     }
@@ -172,7 +172,40 @@ pub(crate) unsafe fn qk_keys_in_lanes<T: Elem>(
     let h4567 = _mm256_hadd_ps(h45, h67);
     let low = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
     let high = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
-    _mm256_add_ps(low, high)
+    let scores = _mm256_add_ps(low, high);
+    if C::EXTRA == 0 {
+        return scores;
+    }
+    let factors: [f32; 8] = std::array::from_fn(|l| C::factor(keys[l], d));
+    _mm256_mul_ps(scores, _mm256_loadu_ps(factors.as_ptr()))
+}
+
+/// Quantized values: `p[r * p_row + j * p_key] *= factor(values[j])` for rows `r < rows` (after
+/// the softmax took its sums), so that `pv` accumulates the dequantized values.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn scale_by_values<C: KvElem>(
+    p: *mut f32,
+    p_row: usize,
+    p_key: usize,
+    rows: usize,
+    values: &[*const C],
+    d: usize,
+) {
+    for (j, &value) in values.iter().enumerate() {
+        let factor = C::factor(value, d);
+        if p_row == 1 {
+            // rows in lanes: a contiguous run of `rows` (a multiple of 8)
+            let (run, f) = (p.add(j * p_key), _mm256_set1_ps(factor));
+            for r in (0..rows).step_by(8) {
+                _mm256_storeu_ps(run.add(r), _mm256_mul_ps(_mm256_loadu_ps(run.add(r)), f));
+            }
+        } else {
+            for r in 0..rows {
+                *p.add(r * p_row + j * p_key) *= factor;
+            }
+        }
+    }
 }
 
 /// Online-softmax step of a rows-in-lanes scores tile `s[j * rp + r]` (`j < n`, log2 units):
@@ -255,7 +288,7 @@ unsafe fn new_base(max: __m256) -> __m256 {
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn pv<T: Elem>(
+pub(crate) unsafe fn pv<T: KvElem>(
     out: *mut f32,
     row_at: &[usize],
     corr: &[f32],
@@ -292,7 +325,7 @@ type PvRows<'a> = (*mut f32, &'a [usize], &'a [f32], *const f32);
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 #[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
-unsafe fn pv_block<const R: usize, const C: usize, T: Elem>(
+unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
     (out, row_at, corr, p): PvRows<'_>,
     p_row: usize,
     p_key: usize,
@@ -310,7 +343,7 @@ unsafe fn pv_block<const R: usize, const C: usize, T: Elem>(
     for (j, value) in values.iter().enumerate() {
         let mut vv = [_mm256_setzero_ps(); C];
         for (v, vv) in vv.iter_mut().enumerate() {
-            *vv = load8(value.add(x + v * 8));
+            *vv = T::load8(value.add(x + v * 8));
         }
         for r in 0..R {
             let w = _mm256_broadcast_ss(&*p.add(r * p_row + j * p_key));
@@ -343,13 +376,20 @@ pub(crate) unsafe fn touch<T>(p: *const T, len: usize) -> u8 {
     acc
 }
 
-/// `dst[x] = src[x]` widened to f32, `x < d` (a multiple of 8).
+/// `dst[x] = src[x]` widened to f32 (a quantized row dequantized), `x < d` (a multiple of 8).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-pub(crate) unsafe fn widen<T: Elem>(src: *const T, dst: *mut f32, d: usize) {
+pub(crate) unsafe fn widen<T: KvElem>(src: *const T, dst: *mut f32, d: usize) {
+    let factor = _mm256_set1_ps(T::factor(src, d));
     let mut x = 0;
     while x < d {
-        _mm256_storeu_ps(dst.add(x), load8(src.add(x)));
+        let wide = T::load8(src.add(x));
+        let wide = if T::EXTRA > 0 {
+            _mm256_mul_ps(wide, factor)
+        } else {
+            wide
+        };
+        _mm256_storeu_ps(dst.add(x), wide);
         x += 8;
     }
 }

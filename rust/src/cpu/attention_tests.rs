@@ -5,6 +5,7 @@ use ndarray::{Array2, Array3, Array4, Axis};
 
 use super::attention::{paged_attention, store_kv, PagedBatch};
 use super::elem::{Bf16, Elem};
+use super::kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 
 /// Deterministic pseudo-random values in [-1, 1), exact in `T`.
 fn noise<T: Elem>(n: usize, seed: u64) -> Vec<f32> {
@@ -70,8 +71,15 @@ fn dense(
     out
 }
 
-fn check<T: Elem>(case: Case, threads: usize) {
+fn check<T: Elem + KvElem>(case: Case, threads: usize) {
+    check_in::<T, T>(case, threads)
+}
+
+/// The kernel over a cache of `C` (the model's float type, or a quantized format) against the
+/// dense reference over the values the cache holds (dequantized): equal up to summation order.
+fn check_in<T: Elem, C: KvElem>(case: Case, threads: usize) {
     let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
+    let row = d + C::EXTRA;
     let widths: Vec<usize> = case.seqs.iter().map(|(_, l)| l.div_ceil(bs)).collect();
     let width = widths.iter().copied().max().unwrap_or(0) + 1;
     let num_blocks: usize = widths.iter().sum::<usize>() + 3;
@@ -79,12 +87,15 @@ fn check<T: Elem>(case: Case, threads: usize) {
     let mut free: Vec<i32> = (0..num_blocks as i32).rev().collect();
     free.swap(0, num_blocks / 2);
     let mut tables = Array2::<i32>::from_elem((case.seqs.len(), width), -1);
-    let mut k_cache = Array4::<T>::from_elem((num_blocks, bs, kvh, d), T::ZERO);
-    let mut v_cache = Array4::<T>::from_elem((num_blocks, bs, kvh, d), T::ZERO);
+    // zeroed bytes: a valid value of every cache element type
+    let zero = unsafe { std::mem::zeroed::<C>() };
+    let mut k_cache = Array4::<C>::from_elem((num_blocks, bs, kvh, row), zero);
+    let mut v_cache = Array4::<C>::from_elem((num_blocks, bs, kvh, row), zero);
     let total_q: usize = case.seqs.iter().map(|(q, _)| q).sum();
     let q = Array3::from_shape_vec((total_q, h, d), noise::<T>(total_q * h * d, 1)).unwrap();
-    let (mut ks, mut vs, mut new_k, mut new_v, mut slots) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let (mut ks, mut vs) = (vec![], vec![]);
+    // [prefix, this step's]: (keys, values, slots), stored by two calls as two steps would
+    let mut steps: [(Vec<T>, Vec<T>, Vec<i64>); 2] = Default::default();
     let mut qsl = vec![0i32];
     for (s, &(q_len, len)) in case.seqs.iter().enumerate() {
         for j in 0..widths[s] {
@@ -96,36 +107,45 @@ fn check<T: Elem>(case: Case, threads: usize) {
             .unwrap();
         for p in 0..len {
             let slot = tables[[s, p / bs]] as usize * bs + p % bs;
-            if p < len - q_len {
-                // the cached prefix, written as earlier steps would have
-                k_cache
-                    .index_axis_mut(Axis(0), slot / bs)
-                    .index_axis_mut(Axis(0), slot % bs)
-                    .assign(&k.index_axis(Axis(0), p).mapv(T::from_f32));
-                v_cache
-                    .index_axis_mut(Axis(0), slot / bs)
-                    .index_axis_mut(Axis(0), slot % bs)
-                    .assign(&v.index_axis(Axis(0), p).mapv(T::from_f32));
-            } else {
-                new_k.extend(k.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
-                new_v.extend(v.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
-                slots.push(slot as i64);
-            }
+            let step = &mut steps[usize::from(p >= len - q_len)];
+            step.0
+                .extend(k.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
+            step.1
+                .extend(v.index_axis(Axis(0), p).iter().map(|x| T::from_f32(*x)));
+            step.2.push(slot as i64);
         }
         qsl.push(qsl[s] + q_len as i32);
         ks.push(k);
         vs.push(v);
     }
-    let new_k = Array3::from_shape_vec((total_q, kvh, d), new_k).unwrap();
-    let new_v = Array3::from_shape_vec((total_q, kvh, d), new_v).unwrap();
-    store_kv(
-        new_k.view(),
-        new_v.view(),
-        &slots,
-        k_cache.view_mut(),
-        v_cache.view_mut(),
-    )
-    .unwrap();
+    for (k, v, slots) in steps {
+        let k = Array3::from_shape_vec((slots.len(), kvh, d), k).unwrap();
+        let v = Array3::from_shape_vec((slots.len(), kvh, d), v).unwrap();
+        store_kv(
+            k.view(),
+            v.view(),
+            &slots,
+            k_cache.view_mut(),
+            v_cache.view_mut(),
+        )
+        .unwrap();
+    }
+    // what the cache holds: the reference's keys and values
+    for (s, (k, v)) in ks.iter_mut().zip(vs.iter_mut()).enumerate() {
+        for p in 0..k.dim().0 {
+            let slot = tables[[s, p / bs]] as usize * bs + p % bs;
+            for g in 0..kvh {
+                for (cache, dense) in [(&k_cache, &mut *k), (&v_cache, &mut *v)] {
+                    let cached = cache.slice(ndarray::s![slot / bs, slot % bs, g, ..]);
+                    let cached = cached.as_slice().unwrap();
+                    let factor = unsafe { C::factor(cached.as_ptr(), d) };
+                    for x in 0..d {
+                        dense[[p, g, x]] = cached[x].raw() * factor;
+                    }
+                }
+            }
+        }
+    }
     let lens: Vec<i32> = case.seqs.iter().map(|(_, l)| *l as i32).collect();
     let batch = PagedBatch {
         query_start_loc: &qsl,
@@ -384,4 +404,37 @@ fn threads_give_the_same_result_on_the_avx2_path() {
     let seqs = vec![(150, 200), (1, 300), (70, 70), (1, 5), (3, 40)];
     check::<f32>(case(8, 2, 64, seqs.clone()), 3);
     check::<Bf16>(case(8, 2, 64, seqs), 2);
+}
+
+// Quantized caches (int8, fp8): the kernel reads the codes and their row scales where they lie
+// and must equal the dense attention over the dequantized values, on every path (keys in lanes
+// for decode, rows in lanes for prefill, the portable loop for a head size not a multiple of 8).
+
+#[test]
+fn int8_cache_decode_and_prefill_match_dense_attention_over_its_values() {
+    check_in::<f32, I8>(case(8, 2, 64, tile_edges()), 1);
+    check_in::<Bf16, I8>(case(8, 4, 64, tile_edges()), 1);
+    check_in::<f32, I8>(case(4, 2, 128, vec![(1, 511), (1, 7), (40, 90)]), 2);
+}
+
+#[test]
+fn fp8_caches_decode_and_prefill_match_dense_attention_over_their_values() {
+    check_in::<f32, Fp8E4M3>(case(8, 2, 64, tile_edges()), 1);
+    check_in::<Bf16, Fp8E4M3>(case(8, 4, 64, tile_edges()), 1);
+    check_in::<f32, Fp8E5M2>(case(8, 2, 64, tile_edges()), 1);
+}
+
+#[test]
+fn quantized_caches_with_a_head_size_not_a_multiple_of_8_take_the_portable_loop() {
+    check_in::<f32, I8>(case(4, 2, 20, vec![(1, 70), (17, 40)]), 1);
+    check_in::<Bf16, Fp8E4M3>(case(4, 2, 20, vec![(1, 70), (17, 40)]), 1);
+}
+
+#[test]
+fn a_quantized_cache_without_room_for_the_scale_is_refused() {
+    let k = Array3::<f32>::zeros((1, 1, 8));
+    let mut cache = Array4::<I8>::from_elem((1, 4, 1, 8), I8(0));
+    let mut other = cache.clone();
+    let err = store_kv(k.view(), k.view(), &[0], cache.view_mut(), other.view_mut());
+    assert!(err.unwrap_err().to_string().contains("scale"));
 }

@@ -1,0 +1,380 @@
+//! The element types of the paged KV cache as the attention kernels read it (`KvElem`): the
+//! model's float type (f32 or bf16, a row of `d` values), or a quantized format whose rows carry
+//! their own scale.
+//!
+//! Quantized layout: each (token, kv head) row is its `d` quantized values followed by the row's
+//! f32 scale (4 bytes, native byte order), so a cache is `[blocks, block_size, KVH, d + 4]`
+//! bytes. The scale lives inside the block: every path that moves blocks (copy-on-write, swap,
+//! the offload tiers) moves it with them, untouched.
+//! - int8: symmetric, `scale = amax / 127`, `q = round_half_even(x / scale)` in [-127, 127];
+//! - fp8 e4m3 (`e4m3fn`: no infinities, max 448) and e5m2 (max 57344): `scale = amax / max`,
+//!   `x / scale` clamped to ±max, rounded to nearest even, torch's `.to(float8_*)` bit for bit.
+//!
+//! A row's value is `raw(q) * factor(row)`; the kernels multiply the factor into the score (keys)
+//! or the probability (values) once per row, never into each element.
+use super::elem::{Bf16, Elem};
+
+/// Bytes of a quantized row's scale, after its `d` values.
+pub const SCALE_BYTES: usize = 4;
+
+/// What the attention kernels and the KV store need of a cache element.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Elements a row holds after its `d` values (the scale's bytes; 0 for float rows).
+    const EXTRA: usize;
+    /// Not plain f32: the rows-in-lanes path widens a key tile to f32 first.
+    const WIDEN: bool;
+    /// The element's value before the row's factor.
+    fn raw(self) -> f32;
+    /// The factor of the row at `row` (its `d` values, then `EXTRA` elements).
+    ///
+    /// # Safety
+    /// `row` must be valid for `d + EXTRA` elements.
+    unsafe fn factor(row: *const Self, d: usize) -> f32;
+    /// Writes `xs` (`d` values) as one row of `d + EXTRA` elements.
+    fn encode(xs: &[f32], row: &mut [Self]);
+    /// `xs · row`'s values (factor included), `xs.len()` = `d`; `F`: inside an avx2+fma function.
+    fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32;
+    /// `y += a * row`'s values (factor included).
+    fn axpy<const F: bool>(y: &mut [f32], a: f32, row: &[Self]);
+    /// Eight raw values at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// avx2 and fma are available, `p` is valid for 8 elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+macro_rules! float_kv_elem {
+    ($t:ty) => {
+        impl KvElem for $t {
+            const EXTRA: usize = 0;
+            const WIDEN: bool = <$t as Elem>::IS_BF16;
+            #[inline(always)]
+            fn raw(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            unsafe fn factor(_: *const Self, _: usize) -> f32 {
+                1.0
+            }
+            fn encode(xs: &[f32], row: &mut [Self]) {
+                for (r, x) in row.iter_mut().zip(xs) {
+                    *r = <$t as Elem>::from_f32(*x);
+                }
+            }
+            #[inline(always)]
+            fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32 {
+                super::simd::dot::<F, $t>(xs, row)
+            }
+            #[inline(always)]
+            fn axpy<const F: bool>(y: &mut [f32], a: f32, row: &[Self]) {
+                super::simd::axpy::<F, $t>(y, a, row)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+                super::simd::load8(p)
+            }
+        }
+    };
+}
+
+float_kv_elem!(f32);
+float_kv_elem!(Bf16);
+
+/// An int8 cache element (rows: `d` int8 values, then the f32 scale).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct I8(pub i8);
+
+/// An fp8 e4m3fn cache element (its bits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Fp8E4M3(pub u8);
+
+/// An fp8 e5m2 cache element (its bits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Fp8E5M2(pub u8);
+
+/// The quantized formats: how one value is coded, the rest (scale, rows) is shared.
+trait Quantized: Copy + Send + Sync + 'static {
+    /// The largest magnitude a value codes (the row's amax maps onto it).
+    const MAX: f32;
+    /// `x` (already divided by the scale) coded.
+    fn code(x: f32) -> Self;
+    fn decode(self) -> f32;
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Quantized for I8 {
+    const MAX: f32 = 127.0;
+    #[inline]
+    fn code(x: f32) -> Self {
+        I8(x.round_ties_even().clamp(-127.0, 127.0) as i8)
+    }
+    #[inline(always)]
+    fn decode(self) -> f32 {
+        self.0 as f32
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
+        load8_i8(p as *const u8)
+    }
+}
+
+impl Quantized for Fp8E4M3 {
+    const MAX: f32 = 448.0;
+    #[inline]
+    fn code(x: f32) -> Self {
+        Fp8E4M3(f32_to_fp8::<3>(x.clamp(-Self::MAX, Self::MAX), 7))
+    }
+    #[inline(always)]
+    fn decode(self) -> f32 {
+        fp8_to_f32::<20>(self.0, E4M3_POW)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
+        load8_fp8::<20>(p as *const u8, E4M3_POW)
+    }
+}
+
+impl Quantized for Fp8E5M2 {
+    const MAX: f32 = 57344.0;
+    #[inline]
+    fn code(x: f32) -> Self {
+        Fp8E5M2(f32_to_fp8::<2>(x.clamp(-Self::MAX, Self::MAX), 15))
+    }
+    #[inline(always)]
+    fn decode(self) -> f32 {
+        fp8_to_f32::<21>(self.0, E5M2_POW)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
+        load8_fp8::<21>(p as *const u8, E5M2_POW)
+    }
+}
+
+impl<Q: Quantized> KvElem for Q {
+    const EXTRA: usize = SCALE_BYTES;
+    const WIDEN: bool = true;
+    #[inline(always)]
+    fn raw(self) -> f32 {
+        self.decode()
+    }
+    #[inline(always)]
+    unsafe fn factor(row: *const Self, d: usize) -> f32 {
+        std::ptr::read_unaligned(row.add(d) as *const f32)
+    }
+    fn encode(xs: &[f32], row: &mut [Self]) {
+        let d = xs.len();
+        let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let scale = amax / Q::MAX;
+        let (values, tail) = row.split_at_mut(d);
+        for (q, x) in values.iter_mut().zip(xs) {
+            // a zero row: zeros (0 / 0 would be NaN)
+            *q = Q::code(if scale > 0.0 { x / scale } else { 0.0 });
+        }
+        // SAFETY: `tail` is the row's SCALE_BYTES elements of one byte each
+        debug_assert_eq!(std::mem::size_of::<Self>() * tail.len(), SCALE_BYTES);
+        unsafe { std::ptr::write_unaligned(tail.as_mut_ptr() as *mut f32, scale) };
+    }
+    #[inline(always)]
+    fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32 {
+        let d = xs.len();
+        // SAFETY: `row` holds the row's d values and its scale
+        let factor = unsafe { Self::factor(row.as_ptr(), d) };
+        let mut acc = [0.0f32; 8];
+        for (i, (x, q)) in xs.iter().zip(&row[..d]).enumerate() {
+            acc[i % 8] += x * q.decode();
+        }
+        acc.iter().sum::<f32>() * factor
+    }
+    #[inline(always)]
+    fn axpy<const F: bool>(y: &mut [f32], a: f32, row: &[Self]) {
+        let d = y.len();
+        // SAFETY: as in `dot`
+        let a = a * unsafe { Self::factor(row.as_ptr(), d) };
+        for (yi, q) in y.iter_mut().zip(&row[..d]) {
+            *yi += a * q.decode();
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        Q::decode8(p)
+    }
+}
+
+/// 2^120 and 2^112: an fp8 code's exponent and mantissa bits shifted into an f32's, times this,
+/// is the fp8 value exactly (subnormals included: the f32 bits read as a subnormal then).
+const E4M3_POW: f32 = f32::from_bits((127 + 120) << 23);
+const E5M2_POW: f32 = f32::from_bits((127 + 112) << 23);
+
+/// An fp8 code's value: `SHIFT` places its 7 magnitude bits at the top of an f32's exponent
+/// and mantissa (20 for e4m3, 21 for e5m2), `pow` rebiases the exponent.
+#[inline(always)]
+fn fp8_to_f32<const SHIFT: u32>(b: u8, pow: f32) -> f32 {
+    let magnitude = f32::from_bits(((b & 0x7f) as u32) << SHIFT) * pow;
+    if b & 0x80 != 0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+/// `x` (finite, |x| <= the format's max) as fp8 with `M` mantissa bits and exponent `bias`,
+/// rounded to nearest, ties to even; subnormals below the smallest normal.
+fn f32_to_fp8<const M: u32>(x: f32, bias: i32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    let min_normal = 2f32.powi(1 - bias);
+    if a < min_normal {
+        // multiples of the subnormal step 2^(1 - bias - M): exact scaling, then RNE (a result
+        // of 2^M is the smallest normal's code, which is what it is)
+        let steps = (a * 2f32.powi(bias - 1 + M as i32)).round_ties_even() as u32;
+        return sign | steps as u8;
+    }
+    let bits = a.to_bits();
+    let shift = 23 - M;
+    let rounded = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1);
+    let exponent = (rounded >> 23) as i32 - 127 + bias;
+    let mantissa = (rounded >> shift) & ((1 << M) - 1);
+    sign | (((exponent as u32) << M) | mantissa) as u8
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load8_i8(p: *const u8) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let bytes = _mm_loadl_epi64(p as *const __m128i);
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn load8_fp8<const SHIFT: i32>(p: *const u8, pow: f32) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let magnitude = _mm256_sll_epi32(
+        _mm256_and_si256(wide, _mm256_set1_epi32(0x7f)),
+        _mm_cvtsi32_si128(SHIFT),
+    );
+    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(wide, _mm256_set1_epi32(0x80)));
+    let value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(pow));
+    _mm256_or_ps(value, _mm256_castsi256_ps(sign))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip<Q: KvElem>(xs: &[f32]) -> Vec<f32> {
+        let mut row = vec![unsafe { std::mem::zeroed::<Q>() }; xs.len() + Q::EXTRA];
+        Q::encode(xs, &mut row);
+        let factor = unsafe { Q::factor(row.as_ptr(), xs.len()) };
+        row[..xs.len()].iter().map(|q| q.raw() * factor).collect()
+    }
+
+    fn sample(d: usize) -> Vec<f32> {
+        (0..d)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173 + (i as f32 * 0.61).sin())
+            .collect()
+    }
+
+    #[test]
+    fn int8_round_trip_is_within_half_a_step() {
+        let xs = sample(64);
+        let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        for (x, y) in xs.iter().zip(round_trip::<I8>(&xs)) {
+            assert!((x - y).abs() <= amax / 127.0 * 0.5 * 1.0001, "{x} -> {y}");
+        }
+    }
+
+    #[test]
+    fn fp8_round_trips_are_within_the_formats_relative_step() {
+        let xs = sample(64);
+        let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        for (mantissa_bits, ys) in [
+            (3, round_trip::<Fp8E4M3>(&xs)),
+            (2, round_trip::<Fp8E5M2>(&xs)),
+        ] {
+            for (x, y) in xs.iter().zip(ys) {
+                // half an ulp of the value, or of the smallest normal's step near zero
+                let ulp = x.abs().max(amax * 2f32.powi(-6)) * 2f32.powi(-mantissa_bits);
+                assert!((x - y).abs() <= 0.5 * ulp * 1.0001, "{x} -> {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_zero_row_codes_zeros_with_scale_zero() {
+        assert_eq!(round_trip::<I8>(&[0.0; 8]), vec![0.0; 8]);
+        assert_eq!(round_trip::<Fp8E4M3>(&[0.0; 8]), vec![0.0; 8]);
+    }
+
+    #[test]
+    fn fp8_codes_decode_to_their_values() {
+        // e4m3fn: 0x38 = 1.0, 0x7e = 448, 0x01 = 2^-9 (smallest subnormal), 0xb8 = -1.0
+        assert_eq!(Fp8E4M3(0x38).raw(), 1.0);
+        assert_eq!(Fp8E4M3(0x7e).raw(), 448.0);
+        assert_eq!(Fp8E4M3(0x01).raw(), 2f32.powi(-9));
+        assert_eq!(Fp8E4M3(0xb8).raw(), -1.0);
+        // e5m2: 0x3c = 1.0, 0x7b = 57344, 0x01 = 2^-16
+        assert_eq!(Fp8E5M2(0x3c).raw(), 1.0);
+        assert_eq!(Fp8E5M2(0x7b).raw(), 57344.0);
+        assert_eq!(Fp8E5M2(0x01).raw(), 2f32.powi(-16));
+        for b in 0..=0x7e_u8 {
+            assert_eq!(f32_to_fp8::<3>(Fp8E4M3(b).raw(), 7), b);
+        }
+        for b in 0..=0x7b_u8 {
+            assert_eq!(f32_to_fp8::<2>(Fp8E5M2(b).raw(), 15), b);
+        }
+    }
+
+    #[test]
+    fn fp8_rounds_ties_to_even() {
+        // between 1.0 (0x38) and 1.125 (0x39): 1.0625 is the tie, goes to the even 0x38
+        assert_eq!(f32_to_fp8::<3>(1.0625, 7), 0x38);
+        assert_eq!(f32_to_fp8::<3>(1.0626, 7), 0x39);
+        // between 1.125 (0x39) and 1.25 (0x3a): the tie 1.1875 goes to 0x3a
+        assert_eq!(f32_to_fp8::<3>(1.1875, 7), 0x3a);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_loads_match_the_scalar_values() {
+        if !crate::cpu::simd::has_avx2_fma() {
+            return;
+        }
+        fn check<Q: KvElem>(codes: &[Q]) {
+            for chunk in codes.chunks_exact(8) {
+                let mut got = [0.0f32; 8];
+                unsafe {
+                    std::arch::x86_64::_mm256_storeu_ps(got.as_mut_ptr(), Q::load8(chunk.as_ptr()))
+                };
+                let want: Vec<f32> = chunk.iter().map(|q| q.raw()).collect();
+                assert_eq!(got.to_vec(), want);
+            }
+        }
+        check(&(0..=255u8).map(|b| I8(b as i8)).collect::<Vec<_>>());
+        // every code but the NaNs (e4m3fn: 0x7f, 0xff; e5m2: exponent all ones)
+        let e4m3: Vec<_> = (0..=255u8)
+            .filter(|b| b & 0x7f != 0x7f)
+            .chain([0, 0])
+            .map(Fp8E4M3)
+            .collect();
+        check(&e4m3);
+        let e5m2: Vec<_> = (0..=255u8)
+            .filter(|b| b & 0x7c != 0x7c)
+            .map(Fp8E5M2)
+            .collect();
+        check(&e5m2);
+    }
+}
