@@ -137,6 +137,11 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         return _quant_embedding(ids, self.quant)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        from pagedllm.kernels import cpu_quant
+
+        destination[prefix + "weight"] = cpu_quant.dequantize(self.quant)
+
 
 class ColumnParallelLinear(Linear):
     """Named projections side by side (gate/up, q/k/v) whose output columns are split over the
