@@ -761,6 +761,39 @@ def cpu_argmax(
     ``[K]``; up to ``num_threads`` threads for large calls. ``ValueError`` for shapes that do not
     fit or an empty row."""
 
+# Quantized-weight kernels (rust/src/bindings/cpu_quant.rs): a weight `[N, K]` crosses as its
+# row segments, `(ggml type code, uint8 [rows, row_bytes])` each, contiguous.
+_QuantSegments = _Sequence[tuple[int, _npt.NDArray[_np.uint8]]]
+
+def cpu_quant_block_shape(qtype: int) -> tuple[int, int]:
+    """``(elements, bytes)`` of one block of ggml type ``qtype`` (F32: ``(1, 4)``, Q4_K:
+    ``(256, 144)``). ``ValueError`` for a type the kernels do not take."""
+
+def cpu_quant_linear(
+    x: _F32Array,
+    segments: _QuantSegments,
+    bias: _F32Array | None,
+    out: _F32Array,
+    num_threads: int,
+) -> None:
+    """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with ``W`` dequantized on the fly (sums in
+    float32: ``x @ dequantize(W).T`` up to summation order); ``num_threads`` workers at most.
+    ``ValueError`` for an unsupported type, bytes that are not whole rows, or shapes that do not
+    fit."""
+
+def cpu_quant_dequantize(segments: _QuantSegments, out: _F32Array) -> None:
+    """The weight as float32 into ``out [N, K]``, bit for bit as ``gguf.quants.dequantize``."""
+
+def cpu_quant_embedding(
+    ids: _npt.NDArray[_np.int64], segments: _QuantSegments, out: _F32Array
+) -> None:
+    """Rows ``ids`` of the weight dequantized into ``out [len(ids), K]``. ``ValueError`` for an
+    id outside the rows."""
+
+def cpu_quant_quantize(weight: _F32Array, qtype: int, out: _npt.NDArray[_np.uint8]) -> None:
+    """``weight [N, K]`` quantized to Q8_0 or Q4_0 into ``out [N, row_bytes]`` with ggml's
+    reference rounding (byte for byte as ``gguf.quants.quantize``)."""
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 mod block_hash;
 mod convert;
 mod cpu_ops;
+mod cpu_quant;
 mod errors;
 mod kv_args;
 mod kv_events;
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     cpu_ops::register(m)?;
+    cpu_quant::register(m)?;
     manager::register(m)?;
     kv_events::register(m)?;
     router::register(m)?;

@@ -15,6 +15,7 @@ pub mod kv_quant;
 pub mod linear;
 pub mod norm;
 mod pool;
+pub mod quant;
 pub mod rotary;
 mod simd;
 

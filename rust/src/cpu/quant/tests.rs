@@ -1,0 +1,377 @@
+//! Hand-built blocks of every type against the values their layout defines, the AVX2 rows
+//! against the portable ones, and `quant_linear` against an f64 product of the dequantized
+//! weight (the Python tests check the formats against the `gguf` package).
+use ndarray::Array2;
+
+use super::formats::{dequantize_blocks, f16_to_f32, f32_to_f16, QType};
+use super::*;
+
+const ONE: u16 = 0x3C00; // f16 1.0
+const HALF: u16 = 0x3800; // f16 0.5
+const TWO: u16 = 0x4000; // f16 2.0
+const MINUS_ONE: u16 = 0xBC00; // f16 -1.0
+
+fn dequantized(t: QType, block: &[u8]) -> Vec<f32> {
+    let mut y = vec![f32::NAN; t.block().0 * block.len() / t.block().1];
+    dequantize_blocks(t, block, &mut y);
+    y
+}
+
+/// A pseudo-random byte stream (xorshift), the same for the same seed.
+fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 24) as u8
+        })
+        .collect()
+}
+
+/// `rows` random rows of type `t` with small, finite f16 scales (random bytes elsewhere).
+fn random_rows(t: QType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+    let (elems, size) = t.block();
+    let mut data = bytes(rows * k / elems * size, seed);
+    let scale_at: &[usize] = match t {
+        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => &[0],
+        QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
+        QType::Q6_K => &[208],
+        QType::F16 => &[0],
+        QType::F32 | QType::BF16 => &[],
+    };
+    for (b, block) in data.chunks_exact_mut(size).enumerate() {
+        match t {
+            QType::F32 => block.copy_from_slice(&(((b % 97) as f32 - 48.0) / 32.0).to_le_bytes()),
+            QType::BF16 => block[1] = 0x3C | (block[1] & 0x81), // |x| in [2^-7, 1)
+            _ => {}
+        }
+        for at in scale_at {
+            let v = (((block[*at] as f32) - 128.0) / 4096.0).max(-0.03);
+            block[*at..*at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+        }
+    }
+    data
+}
+
+#[test]
+fn f16_round_trips_and_rounds_to_nearest_even() {
+    for h in (0..=u16::MAX).filter(|h| (h >> 10) & 0x1F != 31) {
+        assert_eq!(f32_to_f16(f16_to_f32(h)), h, "{h:#06x}");
+    }
+    assert_eq!(f16_to_f32(ONE), 1.0);
+    assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+    // halfway between 1.0 and the next half (1 + 2^-10): ties go to the even significand
+    assert_eq!(f32_to_f16(1.0 + 2f32.powi(-11)), ONE);
+    assert_eq!(f32_to_f16(1.0 + 3.0 * 2f32.powi(-11)), ONE + 2);
+    assert_eq!(f32_to_f16(70000.0), 0x7C00);
+    assert_eq!(f32_to_f16(2f32.powi(-26)), 0);
+}
+
+#[test]
+fn q8_0_is_its_scale_times_each_signed_byte() {
+    let mut b = HALF.to_le_bytes().to_vec();
+    b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+    let want: Vec<f32> = (0..32).map(|i| 0.5 * (i as f32 - 16.0)).collect();
+    assert_eq!(dequantized(QType::Q8_0, &b), want);
+}
+
+#[test]
+fn q4_0_holds_the_first_half_in_low_nibbles_and_the_second_in_high_ones() {
+    let mut b = TWO.to_le_bytes().to_vec();
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let y = dequantized(QType::Q4_0, &b);
+    for j in 0..16 {
+        assert_eq!(y[j], 2.0 * (j as f32 - 8.0));
+        assert_eq!(y[j + 16], 2.0 * (7.0 - j as f32));
+    }
+}
+
+#[test]
+fn q4_1_adds_its_min_to_the_scaled_nibbles() {
+    let mut b = [HALF.to_le_bytes(), MINUS_ONE.to_le_bytes()].concat();
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let y = dequantized(QType::Q4_1, &b);
+    for j in 0..16 {
+        assert_eq!(y[j], 0.5 * j as f32 - 1.0);
+        assert_eq!(y[j + 16], 0.5 * (15 - j) as f32 - 1.0);
+    }
+}
+
+#[test]
+fn q5_0_and_q5_1_take_bit_4_of_element_j_from_bit_j_of_qh() {
+    let qh: u32 = 0xA5C3_0F81;
+    let qs: Vec<u8> = (0..16u8).map(|j| j | ((15 - j) << 4)).collect();
+    let q = |j: usize| {
+        let nibble = if j < 16 {
+            j as u32
+        } else {
+            15 - (j as u32 - 16)
+        };
+        (nibble | (((qh >> j) & 1) << 4)) as f32
+    };
+    let b0 = [&ONE.to_le_bytes()[..], &qh.to_le_bytes(), &qs].concat();
+    let y0 = dequantized(QType::Q5_0, &b0);
+    let b1 = [
+        &HALF.to_le_bytes()[..],
+        &TWO.to_le_bytes(),
+        &qh.to_le_bytes(),
+        &qs,
+    ]
+    .concat();
+    let y1 = dequantized(QType::Q5_1, &b1);
+    for j in 0..32 {
+        assert_eq!(y0[j], q(j) - 16.0, "Q5_0 element {j}");
+        assert_eq!(y1[j], 0.5 * q(j) + 2.0, "Q5_1 element {j}");
+    }
+}
+
+/// Packs 8 six-bit (scale, min) pairs the way Q4_K / Q5_K store them.
+fn pack_k_scales(sc: [u8; 8], m: [u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for i in 0..4 {
+        s[i] = (sc[i] & 63) | ((sc[i + 4] >> 4) << 6);
+        s[i + 4] = (m[i] & 63) | ((m[i + 4] >> 4) << 6);
+        s[i + 8] = (sc[i + 4] & 0xF) | ((m[i + 4] & 0xF) << 4);
+    }
+    s
+}
+
+#[test]
+fn q4_k_and_q5_k_scale_each_sub_block_by_its_six_bit_scale_and_min() {
+    let sc = [1, 2, 3, 63, 17, 40, 5, 33];
+    let m = [0, 9, 63, 4, 50, 7, 21, 16];
+    let scales = pack_k_scales(sc, m);
+    let qs = bytes(128, 1);
+    let qh = bytes(32, 2);
+    let head = [&ONE.to_le_bytes()[..], &HALF.to_le_bytes(), &scales].concat();
+    let y4 = dequantized(QType::Q4_K, &[&head[..], &qs].concat());
+    let y5 = dequantized(QType::Q5_K, &[&head[..], &qh, &qs].concat());
+    for e in 0..256 {
+        let (i, l) = (e / 32, e % 32);
+        let nibble = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 0xF;
+        let high = (qh[l] >> i) & 1;
+        let (dl, ml) = (sc[i] as f32, 0.5 * m[i] as f32);
+        assert_eq!(y4[e], dl * nibble as f32 - ml, "Q4_K element {e}");
+        assert_eq!(
+            y5[e],
+            dl * (nibble | high << 4) as f32 - ml,
+            "Q5_K element {e}"
+        );
+    }
+}
+
+#[test]
+fn q6_k_rebuilds_the_six_bit_values_its_quantizer_packs() {
+    // the packing of ggml's Q6_K quantizer: per half, l in 0..32, the values at l, l + 32,
+    // l + 64, l + 96 share ql[l], ql[l + 32] (low nibbles) and qh[l] (2 bits each)
+    let q: Vec<u8> = bytes(256, 3).iter().map(|v| v & 63).collect();
+    let (mut ql, mut qh) = (vec![0u8; 128], vec![0u8; 64]);
+    for h in 0..2 {
+        for l in 0..32 {
+            let v = |j: usize| q[128 * h + l + 32 * j];
+            ql[64 * h + l] = (v(0) & 0xF) | ((v(2) & 0xF) << 4);
+            ql[64 * h + l + 32] = (v(1) & 0xF) | ((v(3) & 0xF) << 4);
+            qh[32 * h + l] =
+                (v(0) >> 4) | ((v(1) >> 4) << 2) | ((v(2) >> 4) << 4) | ((v(3) >> 4) << 6);
+        }
+    }
+    let scales: Vec<u8> = (0..16).map(|i| (i * 9 - 70) as i8 as u8).collect();
+    let b = [&ql[..], &qh, &scales, &TWO.to_le_bytes()].concat();
+    let y = dequantized(QType::Q6_K, &b);
+    for e in 0..256 {
+        let want = (2.0 * scales[e / 16] as i8 as f32) * (q[e] as f32 - 32.0);
+        assert_eq!(y[e], want, "element {e}");
+    }
+}
+
+#[test]
+fn float_rows_widen_exactly() {
+    let f: Vec<f32> = vec![1.5, -2.25, 0.0, 3e-5];
+    let b: Vec<u8> = f.iter().flat_map(|v| v.to_le_bytes()).collect();
+    assert_eq!(dequantized(QType::F32, &b), f);
+    let h: Vec<u8> = [ONE, MINUS_ONE, 0x0001]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert_eq!(dequantized(QType::F16, &h), [1.0, -1.0, 2f32.powi(-24)]);
+    let bf: Vec<u8> = [0x3F80u16, 0xC040]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert_eq!(dequantized(QType::BF16, &bf), [1.0, -3.0]);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_rows_equal_the_portable_rows_bit_for_bit() {
+    if !formats_avx2::available() {
+        return;
+    }
+    for t in QType::ALL {
+        let k = 512 + if t.block().0 == 1 { 5 } else { 0 }; // ragged vector tails of float rows
+        let data = random_rows(t, 3, k, t as u64 + 7);
+        let mut portable = vec![0.0; 3 * k];
+        let mut fast = vec![1.0; 3 * k];
+        dequantize_blocks(t, &data, &mut portable);
+        // SAFETY: the CPU has avx2, fma and f16c (checked above)
+        unsafe { formats_avx2::dequantize_blocks(t, &data, &mut fast) };
+        assert!(portable.iter().all(|v| v.is_finite()), "{}", t.name());
+        assert_eq!(
+            portable.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{}",
+            t.name()
+        );
+    }
+}
+
+/// `x W^T + b` in f64 over the dequantized weight.
+fn reference(x: &Array2<f32>, w: &Array2<f32>, b: &[f32]) -> Array2<f64> {
+    let (m, k) = x.dim();
+    Array2::from_shape_fn((m, w.dim().0), |(r, c)| {
+        (0..k)
+            .map(|i| x[[r, i]] as f64 * w[[c, i]] as f64)
+            .sum::<f64>()
+            + b[c] as f64
+    })
+}
+
+fn floats(len: usize, seed: f32) -> Vec<f32> {
+    (0..len).map(|i| ((i as f32 + seed) * 0.37).sin()).collect()
+}
+
+#[test]
+fn quant_linear_matches_the_dequantized_product_for_decode_and_prefill_rows_and_mixed_types() {
+    let k = 512;
+    let types = [
+        QType::Q4_K,
+        QType::Q8_0,
+        QType::Q6_K,
+        QType::F16,
+        QType::Q5_1,
+    ];
+    let rows = [5, 17, 3, 20, 1]; // N = 46: ragged panels, segments across panels
+    let data: Vec<Vec<u8>> = types
+        .iter()
+        .zip(rows)
+        .map(|(t, r)| random_rows(*t, r, k, r as u64))
+        .collect();
+    let segments = types
+        .iter()
+        .zip(rows)
+        .zip(&data)
+        .map(|((t, r), d)| Segment {
+            qtype: *t,
+            data: d,
+            rows: r,
+        })
+        .collect();
+    let w = QuantMatrix::new(segments, k).unwrap();
+    let n = w.n();
+    let mut dense = Array2::zeros((n, k));
+    dequantize(&w, dense.view_mut()).unwrap();
+    let bias = floats(n, 3.0);
+    for m in [1, 3, 8, 9, 40] {
+        let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32)).unwrap();
+        let want = reference(&x, &dense, &bias);
+        for threads in [1, 2] {
+            let mut out = Array2::from_elem((m, n), f32::NAN);
+            quant_linear(x.view(), &w, Some(&bias), out.view_mut(), threads).unwrap();
+            for (g, e) in out.iter().zip(&want) {
+                let tol = 1e-5 * (1.0 + e.abs()) * (k as f64).sqrt();
+                assert!((*g as f64 - e).abs() < tol, "m {m}: {g} vs {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_rows_are_the_dequantized_rows_and_bad_ids_are_rejected() {
+    let k = 64;
+    let data = random_rows(QType::Q8_0, 6, k, 9);
+    let w = QuantMatrix::new(
+        vec![Segment {
+            qtype: QType::Q8_0,
+            data: &data,
+            rows: 6,
+        }],
+        k,
+    )
+    .unwrap();
+    let mut dense = Array2::zeros((6, k));
+    dequantize(&w, dense.view_mut()).unwrap();
+    let mut out = Array2::zeros((3, k));
+    embedding(&w, &[5, 0, 5], out.view_mut()).unwrap();
+    for (i, id) in [5, 0, 5].into_iter().enumerate() {
+        assert_eq!(out.row(i), dense.row(id));
+    }
+    let err = embedding(&w, &[6], Array2::zeros((1, k)).view_mut()).unwrap_err();
+    assert!(format!("{err}").contains("token id 6"), "{err}");
+}
+
+#[test]
+fn quantized_q8_0_and_q4_0_rows_dequantize_close_to_the_floats() {
+    let (n, k) = (4, 64);
+    let w = Array2::from_shape_vec((n, k), floats(n * k, 1.0)).unwrap();
+    // Q8_0 rounds to the nearest of 255 steps of max / 127; Q4_0's 16 steps of max / 8 reach
+    // -8 steps on the extreme's side but only 7 on the other: up to a whole step off there
+    for (t, error) in [(QType::Q8_0, 0.51 / 127.0), (QType::Q4_0, 1.0 / 8.0)] {
+        let mut q = Array2::zeros((n, t.row_bytes(k).unwrap()));
+        quantize(w.view(), t, q.view_mut()).unwrap();
+        let data = q.as_slice().unwrap();
+        let m = QuantMatrix::new(
+            vec![Segment {
+                qtype: t,
+                data,
+                rows: n,
+            }],
+            k,
+        )
+        .unwrap();
+        let mut back = Array2::zeros((n, k));
+        dequantize(&m, back.view_mut()).unwrap();
+        for (a, b) in w.iter().zip(&back) {
+            assert!((a - b).abs() <= error + 1e-3, "{}: {a} vs {b}", t.name());
+        }
+    }
+}
+
+#[test]
+fn bad_segments_and_shapes_are_rejected_naming_the_problem() {
+    let err = QType::from_code(16).unwrap_err();
+    assert!(
+        format!("{err}").contains("unsupported ggml type 16"),
+        "{err}"
+    );
+    let data = vec![0u8; 34 * 2 - 1];
+    let err = QuantMatrix::new(
+        vec![Segment {
+            qtype: QType::Q8_0,
+            data: &data,
+            rows: 1,
+        }],
+        64,
+    )
+    .unwrap_err();
+    assert!(
+        format!("{err}").contains("segment 0 (Q8_0) has 67 bytes"),
+        "{err}"
+    );
+    let err = QType::Q4_K.row_bytes(300).unwrap_err();
+    assert!(format!("{err}").contains("blocks of 256"), "{err}");
+    let data = vec![0u8; 34 * 2];
+    let w = QuantMatrix::new(
+        vec![Segment {
+            qtype: QType::Q8_0,
+            data: &data,
+            rows: 1,
+        }],
+        64,
+    )
+    .unwrap();
+    let x = Array2::<f32>::zeros((2, 32));
+    let err = quant_linear(x.view(), &w, None, Array2::zeros((2, 1)).view_mut(), 1).unwrap_err();
+    assert!(format!("{err}").contains("x has 32 columns"), "{err}");
+}
