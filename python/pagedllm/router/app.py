@@ -266,8 +266,9 @@ def build_router_app(
                 with in_flight.waiting():
                     first = await anext(chunks, b"")
                 stream = _stream(in_flight, first, chunks, response)
+                settle = _settler(in_flight, response)
                 in_flight = response = None  # the stream's to release
-                return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+                return _SettledStream(stream, settle, headers=headers)
             with in_flight.waiting():
                 content = await response.aread()
             _count_usage(replica, content)
@@ -287,6 +288,16 @@ def build_router_app(
                 await response.aclose()
             if in_flight is not None:
                 replicas.release(in_flight)
+
+    def _settler(in_flight: InFlight, response: httpx.Response):
+        """What a stream's end must do even if its generator never ran (the client left
+        before the first chunk was sent): close the replica's response, release the request."""
+
+        async def settle() -> None:
+            await response.aclose()
+            replicas.release(in_flight)
+
+        return settle
 
     async def _stream(
         in_flight: InFlight, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response
@@ -377,6 +388,22 @@ def run_router(app: FastAPI, host: str, port: int, log_level: str = "info") -> i
 
     _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
     return 0
+
+
+class _SettledStream(StreamingResponse):
+    """An event stream that runs `settle` once it is over however it ended: sent whole, the
+    client gone mid-stream, or gone before it began (then the generator never starts, so its
+    own `finally` never runs, and Starlette skips background tasks on a disconnect)."""
+
+    def __init__(self, content: AsyncIterator[bytes], settle, *, headers: dict) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._settle = settle
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._settle()
 
 
 def _headers(request: Request) -> dict[str, str]:
