@@ -284,10 +284,12 @@ class ReplicaSet:
         return request
 
     def release(self, request: InFlight) -> None:
-        """The request ended: no longer tracked, its ticket finished."""
+        """The request ended: no longer tracked, its ticket finished. Releasing twice is a
+        no-op (a stream's generator and its response's settling may both get here)."""
         request.replica.in_flight.discard(request)
-        if request.ticket is not None:
-            self.finish(request.ticket)
+        ticket, request.ticket = request.ticket, None
+        if ticket is not None:
+            self.finish(ticket)
 
     @contextlib.contextmanager
     def watch(self, replica: Replica) -> Iterator[InFlight]:
