@@ -733,6 +733,24 @@ def cpu_linear(
     not depend on the rows beside it); a bfloat16 ``out`` is rounded once. ``num_threads``
     workers at most. ``ValueError`` for shapes that do not fit together."""
 
+def cpu_moe_experts(
+    x: _KernelArray,
+    gate_up: _KernelArray,
+    down: _KernelArray,
+    ids: _npt.NDArray[_np.int64],
+    weights: _npt.NDArray[_np.float32],
+    out: _KernelArray,
+    num_threads: int,
+) -> None:
+    """The mixture-of-experts MLP: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) *
+    up_e(x[t]))`` with ``e = ids[t, j]``, for ``x`` ``[T, H]``, every expert's gate/up weight
+    ``[2I, H]`` (gate rows, then up rows) as panels ``[E, ceil(2I / 16), H, 16]`` and down weight
+    ``[H, I]`` as ``[E, ceil(H / 16), I, 16]``, int64 ids and float32 weights ``[T, k]``. Tokens
+    are grouped by expert and each chosen expert's weights read once; experts no token chose are
+    not read. The terms are summed in ascending expert order in float32 and ``out`` rounded once.
+    ``x``, the panels and ``out`` of one dtype; all contiguous; ``num_threads`` workers at most.
+    ``ValueError`` for an id outside ``0..E`` or shapes that do not fit together."""
+
 def cpu_rms_norm(x: _KernelArray, weight: _KernelArray, eps: float, out: _KernelArray) -> None:
     """``out = weight * (x * rsqrt(mean(x**2, -1) + eps))`` for every row of ``x`` ``[T, E]``,
     sums in float32 (a bfloat16 row rounded as ``weight * (x32 * r).to(bfloat16)`` rounds it);

@@ -149,6 +149,7 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             dtype=self.dtype,
             device=self.device,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
         self.kv_transfer = self._kv_transfer(args)
@@ -713,4 +714,10 @@ class LLMEngine:
         stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
         if self.kv_transfer is not None:
             stats.update(self.kv_transfer.stats())
+        if self.model.config.moe is not None:
+            from pagedllm.models.moe import expert_token_counts
+
+            # per MoE layer, the tokens each expert took since start: the load an operator reads
+            # (every rank routes the same tokens, so rank 0's counts are the whole engine's)
+            stats["moe_expert_tokens"] = expert_token_counts(self.model)
         return stats

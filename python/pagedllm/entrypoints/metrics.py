@@ -61,6 +61,21 @@ class _EngineCollector:
             yield CounterMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
         if "kv_offload_num_slots" in stats:
             yield from _offload_metrics(stats, self.block_size)
+        if "moe_expert_tokens" in stats:
+            yield _expert_tokens(stats["moe_expert_tokens"])
+
+
+def _expert_tokens(per_layer: dict[int, list[int]]) -> CounterMetricFamily:
+    """A mixture of experts' load balance: tokens routed to each expert of each MoE layer."""
+    family = CounterMetricFamily(
+        "pagedllm:moe_expert_tokens",
+        "Tokens routed to each expert of each MoE layer (one per token and chosen expert)",
+        labels=["layer", "expert"],
+    )
+    for layer, counts in per_layer.items():
+        for expert, count in enumerate(counts):
+            family.add_metric([str(layer), str(expert)], float(count))
+    return family
 
 
 def _offload_metrics(stats, block_size: int):

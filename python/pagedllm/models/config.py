@@ -14,12 +14,19 @@ from typing import Any
 
 from pagedllm.config import DTYPE_NAMES
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
+from pagedllm.models.moe_config import MoeConfig, parse_moe_config
 
 # architecture name -> family; the family selects the decoder's flags
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+}
+# mixtures of experts: the family's attention, the MoE block (models/moe.py) for the MLP
+MOE_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2",
+    "MixtralForCausalLM": "llama",
 }
 _MODEL_TYPE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # transformers' defaults for fields a config.json may leave out
@@ -78,6 +85,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     checkpoint_dtype: str | None = None  # "float16" | "bfloat16" | "float32" as saved, if stated
     path: str | None = None  # checkpoint folder; None for built-in models
+    moe: MoeConfig | None = None  # the sparse MLP blocks of a mixture of experts
 
     @property
     def eos_token_id(self) -> int | None:
@@ -166,17 +174,19 @@ def parse_model_config(
         pad_token_id=_first_id(generation, raw, "pad_token_id"),
         checkpoint_dtype=_checkpoint_dtype(raw),
         path=path,
+        moe=parse_moe_config(raw, architecture, raw["num_hidden_layers"], source),
     )
 
 
 def _architecture(raw: dict[str, Any], source: str | Path) -> tuple[str, str]:
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    known = {**SUPPORTED_ARCHITECTURES, **MOE_ARCHITECTURES}
+    supported = ", ".join(known)
     architectures = raw.get("architectures") or []
     if not isinstance(architectures, list):
         raise CheckpointError(f"{source}: field 'architectures' must be a list of names")
     for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name, SUPPORTED_ARCHITECTURES[name]
+        if name in known:
+            return name, known[name]
     if architectures:
         raise CheckpointError(
             f"{source}: unsupported architecture {architectures} (field 'architectures'); "

@@ -212,12 +212,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual stream is carried
     separately (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, tp)
+        if cfg.moe is not None and cfg.moe.is_sparse(index):
+            # imported here: models.moe builds on this module's GatedMLP
+            from pagedllm.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(cfg, tp)
+        else:
+            self.mlp = GatedMLP(cfg, tp)
 
     def forward(
         self,
@@ -251,7 +257,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
 

@@ -24,6 +24,13 @@ from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.fused_linear import SINGLE
 from pagedllm.models.gguf.reader import is_gguf_path
+from pagedllm.models.moe import (
+    is_moe_tensor,
+    moe_layer_layout,
+    moe_shard_of,
+    moe_tensor_shape,
+    pack_experts,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -115,6 +122,7 @@ def load_model(
         quantize_linears(built, QUANTIZATIONS[quantization])
     if pack_for_cpu:
         cpu_linear.pack_linears(built)
+        pack_experts(built)
     return built
 
 
@@ -168,11 +176,11 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, list[str]]:
     if not cfg.tie_word_embeddings:
         layout["lm_head.weight"] = ["lm_head.weight"]
     for i in range(cfg.num_layers):
-        layout.update(_layer_layout(cfg, f"model.layers.{i}."))
+        layout.update(_layer_layout(cfg, f"model.layers.{i}.", i))
     return layout
 
 
-def _layer_layout(cfg: ModelConfig, prefix: str) -> dict[str, list[str]]:
+def _layer_layout(cfg: ModelConfig, prefix: str, index: int = 0) -> dict[str, list[str]]:
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
     gate_up = [mlp + "gate_proj", mlp + "up_proj"]
@@ -184,6 +192,9 @@ def _layer_layout(cfg: ModelConfig, prefix: str) -> dict[str, list[str]]:
         mlp + "gate_up_proj.weight": [name + ".weight" for name in gate_up],
         mlp + "down_proj.weight": [mlp + "down_proj.weight"],
     }
+    if cfg.moe is not None and cfg.moe.is_sparse(index):
+        del layout[mlp + "gate_up_proj.weight"], layout[mlp + "down_proj.weight"]
+        layout.update(moe_layer_layout(cfg, prefix))
     if cfg.qkv_bias:
         layout[attn + "qkv_proj.bias"] = [name + ".bias" for name in qkv]
     if cfg.o_bias:
@@ -213,7 +224,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for name in (n for sources in checkpoint_layout(cfg).values() for n in sources):
         module, kind = name.rsplit(".", 2)[-2:]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if cfg.moe is not None and is_moe_tensor(name):
+            shapes[name] = moe_tensor_shape(cfg, name)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             shapes[name] = (cfg.vocab_size, e)
         elif module in ("q_norm", "k_norm"):
             shapes[name] = (d,)
@@ -279,6 +292,8 @@ def shard_of(cfg: ModelConfig, name: str, tp: TPShard) -> tuple[int, slice] | No
     The vocabulary slice may reach past `vocab_size` (the padding rows, zeros)."""
     if tp.size == 1:
         return None
+    if cfg.moe is not None and is_moe_tensor(name):
+        return moe_shard_of(cfg, name, tp)
     module, kind = name.rsplit(".", 2)[-2:]
     if module in ("embed_tokens", "lm_head"):
         return 0, tp.vocab_slice(cfg.vocab_size)

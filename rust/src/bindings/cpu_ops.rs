@@ -25,7 +25,7 @@ fn contiguous_view<'a, T>(name: &str, a: ndarray::ArrayView1<'a, T>) -> PyResult
 }
 
 /// A numpy dtype the kernels take and the kernel element behind it (same size and layout).
-trait Dtype: Element + 'static {
+pub(super) trait Dtype: Element + 'static {
     type Kernel: cpu::Elem;
     const NAME: &'static str;
 }
@@ -41,13 +41,13 @@ impl Dtype for u16 {
 }
 
 /// Which kernel a call takes, from its first float array's dtype.
-enum Kind {
+pub(super) enum Kind {
     F32,
     Bf16,
 }
 
 impl Kind {
-    fn of(name: &str, a: &Bound<'_, PyAny>) -> PyResult<Self> {
+    pub(super) fn of(name: &str, a: &Bound<'_, PyAny>) -> PyResult<Self> {
         let array = a
             .cast::<PyUntypedArray>()
             .map_err(|_| PyTypeError::new_err(format!("{name} must be a numpy array")))?;
@@ -66,7 +66,7 @@ impl Kind {
     }
 }
 
-fn readonly<'py, N: Dtype, D: Dimension>(
+pub(super) fn readonly<'py, N: Dtype, D: Dimension>(
     name: &str,
     a: &Bound<'py, PyAny>,
 ) -> PyResult<PyReadonlyArray<'py, N, D>> {
@@ -75,7 +75,7 @@ fn readonly<'py, N: Dtype, D: Dimension>(
 
 /// A writeable array; a ValueError (not numpy's panic) when it shares memory with an array the
 /// call already holds.
-fn readwrite<'py, N: Dtype, D: Dimension>(
+pub(super) fn readwrite<'py, N: Dtype, D: Dimension>(
     name: &str,
     a: &Bound<'py, PyAny>,
 ) -> PyResult<PyReadwriteArray<'py, N, D>> {
@@ -111,13 +111,15 @@ fn wrong_array<N: Dtype, D: Dimension>(name: &str, a: &Bound<'_, PyAny>, err: Py
 }
 
 /// The numpy array's elements as the kernel's element type, without a copy.
-fn view<'a, N: Dtype, D: Dimension>(a: ArrayView<'a, N, D>) -> ArrayView<'a, N::Kernel, D> {
+pub(super) fn view<'a, N: Dtype, D: Dimension>(
+    a: ArrayView<'a, N, D>,
+) -> ArrayView<'a, N::Kernel, D> {
     // SAFETY: `N::Kernel` is `N` itself or a `repr(transparent)` wrapper of it (`cast` asserts
     // the size), so every element pointer stays valid and aligned for the borrow's lifetime.
     unsafe { a.raw_view().cast::<N::Kernel>().deref_into_view() }
 }
 
-fn view_mut<'a, N: Dtype, D: Dimension>(
+pub(super) fn view_mut<'a, N: Dtype, D: Dimension>(
     mut a: ArrayViewMut<'a, N, D>,
 ) -> ArrayViewMut<'a, N::Kernel, D> {
     // SAFETY: as in `view`; the exclusive borrow moves into the returned view.

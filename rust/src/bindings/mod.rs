@@ -3,6 +3,7 @@ use pyo3::prelude::*;
 
 mod block_hash;
 mod convert;
+mod cpu_moe;
 mod cpu_ops;
 mod cpu_quant;
 mod errors;
@@ -22,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     cpu_ops::register(m)?;
+    cpu_moe::register(m)?;
     cpu_quant::register(m)?;
     manager::register(m)?;
     kv_events::register(m)?;

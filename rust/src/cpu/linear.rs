@@ -146,7 +146,9 @@ struct OutPtr<T>(*mut T);
 unsafe impl<T: Send> Send for OutPtr<T> {}
 unsafe impl<T: Send> Sync for OutPtr<T> {}
 
-struct Ctx<'a, T> {
+/// One product `out [m, n] = x [m, k] · W^T (+ bias)` that `run` computes a range of panels of:
+/// `linear` runs one per call, the MoE kernel one per expert.
+pub(crate) struct Ctx<'a, T> {
     /// This call's number (`CALLS`).
     call: u64,
     /// `[m, k]` as f32.
@@ -159,7 +161,37 @@ struct Ctx<'a, T> {
     n: usize,
 }
 
-fn run<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+impl<'a, T: Elem> Ctx<'a, T> {
+    /// A product of `x [m, k]` (f32) by the panels `w` of an `[n, k]` weight into `out`, with
+    /// a fresh call number (the blocked path's per-thread copy of x is tagged with it).
+    ///
+    /// # Safety
+    /// `out` must point to `m * n` writable elements that nothing else reads or writes until
+    /// every `run` over this product has returned, and `w` must hold `ceil(n / PANEL)` panels of
+    /// `k` rows.
+    pub(crate) unsafe fn new(
+        x: &'a [f32],
+        w: &'a [T],
+        out: *mut T,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Self {
+        Ctx {
+            call: CALLS.fetch_add(1, Ordering::Relaxed),
+            x,
+            w,
+            bias: None,
+            out: OutPtr(out),
+            m,
+            k,
+            n,
+        }
+    }
+}
+
+/// Computes the product's output columns of `panels` (the SIMD path where the CPU has it).
+pub(crate) fn run<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).

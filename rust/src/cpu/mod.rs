@@ -13,6 +13,7 @@ mod attention_avx2;
 pub mod elem;
 pub mod kv_quant;
 pub mod linear;
+pub mod moe;
 pub mod norm;
 mod pool;
 pub mod quant;
@@ -28,6 +29,7 @@ pub use attention::{paged_attention, store_kv, PagedBatch};
 pub use elem::{Bf16, Elem};
 pub use kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 pub use linear::{linear, pack_panels, PANEL};
+pub use moe::moe_experts;
 pub use norm::{add_rms_norm, rms_norm};
 pub use rotary::rotary_in_place;
 

@@ -1,0 +1,82 @@
+"""The mixture-of-experts products on the CPU through the grouped Rust kernel
+(`pagedllm._core.cpu_moe_experts`, `rust/src/cpu/moe.rs`).
+
+A step's tokens are grouped by expert; each chosen expert's gate/up and down weights are read
+once, as the linear kernel's column panels (`kernels/cpu_linear.py`), for all its tokens; the
+weighted sum of a token's experts is written to its output row. Experts no token chose are never
+read: at decode a token reads only its k experts, the floor of the bytes a step must move.
+float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedllm import _core
+from pagedllm.kernels.cpu_arrays import KERNEL_DTYPES, numpy_view
+from pagedllm.kernels.cpu_linear import PANEL
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Every expert's gate/up `[2I, H]` and down `[H, I]` weights as column panels."""
+
+    gate_up: Tensor  # [E, ceil(2I / PANEL), H, PANEL]
+    down: Tensor  # [E, ceil(H / PANEL), I, PANEL]
+    width: int  # I, one expert's intermediate width
+    hidden: int  # H
+    gate_up_array: np.ndarray  # the panels as numpy (bfloat16 as uint16 bits), made once
+    down_array: np.ndarray
+
+
+def packable(weight: Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in KERNEL_DTYPES and weight.numel() > 0
+
+
+def _panels(stacked: Tensor) -> Tensor:
+    # [E, N, K] -> [E, ceil(N / PANEL), K, PANEL], each expert's last panel padded with zeros
+    experts, n, k = stacked.shape
+    num_panels = -(-n // PANEL)
+    padded = stacked.detach().new_zeros(experts, num_panels * PANEL, k)
+    padded[:, :n] = stacked.detach()
+    return padded.view(experts, num_panels, PANEL, k).transpose(2, 3).contiguous()
+
+
+def _unpanel(panels: Tensor, n: int) -> Tensor:
+    experts, num_panels, k, _ = panels.shape
+    return panels.transpose(2, 3).reshape(experts, num_panels * PANEL, k)[:, :n].clone()
+
+
+def pack_experts(gate_up: Tensor, down: Tensor) -> PackedExperts:
+    """gate_up `[E, 2I, H]`, down `[E, H, I]` as the kernel's panels."""
+    gu, dn = _panels(gate_up), _panels(down)
+    return PackedExperts(gu, dn, down.shape[2], down.shape[1], numpy_view(gu), numpy_view(dn))
+
+
+def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
+    """(gate_up `[E, 2I, H]`, down `[E, H, I]`) back from the panels (copies)."""
+    return _unpanel(packed.gate_up, 2 * packed.width), _unpanel(packed.down, packed.hidden)
+
+
+def moe_experts(x: Tensor, packed: PackedExperts, weights: Tensor, ids: Tensor) -> Tensor:
+    """x `[T, H]`, the router's weights `[T, k]` and expert ids `[T, k]` -> `[T, H]`:
+    `sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`, the
+    terms added in ascending expert order in float32 and rounded once to x's dtype."""
+    if x.dtype != packed.gate_up.dtype:
+        raise TypeError(f"x dtype {x.dtype} does not match the experts' ({packed.gate_up.dtype})")
+    rows = x.reshape(-1, packed.hidden).contiguous()
+    out = torch.empty_like(rows)
+    _core.cpu_moe_experts(
+        numpy_view(rows),
+        packed.gate_up_array,
+        packed.down_array,
+        numpy_view(ids.to(torch.int64).reshape(rows.shape[0], -1).contiguous()),
+        numpy_view(weights.to(torch.float32).reshape(rows.shape[0], -1).contiguous()),
+        numpy_view(out),
+        torch.get_num_threads(),
+    )
+    return out.view(x.shape)

@@ -1,0 +1,65 @@
+//! The grouped mixture-of-experts kernel (`crate::cpu::moe_experts`) for the model runner: torch
+//! CPU tensors as numpy views (bfloat16 as its uint16 bits, `cpu_ops`'s rule), the kernel run
+//! with the GIL released.
+use numpy::{PyReadonlyArray2, PyReadwriteArray2};
+use pyo3::prelude::*;
+
+use super::cpu_ops::{readonly, readwrite, view, view_mut, Dtype, Kind};
+use crate::cpu;
+
+/// `out [T, H]` = each token's experts' SwiGLU outputs weighted by the router and summed, for x
+/// `[T, H]`, the stacked gate/up panels `[E, ceil(2I / 16), H, 16]` and down panels
+/// `[E, ceil(H / 16), I, 16]` (x, the panels and out all float32, or all bfloat16 as uint16),
+/// int64 expert ids and float32 weights `[T, k]`; all contiguous; `num_threads` workers at most.
+#[pyfunction]
+#[pyo3(signature = (x, gate_up, down, ids, weights, out, num_threads))]
+#[allow(clippy::too_many_arguments)]
+fn cpu_moe_experts(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    gate_up: &Bound<'_, PyAny>,
+    down: &Bound<'_, PyAny>,
+    ids: PyReadonlyArray2<'_, i64>,
+    weights: PyReadonlyArray2<'_, f32>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
+    let routing = (ids, weights);
+    match Kind::of("x", x)? {
+        Kind::F32 => experts::<f32>(py, (x, gate_up, down, out), routing, num_threads),
+        Kind::Bf16 => experts::<u16>(py, (x, gate_up, down, out), routing, num_threads),
+    }
+}
+
+type ExpertArrays<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+);
+
+fn experts<N: Dtype>(
+    py: Python<'_>,
+    (x, gate_up, down, out): ExpertArrays<'_, '_>,
+    (ids, weights): (PyReadonlyArray2<'_, i64>, PyReadonlyArray2<'_, f32>),
+    num_threads: usize,
+) -> PyResult<()> {
+    let x = readonly::<N, ndarray::Ix2>("x", x)?;
+    let gate_up = readonly::<N, ndarray::Ix4>("gate_up", gate_up)?;
+    let down = readonly::<N, ndarray::Ix4>("down", down)?;
+    let mut out: PyReadwriteArray2<'_, N> = readwrite::<N, ndarray::Ix2>("out", out)?;
+    let (x, gate_up, down) = (
+        view(x.as_array()),
+        view(gate_up.as_array()),
+        view(down.as_array()),
+    );
+    let (ids, weights) = (ids.as_array(), weights.as_array());
+    let out = view_mut(out.as_array_mut());
+    py.detach(|| cpu::moe_experts(x, gate_up, down, ids, weights, out, num_threads))?;
+    Ok(())
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cpu_moe_experts, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,573 @@
+//! Mixture-of-experts MLP on the CPU: a step's tokens grouped by expert, each chosen expert's
+//! SwiGLU weights streamed once for all its tokens.
+//!
+//! Each expert's gate/up `[2I, H]` (gate rows, then up rows) and down `[H, I]` weights are
+//! stored as the linear kernel's column panels (`linear.rs`), stacked over the experts. A call
+//! counts the tokens per expert and sorts the `(token, choice)` pairs by expert (a counting
+//! sort: within an expert, tokens in batch order), gathers the rows, and runs, on the kernels'
+//! pool: every chosen expert's gate/up product over its rows (one pool call: the work items are
+//! runs of panels of every chosen expert, claimed by whichever thread is free), SwiGLU's
+//! activation, every chosen expert's down product (one pool call), then each token's weighted
+//! sum over its experts in ascending expert order (transformers' order), in f32, rounded once
+//! into `out`. An expert no token chose is never read: at decode a token streams exactly its
+//! `k` experts' bytes.
+//!
+//! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
+//! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
+//! activation, the down output).
+use std::any::TypeId;
+use std::sync::Mutex;
+
+use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
+
+use super::activation::silu_and_mul;
+use super::elem::Elem;
+use super::invalid;
+use super::linear::{self, Ctx, PANEL};
+use super::pool;
+use crate::error::Result;
+
+/// Below this many weight elements a work item, a worker thread costs more than it saves
+/// (`linear.rs`'s rule).
+const MIN_SHARE_ELEMS: usize = 1 << 16;
+/// Runs of panels per thread and product, claimed by whichever thread is free.
+const CHUNKS_PER_THREAD: usize = 4;
+/// Output elements per thread below which the weighted sum runs on the calling thread alone.
+const MIN_SUM_PER_THREAD: usize = 1 << 16;
+
+/// `out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`,
+/// for x `[M, H]`, the experts' gate/up panels `[E, ceil(2I / PANEL), H, PANEL]` and down panels
+/// `[E, ceil(H / PANEL), I, PANEL]`, expert ids and f32 weights `[M, K]`. All contiguous;
+/// `num_threads` threads at most.
+pub fn moe_experts<T: Elem>(
+    x: ArrayView2<T>,
+    gate_up: ArrayView4<T>,
+    down: ArrayView4<T>,
+    ids: ArrayView2<i64>,
+    weights: ArrayView2<f32>,
+    mut out: ArrayViewMut2<T>,
+    num_threads: usize,
+) -> Result<()> {
+    let Shape {
+        experts,
+        hidden,
+        width,
+        k,
+    } = check_shapes(&x, &gate_up, &down, &ids, &weights, &out)?;
+    let x = x
+        .to_slice()
+        .ok_or_else(|| invalid("x must be contiguous"))?;
+    let gate_up = gate_up
+        .to_slice()
+        .ok_or_else(|| invalid("gate_up panels must be contiguous"))?;
+    let down = down
+        .to_slice()
+        .ok_or_else(|| invalid("down panels must be contiguous"))?;
+    let ids = ids
+        .to_slice()
+        .ok_or_else(|| invalid("ids must be contiguous"))?;
+    let weights = weights
+        .to_slice()
+        .ok_or_else(|| invalid("weights must be contiguous"))?;
+    let out = out
+        .as_slice_mut()
+        .ok_or_else(|| invalid("out must be contiguous"))?;
+    if out.is_empty() || width == 0 {
+        out.fill(T::ZERO);
+        return Ok(());
+    }
+    let groups = Groups::of(ids, k, experts)?;
+    let threads = num_threads.max(1);
+    let rows = groups.rows();
+    // gate/up of every chosen expert over its rows, then the activation
+    let xs = groups.gather(x, hidden);
+    let mut gate_ups = vec![T::ZERO; rows * 2 * width];
+    let gate_up_dims = Dims {
+        k: hidden,
+        n: 2 * width,
+    };
+    groups.products(&xs, gate_up, gate_up_dims, &mut gate_ups, threads);
+    drop(xs);
+    let mut acts = vec![T::ZERO; rows * width];
+    silu_and_mul(
+        ArrayView2::from_shape((rows, 2 * width), &gate_ups[..])
+            .map_err(|e| invalid(e.to_string()))?,
+        ArrayViewMut2::from_shape((rows, width), &mut acts[..])
+            .map_err(|e| invalid(e.to_string()))?,
+        threads,
+    )?;
+    drop(gate_ups);
+    // down of every chosen expert over its activations
+    let widened;
+    let acts: &[f32] = if TypeId::of::<T>() == TypeId::of::<f32>() {
+        // SAFETY: T is f32 (checked just above): the same elements, length and alignment.
+        unsafe { std::slice::from_raw_parts(acts.as_ptr().cast::<f32>(), acts.len()) }
+    } else {
+        widened = acts.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+        &widened
+    };
+    let mut ys = vec![T::ZERO; rows * hidden];
+    let down_dims = Dims {
+        k: width,
+        n: hidden,
+    };
+    groups.products(acts, down, down_dims, &mut ys, threads);
+    groups.weighted_sum(&ys, ids, weights, hidden, out, threads);
+    Ok(())
+}
+
+struct Shape {
+    experts: usize,
+    hidden: usize,
+    width: usize,
+    /// Experts per token.
+    k: usize,
+}
+
+fn check_shapes<T>(
+    x: &ArrayView2<T>,
+    gate_up: &ArrayView4<T>,
+    down: &ArrayView4<T>,
+    ids: &ArrayView2<i64>,
+    weights: &ArrayView2<f32>,
+    out: &ArrayViewMut2<T>,
+) -> Result<Shape> {
+    let (m, hidden) = x.dim();
+    let (experts, down_panels, width, down_panel) = down.dim();
+    if down_panel != PANEL || down_panels != hidden.div_ceil(PANEL) {
+        return Err(invalid(format!(
+            "down panels have shape {:?}, expected [experts, {}, I, {PANEL}] (x has {hidden} \
+             columns)",
+            down.shape(),
+            hidden.div_ceil(PANEL)
+        )));
+    }
+    let want = (experts, (2 * width).div_ceil(PANEL), hidden, PANEL);
+    if gate_up.dim() != want {
+        return Err(invalid(format!(
+            "gate_up panels have shape {:?}, expected {want:?} (down's experts and width I = \
+             {width}, x's {hidden} columns)",
+            gate_up.shape()
+        )));
+    }
+    if ids.nrows() != m || weights.dim() != ids.dim() {
+        return Err(invalid(format!(
+            "ids {:?} and weights {:?} must both be [{m}, k] (x's rows)",
+            ids.shape(),
+            weights.shape()
+        )));
+    }
+    if out.dim() != (m, hidden) {
+        return Err(invalid(format!(
+            "out has shape {:?}, expected x's [{m}, {hidden}]",
+            out.shape()
+        )));
+    }
+    Ok(Shape {
+        experts,
+        hidden,
+        width,
+        k: ids.ncols(),
+    })
+}
+
+/// A product's inner (`k`) and output (`n`) sizes.
+#[derive(Clone, Copy)]
+struct Dims {
+    k: usize,
+    n: usize,
+}
+
+/// The `(token, choice)` pairs of a call (pair `p = t * k + j`) sorted by expert, stably (batch
+/// order within an expert): pair `p` is row `row_of[p]` of the grouped buffers, and expert `e`'s
+/// rows are `starts[e]..starts[e + 1]`.
+struct Groups {
+    k: usize,
+    starts: Vec<usize>,
+    row_of: Vec<usize>,
+}
+
+impl Groups {
+    fn of(ids: &[i64], k: usize, experts: usize) -> Result<Self> {
+        let mut starts = vec![0usize; experts + 1];
+        for &id in ids {
+            let e = usize::try_from(id)
+                .ok()
+                .filter(|&e| e < experts)
+                .ok_or_else(|| invalid(format!("expert id {id} is outside 0..{experts}")))?;
+            starts[e + 1] += 1;
+        }
+        for e in 0..experts {
+            starts[e + 1] += starts[e];
+        }
+        let mut next = starts[..experts].to_vec();
+        let row_of = ids
+            .iter()
+            .map(|&id| {
+                let e = id as usize; // in 0..experts: checked above
+                next[e] += 1;
+                next[e] - 1
+            })
+            .collect();
+        Ok(Self { k, starts, row_of })
+    }
+
+    fn rows(&self) -> usize {
+        self.row_of.len()
+    }
+
+    /// x's rows widened to f32 in grouped order `[rows, hidden]`.
+    fn gather<T: Elem>(&self, x: &[T], hidden: usize) -> Vec<f32> {
+        let mut xs = vec![0.0f32; self.rows() * hidden];
+        for (p, &row) in self.row_of.iter().enumerate() {
+            let t = p / self.k;
+            let src = &x[t * hidden..(t + 1) * hidden];
+            for (d, s) in xs[row * hidden..(row + 1) * hidden].iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        }
+        xs
+    }
+
+    /// `out[rows of e] = input[rows of e] · W_e^T` for every expert with rows (`panels`: every
+    /// expert's `[ceil(n / PANEL), k, PANEL]`, stacked), in one pool call whose items are runs
+    /// of one expert's panels. Experts without rows are not read.
+    fn products<T: Elem>(
+        &self,
+        input: &[f32],
+        panels: &[T],
+        dims: Dims,
+        out: &mut [T],
+        threads: usize,
+    ) {
+        let Dims { k, n } = dims;
+        let num_panels = n.div_ceil(PANEL);
+        let per_expert = num_panels * k * PANEL;
+        let chosen: Vec<usize> = (0..self.starts.len() - 1)
+            .filter(|&e| self.starts[e + 1] > self.starts[e])
+            .collect();
+        let base = out.as_mut_ptr();
+        let products: Vec<Ctx<'_, T>> = chosen
+            .iter()
+            .map(|&e| {
+                let (first, end) = (self.starts[e], self.starts[e + 1]);
+                // SAFETY: each expert's product writes only its own rows first..end of out
+                // `[rows, n]` (the groups are disjoint), and `out`'s exclusive borrow is held
+                // until the pool call below has returned.
+                unsafe {
+                    Ctx::new(
+                        &input[first * k..end * k],
+                        &panels[e * per_expert..(e + 1) * per_expert],
+                        base.add(first * n),
+                        end - first,
+                        k,
+                        n,
+                    )
+                }
+            })
+            .collect();
+        // runs of panels: a few per thread over all the products, at least MIN_SHARE_ELEMS each
+        let per_share = (MIN_SHARE_ELEMS / (k * PANEL).max(1)).max(1);
+        let chunk = (products.len() * num_panels)
+            .div_ceil(threads * CHUNKS_PER_THREAD)
+            .max(per_share);
+        let runs_per_product = num_panels.div_ceil(chunk);
+        let items = products.len() * runs_per_product;
+        let run = |i: usize| {
+            let (product, run) = (i / runs_per_product, i % runs_per_product);
+            let panels = run * chunk..((run + 1) * chunk).min(num_panels);
+            linear::run(&products[product], panels);
+        };
+        if threads == 1 || items == 1 {
+            (0..items).for_each(run);
+        } else {
+            pool::WORKERS.run_claimed(threads, items, run);
+        }
+    }
+
+    /// `out[t] = sum_j weights[t, j] * ys[row of (t, j)]`, the terms in ascending expert order
+    /// (ties: choice order), summed in f32 and rounded once.
+    fn weighted_sum<T: Elem>(
+        &self,
+        ys: &[T],
+        ids: &[i64],
+        weights: &[f32],
+        hidden: usize,
+        out: &mut [T],
+        threads: usize,
+    ) {
+        let tokens = out.len() / hidden;
+        let threads = threads.clamp(1, (tokens * hidden / MIN_SUM_PER_THREAD).max(1));
+        let chunk_tokens = tokens.div_ceil(threads * CHUNKS_PER_THREAD).max(1);
+        let chunks: Vec<Mutex<&mut [T]>> = out
+            .chunks_mut(chunk_tokens * hidden)
+            .map(Mutex::new)
+            .collect();
+        let sum_chunk = |c: usize| {
+            let mut dst = chunks[c].lock().unwrap_or_else(|e| e.into_inner());
+            let mut acc = vec![0.0f32; hidden];
+            let mut order: Vec<usize> = Vec::with_capacity(self.k);
+            for (i, row_out) in dst.chunks_mut(hidden).enumerate() {
+                let t = c * chunk_tokens + i;
+                let pairs = t * self.k..(t + 1) * self.k;
+                order.clear();
+                order.extend(pairs);
+                order.sort_by_key(|&p| ids[p]);
+                acc.fill(0.0);
+                for &p in &order {
+                    let row = self.row_of[p];
+                    let w = weights[p];
+                    for (a, y) in acc.iter_mut().zip(&ys[row * hidden..(row + 1) * hidden]) {
+                        *a += w * y.to_f32();
+                    }
+                }
+                for (d, a) in row_out.iter_mut().zip(&acc) {
+                    *d = T::from_f32(*a);
+                }
+            }
+        };
+        if threads == 1 {
+            (0..chunks.len()).for_each(sum_chunk);
+        } else {
+            pool::WORKERS.run_claimed(threads, chunks.len(), sum_chunk);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::{Array2, Array4};
+
+    use super::*;
+    use crate::cpu::{pack_panels, Bf16};
+
+    fn values(len: usize, seed: f32) -> Vec<f32> {
+        (0..len)
+            .map(|i| (i as f32 * 0.37 + seed).sin() * 0.5)
+            .collect()
+    }
+
+    /// Expert weights `[E, N, K]` as stacked panels `[E, ceil(N / PANEL), K, PANEL]`.
+    fn stacked_panels<T: Elem>(w: &[Vec<f32>], n: usize, k: usize) -> Array4<T> {
+        let mut all = Vec::new();
+        for e in w {
+            let m = Array2::from_shape_vec((n, k), e.iter().map(|v| T::from_f32(*v)).collect())
+                .unwrap();
+            all.extend(pack_panels(m.view()));
+        }
+        Array4::from_shape_vec((w.len(), n.div_ceil(PANEL), k, PANEL), all).unwrap()
+    }
+
+    struct Case {
+        m: usize,
+        h: usize,
+        i: usize,
+        gate_up: Vec<Vec<f32>>,
+        down: Vec<Vec<f32>>,
+        x: Vec<f32>,
+    }
+
+    impl Case {
+        fn new(m: usize, h: usize, i: usize, experts: usize) -> Self {
+            Self {
+                m,
+                h,
+                i,
+                gate_up: (0..experts).map(|e| values(2 * i * h, e as f32)).collect(),
+                down: (0..experts)
+                    .map(|e| values(h * i, 50.0 + e as f32))
+                    .collect(),
+                x: values(m * h, 99.0),
+            }
+        }
+
+        /// The f64 reference: per token, its experts' SwiGLU outputs weighted and summed.
+        fn reference(&self, ids: &Array2<i64>, w: &Array2<f32>) -> Vec<f64> {
+            let (h, i) = (self.h, self.i);
+            let mut out = vec![0.0f64; self.m * h];
+            for t in 0..self.m {
+                let x = &self.x[t * h..(t + 1) * h];
+                for j in 0..ids.ncols() {
+                    let e = ids[[t, j]] as usize;
+                    let dot = |row: &[f32]| -> f64 {
+                        row.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
+                    };
+                    let gu = &self.gate_up[e];
+                    let act: Vec<f64> = (0..i)
+                        .map(|c| {
+                            let g = dot(&gu[c * h..(c + 1) * h]);
+                            let u = dot(&gu[(i + c) * h..(i + c + 1) * h]);
+                            g / (1.0 + (-g).exp()) * u
+                        })
+                        .collect();
+                    for o in 0..h {
+                        let d = &self.down[e][o * i..(o + 1) * i];
+                        let y: f64 = d.iter().zip(&act).map(|(a, b)| *a as f64 * b).sum();
+                        out[t * h + o] += w[[t, j]] as f64 * y;
+                    }
+                }
+            }
+            out
+        }
+
+        fn run<T: Elem>(
+            &self,
+            gate_up: &Array4<T>,
+            ids: &Array2<i64>,
+            w: &Array2<f32>,
+            threads: usize,
+        ) -> Array2<T> {
+            let x = Array2::from_shape_vec(
+                (self.m, self.h),
+                self.x.iter().map(|v| T::from_f32(*v)).collect(),
+            )
+            .unwrap();
+            let down = stacked_panels::<T>(&self.down, self.h, self.i);
+            let mut out = Array2::from_elem((self.m, self.h), T::ZERO);
+            moe_experts(
+                x.view(),
+                gate_up.view(),
+                down.view(),
+                ids.view(),
+                w.view(),
+                out.view_mut(),
+                threads,
+            )
+            .unwrap();
+            out
+        }
+    }
+
+    fn routing(m: usize, k: usize, experts: usize) -> (Array2<i64>, Array2<f32>) {
+        let ids = Array2::from_shape_fn((m, k), |(t, j)| ((t * 3 + j * 5) % experts) as i64);
+        let w = Array2::from_shape_fn((m, k), |(t, j)| 0.1 + ((t + j) % 7) as f32 * 0.1);
+        (ids, w)
+    }
+
+    #[test]
+    fn grouped_experts_match_the_per_token_reference_at_decode_and_prefill_sizes() {
+        // 3 rows (direct tiles) and 40 rows (some experts over 16 rows: the blocked path);
+        // widths that leave partial panels
+        for (m, threads) in [(3, 1), (3, 2), (40, 1), (40, 3)] {
+            let case = Case::new(m, 37, 21, 8);
+            let (ids, w) = routing(m, 3, 8);
+            let gate_up = stacked_panels::<f32>(&case.gate_up, 2 * case.i, case.h);
+            let got = case.run(&gate_up, &ids, &w, threads);
+            for (g, want) in got.iter().zip(case.reference(&ids, &w)) {
+                assert!((*g as f64 - want).abs() < 1e-4, "{m} rows: {g} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn experts_no_token_chose_are_never_read() {
+        // experts 1, 3, 5, 7 hold NaN weights: no token chooses them, the output stays finite
+        let case = Case::new(5, 24, 16, 8);
+        let ids = Array2::from_shape_fn((5, 2), |(t, j)| (2 * ((t + j) % 4)) as i64);
+        let w = Array2::from_elem((5, 2), 0.5f32);
+        let mut gate_up = stacked_panels::<f32>(&case.gate_up, 2 * case.i, case.h);
+        for e in [1, 3, 5, 7] {
+            gate_up.index_axis_mut(ndarray::Axis(0), e).fill(f32::NAN);
+        }
+        let got = case.run(&gate_up, &ids, &w, 2);
+        for (g, want) in got.iter().zip(case.reference(&ids, &w)) {
+            assert!((*g as f64 - want).abs() < 1e-4, "{g} vs {want}");
+        }
+    }
+
+    #[test]
+    fn one_expert_chosen_by_every_token_is_one_product() {
+        let case = Case::new(20, 32, 16, 4);
+        let ids = Array2::from_shape_fn((20, 2), |(_, j)| if j == 0 { 2 } else { 0 });
+        let w = Array2::from_elem((20, 2), 0.5f32);
+        let gate_up = stacked_panels::<f32>(&case.gate_up, 2 * case.i, case.h);
+        let got = case.run(&gate_up, &ids, &w, 2);
+        for (g, want) in got.iter().zip(case.reference(&ids, &w)) {
+            assert!((*g as f64 - want).abs() < 1e-4, "{g} vs {want}");
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_batch_it_runs_in() {
+        let case = Case::new(12, 40, 24, 6);
+        let (ids, w) = routing(12, 2, 6);
+        let gate_up = stacked_panels::<f32>(&case.gate_up, 2 * case.i, case.h);
+        let batch = case.run(&gate_up, &ids, &w, 2);
+        for t in [0, 5, 11] {
+            let mut one = Case::new(1, 40, 24, 6);
+            one.x = case.x[t * 40..(t + 1) * 40].to_vec();
+            let row = one.run(
+                &gate_up,
+                &ids.slice(ndarray::s![t..t + 1, ..]).to_owned(),
+                &w.slice(ndarray::s![t..t + 1, ..]).to_owned(),
+                1,
+            );
+            assert_eq!(row.row(0), batch.row(t), "token {t}");
+        }
+    }
+
+    #[test]
+    fn bf16_matches_the_reference_within_bf16_rounding() {
+        // the inputs as bf16 holds them: what is left is the rounding of the intermediate
+        // products (gate/up, activation, down), ~3 significant digits each
+        let mut case = Case::new(6, 32, 16, 4);
+        let round = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x = Bf16::round(*x));
+        round(&mut case.x);
+        case.gate_up
+            .iter_mut()
+            .chain(case.down.iter_mut())
+            .for_each(round);
+        let (ids, w) = routing(6, 2, 4);
+        let gate_up = stacked_panels::<Bf16>(&case.gate_up, 2 * case.i, case.h);
+        let got = case.run(&gate_up, &ids, &w, 2);
+        let want = case.reference(&ids, &w);
+        let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (g, want) in got.iter().zip(want) {
+            let g = g.to_f32() as f64;
+            assert!(
+                (g - want).abs() < 0.02 * scale,
+                "{g} vs {want} (scale {scale})"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_outside_the_experts_and_shapes_that_do_not_fit_are_rejected() {
+        let case = Case::new(2, 16, 16, 4);
+        let gate_up = stacked_panels::<f32>(&case.gate_up, 32, 16);
+        let down = stacked_panels::<f32>(&case.down, 16, 16);
+        let x = Array2::<f32>::zeros((2, 16));
+        let w = Array2::<f32>::ones((2, 1));
+        let mut out = Array2::<f32>::zeros((2, 16));
+        let ids = Array2::from_elem((2, 1), 4i64);
+        let err = moe_experts(
+            x.view(),
+            gate_up.view(),
+            down.view(),
+            ids.view(),
+            w.view(),
+            out.view_mut(),
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err}").contains("expert id 4 is outside 0..4"),
+            "{err}"
+        );
+        let ids = Array2::from_elem((2, 1), 0i64);
+        let err = moe_experts(
+            x.view(),
+            down.view(),
+            down.view(),
+            ids.view(),
+            w.view(),
+            out.view_mut(),
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err}").contains("gate_up panels have shape"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,101 @@
+"""The grouped mixture-of-experts kernel (`kernels.cpu_moe`, rust/src/cpu/moe.rs) against its
+torch reference (`kernels.moe_reference`, transformers' per-expert loop)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu_moe
+from pagedllm.kernels.moe_reference import moe_experts_reference
+
+HIDDEN, WIDTH, EXPERTS = 40, 24, 8  # widths that leave partial panels
+
+
+def experts(dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=g) / HIDDEN**0.5
+    down = torch.randn(EXPERTS, HIDDEN, WIDTH, generator=g) / WIDTH**0.5
+    return gate_up.to(dtype), down.to(dtype)
+
+
+def routing(tokens: int, k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+    return weights, ids
+
+
+def run_both(x, gate_up, down, weights, ids):
+    packed = cpu_moe.pack_experts(gate_up, down)
+    return (
+        cpu_moe.moe_experts(x, packed, weights, ids),
+        moe_experts_reference(x, gate_up, down, weights, ids),
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40], ids=["decode", "batch", "prefill"])
+@pytest.mark.parametrize("k", [2, 8])
+def test_grouped_kernel_matches_the_torch_loop_in_float32(tokens, k):
+    gate_up, down = experts()
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(2))
+    got, want = run_both(x, gate_up, down, *routing(tokens, k))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_kernel_matches_the_torch_loop_in_bfloat16_within_its_rounding():
+    gate_up, down = experts(torch.bfloat16)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got, want = run_both(x, gate_up, down, *routing(9, 4))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_experts_no_token_chose_are_never_read():
+    # the unchosen experts hold NaN: any read of them would poison the output
+    gate_up, down = experts()
+    weights, ids = routing(6, 2)
+    ids = ids % 3  # experts 0-2 only (a token may choose one twice: both terms count)
+    for e in range(3, EXPERTS):
+        gate_up[e], down[e] = float("nan"), float("nan")
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(4))
+    got, want = run_both(x, gate_up, down, weights, ids)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_expert_chosen_by_every_token():
+    gate_up, down = experts()
+    weights, ids = routing(20, 2)
+    ids[:, 0] = 5
+    ids[:, 1] = torch.where(ids[:, 1] == 5, 0, ids[:, 1])
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(5))
+    got, want = run_both(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tokens_output_does_not_depend_on_its_batch():
+    gate_up, down = experts()
+    packed = cpu_moe.pack_experts(gate_up, down)
+    weights, ids = routing(12, 3)
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(6))
+    batch = cpu_moe.moe_experts(x, packed, weights, ids)
+    for t in (0, 11):
+        alone = cpu_moe.moe_experts(x[t : t + 1], packed, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_packing_round_trips():
+    gate_up, down = experts()
+    back = cpu_moe.unpack_experts(cpu_moe.pack_experts(gate_up, down))
+    assert torch.equal(back[0], gate_up) and torch.equal(back[1], down)
+
+
+def test_an_expert_id_outside_the_experts_is_a_value_error_naming_it():
+    gate_up, down = experts()
+    weights, ids = routing(2, 2)
+    ids[1, 0] = EXPERTS
+    with pytest.raises(ValueError, match=f"expert id {EXPERTS} is outside 0..{EXPERTS}"):
+        cpu_moe.moe_experts(
+            torch.zeros(2, HIDDEN), cpu_moe.pack_experts(gate_up, down), weights, ids
+        )
