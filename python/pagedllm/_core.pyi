@@ -219,10 +219,12 @@ def encode_kv_event_batch(
     medium: str | None = None,
     data_parallel_rank: int | None = None,
 ) -> bytes:
-    """One step's KV events (the arrays ``Scheduler.drain_kv_events`` returns) as vLLM's msgpack
-    ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank?]`` with ``["BlockStored", hashes,
-    parent | None, token_ids, block_size, lora_id | None, medium]``, ``["BlockRemoved", hashes,
-    medium]`` and ``["AllBlocksCleared"]``. Empty ``tokens``: stored blocks list no token ids."""
+    """One step's KV events (the arrays ``Scheduler.drain_kv_events`` returns) as vLLM 0.32's
+    msgpack ``KVEventBatch``, byte for byte as its msgspec encoder writes it: ``[ts, [event,
+    ...], data_parallel_rank?]`` with ``{"type": "BlockStored", "block_hashes",
+    "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+    ``{"type": "BlockRemoved", "block_hashes", "medium"}`` and ``{"type": "AllBlocksCleared"}``.
+    Empty ``tokens``: stored blocks list no token ids."""
 
 ROUTING_POLICIES: list[str]
 
@@ -289,6 +291,9 @@ class Router:
         """Replaces the replica's part of the index with its cache as of batch ``seq``."""
     def reset_replica(self, replica: int) -> None:
         """Forgets the replica's part (a restarted replica: batches from 0 again)."""
+    def set_index_capacity(self, replica: int, blocks: int) -> None:
+        """Bounds the replica's part of the index to ``blocks`` (its cache's size; 2^20 until
+        set): blocks stored past it are dropped, counted in ``stats()``'s ``dropped_blocks``."""
     def next_seq(self, replica: int) -> int: ...
     def replica_hashes(self, replica: int) -> _npt.NDArray[_np.uint64]:
         """Every block hash the index says the replica holds (in no order)."""
@@ -297,7 +302,7 @@ class Router:
         """Blocks of the requests in flight on the replica that count as held there."""
     def stats(self) -> list[dict[str, int | float | bool]]:
         """Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
-        running, kv_usage, alive."""
+        running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks."""
 
 def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
     """Benchmark helper: nanoseconds per chained hash of a `block_size`-token block, timed

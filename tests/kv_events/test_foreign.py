@@ -60,13 +60,21 @@ def test_vllms_map_form_is_read_as_the_array_form():
     assert hashes.tolist() == [*own, own[1]]
 
 
-def test_a_payload_that_is_not_a_batch_is_skipped_in_sequence():
+def test_a_payload_that_is_not_a_batch_leaves_its_number_to_the_real_batch():
     index = Router(1, BLOCK, "cache_aware")
     sub = KVEventSubscriber(index, threading.Lock(), 0, "ipc://unused", None)
-    sub._apply(0, b"\xc1 not msgpack")
-    assert index.next_seq(0) == 1
-    sub._apply(1, batch(stored([901], None, TOKENS[:4])))
+    sub._on_message([b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
+    assert (index.next_seq(0), sub.malformed) == (0, 1)
+    sub._on_message([b"", (0).to_bytes(8, "big"), batch(stored([901], None, TOKENS[:4]))])
     assert index.replica_hashes(0).tolist() == [901]
+
+
+def test_a_replayed_payload_that_is_not_a_batch_is_kept_in_sequence_as_empty():
+    # the replica's own answer: asking again would get the same
+    index = Router(1, BLOCK, "cache_aware")
+    sub = KVEventSubscriber(index, threading.Lock(), 0, "ipc://unused", None)
+    sub._apply(0, b"\xc1 not msgpack", replayed=True)
+    assert (index.next_seq(0), sub.malformed) == (1, 1)
 
 
 def test_a_chain_continued_from_a_stored_parent_continues_the_own_chain():

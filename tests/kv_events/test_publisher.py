@@ -101,12 +101,21 @@ def test_a_prompts_blocks_are_published_as_block_stored_in_vllms_schema(engine_f
     batches = received(sub)
     sub.close()
     assert [seq for seq, _ in batches] == list(range(len(batches)))
-    ts, events = batches[0][1][:2]
-    assert isinstance(ts, float)
-    tag, hashes, parent, tokens, block_size, lora_id, medium = events[0]
-    assert (tag, parent, block_size, lora_id, medium) == ("BlockStored", None, BLOCK, None, "CPU")
-    assert hashes == hash_block_chain(prompt, BLOCK)
-    assert tokens == prompt[:12]
+    ts, events, rank = batches[0][1]
+    assert isinstance(ts, float) and rank == 0
+    event = events[0]
+    assert event == {
+        "type": "BlockStored",
+        "block_hashes": hash_block_chain(prompt, BLOCK),
+        "parent_block_hash": None,
+        "token_ids": prompt[:12],
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+        "extra_keys": [None] * 3,
+        "group_idx": 0,
+    }
 
 
 def test_a_decode_filled_block_names_its_parent(engine_factory, tmp_path):
@@ -115,9 +124,9 @@ def test_a_decode_filled_block_names_its_parent(engine_factory, tmp_path):
     run(engine, list(range(10, 18)), max_tokens=6)  # 8 prompt tokens + decode fills block 3
     events = [e for _, batch in received(sub) for e in batch[1]]
     sub.close()
-    stored = [e for e in events if e[0] == "BlockStored"]
+    stored = [e for e in events if e["type"] == "BlockStored"]
     assert len(stored) >= 2
-    assert stored[1][2] == stored[0][1][-1]
+    assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][-1]
 
 
 def test_replay_answers_the_held_batches_from_the_asked_number(engine_factory, tmp_path):
@@ -138,9 +147,10 @@ def test_replay_older_than_the_buffer_gets_a_snapshot_of_the_cache(engine_factor
     seq, payload = got[0]
     assert seq == engine.kv_events.seq
     cleared, stored = msgpack.unpackb(payload)[1]
-    assert cleared == ["AllBlocksCleared"]
-    assert sorted(stored[1]) == sorted(engine.scheduler.cached_block_hashes().tolist())
-    assert stored[3] == []  # a snapshot lists no tokens
+    assert cleared == {"type": "AllBlocksCleared"}
+    cached = engine.scheduler.cached_block_hashes().tolist()
+    assert sorted(stored["block_hashes"]) == sorted(cached)
+    assert stored["token_ids"] == []  # a snapshot lists no tokens
 
 
 def test_a_lora_requests_blocks_carry_its_adapter_id(tmp_path):
@@ -167,9 +177,9 @@ def test_a_lora_requests_blocks_carry_its_adapter_id(tmp_path):
         engine.add_request("a", prompt, SamplingParams(max_tokens=2), lora_request=lora)
         while engine.has_unfinished_requests():
             engine.step()
-        stored = [e for _, b in received(sub) for e in b[1] if e[0] == "BlockStored"]
+        stored = [e for _, b in received(sub) for e in b[1] if e["type"] == "BlockStored"]
         sub.close()
-        assert stored and all(e[5] == 3 for e in stored)
+        assert stored and all(e["lora_id"] == 3 for e in stored)
     finally:
         engine.shutdown()
 

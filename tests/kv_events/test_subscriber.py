@@ -65,11 +65,11 @@ def subscriber(replica: Replica, index: Router, drop: set[int], **kwargs) -> KVE
     )
     apply = sub._apply
 
-    def lossy(seq: int, payload: bytes) -> None:
+    def lossy(seq: int, payload: bytes, **kwargs) -> None:
         if seq in drop:
             drop.discard(seq)
             return
-        apply(seq, payload)
+        apply(seq, payload, **kwargs)
 
     sub._apply = lossy
     return sub

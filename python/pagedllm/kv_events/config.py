@@ -16,15 +16,22 @@ class KVEventsConfig:
     `endpoint` is bound by the PUB socket, `replay_endpoint` (None: no replay) by the ROUTER
     socket that answers a subscriber's "replay from sequence number N" with the batches it still
     holds (`buffer_steps` of them), or with a snapshot of the whole cache when N is older than
-    those. Under data parallelism replica r binds each TCP port + r (vLLM's rule)."""
+    those. Under data parallelism replica r binds each TCP port + r (vLLM's rule).
+
+    Neither socket asks who connects, and each `BlockStored` carries the prompt's token ids: so
+    the default endpoint is on loopback (vLLM's is every interface), binding another address
+    logs a warning (`publisher.exposure`), and `hashes_only` publishes the blocks' hashes without
+    their tokens (what a pagedllm router needs; a router re-hashing another engine's events, or
+    an indexer like llm-d's, needs the tokens)."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     topic: str = ""
+    hashes_only: bool = False
 
     @classmethod
     def from_dict(cls, value: dict | KVEventsConfig | None) -> KVEventsConfig | None:
@@ -45,8 +52,9 @@ class KVEventsConfig:
         return config
 
     def validate(self) -> None:
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false")
+        for name in ("enable_kv_cache_events", "hashes_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kv_events_config.{name} must be true or false")
         if self.publisher not in PUBLISHERS:
             raise ValueError(
                 f"kv_events_config.publisher must be one of {list(PUBLISHERS)}, "

@@ -6,10 +6,19 @@ replay socket (ROUTER) answers `seq` (8 bytes) with every batch from `seq` on th
 holds, each `(seq, payload)`, then `(-1, b"")`; asked for batches it no longer holds (or for
 ones it never sent: the subscriber knew an earlier run of this replica), it sends one snapshot
 instead: `(seq of the last batch, [AllBlocksCleared, BlockStored(every cached block)])`.
+
+Neither socket authenticates, and the stream holds every prompt's token ids (unless
+`hashes_only`): a TCP address other than loopback is bound with a warning saying so, and an ipc
+socket's file is made the owner's alone (0600; the folder it is in is the caller's to keep
+private, as `serve -dp`'s is).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import re
 import threading
 import time
 from collections import deque
@@ -20,12 +29,48 @@ import zmq
 from pagedllm._core import ROOT_HASH, Router, encode_kv_event_batch, lora_hash_key
 from pagedllm.kv_events.config import KVEventsConfig
 
+logger = logging.getLogger(__name__)
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 STORED, REMOVED, CLEARED = 0, 1, 2
 
 
 def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
+
+
+def exposure(endpoint: str) -> str | None:
+    """Who besides this machine's users can reach `endpoint`: None for loopback, ipc and
+    inproc; else what to say in the warning (every interface, or the address named)."""
+    match = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint)
+    if match is None:
+        return None
+    host = match.group(1).strip("[]")
+    if host in ("*", "0.0.0.0", "::"):
+        return "every network interface"
+    if host == "localhost":
+        return None
+    try:
+        return None if ipaddress.ip_address(host).is_loopback else f"address {host}"
+    except ValueError:  # an interface or host name
+        return f"interface {host}"
+
+
+def bind_private(sock: zmq.Socket, endpoint: str, what: str) -> None:
+    """Binds `endpoint`; a filesystem ipc socket is made 0600, a TCP one off loopback warned of."""
+    sock.bind(endpoint)
+    path = endpoint.removeprefix("ipc://")
+    if endpoint.startswith("ipc://") and not path.startswith("@"):
+        os.chmod(path, 0o600)
+    reach = exposure(endpoint)
+    if reach is not None:
+        logger.warning(
+            "KV events: the %s socket %s is open to %s without authentication; anyone who "
+            "reaches it reads every prompt's token ids (bind 127.0.0.1, or set hashes_only)",
+            what,
+            endpoint,
+            reach,
+        )
 
 
 class KVEventPublisher:
@@ -42,7 +87,8 @@ class KVEventPublisher:
         self.config = config
         self.block_size = block_size
         self.medium = medium
-        self.data_parallel_rank = data_parallel_rank
+        # vLLM's publisher stamps every batch with its rank, 0 without data parallelism
+        self.data_parallel_rank = data_parallel_rank or 0
         self._topic = config.topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -50,12 +96,12 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay = None
         try:
-            self._pub.bind(config.endpoint)
+            bind_private(self._pub, config.endpoint, "events")
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError as exc:
+                bind_private(self._replay, config.replay_endpoint, "replay")
+        except (zmq.ZMQError, OSError) as exc:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot bind {exc}") from None
         self._lock = threading.Lock()
@@ -90,6 +136,8 @@ class KVEventPublisher:
         kinds, starts, parents, extra_keys, hashes, tokens = events
         if not len(kinds):
             return
+        if self.config.hashes_only:
+            tokens = tokens[:0]
         payload = self._encode(kinds, starts, parents, extra_keys, hashes, tokens)
         with self._lock:
             self._seq += 1

@@ -4,12 +4,21 @@ It reads the PUB socket and hands each batch to the index (`apply`); a batch who
 number skips ahead (batches were lost) makes it ask the replay socket for the missing ones, or
 for a snapshot when the replica no longer holds them (a replay answer that does not start where
 it was asked to is a snapshot). `resync()` asks for a replay from the index's next number at
-the next turn (a replica that came back)."""
+the next turn (a replica that came back).
+
+Nothing a publisher sends ends the subscriber: every message is checked before it is used (its
+frames, its sequence number, the batch and each event field by field), and one that is not a
+KV-event message is skipped and counted (`malformed`), its sequence number left to the real
+batch; the replica's own answer to a replay is kept in sequence even when malformed (as an empty
+batch: asking again would get the same). Should the thread's loop fail all the same, it starts
+over on new sockets, caught up by a replay, and counts it (`restarts`); `revive()` starts a new
+thread for one that ended anyway."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgpack
@@ -23,10 +32,19 @@ logger = logging.getLogger(__name__)
 
 TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEARED}
 REPLAY_TIMEOUT_MS = 1000
+# a failed loop starts over after this long (a failure that repeats does not spin)
+RESTART_DELAY_S = 0.5
+# malformed messages are logged at most once per this many seconds (a flood is one line)
+MALFORMED_LOG_EVERY_S = 10.0
+_U64 = 1 << 64
 
 
-# each event's fields in order, for its array form (what pagedllm sends, vLLM's structs with
-# array_like); the map form (vLLM's default) names them, its tag under "type"
+class MalformedBatch(ValueError):
+    """A KV-event message or batch that is not one (what is wrong, named)."""
+
+
+# each event's fields in order, for its array form (vLLM's structs with array_like, as older
+# vLLM and pagedllm sent them); the map form (vLLM 0.32's) names them, its tag under "type"
 _FIELDS = {
     "BlockStored": (
         "block_hashes",
@@ -44,12 +62,88 @@ _FIELDS = {
 
 
 def event_fields(event) -> tuple[str | None, dict]:
-    """(tag, fields by name) of one event in either form; (None, {}) for anything else."""
+    """(tag, fields by name) of one event in either form; MalformedBatch for anything that is
+    not an event (an unknown tag is returned: the caller skips it)."""
     if isinstance(event, dict):
-        return event.get("type"), event
-    if isinstance(event, list) and event and isinstance(event[0], str):
-        return event[0], dict(zip(_FIELDS.get(event[0], ()), event[1:]))
-    return None, {}
+        tag, fields = event.get("type"), event
+    elif isinstance(event, list) and event:
+        tag = event[0]
+        fields = dict(zip(_FIELDS.get(tag, ()), event[1:])) if isinstance(tag, str) else {}
+    else:
+        raise MalformedBatch(f"an event is {_short(event)}, not a map or an array")
+    if not isinstance(tag, str):
+        raise MalformedBatch(f"an event's type is {_short(tag)}, not a name")
+    return tag, fields
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_hash(value) -> bool:
+    # vLLM publishes an int (the low 64 bits) or the digest's bytes
+    return isinstance(value, bytes) or (type(value) is int and 0 <= value < _U64)
+
+
+def _check_fields(tag: str, fields: dict) -> None:
+    """MalformedBatch naming the first field of a known event that has the wrong type."""
+
+    def bad(name: str, what: str) -> MalformedBatch:
+        return MalformedBatch(f"{tag}.{name} is {_short(fields[name])}, not {what}")
+
+    hashes = fields.get("block_hashes")
+    if not isinstance(hashes, list) or not all(map(_is_hash, hashes)):
+        raise MalformedBatch(f"{tag}.block_hashes is {_short(hashes)}, not a list of hashes")
+    for name in ("medium", "lora_name"):
+        if fields.get(name) is not None and not isinstance(fields[name], str):
+            raise bad(name, "a string")
+    if tag != "BlockStored":
+        return
+    parent = fields.get("parent_block_hash")
+    if parent is not None and not _is_hash(parent):
+        raise bad("parent_block_hash", "a hash")
+    tokens = fields.get("token_ids", [])
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+        raise bad("token_ids", "a list of token ids")
+    size = fields.get("block_size")
+    if size is not None and not (type(size) is int and size > 0):
+        raise bad("block_size", "a positive integer")
+    lora_id = fields.get("lora_id")
+    if lora_id is not None and type(lora_id) is not int:
+        raise bad("lora_id", "an integer")
+    if fields.get("extra_keys") is not None and not isinstance(fields["extra_keys"], list):
+        raise bad("extra_keys", "a list")
+
+
+def batch_events(payload: bytes) -> list[tuple[int, dict]]:
+    """A msgpack KVEventBatch (array form `[ts, events, rank?]` or map form) -> its known
+    events as (kind, fields), checked; events of unknown kinds are left out. MalformedBatch
+    naming what is wrong for anything else."""
+    try:
+        batch = msgpack.unpackb(payload, use_list=True, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise MalformedBatch(f"not msgpack ({exc!r})") from None
+    if isinstance(batch, list) and len(batch) in (2, 3):
+        ts, events = batch[0], batch[1]
+    elif isinstance(batch, dict) and "events" in batch:
+        ts, events = batch.get("ts", 0.0), batch["events"]
+    else:
+        raise MalformedBatch(f"the batch is {_short(batch)}, not [ts, events, rank]")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise MalformedBatch(f"the batch's ts is {_short(ts)}, not a time")
+    if not isinstance(events, list):
+        raise MalformedBatch(f"the batch's events are {_short(events)}, not a list")
+    out = []
+    for event in events:
+        tag, fields = event_fields(event)
+        kind = TAGS.get(tag)
+        if kind is None:
+            continue  # a kind this router does not index
+        if kind != CLEARED:
+            _check_fields(tag, fields)
+        out.append((kind, fields))
+    return out
 
 
 def decode_batch(
@@ -59,19 +153,11 @@ def decode_batch(
     router core applies. Events of unknown kinds are skipped. With `foreign` (another engine's
     events), the blocks are re-hashed into this router's hashes and the changes staged there
     (`commit` or `rollback` next); without it, hashes that are not integers are skipped.
-    ValueError for a payload that is not a batch."""
-    try:
-        batch = msgpack.unpackb(payload, use_list=True, raw=False)
-        events = batch[1] if isinstance(batch, list) else batch["events"]
-    except (ValueError, TypeError, KeyError, IndexError, msgpack.UnpackException) as exc:
-        raise ValueError(f"not a KV event batch ({exc!r})") from None
+    MalformedBatch (a ValueError) for a payload that is not a batch: nothing is staged then."""
+    events = batch_events(payload)  # all checked before the table is touched
     kinds, starts, hashes = [], [0], []
-    for event in events:
-        tag, fields = event_fields(event)
-        kind = TAGS.get(tag)
-        if kind is None:
-            continue
-        block_hashes = fields.get("block_hashes") or []
+    for kind, fields in events:
+        block_hashes = fields.get("block_hashes", [])
         if foreign is None:
             if kind != CLEARED:
                 hashes.extend(h for h in block_hashes if isinstance(h, int))
@@ -88,6 +174,19 @@ def decode_batch(
         np.array(starts, np.uint32),
         np.array(hashes, np.uint64),
     )
+
+
+def message_seq(frames: list[bytes]) -> int:
+    """The sequence number of a PUB message `(topic, seq as 8 bytes, payload)`; MalformedBatch
+    for a message of another shape or a negative number."""
+    if len(frames) != 3:
+        raise MalformedBatch(f"a message of {len(frames)} frames, not 3")
+    if len(frames[1]) != 8:
+        raise MalformedBatch(f"a sequence number of {len(frames[1])} bytes, not 8")
+    seq = int.from_bytes(frames[1], "big", signed=True)
+    if seq < 0:
+        raise MalformedBatch(f"sequence number {seq}")
+    return seq
 
 
 class KVEventSubscriber:
@@ -115,15 +214,40 @@ class KVEventSubscriber:
         self.foreign = foreign  # another engine's events: re-hashed (`decode_batch`)
         self.batches = 0  # applied, live or replayed
         self.replays = 0  # replay requests answered
+        self.malformed = 0  # messages skipped as not KV-event messages
+        self.restarts = 0  # times the loop failed and started over (or `revive` restarted it)
+        self._next_warning = 0.0
         self._resync = threading.Event()
         self._resync.set()  # a new subscriber catches up from the start
         self._restarted = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kv-events-{replica}", daemon=True)
+        self._thread = self._new_thread()
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name=f"kv-events-{self.replica}", daemon=True)
 
     def start(self) -> KVEventSubscriber:
         self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def revive(self) -> bool:
+        """Starts a new thread when the last one ended without `close()` (True then): counted
+        in `restarts`, caught up by a replay."""
+        if self._stop.is_set() or self._thread.ident is None or self._thread.is_alive():
+            return False
+        self.restarts += 1
+        logger.error(
+            "replica %d: the KV-event subscriber had stopped; started again (restart %d)",
+            self.replica,
+            self.restarts,
+        )
+        self._resync.set()
+        self._thread = self._new_thread()
+        self._thread.start()
+        return True
 
     def resync(self, restarted: bool = False) -> None:
         """Replays from the index's next number at the next turn; `restarted`: the replica is a
@@ -137,44 +261,84 @@ class KVEventSubscriber:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._serve()
+            except Exception:  # noqa: BLE001 - whatever it was, the subscriber goes on
+                if self._stop.is_set():
+                    return
+                self.restarts += 1
+                logger.exception(
+                    "replica %d: the KV-event subscriber failed; starting over (restart %d)",
+                    self.replica,
+                    self.restarts,
+                )
+                self._resync.set()  # what was missed meanwhile comes by replay
+                self._stop.wait(RESTART_DELAY_S)
+
+    def _serve(self) -> None:
+        """Reads until `close()`, on sockets of its own (closed however it ends)."""
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(self.endpoint)
         replay = None
-        if self.replay_endpoint is not None:
-            replay = ctx.socket(zmq.DEALER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.connect(self.replay_endpoint)
         try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            sub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.DEALER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.connect(self.replay_endpoint)
             while not self._stop.is_set():
                 if self._restarted.is_set() and self.foreign is not None:
                     self.foreign.reset()  # on this thread: the table is the subscriber's
                 self._restarted.clear()
                 if self._resync.is_set() and replay is not None and self._replay(replay):
                     self._resync.clear()
-                if not sub.poll(100):
-                    continue
-                _, seq, payload = sub.recv_multipart()
-                self._apply(int.from_bytes(seq, "big", signed=True), payload)
-        except zmq.ZMQError:
-            if not self._stop.is_set():
-                logger.exception("KV-event subscriber %d failed", self.replica)
+                if sub.poll(100):
+                    self._on_message(sub.recv_multipart())
         finally:
             sub.close(0)
             if replay is not None:
                 replay.close(0)
             ctx.term()
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def _on_message(self, frames: list[bytes]) -> None:
+        """One live message, checked; one that is not a batch is skipped and counted."""
+        try:
+            seq = message_seq(frames)
+            self._apply(seq, frames[2])
+        except MalformedBatch as exc:
+            self._skip(exc)
+        except Exception as exc:  # noqa: BLE001 - an input this code did not foresee
+            logger.exception("replica %d: a KV-event message could not be used", self.replica)
+            self._skip(exc)
+
+    def _skip(self, reason: Exception) -> None:
+        self.malformed += 1
+        if self.foreign is not None:
+            self.foreign.rollback()
+        now = time.monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + MALFORMED_LOG_EVERY_S
+            logger.warning(
+                "replica %d: a malformed KV-event message skipped (%d so far): %s",
+                self.replica,
+                self.malformed,
+                reason,
+            )
+
+    def _apply(self, seq: int, payload: bytes, *, replayed: bool = False) -> None:
+        """Batch `seq` into the index. MalformedBatch for a payload that is not a batch: live,
+        it is left out of the sequence (a real batch `seq` may follow; if not, the next one is a
+        gap); `replayed` (the replica's own answer), it is kept in sequence as an empty batch."""
         try:
             arrays = decode_batch(payload, self.foreign)
-        except ValueError as exc:  # kept in sequence as an empty batch: the next one follows
-            logger.warning("replica %d: KV event batch %d skipped: %s", self.replica, seq, exc)
+        except MalformedBatch as exc:
+            if not replayed:
+                raise
+            self._skip(exc)
             arrays = np.array([], np.uint8), np.array([0], np.uint32), np.array([], np.uint64)
-            if self.foreign is not None:
-                self.foreign.rollback()
         with self.lock:
             status = self.index.apply_events(self.replica, seq, *arrays)
         if self.foreign is not None:
@@ -202,23 +366,33 @@ class KVEventSubscriber:
         first = True
         while sock.poll(REPLAY_TIMEOUT_MS):
             frames = sock.recv_multipart()
+            if len(frames) < 2 or len(frames[-2]) != 8:
+                self._skip(MalformedBatch(f"a replay answer of {len(frames)} frames"))
+                continue
             seq_bytes, payload = frames[-2], frames[-1]
             if not payload:  # the end marker
                 self.replays += 1
                 return True
             seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if first and seq != start and self.foreign is not None:
-                self._restart_at(seq, payload)
-            elif first and seq != start:
-                self._snapshot(seq, payload)
-            else:
-                self._apply(seq, payload)
+            try:
+                if first and seq != start and self.foreign is not None:
+                    self._restart_at(seq, payload)
+                elif first and seq != start:
+                    self._snapshot(seq, payload)
+                elif seq < 0:
+                    raise MalformedBatch(f"replayed sequence number {seq}")
+                else:
+                    self._apply(seq, payload, replayed=True)
+            except MalformedBatch as exc:
+                self._skip(exc)
             first = False
         return False  # the replica does not answer: asked again next turn
 
     def _restart_at(self, seq: int, payload: bytes) -> None:
         """The replica's part of the index emptied and `seq` applied as its next batch (another
         engine's replay starts with the oldest batch it still holds, not a snapshot)."""
+        if seq < 0:
+            raise MalformedBatch(f"sequence number {seq}")
         if self.foreign is not None:
             self.foreign.reset()
         with self.lock:
@@ -226,7 +400,7 @@ class KVEventSubscriber:
                 self.index.reset_replica(self.replica)
             else:
                 self.index.apply_snapshot(self.replica, seq - 1, np.array([], np.uint64))
-        self._apply(seq, payload)
+        self._apply(seq, payload, replayed=True)
 
     def _snapshot(self, seq: int, payload: bytes) -> None:
         # [AllBlocksCleared, BlockStored(every cached block)]: its hashes are the cache

@@ -2,6 +2,14 @@
 //! per array, none per block), the same batch encoded as vLLM's msgpack `KVEventBatch` (bytes
 //! straight from the arrays: no Python object per block or token), and the hash key a LoRA
 //! adapter's blocks are hashed under.
+//!
+//! The encoding is byte for byte what vLLM 0.32's msgspec encoder writes for the same events
+//! (`vllm/distributed/kv_events.py`, `v1/core/block_pool.py`): the batch is an `array_like`
+//! struct, `[ts, events, data_parallel_rank]` (msgspec writes every field of an array-like
+//! struct, `omit_defaults` or not), each event a tagged struct in map form (`{"type":
+//! "BlockStored", field: value, ...}`: the tag first, then the fields in declaration order,
+//! those with a default left out while they hold it). vLLM's block pool sets `extra_keys` (one
+//! nil per block without extras) and `group_idx` (0: one KV-cache group), so both are written.
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -39,7 +47,8 @@ fn lora_hash_key(lora_id: u64, extra_key: u64) -> u64 {
     salted_key(extra_key, lora_id)
 }
 
-/// The msgpack writer for vLLM's event schema (msgspec `array_like` structs, tagged events).
+/// The msgpack writer for vLLM's event schema (msgspec's choices: the smallest integer and
+/// string forms, floats as float64).
 struct Msgpack(Vec<u8>);
 
 impl Msgpack {
@@ -55,6 +64,16 @@ impl Msgpack {
                 self.0.extend_from_slice(&(n as u32).to_be_bytes());
             }
         }
+    }
+
+    fn map(&mut self, n: usize) {
+        debug_assert!(n < 16);
+        self.0.push(0x80 | n as u8);
+    }
+
+    /// A struct's tag or field name as the map key, then (the caller) its value.
+    fn key(&mut self, name: &str) {
+        self.str(name);
     }
 
     fn uint(&mut self, v: u64) {
@@ -100,11 +119,13 @@ impl Msgpack {
 }
 
 /// One step's events (the arrays `drain_kv_events` returns) as vLLM's msgpack `KVEventBatch`:
-/// `[ts, [event, ...], data_parallel_rank?]` with `["BlockStored", block_hashes,
-/// parent_block_hash | nil, token_ids, block_size, lora_id | nil, medium]`,
-/// `["BlockRemoved", block_hashes, medium]` and `["AllBlocksCleared"]`. `lora_keys` /
-/// `lora_ids`: the hash key of each adapter in use (`lora_hash_key`) and its id; a block under
-/// another key reports no adapter. Empty `tokens`: the stored blocks list no token ids.
+/// `[ts, [event, ...], data_parallel_rank | nil]` with `{"type": "BlockStored", "block_hashes",
+/// "parent_block_hash" (nil for a first block), "token_ids", "block_size", "lora_id" (nil: no
+/// adapter), "medium", "lora_name" (nil), "extra_keys" (a nil per block), "group_idx" (0)}`,
+/// `{"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}` and
+/// `{"type": "AllBlocksCleared"}`. `lora_keys` / `lora_ids`: the hash key of
+/// each adapter in use (`lora_hash_key`) and its id; a block under another key reports no
+/// adapter. Empty `tokens`: the stored blocks list no token ids (a snapshot, `hashes_only`).
 #[pyfunction]
 #[pyo3(signature = (ts, kinds, starts, parents, extra_keys, hashes, tokens, *, block_size,
                     lora_keys, lora_ids, medium = None, data_parallel_rank = None))]
@@ -151,9 +172,9 @@ fn encode_kv_event_batch<'py>(
         ));
     }
     let mut w = Msgpack(Vec::with_capacity(
-        32 + hashes.len() * (10 + 5 * block_size),
+        32 + kinds.len() * 96 + hashes.len() * (10 + 5 * block_size),
     ));
-    w.array(if data_parallel_rank.is_some() { 3 } else { 2 });
+    w.array(3);
     w.float(ts);
     w.array(r);
     for i in 0..r {
@@ -164,10 +185,14 @@ fn encode_kv_event_batch<'py>(
         let block_hashes = &hashes[lo..hi];
         match kinds[i] {
             k if k == KvEventKind::Stored as u8 => {
-                w.array(7);
+                // vLLM leaves `extra_keys` out when there is no block to list it for
+                w.map(if block_hashes.is_empty() { 9 } else { 10 });
+                w.key("type");
                 w.str("BlockStored");
+                w.key("block_hashes");
                 w.array(block_hashes.len());
                 block_hashes.iter().for_each(|&h| w.uint(h));
+                w.key("parent_block_hash");
                 match parents[i] {
                     ROOT_HASH => w.nil(),
                     p => w.uint(p),
@@ -177,31 +202,51 @@ fn encode_kv_event_batch<'py>(
                 } else {
                     &[]
                 };
+                w.key("token_ids");
                 w.array(toks.len());
                 toks.iter().for_each(|&t| w.uint(t as u64));
+                w.key("block_size");
                 w.uint(block_size as u64);
+                w.key("lora_id");
                 match lora_keys.iter().position(|&k| k == extra_keys[i]) {
                     Some(j) if extra_keys[i] != 0 => w.uint(lora_ids[j]),
                     _ => w.nil(),
                 }
+                w.key("medium");
                 w.opt_str(medium);
+                w.key("lora_name");
+                w.nil();
+                if !block_hashes.is_empty() {
+                    w.key("extra_keys");
+                    w.array(block_hashes.len());
+                    block_hashes.iter().for_each(|_| w.nil());
+                }
+                w.key("group_idx");
+                w.uint(0);
             }
             k if k == KvEventKind::Removed as u8 => {
-                w.array(3);
+                w.map(4);
+                w.key("type");
                 w.str("BlockRemoved");
+                w.key("block_hashes");
                 w.array(block_hashes.len());
                 block_hashes.iter().for_each(|&h| w.uint(h));
+                w.key("medium");
                 w.opt_str(medium);
+                w.key("group_idx");
+                w.uint(0);
             }
             k if k == KvEventKind::AllCleared as u8 => {
-                w.array(1);
+                w.map(1);
+                w.key("type");
                 w.str("AllBlocksCleared");
             }
             k => return Err(PyValueError::new_err(format!("unknown event kind {k}"))),
         }
     }
-    if let Some(rank) = data_parallel_rank {
-        w.uint(rank);
+    match data_parallel_rank {
+        Some(rank) => w.uint(rank),
+        None => w.nil(),
     }
     Ok(PyBytes::new(py, &w.0))
 }

@@ -161,6 +161,12 @@ impl PyRouter {
         Ok(self.inner.reset_replica(replica)?)
     }
 
+    /// Bounds `replica`'s part of the index to `blocks` (its cache's size): blocks stored past
+    /// it are dropped and counted (`stats()`'s `dropped_blocks`).
+    fn set_index_capacity(&mut self, replica: usize, blocks: usize) -> PyResult<()> {
+        Ok(self.inner.set_index_capacity(replica, blocks)?)
+    }
+
     fn next_seq(&self, replica: usize) -> PyResult<u64> {
         Ok(self.inner.index().next_seq(replica)?)
     }
@@ -188,7 +194,7 @@ impl PyRouter {
     }
 
     /// Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
-    /// running, kv_usage, alive.
+    /// running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         (0..self.inner.config().num_replicas)
             .map(|r| {
@@ -204,6 +210,10 @@ impl PyRouter {
                 d.set_item("running", l.running)?;
                 d.set_item("kv_usage", l.kv_usage)?;
                 d.set_item("alive", self.inner.is_alive(r))?;
+                let (held, capacity, dropped) = self.inner.index().replica_usage(r)?;
+                d.set_item("indexed_blocks", held)?;
+                d.set_item("index_capacity", capacity)?;
+                d.set_item("dropped_blocks", dropped)?;
                 Ok(d)
             })
             .collect()

@@ -3,6 +3,12 @@
 //! order. A batch past the next expected number means batches were lost: it is refused
 //! (`Applied::Gap`) and the caller replays from the expected number, or rebuilds the replica's
 //! part from a snapshot (`apply_snapshot`).
+//!
+//! Each replica's part is bounded (`set_capacity`: the blocks its cache holds, or
+//! `DEFAULT_CAPACITY`): a block stored past the bound is dropped (counted, never indexed), so
+//! events that name more blocks than the replica can hold (forged ones, a buggy publisher)
+//! cannot grow the router's memory without end.
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
@@ -10,6 +16,10 @@ use crate::kv::{IdBuildHasher, KvEventKind};
 
 /// The most replicas one index tracks (one bit each).
 pub const MAX_REPLICAS: usize = 64;
+
+/// A replica's bound until its cache size is known: 2^20 blocks (16 M tokens at 16 a block,
+/// more than one replica's cache as a rule; about 32 MiB of index at most).
+pub const DEFAULT_CAPACITY: usize = 1 << 20;
 
 /// What `apply_batch` did with a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +38,11 @@ pub struct PrefixIndex {
     blocks: HashMap<u64, u64, IdBuildHasher>,
     /// Per replica: the sequence number of the next batch to apply.
     next_seq: Vec<u64>,
+    /// Per replica: the blocks indexed as its, their bound, and the stored blocks dropped for
+    /// being past it.
+    held: Vec<usize>,
+    capacity: Vec<usize>,
+    dropped: Vec<u64>,
 }
 
 impl PrefixIndex {
@@ -40,7 +55,28 @@ impl PrefixIndex {
         Ok(Self {
             blocks: HashMap::default(),
             next_seq: vec![0; num_replicas],
+            held: vec![0; num_replicas],
+            capacity: vec![DEFAULT_CAPACITY; num_replicas],
+            dropped: vec![0; num_replicas],
         })
+    }
+
+    /// Bounds `replica`'s part to `blocks` (its cache's size). Blocks it already holds past a
+    /// lowered bound stay until removed; no new one is added meanwhile.
+    pub fn set_capacity(&mut self, replica: usize, blocks: usize) -> Result<()> {
+        self.check_replica(replica)?;
+        self.capacity[replica] = blocks;
+        Ok(())
+    }
+
+    /// `replica`'s part: (blocks indexed, their bound, stored blocks dropped past it so far).
+    pub fn replica_usage(&self, replica: usize) -> Result<(usize, usize, u64)> {
+        self.check_replica(replica)?;
+        Ok((
+            self.held[replica],
+            self.capacity[replica],
+            self.dropped[replica],
+        ))
     }
 
     pub fn num_replicas(&self) -> usize {
@@ -103,7 +139,7 @@ impl PrefixIndex {
             match kind {
                 k if k == KvEventKind::Stored as u8 => {
                     for &h in records {
-                        *self.blocks.entry(h).or_insert(0) |= bit;
+                        self.add(replica, h);
                     }
                 }
                 k if k == KvEventKind::Removed as u8 => {
@@ -121,9 +157,8 @@ impl PrefixIndex {
     /// Marks `hashes` as held by `replica` without an event (the approximate router's record
     /// of what it sent there; outside the event sequence).
     pub fn record(&mut self, replica: usize, hashes: &[u64]) {
-        let bit = 1u64 << replica;
         for &h in hashes {
-            *self.blocks.entry(h).or_insert(0) |= bit;
+            self.add(replica, h);
         }
     }
 
@@ -132,9 +167,8 @@ impl PrefixIndex {
     pub fn apply_snapshot(&mut self, replica: usize, seq: u64, hashes: &[u64]) -> Result<()> {
         self.check_replica(replica)?;
         self.clear_replica(replica);
-        let bit = 1u64 << replica;
         for &h in hashes {
-            *self.blocks.entry(h).or_insert(0) |= bit;
+            self.add(replica, h);
         }
         self.next_seq[replica] = seq + 1;
         Ok(())
@@ -166,11 +200,34 @@ impl PrefixIndex {
             *m &= !bit;
             *m != 0
         });
+        self.held[replica] = 0;
+    }
+
+    /// `hash` held by `replica`, unless its part is at its bound (then dropped, counted).
+    #[inline]
+    fn add(&mut self, replica: usize, hash: u64) {
+        let bit = 1u64 << replica;
+        let full = self.held[replica] >= self.capacity[replica];
+        match self.blocks.entry(hash) {
+            Entry::Occupied(e) if *e.get() & bit != 0 => return, // held already
+            _ if full => {
+                self.dropped[replica] += 1;
+                return;
+            }
+            Entry::Occupied(mut e) => *e.get_mut() |= bit,
+            Entry::Vacant(e) => {
+                e.insert(bit);
+            }
+        }
+        self.held[replica] += 1;
     }
 
     #[inline]
     fn drop_bit(&mut self, hash: u64, bit: u64) {
         if let Some(m) = self.blocks.get_mut(&hash) {
+            if *m & bit != 0 {
+                self.held[bit.trailing_zeros() as usize] -= 1;
+            }
             *m &= !bit;
             if *m == 0 {
                 self.blocks.remove(&hash);
@@ -250,6 +307,40 @@ mod tests {
         assert_eq!(held, vec![2, 3]);
         assert_eq!(ix.holders(1), 0b10, "the other replica's part is untouched");
         assert_eq!(ix.next_seq(0).unwrap(), 42);
+    }
+
+    #[test]
+    fn stored_blocks_past_a_replicas_bound_are_dropped_and_counted() {
+        let mut ix = PrefixIndex::new(2).unwrap();
+        ix.set_capacity(0, 3).unwrap();
+        let hashes: Vec<u64> = (100..110).collect();
+        ix.apply_batch(0, 0, &[S], &[0, 10], &hashes).unwrap();
+        assert_eq!(ix.replica_usage(0).unwrap(), (3, 3, 7));
+        assert_eq!(ix.len(), 3, "nothing past the bound is kept");
+        // a block stored again, or stored by another replica, takes no room of this one's
+        ix.apply_batch(0, 1, &[S], &[0, 1], &[100]).unwrap();
+        ix.apply_batch(1, 0, &[S], &[0, 2], &[105, 106]).unwrap();
+        assert_eq!(ix.replica_usage(0).unwrap(), (3, 3, 7));
+        // a removal makes room again
+        ix.apply_batch(0, 2, &[R, S], &[0, 1, 2], &[100, 105]).unwrap();
+        assert_eq!((ix.holders(100), ix.holders(105)), (0, 0b11));
+        assert_eq!(ix.replica_usage(0).unwrap().0, 3);
+    }
+
+    #[test]
+    fn a_snapshot_and_a_clear_keep_the_count_of_held_blocks_exact() {
+        let mut ix = PrefixIndex::new(1).unwrap();
+        ix.set_capacity(0, 4).unwrap();
+        ix.apply_snapshot(0, 5, &[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!(ix.replica_usage(0).unwrap(), (4, 4, 2));
+        ix.apply_batch(0, 6, &[C, S], &[0, 0, 2], &[7, 8]).unwrap();
+        assert_eq!(ix.replica_usage(0).unwrap().0, 2);
+        ix.reset_replica(0).unwrap();
+        assert_eq!((ix.replica_usage(0).unwrap().0, ix.len()), (0, 0));
+        assert_eq!(
+            PrefixIndex::new(1).unwrap().replica_usage(0).unwrap().1,
+            DEFAULT_CAPACITY
+        );
     }
 
     #[test]

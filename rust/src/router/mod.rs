@@ -51,7 +51,7 @@ use crate::error::{Error, Result};
 use crate::ids::TokenId;
 use crate::kv::prefix_cache::{chain_hashes, PrefixCache};
 use crate::kv::{salted_key, IdBuildHasher};
-pub use index::{Applied, PrefixIndex, MAX_REPLICAS};
+pub use index::{Applied, PrefixIndex, DEFAULT_CAPACITY, MAX_REPLICAS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RoutingPolicy {
@@ -327,6 +327,11 @@ impl Router {
     /// Forgets `replica`'s part of the index (a restarted replica: batches from 0 again).
     pub fn reset_replica(&mut self, replica: usize) -> Result<()> {
         self.index.reset_replica(replica)
+    }
+
+    /// Bounds `replica`'s part of the index to `blocks` (its cache's size; see `PrefixIndex`).
+    pub fn set_index_capacity(&mut self, replica: usize, blocks: usize) -> Result<()> {
+        self.index.set_capacity(replica, blocks)
     }
 
     /// Takes a replica in or out of rotation (its index part is kept: see `PrefixIndex`).
