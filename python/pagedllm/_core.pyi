@@ -697,9 +697,12 @@ def cpu_store_kvcache(
     k_cache: _KernelArray,
     v_cache: _KernelArray,
     slot_mapping: _npt.NDArray[_np.int64],
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
-    (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes."""
+    (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes.
+    ``kv_cache_dtype`` "int8" (int8 caches) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized
+    caches ``[blocks, block_size, KVH, D + 4]``, each row coded with its float32 scale."""
 
 def cpu_paged_attention(
     q: _KernelArray,
@@ -711,6 +714,7 @@ def cpu_paged_attention(
     scale: float,
     out: _KernelArray,
     num_threads: int,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     """Paged attention of q ``[T, H, D]`` over the caches into ``out`` (contiguous ``[T, H, D]``),
     causal within each sequence's query rows, reading the cache in place; GIL released, at most

@@ -74,9 +74,7 @@ class _Run:
 
     def __init__(self, names=(), hold=False, from_thread=False) -> None:
         self.started = CONTEXT.Queue()
-        self.engine = CONTEXT.Process(
-            target=_engine, args=(names, hold, from_thread, self.started)
-        )
+        self.engine = CONTEXT.Process(target=_engine, args=(names, hold, from_thread, self.started))
         self.engine.start()
         self.worker = self.started.get(timeout=60)
 

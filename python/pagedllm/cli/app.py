@@ -20,6 +20,7 @@ from pagedllm.config import (
     DTYPE_NAMES,
     DTYPES,
     QUANTIZATIONS,
+    KV_CACHE_DTYPES,
     KV_OFFLOADING_BACKENDS,
     POLICIES,
     PREEMPTION_MODES,
@@ -162,6 +163,13 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         help="weights and KV cache (auto: float32 on CPU; on CUDA the checkpoint's half dtype, "
         "bfloat16 for a float32 one)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=_ENGINE["kv_cache_dtype"],
+        choices=KV_CACHE_DTYPES,
+        help="KV cache format: auto (--dtype), or int8 / fp8 (= fp8_e4m3) / fp8_e5m2 with a "
+        "float32 scale per token and KV head (about 4x the tokens of float32 in the same memory)",
     )
     g.add_argument("--seed", type=int, default=_ENGINE["seed"], help="random seed of the engine")
     g.add_argument(
@@ -362,6 +370,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
+        kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
