@@ -64,7 +64,7 @@ def build_hf_moe(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
 
 
 def save_tiny_moe_checkpoint(
-    folder: str | Path, family: str, *, seed: int = 0, tokenizer: str | None = None, **overrides
+    folder: str | Path, family: str, *, seed: int = 0, tokenizer: str | None = "json", **overrides
 ) -> Path:
     folder = Path(folder)
     model = build_hf_moe(tiny_moe_config(family, **overrides), seed)

@@ -344,6 +344,11 @@ class LLMEngine:
     def _lora_manager(self, args: EngineArgs):
         if not args.enable_lora:
             return None
+        if self.model.config.moe is not None:
+            raise ValueError(
+                f"enable_lora: {self.model.config.architecture} is a mixture of experts; LoRA "
+                "adapters are not supported on its experts or its other projections yet"
+            )
         from pagedllm.lora.manager import LoRAManager
 
         return LoRAManager(
