@@ -5,6 +5,15 @@ so they are vectorized (gather + padding, no per-token Python loops) and must no
 Layout (docs/ARCHITECTURE.md §3): k_cache / v_cache are
 `[num_blocks, block_size, kv_heads, head_dim]`, `kv_cache` is
 `[2, layers, num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size + offset.
+
+Quantized caches (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2) store each (slot, kv head) row as
+its `head_dim` codes followed by the row's float32 scale (4 bytes), so their last dimension is
+`head_dim + 4` (`KV_SCALE_BYTES`) elements of one byte. `quantize_rows` / `dequantize_rows` are
+the formats' definition (the Rust and Triton stores code rows bit for bit as they do):
+- int8: symmetric, `scale = amax / 127`, codes `round_half_even(x / scale)` in [-127, 127];
+- fp8: `scale = amax / max` (448 for e4m3fn, 57344 for e5m2), codes `x / scale` clamped to
+  +-max and rounded to nearest even (torch's conversion);
+- an all-zero row has scale 0 and zero codes.
 """
 
 from __future__ import annotations
@@ -16,6 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "KV_SCALE_BYTES",
+    "kv_storage_dtype",
+    "kv_format",
+    "kv_row_size",
+    "quantize_rows",
+    "dequantize_rows",
+    "as_bytes",
     "store_kvcache",
     "paged_attention",
     "AttentionPlan",
@@ -26,6 +42,67 @@ __all__ = [
     "paged_prefill_attention",
     "copy_blocks",
 ]
+
+
+KV_SCALE_BYTES = 4
+# storage dtype of each quantized format (`kv_cache_dtype` name, "fp8" resolved) and the largest
+# magnitude its codes reach
+_KV_FORMATS = {
+    "int8": (torch.int8, 127.0),
+    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 57344.0),
+}
+_KV_NAMES = {dtype: name for name, (dtype, _) in _KV_FORMATS.items()}
+_KV_MAX = dict(_KV_FORMATS.values())
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor's dtype for a `kv_cache_dtype` ("auto": the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+    if name not in _KV_FORMATS:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {['auto', 'fp8', *_KV_FORMATS]}, got {kv_cache_dtype!r}"
+        )
+    return _KV_FORMATS[name][0]
+
+
+def kv_format(cache_dtype: torch.dtype) -> str:
+    """A cache tensor's format: "auto" (a float cache), "int8", "fp8_e4m3" or "fp8_e5m2"."""
+    return _KV_NAMES.get(cache_dtype, "auto")
+
+
+def kv_row_size(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of one (slot, kv head) row of a cache of this dtype (a quantized row's scale
+    after its codes)."""
+    return head_dim + (KV_SCALE_BYTES if cache_dtype in _KV_NAMES else 0)
+
+
+def quantize_rows(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
+    """Rows `[..., D]` (any float dtype) coded as `[..., D + 4]` of the quantized `cache_dtype`:
+    the codes, then each row's float32 scale (see the module docstring)."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / _KV_MAX[cache_dtype]
+    nonzero = scale > 0
+    y = torch.where(nonzero, x / torch.where(nonzero, scale, 1.0), 0.0)
+    limit = _KV_MAX[cache_dtype]
+    if cache_dtype == torch.int8:
+        codes = y.round().clamp(-limit, limit).to(torch.int8)
+    else:
+        codes = y.clamp(-limit, limit).to(cache_dtype)
+    rows = torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    return rows.view(cache_dtype)
+
+
+def dequantize_rows(rows: Tensor) -> Tensor:
+    """float32 `[..., D]` of quantized rows `[..., D + 4]` (a float cache's rows: as float32)."""
+    if rows.dtype not in _KV_NAMES:
+        return rows.float()
+    raw = rows.view(torch.uint8)
+    codes = raw[..., :-KV_SCALE_BYTES].view(rows.dtype)
+    scale = raw[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return codes.float() * scale
 
 
 def store_kvcache(
@@ -43,8 +120,15 @@ def _store(
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
     # flatten (block, offset) into one slot axis; the caches are views of one contiguous tensor
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        rows = quantize_rows(x, cache.dtype) if cache.dtype in _KV_NAMES else x.to(cache.dtype)
+        as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, as_bytes(rows))
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """An fp8 tensor as its uint8 bits (torch has no CPU index_copy_ / index_put_ for fp8; a
+    copy of bits is the same copy); other tensors as they are."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
 # Bounds on the CPU path's temporaries: queries of one sequence are processed in chunks of at most
@@ -249,9 +333,9 @@ def attend(
 ) -> Tensor:
     """`paged_attention` with a prebuilt plan (the cache already holds this step's K/V)."""
     T, H, D = q.shape
-    KVH = k_cache.shape[2]
-    k_flat = k_cache.view(-1, KVH, D)
-    v_flat = v_cache.view(-1, KVH, D)
+    KVH, row = k_cache.shape[2:]
+    k_flat = k_cache.view(-1, KVH, row)
+    v_flat = v_cache.view(-1, KVH, row)
     q32 = q.float()  # no copy when q is already float32
     if plan.identity:
         o = _attend_sub(q32, k_flat, v_flat, plan.subs[0], scale)
@@ -268,15 +352,16 @@ def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale
     unspecified)."""
     S, max_q, N = sub.S, sub.max_q, sub.N
     _, H, D = q.shape
-    KVH = k_flat.shape[1]
+    KVH, row = k_flat.shape[1:]
     # one flat gather per cache instead of table indexing + reshape + slicing
     bufs = sub.bufs
     if bufs is None or bufs[0].dtype != k_flat.dtype or bufs[0].shape[1:] != k_flat.shape[1:]:
-        bufs = sub.bufs = (k_flat.new_empty(S * N, KVH, D), v_flat.new_empty(S * N, KVH, D))
+        bufs = sub.bufs = (k_flat.new_empty(S * N, KVH, row), v_flat.new_empty(S * N, KVH, row))
     torch.index_select(k_flat, 0, sub.ctx_slots, out=bufs[0])
     torch.index_select(v_flat, 0, sub.ctx_slots, out=bufs[1])
-    keys = bufs[0].view(S, N, KVH, D).float().transpose(1, 2)
-    vals = bufs[1].view(S, N, KVH, D).float().transpose(1, 2)
+    # a quantized cache: dequantized after the gather (only the context's rows)
+    keys = dequantize_rows(bufs[0].view(S, N, KVH, row)).transpose(1, 2)
+    vals = dequantize_rows(bufs[1].view(S, N, KVH, row)).transpose(1, 2)
     qp = q if sub.q_rows is None else q.index_select(0, sub.q_rows)
     if max_q == 1:
         # decode: the G query heads of a kv head are G queries of one MHA head (no GQA expansion)
@@ -338,5 +423,6 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
     if block_mapping.numel() == 0:
         return
     bm = block_mapping.to(kv_cache.device, torch.long)
+    kv_cache = as_bytes(kv_cache)
     # advanced indexing reads every source before writing (sources and destinations are disjoint)
     kv_cache[:, :, bm[:, 1]] = kv_cache[:, :, bm[:, 0]]

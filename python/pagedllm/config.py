@@ -44,6 +44,10 @@ USAGE_CONTEXTS = ("offline", "server")
 # is prefilled a chunk at a time, so the first of them stream while the rest wait, where the
 # offline default (the core's) takes them all in one long step
 SERVER_MAX_NUM_BATCHED_TOKENS = 2048
+# the KV cache's formats (vLLM's names, `kv_cache_dtype`): "auto" is the model's dtype; "int8"
+# and "fp8" (= "fp8_e4m3") / "fp8_e5m2" code each (token, kv head) row with its own float32
+# scale, stored beside the row (kernels/reference.py: the formats' definition)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # backends of the KV offload tier (kv_offloading_backend)
 KV_OFFLOADING_BACKENDS = ("native", "disk")
 
@@ -66,6 +70,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks: int | None = None
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    # the KV cache's format (KV_CACHE_DTYPES): int8 / fp8 hold 4x the tokens of float32 (less
+    # each row's 4-byte scale) in the same memory
+    kv_cache_dtype: str = "auto"
     # GiB for the KV cache when running on CPU (vLLM's VLLM_CPU_KVCACHE_SPACE)
     cpu_kv_cache_space: float = 1.0
     # torch intra-op threads on CPU; None: OMP_NUM_THREADS if set, else every physical core
@@ -138,6 +145,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("usage_context", self.usage_context, USAGE_CONTEXTS)
         if self.quantization is not None:
             _one_of("quantization", self.quantization, QUANTIZATIONS)

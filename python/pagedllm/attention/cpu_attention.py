@@ -6,7 +6,9 @@ CPU tensors cross as numpy views of the same memory; the kernels release the GIL
 torch's intra-op thread count (the calling thread and parked workers of a persistent pool), after
 torch's own work of the layer has finished, while torch's OpenMP workers sleep (the passive wait
 policy, `worker/cpu_threads.py`), so the two never compete for cores. float32 and bfloat16 (the
-kernels compute in float32 either way); other dtypes take the torch reference path.
+kernels compute in float32 either way); other dtypes take the torch reference path. The cache is
+of q's dtype, or quantized (int8, fp8: `kernels.reference`'s row format, codes then the row's
+scale), coded by the store as it writes and dequantized in registers by the attention.
 """
 
 from __future__ import annotations
@@ -17,17 +19,26 @@ from torch import Tensor
 
 from pagedllm import _core
 from pagedllm.kernels.cpu_arrays import NUMPY_DTYPE, kernel_dtype, numpy_view
+from pagedllm.kernels.reference import kv_format
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Whether the Rust kernels handle these tensors (float32 or bfloat16 on the CPU, the cache
-    of q's dtype and contiguous)."""
+    of q's dtype or quantized, and contiguous)."""
     return (
         q.device.type == "cpu"
         and kernel_dtype(q.dtype)
-        and k_cache.dtype == q.dtype
+        and (k_cache.dtype == q.dtype or kv_format(k_cache.dtype) != "auto")
         and k_cache.is_contiguous()
     )
+
+
+def _cache_view(cache: Tensor) -> np.ndarray:
+    """A cache's memory as numpy: float caches as `numpy_view`, fp8 codes as their uint8 bits
+    (numpy has no fp8), int8 as int8."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return cache.view(torch.uint8).numpy()
+    return numpy_view(cache)
 
 
 def step_arrays(meta) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -56,8 +67,9 @@ def store_and_attend(
 ) -> Tensor:
     """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]`."""
     slots, query_start_loc, seq_lens, block_tables = arrays
-    kc, vc = numpy_view(k_cache), numpy_view(v_cache)
-    _core.cpu_store_kvcache(numpy_view(k), numpy_view(v), kc, vc, slots)
+    kc, vc = _cache_view(k_cache), _cache_view(v_cache)
+    kv_dtype = kv_format(k_cache.dtype)
+    _core.cpu_store_kvcache(numpy_view(k), numpy_view(v), kc, vc, slots, kv_dtype)
     # allocated on the numpy side and shared with torch: no dispatcher ops for the bridge
     # (bfloat16: one, the view of the uint16 bits as bfloat16)
     out = np.empty(q.shape, dtype=NUMPY_DTYPE[q.dtype])
@@ -71,6 +83,7 @@ def store_and_attend(
         scale,
         out,
         torch.get_num_threads(),
+        kv_dtype,
     )
     out = torch.from_numpy(out)
     return out if out.dtype == q.dtype else out.view(q.dtype)

@@ -78,8 +78,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> Tensor:
-    """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` ->
-    `[T, H, D]`."""
+    """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` (quantized:
+    `D + 4`, `kernels.reference`) -> `[T, H, D]`."""
     if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     if cpu_attention.supports(q, k_cache):

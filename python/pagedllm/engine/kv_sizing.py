@@ -17,6 +17,7 @@ from pagedllm._core import min_kv_blocks
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.config import EngineArgs, GiB
 from pagedllm.distributed.layers import tp_kv_heads
+from pagedllm.kernels.reference import kv_row_size, kv_storage_dtype
 from pagedllm.models import ModelConfig
 from pagedllm.worker.cache_engine import CacheEngine
 
@@ -89,6 +90,7 @@ class KVCachePlanner:
             head_dim=cfg.head_dim,
             block_size=self.args.block_size,
             dtype=self.dtype,
+            kv_cache_dtype=self.args.kv_cache_dtype,
         )
         draft = self.draft.bytes_per_block(self.args.block_size) if self.draft else 0
         return target + draft
@@ -137,9 +139,11 @@ class KVCachePlanner:
         num_seqs = math.ceil(num_tokens / seq_len)
         bs = args.block_size
         blocks_per_seq = math.ceil(seq_len / bs)
+        cache_dtype = kv_storage_dtype(args.kv_cache_dtype, self.dtype)
+        row = kv_row_size(cfg.head_dim, cache_dtype)
         scratch = torch.zeros(
-            (2, cfg.num_layers, num_seqs * blocks_per_seq, bs, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
+            (2, cfg.num_layers, num_seqs * blocks_per_seq, bs, cfg.num_kv_heads, row),
+            dtype=cache_dtype,
             device=device,
         )
         lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device)

@@ -194,6 +194,7 @@ class RankWorker:
             num_cpu_blocks=num_cpu_blocks,
             dtype=self.dtype,
             device=self.device,
+            kv_cache_dtype=self.args.kv_cache_dtype,
         )
         self.runner = ModelRunner(
             self.model,

@@ -10,6 +10,8 @@ import mmap
 import numpy as np
 import torch
 
+from pagedllm.kernels.reference import as_bytes, kv_row_size, kv_storage_dtype
+
 # The x86-64 transparent huge page size.
 HUGE_PAGE_BYTES = 2 << 20
 
@@ -43,7 +45,10 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class CacheEngine:
     """Owns `kv_cache` [2, layers, blocks, block_size, kv_heads, head_dim] and its host twin.
 
-    One tensor for all layers makes a block copy or swap a single indexed copy.
+    One tensor for all layers makes a block copy or swap a single indexed copy. A quantized
+    cache (`kv_cache_dtype` int8 / fp8) is of the format's dtype with rows of `head_dim + 4`
+    (each row's scale after its codes, `kernels.reference`): the scales live in the blocks, so
+    every copy, swap and offload of a block carries them.
     """
 
     def __init__(
@@ -57,12 +62,15 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
-        self._block_shape = (num_layers, block_size, num_kv_heads, head_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        self._block_shape = (num_layers, block_size, num_kv_heads, kv_row_size(head_dim, dtype))
         # Zeros, not empty: attention kernels mask unused slots, but 0 * NaN garbage is NaN.
         shape = self._shape(num_gpu_blocks)
         if device.type == "cpu":
@@ -74,10 +82,23 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_block(
-        *, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> int:
+        dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+        row = kv_row_size(head_dim, dtype)
+        return 2 * num_layers * block_size * num_kv_heads * row * element
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the device cache holds (every block full)."""
+        return self.num_gpu_blocks * self.block_size
 
     def _shape(self, num_blocks: int) -> tuple[int, ...]:
         layers, block_size, kv_heads, head_dim = self._block_shape
@@ -116,14 +137,15 @@ class CacheEngine:
         """(device block, host block) pairs: device -> host."""
         src = torch.from_numpy(np.ascontiguousarray(pairs[:, 0])).to(self.device)
         dst = torch.from_numpy(np.ascontiguousarray(pairs[:, 1]))
-        self.host_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src).cpu())
+        blocks = self.kv_cache.index_select(2, src).cpu()
+        as_bytes(self.host_cache).index_copy_(2, dst, as_bytes(blocks))
 
     def swap_in(self, pairs: np.ndarray) -> None:
         """(host block, device block) pairs: host -> device."""
         src = torch.from_numpy(np.ascontiguousarray(pairs[:, 0]))
         dst = torch.from_numpy(np.ascontiguousarray(pairs[:, 1])).to(self.device)
         blocks = self.host_cache.index_select(2, src).to(self.device, non_blocking=True)
-        self.kv_cache.index_copy_(2, dst, blocks)
+        as_bytes(self.kv_cache).index_copy_(2, dst, as_bytes(blocks))
 
     def copy(self, pairs: np.ndarray) -> None:
         """(src, dst) device block pairs for copy-on-write, all layers at once."""

@@ -126,9 +126,141 @@ pub(super) fn view_mut<'a, N: Dtype, D: Dimension>(
     unsafe { a.raw_view_mut().cast::<N::Kernel>().deref_into_view_mut() }
 }
 
+/// A KV cache's format as it crosses (`kv_cache_dtype`): the model's float type, or a quantized
+/// format's codes (`cpu::kv_quant`: rows of `D` codes and 4 bytes of scale).
+#[derive(Clone, Copy)]
+enum KvFormat {
+    Auto,
+    Int8,
+    Fp8E4M3,
+    Fp8E5M2,
+}
+
+impl KvFormat {
+    fn parse(name: &str) -> PyResult<Self> {
+        match name {
+            "auto" => Ok(KvFormat::Auto),
+            "int8" => Ok(KvFormat::Int8),
+            "fp8" | "fp8_e4m3" => Ok(KvFormat::Fp8E4M3),
+            "fp8_e5m2" => Ok(KvFormat::Fp8E5M2),
+            _ => Err(PyValueError::new_err(format!(
+                "kv_cache_dtype must be one of ['auto', 'int8', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], \
+                 got '{name}'"
+            ))),
+        }
+    }
+}
+
+/// The numpy dtype of a cache array and the kernel's element behind it (same size and layout).
+trait KvDtype: 'static {
+    type Numpy: Element + 'static;
+    type Kernel: cpu::KvElem;
+    const NAME: &'static str;
+}
+
+/// The cache in the model's float type `N` (`auto`).
+struct FloatKv<N>(std::marker::PhantomData<N>);
+
+impl<N: Dtype> KvDtype for FloatKv<N>
+where
+    N::Kernel: cpu::KvElem,
+{
+    type Numpy = N;
+    type Kernel = N::Kernel;
+    const NAME: &'static str = N::NAME;
+}
+
+struct Int8Kv;
+
+impl KvDtype for Int8Kv {
+    type Numpy = i8;
+    type Kernel = cpu::I8;
+    const NAME: &'static str = "int8 (kv_cache_dtype int8)";
+}
+
+struct Fp8E4M3Kv;
+
+impl KvDtype for Fp8E4M3Kv {
+    type Numpy = u8;
+    type Kernel = cpu::Fp8E4M3;
+    const NAME: &'static str = "uint8 (kv_cache_dtype fp8_e4m3, its bits)";
+}
+
+struct Fp8E5M2Kv;
+
+impl KvDtype for Fp8E5M2Kv {
+    type Numpy = u8;
+    type Kernel = cpu::Fp8E5M2;
+    const NAME: &'static str = "uint8 (kv_cache_dtype fp8_e5m2, its bits)";
+}
+
+/// Calls `$f::<N, C>($args)` for the float kind of the call and the cache format.
+macro_rules! with_kv_format {
+    ($kind:expr, $format:expr, $f:ident($($args:expr),*)) => {
+        match ($kind, $format) {
+            (Kind::F32, KvFormat::Auto) => $f::<f32, FloatKv<f32>>($($args),*),
+            (Kind::Bf16, KvFormat::Auto) => $f::<u16, FloatKv<u16>>($($args),*),
+            (Kind::F32, KvFormat::Int8) => $f::<f32, Int8Kv>($($args),*),
+            (Kind::Bf16, KvFormat::Int8) => $f::<u16, Int8Kv>($($args),*),
+            (Kind::F32, KvFormat::Fp8E4M3) => $f::<f32, Fp8E4M3Kv>($($args),*),
+            (Kind::Bf16, KvFormat::Fp8E4M3) => $f::<u16, Fp8E4M3Kv>($($args),*),
+            (Kind::F32, KvFormat::Fp8E5M2) => $f::<f32, Fp8E5M2Kv>($($args),*),
+            (Kind::Bf16, KvFormat::Fp8E5M2) => $f::<u16, Fp8E5M2Kv>($($args),*),
+        }
+    };
+}
+
+/// A cache array of the format, 4-D; a TypeError naming what it must be otherwise.
+fn kv_cache<'py, C: KvDtype>(
+    name: &str,
+    a: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyArray<C::Numpy, ndarray::Ix4>>> {
+    a.cast::<PyArray<C::Numpy, ndarray::Ix4>>()
+        .cloned()
+        .map_err(|_| match a.cast::<PyUntypedArray>() {
+            Ok(array) => PyTypeError::new_err(format!(
+                "{name} must be a 4-D {} array, got a {}-D {} array",
+                C::NAME,
+                array.ndim(),
+                array.dtype()
+            )),
+            Err(_) => PyTypeError::new_err(format!("{name} must be a numpy array")),
+        })
+}
+
+/// As `readwrite`, for a cache array.
+fn kv_writeable<'py, C: KvDtype>(
+    name: &str,
+    a: &Bound<'py, PyArray<C::Numpy, ndarray::Ix4>>,
+) -> PyResult<numpy::PyReadwriteArray<'py, C::Numpy, ndarray::Ix4>> {
+    a.try_readwrite().map_err(|e| {
+        PyValueError::new_err(format!(
+            "{name} must be writeable and share no memory with the call's other arrays ({e})"
+        ))
+    })
+}
+
+fn kv_view<'a, C: KvDtype>(
+    a: ArrayView<'a, C::Numpy, ndarray::Ix4>,
+) -> ArrayView<'a, C::Kernel, ndarray::Ix4> {
+    // SAFETY: `C::Kernel` is `C::Numpy` or a `repr(transparent)` wrapper of it (`cast` asserts
+    // the size), as in `view`.
+    unsafe { a.raw_view().cast::<C::Kernel>().deref_into_view() }
+}
+
+fn kv_view_mut<'a, C: KvDtype>(
+    mut a: ArrayViewMut<'a, C::Numpy, ndarray::Ix4>,
+) -> ArrayViewMut<'a, C::Kernel, ndarray::Ix4> {
+    // SAFETY: as in `kv_view`; the exclusive borrow moves into the returned view.
+    unsafe { a.raw_view_mut().cast::<C::Kernel>().deref_into_view_mut() }
+}
+
 /// Writes k/v `[T, KVH, D]` into the caches `[blocks, block_size, KVH, D]` at `slot_mapping`
-/// (int64 `[T]`, -1 = padding row, skipped); all four float32, or all bfloat16 as uint16.
+/// (int64 `[T]`, -1 = padding row, skipped); k/v float32, or bfloat16 as uint16. The caches are
+/// of k's dtype (`kv_cache_dtype="auto"`), or quantized (`"int8"`: int8, `"fp8_e4m3"` /
+/// `"fp8_e5m2"`: uint8 bits), `[blocks, block_size, KVH, D + 4]`, each row coded with its scale.
 #[pyfunction]
+#[pyo3(signature = (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto"))]
 fn cpu_store_kvcache(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
@@ -136,14 +268,17 @@ fn cpu_store_kvcache(
     k_cache: &Bound<'_, PyAny>,
     v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
+    kv_cache_dtype: &str,
 ) -> PyResult<()> {
-    match Kind::of("k", k)? {
-        Kind::F32 => store::<f32>(py, k, v, k_cache, v_cache, slot_mapping),
-        Kind::Bf16 => store::<u16>(py, k, v, k_cache, v_cache, slot_mapping),
-    }
+    let format = KvFormat::parse(kv_cache_dtype)?;
+    with_kv_format!(
+        Kind::of("k", k)?,
+        format,
+        store(py, k, v, k_cache, v_cache, slot_mapping)
+    )
 }
 
-fn store<N: Dtype>(
+fn store<N: Dtype, C: KvDtype>(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
     v: &Bound<'_, PyAny>,
@@ -153,18 +288,30 @@ fn store<N: Dtype>(
 ) -> PyResult<()> {
     let slots = contiguous("slot_mapping", &slot_mapping)?;
     let (k, v) = (readonly::<N, _>("k", k)?, readonly::<N, _>("v", v)?);
-    let mut kc = readwrite::<N, ndarray::Ix4>("k_cache", k_cache)?;
-    let mut vc = readwrite::<N, ndarray::Ix4>("v_cache", v_cache)?;
+    let (kc, vc) = (
+        kv_cache::<C>("k_cache", k_cache)?,
+        kv_cache::<C>("v_cache", v_cache)?,
+    );
+    let mut kc = kv_writeable::<C>("k_cache", &kc)?;
+    let mut vc = kv_writeable::<C>("v_cache", &vc)?;
     let (k, v) = (view(k.as_array()), view(v.as_array()));
-    let (kc, vc) = (view_mut(kc.as_array_mut()), view_mut(vc.as_array_mut()));
+    let (kc, vc) = (
+        kv_view_mut::<C>(kc.as_array_mut()),
+        kv_view_mut::<C>(vc.as_array_mut()),
+    );
     py.detach(|| cpu::store_kv(k, v, slots, kc, vc))?;
     Ok(())
 }
 
 /// Paged attention of q `[T, H, D]` over the caches into `out` `[T, H, D]` (contiguous), causal
-/// within each sequence's query rows; `num_threads` workers at most. q, the caches and out are
-/// all float32 or all bfloat16 as uint16.
+/// within each sequence's query rows; `num_threads` workers at most. q and out are float32 or
+/// bfloat16 as uint16; the caches of their dtype, or quantized (`kv_cache_dtype`, as in
+/// `cpu_store_kvcache`), read in place and dequantized in registers.
 #[pyfunction]
+#[pyo3(signature = (
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, num_threads,
+    kv_cache_dtype = "auto"
+))]
 #[allow(clippy::too_many_arguments)]
 fn cpu_paged_attention(
     py: Python<'_>,
@@ -177,13 +324,16 @@ fn cpu_paged_attention(
     scale: f32,
     out: &Bound<'_, PyAny>,
     num_threads: usize,
+    kv_cache_dtype: &str,
 ) -> PyResult<()> {
+    let format = KvFormat::parse(kv_cache_dtype)?;
     let floats = (q, k_cache, v_cache, out);
     let ints = (query_start_loc, seq_lens, block_tables);
-    match Kind::of("q", q)? {
-        Kind::F32 => attend::<f32>(py, floats, ints, scale, num_threads),
-        Kind::Bf16 => attend::<u16>(py, floats, ints, scale, num_threads),
-    }
+    with_kv_format!(
+        Kind::of("q", q)?,
+        format,
+        attend(py, floats, ints, scale, num_threads)
+    )
 }
 
 type Floats<'a, 'py> = (
@@ -199,7 +349,7 @@ type Ints<'py> = (
     PyReadonlyArray2<'py, i32>,
 );
 
-fn attend<N: Dtype>(
+fn attend<N: Dtype, C: KvDtype>(
     py: Python<'_>,
     (q, k_cache, v_cache, out): Floats<'_, '_>,
     (query_start_loc, seq_lens, block_tables): Ints<'_>,
@@ -207,15 +357,17 @@ fn attend<N: Dtype>(
     num_threads: usize,
 ) -> PyResult<()> {
     let q = readonly::<N, ndarray::Ix3>("q", q)?;
-    let kc = readonly::<N, ndarray::Ix4>("k_cache", k_cache)?;
-    let vc = readonly::<N, ndarray::Ix4>("v_cache", v_cache)?;
+    let kc = kv_cache::<C>("k_cache", k_cache)?;
+    let vc = kv_cache::<C>("v_cache", v_cache)?;
+    let (kc, vc) = (kc.readonly(), vc.readonly());
     let mut out = readwrite::<N, ndarray::Ix3>("out", out)?;
     let batch = PagedBatch {
         query_start_loc: contiguous("query_start_loc", &query_start_loc)?,
         seq_lens: contiguous("seq_lens", &seq_lens)?,
         block_tables: block_tables.as_array(),
     };
-    let (q, kc, vc) = (view(q.as_array()), view(kc.as_array()), view(vc.as_array()));
+    let q = view(q.as_array());
+    let (kc, vc) = (kv_view::<C>(kc.as_array()), kv_view::<C>(vc.as_array()));
     let out = view_mut(out.as_array_mut());
     py.detach(|| cpu::paged_attention(q, kc, vc, batch, scale, out, num_threads))?;
     Ok(())
