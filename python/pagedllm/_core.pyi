@@ -221,10 +221,11 @@ def encode_kv_event_batch(
 ) -> bytes:
     """One step's KV events (the arrays ``Scheduler.drain_kv_events`` returns) as vLLM 0.32's
     msgpack ``KVEventBatch``, byte for byte as its msgspec encoder writes it: ``[ts, [event,
-    ...], data_parallel_rank?]`` with ``{"type": "BlockStored", "block_hashes",
-    "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
-    ``{"type": "BlockRemoved", "block_hashes", "medium"}`` and ``{"type": "AllBlocksCleared"}``.
-    Empty ``tokens``: stored blocks list no token ids."""
+    ...], data_parallel_rank | None]`` with ``{"type": "BlockStored", "block_hashes",
+    "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx"}``, ``{"type": "BlockRemoved", "block_hashes", "medium",
+    "group_idx"}`` and ``{"type": "AllBlocksCleared"}``. Empty ``tokens``: stored blocks list
+    no token ids."""
 
 ROUTING_POLICIES: list[str]
 

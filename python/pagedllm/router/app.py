@@ -125,8 +125,27 @@ class _Collector:
             "New instances of the replica seen (restarted by its supervisor or `serve -dp`)",
             labels=["engine"],
         )
+        malformed = CounterMetricFamily(
+            "pagedllm_router:kv_events_malformed",
+            "KV-event messages from the replica skipped as malformed",
+            labels=["engine"],
+        )
+        subscriber_restarts = CounterMetricFamily(
+            "pagedllm_router:kv_event_subscriber_restarts",
+            "Times the replica's KV-event subscriber failed and was started again",
+            labels=["engine"],
+        )
+        dropped = CounterMetricFamily(
+            "pagedllm_router:index_dropped_blocks",
+            "Stored blocks left out of the index past the replica's bound",
+            labels=["engine"],
+        )
         for replica, s in zip(self.replicas.replicas, stats):
             label = [str(replica.index)]
+            sub = replica.subscriber
+            malformed.add_metric(label, sub.malformed if sub is not None else 0)
+            subscriber_restarts.add_metric(label, sub.restarts if sub is not None else 0)
+            dropped.add_metric(label, s["dropped_blocks"])
             for key, family in families.items():
                 family.add_metric(label, s[key])
             cached.add_metric(label, replica.cached_tokens)
@@ -136,6 +155,7 @@ class _Collector:
             restarts.add_metric(label, replica.restarts)
         yield from families.values()
         yield from (hit_rate, cached, prompt, up, restarts)
+        yield from (malformed, subscriber_restarts, dropped)
 
 
 def build_router_app(

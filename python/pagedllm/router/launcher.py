@@ -1,8 +1,9 @@
 """`pagedllm serve -dp N` with the `mp` backend: N `serve` processes on this machine (one engine
 each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
 each TCP port + its rank) behind the router in this process, on the address `serve` was given.
-On Linux the sockets are in the abstract namespace (`socket_folder`): nothing on disk outlives
-them, even when this process is killed outright (the replicas then get SIGTERM).
+The ipc sockets are files in a folder only this user can enter (`socket_folder`), removed at
+exit; a process killed outright leaves the empty folder (its replicas get SIGTERM and close
+their sockets).
 
 A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
 the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
@@ -15,8 +16,6 @@ import contextlib
 import copy
 import logging
 import multiprocessing
-import os
-import secrets
 import socket
 import sys
 import tempfile
@@ -59,11 +58,10 @@ def replica_events_config(kv_events_config, rank: int, endpoint: str, replay: st
 
 
 def socket_folder() -> contextlib.AbstractContextManager[str]:
-    """Where the replicas' ipc sockets go. On Linux a name in the abstract socket namespace
-    (`@...`): it has no file and ends with the sockets themselves, so a front end killed
-    outright (SIGKILL) leaves nothing behind; elsewhere a temporary folder, removed on exit."""
-    if sys.platform == "linux":
-        return contextlib.nullcontext(f"@pagedllm-dp-{os.getpid()}-{secrets.token_hex(4)}")
+    """Where the replicas' ipc sockets go: a new temporary folder only this user can enter
+    (0700, as `mkdtemp` makes it; each socket in it is 0600: `publisher.bind_private`), removed
+    on exit. The events carry every prompt's tokens: Linux's abstract socket namespace, which
+    leaves no file behind, has no permissions at all (any local user could connect)."""
     return tempfile.TemporaryDirectory(prefix="pagedllm-dp-")
 
 

@@ -9,8 +9,8 @@ puts the outputs back in the caller's order.
 
 A replica that dies makes the call raise `ReplicaDiedError` naming it; the others are stopped
 (an engine missing a replica is not kept half-alive). `close()`, the object's deletion and the
-interpreter's exit stop every replica (SIGTERM, then SIGKILL) and remove the socket folder
-(on Linux there is none: `launcher.socket_folder`); a replica whose parent dies is sent SIGTERM
+interpreter's exit stop every replica (SIGTERM, then SIGKILL) and remove the private socket
+folder (`launcher.socket_folder`); a replica whose parent dies is sent SIGTERM
 by the kernel (`launcher._replica_main`).
 """
 

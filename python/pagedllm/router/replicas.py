@@ -433,6 +433,8 @@ class ReplicaSet:
             events.get("topic", ""),
         )
         if key == replica.events_key:
+            if replica.subscriber is not None:
+                replica.subscriber.revive()  # a thread that ended anyway: logged and counted
             return
         if replica.subscriber is not None:
             replica.subscriber.close()
