@@ -16,11 +16,10 @@ pub const DECODE_MAX_ROWS: usize = 8;
 /// Elements of a weight row dequantized at a time on the decode path (1 KiB: whole blocks of
 /// every type, and a K-quant super-block).
 const CHUNK: usize = 256;
-/// Bytes of f32 panels a thread dequantizes at a time on the prefill path (half of a 1 MiB
-/// L2, beside the rows of x streaming past).
-const PANEL_SCRATCH_BYTES: usize = 512 * 1024;
-/// Rows of x per `linear` call over the panels: its in-place (unpacked) register tiles.
-const PREFILL_X_ROWS: usize = 16;
+/// Bytes of f32 panels a thread dequantizes at a time on the prefill path: `linear` packs x
+/// once per call and keeps each K slice of a panel in L1 while an L2 block of x passes over
+/// it, so the panels may sit in L3; more of them a call spreads the packing of x thinner.
+const PANEL_SCRATCH_BYTES: usize = 2048 * 1024;
 /// Below this many weight elements a share, a worker thread costs more than it saves.
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of rows a call is cut into per thread, claimed by whichever thread is free.
@@ -67,15 +66,23 @@ pub fn quant_linear(
     if m == 0 || n == 0 {
         return Ok(());
     }
+    let fast = fast();
+    // the decode path's AVX2 row dots add each sub-block's min times these sums once
+    let xsum: Vec<f32> = if fast && m <= DECODE_MAX_ROWS && k % 32 == 0 {
+        x.chunks_exact(32).map(|c| c.iter().sum()).collect()
+    } else {
+        Vec::new()
+    };
     let ctx = Ctx {
         x,
+        xsum: &xsum,
         w,
         bias,
         out: OutPtr(out.as_mut_ptr()),
         m,
         k,
         n,
-        fast: fast(),
+        fast,
     };
     if m <= DECODE_MAX_ROWS {
         let per_share = (MIN_SHARE_ELEMS / k).max(1);
@@ -111,6 +118,8 @@ unsafe impl Sync for OutPtr {}
 struct Ctx<'a, 'w> {
     /// `[m, k]`.
     x: &'a [f32],
+    /// `[m, k / 32]`: the sums of x's 32-element runs (decode rows on the AVX2 path), or empty.
+    xsum: &'a [f32],
     w: &'a QuantMatrix<'w>,
     bias: Option<&'a [f32]>,
     out: OutPtr,
@@ -157,6 +166,13 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let mut sums = [0.0f32; DECODE_MAX_ROWS];
     for r in rows {
         let (t, row) = ctx.w.row(r);
+        #[cfg(target_arch = "x86_64")]
+        if F && !ctx.xsum.is_empty() && super::dot_avx2::fused(t) {
+            // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
+            // the row holds k elements of t; x rows of k floats, xsum rows of k / 32.
+            unsafe { fused_row(ctx, t, row, r) };
+            continue;
+        }
         sums.fill(0.0);
         let mut start = 0;
         while start < k {
@@ -171,6 +187,45 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         for (i, s) in sums[..m].iter().enumerate() {
             ctx.put(i, r, *s);
         }
+    }
+}
+
+/// Row `r` (type `t`, bytes `row`) dotted with every row of x in registers
+/// (`dot_avx2::row_dots`), up to 4 rows of x per pass over it.
+///
+/// # Safety
+/// As `dot_avx2::row_dots`, for every row of x.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fused_row(ctx: &Ctx<'_, '_>, t: super::QType, row: &[u8], r: usize) {
+    use super::dot_avx2::row_dots;
+    let (k, kb) = (ctx.k, ctx.k / 32);
+    let x = |i: usize| ctx.x.as_ptr().add(i * k);
+    let s = |i: usize| ctx.xsum.as_ptr().add(i * kb);
+    let mut i = 0;
+    while i < ctx.m {
+        let dots: &[f32] = match ctx.m - i {
+            1 => &row_dots::<1>(t, row, k, &[x(i)], &[s(i)]),
+            2 => &row_dots::<2>(t, row, k, &[x(i), x(i + 1)], &[s(i), s(i + 1)]),
+            3 => &row_dots::<3>(
+                t,
+                row,
+                k,
+                &[x(i), x(i + 1), x(i + 2)],
+                &[s(i), s(i + 1), s(i + 2)],
+            ),
+            _ => &row_dots::<4>(
+                t,
+                row,
+                k,
+                &[x(i), x(i + 1), x(i + 2), x(i + 3)],
+                &[s(i), s(i + 1), s(i + 2), s(i + 3)],
+            ),
+        };
+        for (j, v) in dots.iter().enumerate() {
+            ctx.put(i + j, r, *v);
+        }
+        i += dots.len();
     }
 }
 
@@ -190,7 +245,7 @@ thread_local! {
 }
 
 /// The weight rows `rows` dequantized once into panels (`PANEL_SCRATCH_BYTES`) and multiplied
-/// with every row of x by `linear`'s tiles, `PREFILL_X_ROWS` rows of x at a time.
+/// with every row of x by `linear` (its blocked path: x packed, K sliced).
 fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let (m, k) = (ctx.m, ctx.k);
     let cols = rows.len();
@@ -216,27 +271,17 @@ fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         let weight = ArrayView3::from_shape((panels, k, PANEL), &packed[..])
             .expect("panels of the run's rows");
         let bias = ctx.bias.map(|b| &b[rows.clone()]);
-        let mut first = 0;
-        while first < m {
-            let block = (m - first).min(PREFILL_X_ROWS);
-            let x = ArrayView2::from_shape((block, k), &ctx.x[first * k..(first + block) * k])
-                .expect("a block of x's rows");
-            out.resize(block * cols, 0.0);
-            let y = ArrayViewMut2::from_shape((block, cols), &mut out[..block * cols])
-                .expect("the block's results");
-            linear(x, weight, bias, y, 1).expect("shapes made to fit");
-            for (i, sums) in out[..block * cols].chunks_exact(cols).enumerate() {
-                // SAFETY: row first + i < m, columns rows.start..rows.end <= n: inside out
-                // `[m, n]`; no other share writes these columns (OutPtr).
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        ctx.out.0.add((first + i) * ctx.n + rows.start),
-                        cols,
-                    )
-                };
-                dst.copy_from_slice(sums);
-            }
-            first += block;
+        let x = ArrayView2::from_shape((m, k), ctx.x).expect("x's rows");
+        out.resize(m * cols, 0.0);
+        let y = ArrayViewMut2::from_shape((m, cols), &mut out[..]).expect("the run's results");
+        linear(x, weight, bias, y, 1).expect("shapes made to fit");
+        for (i, sums) in out.chunks_exact(cols).enumerate() {
+            // SAFETY: row i < m, columns rows.start..rows.end <= n: inside out `[m, n]`; no
+            // other share writes these columns (OutPtr).
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(ctx.out.0.add(i * ctx.n + rows.start), cols)
+            };
+            dst.copy_from_slice(sums);
         }
     });
 }

@@ -14,6 +14,7 @@
 //!
 //! Dequantization (`formats`, portable; `formats_avx2`, runtime-detected) is bit-exact with
 //! the `gguf` package's.
+mod dot_avx2;
 pub mod formats;
 mod formats_avx2;
 mod matmul;

@@ -375,3 +375,34 @@ fn bad_segments_and_shapes_are_rejected_naming_the_problem() {
     let err = quant_linear(x.view(), &w, None, Array2::zeros((2, 1)).view_mut(), 1).unwrap_err();
     assert!(format!("{err}").contains("x has 32 columns"), "{err}");
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_row_dots_equal_the_dequantized_rows_dot_within_rounding() {
+    if !formats_avx2::available() {
+        return;
+    }
+    let k = 512;
+    let x: Vec<f32> = floats(3 * k, 4.0);
+    let xsum: Vec<f32> = x.chunks_exact(32).map(|c| c.iter().sum()).collect();
+    let rows = [0, 1, 2].map(|r| x[r * k..].as_ptr());
+    let sums = [0, 1, 2].map(|r| xsum[r * k / 32..].as_ptr());
+    for t in QType::ALL.into_iter().filter(|t| dot_avx2::fused(*t)) {
+        let row = random_rows(t, 1, k, t as u64 + 40);
+        let mut w = vec![0.0; k];
+        dequantize_blocks(t, &row, &mut w);
+        // SAFETY: the CPU has avx2, fma and f16c (checked above); the row holds k elements of
+        // t, each x row k floats, each xsum row k / 32
+        let got = unsafe { dot_avx2::row_dots::<3>(t, &row, k, &rows, &sums) };
+        for (r, g) in got.iter().enumerate() {
+            let terms = (0..k).map(|i| x[r * k + i] as f64 * w[i] as f64);
+            let want: f64 = terms.clone().sum();
+            let size: f64 = terms.map(f64::abs).sum();
+            assert!(
+                (*g as f64 - want).abs() <= 1e-6 * size,
+                "{} row {r}: {g} vs {want}",
+                t.name()
+            );
+        }
+    }
+}

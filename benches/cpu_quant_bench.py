@@ -1,0 +1,107 @@
+"""The quantized-weight CPU kernels (`kernels/cpu_quant.py`, `rust/src/cpu/quant/`) per ggml type
+against the float32 panel kernel (`kernels/cpu_linear.py`) on the same shape, calls alternated
+between the two, median wall time of `--repeats` calls each. Decode (1 row of x) is bound by
+the weight's bytes: GB/s is those bytes over the time (the float32 kernel reads 4 bytes a
+weight, Q4_0 0.5625); prefill (512 rows) by arithmetic: GFLOP/s is 2·M·N·K over the time.
+
+    python benches/cpu_quant_bench.py [--shapes 1536x576 5632x2048] [--rows 1 512]
+        [--types Q8_0 Q4_K ...] [--repeats 9] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from pagedllm.kernels import cpu_linear, cpu_quant
+
+# byte offsets of the f16 scales of the types `gguf` cannot quantize (random blocks instead)
+_RANDOM_BLOCK_SCALES = {cpu_quant.Q4_K: (0, 2), cpu_quant.Q5_K: (0, 2), cpu_quant.Q6_K: (208,)}
+
+
+def weight_rows(qtype: int, dense: np.ndarray, seed: int) -> np.ndarray:
+    """`dense [N, K]` in `qtype` (random valid blocks for the K-quants) as uint8 [N, row_bytes]."""
+    n, k = dense.shape
+    if qtype not in _RANDOM_BLOCK_SCALES:
+        rows = gguf_quants.quantize(dense, GGMLQuantizationType(qtype))
+        return np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1)
+    rng = np.random.default_rng(seed)
+    elems, size = cpu_quant.block_shape(qtype)
+    blocks = rng.integers(0, 256, size=(n * k // elems, size), dtype=np.uint8)
+    for at in _RANDOM_BLOCK_SCALES[qtype]:
+        scale = rng.uniform(-0.02, 0.02, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def median_seconds(call, repeats: int) -> float:
+    call()  # warm: pages, caches, the pool's threads
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["576x1536", "5632x2048"], help="NxK")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 512])
+    p.add_argument(
+        "--types", nargs="+", default=[cpu_quant.type_name(t) for t in sorted(cpu_quant.SUPPORTED)]
+    )
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, default=1, help="torch's (and so the kernels') threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    types = [int(GGMLQuantizationType[name]) for name in args.types]
+    print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated with f32")
+    print(
+        "| shape N x K | rows | type | bytes/weight | ms | f32 ms | speed vs f32 "
+        "| weight GB/s | GFLOP/s |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    with torch.inference_mode():
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            dense = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+            packed = cpu_linear.pack(torch.from_numpy(dense))
+            for qtype in types:
+                if k % cpu_quant.block_shape(qtype)[0]:
+                    continue  # rows of whole blocks only (llama.cpp picks another type then)
+                rows = weight_rows(qtype, dense, seed=qtype)
+                w = cpu_quant.make_weight([(qtype, torch.from_numpy(rows))], k)
+                for m in args.rows:
+                    x = torch.randn(m, k)
+                    times = {"quant": [], "f32": []}
+                    for _ in range(3):  # three rounds, alternated: both see the same load
+                        times["quant"].append(
+                            median_seconds(lambda: cpu_quant.quant_linear(x, w, None), args.repeats)
+                        )
+                        times["f32"].append(
+                            median_seconds(
+                                lambda: cpu_linear.linear(x, packed.panels, None, packed),
+                                args.repeats,
+                            )
+                        )
+                    tq = statistics.median(times["quant"])
+                    tf = statistics.median(times["f32"])
+                    print(
+                        f"| {n} x {k} | {m} | {cpu_quant.type_name(qtype)} "
+                        f"| {rows.nbytes / (n * k):.4g} | {tq * 1e3:.3f} | {tf * 1e3:.3f} "
+                        f"| {tf / tq:.2f}x | {rows.nbytes / tq / 1e9:.1f} "
+                        f"| {2 * m * n * k / tq / 1e9:.1f} |",
+                        flush=True,
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
