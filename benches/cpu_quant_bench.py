@@ -80,17 +80,14 @@ def main() -> int:
                 w = cpu_quant.make_weight([(qtype, torch.from_numpy(rows))], k)
                 for m in args.rows:
                     x = torch.randn(m, k)
+                    calls = {
+                        "quant": lambda x=x, w=w: cpu_quant.quant_linear(x, w, None),
+                        "f32": lambda x=x, p=packed: cpu_linear.linear(x, p.panels, None, p),
+                    }
                     times = {"quant": [], "f32": []}
                     for _ in range(3):  # three rounds, alternated: both see the same load
-                        times["quant"].append(
-                            median_seconds(lambda: cpu_quant.quant_linear(x, w, None), args.repeats)
-                        )
-                        times["f32"].append(
-                            median_seconds(
-                                lambda: cpu_linear.linear(x, packed.panels, None, packed),
-                                args.repeats,
-                            )
-                        )
+                        for name, call in calls.items():
+                            times[name].append(median_seconds(call, args.repeats))
                     tq = statistics.median(times["quant"])
                     tf = statistics.median(times["f32"])
                     print(
