@@ -329,6 +329,10 @@ DEFAULTS: dict[str, int | float | bool | str | None]
 """Defaults of the scheduler and cache knobs (``EngineArgs`` reads them)."""
 SCHEDULER_OUTPUT_FIELDS: list[str]
 """Every field of ``SchedulerOutput``, in declaration order."""
+STEP_INPUT_SCALARS: list[str]
+"""The ``SchedulerOutput`` scalars the model runner reads (what a step carries to every rank)."""
+STEP_INPUT_ARRAYS: list[str]
+"""The ``SchedulerOutput`` arrays the model runner reads (what a step carries to every rank)."""
 
 def default_max_num_batched_tokens(scheduling: str, max_model_len: int) -> int:
     """The token budget ``max_num_batched_tokens=None`` stands for: ``prefill_first`` must fit
