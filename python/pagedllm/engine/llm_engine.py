@@ -83,6 +83,10 @@ class LLMEngine:
         cfg = self.model_config
         tp = args.tensor_parallel_size
         check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tp)
+        if cfg.moe is not None:
+            from pagedllm.models.moe import check_moe_tensor_parallel
+
+            check_moe_tensor_parallel(cfg.moe, tp)
         if tp > 1 and self.device.type != "cpu":
             raise ValueError(
                 f"tensor_parallel_size={tp} runs on CPU only for now (device resolved to "
@@ -151,6 +155,7 @@ class LLMEngine:
             device=self.device,
             kv_cache_dtype=args.kv_cache_dtype,
         )
+        self.cache_engine.log_capacity()
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
         self.kv_transfer = self._kv_transfer(args)
         if draft is not None:
@@ -715,6 +720,7 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         """Scheduler/cache statistics plus throughput since start."""
         stats = dict(self.scheduler.get_stats())
+        stats.update(self.cache_engine.stats())
         stats.update(self._stats.totals())
         stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
         if self.kv_transfer is not None:

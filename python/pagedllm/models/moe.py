@@ -46,17 +46,28 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     return weights, ids
 
 
+def check_moe_tensor_parallel(moe: MoeConfig | None, tp: int) -> None:
+    """The expert widths a model must have to be sharded over `tp` ranks (ValueError naming
+    the field otherwise); nothing to check for a dense model."""
+    if moe is None:
+        return
+    widths = {"moe_intermediate_size": moe.intermediate_size}
+    if moe.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    for name, width in widths.items():
+        if width % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the experts' width ({name}={width})"
+            )
+
+
 class Experts(nn.Module):
     """Every expert's SwiGLU weights (this rank's slice of each), stacked; see the module
     docstring for the layout."""
 
     def __init__(self, moe: MoeConfig, hidden: int, tp: TPShard = SINGLE) -> None:
         super().__init__()
-        if moe.intermediate_size % tp.size:
-            raise ValueError(
-                f"tensor_parallel_size={tp.size} must divide the experts' width "
-                f"(moe_intermediate_size={moe.intermediate_size})"
-            )
+        check_moe_tensor_parallel(moe, tp.size)
         self.num_experts, self.hidden = moe.num_experts, hidden
         self.width = moe.intermediate_size // tp.size
         e = self.num_experts
