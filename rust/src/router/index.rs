@@ -322,7 +322,8 @@ mod tests {
         ix.apply_batch(1, 0, &[S], &[0, 2], &[105, 106]).unwrap();
         assert_eq!(ix.replica_usage(0).unwrap(), (3, 3, 7));
         // a removal makes room again
-        ix.apply_batch(0, 2, &[R, S], &[0, 1, 2], &[100, 105]).unwrap();
+        ix.apply_batch(0, 2, &[R, S], &[0, 1, 2], &[100, 105])
+            .unwrap();
         assert_eq!((ix.holders(100), ix.holders(105)), (0, 0b11));
         assert_eq!(ix.replica_usage(0).unwrap().0, 3);
     }
