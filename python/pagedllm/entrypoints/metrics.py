@@ -38,6 +38,8 @@ class _EngineCollector:
         }
         for name, (key, doc) in gauges.items():
             yield GaugeMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
+        if "kv_cache_dtype" in stats:
+            yield from _cache_metrics(stats, self.block_size)
         counters = {
             "prefix_cache_queries": (
                 "prefix_cache_query_blocks",
@@ -63,6 +65,23 @@ class _EngineCollector:
             yield from _offload_metrics(stats, self.block_size)
         if "moe_expert_tokens" in stats:
             yield _expert_tokens(stats["moe_expert_tokens"])
+
+
+def _cache_metrics(stats, block_size: int):
+    """What the KV cache is (vLLM's cache_config_info: its labels carry the config) and how many
+    tokens it holds."""
+    info = GaugeMetricFamily(
+        "pagedllm:cache_config_info",
+        "The KV cache's configuration (labels); value 1",
+        labels=["kv_cache_dtype", "block_size"],
+    )
+    info.add_metric([str(stats["kv_cache_dtype"]), str(block_size)], 1.0)
+    yield info
+    yield GaugeMetricFamily(
+        "pagedllm:kv_cache_num_tokens",
+        "Tokens the device KV cache holds",
+        value=float(stats["kv_cache_num_tokens"]),
+    )
 
 
 def _expert_tokens(per_layer: dict[int, list[int]]) -> CounterMetricFamily:

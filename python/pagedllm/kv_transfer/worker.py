@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from pagedllm.kernels.reference import as_bytes
 from pagedllm.kv_transfer.host_pool import HostKVPool
 
 logger = logging.getLogger("pagedllm")
@@ -53,7 +54,8 @@ def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def scatter_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor, data: torch.Tensor) -> None:
     """Writes `data` [k, 2, layers, ...] (slot layout) into device blocks `blocks`."""
-    kv_cache.index_copy_(2, blocks, data.permute(1, 2, 0, 3, 4, 5))
+    # as bytes: torch has no CPU index_copy_ for an fp8 KV cache (`kv_cache_dtype`)
+    as_bytes(kv_cache).index_copy_(2, blocks, as_bytes(data).permute(1, 2, 0, 3, 4, 5))
 
 
 def copy_slots_out(pool: torch.Tensor, slots: list[int], data: torch.Tensor) -> None:

@@ -4,13 +4,16 @@ scheduler asks for each step (swap out, swap in, copy-on-write copies)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 
 import numpy as np
 import torch
 
-from pagedllm.kernels.reference import as_bytes, kv_row_size, kv_storage_dtype
+from pagedllm.kernels.reference import as_bytes, kv_format, kv_row_size, kv_storage_dtype
+
+logger = logging.getLogger("pagedllm")
 
 # The x86-64 transparent huge page size.
 HUGE_PAGE_BYTES = 2 << 20
@@ -99,6 +102,32 @@ class CacheEngine:
     def num_tokens(self) -> int:
         """Tokens the device cache holds (every block full)."""
         return self.num_gpu_blocks * self.block_size
+
+    @property
+    def dtype_name(self) -> str:
+        """The cache's format: a quantized one's name (int8, fp8_e4m3, fp8_e5m2), else the
+        model's dtype (float32, bfloat16, ...)."""
+        name = kv_format(self.kv_cache.dtype)
+        return str(self.kv_cache.dtype).removeprefix("torch.") if name == "auto" else name
+
+    def stats(self) -> dict:
+        """What the cache is: its format, the tokens it holds, its bytes (`get_stats()`)."""
+        return {
+            "kv_cache_dtype": self.dtype_name,
+            "kv_cache_num_tokens": self.num_tokens,
+            "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
+        }
+
+    def log_capacity(self) -> None:
+        stats = self.stats()
+        logger.info(
+            "KV cache: %s, %d blocks of %d tokens = %d tokens in %.3f GiB",
+            stats["kv_cache_dtype"],
+            self.num_gpu_blocks,
+            self.block_size,
+            stats["kv_cache_num_tokens"],
+            stats["kv_cache_bytes"] / (1 << 30),
+        )
 
     def _shape(self, num_blocks: int) -> tuple[int, ...]:
         layers, block_size, kv_heads, head_dim = self._block_shape

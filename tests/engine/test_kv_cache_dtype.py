@@ -1,0 +1,109 @@
+"""`kv_cache_dtype` through the engine (the built-in tiny model on the CPU): a quantized cache holds
+more tokens in the same budget (a workload that preempts with float32 does not with int8), and
+greedy output over an int8 cache survives prefix caching and preemption (recompute and swap)
+unchanged, run after run, with logprobs close to the float cache's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import KV_CACHE_DTYPES, EngineArgs
+from pagedllm.entrypoints.metrics import _EngineCollector
+
+PROMPTS = [np.random.default_rng(s).integers(2, 250, size=40).tolist() for s in range(8)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+
+
+def _run(prompts=PROMPTS, **kw):
+    kw.setdefault("max_model_len", 256)
+    llm = LLM(device="cpu", max_num_seqs=8, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+def _tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_an_unknown_kv_cache_dtype_is_a_value_error_naming_the_field_and_the_accepted_values():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8', 'fp8'"):
+        EngineArgs(kv_cache_dtype="int4")
+    assert KV_CACHE_DTYPES == ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def test_the_same_budget_holds_more_int8_blocks_and_a_workload_preempts_only_with_float32():
+    # 2 MiB: 32 float32 blocks (64 KiB each) for 8 sequences of 80 tokens (40 blocks)
+    floats, float_outs = _run(cpu_kv_cache_space=0.002)
+    ints, int_outs = _run(cpu_kv_cache_space=0.002, kv_cache_dtype="int8")
+    float_blocks = floats.llm_engine.cache_engine.num_gpu_blocks
+    int_blocks = ints.llm_engine.cache_engine.num_gpu_blocks
+    # the budget over each block's bytes (4 layers, 4 kv heads, head_dim 32, 16 tokens): int8's
+    # 32 codes + a 4-byte scale per row, 3.56x float32's blocks
+    budget = int(0.002 * 2**30)
+    assert float_blocks == budget // (2 * 4 * 16 * 4 * 32 * 4)
+    assert int_blocks == budget // (2 * 4 * 16 * 4 * (32 + 4))
+    assert floats.llm_engine.get_stats()["num_preemptions"] > 0
+    assert ints.llm_engine.get_stats()["num_preemptions"] == 0
+    assert _tokens(int_outs) == _tokens(float_outs)
+
+
+def test_get_stats_and_metrics_say_the_kv_dtype_and_the_tokens_held():
+    llm, _ = _run(prompts=PROMPTS[:1], kv_cache_dtype="fp8", num_gpu_blocks=40)
+    stats = llm.llm_engine.get_stats()
+    assert stats["kv_cache_dtype"] == "fp8_e4m3"
+    assert stats["kv_cache_num_tokens"] == 40 * 16
+
+    class Server:  # what the collector reads of the server's engine loop
+        engine = llm.llm_engine
+
+        class snapshot:  # noqa: N801
+            pass
+
+    Server.snapshot.stats = stats
+    families = {f.name: f for f in _EngineCollector(Server).collect()}
+    info = families["pagedllm:cache_config_info"].samples[0]
+    assert info.labels == {"kv_cache_dtype": "fp8_e4m3", "block_size": "16"}
+    assert families["pagedllm:kv_cache_num_tokens"].samples[0].value == 640
+
+
+@pytest.fixture(scope="module")
+def int8_reference():
+    """int8 outputs with room for every sequence (no preemption, no shared prefix)."""
+    _, outs = _run(kv_cache_dtype="int8", enable_prefix_caching=False)
+    return outs
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_int8_greedy_output_survives_preemption_and_is_deterministic(
+    int8_reference, preemption_mode
+):
+    kw = dict(kv_cache_dtype="int8", num_gpu_blocks=28, preemption_mode=preemption_mode)
+    first, outs = _run(**kw)
+    assert first.llm_engine.get_stats()["num_preemptions"] > 0
+    _, again = _run(**kw)
+    assert _tokens(again) == _tokens(outs)
+    assert [o.cumulative_logprob for o in again] == [o.cumulative_logprob for o in outs]
+    if preemption_mode == "swap":  # the very bytes come back: the same output as without
+        assert _tokens(outs) == _tokens(int8_reference)
+
+
+def test_int8_greedy_output_through_the_prefix_cache_equals_computing_the_prefix(
+    int8_reference,
+):
+    # each prompt twice: the second copy finds every full block of the first in the cache
+    llm, outs = _run(prompts=PROMPTS + PROMPTS, kv_cache_dtype="int8")
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] > 0
+    assert _tokens(outs[8:]) == _tokens(int8_reference)
+    assert _tokens(outs[:8]) == _tokens(int8_reference)
+
+
+def test_int8_logprobs_are_close_to_the_float32_caches(int8_reference):
+    _, floats = _run(enable_prefix_caching=False)
+    for q, f in zip(int8_reference, floats):
+        assert q.token_ids == f.token_ids
+        # per token, the chosen token's logprob within 0.05 nats of float32's
+        for q_step, f_step in zip(q.logprobs, f.logprobs):
+            token = next(iter(f_step))
+            assert abs(q_step[token].logprob - f_step[token].logprob) < 0.05
