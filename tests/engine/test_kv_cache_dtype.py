@@ -107,3 +107,26 @@ def test_int8_logprobs_are_close_to_the_float32_caches(int8_reference):
         for q_step, f_step in zip(q.logprobs, f.logprobs):
             token = next(iter(f_step))
             assert abs(q_step[token].logprob - f_step[token].logprob) < 0.05
+
+
+def test_a_disk_tier_written_with_another_kv_dtype_is_never_loaded(tmp_path, caplog):
+    disk = dict(
+        kv_offloading_size=0.01,
+        kv_offloading_backend="disk",
+        kv_offloading_path=str(tmp_path),
+        num_gpu_blocks=24,
+        max_model_len=80,
+        block_size=4,
+    )
+    prompt = PROMPTS[0]
+    writer, _ = _run(prompts=[prompt], **disk)  # float32 blocks on disk
+    while writer.llm_engine.has_unfinished_requests():  # the saves' reports
+        writer.llm_engine.step()
+    writer.llm_engine.shutdown()
+    assert any(tmp_path.iterdir())
+    reader = LLM(device="cpu", kv_cache_dtype="int8", **disk)
+    out = reader.generate({"prompt_token_ids": prompt + [9]}, GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_offloaded_cached_tokens == 0
+    assert "written for another model, dtype" in caplog.text
+    _, (want,) = _run(prompts=[prompt + [9]], kv_cache_dtype="int8", max_model_len=80)
+    assert out.outputs[0].token_ids == want.token_ids
