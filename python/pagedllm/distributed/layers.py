@@ -7,6 +7,8 @@ logits are gathered to rank 0 only. When there are fewer KV heads than ranks, ea
 replicated on `size // num_kv_heads` consecutive ranks.
 
 The shapes and slices (`TPShard`) are the one rule the loader reads each rank's weights by.
+With one rank the layers are the plain ones: no collective, no vocabulary padding (as
+nano-vllm's), so the decoder builds the same layers whatever the rank count.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class TPShard:
         return slice(first, first + local)
 
     def padded_vocab(self, vocab_size: int) -> int:
+        if self.size == 1:
+            return vocab_size  # one rank holds every row: nothing to split evenly
         multiple = math.lcm(VOCAB_PADDING, self.size)
         return -(-vocab_size // multiple) * multiple
 
@@ -196,7 +200,11 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: Tensor) -> Tensor:
-        return parallel_state.all_reduce(self.partial(x))
+        return self.reduce(self.partial(x))
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """The sum of the ranks' `partial` terms (itself with one rank: no collective)."""
+        return partial if self.tp.size == 1 else parallel_state.all_reduce(partial)
 
     def partial(self, x: Tensor) -> Tensor:
         """This rank's term of the sum (LoRA adds its own partial delta before the reduce)."""
@@ -211,10 +219,15 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         rows = tp.vocab_slice(vocab_size)
         self.start, self.stop = rows.start, rows.stop
+        self.size = tp.size
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
         self.quant: QuantWeight | None = None  # a quantized table (its `weight` is then empty)
 
     def forward(self, ids: Tensor) -> Tensor:
+        if self.size == 1:  # every row is this rank's
+            if self.quant is not None:
+                return _quant_embedding(ids, self.quant)
+            return F.embedding(ids, self.weight)
         mine = (ids >= self.start) & (ids < self.stop)
         local = (ids - self.start) * mine
         if self.quant is not None:
@@ -233,6 +246,7 @@ class ParallelLMHead(PackableWeight, nn.Module):
         super().__init__()
         rows = tp.vocab_slice(vocab_size)
         self.vocab_size = vocab_size
+        self.size = tp.size
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, hidden))
 
     def forward(self, hidden: Tensor) -> Tensor | None:
@@ -240,5 +254,7 @@ class ParallelLMHead(PackableWeight, nn.Module):
             logits = _quant_linear(hidden, self.quant, None)
         else:
             logits = cpu_linear.linear(hidden, self.weight, None, self.packed)
+        if self.size == 1:  # the whole vocabulary, on the only rank
+            return logits
         logits = parallel_state.gather_to_first(logits)
         return None if logits is None else logits[:, : self.vocab_size]

@@ -20,7 +20,7 @@ import torch
 
 from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.layers import check_tensor_parallel, tp_kv_heads
+from pagedllm.distributed.layers import check_tensor_parallel
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
@@ -28,11 +28,12 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
+from pagedllm.executor import create_executor
+from pagedllm.executor.base import rank_zero_runner
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import (
     CheckpointError,
     ModelConfig,
-    load_model,
     load_model_config,
     resolve_device,
     resolve_dtype,
@@ -46,9 +47,7 @@ from pagedllm.spec_decode import SpeculativeConfig, VerifiedTokens
 from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.cache_engine import CacheEngine
-from pagedllm.worker.cuda_graphs import DecodeCudaGraphs, decode_graphs_enabled
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.worker import Worker, check_lora_supported
 
 
 class LLMEngine:
@@ -87,6 +86,8 @@ class LLMEngine:
             from pagedllm.models.moe import check_moe_tensor_parallel
 
             check_moe_tensor_parallel(cfg.moe, tp)
+        if args.enable_lora:
+            check_lora_supported(cfg)
         if tp > 1 and self.device.type != "cpu":
             raise ValueError(
                 f"tensor_parallel_size={tp} runs on CPU only for now (device resolved to "
@@ -111,8 +112,8 @@ class LLMEngine:
         generator.manual_seed(args.seed)
         # speculative decoding (None: off); checked before the model is loaded
         self.spec = self._spec_decoder(args, generator)
-        # tensor parallelism: ranks 1..N-1 start loading their shards while rank 0 loads its own
-        self.executor = self._executor(args)
+        # the other ranks (none with one) are spawned and load their shards first
+        self.executor = create_executor(args, self.dtype)
         try:
             self._build(args, cfg, generator)
         except BaseException:
@@ -120,19 +121,12 @@ class LLMEngine:
             raise
 
     def _build(self, args: EngineArgs, cfg: ModelConfig, generator: torch.Generator) -> None:
-        """The model (this rank's shard), its KV cache, the scheduler and the step's parts."""
-        shard = self.executor.shard if self.executor is not None else None
-        self.model = load_model(
-            args.model,
-            dtype=self.dtype,
-            device=self.device,
-            pack_for_cpu=True,
-            quantization=args.quantization,
-            **({"tp": shard} if shard else {}),
-        )
+        """Rank 0's worker (its shard of the model, its LoRA slots: before the KV cache is sized,
+        the adapters' device slots take memory too), the KV cache planned and allocated on every
+        rank, the scheduler and the step's parts."""
+        self.worker = Worker(args, 0, dtype=self.dtype, device=self.device)
+        self.model, self.lora = self.worker.model, self.worker.lora
         draft = self._draft_model()
-        # before the KV cache is sized: the adapters' device slots take memory too
-        self.lora = self._lora_manager(args)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
             args,
@@ -144,17 +138,8 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             draft=draft,
         ).plan()
-        self.cache_engine = CacheEngine(
-            num_layers=cfg.num_layers,
-            num_kv_heads=tp_kv_heads(cfg.num_kv_heads, args.tensor_parallel_size),
-            head_dim=cfg.head_dim,
-            block_size=args.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            dtype=self.dtype,
-            device=self.device,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
+        local_runner = self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
         self.kv_transfer = self._kv_transfer(args)
@@ -185,26 +170,9 @@ class LLMEngine:
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
         self.kv_events = self._kv_events_publisher(args)
-        self.runner = ModelRunner(
-            self.model,
-            self.cache_engine,
-            self.device,
-            self.lora,
-            cpu_threads=args.cpu_threads,
-        )
-        if decode_graphs_enabled(
-            self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None
-        ):
-            self.runner.cuda_graphs = DecodeCudaGraphs(
-                self.model,
-                self.cache_engine.kv_cache,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=self.max_model_len,
-                block_size=args.block_size,
-            ).capture()
-        if self.executor is not None:
-            self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
-            self.runner = self.executor.runner(self.runner)
+        self.worker.capture_cuda_graphs(self.max_model_len)
+        self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
+        self.runner = rank_zero_runner(local_runner, self.executor)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
         if self.kv_transfer is not None:
@@ -236,31 +204,22 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
-    def _executor(self, args: EngineArgs):
-        if args.tensor_parallel_size == 1:
-            return None
-        from pagedllm.executor import create_executor
-
-        return create_executor(args, self.dtype)
-
     @property
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died, hung or failed; the
         engine was shut down), known between steps too; None while it can run them."""
-        return None if self.executor is None else self.executor.dead
+        return self.executor.dead
 
     def on_death(self, callback) -> None:
         """Have `callback(reason)` called (from another thread) when a tensor-parallel rank dies
         between steps; a death in a step raises from the step instead."""
-        if self.executor is not None:
-            self.executor.on_death.append(callback)
+        self.executor.on_death.append(callback)
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (none with one rank), the offload tier's copy
         thread and the KV-event publisher. The engine runs no more steps after it under tensor
         parallelism."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        self.executor.shutdown()
         if getattr(self, "kv_transfer", None) is not None:
             self.kv_transfer.shutdown()
         self.close_kv_events()
@@ -345,25 +304,6 @@ class LLMEngine:
         if args.resolved_kv_offloading_backend == "disk":
             return {"kv_offloading_path": args.kv_offloading_path}
         return {"kv_offloading_blocks": self.kv_transfer.pool.num_slots}
-
-    def _lora_manager(self, args: EngineArgs):
-        if not args.enable_lora:
-            return None
-        if self.model.config.moe is not None:
-            raise ValueError(
-                f"enable_lora: {self.model.config.architecture} is a mixture of experts; LoRA "
-                "adapters are not supported on its experts or its other projections yet"
-            )
-        from pagedllm.lora.manager import LoRAManager
-
-        return LoRAManager(
-            self.model,
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
-            max_cpu_loras=args.resolved_max_cpu_loras,
-            dtype=self.dtype,
-            device=self.device,
-        )
 
     # ---- requests ---------------------------------------------------------------------------
 

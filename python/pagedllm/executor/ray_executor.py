@@ -1,6 +1,6 @@
 """The `ray` tensor-parallel executor: ranks 1..N-1 as Ray actors, rank 0 in the engine process.
 
-The same ranks as the `mp` executor (`multiproc.RankWorker` in each actor, `ParallelModelRunner`
+The same ranks as the `mp` executor (a `worker.Worker` in each actor, `base.ParallelModelRunner`
 in the engine), placed by Ray so that a model can span machines. Rank 0 stays in the engine
 process, as with `mp`: the scheduler, sampling and rank 0's forward share one process, logits
 never cross a process boundary, and rank 0's runner is the one `mp` uses; an actor for rank 0
@@ -12,13 +12,14 @@ uses there too; actor r runs in bundle r (`PACK`: as few nodes as fit). The rank
 0's store on the engine's node (its Ray node address, a port rank 0 holds) and run their
 collectives over torch.distributed (gloo on CPU).
 
-Each step is one remote call per actor (the block operations and the step's arrays, pickled by
-Ray); `wait_step` takes the answers as they come. An actor that dies fails its call at once
-(Ray's `ActorDiedError`), one that does not answer a step within `tp_step_timeout` counts as hung
-(start-up: placing, meeting, loading, within `EngineArgs.tp_startup_timeout`); an
-actor that raises returns its traceback. Each makes the executor dead: `EngineDeadError` naming
-the rank, now and at every later step. `shutdown()` kills the actors, removes the placement group
-and, if the engine started Ray itself (no cluster was running), stops Ray.
+Each step is put in Ray's object store once (`ray.put`: pickled once, whatever the number of
+actors) and handed to one remote call per actor; `collect` takes the answers as they come. An
+actor that dies fails its call at once (Ray's `ActorDiedError`), one that does not answer a step
+within `tp_step_timeout` counts as hung (start-up: placing, meeting, loading, within
+`EngineArgs.tp_startup_timeout`); an actor that raises returns its traceback. Each makes the
+executor dead: `RankDiedError` naming the rank, now and at every later step. `shutdown()` kills
+the actors, removes the placement group and, if the engine started Ray itself (no cluster was
+running), stops Ray.
 
 Ray is imported only here, and only when `distributed_executor_backend="ray"` asks for it.
 """
@@ -36,16 +37,9 @@ import torch
 
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
-from pagedllm.distributed.layers import TPShard
-from pagedllm.executor.multiproc import (
-    FAILED_STEP_GRACE_S,
-    EngineDeadError,
-    ParallelModelRunner,
-    RankWorker,
-    StepArrays,
-    join_as_rank_zero,
-)
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.executor.base import FAILED_STEP_GRACE_S, join_as_rank, join_as_rank_zero
+from pagedllm.executor.errors import RankDiedError, WorkerStartupError
+from pagedllm.worker.worker import StepMessage
 
 # seconds the cluster is given to place the group's bundles before the start fails
 PLACEMENT_TIMEOUT_S = 60.0
@@ -67,16 +61,16 @@ class RayRank:
         dtype: torch.dtype,
         rendezvous: parallel_state.Rendezvous,
     ) -> None:
-        self.worker = RankWorker(rank, args, dtype, rendezvous)
+        self.worker = join_as_rank(rank, args, dtype, rendezvous)
 
     def allocate(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.allocate(num_gpu_blocks, num_cpu_blocks)
+        self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
+    def execute(self, message: StepMessage) -> None:
         with warnings.catch_warnings():
             # Ray hands over numpy arrays read-only (zero-copy); the runner only reads them
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            self.worker.execute(block_ops, arrays, prompt_rows)
+            self.worker.execute(message)
 
 
 class RayExecutor:
@@ -91,7 +85,6 @@ class RayExecutor:
         self.size = args.tensor_parallel_size
         self.timeout_s = args.tp_step_timeout
         self.startup_timeout_s = args.tp_startup_timeout
-        self.shard = TPShard(0, self.size)
         self.dead: str | None = None  # why the executor can run no more steps
         self.actors: list = []
         self.group = None
@@ -112,7 +105,7 @@ class RayExecutor:
             try:
                 ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(
+                raise WorkerStartupError(
                     f"tensor_parallel_size={self.size}: the Ray cluster could not place "
                     f"{self.size} bundles of 1 CPU (one on this node, {host}) within "
                     f"{PLACEMENT_TIMEOUT_S:g}s; available: {ray.available_resources()}"
@@ -151,12 +144,9 @@ class RayExecutor:
 
     def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Give the actors the cache size rank 0 planned (every rank holds as many blocks)."""
-        self._check_alive()
+        self.check_health()
         allocations = [a.allocate.remote(num_gpu_blocks, num_cpu_blocks) for a in self.actors]
         self._wait(allocations, self.startup_timeout_s, STARTUP_BOUND)
-
-    def runner(self, local: ModelRunner) -> ParallelModelRunner:
-        return ParallelModelRunner(local, self)
 
     def pids(self) -> list[int]:
         """The actors' process ids, rank 1 first."""
@@ -164,17 +154,18 @@ class RayExecutor:
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def step(self, block_ops: list, arrays: StepArrays | None, prompt_rows) -> None:
-        self._check_alive()
+    def broadcast_step(self, message: StepMessage) -> None:
+        self.check_health()
         self._deadline = time.monotonic() + self.timeout_s
-        self._pending = [a.execute.remote(block_ops, arrays, prompt_rows) for a in self.actors]
+        step = self.ray.put(message)  # serialized once, read by every actor
+        self._pending = [a.execute.remote(step) for a in self.actors]
 
-    def wait_step(self, rank_zero_failed: bool = False) -> None:
+    def collect(self, rank_zero_failed: bool = False) -> None:
         """The actors' answers to the step. Also after rank 0's own forward failed
         (`rank_zero_failed`): a collective that failed because an actor did is reported as that
         actor's failure, and only what is left of the step's bound is waited (at least
         `FAILED_STEP_GRACE_S`): a collective that timed out waited for the frozen rank already."""
-        self._check_alive()
+        self.check_health()
         pending, self._pending = self._pending, []
         wait_s = None
         if rank_zero_failed:
@@ -215,14 +206,15 @@ class RayExecutor:
         except exceptions.RayTaskError as exc:
             self._die(f"tensor-parallel rank {rank} failed:\n{exc}")
 
-    def _check_alive(self) -> None:
+    def check_health(self) -> None:
+        """RankDiedError when the executor is dead."""
         if self.dead is not None:
-            raise EngineDeadError(self.dead)
+            raise RankDiedError(self.dead)
 
     def _die(self, reason: str):
         self.dead = reason
         self.shutdown()
-        raise EngineDeadError(reason)
+        raise RankDiedError(reason)
 
     # ---- shutdown -----------------------------------------------------------------------------
 

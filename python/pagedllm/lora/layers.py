@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from pagedllm.distributed import parallel_state
 from pagedllm.distributed.layers import RowParallelLinear
 from pagedllm.kernels import lora_reference
 from pagedllm.kernels.lora_reference import LoRASegments
@@ -65,7 +64,7 @@ class LoRALinear(nn.Module):
         y = shrink(x, slots.a[self.fused][self.layer], seg)
         for j, (part, start) in enumerate(self.parts):
             expand(y, slots.b[part][self.layer], seg, out, j * slots.rank, start)
-        return parallel_state.all_reduce(out) if row_parallel else out
+        return self.base_layer.reduce(out) if row_parallel else out
 
     # the decoder reads a fused projection's parts through these
     def split(self, out: Tensor) -> tuple[Tensor, ...]:

@@ -1,9 +1,9 @@
 """One decoder-only transformer for Llama, Qwen2 and Qwen3, run over the paged KV cache.
 
 The families differ only in flags of `ModelConfig` (q/k/v bias, per-head q/k RMSNorm, RoPE
-scaling). Q/K/V and gate/up projections are fused into one matmul each (`FusedLinear`, which names
-each projection's columns); the loader concatenates the checkpoint's separate tensors. Token rows
-are packed: `[T, ...]` over every scheduled sequence.
+scaling). Q/K/V and gate/up projections are fused into one matmul each (`ColumnParallelLinear`,
+which names each projection's columns); the loader concatenates the checkpoint's separate
+tensors. Token rows are packed: `[T, ...]` over every scheduled sequence.
 
 The residual stream is carried beside the blocks' outputs (vLLM's layout): between two blocks one
 call adds a block's output into the residual and normalizes the sum (`RMSNorm.add_and_norm`, in
@@ -12,7 +12,8 @@ hook machinery, which the engine never uses, on the ~100 calls of a step).
 
 Built with a `TPShard` of more than one rank, the model holds that rank's shard
 (`distributed/layers.py`): its q/KV heads, its share of the MLP and the vocabulary; the
-row-parallel projections and the embedding sum over the ranks, and only rank 0 gets logits.
+row-parallel projections and the embedding sum over the ranks, and only rank 0 gets logits. The
+layers are the same with one rank (they skip their collectives then): the whole model.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pagedllm.attention.cpu_rotary import RopeTables
 from pagedllm.attention.paged import AttentionMetadata, paged_attention
 from pagedllm.distributed.layers import (
     ColumnParallelLinear,
-    Linear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -37,7 +37,7 @@ from pagedllm.distributed.layers import (
 from pagedllm.kernels import cpu_norm
 from pagedllm.kernels.cpu_activation import silu_and_mul
 from pagedllm.models.config import ModelConfig, RopeConfig
-from pagedllm.models.fused_linear import SINGLE, FusedLinear
+from pagedllm.models.fused_linear import SINGLE
 
 
 class RMSNorm(nn.Module):
@@ -140,23 +140,15 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.scale = cfg.head_dim**-0.5
-        if tp.size == 1:
-            self.qkv_proj = FusedLinear(
-                cfg.hidden_size,
-                {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size},
-                bias=cfg.qkv_bias,
-            )
-            self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        else:
-            self.qkv_proj = QKVParallelLinear(
-                cfg.hidden_size,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                tp,
-                bias=cfg.qkv_bias,
-            )
-            self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=cfg.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            tp,
+            bias=cfg.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -194,14 +186,10 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
         sizes = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
-        if tp.size == 1:
-            self.gate_up_proj = FusedLinear(cfg.hidden_size, sizes, bias=cfg.mlp_bias)
-            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        else:
-            self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, tp, bias=cfg.mlp_bias)
-            self.down_proj = RowParallelLinear(
-                cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias
-            )
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, tp, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         # the fused output's columns are gate then up (the order of `sizes` above)
@@ -250,13 +238,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
         super().__init__()
-        if tp.size == 1:
-            # an explicit weight skips nn.Embedding's random init, which the checkpoint
-            # overwrites anyway and which, on the meta device, imports torch._dynamo (seconds)
-            shape = (cfg.vocab_size, cfg.hidden_size)
-            self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        else:
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
@@ -282,10 +264,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         self.model = DecoderModel(cfg, tp)
-        if tp.size == 1:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        else:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -2,7 +2,9 @@
 //!
 //! Each field is declared once, in `step_output_fields!` below: the macro makes its getter,
 //! its slot in the per-output cache of built values and its entry in `FIELDS` (a test checks
-//! `_core.pyi` and README against it). Array fields are built on first access — a step whose
+//! `_core.pyi` and README against it). A field marked `[input]` is one the model runner reads:
+//! `STEP_INPUT_SCALARS` / `STEP_INPUT_ARRAYS` name them for Python, which builds from them
+//! what a tensor-parallel step carries to every rank (`worker.step_inputs`). Array fields are built on first access — a step whose
 //! arrays are never read costs no Python objects — as numpy arrays that own their memory (a
 //! vector built for the array is handed over, not copied). Data movement order for the runner:
 //! swap out, swap in, copy, then the forward pass.
@@ -60,13 +62,24 @@ impl Drop for PySchedulerOutput {
     }
 }
 
+/// Whether a field's declaration carries the `[input]` marker.
+macro_rules! is_input {
+    () => {
+        false
+    };
+    (input) => {
+        true
+    };
+}
+
 /// Declares the output's fields once: `plain` ones are read from the step as they are,
 /// `built` ones are made by their expression on first access (with `o` the `StepOutput`, `s`
-/// the scheduler, `py` the interpreter) and cached.
+/// the scheduler, `py` the interpreter) and cached. `[input]` after a name marks a field the
+/// model runner reads.
 macro_rules! step_output_fields {
     (
-        plain { $( $(#[doc = $pdoc:expr])* $pname:ident -> $pty:ty = |$po:ident| $pget:expr; )* }
-        built { $( $(#[doc = $bdoc:expr])* $bname:ident = |$o:ident, $s:ident, $py:ident| $make:expr; )* }
+        plain { $( $(#[doc = $pdoc:expr])* $pname:ident $([$prole:ident])? -> $pty:ty = |$po:ident| $pget:expr; )* }
+        built { $( $(#[doc = $bdoc:expr])* $bname:ident $([$brole:ident])? = |$o:ident, $s:ident, $py:ident| $make:expr; )* }
     ) => {
         /// Values of the `built` fields, made on first access.
         struct Built {
@@ -81,6 +94,12 @@ macro_rules! step_output_fields {
 
         /// Every field of `SchedulerOutput`, in declaration order.
         pub(crate) const FIELDS: &[&str] = &[$( stringify!($pname), )* $( stringify!($bname), )*];
+
+        /// The `plain` fields, each with whether the model runner reads it.
+        const PLAIN_ROLES: &[(&str, bool)] = &[$( (stringify!($pname), is_input!($($prole)?)), )*];
+
+        /// The `built` fields (arrays, lists), each with whether the model runner reads it.
+        const BUILT_ROLES: &[(&str, bool)] = &[$( (stringify!($bname), is_input!($($brole)?)), )*];
 
         #[pymethods]
         impl PySchedulerOutput {
@@ -131,13 +150,13 @@ step_output_fields! {
         /// Step number (1 for the first `schedule()`).
         step -> u64 = |o| o.step;
         /// S, the scheduled (computing) sequences.
-        num_seqs -> usize = |o| o.num_seqs();
+        num_seqs [input] -> usize = |o| o.num_seqs();
         /// T, the tokens computed this step.
         num_batched_tokens -> usize = |o| o.num_batched_tokens;
         /// K, the samples to draw.
         num_samples -> usize = |o| o.num_samples();
         /// Every scheduled sequence computes exactly one token (False for an empty step).
-        is_decode_only -> bool = |o| o.is_decode_only();
+        is_decode_only [input] -> bool = |o| o.is_decode_only();
     }
     built {
         /// int64 [S] sequence ids, batch order.
@@ -147,24 +166,24 @@ step_output_fields! {
         /// int32 [S] index of each scheduled sequence within its request.
         seq_index = |o, s, py| array_of(py, &o.seq_index);
         /// int32 [S] tokens computed this step.
-        num_tokens = |o, s, py| array_of(py, &o.num_tokens);
+        num_tokens [input] = |o, s, py| array_of(py, &o.num_tokens);
         /// int32 [S] position of the first of them (= tokens computed before).
         start_pos = |o, s, py| array_of(py, &o.start_pos);
         /// int32 [S] context length after this step (start_pos + num_tokens).
-        seq_lens = |o, s, py| array(py, o.seq_lens());
+        seq_lens [input] = |o, s, py| array(py, o.seq_lens());
         /// int32 [S+1] cumulative num_tokens.
-        query_start_loc = |o, s, py| array(py, o.query_start_loc());
+        query_start_loc [input] = |o, s, py| array(py, o.query_start_loc());
         /// int64 [T] token ids to compute, batch order.
-        input_ids = |o, s, py| s.borrow(py).input_ids_array(py, o);
+        input_ids [input] = |o, s, py| s.borrow(py).input_ids_array(py, o);
         /// int64 [T] their positions.
-        positions = |o, s, py| array(py, o.positions());
+        positions [input] = |o, s, py| array(py, o.positions());
         /// int64 [T] KV slot of each token (block * block_size + offset).
-        slot_mapping = |o, s, py| array(py, s.borrow(py).slot_mapping(o));
+        slot_mapping [input] = |o, s, py| array(py, s.borrow(py).slot_mapping(o));
         /// int32 [S, W] block tables padded with 0 to the widest of the step, as they were
         /// at schedule time (the scheduler snapshots them before changing any of them).
-        block_tables = |o, s, py| s.borrow(py).block_tables_array(py, o);
+        block_tables [input] = |o, s, py| s.borrow(py).block_tables_array(py, o);
         /// int64 [K] batch row (0..S) whose last token's logits each sample uses.
-        sample_rows = |o, s, py| array_of(py, &o.sample_rows);
+        sample_rows [input] = |o, s, py| array_of(py, &o.sample_rows);
         /// int64 [K] sequence receiving each sample (an n>1 fork repeats a row).
         sample_seq_ids = |o, s, py| array_of(py, &o.sample_seq_ids);
         /// list[str] [K] request of each sample.
@@ -181,7 +200,7 @@ step_output_fields! {
         /// list[str] request ids preempted this step, in preemption order.
         preempted = |o, s, py| Ok(PyList::new(py, &o.preempted)?.into_any().unbind());
         /// int64 [S] LoRA adapter (`lora_id`, 0 = base model) of each scheduled sequence.
-        lora_ids = |o, s, py| match o.extras.lora_ids.len() {
+        lora_ids [input] = |o, s, py| match o.extras.lora_ids.len() {
             0 => array(py, vec![0i64; o.num_seqs()]),
             _ => array_of(py, &o.extras.lora_ids),
         };
@@ -193,12 +212,12 @@ step_output_fields! {
         structured_output_samples = |o, s, py| array(py, s.borrow(py).structured_samples(o));
         /// int32 [S] draft tokens at the end of each row's `num_tokens` (speculative
         /// decoding; all 0 when the step has none).
-        spec_num_draft_tokens = |o, s, py| match o.extras.spec_num_draft_tokens.len() {
+        spec_num_draft_tokens [input] = |o, s, py| match o.extras.spec_num_draft_tokens.len() {
             0 => array(py, vec![0i32; o.num_seqs()]),
             _ => array_of(py, &o.extras.spec_num_draft_tokens),
         };
         /// int64 [D] the draft tokens, row order.
-        spec_draft_token_ids = |o, s, py| array_of(py, &o.extras.spec_draft_token_ids);
+        spec_draft_token_ids [input] = |o, s, py| array_of(py, &o.extras.spec_draft_token_ids);
         /// uint64 [L] KV connector: the transfer of each load this step starts.
         kv_load_jobs = |o, s, py| array_of(py, &o.kv_meta().load_jobs);
         /// int64 [L] the device block each load writes.
@@ -224,5 +243,16 @@ step_output_fields! {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerOutput>()?;
     m.add("SCHEDULER_OUTPUT_FIELDS", FIELDS.to_vec())?;
+    m.add("STEP_INPUT_SCALARS", inputs(PLAIN_ROLES))?;
+    m.add("STEP_INPUT_ARRAYS", inputs(BUILT_ROLES))?;
     Ok(())
+}
+
+/// The names of the fields marked `[input]`, in declaration order.
+fn inputs(roles: &[(&'static str, bool)]) -> Vec<&'static str> {
+    roles
+        .iter()
+        .filter(|(_, input)| *input)
+        .map(|(name, _)| *name)
+        .collect()
 }

@@ -1,0 +1,183 @@
+"""`Worker`: one rank of the model — its shard, its LoRA slots, its paged KV cache and the runner
+over them. Every rank is built by it: rank 0 in the engine process, ranks 1..N-1 in the `mp`
+executor's processes or the `ray` executor's actors (what carries their messages differs, not
+what they are). With one rank, the shard is the whole model.
+
+A step travels to the other ranks as a `StepMessage`: the block operations since the last one,
+the step's inputs (`StepArrays`) and the rows prompt logprobs need. The inputs are the
+`SchedulerOutput` fields the runner reads; Rust marks them (`[input]` in
+`bindings/step_output.rs`) and names them (`_core.STEP_INPUT_SCALARS`, `STEP_INPUT_ARRAYS`):
+nothing here restates the list.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pagedllm._core import STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS
+from pagedllm.config import EngineArgs
+from pagedllm.distributed.layers import TPShard
+from pagedllm.models import ModelConfig, load_model
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.model_runner import ModelRunner
+
+# the step fields `ModelRunner.prepare` reads: the scalars (a bool, an int), then the arrays
+STEP_SCALARS: tuple[str, ...] = tuple(STEP_INPUT_SCALARS)
+STEP_ARRAYS: tuple[str, ...] = tuple(STEP_INPUT_ARRAYS)
+STEP_FIELDS: tuple[str, ...] = STEP_SCALARS + STEP_ARRAYS
+
+
+class StepArrays:
+    """A step's inputs as plain values (what travels to the other ranks): the fields
+    `STEP_FIELDS` names, and `lora_loads`: the (slot, LoRARequest) loads rank 0 made for the step
+    since the last one, which the other ranks repeat."""
+
+    __slots__ = (*STEP_FIELDS, "lora_loads")
+
+    def __init__(self, lora_loads: tuple = (), **fields) -> None:
+        missing = set(STEP_FIELDS) - fields.keys()
+        unknown = fields.keys() - set(STEP_FIELDS)
+        if missing or unknown:
+            raise TypeError(
+                f"StepArrays: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
+            )
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.lora_loads = lora_loads
+
+    @classmethod
+    def of(cls, step) -> StepArrays:
+        """The inputs of `step` (a `SchedulerOutput`, or a `StepRows` group of one)."""
+        arrays = cls.__new__(cls)
+        for name in STEP_FIELDS:
+            setattr(arrays, name, getattr(step, name))
+        arrays.lora_loads = ()
+        return arrays
+
+
+class StepMessage(NamedTuple):
+    """One step for the other ranks: `block_ops` (each a step's (swap out, swap in, copy)
+    arrays, run in order before the forward), the forward's inputs (None: block operations only)
+    and the rows prompt logprobs need (None: none)."""
+
+    block_ops: list
+    arrays: StepArrays | None
+    prompt_rows: np.ndarray | None
+
+
+def step_block_ops(step) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A step's (swap out, swap in, copy) block operations; None when it has none."""
+    ops = (step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
+    return ops if any(len(op) for op in ops) else None
+
+
+def check_lora_supported(cfg: ModelConfig) -> None:
+    """ValueError when `enable_lora` cannot serve this model (checked before any rank loads)."""
+    if cfg.moe is not None:
+        raise ValueError(
+            f"enable_lora: {cfg.architecture} is a mixture of experts; LoRA "
+            "adapters are not supported on its experts or its other projections yet"
+        )
+
+
+class _DiscardPromptRows:
+    """Stand-in for `PromptRows` on ranks other than 0: the same logits slices run (the LM head is
+    a collective) and are dropped (only rank 0 gets logits)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def take(self, logits, start: int) -> None:
+        pass
+
+
+class Worker:
+    """Rank `rank` of `args.tensor_parallel_size`: loads its shard (and, with `enable_lora`, its
+    LoRA slots) when built; `init_cache` then allocates the KV cache rank 0 planned (every rank
+    holds as many blocks) and the runner. The rank must be in the tensor-parallel group already
+    (the executor puts it there): loading a shard runs no collective, a forward does."""
+
+    def __init__(
+        self, args: EngineArgs, rank: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.args, self.dtype, self.device = args, dtype, device
+        self.tp = TPShard(rank, args.tensor_parallel_size)
+        self.model = load_model(
+            args.model,
+            dtype=dtype,
+            device=device,
+            tp=self.tp,
+            pack_for_cpu=True,
+            quantization=args.quantization,
+        )
+        self.lora = self._lora_manager() if args.enable_lora else None
+        self.cache_engine: CacheEngine | None = None
+        self.runner: ModelRunner | None = None
+
+    def _lora_manager(self):
+        check_lora_supported(self.model.config)
+        from pagedllm.lora.manager import LoRAManager
+
+        args = self.args
+        return LoRAManager(
+            self.model,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.resolved_max_cpu_loras,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
+        """This rank's KV cache (its KV heads, the planned block counts) and its runner."""
+        cfg, args = self.model.config, self.args
+        self.cache_engine = CacheEngine(
+            num_layers=cfg.num_layers,
+            num_kv_heads=self.tp.kv_heads(cfg.num_kv_heads),
+            head_dim=cfg.head_dim,
+            block_size=args.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
+        )
+        return self.runner
+
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """CUDA: decode steps replay captured graphs from now on (not with LoRA or
+        `enforce_eager`; nothing on the CPU)."""
+        from pagedllm.worker.cuda_graphs import DecodeCudaGraphs, decode_graphs_enabled
+
+        args = self.args
+        if not decode_graphs_enabled(
+            self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None
+        ):
+            return
+        self.runner.cuda_graphs = DecodeCudaGraphs(
+            self.model,
+            self.cache_engine.kv_cache,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+        ).capture()
+
+    def execute(self, message: StepMessage) -> None:
+        """Rank 0's step on this rank: its block operations, then its forward (if any); the
+        logits are rank 0's only."""
+        for ops in message.block_ops:
+            self.cache_engine.execute(*ops)
+        arrays = message.arrays
+        if arrays is None:
+            return
+        if arrays.lora_loads:
+            self.lora.place(arrays.lora_loads)
+        rows = message.prompt_rows
+        prompt = _DiscardPromptRows(rows) if rows is not None else None
+        self.runner.forward(self.runner.prepare(arrays), prompt)
