@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm.models.gguf import GGUFError, read_gguf_config
+from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.weights import gguf_tensor_name
 from pagedllm.models.loader import expected_shapes, load_model
 
@@ -215,3 +216,39 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
 
 def test_gguf_errors_are_value_errors():
     assert issubclass(GGUFError, ValueError)
+
+
+def test_header_reads_every_value_type_as_the_gguf_package_does(tmp_path):
+    path = tmp_path / "values.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("t.u32", 7)
+    writer.add_int64("t.i64", -3)
+    writer.add_float32("t.f32", 0.5)
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_array("t.strings", ["a", "", "ü"])
+    writer.add_array("t.floats", [1.5, -2.0])
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_tensor("w", np.arange(64, dtype=np.float32).reshape(2, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    theirs = gguf.GGUFReader(str(path))
+    ours = GGUFFile(path)
+    for name, field in theirs.fields.items():
+        if not name.startswith("GGUF."):
+            assert ours.metadata[name] == field.contents(), name
+    assert np.array_equal(
+        ours.tensors["w"].data.view(np.float32).reshape(2, 32), theirs.tensors[0].data
+    )
+
+
+def test_a_header_cut_short_is_a_clear_error(tmp_path):
+    path = tmp_path / "cut.gguf"
+    write_gguf(path)
+    head = path.read_bytes()[:200]
+    path.write_bytes(head)
+    with pytest.raises(GGUFError, match="cut short|truncated"):
+        read_gguf_config(path)
