@@ -16,7 +16,7 @@ work still pending) the engine is unhealthy: `/health` fails and new requests ge
 that succeeds, or the engine running out of work, makes it healthy again. `max_failed_steps` failed
 steps in a row (no success in between) mean a broken engine: the loop stops, live requests get
 503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it). A
-tensor-parallel rank that died, hung or failed (the executor's `EngineDeadError`) cannot come
+tensor-parallel rank that died, hung or failed (`RankDiedError`, from the executor) cannot come
 back: the first such step takes the same way out at once, with nothing retried; a rank that dies
 while the engine is idle does too, as soon as the executor sees it (it wakes the loop).
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine import LLMEngine
-from pagedllm.executor.multiproc import EngineDeadError as RankDeadError
+from pagedllm.executor.errors import EngineDeadError, RankDiedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,10 +46,6 @@ UNHEALTHY_AFTER_FAILURES = 3
 MAX_FAILED_STEPS = 30
 # one engine turn (a step) running longer than this means a stuck loop: /health fails
 STALL_TIMEOUT_S = 120.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped, or is failing right now; the server cannot take requests."""
 
 
 @dataclass
@@ -269,7 +265,7 @@ class AsyncEngine:
         while True:
             dead = self.engine.dead_reason
             if dead is not None and not self._stopping:
-                self.last_error = RankDeadError(dead)  # a rank died while the engine was idle
+                self.last_error = RankDiedError(dead)  # a rank died while the engine was idle
                 return
             with self._lock:
                 has_input = bool(self._inbox or self._aborts)
@@ -297,7 +293,7 @@ class AsyncEngine:
             self.last_error = error
             logger.error("engine step failed (%d in a row): %r", self.consecutive_failures, error)
             if self.consecutive_failures >= self.max_failed_steps or isinstance(
-                error, RankDeadError
+                error, RankDiedError
             ):
                 return
             self.failing = self.consecutive_failures >= UNHEALTHY_AFTER_FAILURES

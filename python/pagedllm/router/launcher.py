@@ -2,8 +2,8 @@
 each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
 each TCP port + its rank) behind the router in this process, on the address `serve` was given.
 The ipc sockets are files in a folder only this user can enter (`socket_folder`), removed at
-exit; a process killed outright leaves the empty folder (its replicas get SIGTERM and close
-their sockets).
+exit; when this process is killed outright its replicas get SIGTERM, and the last one out
+removes the folder.
 
 A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
 the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import multiprocessing
+import os
 import socket
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import httpx
 
+from pagedllm.executor.errors import ReplicaDiedError, WorkerStartupError
 from pagedllm.kv_events import KVEventsConfig
 from pagedllm.worker.cpu_threads import default_cpu_threads
 
@@ -92,21 +94,31 @@ def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.N
     return ns
 
 
-def _replica_main(serve_replica: Callable[[argparse.Namespace], int], ns) -> int:
+def _replica_main(
+    serve_replica: Callable[[argparse.Namespace], int], ns, folder: str | None = None
+) -> int:
     """A replica process: on Linux it is sent SIGTERM when its parent dies, so a router killed
-    outright leaves no engine behind."""
+    outright leaves no engine behind; orphaned so, the last replica out removes the socket
+    `folder` (its sockets are gone with their engines): nor is the folder left. (While the
+    parent lives the folder is its own: a replica restarted there binds in it again.)"""
+    parent = os.getppid()
     if sys.platform == "linux":
         import ctypes
         import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    return serve_replica(ns)
+    try:
+        return serve_replica(ns)
+    finally:
+        if folder is not None and os.getppid() != parent:
+            with contextlib.suppress(OSError):  # another replica's sockets are still there
+                os.rmdir(folder)
 
 
 def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
     """Until every replica answers /health; `check_alive` raises (naming the replica) when one
-    ended during start-up. RuntimeError naming those not up after START_TIMEOUT_S."""
+    ended during start-up. WorkerStartupError naming those not up after START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     pending = set(range(len(urls)))
     while pending:
@@ -118,14 +130,14 @@ def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
             except httpx.TransportError:
                 pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"data-parallel replicas {sorted(pending)} did not start")
+            raise WorkerStartupError(f"data-parallel replicas {sorted(pending)} did not start")
         time.sleep(0.2)
 
 
 def _check_processes(procs) -> None:
     for rank, proc in enumerate(procs):
         if not proc.is_alive():
-            raise RuntimeError(
+            raise ReplicaDiedError(
                 f"data-parallel replica {rank} exited during start-up (status {proc.exitcode})"
             )
 
@@ -229,7 +241,9 @@ def run_data_parallel(
 
         def start(rank: int):
             proc = ctx.Process(
-                target=_replica_main, args=(serve_replica, namespaces[rank]), name=f"replica-{rank}"
+                target=_replica_main,
+                args=(serve_replica, namespaces[rank], folder),
+                name=f"replica-{rank}",
             )
             proc.start()
             return proc

@@ -29,6 +29,7 @@ from multiprocessing.connection import wait
 
 from pagedllm._core import Router
 from pagedllm.config import EngineArgs
+from pagedllm.executor.errors import EngineDeadError, ReplicaDiedError
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 from pagedllm.models.loader import load_model_config
 from pagedllm.router.launcher import (
@@ -45,10 +46,6 @@ from pagedllm.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
 LOCALHOST = "http://127.0.0.1"
-
-
-class ReplicaDiedError(RuntimeError):
-    """A data-parallel replica process ended while it had work (or during start-up)."""
 
 
 def replica_engine_args(args: EngineArgs, rank: int, folder: str) -> EngineArgs:
@@ -182,7 +179,7 @@ class DataParallelEngines:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_replica_main,
-                args=(_serve_replica, (child, ns)),
+                args=(_serve_replica, (child, ns), self.folder),
                 name=f"pagedllm-dp-replica-{rank}",
             )
             proc.start()
@@ -246,7 +243,7 @@ class DataParallelEngines:
         """Sends `shares[rank]` (generate's arguments) to each replica and returns each one's
         outputs. A replica error is raised once all have answered; a dead replica closes all."""
         if self.closed:
-            raise RuntimeError("this LLM's data-parallel replicas are closed")
+            raise EngineDeadError("this LLM's data-parallel replicas are closed")
         for rank, share in shares.items():
             r = self._replicas[rank]
             try:

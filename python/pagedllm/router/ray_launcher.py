@@ -23,6 +23,7 @@ import copy
 import logging
 from collections.abc import Callable
 
+from pagedllm.executor.errors import ReplicaDiedError, WorkerStartupError
 from pagedllm.router.launcher import (
     Supervisor,
     _free_port,
@@ -88,7 +89,7 @@ def run_data_parallel_ray(
         try:
             ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
+            raise WorkerStartupError(
                 f"data_parallel_size={size}: the Ray cluster could not place {size} bundles "
                 f"of {threads} CPU within {PLACEMENT_TIMEOUT_S:g}s; available: "
                 f"{ray.available_resources()}"
@@ -104,7 +105,7 @@ def run_data_parallel_ray(
             actors[rank] = new_actor(rank)
             node = ray.get(actors[rank].node_ip.remote(), timeout=PLACEMENT_TIMEOUT_S)
             if node != placed[rank].host:
-                raise RuntimeError(f"its bundle is on {node} now, not {placed[rank].host}")
+                raise WorkerStartupError(f"its bundle is on {node} now, not {placed[rank].host}")
             runs[rank] = actors[rank].serve.remote(serve_replica, placed[rank])
 
         actors = [new_actor(rank) for rank in range(size)]
@@ -148,6 +149,6 @@ def _ended_actors(ray, runs: list) -> list[tuple[int, str]]:
 def _check_actors(ray, runs: list) -> None:
     """A replica that ended during start-up fails the start naming it."""
     for rank, status in _ended_actors(ray, runs):
-        raise RuntimeError(
+        raise ReplicaDiedError(
             f"data-parallel replica {rank} (Ray actor) ended during start-up ({status})"
         )
