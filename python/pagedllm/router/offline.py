@@ -179,7 +179,7 @@ class DataParallelEngines:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_replica_main,
-                args=(_serve_replica, (child, ns), self.folder),
+                args=(_serve_replica, (child, ns)),
                 name=f"pagedllm-dp-replica-{rank}",
             )
             proc.start()
