@@ -1,4 +1,9 @@
-"""The online-softmax step over one tile of paged keys, shared by the decode and prefill kernels."""
+"""The online-softmax step over one tile of paged keys, shared by the decode and prefill kernels.
+
+A quantized cache (`kv_cache_dtype` int8 / fp8, `SCALE_AT` = head_dim): each row's codes are
+widened to q's dtype (exact: int8 and fp8 values fit bf16 / fp16 / fp32) and its float32 scale,
+stored at `SCALE_AT` past the row's start, multiplies the row's scores (keys) and probabilities
+(values), never each element."""
 
 from __future__ import annotations
 
@@ -33,26 +38,28 @@ def attend_tile(
     MASK: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SCALE_AT: tl.constexpr = 0,
 ):
     # one online-softmax step over keys n0 .. n0 + BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < seq_len
     blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
     tok = n % PAGE
-    k = tl.load(
-        kc_ptr + blk[:, None] * stride_kb + tok[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-        mask=nmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    v = tl.load(
-        vc_ptr + blk[:, None] * stride_vb + tok[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-        mask=nmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
+    k_row = kc_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
+    v_row = vc_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh
+    k = tl.load(k_row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    v = tl.load(v_row[:, None] + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    if SCALE_AT > 0:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        k_scale = tl.load((k_row + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=nmask, other=0)
+        v_scale = tl.load((v_row + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=nmask, other=0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if SCALE_AT > 0:
+        qk = qk * k_scale[None, :]
     # MASK: 0 = every key of the tile is visible, 1 = keys past seq_len hidden, 2 = also causal
     if MASK == 1:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
@@ -64,5 +71,7 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if SCALE_AT > 0:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
+from .reference import kv_format, kv_row_size
 
 # Each split covers at least this many tokens: shorter splits spend more on the reduce and on the
 # per-split q load than they win in parallelism.
@@ -76,6 +77,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SCALE_AT: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -135,6 +137,7 @@ def _decode_split_kernel(
             1,
             UPCAST,
             DOT_PREC,
+            SCALE_AT,
         )
 
     nonempty = l_i > 0
@@ -207,7 +210,9 @@ def paged_decode_attention(
     Rows with seq_len 0 (CUDA-graph padding) give zeros. `block_n` overrides the KV tile (tests).
     """
     S, H, D = q.shape
-    _, page, kvh, _ = k_cache.shape
+    _, page, kvh, row = k_cache.shape
+    quantized = kv_format(k_cache.dtype) != "auto"
+    assert row == kv_row_size(D, k_cache.dtype), "cache rows do not match q's head size"
     out = torch.empty_like(q)
     if S == 0:
         return out
@@ -256,7 +261,9 @@ def paged_decode_attention(
         PAGE=page,
         BLOCK_N=block_n,
         UPCAST=interpreting(),
-        DOT_PREC=dot_precision(k_cache.dtype),
+        DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
+        # a quantized cache: each row's scale after its D codes
+        SCALE_AT=D if quantized else 0,
         num_warps=4,
         num_stages=2,
     )

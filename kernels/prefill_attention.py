@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
+from .reference import kv_format, kv_row_size
 
 
 @triton.jit
@@ -45,6 +46,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SCALE_AT: tl.constexpr,
 ):
     # grid (query tile, sequence, query head); tiles past a sequence's query length do no work
     tile = tl.program_id(0)
@@ -107,6 +109,7 @@ def _prefill_kernel(
             0,
             UPCAST,
             DOT_PREC,
+            SCALE_AT,
         )
     for n0 in range(full_end, causal_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
@@ -135,6 +138,7 @@ def _prefill_kernel(
             2,
             UPCAST,
             DOT_PREC,
+            SCALE_AT,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -164,7 +168,9 @@ def paged_prefill_attention(
     """
     T, H, D = q.shape
     S = seq_lens.numel()
-    _, page, kvh, _ = k_cache.shape
+    _, page, kvh, row = k_cache.shape
+    quantized = kv_format(k_cache.dtype) != "auto"
+    assert row == kv_row_size(D, k_cache.dtype), "cache rows do not match q's head size"
     out = torch.zeros_like(q)  # zeros: padding rows past query_start_loc[-1] are never written
     if T == 0 or S == 0 or max_query_len <= 0:
         return out
@@ -207,7 +213,9 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         UPCAST=interpreting(),
-        DOT_PREC=dot_precision(k_cache.dtype),
+        DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
+        # a quantized cache: each row's scale after its D codes
+        SCALE_AT=D if quantized else 0,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -1,4 +1,6 @@
-"""Triton kernel: write this step's K/V into their paged-cache slots."""
+"""Triton kernel: write this step's K/V into their paged-cache slots; a quantized cache
+(`kv_cache_dtype` int8 / fp8) gets each (token, kv head) row coded with its float32 scale, as
+`reference.quantize_rows` defines (the scale after the row's HEAD_DIM codes)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ._util import next_pow2
+from .reference import kv_format, kv_row_size
 
 
 @triton.jit
@@ -26,6 +29,10 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QMAX: tl.constexpr = 0.0,
+    INT8: tl.constexpr = False,
+    FP8_M: tl.constexpr = 0,
+    FP8_BIAS: tl.constexpr = 0,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -39,9 +46,66 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = slot * stride_cslot + h[:, None] * stride_ch + d[None, :]
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    row = slot * stride_cslot + h * stride_ch
+    dst = row[:, None] + d[None, :]
+    if QMAX > 0:
+        row_mask = (h < NUM_KV_HEADS) & (slot + tl.zeros([BLOCK_H], dtype=tl.int64) >= 0)
+        fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+        _store_quantized(kc_ptr, row, dst, k.to(tl.float32), mask, row_mask, *fmt)
+        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), mask, row_mask, *fmt)
+    else:
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_quantized(
+    c_ptr,
+    row,
+    dst,
+    x,
+    mask,
+    row_mask,
+    HEAD_DIM: tl.constexpr,
+    QMAX: tl.constexpr,
+    INT8: tl.constexpr,
+    FP8_M: tl.constexpr,
+    FP8_BIAS: tl.constexpr,
+):
+    # masked lanes loaded 0: they never raise a row's amax
+    scale = tl.max(tl.abs(x), axis=1) / QMAX
+    y = tl.where(scale[:, None] > 0, x / tl.where(scale > 0, scale, 1.0)[:, None], 0.0)
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if INT8:
+        # round half to even: adding 1.5 * 2^23 leaves no fraction bits (|y| <= 127)
+        y = (y + 12582912.0) - 12582912.0
+        tl.store(c_ptr + dst, y.to(tl.int8), mask=mask)
+    else:
+        code = _fp8_code(y, FP8_M, FP8_BIAS)
+        tl.store((c_ptr + dst).to(tl.pointer_type(tl.uint8)), code, mask=mask)
+    tl.store((c_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=row_mask)
+
+
+@triton.jit
+def _fp8_code(y, M: tl.constexpr, BIAS: tl.constexpr):
+    """The fp8 code (M mantissa bits, exponent bias BIAS) of y (|y| <= the format's max), rounded
+    to nearest even, in integer arithmetic: the same bits on the GPU and under the interpreter
+    (whose float-to-fp8 conversion does not round as torch does)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = tl.abs(y)
+    # below the smallest normal 2^(1 - BIAS): multiples of the subnormal step (exact scaling),
+    # rounded half to even (1.5 * 2^23 trick; at most 2^M steps)
+    step: tl.constexpr = 2.0 ** (BIAS - 1 + M)
+    steps = ((a * step + 12582912.0) - 12582912.0).to(tl.uint32)
+    abits = a.to(tl.uint32, bitcast=True)
+    SHIFT: tl.constexpr = 23 - M
+    rounded = abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)
+    exponent = (rounded >> 23) - 127 + BIAS
+    normal = (exponent << M) | ((rounded >> SHIFT) & ((1 << M) - 1))
+    min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+    code = tl.where(a < min_normal, steps, normal)
+    return (code | sign).to(tl.uint8)
 
 
 def store_kvcache(
@@ -66,6 +130,12 @@ def store_kvcache(
             "cache slots must be flat"
         )
     assert k_cache.stride() == v_cache.stride()
+    qmax = 0.0
+    if kv_format(k_cache.dtype) != "auto":
+        assert k_cache.shape[3] == kv_row_size(d, k_cache.dtype), "rows do not match k's heads"
+        qmax = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[
+            k_cache.dtype
+        ]
     block_h, block_d = next_pow2(kvh), next_pow2(d)
     # the kernel is pure data movement; 4 warps cover up to 8 heads x 128 dims at 8 elems/thread
     _store_kv_kernel[(T,)](
@@ -84,5 +154,9 @@ def store_kvcache(
         HEAD_DIM=d,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QMAX=qmax,
+        INT8=k_cache.dtype == torch.int8,
+        FP8_M={torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}.get(k_cache.dtype, 0),
+        FP8_BIAS={torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}.get(k_cache.dtype, 0),
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )
