@@ -9,16 +9,18 @@
 
 use std::arch::x86_64::*;
 
-use super::formats::{f16_to_f32, k_scale_min, QType};
+use super::formats::{k_scale_min, QType};
 
 /// Whether `row_dots` takes rows of this type (the others go through a dequantized chunk).
 pub fn fused(t: QType) -> bool {
     !matches!(t, QType::F32 | QType::F16 | QType::BF16)
 }
 
+/// The f16 at `b` as f32, by F16C (branch-free: a scale a block is on the hot path).
 #[inline(always)]
 unsafe fn half(b: *const u8) -> f32 {
-    f16_to_f32(u16::from_le_bytes([*b, *b.add(1)]))
+    let h = i32::from(u16::from_le_bytes([*b, *b.add(1)]));
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))
 }
 
 /// Sums of `R` rows of x: per row two vector accumulators (scales of the low and high 16
@@ -30,8 +32,7 @@ struct Sums<const R: usize> {
 
 /// Adds sub-block `s` (32 values `q`, scales `d_lo` for the first 16 and `d_hi` for the last
 /// 16, min `min`) dotted with elements `32 s..32 s + 32` of each row `x[r]`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sub_block<const R: usize>(
     q: __m256i,
@@ -64,15 +65,13 @@ unsafe fn sub_block<const R: usize>(
             _mm256_mul_ps(v2, _mm256_loadu_ps(p.add(16))),
         );
         sums.acc[r][1] = _mm256_fmadd_ps(dh, t, sums.acc[r][1]);
-        if min != 0.0 {
-            sums.mins[r] += min * *xsum[r].add(s);
-        }
+        // no branch on min: a 0 adds nothing
+        sums.mins[r] += min * *xsum[r].add(s);
     }
 }
 
 /// Bytes whose bit 4 is bit i of `qh` (byte i of 32).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn bit4_of_each(qh: u32) -> __m256i {
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(qh as i32),
@@ -90,8 +89,7 @@ unsafe fn bit4_of_each(qh: u32) -> __m256i {
 }
 
 /// The 32 nibbles of Q4_0 / Q4_1's 16 bytes: low nibbles first, then high.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn nibbles32(qs: *const u8) -> __m256i {
     let v = _mm_loadu_si128(qs.cast());
     let mask = _mm_set1_epi8(0xF);
@@ -120,41 +118,71 @@ pub unsafe fn row_dots<const R: usize>(
     };
     let (elems, bytes) = t.block();
     let b0 = row.as_ptr();
-    for blk in 0..k / elems {
-        // block blk reads row[blk * bytes..(blk + 1) * bytes]
-        let b = b0.add(blk * bytes);
-        match t {
-            QType::Q8_0 => {
+    // one loop per type (the type's decoding inlined into it); block blk reads
+    // row[blk * bytes..(blk + 1) * bytes]
+    let blocks = k / elems;
+    match t {
+        QType::Q8_0 => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
                 let d = half(b);
                 let q = _mm256_loadu_si256(b.add(2).cast());
                 sub_block(q, d, d, 0.0, blk, x, xsum, &mut sums);
             }
-            QType::Q4_0 => {
+        }
+        QType::Q4_0 => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
                 let d = half(b);
                 let q = _mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8));
                 sub_block(q, d, d, 0.0, blk, x, xsum, &mut sums);
             }
-            QType::Q4_1 => {
+        }
+        QType::Q4_1 => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
                 let (d, m) = (half(b), half(b.add(2)));
                 sub_block(nibbles32(b.add(4)), d, d, m, blk, x, xsum, &mut sums);
             }
-            QType::Q5_0 => {
+        }
+        QType::Q5_0 => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
                 let d = half(b);
                 let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
                 let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
                 let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
                 sub_block(q, d, d, 0.0, blk, x, xsum, &mut sums);
             }
-            QType::Q5_1 => {
+        }
+        QType::Q5_1 => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
                 let (d, m) = (half(b), half(b.add(2)));
                 let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
                 let q = _mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh));
                 sub_block(q, d, d, m, blk, x, xsum, &mut sums);
             }
-            QType::Q4_K | QType::Q5_K => k_super_block(t, b, blk, x, xsum, &mut sums),
-            QType::Q6_K => q6_k_super_block(b, blk, x, xsum, &mut sums),
-            QType::F32 | QType::F16 | QType::BF16 => unreachable!("not fused"),
         }
+        QType::Q4_K => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
+                k_super_block(false, b, blk, x, xsum, &mut sums);
+            }
+        }
+        QType::Q5_K => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
+                k_super_block(true, b, blk, x, xsum, &mut sums);
+            }
+        }
+        QType::Q6_K => {
+            for blk in 0..blocks {
+                let b = b0.add(blk * bytes);
+                q6_k_super_block(b, blk, x, xsum, &mut sums);
+            }
+        }
+        QType::F32 | QType::F16 | QType::BF16 => unreachable!("not fused"),
     }
     let mut out = [0.0; R];
     for (r, o) in out.iter_mut().enumerate() {
@@ -163,19 +191,17 @@ pub unsafe fn row_dots<const R: usize>(
     out
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// A Q4_K or Q5_K super-block (number `blk`: sub-blocks 8 blk..8 blk + 8).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+/// A Q4_K or (`five_bits`) Q5_K super-block (number `blk`: sub-blocks 8 blk..8 blk + 8).
+#[inline(always)]
 unsafe fn k_super_block<const R: usize>(
-    t: QType,
+    five_bits: bool,
     b: *const u8,
     blk: usize,
     x: &[*const f32; R],
@@ -184,9 +210,10 @@ unsafe fn k_super_block<const R: usize>(
 ) {
     let (d, dmin) = (half(b), half(b.add(2)));
     let scales = std::slice::from_raw_parts(b.add(4), 12);
-    let (qh, qs) = match t {
-        QType::Q5_K => (Some(_mm256_loadu_si256(b.add(16).cast())), b.add(48)),
-        _ => (None, b.add(16)),
+    let (qh, qs) = if five_bits {
+        (Some(_mm256_loadu_si256(b.add(16).cast())), b.add(48))
+    } else {
+        (None, b.add(16))
     };
     let mask = _mm256_set1_epi8(0xF);
     for j in 0..4 {
@@ -211,8 +238,7 @@ unsafe fn k_super_block<const R: usize>(
 }
 
 /// A Q6_K super-block (number `blk`): per half h and quarter k, 32 values with a scale per 16.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn q6_k_super_block<const R: usize>(
     b: *const u8,
     blk: usize,
