@@ -95,7 +95,8 @@ def test_a_front_end_killed_outright_leaves_no_replica_and_no_sockets_behind(tmp
             for c in children(proc.pid)
             if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()
         ]
-        mine = f"@pagedllm-dp-{proc.pid}-"
+        (folder,) = tmp_path.glob("pagedllm-dp-*")  # the private socket folder
+        mine = f"{folder}/"
         assert len(bound_sockets(mine)) == 4  # each replica's events and replay sockets
         proc.kill()
         proc.wait()

@@ -2,8 +2,7 @@
 each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
 each TCP port + its rank) behind the router in this process, on the address `serve` was given.
 The ipc sockets are files in a folder only this user can enter (`socket_folder`), removed at
-exit; a process killed outright leaves the empty folder (its replicas get SIGTERM and close
-their sockets).
+exit; when this process is killed outright its replicas get SIGTERM and remove the folder.
 
 A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
 the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
@@ -16,6 +15,8 @@ import contextlib
 import copy
 import logging
 import multiprocessing
+import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -93,16 +94,26 @@ def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.N
     return ns
 
 
-def _replica_main(serve_replica: Callable[[argparse.Namespace], int], ns) -> int:
+def _replica_main(
+    serve_replica: Callable[[argparse.Namespace], int], ns, folder: str | None = None
+) -> int:
     """A replica process: on Linux it is sent SIGTERM when its parent dies, so a router killed
-    outright leaves no engine behind."""
+    outright leaves no engine behind; orphaned so, it removes the socket `folder` as it ends:
+    nor is the folder left. (While the
+    parent lives the folder is its own: a replica restarted there binds in it again.)"""
+    parent = os.getppid()
     if sys.platform == "linux":
         import ctypes
         import signal
 
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    return serve_replica(ns)
+    try:
+        return serve_replica(ns)
+    finally:
+        if folder is not None and os.getppid() != parent:
+            # every replica is ending (each got SIGTERM): the first out removes it all
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
@@ -230,7 +241,9 @@ def run_data_parallel(
 
         def start(rank: int):
             proc = ctx.Process(
-                target=_replica_main, args=(serve_replica, namespaces[rank]), name=f"replica-{rank}"
+                target=_replica_main,
+                args=(serve_replica, namespaces[rank], folder),
+                name=f"replica-{rank}",
             )
             proc.start()
             return proc

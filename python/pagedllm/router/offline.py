@@ -179,7 +179,7 @@ class DataParallelEngines:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_replica_main,
-                args=(_serve_replica, (child, ns)),
+                args=(_serve_replica, (child, ns), self.folder),
                 name=f"pagedllm-dp-replica-{rank}",
             )
             proc.start()
