@@ -380,7 +380,8 @@ struct Scratch {
 fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
     #[cfg(target_arch = "x86_64")]
-    if super::simd::has_avx2_fma() {
+    // f16c: the fp8 caches widen through half precision (every avx2 CPU has it)
+    if super::simd::has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
         return;
@@ -389,7 +390,7 @@ fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_avx2_fma<T: Elem, C: KvElem>(
     ctx: &Ctx<'_, T, C>,
     chunks: Vec<(Item, &mut [T])>,
@@ -532,7 +533,7 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
 /// pre-scaled by `scale * log2(e)`, the softmax in `exp2`). Key tiles past the last query's
 /// position are never read; within the diagonal tile, the keys a row must not see are masked.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
     ctx: &Ctx<'_, T, C>,

@@ -146,7 +146,7 @@ unsafe fn qk_block<const KB: usize, const RV: usize>(
 
 /// The eight scores `q . keys[j]`, `j < 8`, as one vector (`d` a multiple of 8; `q` f32;
 /// quantized keys: each times its row's scale).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem>(
     q: *const f32,
@@ -182,7 +182,7 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem>(
 
 /// Quantized values: `p[r * p_row + j * p_key] *= factor(values[j])` for rows `r < rows` (after
 /// the softmax took its sums), so that `pv` accumulates the dequantized values.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn scale_by_values<C: KvElem>(
     p: *mut f32,
@@ -285,7 +285,7 @@ unsafe fn new_base(max: __m256) -> __m256 {
 
 /// `out[row_at[r] ..][x] = out[..][x] * corr[r] + sum_j p[r * p_row + j * p_key] * values[j][x]`
 /// for rows `r < row_at.len()`, keys `j < values.len()`, columns `x < d` (a multiple of 8).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pv<T: KvElem>(
@@ -322,7 +322,7 @@ pub(crate) unsafe fn pv<T: KvElem>(
 type PvRows<'a> = (*mut f32, &'a [usize], &'a [f32], *const f32);
 
 /// `R` rows by `C` 8-column vectors from column `x`, `R * C` accumulators in registers.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
 unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
@@ -377,7 +377,7 @@ pub(crate) unsafe fn touch<T>(p: *const T, len: usize) -> u8 {
 }
 
 /// `dst[x] = src[x]` widened to f32 (a quantized row dequantized), `x < d` (a multiple of 8).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn widen<T: KvElem>(src: *const T, dst: *mut f32, d: usize) {
     let factor = _mm256_set1_ps(T::factor(src, d));

@@ -138,7 +138,7 @@ fn check_in<T: Elem, C: KvElem>(case: Case, threads: usize) {
                 for (cache, dense) in [(&k_cache, &mut *k), (&v_cache, &mut *v)] {
                     let cached = cache.slice(ndarray::s![slot / bs, slot % bs, g, ..]);
                     let cached = cached.as_slice().unwrap();
-                    let factor = unsafe { C::factor(cached.as_ptr(), d) };
+                    let factor = unsafe { C::scale(cached.as_ptr(), d) };
                     for x in 0..d {
                         dense[[p, g, x]] = cached[x].raw() * factor;
                     }

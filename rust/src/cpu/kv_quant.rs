@@ -25,21 +25,27 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     const WIDEN: bool;
     /// The element's value before the row's factor.
     fn raw(self) -> f32;
-    /// The factor of the row at `row` (its `d` values, then `EXTRA` elements).
+    /// The factor of the row at `row` (its `d` values, then `EXTRA` elements) that `load8`'s
+    /// lanes are multiplied by.
     ///
     /// # Safety
     /// `row` must be valid for `d + EXTRA` elements.
     unsafe fn factor(row: *const Self, d: usize) -> f32;
+    /// The factor that `raw` values are multiplied by (the row's scale; 1 for float rows).
+    ///
+    /// # Safety
+    /// As `factor`.
+    unsafe fn scale(row: *const Self, d: usize) -> f32;
     /// Writes `xs` (`d` values) as one row of `d + EXTRA` elements.
     fn encode(xs: &[f32], row: &mut [Self]);
     /// `xs · row`'s values (factor included), `xs.len()` = `d`; `F`: inside an avx2+fma function.
     fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32;
     /// `y += a * row`'s values (factor included).
     fn axpy<const F: bool>(y: &mut [f32], a: f32, row: &[Self]);
-    /// Eight raw values at `p` as f32 lanes.
+    /// Eight values at `p` as f32 lanes, short of the values by the row's `factor`.
     ///
     /// # Safety
-    /// avx2 and fma are available, `p` is valid for 8 elements.
+    /// avx2, fma and f16c are available, `p` is valid for 8 elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
@@ -55,6 +61,10 @@ macro_rules! float_kv_elem {
             }
             #[inline(always)]
             unsafe fn factor(_: *const Self, _: usize) -> f32 {
+                1.0
+            }
+            #[inline(always)]
+            unsafe fn scale(_: *const Self, _: usize) -> f32 {
                 1.0
             }
             fn encode(xs: &[f32], row: &mut [Self]) {
@@ -101,6 +111,8 @@ pub struct Fp8E5M2(pub u8);
 trait Quantized: Copy + Send + Sync + 'static {
     /// The largest magnitude a value codes (the row's amax maps onto it).
     const MAX: f32;
+    /// What `decode8`'s lanes are short of the values by (folded into the row's factor).
+    const LANE_FACTOR: f32 = 1.0;
     /// `x` (already divided by the scale) coded.
     fn code(x: f32) -> Self;
     fn decode(self) -> f32;
@@ -127,6 +139,7 @@ impl Quantized for I8 {
 
 impl Quantized for Fp8E4M3 {
     const MAX: f32 = 448.0;
+    const LANE_FACTOR: f32 = 256.0;
     #[inline]
     fn code(x: f32) -> Self {
         Fp8E4M3(f32_to_fp8::<3>(x.clamp(-Self::MAX, Self::MAX), 7))
@@ -138,7 +151,7 @@ impl Quantized for Fp8E4M3 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
-        load8_fp8::<20>(p as *const u8, E4M3_POW)
+        load8_e4m3_over_256(p as *const u8)
     }
 }
 
@@ -155,7 +168,7 @@ impl Quantized for Fp8E5M2 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
-        load8_fp8::<21>(p as *const u8, E5M2_POW)
+        load8_e5m2(p as *const u8)
     }
 }
 
@@ -168,6 +181,10 @@ impl<Q: Quantized> KvElem for Q {
     }
     #[inline(always)]
     unsafe fn factor(row: *const Self, d: usize) -> f32 {
+        Self::scale(row, d) * Q::LANE_FACTOR
+    }
+    #[inline(always)]
+    unsafe fn scale(row: *const Self, d: usize) -> f32 {
         std::ptr::read_unaligned(row.add(d) as *const f32)
     }
     fn encode(xs: &[f32], row: &mut [Self]) {
@@ -187,7 +204,7 @@ impl<Q: Quantized> KvElem for Q {
     fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32 {
         let d = xs.len();
         // SAFETY: `row` holds the row's d values and its scale
-        let factor = unsafe { Self::factor(row.as_ptr(), d) };
+        let factor = unsafe { Self::scale(row.as_ptr(), d) };
         let mut acc = [0.0f32; 8];
         for (i, (x, q)) in xs.iter().zip(&row[..d]).enumerate() {
             acc[i % 8] += x * q.decode();
@@ -198,7 +215,7 @@ impl<Q: Quantized> KvElem for Q {
     fn axpy<const F: bool>(y: &mut [f32], a: f32, row: &[Self]) {
         let d = y.len();
         // SAFETY: as in `dot`
-        let a = a * unsafe { Self::factor(row.as_ptr(), d) };
+        let a = a * unsafe { Self::scale(row.as_ptr(), d) };
         for (yi, q) in y.iter_mut().zip(&row[..d]) {
             *yi += a * q.decode();
         }
@@ -256,19 +273,29 @@ unsafe fn load8_i8(p: *const u8) -> std::arch::x86_64::__m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
 }
 
+/// Eight e4m3 codes as f32 lanes, 2^-8 times their values: each code's magnitude bits moved
+/// into a half's exponent and mantissa (the biases differ by 8; subnormals map to subnormals),
+/// its sign into the half's, widened by the hardware (`vcvtph2ps`, exact).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn load8_fp8<const SHIFT: i32>(p: *const u8, pow: f32) -> std::arch::x86_64::__m256 {
+unsafe fn load8_e4m3_over_256(p: *const u8) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    let wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-    let magnitude = _mm256_sll_epi32(
-        _mm256_and_si256(wide, _mm256_set1_epi32(0x7f)),
-        _mm_cvtsi32_si128(SHIFT),
-    );
-    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(wide, _mm256_set1_epi32(0x80)));
-    let value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(pow));
-    _mm256_or_ps(value, _mm256_castsi256_ps(sign))
+    // sign-extended: a negative code's high byte is all ones, so after the shift its bit 15
+    // (the half's sign) is set, and bit 14 is cleared by the mask
+    let wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i));
+    let half = _mm_and_si128(_mm_slli_epi16::<7>(wide), _mm_set1_epi16(0xbf80u16 as i16));
+    _mm256_cvtph_ps(half)
+}
+
+/// Eight e5m2 codes as f32 lanes: an e5m2 code is the high byte of its value's half.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8_e5m2(p: *const u8) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+    _mm256_cvtph_ps(_mm_slli_epi16::<8>(wide))
 }
 
 #[cfg(test)]
@@ -278,7 +305,7 @@ mod tests {
     fn round_trip<Q: KvElem>(xs: &[f32]) -> Vec<f32> {
         let mut row = vec![unsafe { std::mem::zeroed::<Q>() }; xs.len() + Q::EXTRA];
         Q::encode(xs, &mut row);
-        let factor = unsafe { Q::factor(row.as_ptr(), xs.len()) };
+        let factor = unsafe { Q::scale(row.as_ptr(), xs.len()) };
         row[..xs.len()].iter().map(|q| q.raw() * factor).collect()
     }
 
@@ -350,7 +377,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_vector_loads_match_the_scalar_values() {
-        if !crate::cpu::simd::has_avx2_fma() {
+        if !crate::cpu::simd::has_avx2_fma() || !std::arch::is_x86_feature_detected!("f16c") {
             return;
         }
         fn check<Q: KvElem>(codes: &[Q]) {
@@ -359,8 +386,16 @@ mod tests {
                 unsafe {
                     std::arch::x86_64::_mm256_storeu_ps(got.as_mut_ptr(), Q::load8(chunk.as_ptr()))
                 };
+                // a row of these codes and scale 1: the lanes times factor / scale are the values
+                let mut row = chunk.to_vec();
+                row.extend(
+                    1f32.to_ne_bytes()
+                        .map(|b| unsafe { std::mem::transmute_copy::<u8, Q>(&b) }),
+                );
+                let ratio = unsafe { Q::factor(row.as_ptr(), 8) / Q::scale(row.as_ptr(), 8) };
+                let got: Vec<f32> = got.iter().map(|x| x * ratio).collect();
                 let want: Vec<f32> = chunk.iter().map(|q| q.raw()).collect();
-                assert_eq!(got.to_vec(), want);
+                assert_eq!(got, want);
             }
         }
         check(&(0..=255u8).map(|b| I8(b as i8)).collect::<Vec<_>>());
