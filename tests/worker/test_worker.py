@@ -53,7 +53,7 @@ def test_the_runner_reads_only_fields_a_step_carries_to_other_ranks():
 
 
 def test_step_arrays_name_a_missing_field():
-    with pytest.raises(TypeError, match="missing fields \\['num_seqs'\\]"):
+    with pytest.raises(TypeError, match="num_seqs"):
         StepArrays(**{name: 0 for name in STEP_FIELDS if name != "num_seqs"})
 
 

@@ -12,6 +12,7 @@ nothing here restates the list.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -30,32 +31,27 @@ STEP_ARRAYS: tuple[str, ...] = tuple(STEP_INPUT_ARRAYS)
 STEP_FIELDS: tuple[str, ...] = STEP_SCALARS + STEP_ARRAYS
 
 
-class StepArrays:
-    """A step's inputs as plain values (what travels to the other ranks): the fields
-    `STEP_FIELDS` names, and `lora_loads`: the (slot, LoRARequest) loads rank 0 made for the step
-    since the last one, which the other ranks repeat."""
+def _step_arrays_of(cls, step):
+    """The inputs of `step` (a `SchedulerOutput`, or a `StepRows` group of one)."""
+    return cls(*[getattr(step, name) for name in STEP_FIELDS])
 
-    __slots__ = (*STEP_FIELDS, "lora_loads")
 
-    def __init__(self, lora_loads: tuple = (), **fields) -> None:
-        missing = set(STEP_FIELDS) - fields.keys()
-        unknown = fields.keys() - set(STEP_FIELDS)
-        if missing or unknown:
-            raise TypeError(
-                f"StepArrays: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
-            )
-        for name, value in fields.items():
-            setattr(self, name, value)
-        self.lora_loads = lora_loads
-
-    @classmethod
-    def of(cls, step) -> StepArrays:
-        """The inputs of `step` (a `SchedulerOutput`, or a `StepRows` group of one)."""
-        arrays = cls.__new__(cls)
-        for name in STEP_FIELDS:
-            setattr(arrays, name, getattr(step, name))
-        arrays.lora_loads = ()
-        return arrays
+# A step's inputs as plain values (what travels to the other ranks): the fields `STEP_FIELDS`
+# names, in that order, and `lora_loads`: the (slot, LoRARequest) loads rank 0 made for the step
+# since the last one, which the other ranks repeat. A dataclass made from Rust's names (its
+# generated `__init__`: a worker builds one per step).
+StepArrays = dataclasses.make_dataclass(
+    "StepArrays",
+    [
+        *((name, object) for name in STEP_FIELDS),
+        ("lora_loads", tuple, dataclasses.field(default=())),
+    ],
+    namespace={"of": classmethod(_step_arrays_of)},
+    eq=False,
+    slots=True,
+)
+StepArrays.__module__ = __name__  # where pickle finds it (Ray, the pipes)
+StepArrays.__doc__ = "A step's inputs as plain values (what travels to the other ranks)."
 
 
 class StepMessage(NamedTuple):
