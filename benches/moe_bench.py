@@ -1,0 +1,175 @@
+"""Decode speed of a mixture of experts on the CPU: the grouped-expert kernel (`kernels/cpu_moe.py`)
+against a per-token torch loop and against transformers' per-expert torch loop
+(`kernels/moe_reference.py`), through the engine.
+
+The model is a random Qwen3-MoE shaped like Qwen3-30B-A3B scaled to this machine (defaults:
+hidden 1024, 8 layers, 24 experts of width 512, top-4, 16/4 heads of 64, 32000 tokens: ~0.39 B
+parameters, ~0.11 B active per token), written once as safetensors under the names
+`save_pretrained` uses. Each variant runs `--concurrency` requests of a short prompt, `--tokens`
+greedy tokens each (ignore_eos), after a warm-up request; decode tok/s is the generated tokens over
+the wall time of the batch (prefill of 8-token prompts included, a few percent).
+
+    python benches/moe_bench.py [--concurrency 1 8] [--tokens 32] [--threads 2]
+        [--variants grouped per_expert_loop per_token_loop] [--folder /tmp/moe_bench_model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import moe
+
+SHAPE = dict(
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_experts=24,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    intermediate_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=32000,
+)
+
+
+def write_model(folder: Path) -> None:
+    """A random Qwen3-MoE checkpoint (float32, per-expert tensors, no tokenizer needed: the
+    bench sends token ids)."""
+    if (folder / "config.json").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    s = SHAPE
+    h, q, kv = s["hidden_size"], s["num_attention_heads"] * 64, s["num_key_value_heads"] * 64
+    width, gen = s["moe_intermediate_size"], torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])
+
+    tensors = {
+        "model.embed_tokens.weight": rand(s["vocab_size"], h),
+        "model.norm.weight": torch.ones(h),
+    }
+    tensors["lm_head.weight"] = rand(s["vocab_size"], h)
+    for i in range(s["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, q),
+            p + "self_attn.q_norm.weight": torch.ones(64),
+            p + "self_attn.k_norm.weight": torch.ones(64),
+            p + "mlp.gate.weight": rand(s["num_experts"], h) * 4,
+        }
+        for e in range(s["num_experts"]):
+            x = f"{p}mlp.experts.{e}."
+            tensors[x + "gate_proj.weight"] = rand(width, h)
+            tensors[x + "up_proj.weight"] = rand(width, h)
+            tensors[x + "down_proj.weight"] = rand(h, width)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = dict(
+        SHAPE,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        torch_dtype="float32",
+        tie_word_embeddings=False,
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def per_token_loop(self: moe.Experts, x, weights, ids):
+    """One token and one expert at a time: each token re-reads its experts' weights."""
+    gate_up, down = self.stacked()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = F.linear(x[t : t + 1], gate_up[e])
+            act = F.silu(h[:, : self.width]) * h[:, self.width :]
+            out[t] += weights[t, j] * F.linear(act, down[e])[0]
+    return out
+
+
+def use_variant(variant: str) -> None:
+    """Which experts' forward the engine's model runs (patched before the model is loaded)."""
+    moe.Experts.forward = ORIGINAL_FORWARD
+    moe.Experts.pack = ORIGINAL_PACK
+    if variant == "grouped":
+        return
+    moe.Experts.pack = lambda self: False  # keep the [E, out, in] weights for torch
+    if variant == "per_token_loop":
+        moe.Experts.forward = per_token_loop
+
+
+ORIGINAL_FORWARD, ORIGINAL_PACK = moe.Experts.forward, moe.Experts.pack
+
+
+def decode_tok_s(llm: LLM, concurrency: int, tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": [11 + i, 200, 3000, 45, 7, 900, 12, 5 + i]} for i in range(concurrency)
+    ]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--variants", nargs="+", default=["grouped", "per_expert_loop", "per_token_loop"]
+    )
+    p.add_argument("--folder", type=Path, default=Path("/tmp/moe_bench_model"))
+    args = p.parse_args()
+    write_model(args.folder)
+    s = SHAPE
+    expert = 3 * s["hidden_size"] * s["moe_intermediate_size"]
+    layers = s["num_hidden_layers"]
+    print(
+        f"model: random Qwen3-MoE, {layers} layers x {s['num_experts']} experts "
+        f"(top-{s['num_experts_per_tok']}), {expert * s['num_experts'] * layers / 1e6:.0f} M "
+        f"expert parameters, {expert * s['num_experts_per_tok'] * layers / 1e6:.0f} M active "
+        f"per token; float32; {args.threads} threads"
+    )
+    print("| variant | concurrency | decode tok/s |")
+    print("|---|---:|---:|")
+    for variant in args.variants:
+        use_variant(variant)
+        llm = LLM(
+            str(args.folder),
+            device="cpu",
+            skip_tokenizer_init=True,
+            cpu_threads=args.threads,
+            max_model_len=256,
+            enable_prefix_caching=False,
+        )
+        for concurrency in args.concurrency:
+            rate = decode_tok_s(llm, concurrency, args.tokens)
+            print(f"| {variant} | {concurrency} | {rate:.1f} |", flush=True)
+        llm.engine.shutdown()
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
