@@ -48,4 +48,5 @@ def test_load_reports_queues_block_size_and_no_events_when_off(server):
     load = httpx.get(f"{server.url}/load", timeout=10).json()
     assert load["block_size"] == 16
     assert load["kv_events"] is None
+    assert load["num_gpu_blocks"] > 0  # the router bounds its index of this replica by it
     assert {"num_waiting", "num_running", "kv_usage", "instance_id", "lora_ids"} <= set(load)

@@ -105,3 +105,15 @@ def test_the_subscriber_thread_is_left_alone_while_it_runs(publishing):
         assert sub.is_alive() and sub.restarts == 0
     finally:
         sub.close()
+
+
+def test_a_replicas_index_is_bounded_by_the_cache_size_it_reports():
+    replicas = ReplicaSet(["http://r0"], block_size=16, policy="cache_aware")
+    polled(replicas, [load(num_gpu_blocks=300)])
+    assert replicas.router.stats()[0]["index_capacity"] == 600  # twice its cache's blocks
+
+
+def test_a_wrong_typed_cache_size_in_load_takes_the_replica_out():
+    replicas = ReplicaSet(["http://r0"], block_size=16, policy="cache_aware")
+    polled(replicas, [load(num_gpu_blocks="many")] * 3)
+    assert not replicas.replicas[0].alive

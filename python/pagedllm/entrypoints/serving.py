@@ -287,6 +287,8 @@ class Server:
             "num_running": int(stats.get("num_running", 0)),
             "kv_usage": float(stats.get("kv_usage", 0.0)),
             "block_size": engine.args.block_size,
+            # the router bounds its index of this replica by it (forged events cannot grow it)
+            "num_gpu_blocks": int(stats.get("num_gpu_blocks", 0)),
             "lora_ids": {name: lora.lora_int_id for name, lora in self.loras.items()},
             "kv_events": dataclasses.asdict(events) if events and events.publishes else None,
         }

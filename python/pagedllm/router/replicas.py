@@ -73,6 +73,10 @@ class ReplicaDown(Exception):
     """The replica a request waits on stopped answering and left rotation."""
 
 
+# the index of a replica holds at most this many times its cache's blocks (`_update`)
+INDEX_SLACK = 2
+
+
 class InFlight:
     """A request under way on a replica (and its routing ticket, if routed). `end` (the replica
     stopped answering) cancels the wait on it in progress and fails every later one with
@@ -186,8 +190,9 @@ def parse_load(load) -> dict:
         raise ValueError(f"its /load instance_id is {load['instance_id']!r}, not a string")
     if not isinstance(load.get("healthy", True), bool):
         raise ValueError(f"its /load healthy is {load['healthy']!r}, not a boolean")
-    if load.get("block_size") is not None:
-        _count(load, "block_size")
+    for key in ("block_size", "num_gpu_blocks"):
+        if load.get(key) is not None:
+            _count(load, key)
     loras = load.get("lora_ids") or {}
     if not isinstance(loras, dict) or not all(
         isinstance(k, str) and type(v) is int for k, v in loras.items()
@@ -397,6 +402,10 @@ class ReplicaSet:
             )
             if restarted:  # a new process: its cache starts empty, its batches from 0
                 self.router.reset_replica(replica.index)
+            if load.get("num_gpu_blocks"):
+                # an honest replica never holds more blocks than its cache; twice that leaves
+                # room for a batch that stores before it removes
+                self.router.set_index_capacity(replica.index, INDEX_SLACK * load["num_gpu_blocks"])
         self._subscribe(replica, load)
         if restarted and replica.subscriber is not None:
             replica.subscriber.resync(restarted=True)
