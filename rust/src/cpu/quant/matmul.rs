@@ -234,8 +234,8 @@ unsafe fn fused_row(ctx: &Ctx<'_, '_>, t: super::QType, row: &[u8], r: usize) {
 struct Scratch {
     /// Output rows dequantized as `linear`'s panels `[ceil(rows / PANEL), k, PANEL]`.
     panels: Vec<f32>,
-    /// One weight row dequantized.
-    row: Vec<f32>,
+    /// A panel's weight rows dequantized, row-major `[PANEL, k + 16]`.
+    rows: Vec<f32>,
     /// `linear`'s result for a block of x's rows `[rows, run]`.
     out: Vec<f32>,
 }
@@ -254,19 +254,28 @@ fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         let mut scratch = scratch.borrow_mut();
         let Scratch {
             panels: packed,
-            row: dequantized,
+            rows: dequantized,
             out,
         } = &mut *scratch;
-        packed.clear();
         packed.resize(panels * k * PANEL, 0.0);
-        dequantized.resize(k, 0.0);
-        for (c, r) in rows.clone().enumerate() {
-            let (t, row) = ctx.w.row(r);
-            dequantize_range(t, row, 0, dequantized, ctx.fast);
-            let panel = &mut packed[(c / PANEL) * k * PANEL..(c / PANEL + 1) * k * PANEL];
-            for (i, v) in dequantized.iter().enumerate() {
-                panel[i * PANEL + c % PANEL] = *v;
+        // rows a cache line apart beyond k: at k a multiple of 1024 the 16 rows read side by
+        // side would otherwise share an L1 set and evict each other on every read
+        let stride = k + 16;
+        dequantized.resize(PANEL * stride, 0.0);
+        for p in 0..panels {
+            // the panel's rows dequantized row-major (contiguous writes, 16 rows in L2), then
+            // written out step-major: a scatter straight into the panel would touch a cache
+            // line a weight
+            let first = rows.start + p * PANEL;
+            let count = (rows.end - first).min(PANEL);
+            for j in 0..count {
+                let (t, row) = ctx.w.row(first + j);
+                let dst = &mut dequantized[j * stride..j * stride + k];
+                dequantize_range(t, row, 0, dst, ctx.fast);
             }
+            dequantized[count * stride..].fill(0.0);
+            let panel = &mut packed[p * k * PANEL..(p + 1) * k * PANEL];
+            transpose_into_panel(dequantized, stride, k, panel, ctx.fast);
         }
         let weight = ArrayView3::from_shape((panels, k, PANEL), &packed[..])
             .expect("panels of the run's rows");
@@ -284,4 +293,75 @@ fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
             dst.copy_from_slice(sums);
         }
     });
+}
+
+/// `panel[i * PANEL + j] = rows[j * stride + i]` for the `PANEL` rows `j` and `i < k`: 8 x 8
+/// blocks transposed in AVX registers when `fast`.
+pub(super) fn transpose_into_panel(
+    rows: &[f32],
+    stride: usize,
+    k: usize,
+    panel: &mut [f32],
+    fast: bool,
+) {
+    assert!(rows.len() >= (PANEL - 1) * stride + k && panel.len() == k * PANEL);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        // SAFETY: `fast` is set only on a CPU with avx2, fma and f16c; the lengths are those
+        // asserted above.
+        done = unsafe { transpose_avx2(rows, stride, k, panel) };
+    }
+    let _ = fast;
+    for i in done..k {
+        for j in 0..PANEL {
+            panel[i * PANEL + j] = rows[j * stride + i];
+        }
+    }
+}
+
+/// `transpose_into_panel` for the columns `0..k / 8 * 8` (returned).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose_avx2(rows: &[f32], stride: usize, k: usize, panel: &mut [f32]) -> usize {
+    use std::arch::x86_64::*;
+    let (src, dst) = (rows.as_ptr(), panel.as_mut_ptr());
+    let whole = k / 8 * 8;
+    for i in (0..whole).step_by(8) {
+        for half in [0, 8] {
+            // rows half..half + 8, columns i..i + 8: inside rows (i + 8 <= k) and the panel
+            let r: [__m256; 8] =
+                std::array::from_fn(|q| _mm256_loadu_ps(src.add((half + q) * stride + i)));
+            let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+            let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+            let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+            let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+            let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            let cols = [
+                _mm256_permute2f128_ps::<0x20>(u0, u4),
+                _mm256_permute2f128_ps::<0x20>(u1, u5),
+                _mm256_permute2f128_ps::<0x20>(u2, u6),
+                _mm256_permute2f128_ps::<0x20>(u3, u7),
+                _mm256_permute2f128_ps::<0x31>(u0, u4),
+                _mm256_permute2f128_ps::<0x31>(u1, u5),
+                _mm256_permute2f128_ps::<0x31>(u2, u6),
+                _mm256_permute2f128_ps::<0x31>(u3, u7),
+            ];
+            for (c, v) in cols.iter().enumerate() {
+                _mm256_storeu_ps(dst.add((i + c) * PANEL + half), *v);
+            }
+        }
+    }
+    whole
 }

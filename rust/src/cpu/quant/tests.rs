@@ -406,3 +406,22 @@ fn avx2_row_dots_equal_the_dequantized_rows_dot_within_rounding() {
         }
     }
 }
+
+#[test]
+fn panels_are_the_rows_transposed_on_either_path() {
+    let (k, stride) = (45, 61); // 5 whole 8-column blocks and a ragged 5
+    let rows = floats(16 * stride, 2.0);
+    for fast in [false, super::fast()] {
+        let mut panel = vec![f32::NAN; k * 16];
+        matmul::transpose_into_panel(&rows, stride, k, &mut panel, fast);
+        for i in 0..k {
+            for j in 0..16 {
+                assert_eq!(
+                    panel[i * 16 + j],
+                    rows[j * stride + i],
+                    "fast {fast}: {i}, {j}"
+                );
+            }
+        }
+    }
+}
