@@ -21,6 +21,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.multiproc import EngineDeadError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.worker import StepMessage
 
 from model_factory import save_tiny_checkpoint
 
@@ -137,7 +138,7 @@ def test_shutdown_kills_the_actors_and_removes_the_placement_group(cluster, fold
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.pid.remote(), timeout=30)
     with pytest.raises(EngineDeadError, match="shut down"):
-        executor.step([], None, None)
+        executor.broadcast_step(StepMessage([], None, None))
 
 
 def _cli_generate(folder, *flags: str) -> str:

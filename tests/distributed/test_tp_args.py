@@ -15,6 +15,7 @@ from pagedllm.cli.app import _engine_kwargs, build_parser, loaded_summary
 from pagedllm.config import TP_MIN_STARTUP_TIMEOUT_S, EngineArgs
 from pagedllm.engine import llm_engine
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.worker import worker
 
 from model_factory import save_tiny_checkpoint
 
@@ -24,8 +25,8 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the check")
 
-    monkeypatch.setattr(llm_engine, "load_model", refuse)
-    monkeypatch.setattr(LLMEngine, "_executor", refuse)
+    monkeypatch.setattr(worker, "load_model", refuse)  # every rank's Worker loads through it
+    monkeypatch.setattr(llm_engine, "create_executor", refuse)
 
 
 @pytest.mark.parametrize("tp", [0, -1, True, 1.5])

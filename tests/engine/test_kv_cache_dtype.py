@@ -12,6 +12,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import KV_CACHE_DTYPES, EngineArgs
 from pagedllm.entrypoints.metrics import _EngineCollector
 
+from model_factory import save_tiny_checkpoint
+
 PROMPTS = [np.random.default_rng(s).integers(2, 250, size=40).tolist() for s in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
 
@@ -130,3 +132,15 @@ def test_a_disk_tier_written_with_another_kv_dtype_is_never_loaded(tmp_path, cap
     assert "written for another model, dtype" in caplog.text
     _, (want,) = _run(prompts=[prompt + [9]], kv_cache_dtype="int8", max_model_len=80)
     assert out.outputs[0].token_ids == want.token_ids
+
+
+def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_rank(tmp_path):
+    folder = save_tiny_checkpoint(tmp_path, "llama", seed=3)
+    kw = dict(model=str(folder), kv_cache_dtype="int8", num_gpu_blocks=28, swap_space=0.01)
+    _, one = _run(**kw)
+    two_ranks, two = _run(tensor_parallel_size=2, cpu_threads=1, **kw)
+    # each rank's cache: int8 rows of its half of the kv heads (the tiny llama has 2)
+    assert two_ranks.llm_engine.cache_engine.kv_cache.shape[4:] == (1, 16 + 4)
+    assert two_ranks.llm_engine.get_stats()["num_preemptions"] > 0
+    two_ranks.llm_engine.shutdown()
+    assert _tokens(two) == _tokens(one)

@@ -16,9 +16,10 @@ work still pending) the engine is unhealthy: `/health` fails and new requests ge
 that succeeds, or the engine running out of work, makes it healthy again. `max_failed_steps` failed
 steps in a row (no success in between) mean a broken engine: the loop stops, live requests get
 503 and `on_dead` is called (the server then exits non-zero, for a supervisor to restart it). A
-tensor-parallel rank that died, hung or failed (`RankDiedError`, from the executor) cannot come
-back: the first such step takes the same way out at once, with nothing retried; a rank that dies
-while the engine is idle does too, as soon as the executor sees it (it wakes the loop).
+tensor-parallel rank that died, hung or failed (`RankDiedError`, from the executor; any
+`EngineDeadError`) cannot come back: the first such step takes the same way out at once, with
+nothing retried; a rank that dies while the engine is idle does too, as soon as the executor
+sees it (it wakes the loop).
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ class AsyncEngine:
             self.last_error = error
             logger.error("engine step failed (%d in a row): %r", self.consecutive_failures, error)
             if self.consecutive_failures >= self.max_failed_steps or isinstance(
-                error, RankDiedError
+                error, EngineDeadError
             ):
                 return
             self.failing = self.consecutive_failures >= UNHEALTHY_AFTER_FAILURES
