@@ -109,8 +109,13 @@ def main() -> int:
             ratio = {name: round(t / base, 3) for name, t in ms.items()}
             print(
                 json.dumps(
-                    {"batch": batch, "context": context, "repeats": repeats, "median_ms": ms,
-                     f"x_{args.variants[0]}": ratio}
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "repeats": repeats,
+                        "median_ms": ms,
+                        f"x_{args.variants[0]}": ratio,
+                    }
                 ),
                 flush=True,
             )

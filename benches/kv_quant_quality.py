@@ -47,9 +47,7 @@ def main() -> int:
     text = TEXT.read_text()
     results, reference = {}, None
     for kv in ["auto", *args.kv_cache_dtypes]:
-        llm = LLM(
-            args.model, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 64
-        )
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 64)
         tokenizer = llm.get_tokenizer()
         ids = tokenizer.encode(text)[: args.tokens + 1]
         windows = [ids[i : i + args.window + 1] for i in range(0, len(ids) - 1, args.window)]
