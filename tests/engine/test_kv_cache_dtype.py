@@ -144,3 +144,15 @@ def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_ran
     assert two_ranks.llm_engine.get_stats()["num_preemptions"] > 0
     two_ranks.llm_engine.shutdown()
     assert _tokens(two) == _tokens(one)
+
+
+def test_the_cli_flag_reaches_the_engine_args_and_refuses_an_unknown_format(capsys):
+    from pagedllm.cli.app import _engine_kwargs, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--kv-cache-dtype", "fp8_e5m2"])
+    assert EngineArgs(**_engine_kwargs(args)).kv_cache_dtype == "fp8_e5m2"
+    assert parser.parse_args(["generate", "hi"]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
