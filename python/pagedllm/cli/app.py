@@ -363,6 +363,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
         tokenizer=args.tokenizer,
+        quantization=args.quantization,
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
@@ -371,7 +372,6 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space,
         kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offloading_path=args.kv_offloading_path,
@@ -590,6 +590,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
     from pagedllm.entrypoints.chat import load_chat_template
     from pagedllm.entrypoints.chat_tools import ChatOptions, structured_outputs_config
+    from pagedllm.models.gguf import served_model_name
 
     _check_device(args.device)
     structured = structured_outputs_config(args.structured_outputs_config)
@@ -598,7 +599,6 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         enable_in_reasoning=structured.get("enable_in_reasoning", False),
-    from pagedllm.models.gguf import served_model_name
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     config = ServerConfig(
