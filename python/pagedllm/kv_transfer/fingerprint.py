@@ -51,7 +51,7 @@ def model_fingerprint(model: str, tokenizer: str | None = None) -> str:
 
 
 def _add_source(digest, source: str, *, weights: bool) -> None:
-    from pagedllm.models.gguf import resolve_model
+    from pagedllm.checkpoint.packaged import resolve_model
 
     source = resolve_model(source)  # a packaged model's short name: its file
     path = Path(source)

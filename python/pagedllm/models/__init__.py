@@ -5,9 +5,9 @@ dtype=..., device=...)` (the module; its ModelConfig is `.config`). `name` is a 
 or the built-in `pagedllm/tiny-random`.
 """
 
+from pagedllm.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from pagedllm.models.decoder import DecoderForCausalLM
-from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.loader import load_model, load_model_config, resolve_device, resolve_dtype
 from pagedllm.models.tiny_random import MODEL_NAME as TINY_RANDOM_MODEL
 from pagedllm.models.tiny_random import build_tiny_random, tiny_random_config

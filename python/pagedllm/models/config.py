@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.config import DTYPE_NAMES
-from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.moe_config import MoeConfig, parse_moe_config
 
 # architecture name -> family; the family selects the decoder's flags

@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from pagedllm.checkpoint.gguf_reader import is_gguf_path
 from pagedllm.config import DTYPE_NAMES, QUANTIZATIONS
 from pagedllm.distributed.layers import PackableWeight, TPShard
 from pagedllm.kernels import cpu_linear
 from pagedllm.models import tiny_random
 from pagedllm.models.config import ModelConfig, read_json, read_model_config
 from pagedllm.models.decoder import DecoderForCausalLM
-from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.models.fused_linear import SINGLE
-from pagedllm.models.gguf.reader import is_gguf_path
 from pagedllm.models.moe import (
     is_moe_tensor,
     moe_layer_layout,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.models.errors import CheckpointError
+from pagedllm.checkpoint.errors import CheckpointError
 
 # architecture -> how its checkpoint names the MoE tensors ("qwen": `mlp.experts.N.gate_proj`,
 # "mixtral": `block_sparse_moe.experts.N.w1`)

@@ -1,13 +1,13 @@
 """GGUF checkpoints (llama.cpp's single-file format): `model="path/model.gguf"`.
 
 `gguf_model_config(file)` reads the metadata into a ModelConfig, `load_gguf_model` builds the
-decoder with quantized weights kept in their type (`weights.py`), `gguf_tokenizer` builds the
-tokenizer and chat template the file carries (`tokenizer.py`). Packaged models (`smollm2`) are
-GGUF files found by a short name (`packaged.py`).
+decoder with quantized weights kept in their type (`weights.py`). The file format itself, the
+tokenizer and chat template the file carries, and the packaged models (`smollm2`, a GGUF file
+found by a short name) are read without torch, in `pagedllm.checkpoint`.
 """
 
-from pagedllm.models.gguf.packaged import PACKAGED_MODELS, packaged_model_path, resolve_model
-from pagedllm.models.gguf.reader import GGUFError, GGUFFile, is_gguf_path, open_gguf
+from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile, is_gguf_path, open_gguf
+from pagedllm.checkpoint.packaged import PACKAGED_MODELS, packaged_model_path, resolve_model
 
 __all__ = [
     "PACKAGED_MODELS",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
+from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile
 from pagedllm.models.config import ModelConfig, RopeConfig
-from pagedllm.models.gguf.reader import GGUFError, GGUFFile
 
 # general.architecture -> (our architecture name, family)
 GGUF_ARCHITECTURES = {

@@ -24,11 +24,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.checkpoint.gguf_reader import (
+    GGUFError,
+    GGUFFile,
+    RawTensor,
+    ggml_type_name,
+    open_gguf,
+)
 from pagedllm.distributed.layers import QuantEmbedding, TPShard
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.fused_linear import SINGLE
-from pagedllm.models.gguf.reader import GGUFError, GGUFFile, RawTensor, ggml_type_name, open_gguf
 from pagedllm.models.loader import checkpoint_layout, expected_shapes, shard_of
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.models.errors import CheckpointError, CheckpointNotFoundError
+from pagedllm.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"

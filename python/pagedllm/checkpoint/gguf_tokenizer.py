@@ -16,7 +16,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
-from pagedllm.models.gguf.reader import GGUFError, GGUFFile, open_gguf
+from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile, open_gguf
 from pagedllm.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from pagedllm.checkpoint.errors import CheckpointNotFoundError
 from pagedllm.config import PACKAGED_MODELS
-from pagedllm.models.errors import CheckpointNotFoundError
 
 
 def packaged_model_path(name: str) -> Path:
