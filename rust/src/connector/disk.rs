@@ -5,9 +5,9 @@
 //!
 //! The directory is the index: a block matches when its file exists (the workers write a
 //! file under a temporary name and rename it, so a visible file is complete). The workers
-//! check each file's header (model, dtype, block size, layout) before loading it and report
-//! a mismatched or truncated one as a failed load; this side then never offers that hash
-//! again. Capacity (LRU by modification time) is the workers' business: they touch a file
+//! check each file's header (the model's fingerprint, dtype, block size, layout), its size and
+//! its payload's checksum before loading it and report a mismatched, truncated or corrupted
+//! one as a failed load; this side then never offers that hash again. Capacity (LRU by modification time) is the workers' business: they touch a file
 //! when they load it and delete the oldest when a save would exceed the size.
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -197,7 +197,11 @@ impl<Q: Quantized> KvElem for Q {
             *q = Q::code(if scale > 0.0 { x / scale } else { 0.0 });
         }
         // the row's last SCALE_BYTES bytes (callers give rows of d + EXTRA one-byte elements)
-        assert_eq!(std::mem::size_of_val(tail), SCALE_BYTES, "a row's scale takes 4 bytes");
+        assert_eq!(
+            std::mem::size_of_val(tail),
+            SCALE_BYTES,
+            "a row's scale takes 4 bytes"
+        );
         // SAFETY: `tail` is exactly the 4 bytes written
         unsafe { std::ptr::write_unaligned(tail.as_mut_ptr() as *mut f32, scale) };
     }
