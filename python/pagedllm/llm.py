@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.engine.batch import generate_batch
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -90,30 +91,21 @@ class LLM:
         loras = _per_prompt("lora_request", lora_request, count, None)
         if self.replicas is not None:
             return self._generate_replicated(prompt_list, params, priorities, loras, use_tqdm)
-        # bad constraints are refused before anything is queued (compiled in parallel, cached)
-        self.engine.structured_output.check(
-            (f"sampling_params[{i}].structured_outputs", p.structured_outputs)
-            for i, p in enumerate(params)
-            if isinstance(p, SamplingParams) and p.structured_outputs is not None
-        )
         request_ids = [f"{next(self._ids)}" for _ in prompt_list]
-        added: list[str] = []
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
         try:
-            for request_id, prompt, p, prio, lora in zip(
-                request_ids, prompt_list, params, priorities, loras
-            ):
-                self.engine.add_request(request_id, prompt, p, priority=prio, lora_request=lora)
-                added.append(request_id)
-        except Exception:
-            self._abandon(added)  # bad input: leave no half-added batch behind
-            raise
-        try:
-            return self._run(request_ids, use_tqdm)
-        except BaseException:
-            # a failed step or an interrupt: the engine rolled the step back; this call's
-            # requests are aborted so the next generate() starts clean
-            self._abandon(request_ids)
-            raise
+            return generate_batch(
+                self.engine,
+                request_ids,
+                prompt_list,
+                params,
+                priorities,
+                loras,
+                on_done=bar.update if bar is not None else None,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
 
     def chat(
         self,
@@ -260,25 +252,6 @@ class LLM:
         if self._tokenizer is None:
             return []
         return self._tokenizer.encode(prompt)
-
-    def _abandon(self, request_ids: list[str]) -> None:
-        """Aborts these requests and drains their final outputs (no forward runs for them)."""
-        self.engine.abort_request(request_ids)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(request_ids)) if use_tqdm else None
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [finished[request_id] for request_id in request_ids]
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from pagedllm.config import PACKAGED_MODELS, TINY_RANDOM_MODEL
+from pagedllm.checkpoint.packaged import PACKAGED_MODELS
+from pagedllm.config import TINY_RANDOM_MODEL
+
+if TYPE_CHECKING:
+    from pagedllm.checkpoint.gguf_reader import GGUFFile
 
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
@@ -178,10 +182,10 @@ def load_tokenizer(
     if str(name) == TINY_RANDOM_MODEL:
         return ByteTokenizer()
     if str(name) in PACKAGED_MODELS or str(name).lower().endswith(".gguf"):
-        from pagedllm.checkpoint.gguf_tokenizer import gguf_tokenizer
+        from pagedllm.checkpoint.gguf_reader import open_gguf
         from pagedllm.checkpoint.packaged import resolve_model
 
-        return gguf_tokenizer(resolve_model(str(name)))
+        return GGUFTokenizer(open_gguf(resolve_model(str(name))))
     folder = Path(name)
     if not folder.is_dir():
         raise TokenizerLoadError(f"tokenizer folder {folder} does not exist or is not a directory")
@@ -210,3 +214,26 @@ def _read_tokenizer_config(folder: Path) -> dict[str, Any]:
 
 def _first_not_none(*values: int | None) -> int | None:
     return next((v for v in values if v is not None), None)
+
+
+class GGUFTokenizer(HFTokenizer):
+    """A GGUF file's tokenizer behind the engine's interface (an `HFTokenizer` whose
+    `tokenizers.Tokenizer` is built from the metadata: `checkpoint/gguf_tokenizer.py`), with the
+    file's chat template."""
+
+    def __init__(self, file: GGUFFile) -> None:  # noqa: D107 - no folder to read
+        from pagedllm.checkpoint.gguf_tokenizer import build_gguf_tokenizer
+
+        self._tok = build_gguf_tokenizer(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = {key: file.get(f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "padding")}
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
+            value if isinstance(value, int) else None for value in ids.values()
+        )
+        self.all_special_ids = frozenset(
+            token_id
+            for token_id, added in self._tok.get_added_tokens_decoder().items()
+            if added.special
+        )
+        template = file.get("tokenizer.chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None

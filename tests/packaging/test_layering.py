@@ -1,7 +1,8 @@
 """The Python package's layers are one-way: a module never imports one of a higher layer, so the
-import graph between layers has no loop (docs/ARCHITECTURE.md §1). Checked on the source (ast
-over every module, imports inside functions and under `TYPE_CHECKING` included), not by
-importing it."""
+import graph between layers has no loop (docs/ARCHITECTURE.md §1); and no two modules import
+each other, even within a layer or through an import deferred into a function (a lazy import
+only hides a circle in the design). Checked on the source (ast over every module, imports inside
+functions and under `TYPE_CHECKING` included), not by importing it."""
 
 from __future__ import annotations
 
@@ -123,6 +124,64 @@ def upward_imports(edges) -> list[str]:
     ]
 
 
+def import_graph(edges) -> dict[str, set[str]]:
+    """Module -> the modules it imports. Every module also depends on the root package, which
+    Python runs before any of its modules: the root may import none of them (its public names
+    resolve lazily), else importing any module would re-enter the root half-initialised."""
+    graph: dict[str, set[str]] = {ROOT: set()}
+    for module, target, _ in edges:
+        graph.setdefault(target, set())
+        if target != module:
+            graph.setdefault(module, set()).add(target)
+    for module in graph:
+        if module != ROOT:
+            graph[module].add(ROOT)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules of every circle (strongly connected component of more than one module), each
+    sorted; Tarjan's algorithm, iterative."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return sorted(cycles)
+
+
 def test_every_module_has_a_declared_layer():
     unplaced = [
         m for m in module_names() if layer_prefix(m) is None or (layer_prefix(m) == ROOT != m)
@@ -146,6 +205,24 @@ def test_an_upward_import_is_reported():
 
 def test_no_module_imports_a_higher_layer():
     assert upward_imports(import_edges()) == []
+
+
+def test_a_cycle_is_reported_with_its_modules():
+    edges = [
+        ("pagedllm.llm", "pagedllm.router.offline", "llm.py:1"),
+        ("pagedllm.router.offline", "pagedllm.llm", "router/offline.py:2"),
+        ("pagedllm.llm", "pagedllm.config", "llm.py:3"),
+    ]
+    assert import_cycles(import_graph(edges)) == [["pagedllm.llm", "pagedllm.router.offline"]]
+
+
+def test_the_root_package_importing_a_module_is_a_cycle():
+    edges = [(ROOT, "pagedllm.worker.cpu_threads", "__init__.py:1")]
+    assert import_cycles(import_graph(edges)) == [[ROOT, "pagedllm.worker.cpu_threads"]]
+
+
+def test_no_module_imports_itself_back():
+    assert import_cycles(import_graph(import_edges())) == []
 
 
 def test_models_never_import_the_worker():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+import pagedllm
 from pagedllm.worker import cpu_threads, model_runner
 
 
@@ -81,14 +82,14 @@ def test_configure_sets_torch_threads_and_reports_them():
 def test_passive_wait_policy_unless_one_is_chosen(monkeypatch):
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
-    cpu_threads.prefer_passive_openmp()
+    pagedllm._prefer_passive_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cpu_threads.prefer_passive_openmp()
+    pagedllm._prefer_passive_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
-    cpu_threads.prefer_passive_openmp()
+    pagedllm._prefer_passive_openmp()
     assert "OMP_WAIT_POLICY" not in os.environ
 
 

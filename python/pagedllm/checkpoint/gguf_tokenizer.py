@@ -16,8 +16,7 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
-from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile, open_gguf
-from pagedllm.tokenizer import HFTokenizer
+from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile
 
 CONTROL, USER_DEFINED = 3, 4
 
@@ -182,28 +181,3 @@ def _add_bos_eos(tok: RustTokenizer, file: GGUFFile, tokens: list[str], default_
     tok.post_processor = processors.TemplateProcessing(
         single=" ".join(single), special_tokens=list(dict.fromkeys(specials))
     )
-
-
-class GGUFTokenizer(HFTokenizer):
-    """A GGUF file's tokenizer behind the engine's interface (an `HFTokenizer` whose
-    `tokenizers.Tokenizer` is built from the metadata), with the file's chat template."""
-
-    def __init__(self, file: GGUFFile) -> None:  # noqa: D107 - no folder to read
-        self._tok = build_gguf_tokenizer(file)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        ids = {key: file.get(f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "padding")}
-        self.bos_token_id, self.eos_token_id, self.pad_token_id = (
-            value if isinstance(value, int) else None for value in ids.values()
-        )
-        self.all_special_ids = frozenset(
-            token_id
-            for token_id, added in self._tok.get_added_tokens_decoder().items()
-            if added.special
-        )
-        template = file.get("tokenizer.chat_template")
-        self.chat_template: str | None = template if isinstance(template, str) else None
-
-
-def gguf_tokenizer(path: str) -> GGUFTokenizer:
-    """The tokenizer of the GGUF file at `path`."""
-    return GGUFTokenizer(open_gguf(path))

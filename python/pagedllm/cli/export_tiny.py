@@ -18,7 +18,7 @@ from pagedllm.lora.adapter import ModelLoRASpec
 from pagedllm.lora.peft_loader import CONFIG_FILE, WEIGHTS_FILE
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.hf_export import save_checkpoint
-from pagedllm.models.loader import checkpoint_layout
+from pagedllm.models.layout import checkpoint_layout
 from pagedllm.models.tiny_random import (
     DEFAULT_SEED,
     build_tiny_random,

@@ -7,6 +7,7 @@
 - `output_processor`: sampled tokens -> sequences, text, stop strings
 - `detokenizer`: incremental detokenization with stop strings
 - `faults`: rolling back a failed step, ending the request a fault belongs to
+- `batch`: one batch of requests run to completion (`LLM.generate`, a replica process)
 - `stats`: step timings and throughput counters
 - `kv_sizing`: start-up sizing of the KV cache
 """

@@ -18,7 +18,7 @@ from pagedllm.lora.layers import LoRAState, wrap_projections
 from pagedllm.lora.peft_loader import load_peft_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.slots import LoRASlots
-from pagedllm.models.loader import shard_of
+from pagedllm.models.layout import shard_of
 
 
 class LoRAManager:

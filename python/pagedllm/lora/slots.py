@@ -8,7 +8,7 @@ rows first, so one shrink serves q, k and v; each part's B `[L, S, out, R]` expa
 into its columns of the fused output.
 
 Under tensor parallelism each rank's slots hold its shard of every adapter, cut the way vLLM
-cuts them, by the rule its base weights are cut by (`models.loader.shard_of`): a
+cuts them, by the rule its base weights are cut by (`models.layout.shard_of`): a
 column-parallel projection (q/k/v, gate/up) keeps A whole and its B rows of this rank's output
 columns; a row-parallel one (o, down) keeps its A columns of this rank's input and B whole (its
 delta is a partial sum, reduced with the base output's). Rank 0 decides which adapter goes in

@@ -27,7 +27,6 @@ from pagedllm.attention import cpu_rotary
 from pagedllm.attention.cpu_rotary import RopeTables
 from pagedllm.attention.paged import AttentionMetadata, paged_attention
 from pagedllm.distributed.layers import (
-    ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
@@ -35,9 +34,10 @@ from pagedllm.distributed.layers import (
     VocabParallelEmbedding,
 )
 from pagedllm.kernels import cpu_norm
-from pagedllm.kernels.cpu_activation import silu_and_mul
 from pagedllm.models.config import ModelConfig, RopeConfig
 from pagedllm.models.fused_linear import SINGLE
+from pagedllm.models.mlp import GatedMLP
+from pagedllm.models.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -180,22 +180,6 @@ class Attention(nn.Module):
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused."""
-
-    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
-        super().__init__()
-        sizes = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, tp, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        # the fused output's columns are gate then up (the order of `sizes` above)
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual stream is carried
     separately (see the module docstring)."""
@@ -206,9 +190,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe is not None and cfg.moe.is_sparse(index):
-            # imported here: models.moe builds on this module's GatedMLP
-            from pagedllm.models.moe import SparseMoeBlock
-
             self.mlp = SparseMoeBlock(cfg, tp)
         else:
             self.mlp = GatedMLP(cfg, tp)

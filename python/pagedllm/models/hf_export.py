@@ -7,8 +7,8 @@ a new user can point `--model` and draft models at; `save_checkpoint` needs no
 outside oracle. `transformers` is an optional dependency, imported only inside the functions
 that need it, so `import pagedllm.models` never pulls it in.
 
-The parameter-name mapping is `loader.checkpoint_layout` (our name -> the HF tensors concatenated
-along dim 0) and the split sizes come from `loader.expected_shapes`: loading and exporting share
+The parameter-name mapping is `layout.checkpoint_layout` (our name -> the HF tensors concatenated
+along dim 0) and the split sizes come from `layout.expected_shapes`: loading and exporting share
 one definition of the checkpoint format.
 """
 
@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import SINGLE_FILE, TORCH_DTYPES, checkpoint_layout, expected_shapes
+from pagedllm.models.layout import checkpoint_layout, expected_shapes
+from pagedllm.models.loader import SINGLE_FILE, TORCH_DTYPES
 
 if TYPE_CHECKING:  # only for annotations; never imported at run time here
     from transformers import PretrainedConfig, PreTrainedModel

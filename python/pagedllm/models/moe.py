@@ -31,8 +31,8 @@ from pagedllm.kernels import cpu_moe
 from pagedllm.kernels.cpu_activation import silu_and_mul
 from pagedllm.kernels.moe_reference import moe_experts_reference
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.decoder import GatedMLP
 from pagedllm.models.fused_linear import SINGLE
+from pagedllm.models.mlp import GatedMLP
 from pagedllm.models.moe_config import MoeConfig
 
 

@@ -1,6 +1,6 @@
 """`LLM(data_parallel_size=N)`: N engine processes for offline batch jobs, behind the router core.
 
-Each replica is a spawned process running a one-replica `LLM` (its share of the CPU cores unless
+Each replica is a spawned process running one `LLMEngine` (its share of the CPU cores unless
 `cpu_threads` says otherwise) that publishes its KV events on an ipc socket; this process keeps
 the router core (`pagedllm._core.Router`, cache-aware) fed by those events, routes every prompt
 of a `generate` call (prompts sharing a prefix go to the replica holding it, or to the one the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,8 @@ from multiprocessing.connection import wait
 
 from pagedllm._core import Router
 from pagedllm.config import EngineArgs
+from pagedllm.engine import LLMEngine
+from pagedllm.engine.batch import generate_batch
 from pagedllm.executor.errors import EngineDeadError, ReplicaDiedError
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 from pagedllm.models.loader import load_model_config
@@ -76,10 +79,9 @@ def _serve_replica(payload) -> int:
     """A replica process: builds its engine, says "ready", then runs each `generate` it is
     sent until it gets None (or its pipe closes)."""
     conn, args = payload
-    from pagedllm.llm import LLM
-
+    request_ids = itertools.count()
     try:
-        llm = LLM.from_engine_args(args)
+        engine = LLMEngine.from_engine_args(args)
     except Exception as exc:
         conn.send(("error", _portable(exc)))
         return 1
@@ -93,9 +95,8 @@ def _serve_replica(payload) -> int:
             return 0
         try:
             prompts, params, priority, lora_request = message
-            outputs = llm.generate(
-                prompts, params, priority=priority, lora_request=lora_request, use_tqdm=False
-            )
+            ids = [f"{next(request_ids)}" for _ in prompts]
+            outputs = generate_batch(engine, ids, prompts, params, priority, lora_request)
             conn.send(("ok", outputs))
         except Exception as exc:
             conn.send(("error", _portable(exc)))

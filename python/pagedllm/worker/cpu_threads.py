@@ -14,9 +14,9 @@ stalling the call (with a CPU hog on one of 2 cores, 0.67x the quiet output).
 
 Wait policy: libgomp's OpenMP workers (torch's CPU wheels) spin for up to milliseconds after
 each parallel region before they sleep, on cores that the Rust kernels' threads, the front end
-and other processes want in between. `prefer_passive_openmp` asks for `OMP_WAIT_POLICY=PASSIVE`
-(sleep at once) unless the user chose a wait policy; libgomp reads it once, when torch loads it,
-so `import pagedllm` calls it before anything imports torch.
+and other processes want in between. `import pagedllm` asks for `OMP_WAIT_POLICY=PASSIVE` (sleep
+at once) unless the user chose a wait policy (`pagedllm/__init__.py`); libgomp reads it once,
+when torch loads it, so the package's root sets it before anything imports torch.
 """
 
 from __future__ import annotations
@@ -25,15 +25,6 @@ import os
 from pathlib import Path
 
 _TOPOLOGY = Path("/sys/devices/system/cpu")
-# variables by which a user chooses libgomp's wait policy themselves
-_WAIT_POLICY_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def prefer_passive_openmp() -> None:
-    """Sets OMP_WAIT_POLICY=PASSIVE unless a wait policy is already chosen. Effective only
-    before torch is imported (libgomp reads it at load)."""
-    if not any(os.environ.get(name) for name in _WAIT_POLICY_ENV):
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def _allowed_cpus() -> list[int]:

@@ -1,6 +1,6 @@
 """A GGUF file's tensors -> the decoder's parameters, quantized weights kept in their type.
 
-The decoder's layout (`models/loader.py`: fused q/k/v and gate/up, Hugging Face names) is reused:
+The decoder's layout (`models/layout.py`: fused q/k/v and gate/up, Hugging Face names) is reused:
 each Hugging Face name maps to one GGUF tensor (`gguf_tensor_name`), so the shape checks and the
 tensor-parallel slices (`shard_of`) are the safetensors loader's own rules.
 
@@ -35,7 +35,7 @@ from pagedllm.distributed.layers import QuantEmbedding, TPShard
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.fused_linear import SINGLE
-from pagedllm.models.loader import checkpoint_layout, expected_shapes, shard_of
+from pagedllm.models.layout import checkpoint_layout, expected_shapes, shard_of
 
 logger = logging.getLogger(__name__)
 
