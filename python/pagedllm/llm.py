@@ -127,24 +127,24 @@ class LLM:
         or to each of a list of conversations; one RequestOutput per conversation
         (`lora_request`: as in `generate`).
 
-        Messages are rendered as the server renders them (`pagedllm.entrypoints.chat`):
+        Messages are rendered as the server renders them (`pagedllm.chat.template`):
         `chat_template` (a Jinja2 template, or a file holding one), else the checkpoint's own,
         else `DEFAULT_CHAT_TEMPLATE`; with `tools` (OpenAI function tools) and
         `chat_template_kwargs` (e.g. `{"enable_thinking": False}`).
 
-        Tools and reasoning as on the server (`pagedllm.entrypoints.chat_tools`): `tool_choice`
+        Tools and reasoning as on the server (`pagedllm.chat.tools`): `tool_choice`
         "none", "required", `{"type": "function", "function": {"name": ...}}` or "auto" (the
         default when `tool_parser`, "hermes" or "llama3_json", is given; else "none").
         With calls to parse or a `reasoning_parser` ("qwen3", "deepseek_r1"), each completion
         also has `reasoning`, `content` and `tool_calls` (see `CompletionOutput`).
         """
-        from pagedllm.entrypoints.chat import (
+        from pagedllm.chat.template import (
             checkpoint_chat_template,
             encode_chat,
             load_chat_template,
             render_chat,
         )
-        from pagedllm.entrypoints.chat_tools import ChatOptions, finish_reason, plan_chat
+        from pagedllm.chat.tools import ChatOptions, finish_reason, plan_chat
 
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             conversations = [messages]

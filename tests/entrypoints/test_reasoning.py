@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.entrypoints.chat import render_chat
-from pagedllm.entrypoints.chat_tools import ChatOptions
+from pagedllm.chat.template import render_chat
+from pagedllm.chat.tools import ChatOptions
 
 from server_util import live_server
 

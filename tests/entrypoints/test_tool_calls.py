@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedllm.entrypoints.chat_tools import ChatOptions
+from pagedllm.chat.tools import ChatOptions
 
 from server_util import live_server
 

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.spec_decode",),  # SpecDecoder, the draft model (a second runner-like user)
     ("pagedllm.kv_events",),  # KV events: the publisher (engine side), the subscriber (router)
     ("pagedllm.engine",),  # the step loop over all of the above
+    ("pagedllm.chat",),  # chat rendering, tool and reasoning parsers: the server's and LLM's
     # user entry points; the data-parallel router in front of `serve` processes
     ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.router", "pagedllm.cli", ROOT),
 ]
@@ -230,6 +231,15 @@ def test_models_never_import_the_worker():
         where
         for module, target, where in import_edges()
         if module.startswith("pagedllm.models") and target.startswith("pagedllm.worker")
+    ]
+    assert edges == []
+
+
+def test_the_offline_api_never_imports_the_server():
+    edges = [
+        where
+        for module, target, where in import_edges()
+        if module == "pagedllm.llm" and target.startswith("pagedllm.entrypoints")
     ]
     assert edges == []
 

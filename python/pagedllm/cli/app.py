@@ -587,9 +587,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return _serve_data_parallel(args)
+    from pagedllm.chat.template import load_chat_template
+    from pagedllm.chat.tools import ChatOptions, structured_outputs_config
     from pagedllm.entrypoints.api_server import ServerConfig, build_server_app, run_server
-    from pagedllm.entrypoints.chat import load_chat_template
-    from pagedllm.entrypoints.chat_tools import ChatOptions, structured_outputs_config
     from pagedllm.models.gguf import served_model_name
 
     _check_device(args.device)

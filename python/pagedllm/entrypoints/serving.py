@@ -17,9 +17,9 @@ from typing import Any
 
 from fastapi import Request
 
+from pagedllm.chat.template import checkpoint_chat_template, encode_chat, render_chat
+from pagedllm.chat.tools import ChatOptions
 from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, EngineDeadError
-from pagedllm.entrypoints.chat import checkpoint_chat_template, encode_chat, render_chat
-from pagedllm.entrypoints.chat_tools import ChatOptions
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest

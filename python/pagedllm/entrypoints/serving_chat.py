@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.entrypoints.chat_tools import ChatPlan, ChatRequestError, finish_reason, plan_chat
+from pagedllm.chat.tools import ChatPlan, ChatRequestError, finish_reason, plan_chat
 from pagedllm.entrypoints.errors import APIError, bad_request
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.serving import (

@@ -3,9 +3,9 @@ or streamed (see base.py), and gives the grammar that keeps the calls it opens w
 
 from __future__ import annotations
 
-from pagedllm.entrypoints.tool_parsers.base import PartialCall, ToolCallDeltas, ToolParser
-from pagedllm.entrypoints.tool_parsers.hermes import HermesToolParser
-from pagedllm.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
+from pagedllm.chat.tool_parsers.base import PartialCall, ToolCallDeltas, ToolParser
+from pagedllm.chat.tool_parsers.hermes import HermesToolParser
+from pagedllm.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)

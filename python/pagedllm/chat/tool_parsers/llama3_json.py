@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedllm.entrypoints.tool_parsers.base import (
+from pagedllm.chat.tool_parsers.base import (
     PartialCall,
     ToolParser,
     blank_to_none,

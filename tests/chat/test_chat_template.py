@@ -1,11 +1,11 @@
-"""Chat rendering (`entrypoints/chat.py`), shared by the server and `LLM.chat`."""
+"""Chat rendering (`chat/template.py`), shared by the server and `LLM.chat`."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.chat import encode_chat, load_chat_template, render_chat
+from pagedllm.chat.template import encode_chat, load_chat_template, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

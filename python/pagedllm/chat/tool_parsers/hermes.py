@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from pagedllm.entrypoints.tool_parsers.base import (
+from pagedllm.chat.tool_parsers.base import (
     PartialCall,
     ToolParser,
     blank_to_none,

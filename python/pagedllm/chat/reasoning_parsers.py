@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pagedllm.entrypoints.tool_parsers.base import held_back
+from pagedllm.chat.tool_parsers.base import held_back
 
 START, END = "<think>", "</think>"
 # the thinking ends at the first `</think>` (lazy); the whitespace after it is no answer's

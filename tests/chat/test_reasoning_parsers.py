@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.entrypoints.reasoning_parsers import get_reasoning_parser
+from pagedllm.chat.reasoning_parsers import get_reasoning_parser
 
 
 @pytest.mark.parametrize(

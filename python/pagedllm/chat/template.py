@@ -200,7 +200,7 @@ def render_chat(
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(extra))
     if reserved:
-        from pagedllm.entrypoints.chat_tools import ChatRequestError
+        from pagedllm.chat.tools import ChatRequestError
 
         raise ChatRequestError(
             f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"

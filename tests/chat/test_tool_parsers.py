@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pagedllm.entrypoints.chat_tools import NamedCall, RequiredCalls
-from pagedllm.entrypoints.tool_parsers import ToolCallDeltas, get_tool_parser
+from pagedllm.chat.tool_parsers import ToolCallDeltas, get_tool_parser
+from pagedllm.chat.tools import NamedCall, RequiredCalls
 
 HERMES_TWO_CALLS = (
     "Let me look.\n"

@@ -34,9 +34,9 @@ from typing import Any
 
 import llguidance
 
-from pagedllm.entrypoints.reasoning_parsers import ReasoningParser, get_reasoning_parser
-from pagedllm.entrypoints.tool_parsers import ToolCallDeltas, ToolParser, get_tool_parser
-from pagedllm.entrypoints.tool_parsers.base import (
+from pagedllm.chat.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from pagedllm.chat.tool_parsers import ToolCallDeltas, ToolParser, get_tool_parser
+from pagedllm.chat.tool_parsers.base import (
     PartialCall,
     arguments_text,
     blank_to_none,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.entrypoints.chat_tools import ChatOptions, ChatRequestError, plan_chat
+from pagedllm.chat.tools import ChatOptions, ChatRequestError, plan_chat
 from pagedllm.structured_output import StructuredOutputsParams
 from pagedllm.structured_output.compiler import compile_params
 from pagedllm.structured_output.vocab import ll_tokenizer
