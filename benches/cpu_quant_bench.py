@@ -5,7 +5,11 @@ the weight's bytes: GB/s is those bytes over the time (the float32 kernel reads 
 weight, Q4_0 0.5625); prefill (512 rows) by arithmetic: GFLOP/s is 2·M·N·K over the time.
 
     python benches/cpu_quant_bench.py [--shapes 1536x576 5632x2048] [--rows 1 512]
-        [--types Q8_0 Q4_K ...] [--repeats 9] [--threads 1]
+        [--types Q8_0 Q4_K ...] [--repeats 9] [--threads 1] [--int8-activations]
+
+`--int8-activations` times a third call, alternated with the two: `quant_linear(...,
+int8_activations=True)` (x quantized to 8 bits, integer dots; decode rows of the 32-element block
+types only, the rest is the same path), its ms and its speed against the float32-activation call.
 """
 
 from __future__ import annotations
@@ -59,15 +63,24 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1, help="torch's (and so the kernels') threads")
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="also time quant_linear(..., int8_activations=True)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     types = [int(GGMLQuantizationType[name]) for name in args.types]
     print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated with f32")
+    int8_head = " int8 ms | int8 vs quant |" if args.int8_activations else ""
     print(
         "| shape N x K | rows | type | bytes/weight | ms | f32 ms | speed vs f32 "
-        "| weight GB/s | GFLOP/s |"
+        "| weight GB/s | GFLOP/s |" + int8_head
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        + " ---: |" * (2 * bool(int8_head))
+    )
     with torch.inference_mode():
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
@@ -84,17 +97,25 @@ def main() -> int:
                         "quant": lambda x=x, w=w: cpu_quant.quant_linear(x, w, None),
                         "f32": lambda x=x, p=packed: cpu_linear.linear(x, p.panels, None, p),
                     }
-                    times = {"quant": [], "f32": []}
+                    if args.int8_activations:
+                        calls["int8"] = lambda x=x, w=w: cpu_quant.quant_linear(
+                            x, w, None, int8_activations=True
+                        )
+                    times = {name: [] for name in calls}
                     for _ in range(3):  # three rounds, alternated: both see the same load
                         for name, call in calls.items():
                             times[name].append(median_seconds(call, args.repeats))
                     tq = statistics.median(times["quant"])
                     tf = statistics.median(times["f32"])
+                    int8_cols = ""
+                    if args.int8_activations:
+                        ti = statistics.median(times["int8"])
+                        int8_cols = f" {ti * 1e3:.3f} | {tq / ti:.2f}x |"
                     print(
                         f"| {n} x {k} | {m} | {cpu_quant.type_name(qtype)} "
                         f"| {rows.nbytes / (n * k):.4g} | {tq * 1e3:.3f} | {tf * 1e3:.3f} "
                         f"| {tf / tq:.2f}x | {rows.nbytes / tq / 1e9:.1f} "
-                        f"| {2 * m * n * k / tq / 1e9:.1f} |",
+                        f"| {2 * m * n * k / tq / 1e9:.1f} |" + int8_cols,
                         flush=True,
                     )
     return 0

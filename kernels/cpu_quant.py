@@ -6,10 +6,17 @@ bytes as the file stores them (`uint8 [rows, row_bytes]`, possibly a view of the
 fused projections of a Q4_K_M file mix types. `quant_linear` multiplies float32 activations by
 the weights dequantized on the fly with float32 sums, so it equals `x @ dequantize(w).T` up to
 summation order; one Rust call per layer, whatever the number of segments.
+
+`quant_linear(..., int8_activations=True)` instead quantizes decode rows of x (up to 8) to 8 bits
+per 32 elements and takes integer dot products with the rows of the 32-element block types
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), as llama.cpp does: faster, at the cost of x's rounding. The
+engine's quantized layers turn it on when `PAGEDLLM_QUANT_ACTIVATIONS=int8` (`INT8_ACTIVATIONS`,
+read once at import).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +33,21 @@ SUPPORTED: frozenset[int] = frozenset(
 )
 # the types `quantize` writes (llama.cpp's reference rounding)
 QUANTIZABLE: frozenset[int] = frozenset({Q8_0, Q4_0})
+
+ACTIVATIONS_ENV = "PAGEDLLM_QUANT_ACTIVATIONS"
+
+
+def activations_from_env() -> bool:
+    """Whether `ACTIVATIONS_ENV` asks the engine's quantized layers for 8-bit activations:
+    "int8" yes, "f32" or unset no; ValueError naming any other value."""
+    value = os.environ.get(ACTIVATIONS_ENV, "f32")
+    if value not in ("f32", "int8"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected 'f32' (the default) or 'int8'")
+    return value == "int8"
+
+
+# what the engine's quantized layers pass as `int8_activations`
+INT8_ACTIVATIONS: bool = activations_from_env()
 
 
 def type_name(qtype: int) -> str:
@@ -108,8 +130,12 @@ def make_weight(segments: list[tuple[int, Tensor]], in_features: int) -> QuantWe
     return QuantWeight(tuple(parts), in_features)
 
 
-def quant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
-    """`x @ W.T (+ bias)`: float32 `x [..., in_features]` -> float32 `[..., out_features]`."""
+def quant_linear(
+    x: Tensor, w: QuantWeight, bias: Tensor | None, *, int8_activations: bool = False
+) -> Tensor:
+    """`x @ W.T (+ bias)`: float32 `x [..., in_features]` -> float32 `[..., out_features]`.
+    `int8_activations`: up to 8 rows of x quantized to 8 bits per 32 elements and multiplied by
+    the rows of the 32-element block types with integer dot products (the rest as without)."""
     if x.dtype != torch.float32:
         raise TypeError(f"quant_linear takes float32 activations, got {x.dtype}")
     rows = x.reshape(-1, w.in_features).contiguous()
@@ -120,6 +146,7 @@ def quant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
         None if bias is None else bias.detach().float().contiguous().numpy(),
         out.numpy(),
         torch.get_num_threads(),
+        int8_activations,
     )
     return out.view(*x.shape[:-1], w.out_features)
 

@@ -807,9 +807,13 @@ def cpu_quant_linear(
     bias: _F32Array | None,
     out: _F32Array,
     num_threads: int,
+    int8_activations: bool = False,
 ) -> None:
     """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with ``W`` dequantized on the fly (sums in
     float32: ``x @ dequantize(W).T`` up to summation order); ``num_threads`` workers at most.
+    ``int8_activations``: up to 8 rows of x quantized to 8 bits per 32 elements (scale
+    ``max|x| / 127``), multiplied by the rows of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 with integer
+    dot products, each block's sum scaled in float32.
     ``ValueError`` for an unsupported type, bytes that are not whole rows, or shapes that do not
     fit."""
 

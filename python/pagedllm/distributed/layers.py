@@ -119,7 +119,7 @@ def _quant_linear(x: Tensor, quant: QuantWeight, bias: Tensor | None) -> Tensor:
     # imported here: only quantized models need the quantized kernels
     from pagedllm.kernels import cpu_quant
 
-    return cpu_quant.quant_linear(x, quant, bias)
+    return cpu_quant.quant_linear(x, quant, bias, int8_activations=cpu_quant.INT8_ACTIVATIONS)
 
 
 def _quant_embedding(ids: Tensor, quant: QuantWeight) -> Tensor:

@@ -6,7 +6,7 @@ use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUnty
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cpu::quant::{self, QType, QuantMatrix, Segment};
+use crate::cpu::quant::{self, Activations, QType, QuantMatrix, Segment};
 
 /// A weight's segments as Python passes them: `(ggml type code, uint8 [rows, row_bytes])`.
 type Segments<'py> = Vec<(u32, PyReadonlyArray2<'py, u8>)>;
@@ -52,9 +52,10 @@ fn cpu_quant_block_shape(qtype: u32) -> PyResult<(usize, usize)> {
 }
 
 /// `out [M, N] = x [M, K] @ W.T (+ bias [N])` for the weight of `segments` (`K` =
-/// `in_features` = x's columns); float32, contiguous; `num_threads` workers at most.
+/// `in_features` = x's columns); float32, contiguous; `num_threads` workers at most;
+/// `int8_activations`: decode rows by 8-bit activations and integer dots (`Activations::Int8`).
 #[pyfunction]
-#[pyo3(signature = (x, segments, bias, out, num_threads))]
+#[pyo3(signature = (x, segments, bias, out, num_threads, int8_activations=false))]
 fn cpu_quant_linear(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
@@ -62,6 +63,7 @@ fn cpu_quant_linear(
     bias: Option<PyReadonlyArray1<'_, f32>>,
     out: &Bound<'_, PyAny>,
     num_threads: usize,
+    int8_activations: bool,
 ) -> PyResult<()> {
     let w = matrix(&segments, x.shape()[1])?;
     let bias = bias
@@ -73,7 +75,12 @@ fn cpu_quant_linear(
         .transpose()?;
     let mut out = writeable::<f32>(out, "float32")?;
     let (x, out) = (x.as_array(), out.as_array_mut());
-    py.detach(|| quant::quant_linear(x, &w, bias, out, num_threads))?;
+    let activations = if int8_activations {
+        Activations::Int8
+    } else {
+        Activations::F32
+    };
+    py.detach(|| quant::quant_linear_with(x, &w, bias, out, num_threads, activations))?;
     Ok(())
 }
 

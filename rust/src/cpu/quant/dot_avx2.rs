@@ -18,7 +18,7 @@ pub fn fused(t: QType) -> bool {
 
 /// The f16 at `b` as f32, by F16C (branch-free: a scale a block is on the hot path).
 #[inline(always)]
-unsafe fn half(b: *const u8) -> f32 {
+pub(super) unsafe fn half(b: *const u8) -> f32 {
     let h = i32::from(u16::from_le_bytes([*b, *b.add(1)]));
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))
 }
@@ -72,7 +72,7 @@ unsafe fn sub_block<const R: usize>(
 
 /// Bytes whose bit 4 is bit i of `qh` (byte i of 32).
 #[inline(always)]
-unsafe fn bit4_of_each(qh: u32) -> __m256i {
+pub(super) unsafe fn bit4_of_each(qh: u32) -> __m256i {
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(qh as i32),
         _mm256_setr_epi64x(
@@ -90,7 +90,7 @@ unsafe fn bit4_of_each(qh: u32) -> __m256i {
 
 /// The 32 nibbles of Q4_0 / Q4_1's 16 bytes: low nibbles first, then high.
 #[inline(always)]
-unsafe fn nibbles32(qs: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles32(qs: *const u8) -> __m256i {
     let v = _mm_loadu_si128(qs.cast());
     let mask = _mm_set1_epi8(0xF);
     let lo = _mm_and_si128(v, mask);

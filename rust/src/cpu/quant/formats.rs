@@ -213,7 +213,7 @@ fn q4_1(b: &[u8], y: &mut [f32]) {
 
 /// Element j's 5-bit value: Q4_0's nibble plus bit j of `qh` as bit 4.
 #[inline(always)]
-fn five_bits(qs: &[u8], qh: u32, j: usize) -> u8 {
+pub(super) fn five_bits(qs: &[u8], qh: u32, j: usize) -> u8 {
     let nibble = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
     nibble | ((((qh >> j) & 1) as u8) << 4)
 }

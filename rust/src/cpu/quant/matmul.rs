@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
+use super::int8::{self, QuantizedRows};
 use super::{dequantize_range, fast, QuantMatrix};
 use crate::cpu::linear::{linear, PANEL};
 use crate::cpu::{invalid, pool, simd};
@@ -25,6 +26,16 @@ const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of rows a call is cut into per thread, claimed by whichever thread is free.
 const CHUNKS_PER_THREAD: usize = 4;
 
+/// How `quant_linear_with` multiplies the activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// As f32: the weights dequantized (exact up to f32 summation).
+    F32,
+    /// Up to `DECODE_MAX_ROWS` rows of x, rows of the 32-element block types by x quantized to
+    /// 8 bits per 32 elements and integer dot products (`int8`); the rest as `F32`.
+    Int8,
+}
+
 /// `out [M, N] = x [M, K] · W^T + bias` for the weight `w [N, K]`; x and out contiguous.
 /// `num_threads` threads at most (the caller and parked workers of the kernels' pool), each
 /// taking runs of output rows (columns of out).
@@ -32,8 +43,20 @@ pub fn quant_linear(
     x: ArrayView2<f32>,
     w: &QuantMatrix<'_>,
     bias: Option<&[f32]>,
+    out: ArrayViewMut2<f32>,
+    num_threads: usize,
+) -> Result<()> {
+    quant_linear_with(x, w, bias, out, num_threads, Activations::F32)
+}
+
+/// `quant_linear`, the activations multiplied as `activations` says.
+pub fn quant_linear_with(
+    x: ArrayView2<f32>,
+    w: &QuantMatrix<'_>,
+    bias: Option<&[f32]>,
     mut out: ArrayViewMut2<f32>,
     num_threads: usize,
+    activations: Activations,
 ) -> Result<()> {
     let (m, k) = x.dim();
     let n = w.n();
@@ -73,8 +96,15 @@ pub fn quant_linear(
     } else {
         Vec::new()
     };
+    // quantized once per call, read by every share
+    let int8_rows = activations == Activations::Int8
+        && m <= DECODE_MAX_ROWS
+        && k % 32 == 0
+        && w.segments.iter().any(|s| int8::takes(s.qtype));
+    let xq = int8_rows.then(|| QuantizedRows::new(x, k));
     let ctx = Ctx {
         x,
+        xq: xq.as_ref(),
         xsum: &xsum,
         w,
         bias,
@@ -118,6 +148,8 @@ unsafe impl Sync for OutPtr {}
 struct Ctx<'a, 'w> {
     /// `[m, k]`.
     x: &'a [f32],
+    /// x quantized to 8 bits (`Activations::Int8` at decode row counts), or None.
+    xq: Option<&'a QuantizedRows>,
     /// `[m, k / 32]`: the sums of x's 32-element runs (decode rows on the AVX2 path), or empty.
     xsum: &'a [f32],
     w: &'a QuantMatrix<'w>,
@@ -166,6 +198,10 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let mut sums = [0.0f32; DECODE_MAX_ROWS];
     for r in rows {
         let (t, row) = ctx.w.row(r);
+        if let Some(xq) = ctx.xq.filter(|_| int8::takes(t)) {
+            int8_row::<F>(ctx, xq, t, row, r);
+            continue;
+        }
         #[cfg(target_arch = "x86_64")]
         if F && !ctx.xsum.is_empty() && super::dot_avx2::fused(t) {
             // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
@@ -187,6 +223,42 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         for (i, s) in sums[..m].iter().enumerate() {
             ctx.put(i, r, *s);
         }
+    }
+}
+
+/// Row `r` (type `t`, `int8::takes(t)`, bytes `row`) dotted with every row of x quantized
+/// (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it.
+#[inline(always)]
+fn int8_row<const F: bool>(
+    ctx: &Ctx<'_, '_>,
+    xq: &QuantizedRows,
+    t: super::QType,
+    row: &[u8],
+    r: usize,
+) {
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    while F && i < ctx.m {
+        use int8::row_dots_avx2;
+        let x = |j: usize| xq.row(i + j);
+        let k = ctx.k;
+        // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
+        // `takes(t)`, the row and the rows of x hold k elements.
+        let dots: &[f32] = unsafe {
+            match ctx.m - i {
+                1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
+                2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
+                3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
+                _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+            }
+        };
+        for (j, v) in dots.iter().enumerate() {
+            ctx.put(i + j, r, *v);
+        }
+        i += dots.len();
+    }
+    for i in i..ctx.m {
+        ctx.put(i, r, int8::row_dot(t, row, xq.row(i)));
     }
 }
 

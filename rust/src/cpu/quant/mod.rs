@@ -17,6 +17,7 @@
 mod dot_avx2;
 pub mod formats;
 mod formats_avx2;
+mod int8;
 mod matmul;
 mod quantize;
 
@@ -26,7 +27,7 @@ mod tests;
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 pub use formats::QType;
-pub use matmul::quant_linear;
+pub use matmul::{quant_linear, quant_linear_with, Activations};
 
 use super::invalid;
 use crate::error::Result;

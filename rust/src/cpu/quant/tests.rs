@@ -425,3 +425,147 @@ fn panels_are_the_rows_transposed_on_either_path() {
         }
     }
 }
+
+const INT8_TYPES: [QType; 5] = [
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+];
+
+#[test]
+fn int8_activations_are_codes_of_at_most_127_times_a_scale_per_32_elements() {
+    let x: Vec<f32> = floats(64, 1.0).iter().map(|v| v * 3.0).collect();
+    let q = int8::QuantizedRows::new(&x, 64);
+    let row = q.row(0);
+    for (b, c) in x.chunks_exact(32).enumerate() {
+        let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        assert_eq!(row.d[b], amax / 127.0);
+        let codes = &row.q[32 * b..32 * b + 32];
+        assert_eq!(codes.iter().map(|v| v.unsigned_abs()).max(), Some(127));
+        for (v, code) in c.iter().zip(codes) {
+            assert!((v - row.d[b] * f32::from(*code)).abs() <= row.d[b] / 2.0 * 1.0001);
+        }
+        let sum: i32 = codes.iter().map(|v| i32::from(*v)).sum();
+        assert_eq!(row.s[b], row.d[b] * sum as f32);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int8_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
+    if !formats_avx2::available() {
+        return;
+    }
+    let k = 256;
+    let x: Vec<f32> = floats(4 * k, 0.5);
+    let xq = int8::QuantizedRows::new(&x, k);
+    let rows: [int8::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
+    for t in INT8_TYPES {
+        // random bytes: Q8_0 codes of -128 included
+        let data = random_rows(t, 4, k, t as u64 + 11);
+        let bytes = t.row_bytes(k).unwrap();
+        for row in data.chunks_exact(bytes) {
+            let portable: Vec<u32> = rows
+                .iter()
+                .map(|x| int8::row_dot(t, row, *x).to_bits())
+                .collect();
+            // SAFETY: the CPU has avx2, fma and f16c (checked above); rows of k elements
+            let (one, four) = unsafe {
+                (
+                    int8::row_dots_avx2::<1>(t, row, k, &[rows[2]]),
+                    int8::row_dots_avx2::<4>(t, row, k, &rows),
+                )
+            };
+            assert_eq!(one[0].to_bits(), portable[2], "{}", t.name());
+            assert_eq!(four.map(f32::to_bits).to_vec(), portable, "{}", t.name());
+        }
+    }
+}
+
+#[test]
+fn int8_row_dots_are_close_to_the_dequantized_rows_dot() {
+    let k = 512;
+    let x = floats(k, 2.0);
+    let xq = int8::QuantizedRows::new(&x, k);
+    for t in INT8_TYPES {
+        let data = random_rows(t, 1, k, t as u64 + 5);
+        let mut w = vec![0.0; k];
+        dequantize_blocks(t, &data, &mut w);
+        let exact: f64 = x.iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum();
+        // each x within half a code of its block: d / 2 = (max |x| of the block) / 254
+        let bound: f64 = (0..k)
+            .map(|i| w[i].abs() as f64 * xq.row(0).d[i / 32] as f64 / 2.0)
+            .sum();
+        let got = int8::row_dot(t, &data, xq.row(0)) as f64;
+        assert!(
+            (got - exact).abs() <= bound * 1.001 + 1e-6,
+            "{}: {got} vs {exact}",
+            t.name()
+        );
+    }
+}
+
+#[test]
+fn quant_linear_int8_takes_decode_rows_of_block_32_types_and_leaves_the_rest_exact() {
+    let k = 256;
+    let types = [
+        QType::Q4_1,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::F16,
+        QType::Q5_0,
+    ];
+    let rows = [5, 3, 9, 2, 4];
+    let data: Vec<Vec<u8>> = types
+        .iter()
+        .zip(rows)
+        .map(|(t, r)| random_rows(*t, r, k, r as u64 + 40))
+        .collect();
+    let segments = types
+        .iter()
+        .zip(rows)
+        .zip(&data)
+        .map(|((t, r), d)| Segment {
+            qtype: *t,
+            data: d,
+            rows: r,
+        })
+        .collect();
+    let w = QuantMatrix::new(segments, k).unwrap();
+    let n = w.n();
+    let bias = floats(n, 7.0);
+    for m in [1, 5, 8, 9] {
+        let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32)).unwrap();
+        let mut exact = Array2::zeros((m, n));
+        quant_linear(x.view(), &w, Some(&bias), exact.view_mut(), 1).unwrap();
+        let xq = int8::QuantizedRows::new(x.as_slice().unwrap(), k);
+        for threads in [1, 2] {
+            let mut out = Array2::from_elem((m, n), f32::NAN);
+            let int8 = Activations::Int8;
+            quant_linear_with(x.view(), &w, Some(&bias), out.view_mut(), threads, int8).unwrap();
+            for c in 0..n {
+                let (t, row) = w.row(c);
+                for i in 0..m {
+                    let want = if m <= matmul::DECODE_MAX_ROWS && int8::takes(t) {
+                        int8::row_dot(t, row, xq.row(i)) + bias[c]
+                    } else {
+                        exact[[i, c]]
+                    };
+                    assert_eq!(out[[i, c]].to_bits(), want.to_bits(), "m {m} row {c}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_activations_keep_a_nan_of_x_in_the_products() {
+    let k = 64;
+    let data = random_rows(QType::Q8_0, 1, k, 3);
+    let mut x = floats(k, 1.0);
+    x[40] = f32::NAN;
+    let xq = int8::QuantizedRows::new(&x, k);
+    assert!(int8::row_dot(QType::Q8_0, &data, xq.row(0)).is_nan());
+}

@@ -1,0 +1,261 @@
+//! The decode path's optional integer products for the 32-element block types (Q8_0, Q4_0,
+//! Q4_1, Q5_0, Q5_1), as llama.cpp computes them: each row of x is quantized once per call to
+//! 8-bit codes with an f32 scale per 32 elements (`QuantizedRows`), and each block's product
+//! is a sum of integer products (exact) scaled once: `Σ_blocks d_w·d_x · Σ q_w·q_x` (plus
+//! `m_w · d_x·Σ q_x` for the types with a min). A weight costs a byte multiply-add instead of
+//! a widening, a convert and an f32 multiply-add; the price is x's rounding to 8 bits.
+//!
+//! The integer sums of each block are kept as 8 partial sums of 4 consecutive elements (the
+//! lanes AVX2's `maddubs` + `madd` leave), each scaled and added to its own f32 lane with a
+//! separate multiply and add (no fused multiply-add), and the lanes summed in one fixed order:
+//! the AVX2 rows (`row_dots_avx2`) and the portable ones (`row_dot`) agree bit for bit.
+use super::formats::{f16_to_f32, five_bits, QType};
+
+/// Elements per block of x (and of every type taken here).
+const QK: usize = 32;
+
+/// Whether the integer path takes rows of this type (the others keep the f32 path).
+pub fn takes(t: QType) -> bool {
+    matches!(
+        t,
+        QType::Q8_0 | QType::Q4_0 | QType::Q4_1 | QType::Q5_0 | QType::Q5_1
+    )
+}
+
+/// Rows of x `[m, k]` as blocks of 32 codes `q` in -127..=127 with the scale `d` = max |x| /
+/// 127 of the block (x ≈ d·q), and `s` = d · Σ q (what the min of a Q4_1 / Q5_1 block
+/// multiplies). A block holding a NaN or an infinity gets a NaN scale: its products are NaN,
+/// as the f32 path's would be.
+pub struct QuantizedRows {
+    /// `[m, k]`.
+    q: Vec<i8>,
+    /// `[m, k / 32]`.
+    d: Vec<f32>,
+    /// `[m, k / 32]`.
+    s: Vec<f32>,
+    k: usize,
+}
+
+/// One row of `QuantizedRows`.
+#[derive(Clone, Copy)]
+pub struct Row<'a> {
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub s: &'a [f32],
+}
+
+impl QuantizedRows {
+    /// `x [m, k]` quantized; `k` a multiple of 32.
+    pub fn new(x: &[f32], k: usize) -> Self {
+        assert!(k.is_multiple_of(QK) && x.len().is_multiple_of(k.max(1)));
+        let blocks = x.len() / QK;
+        let mut rows = Self {
+            q: vec![0; x.len()],
+            d: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
+            k,
+        };
+        for (c, q) in x.chunks_exact(QK).zip(rows.q.chunks_exact_mut(QK)) {
+            let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let d = if c.iter().all(|v| v.is_finite()) {
+                amax / 127.0
+            } else {
+                f32::NAN
+            };
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (v, q) in c.iter().zip(q.iter_mut()) {
+                // |v · id| <= 127 up to rounding; `as` saturates (and takes NaN to 0)
+                *q = (v * id).round() as i8;
+                sum += i32::from(*q);
+            }
+            rows.d.push(d);
+            rows.s.push(d * sum as f32);
+        }
+        rows
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> Row<'_> {
+        let kb = self.k / QK;
+        Row {
+            q: &self.q[i * self.k..(i + 1) * self.k],
+            d: &self.d[i * kb..(i + 1) * kb],
+            s: &self.s[i * kb..(i + 1) * kb],
+        }
+    }
+}
+
+/// Block `b` of type `t` as its 32 codes (element order), scale and min (0 for the types
+/// without one): the weight is `d·q + m`.
+fn codes(t: QType, b: &[u8]) -> ([i8; QK], f32, f32) {
+    let half = |at: usize| f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
+    let mut q = [0i8; QK];
+    match t {
+        QType::Q8_0 => {
+            for (q, v) in q.iter_mut().zip(&b[2..34]) {
+                *q = *v as i8;
+            }
+            (q, half(0), 0.0)
+        }
+        QType::Q4_0 | QType::Q4_1 => {
+            let (qs, offset) = if t == QType::Q4_0 { (2, 8) } else { (4, 0) };
+            for (j, v) in b[qs..qs + 16].iter().enumerate() {
+                q[j] = (v & 0xF) as i8 - offset;
+                q[j + 16] = (v >> 4) as i8 - offset;
+            }
+            let m = if t == QType::Q4_1 { half(2) } else { 0.0 };
+            (q, half(0), m)
+        }
+        QType::Q5_0 | QType::Q5_1 => {
+            let (h, offset) = if t == QType::Q5_0 { (2, 16) } else { (4, 0) };
+            let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+            for (j, v) in q.iter_mut().enumerate() {
+                *v = five_bits(&b[h + 4..h + 20], qh, j) as i8 - offset;
+            }
+            let m = if t == QType::Q5_1 { half(2) } else { 0.0 };
+            (q, half(0), m)
+        }
+        _ => unreachable!("{} is not a 32-element block type", t.name()),
+    }
+}
+
+/// The lanes' sum in the order AVX2's horizontal sum takes them.
+#[inline(always)]
+fn lanes_sum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// `Σ_i w[i] · x[i]` of the weight row `row` (type `t`, `takes(t)`) and the quantized row `x`
+/// of as many elements, portably.
+pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
+    let bytes = t.block().1;
+    let mut acc = [0.0f32; 8];
+    let mut mins = 0.0f32;
+    for (blk, b) in row.chunks_exact(bytes).enumerate() {
+        let (w, dw, mw) = codes(t, b);
+        let xq = &x.q[blk * QK..(blk + 1) * QK];
+        let d = dw * x.d[blk];
+        for (lane, (w, xq)) in acc
+            .iter_mut()
+            .zip(w.chunks_exact(4).zip(xq.chunks_exact(4)))
+        {
+            let sum: i32 = w
+                .iter()
+                .zip(xq)
+                .map(|(a, b)| i32::from(*a) * i32::from(*b))
+                .sum();
+            *lane += d * sum as f32;
+        }
+        mins += mw * x.s[blk];
+    }
+    lanes_sum(acc) + mins
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use avx2::row_dots_avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::super::dot_avx2::{bit4_of_each, half, nibbles32};
+    use super::{Row, QK};
+    use crate::cpu::quant::QType;
+
+    /// Per row of x: the 8 f32 lanes and the mins' sum.
+    struct Acc<const R: usize> {
+        lanes: [__m256; R],
+        mins: [f32; R],
+    }
+
+    /// Adds block `blk` (codes `w`, scale `dw`, min `mw`) times block `blk` of each row of x.
+    /// `SIGNED`: `w` holds signed codes (multiplied as |w| · (x with w's sign), `maddubs`
+    /// taking one unsigned operand); otherwise codes in 0..=31.
+    #[inline(always)]
+    unsafe fn block<const R: usize, const SIGNED: bool>(
+        w: __m256i,
+        dw: f32,
+        mw: f32,
+        blk: usize,
+        x: &[Row<'_>; R],
+        acc: &mut Acc<R>,
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let aw = if SIGNED { _mm256_sign_epi8(w, w) } else { w };
+        for (r, x) in x.iter().enumerate() {
+            // block blk of row r: inside it (blk < k / 32)
+            let xq = _mm256_loadu_si256(x.q.as_ptr().add(QK * blk).cast());
+            let xq = if SIGNED { _mm256_sign_epi8(xq, w) } else { xq };
+            // pairs of products: |w| <= 128, |x| <= 127, so no i16 saturates
+            let lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xq), ones);
+            let d = _mm256_set1_ps(dw * *x.d.get_unchecked(blk));
+            let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
+            acc.lanes[r] = _mm256_add_ps(acc.lanes[r], scaled);
+            acc.mins[r] += mw * *x.s.get_unchecked(blk);
+        }
+    }
+
+    /// `row_dot` for each of the `R` rows of x, the weight row decoded once.
+    ///
+    /// # Safety
+    /// The CPU supports avx2, fma and f16c; `takes(t)`; `row` holds `k` elements of `t` and
+    /// each row of x `k`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn row_dots_avx2<const R: usize>(
+        t: QType,
+        row: &[u8],
+        k: usize,
+        x: &[Row<'_>; R],
+    ) -> [f32; R] {
+        let mut acc = Acc::<R> {
+            lanes: [_mm256_setzero_ps(); R],
+            mins: [0.0; R],
+        };
+        let bytes = t.block().1;
+        let b0 = row.as_ptr();
+        // one loop per type; block blk reads row[blk * bytes..(blk + 1) * bytes]
+        for blk in 0..k / QK {
+            let b = b0.add(blk * bytes);
+            match t {
+                QType::Q8_0 => {
+                    let w = _mm256_loadu_si256(b.add(2).cast());
+                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
+                }
+                QType::Q4_0 => {
+                    let w = _mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8));
+                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
+                }
+                QType::Q4_1 => {
+                    block::<R, false>(
+                        nibbles32(b.add(4)),
+                        half(b),
+                        half(b.add(2)),
+                        blk,
+                        x,
+                        &mut acc,
+                    );
+                }
+                QType::Q5_0 => {
+                    let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+                    let w = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
+                    let w = _mm256_sub_epi8(w, _mm256_set1_epi8(16));
+                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
+                }
+                QType::Q5_1 => {
+                    let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+                    let w = _mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh));
+                    block::<R, false>(w, half(b), half(b.add(2)), blk, x, &mut acc);
+                }
+                _ => unreachable!("{} is not a 32-element block type", t.name()),
+            }
+        }
+        let mut out = [0.0; R];
+        for (r, o) in out.iter_mut().enumerate() {
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc.lanes[r]);
+            *o = super::lanes_sum(lanes) + acc.mins[r];
+        }
+        out
+    }
+}
