@@ -1,7 +1,8 @@
 """`cpu_quant.quant_linear(..., int8_activations=True)` against a numpy reference that quantizes
 x the same way (8-bit codes, a float32 scale max|x| / 127 per 32 elements, rounded half away
 from zero) and takes the same integer dot products: each block's 8 lanes of 4 products scaled
-and added in float32 in the kernel's order, so the results are equal exactly, not closely."""
+and added in float32 in the kernel's order (even and odd blocks apart), so the results are equal
+exactly, not closely."""
 
 from __future__ import annotations
 
@@ -67,18 +68,21 @@ def _reference(x: np.ndarray, qtype: int, rows: np.ndarray, bias: np.ndarray) ->
     wq, dw, mw = _codes(qtype, rows)
     xq, dx, sx = _quantize_x(x)
     m, n = x.shape[0], rows.shape[0]
-    lanes = np.zeros((m, n, 8), dtype=np.float32)
-    mins = np.zeros((m, n), dtype=np.float32)
+    # even and odd blocks into separate lanes and mins (the kernel's two add chains)
+    lanes = np.zeros((2, m, n, 8), dtype=np.float32)
+    mins = np.zeros((2, m, n), dtype=np.float32)
     for blk in range(wq.shape[1]):
         ints = np.einsum("nlc,mlc->mnl", wq[:, blk].reshape(n, 8, 4), xq[:, blk].reshape(m, 8, 4))
         d = dw[None, :, blk] * dx[:, None, blk]
-        lanes = lanes + d[..., None] * ints.astype(np.float32)
-        mins = mins + mw[None, :, blk] * sx[:, None, blk]
-    a = lanes
+        lanes[blk % 2] = lanes[blk % 2] + d[..., None] * ints.astype(np.float32)
+        if qtype in (cpu_quant.Q4_1, cpu_quant.Q5_1):
+            mins[blk % 2] = mins[blk % 2] + mw[None, :, blk] * sx[:, None, blk]
+    a = lanes[0] + lanes[1]
     total = ((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + (
         (a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7])
     )
-    return (total + mins) + bias
+    total = total + (mins[0] + mins[1])
+    return total + bias
 
 
 def _weight(qtype: int, rows: np.ndarray, k: int) -> cpu_quant.QuantWeight:
@@ -88,7 +92,7 @@ def _weight(qtype: int, rows: np.ndarray, k: int) -> cpu_quant.QuantWeight:
 @pytest.mark.parametrize("rows_of_x", [1, 5, 8])
 @pytest.mark.parametrize("qtype", TYPES, ids=cpu_quant.type_name)
 def test_int8_activations_equal_the_integer_reference_exactly(qtype, rows_of_x):
-    k, n = 96, 7
+    k, n = 96, 7  # 3 blocks a row: the last without an odd partner
     rows = _random_rows(qtype, n, k, seed=qtype)
     x = np.random.default_rng(rows_of_x).standard_normal((rows_of_x, k)).astype(np.float32)
     bias = np.random.default_rng(1).standard_normal(n).astype(np.float32)

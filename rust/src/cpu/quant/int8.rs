@@ -7,8 +7,9 @@
 //!
 //! The integer sums of each block are kept as 8 partial sums of 4 consecutive elements (the
 //! lanes AVX2's `maddubs` + `madd` leave), each scaled and added to its own f32 lane with a
-//! separate multiply and add (no fused multiply-add), and the lanes summed in one fixed order:
-//! the AVX2 rows (`row_dots_avx2`) and the portable ones (`row_dot`) agree bit for bit.
+//! separate multiply and add (no fused multiply-add), even and odd blocks into two sets of
+//! lanes (two independent add chains), and the lanes summed in one fixed order: the AVX2 rows
+//! (`row_dots_avx2`) and the portable ones (`row_dot`) agree bit for bit.
 use super::formats::{f16_to_f32, five_bits, QType};
 
 /// Elements per block of x (and of every type taken here).
@@ -120,23 +121,30 @@ fn codes(t: QType, b: &[u8]) -> ([i8; QK], f32, f32) {
     }
 }
 
-/// The lanes' sum in the order AVX2's horizontal sum takes them.
+/// The even and odd blocks' lanes and mins summed, in the order of `row_dots_avx2`.
 #[inline(always)]
-fn lanes_sum(a: [f32; 8]) -> f32 {
-    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+fn total(even: [f32; 8], odd: [f32; 8], mins: [f32; 2]) -> f32 {
+    let a: [f32; 8] = std::array::from_fn(|j| even[j] + odd[j]);
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + (mins[0] + mins[1])
+}
+
+/// Whether blocks of `t` have a min (`d·q + m`: codes in 0..=31, unsigned).
+#[inline(always)]
+fn has_min(t: QType) -> bool {
+    matches!(t, QType::Q4_1 | QType::Q5_1)
 }
 
 /// `Σ_i w[i] · x[i]` of the weight row `row` (type `t`, `takes(t)`) and the quantized row `x`
 /// of as many elements, portably.
 pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
     let bytes = t.block().1;
-    let mut acc = [0.0f32; 8];
-    let mut mins = 0.0f32;
+    let mut acc = [[0.0f32; 8]; 2];
+    let mut mins = [0.0f32; 2];
     for (blk, b) in row.chunks_exact(bytes).enumerate() {
         let (w, dw, mw) = codes(t, b);
         let xq = &x.q[blk * QK..(blk + 1) * QK];
         let d = dw * x.d[blk];
-        for (lane, (w, xq)) in acc
+        for (lane, (w, xq)) in acc[blk % 2]
             .iter_mut()
             .zip(w.chunks_exact(4).zip(xq.chunks_exact(4)))
         {
@@ -147,9 +155,11 @@ pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
                 .sum();
             *lane += d * sum as f32;
         }
-        mins += mw * x.s[blk];
+        if has_min(t) {
+            mins[blk % 2] += mw * x.s[blk];
+        }
     }
-    lanes_sum(acc) + mins
+    total(acc[0], acc[1], mins)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -163,10 +173,20 @@ mod avx2 {
     use super::{Row, QK};
     use crate::cpu::quant::QType;
 
-    /// Per row of x: the 8 f32 lanes and the mins' sum.
+    /// Per row of x: the 8 f32 lanes and the mins' sum, of the even or the odd blocks.
     struct Acc<const R: usize> {
         lanes: [__m256; R],
         mins: [f32; R],
+    }
+
+    impl<const R: usize> Acc<R> {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Self {
+                lanes: [_mm256_setzero_ps(); R],
+                mins: [0.0; R],
+            }
+        }
     }
 
     /// Adds block `blk` (codes `w`, scale `dw`, min `mw`) times block `blk` of each row of x.
@@ -192,7 +212,49 @@ mod avx2 {
             let d = _mm256_set1_ps(dw * *x.d.get_unchecked(blk));
             let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
             acc.lanes[r] = _mm256_add_ps(acc.lanes[r], scaled);
-            acc.mins[r] += mw * *x.s.get_unchecked(blk);
+            if !SIGNED {
+                // the types with a min (`has_min`) are the unsigned ones
+                acc.mins[r] += mw * *x.s.get_unchecked(blk);
+            }
+        }
+    }
+
+    /// Block `blk` of the weight row `row` (type `t`) decoded, times block `blk` of each row
+    /// of x, added to `acc`.
+    #[inline(always)]
+    unsafe fn block_of<const R: usize>(
+        t: QType,
+        row: &[u8],
+        blk: usize,
+        x: &[Row<'_>; R],
+        acc: &mut Acc<R>,
+    ) {
+        // block blk: row[blk * bytes..(blk + 1) * bytes], inside the row
+        let b = row.as_ptr().add(blk * t.block().1);
+        match t {
+            QType::Q8_0 => {
+                let w = _mm256_loadu_si256(b.add(2).cast());
+                block::<R, true>(w, half(b), 0.0, blk, x, acc);
+            }
+            QType::Q4_0 => {
+                let w = _mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8));
+                block::<R, true>(w, half(b), 0.0, blk, x, acc);
+            }
+            QType::Q4_1 => {
+                block::<R, false>(nibbles32(b.add(4)), half(b), half(b.add(2)), blk, x, acc);
+            }
+            QType::Q5_0 => {
+                let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+                let w = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
+                let w = _mm256_sub_epi8(w, _mm256_set1_epi8(16));
+                block::<R, true>(w, half(b), 0.0, blk, x, acc);
+            }
+            QType::Q5_1 => {
+                let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+                let w = _mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh));
+                block::<R, false>(w, half(b), half(b.add(2)), blk, x, acc);
+            }
+            _ => unreachable!("{} is not a 32-element block type", t.name()),
         }
     }
 
@@ -208,53 +270,23 @@ mod avx2 {
         k: usize,
         x: &[Row<'_>; R],
     ) -> [f32; R] {
-        let mut acc = Acc::<R> {
-            lanes: [_mm256_setzero_ps(); R],
-            mins: [0.0; R],
-        };
-        let bytes = t.block().1;
-        let b0 = row.as_ptr();
-        // one loop per type; block blk reads row[blk * bytes..(blk + 1) * bytes]
-        for blk in 0..k / QK {
-            let b = b0.add(blk * bytes);
-            match t {
-                QType::Q8_0 => {
-                    let w = _mm256_loadu_si256(b.add(2).cast());
-                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
-                }
-                QType::Q4_0 => {
-                    let w = _mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8));
-                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
-                }
-                QType::Q4_1 => {
-                    block::<R, false>(
-                        nibbles32(b.add(4)),
-                        half(b),
-                        half(b.add(2)),
-                        blk,
-                        x,
-                        &mut acc,
-                    );
-                }
-                QType::Q5_0 => {
-                    let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-                    let w = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
-                    let w = _mm256_sub_epi8(w, _mm256_set1_epi8(16));
-                    block::<R, true>(w, half(b), 0.0, blk, x, &mut acc);
-                }
-                QType::Q5_1 => {
-                    let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
-                    let w = _mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh));
-                    block::<R, false>(w, half(b), half(b.add(2)), blk, x, &mut acc);
-                }
-                _ => unreachable!("{} is not a 32-element block type", t.name()),
-            }
+        let (mut even, mut odd) = (Acc::<R>::zero(), Acc::<R>::zero());
+        let blocks = k / QK;
+        let mut blk = 0;
+        while blk + 1 < blocks {
+            block_of(t, row, blk, x, &mut even);
+            block_of(t, row, blk + 1, x, &mut odd);
+            blk += 2;
+        }
+        if blk < blocks {
+            block_of(t, row, blk, x, &mut even);
         }
         let mut out = [0.0; R];
         for (r, o) in out.iter_mut().enumerate() {
-            let mut lanes = [0.0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc.lanes[r]);
-            *o = super::lanes_sum(lanes) + acc.mins[r];
+            let (mut e, mut d) = ([0.0f32; 8], [0.0f32; 8]);
+            _mm256_storeu_ps(e.as_mut_ptr(), even.lanes[r]);
+            _mm256_storeu_ps(d.as_mut_ptr(), odd.lanes[r]);
+            *o = super::total(e, d, [even.mins[r], odd.mins[r]]);
         }
         out
     }

@@ -458,11 +458,14 @@ fn int8_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
     if !formats_avx2::available() {
         return;
     }
-    let k = 256;
-    let x: Vec<f32> = floats(4 * k, 0.5);
-    let xq = int8::QuantizedRows::new(&x, k);
-    let rows: [int8::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
-    for t in INT8_TYPES {
+    // an odd count of blocks: the last one has no odd partner
+    for (k, t) in [96, 256]
+        .into_iter()
+        .flat_map(|k| INT8_TYPES.map(|t| (k, t)))
+    {
+        let x: Vec<f32> = floats(4 * k, 0.5);
+        let xq = int8::QuantizedRows::new(&x, k);
+        let rows: [int8::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
         // random bytes: Q8_0 codes of -128 included
         let data = random_rows(t, 4, k, t as u64 + 11);
         let bytes = t.row_bytes(k).unwrap();
