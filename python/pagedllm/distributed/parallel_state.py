@@ -172,14 +172,6 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_tp_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
-
-
-def get_tp_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
-
-
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; every rank gets the same result. The shared-memory
     path takes contiguous float32 / bfloat16 tensors (the same on every rank: the ranks run the
