@@ -36,7 +36,7 @@ def test_wheel_is_abi3_for_python_3_11_and_later(wheel):
 def test_wheel_ships_kernels_inside_the_package_only(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     kernel_files = {Path(n).name for n in names if n.startswith("pagedllm/kernels/")}
-    on_disk = {p.name for p in (ROOT / "kernels").glob("*.py")}
+    on_disk = {"__init__.py", *(p.name for p in (ROOT / "kernels").glob("*.py"))}
     assert on_disk and on_disk <= kernel_files
     assert not [n for n in names if n.startswith("kernels/")]
     assert "pagedllm/py.typed" in names and "pagedllm/_core.pyi" in names
@@ -91,7 +91,7 @@ def test_clean_venv_imports_package_and_kernels_from_the_wheel(wheel, tmp_path):
     borrowed = _dependency_dirs("torch", "numpy", "triton")
     assert borrowed, "the test environment has no torch/numpy to lend"
     Path(site, "_borrowed_test_deps.pth").write_text("\n".join(borrowed) + "\n")
-    kernel_names = sorted(p.name for p in (ROOT / "kernels").glob("*.py"))
+    kernel_names = sorted(["__init__.py", *(p.name for p in (ROOT / "kernels").glob("*.py"))])
     probe = textwrap.dedent("""
         import importlib.util, os, sys, sysconfig
         import pagedllm

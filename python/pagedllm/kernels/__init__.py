@@ -1,7 +1,10 @@
 """Triton kernels over the paged KV cache, each with a pure-torch reference.
 
-Shipped inside the wheel as `pagedllm.kernels` (python/pagedllm/kernels is a
-symlink to this folder).
+The kernel modules live in the repository's top-level `kernels/` folder; this package folder
+holds this file and one symlink per module (`_tile.py -> ../../../kernels/_tile.py`, ...), which
+the wheel ships as plain files (pyproject.toml's include glob). The top-level folder has no
+`__init__.py`, so from the repository root `import kernels` runs none of our code and an
+installed `kernels` (the Hugging Face kernel hub on PyPI) takes precedence over it.
 
 Kernel entry points are resolved lazily: `pagedllm.kernels.reference` (the torch references and
 the CPU path) must import on machines without triton, so triton is only imported when a kernel

@@ -1,0 +1,1 @@
+../../../kernels/_tile.py

@@ -1,0 +1,1 @@
+../../../kernels/block_copy.py

@@ -1,0 +1,1 @@
+../../../kernels/cpu_norm.py

@@ -1,0 +1,1 @@
+../../../kernels/lora_reference.py

@@ -1,0 +1,1 @@
+../../../kernels/moe_reference.py

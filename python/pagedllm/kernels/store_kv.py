@@ -1,0 +1,1 @@
+../../../kernels/store_kv.py
