@@ -217,7 +217,7 @@ def test_run_replays_the_bucket_and_returns_the_steps_rows(engine, n):
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_engine_asks_with_its_enforce_eager_and_captures_when_told(monkeypatch, enforce_eager):
-    from pagedllm.engine import llm_engine
+    from pagedllm.worker import cuda_graphs
 
     asked = []
 
@@ -225,7 +225,8 @@ def test_engine_asks_with_its_enforce_eager_and_captures_when_told(monkeypatch, 
         asked.append((device.type, enforce_eager, lora))
         return not enforce_eager  # as on CUDA
 
-    monkeypatch.setattr(llm_engine, "decode_graphs_enabled", enabled)
+    # the Worker asks it at capture time (imported there, so the patch is seen)
+    monkeypatch.setattr(cuda_graphs, "decode_graphs_enabled", enabled)
     monkeypatch.setattr(DecodeCudaGraphs, "capture", lambda self: self)
     engine = LLM(
         device="cpu",
