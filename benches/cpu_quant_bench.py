@@ -10,13 +10,24 @@ weight, Q4_0 0.5625); prefill (512 rows) by arithmetic: GFLOP/s is 2·M·N·K ov
 `--int8-activations` times a third call, alternated with the two: `quant_linear(...,
 int8_activations=True)` (x quantized to 8 bits, integer dots; decode rows of the 32-element block
 types only, the rest is the same path), its ms and its speed against the float32-activation call.
+
+`--quality MODEL.gguf` instead measures what the 8-bit activations cost a model: `--tokens` tokens
+of docs/ARCHITECTURE.md (512-token prompts) teacher-forced (`prompt_logprobs=1`) 8 tokens a step
+(`max_num_batched_tokens=8`: every forward has decode-sized rows, so every quantized product takes
+the int8 path; in serving, prefill chunks above 8 rows keep float32 activations), once with
+float32 and once with int8 activations (`cpu_quant.INT8_ACTIVATIONS` switched in the same
+process); prints each perplexity and the top-1 agreement.
+
+    python benches/cpu_quant_bench.py --quality /work/models/smollm2-Q8_0.gguf [--tokens 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,6 +65,47 @@ def median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
+def teacher_forced(llm, ids: list[int], chunk: int = 512) -> tuple[list[int], list[float]]:
+    """Each position's most likely next token and the true next token's logprob."""
+    from pagedllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": ids[i : i + chunk]} for i in range(0, len(ids), chunk)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    top1, logprobs = [], []
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        for token, ranked in zip(prompt["prompt_token_ids"][1:], out.prompt_logprobs[1:]):
+            top1.append(next(t for t, lp in ranked.items() if lp.rank == 1))
+            logprobs.append(ranked[token].logprob)
+    return top1, logprobs
+
+
+def quality(model: str, tokens: int) -> int:
+    from pagedllm import LLM
+
+    llm = LLM(
+        model,
+        max_num_batched_tokens=8,
+        scheduling="chunked_prefill",
+        enable_prefix_caching=False,  # the second pass must recompute every position
+        cpu_threads=1,
+    )
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    ids = llm.get_tokenizer().encode(text)[:tokens]
+    runs = {}
+    for int8 in (False, True):
+        cpu_quant.INT8_ACTIVATIONS = int8  # what the quantized layers pass per call
+        runs[int8] = teacher_forced(llm, ids)
+    (top_f, lp_f), (top_i, lp_i) = runs[False], runs[True]
+    agree = sum(a == b for a, b in zip(top_f, top_i)) / len(top_f)
+    ppl_f, ppl_i = (math.exp(-sum(lp) / len(lp)) for lp in (lp_f, lp_i))
+    print(f"{model}: {len(top_f)} positions teacher-forced, 8 tokens a step")
+    print(
+        f"perplexity float32 activations {ppl_f:.3f}, int8 {ppl_i:.3f} ({ppl_i / ppl_f - 1:+.2%})"
+    )
+    print(f"top-1 agreement {agree:.2%}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["576x1536", "5632x2048"], help="NxK")
@@ -68,7 +120,11 @@ def main() -> int:
         action="store_true",
         help="also time quant_linear(..., int8_activations=True)",
     )
+    p.add_argument("--quality", metavar="MODEL", help="int8 activations' accuracy on a GGUF model")
+    p.add_argument("--tokens", type=int, default=2048, help="--quality's teacher-forced tokens")
     args = p.parse_args()
+    if args.quality:
+        return quality(args.quality, args.tokens)
     torch.set_num_threads(args.threads)
     types = [int(GGMLQuantizationType[name]) for name in args.types]
     print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated with f32")
