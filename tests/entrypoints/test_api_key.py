@@ -1,6 +1,6 @@
-"""`--api-key` closes every route but the probes (`/health`, `/metrics`, and `/load`, which a
-data-parallel router polls without a key): the routes are read off the app, so a route added
-later is checked too."""
+"""`--api-key` closes every route but the probes (`/health`, `/metrics`; `/load`, which names
+the KV-event endpoints, is closed: a router sends its key on its polls): the routes are read off
+the app, so a route added later is checked too."""
 
 from __future__ import annotations
 

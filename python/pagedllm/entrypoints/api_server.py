@@ -72,10 +72,10 @@ def check_api_key(api_key: str | None) -> None:
         raise ValueError("the API key starts or ends with whitespace; give it without")
 
 
-# what stays open with --api-key: the probes of supervisors, Prometheus and a data-parallel
-# router (which polls /load without a key). Every other path, a future route included, is
-# closed (an allow-list of open paths, not a list of closed ones).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/load"})
+# what stays open with --api-key: the probes of supervisors and Prometheus. Every other path, a
+# future route included, is closed (an allow-list of open paths, not a list of closed ones);
+# /load too: it names the KV-event endpoints, and a router sends its key on its polls.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class _ApiKeyMiddleware:
