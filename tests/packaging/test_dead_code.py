@@ -13,7 +13,8 @@ from pathlib import Path
 import pagedllm
 
 PACKAGE_DIR = Path(pagedllm.__file__).parent
-REPO = PACKAGE_DIR.parent.parent
+# the checkout these tests belong to (not the package's parent: CI installs the wheel into a venv)
+REPO = Path(__file__).resolve().parents[2]
 # where a use may live besides the package itself
 USERS = ("tests", "benches", "docs", "README.md")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
