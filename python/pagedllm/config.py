@@ -51,7 +51,8 @@ KV_OFFLOADING_BACKENDS = ("native", "disk")
 
 # how the ranks of tensor parallelism are launched: spawned processes, or Ray actors
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
-# how data-parallel replicas are launched (one process per replica; "ray" not built yet)
+# how data-parallel replicas are launched: one spawned process per replica, or one Ray actor
+# per replica (router/ray_launcher.py)
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
