@@ -344,10 +344,17 @@ def plan_chat(
             constraint = StructuredOutputsParams(grammar=reasoning.grammar() + reply)
     elif reply is not None:
         constraint = StructuredOutputsParams(grammar="start: reply\n" + reply)
-    rendered = (
-        None if tool_choice == "none" and options.exclude_tools_when_tool_choice_none else tools
-    )
-    return ChatPlan(rendered, constraint, parser, reasoning)
+    return ChatPlan(rendered_tools(options, tools, tool_choice), constraint, parser, reasoning)
+
+
+def rendered_tools(
+    options: ChatOptions, tools: list[dict[str, Any]] | None, tool_choice: Any
+) -> list[dict[str, Any]] | None:
+    """The tools the chat template is given (None: none), as `plan_chat` renders them; a router
+    renders the replica's prompt with it without planning the reply."""
+    if not tools or (tool_choice == "none" and options.exclude_tools_when_tool_choice_none):
+        return None
+    return tools
 
 
 def _reply_rules(params: StructuredOutputsParams) -> str:

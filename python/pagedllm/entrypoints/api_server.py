@@ -238,11 +238,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_CLIENT_ERROR)
     async def tokenize(body: TokenizeRequest):
-        return await server.tokenize(body)
+        return await server.prompts.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_CLIENT_ERROR)
     async def detokenize(body: DetokenizeRequest):
-        return await server.detokenize(body)
+        return await server.prompts.detokenize(body)
 
     return app
 

@@ -190,6 +190,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
+    # pagedllm's: each prompt's token ids, run in place of tokenizing it (a router sends them;
+    # checked as token-id prompts are; a text prompt is still what `echo` returns)
+    prompt_token_ids: list[list[StrictInt]] | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -274,6 +277,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool = True
     # extra variables for the chat template, e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # pagedllm's: the conversation's token ids, run in place of rendering `messages` (a router
+    # sends them; checked as a token-id prompt is)
+    prompt_token_ids: list[StrictInt] | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod

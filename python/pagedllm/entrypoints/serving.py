@@ -1,6 +1,7 @@
-"""What both OpenAI endpoints share: checking a request, tokenizing it off the event loop,
-admission control, submitting it to the engine, and following its outputs (merged across
-prompts, with a timeout, aborted when the client goes away)."""
+"""What both OpenAI endpoints share: checking a request, its prompts (`prompts.py`: rendered
+and tokenized off the event loop, or as a router forwarded them), admission control, submitting
+it to the engine, and following its outputs (merged across prompts, with a timeout, aborted
+when the client goes away)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
-from pagedllm.chat.template import checkpoint_chat_template, encode_chat, render_chat
+from pagedllm.chat.template import checkpoint_chat_template
 from pagedllm.chat.tools import ChatOptions
 from pagedllm.entrypoints.async_engine import MAX_FAILED_STEPS, AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.errors import APIError, bad_request, unavailable
 from pagedllm.entrypoints.metrics import ServerMetrics
-from pagedllm.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
+from pagedllm.entrypoints.prompts import Prompts
+from pagedllm.entrypoints.rendering import Prompt, Renderer, tokenizer_source
 from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_of
 from pagedllm.kv_events import KVEventsConfig
 from pagedllm.lora.request import LoRARequest
@@ -51,12 +52,6 @@ class ServerConfig:
     max_failed_steps: int = MAX_FAILED_STEPS
     # tool-call and reasoning parsers, and where structured output applies (chat_tools.py)
     chat_options: ChatOptions = field(default_factory=ChatOptions)
-
-
-@dataclass
-class Prompt:
-    text: str | None  # None for a token-id prompt
-    ids: list[int]
 
 
 @dataclass
@@ -250,16 +245,22 @@ class Server:
         )
         self._admitting = [0, 0]  # (requests, prompt tokens) admitted, not yet in the engine
         engine.max_failed_steps = config.max_failed_steps
-        template = config.chat_template
-        if template is None:
-            args = engine.engine.args
-            template = checkpoint_chat_template(engine.tokenizer, args.tokenizer or args.model)
-        self.chat_template = template
-        # tokenizing (and rendering chat templates) can take milliseconds for a long prompt:
-        # one thread keeps it off the event loop, in arrival order
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+        self.renderer = self._renderer()
+        self.prompts = Prompts(engine, self.renderer, self.check_model)
         self.loras = self._register_loras(config.lora_modules)
         self.instance_id = uuid.uuid4().hex
+
+    def _renderer(self) -> Renderer:
+        """The chat template (the one given, else the checkpoint's) and the tokenizer, described
+        on /load for a router to render as this server does."""
+        engine, config = self.engine.engine, self.config
+        name = engine.args.tokenizer or engine.args.model
+        template = config.chat_template
+        if template is None:
+            template = checkpoint_chat_template(engine.tokenizer, name)
+        cfg = engine.model_config
+        source = tokenizer_source(name, cfg.eos_token_id, cfg.bos_token_id)
+        return Renderer(engine.tokenizer, template, config.chat_options, source)
 
     def _register_loras(self, modules: dict[str, str]) -> dict[str, LoRARequest]:
         """Each `--lora-modules` adapter as a model id, read and checked now (a bad folder stops
@@ -291,6 +292,8 @@ class Server:
             "num_gpu_blocks": int(stats.get("num_gpu_blocks", 0)),
             "lora_ids": {name: lora.lora_int_id for name, lora in self.loras.items()},
             "kv_events": dataclasses.asdict(events) if events and events.publishes else None,
+            # how a router renders and tokenizes a request as this server would
+            "renderer": self.renderer.description,
         }
 
     @property
@@ -361,184 +364,6 @@ class Server:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise bad_request(exc) from None
-
-    # -- tokenizing (in the tokenizer thread) -------------------------------------------------
-
-    async def in_tokenizer_thread(self, fn: Callable, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
-
-    async def prompts(
-        self, raw: Sequence[str | list[int]], truncate: int | None = None
-    ) -> list[Prompt]:
-        """Completion prompts (text or token ids), tokenized, truncated to their last
-        `truncate` tokens (`truncate_prompt_tokens`) and checked."""
-        return await self.in_tokenizer_thread(
-            lambda: [self._prompt(p, i, "prompt", truncate) for i, p in enumerate(raw)]
-        )
-
-    async def chat_prompt(
-        self,
-        messages: list[dict],
-        *,
-        tools: list[dict] | None = None,
-        chat_template_kwargs: dict | None = None,
-        truncate: int | None = None,
-    ) -> Prompt:
-        """A conversation rendered with the chat template, tokenized, truncated and checked."""
-        return await self.in_tokenizer_thread(
-            lambda: self._prompt(
-                self._render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs),
-                0,
-                "messages",
-                truncate,
-            )
-        )
-
-    def _render_chat(
-        self,
-        messages: list[dict],
-        *,
-        tools: list[dict] | None = None,
-        chat_template_kwargs: dict | None = None,
-    ) -> str:
-        try:
-            return render_chat(
-                messages,
-                self.engine.tokenizer,
-                self.chat_template,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-        except ValueError as exc:
-            # a ChatRequestError names its own field
-            raise APIError(400, str(exc), param=getattr(exc, "param", "messages")) from None
-
-    def _tokenizer(self, what: str):
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, f"{what} needs a tokenizer", param=what)
-        return tokenizer
-
-    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's `/tokenize` (no length check: `count` and `max_model_len` tell the caller)."""
-        self.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give either prompt or messages", param="prompt")
-        if body.messages is not None and body.add_special_tokens is not None:
-            raise APIError(
-                400,
-                "add_special_tokens applies to prompt; messages are tokenized as "
-                "/v1/chat/completions tokenizes them",
-                param="add_special_tokens",
-            )
-        tokenizer = self._tokenizer("tokenize")
-
-        def encode() -> list[int]:
-            if body.messages is not None:
-                messages = [m.model_dump() for m in body.messages]
-                return encode_chat(tokenizer, self._render_chat(messages))
-            special = body.add_special_tokens is not False
-            return list(tokenizer.encode(body.prompt, add_special_tokens=special))
-
-        ids = await self.in_tokenizer_thread(encode)
-        answer: dict[str, Any] = {
-            "count": len(ids),
-            "max_model_len": self.engine.max_model_len,
-            "tokens": ids,
-        }
-        if body.return_token_strs:
-            decode = self.engine.engine.output_processor.decode_one
-            answer["token_strs"] = await self.in_tokenizer_thread(lambda: list(map(decode, ids)))
-        return answer
-
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
-        """vLLM's `/detokenize`: the text of `tokens` (special tokens kept)."""
-        self.check_model(body.model)
-        tokenizer = self._tokenizer("detokenize")
-        if body.tokens:
-            self._check_ids(body.tokens, 0, "tokens")
-        text = await self.in_tokenizer_thread(
-            lambda: tokenizer.decode(body.tokens, skip_special_tokens=False)
-        )
-        return {"prompt": text}
-
-    async def decode(self, prompts: list[Prompt], skip_special_tokens: bool) -> list[str]:
-        """The text of each prompt (token-id prompts decoded as the output is), for `echo`."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None and any(p.text is None for p in prompts):
-            raise APIError(400, "echo of a token-id prompt needs a tokenizer", param="echo")
-
-        def text(prompt: Prompt) -> str:
-            if prompt.text is not None:
-                return prompt.text
-            return tokenizer.decode(prompt.ids, skip_special_tokens=skip_special_tokens)
-
-        return await self.in_tokenizer_thread(lambda: [text(p) for p in prompts])
-
-    def _prompt(
-        self, prompt: str | list[int], index: int, what: str, truncate: int | None = None
-    ) -> Prompt:
-        """Checks sizes first, before any per-token work: a text whose length alone shows it
-        cannot fit is never tokenized (unless it is to be truncated), a token-id list over the
-        limit never range-checked. `truncate`: the engine's `truncate_prompt_tokens` rule."""
-        inputs = self.engine.engine.inputs
-        if isinstance(prompt, str):
-            tokenizer = self.engine.tokenizer
-            if tokenizer is None:
-                raise APIError(400, f"{what}: text prompts need a tokenizer", param=what)
-            if truncate is None:
-                at_least = inputs.min_prompt_tokens(prompt)
-                size = f"{len(prompt)} characters, so at least {at_least} tokens"
-                self._check_length(at_least, index, what, size)
-            ids = encode_chat(tokenizer, prompt) if what == "messages" else tokenizer.encode(prompt)
-            result = Prompt(prompt, inputs.truncate(list(ids), truncate))
-        else:
-            result = Prompt(None, inputs.truncate(list(prompt), truncate))
-        self._check_length(len(result.ids), index, what)
-        self._check_ids(result.ids, index, what)
-        return result
-
-    def _check_length(
-        self, num_tokens: int, index: int, what: str, size: str | None = None
-    ) -> None:
-        limit = self.engine.max_model_len
-        if num_tokens >= limit:
-            raise APIError(
-                400,
-                f"{what}[{index}] has {size or f'{num_tokens} tokens'}; max_model_len is "
-                f"{limit}, which must leave room for at least one generated token",
-                param=what,
-            )
-
-    def check_max_tokens(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
-        """A `max_tokens` the client asked for must fit the context with every prompt (OpenAI's
-        and vLLM's 400); unset, generation simply stops at max_model_len."""
-        if max_tokens is None:
-            return
-        limit = self.engine.max_model_len
-        longest = max(len(p.ids) for p in prompts)
-        if max_tokens > limit - longest:
-            prompt = "the prompt" if len(prompts) == 1 else "the longest prompt"
-            raise APIError(
-                400,
-                f"{param}={max_tokens} is too large: max_model_len is {limit} tokens and "
-                f"{prompt} has {longest}, so at most {limit - longest} can be generated",
-                param=param,
-            )
-
-    def _check_ids(self, ids: list[int], index: int, what: str) -> None:
-        if not ids:
-            raise APIError(400, f"{what}[{index}] is empty", param=what)
-        vocab = self.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # C-level passes; locate only if bad
-            i, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
-            raise APIError(
-                400,
-                f"{what}[{index}]: token id {token} at position {i} is outside the "
-                f"vocabulary [0, {vocab})",
-                param=what,
-            )
 
     # -- admission and submission -------------------------------------------------------------
 
@@ -627,7 +452,7 @@ class Server:
         return job
 
     def shutdown(self) -> None:
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.shutdown()
         self.engine.engine.close_kv_events()  # the engine loop has stopped: no step publishes
 
 

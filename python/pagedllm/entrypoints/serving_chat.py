@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pagedllm.chat.tools import ChatPlan, ChatRequestError, finish_reason, plan_chat
 from pagedllm.entrypoints.errors import APIError, bad_request
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.rendering import chat_messages, chat_tools
 from pagedllm.entrypoints.serving import (
     Job,
     Server,
@@ -43,14 +44,15 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
         except ValueError as exc:
             raise bad_request(exc) from None
-    prompt = await server.chat_prompt(
-        [m.model_dump(exclude_none=True) for m in body.messages],
+    prompt = await server.prompts.chat(
+        chat_messages(body),
         tools=plan.tools,
         chat_template_kwargs=body.chat_template_kwargs,
         truncate=params.truncate_prompt_tokens,
+        token_ids=body.prompt_token_ids,
     )
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    server.check_max_tokens([prompt], max_tokens, asked)
+    server.prompts.check_max_tokens([prompt], max_tokens, asked)
     job = await server.submit(
         [prompt], params, priority=body.priority, timeout=body.timeout, model=body.model
     )
@@ -86,7 +88,7 @@ def _plan(server: Server, body: ChatCompletionRequest, constraint) -> ChatPlan:
     try:
         return plan_chat(
             server.config.chat_options,
-            tools=[t.model_dump(exclude_none=True) for t in body.tools or ()],
+            tools=chat_tools(body),
             tool_choice=tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,
             constraint=constraint,

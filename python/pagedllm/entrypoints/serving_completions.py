@@ -34,9 +34,11 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
             f"the best candidates are known only at the end",
             param="best_of",
         )
-    prompts = await server.prompts(_raw_prompts(body), params.truncate_prompt_tokens)
-    server.check_max_tokens(prompts, body.max_tokens, "max_tokens")
-    echo = await server.decode(prompts, params.skip_special_tokens) if body.echo else None
+    prompts = await server.prompts.completion(
+        _raw_prompts(body), params.truncate_prompt_tokens, body.prompt_token_ids
+    )
+    server.prompts.check_max_tokens(prompts, body.max_tokens, "max_tokens")
+    echo = await server.prompts.decode(prompts, params.skip_special_tokens) if body.echo else None
     job = await server.submit(
         prompts, params, priority=body.priority, timeout=body.timeout, model=body.model
     )
