@@ -46,6 +46,10 @@ SERVER_MAX_NUM_BATCHED_TOKENS = 2048
 # and "fp8" (= "fp8_e4m3") / "fp8_e5m2" code each (token, kv head) row with its own float32
 # scale, stored beside the row (kernels/reference.py: the formats' definition)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# what the model is run for (vLLM's `runner`): generating text, or pooling its hidden states
+# (embeddings, scores); `convert` says how a causal LM is pooled (vLLM's `--convert`)
+RUNNERS = ("generate", "pooling")
+CONVERTS = ("auto", "embed", "classify")
 # backends of the KV offload tier (kv_offloading_backend)
 KV_OFFLOADING_BACKENDS = ("native", "disk")
 
@@ -121,6 +125,9 @@ class EngineArgs:
     # quantize a safetensors checkpoint's linear layers at load (one of QUANTIZATIONS; CPU,
     # float32); a GGUF file's weights keep their own types
     quantization: str | None = None
+    # "pooling": prefill-only requests whose result is the pooled hidden state (pagedllm.pooling)
+    runner: str = "generate"
+    convert: str = "auto"
 
     @property
     def tp_startup_timeout(self) -> float:
@@ -179,9 +186,22 @@ class EngineArgs:
             raise ValueError(f"cpu_kv_cache_space must be a number of GiB > 0, got {space!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        self._validate_runner()
         self._validate_lora()
         self._validate_parallel()
         self._validate_offloading()
+
+    def _validate_runner(self) -> None:
+        _one_of("runner", self.runner, RUNNERS)
+        _one_of("convert", self.convert, CONVERTS)
+        if self.convert != "auto" and self.runner != "pooling":
+            raise ValueError(f"convert={self.convert!r} needs runner='pooling'")
+        parallel = self.tensor_parallel_size > 1 or self.data_parallel_size > 1
+        if self.runner == "pooling" and (parallel or self.speculative_config):
+            raise ValueError(
+                "runner='pooling' runs with tensor_parallel_size=1, data_parallel_size=1 and "
+                "no speculative_config"
+            )
 
     def _validate_offloading(self) -> None:
         size, backend = self.kv_offloading_size, self.kv_offloading_backend

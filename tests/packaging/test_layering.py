@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.spec_decode",),  # SpecDecoder, the draft model (a second runner-like user)
     ("pagedllm.kv_events",),  # KV events: the publisher (engine side), the subscriber (router)
     ("pagedllm.engine",),  # the step loop over all of the above
+    ("pagedllm.pooling",),  # pooling models: the engine's prefill-only variant, the pooler
     ("pagedllm.chat",),  # chat rendering, tool and reasoning parsers: the server's and LLM's
     # user entry points; the data-parallel router in front of `serve` processes
     ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.router", "pagedllm.cli", ROOT),

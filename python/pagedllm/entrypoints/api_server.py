@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.async_engine import AsyncEngine
 from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
+from pagedllm.entrypoints.pooling_routes import register_pooling_routes
 from pagedllm.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -180,6 +181,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.server = server
     install_error_handlers(app)
+    # first: on a pooling server its refusals of the generating routes win the match
+    register_pooling_routes(app, server)
     if config.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
     # outermost: nothing reads a body before its size is known
@@ -249,10 +252,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
 def build_server_app(engine_kwargs: dict, config: ServerConfig) -> FastAPI:
     from pagedllm.config import EngineArgs
-    from pagedllm.engine import LLMEngine
+    from pagedllm.pooling import build_engine
 
     check_api_key(config.api_key)  # before a model is loaded for nothing
-    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(**engine_kwargs))
+    engine = build_engine(EngineArgs.from_kwargs(**engine_kwargs))  # runner= picks it
     return build_app(AsyncEngine(engine), config)
 
 

@@ -28,6 +28,12 @@ MOE_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2",
     "MixtralForCausalLM": "llama",
 }
+# a dense family's decoder with a classification head (`score`) for the pooling runner
+SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+}
 _MODEL_TYPE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # transformers' defaults for fields a config.json may leave out
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
@@ -179,7 +185,11 @@ def parse_model_config(
 
 
 def _architecture(raw: dict[str, Any], source: str | Path) -> tuple[str, str]:
-    known = {**SUPPORTED_ARCHITECTURES, **MOE_ARCHITECTURES}
+    known = {
+        **SUPPORTED_ARCHITECTURES,
+        **MOE_ARCHITECTURES,
+        **SEQUENCE_CLASSIFICATION_ARCHITECTURES,
+    }
     supported = ", ".join(known)
     architectures = raw.get("architectures") or []
     if not isinstance(architectures, list):

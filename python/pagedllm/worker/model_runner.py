@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.models import cpu_forward
 from pagedllm.sampling.verification import has_drafts, verification_logits_rows
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_threads import configure_cpu_threads
@@ -41,6 +42,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         *,
         cpu_threads: int | None = None,
+        fused_cpu_forward: bool = True,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
@@ -55,6 +57,13 @@ class ModelRunner:
         if device.type == "cpu":
             ranks = getattr(getattr(model, "tp", None), "size", 1)
             self.cpu_threads = configure_cpu_threads(cpu_threads, ranks)
+        # CPU: the layers in one Rust call a step where the model qualifies (bit-identical to
+        # the layer-by-layer forward, without its per-kernel Python; models/cpu_forward.py)
+        self.cpu_forward = (
+            cpu_forward.build(model, cache_engine.kv_cache, lora=lora is not None)
+            if fused_cpu_forward and device.type == "cpu"
+            else None
+        )
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""
@@ -101,6 +110,13 @@ class ModelRunner:
         return self.prepare(step)
 
     @torch.inference_mode()
+    def forward_hidden(self, inputs) -> torch.Tensor:
+        """The final (normed) hidden states `[T, E]` of every row of the step: what the pooling
+        runner pools (its requests end after their prefill; no logits are computed)."""
+        input_ids, positions, meta, _ = inputs
+        return self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
+
+    @torch.inference_mode()
     def forward(self, inputs, prompt: PromptRows | None = None) -> torch.Tensor | None:
         """Run the model; float32 logits [K, V] of the rows to sample (None when K = 0); with
         draft tokens, [sum(d + 1), V]: each sample's rows from its first scored position on.
@@ -109,6 +125,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(input_ids, meta):
             hidden = graphs.run(input_ids, positions, meta)
+        elif self.cpu_forward is not None:
+            hidden = self.cpu_forward(input_ids, positions, self.cache_engine.kv_cache, meta)
         else:
             hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)
         if prompt is not None:

@@ -13,6 +13,7 @@ nothing here restates the list.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -22,6 +23,7 @@ from pagedllm._core import STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.layers import TPShard
 from pagedllm.models import ModelConfig, load_model
+from pagedllm.models.sequence_classification import load_pooling_model
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -101,7 +103,10 @@ class Worker:
     ) -> None:
         self.args, self.dtype, self.device = args, dtype, device
         self.tp = TPShard(rank, args.tensor_parallel_size)
-        self.model = load_model(
+        load = load_model
+        if args.runner == "pooling":  # its decoder may carry a classification head instead
+            load = partial(load_pooling_model, convert=args.convert)
+        self.model = load(
             args.model,
             dtype=dtype,
             device=device,

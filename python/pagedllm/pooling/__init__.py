@@ -1,0 +1,16 @@
+"""Pooling models (vLLM's `runner="pooling"`): prefill-only requests on the generating engine's
+scheduler whose result is a pooled hidden state — an embedding (last-token, mean or CLS
+pooling, normalized as the checkpoint's sentence-transformers modules say) or a classification
+head's scores (`*ForSequenceClassification`: the sigmoid of a single logit, as vLLM gives it).
+
+- `config.py`: what the checkpoint says about pooling (`PoolerConfig`).
+- `pooler.py`: the math, per chunk of a prompt and at its end.
+- `engine.py`: `PoolingEngine` (the step loop's pooling variant) and `build_engine`.
+- `offline.py`: what `LLM.embed` / `LLM.score` run; `cli.py`: the serve flags.
+"""
+
+from pagedllm.pooling.config import PoolerConfig, read_pooler_config
+from pagedllm.pooling.engine import PoolingEngine, build_engine
+from pagedllm.pooling.params import PoolingParams
+
+__all__ = ["PoolerConfig", "PoolingEngine", "PoolingParams", "build_engine", "read_pooler_config"]
