@@ -106,7 +106,11 @@ class Prompts:
         def encode() -> list[int]:
             if body.messages is not None:
                 messages = [m.model_dump() for m in body.messages]
-                return renderer.encode_chat(renderer.render(messages))
+                tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+                text = renderer.render(
+                    messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs
+                )
+                return renderer.encode_chat(text)
             special = body.add_special_tokens is not False
             return list(tokenizer.encode(body.prompt, add_special_tokens=special))
 

@@ -298,6 +298,9 @@ class TokenizeRequest(_Body):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
+    # rendered with messages, as vLLM's /tokenize does
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool = False
 

@@ -3,9 +3,14 @@ included) forwarded to the replica the Rust core picks, plus `/v1/models`, `/tok
 `/detokenize` (a live replica's), `/health` and `/metrics` (per replica, label `engine`). With an
 API key every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`.
 
-Per request: the prompt's token ids (token-id prompts as given, text and chat through a live
-replica's `/tokenize`, so the chat template and special tokens are exactly the replicas'), the
-adapter's LoRA id (from the replicas' `/load`), the session header; then `Router.route`. A
+Per request: the prompt's token ids, the adapter's LoRA id (from the replicas' `/load`), the
+session header; then `Router.route`. Token-id prompts are hashed as given; text and chat are
+rendered and tokenized here, once, with the replicas' own renderer (`entrypoints/rendering.py`:
+their tokenizer, chat template and chat options, loaded from what their `/load` describes; the
+request's tools and chat_template_kwargs included), and the ids go to the replica in the body's
+`prompt_token_ids`, so it neither renders nor tokenizes again. A template error is the router's
+400. Where no replica's renderer loads here (an external replica, model files the router cannot
+see), a live replica's `/tokenize` gives the ids to hash and the replica renders itself. A
 replica that cannot be reached, or answers 502/503, is taken out of rotation and the request
 goes to another; so does a request whose replica stops answering (its /load silent for
 `unresponsive_after`) before the client got a byte (a stream's first event is read before the
@@ -16,11 +21,13 @@ breaks, or whose replica stops answering, after its first byte ends with an erro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,8 +35,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 
 from pagedllm._core import PagedLLMError
+from pagedllm.entrypoints.errors import APIError
+from pagedllm.entrypoints.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.rendering import Renderer
 from pagedllm.router.replicas import InFlight, Replica, ReplicaDown, ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -244,17 +255,21 @@ def build_router_app(
             return error(400, f"the request body is not valid JSON ({exc})")
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object")
-        tokens = await _prompt_tokens(body, request)
+        try:
+            prompt = await _prompt(path, body, raw, request)
+        except APIError as exc:  # the template failed on the request
+            return exc.response()
         lora_id = _lora_id(body.get("model"))
         session = request.headers.get(session_header)
         excluded = 0
         while True:
             try:
-                replica, ticket = replicas.route(tokens, lora_id, session, excluded)
+                replica, ticket = replicas.route(prompt.tokens, lora_id, session, excluded)
             except PagedLLMError:
                 return error(503, "no replica is in rotation", "service_unavailable")
             excluded |= 1 << replica.index
-            answer = await _forward(replicas.track(replica, ticket), path, raw, request, body)
+            sent = prompt.body_for(replica)
+            answer = await _forward(replicas.track(replica, ticket), path, sent, request, body)
             if answer is not None:
                 return answer
 
@@ -350,20 +365,38 @@ def build_router_app(
             event = {"error": {"message": failure, "type": "bad_gateway", "code": 502}}
             yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
 
-    async def _prompt_tokens(body: dict, request: Request) -> list[int]:
-        """The prompt's token ids as the replicas tokenize it (the first prompt of a batch);
-        [] when they cannot be had (the replica will answer the request's error itself)."""
-        prompt = body.get("prompt")
+    async def _prompt(path: str, body: dict, raw: bytes, request: Request) -> _Prompt:
+        """The prompt's token ids as the replicas run it (the first prompt of a batch); [] when
+        they cannot be had (the replica will answer the request's error itself)."""
+        given = body.get("prompt_token_ids")  # a client's own, run as they are
+        prompt = body.get("prompt") if given is None else given
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+            return _Prompt(prompt, raw)
+        found = replicas.renderer()
+        if found is None:
+            return _Prompt(await _tokenize(body, request), raw)
+        renderer, key = found
+        rendered = await asyncio.to_thread(render_prompt, renderer, path, body)
+        if rendered is None:
+            return _Prompt([], raw)
+        tokens, field = rendered
+        forwarded = json.dumps({**body, "prompt_token_ids": field}).encode()
+        return _Prompt(tokens, raw, key, forwarded)
+
+    async def _tokenize(body: dict, request: Request) -> list[int]:
+        """The prompt's ids from a live replica's /tokenize (no renderer loaded here)."""
+        prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             query = {"model": body.get("model"), "prompt": prompt}
         elif isinstance(body.get("messages"), list):
             query = {"model": body.get("model"), "messages": body["messages"]}
+            for name in ("tools", "chat_template_kwargs"):  # vLLM's /tokenize takes them
+                if body.get(name) is not None:
+                    query[name] = body[name]
         else:
             return []
         raw, headers = json.dumps(query).encode(), _headers(request)
@@ -424,6 +457,41 @@ class _SettledStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._settle()
+
+
+@dataclass
+class _Prompt:
+    """A request's token ids to route by, its body as the client sent it, and (rendered here)
+    its body with the ids for the replicas whose renderer is the one that rendered it (`key`)."""
+
+    tokens: list[int]
+    raw: bytes
+    key: str | None = None
+    forwarded: bytes | None = None
+
+    def body_for(self, replica: Replica) -> bytes:
+        if self.key is not None and replica.renderer_key == self.key:
+            return self.forwarded
+        return self.raw
+
+
+def render_prompt(renderer: Renderer, path: str, body: dict) -> tuple[list[int], list] | None:
+    """(the ids to route by, the body's `prompt_token_ids`) of a request, rendered and tokenized
+    as its replica would; None for a body the replica will refuse (it answers the error).
+    APIError (a 400) when the chat template fails on it."""
+    if path == "/v1/chat/completions":
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError:
+            return None
+        ids = renderer.chat_ids(chat)
+        return ids, ids
+    prompt = body.get("prompt")
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
+        return None
+    ids = [renderer.encode(text) for text in texts]
+    return ids[0], ids
 
 
 def _headers(request: Request) -> dict[str, str]:

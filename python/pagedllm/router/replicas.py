@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -33,6 +34,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm._core import Router
+from pagedllm.entrypoints.rendering import Renderer
 from pagedllm.kv_events.foreign import ForeignHashes
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 
@@ -66,6 +68,8 @@ class Replica:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     restarts: int = 0  # new instances seen (a supervisor, or `serve -dp`, restarted it)
+    # its /load's renderer description, as JSON (None: it renders nothing for the router)
+    renderer_key: str | None = None
     in_flight: set[InFlight] = field(default_factory=set)  # requests waiting on it now
 
 
@@ -198,6 +202,11 @@ def parse_load(load) -> dict:
         isinstance(k, str) and type(v) is int for k, v in loras.items()
     ):
         raise ValueError(f"its /load lora_ids is {loras!r}, not names to ids")
+    renderer = load.get("renderer")
+    if renderer is not None and not (
+        isinstance(renderer, dict) and isinstance(renderer.get("tokenizer"), str)
+    ):
+        raise ValueError(f"its /load renderer is {renderer!r}, not a tokenizer's description")
     events = load.get("kv_events")
     if events is not None and not (
         isinstance(events, dict)
@@ -242,6 +251,8 @@ class ReplicaSet:
         self.health_interval = health_interval
         self.unresponsive_after = unresponsive_after
         self.poll_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # each renderer the replicas describe (by its JSON), loaded here; None: it cannot be
+        self.renderers: dict[str, Renderer | None] = {}
         self._tasks: list[asyncio.Task] = []
 
     def route(
@@ -307,6 +318,15 @@ class ReplicaSet:
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
+
+    def renderer(self) -> tuple[Renderer, str] | None:
+        """(the renderer of the first live replica whose renderer loaded here, its key); None
+        when none did (external replicas, or model files the router cannot see)."""
+        for replica in self.live():
+            renderer = self.renderers.get(replica.renderer_key)
+            if renderer is not None:
+                return renderer, replica.renderer_key
+        return None
 
     def stats(self) -> list[dict]:
         with self.lock:
@@ -382,7 +402,26 @@ class ReplicaSet:
             return
         replica.failed_polls = 0
         replica.last_answer = time.monotonic()
+        await self._learn_renderer(replica, load.get("renderer"))
         self._update(replica, load)
+
+    async def _learn_renderer(self, replica: Replica, description: dict | None) -> None:
+        """Loads a renderer the first time a replica describes it (off the event loop: a
+        tokenizer takes up to seconds to load); one that fails is logged once, and requests
+        are then tokenized by a replica's /tokenize."""
+        key = None if description is None else json.dumps(description, sort_keys=True)
+        if key is not None and key not in self.renderers:
+            self.renderers[key] = None  # a concurrent poll does not load it twice
+            try:
+                self.renderers[key] = await asyncio.to_thread(Renderer.load, description)
+            except Exception as exc:  # noqa: BLE001 - tokenizer libraries raise their own
+                logger.warning(
+                    "replica %d: its tokenizer cannot be loaded here (%s); the router asks a "
+                    "replica's /tokenize instead",
+                    replica.index,
+                    exc,
+                )
+        replica.renderer_key = key
 
     def _failed_poll(self, replica: Replica, exc: Exception) -> None:
         replica.failed_polls += 1
