@@ -830,6 +830,46 @@ def cpu_quant_quantize(weight: _F32Array, qtype: int, out: _npt.NDArray[_np.uint
     """``weight [N, K]`` quantized to Q8_0 or Q4_0 into ``out [N, row_bytes]`` with ggml's
     reference rounding (byte for byte as ``gguf.quants.quantize``)."""
 
+class CpuDecoder:
+    """A decoder's layer weights (numpy arrays, held once) for ``forward``: the layers and the
+    final norm of a Llama / Qwen2 / Qwen3 model in one call, kernel for kernel as the Python
+    layers run them (``models/cpu_forward.py``)."""
+
+    def __init__(
+        self,
+        layers: list[tuple[object, ...]],
+        final_norm: _F32Array,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
+        down)``: norms float32 ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each
+        projection ``("panels", float32 [P, K, 16], out_features, bias)`` or ``("quant",
+        segments, in_features, bias)`` with bias None or float32 ``[N]``. ``TypeError`` /
+        ``ValueError`` naming the layer and part that is not so."""
+
+    def forward(
+        self,
+        x: _F32Array,
+        cos: _F32Array,
+        sin: _F32Array,
+        slot_mapping: _npt.NDArray[_np.int64],
+        query_start_loc: _npt.NDArray[_np.int32],
+        seq_lens: _npt.NDArray[_np.int32],
+        block_tables: _npt.NDArray[_np.int32],
+        kv_cache: _F32Array,
+        num_threads: int,
+        int8_activations: bool = False,
+    ) -> None:
+        """Every layer and the final norm over ``x [T, E]`` in place (embeddings in, hidden
+        states out), K/V stored into ``kv_cache`` (float32 ``[2, L, blocks, block_size, KVH,
+        D]``) and attended over; ``cos``/``sin`` ``[T, D / 2]``. ``ValueError`` naming a
+        projection or array whose shape does not fit."""
+
+    def __len__(self) -> int: ...
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

@@ -101,3 +101,51 @@ def test_stop_kills_a_child_that_does_not_exit_within_the_grace(supervisor):
     supervisor.stop(0.2)
     assert not proc.is_alive()
     assert supervisor.procs == [] and supervisor.conns == []
+
+
+def _exit_on_sigterm(code: int, tie, conn) -> None:
+    """Exits with `code` on SIGTERM (a server's way to stop), hangs otherwise."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    conn.send(("ready",))
+    threading.Event().wait()
+
+
+def test_stop_with_a_terminate_grace_sends_sigterm_before_killing(supervisor):
+    _spawn(supervisor, _exit_on_sigterm, 7)
+    supervisor.expect("ready", 60.0, "the start-up timeout")
+    proc = supervisor.procs[0]
+    supervisor.stop(0.0, terminate_s=30.0)
+    assert proc.exitcode == 7
+
+
+def test_a_dead_child_is_listed_and_respawned_in_its_place(supervisor):
+    _spawn(supervisor, _answer, "ready")
+    _spawn(supervisor, _exit, 4)
+    supervisor.procs[1].join(30)
+    assert supervisor.dead() == [
+        (2, f"stand-in 2 (pid {supervisor.procs[1].pid}) died (exit code 4)")
+    ]
+    supervisor.respawn(2, Tie.to_this_process(), _answer, ("ready",))
+    supervisor.expect("ready", 60.0, "the start-up timeout")
+    assert supervisor.dead() == [] and len(supervisor.procs) == 2
+
+
+def test_receive_hands_each_answer_with_its_payload_to_the_caller(supervisor):
+    _spawn(supervisor, _answer, "ok")
+    _spawn(supervisor, _answer, "ok")
+    got = {}
+    supervisor.receive([2], lambda index, answer: got.setdefault(index, answer), 60.0, "bound")
+    assert got == {2: ("ok",)}
+
+
+def test_a_silent_child_is_told_apart_from_a_dead_one(supervisor):
+    _spawn(supervisor, _hang)
+    with pytest.raises(ChildFailed) as silent:
+        supervisor.expect("ok", 0.2, "tp_step_timeout")
+    assert silent.value.silent
+    supervisor.procs[0].kill()
+    with pytest.raises(ChildFailed) as dead:
+        supervisor.expect("ok", 60.0, "tp_step_timeout")
+    assert not dead.value.silent

@@ -9,9 +9,13 @@ the engine made for it, a parent that died cannot remove them any more: the watc
 
 Once the worker holds what it needs (`Tie.hold`: the names are its to open no more),
 `PR_SET_PDEATHSIG` makes the kernel kill it with its parent as well, even while a C call holds the
-interpreter. Only when the parent spawned it from its main thread: the signal follows the
-*thread* that spawned the child, and a worker spawned from a thread that ends before the engine
-would be killed with that thread.
+interpreter (SIGKILL; a data-parallel replica asks for SIGTERM, so that a server shuts down as it
+would and removes its folder). Folders the engine made for its workers (`orphan_folders`: the
+replicas' socket folder) are removed by whichever orphan sees the engine gone first.
+
+The death signal is armed only when the parent spawned the worker from its main thread: the
+signal follows the *thread* that spawned the child, and a worker spawned from a thread that ends
+before the engine would be killed with that thread (the watch alone ties such a worker).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ctypes
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -37,22 +42,36 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 @dataclass
 class Tie:
     """What a worker needs to die with its engine: the engine's pid, whether the kernel's death
-    signal may be armed (the engine spawned it from its main thread), and the shared-memory names
-    the engine made for it (under /dev/shm) that it removes if the engine dies first."""
+    signal may be armed (the engine spawned it from its main thread) and which (`kill_with`),
+    the shared-memory names the engine made for it (under /dev/shm) that it removes if the engine
+    dies first, and the folders any orphan removes."""
 
     parent_pid: int
     death_signal: bool
     orphan_names: tuple[str, ...] = ()
+    orphan_folders: tuple[str, ...] = ()
+    kill_with: int = signal.SIGKILL
 
     @classmethod
-    def to_this_process(cls, orphan_names: tuple[str, ...] = ()) -> Tie:
+    def to_this_process(
+        cls,
+        orphan_names: tuple[str, ...] = (),
+        orphan_folders: tuple[str, ...] = (),
+        kill_with: int = signal.SIGKILL,
+    ) -> Tie:
         """The tie to the calling process, for a child spawned by the calling thread."""
         main = threading.current_thread() is threading.main_thread()
-        return cls(os.getpid(), main and sys.platform == "linux", orphan_names)
+        linux = main and sys.platform == "linux"
+        return cls(os.getpid(), linux, orphan_names, orphan_folders, kill_with)
+
+    @property
+    def orphaned(self) -> bool:
+        """The engine is gone (this worker's parent is another process now)."""
+        return os.getppid() != self.parent_pid
 
     def bind(self) -> None:
         """In the worker, first thing: exit now if the engine is already gone, else watch it."""
-        if os.getppid() != self.parent_pid:
+        if self.orphaned:
             self._orphaned()
         watch = threading.Thread(target=self._watch, name="pagedllm-engine-watch", daemon=True)
         watch.start()
@@ -63,26 +82,33 @@ class Tie:
         self.orphan_names = ()
         if self.death_signal:
             libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            if libc.prctl(PR_SET_PDEATHSIG, self.kill_with, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-            if os.getppid() != self.parent_pid:  # died before the signal was armed
+            if self.orphaned:  # died before the signal was armed
                 self._orphaned()
 
     def _watch(self) -> None:
         parent = multiprocessing.parent_process()  # None: not started by multiprocessing
         sentinels = [] if parent is None else [parent.sentinel]
         while not connection.wait(sentinels, timeout=PARENT_POLL_S):
-            if os.getppid() != self.parent_pid:
+            if self.orphaned:
                 break
         self._orphaned()
 
     def _orphaned(self) -> None:
-        """The engine is gone: remove its names this worker had still to open, and exit at once
-        (nothing the worker holds needs finishing: the kernel unmaps its memory)."""
+        """The engine is gone: remove its names this worker had still to open and its folders,
+        and exit at once (nothing the worker holds needs finishing: the kernel unmaps its
+        memory)."""
+        self.remove_orphaned()
+        os._exit(ORPHAN_EXIT_CODE)
+
+    def remove_orphaned(self) -> None:
+        """Remove what the engine, now gone, left for this worker to remove."""
         for name in self.orphan_names:
             with contextlib.suppress(OSError):
                 os.unlink(f"/dev/shm/{name.lstrip('/')}")
-        os._exit(ORPHAN_EXIT_CODE)
+        for folder in self.orphan_folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_tied(tie: Tie, payload: bytes, *handles) -> None:

@@ -27,7 +27,6 @@ Ray is imported only here, and only when `distributed_executor_backend="ray"` as
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import time
 import warnings
@@ -38,7 +37,8 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
 from pagedllm.executor.base import FAILED_STEP_GRACE_S, join_as_rank, join_as_rank_zero
-from pagedllm.executor.errors import RankDiedError, WorkerStartupError
+from pagedllm.executor.errors import RankDiedError
+from pagedllm.executor.supervisor import RayPlacement
 from pagedllm.worker.worker import StepMessage
 
 # seconds the cluster is given to place the group's bundles before the start fails
@@ -78,47 +78,31 @@ class RayExecutor:
 
     def __init__(self, args: EngineArgs, dtype: torch.dtype) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.ray = ray
         self.size = args.tensor_parallel_size
         self.timeout_s = args.tp_step_timeout
         self.startup_timeout_s = args.tp_startup_timeout
         self.dead: str | None = None  # why the executor can run no more steps
-        self.actors: list = []
-        self.group = None
+        self.placement: RayPlacement | None = None  # Ray, the group and the actors
         self._pending: list = []  # the running step's calls
         self._deadline = 0.0  # the running step's bound (monotonic seconds)
         self.on_death: list = []  # told of a rank's death between steps (`mp` only, for now)
-        # a cluster started with `ray start` (or RAY_ADDRESS), else a local one we own
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(include_dashboard=False, logging_level="warning")
         ref = weakref.ref(self)
         self._atexit = lambda: (executor := ref()) is not None and executor.shutdown()
         atexit.register(self._atexit)
         try:
+            # a cluster started with `ray start` (or RAY_ADDRESS), else a local one we own
+            self.placement = RayPlacement()
             host = ray.util.get_node_ip_address()
-            bundles = [{"CPU": 1, f"node:{host}": 0.001}] + [{"CPU": 1}] * (self.size - 1)
-            self.group = placement_group(bundles, strategy="PACK")
-            try:
-                ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                raise WorkerStartupError(
-                    f"tensor_parallel_size={self.size}: the Ray cluster could not place "
-                    f"{self.size} bundles of 1 CPU (one on this node, {host}) within "
-                    f"{PLACEMENT_TIMEOUT_S:g}s; available: {ray.available_resources()}"
-                ) from None
-            actor = ray.remote(num_cpus=1, max_restarts=0)(RayRank)
-            self.actors = [
-                actor.options(
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.group, placement_group_bundle_index=rank
-                    ),
-                ).remote()
-                for rank in range(1, self.size)
-            ]
+            self.placement.place(
+                [{"CPU": 1, f"node:{host}": 0.001}] + [{"CPU": 1}] * (self.size - 1),
+                "PACK",
+                f"tensor_parallel_size={self.size} (one bundle on this node, {host})",
+                PLACEMENT_TIMEOUT_S,
+            )
+            for rank in range(1, self.size):
+                self.placement.start(rank, RayRank, num_cpus=1)
             # the rendezvous' port is ours from here on: engines side by side never collide
             store = parallel_state.open_rendezvous(self.size, self.startup_timeout_s, host)
             rendezvous = parallel_state.Rendezvous(host, store.port)
@@ -131,6 +115,18 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def actors(self) -> list:
+        """The live actors, rank 1 first (none once shut down)."""
+        if self.placement is None:
+            return []
+        return [self.placement.actors[rank] for rank in sorted(self.placement.actors)]
+
+    @property
+    def group(self):
+        """The placement group (None once removed)."""
+        return None if self.placement is None else self.placement.group
 
     def _join_group(self, store, joins: list) -> None:
         """Join as rank 0 while watching the actors' join calls."""
@@ -220,26 +216,15 @@ class RayExecutor:
 
     def __del__(self) -> None:
         # the engine (an `LLM`) dropped without shutdown(): its actors go with it
-        if getattr(self, "actors", None) or getattr(self, "group", None):
+        if getattr(self, "placement", None) is not None and self.group is not None:
             self.shutdown()
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, leave the process group; stop Ray if
-        this executor started it. Idempotent."""
+        this executor started it (`supervisor.RayPlacement`). Idempotent."""
         atexit.unregister(self._atexit)
-        ray = self.ray
-        for actor in self.actors:
-            with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor, no_restart=True)
-        self.actors = []
-        if self.group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.group)
-            self.group = None
+        if self.placement is not None:
+            self.placement.release()
         parallel_state.destroy_tensor_parallel()
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
         if self.dead is None:
             self.dead = "the engine was shut down"

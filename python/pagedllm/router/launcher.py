@@ -2,10 +2,18 @@
 each, on a free local port, KV events on ipc sockets unless `--kv-events-config` says where,
 each TCP port + its rank) behind the router in this process, on the address `serve` was given.
 The ipc sockets are files in a folder only this user can enter (`socket_folder`), removed at
-exit; when this process is killed outright its replicas get SIGTERM and remove the folder.
+exit; when this process is killed outright its replicas exit and remove the folder.
 
-A replica that fails to start stops the whole start with its exit status; SIGINT/SIGTERM stop
-the router, then the replicas (each gets SIGTERM and its shutdown grace, then SIGKILL).
+The replicas' processes are `executor.supervisor.ProcessSupervisor` children, as the `mp`
+executor's ranks are (`ReplicaProcesses`): each is tied to this process from its first
+instruction (`lifeline.run_tied`: it exits when this process dies, even while it imports; then
+the kernel sends it SIGTERM), its start-up is watched on its sentinel beside the /health polls,
+and it is stopped by SIGTERM, its shutdown grace, then SIGKILL. `LLM(data_parallel_size=N)`'s
+replicas (`router/offline.py`) start the same way (`replica_lifeline`).
+
+A replica that fails to start stops the whole start (`ReplicaDiedError` with its exit status;
+one not up within START_TIMEOUT_S: `WorkerStartupError`); SIGINT/SIGTERM stop the router, then
+the replicas.
 """
 
 from __future__ import annotations
@@ -14,19 +22,20 @@ import argparse
 import contextlib
 import copy
 import logging
-import multiprocessing
-import os
-import shutil
+import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import connection
 
 import httpx
 
 from pagedllm.executor.errors import ReplicaDiedError, WorkerStartupError
+from pagedllm.executor.lifeline import Tie
+from pagedllm.executor.supervisor import ProcessSupervisor
 from pagedllm.kv_events import KVEventsConfig
 from pagedllm.worker.cpu_threads import default_cpu_threads
 
@@ -94,31 +103,90 @@ def replica_args(args: argparse.Namespace, rank: int, folder: str) -> argparse.N
     return ns
 
 
-def _replica_main(
-    serve_replica: Callable[[argparse.Namespace], int], ns, folder: str | None = None
-) -> int:
-    """A replica process: on Linux it is sent SIGTERM when its parent dies, so a router killed
-    outright leaves no engine behind; orphaned so, it removes the socket `folder` as it ends:
-    nor is the folder left. (While the
-    parent lives the folder is its own: a replica restarted there binds in it again.)"""
-    parent = os.getppid()
-    if sys.platform == "linux":
-        import ctypes
-        import signal
+def _exit_on_sigterm(signum, frame) -> None:
+    sys.exit(128 + signum)
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+@contextlib.contextmanager
+def replica_lifeline(tie: Tie) -> Iterator[None]:
+    """Around a replica process' work (it runs tied from its first instruction: `run_tied`):
+    SIGTERM exits through `finally` (until a server takes the signal over for its own shutdown),
+    the kernel sends SIGTERM when the launcher dies, and an orphaned replica removes the socket
+    folder as it ends (while the launcher lives the folder is its own: a replica restarted there
+    binds in it again)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    tie.hold()
     try:
-        return serve_replica(ns)
+        yield
     finally:
-        if folder is not None and os.getppid() != parent:
-            # every replica is ending (each got SIGTERM): the first out removes it all
-            shutil.rmtree(folder, ignore_errors=True)
+        if tie.orphaned:  # every replica is ending: the first out removes it all
+            tie.remove_orphaned()
 
 
-def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
+def _replica_main(serve_replica: Callable[[argparse.Namespace], int], ns, tie: Tie, conn) -> int:
+    """A `serve` replica process (its pipe unused: it answers over HTTP)."""
+    with replica_lifeline(tie):
+        return serve_replica(ns)
+
+
+def _replica_label(index: int) -> str:
+    return f"data-parallel replica {index - 1}"
+
+
+class ReplicaProcesses:
+    """The data-parallel replicas' processes, replica `rank` the supervisor's child `rank + 1`:
+    each spawned tied to this process (SIGTERM from the kernel when it dies; any orphan removes
+    `folder`), started again in its place after a death."""
+
+    def __init__(self, folder: str, name: str = "pagedllm-dp-replica-") -> None:
+        self.folder = folder
+        self.children = ProcessSupervisor(_replica_label, name)
+
+    def _tie(self) -> Tie:
+        # made by the calling thread: the kernel's signal only for replicas spawned by the main one
+        return Tie.to_this_process(orphan_folders=(self.folder,), kill_with=signal.SIGTERM)
+
+    def start(self, target: Callable, args: tuple) -> None:
+        """The next replica: `target(*args, tie, conn)` in a spawned process."""
+        self.children.spawn(self._tie(), target, args)
+
+    def restart(self, rank: int, target: Callable, args: tuple) -> None:
+        self.children.respawn(rank + 1, self._tie(), target, args)
+
+    @property
+    def procs(self) -> list:
+        return self.children.procs
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.children.procs]
+
+    def check_alive(self) -> None:
+        """ReplicaDiedError naming a replica that ended during start-up, with its status."""
+        _check_processes(self.children.procs)
+
+    def idle(self, timeout_s: float) -> None:
+        """Wait `timeout_s`, or less when a replica dies meanwhile."""
+        connection.wait(list(self.children.sentinels), timeout=timeout_s)
+
+    def dead(self) -> list[tuple[int, str]]:
+        """(rank, why) for each replica that ended."""
+        return [(index - 1, why) for index, why in self.children.dead()]
+
+    def stop(self, grace_s: float, terminate_s: float | None = None) -> None:
+        """Join for `grace_s` (the replicas were asked to exit), with `terminate_s` SIGTERM
+        them and join that long, then kill what still runs. Idempotent."""
+        self.children.stop(grace_s, terminate_s)
+
+
+def wait_healthy(
+    urls: list[str],
+    check_alive: Callable[[], None],
+    idle: Callable[[float], object] = time.sleep,
+) -> None:
     """Until every replica answers /health; `check_alive` raises (naming the replica) when one
-    ended during start-up. WorkerStartupError naming those not up after START_TIMEOUT_S."""
+    ended during start-up, checked after each `idle(0.2)` (which returns early when a replica
+    dies: `ReplicaProcesses.idle`). WorkerStartupError naming those not up after
+    START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     pending = set(range(len(urls)))
     while pending:
@@ -129,9 +197,10 @@ def wait_healthy(urls: list[str], check_alive: Callable[[], None]) -> None:
                     pending.discard(rank)
             except httpx.TransportError:
                 pass
-        if time.monotonic() > deadline:
+        if pending and time.monotonic() > deadline:
             raise WorkerStartupError(f"data-parallel replicas {sorted(pending)} did not start")
-        time.sleep(0.2)
+        if pending:
+            idle(0.2)
 
 
 def _check_processes(procs) -> None:
@@ -142,18 +211,6 @@ def _check_processes(procs) -> None:
             )
 
 
-def _stop(procs, grace_s: float) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + grace_s + 10
-    for proc in procs:
-        proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-
-
 class Supervisor:
     """Restarts the replicas that die while the router runs, each after a back-off: RESTART_FIRST_S
     doubled for each death in a row, at most RESTART_MAX_S (one that stayed up RESTART_RESET_S
@@ -161,9 +218,8 @@ class Supervisor:
     starts one again, on its old address and event endpoints, so the router sees a new instance
     on the same URL (counted on its /metrics; its part of the index reset and rebuilt from the
     new instance's events). A `restart` that raises is tried again after the next back-off.
-
-    A replica started here gets SIGTERM when this thread ends (PR_SET_PDEATHSIG follows the
-    thread that started it, `_replica_main`): the thread lives until the replicas are stopped."""
+    (A replica restarted from this thread is tied to the launcher by its watch alone: the
+    kernel's death signal follows the thread that spawned it, `lifeline`.)"""
 
     def __init__(
         self,
@@ -219,14 +275,6 @@ class Supervisor:
         logger.warning("data-parallel replica %d restarted", rank)
 
 
-def _dead_processes(procs) -> list[tuple[int, str]]:
-    return [
-        (rank, f"exited (status {proc.exitcode})")
-        for rank, proc in enumerate(procs)
-        if not proc.is_alive()
-    ]
-
-
 def run_data_parallel(
     args: argparse.Namespace,
     serve_replica: Callable[[argparse.Namespace], int],
@@ -235,30 +283,22 @@ def run_data_parallel(
     """Starts `args.data_parallel_size` replicas (`serve_replica(namespace)` in a spawned
     process each), waits until all answer /health, then `run_router(urls)` here, restarting
     those that die meanwhile (`Supervisor`); stops them when it returns."""
-    ctx = multiprocessing.get_context("spawn")
     with socket_folder() as folder:
-        procs, urls, namespaces = [], [], []
-
-        def start(rank: int):
-            proc = ctx.Process(
-                target=_replica_main,
-                args=(serve_replica, namespaces[rank], folder),
-                name=f"replica-{rank}",
-            )
-            proc.start()
-            return proc
+        replicas = ReplicaProcesses(folder)
+        urls, namespaces = [], []
 
         def restart(rank: int) -> None:
-            procs[rank] = start(rank)
+            replicas.restart(rank, _replica_main, (serve_replica, namespaces[rank]))
 
         try:
             for rank in range(args.data_parallel_size):
                 namespaces.append(replica_args(args, rank, folder))
-                procs.append(start(rank))
+                replicas.start(_replica_main, (serve_replica, namespaces[rank]))
                 urls.append(f"http://127.0.0.1:{namespaces[rank].port}")
-            wait_healthy(urls, lambda: _check_processes(procs))
+            wait_healthy(urls, replicas.check_alive, replicas.idle)
             logger.info("data-parallel replicas up: %s", ", ".join(urls))
-            with Supervisor(len(procs), lambda: _dead_processes(procs), restart):
+            with Supervisor(args.data_parallel_size, replicas.dead, restart):
                 return run_router(urls)
         finally:
-            _stop(procs, args.shutdown_grace)
+            # SIGTERM is how a server is asked to stop: its shutdown grace, then SIGKILL
+            replicas.stop(0.0, args.shutdown_grace + 10)

@@ -7,11 +7,19 @@ of a `generate` call (prompts sharing a prefix go to the replica holding it, or 
 burst's first prompt went to), sends each replica its share over a multiprocessing pipe, and
 puts the outputs back in the caller's order.
 
+The replicas' processes are `executor.supervisor.ProcessSupervisor` children
+(`launcher.ReplicaProcesses`, as `serve -dp`'s): each is tied to this process from its first
+instruction and exits when it dies (`launcher.replica_lifeline`: the socket folder goes with the
+last one), says "ready" once its engine is built (one that does not within START_TIMEOUT_S is
+killed: `WorkerStartupError`), and its answers are watched beside its sentinel.
+
 A replica that dies makes the call raise `ReplicaDiedError` naming it; the others are stopped
 (an engine missing a replica is not kept half-alive). `close()`, the object's deletion and the
-interpreter's exit stop every replica (SIGTERM, then SIGKILL) and remove the private socket
-folder (`launcher.socket_folder`); a replica whose parent dies is sent SIGTERM
-by the kernel (`launcher._replica_main`).
+interpreter's exit stop every replica (asked, then SIGTERM, then SIGKILL) and remove the private
+socket folder (`launcher.socket_folder`).
+
+`DataParallelEngines` is one of `LLM`'s two back-ends (`llm.Backend`): `generate` routes each
+prompt, runs every replica's share at once and puts the outputs back in order.
 """
 
 from __future__ import annotations
@@ -20,34 +28,36 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import os
 import threading
 import time
 import traceback
 import weakref
-from multiprocessing.connection import wait
 
 from pagedllm._core import Router
 from pagedllm.config import EngineArgs
-from pagedllm.engine import LLMEngine
+from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.engine.batch import generate_batch
-from pagedllm.executor.errors import EngineDeadError, ReplicaDiedError
+from pagedllm.executor.errors import EngineDeadError, ReplicaDiedError, WorkerStartupError
+from pagedllm.executor.supervisor import ChildFailed
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 from pagedllm.models.loader import load_model_config
+from pagedllm.outputs import RequestOutput
 from pagedllm.router.launcher import (
     START_TIMEOUT_S,
-    _replica_main,
+    ReplicaProcesses,
     ipc_endpoints,
     replica_cpu_threads,
     replica_events_config,
+    replica_lifeline,
     socket_folder,
 )
 from pagedllm.router.replicas import connect_endpoint
 from pagedllm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # for a replica to exit once asked (None on its pipe)
+TERMINATE_GRACE_S = 5.0  # then after SIGTERM, before SIGKILL
 LOCALHOST = "http://127.0.0.1"
 
 
@@ -75,10 +85,14 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError("".join(traceback.format_exception(exc)))
 
 
-def _serve_replica(payload) -> int:
-    """A replica process: builds its engine, says "ready", then runs each `generate` it is
-    sent until it gets None (or its pipe closes)."""
-    conn, args = payload
+def _serve_replica(args: EngineArgs, tie, conn) -> int:
+    """A replica process (started tied: `lifeline.run_tied`): builds its engine, says "ready",
+    then runs each `generate` it is sent until it gets None (or its pipe closes)."""
+    with replica_lifeline(tie):
+        return _serve(args, conn)
+
+
+def _serve(args: EngineArgs, conn) -> int:
     request_ids = itertools.count()
     try:
         engine = LLMEngine.from_engine_args(args)
@@ -102,44 +116,28 @@ def _serve_replica(payload) -> int:
             conn.send(("error", _portable(exc)))
 
 
-@dataclasses.dataclass(eq=False)
-class _Replica:
-    rank: int
-    proc: multiprocessing.process.BaseProcess
-    conn: multiprocessing.connection.Connection
-    subscriber: KVEventSubscriber | None = None
-
-    def died(self) -> ReplicaDiedError:
-        return ReplicaDiedError(
-            f"data-parallel replica {self.rank} (pid {self.proc.pid}) died "
-            f"(exit status {self.proc.exitcode})"
-        )
-
-
-def _stop(replicas: list[_Replica], folder: contextlib.ExitStack) -> None:
-    """Stops every replica (None on its pipe, then SIGTERM, then SIGKILL), its subscriber, and
+def _stop(
+    processes: ReplicaProcesses,
+    subscribers: list[KVEventSubscriber],
+    folder: contextlib.ExitStack,
+) -> None:
+    """Stops every replica (None on its pipe, then SIGTERM, then SIGKILL), the subscribers, and
     removes the socket folder (where it is one). Safe to call twice."""
-    for r in replicas:
-        with contextlib.suppress(OSError, ValueError):
-            r.conn.send(None)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for r in replicas:
-        r.proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        if r.proc.is_alive():
-            r.proc.terminate()
-            r.proc.join(timeout=5)
-        if r.proc.is_alive():
-            r.proc.kill()
-            r.proc.join()
-        r.conn.close()
-        if r.subscriber is not None:
-            r.subscriber.close()
-    replicas.clear()
+    for index in range(1, len(processes.procs) + 1):
+        with contextlib.suppress(ChildFailed):
+            processes.children.send(None, [index])
+    processes.stop(STOP_GRACE_S, TERMINATE_GRACE_S)
+    for subscriber in subscribers:
+        subscriber.close()
+    subscribers.clear()
     folder.close()
 
 
 class DataParallelEngines:
-    """The replicas of one `LLM(data_parallel_size=N)` and the router in front of them."""
+    """The replicas of one `LLM(data_parallel_size=N)` and the router in front of them: one of
+    `LLM`'s back-ends (`engine` None: the engines are in the replicas' processes)."""
+
+    engine = None
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
@@ -165,8 +163,9 @@ class DataParallelEngines:
         self.lock = threading.Lock()
         folder = contextlib.ExitStack()
         self.folder = folder.enter_context(socket_folder())
-        self._replicas: list[_Replica] = []
-        self._finalizer = weakref.finalize(self, _stop, self._replicas, folder)
+        self.processes = ReplicaProcesses(self.folder)
+        self._subscribers: list[KVEventSubscriber] = []
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._subscribers, folder)
         try:
             self._start()
         except BaseException:
@@ -174,47 +173,37 @@ class DataParallelEngines:
             raise
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
         for rank in range(self.size):
-            ns = replica_engine_args(self.args, rank, self.folder)
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_replica_main,
-                args=(_serve_replica, (child, ns), self.folder),
-                name=f"pagedllm-dp-replica-{rank}",
-            )
-            proc.start()
-            child.close()
-            self._replicas.append(_Replica(rank, proc, parent))
-        for r in self._replicas:
-            status, value = self._receive(r, time.monotonic() + START_TIMEOUT_S)
-            if status == "error":
-                raise value
-            events = replica_engine_args(self.args, r.rank, self.folder).kv_events_config
-            replay = events["replay_endpoint"]
-            r.subscriber = KVEventSubscriber(
-                self.router,
-                self.lock,
-                r.rank,
-                connect_endpoint(events["endpoint"], LOCALHOST),
-                replay and connect_endpoint(replay, LOCALHOST),
-                events.get("topic", ""),
-            ).start()
+            self.processes.start(_serve_replica, (self._replica_args(rank),))
 
-    def _receive(self, r: _Replica, deadline: float):
-        """The replica's next message; ReplicaDiedError when it ends (or times out) first."""
-        while True:
-            ready = wait([r.conn, r.proc.sentinel], timeout=max(0.0, deadline - time.monotonic()))
-            if r.conn in ready:
-                try:
-                    return r.conn.recv()
-                except (EOFError, OSError):  # its end closed (reset when killed)
-                    r.proc.join(timeout=5)
-                    raise r.died() from None
-            if r.proc.sentinel in ready:
-                raise r.died()
-            if not ready:
-                raise ReplicaDiedError(f"data-parallel replica {r.rank} did not answer in time")
+        def ready(index: int, answer: tuple) -> None:
+            if answer[0] == "error":
+                raise answer[1]  # its engine's own error (a bad argument, a missing file)
+            self._subscribe(index - 1)
+
+        indices = range(1, self.size + 1)
+        try:
+            self.processes.children.receive(indices, ready, START_TIMEOUT_S, "START_TIMEOUT_S")
+        except ChildFailed as failure:
+            error = WorkerStartupError if failure.silent else ReplicaDiedError
+            raise error(failure.reason) from None
+
+    def _replica_args(self, rank: int) -> EngineArgs:
+        return replica_engine_args(self.args, rank, self.folder)
+
+    def _subscribe(self, rank: int) -> None:
+        """The router's subscriber to replica `rank`'s KV events (it is ready: bound)."""
+        events = self._replica_args(rank).kv_events_config
+        replay = events["replay_endpoint"]
+        subscriber = KVEventSubscriber(
+            self.router,
+            self.lock,
+            rank,
+            connect_endpoint(events["endpoint"], LOCALHOST),
+            replay and connect_endpoint(replay, LOCALHOST),
+            events.get("topic", ""),
+        )
+        self._subscribers.append(subscriber.start())
 
     @property
     def closed(self) -> bool:
@@ -224,7 +213,59 @@ class DataParallelEngines:
         self._finalizer()
 
     def pids(self) -> list[int]:
-        return [r.proc.pid for r in self._replicas]
+        return self.processes.pids()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        request_ids: list[str],
+        prompts: list[PromptType],
+        params: list,
+        priorities: list[int],
+        loras: list,
+        on_done=None,
+    ) -> list[RequestOutput]:
+        """Routes each prompt to a replica, runs every replica's share at once, and puts the
+        outputs back in the prompts' order under `request_ids`."""
+        shares: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            lora_id = loras[i].lora_int_id if loras[i] is not None else 0
+            rank = self.route(self._routing_tokens(prompt), lora_id)
+            shares.setdefault(rank, []).append(i)
+        try:
+            results = self.run(
+                {
+                    rank: (
+                        [prompts[i] for i in rows],
+                        [params[i] for i in rows],
+                        [priorities[i] for i in rows],
+                        [loras[i] for i in rows],
+                    )
+                    for rank, rows in shares.items()
+                },
+                on_done=on_done,
+            )
+        finally:
+            for rank, rows in shares.items():
+                for _ in rows:
+                    self.finish(rank)
+        outputs: list[RequestOutput] = [None] * len(prompts)  # type: ignore[list-item]
+        for rank, rows in shares.items():
+            for i, output in zip(rows, results[rank]):
+                output.request_id = request_ids[i]
+                outputs[i] = output
+        return outputs
+
+    def _routing_tokens(self, prompt: PromptType) -> list[int]:
+        """The token ids the router hashes: the replica's own tokenization of a text prompt
+        (none without a tokenizer: the replica then refuses the prompt itself)."""
+        if isinstance(prompt, dict):
+            return list(prompt.get("prompt_token_ids") or ())
+        if self.tokenizer is None:
+            return []
+        return self.tokenizer.encode(prompt)
 
     def route(self, token_ids: list[int], lora_id: int) -> int:
         with self.lock:
@@ -245,36 +286,25 @@ class DataParallelEngines:
         outputs. A replica error is raised once all have answered; a dead replica closes all."""
         if self.closed:
             raise EngineDeadError("this LLM's data-parallel replicas are closed")
-        for rank, share in shares.items():
-            r = self._replicas[rank]
-            try:
-                r.conn.send(share)
-            except OSError:  # its end is closed: it died since the last call
-                r.proc.join(timeout=5)
-                died = r.died()
-                self.close()
-                raise died from None
-        pending = {self._replicas[rank] for rank in shares}
         results, errors = {}, []
-        while pending:
-            sentinels = {r.proc.sentinel: r for r in pending}
-            ready = wait([r.conn for r in pending] + list(sentinels))
-            for r in list(pending):
-                if r.conn not in ready and r.proc.sentinel not in ready:
-                    continue
-                try:
-                    status, value = self._receive(r, time.monotonic())
-                except ReplicaDiedError:
-                    died = r.died()
-                    self.close()  # the others are mid-call: nothing half-alive is kept
-                    raise died from None
-                pending.discard(r)
-                if status == "error":
-                    errors.append(value)
-                else:
-                    results[r.rank] = value
-                    if on_done is not None:
-                        on_done(len(value))
+
+        def answered(index: int, answer: tuple) -> None:
+            status, value = answer
+            if status == "error":
+                errors.append(value)
+                return
+            results[index - 1] = value
+            if on_done is not None:
+                on_done(len(value))
+
+        children = self.processes.children
+        try:
+            for rank, share in shares.items():
+                children.send(share, [rank + 1])
+            children.receive([rank + 1 for rank in shares], answered, None, "no bound")
+        except ChildFailed as failure:
+            self.close()  # the others are mid-call: nothing half-alive is kept
+            raise ReplicaDiedError(failure.reason) from None
         if errors:
             raise errors[0]
         return results

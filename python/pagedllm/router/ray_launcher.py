@@ -11,7 +11,9 @@ the same back-off; a bundle that moved to another node, its old one lost, is not
 knows the replica at its old address). Placement: one placement group, one bundle per
 replica of as many CPUs as its threads (`SPREAD`: over as many nodes as there are); when the
 router returns, the actors are killed, the group removed and, if this process started Ray
-itself (no cluster was running), Ray stopped.
+itself (no cluster was running), Ray stopped: `executor.supervisor.RayPlacement`, which the `ray`
+tensor-parallel executor's ranks run on too. A replica that ends is a `ReplicaDiedError`, as
+with `mp`.
 
 Ray is imported only here, and only when `--data-parallel-backend ray` asks for it.
 """
@@ -24,6 +26,7 @@ import logging
 from collections.abc import Callable
 
 from pagedllm.executor.errors import ReplicaDiedError, WorkerStartupError
+from pagedllm.executor.supervisor import RayPlacement
 from pagedllm.router.launcher import (
     Supervisor,
     _free_port,
@@ -75,40 +78,26 @@ def run_data_parallel_ray(
     """Starts `args.data_parallel_size` replica actors (`serve_replica(namespace)` in each),
     waits until all answer /health, then `run_router(urls)` here; stops them when it returns."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     size = args.data_parallel_size
     threads = replica_cpu_threads(args.cpu_threads, args.device, size) or 1
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(include_dashboard=False, logging_level="warning")
-    group, actors = None, []
+    placement = RayPlacement()
     try:
-        group = placement_group([{"CPU": threads}] * size, strategy="SPREAD")
-        try:
-            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerStartupError(
-                f"data_parallel_size={size}: the Ray cluster could not place {size} bundles "
-                f"of {threads} CPU within {PLACEMENT_TIMEOUT_S:g}s; available: "
-                f"{ray.available_resources()}"
-            ) from None
-        actor = ray.remote(num_cpus=threads, max_restarts=0)(RayServeReplica)
-
-        def new_actor(rank: int):
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
-            return actor.options(scheduling_strategy=strategy).remote()
+        placement.place(
+            [{"CPU": threads}] * size,
+            "SPREAD",
+            f"data_parallel_size={size}",
+            PLACEMENT_TIMEOUT_S,
+        )
 
         def restart(rank: int) -> None:
-            ray.kill(actors[rank])
-            actors[rank] = new_actor(rank)
-            node = ray.get(actors[rank].node_ip.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            actor = placement.start(rank, RayServeReplica, num_cpus=threads)
+            node = ray.get(actor.node_ip.remote(), timeout=PLACEMENT_TIMEOUT_S)
             if node != placed[rank].host:
                 raise WorkerStartupError(f"its bundle is on {node} now, not {placed[rank].host}")
-            runs[rank] = actors[rank].serve.remote(serve_replica, placed[rank])
+            runs[rank] = actor.serve.remote(serve_replica, placed[rank])
 
-        actors = [new_actor(rank) for rank in range(size)]
+        actors = [placement.start(rank, RayServeReplica, num_cpus=threads) for rank in range(size)]
         placed = ray.get([a.place.remote(args, rank) for rank, a in enumerate(actors)])
         for ns in placed:
             ns.cpu_threads = threads
@@ -125,12 +114,7 @@ def run_data_parallel_ray(
         with Supervisor(size, ended, restart):
             return run_router(urls)
     finally:
-        for a in actors:
-            ray.kill(a)
-        if group is not None:
-            remove_placement_group(group)
-        if owns_ray:
-            ray.shutdown()
+        placement.release()
 
 
 def _ended_actors(ray, runs: list) -> list[tuple[int, str]]:

@@ -11,6 +11,7 @@ pub mod argmax;
 pub mod attention;
 mod attention_avx2;
 pub mod elem;
+pub mod forward;
 pub mod kv_quant;
 pub mod linear;
 pub mod moe;
