@@ -147,7 +147,12 @@ class Worker:
             kv_cache_dtype=args.kv_cache_dtype,
         )
         self.runner = ModelRunner(
-            self.model, self.cache_engine, self.device, self.lora, cpu_threads=args.cpu_threads
+            self.model,
+            self.cache_engine,
+            self.device,
+            self.lora,
+            cpu_threads=args.cpu_threads,
+            fused_cpu_forward=not args.enforce_eager,
         )
         return self.runner
 

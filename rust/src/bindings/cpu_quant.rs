@@ -9,11 +9,14 @@ use pyo3::prelude::*;
 use crate::cpu::quant::{self, Activations, QType, QuantMatrix, Segment};
 
 /// A weight's segments as Python passes them: `(ggml type code, uint8 [rows, row_bytes])`.
-type Segments<'py> = Vec<(u32, PyReadonlyArray2<'py, u8>)>;
+pub(crate) type Segments<'py> = Vec<(u32, PyReadonlyArray2<'py, u8>)>;
 
 /// The segments as the kernels' weight `[sum of rows, in_features]`; a ValueError naming the
 /// segment that is not contiguous, of an unsupported type or of the wrong size.
-fn matrix<'a>(segments: &'a Segments<'_>, in_features: usize) -> PyResult<QuantMatrix<'a>> {
+pub(crate) fn matrix<'a>(
+    segments: &'a Segments<'_>,
+    in_features: usize,
+) -> PyResult<QuantMatrix<'a>> {
     let parts = segments
         .iter()
         .enumerate()

@@ -3,6 +3,7 @@ use pyo3::prelude::*;
 
 mod block_hash;
 mod convert;
+mod cpu_forward;
 mod cpu_moe;
 mod cpu_ops;
 mod cpu_quant;
@@ -25,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cpu_ops::register(m)?;
     cpu_moe::register(m)?;
     cpu_quant::register(m)?;
+    cpu_forward::register(m)?;
     manager::register(m)?;
     kv_events::register(m)?;
     router::register(m)?;

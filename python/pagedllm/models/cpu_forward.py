@@ -1,0 +1,131 @@
+"""The decoder's layers in one Rust call per step on the CPU (`_core.CpuDecoder`,
+`rust/src/cpu/forward.rs`).
+
+`DecoderForCausalLM.forward` calls a Rust kernel per norm, projection, rotation, attention and
+activation, ~10 a layer, each crossing with its numpy views and torch allocations: at decode
+sizes that glue costs as much as a small model's kernels (SmolLM2-135M: ~8 ms of a ~27 ms step
+over 30 layers). `CpuDecoderForward` runs the same kernels in the same order on the same numbers
+from Rust, so its hidden states equal the layer-by-layer path's bit for bit; the embedding, the
+rotary tables and the LM head stay where they are.
+
+`build` decides when a model qualifies (float32 on the CPU, one tensor-parallel rank, no LoRA,
+dense gated MLPs, full attention, every projection packed or quantized, a float32 KV cache) and
+returns None otherwise: the model then runs layer by layer, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedllm import _core
+from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.kernels import cpu_quant
+from pagedllm.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
+from pagedllm.models.mlp import GatedMLP
+
+
+class CpuDecoderForward:
+    """`model.forward` with the layers and the final norm run by one `_core.CpuDecoder` call."""
+
+    def __init__(self, model: DecoderForCausalLM, decoder: _core.CpuDecoder) -> None:
+        self.model = model
+        self.decoder = decoder
+
+    def __call__(
+        self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids).contiguous()
+        cos, sin = inner.rotary_emb(positions, x.dtype)
+        slots, query_start_loc, seq_lens, block_tables = meta.cpu_arrays()
+        self.decoder.forward(
+            x.numpy(),
+            cos.contiguous().numpy(),
+            sin.contiguous().numpy(),
+            slots,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_cache.numpy(),
+            torch.get_num_threads(),
+            cpu_quant.INT8_ACTIVATIONS,
+        )
+        return x
+
+
+def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoderForward | None:
+    """The fused forward for `model` over `kv_cache`, or None where it does not apply (see the
+    module docstring)."""
+    if lora or not _qualifies(model, kv_cache):
+        return None
+    cfg = model.config
+    inner = model.model
+    layers = [_layer(layer) for layer in inner.layers]
+    if any(layer is None for layer in layers):
+        return None
+    attn = inner.layers[0].self_attn if len(inner.layers) else None
+    decoder = _core.CpuDecoder(
+        layers,
+        _norm(inner.norm),
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        inner.norm.eps,
+        attn.scale if attn is not None else cfg.head_dim**-0.5,
+    )
+    return CpuDecoderForward(model, decoder)
+
+
+def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
+    return (
+        type(model) is DecoderForCausalLM
+        and model.tp.size == 1
+        and kv_cache.device.type == "cpu"
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and model.model.embed_tokens.weight.dtype == torch.float32
+        and all(_plain_layer(layer) for layer in model.model.layers)
+    )
+
+
+def _plain_layer(layer: torch.nn.Module) -> bool:
+    """Exactly the decoder's own classes (a subclass or a family with extra parts, e.g. a
+    sliding window or soft-capping, keeps the layer-by-layer path)."""
+    attn = getattr(layer, "self_attn", None)
+    return (
+        type(layer) is DecoderLayer
+        and type(attn) is Attention
+        and type(layer.mlp) is GatedMLP
+        and not getattr(attn, "sliding_window", None)
+        and not getattr(attn, "softcap", None)
+    )
+
+
+def _norm(norm: torch.nn.Module) -> Tensor:
+    weight = norm.weight.detach()
+    return weight.contiguous().numpy() if weight.dtype == torch.float32 else None
+
+
+def _linear(layer: torch.nn.Module):
+    """`("panels", panels, n, bias)` / `("quant", segments, k, bias)`, or None (unpacked)."""
+    bias = None if layer.bias is None else layer.bias.detach().float().contiguous().numpy()
+    if layer.quant is not None:
+        return ("quant", list(layer.quant._arrays), layer.quant.in_features, bias)
+    packed = layer.packed
+    if packed is None or packed.panels.dtype != torch.float32:
+        return None
+    return ("panels", packed.array, packed.out_features, bias)
+
+
+def _layer(layer: DecoderLayer) -> tuple | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norms = [_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    qk = [_norm(n) if n is not None else None for n in (attn.q_norm, attn.k_norm)]
+    if any(part is None for part in linears + norms):
+        return None
+    if attn.q_norm is not None and any(n is None for n in qk):
+        return None
+    qkv, o, gate_up, down = linears
+    return (norms[0], qkv, qk[0], qk[1], o, norms[1], gate_up, down)

@@ -1,0 +1,339 @@
+//! `CpuDecoder`: a model's layer weights held once (numpy arrays: `linear`'s panels or a GGUF
+//! weight's segments), and `forward`, the whole decoder over one step in one call with the GIL
+//! released (`crate::cpu::forward`).
+use numpy::ndarray::Ix6;
+use numpy::{
+    PyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::cpu_quant::{matrix, Segments};
+use crate::cpu::attention::PagedBatch;
+use crate::cpu::forward::{self, Layer, Linear, Options, Shape, Step, Weight};
+use crate::cpu::quant::Activations;
+
+/// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
+enum WeightArrays {
+    Panels(Py<PyArray3<f32>>, usize),
+    Quant(Vec<(u32, Py<PyArray2<u8>>)>, usize),
+}
+
+struct LinearArrays {
+    weight: WeightArrays,
+    bias: Option<Py<PyArray1<f32>>>,
+}
+
+struct LayerArrays {
+    input_norm: Py<PyArray1<f32>>,
+    qkv: LinearArrays,
+    qk_norm: Option<(Py<PyArray1<f32>>, Py<PyArray1<f32>>)>,
+    o: LinearArrays,
+    post_norm: Py<PyArray1<f32>>,
+    gate_up: LinearArrays,
+    down: LinearArrays,
+}
+
+/// A decoder's weights for `forward` (see `models/cpu_forward.py`, which builds it).
+#[pyclass(frozen, module = "pagedllm._core")]
+pub struct CpuDecoder {
+    layers: Vec<LayerArrays>,
+    final_norm: Py<PyArray1<f32>>,
+    shape: Shape,
+}
+
+fn array1(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyArray1<f32>>> {
+    let array = obj
+        .cast::<PyArray1<f32>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a 1-D float32 array")))?;
+    if !array.is_contiguous() {
+        return Err(PyValueError::new_err(format!("{what} must be contiguous")));
+    }
+    Ok(array.clone().unbind())
+}
+
+/// `("panels", float32 [P, K, 16], n, bias)` or `("quant", [(type, uint8 [rows, bytes])], k,
+/// bias)`; bias None or float32 `[N]`.
+fn linear_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<LinearArrays> {
+    let (kind, weight, size, bias): (String, Bound<'_, PyAny>, usize, Option<Bound<'_, PyAny>>) =
+        spec.extract().map_err(|_| {
+            PyTypeError::new_err(format!("{what} must be (kind, weight, size, bias)"))
+        })?;
+    let weight = match kind.as_str() {
+        "panels" => {
+            let panels = weight.cast::<PyArray3<f32>>().map_err(|_| {
+                PyTypeError::new_err(format!("{what}'s panels must be a 3-D float32 array"))
+            })?;
+            WeightArrays::Panels(panels.clone().unbind(), size)
+        }
+        "quant" => {
+            let segments: Vec<(u32, Bound<'_, PyArray2<u8>>)> = weight.extract().map_err(|_| {
+                PyTypeError::new_err(format!("{what}'s segments must be (type, uint8 2-D) pairs"))
+            })?;
+            let segments = segments.into_iter().map(|(t, a)| (t, a.unbind())).collect();
+            WeightArrays::Quant(segments, size)
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "{what}: kind {other:?} is neither 'panels' nor 'quant'"
+            )))
+        }
+    };
+    let bias = bias
+        .map(|b| array1(&b, &format!("{what}'s bias")))
+        .transpose()?;
+    Ok(LinearArrays { weight, bias })
+}
+
+fn layer_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays> {
+    let parts = spec
+        .cast::<PyTuple>()
+        .map_err(|_| PyTypeError::new_err(format!("layer {i} must be a tuple of 8 parts")))?;
+    if parts.len() != 8 {
+        return Err(PyValueError::new_err(format!(
+            "layer {i} has {} parts; expected (input_norm, qkv, q_norm, k_norm, o, post_norm, \
+             gate_up, down)",
+            parts.len()
+        )));
+    }
+    let part = |j: usize| parts.get_item(j);
+    let name = |what: &str| format!("layer {i}'s {what}");
+    let (q_norm, k_norm) = (part(2)?, part(3)?);
+    let qk_norm = match (q_norm.is_none(), k_norm.is_none()) {
+        (true, true) => None,
+        (false, false) => Some((
+            array1(&q_norm, &name("q_norm"))?,
+            array1(&k_norm, &name("k_norm"))?,
+        )),
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "layer {i}: q_norm and k_norm come together"
+            )))
+        }
+    };
+    Ok(LayerArrays {
+        input_norm: array1(&part(0)?, &name("input_norm"))?,
+        qkv: linear_arrays(&part(1)?, &name("qkv"))?,
+        qk_norm,
+        o: linear_arrays(&part(4)?, &name("o"))?,
+        post_norm: array1(&part(5)?, &name("post_norm"))?,
+        gate_up: linear_arrays(&part(6)?, &name("gate_up"))?,
+        down: linear_arrays(&part(7)?, &name("down"))?,
+    })
+}
+
+/// The arrays of one projection borrowed for a call.
+enum WeightGuard<'py> {
+    Panels(PyReadonlyArray3<'py, f32>, usize),
+    Quant(Segments<'py>, usize),
+}
+
+struct LinearGuard<'py> {
+    weight: WeightGuard<'py>,
+    bias: Option<PyReadonlyArray1<'py, f32>>,
+}
+
+struct LayerGuard<'py> {
+    input_norm: PyReadonlyArray1<'py, f32>,
+    qkv: LinearGuard<'py>,
+    qk_norm: Option<(PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>)>,
+    o: LinearGuard<'py>,
+    post_norm: PyReadonlyArray1<'py, f32>,
+    gate_up: LinearGuard<'py>,
+    down: LinearGuard<'py>,
+}
+
+fn read1<'py>(py: Python<'py>, a: &Py<PyArray1<f32>>) -> PyReadonlyArray1<'py, f32> {
+    a.bind(py).readonly()
+}
+
+impl LinearArrays {
+    fn borrow<'py>(&self, py: Python<'py>) -> LinearGuard<'py> {
+        let weight = match &self.weight {
+            WeightArrays::Panels(p, n) => WeightGuard::Panels(p.bind(py).readonly(), *n),
+            WeightArrays::Quant(segments, k) => WeightGuard::Quant(
+                segments
+                    .iter()
+                    .map(|(t, a)| (*t, a.bind(py).readonly()))
+                    .collect(),
+                *k,
+            ),
+        };
+        let bias = self.bias.as_ref().map(|b| read1(py, b));
+        LinearGuard { weight, bias }
+    }
+}
+
+impl LayerArrays {
+    fn borrow<'py>(&self, py: Python<'py>) -> LayerGuard<'py> {
+        LayerGuard {
+            input_norm: read1(py, &self.input_norm),
+            qkv: self.qkv.borrow(py),
+            qk_norm: self
+                .qk_norm
+                .as_ref()
+                .map(|(q, k)| (read1(py, q), read1(py, k))),
+            o: self.o.borrow(py),
+            post_norm: read1(py, &self.post_norm),
+            gate_up: self.gate_up.borrow(py),
+            down: self.down.borrow(py),
+        }
+    }
+}
+
+fn slice1<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
+    a.as_slice()
+        .map_err(|_| PyValueError::new_err("a norm weight or bias is not contiguous"))
+}
+
+impl LinearGuard<'_> {
+    fn view(&self) -> PyResult<Linear<'_>> {
+        let weight = match &self.weight {
+            WeightGuard::Panels(p, n) => Weight::Panels {
+                panels: p.as_array(),
+                n: *n,
+            },
+            WeightGuard::Quant(segments, k) => Weight::Quant(matrix(segments, *k)?),
+        };
+        let bias = self.bias.as_ref().map(slice1).transpose()?;
+        Ok(Linear { weight, bias })
+    }
+}
+
+impl LayerGuard<'_> {
+    fn view(&self) -> PyResult<Layer<'_>> {
+        let qk_norm = match &self.qk_norm {
+            Some((q, k)) => Some((slice1(q)?, slice1(k)?)),
+            None => None,
+        };
+        Ok(Layer {
+            input_norm: slice1(&self.input_norm)?,
+            qkv: self.qkv.view()?,
+            qk_norm,
+            o: self.o.view()?,
+            post_norm: slice1(&self.post_norm)?,
+            gate_up: self.gate_up.view()?,
+            down: self.down.view()?,
+        })
+    }
+}
+
+#[pymethods]
+impl CpuDecoder {
+    /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`,
+    /// norms float32 `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
+    /// them.
+    #[new]
+    #[pyo3(signature = (layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale))]
+    fn new(
+        layers: Vec<Bound<'_, PyAny>>,
+        final_norm: &Bound<'_, PyAny>,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        eps: f32,
+        scale: f32,
+    ) -> PyResult<Self> {
+        let layers = layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| layer_arrays(l, i))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(CpuDecoder {
+            layers,
+            final_norm: array1(final_norm, "final_norm")?,
+            shape: Shape {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                eps,
+                scale,
+            },
+        })
+    }
+
+    /// Runs every layer and the final norm over `x [T, E]` in place (the step's embeddings in,
+    /// hidden states out), storing K/V into `kv_cache` (float32 `[2, L, blocks, block_size,
+    /// KVH, D]`) and attending over it: `cos`/`sin` `[T, D / 2]`, `slot_mapping [T]`, and the
+    /// sequences' `query_start_loc`, `seq_lens`, `block_tables` as paged attention takes them.
+    #[pyo3(signature = (
+        x, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
+        num_threads, int8_activations = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        cos: PyReadonlyArray2<'_, f32>,
+        sin: PyReadonlyArray2<'_, f32>,
+        slot_mapping: PyReadonlyArray1<'_, i64>,
+        query_start_loc: PyReadonlyArray1<'_, i32>,
+        seq_lens: PyReadonlyArray1<'_, i32>,
+        block_tables: PyReadonlyArray2<'_, i32>,
+        kv_cache: &Bound<'_, PyAny>,
+        num_threads: usize,
+        int8_activations: bool,
+    ) -> PyResult<()> {
+        let guards: Vec<LayerGuard<'_>> = self.layers.iter().map(|l| l.borrow(py)).collect();
+        let layers = guards
+            .iter()
+            .map(LayerGuard::view)
+            .collect::<PyResult<Vec<_>>>()?;
+        let final_norm = read1(py, &self.final_norm);
+        let final_norm = slice1(&final_norm)?;
+        let mut x = x
+            .cast::<PyArray2<f32>>()
+            .map_err(|_| PyTypeError::new_err("x must be a 2-D float32 array"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
+        let mut kv_cache = kv_cache
+            .cast::<PyArray<f32, Ix6>>()
+            .map_err(|_| PyTypeError::new_err("kv_cache must be a 6-D float32 array"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("kv_cache must be writeable ({e})")))?;
+        let contiguous = |what: &str| PyValueError::new_err(format!("{what} must be contiguous"));
+        let query_start_loc = query_start_loc
+            .as_slice()
+            .map_err(|_| contiguous("query_start_loc"))?;
+        let seq_lens = seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?;
+        let slots = slot_mapping
+            .as_slice()
+            .map_err(|_| contiguous("slot_mapping"))?;
+        let step = Step {
+            cos: cos.as_array(),
+            sin: sin.as_array(),
+            slot_mapping: slots,
+            batch: PagedBatch {
+                query_start_loc,
+                seq_lens,
+                block_tables: block_tables.as_array(),
+            },
+        };
+        let opts = Options {
+            num_threads,
+            activations: if int8_activations {
+                Activations::Int8
+            } else {
+                Activations::F32
+            },
+        };
+        let (x, kv_cache) = (x.as_array_mut(), kv_cache.as_array_mut());
+        let shape = self.shape;
+        py.detach(|| {
+            forward::decoder_forward(x, &layers, final_norm, shape, &step, kv_cache, opts)
+        })?;
+        Ok(())
+    }
+
+    /// Number of layers held.
+    fn __len__(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<CpuDecoder>()
+}

@@ -1,0 +1,458 @@
+//! A whole decoder forward on the CPU in one call: the Llama / Qwen2 / Qwen3 layer stack of
+//! `models/decoder.py`, kernel for kernel, without going back to Python between layers.
+//!
+//! The Python model calls a Rust kernel per norm, projection, rotation, attention and
+//! activation: ~10 calls a layer, each with its numpy views, torch allocations and argument
+//! checks. At decode sizes (a few rows) the kernels themselves take tens of microseconds, so
+//! that glue is a third of a small model's step (SmolLM2: ~8 ms of ~27 ms over 30 layers).
+//! Here the same kernels run in the same order on the same numbers, with this call's buffers
+//! reused by every layer, so the hidden states equal the Python path's bit for bit (the
+//! tests in `tests/models/test_cpu_forward.py` compare them).
+//!
+//! Scope: float32 activations, weights as `linear`'s panels or ggml-typed rows (`quant`), full
+//! causal attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
+//! decides when a model qualifies and keeps the layer-by-layer path otherwise.
+use ndarray::{
+    s, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, ArrayViewMut6, Axis,
+    ShapeBuilder,
+};
+
+use super::attention::{paged_attention, store_kv, PagedBatch};
+use super::kv_quant::KvElem;
+use super::quant::{quant_linear_with, Activations, QuantMatrix};
+use super::{activation, invalid, linear, norm, rotary};
+use crate::error::Result;
+
+/// A projection's weight: `linear`'s panels `[ceil(N / PANEL), K, PANEL]` of `n` output
+/// features, or ggml-typed rows.
+pub enum Weight<'a> {
+    Panels {
+        panels: ArrayView3<'a, f32>,
+        n: usize,
+    },
+    Quant(QuantMatrix<'a>),
+}
+
+impl Weight<'_> {
+    fn out_features(&self) -> usize {
+        match self {
+            Weight::Panels { n, .. } => *n,
+            Weight::Quant(w) => w.n(),
+        }
+    }
+
+    fn in_features(&self) -> usize {
+        match self {
+            Weight::Panels { panels, .. } => panels.dim().1,
+            Weight::Quant(w) => w.k(),
+        }
+    }
+}
+
+/// A projection: its weight and optional bias `[N]`.
+pub struct Linear<'a> {
+    pub weight: Weight<'a>,
+    pub bias: Option<&'a [f32]>,
+}
+
+impl Linear<'_> {
+    fn run(&self, x: ArrayView2<f32>, out: ArrayViewMut2<f32>, opts: Options) -> Result<()> {
+        match &self.weight {
+            Weight::Panels { panels, .. } => {
+                linear::linear(x, *panels, self.bias, out, opts.num_threads)
+            }
+            Weight::Quant(w) => {
+                quant_linear_with(x, w, self.bias, out, opts.num_threads, opts.activations)
+            }
+        }
+    }
+}
+
+/// One decoder layer's parameters (`models/decoder.py`'s `DecoderLayer`).
+pub struct Layer<'a> {
+    pub input_norm: &'a [f32],
+    /// q, k, v output features side by side
+    pub qkv: Linear<'a>,
+    /// per-head RMS norms of q and k before the rotation (Qwen3), both or neither
+    pub qk_norm: Option<(&'a [f32], &'a [f32])>,
+    pub o: Linear<'a>,
+    pub post_norm: &'a [f32],
+    /// gate then up output features side by side
+    pub gate_up: Linear<'a>,
+    pub down: Linear<'a>,
+}
+
+/// The attention geometry and the norms' epsilon.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub scale: f32,
+}
+
+/// How the kernels run: threads at most, and the quantized products' activations.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    pub num_threads: usize,
+    pub activations: Activations,
+}
+
+/// The step: rotary tables `[T, D / 2]` and where each token's K/V goes and what it attends.
+pub struct Step<'a> {
+    pub cos: ArrayView2<'a, f32>,
+    pub sin: ArrayView2<'a, f32>,
+    pub slot_mapping: &'a [i64],
+    pub batch: PagedBatch<'a>,
+}
+
+/// The buffers one call reuses for every layer.
+struct Scratch {
+    residual: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// Runs `layers` and the final norm over `x [T, E]` (the step's embeddings in, the final
+/// hidden states out, in place), storing each layer's K/V into its cache and attending over it.
+/// `kv_cache` is the engine's `[2, layers, blocks, block_size, KVH, D (+ scale)]`.
+pub fn decoder_forward<C: KvElem>(
+    mut x: ArrayViewMut2<f32>,
+    layers: &[Layer<'_>],
+    final_norm: &[f32],
+    shape: Shape,
+    step: &Step<'_>,
+    mut kv_cache: ArrayViewMut6<C>,
+    opts: Options,
+) -> Result<()> {
+    let (tokens, hidden) = x.dim();
+    check(
+        layers,
+        final_norm,
+        shape,
+        hidden,
+        &step.slot_mapping.len(),
+        tokens,
+    )?;
+    if kv_cache.dim().0 != 2 || kv_cache.dim().1 != layers.len() {
+        return Err(invalid(format!(
+            "kv_cache has shape {:?}, expected [2, {}, blocks, block_size, kv heads, row]",
+            kv_cache.shape(),
+            layers.len()
+        )));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let mut scratch = Scratch::new(tokens, hidden, layers, shape);
+    let (mut k_caches, mut v_caches) = kv_cache.view_mut().split_at(Axis(0), 1);
+    for (i, layer) in layers.iter().enumerate() {
+        let first = i == 0;
+        if first {
+            // the embeddings are the first residual; x becomes their norm
+            scratch.residual.copy_from_slice(as_slice(&x)?);
+            let residual =
+                ArrayView2::from_shape((tokens, hidden), &scratch.residual).map_err(bad_shape)?;
+            norm::rms_norm(residual, layer.input_norm, shape.eps, x.view_mut())?;
+        } else {
+            add_norm(&mut x, &mut scratch.residual, layer.input_norm, shape.eps)?;
+        }
+        let k_cache = k_caches.index_axis_mut(Axis(0), 0);
+        let v_cache = v_caches.index_axis_mut(Axis(0), 0);
+        let (k_cache, v_cache) = (
+            k_cache.index_axis_move(Axis(0), i),
+            v_cache.index_axis_move(Axis(0), i),
+        );
+        attention(
+            &mut x,
+            layer,
+            shape,
+            step,
+            k_cache,
+            v_cache,
+            &mut scratch,
+            opts,
+        )?;
+        add_norm(&mut x, &mut scratch.residual, layer.post_norm, shape.eps)?;
+        mlp(&mut x, layer, &mut scratch, opts)?;
+    }
+    if layers.is_empty() {
+        let copy = x.to_owned();
+        return norm::rms_norm(copy.view(), final_norm, shape.eps, x);
+    }
+    add_norm(&mut x, &mut scratch.residual, final_norm, shape.eps)
+}
+
+fn check(
+    layers: &[Layer<'_>],
+    final_norm: &[f32],
+    shape: Shape,
+    hidden: usize,
+    slots: &usize,
+    tokens: usize,
+) -> Result<()> {
+    if *slots != tokens {
+        return Err(invalid(format!(
+            "slot_mapping has {slots} entries for {tokens} tokens"
+        )));
+    }
+    if final_norm.len() != hidden {
+        return Err(invalid(format!(
+            "the final norm has {} elements for hidden size {hidden}",
+            final_norm.len()
+        )));
+    }
+    let q = shape.num_heads * shape.head_dim;
+    let kv = shape.num_kv_heads * shape.head_dim;
+    for (i, layer) in layers.iter().enumerate() {
+        let projections = [
+            ("qkv", &layer.qkv, hidden, q + 2 * kv),
+            ("o", &layer.o, q, hidden),
+            (
+                "down",
+                &layer.down,
+                layer.gate_up.weight.out_features() / 2,
+                hidden,
+            ),
+        ];
+        for (name, proj, k, n) in projections {
+            if proj.weight.in_features() != k || proj.weight.out_features() != n {
+                return Err(invalid(format!(
+                    "layer {i}: {name} is [{}, {}], expected [{n}, {k}]",
+                    proj.weight.out_features(),
+                    proj.weight.in_features()
+                )));
+            }
+        }
+        if layer.gate_up.weight.in_features() != hidden
+            || layer.gate_up.weight.out_features() % 2 != 0
+        {
+            return Err(invalid(format!(
+                "layer {i}: gate_up must take {hidden} inputs to an even number of outputs"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Scratch {
+    fn new(tokens: usize, hidden: usize, layers: &[Layer<'_>], shape: Shape) -> Self {
+        let q = shape.num_heads * shape.head_dim;
+        let kv = shape.num_kv_heads * shape.head_dim;
+        let inter = layers
+            .iter()
+            .map(|l| l.gate_up.weight.out_features())
+            .max()
+            .unwrap_or(0);
+        let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
+        Scratch {
+            residual: vec![0.0; tokens * hidden],
+            qkv: vec![0.0; tokens * (q + 2 * kv)],
+            q: vec![0.0; if qk_norm { tokens * q } else { 0 }],
+            k: vec![0.0; if qk_norm { tokens * kv } else { 0 }],
+            attn: vec![0.0; tokens * q],
+            gate_up: vec![0.0; tokens * inter],
+            act: vec![0.0; tokens * inter / 2],
+        }
+    }
+}
+
+/// A view this module shapes itself did not fit its buffer: a bug here, reported, not a panic.
+fn bad_shape(e: ndarray::ShapeError) -> crate::error::Error {
+    invalid(format!("decoder_forward: a buffer view does not fit ({e})"))
+}
+
+fn as_slice<'b>(x: &'b ArrayViewMut2<'_, f32>) -> Result<&'b [f32]> {
+    x.as_slice().ok_or_else(|| invalid("x must be contiguous"))
+}
+
+/// `residual += x; x = rms_norm(residual)`, as `RMSNorm.add_and_norm` on the CPU.
+fn add_norm(
+    x: &mut ArrayViewMut2<f32>,
+    residual: &mut [f32],
+    weight: &[f32],
+    eps: f32,
+) -> Result<()> {
+    let residual = ArrayViewMut2::from_shape(x.dim(), residual).map_err(bad_shape)?;
+    norm::add_rms_norm(x.view_mut(), residual, weight, eps)
+}
+
+/// x (normed) -> x = o_proj(attention(rotated q, k; v)), K/V stored first.
+#[allow(clippy::too_many_arguments)]
+fn attention<C: KvElem>(
+    x: &mut ArrayViewMut2<f32>,
+    layer: &Layer<'_>,
+    shape: Shape,
+    step: &Step<'_>,
+    k_cache: ArrayViewMut4<C>,
+    v_cache: ArrayViewMut4<C>,
+    scratch: &mut Scratch,
+    opts: Options,
+) -> Result<()> {
+    let tokens = x.dim().0;
+    let (h, kvh, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let width = (h + 2 * kvh) * d;
+    let qkv =
+        ArrayViewMut2::from_shape((tokens, width), &mut scratch.qkv[..]).map_err(bad_shape)?;
+    layer.qkv.run(x.view(), qkv, opts)?;
+    let heads = |n: usize, start: usize, data| heads_view(data, tokens, n, d, width, start);
+    match layer.qk_norm {
+        None => {
+            // q and k heads side by side in the fused output: rotated together, in place
+            let qk = ArrayViewMut3::from_shape(
+                (tokens, h + kvh, d).strides((width, d, 1)),
+                &mut scratch.qkv[..],
+            )
+            .map_err(bad_shape)?;
+            rotary::rotary_in_place(qk, step.cos, step.sin)?;
+            let q = heads(h, 0, &scratch.qkv)?;
+            let k = heads(kvh, h * d, &scratch.qkv)?;
+            let v = heads(kvh, (h + kvh) * d, &scratch.qkv)?;
+            store_and_attend(
+                q,
+                k,
+                v,
+                shape,
+                step,
+                k_cache,
+                v_cache,
+                &mut scratch.attn,
+                opts,
+            )?;
+        }
+        Some((q_norm, k_norm)) => {
+            // per-head norms into contiguous copies (as the Python path's `.contiguous()`)
+            let qkv =
+                ArrayView2::from_shape((tokens, width), &scratch.qkv[..]).map_err(bad_shape)?;
+            norm_heads(
+                qkv.slice(s![.., ..h * d]),
+                q_norm,
+                shape.eps,
+                d,
+                &mut scratch.q,
+            )?;
+            let k_cols = qkv.slice(s![.., h * d..(h + kvh) * d]);
+            norm_heads(k_cols, k_norm, shape.eps, d, &mut scratch.k)?;
+            let mut q =
+                ArrayViewMut3::from_shape((tokens, h, d), &mut scratch.q[..]).map_err(bad_shape)?;
+            rotary::rotary_in_place(q.view_mut(), step.cos, step.sin)?;
+            let mut k = ArrayViewMut3::from_shape((tokens, kvh, d), &mut scratch.k[..])
+                .map_err(bad_shape)?;
+            rotary::rotary_in_place(k.view_mut(), step.cos, step.sin)?;
+            let v = heads(kvh, (h + kvh) * d, &scratch.qkv)?;
+            let (q, k) = (q.view(), k.view());
+            store_and_attend(
+                q,
+                k,
+                v,
+                shape,
+                step,
+                k_cache,
+                v_cache,
+                &mut scratch.attn,
+                opts,
+            )?;
+        }
+    }
+    let attn = ArrayView2::from_shape((tokens, h * d), &scratch.attn[..]).map_err(bad_shape)?;
+    layer.o.run(attn, x.view_mut(), opts)
+}
+
+/// Heads `[T, n, d]` of the fused projection output `data [T, width]`, from column `start`.
+fn heads_view(
+    data: &[f32],
+    tokens: usize,
+    n: usize,
+    d: usize,
+    width: usize,
+    start: usize,
+) -> Result<ArrayView3<'_, f32>> {
+    ArrayView3::from_shape((tokens, n, d).strides((width, d, 1)), &data[start..]).map_err(bad_shape)
+}
+
+/// RMS norm of every `d`-element head of `cols [T, n·d]` into `out` (contiguous `[T, n, d]`).
+fn norm_heads(
+    cols: ArrayView2<f32>,
+    weight: &[f32],
+    eps: f32,
+    d: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let (tokens, width) = cols.dim();
+    let mut rows = ndarray::Array2::<f32>::zeros((tokens * width / d, d));
+    for (t, row) in cols.rows().into_iter().enumerate() {
+        for (j, value) in row.iter().enumerate() {
+            rows[[t * (width / d) + j / d, j % d]] = *value;
+        }
+    }
+    let out = ArrayViewMut2::from_shape((tokens * width / d, d), out).map_err(bad_shape)?;
+    norm::rms_norm(rows.view(), weight, eps, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_and_attend<C: KvElem>(
+    q: ArrayView3<f32>,
+    k: ArrayView3<f32>,
+    v: ArrayView3<f32>,
+    shape: Shape,
+    step: &Step<'_>,
+    mut k_cache: ArrayViewMut4<C>,
+    mut v_cache: ArrayViewMut4<C>,
+    out: &mut [f32],
+    opts: Options,
+) -> Result<()> {
+    store_kv(
+        k,
+        v,
+        step.slot_mapping,
+        k_cache.view_mut(),
+        v_cache.view_mut(),
+    )?;
+    let tokens = q.dim().0;
+    let out = ArrayViewMut3::from_shape((tokens, shape.num_heads, shape.head_dim), out)
+        .map_err(bad_shape)?;
+    // one lifetime for every view the kernel takes (its `PagedBatch` is invariant in it)
+    let batch = PagedBatch {
+        query_start_loc: step.batch.query_start_loc,
+        seq_lens: step.batch.seq_lens,
+        block_tables: step.batch.block_tables.view(),
+    };
+    paged_attention(
+        q.view(),
+        k_cache.view(),
+        v_cache.view(),
+        batch,
+        shape.scale,
+        out,
+        opts.num_threads,
+    )
+}
+
+/// x (normed) -> x = down(silu(gate) * up).
+fn mlp(
+    x: &mut ArrayViewMut2<f32>,
+    layer: &Layer<'_>,
+    scratch: &mut Scratch,
+    opts: Options,
+) -> Result<()> {
+    let tokens = x.dim().0;
+    let width = layer.gate_up.weight.out_features();
+    let gate_up =
+        ArrayViewMut2::from_shape((tokens, width), &mut scratch.gate_up[..tokens * width])
+            .map_err(bad_shape)?;
+    layer.gate_up.run(x.view(), gate_up, opts)?;
+    let gate_up = ArrayView2::from_shape((tokens, width), &scratch.gate_up[..tokens * width])
+        .map_err(bad_shape)?;
+    let act =
+        ArrayViewMut2::from_shape((tokens, width / 2), &mut scratch.act[..tokens * width / 2])
+            .map_err(bad_shape)?;
+    activation::silu_and_mul(gate_up, act, opts.num_threads)?;
+    let act = ArrayView2::from_shape((tokens, width / 2), &scratch.act[..tokens * width / 2])
+        .map_err(bad_shape)?;
+    layer.down.run(act, x.view_mut(), opts)
+}

@@ -1,0 +1,173 @@
+"""The fused CPU forward (models/cpu_forward.py, `_core.CpuDecoder`): the decoder's layers in one
+Rust call a step give exactly the layer-by-layer path's numbers, and are used only where the
+model qualifies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import cpu_quant
+from pagedllm.models import cpu_forward
+
+from model_factory import save_tiny_checkpoint
+
+PROMPTS = [
+    [5, 9, 33, 71, 2, 8, 100, 41, 17, 3, 64, 12, 90, 7],
+    [11, 12, 13],
+    [200, 150, 100, 50, 25, 12, 6, 3, 1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121, 144],
+]
+PARAMS = SamplingParams(
+    max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2
+)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    # whole 32-value blocks, so that the quantized variant applies too
+    folder = tmp_path_factory.mktemp(request.param) / "m"
+    return save_tiny_checkpoint(folder, request.param, hidden_size=64, intermediate_size=128)
+
+
+def _generate(monkeypatch, folder, *, fused: bool, **engine) -> tuple[list, list]:
+    """Tokens and logprobs of PROMPTS; records what `build` returned in `built`."""
+    built = []
+    real = cpu_forward.build
+
+    def build(*args, **kwargs):
+        result = real(*args, **kwargs) if fused else None
+        built.append(result)
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_forward, "build", build)
+        llm = LLM(
+            str(folder),
+            # small chunks: prompts span several steps, mixed with other sequences' decodes
+            max_num_batched_tokens=8,
+            enable_prefix_caching=True,
+            cpu_threads=1,
+            **engine,
+        )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [(o.prompt_logprobs, o.outputs[0].logprobs) for o in outputs]
+    return tokens, logprobs, built
+
+
+def _logprob_values(logprobs) -> list:
+    # every (token, logprob) of every position, exactly as floats
+    values = []
+    for prompt, sampled in logprobs:
+        for position in [*(prompt or []), *sampled]:
+            if position is None:
+                continue
+            values.append(sorted((t, lp.logprob) for t, lp in position.items()))
+    return values
+
+
+def test_fused_forward_gives_the_layer_by_layer_numbers_exactly(monkeypatch, checkpoint):
+    fused_tokens, fused_logprobs, built = _generate(monkeypatch, checkpoint, fused=True)
+    assert built and built[0] is not None  # the fused path did run
+    tokens, logprobs, _ = _generate(monkeypatch, checkpoint, fused=False)
+    assert fused_tokens == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_fused_forward_gives_the_same_numbers_on_quantized_weights(
+    monkeypatch, tmp_path, int8_activations
+):
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    monkeypatch.setattr(cpu_quant, "INT8_ACTIVATIONS", int8_activations)
+    fused, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, quantization="q4_0")
+    assert built[0] is not None
+    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, quantization="q4_0")
+    assert fused == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"enable_lora": True},
+        {"dtype": "bfloat16"},
+        {"kv_cache_dtype": "int8"},
+    ],
+    ids=["lora", "bfloat16", "int8-kv-cache"],
+)
+def test_models_that_do_not_qualify_run_layer_by_layer(monkeypatch, tmp_path, engine):
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    _, _, built = _generate(monkeypatch, folder, fused=True, **engine)
+    assert built == [None]
+
+
+def _decoder(num_layers: int = 1, hidden: int = 64) -> tuple:
+    norm = np.ones(hidden, dtype=np.float32)
+    panels = lambda n, k: ("panels", np.zeros((-(-n // 16), k, 16), np.float32), n, None)  # noqa: E731
+    layer = (
+        norm,
+        panels(3 * hidden, hidden),
+        None,
+        None,
+        panels(hidden, hidden),
+        norm,
+        panels(256, hidden),
+        panels(hidden, 128),
+    )
+    return [layer] * num_layers, norm
+
+
+def test_a_layer_of_the_wrong_shape_is_a_value_error_naming_it():
+    layers, norm = _decoder(2)
+    bad = list(layers[1])
+    bad[4] = ("panels", np.zeros((4, 32, 16), np.float32), 64, None)  # o takes 32 inputs
+    from pagedllm import _core
+
+    decoder = _core.CpuDecoder([layers[0], tuple(bad)], norm, 1, 1, 64, 1e-6, 0.125)
+    x = np.zeros((1, 64), np.float32)
+    tables = np.zeros((1, 32), np.float32)
+    cache = np.zeros((2, 2, 4, 16, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="layer 1: o is"):
+        decoder.forward(
+            x,
+            tables,
+            tables,
+            np.zeros(1, np.int64),
+            np.array([0, 1], np.int32),
+            np.array([1], np.int32),
+            np.zeros((1, 1), np.int32),
+            cache,
+            1,
+        )
+
+
+def test_a_layer_spec_of_the_wrong_kind_is_a_value_error_naming_it():
+    from pagedllm import _core
+
+    layers, norm = _decoder(1)
+    bad = list(layers[0])
+    bad[1] = ("dense", bad[1][1], 192, None)
+    with pytest.raises(ValueError, match="layer 0's qkv: kind \"dense\""):
+        _core.CpuDecoder([tuple(bad)], norm, 1, 1, 64, 1e-6, 0.125)
+
+
+def test_a_kv_cache_for_other_layers_is_a_value_error():
+    from pagedllm import _core
+
+    layers, norm = _decoder(2)
+    decoder = _core.CpuDecoder(layers, norm, 1, 1, 64, 1e-6, 0.125)
+    tables = np.zeros((1, 32), np.float32)
+    with pytest.raises(ValueError, match="kv_cache has shape"):
+        decoder.forward(
+            np.zeros((1, 64), np.float32),
+            tables,
+            tables,
+            np.zeros(1, np.int64),
+            np.array([0, 1], np.int32),
+            np.array([1], np.int32),
+            np.zeros((1, 1), np.int32),
+            np.zeros((2, 3, 4, 16, 1, 64), np.float32),
+            1,
+        )
