@@ -5,6 +5,7 @@ outputs are a direct request's, and a template error is the router's 400."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,6 +16,7 @@ from router_util import MODEL, REPLICA_ENGINE, events, routed, start, stop, wait
 from pagedllm._core import hash_block_chain
 from pagedllm.chat.template import DEFAULT_CHAT_TEMPLATE
 from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
+from pagedllm.router.replicas import ReplicaSet
 from pagedllm.tokenizer import ByteTokenizer
 
 from server_util import free_port
@@ -149,3 +151,22 @@ def test_a_template_error_is_the_routers_400_in_openais_shape(cluster, counted):
     assert error["type"] == "invalid_request_error" and error["param"] == "messages"
     assert error["code"] == 400
     assert counted["render"] == 1  # the router's: the replica never got it
+
+
+def test_a_renderer_the_router_cannot_load_leaves_the_ids_to_a_replicas_tokenize(caplog):
+    replicas = ReplicaSet(["http://127.0.0.1:1"], block_size=16, policy="cache_aware")
+    replica = replicas.replicas[0]
+    asyncio.run(replicas._learn_renderer(replica, {"tokenizer": "/no/such/model/folder"}))
+    assert replicas.renderer() is None
+    assert "cannot be loaded here" in caplog.text
+
+
+def test_without_a_renderer_a_replicas_tokenize_hashes_the_tools_too(cluster, monkeypatch):
+    _, router, state = cluster
+    hashed = []
+    route = state.route
+    monkeypatch.setattr(state, "route", lambda ids, *rest: hashed.append(ids) or route(ids, *rest))
+    monkeypatch.setattr(state, "renderer", lambda: None)
+    response = post(router.url, TOOL_CHAT)
+    assert response.status_code == 200, response.text
+    assert len(hashed[0]) == response.json()["usage"]["prompt_tokens"]
