@@ -24,6 +24,7 @@ def attend_tile(
     kvh,
     q_pos,
     seq_len,
+    window,
     d,
     dmask,
     qk_scale,
@@ -43,6 +44,9 @@ def attend_tile(
     # one online-softmax step over keys n0 .. n0 + BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < seq_len
+    if MASK == 3:
+        # nor read keys before the earliest window of the rows (their blocks may be freed)
+        nmask = nmask & (n > tl.min(q_pos, 0) - window)
     blk = tl.load(bt_row + n // PAGE, mask=nmask, other=0).to(tl.int64)
     tok = n % PAGE
     k_row = kc_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
@@ -60,14 +64,21 @@ def attend_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if SCALE_AT > 0:
         qk = qk * k_scale[None, :]
-    # MASK: 0 = every key of the tile is visible, 1 = keys past seq_len hidden, 2 = also causal
+    # MASK: 0 = every key of the tile is visible, 1 = keys past seq_len hidden, 2 = also causal,
+    # 3 = also a sliding window (keys at least `window` positions behind the query hidden)
     if MASK == 1:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
     elif MASK == 2:
         qk = tl.where((n[None, :] <= q_pos[:, None]) & nmask[None, :], qk, float("-inf"))
+    elif MASK == 3:
+        seen = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(seen & nmask[None, :], qk, float("-inf"))
     # every row has a visible key in the first tile its caller gives it (key 0 for prefill, the
-    # split's first key for decode), so m_new is finite
+    # split's first key for decode), so m_new is finite; except with a window, where a row's
+    # window may start past the tile: measured from 0 then (no -inf - -inf)
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASK == 3:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)

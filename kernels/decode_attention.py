@@ -56,6 +56,7 @@ def _decode_split_kernel(
     mid_o_ptr,
     mid_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is a single MUFU op)
+    window,  # sliding window (0: none): the query sees the last `window` keys only
     stride_qs,
     stride_qh,
     stride_kb,
@@ -83,10 +84,12 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + s)
-    # every sequence divides its own length into NUM_SPLITS tile-aligned ranges; trailing splits
-    # of a short sequence are empty and just report lse = -inf
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # a sliding window: keys `first..seq_len` only (blocks before `first` are never read)
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # every sequence divides its own (windowed) keys into NUM_SPLITS tile-aligned ranges;
+    # trailing splits of a short sequence are empty and just report lse = -inf
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     # all GROUP query heads of this kv head in one tile (padded to >= 16 rows for tl.dot), so each
@@ -123,6 +126,7 @@ def _decode_split_kernel(
             kvh,
             hh,
             end,
+            0,
             d,
             dmask,
             qk_scale,
@@ -204,10 +208,12 @@ def paged_decode_attention(
     num_splits: int = 1,
     *,
     block_n: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """q `[S, H, D]` (one token per sequence) over the paged context -> `[S, H, D]`.
 
     Rows with seq_len 0 (CUDA-graph padding) give zeros. `block_n` overrides the KV tile (tests).
+    `sliding_window` W > 0: each query sees its last W keys only.
     """
     S, H, D = q.shape
     _, page, kvh, row = k_cache.shape
@@ -241,6 +247,7 @@ def paged_decode_attention(
         mid_o,
         mid_lse,
         float(scale) * 1.4426950408889634,
+        int(sliding_window),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -3,7 +3,9 @@
 The new tokens' K/V are already stored in the cache (store_kvcache runs first), so the kernel reads
 the whole context — cached prefix (prefix-cache hit, earlier chunks, recompute after preemption)
 and the new tokens alike — through the block table. Query i of a sequence with context length L
-and query length q sits at position L - q + i and sees keys 0..L - q + i.
+and query length q sits at position L - q + i and sees keys 0..L - q + i; with a sliding window W
+only keys L - q + i - W + 1.. of those, and a query tile starts at its first row's window (the
+blocks before it are never read).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _prefill_kernel(
     bt_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e): base-2 online softmax
+    window,  # sliding window (used when HAS_WINDOW)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -47,6 +50,8 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,  # attend_tile's MASK past full_end: 2 causal, 3 with the window
 ):
     # grid (query tile, sequence, query head); tiles past a sequence's query length do no work
     tile = tl.program_id(0)
@@ -82,6 +87,13 @@ def _prefill_kernel(
     full_end = tl.where(active, (ctx + tile * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
     # the remaining keys up to the tile's last query position need the causal mask
     causal_end = tl.where(active, tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M), 0)
+    if HAS_WINDOW:
+        # from the first row's window on, every tile masked (causal and window)
+        first = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = 0
+        causal_start = tl.where(active, first, 0)
+    else:
+        causal_start = full_end
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q,
@@ -95,6 +107,7 @@ def _prefill_kernel(
             kvh,
             q_pos,
             seq_len,
+            window,
             d,
             dmask,
             qk_scale,
@@ -111,7 +124,7 @@ def _prefill_kernel(
             DOT_PREC,
             SCALE_AT,
         )
-    for n0 in range(full_end, causal_end, BLOCK_N):
+    for n0 in range(causal_start, causal_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
             q,
             m_i,
@@ -124,6 +137,7 @@ def _prefill_kernel(
             kvh,
             q_pos,
             seq_len,
+            window,
             d,
             dmask,
             qk_scale,
@@ -135,7 +149,7 @@ def _prefill_kernel(
             stride_vh,
             PAGE,
             BLOCK_N,
-            2,
+            CAUSAL_MASK,
             UPCAST,
             DOT_PREC,
             SCALE_AT,
@@ -161,10 +175,12 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """q `[T, H, D]` packed by `query_start_loc` [S+1] -> `[T, H, D]`; causal within the new tokens.
 
     Rows past `query_start_loc[-1]` are left zero. `block_m` / `block_n` override tiles (tests).
+    `sliding_window` W > 0: each query sees its last W keys only.
     """
     T, H, D = q.shape
     S = seq_lens.numel()
@@ -195,6 +211,7 @@ def paged_prefill_attention(
         block_tables,
         out,
         float(scale) * 1.4426950408889634,
+        int(sliding_window),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -216,6 +233,8 @@ def paged_prefill_attention(
         DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
         # a quantized cache: each row's scale after its D codes
         SCALE_AT=D if quantized else 0,
+        HAS_WINDOW=sliding_window > 0,
+        CAUSAL_MASK=3 if sliding_window > 0 else 2,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -179,8 +179,10 @@ def build_plan(
     num_heads: int,
     num_tokens: int,
     device: torch.device,
+    sliding_window: int = 0,
 ) -> AttentionPlan:
-    """The per-step plan for `T = num_tokens` packed query rows (see `paged_attention`)."""
+    """The per-step plan for `T = num_tokens` packed query rows (see `paged_attention`);
+    `sliding_window` W > 0: a query sees only the last W positions."""
     if slot_mapping is None:
         store_rows, store_slots = None, torch.empty(0, dtype=torch.long, device=device)
     else:
@@ -234,6 +236,7 @@ def build_plan(
                     block_size,
                     max_ctx,
                     num_tokens,
+                    sliding_window,
                 )
             )
     # out_src is None only for a sub-batch whose padded rows are exactly the T rows, so then it is
@@ -251,6 +254,7 @@ def _plan_sub(
     bs: int,
     max_ctx: int,
     num_tokens: int,
+    window: int = 0,
 ) -> _SubBatch:
     """Sequence s of the sub-batch has queries q[q_start[s] : q_start[s] + q_lens[s]] and context
     lens[s]."""
@@ -264,12 +268,20 @@ def _plan_sub(
     # read slot 0 (any valid slot: they are masked), which also keeps padded table entries out of
     # the index
     slots = tables[:, key_pos // bs] * bs + key_pos % bs
-    ctx_slots = torch.where(in_ctx, slots, 0).reshape(-1)
+    readable = in_ctx
+    if window > 0:
+        # blocks before the first query's window may have been freed: slot 0 instead
+        readable = in_ctx & (key_pos[None, :] > (lens - q_lens - window)[:, None])
+    ctx_slots = torch.where(readable, slots, 0).reshape(-1)
 
     # causal: query i of s sits at L_s - q_s + i and sees keys 0..that position (and < L_s)
     q_idx = torch.arange(max_q, device=dev)
     q_pos = (lens - q_lens)[:, None] + q_idx[None, :]  # [S, max_q]
-    visible = ((key_pos[None, None, :] <= q_pos[:, :, None]) & in_ctx[:, None, :])[:, None]
+    visible = (key_pos[None, None, :] <= q_pos[:, :, None]) & in_ctx[:, None, :]
+    if window > 0:
+        # sliding window (transformers' rule): keys less than W positions behind the query
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    visible = visible[:, None]
     # additive: SDPA would convert a boolean mask to this in every layer
     mask = torch.zeros(visible.shape, device=dev).masked_fill_(~visible, float("-inf"))
 
@@ -306,12 +318,15 @@ def paged_attention(
     seq_lens: Tensor,
     block_tables: Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Attention of every query token over its sequence's paged context.
 
     q `[T, H, D]`; sequence s owns query rows `query_start_loc[s]:query_start_loc[s+1]` (length q_s)
     and has context length `seq_lens[s]` = L_s (its new tokens included, already stored in the
-    cache). Query i of s sits at position L_s - q_s + i and sees keys 0..that position.
+    cache). Query i of s sits at position L_s - q_s + i and sees keys 0..that position (with a
+    `sliding_window` W > 0, only the last W of them); `softcap` as in `attend`.
     Rows beyond `query_start_loc[-1]` and queries without any visible key get zeros.
     Math in float32; result in q.dtype.
     """
@@ -324,30 +339,39 @@ def paged_attention(
         q.shape[1],
         q.shape[0],
         q.device,
+        sliding_window,
     )
-    return attend(q, k_cache, v_cache, plan, scale)
+    return attend(q, k_cache, v_cache, plan, scale, softcap)
 
 
 def attend(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """`paged_attention` with a prebuilt plan (the cache already holds this step's K/V)."""
+    """`paged_attention` with a prebuilt plan (the cache already holds this step's K/V);
+    `softcap` > 0: scores capped as `softcap * tanh(score / softcap)` (Gemma 2)."""
     T, H, D = q.shape
     KVH, row = k_cache.shape[2:]
     k_flat = k_cache.view(-1, KVH, row)
     v_flat = v_cache.view(-1, KVH, row)
     q32 = q.float()  # no copy when q is already float32
     if plan.identity:
-        o = _attend_sub(q32, k_flat, v_flat, plan.subs[0], scale)
+        o = _attend_sub(q32, k_flat, v_flat, plan.subs[0], scale, softcap)
         return o.reshape(T, H, D).to(q.dtype)
     out = torch.zeros_like(q)
     for sub in plan.subs:
-        o = _attend_sub(q32, k_flat, v_flat, sub, scale).reshape(-1, H, D)
+        o = _attend_sub(q32, k_flat, v_flat, sub, scale, softcap).reshape(-1, H, D)
         out.index_copy_(0, sub.out_dst, o.index_select(0, sub.out_src).to(out.dtype))
     return out
 
 
-def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale: float) -> Tensor:
+def _attend_sub(
+    q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale: float, softcap: float = 0.0
+) -> Tensor:
     """float32 `[S, max_q, H, D]` attention of one sub-batch (rows of dead queries are
     unspecified)."""
     S, max_q, N = sub.S, sub.max_q, sub.N
@@ -363,6 +387,8 @@ def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale
     keys = dequantize_rows(bufs[0].view(S, N, KVH, row)).transpose(1, 2)
     vals = dequantize_rows(bufs[1].view(S, N, KVH, row)).transpose(1, 2)
     qp = q if sub.q_rows is None else q.index_select(0, sub.q_rows)
+    if softcap > 0:
+        return _capped_attention(qp.view(S, max_q, H, D), keys, vals, sub.mask, scale, softcap)
     if max_q == 1:
         # decode: the G query heads of a kv head are G queries of one MHA head (no GQA expansion)
         o = F.scaled_dot_product_attention(
@@ -378,6 +404,19 @@ def _attend_sub(q: Tensor, k_flat: Tensor, v_flat: Tensor, sub: _SubBatch, scale
         qp, keys, vals, attn_mask=sub.mask, scale=scale, enable_gqa=H != KVH
     )
     return o.transpose(1, 2)
+
+
+def _capped_attention(
+    q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor, scale: float, softcap: float
+) -> Tensor:
+    """Attention with soft-capped scores (SDPA has no capping): q `[S, max_q, H, D]`, keys and
+    values `[S, KVH, N, D]` -> `[S, max_q, H, D]`."""
+    H, KVH = q.shape[2], keys.shape[1]
+    keys = keys.repeat_interleave(H // KVH, dim=1)
+    vals = vals.repeat_interleave(H // KVH, dim=1)
+    scores = torch.matmul(q.transpose(1, 2), keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), vals).transpose(1, 2)
 
 
 def paged_decode_attention(

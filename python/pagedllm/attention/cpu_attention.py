@@ -64,8 +64,12 @@ def store_and_attend(
     v_cache: Tensor,
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]`."""
+    """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]` (a
+    query sees the last `sliding_window` positions when that is > 0; scores capped at
+    `softcap` when that is > 0)."""
     slots, query_start_loc, seq_lens, block_tables = arrays
     kc, vc = _cache_view(k_cache), _cache_view(v_cache)
     kv_dtype = kv_format(k_cache.dtype)
@@ -84,6 +88,8 @@ def store_and_attend(
         out,
         torch.get_num_threads(),
         kv_dtype,
+        sliding_window,
+        softcap,
     )
     out = torch.from_numpy(out)
     return out if out.dtype == q.dtype else out.view(q.dtype)

@@ -4,6 +4,11 @@
 Triton kernels (triton is imported only then, so this module imports on machines without it);
 float32 and bfloat16 CPU tensors to the Rust kernels (`cpu_attention.py`), which read the cache
 in place; anything else (float16 on the CPU) to the vectorized torch reference.
+
+A layer's `LayerAttention` adds what differs between layers: a sliding window W (the query at
+position p sees keys p - W + 1..p, as `transformers` masks them; every path skips the blocks
+wholly before the window) and Gemma 2's score soft-capping. Capped layers on CUDA take the torch
+reference path (the Triton kernels do not cap).
 """
 
 from __future__ import annotations
@@ -15,7 +20,18 @@ from torch import Tensor
 from pagedllm.attention import cpu_attention
 from pagedllm.kernels import reference as _ref
 
-__all__ = ["AttentionMetadata", "paged_attention"]
+__all__ = ["AttentionMetadata", "LayerAttention", "paged_attention"]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention does with its scores: the softmax `scale`, a sliding
+    `window` (0: none; a window at least the context's length is full attention) and the
+    logit `softcap` (0: none; `softcap * tanh(score / softcap)`)."""
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
 
 
 @dataclass
@@ -48,9 +64,9 @@ class AttentionMetadata:
         return arrays
 
     def cpu_plan(
-        self, block_size: int, num_heads: int, num_tokens: int, device
+        self, block_size: int, num_heads: int, num_tokens: int, device, window: int = 0
     ) -> _ref.AttentionPlan:
-        key = (block_size, num_heads, num_tokens, device)
+        key = (block_size, num_heads, num_tokens, device, window)
         inputs = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
         hit = self._plans.get(key)
         if hit is not None and all(a is b for a, b in zip(hit[0], inputs)):
@@ -64,6 +80,7 @@ class AttentionMetadata:
             num_heads,
             num_tokens,
             device,
+            window,
         )
         self._plans[key] = (inputs, plan)
         return plan
@@ -76,31 +93,44 @@ def paged_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    scale: float | LayerAttention,
 ) -> Tensor:
     """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` (quantized:
-    `D + 4`, `kernels.reference`) -> `[T, H, D]`."""
-    if q.is_cuda:
-        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    `D + 4`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
+    layer, or the layer's `LayerAttention`."""
+    layer = scale if isinstance(scale, LayerAttention) else LayerAttention(scale)
+    if q.is_cuda and layer.softcap == 0:
+        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, layer)
     if cpu_attention.supports(q, k_cache):
-        return cpu_attention.store_and_attend(q, k, v, k_cache, v_cache, meta.cpu_arrays(), scale)
-    return _paged_attention_torch(q, k, v, k_cache, v_cache, meta, scale)
+        return cpu_attention.store_and_attend(
+            q, k, v, k_cache, v_cache, meta.cpu_arrays(), layer.scale, layer.window, layer.softcap
+        )
+    return _paged_attention_torch(q, k, v, k_cache, v_cache, meta, layer)
 
 
 def _paged_attention_torch(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta,
+    scale: float | LayerAttention,
 ) -> Tensor:
     """The torch reference path: one vectorized gather + SDPA for decode, prefill and mixed
     batches (the plan groups decode rows itself)."""
-    plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device)
+    layer = scale if isinstance(scale, LayerAttention) else LayerAttention(scale)
+    plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device, layer.window)
     _ref.store_planned(k, v, k_cache, v_cache, plan)
-    return _ref.attend(q, k_cache, v_cache, plan, scale)
+    return _ref.attend(q, k_cache, v_cache, plan, layer.scale, layer.softcap)
 
 
 def _paged_attention_triton(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, layer: LayerAttention
 ) -> Tensor:
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
+
+    scale, window = layer.scale, layer.window
 
     store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
@@ -113,7 +143,14 @@ def _paged_attention_triton(
                 q.device,
             )
         return decode_attention.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, num_splits
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            num_splits,
+            sliding_window=window,
         )
     return prefill_attention.paged_prefill_attention(
         q,
@@ -124,4 +161,5 @@ def _paged_attention_triton(
         meta.block_tables,
         scale,
         meta.max_query_len,
+        sliding_window=window,
     )

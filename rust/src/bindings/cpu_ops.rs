@@ -12,7 +12,7 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cpu::{self, Bf16, PagedBatch};
+use crate::cpu::{self, Bf16, PagedBatch, Scores};
 
 fn contiguous<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<T>) -> PyResult<&'a [T]> {
     contiguous_view(name, a.as_array())
@@ -306,11 +306,13 @@ fn store<N: Dtype, C: KvDtype>(
 /// Paged attention of q `[T, H, D]` over the caches into `out` `[T, H, D]` (contiguous), causal
 /// within each sequence's query rows; `num_threads` workers at most. q and out are float32 or
 /// bfloat16 as uint16; the caches of their dtype, or quantized (`kv_cache_dtype`, as in
-/// `cpu_store_kvcache`), read in place and dequantized in registers.
+/// `cpu_store_kvcache`), read in place and dequantized in registers. `sliding_window` W > 0: a
+/// query sees only the last W positions (older blocks are not read); `softcap` > 0: scores
+/// capped as `softcap * tanh(score / softcap)`.
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out, num_threads,
-    kv_cache_dtype = "auto"
+    kv_cache_dtype = "auto", sliding_window = 0, softcap = 0.0
 ))]
 #[allow(clippy::too_many_arguments)]
 fn cpu_paged_attention(
@@ -325,14 +327,21 @@ fn cpu_paged_attention(
     out: &Bound<'_, PyAny>,
     num_threads: usize,
     kv_cache_dtype: &str,
+    sliding_window: usize,
+    softcap: f32,
 ) -> PyResult<()> {
     let format = KvFormat::parse(kv_cache_dtype)?;
     let floats = (q, k_cache, v_cache, out);
     let ints = (query_start_loc, seq_lens, block_tables);
+    let scores = Scores {
+        scale,
+        window: sliding_window,
+        softcap,
+    };
     with_kv_format!(
         Kind::of("q", q)?,
         format,
-        attend(py, floats, ints, scale, num_threads)
+        attend(py, floats, ints, scores, num_threads)
     )
 }
 
@@ -353,7 +362,7 @@ fn attend<N: Dtype, C: KvDtype>(
     py: Python<'_>,
     (q, k_cache, v_cache, out): Floats<'_, '_>,
     (query_start_loc, seq_lens, block_tables): Ints<'_>,
-    scale: f32,
+    scores: Scores,
     num_threads: usize,
 ) -> PyResult<()> {
     let q = readonly::<N, ndarray::Ix3>("q", q)?;
@@ -369,7 +378,7 @@ fn attend<N: Dtype, C: KvDtype>(
     let q = view(q.as_array());
     let (kc, vc) = (kv_view::<C>(kc.as_array()), kv_view::<C>(vc.as_array()));
     let out = view_mut(out.as_array_mut());
-    py.detach(|| cpu::paged_attention(q, kc, vc, batch, scale, out, num_threads))?;
+    py.detach(|| cpu::paged_attention(q, kc, vc, batch, scores, out, num_threads))?;
     Ok(())
 }
 

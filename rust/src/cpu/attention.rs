@@ -7,6 +7,12 @@
 //! speculative verification) are causal within the chunk: query i of a sequence with context
 //! `L` and `q` new tokens sits at position `L - q + i` and sees keys `0..=L - q + i`.
 //!
+//! A sliding-window layer (`Scores::window` = W > 0) also hides keys W or more positions behind
+//! the query (query at `p` sees keys `p - W + 1..=p`, as `transformers` masks them), and a work
+//! item never reads the blocks wholly before its first query's window (blocks the KV manager may
+//! have freed). Gemma 2's attention logit soft-capping (`Scores::softcap`) bounds each score as
+//! `cap * tanh(score / cap)` before the mask.
+//!
 //! Layouts (the engine's): q `[T, H, D]` (any strides), caches `[blocks, block_size, KVH, D]`
 //! contiguous, out `[T, H, D]` contiguous, sequence `s` owns query rows
 //! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
@@ -44,6 +50,28 @@ pub struct PagedBatch<'a> {
     pub seq_lens: &'a [i32],
     /// `[S, W]` cache block of each `block_size` keys of the context.
     pub block_tables: ArrayView2<'a, i32>,
+}
+
+/// How a layer turns query-key products into softmax inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scores {
+    /// factor on every dot product (usually `head_dim^-0.5`)
+    pub scale: f32,
+    /// sliding window W: a query sees the last W positions, itself included (0: every position)
+    pub window: usize,
+    /// logit soft-capping: `cap * tanh(score / cap)` (0: none)
+    pub softcap: f32,
+}
+
+impl From<f32> for Scores {
+    /// Full causal attention, no capping.
+    fn from(scale: f32) -> Self {
+        Scores {
+            scale,
+            window: 0,
+            softcap: 0.0,
+        }
+    }
 }
 
 /// Write this step's keys and values `[T, KVH, D]` into their cache slots
@@ -124,12 +152,13 @@ pub fn paged_attention<'a, T: Elem, C: KvElem>(
     k_cache: ArrayView4<'a, C>,
     v_cache: ArrayView4<'a, C>,
     batch: PagedBatch<'a>,
-    scale: f32,
+    scores: impl Into<Scores>,
     mut out: ArrayViewMut3<T>,
     num_threads: usize,
 ) -> Result<()> {
+    let scores = scores.into();
     let shape = check_shapes(&q, &k_cache, &v_cache, &out)?;
-    let items = plan_items(batch, shape, q.dim().0)?;
+    let items = plan_items(batch, shape, q.dim().0, scores.window)?;
     let ctx = Ctx {
         q,
         k: k_cache
@@ -140,7 +169,7 @@ pub fn paged_attention<'a, T: Elem, C: KvElem>(
             .ok_or_else(|| invalid("v_cache must be contiguous"))?,
         tables: batch.block_tables,
         shape,
-        scale,
+        scores,
     };
     let out = out
         .as_slice_mut()
@@ -242,6 +271,8 @@ struct Item {
     /// context length minus query count: query row r sees keys `0..before + r + 1` (none when
     /// that is <= 0: a padding row with more queries than context)
     before: isize,
+    /// the layer's sliding window (0: none): row r sees keys `first_key(r)..visible(r)`
+    window: usize,
 }
 
 impl Item {
@@ -249,12 +280,25 @@ impl Item {
         (self.before + r as isize + 1).max(0) as usize
     }
 
+    fn first_key(&self, r: usize) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            self.visible(r).saturating_sub(self.window)
+        }
+    }
+
     fn pairs(&self) -> usize {
-        (self.r1 - self.r0) * self.visible(self.r1 - 1)
+        (self.r1 - self.r0) * (self.visible(self.r1 - 1) - self.first_key(self.r0))
     }
 }
 
-fn plan_items(batch: PagedBatch<'_>, shape: Shape, num_rows: usize) -> Result<Vec<Item>> {
+fn plan_items(
+    batch: PagedBatch<'_>,
+    shape: Shape,
+    num_rows: usize,
+    window: usize,
+) -> Result<Vec<Item>> {
     let PagedBatch {
         query_start_loc: qsl,
         seq_lens,
@@ -291,7 +335,14 @@ fn plan_items(batch: PagedBatch<'_>, shape: Shape, num_rows: usize) -> Result<Ve
                 "seq_lens[{s}] = {len} needs {used} blocks, block_tables has {width} columns"
             )));
         }
-        for (j, &b) in block_tables.row(s).iter().take(used).enumerate() {
+        // blocks wholly before the first query's window are never read: not checked either
+        let first_used = if window == 0 {
+            0
+        } else {
+            (len - q_len.min(len) + 1).saturating_sub(window) / shape.block_size
+        };
+        let row = block_tables.row(s);
+        for (j, &b) in row.iter().enumerate().take(used).skip(first_used) {
             if b < 0 || b as usize >= shape.num_blocks {
                 return Err(invalid(format!(
                     "block_tables[{s}, {j}] = {b} is not a cache block (0..{})",
@@ -306,6 +357,7 @@ fn plan_items(batch: PagedBatch<'_>, shape: Shape, num_rows: usize) -> Result<Ve
                 r0,
                 r1: (r0 + QUERY_TILE).min(q_len),
                 before: len as isize - q_len as isize,
+                window,
             });
         }
     }
@@ -357,7 +409,7 @@ struct Ctx<'a, T, C> {
     v: &'a [C],
     tables: ArrayView2<'a, i32>,
     shape: Shape,
-    scale: f32,
+    scores: Scores,
 }
 
 /// Per-thread buffers, reused across items.
@@ -466,11 +518,14 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
     sc.sum.clear();
     sc.sum.resize(rows, 0.0);
     let visible = |rr: usize| item.visible(item.r0 + rr / heads);
+    let first_key = |rr: usize| item.first_key(item.r0 + rr / heads);
+    let sees = |rr: usize, pos: usize| pos < visible(rr) && pos >= first_key(rr);
     // offset of row rr's kv head within a position's keys
     let head_at = |rr: usize| (rr % heads) / group * row;
     let table = ctx.tables.row(item.seq);
     let keys = item.visible(item.r1 - 1);
-    for t0 in (0..keys).step_by(KEY_TILE) {
+    let Scores { scale, softcap, .. } = ctx.scores;
+    for t0 in (item.first_key(item.r0)..keys).step_by(KEY_TILE) {
         let n = KEY_TILE.min(keys - t0);
         sc.key_at.clear();
         sc.key_at.extend((t0..t0 + n).map(|pos| {
@@ -481,8 +536,13 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
             let keys_at = &ctx.k[at..at + kv_heads * row];
             for rr in 0..rows {
                 let h = head_at(rr);
-                sc.scores[rr * KEY_TILE + j] = if t0 + j < visible(rr) {
-                    C::dot::<F>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + row]) * ctx.scale
+                sc.scores[rr * KEY_TILE + j] = if sees(rr, t0 + j) {
+                    let x = C::dot::<F>(&sc.q[rr * d..(rr + 1) * d], &keys_at[h..h + row]) * scale;
+                    if softcap > 0.0 {
+                        softcap * (x / softcap).tanh()
+                    } else {
+                        x
+                    }
                 } else {
                     f32::NEG_INFINITY
                 };
@@ -490,7 +550,8 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
         }
         // online softmax: rescale what was accumulated by e^(old max - new max)
         for rr in 0..rows {
-            if t0 >= visible(rr) {
+            // a tile wholly outside the row's keys: nothing to add (and no -inf - -inf)
+            if t0 >= visible(rr) || t0 + n <= first_key(rr) {
                 continue;
             }
             let row = &mut sc.scores[rr * KEY_TILE..rr * KEY_TILE + n];
@@ -510,7 +571,7 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
         for (j, &at) in sc.key_at.iter().enumerate() {
             let values_at = &ctx.v[at..at + kv_heads * row];
             for rr in 0..rows {
-                if t0 + j < visible(rr) {
+                if sees(rr, t0 + j) {
                     let h = head_at(rr);
                     let p = sc.scores[rr * KEY_TILE + j];
                     C::axpy::<F>(&mut out[rr * d..(rr + 1) * d], p, &values_at[h..h + row]);
@@ -565,18 +626,26 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
     out.fill(0.0);
     let keys = item.visible(item.r1 - 1);
     let table = ctx.tables.row(item.seq);
-    // each position's offset in the caches, a block at a time (no division per position)
+    // a sliding window: the first query's window starts at `k0`; blocks before are not read
+    let k0 = item.first_key(item.r0);
+    // each position's offset in the caches from the block holding `k0` (position `base`), a
+    // block at a time (no division per position)
+    let base = k0 / bs * bs;
     let run = kv_heads * row;
     sc.key_at.clear();
-    for &block in table.iter().take(keys.div_ceil(bs)) {
+    for &block in table.iter().take(keys.div_ceil(bs)).skip(k0 / bs) {
         let first = block as usize * bs;
         sc.key_at.extend((first..first + bs).map(|slot| slot * run));
     }
-    sc.key_at.truncate(keys);
-    let q_scale = ctx.scale * std::f32::consts::LOG2_E;
+    sc.key_at.truncate(keys - base);
+    let q_scale = ctx.scale_log2();
+    // soft-capping in log2 units: c * tanh(x / c) with c = cap * log2(e)
+    let cap = ctx.scores.softcap * std::f32::consts::LOG2_E;
     // row r: query r0 + r / group, head g * group + r % group
     let visible = |r: usize| item.visible(item.r0 + r / group);
+    let first_key = |r: usize| item.first_key(item.r0 + r / group);
     let first_visible = visible(0);
+    let last_first_key = first_key(rows.max(1) - 1);
     sc.scores.clear();
     // in lanes: one kv head's tile at a time; else every kv head's rows
     sc.scores.resize(
@@ -613,14 +682,16 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
     sc.corr.resize(kv_heads * rp, 1.0);
     // key tiles outer, kv heads inner: a tile's positions (all kv heads, contiguous in the
     // cache) are read from memory once, then served from cache to each head
-    for t0 in (0..keys).step_by(KEY_TILE) {
+    for t0 in (k0..keys).step_by(KEY_TILE) {
         let n = KEY_TILE.min(keys - t0);
+        // this tile's first position in `key_at`
+        let kt = t0 - base;
         if !in_lanes {
             // few rows: every kv head's scores of eight positions at a time, so that each
             // position's keys (all heads, one contiguous run) are read in one go
             for j0 in (0..n).step_by(simd::LANES) {
                 // past the tile's end: the last key again, masked below
-                let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[t0 + (j0 + l).min(n - 1)]);
+                let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
                 for g in 0..kv_heads {
                     let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * row));
                     for r in 0..rows {
@@ -641,7 +712,7 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
             let mut j = 0;
             while j < n {
                 let len = (bs - (t0 + j) % bs).min(n - j);
-                std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[t0 + j]), len * run));
+                std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[kt + j]), len * run));
                 j += len;
             }
         }
@@ -649,7 +720,7 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
             let mut key_ptr = [null::<C>(); KEY_TILE];
             let mut value_ptr = [null::<C>(); KEY_TILE];
             for j in 0..n {
-                let at = sc.key_at[t0 + j] + g * row;
+                let at = sc.key_at[kt + j] + g * row;
                 key_ptr[j] = ctx.k.as_ptr().add(at);
                 value_ptr[j] = ctx.v.as_ptr().add(at);
             }
@@ -676,9 +747,19 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                     };
                 }
                 k::qk_rows_in_lanes(q, rp, &key_f32[..n], d, s);
+                if cap > 0.0 {
+                    soft_cap(s, n * rp, cap);
+                }
                 if t0 + n > first_visible {
                     for r in 0..rows {
                         for j in visible(r).saturating_sub(t0).min(n)..n {
+                            *s.add(j * rp + r) = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                if t0 < last_first_key {
+                    for r in 0..rows {
+                        for j in 0..first_key(r).saturating_sub(t0).min(n) {
                             *s.add(j * rp + r) = f32::NEG_INFINITY;
                         }
                     }
@@ -693,7 +774,13 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                 let s = s.add(g * rows * KEY_TILE);
                 for r in 0..rows {
                     let row = s.add(r * KEY_TILE);
+                    if cap > 0.0 {
+                        soft_cap(row, n, cap);
+                    }
                     for j in visible(r).saturating_sub(t0).min(n)..n8 {
+                        *row.add(j) = f32::NEG_INFINITY;
+                    }
+                    for j in 0..first_key(r).saturating_sub(t0).min(n) {
                         *row.add(j) = f32::NEG_INFINITY;
                     }
                     k::softmax_row(row, n8, &mut max[r], &mut sum[r], &mut corr[r]);
@@ -719,5 +806,23 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
         if total > 0.0 {
             simd::scale(&mut out[at..at + d], 1.0 / total);
         }
+    }
+}
+
+impl<T, C> Ctx<'_, T, C> {
+    /// The AVX2 path's factor on q: scores in log2 units.
+    fn scale_log2(&self) -> f32 {
+        self.scores.scale * std::f32::consts::LOG2_E
+    }
+}
+
+/// `x = cap * tanh(x / cap)` for the `len` scores at `s` (Gemma 2's logit soft-capping).
+///
+/// # Safety
+/// `s..s + len` must be valid for reads and writes.
+#[cfg(target_arch = "x86_64")]
+unsafe fn soft_cap(s: *mut f32, len: usize, cap: f32) {
+    for x in std::slice::from_raw_parts_mut(s, len) {
+        *x = cap * (*x / cap).tanh();
     }
 }

@@ -3,7 +3,7 @@
 //! reads; the output then differs from it by the one final rounding to bf16).
 use ndarray::{Array2, Array3, Array4, Axis};
 
-use super::attention::{paged_attention, store_kv, PagedBatch};
+use super::attention::{paged_attention, store_kv, PagedBatch, Scores};
 use super::elem::{Bf16, Elem};
 use super::kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 
@@ -37,22 +37,43 @@ fn dense(
     q: &Array3<f32>,
     ks: &[Array3<f32>],
     vs: &[Array3<f32>],
-    scale: f32,
+    rule: Scores,
 ) -> Array3<f32> {
+    let Scores {
+        scale,
+        window,
+        softcap,
+    } = rule;
     let group = case.heads / case.kv_heads;
     let mut out = Array3::<f32>::zeros(q.dim());
     let mut row = 0;
     for (s, &(q_len, len)) in case.seqs.iter().enumerate() {
         for i in 0..q_len {
             let visible = len - q_len + i + 1;
+            // a sliding window: only the last `window` positions
+            let first = if window == 0 {
+                0
+            } else {
+                visible.saturating_sub(window)
+            };
             for h in 0..case.heads {
                 let g = h / group;
                 let scores: Vec<f64> = (0..visible)
                     .map(|p| {
-                        (0..case.head_dim)
+                        let x = (0..case.head_dim)
                             .map(|x| (q[[row, h, x]] * ks[s][[p, g, x]]) as f64)
                             .sum::<f64>()
-                            * scale as f64
+                            * scale as f64;
+                        let x = if softcap > 0.0 {
+                            softcap as f64 * (x / softcap as f64).tanh()
+                        } else {
+                            x
+                        };
+                        if p < first {
+                            f64::NEG_INFINITY
+                        } else {
+                            x
+                        }
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -78,6 +99,13 @@ fn check<T: Elem + KvElem>(case: Case, threads: usize) {
 /// The kernel over a cache of `C` (the model's float type, or a quantized format) against the
 /// dense reference over the values the cache holds (dequantized): equal up to summation order.
 fn check_in<T: Elem, C: KvElem>(case: Case, threads: usize) {
+    check_scored::<T, C>(case, threads, 0, 0.0)
+}
+
+/// `check_in` for a layer with a sliding window and/or soft-capping. The table entries of blocks
+/// wholly before each sequence's first query's window are -1 when the kernel runs: reading one
+/// would index far outside the cache.
+fn check_scored<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, softcap: f32) {
     let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
     let row = d + C::EXTRA;
     let widths: Vec<usize> = case.seqs.iter().map(|(_, l)| l.div_ceil(bs)).collect();
@@ -146,25 +174,36 @@ fn check_in<T: Elem, C: KvElem>(case: Case, threads: usize) {
             }
         }
     }
+    if window > 0 {
+        for (s, &(q_len, len)) in case.seqs.iter().enumerate() {
+            for j in 0..(len - q_len + 1).saturating_sub(window) / bs {
+                tables[[s, j]] = -1;
+            }
+        }
+    }
     let lens: Vec<i32> = case.seqs.iter().map(|(_, l)| *l as i32).collect();
     let batch = PagedBatch {
         query_start_loc: &qsl,
         seq_lens: &lens,
         block_tables: tables.view(),
     };
-    let scale = (d as f32).powf(-0.5);
+    let rule = Scores {
+        scale: (d as f32).powf(-0.5),
+        window,
+        softcap,
+    };
     let mut out = Array3::<T>::from_elem((total_q, h, d), T::from_f32(f32::NAN));
     paged_attention(
         q.mapv(T::from_f32).view(),
         k_cache.view(),
         v_cache.view(),
         batch,
-        scale,
+        rule,
         out.view_mut(),
         threads,
     )
     .unwrap();
-    let want = dense(&case, &q, &ks, &vs, scale);
+    let want = dense(&case, &q, &ks, &vs, rule);
     for (got, want) in out.iter().zip(want.iter()) {
         let got = got.to_f32();
         // f32 sums, then (bf16 only) the output's rounding: half an ulp, 2^-9 relative
@@ -437,4 +476,40 @@ fn a_quantized_cache_without_room_for_the_scale_is_refused() {
     let mut other = cache.clone();
     let err = store_kv(k.view(), k.view(), &[0], cache.view_mut(), other.view_mut());
     assert!(err.unwrap_err().to_string().contains("scale"));
+}
+
+// Sliding-window layers (Mistral, Gemma, Qwen2 `use_sliding_window`) and Gemma 2's soft-capping:
+// every path (keys in lanes, rows in lanes, the portable loop), windows smaller and larger than
+// a query tile, a key tile and a block; blocks before the window are -1 in the table.
+
+#[test]
+fn a_sliding_window_hides_old_keys_and_skips_their_blocks_on_the_avx2_path() {
+    for window in [1, 5, 16, 20, 64, 100] {
+        check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, window, 0.0);
+    }
+    let long = vec![(200, 200), (130, 190), (1, 511), (3, 300)];
+    check_scored::<f32, f32>(case(4, 2, 64, long.clone()), 1, 32, 0.0);
+    check_scored::<Bf16, Bf16>(case(8, 4, 64, long), 2, 48, 0.0);
+}
+
+#[test]
+fn a_sliding_window_hides_old_keys_on_the_portable_path_and_quantized_caches() {
+    let seqs = vec![(1, 70), (17, 40), (40, 90), (5, 12)];
+    for window in [1, 7, 16, 33] {
+        check_scored::<f32, f32>(case(4, 2, 20, seqs.clone()), 1, window, 0.0);
+    }
+    check_scored::<f32, I8>(case(8, 2, 64, tile_edges()), 1, 24, 0.0);
+}
+
+#[test]
+fn a_window_as_long_as_the_context_is_full_attention() {
+    check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, 4096, 0.0);
+}
+
+#[test]
+fn soft_capped_scores_match_dense_attention_on_every_path() {
+    // a cap near the scores' size so that tanh bends them
+    check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, 0, 0.5);
+    check_scored::<f32, f32>(case(4, 2, 20, vec![(1, 70), (17, 40)]), 1, 0, 0.5);
+    check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, 16, 0.5);
 }
