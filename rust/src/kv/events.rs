@@ -7,8 +7,55 @@
 //! (`drain`) into a [`KvEventBatch`]: the events in order, consecutive ones of the same kind
 //! grouped into records the way vLLM batches them (one `BlockStored` per run of chained blocks,
 //! one `BlockRemoved` per run of removals).
+//!
+//! Each log records one medium ([`Medium`]): the prefix cache's is the device cache, an offload
+//! tier keeps one of its own (host memory, disk) so a router sees those hits too. The wire form
+//! (vLLM's msgpack `KVEventBatch`), both ways, is [`wire`].
+pub mod wire;
+
 use super::prefix_cache::ROOT_HASH;
 use crate::ids::TokenId;
+
+/// Where the blocks of a record live (vLLM's `medium`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Medium {
+    /// The engine's KV cache (on the device the model runs on).
+    #[default]
+    Device = 0,
+    /// The offload tier in host memory (vLLM's `CPU`).
+    Host = 1,
+    /// The offload tier on disk (vLLM's `STORAGE`).
+    Disk = 2,
+}
+
+impl Medium {
+    pub const ALL: [Medium; 3] = [Medium::Device, Medium::Host, Medium::Disk];
+
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(code as usize).copied()
+    }
+
+    /// vLLM's name for the medium (the device cache's is `GPU`; a publisher may name it after
+    /// its device instead, see `wire::EncodeOptions::device_medium`).
+    pub fn vllm_name(self) -> &'static str {
+        match self {
+            Medium::Device => "GPU",
+            Medium::Host => "CPU",
+            Medium::Disk => "STORAGE",
+        }
+    }
+
+    /// The medium a published name stands for: none or `GPU` the device cache, `CPU` host
+    /// memory, anything else (`STORAGE`, a tier this code does not know) the slowest tier.
+    pub fn from_vllm_name(name: Option<&str>) -> Self {
+        match name {
+            None | Some("GPU") => Medium::Device,
+            Some("CPU") => Medium::Host,
+            Some(_) => Medium::Disk,
+        }
+    }
+}
 
 /// What one record of a [`KvEventBatch`] says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,10 +73,12 @@ pub enum KvEventKind {
 /// hashes, in order); for a `Stored` record, `parents[r]` is the first block's parent
 /// (`ROOT_HASH` for a sequence's first block), `extra_keys[r]` the hash key the blocks were
 /// hashed under (the adapter's salt included), and the blocks' tokens are
-/// `tokens[starts[r] * block_size..starts[r + 1] * block_size]`.
+/// `tokens[starts[r] * block_size..starts[r + 1] * block_size]`; `media[r]` is where they live
+/// (a `Medium` code; an offload tier's stored blocks list no tokens: their slots hold 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KvEventBatch {
     pub kinds: Vec<u8>,
+    pub media: Vec<u8>,
     /// One more entry than `kinds`.
     pub starts: Vec<u32>,
     pub parents: Vec<u64>,
@@ -47,12 +96,32 @@ impl KvEventBatch {
     pub fn len(&self) -> usize {
         self.kinds.len()
     }
+
+    /// Appends `other`'s records after this batch's (a step's device and tier events).
+    pub fn append(&mut self, mut other: KvEventBatch) {
+        if other.is_empty() {
+            return;
+        }
+        if self.starts.is_empty() {
+            self.starts.push(0);
+        }
+        let base = self.hashes.len() as u32;
+        self.starts
+            .extend(other.starts.iter().skip(1).map(|&s| s + base));
+        self.kinds.append(&mut other.kinds);
+        self.media.append(&mut other.media);
+        self.parents.append(&mut other.parents);
+        self.extra_keys.append(&mut other.extra_keys);
+        self.hashes.append(&mut other.hashes);
+        self.tokens.append(&mut other.tokens);
+    }
 }
 
 /// The log a prefix cache records its changes into (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct KvEventLog {
     enabled: bool,
+    medium: Medium,
     block_size: usize,
     batch: KvEventBatch,
     /// Hash of the last stored block (chains a following stored block onto its record).
@@ -60,6 +129,18 @@ pub struct KvEventLog {
 }
 
 impl KvEventLog {
+    /// A log of an offload tier's blocks (the prefix cache's is `default()`: the device's).
+    pub fn for_medium(medium: Medium) -> Self {
+        Self {
+            medium,
+            ..Self::default()
+        }
+    }
+
+    pub fn medium(&self) -> Medium {
+        self.medium
+    }
+
     pub fn is_enabled(&self) -> bool {
         self.enabled
     }
@@ -80,6 +161,8 @@ impl KvEventLog {
         let b = &mut self.batch;
         let continues = match b.kinds.last() {
             Some(&k) if k == kind as u8 => match kind {
+                // a tier's blocks carry no chain (vLLM's offload events): one record per run
+                KvEventKind::Stored if self.medium != Medium::Device => true,
                 KvEventKind::Stored => {
                     parent == self.last_stored && b.extra_keys.last() == Some(&extra_key)
                 }
@@ -93,6 +176,7 @@ impl KvEventLog {
                 b.starts.push(0);
             }
             b.kinds.push(kind as u8);
+            b.media.push(self.medium as u8);
             b.parents.push(parent);
             b.extra_keys.push(extra_key);
             b.starts.push(b.hashes.len() as u32);
@@ -114,6 +198,11 @@ impl KvEventLog {
         // A block is always `block_size` tokens; pad defensively so record offsets stay exact.
         b.tokens.resize(start + self.block_size, 0);
         self.last_stored = hash;
+    }
+
+    /// A tier's block stored under `hash` (no parent, no tokens: vLLM's offload events).
+    pub fn stored_in_tier(&mut self, hash: u64) {
+        self.stored(hash, ROOT_HASH, &[], 0);
     }
 
     /// A block registered under `hash` dropped its registration.
