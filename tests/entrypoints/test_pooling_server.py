@@ -170,3 +170,35 @@ def test_embeddings_on_a_generating_server_are_a_400_naming_model():
         assert_bad_request(httpx.post(f"{server.url}/v1/embeddings", json=body), "model")
         response = httpx.post(f"{server.url}/v1/rerank", json={"query": "q", "documents": ["d"]})
         assert_bad_request(response, "model")
+
+
+def test_a_lone_surrogate_is_a_400_naming_input(embed_server):
+    body = '{"model": "e", "input": "\\ud800"}'
+    response = httpx.post(
+        f"{embed_server.url}/v1/embeddings",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert_bad_request(response, "input")
+
+
+@pytest.mark.parametrize("which", ["embed_server", "rerank_server"])
+def test_no_generated_pooling_input_gets_a_server_error(request, which):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    server = request.getfixturevalue(which)
+    api = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    paths = {"/v1/embeddings", "/v1/score", "/v1/rerank"}
+    operations = [r.ok() for r in api.get_all_operations() if r.ok().path in paths]
+    assert {op.path for op in operations} == paths
+
+    @given(case=st.one_of([op.as_strategy() for op in operations]))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        response = case.call(base_url=server.url, timeout=30)
+        assert response.status_code < 500, (case.path, case.body, response.text)
+
+    fuzz()
+    server.wait_idle()

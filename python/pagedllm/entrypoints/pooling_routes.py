@@ -147,6 +147,12 @@ async def _encode(server, texts: list[str], field: str) -> list[list[int]]:
     tokenizer = server.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, f"{field}: text inputs need a tokenizer", param=field)
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: valid JSON, not Unicode
+            message = f"{field}[{i}] is not valid Unicode ({exc.reason})"
+            raise APIError(400, message, param=field) from None
     return await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts])
 
 
