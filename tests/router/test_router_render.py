@@ -16,7 +16,8 @@ from router_util import MODEL, REPLICA_ENGINE, events, routed, start, stop, wait
 from pagedllm._core import hash_block_chain
 from pagedllm.chat.template import DEFAULT_CHAT_TEMPLATE
 from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
-from pagedllm.router.replicas import ReplicaSet
+from pagedllm.router.app import _Prompt
+from pagedllm.router.replicas import Replica, ReplicaSet
 from pagedllm.tokenizer import ByteTokenizer
 
 from server_util import free_port
@@ -170,3 +171,10 @@ def test_without_a_renderer_a_replicas_tokenize_hashes_the_tools_too(cluster, mo
     response = post(router.url, TOOL_CHAT)
     assert response.status_code == 200, response.text
     assert len(hashed[0]) == response.json()["usage"]["prompt_tokens"]
+
+
+def test_the_ids_go_only_to_a_replica_that_renders_alike_and_takes_a_body_that_large():
+    prompt = _Prompt([1, 2], raw=b"{}", key="ours", forwarded=b'{"prompt_token_ids": [1, 2]}')
+    assert prompt.body_for(Replica(0, "u", renderer_key="ours")) == prompt.forwarded
+    assert prompt.body_for(Replica(0, "u", renderer_key="theirs")) == b"{}"
+    assert prompt.body_for(Replica(0, "u", renderer_key="ours", max_body_bytes=10)) == b"{}"

@@ -294,6 +294,8 @@ class Server:
             "kv_events": dataclasses.asdict(events) if events and events.publishes else None,
             # how a router renders and tokenizes a request as this server would
             "renderer": self.renderer.description,
+            # the body it takes: a router sends the rendered ids with one only when it fits
+            "max_request_body_bytes": self.config.max_request_body_bytes,
         }
 
     @property

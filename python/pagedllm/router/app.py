@@ -470,9 +470,12 @@ class _Prompt:
     forwarded: bytes | None = None
 
     def body_for(self, replica: Replica) -> bytes:
-        if self.key is not None and replica.renderer_key == self.key:
-            return self.forwarded
-        return self.raw
+        """With the ids for a replica that renders as the router did and takes a body that
+        large; else as the client sent it (the replica renders it itself)."""
+        if self.key is None or replica.renderer_key != self.key:
+            return self.raw
+        limit = replica.max_body_bytes
+        return self.raw if limit is not None and len(self.forwarded) > limit else self.forwarded
 
 
 def render_prompt(renderer: Renderer, path: str, body: dict) -> tuple[list[int], list] | None:

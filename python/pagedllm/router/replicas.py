@@ -70,6 +70,7 @@ class Replica:
     restarts: int = 0  # new instances seen (a supervisor, or `serve -dp`, restarted it)
     # its /load's renderer description, as JSON (None: it renders nothing for the router)
     renderer_key: str | None = None
+    max_body_bytes: int | None = None  # the largest request body it takes (None: not said)
     in_flight: set[InFlight] = field(default_factory=set)  # requests waiting on it now
 
 
@@ -194,7 +195,7 @@ def parse_load(load) -> dict:
         raise ValueError(f"its /load instance_id is {load['instance_id']!r}, not a string")
     if not isinstance(load.get("healthy", True), bool):
         raise ValueError(f"its /load healthy is {load['healthy']!r}, not a boolean")
-    for key in ("block_size", "num_gpu_blocks"):
+    for key in ("block_size", "num_gpu_blocks", "max_request_body_bytes"):
         if load.get(key) is not None:
             _count(load, key)
     loras = load.get("lora_ids") or {}
@@ -435,6 +436,7 @@ class ReplicaSet:
             logger.warning("replica %d (%s) is a new instance", replica.index, replica.url)
         replica.instance_id = load["instance_id"]
         replica.lora_ids = dict(load.get("lora_ids") or {})
+        replica.max_body_bytes = load.get("max_request_body_bytes")
         with self.lock:
             self.router.set_load(
                 replica.index, load["num_waiting"], load["num_running"], load["kv_usage"]
