@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from pagedllm.config import DEFAULT_MODEL, EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
@@ -12,6 +13,57 @@ from pagedllm.engine.batch import generate_batch
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+
+class Backend(Protocol):
+    """What `LLM` runs its batches on, chosen once when it is built (`_backend`): one engine in
+    this process (`EngineBackend`) or N replica processes behind the router core
+    (`router.offline.DataParallelEngines`)."""
+
+    args: EngineArgs
+    engine: LLMEngine | None  # the engine in this process; None: they run in other processes
+
+    def get_tokenizer(self): ...
+
+    def generate(
+        self,
+        request_ids: list[str],
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        loras: list[LoRARequest | None],
+        on_done: Callable[[int], object] | None = None,
+    ) -> list[RequestOutput]:
+        """Every request run to completion, their final outputs in order (`on_done(n)`: n more
+        finished)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineBackend:
+    """One engine in this process."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.engine = LLMEngine.from_engine_args(args)
+        self.args = self.engine.args
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, request_ids, prompts, params, priorities, loras, on_done=None):
+        return generate_batch(self.engine, request_ids, prompts, params, priorities, loras, on_done)
+
+    def close(self) -> None:
+        """Nothing to stop: the engine's executor stops with it (or at exit)."""
+
+
+def _backend(args: EngineArgs) -> Backend:
+    if args.data_parallel_size > 1:
+        from pagedllm.router.offline import DataParallelEngines
+
+        return DataParallelEngines(args)
+    return EngineBackend(args)
 
 
 class LLM:
@@ -37,18 +89,15 @@ class LLM:
 
     def _init(self, args: EngineArgs) -> None:
         self._ids = itertools.count()
-        self.replicas = None
-        self.engine: LLMEngine | None = None
-        if args.data_parallel_size > 1:
-            from pagedllm.router.offline import DataParallelEngines
+        self.backend = _backend(args)
+        self.args = self.backend.args
+        self.engine = self.backend.engine
 
-            self.replicas = DataParallelEngines(args)
-            self.args = args
-            self._tokenizer = self.replicas.tokenizer
-        else:
-            self.engine = LLMEngine.from_engine_args(args)
-            self.args = self.engine.args
-            self._tokenizer = self.engine.tokenizer
+    @property
+    def replicas(self):
+        """The data-parallel replica set (`router.offline.DataParallelEngines`: its router, its
+        processes' pids), None with one engine in this process."""
+        return self.backend if self.engine is None else None
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -61,12 +110,11 @@ class LLM:
         return self.engine
 
     def get_tokenizer(self):
-        return self._tokenizer
+        return self.backend.get_tokenizer()
 
     def close(self) -> None:
         """Stops the data-parallel replicas (nothing to do for one in-process engine)."""
-        if self.replicas is not None:
-            self.replicas.close()
+        self.backend.close()
 
     def generate(
         self,
@@ -89,13 +137,10 @@ class LLM:
         params = _per_prompt("sampling_params", sampling_params, count, SamplingParams())
         priorities = _per_prompt("priority", priority, count, 0, broadcast=False)
         loras = _per_prompt("lora_request", lora_request, count, None)
-        if self.replicas is not None:
-            return self._generate_replicated(prompt_list, params, priorities, loras, use_tqdm)
         request_ids = [f"{next(self._ids)}" for _ in prompt_list]
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
         try:
-            return generate_batch(
-                self.engine,
+            return self.backend.generate(
                 request_ids,
                 prompt_list,
                 params,
@@ -207,51 +252,6 @@ class LLM:
                     bool(message.tool_calls), completion.finish_reason
                 )
         return outputs
-
-    def _generate_replicated(self, prompts, params, priorities, loras, use_tqdm):
-        """Routes each prompt to a replica, runs every replica's share at once, and puts the
-        outputs back in the prompts' order under this LLM's request ids."""
-        request_ids = [f"{next(self._ids)}" for _ in prompts]
-        shares: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            lora_id = loras[i].lora_int_id if loras[i] is not None else 0
-            rank = self.replicas.route(self._routing_tokens(prompt), lora_id)
-            shares.setdefault(rank, []).append(i)
-        bar = _progress_bar(len(prompts)) if use_tqdm else None
-        try:
-            results = self.replicas.run(
-                {
-                    rank: (
-                        [prompts[i] for i in rows],
-                        [params[i] for i in rows],
-                        [priorities[i] for i in rows],
-                        [loras[i] for i in rows],
-                    )
-                    for rank, rows in shares.items()
-                },
-                on_done=bar.update if bar is not None else None,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-            for rank, rows in shares.items():
-                for _ in rows:
-                    self.replicas.finish(rank)
-        outputs: list[RequestOutput] = [None] * len(prompts)  # type: ignore[list-item]
-        for rank, rows in shares.items():
-            for i, output in zip(rows, results[rank]):
-                output.request_id = request_ids[i]
-                outputs[i] = output
-        return outputs
-
-    def _routing_tokens(self, prompt: PromptType) -> list[int]:
-        """The token ids the router hashes: the replica's own tokenization of a text prompt
-        (none without a tokenizer: the replica then refuses the prompt itself)."""
-        if isinstance(prompt, dict):
-            return list(prompt.get("prompt_token_ids") or ())
-        if self._tokenizer is None:
-            return []
-        return self._tokenizer.encode(prompt)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
