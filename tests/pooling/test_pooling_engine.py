@@ -101,3 +101,13 @@ def test_a_pooling_engine_refuses_sampling_params(last_token_model):
     engine = build_engine(EngineArgs(model=str(last_token_model), **ENGINE))
     with pytest.raises(ValueError, match="takes PoolingParams"):
         engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams())
+
+
+def test_an_input_of_max_model_len_is_pooled_and_a_longer_one_refused(last_token_model):
+    engine = build_engine(EngineArgs(model=str(last_token_model), **ENGINE))
+    longest = [(7 * i) % 300 for i in range(128)]
+    (output,) = pool(engine, [longest])
+    assert cosine(output.pooled, reference_embedding(last_token_model, longest)) >= 0.9999
+    with pytest.raises(ValueError, match="the input has 129 tokens; max_model_len is 128"):
+        pool(engine, [longest + [5]])
+    assert not engine.has_unfinished_requests()

@@ -126,12 +126,9 @@ def _check_prompt(server, ids: list[int], field: str, index: int) -> None:
     if not ids:
         raise APIError(400, f"{field}[{index}] is empty", param=field)
     limit = server.engine.max_model_len
-    if len(ids) >= limit:
+    if len(ids) > limit:
         raise APIError(
-            400,
-            f"{field}[{index}] has {len(ids)} tokens; max_model_len is {limit} (a pooled "
-            f"input takes at most {limit - 1})",
-            param=field,
+            400, f"{field}[{index}] has {len(ids)} tokens; max_model_len is {limit}", param=field
         )
     vocab = server.engine.engine.model_config.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)

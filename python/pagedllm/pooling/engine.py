@@ -86,6 +86,14 @@ class PoolingEngine(LLMEngine):
                 "generate)"
             )
         params.check(self.pooler_config, self.model_config.hidden_size)
+        text, token_ids = self.inputs.tokenize(request_id, prompt)
+        if hasattr(token_ids, "__len__") and len(token_ids) > self.max_model_len:
+            # a generating request would finish at once with "length": a pooled one has nothing
+            raise ValueError(
+                f"request {request_id!r}: the input has {len(token_ids)} tokens; max_model_len "
+                f"is {self.max_model_len}"
+            )
+        prompt = {"prompt_token_ids": token_ids, "prompt": text}
         super().add_request(request_id, prompt, PREFILL_ONLY, arrival_time, priority, lora_request)
         self._params[request_id] = params
 
