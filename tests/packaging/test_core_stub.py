@@ -1,5 +1,5 @@
 """`_core.pyi` describes the compiled module exactly: every public name, class member and
-`SchedulerOutput` field on one side exists on the other, and README's field table agrees."""
+`SchedulerOutput` field on one side exists on the other, and docs/scheduler.md's tables agree."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pagedllm
 from pagedllm import _core
 
 STUB = Path(pagedllm.__file__).with_name("_core.pyi")
-README = Path(__file__).resolve().parents[2] / "README.md"
+# the scheduler's page: its signature, method table and SchedulerOutput field table
+SCHEDULER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "scheduler.md"
 
 
 def stub_tree() -> ast.Module:
@@ -74,7 +75,7 @@ def test_scheduler_output_fields_are_declared_once_and_stubbed():
 
 
 def test_readme_field_table_names_every_scheduler_output_field():
-    table = README.read_text().split("`SchedulerOutput` hands the runner", 1)[1]
+    table = SCHEDULER_PAGE.read_text().split("`SchedulerOutput` hands the runner", 1)[1]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert named == set(_core.SCHEDULER_OUTPUT_FIELDS)
@@ -96,8 +97,8 @@ def stub_init_parameters(name: str) -> dict[str, str]:
 
 
 def readme_signature(name: str) -> dict[str, str]:
-    """The `Name(*, a, b=1, ...)` block README shows, read as a function's signature."""
-    text = README.read_text()
+    """The `Name(*, a, b=1, ...)` block docs/scheduler.md shows, read as a function's signature."""
+    text = SCHEDULER_PAGE.read_text()
     start = text.index(f"\n{name}(*, ") + 1
     block = text[start : text.index(")\n", start) + 1]
     func = ast.parse("def " + block + ": pass").body[0]
@@ -109,7 +110,7 @@ def test_readme_scheduler_signature_is_the_stubs():
 
 
 def test_readme_method_table_names_every_scheduler_method():
-    section = README.read_text().split("## The scheduler without a model", 1)[1]
+    section = SCHEDULER_PAGE.read_text().split("# The scheduler without a model", 1)[1]
     table = section.split("| method | meaning |", 1)[1].split("\n\n", 1)[0]
     rows = table.splitlines()[2:]
     named = {m for row in rows for m in re.findall(r"`(\w+)\(", row.split("|")[1])}
