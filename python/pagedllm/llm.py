@@ -12,6 +12,7 @@ from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.engine.batch import generate_batch
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling import build_engine
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class EngineBackend:
     """One engine in this process."""
 
     def __init__(self, args: EngineArgs) -> None:
-        self.engine = LLMEngine.from_engine_args(args)
+        self.engine = build_engine(args)  # a PoolingEngine with runner='pooling'
         self.args = self.engine.args
 
     def get_tokenizer(self):
@@ -151,6 +152,26 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, dimensions: int | None = None):
+        """The embedding of every prompt, in order (vLLM's `LLM.embed`; needs
+        `runner="pooling"`): `EmbeddingRequestOutput`s whose `outputs.embedding` is pooled as
+        the checkpoint's sentence-transformers files say (`pagedllm.pooling`). `dimensions`: a
+        Matryoshka model's first values, normalized again."""
+        from pagedllm.pooling import PoolingParams
+        from pagedllm.pooling.offline import embed, pooling_engine
+
+        prompt_list = _as_prompt_list(prompts)
+        ids = [f"{next(self._ids)}" for _ in prompt_list]
+        return embed(pooling_engine(self.engine), ids, prompt_list, PoolingParams(dimensions))
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str]):
+        """The relevance of each (query, document) pair (vLLM's `LLM.score`): one query
+        against every document, or pair by pair; `ScoringRequestOutput`s whose `outputs.score`
+        is a classifier's sigmoid, or an embedding model's cosine similarity."""
+        from pagedllm.pooling.offline import pooling_engine, score
+
+        return score(pooling_engine(self.engine), lambda: f"{next(self._ids)}", data_1, data_2)
 
     def chat(
         self,
