@@ -98,3 +98,14 @@ def test_first_seed_picks_the_seeds_a_row_averages(capsys):
         seed=5,
     )
     assert len(row) == 1 and row[0].split("|")[4].strip() == f"{run['ttft_p50']:.3f}"
+
+
+def test_the_approximate_router_keeps_what_it_sent_where_after_the_request_ends():
+    from pagedllm.router.sim import ApproximateRouter
+
+    router = ApproximateRouter(2, 16)
+    prompt = list(range(1000, 1040))  # 2 reusable blocks (the last token is always computed)
+    replica, _, _, _, ticket = router.route(prompt, now=0.0)
+    router.finish(ticket)
+    again, matched, eligible, _, _ = router.route(prompt, now=1e9)  # no event ever came
+    assert (again, matched, eligible) == (replica, 2, 2)

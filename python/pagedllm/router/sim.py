@@ -5,9 +5,10 @@ routing policies at replica counts this machine cannot run for real.
 Step time = `base + per_token * batched tokens` (calibrate both from measured step times, e.g.
 `pagedllm bench`'s; the defaults are this machine's 56M model on 1 thread, roughly). Requests
 arrive as a Poisson process; a step's events reach the router when the step ends, before the
-requests it finished are. Policies: the core's four, plus `approx`: cache-aware scoring over the
-core's record of what it sent where (SGLang's approximate tree, as block hashes) instead of the
-replicas' events, so it cannot see evictions.
+requests it finished are. Policies: the core's four, plus `approx` (`ApproximateRouter`):
+cache-aware scoring over a record of what was sent where (SGLang's approximate tree, as block
+hashes) instead of the replicas' events, so it cannot see evictions. It lives here, beside the
+only thing that uses it: the baseline the event-driven router is measured against.
 
     python -m pagedllm.router.sim --replicas 8 16 64 [--workload shared_prefix|multi_turn|long_chat]
         [--blocks B] [--seeds N] [--first-seed S] [--affinity-weight A] [--divert-ratio D]
@@ -22,7 +23,8 @@ import statistics
 
 import numpy as np
 
-from pagedllm._core import Router, Scheduler
+from pagedllm._core import Router, Scheduler, hash_block_chain
+from pagedllm.kv_events.publisher import STORED
 
 POLICIES = ("cache_aware", "approx", "least_loaded", "round_robin")
 # conversations per replica, turns, tokens per turn. long_chat: histories of up to 512 tokens
@@ -58,6 +60,37 @@ def multi_turn(convs: int, turns: int, turn_len: int, seed: int = 0):
     return prompts
 
 
+class ApproximateRouter:
+    """SGLang's approximate tree, as block hashes: the router core's `cache_aware` scoring over a
+    record of where each prompt was sent, kept for good (the replicas' events are never read,
+    so an eviction is never seen), fed to the core's index as the replica's own stored blocks.
+    Its remembered blocks are all it knows: no affinity, no pending blocks, no diverting (each
+    is a use of the events' exact view). `knobs`: the core's other keyword arguments."""
+
+    def __init__(self, replicas: int, block_size: int, **knobs) -> None:
+        exact_only = {"affinity_weight": 0.0, "divert_ratio": 0.0, "pending_ttl": 0.0}
+        self.core = Router(replicas, block_size, "cache_aware", **{**knobs, **exact_only})
+        self.block_size = block_size
+
+    def route(self, token_ids: list[int], now: float = 0.0) -> tuple[int, int, int, int, int]:
+        """The core's decision; the prompt's reusable blocks are recorded on its replica."""
+        decision = self.core.route(token_ids, now=now)
+        replica, bs = decision[0], self.block_size
+        reusable = (len(token_ids) - 1) // bs * bs  # the last token is always computed
+        hashes = np.asarray(hash_block_chain(token_ids[:reusable], bs), np.uint64)
+        if len(hashes):
+            seq = self.core.next_seq(replica)
+            stored = np.array([STORED], np.uint8), np.array([0, len(hashes)], np.uint32)
+            self.core.apply_events(replica, seq, *stored, hashes)
+        return decision
+
+    def finish(self, ticket: int) -> None:
+        self.core.finish(ticket)
+
+    def set_load(self, replica: int, waiting: int, running: int, kv_usage: float) -> None:
+        self.core.set_load(replica, waiting, running, kv_usage)
+
+
 def simulate(
     prompts,
     *,
@@ -77,9 +110,10 @@ def simulate(
     rng = random.Random(seed)
     approx = policy == "approx"
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    router = Router(
-        replicas, block_size, "cache_aware" if approx else policy, approximate=approx, **knobs
-    )
+    if approx:
+        router = ApproximateRouter(replicas, block_size, **knobs)
+    else:
+        router = Router(replicas, block_size, policy, **knobs)
     scheds = []
     for _ in range(replicas):
         s = Scheduler(
