@@ -8,11 +8,20 @@
 //! `DEFAULT_CAPACITY`): a block stored past the bound is dropped (counted, never indexed), so
 //! events that name more blocks than the replica can hold (forged ones, a buggy publisher)
 //! cannot grow the router's memory without end.
+//!
+//! Blocks are indexed per medium (`kv::events::Medium`): the device cache, and the offload
+//! tiers in host memory and on disk, which a replica loads a prefix from instead of computing
+//! it again. `holders` is the device's; `tier_holders` the tiers'. A tier's part of a replica
+//! is bounded by `DEFAULT_CAPACITY`. `AllBlocksCleared` empties every medium of the replica
+//! (what the router then does not know it counts as recompute).
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::kv::events::Medium;
 use crate::kv::{IdBuildHasher, KvEventKind};
+
+const MEDIA: usize = Medium::ALL.len();
 
 /// The most replicas one index tracks (one bit each).
 pub const MAX_REPLICAS: usize = 64;
@@ -34,13 +43,13 @@ pub enum Applied {
 
 #[derive(Debug, Clone, Default)]
 pub struct PrefixIndex {
-    /// Block hash -> bit mask of the replicas whose cache holds it.
-    blocks: HashMap<u64, u64, IdBuildHasher>,
+    /// Per medium: block hash -> bit mask of the replicas holding it there.
+    blocks: [HashMap<u64, u64, IdBuildHasher>; MEDIA],
     /// Per replica: the sequence number of the next batch to apply.
     next_seq: Vec<u64>,
-    /// Per replica: the blocks indexed as its, their bound, and the stored blocks dropped for
-    /// being past it.
-    held: Vec<usize>,
+    /// Per replica: the blocks indexed as its (per medium), the device's bound, and the stored
+    /// blocks dropped for being past a bound.
+    held: Vec<[usize; MEDIA]>,
     capacity: Vec<usize>,
     dropped: Vec<u64>,
 }
@@ -53,9 +62,9 @@ impl PrefixIndex {
             )));
         }
         Ok(Self {
-            blocks: HashMap::default(),
+            blocks: Default::default(),
             next_seq: vec![0; num_replicas],
-            held: vec![0; num_replicas],
+            held: vec![[0; MEDIA]; num_replicas],
             capacity: vec![DEFAULT_CAPACITY; num_replicas],
             dropped: vec![0; num_replicas],
         })
@@ -69,11 +78,12 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// `replica`'s part: (blocks indexed, their bound, stored blocks dropped past it so far).
+    /// `replica`'s part: (device blocks indexed, their bound, stored blocks dropped past a
+    /// bound so far).
     pub fn replica_usage(&self, replica: usize) -> Result<(usize, usize, u64)> {
         self.check_replica(replica)?;
         Ok((
-            self.held[replica],
+            self.held[replica][Medium::Device as usize],
             self.capacity[replica],
             self.dropped[replica],
         ))
@@ -99,23 +109,41 @@ impl PrefixIndex {
         Ok(self.next_seq[replica])
     }
 
-    /// Mask of the replicas holding `hash`.
+    /// Mask of the replicas whose device cache holds `hash`.
     #[inline]
     pub fn holders(&self, hash: u64) -> u64 {
-        self.blocks.get(&hash).copied().unwrap_or(0)
+        self.blocks[0].get(&hash).copied().unwrap_or(0)
     }
 
-    /// Number of distinct blocks indexed.
+    /// Masks of the replicas whose host tier, and whose disk tier, hold `hash`.
+    #[inline]
+    pub fn tier_holders(&self, hash: u64) -> (u64, u64) {
+        let get = |m: Medium| self.blocks[m as usize].get(&hash).copied().unwrap_or(0);
+        (get(Medium::Host), get(Medium::Disk))
+    }
+
+    /// Whether any replica's offload tier holds a block (else `tier_holders` is all 0).
+    pub fn has_tier_blocks(&self) -> bool {
+        self.blocks[1..].iter().any(|m| !m.is_empty())
+    }
+
+    /// `replica`'s blocks indexed on `medium`.
+    pub fn num_blocks_on(&self, replica: usize, medium: Medium) -> usize {
+        self.held.get(replica).map_or(0, |h| h[medium as usize])
+    }
+
+    /// Number of distinct device blocks indexed.
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.blocks[0].len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.blocks[0].is_empty()
     }
 
     /// Applies batch `seq` of `replica`'s events: record `r` is `kinds[r]` over
-    /// `hashes[starts[r]..starts[r + 1]]` (the arrays `kv::KvEventBatch` drains to).
+    /// `hashes[starts[r]..starts[r + 1]]` (the arrays `kv::KvEventBatch` drains to), every
+    /// record the device cache's.
     pub fn apply_batch(
         &mut self,
         replica: usize,
@@ -124,8 +152,23 @@ impl PrefixIndex {
         starts: &[u32],
         hashes: &[u64],
     ) -> Result<Applied> {
+        self.apply_batch_on(replica, seq, kinds, starts, hashes, &[])
+    }
+
+    /// `apply_batch` with record `r` on medium `media[r]` (a `Medium` code; empty: all the
+    /// device's).
+    pub fn apply_batch_on(
+        &mut self,
+        replica: usize,
+        seq: u64,
+        kinds: &[u8],
+        starts: &[u32],
+        hashes: &[u64],
+        media: &[u8],
+    ) -> Result<Applied> {
         self.check_replica(replica)?;
         check_records(kinds, starts, hashes.len())?;
+        let media = check_media(media, kinds.len())?;
         let expected = self.next_seq[replica];
         if seq < expected {
             return Ok(Applied::Stale);
@@ -136,15 +179,16 @@ impl PrefixIndex {
         let bit = 1u64 << replica;
         for (r, &kind) in kinds.iter().enumerate() {
             let records = &hashes[starts[r] as usize..starts[r + 1] as usize];
+            let medium = media.get(r).map_or(0, |&m| m as usize);
             match kind {
                 k if k == KvEventKind::Stored as u8 => {
                     for &h in records {
-                        self.add(replica, h);
+                        self.add(replica, h, medium);
                     }
                 }
                 k if k == KvEventKind::Removed as u8 => {
                     for &h in records {
-                        self.drop_bit(h, bit);
+                        self.drop_bit(h, bit, medium);
                     }
                 }
                 _ => self.clear_replica(replica),
@@ -158,17 +202,29 @@ impl PrefixIndex {
     /// of what it sent there; outside the event sequence).
     pub fn record(&mut self, replica: usize, hashes: &[u64]) {
         for &h in hashes {
-            self.add(replica, h);
+            self.add(replica, h, 0);
         }
     }
 
     /// Replaces `replica`'s part with `hashes` (its whole cache as of batch `seq`): the next
     /// batch expected is `seq + 1`.
     pub fn apply_snapshot(&mut self, replica: usize, seq: u64, hashes: &[u64]) -> Result<()> {
+        self.apply_snapshot_on(replica, seq, hashes, &[])
+    }
+
+    /// `apply_snapshot` with hash `i` on medium `media[i]` (empty: all on the device).
+    pub fn apply_snapshot_on(
+        &mut self,
+        replica: usize,
+        seq: u64,
+        hashes: &[u64],
+        media: &[u8],
+    ) -> Result<()> {
         self.check_replica(replica)?;
+        let media = check_media(media, hashes.len())?;
         self.clear_replica(replica);
-        for &h in hashes {
-            self.add(replica, h);
+        for (i, &h) in hashes.iter().enumerate() {
+            self.add(replica, h, media.get(i).map_or(0, |&m| m as usize));
         }
         self.next_seq[replica] = seq + 1;
         Ok(())
@@ -182,12 +238,11 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// Every hash `replica` holds (in no order).
+    /// Every hash `replica`'s device cache holds (in no order).
     pub fn replica_hashes(&self, replica: usize) -> Result<Vec<u64>> {
         self.check_replica(replica)?;
         let bit = 1u64 << replica;
-        Ok(self
-            .blocks
+        Ok(self.blocks[0]
             .iter()
             .filter(|(_, &m)| m & bit != 0)
             .map(|(&h, _)| h)
@@ -196,19 +251,30 @@ impl PrefixIndex {
 
     fn clear_replica(&mut self, replica: usize) {
         let bit = 1u64 << replica;
-        self.blocks.retain(|_, m| {
-            *m &= !bit;
-            *m != 0
-        });
-        self.held[replica] = 0;
+        for (medium, blocks) in self.blocks.iter_mut().enumerate() {
+            if self.held[replica][medium] == 0 {
+                continue;
+            }
+            blocks.retain(|_, m| {
+                *m &= !bit;
+                *m != 0
+            });
+            self.held[replica][medium] = 0;
+        }
     }
 
-    /// `hash` held by `replica`, unless its part is at its bound (then dropped, counted).
+    /// `hash` held by `replica` on `medium`, unless its part there is at its bound (then
+    /// dropped, counted).
     #[inline]
-    fn add(&mut self, replica: usize, hash: u64) {
+    fn add(&mut self, replica: usize, hash: u64, medium: usize) {
         let bit = 1u64 << replica;
-        let full = self.held[replica] >= self.capacity[replica];
-        match self.blocks.entry(hash) {
+        let bound = if medium == 0 {
+            self.capacity[replica]
+        } else {
+            DEFAULT_CAPACITY
+        };
+        let full = self.held[replica][medium] >= bound;
+        match self.blocks[medium].entry(hash) {
             Entry::Occupied(e) if *e.get() & bit != 0 => return, // held already
             _ if full => {
                 self.dropped[replica] += 1;
@@ -219,21 +285,35 @@ impl PrefixIndex {
                 e.insert(bit);
             }
         }
-        self.held[replica] += 1;
+        self.held[replica][medium] += 1;
     }
 
     #[inline]
-    fn drop_bit(&mut self, hash: u64, bit: u64) {
-        if let Some(m) = self.blocks.get_mut(&hash) {
+    fn drop_bit(&mut self, hash: u64, bit: u64, medium: usize) {
+        if let Some(m) = self.blocks[medium].get_mut(&hash) {
             if *m & bit != 0 {
-                self.held[bit.trailing_zeros() as usize] -= 1;
+                self.held[bit.trailing_zeros() as usize][medium] -= 1;
             }
             *m &= !bit;
             if *m == 0 {
-                self.blocks.remove(&hash);
+                self.blocks[medium].remove(&hash);
             }
         }
     }
+}
+
+/// `media` names a known medium per entry (`n` of them), or is empty (all the device's).
+fn check_media(media: &[u8], n: usize) -> Result<&[u8]> {
+    if !media.is_empty() && media.len() != n {
+        return Err(Error::InvalidArgument(format!(
+            "media must hold one medium per entry ({n}), got {}",
+            media.len()
+        )));
+    }
+    if let Some(&m) = media.iter().find(|&&m| Medium::from_code(m).is_none()) {
+        return Err(Error::InvalidArgument(format!("unknown medium code {m}")));
+    }
+    Ok(media)
 }
 
 /// `starts` brackets `kinds.len()` records over `num_hashes` hashes, in order.
@@ -342,6 +422,47 @@ mod tests {
             PrefixIndex::new(1).unwrap().replica_usage(0).unwrap().1,
             DEFAULT_CAPACITY
         );
+    }
+
+    const HOST: u8 = Medium::Host as u8;
+    const DISK: u8 = Medium::Disk as u8;
+
+    #[test]
+    fn a_tiers_blocks_are_indexed_apart_from_the_devices() {
+        let mut ix = PrefixIndex::new(2).unwrap();
+        ix.apply_batch_on(0, 0, &[S, S], &[0, 1, 2], &[10, 11], &[0, HOST])
+            .unwrap();
+        ix.apply_batch_on(1, 0, &[S], &[0, 1], &[10], &[DISK])
+            .unwrap();
+        assert_eq!(ix.holders(10), 0b01);
+        assert_eq!(ix.tier_holders(10), (0, 0b10));
+        assert_eq!(ix.tier_holders(11), (0b01, 0));
+        // a device removal leaves the tier's copy
+        ix.apply_batch_on(0, 1, &[R], &[0, 1], &[11], &[0]).unwrap();
+        assert_eq!(ix.tier_holders(11), (0b01, 0));
+        ix.apply_batch_on(0, 2, &[R], &[0, 1], &[11], &[HOST])
+            .unwrap();
+        assert_eq!(
+            (ix.tier_holders(11), ix.num_blocks_on(0, Medium::Host)),
+            ((0, 0), 0)
+        );
+        // a clear forgets every medium of the replica
+        ix.apply_batch_on(1, 1, &[C], &[0, 0], &[], &[0]).unwrap();
+        assert_eq!((ix.tier_holders(10), ix.has_tier_blocks()), ((0, 0), false));
+    }
+
+    #[test]
+    fn a_snapshot_with_media_replaces_every_medium() {
+        let mut ix = PrefixIndex::new(1).unwrap();
+        ix.apply_batch_on(0, 0, &[S], &[0, 1], &[5], &[HOST])
+            .unwrap();
+        ix.apply_snapshot_on(0, 9, &[1, 2], &[0, DISK]).unwrap();
+        assert_eq!((ix.holders(1), ix.tier_holders(2)), (1, (0, 1)));
+        assert_eq!(ix.tier_holders(5), (0, 0));
+        assert!(ix.apply_snapshot_on(0, 9, &[1], &[7]).is_err());
+        assert!(ix
+            .apply_batch_on(0, 10, &[S], &[0, 1], &[1], &[0, 0])
+            .is_err());
     }
 
     #[test]

@@ -42,6 +42,12 @@
 //! safe: a prefix its home has evicted is counted as recompute there, so the request leaves a
 //! long queue when the hit it would wait for is gone or small next to the queue, and stays for a
 //! hit that is still held and worth the wait. The approximate baseline never diverts.
+//!
+//! A replica's offload tiers count too (their KV events carry vLLM's `medium`): past its
+//! device prefix, blocks its host or disk tier holds extend the match, each worth
+//! `HOST_HIT_WEIGHT` / `DISK_HIT_WEIGHT` of a device block in `cache_aware`'s score (a copy
+//! into the device costs less than computing the block again, more than finding it there).
+pub mod foreign;
 pub mod index;
 
 use std::collections::HashMap;
@@ -134,6 +140,12 @@ pub mod defaults {
     /// Blocks whose last replica the router remembers, per generation (two are kept: a block
     /// not routed during two generations is forgotten).
     pub const AFFINITY_CAPACITY: usize = 1 << 20;
+    /// What a block the replica's host tier holds (not its device cache) counts for against
+    /// a device-held one in `cache_aware`'s score: a copy over the host link instead of its
+    /// prefill.
+    pub const HOST_HIT_WEIGHT: f64 = 0.8;
+    /// The same for its disk tier (a file read, then the copy).
+    pub const DISK_HIT_WEIGHT: f64 = 0.5;
 }
 
 impl RouterConfig {
@@ -318,6 +330,31 @@ impl Router {
         self.index.apply_batch(replica, seq, kinds, starts, hashes)
     }
 
+    /// `apply_batch` with each record's medium (`PrefixIndex::apply_batch_on`).
+    pub fn apply_batch_on(
+        &mut self,
+        replica: usize,
+        seq: u64,
+        kinds: &[u8],
+        starts: &[u32],
+        hashes: &[u64],
+        media: &[u8],
+    ) -> Result<Applied> {
+        self.index
+            .apply_batch_on(replica, seq, kinds, starts, hashes, media)
+    }
+
+    /// `apply_snapshot` with each hash's medium (`PrefixIndex::apply_snapshot_on`).
+    pub fn apply_snapshot_on(
+        &mut self,
+        replica: usize,
+        seq: u64,
+        hashes: &[u64],
+        media: &[u8],
+    ) -> Result<()> {
+        self.index.apply_snapshot_on(replica, seq, hashes, media)
+    }
+
     /// Replaces `replica`'s part of the index with its whole cache as of batch `seq`
     /// (`PrefixIndex::apply_snapshot`).
     pub fn apply_snapshot(&mut self, replica: usize, seq: u64, hashes: &[u64]) -> Result<()> {
@@ -448,7 +485,15 @@ impl Router {
                 } else {
                     matched.clone()
                 };
-                self.cache_aware(&matched, &homed, candidates, eligible, tokens.len())
+                let discount = self.tier_discount(&hashes, &matched, candidates, now);
+                self.cache_aware(
+                    &matched,
+                    &homed,
+                    &discount,
+                    candidates,
+                    eligible,
+                    tokens.len(),
+                )
             }
             RoutingPolicy::LeastLoaded => self.least_loaded(candidates),
             RoutingPolicy::RoundRobin => self.round_robin(candidates),
@@ -579,7 +624,8 @@ impl Router {
         let mut matched = vec![0; self.cfg.num_replicas];
         let mut live = candidates;
         for (i, &h) in hashes.iter().enumerate() {
-            let mut holders = self.index.holders(h);
+            let (host, disk) = self.index.tier_holders(h);
+            let mut holders = self.index.holders(h) | host | disk;
             for p in self.pending.get(&h).into_iter().flatten() {
                 if p.expiry > now {
                     holders |= 1 << p.replica;
@@ -605,10 +651,47 @@ impl Router {
         matched
     }
 
+    /// Per replica, what its matched prefix falls short of as many device blocks: (1 - the
+    /// tier's weight) for each block of it only an offload tier holds there.
+    fn tier_discount(
+        &self,
+        hashes: &[u64],
+        matched: &[usize],
+        candidates: u64,
+        now: f64,
+    ) -> Vec<f64> {
+        let mut discount = vec![0.0; self.cfg.num_replicas];
+        if !self.index.has_tier_blocks() {
+            return discount;
+        }
+        let longest = matched.iter().copied().max().unwrap_or(0);
+        for (i, &h) in hashes[..longest].iter().enumerate() {
+            let (host, disk) = self.index.tier_holders(h);
+            let mut device = self.index.holders(h);
+            for p in self.pending.get(&h).into_iter().flatten() {
+                if p.expiry > now {
+                    device |= 1 << p.replica;
+                }
+            }
+            for r in bits((host | disk) & !device & candidates) {
+                if i < matched[r] {
+                    discount[r] += 1.0
+                        - if host & (1 << r) != 0 {
+                            defaults::HOST_HIT_WEIGHT
+                        } else {
+                            defaults::DISK_HIT_WEIGHT
+                        };
+                }
+            }
+        }
+        discount
+    }
+
     fn cache_aware(
         &mut self,
         matched: &[usize],
         homed: &[usize],
+        discount: &[f64],
         candidates: u64,
         eligible: usize,
         prompt_len: usize,
@@ -653,7 +736,8 @@ impl Router {
         let max_cost = queues.iter().map(|q| cost(q.0)).fold(1.0, f64::max);
         let aw = self.cfg.affinity_weight;
         let score = |r: usize, q: u32| {
-            (matched[r] as f64 + aw * homed[r].saturating_sub(matched[r]) as f64) / eligible as f64
+            (matched[r] as f64 - discount[r] + aw * homed[r].saturating_sub(matched[r]) as f64)
+                / eligible as f64
                 - w * (q as f64 / (max as f64 + 1.0) + 0.5 * self.loads[r].kv_usage)
                 - tw * cost(r) / max_cost
         };

@@ -588,3 +588,58 @@ fn a_new_prefix_skips_a_replica_more_than_the_slack_in_flight_above_the_least_lo
     assert_eq!((r.num_homed_blocks(0), r.num_homed_blocks(1)), (3, 0));
     assert_eq!(r.route(&turn(&[], 35), 0, None, 0, 1.0).unwrap().replica, 0);
 }
+
+/// `hashes` stored on `medium` of `replica` as its batch `seq`.
+fn store_on(r: &mut Router, replica: usize, seq: u64, hashes: &[u64], medium: u8) {
+    let got = r
+        .apply_batch_on(
+            replica,
+            seq,
+            &[KvEventKind::Stored as u8],
+            &[0, hashes.len() as u32],
+            hashes,
+            &[medium],
+        )
+        .unwrap();
+    assert_eq!(got, Applied::Applied);
+}
+
+#[test]
+fn a_prefix_in_a_replicas_host_tier_beats_recompute_elsewhere() {
+    use crate::kv::events::Medium;
+    let p: Vec<u32> = (0..17).collect();
+    let hashes = chain_hashes(&p[..16], BS, 0);
+    for medium in [Medium::Host, Medium::Disk] {
+        let mut r = router(2, RoutingPolicy::CacheAware);
+        store_on(&mut r, 1, 0, &hashes, medium as u8);
+        let d = r.route(&p, 0, None, 0, 0.0).unwrap();
+        assert_eq!((d.replica, d.matched_blocks), (1, 4), "{medium:?}");
+    }
+}
+
+#[test]
+fn a_device_hit_beats_the_same_prefix_in_another_replicas_host_tier() {
+    use crate::kv::events::Medium;
+    let p: Vec<u32> = (0..17).collect();
+    let hashes = chain_hashes(&p[..16], BS, 0);
+    for (device, tier) in [(0, 1), (1, 0)] {
+        let mut r = router(2, RoutingPolicy::CacheAware);
+        store_on(&mut r, device, 0, &hashes, Medium::Device as u8);
+        store_on(&mut r, tier, 0, &hashes, Medium::Host as u8);
+        assert_eq!(r.route(&p, 0, None, 0, 0.0).unwrap().replica, device);
+    }
+}
+
+#[test]
+fn a_host_tier_extends_a_device_prefix() {
+    use crate::kv::events::Medium;
+    let p: Vec<u32> = (0..17).collect();
+    let hashes = chain_hashes(&p[..16], BS, 0);
+    let mut r = router(2, RoutingPolicy::CacheAware);
+    store_on(&mut r, 0, 0, &hashes[..2], Medium::Device as u8);
+    store_on(&mut r, 0, 1, &hashes[2..], Medium::Host as u8);
+    store_on(&mut r, 1, 0, &hashes[..3], Medium::Device as u8);
+    // replica 0: 2 device + 2 host blocks (3.6) beats replica 1's 3 device blocks
+    let d = r.route(&p, 0, None, 0, 0.0).unwrap();
+    assert_eq!((d.replica, d.matched_blocks), (0, 4));
+}
