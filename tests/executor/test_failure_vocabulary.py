@@ -25,3 +25,28 @@ def test_replicas_that_never_come_up_are_a_startup_error(monkeypatch):
     monkeypatch.setattr(launcher, "START_TIMEOUT_S", 0.0)
     with pytest.raises(errors.WorkerStartupError, match=r"replicas \[0\] did not start"):
         launcher.wait_healthy(["http://127.0.0.1:9"], lambda: None)
+
+
+class _ActorDied(Exception):
+    pass
+
+
+def test_a_replica_that_ends_during_start_up_is_one_error_class_under_mp_and_ray():
+    from types import SimpleNamespace
+
+    from pagedllm.router import ray_launcher
+
+    dead_process = SimpleNamespace(is_alive=lambda: False, exitcode=3)
+    with pytest.raises(errors.ReplicaDiedError, match="replica 0 exited during start-up"):
+        launcher._check_processes([dead_process])
+
+    def get(ref):
+        raise _ActorDied("the actor died")
+
+    ray = SimpleNamespace(
+        wait=lambda refs, num_returns, timeout: (refs, []),
+        get=get,
+        exceptions=SimpleNamespace(RayError=_ActorDied),
+    )
+    with pytest.raises(errors.ReplicaDiedError, match=r"replica 0 \(Ray actor\) ended"):
+        ray_launcher._check_actors(ray, ["serve-call"])

@@ -8,7 +8,11 @@ everything that reacts to one catches it from here.
     └── ReplicaDiedError     a data-parallel replica's process ended while it had work
     WorkerStartupError       ranks or replicas that could not be started (placed, spawned, met)
 
-Each is a `RuntimeError`, as the bare `RuntimeError`s they replace were.
+Each is a `RuntimeError`, as the bare `RuntimeError`s they replace were. The process supervisor
+(`supervisor.ProcessSupervisor`, under every `mp` rank and replica) reports a child as
+`ChildFailed`; its users name it here: a rank's failure is `RankDiedError`, a replica's death
+`ReplicaDiedError` (under Ray too), a child silent past its start-up deadline (killed)
+`WorkerStartupError`.
 """
 
 from __future__ import annotations
