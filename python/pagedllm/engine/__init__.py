@@ -10,6 +10,8 @@
 - `batch`: one batch of requests run to completion (`LLM.generate`, a replica process)
 - `stats`: step timings and throughput counters
 - `kv_sizing`: start-up sizing of the KV cache
+- `parts`: the optional parts built from the arguments (speculative decoder, offload tier,
+  KV-event publisher) and the checks a model passes before loading
 """
 
 from pagedllm.engine.inputs import PromptType

@@ -20,11 +20,19 @@ import torch
 
 from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
-from pagedllm.distributed.layers import check_tensor_parallel
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
 from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.parts import (
+    check_model_fits,
+    draft_model,
+    eos_token_ids,
+    kv_events_publisher,
+    kv_offloading_kwargs,
+    kv_transfer,
+    spec_decoder,
+)
 from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, StopTokens
 from pagedllm.engine.stats import StepTimings, ThroughputStats
@@ -32,7 +40,6 @@ from pagedllm.executor import create_executor
 from pagedllm.executor.base import rank_zero_runner
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import (
-    CheckpointError,
     ModelConfig,
     load_model_config,
     resolve_device,
@@ -43,11 +50,11 @@ from pagedllm.sampling import Sampler, SamplingMetadata
 from pagedllm.sampling.prompt_logprobs import PromptLogprobs
 from pagedllm.sampling.verification import has_drafts
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.spec_decode import SpeculativeConfig, VerifiedTokens
+from pagedllm.spec_decode import VerifiedTokens
 from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.worker import Worker, check_lora_supported
+from pagedllm.worker.worker import Worker
 
 
 class LLMEngine:
@@ -80,19 +87,7 @@ class LLMEngine:
         # config.json is validated before anything big is allocated
         self.model_config: ModelConfig = load_model_config(args.model)
         cfg = self.model_config
-        tp = args.tensor_parallel_size
-        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, tp)
-        if cfg.moe is not None:
-            from pagedllm.models.moe import check_moe_tensor_parallel
-
-            check_moe_tensor_parallel(cfg.moe, tp)
-        if args.enable_lora:
-            check_lora_supported(cfg)
-        if tp > 1 and self.device.type != "cpu":
-            raise ValueError(
-                f"tensor_parallel_size={tp} runs on CPU only for now (device resolved to "
-                f"{self.device}); pass device='cpu'"
-            )
+        check_model_fits(args, cfg, self.device)
         self.max_model_len = resolve_max_model_len(args, cfg)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         torch.manual_seed(args.seed)
@@ -103,15 +98,11 @@ class LLMEngine:
                 eos_token_id=cfg.eos_token_id,
                 bos_token_id=cfg.bos_token_id,
             )
-        # every id that ends generation: the checkpoint's, else the tokenizer's
-        self.eos_token_ids: tuple[int, ...] = cfg.eos_token_ids
-        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if not self.eos_token_ids and tokenizer_eos is not None:
-            self.eos_token_ids = (tokenizer_eos,)
+        self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(args.seed)
         # speculative decoding (None: off); checked before the model is loaded
-        self.spec = self._spec_decoder(args, generator)
+        self.spec = spec_decoder(args, cfg, generator)
         # the other ranks (none with one) are spawned and load their shards first
         self.executor = create_executor(args, self.dtype)
         try:
@@ -126,7 +117,7 @@ class LLMEngine:
         rank, the scheduler and the step's parts."""
         self.worker = Worker(args, 0, dtype=self.dtype, device=self.device)
         self.model, self.lora = self.worker.model, self.worker.lora
-        draft = self._draft_model()
+        draft = draft_model(self.spec, dtype=self.dtype, device=self.device)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
             args,
@@ -142,7 +133,7 @@ class LLMEngine:
         self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
-        self.kv_transfer = self._kv_transfer(args)
+        self.kv_transfer = kv_transfer(args, self.cache_engine.kv_cache, self.device)
         if draft is not None:
             draft.allocate_cache(
                 block_size=args.block_size,
@@ -166,10 +157,10 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             delay_factor=args.delay_factor,
             max_loras=args.max_loras if args.enable_lora else 0,
-            **self._kv_offloading_kwargs(args),
+            **kv_offloading_kwargs(args, self.kv_transfer),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
-        self.kv_events = self._kv_events_publisher(args)
+        self.kv_events = kv_events_publisher(args, self.device, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
         self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
         self.runner = rank_zero_runner(local_runner, self.executor)
@@ -231,79 +222,6 @@ class LLMEngine:
             self.kv_events = None
             self.scheduler.set_kv_events(False)
             publisher.close()
-
-    def _kv_events_publisher(self, args: EngineArgs):
-        """The KV-event publisher (`kv_events_config`), None when events are off."""
-        from pagedllm.kv_events import KVEventsConfig
-
-        config = KVEventsConfig.from_dict(args.kv_events_config)
-        if config is None or not config.publishes:
-            return None
-        from pagedllm.kv_events.publisher import KVEventPublisher
-
-        publisher = KVEventPublisher(
-            config, args.block_size, medium="GPU" if self.device.type == "cuda" else "CPU"
-        )
-        self.scheduler.set_kv_events(True)
-        return publisher
-
-    def _kv_transfer(self, args: EngineArgs):
-        """kv_offloading_size: the worker connector that copies blocks in and out of the tier:
-        a host pool (exactly as many blocks as the GiB hold) or the disk tier's directory."""
-        backend = args.resolved_kv_offloading_backend
-        if backend is None:
-            return None
-        from pagedllm.kv_transfer import DiskConnector, HostKVPool, OffloadingConnector
-
-        kv_cache = self.cache_engine.kv_cache
-        size = int(args.kv_offloading_size * 2**30)
-        if backend == "disk":
-            return DiskConnector(
-                kv_cache,
-                args.kv_offloading_path,
-                size,
-                model=args.model,
-                tokenizer=args.tokenizer,
-                quantization=args.quantization,
-            )
-        pool = HostKVPool(
-            size,
-            block_shape=(2, kv_cache.shape[1], *kv_cache.shape[3:]),
-            dtype=kv_cache.dtype,
-            pin_memory=self.device.type == "cuda",
-        )
-        return OffloadingConnector(kv_cache, pool)
-
-    def _spec_decoder(self, args: EngineArgs, generator) -> SpecDecoder | None:
-        config = SpeculativeConfig.from_dict(args.speculative_config)
-        if config is None:
-            return None
-        if config.method == "draft_model":
-            try:
-                draft = load_model_config(config.model)
-            except CheckpointError as exc:  # else it reads like a missing --model
-                raise type(exc)(f"speculative_config: the draft model: {exc}") from None
-            config.check_draft_vocab(self.model_config.vocab_size, draft.vocab_size)
-        return SpecDecoder(config, generator)
-
-    def _draft_model(self):
-        """speculative_config method `draft_model`: the draft checkpoint, loaded like the target."""
-        if self.spec is None or self.spec.config.method != "draft_model":
-            return None
-        from pagedllm.spec_decode.draft_model import DraftModelProposer
-
-        c = self.spec.config
-        return DraftModelProposer(
-            c.model, c.num_speculative_tokens, dtype=self.dtype, device=self.device
-        )
-
-    def _kv_offloading_kwargs(self, args: EngineArgs) -> dict:
-        """The scheduler's side of the tier: the host pool's slots, or the disk directory."""
-        if self.kv_transfer is None:
-            return {}
-        if args.resolved_kv_offloading_backend == "disk":
-            return {"kv_offloading_path": args.kv_offloading_path}
-        return {"kv_offloading_blocks": self.kv_transfer.pool.num_slots}
 
     # ---- requests ---------------------------------------------------------------------------
 
