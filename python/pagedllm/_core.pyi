@@ -648,8 +648,6 @@ class Scheduler:
         """The prefix cache's changes since the last call: ``(kinds [R], starts [R+1],
         parents [R], extra_keys [R], hashes [H], tokens [H * block_size])``; record r is kind
         0 stored / 1 removed / 2 all cleared over ``hashes[starts[r]:starts[r+1]]``."""
-    def cached_block_hashes(self) -> _npt.NDArray[_np.uint64]:
-        """Every block hash registered in the prefix cache now (in no order)."""
     def propose_drafts(
         self,
     ) -> tuple[_npt.NDArray[_np.int64], _npt.NDArray[_np.int32], _npt.NDArray[_np.int64]]:
@@ -870,6 +868,7 @@ class CpuDecoder:
         projection or array whose shape does not fit."""
 
     def __len__(self) -> int: ...
+
 class ShmAllReduce:
     """One rank's end of a sum all-reduce over one POSIX shared-memory segment (ranks on one
     host). Waits spin, yield, then sleep on a futex, with the GIL released; they fail with

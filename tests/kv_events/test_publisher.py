@@ -148,7 +148,10 @@ def test_replay_older_than_the_buffer_gets_a_snapshot_of_the_cache(engine_factor
     assert seq == engine.kv_events.seq
     cleared, stored = msgpack.unpackb(payload)[1]
     assert cleared == {"type": "AllBlocksCleared"}
-    cached = engine.scheduler.cached_block_hashes().tolist()
+    # 9 prompt + 2 decoded tokens computed each: each prompt's first two blocks are cached
+    cached = hash_block_chain(list(range(10, 19)), BLOCK) + hash_block_chain(
+        list(range(50, 59)), BLOCK
+    )
     assert sorted(stored["block_hashes"]) == sorted(cached)
     assert stored["token_ids"] == []  # a snapshot lists no tokens
 

@@ -40,6 +40,7 @@ class Replica:
         self.scheduler = Scheduler(block_size=BLOCK, num_gpu_blocks=12, max_model_len=64)
         self.scheduler.set_kv_events(True)
         self.count = 0
+        self.cached: set[int] = set()  # what the scheduler's events add up to
 
     def serve(self, prompt: list[int], max_tokens: int = 3) -> None:
         self.count += 1
@@ -47,10 +48,23 @@ class Replica:
         while self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()
             self.scheduler.update_from_output(out, np.full(out.num_samples, 7, np.int64))
-            self.publisher.publish(self.scheduler.drain_kv_events())
+            events = self.scheduler.drain_kv_events()
+            self.note(events)
+            self.publisher.publish(events)
+
+    def note(self, events) -> None:
+        """Applies a step's events (stored 0, removed 1, all cleared 2) to `cached`."""
+        kinds, starts, _parents, _extra_keys, hashes, _tokens = events
+        for kind, start, end in zip(kinds.tolist(), starts[:-1].tolist(), starts[1:].tolist()):
+            if kind == 0:
+                self.cached.update(hashes[start:end].tolist())
+            elif kind == 1:
+                self.cached.difference_update(hashes[start:end].tolist())
+            else:
+                self.cached.clear()
 
     def cache(self) -> list[int]:
-        return sorted(self.scheduler.cached_block_hashes().tolist())
+        return sorted(self.cached)
 
 
 def subscriber(replica: Replica, index: Router, drop: set[int], **kwargs) -> KVEventSubscriber:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from pagedllm.entrypoints.api_server import ServerConfig, build_server_app  # noqa: E402
@@ -61,6 +62,14 @@ def routed(urls: list[str], policy: str = "cache_aware", **knobs):
         yield live, replicas
     finally:
         stop(live)
+
+
+def cached_hashes(engine) -> list[int]:
+    """The blocks an engine's prefix cache holds, as its KV-event publisher reports them to a
+    subscriber that asks for everything (the snapshot a router resynchronises from), sorted."""
+    ((_, payload),) = engine.kv_events.replay_from(-1)
+    _cleared, stored = msgpack.unpackb(payload)[1]
+    return sorted(stored["block_hashes"])
 
 
 def wait_for(condition, timeout: float = 10.0, what: str = "the condition") -> None:

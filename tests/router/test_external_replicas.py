@@ -14,6 +14,7 @@ import pytest
 from router_util import (
     REPLICA_ENGINE,
     build_router_app,
+    cached_hashes,
     complete,
     events,
     free_port,
@@ -147,7 +148,7 @@ def test_the_index_of_external_replicas_equals_their_caches(external_cluster):
         for i, live in enumerate(servers):
             with state.lock:
                 ours = sorted(state.router.replica_hashes(i).tolist())
-            if ours != sorted(live.engine.engine.scheduler.cached_block_hashes().tolist()):
+            if ours != cached_hashes(live.engine.engine):
                 return False
         return True
 

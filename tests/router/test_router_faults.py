@@ -5,7 +5,7 @@ its events and it serves again."""
 from __future__ import annotations
 
 import httpx
-from router_util import complete, replica, routed, stop, wait_for
+from router_util import cached_hashes, complete, replica, routed, stop, wait_for
 
 
 def test_a_stopped_replica_is_routed_around_and_rejoins(tmp_path):
@@ -32,7 +32,7 @@ def test_a_stopped_replica_is_routed_around_and_rejoins(tmp_path):
             def rebuilt() -> bool:
                 with state.lock:
                     ours = sorted(state.router.replica_hashes(1).tolist())
-                return ours == sorted(b.engine.engine.scheduler.cached_block_hashes().tolist())
+                return ours == cached_hashes(b.engine.engine)
 
             wait_for(rebuilt, what="b's index to match its new cache")
             metrics = httpx.get(f"{router.url}/metrics", timeout=10).text

@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from router_util import MODEL, complete, replica, routed, stop, wait_for
+from router_util import MODEL, cached_hashes, complete, replica, routed, stop, wait_for
 
 REPLICA_HEADER = "x-pagedllm-replica"
 
@@ -40,7 +40,7 @@ def index_matches_caches(replicas, state) -> bool:
         engine = live.engine.engine
         with state.lock:
             ours = sorted(state.router.replica_hashes(i).tolist())
-        if ours != sorted(engine.scheduler.cached_block_hashes().tolist()):
+        if ours != cached_hashes(engine):
             return False
     return True
 

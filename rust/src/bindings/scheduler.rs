@@ -551,11 +551,6 @@ impl PyScheduler {
         super::kv_events::batch_tuple(py, self.inner.kv_events_mut().drain())
     }
 
-    /// Every block hash registered in the prefix cache now (uint64, in no order).
-    fn cached_block_hashes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u64>> {
-        PyArray1::from_vec(py, self.inner.manager().registered_hashes())
-    }
-
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
         self.inner
