@@ -5,6 +5,7 @@ out of the nav or a broken link."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,17 @@ def test_docs_python_example_runs(block, examples_dir, monkeypatch, request):
 @pytest.mark.parametrize("block", SHELL, ids=str)
 def test_docs_shell_example_runs_or_parses(block, examples_dir, tmp_path, monkeypatch):
     run_shell(block, examples_dir, tmp_path, monkeypatch.chdir)
+
+
+def test_development_layout_names_every_package_and_test_folder():
+    layout = next(
+        b.code for b in code_blocks(ROOT / "docs" / "development.md") if "rust/src/" in b.code
+    )
+    named = set(re.findall(r"([a-z_]+)/", layout))
+    packages = {p.parent.name for p in (ROOT / "python" / "pagedllm").glob("*/__init__.py")}
+    crate = {p.name for p in (ROOT / "rust" / "src").iterdir() if p.is_dir()}
+    tests = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert sorted((packages | crate | tests) - named) == []
 
 
 def _nav_pages(nav) -> list[str]:
