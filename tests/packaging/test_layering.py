@@ -48,8 +48,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.engine",),  # the step loop over all of the above
     ("pagedllm.pooling",),  # pooling models: the engine's prefill-only variant, the pooler
     ("pagedllm.chat",),  # chat rendering, tool and reasoning parsers: the server's and LLM's
-    # user entry points; the data-parallel router in front of `serve` processes
-    ("pagedllm.llm", "pagedllm.entrypoints", "pagedllm.router", "pagedllm.cli", ROOT),
+    # the user entry points, each over the ones below it:
+    ("pagedllm.entrypoints",),  # the OpenAI-compatible server over one engine
+    ("pagedllm.router",),  # data parallelism: the router in front of servers, offline replicas
+    ("pagedllm.llm",),  # the offline API, over one engine or the router's offline replicas
+    ("pagedllm.cli", ROOT),  # the command line over all of them
 ]
 
 
@@ -234,6 +237,13 @@ def test_models_never_import_the_worker():
         if module.startswith("pagedllm.models") and target.startswith("pagedllm.worker")
     ]
     assert edges == []
+
+
+def test_the_entry_points_are_layers_of_their_own():
+    top = [layer_of(m) for m in ("pagedllm.entrypoints", "pagedllm.router", "pagedllm.llm")]
+    assert top == sorted(set(top)) and layer_of("pagedllm.cli") == len(LAYERS) - 1
+    edge = ("pagedllm.entrypoints.api_server", "pagedllm.router.app", "entrypoints/api_server.py:1")
+    assert len(upward_imports([edge])) == 1
 
 
 def test_the_offline_api_never_imports_the_server():
