@@ -101,9 +101,10 @@ def test_model_type_is_used_when_architectures_is_absent(llama_copy):
 
 def test_unsupported_rope_type_names_the_field(llama_copy):
     edit_config(
-        llama_copy, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        llama_copy,
+        rope_parameters={"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0},
     )
-    with pytest.raises(CheckpointError, match=r"rope_parameters\.rope_type' = 'dynamic'"):
+    with pytest.raises(CheckpointError, match=r"rope_parameters\.rope_type' = 'proportional'"):
         load_model_config(llama_copy)
 
 

@@ -25,10 +25,13 @@ from pagedllm.worker.cache_engine import CacheEngine
 def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
     if args.max_model_len is None:
         return cfg.max_position_embeddings
-    if args.max_model_len > cfg.max_position_embeddings:
+    if args.max_model_len > cfg.longest_context:
+        # beyond the native length only as far as the RoPE scaling reaches
         raise ValueError(
-            f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings="
-            f"{cfg.max_position_embeddings} (config.json)"
+            f"max_model_len={args.max_model_len} exceeds what the model's RoPE covers: "
+            f"{cfg.longest_context} (config.json: max_position_embeddings="
+            f"{cfg.max_position_embeddings}, rope_type {cfg.rope.rope_type!r}); a longer "
+            f"context needs a rope_scaling (yarn, dynamic, linear, ...) that extends it"
         )
     return args.max_model_len
 

@@ -2,25 +2,36 @@
 
 Parsing is pure Python (no torch tensors), so a malformed checkpoint is rejected before any
 allocation. Both config dialects are accepted: `rope_theta` + `rope_scaling` (transformers 4.x
-checkpoints such as Llama 3.1) and `rope_parameters` (transformers 5.x).
+checkpoints such as Llama 3.1) and `rope_parameters` (transformers 5.x). Sliding-window layers
+and the Gemma families' flags are read by `models/layer_types.py`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pagedllm.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from pagedllm.config import DTYPE_NAMES
+from pagedllm.models.layer_types import (
+    gemma_fields,
+    global_rope_params,
+    layer_windows,
+    local_rope,
+)
 from pagedllm.models.moe_config import MoeConfig, parse_moe_config
+from pagedllm.models.rope import RopeConfig, parse_rope
 
 # architecture name -> family; the family selects the decoder's flags
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # mixtures of experts: the family's attention, the MoE block (models/moe.py) for the MLP
 MOE_ARCHITECTURES = {
@@ -34,9 +45,25 @@ SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
-_MODEL_TYPE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPE_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 # transformers' defaults for fields a config.json may leave out
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "mistral": 131072,
+    "gemma2": 8192,
+    "gemma3": 131072,
+}
+# Gemma's defaults (transformers' Gemma2Config / Gemma3TextConfig)
+_GEMMA_HEAD_DIM = 256
 _REQUIRED_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -44,25 +71,6 @@ _REQUIRED_FIELDS = (
     "num_attention_heads",
     "vocab_size",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_LLAMA3_ROPE_FIELDS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters: `rope_type` is one of SUPPORTED_ROPE_TYPES."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,34 @@ class ModelConfig:
     checkpoint_dtype: str | None = None  # "float16" | "bfloat16" | "float32" as saved, if stated
     path: str | None = None  # checkpoint folder; None for built-in models
     moe: MoeConfig | None = None  # the sparse MLP blocks of a mixture of experts
+    # sliding window W of each layer (0: full attention); empty: every layer full
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh" (Gemma)
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (offset + weight), offset 1
+    embed_scale: float = 1.0  # Gemma: the input embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    attn_softcap: float = 0.0  # Gemma 2: scores capped as cap * tanh(score / cap) (0: none)
+    final_softcap: float = 0.0  # Gemma 2: the same for the logits
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale is its -1/2 power
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE
+
+    def window(self, layer: int) -> int:
+        """Sliding window of `layer` (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: head_dim^-1/2, or Gemma's query_pre_attn_scalar^-1/2."""
+        base = self.query_pre_attn_scalar or self.head_dim
+        return base**-0.5
+
+    @property
+    def longest_context(self) -> int:
+        """The longest context the model's RoPE covers: max_position_embeddings, or more with
+        a scaling that extends it (`rope.RopeConfig.longest_context`)."""
+        native = self.max_position_embeddings
+        scaled = replace(self.rope, max_positions=native).longest_context
+        return max(native, scaled)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -147,7 +183,10 @@ def parse_model_config(
         _require_int(raw, name, source)
     num_heads = raw["num_attention_heads"]
     num_kv_heads = _optional_int(raw, "num_key_value_heads", num_heads, source)
-    head_dim = _optional_int(raw, "head_dim", raw["hidden_size"] // num_heads, source)
+    default_head_dim = raw["hidden_size"] // num_heads
+    if family.startswith("gemma"):
+        default_head_dim = _GEMMA_HEAD_DIM
+    head_dim = _optional_int(raw, "head_dim", default_head_dim, source)
     if num_heads % num_kv_heads:
         raise CheckpointError(
             f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
@@ -155,32 +194,41 @@ def parse_model_config(
         )
     _check_supported_features(raw, family, source)
     attention_bias = bool(raw.get("attention_bias", False))
+    num_layers = raw["num_hidden_layers"]
+    gemma = gemma_fields(raw, family, source)
+    max_positions = _optional_int(
+        raw, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[family], source
+    )
+    # the RoPE tables depend on the context length (dynamic, longrope): the family's default
+    raw = {"max_position_embeddings": max_positions, **raw}
     return ModelConfig(
         architecture=architecture,
         family=family,
-        num_layers=raw["num_hidden_layers"],
+        num_layers=num_layers,
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         vocab_size=raw["vocab_size"],
-        max_position_embeddings=_optional_int(
-            raw, "max_position_embeddings", _DEFAULT_MAX_POSITIONS[family], source
-        ),
+        max_position_embeddings=max_positions,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope=parse_rope(raw, source),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope=parse_rope(raw, source, global_rope_params(raw, family)),
+        # Gemma ties its head to the embedding unless told otherwise (transformers' default)
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.startswith("gemma"))),
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=family != "qwen2" and attention_bias,
         mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
         bos_token_id=_first_id(generation, raw, "bos_token_id"),
         eos_token_ids=_eos_ids(generation or {}, raw),
         pad_token_id=_first_id(generation, raw, "pad_token_id"),
         checkpoint_dtype=_checkpoint_dtype(raw),
         path=path,
-        moe=parse_moe_config(raw, architecture, raw["num_hidden_layers"], source),
+        moe=parse_moe_config(raw, architecture, num_layers, source),
+        layer_windows=layer_windows(raw, family, num_layers, source),
+        local_rope=local_rope(raw, family, source),
+        **gemma,
     )
 
 
@@ -229,55 +277,14 @@ def _optional_int(raw: dict[str, Any], name: str, default: int, source: str | Pa
 
 
 def _check_supported_features(raw: dict[str, Any], family: str, source: str | Path) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise CheckpointError(
-            f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')"
-        )
-    if raw.get("use_sliding_window"):
-        raise CheckpointError(f"{source}: field 'use_sliding_window' = true is not supported")
+    if not family.startswith("gemma"):  # Gemma's activation: `layer_types.gemma_fields`
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(
+                f"{source}: field 'hidden_act' = {act!r} is not supported (only 'silu')"
+            )
     if family == "llama" and raw.get("pretraining_tp", 1) not in (1, None):
         raise CheckpointError(f"{source}: field 'pretraining_tp' must be 1")
-
-
-def parse_rope(raw: dict[str, Any], source: str | Path = "config.json") -> RopeConfig:
-    """Read RoPE parameters from `rope_parameters` (transformers 5) or
-    `rope_theta`/`rope_scaling`."""
-    if isinstance(raw.get("rope_parameters"), dict):
-        field_name, params = "rope_parameters", dict(raw["rope_parameters"])
-    else:
-        field_name, params = "rope_scaling", dict(raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    # old configs spell the key "type"
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(
-            f"{source}: field '{field_name}.rope_type' = {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (or no {field_name})"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{source}: field '{field_name}.partial_rotary_factor' must be 1.0")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if "factor" not in params:
-        raise CheckpointError(
-            f"{source}: field '{field_name}.factor' is required for {rope_type!r}"
-        )
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
-    missing = [name for name in _LLAMA3_ROPE_FIELDS if name not in params]
-    if missing:
-        raise CheckpointError(
-            f"{source}: field '{field_name}' lacks {missing} for rope_type 'llama3'"
-        )
-    return RopeConfig(
-        theta=theta,
-        rope_type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
 
 
 def _first_id(generation: dict[str, Any] | None, raw: dict[str, Any], name: str) -> int | None:

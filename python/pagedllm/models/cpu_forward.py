@@ -85,6 +85,9 @@ def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
         and kv_cache.dtype == torch.float32
         and kv_cache.is_contiguous()
         and model.model.embed_tokens.weight.dtype == torch.float32
+        # Gemma's (1 + w) norms, sandwich norms and GeGLU are not in the fused layer
+        and model.config.norm_offset == 0
+        and model.config.hidden_act == "silu"
         and all(_plain_layer(layer) for layer in model.model.layers)
     )
 

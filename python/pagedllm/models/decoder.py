@@ -1,7 +1,10 @@
-"""One decoder-only transformer for Llama, Qwen2 and Qwen3, run over the paged KV cache.
+"""One decoder-only transformer for Llama, Mistral, Qwen2/3 and Gemma 2/3, run over the paged
+KV cache.
 
 The families differ only in flags of `ModelConfig` (q/k/v bias, per-head q/k RMSNorm, RoPE
-scaling). Q/K/V and gate/up projections are fused into one matmul each (`ColumnParallelLinear`,
+scaling, each layer's sliding window; Gemma's (1 + w) norms, norms around attention and MLP,
+scaled input embeddings, soft-capped scores and logits, a second RoPE for its sliding layers).
+Q/K/V and gate/up projections are fused into one matmul each (`ColumnParallelLinear`,
 which names each projection's columns); the loader concatenates the checkpoint's separate
 tensors. Token rows are packed: `[T, ...]` over every scheduled sequence.
 
@@ -18,14 +21,12 @@ layers are the same with one rank (they skip their collectives then): the whole 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from pagedllm.attention import cpu_rotary
 from pagedllm.attention.cpu_rotary import RopeTables
-from pagedllm.attention.paged import AttentionMetadata, paged_attention
+from pagedllm.attention.paged import AttentionMetadata, LayerAttention, paged_attention
 from pagedllm.distributed.layers import (
     ParallelLMHead,
     QKVParallelLinear,
@@ -34,21 +35,28 @@ from pagedllm.distributed.layers import (
     VocabParallelEmbedding,
 )
 from pagedllm.kernels import cpu_norm
-from pagedllm.models.config import ModelConfig, RopeConfig
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused_linear import SINGLE
 from pagedllm.models.mlp import GatedMLP
 from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.models.rope import RopeConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last axis, computed in float32 like the reference."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # Gemma: the scale is (1 + weight), applied before the cast back (its reference order)
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.offset:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (self.offset + self.weight.float())).to(x.dtype)
         if cpu_norm.supports(x, self.weight):
             # one Rust call instead of torch's five or six operators (the formula below, summed
             # in the kernel's order)
@@ -63,39 +71,10 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """The residual step after a block: `(norm(x + residual), x + residual)`. Both inputs
         are consumed (their buffers are reused for the results)."""
-        if cpu_norm.supports_add(x, residual, self.weight):
+        if not self.offset and cpu_norm.supports_add(x, residual, self.weight):
             return cpu_norm.add_rms_norm(x, residual, self.weight, self.eps)
         residual = x.add_(residual)
         return self.forward(residual), residual
-
-
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
-    """Inverse frequencies `[head_dim / 2]` (float32), with linear or Llama 3 scaling applied."""
-    # on the CPU even while the model is built on the meta device: arithmetic on meta tensors
-    # imports torch._dynamo, seconds of start-up (`reset_rotary` moves the table)
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3_scaled(inv_freq, rope)
-    return inv_freq
-
-
-def _llama3_scaled(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
-    # interpolated linearly in (original context / wavelength).
-    old_ctx = rope.original_max_position_embeddings
-    low_freq_wavelen = old_ctx / rope.low_freq_factor
-    high_freq_wavelen = old_ctx / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_ctx / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_band, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -104,12 +83,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(head_dim, rope)
         # not a checkpoint tensor: recomputed from the config, so not persistent
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # yarn, longrope: cos/sin scaled (transformers' order)
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope_(x: Tensor, rope: RopeTables) -> Tensor:
@@ -132,14 +115,19 @@ def apply_rope_(x: Tensor, rope: RopeTables) -> Tensor:
 class Attention(nn.Module):
     """Self-attention with GQA; K/V go through the paged cache of this layer."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE, index: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads // tp.size,
             tp.kv_heads(cfg.num_kv_heads),
             cfg.head_dim,
         )
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        # what the kernels need of this layer (a plain scale for full, uncapped attention)
+        self.sliding_window, self.softcap = cfg.window(index), cfg.attn_softcap
+        self.scoring: float | LayerAttention = self.scale
+        if self.sliding_window or self.softcap:
+            self.scoring = LayerAttention(self.scale, self.sliding_window, self.softcap)
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.num_heads,
@@ -149,8 +137,9 @@ class Attention(nn.Module):
             bias=cfg.qkv_bias,
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.q_norm = RMSNorm(cfg.head_dim, eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps, offset) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -176,19 +165,27 @@ class Attention(nn.Module):
             )
             apply_rope_(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scoring)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual stream is carried
-    separately (see the module docstring)."""
+    separately (see the module docstring). Gemma's sandwich: x + post_norm(attn(norm(x))), then
+    + post_ff_norm(mlp(pre_ff_norm(.)))."""
 
     def __init__(self, cfg: ModelConfig, tp: TPShard = SINGLE, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        e, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(e, eps, offset)
+        self.self_attn = Attention(cfg, tp, index)
+        self.post_attention_layernorm = RMSNorm(e, eps, offset)
+        # Gemma 3 rotates its sliding layers with their own RoPE
+        self.uses_local_rope = cfg.local_rope is not None and cfg.window(index) > 0
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(e, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(e, eps, offset)
         if cfg.moe is not None and cfg.moe.is_sparse(index):
             self.mlp = SparseMoeBlock(cfg, tp)
         else:
@@ -210,6 +207,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn.forward(x, rope, k_cache, v_cache, meta)
+        if self.pre_feedforward_layernorm is not None:
+            x = self.post_attention_layernorm.forward(x)
+            x, residual = self.pre_feedforward_layernorm.add_and_norm(x, residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp.forward(x), residual
 
@@ -221,17 +222,28 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.embed_scale = cfg.embed_scale
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.local_rotary_emb = None
+        if cfg.local_rope is not None:
+            self.local_rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.local_rope)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
     ) -> Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            # Gemma: sqrt(hidden) rounded to the model's dtype first, as transformers does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         rope = RopeTables(*self.rotary_emb(positions, x.dtype))  # once per step, for all layers
+        local = rope
+        if self.local_rotary_emb is not None:
+            local = RopeTables(*self.local_rotary_emb(positions, x.dtype))
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, rope, kv_cache[0, i], kv_cache[1, i], meta)
+            tables = local if layer.uses_local_rope else rope
+            x, residual = layer.forward(x, residual, tables, kv_cache[0, i], kv_cache[1, i], meta)
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.add_and_norm(x, residual)[0]
@@ -257,6 +269,9 @@ class DecoderForCausalLM(nn.Module):
         """Recompute the RoPE frequencies on the embedding's device (after meta-device loading)."""
         device = self.model.embed_tokens.weight.device
         self.model.rotary_emb = RotaryEmbedding(self.config.head_dim, self.config.rope).to(device)
+        if self.config.local_rope is not None:
+            local = RotaryEmbedding(self.config.head_dim, self.config.local_rope)
+            self.model.local_rotary_emb = local.to(device)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -269,4 +284,9 @@ class DecoderForCausalLM(nn.Module):
         """hidden `[K, E]` -> logits `[K, vocab_size]` in float32 (sharded: on rank 0 only, None
         on the others)."""
         logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_softcap
+        if cap:  # Gemma 2: logits bounded as cap * tanh(logits / cap)
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float()

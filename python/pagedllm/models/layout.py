@@ -45,6 +45,9 @@ def _layer_layout(cfg: ModelConfig, prefix: str, index: int = 0) -> dict[str, li
     if cfg.mlp_bias:
         layout[mlp + "gate_up_proj.bias"] = [name + ".bias" for name in gate_up]
         layout[mlp + "down_proj.bias"] = [mlp + "down_proj.bias"]
+    if cfg.sandwich_norms:
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            layout[f"{prefix}{norm}.weight"] = [f"{prefix}{norm}.weight"]
     if cfg.qk_norm:
         layout[attn + "q_norm.weight"] = [attn + "q_norm.weight"]
         layout[attn + "k_norm.weight"] = [attn + "k_norm.weight"]
