@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import connection
 
@@ -36,6 +37,9 @@ from multiprocessing import connection
 PARENT_POLL_S = 0.5
 # the exit status of a worker whose engine died
 ORPHAN_EXIT_CODE = 1
+# seconds a held worker whose death signal it handles itself (not SIGKILL: a replica's server)
+# is given to shut down on it once orphaned, before the watch ends it
+ORPHAN_GRACE_S = 30.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -51,6 +55,7 @@ class Tie:
     orphan_names: tuple[str, ...] = ()
     orphan_folders: tuple[str, ...] = ()
     kill_with: int = signal.SIGKILL
+    held: bool = False  # set in the worker by `hold`
 
     @classmethod
     def to_this_process(
@@ -80,6 +85,7 @@ class Tie:
         """The worker has opened its names (they are gone from /dev/shm, or another worker still
         to open them watches them): from here the kernel may kill it with its parent."""
         self.orphan_names = ()
+        self.held = True
         if self.death_signal:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(PR_SET_PDEATHSIG, self.kill_with, 0, 0, 0) != 0:
@@ -93,6 +99,11 @@ class Tie:
         while not connection.wait(sentinels, timeout=PARENT_POLL_S):
             if self.orphaned:
                 break
+        if self.held and self.kill_with != signal.SIGKILL:
+            # it shuts down on its signal as it would on the kernel's (a server closes its
+            # sockets, removes its folders); the watch ends it only if that does not
+            os.kill(os.getpid(), self.kill_with)
+            time.sleep(ORPHAN_GRACE_S)
         self._orphaned()
 
     def _orphaned(self) -> None:
