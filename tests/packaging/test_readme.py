@@ -2,6 +2,8 @@
 example runs as written (doc_examples.py says how: Python blocks are executed, `pagedllm`
 commands run or, for the long-running ones, are parsed by the command's own parser)."""
 
+import re
+
 import pytest
 from doc_examples import ROOT, code_blocks, needs_server, run_python, run_shell
 
@@ -30,6 +32,11 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_stays_a_front_door():
     assert len(README.splitlines()) <= 250
     assert [b.lang for b in BLOCKS if b.lang not in ("python", "bash")] == []
+
+
+def test_readme_links_point_at_files_that_exist():
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README)
+    assert targets and [t for t in targets if not (ROOT / t).exists()] == []
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=str)
