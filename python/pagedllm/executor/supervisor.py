@@ -108,14 +108,6 @@ class ProcessSupervisor:
             if not proc.is_alive():
                 raise ChildFailed(index, self.death(index))
 
-    def dead(self) -> list[tuple[int, str]]:
-        """(index, why) for each child that is not running."""
-        return [
-            (index, self.death(index))
-            for index, proc in enumerate(self.procs, start=1)
-            if not proc.is_alive()
-        ]
-
     def send(self, message, indices=None) -> None:
         """`message` down the pipe of each child in `indices` (all by default)."""
         for index in indices or range(1, len(self.conns) + 1):

@@ -169,8 +169,12 @@ class ReplicaProcesses:
         connection.wait(list(self.children.sentinels), timeout=timeout_s)
 
     def dead(self) -> list[tuple[int, str]]:
-        """(rank, why) for each replica that ended."""
-        return [(index - 1, why) for index, why in self.children.dead()]
+        """(rank, how) for each replica that ended."""
+        return [
+            (rank, f"exited (status {proc.exitcode})")
+            for rank, proc in enumerate(self.children.procs)
+            if not proc.is_alive()
+        ]
 
     def stop(self, grace_s: float, terminate_s: float | None = None) -> None:
         """Join for `grace_s` (the replicas were asked to exit), with `terminate_s` SIGTERM
