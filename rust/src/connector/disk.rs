@@ -14,7 +14,9 @@ use std::path::PathBuf;
 
 use super::{ConnectorMeta, ConnectorOutput, ConnectorRequest, KvConnector, OffloadStats};
 use crate::ids::BlockId;
+use crate::kv::events::Medium;
 use crate::kv::prefix_cache::PrefixCache;
+use crate::kv::KvEventLog;
 
 /// The file of block `hash` inside the tier's directory (the workers name files by this too).
 pub fn block_file_name(hash: u64) -> String {
@@ -33,6 +35,9 @@ pub struct DiskConnector {
     jobs: std::collections::HashMap<u64, Vec<(BlockId, u64)>>,
     pending: ConnectorMeta,
     stats: OffloadStats,
+    /// Blocks this engine saved (stored) or found unloadable (removed), on the disk medium;
+    /// files the workers delete to stay under the size are not seen here.
+    events: KvEventLog,
 }
 
 impl DiskConnector {
@@ -45,6 +50,7 @@ impl DiskConnector {
             jobs: Default::default(),
             pending: ConnectorMeta::default(),
             stats: OffloadStats::default(),
+            events: KvEventLog::for_medium(Medium::Disk),
         }
     }
 
@@ -118,6 +124,9 @@ impl KvConnector for DiskConnector {
         for job in out.finished_sending {
             for (_, hash) in self.jobs.remove(job).unwrap_or_default() {
                 self.saving.remove(&hash);
+                if self.on_disk(hash) {
+                    self.events.stored_in_tier(hash);
+                }
             }
         }
         for job in out.finished_recving {
@@ -125,6 +134,7 @@ impl KvConnector for DiskConnector {
                 if out.invalid_blocks.contains(&block) {
                     self.stats.failed_blocks += 1;
                     self.bad.insert(hash);
+                    self.events.removed(hash);
                 } else {
                     self.stats.loaded_blocks += 1;
                 }
@@ -134,6 +144,10 @@ impl KvConnector for DiskConnector {
 
     fn offload_stats(&self) -> Option<OffloadStats> {
         Some(self.stats)
+    }
+
+    fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
+        Some(&mut self.events)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod disk;
 pub mod offload;
 
 use crate::ids::{BlockId, TokenId};
+use crate::kv::KvEventLog;
 
 pub use disk::{block_file_name, DiskConnector};
 pub use offload::{OffloadConnector, OffloadStats};
@@ -162,6 +163,12 @@ pub trait KvConnector: std::fmt::Debug + Send + Sync {
 
     /// Counters of the tier, when it keeps any.
     fn offload_stats(&self) -> Option<OffloadStats> {
+        None
+    }
+
+    /// The tier's KV-event log (its blocks stored and removed, on its medium), when it
+    /// keeps one: a publisher turns it on and drains it with the prefix cache's.
+    fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
         None
     }
 }

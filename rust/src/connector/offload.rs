@@ -17,7 +17,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::{ConnectorMeta, ConnectorOutput, ConnectorRequest, KvConnector};
 use crate::ids::BlockId;
+use crate::kv::events::Medium;
 use crate::kv::prefix_cache::PrefixCache;
+use crate::kv::KvEventLog;
 
 /// Counters of the tier, in blocks (times the block size: tokens).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -62,6 +64,8 @@ pub struct OffloadConnector {
     stats: OffloadStats,
     /// Loads are asynchronous (the request parks while they run).
     async_loads: bool,
+    /// Blocks that became loadable (stored) or left the tier (removed), on the host medium.
+    events: KvEventLog,
 }
 
 impl OffloadConnector {
@@ -80,6 +84,7 @@ impl OffloadConnector {
                 ..OffloadStats::default()
             },
             async_loads: false,
+            events: KvEventLog::for_medium(Medium::Host),
         }
     }
 
@@ -141,6 +146,9 @@ impl OffloadConnector {
         if self.index.get(&s.hash) == Some(&slot) {
             self.index.remove(&s.hash);
         }
+        if s.ready {
+            self.events.removed(s.hash);
+        }
         if s.pins == 0 {
             if s.ready {
                 self.lru.remove(&s.tick);
@@ -158,6 +166,7 @@ impl OffloadConnector {
         let (_, slot) = self.lru.pop_first()?;
         let s = &mut self.slots[slot as usize];
         self.index.remove(&s.hash);
+        self.events.removed(s.hash);
         *s = Slot::default();
         self.stats.evicted_blocks += 1;
         Some(slot)
@@ -281,6 +290,9 @@ impl KvConnector for OffloadConnector {
             for (_, slot) in self.jobs.remove(job).unwrap_or_default() {
                 let s = &mut self.slots[slot as usize];
                 s.ready = s.live;
+                if s.ready {
+                    self.events.stored_in_tier(s.hash);
+                }
                 self.unpin(slot);
             }
         }
@@ -299,6 +311,10 @@ impl KvConnector for OffloadConnector {
 
     fn offload_stats(&self) -> Option<OffloadStats> {
         Some(self.stats())
+    }
+
+    fn kv_events_mut(&mut self) -> Option<&mut KvEventLog> {
+        Some(&mut self.events)
     }
 }
 
@@ -408,5 +424,41 @@ mod tests {
             (1, 1, 1)
         );
         c.check().unwrap();
+    }
+}
+
+#[cfg(test)]
+mod event_tests {
+    use super::*;
+    use crate::connector::ConnectorOutput;
+    use crate::kv::KvEventKind;
+
+    fn save(c: &mut OffloadConnector, job: u64, hashes: &[u64]) {
+        let tokens = vec![1; hashes.len() * 2];
+        let blocks: Vec<BlockId> = (0..hashes.len() as u32).collect();
+        let req = ConnectorRequest {
+            id: "r",
+            job,
+            tokens: &tokens,
+            block_hashes: hashes,
+        };
+        c.request_finished(&req, &blocks);
+        c.update_connector_output(&ConnectorOutput {
+            finished_sending: &[job],
+            ..Default::default()
+        });
+    }
+
+    #[test]
+    fn the_host_tier_publishes_its_saves_and_evictions_on_the_host_medium() {
+        let mut c = OffloadConnector::new(2, 2);
+        c.kv_events_mut().unwrap().set_enabled(true, 2);
+        save(&mut c, 1, &[10, 11]);
+        save(&mut c, 2, &[12]); // evicts the least recently used: 10
+        let b = c.kv_events_mut().unwrap().drain();
+        let (s, r) = (KvEventKind::Stored as u8, KvEventKind::Removed as u8);
+        assert_eq!(b.kinds, vec![s, r, s]);
+        assert_eq!(b.hashes, vec![10, 11, 10, 12]);
+        assert!(b.media.iter().all(|&m| m == Medium::Host as u8));
     }
 }
