@@ -4,6 +4,8 @@ out of the nav or a broken link."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import re
 import shutil
@@ -34,6 +36,18 @@ def test_docs_python_example_runs(block, examples_dir, monkeypatch, request):
 @pytest.mark.parametrize("block", SHELL, ids=str)
 def test_docs_shell_example_runs_or_parses(block, examples_dir, tmp_path, monkeypatch):
     run_shell(block, examples_dir, tmp_path, monkeypatch.chdir)
+
+
+def test_offline_page_gives_llm_keywords_with_the_engine_args_defaults():
+    from pagedllm import EngineArgs
+
+    text = (ROOT / "docs" / "offline.md").read_text()
+    signature = " ".join(text.split("- `LLM(", 1)[1].split(", ...)`", 1)[0].split())
+    func = ast.parse(f"def LLM({signature}): pass").body[0]
+    args = func.args
+    shown = {a.arg: ast.literal_eval(d) for a, d in zip(args.kwonlyargs, args.kw_defaults)}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert shown and {name: defaults.get(name, "missing") for name in shown} == shown
 
 
 def test_development_layout_names_every_package_and_test_folder():
