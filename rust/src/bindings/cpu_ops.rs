@@ -12,6 +12,7 @@ use numpy::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::cpu::views::{cast_view, cast_view_mut, SameLayout};
 use crate::cpu::{self, Bf16, PagedBatch, Scores};
 
 fn contiguous<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<T>) -> PyResult<&'a [T]> {
@@ -26,7 +27,7 @@ fn contiguous_view<'a, T>(name: &str, a: ndarray::ArrayView1<'a, T>) -> PyResult
 
 /// A numpy dtype the kernels take and the kernel element behind it (same size and layout).
 pub(super) trait Dtype: Element + 'static {
-    type Kernel: cpu::Elem;
+    type Kernel: cpu::Elem + SameLayout<Self>;
     const NAME: &'static str;
 }
 
@@ -111,19 +112,14 @@ fn wrong_array<N: Dtype, D: Dimension>(name: &str, a: &Bound<'_, PyAny>, err: Py
 }
 
 /// The numpy array's elements as the kernel's element type, without a copy.
-pub(super) fn view<'a, N: Dtype, D: Dimension>(
-    a: ArrayView<'a, N, D>,
-) -> ArrayView<'a, N::Kernel, D> {
-    // SAFETY: `N::Kernel` is `N` itself or a `repr(transparent)` wrapper of it (`cast` asserts
-    // the size), so every element pointer stays valid and aligned for the borrow's lifetime.
-    unsafe { a.raw_view().cast::<N::Kernel>().deref_into_view() }
+pub(super) fn view<N: Dtype, D: Dimension>(a: ArrayView<'_, N, D>) -> ArrayView<'_, N::Kernel, D> {
+    cast_view(a)
 }
 
-pub(super) fn view_mut<'a, N: Dtype, D: Dimension>(
-    mut a: ArrayViewMut<'a, N, D>,
-) -> ArrayViewMut<'a, N::Kernel, D> {
-    // SAFETY: as in `view`; the exclusive borrow moves into the returned view.
-    unsafe { a.raw_view_mut().cast::<N::Kernel>().deref_into_view_mut() }
+pub(super) fn view_mut<N: Dtype, D: Dimension>(
+    a: ArrayViewMut<'_, N, D>,
+) -> ArrayViewMut<'_, N::Kernel, D> {
+    cast_view_mut(a)
 }
 
 /// A KV cache's format as it crosses (`kv_cache_dtype`): the model's float type, or a quantized
@@ -154,7 +150,7 @@ impl KvFormat {
 /// The numpy dtype of a cache array and the kernel's element behind it (same size and layout).
 trait KvDtype: 'static {
     type Numpy: Element + 'static;
-    type Kernel: cpu::KvElem;
+    type Kernel: cpu::KvElem + SameLayout<Self::Numpy>;
     const NAME: &'static str;
 }
 
@@ -240,19 +236,16 @@ fn kv_writeable<'py, C: KvDtype>(
     })
 }
 
-fn kv_view<'a, C: KvDtype>(
-    a: ArrayView<'a, C::Numpy, ndarray::Ix4>,
-) -> ArrayView<'a, C::Kernel, ndarray::Ix4> {
-    // SAFETY: `C::Kernel` is `C::Numpy` or a `repr(transparent)` wrapper of it (`cast` asserts
-    // the size), as in `view`.
-    unsafe { a.raw_view().cast::<C::Kernel>().deref_into_view() }
+fn kv_view<C: KvDtype>(
+    a: ArrayView<'_, C::Numpy, ndarray::Ix4>,
+) -> ArrayView<'_, C::Kernel, ndarray::Ix4> {
+    cast_view(a)
 }
 
-fn kv_view_mut<'a, C: KvDtype>(
-    mut a: ArrayViewMut<'a, C::Numpy, ndarray::Ix4>,
-) -> ArrayViewMut<'a, C::Kernel, ndarray::Ix4> {
-    // SAFETY: as in `kv_view`; the exclusive borrow moves into the returned view.
-    unsafe { a.raw_view_mut().cast::<C::Kernel>().deref_into_view_mut() }
+fn kv_view_mut<C: KvDtype>(
+    a: ArrayViewMut<'_, C::Numpy, ndarray::Ix4>,
+) -> ArrayViewMut<'_, C::Kernel, ndarray::Ix4> {
+    cast_view_mut(a)
 }
 
 /// Writes k/v `[T, KVH, D]` into the caches `[blocks, block_size, KVH, D]` at `slot_mapping`

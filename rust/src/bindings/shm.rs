@@ -4,16 +4,17 @@
 //! slow `TimeoutError`, a peer dead or a group aborted `ConnectionError`.
 use std::time::Duration;
 
-use numpy::ndarray::{ArrayViewD, IxDyn};
 use numpy::{
-    PyArray, PyArrayDescrMethods, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyConnectionError, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use crate::dist::ring_numpy::item_arrays;
 use crate::dist::shm_allreduce::{Bf16, ShmAllReduce};
-use crate::dist::shm_ring::{DType, ItemRef, Message, Reader, Writer};
+use crate::dist::shm_ring::{DType, ItemRef, Reader, RingElem, Writer};
 use crate::dist::DistError;
 
 fn to_py(err: DistError) -> PyErr {
@@ -111,9 +112,7 @@ impl PyShmAllReduce {
         let data = data
             .as_slice_mut()
             .map_err(|_| PyValueError::new_err("data must be a contiguous 1-D array"))?;
-        // SAFETY: `Bf16` is a transparent u16: same size and alignment as i16.
-        let data =
-            unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<Bf16>(), data.len()) };
+        let data = Bf16::from_i16_bits_mut(data);
         let inner = &mut self.inner;
         py.detach(|| inner.all_reduce(data)).map_err(to_py)
     }
@@ -138,6 +137,67 @@ fn dtype_of(array: &Bound<'_, PyUntypedArray>) -> PyResult<DType> {
             dtype
         ))
     })
+}
+
+/// An array to publish, borrowed read-only through the call, by its element type.
+enum Held<'py> {
+    Bool(PyReadonlyArrayDyn<'py, bool>),
+    U8(PyReadonlyArrayDyn<'py, u8>),
+    I16(PyReadonlyArrayDyn<'py, i16>),
+    I32(PyReadonlyArrayDyn<'py, i32>),
+    I64(PyReadonlyArrayDyn<'py, i64>),
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F64(PyReadonlyArrayDyn<'py, f64>),
+}
+
+fn typed<'py, T: Element>(
+    array: &Bound<'py, PyUntypedArray>,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    let typed = array.cast::<PyArrayDyn<T>>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "arrays of dtype {} cannot travel through the ring (native byte order only)",
+            array.dtype()
+        ))
+    })?;
+    typed
+        .try_readonly()
+        .map_err(|e| PyValueError::new_err(format!("an array cannot be read ({e})")))
+}
+
+impl<'py> Held<'py> {
+    fn of(array: &Bound<'py, PyUntypedArray>) -> PyResult<Self> {
+        if !array.is_c_contiguous() {
+            return Err(PyValueError::new_err("arrays must be C-contiguous"));
+        }
+        Ok(match dtype_of(array)? {
+            DType::Bool => Held::Bool(typed(array)?),
+            DType::U8 => Held::U8(typed(array)?),
+            DType::I16 => Held::I16(typed(array)?),
+            DType::I32 => Held::I32(typed(array)?),
+            DType::I64 => Held::I64(typed(array)?),
+            DType::F32 => Held::F32(typed(array)?),
+            DType::F64 => Held::F64(typed(array)?),
+        })
+    }
+
+    fn item(&self) -> ItemRef<'_> {
+        match self {
+            Held::Bool(a) => item_of(a),
+            Held::U8(a) => item_of(a),
+            Held::I16(a) => item_of(a),
+            Held::I32(a) => item_of(a),
+            Held::I64(a) => item_of(a),
+            Held::F32(a) => item_of(a),
+            Held::F64(a) => item_of(a),
+        }
+    }
+}
+
+fn item_of<'a, T: RingElem + Element>(array: &'a PyReadonlyArrayDyn<'_, T>) -> ItemRef<'a> {
+    let data = array
+        .as_slice()
+        .expect("C-contiguous (checked in Held::of)");
+    ItemRef::of(array.shape(), data)
 }
 
 /// The writer's end of a broadcast ring (`crate::dist::shm_ring`): the engine's rank 0.
@@ -175,64 +235,21 @@ impl PyShmRingWriter {
         timeout_s: Option<f64>,
     ) -> PyResult<bool> {
         let timeout = seconds("timeout_s", timeout_s)?;
-        let mut items = Vec::with_capacity(arrays.len());
-        for array in &arrays {
-            let Some(array) = array else {
-                items.push(None);
-                continue;
-            };
-            if !array.is_c_contiguous() {
-                return Err(PyValueError::new_err("arrays must be C-contiguous"));
-            }
-            let dtype = dtype_of(array)?;
-            let shape = array.shape();
-            let nbytes = shape.iter().product::<usize>() * dtype.size();
-            // SAFETY: a C-contiguous array holds exactly `nbytes` bytes at its data pointer,
-            // alive while `arrays` holds it (through this call, under the GIL).
-            let bytes = unsafe {
-                let data = (*array.as_array_ptr()).data as *const u8;
-                if nbytes == 0 {
-                    &[][..]
-                } else {
-                    std::slice::from_raw_parts(data, nbytes)
-                }
-            };
-            items.push(Some(ItemRef {
-                dtype,
-                shape,
-                bytes,
-            }));
-        }
+        let held = arrays
+            .iter()
+            .map(|array| array.as_ref().map(Held::of).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
+        let items: Vec<_> = held.iter().map(|h| h.as_ref().map(Held::item)).collect();
         self.inner
             .publish(tag, &ints, &items, timeout)
             .map_err(to_py)
     }
 }
 
-/// A message moved out of the GIL-free wait (its chunk pointer is only read under the GIL).
-struct Received(Option<Message>);
-// SAFETY: the pointer addresses the reader's own mapping, which outlives the message.
-unsafe impl Send for Received {}
-
 /// A reader's end of a broadcast ring: a worker.
 #[pyclass(module = "pagedllm._core", name = "ShmRingReader")]
 struct PyShmRingReader {
     inner: Reader,
-}
-
-fn view<'py, T: numpy::Element>(
-    py: Python<'py>,
-    ptr: *const u8,
-    shape: &[usize],
-    owner: &Bound<'py, PyAny>,
-) -> Bound<'py, PyAny> {
-    // SAFETY: the writer put `shape`'s elements of T at this 64-byte aligned address; the view
-    // keeps `owner` (and so the mapping) alive.
-    unsafe {
-        let array = ArrayViewD::from_shape_ptr(IxDyn(shape), ptr as *const T);
-        let _ = py;
-        PyArray::<T, IxDyn>::borrow_from_array(&array, owner.clone()).into_any()
-    }
 }
 
 #[pymethods]
@@ -250,40 +267,16 @@ impl PyShmRingReader {
     #[pyo3(signature = (timeout_s=None))]
     #[allow(clippy::type_complexity)]
     fn receive<'py>(
-        slf: &Bound<'py, Self>,
+        &mut self,
+        py: Python<'py>,
         timeout_s: Option<f64>,
     ) -> PyResult<Option<(u32, Vec<i64>, Bound<'py, PyList>)>> {
-        let py = slf.py();
         let timeout = seconds("timeout_s", timeout_s)?;
-        let received = {
-            let mut this = slf.borrow_mut();
-            let inner = &mut this.inner;
-            py.detach(|| inner.receive(timeout).map(Received))
-                .map_err(to_py)?
-        };
-        let Some(message) = received.0 else {
+        let inner = &mut self.inner;
+        let Some(message) = py.detach(|| inner.receive(timeout)).map_err(to_py)? else {
             return Ok(None);
         };
-        let owner = slf.as_any();
-        let mut arrays = Vec::with_capacity(message.items.len());
-        for item in &message.items {
-            let Some(item) = item else {
-                arrays.push(py.None().into_bound(py));
-                continue;
-            };
-            // SAFETY: within the chunk (checked by decode).
-            let ptr = unsafe { message.chunk.add(item.offset) };
-            let shape = &item.shape;
-            arrays.push(match item.dtype {
-                DType::Bool => view::<bool>(py, ptr, shape, owner),
-                DType::U8 => view::<u8>(py, ptr, shape, owner),
-                DType::I16 => view::<i16>(py, ptr, shape, owner),
-                DType::I32 => view::<i32>(py, ptr, shape, owner),
-                DType::I64 => view::<i64>(py, ptr, shape, owner),
-                DType::F32 => view::<f32>(py, ptr, shape, owner),
-                DType::F64 => view::<f64>(py, ptr, shape, owner),
-            });
-        }
+        let arrays = item_arrays(py, &self.inner, &message)?;
         Ok(Some((message.tag, message.ints, PyList::new(py, arrays)?)))
     }
 

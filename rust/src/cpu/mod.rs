@@ -20,6 +20,7 @@ mod pool;
 pub mod quant;
 pub mod rotary;
 mod simd;
+pub mod views;
 
 #[cfg(test)]
 mod attention_tests;

@@ -7,7 +7,11 @@
 //!   segment, checking the peers' liveness (pidfds), an abort flag and a timeout;
 //! - [`shm_allreduce`]: the ranks' sum all-reduce over one segment (float32, bfloat16);
 //! - [`shm_ring`]: a broadcast ring of fixed-size chunks, one writer and N readers, carrying a
-//!   tagged message of integers and arrays per chunk (the engine's step to its workers).
+//!   tagged message of integers and arrays per chunk (the engine's step to its workers);
+//! - `ring_numpy` (with the `python` feature): a received message's arrays as numpy arrays
+//!   over the ring's memory, kept mapped while they live.
+#[cfg(feature = "python")]
+pub mod ring_numpy;
 pub mod segment;
 pub mod shm_allreduce;
 pub mod shm_ring;

@@ -89,6 +89,16 @@ impl Elem for f32 {
 #[repr(transparent)]
 pub struct Bf16(pub u16);
 
+impl Bf16 {
+    /// bfloat16 values held as their bits in int16 (numpy has no bfloat16: torch's
+    /// `t.view(torch.int16).numpy()`), viewed in place as `Bf16`.
+    pub fn from_i16_bits_mut(bits: &mut [i16]) -> &mut [Bf16] {
+        // SAFETY: `Bf16` is a `repr(transparent)` u16: the size and alignment of i16, and every
+        // bit pattern is a valid value; the exclusive borrow moves into the returned slice.
+        unsafe { std::slice::from_raw_parts_mut(bits.as_mut_ptr().cast::<Bf16>(), bits.len()) }
+    }
+}
+
 #[inline(always)]
 fn bf16_to_f32(x: Bf16) -> f32 {
     f32::from_bits((x.0 as u32) << 16)

@@ -13,6 +13,7 @@
 //! `[len u64][tag u32][n_ints u32][n_items u32][pad u32]`, the integers (i64), one `ItemDesc`
 //! per item, then each item's bytes at a 64-byte aligned offset.
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::segment::Segment;
@@ -85,11 +86,55 @@ impl DType {
     }
 }
 
+/// An element type a ring item may have: plain bytes, no padding, 1 to 8 bytes (so a 64-byte
+/// aligned offset is aligned for it).
+pub trait RingElem: Copy + 'static {
+    const DTYPE: DType;
+}
+
+impl RingElem for bool {
+    const DTYPE: DType = DType::Bool;
+}
+impl RingElem for u8 {
+    const DTYPE: DType = DType::U8;
+}
+impl RingElem for i16 {
+    const DTYPE: DType = DType::I16;
+}
+impl RingElem for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl RingElem for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl RingElem for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl RingElem for f64 {
+    const DTYPE: DType = DType::F64;
+}
+
 /// An array to send: its type, shape and C-contiguous bytes.
 pub struct ItemRef<'a> {
     pub dtype: DType,
     pub shape: &'a [usize],
     pub bytes: &'a [u8],
+}
+
+impl<'a> ItemRef<'a> {
+    /// The array of `shape` whose elements, in C order, are `data`.
+    pub fn of<T: RingElem>(shape: &'a [usize], data: &'a [T]) -> ItemRef<'a> {
+        // SAFETY: a `RingElem` has no padding bytes, so the slice's memory is exactly
+        // `size_of_val(data)` initialised bytes, borrowed for 'a as `data` is.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        };
+        ItemRef {
+            dtype: T::DTYPE,
+            shape,
+            bytes,
+        }
+    }
 }
 
 /// An array received: where its bytes are in the chunk.
@@ -110,6 +155,10 @@ pub struct Message {
     /// the chunk's first byte (valid until `Reader::ack`)
     pub chunk: *const u8,
 }
+
+// SAFETY: `chunk` only addresses the reader's shared mapping, which any thread may read; a
+// message carries no thread-bound state.
+unsafe impl Send for Message {}
 
 fn align(n: usize) -> usize {
     n.next_multiple_of(ALIGN)
@@ -348,7 +397,9 @@ impl Writer {
 
 /// A reader's end (a worker).
 pub struct Reader {
-    segment: Segment,
+    /// shared with the arrays viewing a received chunk (`ring_numpy`), so the mapping outlives
+    /// them
+    segment: Arc<Segment>,
     reader: usize,
     n_chunks: usize,
     chunk_bytes: usize,
@@ -394,7 +445,7 @@ impl Reader {
         let peers = Peers::new([(0, header.writer_pid.load(Ordering::SeqCst))]);
         let next = header.read[reader].0.load(Ordering::SeqCst);
         Ok(Reader {
-            segment,
+            segment: Arc::new(segment),
             reader,
             n_chunks,
             chunk_bytes,
@@ -437,6 +488,11 @@ impl Reader {
         };
         self.holding = true;
         decode(chunk).map(Some)
+    }
+
+    /// The ring's mapping, which a received message's chunk lies in.
+    pub fn mapping(&self) -> &Arc<Segment> {
+        &self.segment
     }
 
     /// Done with the last message received: its chunk may be reused.
