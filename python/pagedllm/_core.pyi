@@ -227,6 +227,79 @@ def encode_kv_event_batch(
     "group_idx"}`` and ``{"type": "AllBlocksCleared"}``. Empty ``tokens``: stored blocks list
     no token ids."""
 
+KV_EVENT_STORED: int
+KV_EVENT_REMOVED: int
+KV_EVENT_ALL_CLEARED: int
+KV_EVENT_MEDIA: tuple[str, ...]
+"""vLLM's ``medium`` names by medium code: ("GPU", "CPU", "STORAGE") (the device cache, the
+host tier, the disk tier)."""
+
+class KvEventStream:
+    """The engine's side of its KV-event stream: ``publish_step`` drains a step's events (the
+    prefix cache's, then the offload tier's), encodes them as one msgpack ``KVEventBatch`` and
+    keeps the blocks they add up to per medium (``snapshot``'s source)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        medium: str | None = None,
+        data_parallel_rank: int = 0,
+        hashes_only: bool = False,
+    ) -> None:
+        """``medium``: the name of the device cache's medium (``GPU``; a CPU engine's ``CPU``);
+        the tiers' are ``CPU`` (host) and ``STORAGE`` (disk)."""
+    def note_lora(self, lora_id: int) -> None:
+        """Blocks of adapter ``lora_id`` report it as their ``lora_id``."""
+    def publish_step(self, scheduler: Scheduler) -> bytes | None:
+        """The scheduler's events since the last step as one batch; None when there are none."""
+    def publish(self, events: tuple[_npt.NDArray, ...]) -> bytes | None:
+        """``publish_step`` for arrays already drained (``Scheduler.drain_kv_events``)."""
+    def snapshot(self) -> bytes:
+        """``[AllBlocksCleared, BlockStored(device blocks), BlockStored(per tier holding any)]``,
+        listing no tokens."""
+
+class ForeignHashes:
+    """One replica's table of another engine's block hashes -> this router's (re-hashed from
+    the tokens its stored events carry); changes are staged per batch."""
+
+    def __init__(self, block_size: int) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def own(self) -> dict[int, int]:
+        """The kept table: {foreign hash: own hash}."""
+    def commit(self) -> None:
+        """Keeps the changes of the batch last translated (the index applied it)."""
+    def rollback(self) -> None:
+        """Drops them (the index did not apply it)."""
+    def reset(self) -> None:
+        """Forgets every block (the replica starts over)."""
+
+def foreign_key(block_hash: int | bytes) -> int:
+    """A published hash as a table key: its low 64 bits (digest bytes' last 8)."""
+
+def decode_kv_event_batch(payload: bytes) -> dict[str, _npt.NDArray | float | int | None]:
+    """A msgpack ``KVEventBatch`` as arrays: ``ts``, ``data_parallel_rank``, ``kinds`` [R]
+    (``KV_EVENT_*``), ``media`` [R] (indexes into ``KV_EVENT_MEDIA``), ``starts`` [R+1]
+    (record r's hashes are ``hashes[starts[r]:starts[r+1]]``), ``hashes`` (digest bytes as
+    their low 64 bits), ``hash_is_int`` (per hash), ``parents`` [R] (ROOT_HASH: none),
+    ``token_starts`` [R+1], ``tokens``, ``block_sizes`` [R] (0: none), ``lora_ids`` [R] (0:
+    none), ``plain`` [R] (no adapter name, no extra keys). Events of unknown kinds are left out;
+    ValueError naming what is wrong for a payload that is not a batch."""
+
+def kv_event_index_records(
+    payload: bytes, foreign: ForeignHashes | None = None
+) -> tuple[
+    _npt.NDArray[_np.uint8],
+    _npt.NDArray[_np.uint32],
+    _npt.NDArray[_np.uint64],
+    _npt.NDArray[_np.uint8],
+]:
+    """What the router's index applies from a batch: (kinds, starts, hashes, media). Without
+    ``foreign``, the hashes published as integers; with it, the blocks re-hashed into this
+    router's hashes (the table's changes staged). ValueError for a payload that is not a batch."""
+
 ROUTING_POLICIES: list[str]
 
 class Router:
@@ -285,11 +358,20 @@ class Router:
         kinds: _npt.NDArray[_np.uint8],
         starts: _npt.NDArray[_np.uint32],
         hashes: _npt.NDArray[_np.uint64],
+        media: _npt.NDArray[_np.uint8] | None = None,
     ) -> int:
-        """Applies batch ``seq`` of the replica's events: -1 applied, -2 stale (already
-        applied), else the sequence number to replay from (batches were lost)."""
-    def apply_snapshot(self, replica: int, seq: int, hashes: _npt.NDArray[_np.uint64]) -> None:
-        """Replaces the replica's part of the index with its cache as of batch ``seq``."""
+        """Applies batch ``seq`` of the replica's events (``media``: each record's medium code,
+        None: all on the device): -1 applied, -2 stale (already applied), else the sequence
+        number to replay from (batches were lost)."""
+    def apply_snapshot(
+        self,
+        replica: int,
+        seq: int,
+        hashes: _npt.NDArray[_np.uint64],
+        media: _npt.NDArray[_np.uint8] | None = None,
+    ) -> None:
+        """Replaces the replica's part of the index with its cache as of batch ``seq``
+        (``media``: each hash's medium code, None: all on the device)."""
     def reset_replica(self, replica: int) -> None:
         """Forgets the replica's part (a restarted replica: batches from 0 again)."""
     def set_index_capacity(self, replica: int, blocks: int) -> None:
@@ -303,7 +385,8 @@ class Router:
         """Blocks of the requests in flight on the replica that count as held there."""
     def stats(self) -> list[dict[str, int | float | bool]]:
         """Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
-        running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks."""
+        running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks,
+        host_tier_blocks, disk_tier_blocks."""
 
 def _time_hash_block(block_size: int, iterations: int = 1_000_000) -> float:
     """Benchmark helper: nanoseconds per chained hash of a `block_size`-token block, timed
@@ -634,7 +717,8 @@ class Scheduler:
     def get_stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
     def set_kv_events(self, enabled: bool) -> None:
-        """Turns the prefix cache's KV events on or off (read with ``drain_kv_events``)."""
+        """Turns the KV events of the prefix cache (read with ``drain_kv_events``) and of the
+        offload tier on or off (both read by ``KvEventStream.publish_step``)."""
     def drain_kv_events(
         self,
     ) -> tuple[

@@ -6,9 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedllm._core import ROUTING_POLICIES, PagedLLMError, Router, hash_block_chain, lora_hash_key
+from pagedllm._core import (
+    KV_EVENT_STORED,
+    ROUTING_POLICIES,
+    PagedLLMError,
+    Router,
+    hash_block_chain,
+    lora_hash_key,
+)
 
-STORED = np.array([0], np.uint8)
+STORED = np.array([KV_EVENT_STORED], np.uint8)
 
 
 def stored(router: Router, replica: int, seq: int, hashes: list[int]) -> int:

@@ -344,7 +344,7 @@ class LLMEngine:
         try:
             return self._step()
         finally:
-            self.kv_events.publish(self.scheduler.drain_kv_events())
+            self.kv_events.publish_step(self.scheduler)
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -1,11 +1,14 @@
 """`KVEventPublisher`: an engine's KV events out over ZMQ, one batch per step (vLLM's wire format).
 
 The PUB socket sends `(topic, seq as 8 bytes big-endian, msgpack KVEventBatch)` per step that
-changed the prefix cache; the batches are encoded in Rust straight from the step's arrays. The
+changed the prefix cache or the offload tier (each record's `medium`: the device cache's, `CPU`
+for the host tier, `STORAGE` for the disk tier); Rust drains, encodes and keeps the blocks the
+events add up to (`KvEventStream`), so no event crosses into Python one by one. The
 replay socket (ROUTER) answers `seq` (8 bytes) with every batch from `seq` on that it still
 holds, each `(seq, payload)`, then `(-1, b"")`; asked for batches it no longer holds (or for
 ones it never sent: the subscriber knew an earlier run of this replica), it sends one snapshot
-instead: `(seq of the last batch, [AllBlocksCleared, BlockStored(every cached block)])`.
+instead: `(seq of the last batch, [AllBlocksCleared, BlockStored(every cached block), and one
+BlockStored per offload tier holding blocks])`.
 
 Neither socket authenticates, and the stream holds every prompt's token ids (unless
 `hashes_only`): a TCP address other than loopback is bound with a warning saying so, and an ipc
@@ -20,19 +23,17 @@ import logging
 import os
 import re
 import threading
-import time
 from collections import deque
 
 import numpy as np
 import zmq
 
-from pagedllm._core import ROOT_HASH, Router, encode_kv_event_batch, lora_hash_key
+from pagedllm._core import KvEventStream
 from pagedllm.kv_events.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-STORED, REMOVED, CLEARED = 0, 1, 2
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -74,7 +75,7 @@ def bind_private(sock: zmq.Socket, endpoint: str, what: str) -> None:
 
 
 class KVEventPublisher:
-    """Publishes the batches `Scheduler.drain_kv_events` returns; `close()` ends it."""
+    """Publishes a scheduler's KV events once per step (`publish_step`); `close()` ends it."""
 
     def __init__(
         self,
@@ -86,9 +87,14 @@ class KVEventPublisher:
     ) -> None:
         self.config = config
         self.block_size = block_size
-        self.medium = medium
-        # vLLM's publisher stamps every batch with its rank, 0 without data parallelism
-        self.data_parallel_rank = data_parallel_rank or 0
+        # encodes the steps and keeps the snapshot's blocks; vLLM's publisher stamps every
+        # batch with its rank, 0 without data parallelism
+        self._stream = KvEventStream(
+            block_size,
+            medium=medium,
+            data_parallel_rank=data_parallel_rank or 0,
+            hashes_only=config.hashes_only,
+        )
         self._topic = config.topic.encode()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -107,11 +113,6 @@ class KVEventPublisher:
         self._lock = threading.Lock()
         self._seq = -1
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        # what the published events add up to (the cache's contents): the snapshot's source,
-        # kept by the router core's index with a single replica
-        self._mirror = Router(1, block_size, pending_ttl=0.0)
-        self._lora_keys: list[int] = []
-        self._lora_ids: list[int] = []
         self._stop = threading.Event()
         self._thread = None
         if self._replay is not None:
@@ -127,52 +128,25 @@ class KVEventPublisher:
 
     def note_lora(self, lora_id: int) -> None:
         """Blocks of adapter `lora_id` report it as their `lora_id`."""
-        if lora_id and lora_id not in self._lora_ids:
-            self._lora_keys.append(lora_hash_key(lora_id))
-            self._lora_ids.append(lora_id)
+        self._stream.note_lora(lora_id)
+
+    def publish_step(self, scheduler) -> None:
+        """Sends the events of `scheduler`'s last step, its prefix cache's and its offload
+        tier's (nothing when the step changed nothing)."""
+        with self._lock:
+            self._send(self._stream.publish_step(scheduler))
 
     def publish(self, events: tuple[np.ndarray, ...]) -> None:
-        """Sends one step's events (nothing when the step changed nothing)."""
-        kinds, starts, parents, extra_keys, hashes, tokens = events
-        if not len(kinds):
-            return
-        if self.config.hashes_only:
-            tokens = tokens[:0]
-        payload = self._encode(kinds, starts, parents, extra_keys, hashes, tokens)
+        """`publish_step` for a step's arrays already drained (`Scheduler.drain_kv_events`)."""
         with self._lock:
-            self._seq += 1
-            seq = self._seq
-            self._buffer.append((seq, payload))
-            self._mirror.apply_events(0, seq, kinds, starts, hashes)
-            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), copy=False)
+            self._send(self._stream.publish(events))
 
-    def _encode(self, kinds, starts, parents, extra_keys, hashes, tokens) -> bytes:
-        return encode_kv_event_batch(
-            time.time(),
-            kinds,
-            starts,
-            parents,
-            extra_keys,
-            hashes,
-            tokens,
-            block_size=self.block_size,
-            lora_keys=self._lora_keys,
-            lora_ids=self._lora_ids,
-            medium=self.medium,
-            data_parallel_rank=self.data_parallel_rank,
-        )
-
-    def _snapshot(self) -> bytes:
-        """The cache's contents as one batch: cleared, then every block stored (no tokens)."""
-        hashes = self._mirror.replica_hashes(0)
-        return self._encode(
-            np.array([CLEARED, STORED], np.uint8),
-            np.array([0, 0, len(hashes)], np.uint32),
-            np.array([ROOT_HASH, ROOT_HASH], np.uint64),
-            np.zeros(2, np.uint64),
-            hashes,
-            np.zeros(0, np.uint32),
-        )
+    def _send(self, payload: bytes | None) -> None:
+        if payload is None:
+            return
+        self._seq += 1
+        self._buffer.append((self._seq, payload))
+        self._pub.send_multipart((self._topic, seq_bytes(self._seq), payload), copy=False)
 
     def replay_from(self, start: int) -> list[tuple[int, bytes]]:
         """What a replay request for `start` is answered with (before the end marker)."""
@@ -180,7 +154,7 @@ class KVEventPublisher:
             oldest = self._buffer[0][0] if self._buffer else self._seq + 1
             if oldest <= start <= self._seq + 1:
                 return [(s, p) for s, p in self._buffer if s >= start]
-            return [(self._seq, self._snapshot())]
+            return [(self._seq, self._stream.snapshot())]
 
     def _serve_replay(self) -> None:
         poller = zmq.Poller()

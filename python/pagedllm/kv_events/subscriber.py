@@ -7,7 +7,8 @@ it was asked to is a snapshot). `resync()` asks for a replay from the index's ne
 the next turn (a replica that came back).
 
 Nothing a publisher sends ends the subscriber: every message is checked before it is used (its
-frames, its sequence number, the batch and each event field by field), and one that is not a
+frames and sequence number here, the batch and each event field by field by the Rust decoder,
+which returns the arrays the index applies: no Python object per block), and one that is not a
 KV-event message is skipped and counted (`malformed`), its sequence number left to the real
 batch; the replica's own answer to a replay is kept in sequence even when malformed (as an empty
 batch: asking again would get the same). Should the thread's loop fail all the same, it starts
@@ -21,159 +22,45 @@ import threading
 import time
 from collections.abc import Callable
 
-import msgpack
 import numpy as np
 import zmq
 
+from pagedllm._core import kv_event_index_records
 from pagedllm.kv_events.foreign import ForeignHashes
-from pagedllm.kv_events.publisher import CLEARED, REMOVED, STORED
 
 logger = logging.getLogger(__name__)
 
-TAGS = {"BlockStored": STORED, "BlockRemoved": REMOVED, "AllBlocksCleared": CLEARED}
 REPLAY_TIMEOUT_MS = 1000
 # a failed loop starts over after this long (a failure that repeats does not spin)
 RESTART_DELAY_S = 0.5
 # malformed messages are logged at most once per this many seconds (a flood is one line)
 MALFORMED_LOG_EVERY_S = 10.0
-_U64 = 1 << 64
 
 
 class MalformedBatch(ValueError):
     """A KV-event message or batch that is not one (what is wrong, named)."""
 
 
-# each event's fields in order, for its array form (vLLM's structs with array_like, as older
-# vLLM and pagedllm sent them); the map form (vLLM 0.32's) names them, its tag under "type"
-_FIELDS = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-        "extra_keys",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
-
-
-def event_fields(event) -> tuple[str | None, dict]:
-    """(tag, fields by name) of one event in either form; MalformedBatch for anything that is
-    not an event (an unknown tag is returned: the caller skips it)."""
-    if isinstance(event, dict):
-        tag, fields = event.get("type"), event
-    elif isinstance(event, list) and event:
-        tag = event[0]
-        fields = dict(zip(_FIELDS.get(tag, ()), event[1:])) if isinstance(tag, str) else {}
-    else:
-        raise MalformedBatch(f"an event is {_short(event)}, not a map or an array")
-    if not isinstance(tag, str):
-        raise MalformedBatch(f"an event's type is {_short(tag)}, not a name")
-    return tag, fields
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_hash(value) -> bool:
-    # vLLM publishes an int (the low 64 bits) or the digest's bytes
-    return isinstance(value, bytes) or (type(value) is int and 0 <= value < _U64)
-
-
-def _check_fields(tag: str, fields: dict) -> None:
-    """MalformedBatch naming the first field of a known event that has the wrong type."""
-
-    def bad(name: str, what: str) -> MalformedBatch:
-        return MalformedBatch(f"{tag}.{name} is {_short(fields[name])}, not {what}")
-
-    hashes = fields.get("block_hashes")
-    if not isinstance(hashes, list) or not all(map(_is_hash, hashes)):
-        raise MalformedBatch(f"{tag}.block_hashes is {_short(hashes)}, not a list of hashes")
-    for name in ("medium", "lora_name"):
-        if fields.get(name) is not None and not isinstance(fields[name], str):
-            raise bad(name, "a string")
-    if tag != "BlockStored":
-        return
-    parent = fields.get("parent_block_hash")
-    if parent is not None and not _is_hash(parent):
-        raise bad("parent_block_hash", "a hash")
-    tokens = fields.get("token_ids", [])
-    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-        raise bad("token_ids", "a list of token ids")
-    size = fields.get("block_size")
-    if size is not None and not (type(size) is int and size > 0):
-        raise bad("block_size", "a positive integer")
-    lora_id = fields.get("lora_id")
-    if lora_id is not None and type(lora_id) is not int:
-        raise bad("lora_id", "an integer")
-    if fields.get("extra_keys") is not None and not isinstance(fields["extra_keys"], list):
-        raise bad("extra_keys", "a list")
-
-
-def batch_events(payload: bytes) -> list[tuple[int, dict]]:
-    """A msgpack KVEventBatch (array form `[ts, events, rank?]` or map form) -> its known
-    events as (kind, fields), checked; events of unknown kinds are left out. MalformedBatch
-    naming what is wrong for anything else."""
+def index_records(
+    payload: bytes, foreign: ForeignHashes | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A msgpack KVEventBatch -> (kinds uint8, starts uint32, hashes uint64, media uint8), the
+    arrays the router core applies, decoded in Rust (`kv_event_index_records`: events of
+    unknown kinds skipped). With `foreign` (another engine's events), the blocks are re-hashed
+    into this router's hashes and the changes staged there (`commit` or `rollback` next);
+    without it, hashes that are not integers are skipped. MalformedBatch (a ValueError) naming
+    what is wrong for a payload that is not a batch: nothing is staged then."""
     try:
-        batch = msgpack.unpackb(payload, use_list=True, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise MalformedBatch(f"not msgpack ({exc!r})") from None
-    if isinstance(batch, list) and len(batch) in (2, 3):
-        ts, events = batch[0], batch[1]
-    elif isinstance(batch, dict) and "events" in batch:
-        ts, events = batch.get("ts", 0.0), batch["events"]
-    else:
-        raise MalformedBatch(f"the batch is {_short(batch)}, not [ts, events, rank]")
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise MalformedBatch(f"the batch's ts is {_short(ts)}, not a time")
-    if not isinstance(events, list):
-        raise MalformedBatch(f"the batch's events are {_short(events)}, not a list")
-    out = []
-    for event in events:
-        tag, fields = event_fields(event)
-        kind = TAGS.get(tag)
-        if kind is None:
-            continue  # a kind this router does not index
-        if kind != CLEARED:
-            _check_fields(tag, fields)
-        out.append((kind, fields))
-    return out
+        return kv_event_index_records(payload, foreign)
+    except ValueError as exc:
+        raise MalformedBatch(str(exc)) from None
 
 
 def decode_batch(
     payload: bytes, foreign: ForeignHashes | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A msgpack KVEventBatch -> (kinds uint8, starts uint32, hashes uint64), the arrays the
-    router core applies. Events of unknown kinds are skipped. With `foreign` (another engine's
-    events), the blocks are re-hashed into this router's hashes and the changes staged there
-    (`commit` or `rollback` next); without it, hashes that are not integers are skipped.
-    MalformedBatch (a ValueError) for a payload that is not a batch: nothing is staged then."""
-    events = batch_events(payload)  # all checked before the table is touched
-    kinds, starts, hashes = [], [0], []
-    for kind, fields in events:
-        block_hashes = fields.get("block_hashes", [])
-        if foreign is None:
-            if kind != CLEARED:
-                hashes.extend(h for h in block_hashes if isinstance(h, int))
-        elif kind == STORED:
-            hashes.extend(foreign.stored(fields))
-        elif kind == REMOVED:
-            hashes.extend(foreign.removed(block_hashes))
-        else:
-            foreign.cleared()
-        kinds.append(kind)
-        starts.append(len(hashes))
-    return (
-        np.array(kinds, np.uint8),
-        np.array(starts, np.uint32),
-        np.array(hashes, np.uint64),
-    )
+    """`index_records` without the media: (kinds, starts, hashes)."""
+    return index_records(payload, foreign)[:3]
 
 
 def message_seq(frames: list[bytes]) -> int:
@@ -333,14 +220,15 @@ class KVEventSubscriber:
         it is left out of the sequence (a real batch `seq` may follow; if not, the next one is a
         gap); `replayed` (the replica's own answer), it is kept in sequence as an empty batch."""
         try:
-            arrays = decode_batch(payload, self.foreign)
+            kinds, starts, hashes, media = index_records(payload, self.foreign)
         except MalformedBatch as exc:
             if not replayed:
                 raise
             self._skip(exc)
-            arrays = np.array([], np.uint8), np.array([0], np.uint32), np.array([], np.uint64)
+            kinds, starts = np.array([], np.uint8), np.array([0], np.uint32)
+            hashes, media = np.array([], np.uint64), None
         with self.lock:
-            status = self.index.apply_events(self.replica, seq, *arrays)
+            status = self.index.apply_events(self.replica, seq, kinds, starts, hashes, media)
         if self.foreign is not None:
             self.foreign.commit() if status == -1 else self.foreign.rollback()
         if status == -1:
@@ -403,11 +291,13 @@ class KVEventSubscriber:
         self._apply(seq, payload, replayed=True)
 
     def _snapshot(self, seq: int, payload: bytes) -> None:
-        # [AllBlocksCleared, BlockStored(every cached block)]: its hashes are the cache
-        _, _, hashes = decode_batch(payload)
+        # [AllBlocksCleared, BlockStored(every cached block) per medium]: its hashes are the
+        # cache, each on its record's medium
+        _, starts, hashes, media = index_records(payload)
         with self.lock:
             if seq < 0:  # the replica has sent nothing yet
                 self.index.reset_replica(self.replica)
             else:
-                self.index.apply_snapshot(self.replica, seq, hashes)
+                per_hash = np.repeat(media, np.diff(starts))
+                self.index.apply_snapshot(self.replica, seq, hashes, per_hash)
         self.batches += 1

@@ -23,8 +23,7 @@ import statistics
 
 import numpy as np
 
-from pagedllm._core import Router, Scheduler, hash_block_chain
-from pagedllm.kv_events.publisher import STORED
+from pagedllm._core import KV_EVENT_STORED, Router, Scheduler, hash_block_chain
 
 POLICIES = ("cache_aware", "approx", "least_loaded", "round_robin")
 # conversations per replica, turns, tokens per turn. long_chat: histories of up to 512 tokens
@@ -80,7 +79,7 @@ class ApproximateRouter:
         hashes = np.asarray(hash_block_chain(token_ids[:reusable], bs), np.uint64)
         if len(hashes):
             seq = self.core.next_seq(replica)
-            stored = np.array([STORED], np.uint8), np.array([0, len(hashes)], np.uint32)
+            stored = np.array([KV_EVENT_STORED], np.uint8), np.array([0, len(hashes)], np.uint32)
             self.core.apply_events(replica, seq, *stored, hashes)
         return decision
 

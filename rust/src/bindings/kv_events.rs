@@ -1,22 +1,26 @@
-//! KV events across the boundary: a step's `KvEventBatch` as numpy arrays (one Python object
-//! per array, none per block), the same batch encoded as vLLM's msgpack `KVEventBatch` (bytes
-//! straight from the arrays: no Python object per block or token), and the hash key a LoRA
-//! adapter's blocks are hashed under.
-//!
-//! The encoding is byte for byte what vLLM 0.32's msgspec encoder writes for the same events
-//! (`vllm/distributed/kv_events.py`, `v1/core/block_pool.py`): the batch is an `array_like`
-//! struct, `[ts, events, data_parallel_rank]` (msgspec writes every field of an array-like
-//! struct, `omit_defaults` or not), each event a tagged struct in map form (`{"type":
-//! "BlockStored", field: value, ...}`: the tag first, then the fields in declaration order,
-//! those with a default left out while they hold it). vLLM's block pool sets `extra_keys` (one
-//! nil per block without extras) and `group_idx` (0: one KV-cache group), so both are written.
+//! KV events across the boundary, both ways, in vLLM's msgpack schema (`kv::events::wire`):
+//! - the engine's side: `KvEventStream`, whose `publish_step(scheduler)` drains a step's events
+//!   (the prefix cache's and the offload tier's), encodes them and keeps what a snapshot of
+//!   the replica's cache needs; `encode_kv_event_batch` encodes arrays as given;
+//! - the router's side: `decode_kv_event_batch` (a batch as numpy arrays, one Python object
+//!   per array, none per block or token), `kv_event_index_records` (what the router's index
+//!   applies, another engine's blocks re-hashed through a `ForeignHashes` table);
+//! - the kind and medium codes (`KV_EVENT_*`), for Python that builds arrays by hand.
+use std::collections::HashSet;
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
+use super::scheduler::PyScheduler;
+use crate::kv::events::wire::{self, DecodedBatch, EncodeOptions, IndexRecords, Records};
+use crate::kv::events::Medium;
 use crate::kv::prefix_cache::ROOT_HASH;
 use crate::kv::{salted_key, KvEventBatch, KvEventKind};
+use crate::router::foreign::ForeignTable;
+use crate::scheduler::Scheduler;
 
 /// `(kinds uint8 [R], starts uint32 [R+1], parents uint64 [R], extra_keys uint64 [R],
 /// hashes uint64 [H], tokens uint32 [H * block_size])`; see `KvEventBatch`.
@@ -39,6 +43,24 @@ pub(crate) fn batch_tuple(py: Python<'_>, b: KvEventBatch) -> PyResult<Bound<'_,
     )
 }
 
+/// Turns recording on or off for the prefix cache and the offload tier (when it keeps a log).
+pub(crate) fn set_recording(s: &mut Scheduler, enabled: bool) {
+    let block_size = s.block_size();
+    s.kv_events_mut().set_enabled(enabled, block_size);
+    if let Some(log) = s.kv_connector_mut().and_then(|c| c.kv_events_mut()) {
+        log.set_enabled(enabled, block_size);
+    }
+}
+
+/// A step's events: the prefix cache's, then the offload tier's.
+fn drain_step(s: &mut Scheduler) -> KvEventBatch {
+    let mut batch = s.kv_events_mut().drain();
+    if let Some(log) = s.kv_connector_mut().and_then(|c| c.kv_events_mut()) {
+        batch.append(log.drain());
+    }
+    batch
+}
+
 /// The prefix-cache hash key of a request run with LoRA adapter `lora_id` (0: none): what the
 /// scheduler salts a request's blocks with, so a router hashes prompts the way the cache does.
 #[pyfunction]
@@ -47,85 +69,20 @@ fn lora_hash_key(lora_id: u64, extra_key: u64) -> u64 {
     salted_key(extra_key, lora_id)
 }
 
-/// The msgpack writer for vLLM's event schema (msgspec's choices: the smallest integer and
-/// string forms, floats as float64).
-struct Msgpack(Vec<u8>);
-
-impl Msgpack {
-    fn array(&mut self, n: usize) {
-        match n {
-            0..=15 => self.0.push(0x90 | n as u8),
-            16..=0xffff => {
-                self.0.push(0xdc);
-                self.0.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            _ => {
-                self.0.push(0xdd);
-                self.0.extend_from_slice(&(n as u32).to_be_bytes());
-            }
-        }
-    }
-
-    fn map(&mut self, n: usize) {
-        debug_assert!(n < 16);
-        self.0.push(0x80 | n as u8);
-    }
-
-    /// A struct's tag or field name as the map key, then (the caller) its value.
-    fn key(&mut self, name: &str) {
-        self.str(name);
-    }
-
-    fn uint(&mut self, v: u64) {
-        match v {
-            0..=0x7f => self.0.push(v as u8),
-            0x80..=0xff => self.0.extend_from_slice(&[0xcc, v as u8]),
-            0x100..=0xffff => {
-                self.0.push(0xcd);
-                self.0.extend_from_slice(&(v as u16).to_be_bytes());
-            }
-            0x1_0000..=0xffff_ffff => {
-                self.0.push(0xce);
-                self.0.extend_from_slice(&(v as u32).to_be_bytes());
-            }
-            _ => {
-                self.0.push(0xcf);
-                self.0.extend_from_slice(&v.to_be_bytes());
-            }
-        }
-    }
-
-    fn float(&mut self, v: f64) {
-        self.0.push(0xcb);
-        self.0.extend_from_slice(&v.to_be_bytes());
-    }
-
-    fn nil(&mut self) {
-        self.0.push(0xc0);
-    }
-
-    fn str(&mut self, s: &str) {
-        debug_assert!(s.len() < 32);
-        self.0.push(0xa0 | s.len() as u8);
-        self.0.extend_from_slice(s.as_bytes());
-    }
-
-    fn opt_str(&mut self, s: Option<&str>) {
-        match s {
-            Some(s) => self.str(s),
-            None => self.nil(),
-        }
-    }
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// One step's events (the arrays `drain_kv_events` returns) as vLLM's msgpack `KVEventBatch`:
-/// `[ts, [event, ...], data_parallel_rank | nil]` with `{"type": "BlockStored", "block_hashes",
-/// "parent_block_hash" (nil for a first block), "token_ids", "block_size", "lora_id" (nil: no
-/// adapter), "medium", "lora_name" (nil), "extra_keys" (a nil per block), "group_idx" (0)}`,
-/// `{"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}` and
-/// `{"type": "AllBlocksCleared"}`. `lora_keys` / `lora_ids`: the hash key of
-/// each adapter in use (`lora_hash_key`) and its id; a block under another key reports no
-/// adapter. Empty `tokens`: the stored blocks list no token ids (a snapshot, `hashes_only`).
+fn encode_err(e: wire::EncodeError) -> PyErr {
+    PyValueError::new_err(e.0)
+}
+
+/// One step's events (the arrays `drain_kv_events` returns) as vLLM's msgpack `KVEventBatch`
+/// (`wire::encode`), every record on the device medium named `medium`. `lora_keys` /
+/// `lora_ids`: the hash key of each adapter in use (`lora_hash_key`) and its id. Empty
+/// `tokens`: the stored blocks list no token ids (a snapshot, `hashes_only`).
 #[pyfunction]
 #[pyo3(signature = (ts, kinds, starts, parents, extra_keys, hashes, tokens, *, block_size,
                     lora_keys, lora_ids, medium = None, data_parallel_rank = None))]
@@ -145,113 +102,325 @@ fn encode_kv_event_batch<'py>(
     medium: Option<&str>,
     data_parallel_rank: Option<u64>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let (kinds, starts, parents) = (kinds.as_slice()?, starts.as_slice()?, parents.as_slice()?);
-    let (extra_keys, hashes, tokens) = (
-        extra_keys.as_slice()?,
-        hashes.as_slice()?,
-        tokens.as_slice()?,
-    );
-    let r = kinds.len();
-    if starts.len() != r + 1 || parents.len() != r || extra_keys.len() != r {
-        return Err(PyValueError::new_err(
-            "kinds, starts (one more), parents and extra_keys must describe the same records",
-        ));
+    if lora_keys.len() != lora_ids.len() {
+        return Err(PyValueError::new_err("lora_keys and lora_ids must pair up"));
     }
-    // no tokens at all: a snapshot, whose blocks' tokens are not kept
-    let with_tokens = !tokens.is_empty();
-    if starts[r] as usize != hashes.len()
-        || (with_tokens && tokens.len() != hashes.len() * block_size)
-    {
-        return Err(PyValueError::new_err(
-            "starts must end at len(hashes) and tokens hold block_size per hash (or be empty)",
-        ));
-    }
-    if lora_keys.len() != lora_ids.len() || medium.is_some_and(|m| m.len() >= 32) {
-        return Err(PyValueError::new_err(
-            "lora_keys and lora_ids must pair up, medium be under 32 bytes",
-        ));
-    }
-    let mut w = Msgpack(Vec::with_capacity(
-        32 + kinds.len() * 96 + hashes.len() * (10 + 5 * block_size),
-    ));
-    w.array(3);
-    w.float(ts);
-    w.array(r);
-    for i in 0..r {
-        let (lo, hi) = (starts[i] as usize, starts[i + 1] as usize);
-        if lo > hi || hi > hashes.len() {
-            return Err(PyValueError::new_err("starts must never decrease"));
-        }
-        let block_hashes = &hashes[lo..hi];
-        match kinds[i] {
-            k if k == KvEventKind::Stored as u8 => {
-                // vLLM leaves `extra_keys` out when there is no block to list it for
-                w.map(if block_hashes.is_empty() { 9 } else { 10 });
-                w.key("type");
-                w.str("BlockStored");
-                w.key("block_hashes");
-                w.array(block_hashes.len());
-                block_hashes.iter().for_each(|&h| w.uint(h));
-                w.key("parent_block_hash");
-                match parents[i] {
-                    ROOT_HASH => w.nil(),
-                    p => w.uint(p),
-                }
-                let toks = if with_tokens {
-                    &tokens[lo * block_size..hi * block_size]
-                } else {
-                    &[]
-                };
-                w.key("token_ids");
-                w.array(toks.len());
-                toks.iter().for_each(|&t| w.uint(t as u64));
-                w.key("block_size");
-                w.uint(block_size as u64);
-                w.key("lora_id");
-                match lora_keys.iter().position(|&k| k == extra_keys[i]) {
-                    Some(j) if extra_keys[i] != 0 => w.uint(lora_ids[j]),
-                    _ => w.nil(),
-                }
-                w.key("medium");
-                w.opt_str(medium);
-                w.key("lora_name");
-                w.nil();
-                if !block_hashes.is_empty() {
-                    w.key("extra_keys");
-                    w.array(block_hashes.len());
-                    block_hashes.iter().for_each(|_| w.nil());
-                }
-                w.key("group_idx");
-                w.uint(0);
-            }
-            k if k == KvEventKind::Removed as u8 => {
-                w.map(4);
-                w.key("type");
-                w.str("BlockRemoved");
-                w.key("block_hashes");
-                w.array(block_hashes.len());
-                block_hashes.iter().for_each(|&h| w.uint(h));
-                w.key("medium");
-                w.opt_str(medium);
-                w.key("group_idx");
-                w.uint(0);
-            }
-            k if k == KvEventKind::AllCleared as u8 => {
-                w.map(1);
-                w.key("type");
-                w.str("AllBlocksCleared");
-            }
-            k => return Err(PyValueError::new_err(format!("unknown event kind {k}"))),
+    let lora: Vec<(u64, u64)> = lora_keys.into_iter().zip(lora_ids).collect();
+    let records = Records {
+        kinds: kinds.as_slice()?,
+        media: &[],
+        starts: starts.as_slice()?,
+        parents: parents.as_slice()?,
+        extra_keys: extra_keys.as_slice()?,
+        hashes: hashes.as_slice()?,
+        tokens: tokens.as_slice()?,
+    };
+    let options = EncodeOptions {
+        block_size,
+        lora: &lora,
+        device_medium: medium,
+        data_parallel_rank,
+    };
+    let bytes = wire::encode(ts, &records, &options).map_err(encode_err)?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// The engine's side of its KV-event stream: encodes each step's events and keeps the blocks
+/// they add up to per medium (a snapshot's source). The publisher numbers, buffers and sends
+/// what it returns.
+#[pyclass(name = "KvEventStream", module = "pagedllm._core")]
+pub(crate) struct PyKvEventStream {
+    block_size: usize,
+    device_medium: Option<String>,
+    data_parallel_rank: u64,
+    hashes_only: bool,
+    lora: Vec<(u64, u64)>,
+    /// Per medium, the blocks the published events hold.
+    live: [HashSet<u64>; 3],
+}
+
+impl PyKvEventStream {
+    fn options(&self) -> EncodeOptions<'_> {
+        EncodeOptions {
+            block_size: self.block_size,
+            lora: &self.lora,
+            device_medium: self.device_medium.as_deref(),
+            data_parallel_rank: Some(self.data_parallel_rank),
         }
     }
-    match data_parallel_rank {
-        Some(rank) => w.uint(rank),
-        None => w.nil(),
+
+    /// `records` encoded (None when there are none), the live blocks updated.
+    fn publish_records<'py>(
+        &mut self,
+        py: Python<'py>,
+        records: Records<'_>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if records.kinds.is_empty() {
+            return Ok(None);
+        }
+        let records = Records {
+            tokens: if self.hashes_only {
+                &[]
+            } else {
+                records.tokens
+            },
+            ..records
+        };
+        let bytes = wire::encode(now(), &records, &self.options()).map_err(encode_err)?;
+        for (r, &kind) in records.kinds.iter().enumerate() {
+            let medium = records.media.get(r).map_or(0, |&m| m as usize);
+            let hashes =
+                &records.hashes[records.starts[r] as usize..records.starts[r + 1] as usize];
+            match kind {
+                k if k == KvEventKind::Stored as u8 => self.live[medium].extend(hashes),
+                k if k == KvEventKind::Removed as u8 => {
+                    hashes.iter().for_each(|h| {
+                        self.live[medium].remove(h);
+                    });
+                }
+                // a clear: the router forgets every medium of the replica (`PrefixIndex`)
+                _ => self.live.iter_mut().for_each(HashSet::clear),
+            }
+        }
+        Ok(Some(PyBytes::new(py, &bytes)))
     }
-    Ok(PyBytes::new(py, &w.0))
+}
+
+#[pymethods]
+impl PyKvEventStream {
+    /// `medium`: the name of the device cache's medium (`GPU`; a CPU engine's `CPU`).
+    #[new]
+    #[pyo3(signature = (block_size, *, medium = None, data_parallel_rank = 0, hashes_only = false))]
+    fn new(
+        block_size: usize,
+        medium: Option<String>,
+        data_parallel_rank: u64,
+        hashes_only: bool,
+    ) -> PyResult<Self> {
+        if medium.as_ref().is_some_and(|m| m.len() >= 32) {
+            return Err(PyValueError::new_err("medium must be under 32 bytes"));
+        }
+        Ok(Self {
+            block_size,
+            device_medium: medium,
+            data_parallel_rank,
+            hashes_only,
+            lora: Vec::new(),
+            live: Default::default(),
+        })
+    }
+
+    /// Blocks of adapter `lora_id` report it as their `lora_id`.
+    fn note_lora(&mut self, lora_id: u64) {
+        if lora_id != 0 && !self.lora.iter().any(|l| l.1 == lora_id) {
+            self.lora.push((salted_key(0, lora_id), lora_id));
+        }
+    }
+
+    /// The scheduler's events since the last step (prefix cache, then offload tier) as one
+    /// msgpack batch; None when the step changed nothing.
+    fn publish_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        scheduler: &Bound<'py, PyScheduler>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let batch = drain_step(scheduler.borrow_mut().core_mut());
+        self.publish_records(py, Records::of(&batch))
+    }
+
+    /// `publish_step` for arrays already drained (`Scheduler.drain_kv_events`: the device's).
+    fn publish<'py>(
+        &mut self,
+        py: Python<'py>,
+        events: (
+            PyReadonlyArray1<'_, u8>,
+            PyReadonlyArray1<'_, u32>,
+            PyReadonlyArray1<'_, u64>,
+            PyReadonlyArray1<'_, u64>,
+            PyReadonlyArray1<'_, u64>,
+            PyReadonlyArray1<'_, u32>,
+        ),
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let (kinds, starts, parents, extra_keys, hashes, tokens) = events;
+        let records = Records {
+            kinds: kinds.as_slice()?,
+            media: &[],
+            starts: starts.as_slice()?,
+            parents: parents.as_slice()?,
+            extra_keys: extra_keys.as_slice()?,
+            hashes: hashes.as_slice()?,
+            tokens: tokens.as_slice()?,
+        };
+        self.publish_records(py, records)
+    }
+
+    /// The published blocks as one batch: `AllBlocksCleared`, then a `BlockStored` of every
+    /// block on the device (no tokens), and one per offload tier holding any.
+    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut b = KvEventBatch {
+            kinds: vec![KvEventKind::AllCleared as u8],
+            media: vec![Medium::Device as u8],
+            starts: vec![0, 0],
+            parents: vec![ROOT_HASH],
+            extra_keys: vec![0],
+            ..KvEventBatch::default()
+        };
+        for medium in Medium::ALL {
+            let held = &self.live[medium as usize];
+            if medium != Medium::Device && held.is_empty() {
+                continue;
+            }
+            b.hashes.extend(held);
+            b.kinds.push(KvEventKind::Stored as u8);
+            b.media.push(medium as u8);
+            b.starts.push(b.hashes.len() as u32);
+            b.parents.push(ROOT_HASH);
+            b.extra_keys.push(0);
+        }
+        let records = Records {
+            tokens: &[],
+            ..Records::of(&b)
+        };
+        let bytes = wire::encode(now(), &records, &self.options()).map_err(encode_err)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+}
+
+/// One replica's table of another engine's block hashes -> this router's (`router::foreign`).
+#[pyclass(name = "ForeignHashes", module = "pagedllm._core")]
+pub(crate) struct PyForeignHashes {
+    inner: ForeignTable,
+}
+
+#[pymethods]
+impl PyForeignHashes {
+    #[new]
+    fn new(block_size: usize) -> PyResult<Self> {
+        if block_size == 0 {
+            return Err(PyValueError::new_err("block_size must be > 0, got 0"));
+        }
+        Ok(Self {
+            inner: ForeignTable::new(block_size),
+        })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    /// The kept table: {foreign hash: own hash}.
+    #[getter]
+    fn own<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (foreign, mine) in self.inner.own() {
+            d.set_item(foreign, mine)?;
+        }
+        Ok(d)
+    }
+
+    /// Keeps the changes of the batch last translated (the index applied it).
+    fn commit(&mut self) {
+        self.inner.commit()
+    }
+
+    /// Drops them (the index did not apply it).
+    fn rollback(&mut self) {
+        self.inner.rollback()
+    }
+
+    /// Forgets every block (the replica starts over).
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+}
+
+/// A published hash as a table key: an integer's low 64 bits, digest bytes' low 64 bits
+/// (what vLLM publishes instead with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`, its default).
+#[pyfunction]
+fn foreign_key(block_hash: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(bytes) = block_hash.cast::<PyBytes>() {
+        let b = bytes.as_bytes();
+        let tail = &b[b.len().saturating_sub(8)..];
+        return Ok(tail.iter().fold(0u64, |a, &x| (a << 8) | x as u64));
+    }
+    block_hash.call_method1("__and__", (u64::MAX,))?.extract()
+}
+
+fn decode(payload: &[u8]) -> PyResult<DecodedBatch> {
+    wire::decode(payload).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A msgpack `KVEventBatch` as arrays: `{"ts", "data_parallel_rank" (None when absent),
+/// "kinds" uint8 [R] (`KV_EVENT_*`), "media" uint8 [R] (indexes into `KV_EVENT_MEDIA`),
+/// "starts" uint32 [R+1] (record r's hashes are `hashes[starts[r]:starts[r+1]]`), "hashes"
+/// uint64 (digest bytes as their low 64 bits), "hash_is_int" bool (per hash), "parents" uint64
+/// [R] (`ROOT_HASH`: none), "token_starts" uint32 [R+1], "tokens" uint32, "block_sizes" uint32
+/// [R] (0: none), "lora_ids" uint64 [R] (0: none), "plain" bool [R] (no adapter name, no
+/// extra keys)}`. Events of unknown kinds are left out; ValueError naming what is wrong for a
+/// payload that is not a batch.
+#[pyfunction]
+fn decode_kv_event_batch<'py>(py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let d = decode(payload)?;
+    let out = PyDict::new(py);
+    out.set_item("ts", d.ts)?;
+    out.set_item("data_parallel_rank", d.data_parallel_rank)?;
+    let parents: Vec<u64> = d.parents.iter().map(|p| p.unwrap_or(ROOT_HASH)).collect();
+    let sizes: Vec<u32> = d.block_sizes.iter().map(|s| s.unwrap_or(0)).collect();
+    let loras: Vec<u64> = d.lora_ids.iter().map(|l| l.unwrap_or(0)).collect();
+    out.set_item("kinds", PyArray1::from_vec(py, d.kinds))?;
+    out.set_item("media", PyArray1::from_vec(py, d.media))?;
+    out.set_item("starts", PyArray1::from_vec(py, d.starts))?;
+    out.set_item("hashes", PyArray1::from_vec(py, d.hashes))?;
+    out.set_item("hash_is_int", PyArray1::from_vec(py, d.hash_is_int))?;
+    out.set_item("parents", PyArray1::from_vec(py, parents))?;
+    out.set_item("token_starts", PyArray1::from_vec(py, d.token_starts))?;
+    out.set_item("tokens", PyArray1::from_vec(py, d.tokens))?;
+    out.set_item("block_sizes", PyArray1::from_vec(py, sizes))?;
+    out.set_item("lora_ids", PyArray1::from_vec(py, loras))?;
+    out.set_item("plain", PyArray1::from_vec(py, d.plain))?;
+    Ok(out)
+}
+
+/// What the router's index applies from a batch: `(kinds uint8, starts uint32, hashes uint64,
+/// media uint8)`. Without `foreign`, the hashes published as integers (this engine's own);
+/// with it (another engine's events), the blocks re-hashed into this router's hashes, the
+/// table's changes staged (`commit` or `rollback` next). ValueError naming what is wrong for a
+/// payload that is not a batch (nothing staged then).
+#[pyfunction]
+#[pyo3(signature = (payload, foreign = None))]
+fn kv_event_index_records<'py>(
+    py: Python<'py>,
+    payload: &[u8],
+    foreign: Option<&Bound<'py, PyForeignHashes>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let d = decode(payload)?;
+    let r: IndexRecords = match foreign {
+        Some(table) => table.borrow_mut().inner.translate(&d),
+        None => d.own_records(),
+    };
+    PyTuple::new(
+        py,
+        [
+            PyArray1::from_vec(py, r.kinds).into_any(),
+            PyArray1::from_vec(py, r.starts).into_any(),
+            PyArray1::from_vec(py, r.hashes).into_any(),
+            PyArray1::from_vec(py, r.media).into_any(),
+        ],
+    )
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(lora_hash_key, m)?)?;
-    m.add_function(wrap_pyfunction!(encode_kv_event_batch, m)?)
+    m.add_function(wrap_pyfunction!(encode_kv_event_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_kv_event_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_event_index_records, m)?)?;
+    m.add_function(wrap_pyfunction!(foreign_key, m)?)?;
+    m.add_class::<PyKvEventStream>()?;
+    m.add_class::<PyForeignHashes>()?;
+    m.add("KV_EVENT_STORED", KvEventKind::Stored as u8)?;
+    m.add("KV_EVENT_REMOVED", KvEventKind::Removed as u8)?;
+    m.add("KV_EVENT_ALL_CLEARED", KvEventKind::AllCleared as u8)?;
+    let media: Vec<&str> = Medium::ALL.iter().map(|m| m.vllm_name()).collect();
+    m.add("KV_EVENT_MEDIA", PyTuple::new(m.py(), media)?)
 }

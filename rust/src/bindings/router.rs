@@ -7,6 +7,7 @@ use pyo3::types::PyDict;
 
 use super::errors::non_negative;
 use super::kv_args;
+use crate::kv::events::Medium;
 use crate::router::{defaults, Applied, Router, RouterConfig, RoutingPolicy};
 
 #[pyclass(name = "Router", module = "pagedllm._core")]
@@ -120,8 +121,11 @@ impl PyRouter {
     }
 
     /// Applies batch `seq` of `replica`'s KV events (`kinds` uint8, `starts` uint32, `hashes`
-    /// uint64, as `Scheduler.drain_kv_events` gives them). Returns -1 when applied, -2 when
-    /// stale (already applied), else the sequence number to replay from (batches were lost).
+    /// uint64, as `Scheduler.drain_kv_events` gives them; `media` uint8, one per record, as
+    /// `kv_event_index_records` gives them, None: all on the device). Returns -1 when applied,
+    /// -2 when stale (already applied), else the sequence number to replay from (batches were
+    /// lost).
+    #[pyo3(signature = (replica, seq, kinds, starts, hashes, media = None))]
     fn apply_events(
         &mut self,
         replica: usize,
@@ -129,13 +133,18 @@ impl PyRouter {
         kinds: PyReadonlyArray1<'_, u8>,
         starts: PyReadonlyArray1<'_, u32>,
         hashes: PyReadonlyArray1<'_, u64>,
+        media: Option<PyReadonlyArray1<'_, u8>>,
     ) -> PyResult<i64> {
-        let r = self.inner.apply_batch(
+        let r = self.inner.apply_batch_on(
             replica,
             seq,
             kinds.as_slice()?,
             starts.as_slice()?,
             hashes.as_slice()?,
+            match &media {
+                Some(m) => m.as_slice()?,
+                None => &[],
+            },
         )?;
         Ok(match r {
             Applied::Applied => -1,
@@ -144,16 +153,23 @@ impl PyRouter {
         })
     }
 
-    /// Replaces `replica`'s part of the index with `hashes` (its cache as of batch `seq`).
+    /// Replaces `replica`'s part of the index with `hashes` (its cache as of batch `seq`;
+    /// `media` uint8, one per hash, None: all on the device).
+    #[pyo3(signature = (replica, seq, hashes, media = None))]
     fn apply_snapshot(
         &mut self,
         replica: usize,
         seq: u64,
         hashes: PyReadonlyArray1<'_, u64>,
+        media: Option<PyReadonlyArray1<'_, u8>>,
     ) -> PyResult<()> {
+        let media = match &media {
+            Some(m) => m.as_slice()?,
+            None => &[],
+        };
         Ok(self
             .inner
-            .apply_snapshot(replica, seq, hashes.as_slice()?)?)
+            .apply_snapshot_on(replica, seq, hashes.as_slice()?, media)?)
     }
 
     /// Forgets `replica`'s part of the index (a restarted replica: batches from 0 again).
@@ -194,7 +210,8 @@ impl PyRouter {
     }
 
     /// Per replica: routed, query_blocks, hit_blocks, in_flight, uncached_tokens, waiting,
-    /// running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks.
+    /// running, kv_usage, alive, indexed_blocks, index_capacity, dropped_blocks, and the blocks
+    /// indexed in its offload tiers: host_tier_blocks, disk_tier_blocks.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         (0..self.inner.config().num_replicas)
             .map(|r| {
@@ -214,6 +231,9 @@ impl PyRouter {
                 d.set_item("indexed_blocks", held)?;
                 d.set_item("index_capacity", capacity)?;
                 d.set_item("dropped_blocks", dropped)?;
+                let index = self.inner.index();
+                d.set_item("host_tier_blocks", index.num_blocks_on(r, Medium::Host))?;
+                d.set_item("disk_tier_blocks", index.num_blocks_on(r, Medium::Disk))?;
                 Ok(d)
             })
             .collect()

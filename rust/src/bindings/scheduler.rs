@@ -29,6 +29,11 @@ pub(crate) struct PyScheduler {
 }
 
 impl PyScheduler {
+    /// The scheduler core (`KvEventStream.publish_step` drains its events).
+    pub(crate) fn core_mut(&mut self) -> &mut Scheduler {
+        &mut self.inner
+    }
+
     /// `add_request`'s arguments converted (`RequestArgs`) and checked by the core's request
     /// rules (`Scheduler::validate_request`): the id as a Python str and the parameters.
     fn checked_request<'py>(
@@ -540,10 +545,10 @@ impl PyScheduler {
         drafts_tuple(py, self.inner.set_drafts(&seqs, &counts, &drafts)?)
     }
 
-    /// Turns the prefix cache's KV events on or off (read with `drain_kv_events`).
+    /// Turns the KV events of the prefix cache (read with `drain_kv_events`) and of the
+    /// offload tier on or off (both read by `KvEventStream.publish_step`).
     fn set_kv_events(&mut self, enabled: bool) {
-        let block_size = self.inner.block_size();
-        self.inner.kv_events_mut().set_enabled(enabled, block_size);
+        super::kv_events::set_recording(&mut self.inner, enabled);
     }
 
     /// The prefix cache's changes since the last call, as arrays (`bindings/kv_events.rs`).

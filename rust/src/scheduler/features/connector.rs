@@ -292,6 +292,11 @@ impl Scheduler {
         self.kv.connector()
     }
 
+    /// The connector, to turn on and drain its KV events (`bindings/kv_events.rs`).
+    pub fn kv_connector_mut(&mut self) -> Option<&mut (dyn KvConnector + 'static)> {
+        self.kv.connector.as_deref_mut()
+    }
+
     /// Request `h` is preempted by recompute: the connector may save its computed full
     /// blocks first, since the device cache may evict them before it comes back (every other
     /// way a block reaches the device cache's evictable pool, a finish or an abort, saves it
