@@ -93,6 +93,27 @@ def test_a_message_without_arrays_or_prompt_rows_arrives_as_none():
     assert decode_step(ints, items) == ([], None, None)
 
 
+def test_a_byte_swapped_array_is_refused_rather_than_misread():
+    writer = ShmRingWriter(1, 2, 1 << 16)
+    reader = ShmRingReader(writer.name, 1)
+    writer.unlink()
+    swapped = np.arange(3, dtype=np.int64).astype(np.dtype(np.int64).newbyteorder())
+    with pytest.raises(ValueError, match="native byte order"):
+        writer.publish(1, [], [swapped], 5.0)
+    assert reader.receive(0.05) is None
+
+
+def test_received_arrays_stay_readable_after_their_reader_is_gone():
+    writer = ShmRingWriter(1, 2, 1 << 16)
+    reader = ShmRingReader(writer.name, 1)
+    writer.unlink()
+    assert writer.publish(7, [1], [np.arange(5, dtype=np.float32), None], 5.0)
+    tag, ints, (values, absent) = reader.receive(5.0)
+    del reader, writer  # the arrays hold the ring's mapping
+    assert (tag, ints, absent) == (7, [1], None)
+    assert values.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 def _generate(folder, tp: int) -> list[list[int]]:
     llm = LLM(str(folder), tensor_parallel_size=tp, **KNOBS)
     try:
