@@ -5,11 +5,11 @@ tokens of the plain engine on the same file."""
 from __future__ import annotations
 
 import pytest
+from test_gguf_loader import Q, write_gguf
 
 from pagedllm import LLM, SamplingParams
 
 from model_factory import save_tiny_checkpoint
-from test_gguf_loader import Q, write_gguf
 
 # token ids of the tiny file's 96-entry vocabulary: shorter than a block, several blocks
 PROMPTS = [[5, 17, 60, 3], list(range(20, 39)), [7] * 9 + [11, 12, 13]]
