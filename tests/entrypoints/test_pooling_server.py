@@ -158,10 +158,13 @@ def test_embeddings_from_a_classifier_are_a_400_naming_model(rerank_server):
     assert_bad_request(httpx.post(f"{rerank_server.url}/v1/embeddings", json=body), "model")
 
 
-def test_generating_on_a_pooling_server_is_a_400_naming_model(openai_client):
+def test_generating_on_a_pooling_server_is_a_400_naming_model(openai_client, embed_server):
     with pytest.raises(BadRequestError) as caught:
         openai_client.completions.create(model="e", prompt="hi", max_tokens=2)
     assert caught.value.body["param"] == "model"
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        body = {"model": "e", "input": "hi", "messages": [{"role": "user", "content": "hi"}]}
+        assert_bad_request(httpx.post(f"{embed_server.url}{path}", json=body), "model")
 
 
 def test_embeddings_on_a_generating_server_are_a_400_naming_model():

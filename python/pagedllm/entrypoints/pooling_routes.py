@@ -30,7 +30,7 @@ from pagedllm.pooling.offline import cosine, pair_token_ids, score_pairs, single
 _CLIENT_ERROR = {
     "4XX": {"model": ErrorResponse, "description": "A client error (400: a bad field)"}
 }
-GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def register_pooling_routes(app: FastAPI, server) -> None:
