@@ -75,3 +75,40 @@ def test_the_offload_tier_serves_an_evicted_prefix(model, expected):
     again = llm.generate(first, PARAMS, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == expected[1]
     assert llm.llm_engine.scheduler.get_stats()["kv_offload_loaded_blocks"] > 0
+
+
+def test_a_lora_adapter_on_quantized_weights_gives_peft_on_the_dequantized_model(model, tmp_path):
+    import math
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from pagedllm import LoRARequest
+    from pagedllm.models.hf_export import to_transformers
+    from pagedllm.models.loader import load_model
+
+    from model_factory import hf_generate_greedy
+
+    # the oracle: transformers over the file's weights dequantized, plus the adapter by peft
+    hf = to_transformers(load_model(model["model"], device="cpu")).eval()
+    base = hf_generate_greedy(hf, PROMPTS, PARAMS.max_tokens)  # before peft wraps it in place
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "gate_proj"]
+    peft_model = get_peft_model(
+        hf, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    )
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                # big enough to change greedy tokens, like a trained adapter's
+                scale = math.sqrt(param.shape[1])
+                param.copy_(torch.randn(param.shape, generator=generator) / scale)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    want = hf_generate_greedy(peft_model.eval(), PROMPTS, PARAMS.max_tokens)
+
+    llm = LLM(block_size=4, cpu_threads=1, enable_lora=True, max_lora_rank=8, **model)
+    adapter = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = llm.generate(prompts, PARAMS, lora_request=adapter, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert want != base  # the adapter matters
