@@ -30,6 +30,7 @@ from pagedllm.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.responses import register_responses_route
 from pagedllm.entrypoints.serving import Server, ServerConfig
 from pagedllm.entrypoints.serving_chat import create_chat_completion
 from pagedllm.entrypoints.serving_completions import create_completion
@@ -238,6 +239,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(server, body, request)
+
+    register_responses_route(app, server)  # POST /v1/responses (responses.py)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_CLIENT_ERROR)
     async def tokenize(body: TokenizeRequest):
