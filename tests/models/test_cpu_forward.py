@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import cpu_quant
@@ -149,7 +150,7 @@ def test_a_layer_spec_of_the_wrong_kind_is_a_value_error_naming_it():
     layers, norm = _decoder(1)
     bad = list(layers[0])
     bad[1] = ("dense", bad[1][1], 192, None)
-    with pytest.raises(ValueError, match="layer 0's qkv: kind \"dense\""):
+    with pytest.raises(ValueError, match='layer 0\'s qkv: kind "dense"'):
         _core.CpuDecoder([tuple(bad)], norm, 1, 1, 64, 1e-6, 0.125)
 
 
@@ -171,3 +172,28 @@ def test_a_kv_cache_for_other_layers_is_a_value_error():
             np.zeros((2, 3, 4, 16, 1, 64), np.float32),
             1,
         )
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3"])
+def test_sliding_window_and_gemma_models_run_layer_by_layer(tmp_path, family):
+    from test_sliding_window_models import CONFIGS
+
+    from pagedllm.models import load_model
+
+    from model_factory import build_hf_model
+
+    build_hf_model(CONFIGS[family](), seed=3).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", device="cpu", pack_for_cpu=True)
+    cfg = model.config
+    kv_cache = torch.zeros(2, cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim)
+    assert cpu_forward.build(model, kv_cache, lora=False) is None
+
+
+def test_a_plain_model_is_fused(checkpoint):
+    from pagedllm.models import load_model
+
+    model = load_model(checkpoint, dtype="float32", device="cpu", pack_for_cpu=True)
+    cfg = model.config
+    kv_cache = torch.zeros(2, cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim)
+    assert cpu_forward.build(model, kv_cache, lora=False) is not None
+    assert cpu_forward.build(model, kv_cache, lora=True) is None

@@ -88,6 +88,9 @@ def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
         # Gemma's (1 + w) norms, sandwich norms and GeGLU are not in the fused layer
         and model.config.norm_offset == 0
         and model.config.hidden_act == "silu"
+        # Gemma's scaled embeddings and local RoPE neither
+        and model.model.embed_scale == 1.0
+        and model.model.local_rotary_emb is None
         and all(_plain_layer(layer) for layer in model.model.layers)
     )
 
@@ -100,8 +103,9 @@ def _plain_layer(layer: torch.nn.Module) -> bool:
         type(layer) is DecoderLayer
         and type(attn) is Attention
         and type(layer.mlp) is GatedMLP
-        and not getattr(attn, "sliding_window", None)
-        and not getattr(attn, "softcap", None)
+        and not attn.sliding_window
+        and not attn.softcap
+        and layer.pre_feedforward_layernorm is None
     )
 
 
