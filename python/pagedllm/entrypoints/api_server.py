@@ -2,10 +2,11 @@
 the API-key check, and running until a signal.
 
 Endpoints: `POST /v1/completions` (serving_completions.py), `POST /v1/chat/completions`
-(serving_chat.py), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize` (serving.py),
-`GET /health`, `GET /metrics` (Prometheus), `GET /load` (what a data-parallel router reads: queue
-lengths, KV usage, where the KV events are published), and FastAPI's `/openapi.json`. What the two
-generating endpoints share lives in serving.py; errors in errors.py.
+(serving_chat.py), `POST /v1/responses` (responses.py), `GET /v1/models`, vLLM's `POST /tokenize`
+and `POST /detokenize` (serving.py), `GET /health`, `GET /metrics` (Prometheus), `GET /load` (what
+a data-parallel router reads: queue lengths, KV usage, where the KV events are published), and
+FastAPI's `/openapi.json`. What the generating endpoints share lives in serving.py; errors in
+errors.py.
 """
 
 from __future__ import annotations

@@ -186,13 +186,13 @@ class ResponsesRequest(_Body):
     seed: StrictInt | None = None
 
 
+# the body's field names, as the client spells them (pydantic's error locations use them)
 _FIELDS = frozenset(
-    name
+    info.alias or name
     for model in (ResponsesRequest, MessageItem, FunctionCallItem, FunctionCallOutputItem)
     + (ReasoningItem, ReasoningText, TextPart, FunctionTool, NamedFunction, TextConfig)
     + (JsonSchema, ReasoningConfig)
-    for field_name, info in model.model_fields.items()
-    for name in (field_name, info.alias or field_name)
+    for name, info in model.model_fields.items()
 )
 
 
