@@ -802,11 +802,15 @@ def cpu_paged_attention(
     out: _KernelArray,
     num_threads: int,
     kv_cache_dtype: str = "auto",
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Paged attention of q ``[T, H, D]`` over the caches into ``out`` (contiguous ``[T, H, D]``),
     causal within each sequence's query rows, reading the cache in place; GIL released, at most
     ``num_threads`` threads. Computed in float32 for either dtype; a bfloat16 ``out`` is rounded
-    once, at the end. ``ValueError`` for block ids outside the cache, a table too narrow for its
+    once, at the end. ``sliding_window`` W > 0: a query sees its last W positions only (blocks
+    wholly before are not read); ``softcap`` > 0: scores capped as ``softcap * tanh(s /
+    softcap)``. ``ValueError`` for block ids outside the cache, a table too narrow for its
     context, or mismatched shapes."""
 
 def cpu_rotary_in_place(x: _KernelArray, cos: _KernelArray, sin: _KernelArray) -> None:
