@@ -18,8 +18,12 @@ QUESTIONS = [
     "How many legs does a spider have?",
     "What is the boiling point of water in Celsius?",
     "Who wrote Romeo and Juliet?",
+    "Name three primary colors.",
+    "What is the largest planet in the solar system?",
+    "Give me a short tip for learning to code.",
+    "Translate 'good morning' into Spanish.",
 ]
-MAX_TOKENS = 32
+MAX_TOKENS = 64
 TEXTS = [
     "Hello world",
     "  leading spaces and trailing  ",
