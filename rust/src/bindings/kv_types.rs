@@ -41,6 +41,8 @@ pub(crate) struct PyPrefixHit {
     num_cached_tokens: usize,
     /// Device blocks of the longest run of leading cached full blocks.
     blocks: Vec<BlockId>,
+    /// A hybrid manager's layer groups 1.. (rows like `blocks`; empty otherwise).
+    others: Vec<Vec<BlockId>>,
     /// Chain hashes of every full block of the looked-up tokens.
     hashes: Vec<u64>,
 }
@@ -50,6 +52,7 @@ impl From<PrefixHit> for PyPrefixHit {
         Self {
             num_cached_tokens: h.num_cached_tokens,
             blocks: h.blocks,
+            others: h.others,
             hashes: h.hashes,
         }
     }
@@ -60,6 +63,7 @@ impl PyPrefixHit {
         PrefixHit {
             num_cached_tokens: self.num_cached_tokens,
             blocks: self.blocks.clone(),
+            others: self.others.clone(),
             hashes: self.hashes.clone(),
         }
     }

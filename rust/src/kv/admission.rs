@@ -80,20 +80,25 @@ impl KvCacheManager {
 
     /// OK / LATER / NEVER for a new sequence of `num_tokens` tokens with no prefix hit.
     pub fn can_allocate(&self, num_tokens: usize) -> AllocStatus {
-        let needed = blocks_for(num_tokens, self.config.block_size);
+        // Every group takes its blocks (a window's share is counted whole: a prompt's
+        // one-chunk prefill writes all of them before the window releases any).
+        let needed = blocks_for(num_tokens, self.config.block_size) * self.windows.len();
         self.admission(self.new_sequence_ask(needed, needed))
     }
 
     /// Like `can_allocate`, but counting only the blocks `allocate(hit, num_slots)` would take
     /// from the free pool (fresh blocks plus cached hit blocks it revives).
     pub fn can_allocate_with_prefix(&self, hit: &PrefixHit, num_slots: usize) -> AllocStatus {
-        let total = blocks_for(num_slots, self.config.block_size);
+        let total = blocks_for(num_slots, self.config.block_size) * self.windows.len();
         let taken = self.num_blocks_to_allocate(hit, num_slots);
         self.admission(self.new_sequence_ask(total, taken))
     }
 
     /// Free blocks `allocate(hit, num_slots)` consumes.
     pub fn num_blocks_to_allocate(&self, hit: &PrefixHit, num_slots: usize) -> usize {
+        if self.hybrid {
+            return self.hybrid_blocks_to_allocate(hit, num_slots);
+        }
         let total = blocks_for(num_slots, self.config.block_size);
         let revived = hit
             .blocks
@@ -106,7 +111,8 @@ impl KvCacheManager {
     /// Conservative: one block per running sequence (a new block or a CoW copy) plus the blocks
     /// its lookahead slots may spill into.
     pub fn can_append_slots(&self, num_running_seqs: usize, num_lookahead_slots: usize) -> bool {
-        let per_seq = 1 + blocks_for(num_lookahead_slots, self.config.block_size);
+        let per_seq =
+            (1 + blocks_for(num_lookahead_slots, self.config.block_size)) * self.windows.len();
         self.device.num_free() >= num_running_seqs.saturating_mul(per_seq)
     }
 }

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use super::block_table::{blocks_for, BlockTable};
 use super::fork::{copy_shared_blocks, count_shared_blocks};
+use super::groups::check_append;
 use super::manager::{
     device_table_mut, take_checked_device_block, take_device_block, KvCacheManager,
 };
@@ -62,6 +63,15 @@ impl KvCacheManager {
             return Err(Error::DuplicateSequence(seq));
         }
         let num_slots = num_slots.unwrap_or(tokens.len());
+        if self.hybrid {
+            // A hybrid hit cannot be cut afterwards (a shorter one needs other window
+            // blocks): look up only the tokens whose blocks fit in `num_slots`.
+            let hit = self.lookup_prefix(&tokens[..tokens.len().min(num_slots + 1)], extra_key);
+            let cached = hit.num_cached_tokens;
+            return Ok(self
+                .allocate_owned(seq, hit, num_slots, apply_watermark)?
+                .then_some(cached));
+        }
         let mut hit = self.lookup_prefix(tokens, extra_key);
         let keep = hit.blocks.len().min(num_slots / self.config.block_size);
         hit.blocks.truncate(keep);
@@ -77,6 +87,9 @@ impl KvCacheManager {
     fn check_new_table(&self, seq: SeqId, hit: &PrefixHit) -> Result<()> {
         if self.tables.contains_key(&seq) {
             return Err(Error::DuplicateSequence(seq));
+        }
+        if self.hybrid {
+            return self.check_hybrid_hit(hit);
         }
         let bs = self.config.block_size;
         if hit.blocks.len() > hit.hashes.len() || hit.num_cached_tokens != hit.blocks.len() * bs {
@@ -107,6 +120,9 @@ impl KvCacheManager {
         num_slots: usize,
         apply_watermark: bool,
     ) -> Result<bool> {
+        if self.hybrid {
+            return self.allocate_hybrid(seq, hit, hashes.into_owned(), num_slots, apply_watermark);
+        }
         let total = blocks_for(num_slots, self.config.block_size);
         if hit.blocks.len() > total {
             return Err(Error::InvalidArgument(format!(
@@ -165,20 +181,12 @@ impl KvCacheManager {
         first_new_slot: usize,
         num_slots: usize,
     ) -> Result<Option<Vec<(BlockId, BlockId)>>> {
+        if self.hybrid {
+            return self.append_slots_hybrid(seq, first_new_slot, num_slots);
+        }
         let bs = self.config.block_size;
         let table = device_table_mut(&mut self.tables, seq)?;
-        if first_new_slot > num_slots {
-            return Err(Error::InvalidArgument(format!(
-                "first_new_slot {first_new_slot} is past num_slots {num_slots}"
-            )));
-        }
-        if first_new_slot > table.len() * bs {
-            return Err(Error::InvalidArgument(format!(
-                "first_new_slot {first_new_slot} is past the {} slots of sequence {seq}: slots \
-                 are appended without a gap",
-                table.len() * bs
-            )));
-        }
+        check_append(table, seq, first_new_slot, num_slots, bs)?;
         let target = blocks_for(num_slots, bs);
         let written = (first_new_slot / bs)..target.min(table.len());
         let num_copies = count_shared_blocks(&self.device, &table.blocks[written.clone()]);
@@ -208,6 +216,13 @@ impl KvCacheManager {
     /// when no device block is free.
     #[inline]
     pub fn append_fresh_block(&mut self, seq: SeqId) -> Result<Option<BlockId>> {
+        if self.hybrid {
+            // Every group grows (and the windows release what they left behind).
+            let capacity = self.table(seq)?.capacity(self.config.block_size);
+            return Ok(self
+                .append_slots_hybrid(seq, capacity, capacity + 1)?
+                .map(|_| self.tables[&seq].blocks[capacity / self.config.block_size]));
+        }
         let table = device_table_mut(&mut self.tables, seq)?;
         let Some(block) = take_device_block(&mut self.device, &mut self.prefix_cache) else {
             return Ok(None);

@@ -1,6 +1,11 @@
 //! A sequence's block table: logical block i -> physical block, plus the chain of full-block
-//! hashes known so far (for prefix-cache registration).
+//! hashes known so far (for prefix-cache registration). A hybrid manager (`groups.rs`) gives
+//! each layer group its own row of blocks over the same logical positions.
 use crate::ids::BlockId;
+
+/// A table entry whose block a sliding-window group released (wholly outside its window) or
+/// never took: it holds no block of any pool.
+pub const NULL_BLOCK: BlockId = BlockId::MAX;
 
 /// Which pool a table's blocks live in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -11,8 +16,11 @@ pub enum Location {
 
 #[derive(Debug, Clone)]
 pub struct BlockTable {
-    /// Physical block ids, in the pool given by `location`.
+    /// Physical block ids of layer group 0, in the pool given by `location`.
     pub blocks: Vec<BlockId>,
+    /// Groups 1.. of a hybrid manager (empty otherwise): rows as long as `blocks`, where a
+    /// sliding-window group has `NULL_BLOCK` for the blocks it released.
+    pub others: Vec<Vec<BlockId>>,
     /// Chain hashes of the first `hashes.len()` full blocks of the sequence's tokens.
     pub hashes: Vec<u64>,
     /// Leading blocks already offered to the prefix cache (hits count as offered).
@@ -24,10 +32,43 @@ impl BlockTable {
     pub fn new(blocks: Vec<BlockId>, hashes: Vec<u64>, num_registered: usize) -> Self {
         Self {
             blocks,
+            others: Vec::new(),
             hashes,
             num_registered,
             location: Location::Device,
         }
+    }
+
+    /// Group `g`'s row (0: `blocks`).
+    #[inline]
+    pub fn group(&self, g: usize) -> &[BlockId] {
+        if g == 0 {
+            &self.blocks
+        } else {
+            &self.others[g - 1]
+        }
+    }
+
+    /// Every group's row, group 0 first.
+    pub fn rows(&self) -> impl Iterator<Item = &Vec<BlockId>> {
+        std::iter::once(&self.blocks).chain(&self.others)
+    }
+
+    /// Every group's row, mutably, group 0 first.
+    pub fn rows_mut(&mut self) -> impl Iterator<Item = &mut Vec<BlockId>> {
+        std::iter::once(&mut self.blocks).chain(&mut self.others)
+    }
+
+    /// The blocks held, every group, `NULL_BLOCK` entries left out.
+    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.rows()
+            .flat_map(|r| r.iter().copied())
+            .filter(|&b| b != NULL_BLOCK)
+    }
+
+    /// How many blocks the table holds, every group (what a sequence costs the pool).
+    pub fn num_held_blocks(&self) -> usize {
+        self.held_blocks().count()
     }
 
     pub fn len(&self) -> usize {

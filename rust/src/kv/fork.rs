@@ -1,7 +1,7 @@
 //! Sharing: `fork` (a child table sharing every block of its parent), `free`, and the
 //! copy-on-write of shared blocks that `append_slots` runs before a sequence writes into them.
 use super::block_pool::BlockPool;
-use super::block_table::Location;
+use super::block_table::{Location, NULL_BLOCK};
 use super::manager::{release_device_block, take_checked_device_block, KvCacheManager};
 use super::prefix_cache::PrefixCache;
 use crate::error::{Error, Result};
@@ -52,7 +52,7 @@ impl KvCacheManager {
             Location::Device => &mut self.device,
             Location::Host => &mut self.host,
         };
-        for &block in &table.blocks {
+        for block in table.held_blocks() {
             pool.incref(block);
         }
         self.tables.insert(child, table);
@@ -67,13 +67,20 @@ impl KvCacheManager {
             .remove(&seq)
             .ok_or(Error::UnknownSequence(seq))?;
         match table.location {
+            Location::Device if self.hybrid => {
+                for row in table.rows() {
+                    for &block in row.iter().rev().filter(|&&b| b != NULL_BLOCK) {
+                        release_device_block(&mut self.device, &self.prefix_cache, block);
+                    }
+                }
+            }
             Location::Device => {
                 for &block in table.blocks.iter().rev() {
                     release_device_block(&mut self.device, &self.prefix_cache, block);
                 }
             }
             Location::Host => {
-                for &block in table.blocks.iter().rev() {
+                for block in table.held_blocks() {
                     self.host.decref(block, false);
                 }
             }

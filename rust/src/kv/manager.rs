@@ -109,6 +109,10 @@ pub struct KvCacheManager {
     pub(super) prefix_cache: PrefixCache,
     pub(super) tables: Tables,
     pub(super) watermark_blocks: usize,
+    /// Each layer group's sliding window (`None`: full attention); `groups.rs`.
+    pub(super) windows: Vec<Option<usize>>,
+    /// `windows` is not the one full-attention group: the hybrid paths are taken.
+    pub(super) hybrid: bool,
 }
 
 /// Takes a device block: an uncached free one if any, else evicts the LRU cached one.
@@ -183,6 +187,8 @@ impl KvCacheManager {
             prefix_cache,
             tables: HashMap::default(),
             watermark_blocks,
+            windows: vec![None],
+            hybrid: false,
         })
     }
 

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashSet};
 use proptest::prelude::*;
 
 use super::block_table::blocks_for;
-use super::{AllocStatus, CacheConfig, KvCacheManager};
+use super::{blocks_behind_window, AllocStatus, CacheConfig, KvCacheManager, NULL_BLOCK};
 use crate::error::Error;
 use crate::ids::{SeqId, TokenId};
 
@@ -66,7 +66,7 @@ fn distinct_blocks(m: &KvCacheManager, model: &BTreeMap<SeqId, ModelSeq>, swappe
     let mut set = HashSet::new();
     for (&seq, s) in model {
         if s.swapped == swapped {
-            set.extend(m.block_table(seq).unwrap().iter().copied());
+            set.extend(m.table(seq).unwrap().held_blocks());
         }
     }
     set.len()
@@ -85,11 +85,11 @@ fn check_against_model(m: &KvCacheManager, model: &BTreeMap<SeqId, ModelSeq>) {
     }
     assert_eq!(
         m.num_free_device_blocks(),
-        DEVICE_BLOCKS - distinct_blocks(m, model, false)
+        m.num_device_blocks() - distinct_blocks(m, model, false)
     );
     assert_eq!(
         m.num_free_host_blocks(),
-        HOST_BLOCKS - distinct_blocks(m, model, true)
+        m.num_host_blocks() - distinct_blocks(m, model, true)
     );
 }
 
@@ -129,24 +129,35 @@ fn apply(m: &mut KvCacheManager, model: &mut BTreeMap<SeqId, ModelSeq>, op: &Op)
                 ));
                 return;
             }
-            let before = m.block_table(*seq).unwrap().to_vec();
+            let before = m.table(*seq).unwrap().clone();
             let (first, last) = (s.num_slots, s.num_slots + n);
             match m.append_slots(*seq, first, last).unwrap() {
                 Some(copies) => {
-                    let after = m.block_table(*seq).unwrap();
-                    // Every block the new slots land in is now exclusively ours.
-                    for &block in &after[first / BLOCK_SIZE..blocks_for(last, BLOCK_SIZE)] {
-                        assert_eq!(m.device_ref_count(block), Some(1));
+                    let after = m.table(*seq).unwrap();
+                    for (g, row) in after.rows().enumerate() {
+                        // Every block the new slots land in is now exclusively ours.
+                        for &block in &row[first / BLOCK_SIZE..blocks_for(last, BLOCK_SIZE)] {
+                            assert_eq!(m.device_ref_count(block), Some(1));
+                        }
+                        // A window holds nothing wholly behind the first new token's window.
+                        if let Some(w) = m.group_windows()[g] {
+                            let behind = blocks_behind_window(first, w, BLOCK_SIZE);
+                            assert!(row[..behind].iter().all(|&b| b == NULL_BLOCK));
+                        }
                     }
                     for (src, dst) in copies {
-                        let i = before.iter().position(|&b| b == src).unwrap();
-                        assert_eq!(after[i], dst);
+                        let (g, i) = before
+                            .rows()
+                            .enumerate()
+                            .find_map(|(g, r)| Some((g, r.iter().position(|&b| b == src)?)))
+                            .unwrap();
+                        assert_eq!(after.group(g)[i], dst);
                     }
                     let next = s.tokens.len() as u32;
                     s.tokens.extend((0..*n as u32).map(|k| 90_000 + next + k));
                     s.num_slots = last;
                 }
-                None => assert_eq!(m.block_table(*seq).unwrap(), &before[..]),
+                None => assert_eq!(m.block_table(*seq).unwrap(), &before.blocks[..]),
             }
         }
         Op::CacheFull { seq } => {
@@ -242,9 +253,33 @@ proptest! {
     fn random_ops_keep_invariants(ops in proptest::collection::vec(op(), 1..80), wm in 0..3u32) {
         let mut cfg = CacheConfig::new(BLOCK_SIZE, DEVICE_BLOCKS, HOST_BLOCKS);
         cfg.watermark = wm as f64 * 0.05;
+        let m = KvCacheManager::new(cfg).unwrap();
+        run_ops(m, &ops)?;
+    }
+
+    /// The same operations over hybrid layouts (full + sliding-window groups; all windows).
+    #[test]
+    fn random_ops_keep_invariants_with_sliding_window_groups(
+        ops in proptest::collection::vec(op(), 1..80),
+        layout in 0..3usize,
+    ) {
+        let windows = [
+            vec![None, Some(6)],
+            vec![Some(5), None, Some(9)],
+            vec![Some(4)],
+        ][layout].clone();
+        let cfg = CacheConfig::new(BLOCK_SIZE, DEVICE_BLOCKS * 2, HOST_BLOCKS * 2);
         let mut m = KvCacheManager::new(cfg).unwrap();
+        m.set_groups(windows).unwrap();
+        run_ops(m, &ops)?;
+    }
+}
+
+/// Applies `ops`, checking the manager against the model after each, then frees everything.
+fn run_ops(mut m: KvCacheManager, ops: &[Op]) -> Result<(), TestCaseError> {
+    {
         let mut model = BTreeMap::new();
-        for op in &ops {
+        for op in ops {
             apply(&mut m, &mut model, op);
             check_against_model(&m, &model);
         }
@@ -253,7 +288,8 @@ proptest! {
             m.free(seq).unwrap();
         }
         m.check_invariants().unwrap();
-        prop_assert_eq!(m.num_free_device_blocks(), DEVICE_BLOCKS);
-        prop_assert_eq!(m.num_free_host_blocks(), HOST_BLOCKS);
+        prop_assert_eq!(m.num_free_device_blocks(), m.num_device_blocks());
+        prop_assert_eq!(m.num_free_host_blocks(), m.num_host_blocks());
     }
+    Ok(())
 }

@@ -15,6 +15,7 @@ pub mod prefix_cache;
 mod admission;
 mod allocate;
 mod fork;
+mod groups;
 mod invariants;
 mod manager;
 mod register;
@@ -28,7 +29,8 @@ mod testing;
 
 pub use admission::AllocStatus;
 pub use block_pool::BlockState;
-pub use block_table::{BlockTable, Location};
+pub use block_table::{BlockTable, Location, NULL_BLOCK};
 pub use events::{KvEventBatch, KvEventKind, KvEventLog};
+pub use groups::blocks_behind_window;
 pub use manager::{defaults, CacheConfig, CacheStats, KvCacheManager};
 pub use prefix_cache::{salted_key, IdBuildHasher, PrefixCacheStats, PrefixHit};

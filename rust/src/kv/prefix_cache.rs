@@ -162,8 +162,11 @@ pub type IdBuildHasher = BuildHasherDefault<IdHasher>;
 pub struct PrefixHit {
     /// Tokens covered by `blocks` (= `blocks.len() * block_size`).
     pub num_cached_tokens: usize,
-    /// Device blocks of the longest run of leading cached full blocks.
+    /// Device blocks of the longest run of leading cached full blocks (a hybrid manager's
+    /// group 0; `NULL_BLOCK` where its window does not reach).
     pub blocks: Vec<BlockId>,
+    /// A hybrid manager's groups 1.., rows as long as `blocks` (empty otherwise).
+    pub others: Vec<Vec<BlockId>>,
     /// Chain hashes of every full block of the looked-up tokens (empty when caching is off).
     pub hashes: Vec<u64>,
 }
@@ -402,6 +405,7 @@ impl PrefixCache {
         PrefixHit {
             num_cached_tokens: blocks.len() * block_size,
             blocks,
+            others: Vec::new(),
             hashes,
         }
     }

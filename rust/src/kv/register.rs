@@ -69,6 +69,9 @@ fn stage_next_block(
 impl KvCacheManager {
     /// Read-only prefix query: no counters move.
     pub fn find_prefix(&self, tokens: &[TokenId], extra_key: u64) -> PrefixHit {
+        if self.hybrid {
+            return self.find_hybrid(tokens, extra_key);
+        }
         self.prefix_cache
             .find(tokens, self.config.block_size, extra_key)
     }
@@ -97,6 +100,12 @@ impl KvCacheManager {
         };
         if !self.prefix_cache.is_enabled() || full <= table.num_registered {
             return Ok(0);
+        }
+        if self.hybrid {
+            let cache = &mut self.prefix_cache;
+            return Ok(Self::register_hybrid(
+                cache, table, tokens, full, bs, extra_key,
+            ));
         }
         if let Some((block, hash, parent)) = stage_next_block(table, tokens, full, bs, extra_key) {
             let block_tokens = &tokens[(full - 1) * bs..full * bs];
@@ -143,7 +152,8 @@ impl KvCacheManager {
         items: &[(SeqId, &[TokenId], usize, u64)],
     ) -> Result<usize> {
         let bs = self.config.block_size;
-        let enabled = self.prefix_cache.is_enabled();
+        // A hybrid table registers several blocks per position: the general path.
+        let enabled = self.prefix_cache.is_enabled() && !self.hybrid;
         // (block, hash) staged by the first pass; `None`: take the general path.
         let mut staged: Vec<Option<(BlockId, u64, u64)>> = Vec::with_capacity(items.len());
         for &(seq, tokens, num_computed, extra_key) in items {

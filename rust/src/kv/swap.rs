@@ -3,7 +3,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::admission::{AllocStatus, Ask};
-use super::block_table::{blocks_for, Location};
+use super::block_table::{blocks_for, Location, NULL_BLOCK};
 use super::manager::{
     broken_free_count, release_device_block, take_checked_device_block, KvCacheManager,
 };
@@ -51,7 +51,7 @@ impl KvCacheManager {
                 };
                 return Err(Error::InvalidState(format!("sequence {seq} {what}")));
             }
-            for &block in &table.blocks {
+            for block in table.held_blocks() {
                 if seen.insert(block) {
                     distinct.push(block);
                 }
@@ -89,11 +89,13 @@ impl KvCacheManager {
             let Some(table) = self.tables.get_mut(&seq) else {
                 continue;
             };
-            for block in table.blocks.iter_mut().rev() {
-                let host = mapping[block];
-                self.host.incref(host);
-                release_device_block(&mut self.device, &self.prefix_cache, *block);
-                *block = host;
+            for row in table.rows_mut() {
+                for block in row.iter_mut().rev().filter(|b| **b != NULL_BLOCK) {
+                    let host = mapping[block];
+                    self.host.incref(host);
+                    release_device_block(&mut self.device, &self.prefix_cache, *block);
+                    *block = host;
+                }
             }
             table.location = Location::Host;
         }
@@ -123,7 +125,9 @@ impl KvCacheManager {
     /// sequence (errors for unknown, repeated or not swapped-out sequences).
     pub fn check_swap_in(&self, seqs: &[SeqId], num_lookahead_slots: usize) -> Result<AllocStatus> {
         let distinct = self.group_blocks(seqs, Location::Host)?.len();
-        let lookahead = seqs.len() * blocks_for(num_lookahead_slots, self.config.block_size);
+        let lookahead = seqs.len()
+            * blocks_for(num_lookahead_slots, self.config.block_size)
+            * self.windows.len();
         Ok(self.swap_in_admission(distinct + lookahead, true))
     }
 
@@ -166,11 +170,13 @@ impl KvCacheManager {
             let Some(table) = self.tables.get_mut(&seq) else {
                 continue;
             };
-            for block in table.blocks.iter_mut() {
-                let device = mapping[block];
-                self.device.incref(device);
-                self.host.decref(*block, false);
-                *block = device;
+            for row in table.rows_mut() {
+                for block in row.iter_mut().filter(|b| **b != NULL_BLOCK) {
+                    let device = mapping[block];
+                    self.device.incref(device);
+                    self.host.decref(*block, false);
+                    *block = device;
+                }
             }
             table.location = Location::Device;
             // Fresh device blocks are unregistered: offer them to the cache again.

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::ids::SeqId;
 
-use super::block_table::blocks_for;
+use super::block_table::{blocks_for, NULL_BLOCK};
 use super::manager::{device_table_mut, release_device_block};
 use super::KvCacheManager;
 
@@ -25,11 +25,14 @@ impl KvCacheManager {
                 table.num_registered - keep
             )));
         }
-        let released = table.blocks.len() - keep;
-        for &block in table.blocks[keep..].iter().rev() {
-            release_device_block(&mut self.device, &self.prefix_cache, block);
+        let mut released = 0;
+        for row in table.rows_mut() {
+            for &block in row[keep..].iter().rev().filter(|&&b| b != NULL_BLOCK) {
+                release_device_block(&mut self.device, &self.prefix_cache, block);
+                released += 1;
+            }
+            row.truncate(keep);
         }
-        table.blocks.truncate(keep);
         table.hashes.truncate(keep);
         Ok(released)
     }
