@@ -5,8 +5,8 @@ Endpoints: `POST /v1/completions` (serving_completions.py), `POST /v1/chat/compl
 (serving_chat.py), `POST /v1/responses` (responses.py), `GET /v1/models`, vLLM's `POST /tokenize`
 and `POST /detokenize` (serving.py), `GET /health`, `GET /metrics` (Prometheus), `GET /load` (what
 a data-parallel router reads: queue lengths, KV usage, where the KV events are published), and
-FastAPI's `/openapi.json`. What the generating endpoints share lives in serving.py; errors in
-errors.py.
+FastAPI's `/openapi.json`; vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+(lora_routes.py). What the generating endpoints share lives in serving.py; errors in errors.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.async_engine import AsyncEngine
 from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
+from pagedllm.entrypoints.lora_routes import register_lora_routes
 from pagedllm.entrypoints.pooling_routes import register_pooling_routes
 from pagedllm.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -242,6 +243,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return await create_chat_completion(server, body, request)
 
     register_responses_route(app, server)  # POST /v1/responses (responses.py)
+    register_lora_routes(app, server)  # adapters loaded at run time (lora_routes.py)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_CLIENT_ERROR)
     async def tokenize(body: TokenizeRequest):

@@ -7,7 +7,8 @@ back to back (a burst) and hands each step's outputs to the event loop as they c
 (`call_soon_threadsafe`): the next step never waits for the event loop to be scheduled, which on
 a busy machine cost a scheduling delay per token (vLLM runs its engine core in a process of its
 own for the same reason). Requests enter through a lock-guarded inbox; each request gets an
-`asyncio.Queue` of its (cumulative) `RequestOutput`s.
+`asyncio.Queue` of its (cumulative) `RequestOutput`s. Other engine work that must not race a
+step (an adapter loaded or unloaded while serving) goes through `between_steps`.
 
 A step that raises was already rolled back by the engine (see `engine/faults.py`): the error is
 logged and the loop goes on after a back-off (doubling from `BACKOFF_BASE_S` to `BACKOFF_CAP_S`),
@@ -29,8 +30,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedllm.engine import LLMEngine
 from pagedllm.executor.errors import EngineDeadError, RankDiedError
@@ -38,6 +40,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
+T = TypeVar("T")
 
 # a failed step is retried after BACKOFF_BASE_S, doubled per further failure, at most BACKOFF_CAP_S
 BACKOFF_BASE_S = 0.01
@@ -91,6 +94,8 @@ class AsyncEngine:
         self._inbox: list[PendingRequest] = []
         self._adding: list[PendingRequest] = []  # taken from the inbox by the running engine turn
         self._aborts: list[str] = []
+        # engine calls to run between two steps (`between_steps`), with their futures
+        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future]] = []
         self._live: dict[str, _Live] = {}
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,6 +254,20 @@ class AsyncEngine:
         if self._wake is not None:
             self._wake.set()
 
+    async def between_steps(self, call: Callable[[LLMEngine], T]) -> T:
+        """Runs `call(engine)` in the engine thread between two steps (never during one: the
+        requests in flight see the change at a step boundary) and returns its result or raises
+        its error. Keep it short: it delays the next step. EngineDeadError once the engine loop
+        is gone or stopping."""
+        if self._stopping or self.dead or self._task is None or self._task.done():
+            raise EngineDeadError("the engine loop is not running")
+        assert self._loop is not None and self._wake is not None
+        future = self._loop.create_future()
+        with self._lock:
+            self._calls.append((call, future))
+        self._wake.set()
+        return await future
+
     # ---- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -269,7 +288,7 @@ class AsyncEngine:
                 self.last_error = RankDiedError(dead)  # a rank died while the engine was idle
                 return
             with self._lock:
-                has_input = bool(self._inbox or self._aborts)
+                has_input = bool(self._inbox or self._aborts or self._calls)
             if not has_input and not self._live and self._stopping:
                 return
             if not has_input and not self.engine.has_unfinished_requests():
@@ -277,7 +296,7 @@ class AsyncEngine:
                 self.failing = False
                 self._wake.clear()
                 with self._lock:
-                    has_input = bool(self._inbox or self._aborts)
+                    has_input = bool(self._inbox or self._aborts or self._calls)
                 if not has_input:
                     self.last_progress = time.monotonic()
                     await self._wake.wait()
@@ -312,7 +331,7 @@ class AsyncEngine:
             if error is not None:
                 return error
             with self._lock:
-                has_input = bool(self._inbox or self._aborts)
+                has_input = bool(self._inbox or self._aborts or self._calls)
             if not has_input and not self.engine.has_unfinished_requests():
                 return None
 
@@ -345,7 +364,10 @@ class AsyncEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
             self._adding += inbox
+        for call, future in calls:
+            self._settle(future, call)
         added = []
         for pending in inbox:
             try:
@@ -368,9 +390,41 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - rolled back by the engine; logged
                 error = exc
+        self._free_retired_loras()
         waiting = self.engine.scheduler.waiting_ids() if self.track_waiting else ()
         self.snapshot = EngineSnapshot(self.engine.get_stats(), time.time(), frozenset(waiting))
         return added, outputs, error
+
+    def _settle(self, future: asyncio.Future, call: Callable[[LLMEngine], Any]) -> None:
+        """In the engine thread: runs `call` and hands its result or error to `future`."""
+        try:
+            result, error = call(self.engine), None
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            result, error = None, exc
+        assert self._loop is not None
+
+        def settle() -> None:
+            if future.done():  # the caller went away
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        self._loop.call_soon_threadsafe(settle)
+
+    def _free_retired_loras(self) -> None:
+        """In the engine thread, after a step: adapters unloaded while requests still used them
+        are freed once those requests finished."""
+        lora = getattr(self.engine, "lora", None)
+        if lora is None or not lora.retired:
+            return
+        in_use = {
+            state.lora_request.lora_int_id
+            for state in self.engine.requests.values()
+            if state.lora_request is not None and not state.finished
+        }
+        lora.free_retired(in_use)
 
     def _deliver(self, output: RequestOutput) -> None:
         live = self._live.get(output.request_id)
@@ -406,6 +460,10 @@ class AsyncEngine:
         with self._lock:  # a crashed turn may have left requests it was adding
             pending_requests = self._inbox + self._adding
             self._inbox, self._adding = [], []
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            if not future.done():
+                future.set_exception(error)
         for pending in pending_requests:
             if not pending.added.done():
                 pending.added.set_exception(error)

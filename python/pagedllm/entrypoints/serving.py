@@ -47,6 +47,8 @@ class ServerConfig:
     max_queued_tokens: int | None = None
     # LoRA adapters served as models of their own: model id -> PEFT folder (--lora-modules)
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py; or the env var)
+    allow_runtime_lora_updating: bool = False
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # failed engine steps in a row after which the engine counts as broken (the server exits)
     max_failed_steps: int = MAX_FAILED_STEPS

@@ -31,6 +31,16 @@ class HostAdapterCache:
             self._adapters.popitem(last=False)
         return adapter
 
+    def put(self, adapter: LoRAAdapter) -> None:
+        """An adapter read elsewhere (a load at run time reads it off the engine thread)."""
+        self._adapters[adapter.lora_int_id] = adapter
+        self._adapters.move_to_end(adapter.lora_int_id)
+        while len(self._adapters) > self.capacity:
+            self._adapters.popitem(last=False)
+
+    def discard(self, lora_int_id: int) -> None:
+        self._adapters.pop(lora_int_id, None)
+
     def __contains__(self, lora_int_id: int) -> bool:
         return lora_int_id in self._adapters
 

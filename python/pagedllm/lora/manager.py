@@ -4,6 +4,9 @@ step's adapters into slots before the step runs (`load_step`: an adapter evicted
 LRU is read from its folder again there, and one that can no longer be read fails its requests,
 not the step), and turns the step's per-row adapter ids (`SchedulerOutput.lora_ids`) into the
 token segments the wrapped projections read.
+
+Adapters loaded and unloaded while serving (`read` off the engine thread, then `install`; `retire`
+and `free_retired`) take the same host LRU and slots, always under an id never used before.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         # every adapter a request has named: id -> request (an id always names one adapter)
         self.requests: dict[int, LoRARequest] = {}
-        self.host = HostAdapterCache(max_cpu_loras, self._read)
+        self.host = HostAdapterCache(max_cpu_loras, self.read)
+        # unloaded adapters whose requests have not all finished: freed once they have
+        self.retired: set[int] = set()
         # tensor parallelism: this rank's shard of each adapter, cut like the model's weights;
         # rank 0 records its slot loads for the other ranks (`take_loads` / `place`)
         tp = model.tp
@@ -77,6 +82,31 @@ class LoRAManager:
     def list_loras(self) -> set[int]:
         """Ids of the adapters requests have named."""
         return set(self.requests)
+
+    def install(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """An adapter loaded at run time, already read and checked by `read` off the engine
+        thread: the engine thread only puts it in the host LRU (no disk read inside a step)."""
+        if request.lora_int_id in self.requests:
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r}: lora_int_id={request.lora_int_id} is "
+                f"already taken"
+            )
+        self.requests[request.lora_int_id] = request
+        self.host.put(adapter)
+
+    def retire(self, lora_int_id: int) -> None:
+        """An unloaded adapter: freed by `free_retired` once no unfinished request uses it."""
+        if lora_int_id in self.requests:
+            self.retired.add(lora_int_id)
+
+    def free_retired(self, in_use: set[int]) -> None:
+        """Drops the retired adapters not in `in_use` (ids of unfinished requests' adapters)
+        from the host LRU and the device slots."""
+        for lora_int_id in self.retired - in_use:
+            self.retired.discard(lora_int_id)
+            self.requests.pop(lora_int_id, None)
+            self.host.discard(lora_int_id)
+            self.slots.discard(lora_int_id)
 
     def load_step(self, lora_ids: np.ndarray) -> dict[int, ValueError]:
         """Puts the adapters of a step's rows (`lora_ids [S]`) into device slots, before anything
@@ -129,5 +159,7 @@ class LoRAManager:
     def _fetch(self, lora_int_id: int) -> LoRAAdapter:
         return self.host.get(self.requests[lora_int_id])
 
-    def _read(self, request: LoRARequest) -> LoRAAdapter:
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """Reads and checks `request`'s folder (ValueError naming the problem); touches no
+        engine state, so it may run in any thread."""
         return load_peft_adapter(request, self.spec, self.max_lora_rank, self.dtype)

@@ -94,6 +94,11 @@ class LoRASlots:
     def __contains__(self, lora_id: int) -> bool:
         return lora_id in self._slot_of
 
+    def discard(self, lora_id: int) -> None:
+        """Frees the slot of an unloaded adapter (its stale rows are never read: no step's
+        segments point at a slot without an adapter, and the next load zeroes it)."""
+        self._slot_of.pop(lora_id, None)
+
     def resident(self) -> list[int]:
         """Adapter ids in device slots, least recently used first."""
         return list(self._slot_of)
