@@ -98,7 +98,7 @@ def paged_attention(
     """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` (quantized:
     `D + 4`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
     layer, or the layer's `LayerAttention`."""
-    layer = scale if isinstance(scale, LayerAttention) else LayerAttention(scale)
+    layer = _as_layer(scale)
     if q.is_cuda and layer.softcap == 0:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, layer)
     if cpu_attention.supports(q, k_cache):
@@ -119,17 +119,23 @@ def _paged_attention_torch(
 ) -> Tensor:
     """The torch reference path: one vectorized gather + SDPA for decode, prefill and mixed
     batches (the plan groups decode rows itself)."""
-    layer = scale if isinstance(scale, LayerAttention) else LayerAttention(scale)
+    layer = _as_layer(scale)
     plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device, layer.window)
     _ref.store_planned(k, v, k_cache, v_cache, plan)
     return _ref.attend(q, k_cache, v_cache, plan, layer.scale, layer.softcap)
 
 
+def _as_layer(scale: float | LayerAttention) -> LayerAttention:
+    return scale if isinstance(scale, LayerAttention) else LayerAttention(scale)
+
+
 def _paged_attention_triton(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, layer: LayerAttention
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float | LayerAttention
 ) -> Tensor:
+    """The Triton kernels (no soft-capping: `paged_attention` sends capped layers elsewhere)."""
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
 
+    layer = _as_layer(scale)
     scale, window = layer.scale, layer.window
 
     store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
