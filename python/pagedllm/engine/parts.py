@@ -112,8 +112,9 @@ def kv_events_publisher(args: EngineArgs, device: torch.device, scheduler):
         return None
     from pagedllm.kv_events.publisher import KVEventPublisher
 
-    publisher = KVEventPublisher(
-        config, args.block_size, medium="GPU" if device.type == "cuda" else "CPU"
-    )
+    # the engine's KV cache is vLLM's "GPU" on CUDA, and wherever an offload tier publishes:
+    # "CPU" names the host tier there; a CPU engine without a tier names its cache "CPU"
+    on_gpu = device.type == "cuda" or bool(args.kv_offloading_size)
+    publisher = KVEventPublisher(config, args.block_size, medium="GPU" if on_gpu else "CPU")
     scheduler.set_kv_events(True)
     return publisher

@@ -13,7 +13,10 @@
 //! tiers in host memory and on disk, which a replica loads a prefix from instead of computing
 //! it again. `holders` is the device's; `tier_holders` the tiers'. A tier's part of a replica
 //! is bounded by `DEFAULT_CAPACITY`. `AllBlocksCleared` empties every medium of the replica
-//! (what the router then does not know it counts as recompute).
+//! (what the router then does not know it counts as recompute). A replica that never names a
+//! medium `GPU` has its `CPU` blocks counted as its device cache's: an engine running on the
+//! CPU names its KV cache `CPU` (pagedllm's, unless it has an offload tier), and a router
+//! cannot tell it from a host tier otherwise.
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
@@ -52,6 +55,8 @@ pub struct PrefixIndex {
     held: Vec<[usize; MEDIA]>,
     capacity: Vec<usize>,
     dropped: Vec<u64>,
+    /// Per replica: it named a medium `GPU` (so its `CPU` is a host tier, not its cache).
+    names_gpu: Vec<bool>,
 }
 
 impl PrefixIndex {
@@ -67,6 +72,7 @@ impl PrefixIndex {
             held: vec![[0; MEDIA]; num_replicas],
             capacity: vec![DEFAULT_CAPACITY; num_replicas],
             dropped: vec![0; num_replicas],
+            names_gpu: vec![false; num_replicas],
         })
     }
 
@@ -177,9 +183,17 @@ impl PrefixIndex {
             return Ok(Applied::Gap { expected });
         }
         let bit = 1u64 << replica;
+        let cleared = KvEventKind::AllCleared as u8;
+        if kinds
+            .iter()
+            .zip(media)
+            .any(|(&k, &m)| k != cleared && m == 0)
+        {
+            self.names_gpu[replica] = true;
+        }
         for (r, &kind) in kinds.iter().enumerate() {
             let records = &hashes[starts[r] as usize..starts[r + 1] as usize];
-            let medium = media.get(r).map_or(0, |&m| m as usize);
+            let medium = self.medium(replica, media.get(r).copied());
             match kind {
                 k if k == KvEventKind::Stored as u8 => {
                     for &h in records {
@@ -196,14 +210,6 @@ impl PrefixIndex {
         }
         self.next_seq[replica] = seq + 1;
         Ok(Applied::Applied)
-    }
-
-    /// Marks `hashes` as held by `replica` without an event (the approximate router's record
-    /// of what it sent there; outside the event sequence).
-    pub fn record(&mut self, replica: usize, hashes: &[u64]) {
-        for &h in hashes {
-            self.add(replica, h, 0);
-        }
     }
 
     /// Replaces `replica`'s part with `hashes` (its whole cache as of batch `seq`): the next
@@ -223,8 +229,9 @@ impl PrefixIndex {
         self.check_replica(replica)?;
         let media = check_media(media, hashes.len())?;
         self.clear_replica(replica);
+        self.names_gpu[replica] = media.contains(&0);
         for (i, &h) in hashes.iter().enumerate() {
-            self.add(replica, h, media.get(i).map_or(0, |&m| m as usize));
+            self.add(replica, h, self.medium(replica, media.get(i).copied()));
         }
         self.next_seq[replica] = seq + 1;
         Ok(())
@@ -234,6 +241,7 @@ impl PrefixIndex {
     pub fn reset_replica(&mut self, replica: usize) -> Result<()> {
         self.check_replica(replica)?;
         self.clear_replica(replica);
+        self.names_gpu[replica] = false;
         self.next_seq[replica] = 0;
         Ok(())
     }
@@ -247,6 +255,16 @@ impl PrefixIndex {
             .filter(|(_, &m)| m & bit != 0)
             .map(|(&h, _)| h)
             .collect())
+    }
+
+    /// Where a block published on medium code `m` (None: the device) of `replica` is indexed.
+    #[inline]
+    fn medium(&self, replica: usize, m: Option<u8>) -> usize {
+        match m {
+            Some(m) if m == Medium::Host as u8 && !self.names_gpu[replica] => 0,
+            Some(m) => m as usize,
+            None => 0,
+        }
     }
 
     fn clear_replica(&mut self, replica: usize) {
@@ -426,6 +444,17 @@ mod tests {
 
     const HOST: u8 = Medium::Host as u8;
     const DISK: u8 = Medium::Disk as u8;
+
+    #[test]
+    fn a_replica_that_never_names_gpu_has_its_cpu_blocks_on_its_device() {
+        let mut ix = PrefixIndex::new(1).unwrap();
+        ix.apply_batch_on(0, 0, &[S], &[0, 1], &[10], &[HOST])
+            .unwrap();
+        assert_eq!((ix.holders(10), ix.tier_holders(10)), (1, (0, 0)));
+        ix.apply_batch_on(0, 1, &[S, S], &[0, 1, 2], &[11, 12], &[0, HOST])
+            .unwrap();
+        assert_eq!((ix.holders(11), ix.tier_holders(12)), (1, (1, 0)));
+    }
 
     #[test]
     fn a_tiers_blocks_are_indexed_apart_from_the_devices() {

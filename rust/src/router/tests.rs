@@ -421,18 +421,6 @@ fn a_late_finish_for_a_replica_taken_out_of_rotation_leaves_its_new_load_alone()
 }
 
 #[test]
-fn the_approximate_router_keeps_what_it_sent_where_after_the_request_ends() {
-    let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
-    cfg.approximate = true;
-    let mut r = Router::new(cfg).unwrap();
-    let p = turn(&[], 19);
-    let d = r.route(&p, 0, None, 0, 0.0).unwrap();
-    r.finish(d.ticket).unwrap();
-    let again = r.route(&p, 0, None, 0, 1e9).unwrap();
-    assert_eq!((again.replica, again.matched_blocks), (d.replica, 2));
-}
-
-#[test]
 fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
     let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
     cfg.pending_ttl = 0.0;
@@ -459,10 +447,9 @@ fn where_blocks_were_routed_is_forgotten_after_two_full_generations() {
 
 /// Where a prompt goes when replica 1 holds its 2 reusable blocks (or, `held` false, was only
 /// the last sent them) and `queued` cold prompt tokens are in flight there.
-fn divert_pick(queued: u32, held: bool, approximate: bool) -> usize {
+fn divert_pick(queued: u32, held: bool) -> usize {
     let mut cfg = RouterConfig::new(2, BS, RoutingPolicy::CacheAware);
     cfg.pending_ttl = 0.0;
-    cfg.approximate = approximate;
     let mut r = Router::new(cfg).unwrap();
     let p = turn(&[], 30); // 9 tokens: 8 in 2 reusable blocks, 1 always computed
     if held {
@@ -479,31 +466,22 @@ fn divert_pick(queued: u32, held: bool, approximate: bool) -> usize {
 #[test]
 fn a_held_prefix_is_left_behind_a_prefill_queue_over_the_divert_ratio() {
     // replica 1: 400 queued + 1 = 401 tokens ahead; replica 0: 9 (5 x 9 = 45 < 401)
-    assert_eq!(divert_pick(400, true, false), 0);
+    assert_eq!(divert_pick(400, true), 0);
 }
 
 #[test]
 fn a_held_prefix_is_worth_a_queue_within_the_divert_ratio() {
     // replica 1: 30 + 1 = 31 tokens ahead, under 5 x 9
-    assert_eq!(divert_pick(30, true, false), 1);
+    assert_eq!(divert_pick(30, true), 1);
 }
 
 #[test]
 fn a_prefix_its_home_evicted_counts_as_recompute_there_against_the_queue() {
     // the same 30 queued tokens, but replica 1 no longer holds the prefix: 39 ahead there,
     // 9 on replica 0 (39 < 45 stays; 40 + 9 = 49 > 45 leaves)
-    assert_eq!(divert_pick(30, false, false), 1);
-    assert_eq!(divert_pick(40, false, false), 0);
-    assert_eq!(
-        divert_pick(40, true, false),
-        1,
-        "held: 41 ahead, worth the wait"
-    );
-}
-
-#[test]
-fn the_approximate_router_never_diverts() {
-    assert_eq!(divert_pick(400, false, true), 1);
+    assert_eq!(divert_pick(30, false), 1);
+    assert_eq!(divert_pick(40, false), 0);
+    assert_eq!(divert_pick(40, true), 1, "held: 41 ahead, worth the wait");
 }
 
 #[test]
@@ -589,16 +567,18 @@ fn a_new_prefix_skips_a_replica_more_than_the_slack_in_flight_above_the_least_lo
     assert_eq!(r.route(&turn(&[], 35), 0, None, 0, 1.0).unwrap().replica, 0);
 }
 
-/// `hashes` stored on `medium` of `replica` as its batch `seq`.
+/// `hashes` stored on `medium` of `replica` as its batch `seq` (after an empty record on the
+/// device: the replica names its device `GPU`, so `CPU` is its host tier).
 fn store_on(r: &mut Router, replica: usize, seq: u64, hashes: &[u64], medium: u8) {
+    let n = hashes.len() as u32;
     let got = r
         .apply_batch_on(
             replica,
             seq,
-            &[KvEventKind::Stored as u8],
-            &[0, hashes.len() as u32],
+            &[KvEventKind::Stored as u8; 2],
+            &[0, 0, n],
             hashes,
-            &[medium],
+            &[0, medium],
         )
         .unwrap();
     assert_eq!(got, Applied::Applied);

@@ -1,0 +1,121 @@
+"""The offload tiers publish KV events too (vLLM's `medium`): the host tier's saved blocks as
+`BlockStored` on `CPU`, the disk tier's on `STORAGE` (no tokens, as vLLM's offloading
+connector), so a router subscribed to the replica finds a prefix the device cache let go in its
+tier instead of counting it as recompute."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+from kv_transfer_util import make_disk_llm, prompt
+
+from pagedllm import LLM, SamplingParams
+from pagedllm._core import Router, hash_block_chain
+from pagedllm.kv_events.subscriber import KVEventSubscriber
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+BLOCK = 4
+
+
+def events_config(folder) -> dict:
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{folder}/pub",
+        "replay_endpoint": f"ipc://{folder}/replay",
+    }
+
+
+def host_tier_llm(folder) -> LLM:
+    """A 24-block device cache (two 48-token prompts) over a host tier, publishing events."""
+    return LLM(
+        device="cpu",
+        block_size=BLOCK,
+        num_gpu_blocks=24,
+        swap_space=0.01,
+        max_model_len=80,
+        kv_offloading_size=0.01,
+        kv_events_config=events_config(folder),
+    )
+
+
+def serve(llm: LLM, tokens: list[int]) -> None:
+    """One request, then steps until its saves are reported (the tier's stored events)."""
+    llm.generate({"prompt_token_ids": tokens}, GREEDY, use_tqdm=False)
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+
+
+def subscribe(folder) -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{folder}/pub")
+    time.sleep(0.2)  # ZMQ's slow joiner
+    return sub
+
+
+def tier_stores(sub: zmq.Socket, medium: str) -> list[int]:
+    """Hashes of the `BlockStored` events on `medium` that list no tokens (a tier's)."""
+    out = []
+    while sub.poll(300):
+        _, _, payload = sub.recv_multipart()
+        for event in msgpack.unpackb(payload)[1]:
+            if event["type"] == "BlockStored" and event["medium"] == medium:
+                out += event["block_hashes"] if not event["token_ids"] else []
+    return out
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_tiers_saved_blocks_are_published_on_its_medium(tmp_path, tier):
+    if tier == "host":
+        llm, medium = host_tier_llm(tmp_path), "CPU"
+    else:
+        blocks = tmp_path / "blocks"
+        blocks.mkdir()
+        llm = make_disk_llm(blocks, kv_events_config=events_config(tmp_path))
+        medium = "STORAGE"
+    try:
+        sub = subscribe(tmp_path)
+        tokens = prompt(1)
+        serve(llm, tokens)
+        stored = tier_stores(sub, medium)
+        sub.close()
+        assert set(hash_block_chain(tokens, BLOCK)) <= set(stored)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_router_finds_a_prefix_the_device_let_go_in_the_host_tier(tmp_path):
+    llm = host_tier_llm(tmp_path)
+    router, lock = Router(2, BLOCK), threading.Lock()
+    sub = KVEventSubscriber(
+        router, lock, 0, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    ).start()
+    try:
+        wait_for(lambda: sub.replays == 1)
+        time.sleep(0.2)  # the SUB socket's subscription reaches the publisher
+        first = prompt(1)
+        for seed in (1, 2, 3):  # the later prompts evict the first from the device
+            serve(llm, prompt(seed))
+        publisher = llm.llm_engine.kv_events
+        wait_for(lambda: router.next_seq(0) == publisher.seq + 1)
+        evicted = set(hash_block_chain(first, BLOCK)) - set(router.replica_hashes(0).tolist())
+        assert evicted, "the device no longer holds all of the first prompt"
+        assert router.stats()[0]["host_tier_blocks"] >= len(evicted)
+        replica, matched, eligible, _, _ = router.route(first + [7])
+        assert (replica, matched) == (0, eligible)
+    finally:
+        sub.close()
+        llm.llm_engine.shutdown()
