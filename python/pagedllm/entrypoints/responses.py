@@ -71,7 +71,6 @@ def register_responses_route(app: FastAPI, server: Server) -> None:
 
 async def create_response(server: Server, body: ResponsesRequest, request: Request):
     _check_stateless(body)
-    _check_generating(server)
     server.check_model(body.model)
     plan = _plan(server, body)
     prompt = await _prompt(server, body, plan)
@@ -107,17 +106,6 @@ def _check_stateless(body: ResponsesRequest) -> None:
             "previous_response_id: this server keeps no responses; send the earlier items "
             "(including the previous output) in input",
             param="previous_response_id",
-        )
-
-
-def _check_generating(server: Server) -> None:
-    from pagedllm.pooling import PoolingEngine
-
-    if isinstance(server.engine.engine, PoolingEngine):
-        raise APIError(
-            400,
-            f"{PATH}: this server runs a pooling model (--runner pooling) and generates no text",
-            param="model",
         )
 
 
