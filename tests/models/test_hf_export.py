@@ -211,6 +211,9 @@ def test_hf_config_parses_back_to_the_same_model_config(changes):
         {"qkv_bias": True, "o_bias": False},
         {"qk_norm": True},
         {"architecture": "Qwen3ForCausalLM", "family": "qwen3", "qk_norm": True, "mlp_bias": True},
+        {"layer_windows": (16, 16)},
+        {"architecture": "Gemma2ForCausalLM", "family": "gemma2"},
+        {"rope": RopeConfig(rope_type="yarn", factor=4.0)},
     ],
 )
 def test_hf_config_rejects_what_transformers_cannot_express(changes):

@@ -55,6 +55,16 @@ def _model_config(model: nn.Module, cfg: ModelConfig | None) -> ModelConfig:
 
 def _check_representable(cfg: ModelConfig) -> None:
     """Reject flag combinations that no transformers config of the family can express."""
+    if cfg.family not in ("llama", "qwen2", "qwen3") or cfg.layer_windows:
+        raise ValueError(
+            f"cannot export {cfg.architecture} to transformers: only Llama, Qwen2 and Qwen3 "
+            f"without sliding windows are exported"
+        )
+    if cfg.rope.rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(
+            f"cannot export {cfg.architecture} to transformers: rope_type "
+            f"{cfg.rope.rope_type!r} is not exported"
+        )
     problems = []
     if cfg.family == "qwen2":
         # Qwen2 hard-codes bias on q/k/v and none on o_proj; it has no q/k norm or MLP bias
@@ -135,6 +145,7 @@ def hf_config(cfg: ModelConfig) -> PretrainedConfig:
     Raises ValueError for flag combinations the family's transformers config cannot express.
     """
     transformers = _import_transformers()
+    _check_representable(cfg)
     config_class = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
