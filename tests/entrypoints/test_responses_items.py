@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedllm.chat.tools import ChatOptions, plan_chat
+from pagedllm.chat.tools import ChatOptions, Message, plan_chat
 from pagedllm.entrypoints.errors import APIError
 from pagedllm.entrypoints.responses_output import output_items, split_reply
 from pagedllm.entrypoints.responses_protocol import chat_messages, parse_request
 from pagedllm.entrypoints.responses_stream import _events
+from pagedllm.outputs import ToolCall
 
 THINKING = ChatOptions(reasoning_parser="qwen3")
 
@@ -73,6 +74,14 @@ def test_a_reply_with_thinking_is_a_reasoning_item_then_a_message():
     reasoning, message = output_items(split_reply(plan, "<think>hm</think>42"), "completed")
     assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "hm"
     assert message["content"][0]["text"] == "42" and message["status"] == "completed"
+
+
+def test_a_cut_reply_leaves_its_whole_calls_completed():
+    split = Message(None, None, [ToolCall("add", '{"a": 1}')])
+    [call] = output_items(split, "incomplete")
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    [message] = output_items(Message(None, "4", []), "incomplete")
+    assert message["status"] == "incomplete"
 
 
 def _fake_job(texts: list[str], finish_reason: str):

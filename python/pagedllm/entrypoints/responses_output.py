@@ -60,7 +60,7 @@ def call_item(id_: str, call_id: str, name: str, arguments: str, status: str) ->
 
 
 def output_items(split: Message, status: str) -> list[dict[str, Any]]:
-    """The output items of a whole reply; the last one carries an incomplete status."""
+    """The output items of a whole reply; in a cut one the last text is incomplete."""
     items = []
     if split.reasoning:
         items.append(reasoning_item(item_id("rs"), split.reasoning, "completed"))
@@ -68,7 +68,8 @@ def output_items(split: Message, status: str) -> list[dict[str, Any]]:
         items.append(message_item(item_id("msg"), split.content or "", "completed"))
     for call in split.tool_calls:
         items.append(call_item(item_id("fc"), call.id, call.name, call.arguments, "completed"))
-    if status != "completed":
+    # a cut reply's text is cut; its calls are whole (a cut call is no call)
+    if status != "completed" and items[-1]["type"] != "function_call":
         items[-1]["status"] = "incomplete"
     return items
 

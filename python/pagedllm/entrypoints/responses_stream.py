@@ -133,7 +133,7 @@ class _Items:
             return []
         self.open = False
         item = self.items[-1]
-        item["status"] = status
+        item["status"] = "completed" if _whole_call(item) else status
         where = self._where()
         events = []
         if item["type"] in _TEXT_EVENT:
@@ -154,6 +154,18 @@ class _Items:
             )
         events.append(self.event("response.output_item.done", **where, item=_copy(item)))
         return events
+
+
+def _whole_call(item: dict[str, Any]) -> bool:
+    """A call whose arguments are complete JSON (a required or named call is sent whole; an
+    "auto" call is streamed and may be cut)."""
+    if item["type"] != "function_call":
+        return False
+    try:
+        json.loads(item["arguments"])
+    except ValueError:
+        return False
+    return True
 
 
 def _copy(value: dict[str, Any]) -> dict[str, Any]:
