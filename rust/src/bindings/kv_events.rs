@@ -125,6 +125,16 @@ fn encode_kv_event_batch<'py>(
     Ok(PyBytes::new(py, &bytes))
 }
 
+/// The six arrays `Scheduler.drain_kv_events` returns (`batch_tuple`).
+type DrainedArrays<'a> = (
+    PyReadonlyArray1<'a, u8>,
+    PyReadonlyArray1<'a, u32>,
+    PyReadonlyArray1<'a, u64>,
+    PyReadonlyArray1<'a, u64>,
+    PyReadonlyArray1<'a, u64>,
+    PyReadonlyArray1<'a, u32>,
+);
+
 /// The engine's side of its KV-event stream: encodes each step's events and keeps the blocks
 /// they add up to per medium (a snapshot's source). The publisher numbers, buffers and sends
 /// what it returns.
@@ -232,14 +242,7 @@ impl PyKvEventStream {
     fn publish<'py>(
         &mut self,
         py: Python<'py>,
-        events: (
-            PyReadonlyArray1<'_, u8>,
-            PyReadonlyArray1<'_, u32>,
-            PyReadonlyArray1<'_, u64>,
-            PyReadonlyArray1<'_, u64>,
-            PyReadonlyArray1<'_, u64>,
-            PyReadonlyArray1<'_, u32>,
-        ),
+        events: DrainedArrays<'_>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let (kinds, starts, parents, extra_keys, hashes, tokens) = events;
         let records = Records {
