@@ -155,7 +155,10 @@ def test_a_cut_stream_ends_incomplete(client):
 
 
 def _post(server, **body) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    # json.dumps writes a lone surrogate as its escape: valid JSON, not Unicode
+    content = json.dumps({"model": MODEL, **body})
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.url}/v1/responses", content=content, headers=headers, timeout=30)
 
 
 @pytest.mark.parametrize(
@@ -184,6 +187,12 @@ def _post(server, **body) -> httpx.Response:
         ({"input": "x", "frequency": 1}, "frequency"),
         ({"input": "x", "temperature": -1}, "temperature"),
         ({}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [5]}, "input[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "\udc00"}]}]},
+            "input[0].content[0].text",
+        ),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, body, param):

@@ -207,8 +207,29 @@ def _path(loc: tuple[str | int, ...]) -> str:
     return text
 
 
+def _lone_surrogate(data: Any) -> str | None:
+    """Where the first string holding a lone surrogate is (valid JSON, not Unicode: no
+    tokenizer can encode it), or None."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return _path(loc) or "body"
+        elif isinstance(value, dict):
+            stack.extend((inner, (*loc, key)) for key, inner in value.items())
+        elif isinstance(value, list):
+            stack.extend((inner, (*loc, i)) for i, inner in enumerate(value))
+    return None
+
+
 def parse_request(data: Any) -> ResponsesRequest:
     """The body as a ResponsesRequest; a 400 naming the first bad field."""
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise APIError(400, f"{where}: a lone surrogate is not valid Unicode", param=where)
     try:
         return ResponsesRequest.model_validate(data)
     except ValidationError as exc:
@@ -219,6 +240,8 @@ def parse_request(data: Any) -> ResponsesRequest:
             if error.get("type") == "extra_forbidden":
                 message = "not a field of a Responses request"
                 param = _path(loc[:-1]) + (f".{loc[-1]}" if loc[:-1] else str(loc[-1]))
+            elif error.get("type") == "union_tag_not_found":
+                message = "an input item must be an object (a message, or one with a type)"
             elif error.get("type") == "union_tag_invalid":
                 tag = error.get("ctx", {}).get("tag")
                 message = (
@@ -294,6 +317,8 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if messages[-1]["role"] == "assistant" and reasoning is not None:
             messages[-1]["reasoning"] = messages[-1]["reasoning_content"] = reasoning
             reasoning = None
+    if not messages:
+        raise APIError(400, "input holds no message, call or call output", param="input")
     return messages
 
 
