@@ -115,3 +115,26 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_cachin
     second = llm.generate({"prompt_token_ids": PROMPTS[2]}, params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in first + second] == expected
     assert second[0].num_cached_tokens >= len(SHARED) - 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_tokens_match_transformers_under_preemption(checkpoint, mode):
+    # both 40- and 36-token prompts (2+ windows) fit in 30 blocks of 4, not both full-length
+    # sequences (18 + 17 blocks)
+    _, folder, hf = checkpoint
+    prompts = [PROMPT[:40], SHARED[:36]]
+    expected = hf_generate_greedy(hf, prompts, MAX_NEW)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        preemption_mode=mode,
+        num_gpu_blocks=30,
+        max_model_len=76,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
