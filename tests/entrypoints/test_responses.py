@@ -201,3 +201,13 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == (param or "tool_choice"), error
+
+
+def test_a_stream_the_client_leaves_is_aborted(server):
+    aborted_before = server.engine.engine.get_stats()["num_aborted"]
+    body = {"model": MODEL, "input": "x", "stream": True, "max_output_tokens": 900}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: response.created"
+    server.wait_idle()
+    assert server.engine.engine.get_stats()["num_aborted"] == aborted_before + 1
