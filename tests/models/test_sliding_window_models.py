@@ -21,6 +21,8 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.models import load_model
 
 from model_factory import PagedRunner, build_hf_model, hf_generate_greedy, save_tiny_tokenizer
@@ -138,3 +140,37 @@ def test_greedy_tokens_match_transformers_under_preemption(checkpoint, mode):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outs] == expected
     assert llm.engine.scheduler.get_stats()["num_preemptions"] > 0
+
+
+def _engine_greedy(folder, tp: int, prompts) -> list[list[int]]:
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(folder),
+            tensor_parallel_size=tp,
+            device="cpu",
+            dtype="float32",
+            cpu_threads=1,
+            block_size=4,
+            max_model_len=128,
+            max_num_batched_tokens=24,
+            enable_prefix_caching=True,
+        )
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        return [tokens[str(i)] for i in range(len(prompts))]
+    finally:
+        engine.shutdown()
+
+
+def test_two_tensor_parallel_ranks_generate_the_greedy_tokens_of_one(checkpoint):
+    _, folder, _ = checkpoint
+    prompts = [PROMPT[:48], SHARED[:40]]
+    assert _engine_greedy(folder, 2, prompts) == _engine_greedy(folder, 1, prompts)
