@@ -319,7 +319,6 @@ class Router:
         pending_ttl: float = 120.0,
         affinity_weight: float = 1.0,
         divert_ratio: float = 5.0,
-        approximate: bool = False,
     ) -> None: ...
     @property
     def num_replicas(self) -> int: ...
@@ -341,8 +340,7 @@ class Router:
         ``finish(ticket)``, and its blocks count as held there (pending) until then
         (``pending_ttl`` seconds at most): that replica holds them or will once its prefill runs.
         ``excluded``: a mask of replicas not to pick. ``PagedLLMError`` when no live replica is
-        left. With ``approximate``, what is routed where is recorded for good instead (no
-        events needed, evictions never seen)."""
+        left."""
     def finish(self, ticket: int) -> None:
         """The request of ``ticket`` ended (or failed): it and its pending blocks stop counting
         on its replica (what its prefill stored, the events say). An ended ticket, or one

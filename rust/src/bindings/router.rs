@@ -25,8 +25,7 @@ impl PyRouter {
                         token_weight = defaults::TOKEN_WEIGHT,
                         pending_ttl = defaults::PENDING_TTL,
                         affinity_weight = defaults::AFFINITY_WEIGHT,
-                        divert_ratio = defaults::DIVERT_RATIO,
-                        approximate = false))]
+                        divert_ratio = defaults::DIVERT_RATIO))]
     #[allow(clippy::too_many_arguments)] // one per Python keyword argument
     fn new(
         num_replicas: i64,
@@ -39,7 +38,6 @@ impl PyRouter {
         pending_ttl: f64,
         affinity_weight: f64,
         divert_ratio: f64,
-        approximate: bool,
     ) -> PyResult<Self> {
         let mut cfg = RouterConfig::new(
             non_negative("num_replicas", num_replicas)?,
@@ -53,7 +51,6 @@ impl PyRouter {
         cfg.pending_ttl = pending_ttl;
         cfg.affinity_weight = affinity_weight;
         cfg.divert_ratio = divert_ratio;
-        cfg.approximate = approximate;
         Ok(Self {
             inner: Router::new(cfg)?,
         })

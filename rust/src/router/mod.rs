@@ -20,10 +20,9 @@
 //! comes): the replica holds them or will once that request's prefill runs, since a waiting
 //! or preempted request computes again whatever was evicted and a running one's blocks cannot
 //! be evicted. So a burst sharing a new prefix follows its first request however long that one
-//! waits, and after it ends the events alone speak: an eviction is seen at once. With
-//! `approximate`, the router instead records what it sent where for good and never learns of
-//! evictions (SGLang's approximate tree, as block hashes): the baseline the simulation
-//! compares against.
+//! waits, and after it ends the events alone speak: an eviction is seen at once. (The
+//! simulation's approximate baseline, what was sent where recorded for good, is this router fed
+//! its own record instead of events: `pagedllm.router.sim.ApproximateRouter`.)
 //!
 //! `cache_aware` also remembers where each block was last routed (bounded: two generations of
 //! `AFFINITY_CAPACITY` hashes) and counts a block that replica no longer holds as
@@ -41,7 +40,7 @@
 //! `divert_ratio` x that, the request goes there instead. The exact index is what makes this
 //! safe: a prefix its home has evicted is counted as recompute there, so the request leaves a
 //! long queue when the hit it would wait for is gone or small next to the queue, and stays for a
-//! hit that is still held and worth the wait. The approximate baseline never diverts.
+//! hit that is still held and worth the wait.
 //!
 //! A replica's offload tiers count too (their KV events carry vLLM's `medium`): past its
 //! device prefix, blocks its host or disk tier holds extend the match, each worth
@@ -116,10 +115,8 @@ pub struct RouterConfig {
     /// longer holds it (in [0, 1]; 0: only what the events and pending blocks say).
     pub affinity_weight: f64,
     /// Leave the best-scored replica for the one with the least prefill ahead when the
-    /// best's is over this many times that (0: never; else >= 1). Not with `approximate`.
+    /// best's is over this many times that (0: never; else >= 1).
     pub divert_ratio: f64,
-    /// Index what was routed where instead of the replicas' events (the approximate baseline).
-    pub approximate: bool,
 }
 
 pub mod defaults {
@@ -161,7 +158,6 @@ impl RouterConfig {
             pending_ttl: defaults::PENDING_TTL,
             affinity_weight: defaults::AFFINITY_WEIGHT,
             divert_ratio: defaults::DIVERT_RATIO,
-            approximate: false,
         }
     }
 
@@ -480,7 +476,7 @@ impl Router {
         let matched = self.matched_blocks(&hashes, candidates, now, false);
         let replica = match self.cfg.policy {
             RoutingPolicy::CacheAware => {
-                let homed = if self.cfg.affinity_weight > 0.0 && !self.cfg.approximate {
+                let homed = if self.cfg.affinity_weight > 0.0 {
                     self.matched_blocks(&hashes, candidates, now, true)
                 } else {
                     matched.clone()
@@ -506,12 +502,10 @@ impl Router {
         self.next_ticket += 1;
         let expiry = now + self.cfg.pending_ttl;
         let mut pended = Vec::new();
-        if !self.cfg.approximate && self.cfg.affinity_weight > 0.0 {
+        if self.cfg.affinity_weight > 0.0 {
             self.remember_routed(replica, &hashes);
         }
-        if self.cfg.approximate {
-            self.index.record(replica, &hashes);
-        } else if self.cfg.pending_ttl > 0.0 {
+        if self.cfg.pending_ttl > 0.0 {
             for &h in &hashes {
                 let v = self.pending.entry(h).or_default();
                 match v.iter_mut().find(|p| p.replica as usize == replica) {
@@ -708,7 +702,7 @@ impl Router {
         }
         if homed.iter().all(|&m| m == 0) {
             // a new prefix: where the fewest blocks were last sent, then least loaded (all 0
-            // without affinity or with `approximate`: least loaded alone), among the replicas
+            // without affinity: least loaded alone), among the replicas
             // within `NEW_PREFIX_SLACK` requests in flight of the fewest (a replica that was
             // sent few blocks, say one back in rotation, does not draw every new prefix)
             let homed_blocks = self.homed_blocks.clone(); // at most 64
@@ -750,7 +744,7 @@ impl Router {
                 (best, best_score) = (r, s);
             }
         }
-        if self.cfg.divert_ratio > 0.0 && !self.cfg.approximate {
+        if self.cfg.divert_ratio > 0.0 {
             // least prefill ahead; on a tie, the one holding more of the prompt
             let quick = queues
                 .iter()
