@@ -25,6 +25,7 @@ def attend_tile(
     q_pos,
     seq_len,
     window,
+    softcap,
     d,
     dmask,
     qk_scale,
@@ -40,6 +41,7 @@ def attend_tile(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr = 0,
+    CAP: tl.constexpr = False,
 ):
     # one online-softmax step over keys n0 .. n0 + BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -64,6 +66,10 @@ def attend_tile(
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if SCALE_AT > 0:
         qk = qk * k_scale[None, :]
+    if CAP:
+        # Gemma 2's soft-capping, in the scores' log2 units (`softcap` = cap * log2(e)):
+        # softcap * tanh(qk / softcap), tanh(y) = 1 - 2 / (e^2y + 1) (saturates, no NaN)
+        qk = softcap * (1.0 - 2.0 / (tl.exp2(qk / softcap * 2.8853900817779268) + 1.0))
     # MASK: 0 = every key of the tile is visible, 1 = keys past seq_len hidden, 2 = also causal,
     # 3 = also a sliding window (keys at least `window` positions behind the query hidden)
     if MASK == 1:

@@ -57,6 +57,7 @@ def _decode_split_kernel(
     mid_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is a single MUFU op)
     window,  # sliding window (0: none): the query sees the last `window` keys only
+    softcap,  # score soft-capping in log2 units (used when CAP)
     stride_qs,
     stride_qh,
     stride_kb,
@@ -79,6 +80,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -127,6 +129,7 @@ def _decode_split_kernel(
             hh,
             end,
             0,
+            softcap,
             d,
             dmask,
             qk_scale,
@@ -142,6 +145,7 @@ def _decode_split_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            CAP,
         )
 
     nonempty = l_i > 0
@@ -209,11 +213,13 @@ def paged_decode_attention(
     *,
     block_n: int | None = None,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q `[S, H, D]` (one token per sequence) over the paged context -> `[S, H, D]`.
 
     Rows with seq_len 0 (CUDA-graph padding) give zeros. `block_n` overrides the KV tile (tests).
-    `sliding_window` W > 0: each query sees its last W keys only.
+    `sliding_window` W > 0: each query sees its last W keys only; `softcap` > 0: scores capped
+    as `softcap * tanh(score / softcap)`.
     """
     S, H, D = q.shape
     _, page, kvh, row = k_cache.shape
@@ -248,6 +254,7 @@ def paged_decode_attention(
         mid_lse,
         float(scale) * 1.4426950408889634,
         int(sliding_window),
+        float(softcap) * 1.4426950408889634,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -271,6 +278,7 @@ def paged_decode_attention(
         DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
         # a quantized cache: each row's scale after its D codes
         SCALE_AT=D if quantized else 0,
+        CAP=softcap > 0,
         num_warps=4,
         num_stages=2,
     )

@@ -30,6 +30,7 @@ def _prefill_kernel(
     out_ptr,
     qk_scale,  # softmax scale * log2(e): base-2 online softmax
     window,  # sliding window (used when HAS_WINDOW)
+    softcap,  # score soft-capping in log2 units (used when CAP)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -52,6 +53,7 @@ def _prefill_kernel(
     SCALE_AT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,  # attend_tile's MASK past full_end: 2 causal, 3 with the window
+    CAP: tl.constexpr,
 ):
     # grid (query tile, sequence, query head); tiles past a sequence's query length do no work
     tile = tl.program_id(0)
@@ -108,6 +110,7 @@ def _prefill_kernel(
             q_pos,
             seq_len,
             window,
+            softcap,
             d,
             dmask,
             qk_scale,
@@ -123,6 +126,7 @@ def _prefill_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            CAP,
         )
     for n0 in range(causal_start, causal_end, BLOCK_N):
         m_i, l_i, acc = attend_tile(
@@ -138,6 +142,7 @@ def _prefill_kernel(
             q_pos,
             seq_len,
             window,
+            softcap,
             d,
             dmask,
             qk_scale,
@@ -153,6 +158,7 @@ def _prefill_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            CAP,
         )
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -176,11 +182,13 @@ def paged_prefill_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q `[T, H, D]` packed by `query_start_loc` [S+1] -> `[T, H, D]`; causal within the new tokens.
 
     Rows past `query_start_loc[-1]` are left zero. `block_m` / `block_n` override tiles (tests).
-    `sliding_window` W > 0: each query sees its last W keys only.
+    `sliding_window` W > 0: each query sees its last W keys only; `softcap` > 0: scores capped
+    as `softcap * tanh(score / softcap)`.
     """
     T, H, D = q.shape
     S = seq_lens.numel()
@@ -212,6 +220,7 @@ def paged_prefill_attention(
         out,
         float(scale) * 1.4426950408889634,
         int(sliding_window),
+        float(softcap) * 1.4426950408889634,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -235,6 +244,7 @@ def paged_prefill_attention(
         SCALE_AT=D if quantized else 0,
         HAS_WINDOW=sliding_window > 0,
         CAUSAL_MASK=3 if sliding_window > 0 else 2,
+        CAP=softcap > 0,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -158,3 +158,27 @@ def test_a_window_longer_than_every_context_is_full_attention():
     full = paged_attention(q, k, v, kc, vc, meta, 0.3)
     windowed = paged_attention(q, k, v, kc, vc, meta, LayerAttention(0.3, window=4096))
     torch.testing.assert_close(windowed, full, rtol=0, atol=0)
+
+
+def test_triton_kernels_cap_scores_with_and_without_a_window():
+    # scores ~ |q||k| * 0.5 reach well past the cap of 2: tanh bends them
+    q, kc, vc, tables, lens, qsl, dense = _batch(SEQ_LENS, Q_LENS, seed=7)
+    args = (q, kc, vc, qsl, lens, tables)
+    for window in (0, 9):
+        out = paged_prefill_attention(
+            *(t.to(DEV) for t in args),
+            0.5,
+            max(Q_LENS),
+            block_m=16,
+            block_n=8,
+            sliding_window=window,
+            softcap=2.0,
+        )
+        expected = _expected(q, dense, Q_LENS, 0.5, window, softcap=2.0)
+        torch.testing.assert_close(out.cpu(), expected)
+    decode_q = q[:4]
+    out = paged_decode_attention(
+        *(t.to(DEV) for t in (decode_q, kc, vc, tables, lens)), 0.5, 2, block_n=8, softcap=2.0
+    )
+    expected = _expected(decode_q, dense, [1, 1, 1, 1], 0.5, 0, softcap=2.0)
+    torch.testing.assert_close(out.cpu(), expected)

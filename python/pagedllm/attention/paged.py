@@ -7,8 +7,7 @@ in place; anything else (float16 on the CPU) to the vectorized torch reference.
 
 A layer's `LayerAttention` adds what differs between layers: a sliding window W (the query at
 position p sees keys p - W + 1..p, as `transformers` masks them; every path skips the blocks
-wholly before the window) and Gemma 2's score soft-capping. Capped layers on CUDA take the torch
-reference path (the Triton kernels do not cap).
+wholly before the window) and Gemma 2's score soft-capping.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def paged_attention(
     `D + 4`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
     layer, or the layer's `LayerAttention`."""
     layer = _as_layer(scale)
-    if q.is_cuda and layer.softcap == 0:
+    if q.is_cuda:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, layer)
     if cpu_attention.supports(q, k_cache):
         return cpu_attention.store_and_attend(
@@ -132,11 +131,10 @@ def _as_layer(scale: float | LayerAttention) -> LayerAttention:
 def _paged_attention_triton(
     q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float | LayerAttention
 ) -> Tensor:
-    """The Triton kernels (no soft-capping: `paged_attention` sends capped layers elsewhere)."""
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
 
     layer = _as_layer(scale)
-    scale, window = layer.scale, layer.window
+    scale, window, softcap = layer.scale, layer.window, layer.softcap
 
     store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
@@ -157,6 +155,7 @@ def _paged_attention_triton(
             scale,
             num_splits,
             sliding_window=window,
+            softcap=softcap,
         )
     return prefill_attention.paged_prefill_attention(
         q,
@@ -168,4 +167,5 @@ def _paged_attention_triton(
         scale,
         meta.max_query_len,
         sliding_window=window,
+        softcap=softcap,
     )
