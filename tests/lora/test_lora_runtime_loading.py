@@ -272,3 +272,31 @@ def test_an_adapter_unloaded_during_its_stream_serves_it_to_the_end_then_is_free
     assert unloaded_while_streaming and "".join(streamed) == reference
     client.post("/v1/completions", json={"model": "beta", **GREEDY})  # one more engine turn
     assert lora_id not in client.app.state.server.engine.engine.list_loras()
+
+
+def test_a_slow_adapter_read_does_not_stall_other_requests(client, llama_world, monkeypatch):
+    manager = client.app.state.server.engine.engine.lora
+    reading, release = threading.Event(), threading.Event()
+    read = manager.read
+
+    def slow_read(request):
+        reading.set()
+        assert release.wait(30)
+        return read(request)
+
+    monkeypatch.setattr(manager, "read", slow_read)
+    answers = []
+    loader = threading.Thread(
+        target=lambda: answers.append(load(client, "slow", llama_world.requests["alpha"].lora_path))
+    )
+    loader.start()
+    try:
+        assert reading.wait(30)
+        # the engine keeps serving while the folder is read (a thread, not the engine loop)
+        assert greedy_tokens(client, "beta") == expected_tokens(client, llama_world, "beta")
+        assert "slow" not in model_ids(client)  # listed only once loaded
+    finally:
+        release.set()
+        loader.join(30)
+    assert answers[0].status_code == 200 and "slow" in model_ids(client)
+    assert client.post(UNLOAD, json={"lora_name": "slow"}).status_code == 200
