@@ -26,10 +26,13 @@ struct LinearArrays {
     bias: Option<Py<PyArray1<f32>>>,
 }
 
+/// A norm weight or a bias, held.
+type Vector = Py<PyArray1<f32>>;
+
 struct LayerArrays {
-    input_norm: Py<PyArray1<f32>>,
+    input_norm: Vector,
     qkv: LinearArrays,
-    qk_norm: Option<(Py<PyArray1<f32>>, Py<PyArray1<f32>>)>,
+    qk_norm: Option<(Vector, Vector)>,
     o: LinearArrays,
     post_norm: Py<PyArray1<f32>>,
     gate_up: LinearArrays,
