@@ -102,7 +102,7 @@ mod schedule;
 mod state;
 mod stats;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv::{CacheConfig, KvCacheManager};
 
 pub use apply::stop::{FinishReason, StopCuts, StopParams};
@@ -183,6 +183,17 @@ impl Scheduler {
 
     pub fn manager(&self) -> &KvCacheManager {
         &self.mgr
+    }
+
+    /// Lays out the model's KV groups (`KvCacheManager::set_groups`: one window or `None`
+    /// per layer group), before any request is added and without a KV connector.
+    pub fn set_kv_groups(&mut self, windows: Vec<Option<usize>>) -> Result<()> {
+        if self.has_unfinished_requests() || self.kv.is_attached() {
+            return Err(Error::InvalidState(
+                "kv groups are set before any request is added and without a KV connector".into(),
+            ));
+        }
+        self.mgr.set_groups(windows)
     }
 
     /// The prefix cache's KV-event log, which the engine turns on and drains once per step.

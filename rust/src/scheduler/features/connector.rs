@@ -284,6 +284,13 @@ impl Scheduler {
                 "a KV connector is attached before any request is added".into(),
             ));
         }
+        if self.mgr.is_hybrid() {
+            return Err(Error::InvalidArgument(
+                "a KV connector (kv_offloading_size) moves one block row per sequence: not \
+                 supported with sliding-window (hybrid) KV groups yet"
+                    .into(),
+            ));
+        }
         self.kv.connector = Some(connector);
         Ok(())
     }

@@ -316,7 +316,12 @@ impl DecodeBatch {
             // Also common (1 in block_size steps per sequence): the token opens a fresh
             // block. With no lookahead and a free block that is a plain append (nothing
             // shared is written, so no CoW); anything else takes the general path.
-            if la != 0 || start != s.table.num_blocks() * bs || mgr.num_free_device_blocks() == 0 {
+            // A hybrid table grows every group and its windows release blocks: general path.
+            if la != 0
+                || start != s.table.num_blocks() * bs
+                || mgr.num_free_device_blocks() == 0
+                || mgr.is_hybrid()
+            {
                 return Ok(None);
             }
             if !self.fills.is_empty() && mgr.num_uncached_free_device_blocks() == 0 {

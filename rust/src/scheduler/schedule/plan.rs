@@ -80,6 +80,7 @@ impl Scheduler {
         let la = self.cfg.num_lookahead_slots;
         let cap = self.chunk_cap();
         let max_model_len = self.cfg.max_model_len;
+        let groups = self.mgr.num_groups();
         let planner = &mut self.planner;
         planner.items.clear();
         planner.cow.clear();
@@ -154,7 +155,8 @@ impl Scheduler {
                     }
                 }
             }
-            needed += grow + cow;
+            // Every layer group grows and copies alike (a window's releases not counted).
+            needed += (grow + cow) * groups;
             tokens += take + drafts;
             planner.items.push(PlanItem {
                 seq: i as u32,

@@ -4,6 +4,7 @@
 mod admission;
 mod connector;
 mod grammar;
+mod hybrid;
 mod intake;
 mod layout;
 mod lazy_outputs;

@@ -168,7 +168,7 @@ fn spec_turn(
     let end = start + 1 + d;
     if end > cap {
         // One fresh block past a table that covers `start`: nothing shared is written.
-        if end > cap + bs || start > cap || mgr.num_free_device_blocks() == 0 {
+        if end > cap + bs || start > cap || mgr.num_free_device_blocks() == 0 || mgr.is_hybrid() {
             return Ok(SpecTurn::Refused);
         }
         if batch.has_fills() && mgr.num_uncached_free_device_blocks() == 0 {
