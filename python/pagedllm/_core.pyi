@@ -714,6 +714,16 @@ class Scheduler:
         """Loads or saves not reported yet (their blocks stay allocated until then)."""
     def get_stats(self) -> dict[str, int | float]: ...
     def check_invariants(self) -> None: ...
+    def set_kv_groups(self, windows: list[int | None]) -> None:
+        """Lays out the model's KV layer groups, before any request: one entry per group, its
+        sliding window in tokens or None for full attention (default ``[None]``). A
+        sliding-window group holds only the blocks its window reads; ``ValueError`` for a
+        window of 0, ``PagedLLMError`` once requests exist or with a KV connector."""
+    @property
+    def kv_groups(self) -> list[int | None]: ...
+    def group_block_table(self, seq_id: int, group: int) -> list[int]:
+        """Layer group ``group``'s block row of sequence ``seq_id`` (-1 where its window
+        released a block): the table that group's layers read."""
     def set_kv_events(self, enabled: bool) -> None:
         """Turns the KV events of the prefix cache (read with ``drain_kv_events``) and of the
         offload tier on or off (both read by ``KvEventStream.publish_step``)."""

@@ -556,6 +556,30 @@ impl PyScheduler {
         super::kv_events::batch_tuple(py, self.inner.kv_events_mut().drain())
     }
 
+    /// Lays out the model's KV layer groups, before any request: one entry per group, its
+    /// sliding window in tokens or None for full attention (`[None]`, the default, is every
+    /// model without windows).
+    fn set_kv_groups(&mut self, windows: Vec<Option<i64>>) -> PyResult<()> {
+        let windows = windows
+            .into_iter()
+            .map(|w| w.map(|w| non_negative("window", w)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(self.inner.set_kv_groups(windows)?)
+    }
+
+    /// Each KV layer group's sliding window (None: full attention).
+    #[getter]
+    fn kv_groups(&self) -> Vec<Option<usize>> {
+        self.inner.manager().group_windows().to_vec()
+    }
+
+    /// Layer group `group`'s block row of sequence `seq_id` (a `SchedulerOutput`'s
+    /// `seq_ids`), -1 where its window released a block: the table that group's layers read.
+    fn group_block_table(&self, seq_id: u64, group: usize) -> PyResult<Vec<i32>> {
+        let row = self.inner.manager().group_block_table(seq_id, group)?;
+        Ok(row.iter().map(|&b| b as i32).collect())
+    }
+
     /// Raises PagedLLMError naming the first broken invariant (manager and queues).
     fn check_invariants(&self) -> PyResult<()> {
         self.inner
