@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 from pagedllm.entrypoints.api_server import ServerConfig, build_server_app
 from pagedllm.entrypoints.lora_routes import (
     ENV_FLAG,
-    add_runtime_lora_arguments,
     runtime_lora_updating_allowed,
 )
 
@@ -201,12 +200,11 @@ def test_without_enable_lora_a_load_is_a_400(llama_world):
 
 
 def test_the_serve_flag_sets_the_option():
-    import argparse
+    from pagedllm.cli.app import build_parser
 
-    parser = argparse.ArgumentParser()
-    add_runtime_lora_arguments(parser)
-    assert parser.parse_args(["--allow-runtime-lora-updating"]).allow_runtime_lora_updating
-    assert not parser.parse_args([]).allow_runtime_lora_updating
+    args = build_parser().parse_args(["serve", "--allow-runtime-lora-updating"])
+    assert args.allow_runtime_lora_updating
+    assert not build_parser().parse_args(["serve"]).allow_runtime_lora_updating
 
 
 def stream_tokens(client, body: dict, first_token: threading.Event) -> list[str]:

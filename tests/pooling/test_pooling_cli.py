@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
+from pagedllm.cli.flags import add_pooling_flags, pooling_engine_kwargs
 from pagedllm.config import EngineArgs
-from pagedllm.pooling.cli import add_pooling_flags, pooling_engine_kwargs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,3 +34,19 @@ def test_an_unknown_runner_is_a_usage_error():
     with pytest.raises(SystemExit) as caught:
         parser().parse_args(["--runner", "embedding"])
     assert caught.value.code == 2
+
+
+def test_serve_passes_the_pooling_flags_to_the_engine():
+    from pagedllm.cli.app import build_parser
+    from pagedllm.cli.commands.serve import _engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--runner", "pooling", "--convert", "embed"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["runner"], kwargs["convert"]) == ("pooling", "embed")
+
+
+def test_serve_refuses_pooling_behind_data_parallel_replicas_before_starting_them(capsys):
+    from pagedllm.cli.app import main
+
+    assert main(["serve", "--runner", "pooling", "--data-parallel-size", "2"]) == 1
+    assert "runner='pooling'" in capsys.readouterr().err

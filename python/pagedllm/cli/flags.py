@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from pagedllm.config import (
+    CONVERTS,
     DATA_PARALLEL_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPES,
@@ -21,6 +22,7 @@ from pagedllm.config import (
     POLICIES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    RUNNERS,
     SCHEDULING_STRATEGIES,
     SERVER_MAX_NUM_BATCHED_TOKENS,
     EngineArgs,
@@ -496,3 +498,30 @@ def routing_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds without an answer to /load after which a replica leaves rotation (a "
         "slow answer within them keeps it; default: 5)",
     )
+
+
+# the pooling flags (vLLM's names): `--runner pooling` serves pooled hidden states
+# (/v1/embeddings, /v1/score, /v1/rerank) instead of generating; `--convert` says how a causal
+# LM checkpoint is pooled. Only `serve` takes them.
+def add_pooling_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pooling models")
+    g.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default=ENGINE_DEFAULTS["runner"],
+        help="'pooling': prefill-only requests whose result is the pooled hidden state "
+        "(embeddings; scores from a *ForSequenceClassification head)",
+    )
+    g.add_argument(
+        "--convert",
+        choices=CONVERTS,
+        default=ENGINE_DEFAULTS["convert"],
+        help="with --runner pooling: 'embed' pools a causal LM (last token, normalized, unless "
+        "its sentence-transformers files say otherwise); 'classify' scores with its "
+        "score.weight head; 'auto': by the architecture",
+    )
+
+
+def pooling_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The `EngineArgs` keywords of the pooling flags."""
+    return {"runner": args.runner, "convert": args.convert}

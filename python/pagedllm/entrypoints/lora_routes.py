@@ -57,18 +57,6 @@ def runtime_lora_updating_allowed(option: bool) -> bool:
     return option or os.environ.get(ENV_FLAG, "0").strip().lower() in ("1", "true")
 
 
-def add_runtime_lora_arguments(parser) -> None:
-    """`--allow-runtime-lora-updating` on `pagedllm serve`'s argparse parser."""
-    parser.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help=(
-            "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; "
-            f"also turned on by {ENV_FLAG}=1)"
-        ),
-    )
-
-
 class RuntimeLoRAs:
     """The server's adapters by name (`server.loras`), changed one call at a time."""
 

@@ -6,7 +6,7 @@ head's scores (`*ForSequenceClassification`: the sigmoid of a single logit, as v
 - `config.py`: what the checkpoint says about pooling (`PoolerConfig`).
 - `pooler.py`: the math, per chunk of a prompt and at its end.
 - `engine.py`: `PoolingEngine` (the step loop's pooling variant) and `build_engine`.
-- `offline.py`: what `LLM.embed` / `LLM.score` run; `cli.py`: the serve flags.
+- `offline.py`: what `LLM.embed` / `LLM.score` run (the serve flags: `cli/flags.py`).
 """
 
 from pagedllm.pooling.config import PoolerConfig, read_pooler_config

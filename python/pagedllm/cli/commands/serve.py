@@ -11,6 +11,7 @@ from pagedllm.cli.commands import router
 from pagedllm.cli.flags import (
     EPILOG,
     POSITIVE,
+    add_pooling_flags,
     check_device,
     common_flags,
     engine_flags,
@@ -18,6 +19,7 @@ from pagedllm.cli.flags import (
     listen_flags,
     log_level_flag,
     number,
+    pooling_engine_kwargs,
     routing_flags,
 )
 from pagedllm.config import EngineArgs
@@ -41,6 +43,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="PEFT LoRA adapters served as models of their own (requests pick one with "
         "'model': NAME); implies --enable-lora",
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; "
+        "also turned on by PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
     g.add_argument(
         "--api-key",
@@ -87,6 +95,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "aborted",
     )
     log_level_flag(g, help="the server's log level (uvicorn's and pagedllm's)")
+    add_pooling_flags(serve)
     g = serve.add_argument_group("tool calling and reasoning")
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -158,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         lora_modules=dict(args.lora_modules or ()),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         chat_options=chat_options,
         # unset: ServerConfig's defaults (kept there, not imported here: fastapi is slow to load)
         **{
@@ -166,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, name) is not None
         },
     )
-    kwargs = engine_kwargs(args) | {"usage_context": "server"}
+    kwargs = _engine_kwargs(args) | {"usage_context": "server"}
     if config.lora_modules:
         kwargs["enable_lora"] = True  # serving adapters implies --enable-lora
     # pagedllm's own log lines (start-up, engine faults) next to uvicorn's, at --log-level
@@ -192,9 +202,14 @@ def run(args: argparse.Namespace) -> int:
         logger.setLevel(level)
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keywords: the shared engine flags and serve's pooling flags."""
+    return engine_kwargs(args) | pooling_engine_kwargs(args)
+
+
 def _serve_data_parallel(args: argparse.Namespace) -> int:
     """`serve -dp N`: N replicas (processes) behind the router, on --host/--port."""
-    EngineArgs.from_kwargs(**engine_kwargs(args))  # bad knobs refused before any process
+    EngineArgs.from_kwargs(**_engine_kwargs(args))  # bad knobs refused before any process
     check_device(args.device)
     if args.data_parallel_backend == "ray":
         from pagedllm.router.ray_launcher import run_data_parallel_ray as run_data_parallel
