@@ -80,8 +80,10 @@ impl KvCacheManager {
                 }
             }
             Location::Host => {
-                for block in table.held_blocks() {
-                    self.host.decref(block, false);
+                for row in table.rows() {
+                    for &block in row.iter().rev().filter(|&&b| b != NULL_BLOCK) {
+                        self.host.decref(block, false);
+                    }
                 }
             }
         }
