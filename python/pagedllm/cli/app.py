@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `generate`, `bench`, `serve`, `router` and `export-tiny`."""
+"""The `pagedllm` command: `generate`, `bench`, `serve`, `run-batch`, `router` and `export-tiny`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagedllm.cli.commands import bench, export_tiny, generate, router, serve
+from pagedllm.cli.commands import bench, export_tiny, generate, router, run_batch, serve
 from pagedllm.cli.commands.bench import run as _bench
 from pagedllm.cli.commands.bench import run_serve as _bench_serve
 from pagedllm.cli.commands.export_tiny import run as _export_tiny
 from pagedllm.cli.commands.generate import run as _generate
 from pagedllm.cli.commands.router import run as _router
+from pagedllm.cli.commands.run_batch import run as _run_batch
 from pagedllm.cli.commands.serve import loaded_summary as loaded_summary
 from pagedllm.cli.commands.serve import run as _serve
 from pagedllm.cli.flags import DEBUG_ENV, EPILOG, HelpFormatter
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.set_defaults(func=_bench)
     online.set_defaults(func=_bench_serve)
     serve.add_parser(sub).set_defaults(func=_serve)
+    run_batch.add_parser(sub).set_defaults(func=_run_batch)
     router.add_parser(sub).set_defaults(func=_router)
     export_tiny.add_parser(sub).set_defaults(func=_export_tiny)
     return parser
