@@ -59,11 +59,11 @@ class ModelRunner:
             self.cpu_threads = configure_cpu_threads(cpu_threads, ranks)
         # CPU: the layers in one Rust call a step where the model qualifies (bit-identical to
         # the layer-by-layer forward, without its per-kernel Python; models/cpu_forward.py)
-        self.cpu_forward = (
-            cpu_forward.build(model, cache_engine.kv_cache, lora=lora is not None)
-            if fused_cpu_forward and device.type == "cpu"
-            else None
-        )
+        self.cpu_forward = None
+        if fused_cpu_forward and device.type == "cpu" and cache_engine is not None:
+            self.cpu_forward = cpu_forward.build(
+                model, cache_engine.kv_cache, lora=lora is not None
+            )
 
     def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Input ids, positions, attention metadata and the hidden-state rows to sample from."""
