@@ -132,3 +132,19 @@ def test_run_batch_refuses_a_url(tmp_path, capsys):
     url = "https://example.com/requests.jsonl"
     assert main(["run-batch", "-i", url, "-o", str(tmp_path / "o.jsonl")]) == 1
     assert "a URL; run-batch reads and writes local files only" in capsys.readouterr().err
+
+
+def test_run_batch_answers_embeddings_on_a_pooling_model(tmp_path):
+    from pooling.checkpoints import save_embedding_checkpoint
+
+    model = str(save_embedding_checkpoint(tmp_path / "embed"))
+    body = {"model": "e", "input": ["hello world", "paged attention"]}
+    (tmp_path / "in.jsonl").write_text(_line("emb", "/v1/embeddings", body) + "\n")
+    flags = ["--model", model, "--runner", "pooling", "--served-model-name", "e", "--no-progress"]
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out)] + flags) == 0
+    (result,) = [json.loads(line) for line in out.read_text().splitlines()]
+    with live_server({"model": model, "runner": "pooling"}, served_model_name="e") as server:
+        expected = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=30).json()
+    assert result["error"] is None
+    assert _comparable(result["response"]["body"]) == _comparable(expected)
