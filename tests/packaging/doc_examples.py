@@ -5,9 +5,10 @@
   `http://127.0.0.1:8000` gets a live server of the built-in model on a free port instead.
 - In a ```bash block every `pagedllm` command is checked by the command's own argument parser
   (so a renamed or removed flag fails), and the quick ones are run too: `generate` (unless its
-  `--model` is a placeholder, `/path/to/...`) and `export-tiny`. `serve`, `router` and `bench`
-  run until stopped or for minutes, so they are parsed only, as are other programs' lines
-  (`pip`, `ray`, `vllm`): the repository paths those name must exist.
+  `--model` is a placeholder, `/path/to/...`), `run-batch` and `export-tiny`. `serve`, `router`
+  and `bench` run until stopped or for minutes, so they are parsed only, as are other programs'
+  lines (`pip`, `ray`, `vllm`): the repository paths those name must exist. A here-document
+  (`cat > FILE <<'EOF'` ... `EOF`) writes its file into the examples' folder first.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER = ("/path/to/", "path/to/")
-RUN = ("generate", "export-tiny")
+RUN = ("generate", "run-batch", "export-tiny")
+HEREDOC = re.compile(r"^cat > (\S+) <<'?(\w+)'?\n(.*?)^\2$\n?", flags=re.S | re.M)
 REPO_PATH = re.compile(r"^(?:benches|tests|python|rust|kernels|docs)/[\w./-]+$")
 
 
@@ -47,11 +49,16 @@ def code_blocks(path: Path) -> list[Block]:
     ]
 
 
+def heredocs(code: str) -> dict[str, str]:
+    """The files a shell block writes with `cat > FILE <<'EOF'` ... `EOF`: name -> text."""
+    return {m[1]: m[3] for m in HEREDOC.finditer(code)}
+
+
 def shell_commands(code: str) -> list[list[str]]:
-    """The commands of a shell block: continuations joined, `&&` lists split, comments and
-    environment assignments (`OUT=dir cmd`) dropped."""
+    """The commands of a shell block: here-documents left out, continuations joined, `&&`
+    lists split, comments and environment assignments (`OUT=dir cmd`) dropped."""
     commands = []
-    for line in code.replace("\\\n", " ").splitlines():
+    for line in HEREDOC.sub("", code).replace("\\\n", " ").splitlines():
         for part in line.split("&&"):
             try:
                 words = shlex.split(part, comments=True)
@@ -82,13 +89,15 @@ def run_shell(block: Block, examples_dir: Path, fresh_dir: Path, chdir) -> None:
     monkeypatch's, so the test's working folder comes back."""
     from pagedllm.cli import build_parser, main
 
+    for name, text in heredocs(block.code).items():
+        (examples_dir / name).write_text(text)
     for argv in shell_commands(block.code):
         assert missing_repo_paths(argv) == [], f"{block}: {argv}"
         if argv[0] != "pagedllm":
             continue
         build_parser().parse_args(argv[1:])  # exits (fails the test) on an unknown flag
         if is_run(argv[1:]):
-            # export-tiny writes new folders: a fresh one; generate reads the examples'
+            # export-tiny writes new folders: a fresh one; the others read the examples'
             chdir(fresh_dir if argv[1] == "export-tiny" else examples_dir)
             assert main(argv[1:]) == 0, f"{block}: {shlex.join(argv)}"
 
