@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.async_engine import AsyncEngine
+from pagedllm.entrypoints.batches import register_batch_routes
 from pagedllm.entrypoints.errors import APIError, ErrorResponse, install_error_handlers, unavailable
 from pagedllm.entrypoints.lora_routes import register_lora_routes
 from pagedllm.entrypoints.pooling_routes import register_pooling_routes
@@ -244,6 +245,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     register_responses_route(app, server)  # POST /v1/responses (responses.py)
     register_lora_routes(app, server)  # adapters loaded at run time (lora_routes.py)
+    register_batch_routes(app, server)  # /v1/files and /v1/batches (batches.py)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_CLIENT_ERROR)
     async def tokenize(body: TokenizeRequest):

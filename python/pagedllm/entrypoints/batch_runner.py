@@ -74,7 +74,7 @@ def _line_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def _parse(line: str, number: int) -> dict:
+def _parse(line: str, number: int, urls: Sequence[str]) -> dict:
     """The request of one input line, or ValueError(code, message) naming what is wrong."""
     try:
         request = json.loads(line)
@@ -88,11 +88,10 @@ def _parse(line: str, number: int) -> dict:
         raise ValueError(
             "invalid_method", f"line {number}: 'method' must be POST, got {request['method']!r}"
         )
-    if request.get("url") not in BATCH_URLS:
+    if request.get("url") not in urls:
         raise ValueError(
             "invalid_url",
-            f"line {number}: 'url' must be one of {', '.join(BATCH_URLS)}; got "
-            f"{request.get('url')!r}",
+            f"line {number}: 'url' must be {' or '.join(urls)}; got {request.get('url')!r}",
         )
     body = request.get("body")
     if not isinstance(body, dict):
@@ -103,12 +102,17 @@ def _parse(line: str, number: int) -> dict:
 
 
 async def answer_line(
-    client: httpx.AsyncClient, line: str, number: int, body_defaults: dict | None = None
+    client: httpx.AsyncClient,
+    line: str,
+    number: int,
+    body_defaults: dict | None = None,
+    urls: Sequence[str] = BATCH_URLS,
 ) -> dict:
     """The output line of input line `number` (1-based): the route's answer, or an error line.
-    `body_defaults`: fields set in a body that does not give them (e.g. a batch's priority)."""
+    `body_defaults`: fields set in a body that does not give them (e.g. a batch's priority);
+    `urls`: the routes lines may name (a /v1/batches batch: its endpoint)."""
     try:
-        request = _parse(line, number)
+        request = _parse(line, number, urls)
     except ValueError as exc:
         code, message = exc.args
         custom_id = _custom_id(line)
@@ -149,14 +153,17 @@ async def run_lines(
     lines: Sequence[str],
     on_result: Callable[[dict], None] = lambda result: None,
     body_defaults: dict | None = None,
+    urls: Sequence[str] = BATCH_URLS,
+    max_in_flight: int = MAX_IN_FLIGHT,
 ) -> AsyncIterator[dict]:
     """The output lines of `lines` (blank ones skipped), in input order, as each is ready;
-    `on_result` sees each as it finishes (in any order: a progress bar)."""
-    limit = asyncio.Semaphore(MAX_IN_FLIGHT)
+    `on_result` sees each as it finishes (in any order: a progress bar); at most
+    `max_in_flight` requests at the engine at once."""
+    limit = asyncio.Semaphore(max_in_flight)
 
     async def answer(line: str, number: int) -> dict:
         async with limit:
-            result = await answer_line(client, line, number, body_defaults)
+            result = await answer_line(client, line, number, body_defaults, urls)
         on_result(result)
         return result
 
