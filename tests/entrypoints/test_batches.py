@@ -138,3 +138,23 @@ def test_file_with_another_purpose_is_a_400(client):
     with pytest.raises(BadRequestError) as info:
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
     assert info.value.body["param"] == "purpose"
+
+
+def test_batch_requests_reach_the_engine_at_low_priority(client, server, monkeypatch):
+    from pagedllm.entrypoints.batches import BATCH_PRIORITY
+
+    engine, priorities = server.engine, []
+    submit = engine.submit
+
+    def spy(*args, priority=0, **kwargs):
+        priorities.append(priority)
+        return submit(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    upload = _upload(client, [_line("x", "/v1/completions", COMPLETION)])
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    assert _wait(client, batch.id).status == "completed"
+    client.completions.create(**COMPLETION)
+    assert priorities == [BATCH_PRIORITY, 0]
