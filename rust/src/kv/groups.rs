@@ -118,6 +118,9 @@ impl KvCacheManager {
     /// The hybrid prefix query (vLLM's rule): the full-attention groups need every block of
     /// the hit, a sliding-window group only the blocks its window reads from the first
     /// uncomputed token; the hit is the longest length every group agrees on.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn find_hybrid(&self, tokens: &[TokenId], extra_key: u64) -> PrefixHit {
         let bs = self.config.block_size;
         let num_groups = self.windows.len();
@@ -172,6 +175,9 @@ impl KvCacheManager {
 
     /// A hit for a hybrid table is well formed (a row per group, each as long as the hit,
     /// `NULL_BLOCK` exactly where the group's window does not reach) and still cached.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn check_hybrid_hit(&self, hit: &PrefixHit) -> Result<()> {
         let bs = self.config.block_size;
         let len = hit.blocks.len();
@@ -215,6 +221,9 @@ impl KvCacheManager {
 
     /// Free blocks a hybrid `allocate(hit, num_slots)` takes: every group's fresh blocks and
     /// the cached hit blocks it revives.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn hybrid_blocks_to_allocate(&self, hit: &PrefixHit, num_slots: usize) -> usize {
         let total = blocks_for(num_slots, self.config.block_size);
         let fresh = total.saturating_sub(hit.blocks.len()) * self.windows.len();
@@ -228,6 +237,9 @@ impl KvCacheManager {
 
     /// The hybrid `allocate`, after `check_hybrid_hit`: every group's row is the hit's row
     /// (revived) plus fresh blocks up to `ceil(num_slots / block_size)`.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn allocate_hybrid(
         &mut self,
         seq: SeqId,
@@ -294,6 +306,9 @@ impl KvCacheManager {
     /// wholly behind the window of the query at `first_new_slot`. The room check counts no
     /// released block, so `None` (no change) is answered exactly when the non-hybrid count
     /// per group would be.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn append_slots_hybrid(
         &mut self,
         seq: SeqId,
@@ -337,6 +352,9 @@ impl KvCacheManager {
 
     /// Registers every held block of rows `[table.num_registered, full)` of a hybrid table
     /// under its group's key; returns how many were newly registered.
+    // Off the one-group hot paths: never inlined into them.
+    #[cold]
+    #[inline(never)]
     pub(super) fn register_hybrid(
         cache: &mut PrefixCache,
         table: &mut BlockTable,
