@@ -1,6 +1,6 @@
 """OpenAI's Files and Batches APIs over the server's own engine: `POST /v1/files` (multipart,
-purpose "batch"), `GET /v1/files`, `GET /v1/files/{id}`, `GET /v1/files/{id}/content`,
-`DELETE /v1/files/{id}`; `POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`,
+purpose "batch"), `GET /v1/files`, `GET /v1/files/{id}`, `GET /v1/files/{id}/content`;
+`POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`,
 `POST /v1/batches/{id}/cancel`.
 
 A batch's lines are answered by the server's routes in-process (batch_runner.py), at most
@@ -150,12 +150,6 @@ def register_batch_routes(app: FastAPI, server) -> None:
     @app.get("/v1/files/{file_id}/content", responses=_CLIENT_ERROR)
     async def file_content(file_id: str):
         return Response(store.file(file_id)[1], media_type="application/jsonl")
-
-    @app.delete("/v1/files/{file_id}", responses=_CLIENT_ERROR)
-    async def delete_file(file_id: str):
-        store.file(file_id)
-        del store.files[file_id]
-        return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post(
         "/v1/batches",

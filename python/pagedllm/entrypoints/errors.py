@@ -113,5 +113,19 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if isinstance(exc.__cause__, RecursionError):  # FastAPI's json.loads of the body
             message = "the body is nested too deeply to parse"
-        # a 405 keeps its Allow header (the methods the path takes)
-        return APIError(exc.status_code, message, headers=exc.headers).response()
+        # a 405 keeps its Allow header: the methods of every route of the path (Starlette names
+        # only the first route's, where a path has one route per method)
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return APIError(exc.status_code, message, headers=headers).response()
+
+
+def _allowed_methods(request: Request) -> str:
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches({**request.scope, "method": "GET"})[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
