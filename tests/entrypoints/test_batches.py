@@ -158,3 +158,22 @@ def test_batch_requests_reach_the_engine_at_low_priority(client, server, monkeyp
     assert _wait(client, batch.id).status == "completed"
     client.completions.create(**COMPLETION)
     assert priorities == [BATCH_PRIORITY, 0]
+
+
+def test_batch_keeps_half_the_sequences_free_for_interactive_requests(client, server):
+    body = {**COMPLETION, "max_tokens": 30, "ignore_eos": True}
+    lines = [_line(f"r{i}", "/v1/completions", body) for i in range(24)]
+    batch = client.batches.create(
+        input_file_id=_upload(client, lines).id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    in_engine = []
+    while client.batches.retrieve(batch.id).status == "in_progress":
+        in_engine.append(
+            server.metric("pagedllm:num_requests_running")
+            + server.metric("pagedllm:num_requests_waiting")
+        )
+    assert client.batches.retrieve(batch.id).request_counts.completed == 24
+    limit = server.engine.engine.args.max_num_seqs // 2
+    assert 1 < max(in_engine) <= limit

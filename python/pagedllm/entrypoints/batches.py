@@ -3,9 +3,10 @@ purpose "batch"), `GET /v1/files`, `GET /v1/files/{id}`, `GET /v1/files/{id}/con
 `POST /v1/batches`, `GET /v1/batches`, `GET /v1/batches/{id}`,
 `POST /v1/batches/{id}/cancel`.
 
-A batch's lines are answered by the server's routes in-process (batch_runner.py), at most
-BATCH_IN_FLIGHT at once and at priority BATCH_PRIORITY (after every interactive request under
-`--policy priority`), so interactive traffic keeps its latency. Results: `output_file_id` (the
+A batch's lines are answered by the server's routes in-process (batch_runner.py), at most half
+of `--max-num-seqs` at once (the other half stays free for interactive requests, whatever the
+policy) and at priority BATCH_PRIORITY (after every interactive request under `--policy
+priority`), so interactive traffic keeps its latency. Results: `output_file_id` (the
 answered lines) and `error_file_id` (the error lines), in input order, as OpenAI splits them.
 Files and batches live in memory: they are gone when the server stops.
 """
@@ -28,7 +29,6 @@ from pagedllm.entrypoints.batch_runner import BatchCounts, app_client, run_lines
 from pagedllm.entrypoints.errors import APIError, ErrorResponse
 
 BATCH_PRIORITY = 1_000_000  # a lower value is more urgent; interactive requests default to 0
-BATCH_IN_FLIGHT = 16
 _CLIENT_ERROR = {"4XX": {"model": ErrorResponse, "description": "A client error (400, 404)"}}
 
 
@@ -209,7 +209,7 @@ async def _run(app: FastAPI, server, store: _Store, batch: dict, content: bytes)
                 lines,
                 body_defaults={"priority": BATCH_PRIORITY},
                 urls=[batch["endpoint"]],
-                max_in_flight=BATCH_IN_FLIGHT,
+                max_in_flight=max(1, server.engine.engine.args.max_num_seqs // 2),
             ):
                 counts.add(result)
                 (outputs if result["error"] is None else errors).append(json.dumps(result))
