@@ -49,6 +49,10 @@ class PrefixHit:
         """Device blocks of the longest run of leading cached full blocks (the block holding the
         last token is never part of it: that token is always computed)."""
     @property
+    def others(self) -> list[list[int]]:
+        """A hybrid manager's layer groups 1.. (rows like ``blocks``; ``2**32 - 1`` where the
+        group's window reads no block); empty otherwise."""
+    @property
     def hashes(self) -> list[int]:
         """Chain hashes of every full block of the looked-up tokens (empty with caching off)."""
 
