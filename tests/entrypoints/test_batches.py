@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
-from openai import BadRequestError, NotFoundError
+from openai import BadRequestError, NotFoundError, OpenAI
 
-from server_util import MODEL
+from server_util import MODEL, live_server
 
 COMPLETION = {"model": MODEL, "prompt": "The sky is", "max_tokens": 6, "temperature": 0}
 
@@ -177,3 +177,14 @@ def test_batch_keeps_half_the_sequences_free_for_interactive_requests(client, se
     assert client.batches.retrieve(batch.id).request_counts.completed == 24
     limit = server.engine.engine.args.max_num_seqs // 2
     assert 1 < max(in_engine) <= limit
+
+
+def test_batch_runs_on_a_server_with_an_api_key():
+    with live_server(api_key="sekret") as server:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="sekret", max_retries=0)
+        upload = _upload(client, [_line("x", "/v1/completions", COMPLETION)])
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        batch = _wait(client, batch.id)
+        assert (batch.status, batch.request_counts.completed) == ("completed", 1)
