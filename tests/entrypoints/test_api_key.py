@@ -20,8 +20,22 @@ BODIES = {
         "messages": [{"role": "user", "content": "x"}],
         "max_tokens": 1,
     },
+    "/v1/responses": {"model": MODEL, "input": "x", "max_output_tokens": 1},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [104, 105]},
+}
+# routes this (generating, no runtime LoRA opt-in) server answers with a client error past the
+# key: the pooling routes (a 400 naming `model`) and the runtime LoRA routes (404, as vLLM's
+# without the opt-in); a body each, and the status it gets
+REFUSED = {
+    "/v1/embeddings": ({"model": MODEL, "input": "x"}, 400),
+    "/v1/score": ({"model": MODEL, "text_1": "a", "text_2": "b"}, 400),
+    "/score": ({"model": MODEL, "text_1": "a", "text_2": "b"}, 400),
+    "/v1/rerank": ({"model": MODEL, "query": "a", "documents": ["b"]}, 400),
+    "/rerank": ({"model": MODEL, "query": "a", "documents": ["b"]}, 400),
+    "/v2/rerank": ({"model": MODEL, "query": "a", "documents": ["b"]}, 400),
+    "/v1/load_lora_adapter": ({"lora_name": "a", "lora_path": "/nowhere"}, 404),
+    "/v1/unload_lora_adapter": ({"lora_name": "a"}, 404),
 }
 
 
@@ -36,7 +50,8 @@ def _requests(app):
     for route in app.routes:
         for method in sorted(getattr(route, "methods", None) or ()):
             if method != "HEAD":
-                yield method, route.path, BODIES.get(route.path) if method == "POST" else None
+                body = BODIES.get(route.path, REFUSED.get(route.path, (None,))[0])
+                yield method, route.path, body if method == "POST" else None
 
 
 def _send(server, method: str, path: str, body, key: str | None) -> httpx.Response:
@@ -58,7 +73,8 @@ def test_every_route_answers_with_the_key(server):
     for method, path, body in _requests(server.app):
         assert method != "POST" or body is not None, f"add a request body for {path} to BODIES"
         response = _send(server, method, path, body, KEY)
-        assert response.status_code == 200, (method, path, response.text)
+        expected = REFUSED[path][1] if path in REFUSED else 200
+        assert response.status_code == expected, (method, path, response.text)
 
 
 def test_the_probes_stay_open_without_the_key(server):
