@@ -36,6 +36,12 @@ REFUSED = {
     "/v2/rerank": ({"model": MODEL, "query": "a", "documents": ["b"]}, 400),
     "/v1/load_lora_adapter": ({"lora_name": "a", "lora_path": "/nowhere"}, 404),
     "/v1/unload_lora_adapter": ({"lora_name": "a"}, 404),
+    # a JSON body where the upload is multipart
+    "/v1/files": ({"purpose": "batch"}, 400),
+    "/v1/batches": (
+        {"input_file_id": "file-none", "endpoint": "/v1/chat/completions"},
+        404,
+    ),
 }
 
 
@@ -71,9 +77,12 @@ def test_every_route_but_the_probes_is_401_without_the_key(server):
 
 def test_every_route_answers_with_the_key(server):
     for method, path, body in _requests(server.app):
-        assert method != "POST" or body is not None, f"add a request body for {path} to BODIES"
+        named = "{" in path
+        assert method != "POST" or named or body is not None, f"add a body for {path} to BODIES"
         response = _send(server, method, path, body, KEY)
-        expected = REFUSED[path][1] if path in REFUSED else 200
+        # a path naming an object (`/v1/files/{file_id}`): none by that id here
+        refused = method == "POST" and path in REFUSED
+        expected = 404 if "{" in path else REFUSED[path][1] if refused else 200
         assert response.status_code == expected, (method, path, response.text)
 
 
