@@ -190,7 +190,9 @@ def _yarn(pos_freqs: Tensor, dim: int, rope: RopeConfig) -> tuple[Tensor, float]
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no division by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     extrapolation = 1 - ramp
     interpolated = 1.0 / (factor * pos_freqs)
     kept = 1.0 / pos_freqs
