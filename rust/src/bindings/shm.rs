@@ -4,17 +4,14 @@
 //! slow `TimeoutError`, a peer dead or a group aborted `ConnectionError`.
 use std::time::Duration;
 
-use numpy::{
-    Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
-    PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{PyArrayDescrMethods, PyReadwriteArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyConnectionError, PyOSError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-use crate::dist::ring_numpy::item_arrays;
+use crate::dist::ring_numpy::{item_arrays, item_of_array};
 use crate::dist::shm_allreduce::{Bf16, ShmAllReduce};
-use crate::dist::shm_ring::{DType, ItemRef, Reader, RingElem, Writer};
+use crate::dist::shm_ring::{DType, Reader, Writer};
 use crate::dist::DistError;
 
 fn to_py(err: DistError) -> PyErr {
@@ -139,67 +136,6 @@ fn dtype_of(array: &Bound<'_, PyUntypedArray>) -> PyResult<DType> {
     })
 }
 
-/// An array to publish, borrowed read-only through the call, by its element type.
-enum Held<'py> {
-    Bool(PyReadonlyArrayDyn<'py, bool>),
-    U8(PyReadonlyArrayDyn<'py, u8>),
-    I16(PyReadonlyArrayDyn<'py, i16>),
-    I32(PyReadonlyArrayDyn<'py, i32>),
-    I64(PyReadonlyArrayDyn<'py, i64>),
-    F32(PyReadonlyArrayDyn<'py, f32>),
-    F64(PyReadonlyArrayDyn<'py, f64>),
-}
-
-fn typed<'py, T: Element>(
-    array: &Bound<'py, PyUntypedArray>,
-) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
-    let typed = array.cast::<PyArrayDyn<T>>().map_err(|_| {
-        PyValueError::new_err(format!(
-            "arrays of dtype {} cannot travel through the ring (native byte order only)",
-            array.dtype()
-        ))
-    })?;
-    typed
-        .try_readonly()
-        .map_err(|e| PyValueError::new_err(format!("an array cannot be read ({e})")))
-}
-
-impl<'py> Held<'py> {
-    fn of(array: &Bound<'py, PyUntypedArray>) -> PyResult<Self> {
-        if !array.is_c_contiguous() {
-            return Err(PyValueError::new_err("arrays must be C-contiguous"));
-        }
-        Ok(match dtype_of(array)? {
-            DType::Bool => Held::Bool(typed(array)?),
-            DType::U8 => Held::U8(typed(array)?),
-            DType::I16 => Held::I16(typed(array)?),
-            DType::I32 => Held::I32(typed(array)?),
-            DType::I64 => Held::I64(typed(array)?),
-            DType::F32 => Held::F32(typed(array)?),
-            DType::F64 => Held::F64(typed(array)?),
-        })
-    }
-
-    fn item(&self) -> ItemRef<'_> {
-        match self {
-            Held::Bool(a) => item_of(a),
-            Held::U8(a) => item_of(a),
-            Held::I16(a) => item_of(a),
-            Held::I32(a) => item_of(a),
-            Held::I64(a) => item_of(a),
-            Held::F32(a) => item_of(a),
-            Held::F64(a) => item_of(a),
-        }
-    }
-}
-
-fn item_of<'a, T: RingElem + Element>(array: &'a PyReadonlyArrayDyn<'_, T>) -> ItemRef<'a> {
-    let data = array
-        .as_slice()
-        .expect("C-contiguous (checked in Held::of)");
-    ItemRef::of(array.shape(), data)
-}
-
 /// The writer's end of a broadcast ring (`crate::dist::shm_ring`): the engine's rank 0.
 #[pyclass(module = "pagedllm._core", name = "ShmRingWriter")]
 struct PyShmRingWriter {
@@ -235,11 +171,15 @@ impl PyShmRingWriter {
         timeout_s: Option<f64>,
     ) -> PyResult<bool> {
         let timeout = seconds("timeout_s", timeout_s)?;
-        let held = arrays
+        let items = arrays
             .iter()
-            .map(|array| array.as_ref().map(Held::of).transpose())
+            .map(|array| {
+                array
+                    .as_ref()
+                    .map(|a| item_of_array(a, dtype_of(a)?))
+                    .transpose()
+            })
             .collect::<PyResult<Vec<_>>>()?;
-        let items: Vec<_> = held.iter().map(|h| h.as_ref().map(Held::item)).collect();
         self.inner
             .publish(tag, &ints, &items, timeout)
             .map_err(to_py)
