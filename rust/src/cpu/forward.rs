@@ -113,6 +113,8 @@ struct Scratch {
     qkv: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
+    /// q's (or k's) heads gathered contiguously for their per-head norms
+    heads_in: Vec<f32>,
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
@@ -136,7 +138,7 @@ pub fn decoder_forward<C: KvElem>(
         final_norm,
         shape,
         hidden,
-        &step.slot_mapping.len(),
+        step.slot_mapping.len(),
         tokens,
     )?;
     if kv_cache.dim().0 != 2 || kv_cache.dim().1 != layers.len() {
@@ -193,10 +195,10 @@ fn check(
     final_norm: &[f32],
     shape: Shape,
     hidden: usize,
-    slots: &usize,
+    slots: usize,
     tokens: usize,
 ) -> Result<()> {
-    if *slots != tokens {
+    if slots != tokens {
         return Err(invalid(format!(
             "slot_mapping has {slots} entries for {tokens} tokens"
         )));
@@ -255,6 +257,7 @@ impl Scratch {
             qkv: vec![0.0; tokens * (q + 2 * kv)],
             q: vec![0.0; if qk_norm { tokens * q } else { 0 }],
             k: vec![0.0; if qk_norm { tokens * kv } else { 0 }],
+            heads_in: vec![0.0; if qk_norm { tokens * q.max(kv) } else { 0 }],
             attn: vec![0.0; tokens * q],
             gate_up: vec![0.0; tokens * inter],
             act: vec![0.0; tokens * inter / 2],
@@ -310,55 +313,50 @@ fn attention<C: KvElem>(
             )
             .map_err(bad_shape)?;
             rotary::rotary_in_place(qk, step.cos, step.sin)?;
-            let q = heads(h, 0, &scratch.qkv)?;
-            let k = heads(kvh, h * d, &scratch.qkv)?;
-            let v = heads(kvh, (h + kvh) * d, &scratch.qkv)?;
-            store_and_attend(
-                q,
-                k,
-                v,
-                shape,
-                step,
-                k_cache,
-                v_cache,
-                &mut scratch.attn,
-                opts,
-            )?;
         }
         Some((q_norm, k_norm)) => {
             // per-head norms into contiguous copies (as the Python path's `.contiguous()`)
             let qkv =
                 ArrayView2::from_shape((tokens, width), &scratch.qkv[..]).map_err(bad_shape)?;
+            let rows = &mut scratch.heads_in;
             norm_heads(
                 qkv.slice(s![.., ..h * d]),
                 q_norm,
                 shape.eps,
                 d,
+                rows,
                 &mut scratch.q,
             )?;
             let k_cols = qkv.slice(s![.., h * d..(h + kvh) * d]);
-            norm_heads(k_cols, k_norm, shape.eps, d, &mut scratch.k)?;
-            let mut q =
+            norm_heads(k_cols, k_norm, shape.eps, d, rows, &mut scratch.k)?;
+            let q =
                 ArrayViewMut3::from_shape((tokens, h, d), &mut scratch.q[..]).map_err(bad_shape)?;
-            rotary::rotary_in_place(q.view_mut(), step.cos, step.sin)?;
-            let mut k = ArrayViewMut3::from_shape((tokens, kvh, d), &mut scratch.k[..])
+            rotary::rotary_in_place(q, step.cos, step.sin)?;
+            let k = ArrayViewMut3::from_shape((tokens, kvh, d), &mut scratch.k[..])
                 .map_err(bad_shape)?;
-            rotary::rotary_in_place(k.view_mut(), step.cos, step.sin)?;
-            let v = heads(kvh, (h + kvh) * d, &scratch.qkv)?;
-            let (q, k) = (q.view(), k.view());
-            store_and_attend(
-                q,
-                k,
-                v,
-                shape,
-                step,
-                k_cache,
-                v_cache,
-                &mut scratch.attn,
-                opts,
-            )?;
+            rotary::rotary_in_place(k, step.cos, step.sin)?;
         }
     }
+    let (q, k) = if layer.qk_norm.is_some() {
+        (
+            ArrayView3::from_shape((tokens, h, d), &scratch.q[..]).map_err(bad_shape)?,
+            ArrayView3::from_shape((tokens, kvh, d), &scratch.k[..]).map_err(bad_shape)?,
+        )
+    } else {
+        (heads(h, 0, &scratch.qkv)?, heads(kvh, h * d, &scratch.qkv)?)
+    };
+    let v = heads(kvh, (h + kvh) * d, &scratch.qkv)?;
+    store_and_attend(
+        q,
+        k,
+        v,
+        shape,
+        step,
+        k_cache,
+        v_cache,
+        &mut scratch.attn,
+        opts,
+    )?;
     let attn = ArrayView2::from_shape((tokens, h * d), &scratch.attn[..]).map_err(bad_shape)?;
     layer.o.run(attn, x.view_mut(), opts)
 }
@@ -375,23 +373,27 @@ fn heads_view(
     ArrayView3::from_shape((tokens, n, d).strides((width, d, 1)), &data[start..]).map_err(bad_shape)
 }
 
-/// RMS norm of every `d`-element head of `cols [T, n·d]` into `out` (contiguous `[T, n, d]`).
+/// RMS norm of every `d`-element head of `cols [T, n·d]` into `out` (contiguous `[T, n, d]`),
+/// the heads gathered contiguously into `rows` first (the norm kernel reads contiguous rows).
 fn norm_heads(
     cols: ArrayView2<f32>,
     weight: &[f32],
     eps: f32,
     d: usize,
+    rows: &mut [f32],
     out: &mut [f32],
 ) -> Result<()> {
     let (tokens, width) = cols.dim();
-    let mut rows = ndarray::Array2::<f32>::zeros((tokens * width / d, d));
-    for (t, row) in cols.rows().into_iter().enumerate() {
-        for (j, value) in row.iter().enumerate() {
-            rows[[t * (width / d) + j / d, j % d]] = *value;
+    let rows = &mut rows[..tokens * width];
+    for (dst, src) in rows.chunks_exact_mut(width).zip(cols.rows()) {
+        match src.as_slice() {
+            Some(src) => dst.copy_from_slice(src),
+            None => dst.iter_mut().zip(src).for_each(|(d, s)| *d = *s),
         }
     }
+    let rows = ArrayView2::from_shape((tokens * width / d, d), &*rows).map_err(bad_shape)?;
     let out = ArrayViewMut2::from_shape((tokens * width / d, d), out).map_err(bad_shape)?;
-    norm::rms_norm(rows.view(), weight, eps, out)
+    norm::rms_norm(rows, weight, eps, out)
 }
 
 #[allow(clippy::too_many_arguments)]
