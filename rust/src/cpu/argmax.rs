@@ -47,8 +47,8 @@ pub fn argmax_rows(logits: ArrayView2<f32>, out: &mut [i64], num_threads: usize)
 /// The index of the first largest value of a non-empty row (of the first NaN, if any).
 fn argmax(row: &[f32]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked above).
+    if super::simd::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 (checked above: the ISA level is AVX2 or above).
         if let Some(i) = unsafe { argmax_avx2(row) } {
             return i;
         }

@@ -12,6 +12,7 @@ pub mod attention;
 mod attention_avx2;
 pub mod elem;
 pub mod forward;
+pub mod isa;
 pub mod kv_quant;
 pub mod linear;
 pub mod moe;

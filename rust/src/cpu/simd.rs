@@ -1,7 +1,8 @@
 //! Vector loops for the CPU kernels, written as fixed 8-lane chunks so that the compiler turns
 //! them into one AVX register op per chunk. `F` selects fused multiply-add: the kernels are
-//! instantiated once with `F = true` inside an `avx2,fma` function (runtime-detected) and once
-//! with `F = false` for any other x86-64 or non-x86 CPU (where `mul_add` would be a libm call).
+//! instantiated once with `F = true` inside an `avx2,fma` function (run where the ISA level,
+//! `isa::level()`, is AVX2 or above) and once with `F = false` for any other level or CPU (where
+//! `mul_add` would be a libm call).
 //! The cache-side operand of `dot` and `axpy` is any kernel element (`Elem`): bf16 widens to f32
 //! as it is loaded, the arithmetic stays in f32.
 
@@ -9,11 +10,12 @@ use super::elem::Elem;
 
 pub(crate) const LANES: usize = 8;
 
-/// Whether this CPU runs the kernels' `avx2,fma` functions (the one check before calling any).
+/// Whether the kernels run their `avx2,fma` functions (the one check before calling any): the
+/// process's ISA level (`isa`, the machine's or a lower forced one) is AVX2 or above.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(crate) fn has_avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    super::isa::level() >= super::isa::IsaLevel::Avx2
 }
 
 #[inline(always)]

@@ -1,0 +1,310 @@
+//! The instruction-set level the CPU kernels run at, decided once per process: the highest level
+//! the processor AND the operating system grant, or a lower one forced by `PAGEDLLM_CPU_ISA`
+//! (for comparisons and tests). Every kernel's dispatch asks `level()`; nothing else checks CPU
+//! features, so forcing a level reaches every kernel.
+//!
+//! AMX needs more than the CPUID bits: Linux hands a process the (8 KiB) tile state only after it
+//! asks for it (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); a tile instruction
+//! without that permission kills the process with SIGILL. A kernel or VM that refuses the request
+//! leaves the level at AVX-512.
+
+use std::sync::OnceLock;
+
+/// The kernels' instruction-set levels, each including the ones below it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaLevel {
+    /// Plain Rust (what any CPU runs; the only level off x86-64).
+    Portable,
+    /// AVX2 + FMA: 8 float lanes.
+    Avx2,
+    /// AVX-512 F, BW and VL: 16 float lanes, masked tails.
+    Avx512,
+    /// AMX tiles (int8 and bf16), with the OS's permission for the tile state.
+    Amx,
+}
+
+impl IsaLevel {
+    const ALL: [IsaLevel; 4] = [Self::Portable, Self::Avx2, Self::Avx512, Self::Amx];
+
+    /// The level's name, as `PAGEDLLM_CPU_ISA` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Portable => "portable",
+            Self::Avx2 => "avx2",
+            Self::Avx512 => "avx512",
+            Self::Amx => "amx",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|l| l.name().eq_ignore_ascii_case(name.trim()))
+    }
+}
+
+/// What this machine grants: its highest level and the feature flags found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Machine {
+    pub level: IsaLevel,
+    /// The detected flags among those the levels use or report (`avx2`, `avx512vnni`, ...;
+    /// `amx-*` only where the OS granted the tile state).
+    pub flags: Vec<&'static str>,
+}
+
+/// The process's decision: the level the kernels run at, the machine's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuIsa {
+    pub level: IsaLevel,
+    pub machine: Machine,
+}
+
+/// The variable that forces a level.
+pub const FORCE_VAR: &str = "PAGEDLLM_CPU_ISA";
+
+/// The kernels' level (a dispatch asks this, so it is cheap after the first call). A
+/// `PAGEDLLM_CPU_ISA` that `cpu_isa` rejects leaves the machine's level here; the engine calls
+/// `cpu_isa` at start-up, which raises the error.
+#[inline]
+pub(crate) fn level() -> IsaLevel {
+    match decided() {
+        Ok(isa) => isa.level,
+        Err((machine, _)) => machine.level,
+    }
+}
+
+/// The process's level and the machine's flags; an error naming a `PAGEDLLM_CPU_ISA` value that
+/// is not a level or is above what the machine grants.
+pub fn cpu_isa() -> crate::error::Result<&'static CpuIsa> {
+    decided()
+        .as_ref()
+        .map_err(|(_, msg)| crate::error::Error::InvalidArgument(msg.clone()))
+}
+
+type Decision = Result<CpuIsa, (Machine, String)>;
+
+fn decided() -> &'static Decision {
+    static DECIDED: OnceLock<Decision> = OnceLock::new();
+    DECIDED.get_or_init(|| {
+        let machine = detect();
+        let forced = std::env::var(FORCE_VAR).ok();
+        match decide(&machine, forced.as_deref()) {
+            Ok(level) => Ok(CpuIsa { level, machine }),
+            Err(msg) => Err((machine, msg)),
+        }
+    })
+}
+
+/// The level to run at: the machine's, or `forced` (unset or empty: the machine's) where it is
+/// a level no higher than the machine's.
+fn decide(machine: &Machine, forced: Option<&str>) -> Result<IsaLevel, String> {
+    let Some(name) = forced.filter(|s| !s.trim().is_empty()) else {
+        return Ok(machine.level);
+    };
+    let supports = || {
+        format!(
+            "this machine supports up to {} (flags: {})",
+            machine.level.name(),
+            if machine.flags.is_empty() {
+                "none".to_string()
+            } else {
+                machine.flags.join(" ")
+            }
+        )
+    };
+    let Some(level) = IsaLevel::parse(name) else {
+        let names: Vec<_> = IsaLevel::ALL.iter().map(|l| l.name()).collect();
+        return Err(format!(
+            "{FORCE_VAR}={name:?} is not a CPU ISA level (one of {}); {}",
+            names.join(", "),
+            supports()
+        ));
+    };
+    if level > machine.level {
+        return Err(format!(
+            "{FORCE_VAR}={name:?} asks for more than the machine grants: {}",
+            supports()
+        ));
+    }
+    Ok(level)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Machine {
+    Machine {
+        level: IsaLevel::Portable,
+        flags: Vec::new(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Machine {
+    // `is_x86_feature_detected!` also checks that the OS saves the registers (XCR0)
+    macro_rules! detected {
+        ($($flag:tt),*) => {
+            [$(($flag, std::arch::is_x86_feature_detected!($flag))),*]
+        };
+    }
+    let mut flags: Vec<&'static str> = detected!(
+        "avx2",
+        "fma",
+        "f16c",
+        "avxvnni",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512vnni",
+        "avx512bf16",
+        "avx512fp16"
+    )
+    .into_iter()
+    .filter_map(|(flag, on)| on.then_some(flag))
+    .collect();
+    let amx = amx_flags();
+    if !amx.is_empty() && amx_tile_state_granted() {
+        flags.extend(amx);
+    }
+    Machine {
+        level: level_of(&flags),
+        flags,
+    }
+}
+
+/// The highest level whose every flag is in `flags`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn level_of(flags: &[&str]) -> IsaLevel {
+    let has = |need: &[&str]| need.iter().all(|f| flags.contains(f));
+    let mut level = IsaLevel::Portable;
+    for (next, need) in [
+        (IsaLevel::Avx2, &["avx2", "fma"][..]),
+        (IsaLevel::Avx512, &["avx512f", "avx512bw", "avx512vl"][..]),
+        (IsaLevel::Amx, &["amx-tile", "amx-int8", "amx-bf16"][..]),
+    ] {
+        if !has(need) {
+            break;
+        }
+        level = next;
+    }
+    level
+}
+
+/// The AMX flags of CPUID leaf 7 (std's detection of them is not stable Rust yet).
+#[cfg(target_arch = "x86_64")]
+fn amx_flags() -> Vec<&'static str> {
+    use std::arch::x86_64::{__cpuid_count, __get_cpuid_max};
+    // SAFETY: CPUID exists on every x86-64 CPU (the intrinsics are safe in newer Rust).
+    #[allow(unused_unsafe)]
+    let edx = unsafe {
+        if __get_cpuid_max(0).0 < 7 {
+            return Vec::new();
+        }
+        __cpuid_count(7, 0).edx
+    };
+    [(24, "amx-tile"), (25, "amx-int8"), (22, "amx-bf16")]
+        .into_iter()
+        .filter_map(|(bit, flag)| (edx >> bit & 1 == 1).then_some(flag))
+        .collect()
+}
+
+/// Asks Linux for the AMX tile state (process-wide) and reads the permission back; false where
+/// the kernel or a VM refuses (no AMX support in the kernel, tile state masked by the host).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_tile_state_granted() -> bool {
+    const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    let mut permitted: u64 = 0;
+    // SAFETY: arch_prctl with these codes reads an integer argument / writes one u64 through the
+    // pointer, which points at a live local.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) != 0
+        {
+            return false;
+        }
+        if libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_GET_XCOMP_PERM,
+            &mut permitted as *mut u64,
+        ) != 0
+        {
+            return false;
+        }
+    }
+    permitted >> XFEATURE_XTILEDATA & 1 == 1
+}
+
+/// Elsewhere the tile state is not requested, so AMX is not used.
+#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
+fn amx_tile_state_granted() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(level: IsaLevel) -> Machine {
+        let flags = match level {
+            IsaLevel::Portable => vec![],
+            IsaLevel::Avx2 => vec!["avx2", "fma", "f16c"],
+            _ => vec!["avx2", "fma", "avx512f", "avx512bw", "avx512vl"],
+        };
+        Machine { level, flags }
+    }
+
+    #[test]
+    fn an_unset_or_empty_variable_keeps_the_machines_level() {
+        let m = machine(IsaLevel::Avx2);
+        assert_eq!(decide(&m, None), Ok(IsaLevel::Avx2));
+        assert_eq!(decide(&m, Some("")), Ok(IsaLevel::Avx2));
+    }
+
+    #[test]
+    fn a_forced_level_at_or_below_the_machines_is_honoured() {
+        let m = machine(IsaLevel::Avx512);
+        assert_eq!(decide(&m, Some("portable")), Ok(IsaLevel::Portable));
+        assert_eq!(decide(&m, Some("AVX2")), Ok(IsaLevel::Avx2));
+        assert_eq!(decide(&m, Some("avx512")), Ok(IsaLevel::Avx512));
+    }
+
+    #[test]
+    fn a_forced_level_above_the_machines_names_the_value_and_the_machine() {
+        let err = decide(&machine(IsaLevel::Avx2), Some("amx")).unwrap_err();
+        assert!(err.contains("PAGEDLLM_CPU_ISA=\"amx\""), "{err}");
+        assert!(err.contains("up to avx2 (flags: avx2 fma f16c)"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_level_lists_the_levels() {
+        let err = decide(&machine(IsaLevel::Portable), Some("sse4")).unwrap_err();
+        assert!(err.contains("\"sse4\" is not a CPU ISA level"), "{err}");
+        assert!(err.contains("portable, avx2, avx512, amx"), "{err}");
+        assert!(err.contains("flags: none"), "{err}");
+    }
+
+    #[test]
+    fn the_level_needs_every_flag_of_it_and_of_the_levels_below() {
+        assert_eq!(level_of(&["avx2"]), IsaLevel::Portable);
+        assert_eq!(level_of(&["avx2", "fma", "avx512f"]), IsaLevel::Avx2);
+        let amx_without_avx512 = ["avx2", "fma", "amx-tile", "amx-int8", "amx-bf16"];
+        assert_eq!(level_of(&amx_without_avx512), IsaLevel::Avx2);
+        let all = [
+            "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx-tile", "amx-int8", "amx-bf16",
+        ];
+        assert_eq!(level_of(&all), IsaLevel::Amx);
+    }
+
+    #[test]
+    fn the_process_level_is_the_machines_or_the_forced_one() {
+        // the whole test binary shares one decision: it ran under PAGEDLLM_CPU_ISA or not
+        let isa = decided().as_ref().expect("a valid PAGEDLLM_CPU_ISA");
+        let forced = std::env::var(FORCE_VAR).ok().filter(|s| !s.is_empty());
+        let want = forced.map_or(isa.machine.level, |name| IsaLevel::parse(&name).unwrap());
+        assert_eq!(level(), want);
+        assert!(level() <= isa.machine.level);
+    }
+}
