@@ -784,6 +784,14 @@ class Scheduler:
 # CPU kernels (rust/src/bindings/cpu_ops.rs)
 # =============================================================================================
 
+def cpu_isa() -> tuple[str, list[str]]:
+    """``(level, flags)``: the instruction-set level the CPU kernels run at (``"portable"``,
+    ``"avx2"``, ``"avx512"``, ``"amx"``; the highest the processor and the OS grant, or a lower
+    one forced by ``PAGEDLLM_CPU_ISA``) and the machine's detected feature flags (``"avx2"``,
+    ``"fma"``, ``"avx512vnni"``, ...; ``"amx-*"`` only where Linux granted the tile state).
+    Decided once per process. ``ValueError`` when ``PAGEDLLM_CPU_ISA`` is not a level or is above
+    what the machine grants."""
+
 # float32, or bfloat16 as its uint16 bits (numpy has no bfloat16: `t.view(torch.uint16).numpy()`
 # shares the tensor's memory). The first float argument of a call picks the kernel; every other
 # float argument must have its dtype (``TypeError`` otherwise).

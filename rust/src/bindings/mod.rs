@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 mod block_hash;
 mod convert;
 mod cpu_forward;
+mod cpu_isa;
 mod cpu_moe;
 mod cpu_ops;
 mod cpu_quant;
@@ -24,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
     cpu_ops::register(m)?;
+    cpu_isa::register(m)?;
     cpu_moe::register(m)?;
     cpu_quant::register(m)?;
     cpu_forward::register(m)?;
