@@ -141,13 +141,16 @@ def test_serve_logs_the_ranks_and_their_launcher(monkeypatch, backend):
         dtype=torch.float32,
         device=torch.device("cpu"),
         max_model_len=64,
-        runner=SimpleNamespace(cpu_threads=1),
+        runner=SimpleNamespace(cpu_threads=1, cpu_isa=("avx2", ["avx2", "fma"])),
         lora=None,
         spec=None,
         tokenizer=None,
     )
     loaded = loaded_summary(engine)[0]
-    assert loaded.endswith(f"1 CPU threads per rank, tensor parallel over 2 ranks ({backend})")
+    assert loaded.endswith(
+        f"CPU kernels avx2 (avx2 fma), 1 CPU threads per rank, tensor parallel over 2 ranks "
+        f"({backend})"
+    )
 
 
 def test_start_up_is_given_at_least_the_floor_however_short_the_step_timeout():

@@ -580,6 +580,8 @@ class LLMEngine:
         stats = dict(self.scheduler.get_stats())
         stats.update(self.cache_engine.stats())
         stats.update(self._stats.totals())
+        if self.runner.cpu_isa is not None:  # CPU: the Rust kernels' ISA level, the flags
+            stats["cpu_isa"], stats["cpu_isa_flags"] = self.runner.cpu_isa
         stats.update(self.spec.stats() if self.spec is not None else SpecDecoder.NO_STATS)
         if self.kv_transfer is not None:
             stats.update(self.kv_transfer.stats())

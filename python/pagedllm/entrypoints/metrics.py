@@ -40,6 +40,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"pagedllm:{name}", doc, value=float(stats.get(key, 0)))
         if "kv_cache_dtype" in stats:
             yield from _cache_metrics(stats, self.block_size)
+        if "cpu_isa" in stats:
+            yield _cpu_isa_info(stats)
         counters = {
             "prefix_cache_queries": (
                 "prefix_cache_query_blocks",
@@ -82,6 +84,17 @@ def _cache_metrics(stats, block_size: int):
         "Tokens the device KV cache holds",
         value=float(stats["kv_cache_num_tokens"]),
     )
+
+
+def _cpu_isa_info(stats) -> GaugeMetricFamily:
+    """The instruction-set level the CPU kernels run at and the machine's flags (labels)."""
+    info = GaugeMetricFamily(
+        "pagedllm:cpu_isa_info",
+        "The CPU kernels' instruction-set level and the machine's feature flags (labels); value 1",
+        labels=["level", "flags"],
+    )
+    info.add_metric([stats["cpu_isa"], " ".join(stats["cpu_isa_flags"])], 1.0)
+    return info
 
 
 def _expert_tokens(per_layer: dict[int, list[int]]) -> CounterMetricFamily:

@@ -149,6 +149,7 @@ class ParallelModelRunner:
         self.cache_engine = local.cache_engine
         self.device = local.device
         self.cpu_threads = local.cpu_threads
+        self.cpu_isa = local.cpu_isa
         self.lora = None
         self._block_ops: list = []
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedllm._core import STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS
+from pagedllm._core import STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS, cpu_isa
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.layers import TPShard
 from pagedllm.models import ModelConfig, load_model
@@ -102,6 +102,8 @@ class Worker:
         self, args: EngineArgs, rank: int, *, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.args, self.dtype, self.device = args, dtype, device
+        if device.type == "cpu":
+            cpu_isa()  # a PAGEDLLM_CPU_ISA that is no level stops the start before the load
         self.tp = TPShard(rank, args.tensor_parallel_size)
         load = load_model
         if args.runner == "pooling":  # its decoder may carry a classification head instead

@@ -225,10 +225,12 @@ def loaded_summary(engine) -> list[str]:
     args, cache = engine.args, engine.cache_engine
     dtype = str(engine.dtype).removeprefix("torch.")
     threads, tp = engine.runner.cpu_threads, args.tensor_parallel_size
+    isa = engine.runner.cpu_isa
     loaded = (
         f"loaded {args.model} on {engine.device} in {dtype}: max_model_len {engine.max_model_len}, "
         f"KV cache {cache.num_gpu_blocks} blocks on the device + {cache.num_cpu_blocks} swap "
         f"blocks on the host, {args.block_size} tokens per block"
+        + (f", CPU kernels {isa[0]} ({' '.join(isa[1]) or 'no flags'})" if isa else "")
         + (f", {threads} CPU threads" if threads is not None else "")
         + (" per rank" if threads is not None and tp > 1 else "")
         + (
