@@ -20,6 +20,10 @@ from pagedllm import _core
 from pagedllm.kernels.cpu_arrays import KERNEL_DTYPES, numpy_view
 from pagedllm.kernels.cpu_linear import PANEL
 
+# an expert id the kernel skips (as does the torch reference): a choice of an expert another
+# expert-parallel rank holds, whose term that rank adds
+NOT_HELD = -1
+
 
 @dataclass(frozen=True)
 class PackedExperts:
@@ -65,7 +69,8 @@ def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
 def moe_experts(x: Tensor, packed: PackedExperts, weights: Tensor, ids: Tensor) -> Tensor:
     """x `[T, H]`, the router's weights `[T, k]` and expert ids `[T, k]` -> `[T, H]`:
     `sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`, the
-    terms added in ascending expert order in float32 and rounded once to x's dtype."""
+    terms added in ascending expert order in float32 and rounded once to x's dtype; a choice
+    `NOT_HELD` adds nothing."""
     if x.dtype != packed.gate_up.dtype:
         raise TypeError(f"x dtype {x.dtype} does not match the experts' ({packed.gate_up.dtype})")
     rows = x.reshape(-1, packed.hidden).contiguous()

@@ -17,10 +17,11 @@ def moe_experts_reference(
     x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, ids: Tensor
 ) -> Tensor:
     """x `[T, H]`, gate_up `[E, 2I, H]` (gate rows then up rows), down `[E, H, I]`, the
-    router's weights `[T, k]` (float32) and expert ids `[T, k]` -> `[T, H]` in x's dtype."""
+    router's weights `[T, k]` (float32) and expert ids `[T, k]` -> `[T, H]` in x's dtype; a
+    negative id (`cpu_moe.NOT_HELD`: another rank's expert) adds nothing."""
     out = torch.zeros_like(x)
     width = down.shape[-1]
-    for expert in torch.unique(ids).tolist():
+    for expert in torch.unique(ids[ids >= 0]).tolist():
         tokens, slots = torch.where(ids == expert)
         h = F.linear(x[tokens], gate_up[expert])
         act = F.silu(h[:, :width]) * h[:, width:]

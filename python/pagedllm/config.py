@@ -107,6 +107,9 @@ class EngineArgs:
     # its own bound: `tp_startup_timeout`)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # mixture of experts: each rank holds 1/tensor_parallel_size of the experts whole instead of
+    # a slice of every expert (attention stays sharded; no effect on a dense model)
+    enable_expert_parallel: bool = False
     tp_step_timeout: float = 60.0
     # KV events (vLLM's dict: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; see pagedllm.kv_events)

@@ -99,3 +99,22 @@ def test_an_expert_id_outside_the_experts_is_a_value_error_naming_it():
         cpu_moe.moe_experts(
             torch.zeros(2, HIDDEN), cpu_moe.pack_experts(gate_up, down), weights, ids
         )
+
+
+def test_two_halves_of_the_experts_with_the_other_half_not_held_sum_to_the_whole():
+    # expert parallelism over two ranks: each holds 4 experts and skips the choices of the
+    # other's (NOT_HELD); the two partial outputs add up to one rank's
+    gate_up, down = experts()
+    weights, ids = routing(7, 4)
+    x = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(4))
+    whole = moe_experts_reference(x, gate_up, down, weights, ids)
+    halves = []
+    for first in (0, 4):
+        local = ids - first
+        held = local.masked_fill((local < 0) | (local >= 4), cpu_moe.NOT_HELD)
+        halves.append(
+            run_both(x, gate_up[first : first + 4], down[first : first + 4], weights, held)
+        )
+    for kernel_or_loop in (0, 1):
+        total = halves[0][kernel_or_loop] + halves[1][kernel_or_loop]
+        torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)

@@ -222,6 +222,12 @@ def engine_flags(parser: argparse.ArgumentParser) -> None:
         help="ranks the model is sharded over (CPU, one process per rank)",
     )
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture of experts: each rank holds its share of the experts whole instead of a "
+        "slice of every expert (attention stays sharded)",
+    )
+    g.add_argument(
         "--distributed-executor-backend",
         default=ENGINE_DEFAULTS["distributed_executor_backend"],
         choices=DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -369,6 +375,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         cpu_threads=args.cpu_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        enable_expert_parallel=args.enable_expert_parallel,
         tp_step_timeout=args.tp_step_timeout,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

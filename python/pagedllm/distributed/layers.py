@@ -49,6 +49,13 @@ class TPShard:
 
     rank: int
     size: int
+    # mixture of experts (`enable_expert_parallel`): each rank holds 1/size of the experts whole
+    # instead of a 1/size slice of every expert (`models.moe`)
+    expert_parallel: bool = False
+
+    def all_reduce(self, partial: Tensor) -> Tensor:
+        """The sum of the ranks' `partial` terms (itself with one rank: no collective)."""
+        return partial if self.size == 1 else parallel_state.all_reduce(partial)
 
     def split(self, total: int) -> slice:
         """This rank's equal part of `total` (which `size` divides)."""
@@ -204,7 +211,7 @@ class RowParallelLinear(Linear):
 
     def reduce(self, partial: Tensor) -> Tensor:
         """The sum of the ranks' `partial` terms (itself with one rank: no collective)."""
-        return partial if self.tp.size == 1 else parallel_state.all_reduce(partial)
+        return self.tp.all_reduce(partial)
 
     def partial(self, x: Tensor) -> Tensor:
         """This rank's term of the sum (LoRA adds its own partial delta before the reduce)."""

@@ -23,7 +23,7 @@ def check_model_fits(args: EngineArgs, cfg: ModelConfig, device: torch.device) -
     if cfg.moe is not None:
         from pagedllm.models.moe import check_moe_tensor_parallel
 
-        check_moe_tensor_parallel(cfg.moe, tp)
+        check_moe_tensor_parallel(cfg.moe, tp, args.enable_expert_parallel)
     if args.enable_lora:
         check_lora_supported(cfg)
     if tp > 1 and device.type != "cpu":

@@ -16,6 +16,11 @@ read. Elsewhere the torch loop (`kernels.moe_reference`).
 
 Tensor parallelism shards the experts like the dense MLP: rank r holds slice r of every expert's
 intermediate width, the partial outputs (and the shared expert's) are summed by one all-reduce.
+With expert parallelism (`enable_expert_parallel`, `TPShard.expert_parallel`) rank r holds its
+1/N share of the experts whole instead: every rank has every token after attention's all-reduce
+and routes them all alike, computes only its own experts' terms (the kernel skips the choices
+another rank holds, `cpu_moe.NOT_HELD`), and the same one all-reduce sums them — no other
+communication (vLLM's expert parallelism without all-to-all). The shared expert stays sliced.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from pagedllm.distributed import parallel_state
 from pagedllm.distributed.layers import Linear, TPShard
 from pagedllm.kernels import cpu_moe
 from pagedllm.kernels.cpu_activation import silu_and_mul
@@ -46,12 +50,21 @@ def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
     return weights, ids
 
 
-def check_moe_tensor_parallel(moe: MoeConfig | None, tp: int) -> None:
-    """The expert widths a model must have to be sharded over `tp` ranks (ValueError naming
-    the field otherwise); nothing to check for a dense model."""
+def check_moe_tensor_parallel(
+    moe: MoeConfig | None, tp: int, expert_parallel: bool = False
+) -> None:
+    """The expert counts and widths a model must have to be sharded over `tp` ranks (ValueError
+    naming the field otherwise); nothing to check for a dense model."""
     if moe is None:
         return
-    widths = {"moe_intermediate_size": moe.intermediate_size}
+    widths = {}
+    if not expert_parallel:
+        widths["moe_intermediate_size"] = moe.intermediate_size
+    elif moe.num_experts % tp:
+        raise ValueError(
+            f"enable_expert_parallel: tensor_parallel_size={tp} must divide the number of "
+            f"experts ({moe.num_experts}): each rank holds an equal share of them"
+        )
     if moe.shared_expert_intermediate_size:
         widths["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
     for name, width in widths.items():
@@ -61,15 +74,24 @@ def check_moe_tensor_parallel(moe: MoeConfig | None, tp: int) -> None:
             )
 
 
+def expert_shard(moe: MoeConfig, tp: TPShard) -> tuple[slice, TPShard]:
+    """(the experts rank `tp` holds, how their width is split): with expert parallelism its
+    share of the experts whole, else a slice of every expert."""
+    if tp.expert_parallel:
+        return tp.split(moe.num_experts), SINGLE
+    return slice(0, moe.num_experts), tp
+
+
 class Experts(nn.Module):
-    """Every expert's SwiGLU weights (this rank's slice of each), stacked; see the module
-    docstring for the layout."""
+    """The SwiGLU weights of the experts this rank holds (all of them, sliced, or its share of
+    them whole: `expert_shard`), stacked; see the module docstring for the layout."""
 
     def __init__(self, moe: MoeConfig, hidden: int, tp: TPShard = SINGLE) -> None:
         super().__init__()
-        check_moe_tensor_parallel(moe, tp.size)
-        self.num_experts, self.hidden = moe.num_experts, hidden
-        self.width = moe.intermediate_size // tp.size
+        check_moe_tensor_parallel(moe, tp.size, tp.expert_parallel)
+        held, width_split = expert_shard(moe, tp)
+        self.first, self.num_experts, self.hidden = held.start, held.stop - held.start, hidden
+        self.width = moe.intermediate_size // width_split.size
         e = self.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(e * 2 * self.width, hidden))
         self.down_proj = nn.Parameter(torch.empty(e * hidden, self.width))
@@ -96,9 +118,16 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """x `[T, H]`, the router's weights float32 `[T, k]` and expert ids `[T, k]` ->
         `[T, H]` (this rank's partial sum under tensor parallelism)."""
+        ids = self.held_ids(ids)
         if self.packed is not None:
             return cpu_moe.moe_experts(x, self.packed, weights, ids)
         return moe_experts_reference(x, *self.stacked(), weights, ids)
+
+    def held_ids(self, ids: Tensor) -> Tensor:
+        """The router's expert ids -> indexes of this rank's experts (`cpu_moe.NOT_HELD` for
+        an expert another rank holds)."""
+        local = ids - self.first
+        return local.masked_fill_((local < 0) | (local >= self.num_experts), cpu_moe.NOT_HELD)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -144,7 +173,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate.forward(x))
             out += gate * self._shared_partial(x)
-        return parallel_state.all_reduce(out) if self.tp.size > 1 else out
+        return self.tp.all_reduce(out)
 
     def _count(self, ids: Tensor) -> None:
         if self.expert_tokens.device != ids.device:
@@ -154,8 +183,7 @@ class SparseMoeBlock(nn.Module):
     def _shared_partial(self, x: Tensor) -> Tensor:
         # this rank's term of the shared expert, reduced with the experts' in one all-reduce
         mlp = self.shared_expert
-        act = silu_and_mul(mlp.gate_up_proj.forward(x))
-        return mlp.down_proj.partial(act) if self.tp.size > 1 else mlp.down_proj.forward(act)
+        return mlp.down_proj.partial(silu_and_mul(mlp.gate_up_proj.forward(x)))
 
 
 def pack_experts(model: nn.Module) -> int:
@@ -238,12 +266,18 @@ def moe_tensor_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 
 def moe_shard_of(cfg: ModelConfig, name: str, tp: TPShard) -> tuple[int, slice] | None:
     """(axis, slice) of MoE checkpoint tensor `name` that rank `tp` holds; None: the whole
-    tensor (the routers, the shared expert's gate)."""
+    tensor (the routers, the shared expert's gate, an expert held whole). An expert another rank
+    holds (expert parallelism) is the empty slice: nothing of it is read."""
     module = name.rsplit(".", 2)[-2]
     if tp.size == 1 or module in ("gate", "shared_expert_gate"):
         return None
     moe = cfg.moe
-    width = (
-        moe.shared_expert_intermediate_size if ".shared_expert." in name else moe.intermediate_size
-    )
-    return (1, tp.split(width)) if module in ("down_proj", "w2") else (0, tp.split(width))
+    if ".shared_expert." in name:
+        width, split = moe.shared_expert_intermediate_size, tp
+    else:
+        held, split = expert_shard(moe, tp)
+        if split.size == 1:
+            expert = int(name.split(".experts.", 1)[1].split(".", 1)[0])
+            return None if held.start <= expert < held.stop else (0, slice(0, 0))
+        width = moe.intermediate_size
+    return (1, split.split(width)) if module in ("down_proj", "w2") else (0, split.split(width))

@@ -104,7 +104,7 @@ class Worker:
         self.args, self.dtype, self.device = args, dtype, device
         if device.type == "cpu":
             cpu_isa()  # a PAGEDLLM_CPU_ISA that is no level stops the start before the load
-        self.tp = TPShard(rank, args.tensor_parallel_size)
+        self.tp = TPShard(rank, args.tensor_parallel_size, args.enable_expert_parallel)
         load = load_model
         if args.runner == "pooling":  # its decoder may carry a classification head instead
             load = partial(load_pooling_model, convert=args.convert)

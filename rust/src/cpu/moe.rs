@@ -10,7 +10,8 @@
 //! activation, every chosen expert's down product (one pool call), then each token's weighted
 //! sum over its experts in ascending expert order (transformers' order), in f32, rounded once
 //! into `out`. An expert no token chose is never read: at decode a token streams exactly its
-//! `k` experts' bytes.
+//! `k` experts' bytes. A choice `NOT_HELD` (an expert another expert-parallel rank holds) adds
+//! nothing here: that rank adds its term.
 //!
 //! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
 //! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
@@ -27,6 +28,11 @@ use super::linear::{self, Ctx, PANEL};
 use super::pool;
 use crate::error::Result;
 
+/// The expert id of a choice this call skips: the expert is another expert-parallel rank's.
+pub const NOT_HELD: i64 = -1;
+/// `row_of` of a skipped choice.
+const NO_ROW: usize = usize::MAX;
+
 /// Below this many weight elements a work item, a worker thread costs more than it saves
 /// (`linear.rs`'s rule).
 const MIN_SHARE_ELEMS: usize = 1 << 16;
@@ -37,8 +43,8 @@ const MIN_SUM_PER_THREAD: usize = 1 << 16;
 
 /// `out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`,
 /// for x `[M, H]`, the experts' gate/up panels `[E, ceil(2I / PANEL), H, PANEL]` and down panels
-/// `[E, ceil(H / PANEL), I, PANEL]`, expert ids and f32 weights `[M, K]`. All contiguous;
-/// `num_threads` threads at most.
+/// `[E, ceil(H / PANEL), I, PANEL]`, expert ids (in `0..E`, or `NOT_HELD`: skipped) and f32
+/// weights `[M, K]`. All contiguous; `num_threads` threads at most.
 pub fn moe_experts<T: Elem>(
     x: ArrayView2<T>,
     gate_up: ArrayView4<T>,
@@ -79,6 +85,10 @@ pub fn moe_experts<T: Elem>(
     let groups = Groups::of(ids, k, experts)?;
     let threads = num_threads.max(1);
     let rows = groups.rows();
+    if rows == 0 {
+        out.fill(T::ZERO); // every choice is another rank's expert
+        return Ok(());
+    }
     // gate/up of every chosen expert over its rows, then the activation
     let xs = groups.gather(x, hidden);
     let mut gate_ups = vec![T::ZERO; rows * 2 * width];
@@ -180,7 +190,7 @@ struct Dims {
 
 /// The `(token, choice)` pairs of a call (pair `p = t * k + j`) sorted by expert, stably (batch
 /// order within an expert): pair `p` is row `row_of[p]` of the grouped buffers, and expert `e`'s
-/// rows are `starts[e]..starts[e + 1]`.
+/// rows are `starts[e]..starts[e + 1]`. A skipped pair (`NOT_HELD`) has no row (`NO_ROW`).
 struct Groups {
     k: usize,
     starts: Vec<usize>,
@@ -190,7 +200,7 @@ struct Groups {
 impl Groups {
     fn of(ids: &[i64], k: usize, experts: usize) -> Result<Self> {
         let mut starts = vec![0usize; experts + 1];
-        for &id in ids {
+        for &id in ids.iter().filter(|&&id| id != NOT_HELD) {
             let e = usize::try_from(id)
                 .ok()
                 .filter(|&e| e < experts)
@@ -204,6 +214,9 @@ impl Groups {
         let row_of = ids
             .iter()
             .map(|&id| {
+                if id == NOT_HELD {
+                    return NO_ROW;
+                }
                 let e = id as usize; // in 0..experts: checked above
                 next[e] += 1;
                 next[e] - 1
@@ -213,13 +226,16 @@ impl Groups {
     }
 
     fn rows(&self) -> usize {
-        self.row_of.len()
+        self.starts[self.starts.len() - 1]
     }
 
     /// x's rows widened to f32 in grouped order `[rows, hidden]`.
     fn gather<T: Elem>(&self, x: &[T], hidden: usize) -> Vec<f32> {
         let mut xs = vec![0.0f32; self.rows() * hidden];
         for (p, &row) in self.row_of.iter().enumerate() {
+            if row == NO_ROW {
+                continue;
+            }
             let t = p / self.k;
             let src = &x[t * hidden..(t + 1) * hidden];
             for (d, s) in xs[row * hidden..(row + 1) * hidden].iter_mut().zip(src) {
@@ -314,7 +330,7 @@ impl Groups {
                 order.extend(pairs);
                 order.sort_by_key(|&p| ids[p]);
                 acc.fill(0.0);
-                for &p in &order {
+                for &p in order.iter().filter(|&&p| self.row_of[p] != NO_ROW) {
                     let row = self.row_of[p];
                     let w = weights[p];
                     for (a, y) in acc.iter_mut().zip(&ys[row * hidden..(row + 1) * hidden]) {
@@ -528,6 +544,39 @@ mod tests {
                 (g - want).abs() < 0.02 * scale,
                 "{g} vs {want} (scale {scale})"
             );
+        }
+    }
+
+    #[test]
+    fn choices_not_held_add_nothing_and_their_experts_are_not_read() {
+        // ranks holding experts 0..2 and 2..4 of the same 4: the two partial sums add up to the
+        // whole, and neither rank reads the other's experts (NaN there)
+        let case = Case::new(6, 24, 16, 4);
+        let (ids, w) = routing(6, 2, 4);
+        let whole = stacked_panels::<f32>(&case.gate_up, 2 * case.i, case.h);
+        let want = case.reference(&ids, &w);
+        let mut sum = vec![0.0f64; want.len()];
+        for first in [0i64, 2] {
+            let mut gate_up = whole.clone();
+            for e in 0..4 {
+                if !(first..first + 2).contains(&(e as i64)) {
+                    gate_up.index_axis_mut(ndarray::Axis(0), e).fill(f32::NAN);
+                }
+            }
+            let held = ids.mapv(|e| {
+                if (first..first + 2).contains(&e) {
+                    e
+                } else {
+                    NOT_HELD
+                }
+            });
+            let got = case.run(&gate_up, &held, &w, 2);
+            sum.iter_mut()
+                .zip(got.iter())
+                .for_each(|(s, g)| *s += *g as f64);
+        }
+        for (s, want) in sum.iter().zip(want) {
+            assert!((s - want).abs() < 1e-4, "{s} vs {want}");
         }
     }
 
