@@ -35,6 +35,7 @@ _LAZY = {
     "Scheduler": "pagedllm._core",
     "SchedulerOutput": "pagedllm._core",
     "SamplingParams": "pagedllm.sampling_params",
+    "BeamSearchParams": "pagedllm.sampling_params",
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",

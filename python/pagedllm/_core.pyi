@@ -657,6 +657,10 @@ class Scheduler:
         """Mark the grammar of a ``structured_output`` request compiled: schedulable from the
         next ``schedule()``. False for unknown/finished ids or one already marked;
         ``ValueError`` for a request without structured output. A failed compile: abort it."""
+    def fork_beams(self, output: SchedulerOutput, request_id: str, parents: list[int]) -> int:
+        """Beam search, between ``output``'s forward and its ``update_from_output``: sequence
+        ``i`` continues sequence ``parents[i]`` (a copy-on-write fork of its blocks); a parent
+        keeps its place. Returns how many sequences were forked."""
     def schedule(self, now: float | None = None) -> SchedulerOutput: ...
     def update_from_output(
         self,

@@ -13,7 +13,7 @@ from pagedllm.engine.batch import generate_batch
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling import build_engine
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class Backend(Protocol):
@@ -149,6 +149,35 @@ class LLM:
                 loras,
                 on_done=bar.update if bar is not None else None,
             )
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ):
+        """Beam search of every prompt (vLLM's `LLM.beam_search`): one `BeamSearchOutput` per
+        prompt, its `params.beam_width` best beams first (`engine/beam_search.py`: the
+        scoring, and how beams share the KV cache's blocks copy-on-write). Every beam of every
+        prompt runs in the same engine steps."""
+        from pagedllm.engine.beam_search import run_beam_search
+
+        if self.engine is None:
+            raise ValueError(
+                "beam_search runs on an engine in this process: build the LLM with "
+                "data_parallel_size=1"
+            )
+        prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt("lora_request", lora_request, len(prompt_list), None)
+        request_ids = [f"{next(self._ids)}" for _ in prompt_list]
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        try:
+            on_done = bar.update if bar is not None else None
+            return run_beam_search(self.engine, request_ids, prompt_list, params, loras, on_done)
         finally:
             if bar is not None:
                 bar.close()

@@ -289,3 +289,45 @@ class SamplingParams:
             return ids
         eos_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
         return ids + [t for t in dict.fromkeys(eos_ids) if t not in ids]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search of one prompt (vLLM's `BeamSearchParams`, for `LLM.beam_search`); validated
+    at construction (`ValueError` names the field).
+
+    `beam_width` beams are kept per step, each extended by its `2 * beam_width` most likely
+    tokens; an EOS candidate ends a hypothesis (unless `ignore_eos`). After `max_tokens` steps
+    the `beam_width` best of the finished hypotheses and the running beams are returned, scored
+    `cum_logprob / len(prompt + output) ** length_penalty` (an EOS at the end not counted), as
+    vLLM scores them. Beam search ranks by the model's raw log-probabilities: `temperature`
+    must be 0 (vLLM's default; other values are refused rather than ignored).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or not 1 <= value <= MAX_INT64:
+                raise ValueError(f"BeamSearchParams.{name} must be an int >= 1, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"BeamSearchParams.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if not _is_real(self.temperature) or self.temperature != 0:
+            raise ValueError(
+                "BeamSearchParams.temperature must be 0 (beam search ranks beams by the "
+                f"model's raw log-probabilities; it does not sample), got {self.temperature!r}"
+            )
+        if not _is_real(self.length_penalty) or math.isinf(self.length_penalty):
+            raise ValueError(
+                f"BeamSearchParams.length_penalty must be a finite number, got "
+                f"{self.length_penalty!r}"
+            )

@@ -20,9 +20,10 @@ import torch
 
 from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
-from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
+from pagedllm.engine.kv_sizing import KVCachePlanner, log_kv_layout, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parts import (
     check_model_fits,
@@ -54,6 +55,7 @@ from pagedllm.spec_decode import VerifiedTokens
 from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.kv_layout import kv_layout
 from pagedllm.worker.worker import Worker
 
 
@@ -119,6 +121,8 @@ class LLMEngine:
         self.model, self.lora = self.worker.model, self.worker.lora
         draft = draft_model(self.spec, dtype=self.dtype, device=self.device)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
+        # the cache's layer groups: a model's sliding windows keep only their windows' blocks
+        layout = kv_layout(args, cfg, self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
             args,
             cfg,
@@ -128,10 +132,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             draft=draft,
+            kv_layout=layout,
         ).plan()
         local_runner = self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
         self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
+        log_kv_layout(args, cfg, layout)
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
         self.kv_transfer = kv_transfer(args, self.cache_engine.kv_cache, self.device)
         if draft is not None:
@@ -160,12 +166,15 @@ class LLMEngine:
             **kv_offloading_kwargs(args, self.kv_transfer),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
+        if layout.is_hybrid:
+            self.scheduler.set_kv_groups(list(layout.windows))
         self.kv_events = kv_events_publisher(args, self.device, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
         self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
         self.runner = rank_zero_runner(local_runner, self.executor)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
+        self.beams = BeamSearch()  # beam requests (`engine/beam_search.py`)
         if self.kv_transfer is not None:
             backend = args.resolved_kv_offloading_backend
             self.requests.offload_tier = "host" if backend == "native" else backend
@@ -499,6 +508,8 @@ class LLMEngine:
             self._owed_outputs.append(request_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        if self.beams:
+            self.beams.settle(touched, self.tokenizer)
         outputs = [request.output() for request in touched.values()]
         for output in outputs:
             output.prompt_logprobs = self.prompt_logprobs.result(output.request_id)
@@ -556,6 +567,10 @@ class LLMEngine:
         if isinstance(sampled, VerifiedTokens):
             appended = self.output_processor.append_runs(step, sampled, touched)
         else:
+            if self.beams:  # each beam's token chosen, beams forked from their parents
+                stuck = self.beams.select(step, sampled, self.requests, self.scheduler)
+                for request_id, exc in stuck.items():
+                    self.faults.end_request(request_id, "beam search", exc)
             appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():
             self.faults.end_request(request_id, "output processing", exc)

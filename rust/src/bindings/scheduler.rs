@@ -418,6 +418,19 @@ impl PyScheduler {
         Ok(self.inner.grammar_ready(request_id)?)
     }
 
+    /// Beam search, between the latest step's forward and its `update_from_output`: sequence
+    /// `i` of the request continues sequence `parents[i]` (a copy-on-write fork of its blocks;
+    /// the blocks `i` held are given back). A parent keeps its own place; every sequence
+    /// involved must have sampled in this step. Returns how many sequences were forked.
+    fn fork_beams(
+        &mut self,
+        output: PyRef<'_, PySchedulerOutput>,
+        request_id: &str,
+        parents: Vec<usize>,
+    ) -> PyResult<usize> {
+        Ok(self.inner.fork_beams(output.out.step, request_id, &parents)?)
+    }
+
     fn num_waiting(&self) -> usize {
         self.inner.num_waiting()
     }

@@ -2,6 +2,7 @@
 //! tokens appended (`update.rs`, one per sample; `spec_update.rs`, a run per sample of a
 //! verification step) under the stop rules (`stop.rs`), what finished freed; or the whole
 //! step rolled back (`rollback.rs`, `discard_step`).
+mod beams;
 mod rollback;
 mod spec_update;
 pub(super) mod stop;

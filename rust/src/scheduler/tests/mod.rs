@@ -2,6 +2,7 @@
 //! bindings; these pin the core mechanics and run a seeded random workload), one file per
 //! behaviour; the shared fixtures live here.
 mod admission;
+mod beams;
 mod connector;
 mod grammar;
 mod hybrid;
