@@ -5,18 +5,19 @@ the weight's bytes: GB/s is those bytes over the time (the float32 kernel reads 
 weight, Q4_0 0.5625); prefill (512 rows) by arithmetic: GFLOP/s is 2·M·N·K over the time.
 
     python benches/cpu_quant_bench.py [--shapes 1536x576 5632x2048] [--rows 1 512]
-        [--types Q8_0 Q4_K ...] [--repeats 9] [--threads 1] [--int8-activations]
+        [--types Q8_0 Q4_K ...] [--repeats 9] [--threads 1] [--activations f32 int8 int16]
 
-`--int8-activations` times a third call, alternated with the two: `quant_linear(...,
-int8_activations=True)` (x quantized to 8 bits, integer dots; decode rows of the 32-element block
-types only, the rest is the same path), its ms and its speed against the float32-activation call.
+`--activations` (default f32) times `quant_linear(..., activations=A)` for each A (int8: x
+quantized to 8 bits, integer dots, decode rows of the 32-element block types; int16: 16 bits,
+every quantized type; other rows take the f32 path), all calls alternated; each A after the first
+gets its ms and its speed against the first's.
 
-`--quality MODEL.gguf` instead measures what the 8-bit activations cost a model: `--tokens` tokens
-of docs/ARCHITECTURE.md (512-token prompts) teacher-forced (`prompt_logprobs=1`) 8 tokens a step
-(`max_num_batched_tokens=8`: every forward has decode-sized rows, so every quantized product takes
-the int8 path; in serving, prefill chunks above 8 rows keep float32 activations), once with
-float32 and once with int8 activations (`cpu_quant.INT8_ACTIVATIONS` switched in the same
-process); prints each perplexity and the top-1 agreement.
+`--quality MODEL.gguf` instead measures what quantized activations cost a model: `--tokens`
+tokens of docs/ARCHITECTURE.md (512-token prompts) teacher-forced (`prompt_logprobs=1`) 8 tokens a
+step (`max_num_batched_tokens=8`: every forward has decode-sized rows, so every quantized product
+takes the integer path; in serving, prefill chunks above 8 rows keep float32 activations), once
+per `--activations` value (default f32 int8 int16; `cpu_quant.ACTIVATIONS` switched in the same
+process); prints each perplexity and each one's top-1 agreement with the first's.
 
     python benches/cpu_quant_bench.py --quality /work/models/smollm2-Q8_0.gguf [--tokens 2048]
 """
@@ -79,7 +80,7 @@ def teacher_forced(llm, ids: list[int], chunk: int = 512) -> tuple[list[int], li
     return top1, logprobs
 
 
-def quality(model: str, tokens: int) -> int:
+def quality(model: str, tokens: int, activations: list[str]) -> int:
     from pagedllm import LLM
 
     llm = LLM(
@@ -92,17 +93,22 @@ def quality(model: str, tokens: int) -> int:
     text = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
     ids = llm.get_tokenizer().encode(text)[:tokens]
     runs = {}
-    for int8 in (False, True):
-        cpu_quant.INT8_ACTIVATIONS = int8  # what the quantized layers pass per call
-        runs[int8] = teacher_forced(llm, ids)
-    (top_f, lp_f), (top_i, lp_i) = runs[False], runs[True]
-    agree = sum(a == b for a, b in zip(top_f, top_i)) / len(top_f)
-    ppl_f, ppl_i = (math.exp(-sum(lp) / len(lp)) for lp in (lp_f, lp_i))
-    print(f"{model}: {len(top_f)} positions teacher-forced, 8 tokens a step")
-    print(
-        f"perplexity float32 activations {ppl_f:.3f}, int8 {ppl_i:.3f} ({ppl_i / ppl_f - 1:+.2%})"
-    )
-    print(f"top-1 agreement {agree:.2%}")
+    for name in activations:
+        cpu_quant.ACTIVATIONS = name  # what the quantized layers pass per call
+        runs[name] = teacher_forced(llm, ids)
+    base = activations[0]
+    top_b, lp_b = runs[base]
+    ppl_b = math.exp(-sum(lp_b) / len(lp_b))
+    print(f"{model}: {len(top_b)} positions teacher-forced, 8 tokens a step")
+    print(f"{base} activations: perplexity {ppl_b:.4f}")
+    for name in activations[1:]:
+        top, lp = runs[name]
+        agree = sum(a == b for a, b in zip(top_b, top)) / len(top_b)
+        ppl = math.exp(-sum(lp) / len(lp))
+        print(
+            f"{name} activations: perplexity {ppl:.4f} ({ppl / ppl_b - 1:+.3%} vs {base}), "
+            f"top-1 agreement with {base} {agree:.2%}"
+        )
     return 0
 
 
@@ -116,26 +122,35 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1, help="torch's (and so the kernels') threads")
     p.add_argument(
-        "--int8-activations",
-        action="store_true",
-        help="also time quant_linear(..., int8_activations=True)",
+        "--activations",
+        nargs="+",
+        choices=cpu_quant.ACTIVATION_CHOICES,
+        help="quant_linear's activations to time (default f32) or to compare (--quality: "
+        "default f32 int8 int16, the first the baseline)",
     )
-    p.add_argument("--quality", metavar="MODEL", help="int8 activations' accuracy on a GGUF model")
+    p.add_argument("--quality", metavar="MODEL", help="quantized activations' cost on a model")
     p.add_argument("--tokens", type=int, default=2048, help="--quality's teacher-forced tokens")
     args = p.parse_args()
     if args.quality:
-        return quality(args.quality, args.tokens)
+        return quality(
+            args.quality, args.tokens, args.activations or list(cpu_quant.ACTIVATION_CHOICES)
+        )
+    acts = args.activations or ["f32"]
     torch.set_num_threads(args.threads)
     types = [int(GGMLQuantizationType[name]) for name in args.types]
-    print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated with f32")
-    int8_head = " int8 ms | int8 vs quant |" if args.int8_activations else ""
+    print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated")
     print(
-        "| shape N x K | rows | type | bytes/weight | ms | f32 ms | speed vs f32 "
-        "| weight GB/s | GFLOP/s |" + int8_head
+        f"quant ms: quant_linear with {acts[0]} activations; f32 ms: the float32 panel kernel "
+        "on the same shape"
+    )
+    extra_head = "".join(f" {a} ms | {a} vs {acts[0]} |" for a in acts[1:])
+    print(
+        "| shape N x K | rows | type | bytes/weight | quant ms | f32 ms | speed vs f32 "
+        "| weight GB/s | GFLOP/s |" + extra_head
     )
     print(
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
-        + " ---: |" * (2 * bool(int8_head))
+        + " ---: |" * (2 * len(acts[1:]))
     )
     with torch.inference_mode():
         for shape in args.shapes:
@@ -150,28 +165,27 @@ def main() -> int:
                 for m in args.rows:
                     x = torch.randn(m, k)
                     calls = {
-                        "quant": lambda x=x, w=w: cpu_quant.quant_linear(x, w, None),
-                        "f32": lambda x=x, p=packed: cpu_linear.linear(x, p.panels, None, p),
-                    }
-                    if args.int8_activations:
-                        calls["int8"] = lambda x=x, w=w: cpu_quant.quant_linear(
-                            x, w, None, int8_activations=True
+                        f"quant {a}": lambda x=x, w=w, a=a: cpu_quant.quant_linear(
+                            x, w, None, activations=a
                         )
+                        for a in acts
+                    }
+                    calls["f32"] = lambda x=x, p=packed: cpu_linear.linear(x, p.panels, None, p)
                     times = {name: [] for name in calls}
-                    for _ in range(3):  # three rounds, alternated: both see the same load
+                    for _ in range(3):  # three rounds, alternated: all see the same load
                         for name, call in calls.items():
                             times[name].append(median_seconds(call, args.repeats))
-                    tq = statistics.median(times["quant"])
+                    tq = statistics.median(times[f"quant {acts[0]}"])
                     tf = statistics.median(times["f32"])
-                    int8_cols = ""
-                    if args.int8_activations:
-                        ti = statistics.median(times["int8"])
-                        int8_cols = f" {ti * 1e3:.3f} | {tq / ti:.2f}x |"
+                    extra_cols = ""
+                    for a in acts[1:]:
+                        ta = statistics.median(times[f"quant {a}"])
+                        extra_cols += f" {ta * 1e3:.3f} | {tq / ta:.2f}x |"
                     print(
                         f"| {n} x {k} | {m} | {cpu_quant.type_name(qtype)} "
                         f"| {rows.nbytes / (n * k):.4g} | {tq * 1e3:.3f} | {tf * 1e3:.3f} "
                         f"| {tf / tq:.2f}x | {rows.nbytes / tq / 1e9:.1f} "
-                        f"| {2 * m * n * k / tq / 1e9:.1f} |" + int8_cols,
+                        f"| {2 * m * n * k / tq / 1e9:.1f} |" + extra_cols,
                         flush=True,
                     )
     return 0

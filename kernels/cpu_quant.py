@@ -7,11 +7,13 @@ fused projections of a Q4_K_M file mix types. `quant_linear` multiplies float32 
 the weights dequantized on the fly with float32 sums, so it equals `x @ dequantize(w).T` up to
 summation order; one Rust call per layer, whatever the number of segments.
 
-`quant_linear(..., int8_activations=True)` instead quantizes decode rows of x (up to 8) to 8 bits
-per 32 elements and takes integer dot products with the rows of the 32-element block types
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), as llama.cpp does: faster, at the cost of x's rounding. The
-engine's quantized layers turn it on when `PAGEDLLM_QUANT_ACTIVATIONS=int8` (`INT8_ACTIVATIONS`,
-read once at import).
+`quant_linear(..., activations=...)` may instead quantize decode rows of x (up to 8) per 32
+elements and take integer dot products with the weights' codes: "int8" (8-bit codes, the
+32-element block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, as llama.cpp does: fastest, at a measured
+cost in accuracy) or "int16" (16-bit codes, every quantized type, K-quants included: x's rounding
+258 times finer). The engine's quantized layers pass `ACTIVATIONS`, read once at import from
+`PAGEDLLM_QUANT_ACTIVATIONS` (default `DEFAULT_ACTIVATIONS`; benches/RESULTS.md, "16-bit
+activations for the GGUF decode path", has the measurements behind it).
 """
 
 from __future__ import annotations
@@ -35,19 +37,27 @@ SUPPORTED: frozenset[int] = frozenset(
 QUANTIZABLE: frozenset[int] = frozenset({Q8_0, Q4_0})
 
 ACTIVATIONS_ENV = "PAGEDLLM_QUANT_ACTIVATIONS"
+# how `quant_linear` may multiply decode rows of x: float32, or 8- / 16-bit codes
+ACTIVATION_CHOICES = ("f32", "int8", "int16")
+# what the engine's quantized layers use unless `ACTIVATIONS_ENV` says otherwise
+DEFAULT_ACTIVATIONS = "f32"
 
 
-def activations_from_env() -> bool:
-    """Whether `ACTIVATIONS_ENV` asks the engine's quantized layers for 8-bit activations:
-    "int8" yes, "f32" or unset no; ValueError naming any other value."""
-    value = os.environ.get(ACTIVATIONS_ENV, "f32")
-    if value not in ("f32", "int8"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected 'f32' (the default) or 'int8'")
-    return value == "int8"
+def activations_from_env() -> str:
+    """The activations `ACTIVATIONS_ENV` asks the engine's quantized layers for (one of
+    `ACTIVATION_CHOICES`; `DEFAULT_ACTIVATIONS` when unset); ValueError naming any other value."""
+    value = os.environ.get(ACTIVATIONS_ENV, DEFAULT_ACTIVATIONS)
+    if value not in ACTIVATION_CHOICES:
+        choices = ", ".join(repr(c) for c in ACTIVATION_CHOICES)
+        raise ValueError(
+            f"{ACTIVATIONS_ENV}={value!r}: expected one of {choices} "
+            f"(default {DEFAULT_ACTIVATIONS!r})"
+        )
+    return value
 
 
-# what the engine's quantized layers pass as `int8_activations`
-INT8_ACTIVATIONS: bool = activations_from_env()
+# what the engine's quantized layers pass as `activations`
+ACTIVATIONS: str = activations_from_env()
 
 
 def type_name(qtype: int) -> str:
@@ -131,13 +141,17 @@ def make_weight(segments: list[tuple[int, Tensor]], in_features: int) -> QuantWe
 
 
 def quant_linear(
-    x: Tensor, w: QuantWeight, bias: Tensor | None, *, int8_activations: bool = False
+    x: Tensor, w: QuantWeight, bias: Tensor | None, *, activations: str = "f32"
 ) -> Tensor:
     """`x @ W.T (+ bias)`: float32 `x [..., in_features]` -> float32 `[..., out_features]`.
-    `int8_activations`: up to 8 rows of x quantized to 8 bits per 32 elements and multiplied by
-    the rows of the 32-element block types with integer dot products (the rest as without)."""
+    `activations` (one of `ACTIVATION_CHOICES`): "f32" multiplies x as it is; "int8" / "int16"
+    quantize up to 8 rows of x to 8- / 16-bit codes per 32 elements and multiply them by the
+    rows the integer path takes (int8: the 32-element block types; int16: every quantized type)
+    with integer dot products; other rows, and more rows of x, as "f32"."""
     if x.dtype != torch.float32:
         raise TypeError(f"quant_linear takes float32 activations, got {x.dtype}")
+    if activations not in ACTIVATION_CHOICES:
+        raise ValueError(f"activations {activations!r}: expected one of {ACTIVATION_CHOICES}")
     rows = x.reshape(-1, w.in_features).contiguous()
     out = torch.empty(rows.shape[0], w.out_features, dtype=torch.float32)
     _core.cpu_quant_linear(
@@ -146,7 +160,7 @@ def quant_linear(
         None if bias is None else bias.detach().float().contiguous().numpy(),
         out.numpy(),
         torch.get_num_threads(),
-        int8_activations,
+        activations,
     )
     return out.view(*x.shape[:-1], w.out_features)
 

@@ -917,15 +917,16 @@ def cpu_quant_linear(
     bias: _F32Array | None,
     out: _F32Array,
     num_threads: int,
-    int8_activations: bool = False,
+    activations: str = "f32",
 ) -> None:
     """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with ``W`` dequantized on the fly (sums in
     float32: ``x @ dequantize(W).T`` up to summation order); ``num_threads`` workers at most.
-    ``int8_activations``: up to 8 rows of x quantized to 8 bits per 32 elements (scale
+    ``activations="int8"``: up to 8 rows of x quantized to 8 bits per 32 elements (scale
     ``max|x| / 127``), multiplied by the rows of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 with integer
-    dot products, each block's sum scaled in float32.
-    ``ValueError`` for an unsupported type, bytes that are not whole rows, or shapes that do not
-    fit."""
+    dot products, each block's sum scaled in float32; ``"int16"``: the same with 16-bit codes
+    (scale ``max|x| / 32767``, rounded to nearest even) for the rows of every quantized type
+    (the K-quants too). ``ValueError`` for an unsupported type or activations, bytes that are
+    not whole rows, or shapes that do not fit."""
 
 def cpu_quant_dequantize(segments: _QuantSegments, out: _F32Array) -> None:
     """The weight as float32 into ``out [N, K]``, bit for bit as ``gguf.quants.dequantize``."""
@@ -972,11 +973,12 @@ class CpuDecoder:
         block_tables: _npt.NDArray[_np.int32],
         kv_cache: _F32Array,
         num_threads: int,
-        int8_activations: bool = False,
+        activations: str = "f32",
     ) -> None:
         """Every layer and the final norm over ``x [T, E]`` in place (embeddings in, hidden
         states out), K/V stored into ``kv_cache`` (float32 ``[2, L, blocks, block_size, KVH,
-        D]``) and attended over; ``cos``/``sin`` ``[T, D / 2]``. ``ValueError`` naming a
+        D]``) and attended over; ``cos``/``sin`` ``[T, D / 2]``; ``activations`` of the
+        quantized projections as ``cpu_quant_linear`` takes them. ``ValueError`` naming a
         projection or array whose shape does not fit."""
 
     def __len__(self) -> int: ...

@@ -1,4 +1,4 @@
-"""`cpu_quant.quant_linear(..., int8_activations=True)` against a numpy reference that quantizes
+"""`cpu_quant.quant_linear(..., activations="int8")` against a numpy reference that quantizes
 x the same way (8-bit codes, a float32 scale max|x| / 127 per 32 elements, rounded half away
 from zero) and takes the same integer dot products: each block's 8 lanes of 4 products scaled
 and added in float32 in the kernel's order (even and odd blocks apart), so the results are equal
@@ -97,7 +97,7 @@ def test_int8_activations_equal_the_integer_reference_exactly(qtype, rows_of_x):
     x = np.random.default_rng(rows_of_x).standard_normal((rows_of_x, k)).astype(np.float32)
     bias = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     got = cpu_quant.quant_linear(
-        torch.from_numpy(x), _weight(qtype, rows, k), torch.from_numpy(bias), int8_activations=True
+        torch.from_numpy(x), _weight(qtype, rows, k), torch.from_numpy(bias), activations="int8"
     )
     np.testing.assert_array_equal(got.numpy(), _reference(x, qtype, rows, bias))
 
@@ -107,7 +107,7 @@ def test_int8_activations_leave_prefill_rows_on_the_float32_path():
     w = _weight(cpu_quant.Q8_0, _random_rows(cpu_quant.Q8_0, 5, k, seed=2), k)
     x = torch.randn(9, k)  # above the decode path's 8 rows
     exact = cpu_quant.quant_linear(x, w, None)
-    assert torch.equal(cpu_quant.quant_linear(x, w, None, int8_activations=True), exact)
+    assert torch.equal(cpu_quant.quant_linear(x, w, None, activations="int8"), exact)
 
 
 def test_int8_activations_leave_k_quant_rows_on_the_float32_path():
@@ -118,30 +118,39 @@ def test_int8_activations_leave_k_quant_rows_on_the_float32_path():
     mixed = cpu_quant.make_weight([(cpu_quant.Q8_0, w.segments[0].data), (cpu_quant.Q4_K, q4_k)], k)
     x = torch.randn(1, k)
     exact = cpu_quant.quant_linear(x, mixed, None)
-    int8 = cpu_quant.quant_linear(x, mixed, None, int8_activations=True)
+    int8 = cpu_quant.quant_linear(x, mixed, None, activations="int8")
     assert torch.equal(int8[:, 4:], exact[:, 4:])
     assert not torch.equal(int8[:, :4], exact[:, :4])
 
 
-def test_int8_activations_are_off_by_default():
+def test_f32_activations_are_the_dequantized_product():
     k = 64
     w = _weight(cpu_quant.Q4_0, _random_rows(cpu_quant.Q4_0, 6, k, seed=4), k)
     x = torch.randn(2, k)
     default = cpu_quant.quant_linear(x, w, None)
-    assert torch.equal(default, cpu_quant.quant_linear(x, w, None, int8_activations=False))
+    assert torch.equal(default, cpu_quant.quant_linear(x, w, None, activations="f32"))
     torch.testing.assert_close(default, x @ cpu_quant.dequantize(w).T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("value", "int8"), [(None, False), ("f32", False), ("int8", True)])
-def test_quant_activations_env_selects_the_path(monkeypatch, value, int8):
+@pytest.mark.parametrize(
+    ("value", "activations"),
+    [(None, cpu_quant.DEFAULT_ACTIVATIONS), ("f32", "f32"), ("int8", "int8"), ("int16", "int16")],
+)
+def test_quant_activations_env_selects_the_path(monkeypatch, value, activations):
     if value is None:
         monkeypatch.delenv(cpu_quant.ACTIVATIONS_ENV, raising=False)
     else:
         monkeypatch.setenv(cpu_quant.ACTIVATIONS_ENV, value)
-    assert cpu_quant.activations_from_env() is int8
+    assert cpu_quant.activations_from_env() == activations
 
 
 def test_quant_activations_env_rejects_other_values(monkeypatch):
     monkeypatch.setenv(cpu_quant.ACTIVATIONS_ENV, "fp8")
     with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACTIVATIONS='fp8'"):
         cpu_quant.activations_from_env()
+
+
+def test_quant_linear_rejects_unknown_activations():
+    w = cpu_quant.quantize(torch.randn(2, 32), cpu_quant.Q8_0)
+    with pytest.raises(ValueError, match="activations 'int4'"):
+        cpu_quant.quant_linear(torch.randn(1, 32), w, None, activations="int4")

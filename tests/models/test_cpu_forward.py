@@ -76,12 +76,12 @@ def test_fused_forward_gives_the_layer_by_layer_numbers_exactly(monkeypatch, che
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
-@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("activations", cpu_quant.ACTIVATION_CHOICES)
 def test_fused_forward_gives_the_same_numbers_on_quantized_weights(
-    monkeypatch, tmp_path, int8_activations
+    monkeypatch, tmp_path, activations
 ):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
-    monkeypatch.setattr(cpu_quant, "INT8_ACTIVATIONS", int8_activations)
+    monkeypatch.setattr(cpu_quant, "ACTIVATIONS", activations)
     fused, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, quantization="q4_0")
     assert built[0] is not None
     tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, quantization="q4_0")

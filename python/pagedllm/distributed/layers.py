@@ -126,7 +126,7 @@ def _quant_linear(x: Tensor, quant: QuantWeight, bias: Tensor | None) -> Tensor:
     # imported here: only quantized models need the quantized kernels
     from pagedllm.kernels import cpu_quant
 
-    return cpu_quant.quant_linear(x, quant, bias, int8_activations=cpu_quant.INT8_ACTIVATIONS)
+    return cpu_quant.quant_linear(x, quant, bias, activations=cpu_quant.ACTIVATIONS)
 
 
 def _quant_embedding(ids: Tensor, quant: QuantWeight) -> Tensor:

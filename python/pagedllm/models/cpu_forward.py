@@ -49,7 +49,7 @@ class CpuDecoderForward:
             block_tables,
             kv_cache.numpy(),
             torch.get_num_threads(),
-            cpu_quant.INT8_ACTIVATIONS,
+            cpu_quant.ACTIVATIONS,
         )
         return x
 

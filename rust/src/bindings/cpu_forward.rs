@@ -13,7 +13,6 @@ use pyo3::types::PyTuple;
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
 use crate::cpu::forward::{self, Layer, Linear, Options, Shape, Step, Weight};
-use crate::cpu::quant::Activations;
 
 /// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
 enum WeightArrays {
@@ -263,7 +262,7 @@ impl CpuDecoder {
     /// sequences' `query_start_loc`, `seq_lens`, `block_tables` as paged attention takes them.
     #[pyo3(signature = (
         x, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
-        num_threads, int8_activations = false
+        num_threads, activations = "f32"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -278,8 +277,9 @@ impl CpuDecoder {
         block_tables: PyReadonlyArray2<'_, i32>,
         kv_cache: &Bound<'_, PyAny>,
         num_threads: usize,
-        int8_activations: bool,
+        activations: &str,
     ) -> PyResult<()> {
+        let activations = super::cpu_quant::activations_named(activations)?;
         let guards: Vec<LayerGuard<'_>> = self.layers.iter().map(|l| l.borrow(py)).collect();
         let layers = guards
             .iter()
@@ -317,11 +317,7 @@ impl CpuDecoder {
         };
         let opts = Options {
             num_threads,
-            activations: if int8_activations {
-                Activations::Int8
-            } else {
-                Activations::F32
-            },
+            activations,
         };
         let (x, kv_cache) = (x.as_array_mut(), kv_cache.as_array_mut());
         let shape = self.shape;

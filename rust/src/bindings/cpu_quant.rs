@@ -32,6 +32,18 @@ pub(crate) fn matrix<'a>(
     Ok(QuantMatrix::new(parts, in_features)?)
 }
 
+/// The quantized products' activations named "f32", "int8" or "int16"; a ValueError otherwise.
+pub(crate) fn activations_named(name: &str) -> PyResult<Activations> {
+    match name {
+        "f32" => Ok(Activations::F32),
+        "int8" => Ok(Activations::Int8),
+        "int16" => Ok(Activations::Int16),
+        _ => Err(PyValueError::new_err(format!(
+            "activations {name:?}: expected 'f32', 'int8' or 'int16'"
+        ))),
+    }
+}
+
 /// A writeable float32 or uint8 `out` array.
 fn writeable<'py, T: numpy::Element>(
     out: &Bound<'py, PyAny>,
@@ -56,9 +68,10 @@ fn cpu_quant_block_shape(qtype: u32) -> PyResult<(usize, usize)> {
 
 /// `out [M, N] = x [M, K] @ W.T (+ bias [N])` for the weight of `segments` (`K` =
 /// `in_features` = x's columns); float32, contiguous; `num_threads` workers at most;
-/// `int8_activations`: decode rows by 8-bit activations and integer dots (`Activations::Int8`).
+/// `activations`: "f32", or decode rows by 8- or 16-bit activations and integer dots ("int8",
+/// "int16": `Activations::Int8` / `Int16`).
 #[pyfunction]
-#[pyo3(signature = (x, segments, bias, out, num_threads, int8_activations=false))]
+#[pyo3(signature = (x, segments, bias, out, num_threads, activations="f32"))]
 fn cpu_quant_linear(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
@@ -66,8 +79,9 @@ fn cpu_quant_linear(
     bias: Option<PyReadonlyArray1<'_, f32>>,
     out: &Bound<'_, PyAny>,
     num_threads: usize,
-    int8_activations: bool,
+    activations: &str,
 ) -> PyResult<()> {
+    let activations = activations_named(activations)?;
     let w = matrix(&segments, x.shape()[1])?;
     let bias = bias
         .as_ref()
@@ -78,11 +92,6 @@ fn cpu_quant_linear(
         .transpose()?;
     let mut out = writeable::<f32>(out, "float32")?;
     let (x, out) = (x.as_array(), out.as_array_mut());
-    let activations = if int8_activations {
-        Activations::Int8
-    } else {
-        Activations::F32
-    };
     py.detach(|| quant::quant_linear_with(x, &w, bias, out, num_threads, activations))?;
     Ok(())
 }

@@ -4,8 +4,8 @@ use std::ops::Range;
 
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
-use super::int8::{self, QuantizedRows};
 use super::{dequantize_range, fast, QuantMatrix};
+use super::{int16, int8};
 use crate::cpu::linear::{linear, PANEL};
 use crate::cpu::{invalid, pool, simd};
 use crate::error::Result;
@@ -34,6 +34,50 @@ pub enum Activations {
     /// Up to `DECODE_MAX_ROWS` rows of x, rows of the 32-element block types by x quantized to
     /// 8 bits per 32 elements and integer dot products (`int8`); the rest as `F32`.
     Int8,
+    /// Up to `DECODE_MAX_ROWS` rows of x, rows of every quantized type by x quantized to 16
+    /// bits per 32 elements and integer dot products (`int16`); the rest as `F32`.
+    Int16,
+}
+
+/// x quantized once per call for the integer products (`Activations::Int8` / `Int16` at
+/// decode row counts).
+enum QuantizedX {
+    Int8(int8::QuantizedRows),
+    Int16(int16::QuantizedRows),
+}
+
+impl QuantizedX {
+    /// x `[m, k]` quantized as `activations` asks, where some row of `w` takes it.
+    fn new(
+        x: &[f32],
+        m: usize,
+        w: &QuantMatrix<'_>,
+        activations: Activations,
+        fast: bool,
+    ) -> Option<Self> {
+        let k = w.k();
+        if m > DECODE_MAX_ROWS || !k.is_multiple_of(32) {
+            return None;
+        }
+        let any = |takes: fn(super::QType) -> bool| w.segments.iter().any(|s| takes(s.qtype));
+        match activations {
+            Activations::F32 => None,
+            Activations::Int8 => {
+                any(int8::takes).then(|| Self::Int8(int8::QuantizedRows::new(x, k)))
+            }
+            Activations::Int16 => {
+                any(int16::takes).then(|| Self::Int16(int16::QuantizedRows::new(x, k, fast)))
+            }
+        }
+    }
+
+    /// Whether rows of type `t` take the integer products.
+    fn takes(&self, t: super::QType) -> bool {
+        match self {
+            Self::Int8(_) => int8::takes(t),
+            Self::Int16(_) => int16::takes(t),
+        }
+    }
 }
 
 /// `out [M, N] = x [M, K] · W^T + bias` for the weight `w [N, K]`; x and out contiguous.
@@ -97,11 +141,7 @@ pub fn quant_linear_with(
         Vec::new()
     };
     // quantized once per call, read by every share
-    let int8_rows = activations == Activations::Int8
-        && m <= DECODE_MAX_ROWS
-        && k % 32 == 0
-        && w.segments.iter().any(|s| int8::takes(s.qtype));
-    let xq = int8_rows.then(|| QuantizedRows::new(x, k));
+    let xq = QuantizedX::new(x, m, w, activations, fast);
     let ctx = Ctx {
         x,
         xq: xq.as_ref(),
@@ -148,8 +188,8 @@ unsafe impl Sync for OutPtr {}
 struct Ctx<'a, 'w> {
     /// `[m, k]`.
     x: &'a [f32],
-    /// x quantized to 8 bits (`Activations::Int8` at decode row counts), or None.
-    xq: Option<&'a QuantizedRows>,
+    /// x quantized for the integer products, or None.
+    xq: Option<&'a QuantizedX>,
     /// `[m, k / 32]`: the sums of x's 32-element runs (decode rows on the AVX2 path), or empty.
     xsum: &'a [f32],
     w: &'a QuantMatrix<'w>,
@@ -198,9 +238,16 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let mut sums = [0.0f32; DECODE_MAX_ROWS];
     for r in rows {
         let (t, row) = ctx.w.row(r);
-        if let Some(xq) = ctx.xq.filter(|_| int8::takes(t)) {
-            int8_row::<F>(ctx, xq, t, row, r);
-            continue;
+        match ctx.xq.filter(|xq| xq.takes(t)) {
+            Some(QuantizedX::Int8(xq)) => {
+                int8_row::<F>(ctx, xq, t, row, r);
+                continue;
+            }
+            Some(QuantizedX::Int16(xq)) => {
+                int16_row::<F>(ctx, xq, t, row, r);
+                continue;
+            }
+            None => {}
         }
         #[cfg(target_arch = "x86_64")]
         if F && !ctx.xsum.is_empty() && super::dot_avx2::fused(t) {
@@ -231,7 +278,7 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
 #[inline(always)]
 fn int8_row<const F: bool>(
     ctx: &Ctx<'_, '_>,
-    xq: &QuantizedRows,
+    xq: &int8::QuantizedRows,
     t: super::QType,
     row: &[u8],
     r: usize,
@@ -259,6 +306,42 @@ fn int8_row<const F: bool>(
     }
     for i in i..ctx.m {
         ctx.put(i, r, int8::row_dot(t, row, xq.row(i)));
+    }
+}
+
+/// Row `r` (type `t`, `int16::takes(t)`, bytes `row`) dotted with every row of x quantized
+/// (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it.
+#[inline(always)]
+fn int16_row<const F: bool>(
+    ctx: &Ctx<'_, '_>,
+    xq: &int16::QuantizedRows,
+    t: super::QType,
+    row: &[u8],
+    r: usize,
+) {
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    while F && i < ctx.m {
+        use int16::row_dots_avx2;
+        let x = |j: usize| xq.row(i + j);
+        let k = ctx.k;
+        // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
+        // `takes(t)`, the row and the rows of x hold k elements.
+        let dots: &[f32] = unsafe {
+            match ctx.m - i {
+                1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
+                2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
+                3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
+                _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+            }
+        };
+        for (j, v) in dots.iter().enumerate() {
+            ctx.put(i + j, r, *v);
+        }
+        i += dots.len();
+    }
+    for i in i..ctx.m {
+        ctx.put(i, r, int16::row_dot(t, row, xq.row(i)));
     }
 }
 

@@ -17,6 +17,7 @@
 mod dot_avx2;
 pub mod formats;
 mod formats_avx2;
+mod int16;
 mod int8;
 mod matmul;
 mod quantize;

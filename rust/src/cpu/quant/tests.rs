@@ -572,3 +572,260 @@ fn int8_activations_keep_a_nan_of_x_in_the_products() {
     let xq = int8::QuantizedRows::new(&x, k);
     assert!(int8::row_dot(QType::Q8_0, &data, xq.row(0)).is_nan());
 }
+
+const INT16_TYPES: [QType; 8] = [
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q4_K,
+    QType::Q5_K,
+    QType::Q6_K,
+];
+
+/// Rows of k elements of x: sines, and a block whose codes are ties (0.5, 1.5, ... at a scale
+/// of 1) and a block of zeros.
+fn int16_x(rows: usize, k: usize) -> Vec<f32> {
+    let mut x = floats(rows * k, 0.5);
+    x[32..64].copy_from_slice(&std::array::from_fn::<f32, 32, _>(|i| i as f32 - 15.5));
+    x[63] = 32767.0;
+    x[64..96].fill(0.0);
+    x
+}
+
+#[test]
+fn int16_activations_are_codes_of_at_most_32767_times_a_scale_per_32_elements() {
+    let k = 128;
+    let x = int16_x(1, k);
+    for fast in [false, super::fast()] {
+        let q = int16::QuantizedRows::new(&x, k, fast);
+        let row = q.row(0);
+        for (b, c) in x.chunks_exact(32).enumerate() {
+            let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            assert_eq!(row.d[b], amax / 32767.0);
+            let codes = &row.q[32 * b..32 * b + 32];
+            let id = if row.d[b] != 0.0 { 1.0 / row.d[b] } else { 0.0 };
+            for (v, code) in c.iter().zip(codes) {
+                assert_eq!(*code, (v * id).round_ties_even() as i16);
+            }
+            let sum: i32 = codes.iter().map(|v| i32::from(*v)).sum();
+            assert_eq!(row.s[b], row.d[b] * sum as f32);
+        }
+        // the ties block (scale 1): -15.5 -> -16, -14.5 -> -14, ..., 14.5 -> 14
+        assert_eq!(&row.q[32..36], &[-16, -14, -14, -12]);
+    }
+}
+
+#[test]
+fn k_scales_unpacks_as_k_scale_min() {
+    for seed in 0..64 {
+        let s = bytes(12, seed);
+        let (scales, mins) = int16::k_scales(&s);
+        for i in 0..8 {
+            assert_eq!((scales[i], mins[i]), formats::k_scale_min(&s, i));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn int16_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
+    if !formats_avx2::available() {
+        return;
+    }
+    // 96: an odd count of blocks, the last one without an odd partner
+    let cases = INT16_TYPES
+        .into_iter()
+        .flat_map(|t| [96, 256, 768].map(|k| (t, k)))
+        .filter(|(t, k)| k % t.block().0 == 0);
+    for (t, k) in cases {
+        let x = int16_x(4, k);
+        let xq = int16::QuantizedRows::new(&x, k, true);
+        let rows: [int16::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
+        let data = random_rows(t, 4, k, t as u64 + 17);
+        let bytes = t.row_bytes(k).unwrap();
+        for row in data.chunks_exact(bytes) {
+            let portable: Vec<u32> = rows
+                .iter()
+                .map(|x| int16::row_dot(t, row, *x).to_bits())
+                .collect();
+            // SAFETY: the CPU has avx2, fma and f16c (checked above); rows of k elements
+            let (one, four) = unsafe {
+                (
+                    int16::row_dots_avx2::<1>(t, row, k, &[rows[2]]),
+                    int16::row_dots_avx2::<4>(t, row, k, &rows),
+                )
+            };
+            assert_eq!(one[0].to_bits(), portable[2], "{} k {k}", t.name());
+            assert_eq!(
+                four.map(f32::to_bits).to_vec(),
+                portable,
+                "{} k {k}",
+                t.name()
+            );
+        }
+    }
+}
+
+/// The f64 dot of the dequantized row `data` (type `t`) and x as its 16-bit codes give it,
+/// and the sum of |w · x| (the scale of f32 rounding).
+fn int16_reference(t: QType, data: &[u8], xq: int16::Row<'_>) -> (f64, f64) {
+    let mut w = vec![0.0; xq.q.len()];
+    dequantize_blocks(t, data, &mut w);
+    let x = |i: usize| f64::from(xq.d[i / 32]) * f64::from(xq.q[i]);
+    let exact = (0..w.len()).map(|i| f64::from(w[i]) * x(i)).sum();
+    let size = (0..w.len()).map(|i| (f64::from(w[i]) * x(i)).abs()).sum();
+    (exact, size)
+}
+
+#[test]
+fn int16_row_dots_equal_the_dequantized_rows_dot_up_to_f32_rounding() {
+    let k = 512;
+    let x = floats(k, 2.0);
+    for fast in [false, super::fast()] {
+        let xq = int16::QuantizedRows::new(&x, k, fast);
+        for t in INT16_TYPES {
+            let data = random_rows(t, 1, k, t as u64 + 5);
+            let (exact, size) = int16_reference(t, &data, xq.row(0));
+            let got = f64::from(int16::row_dot(t, &data, xq.row(0)));
+            assert!(
+                (got - exact).abs() <= size * 1e-6,
+                "{}: {got} vs {exact}",
+                t.name()
+            );
+            // and x's rounding to 16 bits is small: within half a code of each element
+            let f32_dot: f64 = {
+                let mut w = vec![0.0; k];
+                dequantize_blocks(t, &data, &mut w);
+                x.iter()
+                    .zip(&w)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum()
+            };
+            assert!((got - f32_dot).abs() <= size * 1e-4, "{}", t.name());
+        }
+    }
+}
+
+#[test]
+fn int16_products_do_not_overflow_at_the_largest_codes() {
+    // every weight code at its extreme (Q8_0's -128, the 4/5-bit codes' 15 / 31 / -16, Q6_K's
+    // -32 times a scale of -128) against x's codes of ±32767, signs matching the weights'
+    let k = 256;
+    for t in INT16_TYPES {
+        let (elems, size) = t.block();
+        let mut data = vec![0u8; k / elems * size];
+        for b in data.chunks_exact_mut(size) {
+            match t {
+                QType::Q8_0 => b[2..34].fill(0x80),
+                QType::Q4_0 => b[2..18].fill(0x00),
+                QType::Q4_1 => b[4..20].fill(0xFF),
+                QType::Q5_0 => b[2..22].fill(0x00),
+                QType::Q5_1 => b[4..24].fill(0xFF),
+                QType::Q4_K => b[4..144].fill(0xFF),
+                QType::Q5_K => b[4..176].fill(0xFF),
+                QType::Q6_K => {
+                    b[0..192].fill(0x00);
+                    b[192..208].fill(0x80);
+                }
+                _ => unreachable!(),
+            }
+            let scale_at = if t == QType::Q6_K { 208 } else { 0 };
+            b[scale_at..scale_at + 2].copy_from_slice(&ONE.to_le_bytes());
+            if matches!(t, QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K) {
+                b[2..4].copy_from_slice(&0u16.to_le_bytes());
+            }
+        }
+        let mut w = vec![0.0; k];
+        dequantize_blocks(t, &data, &mut w);
+        let x: Vec<f32> = w
+            .iter()
+            .map(|v| if *v < 0.0 { -1.0 } else { 1.0 })
+            .collect();
+        for fast in [false, super::fast()] {
+            let xq = int16::QuantizedRows::new(&x, k, fast);
+            assert!(xq.row(0).q.iter().all(|q| q.abs() == 32767));
+            let (exact, _) = int16_reference(t, &data, xq.row(0));
+            let got = f64::from(int16::row_dot(t, &data, xq.row(0)));
+            assert!(
+                (got - exact).abs() <= exact.abs() * 1e-6,
+                "{}: {got} vs {exact}",
+                t.name()
+            );
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                // SAFETY: `fast`: the CPU has avx2, fma and f16c; rows of k elements
+                let avx2 = unsafe { int16::row_dots_avx2::<1>(t, &data, k, &[xq.row(0)]) };
+                assert_eq!(avx2[0].to_bits(), (got as f32).to_bits(), "{}", t.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn quant_linear_int16_takes_decode_rows_of_quantized_types_and_leaves_the_rest_exact() {
+    let k = 256;
+    let types = [
+        QType::Q4_K,
+        QType::F16,
+        QType::Q6_K,
+        QType::Q8_0,
+        QType::Q5_1,
+    ];
+    let rows = [5, 3, 9, 2, 4];
+    let data: Vec<Vec<u8>> = types
+        .iter()
+        .zip(rows)
+        .map(|(t, r)| random_rows(*t, r, k, r as u64 + 60))
+        .collect();
+    let segments = types
+        .iter()
+        .zip(rows)
+        .zip(&data)
+        .map(|((t, r), d)| Segment {
+            qtype: *t,
+            data: d,
+            rows: r,
+        })
+        .collect();
+    let w = QuantMatrix::new(segments, k).unwrap();
+    let n = w.n();
+    let bias = floats(n, 7.0);
+    for m in [1, 5, 8, 9] {
+        let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32)).unwrap();
+        let mut exact = Array2::zeros((m, n));
+        quant_linear(x.view(), &w, Some(&bias), exact.view_mut(), 1).unwrap();
+        let xq = int16::QuantizedRows::new(x.as_slice().unwrap(), k, false);
+        for threads in [1, 2] {
+            let mut out = Array2::from_elem((m, n), f32::NAN);
+            let int16 = Activations::Int16;
+            quant_linear_with(x.view(), &w, Some(&bias), out.view_mut(), threads, int16).unwrap();
+            for c in 0..n {
+                let (t, row) = w.row(c);
+                for i in 0..m {
+                    let want = if m <= matmul::DECODE_MAX_ROWS && int16::takes(t) {
+                        int16::row_dot(t, row, xq.row(i)) + bias[c]
+                    } else {
+                        exact[[i, c]]
+                    };
+                    assert_eq!(out[[i, c]].to_bits(), want.to_bits(), "m {m} row {c}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int16_activations_keep_a_nan_of_x_in_the_products() {
+    let k = 256;
+    let mut x = floats(k, 1.0);
+    x[40] = f32::NAN;
+    for fast in [false, super::fast()] {
+        let xq = int16::QuantizedRows::new(&x, k, fast);
+        for t in INT16_TYPES {
+            let data = random_rows(t, 1, k, 3);
+            assert!(int16::row_dot(t, &data, xq.row(0)).is_nan(), "{}", t.name());
+        }
+    }
+}
