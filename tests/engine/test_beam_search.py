@@ -128,7 +128,7 @@ def peak_blocks(llm, prompt, width) -> int:
     engine = llm.engine
     total = engine.scheduler.get_stats()["num_gpu_blocks"]
     params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True)
-    engine.beams.add(engine, f"w{width}", {"prompt_token_ids": prompt}, params)
+    engine.add_request(f"w{width}", {"prompt_token_ids": prompt}, params)
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -79,9 +79,19 @@ class BeamSearch:
     def __bool__(self) -> bool:
         return bool(self.states)
 
-    def add(self, engine, request_id: str, prompt, params: BeamSearchParams, lora_request=None):
-        """Queues a beam search of `prompt` on `engine` (an `LLMEngine`); bad input is a
-        ValueError naming the field, nothing queued."""
+    def add(
+        self,
+        engine,
+        request_id: str,
+        prompt,
+        params: BeamSearchParams,
+        lora_request=None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a beam search of `prompt` on `engine` (an `LLMEngine`, whose `add_request`
+        calls this for `BeamSearchParams`); bad input is a ValueError naming the field,
+        nothing queued."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         width = params.beam_width
@@ -105,7 +115,9 @@ class BeamSearch:
             ignore_eos=True,  # EOS ends a hypothesis here, never a running beam
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        engine.add_request(request_id, prompt, sampling, lora_request=lora_request)
+        engine.add_request(
+            request_id, prompt, sampling, arrival_time, priority, lora_request=lora_request
+        )
         request = engine.requests[request_id]
         eos = frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
         # the sampler's view: greedy rows with the candidates' logprobs
@@ -299,7 +311,7 @@ def run_beam_search(
     added: list[str] = []
     try:
         for request_id, prompt, lora in zip(request_ids, prompts, loras):
-            engine.beams.add(engine, request_id, prompt, params, lora)
+            engine.add_request(request_id, prompt, params, lora_request=lora)
             added.append(request_id)
         finished = {}
         while len(finished) < len(added):

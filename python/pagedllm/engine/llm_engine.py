@@ -50,7 +50,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling import Sampler, SamplingMetadata
 from pagedllm.sampling.prompt_logprobs import PromptLogprobs
 from pagedllm.sampling.verification import has_drafts
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.spec_decode import VerifiedTokens
 from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -238,12 +238,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError naming the request; nothing is queued.
+        With `BeamSearchParams` the request is a beam search (its output: the best beams).
 
         `lora_request` runs it with that LoRA adapter (needs `enable_lora`): its folder is read
         and checked here, a bad one is a ValueError naming the adapter and the problem.
@@ -255,6 +256,9 @@ class LLMEngine:
         `max_num_seqs`, `logprobs` by the vocabulary size, `priority` by the int64 range: each
         a ValueError naming the request, the field and the limit, before anything is allocated.
         """
+        if isinstance(params, BeamSearchParams):  # a beam search (`engine/beam_search.py`)
+            self.beams.add(self, request_id, prompt, params, lora_request, priority, arrival_time)
+            return
         params = params if params is not None else SamplingParams()
         text, prompt_ids, params = self.inputs.process(request_id, prompt, params)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):

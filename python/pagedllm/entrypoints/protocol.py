@@ -193,6 +193,9 @@ class CompletionRequest(_SamplingFields):
     # pagedllm's: each prompt's token ids, run in place of tokenizing it (a router sends them;
     # checked as token-id prompts are; a text prompt is still what `echo` returns)
     prompt_token_ids: list[list[StrictInt]] | None = None
+    # vLLM's beam search: best_of (else n) beams, the n best returned
+    use_beam_search: StrictBool = False
+    length_penalty: Number = 1.0
 
 
 class JsonSchemaFormat(_Body):

@@ -28,7 +28,7 @@ from pagedllm.entrypoints.structured_outputs import check_compiles, constraint_o
 from pagedllm.kv_events import KVEventsConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 DISCONNECT_POLL_S = 0.1
 # OpenAI's documented range of a logit_bias value; vLLM clips to it too
@@ -63,7 +63,7 @@ class Job:
     server: Server
     streams: list[tuple[str, asyncio.Queue]]
     prompts: list[Prompt]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     timeout: float | None
     created: int = field(default_factory=lambda: int(time.time()))
     model: str = ""  # the model id the client asked for (the base model or an adapter)
@@ -412,7 +412,7 @@ class Server:
     async def submit(
         self,
         prompts: list[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         *,
         priority: int,
         timeout: float | None,
@@ -422,7 +422,8 @@ class Server:
         one); on any failure aborts those already added."""
         lora = self.check_model(model)
         with self.admission(len(prompts), sum(len(p.ids) for p in prompts)):
-            await check_compiles(self.engine.engine.structured_output, params.structured_outputs)
+            constraint = getattr(params, "structured_outputs", None)  # none for a beam search
+            await check_compiles(self.engine.engine.structured_output, constraint)
         base = uuid.uuid4().hex
         job = Job(self, [], prompts, params, timeout, model=model or self.model_name)
         try:
