@@ -12,7 +12,9 @@ expert's gate rows then its up rows; `down_proj` `[E * H, I]`), the checkpoint's
 tensors concatenated by the loader. On the CPU they are packed into per-expert panels
 (`pack_experts`) and a step runs the grouped kernel (`kernels.cpu_moe`): tokens grouped by
 expert, each chosen expert's weights read once for all its tokens, experts no token chose never
-read. Elsewhere the torch loop (`kernels.moe_reference`).
+read. Elsewhere the torch loop (`kernels.moe_reference`). Experts loaded quantized from a GGUF
+file (`set_quantized`: a `cpu_quant.QuantWeight` per expert and projection, in the file's type)
+run the same loop over the quantized kernels (`quant_linear`), one chosen expert at a time.
 
 Tensor parallelism shards the experts like the dense MLP: rank r holds slice r of every expert's
 intermediate width, the partial outputs (and the shared expert's) are summed by one all-reduce.
@@ -26,6 +28,7 @@ communication (vLLM's expert parallelism without all-to-all). The shared expert 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +41,9 @@ from pagedllm.models.config import ModelConfig
 from pagedllm.models.fused_linear import SINGLE
 from pagedllm.models.mlp import GatedMLP
 from pagedllm.models.moe_config import MoeConfig
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_quant import QuantWeight
 
 
 def route(logits: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
@@ -96,6 +102,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e * 2 * self.width, hidden))
         self.down_proj = nn.Parameter(torch.empty(e * hidden, self.width))
         self.packed: cpu_moe.PackedExperts | None = None
+        # (gate_up, down) QuantWeights per held expert (`set_quantized`); None: float weights
+        self.quant: tuple[list[QuantWeight], list[QuantWeight]] | None = None
 
     def stacked(self) -> tuple[Tensor, Tensor]:
         """(gate_up `[E, 2I, H]`, down `[E, H, I]`) views of the parameters."""
@@ -119,9 +127,23 @@ class Experts(nn.Module):
         """x `[T, H]`, the router's weights float32 `[T, k]` and expert ids `[T, k]` ->
         `[T, H]` (this rank's partial sum under tensor parallelism)."""
         ids = self.held_ids(ids)
+        if self.quant is not None:
+            return quant_experts(x, *self.quant, weights, ids)
         if self.packed is not None:
             return cpu_moe.moe_experts(x, self.packed, weights, ids)
         return moe_experts_reference(x, *self.stacked(), weights, ids)
+
+    def set_quantized(self, gate_up: list[QuantWeight], down: list[QuantWeight]) -> None:
+        """Runs the held experts on quantized weights (each expert's gate/up `[2I, H]` and down
+        `[H, I]`), dropping the float parameters."""
+        if len(gate_up) != self.num_experts or len(down) != self.num_experts:
+            raise ValueError(
+                f"quantized experts: {len(gate_up)} gate/up and {len(down)} down weights for "
+                f"{self.num_experts} experts"
+            )
+        self.quant = (gate_up, down)
+        self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def held_ids(self, ids: Tensor) -> Tensor:
         """The router's expert ids -> indexes of this rank's experts (`cpu_moe.NOT_HELD` for
@@ -131,10 +153,31 @@ class Experts(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.quant is not None:
+            from pagedllm.kernels import cpu_quant
+
+            for name, weights in zip(("gate_up_proj", "down_proj"), self.quant):
+                destination[prefix + name] = torch.cat([cpu_quant.dequantize(w) for w in weights])
         if self.packed is not None:
             gate_up, down = cpu_moe.unpack_experts(self.packed)
             destination[prefix + "gate_up_proj"] = gate_up.flatten(0, 1)
             destination[prefix + "down_proj"] = down.flatten(0, 1)
+
+
+def quant_experts(
+    x: Tensor, gate_up: list[QuantWeight], down: list[QuantWeight], weights: Tensor, ids: Tensor
+) -> Tensor:
+    """`kernels.moe_reference`'s loop over quantized weights (float32): each chosen expert's
+    tokens through its gate/up, SwiGLU and down, weighted, added in ascending expert order."""
+    from pagedllm.kernels import cpu_quant  # only quantized models need the quantized kernels
+
+    out = torch.zeros_like(x)
+    for expert in torch.unique(ids[ids >= 0]).tolist():
+        tokens, slots = torch.where(ids == expert)
+        act = silu_and_mul(cpu_quant.quant_linear(x[tokens], gate_up[expert], None))
+        y = cpu_quant.quant_linear(act, down[expert], None)
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out
 
 
 class SparseMoeBlock(nn.Module):

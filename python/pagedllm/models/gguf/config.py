@@ -1,6 +1,7 @@
 """GGUF metadata (llama.cpp's key names) -> `ModelConfig`, checked against the tensors' shapes.
 
-Architectures: `llama`, `qwen2`, `qwen3`: the families the safetensors loader runs. Keys are
+Architectures: `llama`, `qwen2`, `qwen3`: the families the safetensors loader runs, and the
+mixtures of experts `qwen3moe`, `qwen2moe` and `llama` with experts (`experts.py`). Keys are
 `<arch>.<name>` (`llama.block_count`, `qwen2.attention.head_count_kv`, ...); a tied output head
 is the absence of `output.weight`; the vocabulary size is the embedding's row count.
 """
@@ -11,12 +12,15 @@ import math
 
 from pagedllm.checkpoint.gguf_reader import GGUFError, GGUFFile
 from pagedllm.models.config import ModelConfig, RopeConfig
+from pagedllm.models.gguf.experts import GGUF_MOE_ARCHITECTURES, gguf_moe_config, is_gguf_moe
 
 # general.architecture -> (our architecture name, family)
 GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GGUF_MOE_ARCHITECTURES["qwen3moe"][:2],
+    "qwen2moe": GGUF_MOE_ARCHITECTURES["qwen2moe"][:2],
 }
 EMBEDDING = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -39,6 +43,9 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     wrong kind, or disagrees with its tensors."""
     arch = gguf_architecture(file)
     architecture, family = GGUF_ARCHITECTURES[arch]
+    moe = is_gguf_moe(file, arch)
+    if moe:
+        architecture, family = GGUF_MOE_ARCHITECTURES[arch][:2]
 
     def count(key: str, default: int | None = None) -> int:
         value = file.get(f"{arch}.{key}", default)
@@ -70,6 +77,10 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
             f"{file.path}: tensor {EMBEDDING!r} has shape {list(embedding.shape)}, metadata "
             f"'{arch}.embedding_length' = {hidden} implies [vocab, {hidden}]"
         )
+    num_layers = count("block_count")
+    moe_config = gguf_moe_config(file, arch, num_layers) if moe else None
+    # a mixture of experts' dense layers (if any) are `feed_forward_length` wide
+    dense_width = count("feed_forward_length", moe_config.intermediate_size) if moe_config else None
     eos_ids = [
         file.get(f"tokenizer.ggml.{key}")
         for key in ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -77,9 +88,9 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
     return ModelConfig(
         architecture=architecture,
         family=family,
-        num_layers=count("block_count"),
+        num_layers=num_layers,
         hidden_size=hidden,
-        intermediate_size=count("feed_forward_length"),
+        intermediate_size=dense_width or count("feed_forward_length"),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -97,6 +108,7 @@ def gguf_model_config(file: GGUFFile) -> ModelConfig:
         pad_token_id=file.get("tokenizer.ggml.padding_token_id"),
         checkpoint_dtype=None,
         path=str(file.path),
+        moe=moe_config,
     )
 
 

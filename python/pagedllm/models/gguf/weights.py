@@ -12,6 +12,9 @@ Elsewhere (CUDA, or another dtype) every tensor is dequantized to the model's dt
 llama.cpp's converter permutes the rows of Q and K of the `llama` architecture (its RoPE rotates
 interleaved pairs; ours rotates halves): the rows are put back in whole (`unpermute_rows`), which
 needs no dequantization.
+
+A mixture of experts' experts (`experts.py`: one 3-D tensor per projection) load per expert, each
+a `QuantWeight` of its row block, into the MoE block's `Experts.quant`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pagedllm.distributed.layers import QuantEmbedding, TPShard
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.decoder import DecoderForCausalLM
 from pagedllm.models.fused_linear import SINGLE
+from pagedllm.models.gguf.experts import expert_rows, moe_gguf_name, stored_shapes
 from pagedllm.models.layout import checkpoint_layout, expected_shapes, shard_of
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,9 @@ def gguf_tensor_name(hf_name: str) -> str:
     """The GGUF tensor behind a Hugging Face tensor name of the decoder's layout."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
+    moe_name = moe_gguf_name(hf_name)
+    if moe_name is not None:
+        return moe_name
     match = _LAYER.fullmatch(hf_name)
     if match is None:
         raise KeyError(hf_name)
@@ -93,10 +100,11 @@ def check_gguf_tensors(file: GGUFFile, cfg: ModelConfig) -> None:
                 f"{file.path}: tensor {name!r} has type {tensor.type_name}, which pagedllm does "
                 f"not run (supported: {supported})"
             )
-        if tensor.shape != shape:
+        allowed = stored_shapes(hf_name, shape, cfg.moe.num_experts) if cfg.moe else (shape,)
+        if tensor.shape not in allowed:
             raise GGUFError(
                 f"{file.path}: tensor {name!r} has shape {list(tensor.shape)}, the metadata "
-                f"implies {list(shape)} (inconsistent metadata)"
+                f"implies {list(allowed[0])} (inconsistent metadata)"
             )
 
 
@@ -155,8 +163,13 @@ class GGUFModelBuilder:
             model = DecoderForCausalLM(self.cfg, self.tp)
         state: dict[str, torch.Tensor] = {}
         quant: dict[str, object] = {}
+        quant_experts: dict[str, object] = {}
+        shapes = {name: param.shape for name, param in model.named_parameters()}
         for param, sources in checkpoint_layout(self.cfg).items():
             module = param.rsplit(".", 2)[-2]
+            if module == "experts":
+                self._read_experts(param, sources, state, quant_experts)
+                continue
             parts = (
                 [self._read_matrix(name) for name in sources]
                 if param.endswith("weight") and module in _QUANT_MODULES
@@ -167,10 +180,15 @@ class GGUFModelBuilder:
             elif parts is not None:
                 state[param] = self._dense(torch.cat([to_float(*_args(p)) for p in parts]))
             else:
-                state[param] = self._dense(torch.cat([self._read_vector(n) for n in sources]))
+                # (a router, a shared expert's gate: matrices read whole, in float32)
+                values = torch.cat([self._read_vector(n) for n in sources])
+                state[param] = self._dense(values.reshape(shapes[param]))
         self._install_quantized(model, quant)
+        for name, (gate_up, down) in quant_experts.items():
+            model.get_submodule(name).set_quantized(gate_up, down)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         left = set(missing) - {f"{name}.weight" for name in quant} - {"lm_head.weight"}
+        left -= {f"{name}.{p}" for name in quant_experts for p in ("gate_up_proj", "down_proj")}
         if left or unexpected:  # a layout bug, not a bad file
             raise RuntimeError(f"GGUF load left {sorted(left)} unset, {unexpected} unexpected")
         model.tie_weights()
@@ -187,6 +205,24 @@ class GGUFModelBuilder:
             module = model.get_submodule(name)
             module.quant = weight
             module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def _read_experts(self, param: str, sources: list[str], state: dict, quant: dict) -> None:
+        """The experts this rank holds (an expert another rank holds reads as no rows): a
+        `QuantWeight` per expert and projection into `quant`, or float tensors into `state`."""
+        parts = [self._read_matrix(name) for name in sources]
+        if not (self.keep_quantized and any(p.qtype != F32 for p in parts)):
+            held = [to_float(*_args(p)) for p in parts if p.data.shape[0]]
+            state[param] = self._dense(torch.cat(held))
+            return
+        per_expert = 2 if param.endswith("gate_up_proj") else 1  # gate and up rows, or down's
+        weights = [
+            self._quant_weight(parts[i : i + per_expert])
+            for i in range(0, len(parts), per_expert)
+            if parts[i].data.shape[0]
+        ]
+        module = param.rsplit(".", 1)[0]
+        gate_up, down = quant.get(module, (None, None))
+        quant[module] = (weights, down) if per_expert == 2 else (gate_up, weights)
 
     def _quant_weight(self, parts: list[_Part]):
         from pagedllm.kernels import cpu_quant
@@ -213,6 +249,8 @@ class GGUFModelBuilder:
     def _read_matrix(self, hf_name: str) -> _Part:
         raw = self._raw(hf_name)
         data, in_features = raw.data, raw.shape[-1]
+        if len(raw.shape) == 3:  # an expert: its rows of the layer's 3-D tensor
+            data = expert_rows(data, hf_name, raw.shape[1])
         heads = self._heads_permuted(hf_name)
         if heads is not None:
             data = data[unpermute_rows(data.shape[0], heads)]
