@@ -202,7 +202,7 @@ fn amx_flags() -> Vec<&'static str> {
     };
     [(24, "amx-tile"), (25, "amx-int8"), (22, "amx-bf16")]
         .into_iter()
-        .filter_map(|(bit, flag)| (edx >> bit & 1 == 1).then_some(flag))
+        .filter_map(|(bit, flag)| ((edx >> bit) & 1 == 1).then_some(flag))
         .collect()
 }
 
@@ -234,7 +234,7 @@ fn amx_tile_state_granted() -> bool {
             return false;
         }
     }
-    permitted >> XFEATURE_XTILEDATA & 1 == 1
+    (permitted >> XFEATURE_XTILEDATA) & 1 == 1
 }
 
 /// Elsewhere the tile state is not requested, so AMX is not used.
