@@ -447,10 +447,13 @@ def min_kv_blocks(
     watermark: float = 0.01,
     scheduling: str = "unified",
     max_num_batched_tokens: int | None = None,
+    kv_groups: list[int | None] | None = None,
 ) -> int:
     """The fewest KV-cache blocks with which the longest sequence the scheduler can hold
     (``max_model_len``; under ``prefill_first`` at most the token budget) is ever admitted: its
-    blocks plus the ``watermark``'s share, the cache admission's rule. Start-up sizing asks it."""
+    blocks plus the ``watermark``'s share, the cache admission's rule. Start-up sizing asks it.
+    ``kv_groups``: the cache's layer groups (``Scheduler.set_kv_groups``), a window group's
+    blocks bounded by its window and the prefill chunk."""
 
 def ngram_lookup_bounds(
     prompt_lookup_max: int | None = None, prompt_lookup_min: int | None = None
@@ -502,6 +505,13 @@ class SchedulerOutput:
     @property
     def block_tables(self) -> _npt.NDArray[_np.int32]:
         """[S, W] padded with 0 to the widest table of the step."""
+    @property
+    def kv_group_tables(self) -> _npt.NDArray[_np.int32]:
+        """int32 [G, S, W] each KV layer group's block tables (-1: released by a window);
+        [0, S, 0] with one full-attention group."""
+    @property
+    def kv_group_slots(self) -> _npt.NDArray[_np.int64]:
+        """int64 [G, T] each token's KV slot in each group; [0, T] with one group."""
     @property
     def sample_rows(self) -> _npt.NDArray[_np.int64]: ...
     @property

@@ -21,9 +21,11 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
+from pagedllm._core import min_kv_blocks
+from pagedllm.attention.kv_groups import kv_group_layout
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.models import load_model
+from pagedllm.models import load_model, load_model_config
 
 from model_factory import PagedRunner, build_hf_model, hf_generate_greedy, save_tiny_tokenizer
 
@@ -119,10 +121,25 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_cachin
     assert second[0].num_cached_tokens >= len(SHARED) - 4
 
 
+def _smallest_cache(folder, max_model_len: int, chunk: int) -> int:
+    """The fewest blocks of 4 the engine accepts for this model (its hybrid KV groups: a
+    window group holds only its window and the chunk)."""
+    cfg = load_model_config(folder)
+    layout = kv_group_layout(cfg.layer_windows, cfg.num_layers, max_model_len)
+    assert layout.is_hybrid
+    return min_kv_blocks(
+        max_model_len,
+        block_size=4,
+        scheduling="chunked_prefill",
+        max_num_batched_tokens=chunk,
+        kv_groups=list(layout.windows),
+    )
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_tokens_match_transformers_under_preemption(checkpoint, mode):
-    # both 40- and 36-token prompts (2+ windows) fit in 30 blocks of 4, not both full-length
-    # sequences (18 + 17 blocks)
+    # 40- and 36-token prompts (2+ windows) in the smallest cache that holds one full-length
+    # sequence: the two do not fit together
     _, folder, hf = checkpoint
     prompts = [PROMPT[:40], SHARED[:36]]
     expected = hf_generate_greedy(hf, prompts, MAX_NEW)
@@ -132,8 +149,10 @@ def test_greedy_tokens_match_transformers_under_preemption(checkpoint, mode):
         device="cpu",
         block_size=4,
         preemption_mode=mode,
-        num_gpu_blocks=30,
+        num_gpu_blocks=_smallest_cache(folder, 76, 8),
         max_model_len=76,
+        scheduling="chunked_prefill",
+        max_num_batched_tokens=8,
         enable_prefix_caching=False,
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

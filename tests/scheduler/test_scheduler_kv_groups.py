@@ -4,6 +4,7 @@ full attention holds."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedllm._core import PagedLLMError
@@ -66,3 +67,30 @@ def test_a_gemma3_layout_holds_at_most_a_quarter_of_full_attention_blocks():
     local, full = run_3k_tokens(gemma3), run_3k_tokens([None] * 6)
     assert full >= 6 * 3072 // 16
     assert local * 4 <= full, (local, full)
+
+
+def test_a_step_carries_each_groups_tables_and_slots():
+    s = make(num_gpu_blocks=128, max_model_len=256)
+    s.set_kv_groups([None, 8])
+    s.add_request("r", prompt(0, 10), max_tokens=30)
+    for _ in range(20):
+        out = s.schedule()
+        seq = int(out.seq_ids[0])
+        tables, slots = out.kv_group_tables, out.kv_group_slots
+        assert tables.shape[:2] == (2, 1) and slots.shape == (2, out.num_batched_tokens)
+        for g in range(2):
+            row = s.group_block_table(seq, g)
+            assert list(tables[g, 0, : len(row)]) == row
+            # the step's tokens are written to blocks the group holds
+            assert all(int(slot) // 4 in row for slot in slots[g])
+        assert list(slots[0]) == list(out.slot_mapping)
+        s.update_from_output(out, np.full(out.num_samples, 7, dtype=np.int64))
+    assert -1 in list(tables[1, 0])
+
+
+def test_without_groups_a_step_carries_empty_group_arrays():
+    s = make(num_gpu_blocks=32)
+    s.add_request("r", prompt(0, 6), max_tokens=2)
+    out, _ = step(s)
+    assert out.kv_group_tables.shape == (0, 1, 0)
+    assert out.kv_group_slots.shape == (0, 6)

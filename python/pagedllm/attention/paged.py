@@ -19,7 +19,7 @@ from torch import Tensor
 from pagedllm.attention import cpu_attention
 from pagedllm.kernels import reference as _ref
 
-__all__ = ["AttentionMetadata", "LayerAttention", "paged_attention"]
+__all__ = ["AttentionMetadata", "LayerAttention", "LayerGroups", "paged_attention"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,24 @@ class AttentionMetadata:
     # table width W * block_size, so a CUDA graph captured with W = max_model_len / block_size keeps
     # one fixed grid. Ignored on CPU.
     num_splits: int | None = None
+    # Hybrid KV groups (`attention/kv_groups.py`): each layer's cache slot and its group's
+    # metadata (the group's slot_mapping and block_tables); None: every layer reads this one
+    # at its own index of the cache's layer axis.
+    layer_groups: LayerGroups | None = None
     # CPU path: the step's attention plan (gather/scatter indices, masks), built by the first layer
     # and reused by the others. Keyed by what it depends on besides the fields above; it is rebuilt
     # when one of those fields is reassigned (not when a tensor is mutated in place).
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # CPU kernels: the fields above as numpy arrays, converted by the first layer (same rule)
     _arrays: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def for_layer(self, layer: int) -> tuple[int, AttentionMetadata]:
+        """Layer `layer`'s index into the cache's layer axis and the metadata it attends
+        with."""
+        groups = self.layer_groups
+        if groups is None:
+            return layer, self
+        return groups.slot[layer], groups.metas[groups.group[layer]]
 
     def cpu_arrays(self) -> tuple:
         inputs = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
@@ -83,6 +95,16 @@ class AttentionMetadata:
         )
         self._plans[key] = (inputs, plan)
         return plan
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """A step's hybrid KV groups: each layer's `slot` in a cache block and `group`, and each
+    group's metadata `metas` (its own slot_mapping and block tables, the rest the step's)."""
+
+    slot: tuple[int, ...]
+    group: tuple[int, ...]
+    metas: tuple[AttentionMetadata, ...]
 
 
 def paged_attention(

@@ -88,6 +88,8 @@ class StepRows:
         self.positions = step.positions[tokens]
         self.slot_mapping = step.slot_mapping[tokens]
         self.block_tables = step.block_tables[rows]
+        self.kv_group_tables = step.kv_group_tables[:, rows]
+        self.kv_group_slots = step.kv_group_slots[:, tokens]
         self.is_decode_only = step.is_decode_only
         self.lora_ids = step.lora_ids[rows]
         drafts = step.spec_num_draft_tokens

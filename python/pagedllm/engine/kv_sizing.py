@@ -5,21 +5,31 @@ is left goes to the cache); on the CPU it is a fixed budget (`cpu_kv_cache_space
 cache that cannot hold one `max_model_len` sequence (under `prefill_first`, one of the token
 budget, if shorter) is refused at start-up: whether it can is the core's admission rule
 (`min_kv_blocks`: the sequence's blocks plus the watermark's share).
+
+A model with sliding windows has hybrid KV groups (`attention/kv_groups.py`): a block holds one
+group's layers, so the same bytes are more blocks, and a window group's share of a sequence is
+bounded by its window and the prefill chunk (vLLM's rule), so the same blocks hold more
+sequences.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from pagedllm._core import min_kv_blocks
+from pagedllm.attention.kv_groups import KVGroupLayout
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.config import EngineArgs, GiB
 from pagedllm.distributed.layers import tp_kv_heads
 from pagedllm.kernels.reference import kv_row_size, kv_storage_dtype
 from pagedllm.models import ModelConfig
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.kv_layout import hybrid_kv_off_reason
+
+logger = logging.getLogger("pagedllm")
 
 
 def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
@@ -73,8 +83,11 @@ class KVCachePlanner:
         max_model_len: int,
         max_num_batched_tokens: int,
         draft=None,
+        kv_layout: KVGroupLayout | None = None,
     ) -> None:
         self.args = args
+        # the cache's layer groups (None: one full-attention group of every layer)
+        self.kv_layout = kv_layout
         self.cfg = cfg
         self.model = model
         self.dtype = dtype
@@ -88,7 +101,7 @@ class KVCachePlanner:
         cfg = self.cfg
         # per rank: under tensor parallelism each rank's cache holds its KV heads
         target = CacheEngine.bytes_per_block(
-            num_layers=cfg.num_layers,
+            num_layers=self.kv_layout.layers_per_block if self.kv_layout else cfg.num_layers,
             num_kv_heads=tp_kv_heads(cfg.num_kv_heads, self.args.tensor_parallel_size),
             head_dim=cfg.head_dim,
             block_size=self.args.block_size,
@@ -104,12 +117,15 @@ class KVCachePlanner:
         block_bytes = self.bytes_per_block()
         # the core's admission rule: the fewest blocks the longest sequence the scheduler holds
         # is ever admitted into (its blocks plus the watermark's share)
+        layout = self.kv_layout
+        hybrid = layout is not None and layout.is_hybrid
         least = min_kv_blocks(
             self.max_model_len,
             block_size=args.block_size,
             watermark=args.watermark,
             scheduling=args.scheduling,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_groups=list(layout.windows) if hybrid else None,
         )
         if args.num_gpu_blocks is not None:
             num_gpu_blocks = args.num_gpu_blocks
@@ -117,7 +133,7 @@ class KVCachePlanner:
             num_gpu_blocks = self.profile_gpu_blocks(block_bytes)
         else:
             # CPU: a fixed memory budget, no more than every sequence at full length needs
-            full = math.ceil(self.max_model_len / args.block_size) * args.max_num_seqs
+            full = self.blocks_per_seq() * args.max_num_seqs
             num_gpu_blocks = min(
                 int(args.cpu_kv_cache_space * GiB) // block_bytes, max(full, least)
             )
@@ -132,6 +148,22 @@ class KVCachePlanner:
             )
         num_cpu_blocks = int(args.swap_space * GiB) // block_bytes
         return num_gpu_blocks, num_cpu_blocks
+
+    def blocks_per_seq(self) -> int:
+        """The most blocks one `max_model_len` sequence holds, every KV group (a window
+        group's bounded by its window and the prefill chunk)."""
+        bs, layout = self.args.block_size, self.kv_layout
+        if layout is None or not layout.is_hybrid:
+            return math.ceil(self.max_model_len / bs)
+        # the core's rule (`kv::max_blocks_held`), without the watermark's share
+        return min_kv_blocks(
+            self.max_model_len,
+            block_size=bs,
+            watermark=0.0,
+            scheduling=self.args.scheduling,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_groups=list(layout.windows),
+        )
 
     @torch.inference_mode()
     def profile_gpu_blocks(self, block_bytes: int) -> int:
@@ -175,3 +207,15 @@ class KVCachePlanner:
         outside_torch = total - free - torch.cuda.memory_reserved()
         budget = total * args.gpu_memory_utilization - peak - outside_torch
         return max(int(budget // block_bytes), 0)
+
+
+def log_kv_layout(args: EngineArgs, cfg: ModelConfig, layout: KVGroupLayout) -> None:
+    """The start-up log line of the cache's layer groups (or why a model with windows keeps
+    every block of every layer)."""
+    if layout.is_hybrid:
+        logger.info("KV cache layer groups: %s", layout.describe())
+    elif cfg.layer_windows and hybrid_kv_off_reason(args):
+        logger.info(
+            "KV cache: sliding-window layers keep every block (one group): %s",
+            hybrid_kv_off_reason(args),
+        )

@@ -243,7 +243,8 @@ class DecoderModel(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             tables = local if layer.uses_local_rope else rope
-            x, residual = layer.forward(x, residual, tables, kv_cache[0, i], kv_cache[1, i], meta)
+            c, m = meta.for_layer(i)  # hybrid KV groups: the layer's cache slot and tables
+            x, residual = layer.forward(x, residual, tables, kv_cache[0, c], kv_cache[1, c], m)
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.add_and_norm(x, residual)[0]

@@ -47,6 +47,8 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class CacheEngine:
     """Owns `kv_cache` [2, layers, blocks, block_size, kv_heads, head_dim] and its host twin.
+    With hybrid KV groups `layers` is a block's layer slots (`attention/kv_groups.py`: a block
+    holds one group's layers, `kv_groups` describes them).
 
     One tensor for all layers makes a block copy or swap a single indexed copy. A quantized
     cache (`kv_cache_dtype` int8 / fp8) is of the format's dtype with rows of `head_dim + 4`
@@ -66,8 +68,10 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        kv_groups: str | None = None,
     ) -> None:
         self.block_size = block_size
+        self.kv_groups = kv_groups
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
@@ -113,6 +117,7 @@ class CacheEngine:
     def stats(self) -> dict:
         """What the cache is: its format, the tokens it holds, its bytes (`get_stats()`)."""
         return {
+            "kv_groups": self.kv_groups or "1 group (full attention)",
             "kv_cache_dtype": self.dtype_name,
             "kv_cache_num_tokens": self.num_tokens,
             "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),

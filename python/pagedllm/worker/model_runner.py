@@ -6,13 +6,15 @@ device (no per-token Python).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm import _core
-from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.attention.kv_groups import KVGroupLayout
+from pagedllm.attention.paged import AttentionMetadata, LayerGroups
 from pagedllm.models import cpu_forward
 from pagedllm.sampling.verification import has_drafts, verification_logits_rows
 from pagedllm.worker.cache_engine import CacheEngine
@@ -44,8 +46,11 @@ class ModelRunner:
         *,
         cpu_threads: int | None = None,
         fused_cpu_forward: bool = True,
+        kv_layout: KVGroupLayout | None = None,
     ) -> None:
         self.model = model
+        # hybrid KV groups: each layer reads its group's block tables (None: one group)
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
         self.cache_engine = cache_engine
         self.device = device
         # multi-LoRA: puts the step's adapters in device slots, builds its token segments
@@ -85,6 +90,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             is_decode_only=bool(step.is_decode_only),
         )
+        if self.kv_layout is not None:
+            meta.layer_groups = self._layer_groups(step, meta)
         if self.lora is not None:
             self.lora.prepare_step(step.lora_ids, num_tokens)
         # The logits of a sequence come from the hidden state of its last token this step.
@@ -100,6 +107,21 @@ class ModelRunner:
             meta,
             _to_device(sample_rows, device),
         )
+
+    def _layer_groups(self, step, meta: AttentionMetadata) -> LayerGroups:
+        """Each KV group's metadata: the step's, with the group's KV slots and block tables
+        (a window group's released blocks are -1: no kernel reads them)."""
+        device, layout = self.device, self.kv_layout
+        tables, slots = step.kv_group_tables, step.kv_group_slots
+        metas = tuple(
+            dataclasses.replace(
+                meta,
+                slot_mapping=_to_device(slots[g], device),
+                block_tables=_to_device(tables[g], device),
+            )
+            for g in range(len(layout.windows))
+        )
+        return LayerGroups(layout.layer_slot, layout.layer_group, metas)
 
     def execute_block_ops(self, step) -> None:
         """The step's swaps and copy-on-write copies, before its forward."""

@@ -25,6 +25,7 @@ from pagedllm.distributed.layers import TPShard
 from pagedllm.models import ModelConfig, load_model
 from pagedllm.models.sequence_classification import load_pooling_model
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.kv_layout import kv_layout
 from pagedllm.worker.model_runner import ModelRunner
 
 # the step fields `ModelRunner.prepare` reads: the scalars (a bool, an int), then the arrays
@@ -119,6 +120,7 @@ class Worker:
         self.lora = self._lora_manager() if args.enable_lora else None
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        self.kv_layout = None  # the cache's layer groups (`init_cache`)
 
     def _lora_manager(self):
         check_lora_supported(self.model.config)
@@ -135,10 +137,13 @@ class Worker:
         )
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> ModelRunner:
-        """This rank's KV cache (its KV heads, the planned block counts) and its runner."""
+        """This rank's KV cache (its KV heads, the planned block counts, a block per layer
+        group: `worker/kv_layout.py`) and its runner."""
         cfg, args = self.model.config, self.args
+        # rank 0 checked max_model_len against the model (engine/kv_sizing.py) before any rank
+        self.kv_layout = kv_layout(args, cfg, args.max_model_len or cfg.max_position_embeddings)
         self.cache_engine = CacheEngine(
-            num_layers=cfg.num_layers,
+            num_layers=self.kv_layout.layers_per_block,
             num_kv_heads=self.tp.kv_heads(cfg.num_kv_heads),
             head_dim=cfg.head_dim,
             block_size=args.block_size,
@@ -147,6 +152,7 @@ class Worker:
             dtype=self.dtype,
             device=self.device,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_groups=self.kv_layout.describe() if self.kv_layout.is_hybrid else None,
         )
         self.runner = ModelRunner(
             self.model,
@@ -155,6 +161,7 @@ class Worker:
             self.lora,
             cpu_threads=args.cpu_threads,
             fused_cpu_forward=not args.enforce_eager,
+            kv_layout=self.kv_layout,
         )
         return self.runner
 
@@ -164,6 +171,8 @@ class Worker:
         from pagedllm.worker.cuda_graphs import DecodeCudaGraphs, decode_graphs_enabled
 
         args = self.args
+        if self.kv_layout.is_hybrid:  # the graphs are captured over one block table per step
+            return
         if not decode_graphs_enabled(
             self.device, enforce_eager=args.enforce_eager, lora=self.lora is not None
         ):

@@ -85,6 +85,45 @@ impl PyScheduler {
         Ok(arr.into_any().unbind())
     }
 
+    /// int32 [G, S, W] every KV group's block tables of `out`; [0, S, 0] without hybrid
+    /// groups (nothing is built).
+    pub(crate) fn group_tables_array(
+        &self,
+        py: Python<'_>,
+        out: &StepOutput,
+    ) -> PyResult<Py<PyAny>> {
+        let mgr = self.inner.manager();
+        if !mgr.is_hybrid() {
+            let arr = PyArray1::<i32>::from_vec(py, Vec::new()).reshape([0, out.num_seqs(), 0])?;
+            return Ok(arr.into_any().unbind());
+        }
+        let (data, width) = self.inner.group_tables(out)?;
+        let shape = [mgr.num_groups(), out.num_seqs(), width];
+        Ok(PyArray1::from_vec(py, data)
+            .reshape(shape)?
+            .into_any()
+            .unbind())
+    }
+
+    /// int64 [G, T] every KV group's slot of each token of `out`; [0, T] without hybrid
+    /// groups.
+    pub(crate) fn group_slots_array(
+        &self,
+        py: Python<'_>,
+        out: &StepOutput,
+    ) -> PyResult<Py<PyAny>> {
+        let mgr = self.inner.manager();
+        let (groups, data) = match mgr.is_hybrid() {
+            false => (0, Vec::new()),
+            true => (mgr.num_groups(), self.inner.group_slots(out)?),
+        };
+        let shape = [groups, out.num_batched_tokens];
+        Ok(PyArray1::<i64>::from_vec(py, data)
+            .reshape(shape)?
+            .into_any()
+            .unbind())
+    }
+
     /// Python strings of the requests an output names by (slot, generation).
     pub(crate) fn id_list(
         &self,

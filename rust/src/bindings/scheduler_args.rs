@@ -313,17 +313,20 @@ fn ngram_lookup_bounds(
 /// The fewest KV-cache blocks (of `block_size` tokens, under `watermark`) with which the
 /// longest sequence the scheduler can hold (`max_model_len`, or the token budget under
 /// `prefill_first`, which never splits a prompt) can ever be admitted: the cache admission's
-/// rule (`Scheduler::min_device_blocks`), which start-up sizing asks.
+/// rule (`Scheduler::min_device_blocks`), which start-up sizing asks. `kv_groups`: the
+/// cache's layer groups (`Scheduler.set_kv_groups`; None: one full-attention group), a window
+/// group's blocks bounded by its window and the chunk.
 #[pyfunction]
 #[pyo3(signature = (max_model_len, *, block_size = defaults::BLOCK_SIZE as i64,
                     watermark = defaults::WATERMARK, scheduling = Strategy::ALL[0].as_str(),
-                    max_num_batched_tokens = None))]
+                    max_num_batched_tokens = None, kv_groups = None))]
 fn min_kv_blocks(
     max_model_len: i64,
     block_size: i64,
     watermark: f64,
     scheduling: &str,
     max_num_batched_tokens: Option<i64>,
+    kv_groups: Option<Vec<Option<i64>>>,
 ) -> PyResult<usize> {
     let (cache, mut cfg) = SchedulerArgs {
         block_size,
@@ -336,7 +339,19 @@ fn min_kv_blocks(
     .into_configs()?;
     cfg.resolve_budget();
     Scheduler::check_config(&cache, &cfg)?;
-    Ok(Scheduler::min_device_blocks(&cache, &cfg))
+    let Some(windows) = kv_groups else {
+        return Ok(Scheduler::min_device_blocks(&cache, &cfg));
+    };
+    let windows = windows
+        .into_iter()
+        .map(|w| w.map(|w| non_negative("window", w)).transpose())
+        .collect::<PyResult<Vec<_>>>()?;
+    if windows.is_empty() || windows.contains(&Some(0)) {
+        return Err(PyValueError::new_err(format!(
+            "kv_groups must name at least one group, none with a window of 0: {windows:?}"
+        )));
+    }
+    Ok(Scheduler::min_device_blocks_grouped(&cache, &cfg, &windows))
 }
 
 /// Checks the scheduler's and the cache's knobs as the `Scheduler` constructor would (the

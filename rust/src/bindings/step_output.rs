@@ -182,6 +182,14 @@ step_output_fields! {
         /// int32 [S, W] block tables padded with 0 to the widest of the step, as they were
         /// at schedule time (the scheduler snapshots them before changing any of them).
         block_tables [input] = |o, s, py| s.borrow(py).block_tables_array(py, o);
+        /// int32 [G, S, W] each KV layer group's block tables (hybrid KV groups: a layer
+        /// reads its group's; -1 where a sliding window released a block), padded with 0;
+        /// [0, S, 0] with one full-attention group (its tables are `block_tables`). Read
+        /// before the step is applied or discarded.
+        kv_group_tables [input] = |o, s, py| s.borrow(py).group_tables_array(py, o);
+        /// int64 [G, T] each token's KV slot in each group ([0, T] with one full-attention
+        /// group: `slot_mapping`).
+        kv_group_slots [input] = |o, s, py| s.borrow(py).group_slots_array(py, o);
         /// int64 [K] batch row (0..S) whose last token's logits each sample uses.
         sample_rows [input] = |o, s, py| array_of(py, &o.sample_rows);
         /// int64 [K] sequence receiving each sample (an n>1 fork repeats a row).

@@ -35,7 +35,11 @@ impl CacheConfig {
     /// sequence of `num_tokens` tokens is ever admitted (`can_allocate` is not NEVER): its
     /// blocks plus the watermark's share of the pool. Start-up sizing asks this.
     pub fn min_device_blocks(&self, num_tokens: usize) -> usize {
-        let needed = blocks_for(num_tokens, self.block_size);
+        self.min_pool_for(blocks_for(num_tokens, self.block_size))
+    }
+
+    /// The fewest device blocks that leave `needed` outside the watermark's share.
+    pub fn min_pool_for(&self, needed: usize) -> usize {
         let usable = |num_device_blocks| {
             let cfg = CacheConfig {
                 num_device_blocks,
@@ -80,9 +84,12 @@ impl KvCacheManager {
 
     /// OK / LATER / NEVER for a new sequence of `num_tokens` tokens with no prefix hit.
     pub fn can_allocate(&self, num_tokens: usize) -> AllocStatus {
-        // Every group takes its blocks (a window's share is counted whole: a prompt's
-        // one-chunk prefill writes all of them before the window releases any).
-        let needed = blocks_for(num_tokens, self.config.block_size) * self.windows.len();
+        // Every group takes its blocks; a window group at most its window and one chunk
+        // (`max_blocks_held`; a prompt's one-chunk prefill writes all of them).
+        let needed = match self.hybrid {
+            false => blocks_for(num_tokens, self.config.block_size),
+            true => self.max_blocks_held(num_tokens),
+        };
         self.admission(self.new_sequence_ask(needed, needed))
     }
 

@@ -36,6 +36,33 @@ pub fn blocks_behind_window(pos: usize, window: usize, block_size: usize) -> usi
     (pos + 1).saturating_sub(window) / block_size
 }
 
+/// The most blocks a sequence of `num_tokens` needs at once over the groups `windows` when
+/// one allocation or append adds at most `max_chunk` tokens: a full-attention group all of its
+/// blocks; a window-`W` group (vLLM's rule, one chunk more) the blocks of the `W - 1` tokens
+/// its window reads before the previous chunk, that chunk and the next one (an append's room
+/// check counts the blocks it is about to release as still held), plus the block the span
+/// straddles; never more than all of them.
+pub fn max_blocks_held(
+    windows: &[Option<usize>],
+    max_chunk: usize,
+    num_tokens: usize,
+    block_size: usize,
+) -> usize {
+    let all = blocks_for(num_tokens, block_size);
+    windows
+        .iter()
+        .map(|w| match w {
+            None => all,
+            Some(w) => {
+                let span = (w - 1)
+                    .saturating_add(max_chunk.saturating_mul(2))
+                    .min(num_tokens);
+                (blocks_for(span, block_size) + 1).min(all)
+            }
+        })
+        .sum()
+}
+
 /// Releases the blocks of `row` before `skip` (they are a run after the `NULL_BLOCK`s already
 /// released, so only the new ones are visited), deepest first.
 fn release_behind(
@@ -77,6 +104,23 @@ impl KvCacheManager {
         self.hybrid = windows != [None];
         self.windows = windows;
         Ok(())
+    }
+
+    /// Bounds the tokens one allocation or append adds to a sequence (the scheduler's prefill
+    /// chunk): a sliding-window group then never holds more than `max_blocks_held` says.
+    pub fn set_max_chunk(&mut self, tokens: usize) {
+        self.max_chunk = tokens.max(1);
+    }
+
+    /// The most blocks a sequence of `num_tokens` needs at once, every group
+    /// (`max_blocks_held`, with this manager's groups and chunk).
+    pub fn max_blocks_held(&self, num_tokens: usize) -> usize {
+        max_blocks_held(
+            &self.windows,
+            self.max_chunk,
+            num_tokens,
+            self.config.block_size,
+        )
     }
 
     /// Each layer group's window (`None`: full attention); `[None]` unless `set_groups` said
@@ -603,6 +647,22 @@ mod tests {
         // Query at 8 reads keys 5..=8: block 0 released.
         assert_eq!(t.group(1)[0], NULL_BLOCK);
         m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_window_group_needs_at_most_its_window_and_two_chunks() {
+        let mut windows = vec![Some(32); 5];
+        windows.push(None);
+        // 3,104 tokens in blocks of 16: the full group all 194 blocks, each window group the
+        // 31 + 2 x 512 tokens' 66 blocks plus one
+        assert_eq!(max_blocks_held(&windows, 512, 3104, 16), 194 + 5 * 67);
+        // an unsplit prompt: every group all of its blocks
+        assert_eq!(max_blocks_held(&windows, usize::MAX, 3104, 16), 6 * 194);
+        let mut m = hybrid(16, 400, 0, &windows);
+        assert_eq!(m.can_allocate(3104), super::super::AllocStatus::Never);
+        m.set_max_chunk(128);
+        assert_eq!(m.max_blocks_held(3104), 194 + 5 * 19);
+        assert_eq!(m.can_allocate(3104), super::super::AllocStatus::Ok);
     }
 
     #[test]

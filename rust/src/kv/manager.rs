@@ -113,6 +113,9 @@ pub struct KvCacheManager {
     pub(super) windows: Vec<Option<usize>>,
     /// `windows` is not the one full-attention group: the hybrid paths are taken.
     pub(super) hybrid: bool,
+    /// Most tokens one allocation or append adds to a sequence (a prefill chunk; unbounded
+    /// when prompts are never split): bounds what a sliding-window group ever holds.
+    pub(super) max_chunk: usize,
 }
 
 /// Takes a device block: an uncached free one if any, else evicts the LRU cached one.
@@ -189,6 +192,7 @@ impl KvCacheManager {
             watermark_blocks,
             windows: vec![None],
             hybrid: false,
+            max_chunk: usize::MAX,
         })
     }
 

@@ -31,6 +31,6 @@ pub use admission::AllocStatus;
 pub use block_pool::BlockState;
 pub use block_table::{BlockTable, Location, NULL_BLOCK};
 pub use events::{KvEventBatch, KvEventKind, KvEventLog};
-pub use groups::blocks_behind_window;
+pub use groups::{blocks_behind_window, max_blocks_held};
 pub use manager::{defaults, CacheConfig, CacheStats, KvCacheManager};
 pub use prefix_cache::{salted_key, IdBuildHasher, PrefixCacheStats, PrefixHit};

@@ -193,7 +193,35 @@ impl Scheduler {
                 "kv groups are set before any request is added and without a KV connector".into(),
             ));
         }
-        self.mgr.set_groups(windows)
+        self.mgr.set_groups(windows)?;
+        self.mgr.set_max_chunk(Self::max_chunk(&self.cfg));
+        Ok(())
+    }
+
+    /// The most tokens one step adds to a sequence's table: a prefill chunk (with the
+    /// lookahead slots), or a whole prompt under `prefill_first`, which never splits one.
+    fn max_chunk(cfg: &SchedulerConfig) -> usize {
+        match cfg.strategy {
+            Strategy::PrefillFirst => usize::MAX,
+            _ => cfg.max_num_batched_tokens + cfg.num_lookahead_slots,
+        }
+    }
+
+    /// `min_device_blocks` for a cache of the KV groups `windows` (`set_kv_groups`): the
+    /// longest sequence's blocks in every group, a window group's bounded by its window and
+    /// the chunk (`kv::max_blocks_held`), plus the watermark's share.
+    pub fn min_device_blocks_grouped(
+        cache: &CacheConfig,
+        cfg: &SchedulerConfig,
+        windows: &[Option<usize>],
+    ) -> usize {
+        let needed = crate::kv::max_blocks_held(
+            windows,
+            Self::max_chunk(cfg),
+            cfg.max_seq_len(),
+            cache.block_size,
+        );
+        cache.min_pool_for(needed)
     }
 
     /// The prefix cache's KV-event log, which the engine turns on and drains once per step.

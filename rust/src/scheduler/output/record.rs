@@ -4,7 +4,9 @@
 //! output still held elsewhere before the live state stops describing it.
 use std::sync::Arc;
 
-use crate::ids::BlockId;
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::kv::NULL_BLOCK;
 
 use super::step_output::{SharedTables, StepOutput, TableRow};
 use crate::scheduler::state::request::Sequence;
@@ -166,6 +168,75 @@ impl Scheduler {
             self.mgr.block_size(),
             out.num_batched_tokens,
         )
+    }
+}
+
+impl Scheduler {
+    /// Every KV group's block tables of `out` (hybrid KV groups: what each group's layers
+    /// read): [G * S * width] row-major, group by group, each row padded with 0 to `width`
+    /// (the widest row of the step) and -1 where a sliding-window group released a block (the
+    /// kernels never read one: it lies wholly behind the window of the row's first query).
+    /// Read from the live KV tables (`check_group_read`).
+    pub fn group_tables(&self, out: &StepOutput) -> Result<(Vec<i32>, usize)> {
+        self.check_group_read(out)?;
+        let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let width = t.rows.iter().map(|r| r.len).max().unwrap_or(0) as usize;
+        let mut tables = vec![0i32; self.mgr.num_groups() * t.rows.len() * width];
+        for (g, dst) in tables
+            .chunks_exact_mut((t.rows.len() * width).max(1))
+            .enumerate()
+        {
+            for (r, (&seq, dst)) in t
+                .rows
+                .iter()
+                .zip(out.seq_ids.iter().zip(dst.chunks_exact_mut(width.max(1))))
+            {
+                let row = &self.mgr.group_block_table(seq as SeqId, g)?[..r.len as usize];
+                for (d, &b) in dst.iter_mut().zip(row) {
+                    *d = if b == NULL_BLOCK { -1 } else { b as i32 };
+                }
+            }
+        }
+        Ok((tables, width))
+    }
+
+    /// Every KV group's slot of each token of `out` (block * block_size + offset in the
+    /// group's table): [G * T], group by group. Read from the live KV tables
+    /// (`check_group_read`).
+    pub fn group_slots(&self, out: &StepOutput) -> Result<Vec<i64>> {
+        self.check_group_read(out)?;
+        let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
+        let bs = self.mgr.block_size();
+        let mut slots = Vec::with_capacity(self.mgr.num_groups() * out.num_batched_tokens);
+        for g in 0..self.mgr.num_groups() {
+            for (r, &seq) in t.rows.iter().zip(&out.seq_ids) {
+                let row = self.mgr.group_block_table(seq as SeqId, g)?;
+                let (start, end) = (r.start as usize, (r.start + r.n) as usize);
+                slots.extend((start..end).map(|p| (row[p / bs] as usize * bs + p % bs) as i64));
+            }
+        }
+        Ok(slots)
+    }
+
+    /// The group tables are read from the live KV tables, so only of a hybrid manager (a
+    /// one-group full-attention one has `block_tables`) and only while `out` is the latest
+    /// step and still open (neither applied nor discarded): then the live tables are the ones
+    /// it was scheduled with.
+    fn check_group_read(&self, out: &StepOutput) -> Result<()> {
+        if !self.mgr.is_hybrid() {
+            return Err(Error::InvalidState(
+                "kv group tables: the cache has one full-attention group (read block_tables)"
+                    .into(),
+            ));
+        }
+        if !self.ledger.is_open(out.step) {
+            return Err(Error::InvalidState(format!(
+                "kv group tables of step {} are read from the live KV tables: only before \
+                 update_from_output / discard_step of that step",
+                out.step
+            )));
+        }
+        Ok(())
     }
 }
 

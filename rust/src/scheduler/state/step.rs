@@ -49,6 +49,12 @@ impl StepLedger {
         self.step_open = true;
     }
 
+    /// Whether `step` is the latest step and still open (neither applied nor discarded): its
+    /// sequences' live KV tables are still the ones it was scheduled with.
+    pub(in crate::scheduler) fn is_open(&self, step: u64) -> bool {
+        step == self.step && self.step_open
+    }
+
     /// Where sample `k` of the latest output goes: (request slot, the slot's generation at
     /// schedule time, sequence index).
     pub(in crate::scheduler) fn sample(&self, k: usize) -> (u32, u32, usize) {

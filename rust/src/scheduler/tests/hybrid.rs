@@ -48,6 +48,7 @@ fn random_hybrid_workloads_terminate_without_leaks() {
                     added += 1;
                 }
                 let out = s.schedule(stepno as f64).unwrap();
+                check_group_arrays(&s, &out);
                 let sampled: Vec<i64> =
                     (0..out.num_samples()).map(|_| rng.next(8) as i64).collect();
                 s.update_from_output(out.step, &sampled, None).unwrap();
@@ -95,4 +96,75 @@ fn kv_groups_are_set_before_requests() {
         s.set_kv_groups(vec![Some(8)]),
         Err(Error::InvalidState(_))
     ));
+}
+
+/// The step's group tables and slots are each group's live rows: a row's table is the group's
+/// row (-1 where released), and every token's slot lies in a block its group holds.
+fn check_group_arrays(s: &Scheduler, out: &StepOutput) {
+    let (tables, width) = s.group_tables(out).unwrap();
+    let slots = s.group_slots(out).unwrap();
+    let (groups, rows, bs) = (s.manager().num_groups(), out.num_seqs(), s.block_size());
+    assert_eq!(tables.len(), groups * rows * width);
+    assert_eq!(slots.len(), groups * out.num_batched_tokens);
+    let mut token = 0;
+    for g in 0..groups {
+        for (i, &seq) in out.seq_ids.iter().enumerate() {
+            let row = s.manager().group_block_table(seq as u64, g).unwrap();
+            let got = &tables[(g * rows + i) * width..][..row.len()];
+            let want: Vec<i32> = row
+                .iter()
+                .map(|&b| if b == NULL_BLOCK { -1 } else { b as i32 })
+                .collect();
+            assert_eq!(got, want.as_slice());
+            for _ in 0..out.num_tokens[i] {
+                let block = (slots[token] as usize / bs) as u32;
+                assert!(row.contains(&block) && block != NULL_BLOCK);
+                token += 1;
+            }
+        }
+    }
+}
+
+#[test]
+fn group_tables_are_read_only_while_their_step_is_open() {
+    let mut s = Scheduler::new(cache(4, 32, 0), cfg(Strategy::Unified, 32)).unwrap();
+    s.set_kv_groups(vec![None, Some(4)]).unwrap();
+    s.add_request("r", params(prompt(0, 10), 4)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    let (tables, width) = s.group_tables(&out).unwrap();
+    assert_eq!((tables.len(), width), (2 * 3, 3));
+    s.update_from_output(out.step, &[5], None).unwrap();
+    assert!(matches!(s.group_tables(&out), Err(Error::InvalidState(_))));
+    assert!(matches!(s.group_slots(&out), Err(Error::InvalidState(_))));
+}
+
+#[test]
+fn group_tables_are_refused_without_hybrid_groups() {
+    let mut s = Scheduler::new(cache(4, 32, 0), cfg(Strategy::Unified, 32)).unwrap();
+    s.add_request("r", params(prompt(0, 10), 4)).unwrap();
+    let out = s.schedule(0.0).unwrap();
+    assert!(matches!(s.group_tables(&out), Err(Error::InvalidState(_))));
+}
+
+#[test]
+fn a_chunked_prompt_longer_than_every_group_at_full_length_is_admitted() {
+    // 6 groups (5 of window 8) x 50 blocks would be 300 blocks; chunks of 16 bound each
+    // window group to its window and two chunks: 50 + 5 x 11 blocks
+    let mut c = cfg(Strategy::ChunkedPrefill, 16);
+    c.max_model_len = 256;
+    let mut s = Scheduler::new(cache(4, 110, 0), c).unwrap();
+    let mut groups = vec![Some(8); 5];
+    groups.insert(0, None);
+    s.set_kv_groups(groups).unwrap();
+    s.add_request("r", params(prompt(0, 200), 4)).unwrap();
+    let mut steps = 0;
+    while s.has_unfinished_requests() {
+        let out = s.schedule(steps as f64).unwrap();
+        assert!(out.finished.is_empty(), "refused: {:?}", out.finished);
+        let sampled = vec![5; out.num_samples()];
+        s.update_from_output(out.step, &sampled, None).unwrap();
+        s.check_invariants().unwrap();
+        steps += 1;
+        assert!(steps < 100);
+    }
 }
