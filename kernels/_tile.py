@@ -1,9 +1,10 @@
 """The online-softmax step over one tile of paged keys, shared by the decode and prefill kernels.
 
 A quantized cache (`kv_cache_dtype` int8 / fp8, `SCALE_AT` = head_dim): each row's codes are
-widened to q's dtype (exact: int8 and fp8 values fit bf16 / fp16 / fp32) and its float32 scale,
-stored at `SCALE_AT` past the row's start, multiplies the row's scores (keys) and probabilities
-(values), never each element."""
+widened to q's dtype (exact: int8 and fp8 values fit bf16 / fp16 / fp32) and its scale (the byte
+at `SCALE_AT` past the row's start codes the row's bound, `reference.quantize_rows`; the scale is
+the bound times `SCALE_RCP`) multiplies the row's scores (keys) and probabilities (values), never
+each element. The rows are rotated: the callers rotate q and the output (`reference.unrotate`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def attend_tile(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr = 0,
+    SCALE_RCP: tl.constexpr = 0.0,
     CAP: tl.constexpr = False,
 ):
     # one online-softmax step over keys n0 .. n0 + BLOCK_N
@@ -58,8 +60,8 @@ def attend_tile(
     if SCALE_AT > 0:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        k_scale = tl.load((k_row + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=nmask, other=0)
-        v_scale = tl.load((v_row + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=nmask, other=0)
+        k_scale = _row_scale(k_row + SCALE_AT, nmask, SCALE_RCP)
+        v_scale = _row_scale(v_row + SCALE_AT, nmask, SCALE_RCP)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -92,3 +94,11 @@ def attend_tile(
         p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _row_scale(byte_ptr, nmask, SCALE_RCP: tl.constexpr):
+    # the byte's bits are the bound's f32 exponent (rebiased by 111) and top 3 mantissa bits
+    byte = tl.load(byte_ptr.to(tl.pointer_type(tl.uint8)), mask=nmask, other=0).to(tl.int32)
+    bound = ((byte + 888) << 20).to(tl.float32, bitcast=True)
+    return tl.where(nmask, bound * SCALE_RCP, 0.0)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
-from .reference import kv_format, kv_row_size
+from .reference import kv_code_max, kv_format, kv_row_size, unrotate
 
 # Each split covers at least this many tokens: shorter splits spend more on the reduce and on the
 # per-split q load than they win in parallelism.
@@ -80,6 +80,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr,
+    SCALE_RCP: tl.constexpr,
     CAP: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -145,6 +146,7 @@ def _decode_split_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            SCALE_RCP,
             CAP,
         )
 
@@ -225,6 +227,10 @@ def paged_decode_attention(
     _, page, kvh, row = k_cache.shape
     quantized = kv_format(k_cache.dtype) != "auto"
     assert row == kv_row_size(D, k_cache.dtype), "cache rows do not match q's head size"
+    if quantized:
+        # the cache's rows are rotated: q meets them rotated (`reference.unrotate`), and the
+        # output is rotated back below
+        q = unrotate(q.float()).to(q.dtype)
     out = torch.empty_like(q)
     if S == 0:
         return out
@@ -276,8 +282,9 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         UPCAST=interpreting(),
         DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
-        # a quantized cache: each row's scale after its D codes
+        # a quantized cache: each row's scale byte after its D codes
         SCALE_AT=D if quantized else 0,
+        SCALE_RCP=1.0 / kv_code_max(k_cache.dtype) if quantized else 0.0,
         CAP=softcap > 0,
         num_warps=4,
         num_stages=2,
@@ -296,4 +303,4 @@ def paged_decode_attention(
             BLOCK_D=block_d,
             num_warps=1 if block_d <= 64 else 2,
         )
-    return out
+    return unrotate(out.float()).to(out.dtype) if quantized else out

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ._tile import attend_tile
 from ._util import dot_precision, interpreting, next_pow2
-from .reference import kv_format, kv_row_size
+from .reference import kv_code_max, kv_format, kv_row_size, unrotate
 
 
 @triton.jit
@@ -51,6 +51,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     SCALE_AT: tl.constexpr,
+    SCALE_RCP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,  # attend_tile's MASK past full_end: 2 causal, 3 with the window
     CAP: tl.constexpr,
@@ -126,6 +127,7 @@ def _prefill_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            SCALE_RCP,
             CAP,
         )
     for n0 in range(causal_start, causal_end, BLOCK_N):
@@ -158,6 +160,7 @@ def _prefill_kernel(
             UPCAST,
             DOT_PREC,
             SCALE_AT,
+            SCALE_RCP,
             CAP,
         )
 
@@ -195,6 +198,10 @@ def paged_prefill_attention(
     _, page, kvh, row = k_cache.shape
     quantized = kv_format(k_cache.dtype) != "auto"
     assert row == kv_row_size(D, k_cache.dtype), "cache rows do not match q's head size"
+    if quantized:
+        # the cache's rows are rotated: q meets them rotated (`reference.unrotate`), and the
+        # output is rotated back below
+        q = unrotate(q.float()).to(q.dtype)
     out = torch.zeros_like(q)  # zeros: padding rows past query_start_loc[-1] are never written
     if T == 0 or S == 0 or max_query_len <= 0:
         return out
@@ -240,12 +247,13 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         UPCAST=interpreting(),
         DOT_PREC=dot_precision(q.dtype if quantized else k_cache.dtype),
-        # a quantized cache: each row's scale after its D codes
+        # a quantized cache: each row's scale byte after its D codes
         SCALE_AT=D if quantized else 0,
+        SCALE_RCP=1.0 / kv_code_max(k_cache.dtype) if quantized else 0.0,
         HAS_WINDOW=sliding_window > 0,
         CAUSAL_MASK=3 if sliding_window > 0 else 2,
         CAP=softcap > 0,
         num_warps=num_warps,
         num_stages=2,
     )
-    return out
+    return unrotate(out.float()).to(out.dtype) if quantized else out

@@ -7,13 +7,18 @@ Layout (docs/ARCHITECTURE.md §3): k_cache / v_cache are
 `[2, layers, num_blocks, block_size, kv_heads, head_dim]`; slot = block * block_size + offset.
 
 Quantized caches (`kv_cache_dtype` int8 / fp8_e4m3 / fp8_e5m2) store each (slot, kv head) row as
-its `head_dim` codes followed by the row's float32 scale (4 bytes), so their last dimension is
-`head_dim + 4` (`KV_SCALE_BYTES`) elements of one byte. `quantize_rows` / `dequantize_rows` are
-the formats' definition (the Rust and Triton stores code rows bit for bit as they do):
-- int8: symmetric, `scale = amax / 127`, codes `round_half_even(x / scale)` in [-127, 127];
-- fp8: `scale = amax / max` (448 for e4m3fn, 57344 for e5m2), codes `x / scale` clamped to
-  +-max and rounded to nearest even (torch's conversion);
-- an all-zero row has scale 0 and zero codes.
+its `head_dim` codes followed by one scale byte, so their last dimension is `head_dim + 1`
+(`KV_SCALE_BYTES`) elements of one byte. `quantize_rows` / `dequantize_rows` are the formats'
+definition (the Rust and Triton stores code rows bit for bit as they do; `rust/src/cpu/kv_quant.rs`
+says why):
+- the row is rotated first, `H x` (`hadamard`: the Sylvester Hadamard matrix, entries +-1, over
+  blocks of the largest power of two dividing `head_dim`); the kernels rotate q by `H q / n` and
+  their output back, so attention is the unrotated rows'; `dequantize_rows` undoes the rotation;
+- the scale byte `e << 3 | m` codes the row's bound `(1 + m / 8) 2^(e - 16)`, the smallest at
+  least the rotated row's amax (2^-16 to 61440); `scale = bound * float32(1 / max)`;
+- int8: max 127, codes `round_half_even(x / scale)` in [-127, 127];
+- fp8: max 448 (e4m3fn) or 57344 (e5m2), codes `x / scale` clamped to +-max and rounded to
+  nearest even (torch's conversion).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ __all__ = [
     "kv_storage_dtype",
     "kv_format",
     "kv_row_size",
+    "kv_row_format",
+    "kv_code_max",
+    "hadamard",
+    "unrotate",
     "quantize_rows",
     "dequantize_rows",
     "as_bytes",
@@ -44,7 +53,10 @@ __all__ = [
 ]
 
 
-KV_SCALE_BYTES = 4
+KV_SCALE_BYTES = 1
+# the scale byte's exponent bias, as the f32 exponent's bits: byte b is the f32 with bits
+# (b + _BOUND_OFFSET) << 20 (exponent and the top 3 mantissa bits)
+_BOUND_OFFSET = (127 - 16) << 3
 # storage dtype of each quantized format (`kv_cache_dtype` name, "fp8" resolved) and the largest
 # magnitude its codes reach
 _KV_FORMATS = {
@@ -79,30 +91,75 @@ def kv_row_size(head_dim: int, cache_dtype: torch.dtype) -> int:
     return head_dim + (KV_SCALE_BYTES if cache_dtype in _KV_NAMES else 0)
 
 
+def kv_code_max(cache_dtype: torch.dtype) -> float:
+    """The largest magnitude a quantized format's codes reach (a row's bound maps onto it)."""
+    return _KV_MAX[cache_dtype]
+
+
+def kv_row_format(cache_dtype: torch.dtype) -> str:
+    """What a cache's rows are, for a stored block's header: a tier written with another row
+    format (another dtype, or an earlier quantized layout) must not be loaded."""
+    if cache_dtype not in _KV_NAMES:
+        return str(cache_dtype).removeprefix("torch.")
+    return f"{_KV_NAMES[cache_dtype]}:hadamard,codes,bound-byte-e5m3"
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """`H x` over the last dimension, per block of its largest power-of-two divisor, as the Rust
+    store's butterflies (the same float32 operations: bit for bit)."""
+    d = x.shape[-1]
+    n = d & -d
+    shape = x.shape
+    h = 1
+    while h < n:
+        x = x.reshape(*shape[:-1], d // (2 * h), 2, h)
+        a, b = x[..., 0, :], x[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2)
+        h *= 2
+    return x.reshape(shape)
+
+
+def unrotate(x: Tensor) -> Tensor:
+    """`H x / n`: a rotated row's values back (and a query rotated to meet rotated keys)."""
+    d = x.shape[-1]
+    return hadamard(x) * (1.0 / (d & -d))
+
+
+def _bound_byte(amax: Tensor) -> Tensor:
+    """The smallest scale byte whose bound is at least `amax` (float32 >= 0), as int32."""
+    up = (amax.view(torch.int32).long() + (1 << 20) - 1) >> 20
+    return (up - _BOUND_OFFSET).clamp(0, 255).int()
+
+
+def _row_scale(byte: Tensor, cache_dtype: torch.dtype) -> Tensor:
+    bound = ((byte.int() + _BOUND_OFFSET) << 20).view(torch.float32)
+    return bound * torch.tensor(1 / _KV_MAX[cache_dtype], dtype=torch.float32)
+
+
 def quantize_rows(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
-    """Rows `[..., D]` (any float dtype) coded as `[..., D + 4]` of the quantized `cache_dtype`:
-    the codes, then each row's float32 scale (see the module docstring)."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / _KV_MAX[cache_dtype]
-    nonzero = scale > 0
-    y = torch.where(nonzero, x / torch.where(nonzero, scale, 1.0), 0.0)
+    """Rows `[..., D]` (any float dtype) coded as `[..., D + 1]` of the quantized `cache_dtype`:
+    the rotated row's codes, then its scale byte (see the module docstring)."""
+    x = hadamard(x.float())
+    byte = _bound_byte(x.abs().amax(-1, keepdim=True))
+    y = x / _row_scale(byte, cache_dtype)
     limit = _KV_MAX[cache_dtype]
     if cache_dtype == torch.int8:
         codes = y.round().clamp(-limit, limit).to(torch.int8)
     else:
         codes = y.clamp(-limit, limit).to(cache_dtype)
-    rows = torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    rows = torch.cat([codes.view(torch.uint8), byte.to(torch.uint8)], dim=-1)
     return rows.view(cache_dtype)
 
 
 def dequantize_rows(rows: Tensor) -> Tensor:
-    """float32 `[..., D]` of quantized rows `[..., D + 4]` (a float cache's rows: as float32)."""
+    """float32 `[..., D]` of quantized rows `[..., D + 1]`, the rotation undone (a float cache's
+    rows: as float32)."""
     if rows.dtype not in _KV_NAMES:
         return rows.float()
     raw = rows.view(torch.uint8)
     codes = raw[..., :-KV_SCALE_BYTES].view(rows.dtype)
-    scale = raw[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
-    return codes.float() * scale
+    scale = _row_scale(raw[..., -KV_SCALE_BYTES:], rows.dtype)
+    return unrotate(codes.float() * scale)
 
 
 def store_kvcache(

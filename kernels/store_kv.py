@@ -1,6 +1,7 @@
 """Triton kernel: write this step's K/V into their paged-cache slots; a quantized cache
-(`kv_cache_dtype` int8 / fp8) gets each (token, kv head) row coded with its float32 scale, as
-`reference.quantize_rows` defines (the scale after the row's HEAD_DIM codes)."""
+(`kv_cache_dtype` int8 / fp8) gets each (token, kv head) row rotated (by torch, before the
+kernel) and coded with its scale byte, as `reference.quantize_rows` defines (the byte after the
+row's HEAD_DIM codes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._util import next_pow2
-from .reference import kv_format, kv_row_size
+from .reference import hadamard, kv_code_max, kv_format, kv_row_size
 
 
 @triton.jit
@@ -72,9 +73,15 @@ def _store_quantized(
     FP8_M: tl.constexpr,
     FP8_BIAS: tl.constexpr,
 ):
-    # masked lanes loaded 0: they never raise a row's amax
-    scale = tl.max(tl.abs(x), axis=1) / QMAX
-    y = tl.where(scale[:, None] > 0, x / tl.where(scale > 0, scale, 1.0)[:, None], 0.0)
+    # masked lanes loaded 0: they never raise a row's amax. The scale byte: amax's bits rounded
+    # up to 3 mantissa bits, rebiased (exponent bias 16), clamped to a byte; the bound it codes
+    # is those bits again, the scale the bound times 1 / QMAX (as float32)
+    amax = tl.max(tl.abs(x), axis=1).to(tl.uint32, bitcast=True)
+    byte = ((amax + 1048575) >> 20).to(tl.int32) - 888
+    byte = tl.minimum(tl.maximum(byte, 0), 255)
+    rcp: tl.constexpr = 1.0 / QMAX
+    scale = ((byte + 888) << 20).to(tl.float32, bitcast=True) * rcp
+    y = x / scale[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
         # round half to even: adding 1.5 * 2^23 leaves no fraction bits (|y| <= 127)
@@ -83,7 +90,8 @@ def _store_quantized(
     else:
         code = _fp8_code(y, FP8_M, FP8_BIAS)
         tl.store((c_ptr + dst).to(tl.pointer_type(tl.uint8)), code, mask=mask)
-    tl.store((c_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=row_mask)
+    byte_ptr = (c_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.uint8))
+    tl.store(byte_ptr, byte.to(tl.uint8), mask=row_mask)
 
 
 @triton.jit
@@ -133,9 +141,9 @@ def store_kvcache(
     qmax = 0.0
     if kv_format(k_cache.dtype) != "auto":
         assert k_cache.shape[3] == kv_row_size(d, k_cache.dtype), "rows do not match k's heads"
-        qmax = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[
-            k_cache.dtype
-        ]
+        qmax = kv_code_max(k_cache.dtype)
+        # the rows are coded rotated (`reference.hadamard`, the same float32 operations)
+        k, v = hadamard(k.float()), hadamard(v.float())
     block_h, block_d = next_pow2(kvh), next_pow2(d)
     # the kernel is pure data movement; 4 warps cover up to 8 heads x 128 dims at 8 elems/thread
     _store_kv_kernel[(T,)](

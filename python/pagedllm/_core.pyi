@@ -823,7 +823,7 @@ def cpu_store_kvcache(
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
     (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes.
     ``kv_cache_dtype`` "int8" (int8 caches) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized
-    caches ``[blocks, block_size, KVH, D + 4]``, each row coded with its float32 scale."""
+    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte."""
 
 def cpu_paged_attention(
     q: _KernelArray,

@@ -102,6 +102,21 @@ def test_files_of_a_model_are_not_loaded_by_its_run_quantized_at_load(tmp_path, 
     assert quantized._read(42) is None
 
 
+def test_quantized_files_of_another_row_format_are_not_loaded(tmp_path, exports, monkeypatch):
+    # int8 rows of head size 8 (+ the scale byte), written by an engine whose rows were coded
+    # otherwise (an earlier layout of the same dtype and shape)
+    kv_cache = torch.randint(-127, 128, (2, 2, 4, 4, 2, 9), dtype=torch.int8)
+    model = str(exports[0])
+    monkeypatch.setattr(disk, "kv_row_format", lambda dtype: "int8:codes,float32-scale")
+    earlier = DiskConnector(kv_cache, tmp_path, 1 << 20, model=model)
+    monkeypatch.undo()
+    current = DiskConnector(kv_cache.clone(), tmp_path, 1 << 20, model=model)
+    one = np.array([0])
+    earlier._save(one.astype(np.uint64), one, one, np.array([42], dtype=np.uint64))
+    assert torch.equal(earlier._read(42), kv_cache[:, :, 0])
+    assert current._read(42) is None
+
+
 # ---- the payload's checksum -------------------------------------------------------------
 
 

@@ -27,17 +27,17 @@ def _bytes_per_block(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> 
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_a_quantized_block_takes_one_byte_per_value_plus_four_per_row(head_dim):
+def test_a_quantized_block_takes_one_byte_per_value_plus_one_per_row(head_dim):
     float32 = _bytes_per_block(head_dim, torch.float32, "auto")
     bf16 = _bytes_per_block(head_dim, torch.bfloat16, "auto")
     for name in FORMATS:
         quantized = _bytes_per_block(head_dim, torch.float32, name)
-        assert quantized == 2 * 2 * 16 * 4 * (head_dim + 4)
-        # the same budget holds 4d / (d + 4) times float32's blocks, 2d / (d + 4) bfloat16's
-        assert float32 / quantized == pytest.approx(4 * head_dim / (head_dim + 4))
-        assert bf16 / quantized == pytest.approx(2 * head_dim / (head_dim + 4))
-    # where the scale is small beside the row: >= 3.9x float32's tokens, >= 1.95x bfloat16's
-    if head_dim >= 256:
+        assert quantized == 2 * 2 * 16 * 4 * (head_dim + 1)
+        # the same budget holds 4d / (d + 1) times float32's blocks, 2d / (d + 1) bfloat16's
+        assert float32 / quantized == pytest.approx(4 * head_dim / (head_dim + 1))
+        assert bf16 / quantized == pytest.approx(2 * head_dim / (head_dim + 1))
+    # from head size 64 (SmolLM2, Llama-3.2-1B): >= 3.9x float32's tokens, >= 1.95x bfloat16's
+    if head_dim >= 64:
         assert float32 / _bytes_per_block(head_dim, torch.float32, "int8") >= 3.9
         assert bf16 / _bytes_per_block(head_dim, torch.bfloat16, "fp8") >= 1.95
 
@@ -73,7 +73,7 @@ def _block_bytes(engine: CacheEngine, block: int) -> torch.Tensor:
 def test_the_cache_is_of_the_formats_dtype_with_room_for_each_rows_scale(kv_cache_dtype):
     engine = _engine(kv_cache_dtype)
     assert engine.kv_cache.dtype == FORMATS[kv_cache_dtype]
-    assert engine.kv_cache.shape == (2, 2, 6, 4, 2, 8 + 4)
+    assert engine.kv_cache.shape == (2, 2, 6, 4, 2, 8 + 1)
     assert engine.num_tokens == 24
 
 

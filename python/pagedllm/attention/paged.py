@@ -117,7 +117,7 @@ def paged_attention(
     scale: float | LayerAttention,
 ) -> Tensor:
     """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` (quantized:
-    `D + 4`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
+    `D + 1`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
     layer, or the layer's `LayerAttention`."""
     layer = _as_layer(scale)
     if q.is_cuda:

@@ -41,6 +41,7 @@ import torch
 import xxhash
 
 from pagedllm._core import kv_block_file_name
+from pagedllm.kernels.reference import kv_row_format
 from pagedllm.kv_transfer.fingerprint import model_fingerprint
 from pagedllm.kv_transfer.worker import CopyThreadConnector, gather_blocks, scatter_blocks
 
@@ -76,6 +77,9 @@ class DiskConnector(CopyThreadConnector):
             "fingerprint": model_fingerprint(model, tokenizer),
             "quantization": quantization,  # weights quantized at load compute other KV
             "dtype": str(kv_cache.dtype),
+            # a quantized cache's row format (rotation, scale coding): an earlier layout's
+            # blocks of the same dtype are refused too
+            "rows": kv_row_format(kv_cache.dtype),
             "block_size": int(kv_cache.shape[3]),
             "layout": "slot:[2,layers,block_size,kv_heads,head_dim]",
             "shape": list(self.block_shape),

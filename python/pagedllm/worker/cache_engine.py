@@ -51,8 +51,8 @@ class CacheEngine:
     holds one group's layers, `kv_groups` describes them).
 
     One tensor for all layers makes a block copy or swap a single indexed copy. A quantized
-    cache (`kv_cache_dtype` int8 / fp8) is of the format's dtype with rows of `head_dim + 4`
-    (each row's scale after its codes, `kernels.reference`): the scales live in the blocks, so
+    cache (`kv_cache_dtype` int8 / fp8) is of the format's dtype with rows of `head_dim + 1`
+    (each row's scale byte after its codes, `kernels.reference`): the scales live in the blocks, so
     every copy, swap and offload of a block carries them.
     """
 

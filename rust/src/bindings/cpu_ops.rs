@@ -123,7 +123,7 @@ pub(super) fn view_mut<N: Dtype, D: Dimension>(
 }
 
 /// A KV cache's format as it crosses (`kv_cache_dtype`): the model's float type, or a quantized
-/// format's codes (`cpu::kv_quant`: rows of `D` codes and 4 bytes of scale).
+/// format's codes (`cpu::kv_quant`: rows of `D` codes and a scale byte).
 #[derive(Clone, Copy)]
 enum KvFormat {
     Auto,
@@ -251,7 +251,7 @@ fn kv_view_mut<C: KvDtype>(
 /// Writes k/v `[T, KVH, D]` into the caches `[blocks, block_size, KVH, D]` at `slot_mapping`
 /// (int64 `[T]`, -1 = padding row, skipped); k/v float32, or bfloat16 as uint16. The caches are
 /// of k's dtype (`kv_cache_dtype="auto"`), or quantized (`"int8"`: int8, `"fp8_e4m3"` /
-/// `"fp8_e5m2"`: uint8 bits), `[blocks, block_size, KVH, D + 4]`, each row coded with its scale.
+/// `"fp8_e5m2"`: uint8 bits), `[blocks, block_size, KVH, D + 1]`, each row coded with its scale byte.
 #[pyfunction]
 #[pyo3(signature = (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto"))]
 fn cpu_store_kvcache(

@@ -18,7 +18,7 @@
 //! `query_start_loc[s]..query_start_loc[s + 1]`. Rows outside every sequence get zeros.
 //!
 //! q and out share one element type (`Elem`: f32 or bf16); the caches hold it too, or a quantized
-//! format (`KvElem`: int8, fp8) whose rows are `d` codes and their f32 scale (`kv_quant`), read
+//! format (`KvElem`: int8, fp8) whose rows are `d` codes and a scale byte (`kv_quant`), read
 //! in place and dequantized in registers (the scale folded into the score or the probability).
 //! Scores, the softmax and the output sums are f32 whatever it is, and a bf16 output is rounded
 //! once, at the end.
@@ -28,7 +28,7 @@ use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, 
 
 use super::elem::Elem;
 use super::invalid;
-use super::kv_quant::KvElem;
+use super::kv_quant::{self, KvElem};
 use super::{pool, simd};
 use crate::error::Result;
 
@@ -76,7 +76,8 @@ impl From<f32> for Scores {
 
 /// Write this step's keys and values `[T, KVH, D]` into their cache slots
 /// (`slot = block * block_size + offset`); slot -1 marks a padding row and is skipped. A
-/// quantized cache (`[.., D + 4]`) gets each row coded with its scale, in the same pass.
+/// quantized cache (`[.., D + 1]`) gets each row rotated and coded with its scale, in the same
+/// pass (`kv_quant`).
 pub fn store_kv<T: Elem, C: KvElem>(
     k: ArrayView3<T>,
     v: ArrayView3<T>,
@@ -133,6 +134,9 @@ fn store_one<T: Elem, C: KvElem>(
         for (h, src) in rows.index_axis(Axis(0), t).outer_iter().enumerate() {
             for (w, x) in wide.iter_mut().zip(src) {
                 *w = x.to_f32();
+            }
+            if C::ROTATED {
+                kv_quant::hadamard(&mut wide);
             }
             let mut dst_row = dst.index_axis_mut(Axis(0), h);
             match dst_row.as_slice_mut() {
@@ -427,6 +431,8 @@ struct Scratch {
     keys: Vec<f32>,
     /// an item's output sums when `out` is not f32 (rounded into it at the end)
     acc: Vec<f32>,
+    /// the AVX2 path: one query row in f32 (rotated there for a quantized cache)
+    q_row: Vec<f32>,
 }
 
 fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
@@ -512,6 +518,10 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
                 .map(|x| x.to_f32()),
         );
     }
+    if C::ROTATED {
+        // the keys are rotated: so is q (H q / n), and the output is rotated back at the end
+        sc.q.chunks_exact_mut(d).for_each(kv_quant::unrotate);
+    }
     sc.scores.resize(rows * KEY_TILE, 0.0);
     sc.max.clear();
     sc.max.resize(rows, f32::NEG_INFINITY);
@@ -582,6 +592,9 @@ fn attend_item<const F: bool, T: Elem, C: KvElem>(
     for rr in 0..rows {
         if sc.sum[rr] > 0.0 {
             simd::scale(&mut out[rr * d..(rr + 1) * d], 1.0 / sc.sum[rr]);
+        }
+        if C::ROTATED {
+            kv_quant::unrotate(&mut out[rr * d..(rr + 1) * d]);
         }
     }
 }
@@ -669,9 +682,15 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                 .q
                 .index_axis(Axis(0), item.first + item.r0 + r / group)
                 .index_axis_move(Axis(0), g * group + r % group);
-            for (x, v) in q.iter().enumerate() {
+            sc.q_row.clear();
+            sc.q_row.extend(q.iter().map(|v| v.to_f32()));
+            if C::ROTATED {
+                // rotated keys: q rotated too (H q / n), the output rotated back at the end
+                kv_quant::unrotate(&mut sc.q_row);
+            }
+            for (x, v) in sc.q_row.iter().enumerate() {
                 let at = if in_lanes { x * rp + r } else { r * d + x };
-                qg[at] = v.to_f32() * q_scale;
+                qg[at] = v * q_scale;
             }
         }
     }
@@ -805,6 +824,9 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
         let total = sc.sum[i / rows * rp + i % rows];
         if total > 0.0 {
             simd::scale(&mut out[at..at + d], 1.0 / total);
+        }
+        if C::ROTATED {
+            kv_quant::unrotate(&mut out[at..at + d]);
         }
     }
 }

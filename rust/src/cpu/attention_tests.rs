@@ -5,7 +5,7 @@ use ndarray::{Array2, Array3, Array4, Axis};
 
 use super::attention::{paged_attention, store_kv, PagedBatch, Scores};
 use super::elem::{Bf16, Elem};
-use super::kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
+use super::kv_quant::{self, Fp8E4M3, Fp8E5M2, KvElem, I8};
 
 /// Deterministic pseudo-random values in [-1, 1), exact in `T`.
 fn noise<T: Elem>(n: usize, seed: u64) -> Vec<f32> {
@@ -167,8 +167,13 @@ fn check_scored<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, s
                     let cached = cache.slice(ndarray::s![slot / bs, slot % bs, g, ..]);
                     let cached = cached.as_slice().unwrap();
                     let factor = unsafe { C::scale(cached.as_ptr(), d) };
+                    let mut row: Vec<f32> = cached[..d].iter().map(|x| x.raw() * factor).collect();
+                    if C::ROTATED {
+                        // the cache holds the rotated row: its values are the rotation undone
+                        kv_quant::unrotate(&mut row);
+                    }
                     for x in 0..d {
-                        dense[[p, g, x]] = cached[x].raw() * factor;
+                        dense[[p, g, x]] = row[x];
                     }
                 }
             }

@@ -2,20 +2,81 @@
 //! model's float type (f32 or bf16, a row of `d` values), or a quantized format whose rows carry
 //! their own scale.
 //!
-//! Quantized layout: each (token, kv head) row is its `d` quantized values followed by the row's
-//! f32 scale (4 bytes, native byte order), so a cache is `[blocks, block_size, KVH, d + 4]`
-//! bytes. The scale lives inside the block: every path that moves blocks (copy-on-write, swap,
-//! the offload tiers) moves it with them, untouched.
-//! - int8: symmetric, `scale = amax / 127`, `q = round_half_even(x / scale)` in [-127, 127];
-//! - fp8 e4m3 (`e4m3fn`: no infinities, max 448) and e5m2 (max 57344): `scale = amax / max`,
-//!   `x / scale` clamped to ±max, rounded to nearest even, torch's `.to(float8_*)` bit for bit.
+//! Quantized layout: each (token, kv head) row is its `d` codes followed by one scale byte, so a
+//! cache is `[blocks, block_size, KVH, d + 1]` bytes (4d / (d + 1) times float32's tokens in the
+//! same memory: 3.94x at d = 64). The scale lives inside the block: every path that moves blocks
+//! (copy-on-write, swap, the offload tiers) moves it with them, untouched.
+//! - the row is first rotated by a Walsh-Hadamard transform (`hadamard`, over blocks of the
+//!   largest power of two dividing `d`): keys after RoPE have a few large channels, and one large
+//!   channel sets the whole row's step; rotated, every channel carries a share of it, the row's
+//!   max falls towards its RMS and the codes resolve the rest finer. Attention is unchanged by
+//!   it: the kernels rotate q the same way (`unrotate`: `H q / n`, so `q' · H k = q · k`) and
+//!   rotate the output back (`H (Σ p H v) / n = Σ p v`), once per query row, not per key;
+//! - the scale byte codes the row's bound `B >= amax` (of the rotated row) as an unsigned float
+//!   with 3 mantissa bits, `(1 + m / 8) 2^(e - 16)` for byte `e << 3 | m` (2^-16 to 61440),
+//!   rounded up; the codes are `x / scale` with `scale = B * (1 / max)`:
+//! - int8: symmetric, max 127, `q = round_half_even(x / scale)` in [-127, 127];
+//! - fp8 e4m3 (`e4m3fn`: no infinities, max 448) and e5m2 (max 57344): `x / scale` clamped to
+//!   ±max, rounded to nearest even, torch's `.to(float8_*)` bit for bit.
 //!
 //! A row's value is `raw(q) * factor(row)`; the kernels multiply the factor into the score (keys)
 //! or the probability (values) once per row, never into each element.
 use super::elem::{Bf16, Elem};
 
 /// Bytes of a quantized row's scale, after its `d` values.
-pub const SCALE_BYTES: usize = 4;
+pub const SCALE_BYTES: usize = 1;
+/// The scale byte's exponent bias: byte `e << 3 | m` is the bound `(1 + m / 8) 2^(e - 16)`.
+const BOUND_BIAS: u32 = 16;
+
+/// The row bound a scale byte codes: its 8 bits are an f32's exponent (rebiased) and the top 3
+/// bits of its mantissa, so the value is exact.
+#[inline(always)]
+pub fn bound_of(byte: u8) -> f32 {
+    f32::from_bits((byte as u32 + ((127 - BOUND_BIAS) << 3)) << 20)
+}
+
+/// The smallest scale byte whose bound is at least `amax` (>= 0): amax's f32 bits rounded up to
+/// 3 mantissa bits (the carry moves into the exponent), rebiased; below 2^-16 (a zero row
+/// included) byte 0, above 61440 byte 255 (the codes then saturate).
+#[inline]
+pub fn byte_of(amax: f32) -> u8 {
+    let up = (amax.to_bits() as i64 + (1 << 20) - 1) >> 20;
+    (up - ((127 - BOUND_BIAS as i64) << 3)).clamp(0, 255) as u8
+}
+
+/// Rows are rotated over blocks of this many values: the largest power of two dividing `d`.
+#[inline]
+pub fn rotation_block(d: usize) -> usize {
+    d & d.wrapping_neg()
+}
+
+/// `xs = H xs` per block of `rotation_block(xs.len())` values, H the Sylvester Hadamard matrix
+/// (entries ±1, unnormalized: `H H = n I`), as butterflies: for h = 1, 2, 4, .. each pair
+/// (a, b) h apart within a 2h run becomes (a + b, a - b).
+pub fn hadamard(xs: &mut [f32]) {
+    let n = rotation_block(xs.len());
+    for block in xs.chunks_exact_mut(n.max(1)) {
+        let mut h = 1;
+        while h < n {
+            for run in block.chunks_exact_mut(2 * h) {
+                let (a, b) = run.split_at_mut(h);
+                for (a, b) in a.iter_mut().zip(b) {
+                    (*a, *b) = (*a + *b, *a - *b);
+                }
+            }
+            h *= 2;
+        }
+    }
+}
+
+/// `xs = H xs / n`: undoes `hadamard` (a rotated row back to its values), and rotates a query
+/// so that its dot product with a rotated key is the unrotated one's.
+pub fn unrotate(xs: &mut [f32]) {
+    hadamard(xs);
+    // n is a power of two: exact
+    let inverse = 1.0 / rotation_block(xs.len()) as f32;
+    xs.iter_mut().for_each(|x| *x *= inverse);
+}
 
 /// What the attention kernels and the KV store need of a cache element.
 pub trait KvElem: Copy + Send + Sync + 'static {
@@ -23,6 +84,8 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     const EXTRA: usize;
     /// Not plain f32: the rows-in-lanes path widens a key tile to f32 first.
     const WIDEN: bool;
+    /// Rows are stored rotated (`hadamard`): the kernels rotate q and their output (`unrotate`).
+    const ROTATED: bool = false;
     /// The element's value before the row's factor.
     fn raw(self) -> f32;
     /// The factor of the row at `row` (its `d` values, then `EXTRA` elements) that `load8`'s
@@ -92,7 +155,7 @@ macro_rules! float_kv_elem {
 float_kv_elem!(f32);
 float_kv_elem!(Bf16);
 
-/// An int8 cache element (rows: `d` int8 values, then the f32 scale).
+/// An int8 cache element (rows: `d` int8 values, then the scale byte).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(transparent)]
 pub struct I8(pub i8);
@@ -109,8 +172,10 @@ pub struct Fp8E5M2(pub u8);
 
 /// The quantized formats: how one value is coded, the rest (scale, rows) is shared.
 trait Quantized: Copy + Send + Sync + 'static {
-    /// The largest magnitude a value codes (the row's amax maps onto it).
+    /// The largest magnitude a value codes (the row's bound maps onto it).
     const MAX: f32;
+    /// `1 / MAX` in f32: a row's scale is its bound times this.
+    const RCP: f32 = 1.0 / Self::MAX;
     /// What `decode8`'s lanes are short of the values by (folded into the row's factor).
     const LANE_FACTOR: f32 = 1.0;
     /// `x` (already divided by the scale) coded.
@@ -175,6 +240,7 @@ impl Quantized for Fp8E5M2 {
 impl<Q: Quantized> KvElem for Q {
     const EXTRA: usize = SCALE_BYTES;
     const WIDEN: bool = true;
+    const ROTATED: bool = true;
     #[inline(always)]
     fn raw(self) -> f32 {
         self.decode()
@@ -185,25 +251,26 @@ impl<Q: Quantized> KvElem for Q {
     }
     #[inline(always)]
     unsafe fn scale(row: *const Self, d: usize) -> f32 {
-        std::ptr::read_unaligned(row.add(d) as *const f32)
+        bound_of(*(row.add(d) as *const u8)) * Q::RCP
     }
+    /// `xs` as they are: the caller rotated them (`store_kv`), the codes are of what it gives.
     fn encode(xs: &[f32], row: &mut [Self]) {
         let d = xs.len();
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let scale = amax / Q::MAX;
+        let byte = byte_of(amax);
+        let scale = bound_of(byte) * Q::RCP;
         let (values, tail) = row.split_at_mut(d);
         for (q, x) in values.iter_mut().zip(xs) {
-            // a zero row: zeros (0 / 0 would be NaN)
-            *q = Q::code(if scale > 0.0 { x / scale } else { 0.0 });
+            *q = Q::code(x / scale);
         }
-        // the row's last SCALE_BYTES bytes (callers give rows of d + EXTRA one-byte elements)
+        // the row's last byte (callers give rows of d + EXTRA one-byte elements)
         assert_eq!(
             std::mem::size_of_val(tail),
             SCALE_BYTES,
-            "a row's scale takes 4 bytes"
+            "a row's scale takes 1 byte"
         );
-        // SAFETY: `tail` is exactly the 4 bytes written
-        unsafe { std::ptr::write_unaligned(tail.as_mut_ptr() as *mut f32, scale) };
+        // SAFETY: `tail` is exactly the byte written
+        unsafe { *(tail.as_mut_ptr() as *mut u8) = byte };
     }
     #[inline(always)]
     fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32 {
@@ -324,9 +391,46 @@ mod tests {
     fn int8_round_trip_is_within_half_a_step() {
         let xs = sample(64);
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        // the step: the bound (amax rounded up to 3 mantissa bits, < 1.125 amax) / 127
         for (x, y) in xs.iter().zip(round_trip::<I8>(&xs)) {
-            assert!((x - y).abs() <= amax / 127.0 * 0.5 * 1.0001, "{x} -> {y}");
+            assert!((x - y).abs() <= 1.125 * amax / 127.0 * 0.5, "{x} -> {y}");
         }
+    }
+
+    #[test]
+    fn the_scale_byte_is_the_smallest_bound_at_least_amax() {
+        for amax in [1e-3f32, 0.37, 1.0, 1.0625, 1.07, 7.99, 300.0, 61440.0] {
+            let byte = byte_of(amax);
+            assert!(bound_of(byte) >= amax, "{amax}");
+            assert!(bound_of(byte - 1) < amax, "{amax}");
+        }
+        assert_eq!(bound_of(byte_of(1.0)), 1.0);
+        assert_eq!(bound_of(byte_of(1.01)), 1.125);
+        // out of range: the smallest and the largest bound
+        assert_eq!((byte_of(0.0), byte_of(1e-9)), (0, 0));
+        assert_eq!(bound_of(0), 2f32.powi(-16));
+        assert_eq!((byte_of(1e9), bound_of(255)), (255, 61440.0));
+    }
+
+    #[test]
+    fn unrotate_undoes_hadamard_and_keeps_dot_products() {
+        for d in [64, 96, 8] {
+            let (xs, ys) = (sample(d), sample(d + 3)[3..].to_vec());
+            let (mut hx, mut hy) = (xs.clone(), ys.clone());
+            hadamard(&mut hx);
+            unrotate(&mut hy);
+            let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f32>();
+            assert!((dot(&hx, &hy) - dot(&xs, &ys)).abs() < 1e-4, "d {d}");
+            unrotate(&mut hx);
+            for (a, b) in hx.iter().zip(&xs) {
+                assert!((a - b).abs() < 1e-5, "d {d}");
+            }
+        }
+        // a spike spreads over its block: a key's one large channel no longer sets its step
+        let mut spike = vec![0.0f32; 64];
+        spike[5] = 8.0;
+        hadamard(&mut spike);
+        assert!(spike.iter().all(|x| x.abs() == 8.0));
     }
 
     #[test]
@@ -346,7 +450,7 @@ mod tests {
     }
 
     #[test]
-    fn a_zero_row_codes_zeros_with_scale_zero() {
+    fn a_zero_row_codes_zeros() {
         assert_eq!(round_trip::<I8>(&[0.0; 8]), vec![0.0; 8]);
         assert_eq!(round_trip::<Fp8E4M3>(&[0.0; 8]), vec![0.0; 8]);
     }
@@ -393,10 +497,7 @@ mod tests {
                 };
                 // a row of these codes and scale 1: the lanes times factor / scale are the values
                 let mut row = chunk.to_vec();
-                row.extend(
-                    1f32.to_ne_bytes()
-                        .map(|b| unsafe { std::mem::transmute_copy::<u8, Q>(&b) }),
-                );
+                row.push(unsafe { std::mem::transmute_copy::<u8, Q>(&byte_of(1.0)) });
                 let ratio = unsafe { Q::factor(row.as_ptr(), 8) / Q::scale(row.as_ptr(), 8) };
                 let got: Vec<f32> = got.iter().map(|x| x * ratio).collect();
                 let want: Vec<f32> = chunk.iter().map(|q| q.raw()).collect();
