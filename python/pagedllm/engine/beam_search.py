@@ -3,12 +3,12 @@
 A beam request is an ordinary request with `beam_width` sequences (`n`), greedy, whose sampler
 also returns each row's `2 * beam_width` most likely tokens (`logprobs`). After prefill the
 scheduler forks the beams from the prompt's blocks as for `n > 1`; every later step runs all
-beams of all requests in the one forward. Between the forward and the update, `select` picks
-each request's next beams from its rows' candidates and `Scheduler.fork_beams` makes every new
-beam continue the beam it came from: a copy-on-write fork of that beam's blocks, the blocks of
-a beam nobody continues given back (nothing is computed twice; a shared partial block is
-copied only when a beam appends to it). The sampled token of each row is replaced by the chosen
-one before the usual output processing appends it.
+beams of all requests in the one forward. Between the forward and the update
+(`OutputProcessor.append`), `select` picks each request's next beams from its rows' candidates
+and `Scheduler.fork_beams` makes every new beam continue the beam it came from: a copy-on-write
+fork of that beam's blocks, the blocks of a beam nobody continues given back (nothing is
+computed twice; a shared partial block is copied only when a beam appends to it). The sampled
+token of each row is replaced by the chosen one before the usual output processing appends it.
 
 The semantics are vLLM's `LLM.beam_search`: per step, every running beam's `2 * beam_width`
 most likely tokens are candidates; a candidate that is an EOS id (unless `ignore_eos`) becomes a
@@ -134,6 +134,8 @@ class BeamSearch:
         sampled tokens (and the tokens' logprobs) and forks each new beam from its parent, in
         the scheduler (its blocks) and in the request's sequences (tokens, cumulative
         logprob). Returns the requests that cannot go on -> why (the engine ends them)."""
+        for gone in [r for r in self.states if r not in requests]:  # aborted, released since
+            del self.states[gone]
         rows_of: dict[str, list[tuple[int, int]]] = {}
         for k, (request_id, index) in enumerate(
             zip(step.sample_request_ids, step.sample_seq_index.tolist())
@@ -241,9 +243,10 @@ class BeamSearch:
         return parents
 
     def settle(self, touched: dict[str, RequestState], tokenizer) -> None:
-        """Before a step's outputs: every beam request of `touched` that finished gets its
-        final sequences (the `beam_width` best of its finished hypotheses and its beams, best
-        first) and is forgotten; one aborted or ended by a fault keeps what it had."""
+        """After a step's update: every beam request of `touched` that finished gets its final
+        sequences (the `beam_width` best of its finished hypotheses and its beams, best first)
+        and is forgotten; one aborted or ended by a fault keeps what it had (`select` forgets
+        it once the engine released it)."""
         for request_id, request in touched.items():
             if request_id not in self.states or not request.finished:
                 continue

@@ -20,10 +20,9 @@ import torch
 
 from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
-from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
-from pagedllm.engine.kv_sizing import KVCachePlanner, log_kv_layout, resolve_max_model_len
+from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parts import (
     check_model_fits,
@@ -55,7 +54,6 @@ from pagedllm.spec_decode import VerifiedTokens
 from pagedllm.spec_decode.decoder import SpecDecoder
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.kv_layout import kv_layout
 from pagedllm.worker.worker import Worker
 
 
@@ -121,8 +119,6 @@ class LLMEngine:
         self.model, self.lora = self.worker.model, self.worker.lora
         draft = draft_model(self.spec, dtype=self.dtype, device=self.device)
         self.max_num_batched_tokens = args.resolved_max_num_batched_tokens(self.max_model_len)
-        # the cache's layer groups: a model's sliding windows keep only their windows' blocks
-        layout = kv_layout(args, cfg, self.max_model_len)
         num_gpu_blocks, num_cpu_blocks = KVCachePlanner(
             args,
             cfg,
@@ -132,12 +128,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             draft=draft,
-            kv_layout=layout,
         ).plan()
         local_runner = self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
         self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
-        log_kv_layout(args, cfg, layout)
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
         self.kv_transfer = kv_transfer(args, self.cache_engine.kv_cache, self.device)
         if draft is not None:
@@ -166,15 +160,12 @@ class LLMEngine:
             **kv_offloading_kwargs(args, self.kv_transfer),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
-        if layout.is_hybrid:
-            self.scheduler.set_kv_groups(list(layout.windows))
         self.kv_events = kv_events_publisher(args, self.device, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
         self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
         self.runner = rank_zero_runner(local_runner, self.executor)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
-        self.beams = BeamSearch()  # beam requests (`engine/beam_search.py`)
         if self.kv_transfer is not None:
             backend = args.resolved_kv_offloading_backend
             self.requests.offload_tier = "host" if backend == "native" else backend
@@ -182,6 +173,7 @@ class LLMEngine:
             self.tokenizer, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.requests, self.scheduler)
+        self.beams = self.output_processor.beams  # beam requests (`engine/beam_search.py`)
         self.prompt_logprobs = PromptLogprobs(self.output_processor.decode_one)
         self.structured_output = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.eos_token_ids
@@ -257,8 +249,8 @@ class LLMEngine:
         a ValueError naming the request, the field and the limit, before anything is allocated.
         """
         if isinstance(params, BeamSearchParams):  # a beam search (`engine/beam_search.py`)
-            self.beams.add(self, request_id, prompt, params, lora_request, priority, arrival_time)
-            return
+            args = (lora_request, priority, arrival_time)
+            return self.beams.add(self, request_id, prompt, params, *args)
         params = params if params is not None else SamplingParams()
         text, prompt_ids, params = self.inputs.process(request_id, prompt, params)
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
@@ -512,8 +504,6 @@ class LLMEngine:
             self._owed_outputs.append(request_id)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        if self.beams:
-            self.beams.settle(touched, self.tokenizer)
         outputs = [request.output() for request in touched.values()]
         for output in outputs:
             output.prompt_logprobs = self.prompt_logprobs.result(output.request_id)
@@ -571,10 +561,6 @@ class LLMEngine:
         if isinstance(sampled, VerifiedTokens):
             appended = self.output_processor.append_runs(step, sampled, touched)
         else:
-            if self.beams:  # each beam's token chosen, beams forked from their parents
-                stuck = self.beams.select(step, sampled, self.requests, self.scheduler)
-                for request_id, exc in stuck.items():
-                    self.faults.end_request(request_id, "beam search", exc)
             appended = self.output_processor.append(step, sampled, touched)
         for request_id, exc in appended.faulty.items():
             self.faults.end_request(request_id, "output processing", exc)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.registry import RequestRegistry
 from pagedllm.engine.request import RequestState, SequenceState
 from pagedllm.sampling import SamplerOutput
@@ -43,15 +44,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests = requests
         self.scheduler = scheduler
+        # beam requests: each step's beams chosen and forked before their tokens are appended
+        self.beams = BeamSearch()
 
     def append(
         self, step, sampled: SamplerOutput, touched: dict[str, RequestState]
     ) -> AppendedStep:
         """Adds every sample of `step` to its sequence. A request whose output processing raises
         (its detokenizer, say) is left out and reported in `faulty`; the others go on."""
+        stuck = {}
+        if self.beams:  # each beam's token chosen, the beams forked from their parents
+            stuck = self.beams.select(step, sampled, self.requests, self.scheduler)
         tokens = sampled.sampled_token_ids.cpu().numpy()
         logprobs = sampled.logprobs.tolists() if sampled.logprobs is not None else None
-        out = AppendedStep(tokens, np.zeros(len(tokens), dtype=bool))
+        out = AppendedStep(tokens, np.zeros(len(tokens), dtype=bool), faulty=stuck)
         # which tokens end their sequence by themselves: only the text needs it
         ends = [False] * len(tokens)
         if self.tokenizer is not None:
@@ -125,6 +131,8 @@ class OutputProcessor:
         for request_id, index, reason, stop_reason, _ in finished:
             stop_reason = appended.stop_strings.get((request_id, index), stop_reason)
             touched[request_id] = self.requests.finish_seq(request_id, index, reason, stop_reason)
+        if self.beams:  # finished beam searches: their best beams
+            self.beams.settle(touched, self.tokenizer)
 
     def _append_token(
         self,
