@@ -2,9 +2,11 @@
 HTTP only. GET /load answers the JSON in LOAD_FILE (re-read each time, so a test can change it);
 POST /v1/completions streams one SSE event every 50 ms, `max_tokens` of them, then [DONE]
 (`stream`), or answers at once; with --hang it never answers a completion. POST /tokenize and
-/detokenize answer fixed bodies. With --api-key, every path but /health and /metrics wants it.
+/detokenize answer fixed bodies; the runtime LoRA routes answer `--lora-status` (200: vLLM's
+line) and log each call to LOAD_FILE.lora.log. With --api-key, every path but /health and
+/metrics wants it.
 
-    python fake_replica.py PORT LOAD_FILE [--hang] [--api-key KEY]
+    python fake_replica.py PORT LOAD_FILE [--hang] [--api-key KEY] [--lora-status N]
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
         if not self._authorized():
             return
-        if self.path == "/tokenize":
+        if self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            self._lora(body)
+        elif self.path == "/tokenize":
             self._json(200, {"tokens": [1, 2, 3], "count": 3})
         elif self.path == "/detokenize":
             self._json(200, {"prompt": "fake text"})
@@ -83,6 +87,22 @@ class Handler(BaseHTTPRequestHandler):
                 self._stream(int(body.get("max_tokens", 4)))
         else:
             self._json(200, {"choices": [{"text": "done", "index": 0}]})
+
+    def _lora(self, body: dict) -> None:
+        """Answers `--lora-status` (a line, or a 4xx naming `lora_path`); logs the call."""
+        with open(f"{self.options.load_file}.lora.log", "a") as log:
+            log.write(f"{self.path} {body.get('lora_name')}\n")
+        status = self.options.lora_status
+        if status >= 400:
+            error = {"message": "no adapter there", "type": "invalid_request_error"}
+            self._json(status, {"error": {**error, "param": "lora_path", "code": status}})
+            return
+        data = f"Success: LoRA adapter '{body.get('lora_name')}' added successfully.".encode()
+        self.send_response(status)
+        self.send_header("content-type", "text/plain; charset=utf-8")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _stream(self, events: int) -> None:
         self.send_response(200)
@@ -141,6 +161,7 @@ def main() -> None:
     parser.add_argument("load_file")
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--lora-status", type=int, default=200)
     Handler.options = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", Handler.options.port), Handler)
     server.daemon_threads = True

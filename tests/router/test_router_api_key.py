@@ -15,7 +15,17 @@ from server_util import free_port
 
 KEY = "sesame"
 COMPLETION = {"model": "m", "prompt": [1, 2], "max_tokens": 2}
+# forwarded by prompt (the first four) or to every replica (the LoRA routes)
+FORWARDED = [
+    ("/v1/responses", {"model": "m", "input": "hi"}),
+    ("/v1/embeddings", {"model": "m", "input": "hi"}),
+    ("/v1/score", {"model": "m", "text_1": "a", "text_2": "b"}),
+    ("/v1/rerank", {"model": "m", "query": "a", "documents": ["b"]}),
+    ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
+    ("/v1/unload_lora_adapter", {"lora_name": "a"}),
+]
 GUARDED = [
+    *(("POST", path, body) for path, body in FORWARDED),
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", COMPLETION),
     ("POST", "/v1/chat/completions", {"model": "m", "messages": []}),
@@ -59,6 +69,13 @@ def test_with_the_key_tokenize_and_detokenize_are_a_replicas(keyed_router):
     assert text.status_code == 200 and text.json()["prompt"] == "fake text"
     done = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=auth, timeout=10)
     assert done.status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), FORWARDED, ids=[f[0] for f in FORWARDED])
+def test_with_the_key_the_new_routes_reach_the_replica(keyed_router, path, body):
+    url, _ = keyed_router  # the replica wants the key: the router sends the client's
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert httpx.post(f"{url}{path}", json=body, headers=auth, timeout=10).status_code == 200
 
 
 def test_the_polls_carry_the_key(keyed_router):

@@ -1,5 +1,8 @@
-"""The router's HTTP face: OpenAI's `/v1/completions` and `/v1/chat/completions` (streaming
-included) forwarded to the replica the Rust core picks, plus `/v1/models`, `/tokenize` and
+"""The router's HTTP face: OpenAI's `/v1/completions`, `/v1/chat/completions` and
+`/v1/responses` (streaming included), `/v1/embeddings`, `/v1/score` and `/v1/rerank` forwarded to
+the replica the Rust core picks (`routes.py`: what the last four are routed by), the runtime
+LoRA routes sent to every replica (one answer, `routes.broadcast_answer`), plus `/v1/models`,
+`/tokenize` and
 `/detokenize` (a live replica's), `/health` and `/metrics` (per replica, label `engine`). With an
 API key every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`.
 
@@ -42,6 +45,14 @@ from pagedllm.entrypoints.errors import APIError
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.rendering import Renderer
 from pagedllm.router.replicas import InFlight, Replica, ReplicaDown, ReplicaSet
+from pagedllm.router.routes import (
+    BROADCAST_ROUTES,
+    PROMPT_ROUTES,
+    broadcast_answer,
+    routing_ids,
+    routing_text,
+    stream_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +258,38 @@ def build_router_app(
     async def chat_completions(request: Request):
         return await _proxy(request, "/v1/chat/completions")
 
+    def _proxy_to(path: str):
+        async def proxy(request: Request):
+            return await _proxy(request, path)
+
+        return proxy
+
+    for path in PROMPT_ROUTES:  # Responses, pooling: routed by their prompt like completions
+        app.add_api_route(path, _proxy_to(path), methods=["POST"])
+
+    def _broadcast_to(path: str):
+        async def broadcast(request: Request):
+            raw, headers = await request.body(), _headers(request)
+
+            async def one(replica: Replica) -> tuple[int, int | None, bytes, str | None]:
+                if not replica.alive:
+                    return replica.index, None, b"out of rotation", None
+                try:
+                    r = await _ask(replica, "POST", path, raw, headers)
+                except (httpx.HTTPError, ReplicaDown) as exc:
+                    return replica.index, None, f"not reached ({exc!r})".encode(), None
+                return replica.index, r.status_code, r.content, r.headers.get("content-type")
+
+            answers = await asyncio.gather(*(one(r) for r in replicas.replicas))
+            status, content, own = broadcast_answer(path, [a[:3] for a in answers])
+            media = answers[0][3] if own else "application/json"
+            return Response(content, status_code=status, media_type=media)
+
+        return broadcast
+
+    for path in BROADCAST_ROUTES:  # runtime LoRA: every replica serves the same adapters
+        app.add_api_route(path, _broadcast_to(path), methods=["POST"])
+
     async def _proxy(request: Request, path: str):
         raw = await request.body()
         try:
@@ -300,7 +343,7 @@ def build_router_app(
                 chunks = response.aiter_raw()
                 with in_flight.waiting():
                     first = await anext(chunks, b"")
-                stream = _stream(in_flight, first, chunks, response)
+                stream = _stream(in_flight, first, chunks, response, path)
                 settle = _settler(in_flight, response)
                 in_flight = response = None  # the stream's to release
                 return _SettledStream(stream, settle, headers=headers)
@@ -335,7 +378,11 @@ def build_router_app(
         return settle
 
     async def _stream(
-        in_flight: InFlight, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response
+        in_flight: InFlight,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        response: httpx.Response,
+        path: str,
     ) -> AsyncIterator[bytes]:
         """The replica's stream to the client from its `first` chunk (read already); releases
         `in_flight` when it ends."""
@@ -362,12 +409,13 @@ def build_router_app(
             replicas.release(in_flight)
             _count_usage(replica, last)
         if failure is not None:
-            event = {"error": {"message": failure, "type": "bad_gateway", "code": 502}}
-            yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+            yield stream_failure(path, failure)
 
     async def _prompt(path: str, body: dict, raw: bytes, request: Request) -> _Prompt:
         """The prompt's token ids as the replicas run it (the first prompt of a batch); [] when
         they cannot be had (the replica will answer the request's error itself)."""
+        if path in PROMPT_ROUTES:  # the body goes as it is; its ids only pick the replica
+            return _Prompt(await _routing_ids(path, body, request), raw)
         given = body.get("prompt_token_ids")  # a client's own, run as they are
         prompt = body.get("prompt") if given is None else given
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -384,6 +432,15 @@ def build_router_app(
         tokens, field = rendered
         forwarded = json.dumps({**body, "prompt_token_ids": field}).encode()
         return _Prompt(tokens, raw, key, forwarded)
+
+    async def _routing_ids(path: str, body: dict, request: Request) -> list[int]:
+        found = replicas.renderer()
+        if found is not None:
+            return await asyncio.to_thread(routing_ids, found[0], path, body)
+        given = routing_text(path, body)
+        if isinstance(given, str):
+            return await _tokenize({"model": body.get("model"), "prompt": given}, request)
+        return given or []
 
     async def _tokenize(body: dict, request: Request) -> list[int]:
         """The prompt's ids from a live replica's /tokenize (no renderer loaded here)."""
@@ -506,13 +563,16 @@ def _count_usage(replica: Replica, content: bytes) -> None:
     if not content:
         return
     text = content.decode(errors="replace")
-    if text.lstrip().startswith("data:"):
-        blocks = [b[5:].strip() for b in text.split("\n\n") if b.strip().startswith("data:")]
+    if text.lstrip().startswith(("data:", "event:")):  # an event stream: its last usage
+        lines = [line for block in text.split("\n\n") for line in block.splitlines()]
+        blocks = [line[5:].strip() for line in lines if line.startswith("data:")]
         text = next((b for b in reversed(blocks) if '"usage"' in b), "")
     try:
-        usage = json.loads(text).get("usage") or {}
+        answer = json.loads(text)
+        # a Responses answer (or its response.completed event) says input_tokens
+        usage = answer.get("usage") or (answer.get("response") or {}).get("usage") or {}
     except (ValueError, AttributeError):
         return
-    replica.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-    details = usage.get("prompt_tokens_details") or {}
+    replica.prompt_tokens += int(usage.get("prompt_tokens", usage.get("input_tokens")) or 0)
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details")) or {}
     replica.cached_tokens += int(details.get("cached_tokens") or 0)
