@@ -239,6 +239,21 @@ class EngineArgs:
             return None
         return self.kv_offloading_backend or "native"
 
+    @property
+    def hybrid_kv_off_reason(self) -> str | None:
+        """Why the KV cache keeps every layer's blocks for the whole context even for a model
+        with sliding windows (`worker/kv_layout.py`; None: it need not): the offload tier and
+        KV connectors move one block table per sequence, and a draft model reads the target's
+        table over the whole context."""
+        if self.resolved_kv_offloading_backend is not None:
+            return "the KV offload tier (kv_offloading_size) moves one block table per sequence"
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            return (
+                "a draft model (speculative_config) reads the target's table over the whole context"
+            )
+        return None
+
     def _validate_parallel(self) -> None:
         _positive("data_parallel_size", self.data_parallel_size)
         _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)

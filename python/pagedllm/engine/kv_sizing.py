@@ -27,7 +27,6 @@ from pagedllm.distributed.layers import tp_kv_heads
 from pagedllm.kernels.reference import kv_row_size, kv_storage_dtype
 from pagedllm.models import ModelConfig
 from pagedllm.worker.cache_engine import CacheEngine
-from pagedllm.worker.kv_layout import hybrid_kv_off_reason
 
 logger = logging.getLogger("pagedllm")
 
@@ -214,8 +213,8 @@ def log_kv_layout(args: EngineArgs, cfg: ModelConfig, layout: KVGroupLayout) -> 
     every block of every layer)."""
     if layout.is_hybrid:
         logger.info("KV cache layer groups: %s", layout.describe())
-    elif cfg.layer_windows and hybrid_kv_off_reason(args):
+    elif cfg.layer_windows and args.hybrid_kv_off_reason:
         logger.info(
             "KV cache: sliding-window layers keep every block (one group): %s",
-            hybrid_kv_off_reason(args),
+            args.hybrid_kv_off_reason,
         )
