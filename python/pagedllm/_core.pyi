@@ -981,13 +981,16 @@ class CpuDecoder:
         query_start_loc: _npt.NDArray[_np.int32],
         seq_lens: _npt.NDArray[_np.int32],
         block_tables: _npt.NDArray[_np.int32],
-        kv_cache: _F32Array,
+        kv_cache: _npt.NDArray[_np.float32] | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
         num_threads: int,
         activations: str = "f32",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """Every layer and the final norm over ``x [T, E]`` in place (embeddings in, hidden
         states out), K/V stored into ``kv_cache`` (float32 ``[2, L, blocks, block_size, KVH,
-        D]``) and attended over; ``cos``/``sin`` ``[T, D / 2]``; ``activations`` of the
+        D]``, or ``kv_cache_dtype`` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with
+        rows of ``D + 1``, as ``cpu_store_kvcache`` codes them) and attended over;
+        ``cos``/``sin`` ``[T, D / 2]``; ``activations`` of the
         quantized projections as ``cpu_quant_linear`` takes them. ``ValueError`` naming a
         projection or array whose shape does not fit."""
 

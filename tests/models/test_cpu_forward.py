@@ -89,14 +89,26 @@ def test_fused_forward_gives_the_same_numbers_on_quantized_weights(
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_fused_forward_over_a_quantized_kv_cache_gives_the_layer_by_layer_numbers(
+    monkeypatch, tmp_path, kv_cache_dtype
+):
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    kv = {"kv_cache_dtype": kv_cache_dtype}
+    fused_tokens, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, **kv)
+    assert built[0] is not None
+    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, **kv)
+    assert fused_tokens == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
+
+
 @pytest.mark.parametrize(
     "engine",
     [
         {"enable_lora": True},
         {"dtype": "bfloat16"},
-        {"kv_cache_dtype": "int8"},
     ],
-    ids=["lora", "bfloat16", "int8-kv-cache"],
+    ids=["lora", "bfloat16"],
 )
 def test_models_that_do_not_qualify_run_layer_by_layer(monkeypatch, tmp_path, engine):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
@@ -172,6 +184,28 @@ def test_a_kv_cache_for_other_layers_is_a_value_error():
             np.zeros((2, 3, 4, 16, 1, 64), np.float32),
             1,
         )
+
+
+def test_a_kv_cache_not_of_its_kv_cache_dtype_is_a_type_error_naming_both():
+    from pagedllm import _core
+
+    layers, norm = _decoder(2)
+    decoder = _core.CpuDecoder(layers, norm, 1, 1, 64, 1e-6, 0.125)
+    tables = np.zeros((1, 32), np.float32)
+    step = (
+        np.zeros((1, 64), np.float32),
+        tables,
+        tables,
+        np.zeros(1, np.int64),
+        np.array([0, 1], np.int32),
+        np.array([1], np.int32),
+        np.zeros((1, 1), np.int32),
+    )
+    float_cache = np.zeros((2, 2, 4, 16, 1, 64), np.float32)
+    with pytest.raises(TypeError, match=r"kv_cache must be a 6-D int8 \(kv_cache_dtype int8\)"):
+        decoder.forward(*step, float_cache, 1, "f32", "int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        decoder.forward(*step, float_cache, 1, "f32", "int4")
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3"])

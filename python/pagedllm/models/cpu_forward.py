@@ -9,8 +9,9 @@ from Rust, so its hidden states equal the layer-by-layer path's bit for bit; the
 rotary tables and the LM head stay where they are.
 
 `build` decides when a model qualifies (float32 on the CPU, one tensor-parallel rank, no LoRA,
-dense gated MLPs, full attention, every projection packed or quantized, a float32 KV cache) and
-returns None otherwise: the model then runs layer by layer, as before.
+dense gated MLPs, full attention, every projection packed or quantized, a float32 or quantized
+(`kv_cache_dtype` int8 / fp8: stored and read by the same Rust kernels as layer by layer) KV cache)
+and returns None otherwise: the model then runs layer by layer, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 from pagedllm import _core
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.kernels import cpu_quant
+from pagedllm.kernels.reference import as_bytes, kv_format
 from pagedllm.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from pagedllm.models.mlp import GatedMLP
 
@@ -28,9 +30,12 @@ from pagedllm.models.mlp import GatedMLP
 class CpuDecoderForward:
     """`model.forward` with the layers and the final norm run by one `_core.CpuDecoder` call."""
 
-    def __init__(self, model: DecoderForCausalLM, decoder: _core.CpuDecoder) -> None:
+    def __init__(
+        self, model: DecoderForCausalLM, decoder: _core.CpuDecoder, kv_cache_dtype: str
+    ) -> None:
         self.model = model
         self.decoder = decoder
+        self.kv_cache_dtype = kv_cache_dtype
 
     def __call__(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -47,9 +52,11 @@ class CpuDecoderForward:
             query_start_loc,
             seq_lens,
             block_tables,
-            kv_cache.numpy(),
+            # fp8 codes cross as their uint8 bits (numpy has no fp8)
+            as_bytes(kv_cache).numpy(),
             torch.get_num_threads(),
             cpu_quant.ACTIVATIONS,
+            self.kv_cache_dtype,
         )
         return x
 
@@ -74,7 +81,8 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
         inner.norm.eps,
         attn.scale if attn is not None else cfg.head_dim**-0.5,
     )
-    return CpuDecoderForward(model, decoder)
+    kv_cache_dtype = kv_format(kv_cache.dtype)
+    return CpuDecoderForward(model, decoder, kv_cache_dtype)
 
 
 def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
@@ -82,7 +90,7 @@ def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
         type(model) is DecoderForCausalLM
         and model.tp.size == 1
         and kv_cache.device.type == "cpu"
-        and kv_cache.dtype == torch.float32
+        and (kv_cache.dtype == torch.float32 or kv_format(kv_cache.dtype) != "auto")
         and kv_cache.is_contiguous()
         and model.model.embed_tokens.weight.dtype == torch.float32
         # Gemma's (1 + w) norms, sandwich norms and GeGLU are not in the fused layer

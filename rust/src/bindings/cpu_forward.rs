@@ -1,7 +1,7 @@
 //! `CpuDecoder`: a model's layer weights held once (numpy arrays: `linear`'s panels or a GGUF
 //! weight's segments), and `forward`, the whole decoder over one step in one call with the GIL
 //! released (`crate::cpu::forward`).
-use numpy::ndarray::Ix6;
+use numpy::ndarray::{ArrayViewMut2, Ix6};
 use numpy::{
     PyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyReadonlyArray3, PyUntypedArrayMethods,
@@ -10,9 +10,11 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
 use crate::cpu::forward::{self, Layer, Linear, Options, Shape, Step, Weight};
+use crate::cpu::views::cast_view_mut;
 
 /// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
 enum WeightArrays {
@@ -257,12 +259,14 @@ impl CpuDecoder {
     }
 
     /// Runs every layer and the final norm over `x [T, E]` in place (the step's embeddings in,
-    /// hidden states out), storing K/V into `kv_cache` (float32 `[2, L, blocks, block_size,
-    /// KVH, D]`) and attending over it: `cos`/`sin` `[T, D / 2]`, `slot_mapping [T]`, and the
-    /// sequences' `query_start_loc`, `seq_lens`, `block_tables` as paged attention takes them.
+    /// hidden states out), storing K/V into `kv_cache` (`[2, L, blocks, block_size, KVH, D]`
+    /// float32, or `kv_cache_dtype` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with
+    /// rows of `D + 1`, as `cpu_store_kvcache` writes them) and attending over it: `cos`/`sin`
+    /// `[T, D / 2]`, `slot_mapping [T]`, and the sequences' `query_start_loc`, `seq_lens`,
+    /// `block_tables` as paged attention takes them.
     #[pyo3(signature = (
         x, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
-        num_threads, activations = "f32"
+        num_threads, activations = "f32", kv_cache_dtype = "auto"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -278,8 +282,10 @@ impl CpuDecoder {
         kv_cache: &Bound<'_, PyAny>,
         num_threads: usize,
         activations: &str,
+        kv_cache_dtype: &str,
     ) -> PyResult<()> {
         let activations = super::cpu_quant::activations_named(activations)?;
+        let kv_format = KvFormat::parse(kv_cache_dtype)?;
         let guards: Vec<LayerGuard<'_>> = self.layers.iter().map(|l| l.borrow(py)).collect();
         let layers = guards
             .iter()
@@ -292,11 +298,6 @@ impl CpuDecoder {
             .map_err(|_| PyTypeError::new_err("x must be a 2-D float32 array"))?
             .try_readwrite()
             .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
-        let mut kv_cache = kv_cache
-            .cast::<PyArray<f32, Ix6>>()
-            .map_err(|_| PyTypeError::new_err("kv_cache must be a 6-D float32 array"))?
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("kv_cache must be writeable ({e})")))?;
         let contiguous = |what: &str| PyValueError::new_err(format!("{what} must be contiguous"));
         let query_start_loc = query_start_loc
             .as_slice()
@@ -319,17 +320,57 @@ impl CpuDecoder {
             num_threads,
             activations,
         };
-        let (x, kv_cache) = (x.as_array_mut(), kv_cache.as_array_mut());
-        let shape = self.shape;
-        py.detach(|| {
-            forward::decoder_forward(x, &layers, final_norm, shape, &step, kv_cache, opts)
-        })?;
-        Ok(())
+        let run = Run {
+            x: x.as_array_mut(),
+            layers: &layers,
+            final_norm,
+            shape: self.shape,
+            step: &step,
+            opts,
+        };
+        match kv_format {
+            KvFormat::Auto => run.over::<FloatKv<f32>>(py, kv_cache),
+            KvFormat::Int8 => run.over::<Int8Kv>(py, kv_cache),
+            KvFormat::Fp8E4M3 => run.over::<Fp8E4M3Kv>(py, kv_cache),
+            KvFormat::Fp8E5M2 => run.over::<Fp8E5M2Kv>(py, kv_cache),
+        }
     }
 
     /// Number of layers held.
     fn __len__(&self) -> usize {
         self.layers.len()
+    }
+}
+
+/// A step's arguments but the cache, whose element type the call picks (`kv_cache_dtype`).
+struct Run<'a, 'b> {
+    x: ArrayViewMut2<'a, f32>,
+    layers: &'a [Layer<'b>],
+    final_norm: &'a [f32],
+    shape: Shape,
+    step: &'a Step<'a>,
+    opts: Options,
+}
+
+impl Run<'_, '_> {
+    /// The decoder over `kv_cache`, a 6-D array of `C`'s numpy dtype.
+    fn over<C: KvDtype>(self, py: Python<'_>, kv_cache: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut kv_cache = kv_cache
+            .cast::<PyArray<C::Numpy, Ix6>>()
+            .map_err(|_| PyTypeError::new_err(format!("kv_cache must be a 6-D {} array", C::NAME)))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("kv_cache must be writeable ({e})")))?;
+        let kv_cache = cast_view_mut::<_, C::Kernel, _>(kv_cache.as_array_mut());
+        let Run {
+            x,
+            layers,
+            final_norm,
+            shape,
+            step,
+            opts,
+        } = self;
+        py.detach(|| forward::decoder_forward(x, layers, final_norm, shape, step, kv_cache, opts))?;
+        Ok(())
     }
 }
 

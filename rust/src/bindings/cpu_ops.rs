@@ -125,7 +125,7 @@ pub(super) fn view_mut<N: Dtype, D: Dimension>(
 /// A KV cache's format as it crosses (`kv_cache_dtype`): the model's float type, or a quantized
 /// format's codes (`cpu::kv_quant`: rows of `D` codes and a scale byte).
 #[derive(Clone, Copy)]
-enum KvFormat {
+pub(super) enum KvFormat {
     Auto,
     Int8,
     Fp8E4M3,
@@ -133,7 +133,7 @@ enum KvFormat {
 }
 
 impl KvFormat {
-    fn parse(name: &str) -> PyResult<Self> {
+    pub(super) fn parse(name: &str) -> PyResult<Self> {
         match name {
             "auto" => Ok(KvFormat::Auto),
             "int8" => Ok(KvFormat::Int8),
@@ -148,14 +148,14 @@ impl KvFormat {
 }
 
 /// The numpy dtype of a cache array and the kernel's element behind it (same size and layout).
-trait KvDtype: 'static {
+pub(super) trait KvDtype: 'static {
     type Numpy: Element + 'static;
     type Kernel: cpu::KvElem + SameLayout<Self::Numpy>;
     const NAME: &'static str;
 }
 
 /// The cache in the model's float type `N` (`auto`).
-struct FloatKv<N>(std::marker::PhantomData<N>);
+pub(super) struct FloatKv<N>(std::marker::PhantomData<N>);
 
 impl<N: Dtype> KvDtype for FloatKv<N>
 where
@@ -166,7 +166,7 @@ where
     const NAME: &'static str = N::NAME;
 }
 
-struct Int8Kv;
+pub(super) struct Int8Kv;
 
 impl KvDtype for Int8Kv {
     type Numpy = i8;
@@ -174,7 +174,7 @@ impl KvDtype for Int8Kv {
     const NAME: &'static str = "int8 (kv_cache_dtype int8)";
 }
 
-struct Fp8E4M3Kv;
+pub(super) struct Fp8E4M3Kv;
 
 impl KvDtype for Fp8E4M3Kv {
     type Numpy = u8;
@@ -182,7 +182,7 @@ impl KvDtype for Fp8E4M3Kv {
     const NAME: &'static str = "uint8 (kv_cache_dtype fp8_e4m3, its bits)";
 }
 
-struct Fp8E5M2Kv;
+pub(super) struct Fp8E5M2Kv;
 
 impl KvDtype for Fp8E5M2Kv {
     type Numpy = u8;
