@@ -163,3 +163,64 @@ def test_a_beam_width_over_max_num_seqs_is_refused(checkpoint):
     with pytest.raises(ValueError, match="beam_width=4 is over max_num_seqs=2"):
         llm.beam_search("hello", BeamSearchParams(beam_width=4, max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
+
+
+def run_engine(engine, requests) -> tuple[dict, int]:
+    """Adds `requests` (id -> (prompt, params)), steps until done: (id -> final output, steps)."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals, steps
+
+
+def test_beams_and_other_requests_share_each_step(checkpoint):
+    from pagedllm import SamplingParams
+
+    folder, _ = checkpoint
+    beam = (PROMPTS[1], BeamSearchParams(beam_width=4, max_tokens=MAX_NEW, ignore_eos=True))
+    greedy = (PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    alone = {
+        rid: run_engine(build(folder).engine, {rid: r})[0][rid]
+        for rid, r in [("b", beam), ("g", greedy)]
+    }
+    together, steps = run_engine(build(folder).engine, {"b": beam, "g": greedy})
+    assert steps == MAX_NEW  # prefill + 5 decode steps: every beam and the other request each step
+    for rid in ("b", "g"):
+        assert [c.token_ids for c in together[rid].outputs] == [
+            c.token_ids for c in alone[rid].outputs
+        ]
+
+
+def test_an_aborted_beam_search_gives_back_its_blocks(checkpoint):
+    folder, _ = checkpoint
+    engine = build(folder).engine
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, params)
+    engine.step()
+    engine.step()
+    engine.abort_request("b")
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    stats = engine.scheduler.get_stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    engine.add_request("c", {"prompt_token_ids": PROMPTS[0]}, params)
+    assert set(engine.beams.states) == {"c"}  # the aborted search is forgotten
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beams_survive_preemption(checkpoint, mode):
+    folder, _ = checkpoint
+    prompts = [{"prompt_token_ids": list(range(s, s + 19))} for s in (20, 50, 80)]
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    roomy = build(folder).beam_search(prompts, params)
+    tight = build(folder, num_gpu_blocks=24, max_model_len=64, preemption_mode=mode)
+    outs = tight.beam_search(prompts, params)
+    assert tight.engine.get_stats()[f"num_preemptions_{mode}"] > 0
+    assert [[s.tokens for s in o.sequences] for o in outs] == [
+        [s.tokens for s in o.sequences] for o in roomy
+    ]

@@ -108,6 +108,7 @@ class BeamSearch:
             )
         if engine.spec is not None:
             raise ValueError("beam search does not run with speculative decoding")
+        self._forget_released(engine.requests)
         sampling = SamplingParams(
             n=width,
             temperature=0.0,
@@ -134,8 +135,7 @@ class BeamSearch:
         sampled tokens (and the tokens' logprobs) and forks each new beam from its parent, in
         the scheduler (its blocks) and in the request's sequences (tokens, cumulative
         logprob). Returns the requests that cannot go on -> why (the engine ends them)."""
-        for gone in [r for r in self.states if r not in requests]:  # aborted, released since
-            del self.states[gone]
+        self._forget_released(requests)
         rows_of: dict[str, list[tuple[int, int]]] = {}
         for k, (request_id, index) in enumerate(
             zip(step.sample_request_ids, step.sample_seq_index.tolist())
@@ -185,6 +185,11 @@ class BeamSearch:
             ranks_all, dtype=logprobs.sampled_ranks.dtype, device=index.device
         )
         return faulty
+
+    def _forget_released(self, requests) -> None:
+        """Drops the searches the engine released without an update (aborted)."""
+        for gone in [r for r in self.states if r not in requests]:
+            del self.states[gone]
 
     def _choose(self, state: BeamState, request: RequestState, top_ids, top_lps):
         """The next beams as (parent slot, token, logprob) by slot: the best `beam_width`
