@@ -20,6 +20,13 @@ per `--activations` value (default f32 int8 int16; `cpu_quant.ACTIVATIONS` switc
 process); prints each perplexity and each one's top-1 agreement with the first's.
 
     python benches/cpu_quant_bench.py --quality /work/models/smollm2-Q8_0.gguf [--tokens 2048]
+
+`--decode MODEL.gguf` measures single-stream decode end to end: one `LLM` (`--threads` threads),
+greedy `--tokens` tokens (default 128) after a 16-token prompt, once per `--activations` value
+(default f32 int16) a round, `--rounds` rounds alternated in one process; prints each round's
+tok/s, the medians and the median of the rounds' ratios to the first value.
+
+    python benches/cpu_quant_bench.py --decode /work/models/smollm2-Q8_0.gguf --rounds 5
 """
 
 from __future__ import annotations
@@ -112,6 +119,33 @@ def quality(model: str, tokens: int, activations: list[str]) -> int:
     return 0
 
 
+def decode(model: str, activations: list[str], rounds: int, tokens: int, threads: int) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model, cpu_threads=threads)
+    prompt = [{"prompt_token_ids": list(range(100, 116))}]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=1, temperature=0)
+    tok_s: dict[str, list[float]] = {name: [] for name in activations}
+    for r in range(rounds):
+        for name in activations:
+            cpu_quant.ACTIVATIONS = name  # what the quantized layers pass per call
+            llm.generate(prompt, warm, use_tqdm=False)
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            tok_s[name].append(tokens / (time.perf_counter() - start))
+        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in tok_s.items()))
+    base = activations[0]
+    print(f"{model}: {threads} thread(s), {tokens} tokens, medians of {rounds} rounds")
+    for name, values in tok_s.items():
+        ratios = [v / b for v, b in zip(values, tok_s[base])]
+        print(
+            f"{name}: {statistics.median(values):.1f} tok/s, median ratio to {base} "
+            f"{statistics.median(ratios):.3f}x"
+        )
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["576x1536", "5632x2048"], help="NxK")
@@ -129,11 +163,20 @@ def main() -> int:
         "default f32 int8 int16, the first the baseline)",
     )
     p.add_argument("--quality", metavar="MODEL", help="quantized activations' cost on a model")
-    p.add_argument("--tokens", type=int, default=2048, help="--quality's teacher-forced tokens")
+    p.add_argument("--decode", metavar="MODEL", help="decode tok/s per activations, end to end")
+    p.add_argument("--rounds", type=int, default=5, help="--decode's alternated rounds")
+    p.add_argument(
+        "--tokens", type=int, help="--quality's teacher-forced tokens (2048), --decode's (128)"
+    )
     args = p.parse_args()
+    if args.decode:
+        acts = args.activations or ["f32", "int16"]
+        return decode(args.decode, acts, args.rounds, args.tokens or 128, args.threads)
     if args.quality:
         return quality(
-            args.quality, args.tokens, args.activations or list(cpu_quant.ACTIVATION_CHOICES)
+            args.quality,
+            args.tokens or 2048,
+            args.activations or list(cpu_quant.ACTIVATION_CHOICES),
         )
     acts = args.activations or ["f32"]
     torch.set_num_threads(args.threads)

@@ -39,8 +39,10 @@ QUANTIZABLE: frozenset[int] = frozenset({Q8_0, Q4_0})
 ACTIVATIONS_ENV = "PAGEDLLM_QUANT_ACTIVATIONS"
 # how `quant_linear` may multiply decode rows of x: float32, or 8- / 16-bit codes
 ACTIVATION_CHOICES = ("f32", "int8", "int16")
-# what the engine's quantized layers use unless `ACTIVATIONS_ENV` says otherwise
-DEFAULT_ACTIVATIONS = "f32"
+# what the engine's quantized layers use unless `ACTIVATIONS_ENV` says otherwise: 16-bit codes
+# kept 99.95-100% of SmolLM2's teacher-forced top-1 predictions (Q8_0, Q4_K_M, Q4_0 files;
+# perplexity within 0.001%) and ran decode-row products 1.1-1.9x faster than float32 activations
+DEFAULT_ACTIVATIONS = "int16"
 
 
 def activations_from_env() -> str:

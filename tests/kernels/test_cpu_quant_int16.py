@@ -102,3 +102,8 @@ def test_int16_activations_leave_float_rows_on_the_float32_path():
     int16 = cpu_quant.quant_linear(x, mixed, None, activations="int16")
     assert torch.equal(int16[:, 4:], exact[:, 4:])
     assert not torch.equal(int16[:, :4], exact[:, :4])
+
+
+def test_engine_layers_default_to_int16_activations(monkeypatch):
+    monkeypatch.delenv(cpu_quant.ACTIVATIONS_ENV, raising=False)
+    assert cpu_quant.activations_from_env() == "int16"
