@@ -171,11 +171,13 @@ def quant_experts(
     tokens through its gate/up, SwiGLU and down, weighted, added in ascending expert order."""
     from pagedllm.kernels import cpu_quant  # only quantized models need the quantized kernels
 
+    acts = cpu_quant.ACTIVATIONS
     out = torch.zeros_like(x)
     for expert in torch.unique(ids[ids >= 0]).tolist():
         tokens, slots = torch.where(ids == expert)
-        act = silu_and_mul(cpu_quant.quant_linear(x[tokens], gate_up[expert], None))
-        y = cpu_quant.quant_linear(act, down[expert], None)
+        # the activations the dense quantized layers use (`cpu_quant.ACTIVATIONS`)
+        h = cpu_quant.quant_linear(x[tokens], gate_up[expert], None, activations=acts)
+        y = cpu_quant.quant_linear(silu_and_mul(h), down[expert], None, activations=acts)
         out.index_add_(0, tokens, y * weights[tokens, slots, None])
     return out
 
