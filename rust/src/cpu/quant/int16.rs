@@ -189,13 +189,6 @@ fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
     }
 }
 
-/// Whether blocks of `t` have a min (`d·w + m`). (The others' mins are not added: a NaN of x
-/// reaches the sum through the lanes' scale.)
-#[inline(always)]
-fn has_min(t: QType) -> bool {
-    matches!(t, QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K)
-}
-
 /// The even and odd blocks' lanes and mins summed, in the order of `row_dots_avx2`.
 #[inline(always)]
 fn total(even: [f32; 8], odd: [f32; 8], mins: [f32; 2]) -> f32 {
@@ -219,9 +212,8 @@ pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
                 .sum();
             *lane += d * sum as f32;
         }
-        if has_min(t) {
-            mins[blk % 2] += mw * x.s[blk];
-        }
+        // no branch on the type: a 0 min adds nothing (but keeps a NaN of x in the sum)
+        mins[blk % 2] += mw * x.s[blk];
     }
     total(acc[0], acc[1], mins)
 }
@@ -282,10 +274,10 @@ mod avx2 {
         }
     }
 
-    /// Adds block `blk` (16-bit weights `w`: elements 0-15 and 16-31, scale `dw`, min `mw`
-    /// when `MIN`, as `has_min`) times block `blk` of each row of x.
+    /// Adds block `blk` (16-bit weights `w`: elements 0-15 and 16-31, scale `dw`, min `mw`)
+    /// times block `blk` of each row of x.
     #[inline(always)]
-    unsafe fn block<const R: usize, const MIN: bool>(
+    unsafe fn block<const R: usize>(
         w: [__m256i; 2],
         dw: f32,
         mw: f32,
@@ -303,9 +295,7 @@ mod avx2 {
             let d = _mm256_set1_ps(dw * *x.d.get_unchecked(blk));
             let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
             acc.lanes[r] = _mm256_add_ps(acc.lanes[r], scaled);
-            if MIN {
-                acc.mins[r] += mw * *x.s.get_unchecked(blk);
-            }
+            acc.mins[r] += mw * *x.s.get_unchecked(blk);
         }
     }
 
@@ -354,12 +344,7 @@ mod avx2 {
                 (q, half(b.add(2)))
             }
         };
-        // Q4_1 and Q5_1 (codes 3 and 7) have a min
-        if T == 3 || T == 7 {
-            block::<R, true>(widen(q), half(b), m, blk, x, acc);
-        } else {
-            block::<R, false>(widen(q), half(b), m, blk, x, acc);
-        }
+        block(widen(q), half(b), m, blk, x, acc);
     }
 
     /// A row of the 32-element block type of ggml code `T`: blocks in pairs (even, odd).
@@ -415,7 +400,7 @@ mod avx2 {
                     }
                     let dl = d * scales[i] as f32;
                     let ml = -(dmin * mins[i] as f32);
-                    block::<R, true>(widen(q), dl, ml, 8 * sb + i, x, &mut acc[h]);
+                    block(widen(q), dl, ml, 8 * sb + i, x, &mut acc[h]);
                 }
             }
         }
@@ -461,7 +446,7 @@ mod avx2 {
                     let s0 = _mm256_set1_epi16(i16::from(*scales.add(2 * i) as i8));
                     let s1 = _mm256_set1_epi16(i16::from(*scales.add(2 * i + 1) as i8));
                     let w = [_mm256_mullo_epi16(w0, s0), _mm256_mullo_epi16(w1, s1)];
-                    block::<R, false>(w, d, 0.0, 8 * sb + i, x, &mut acc[kq % 2]);
+                    block(w, d, 0.0, 8 * sb + i, x, &mut acc[kq % 2]);
                 }
             }
         }
