@@ -27,6 +27,7 @@ from pagedllm.distributed.layers import tp_kv_heads
 from pagedllm.kernels.reference import kv_row_size, kv_storage_dtype
 from pagedllm.models import ModelConfig
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.kv_layout import kv_layout
 
 logger = logging.getLogger("pagedllm")
 
@@ -82,11 +83,10 @@ class KVCachePlanner:
         max_model_len: int,
         max_num_batched_tokens: int,
         draft=None,
-        kv_layout: KVGroupLayout | None = None,
     ) -> None:
         self.args = args
-        # the cache's layer groups (None: one full-attention group of every layer)
-        self.kv_layout = kv_layout
+        # the cache's layer groups (the workers' cache has the same: `worker/kv_layout.py`)
+        self.kv_layout = kv_layout(args, cfg, max_model_len)
         self.cfg = cfg
         self.model = model
         self.dtype = dtype
@@ -100,7 +100,7 @@ class KVCachePlanner:
         cfg = self.cfg
         # per rank: under tensor parallelism each rank's cache holds its KV heads
         target = CacheEngine.bytes_per_block(
-            num_layers=self.kv_layout.layers_per_block if self.kv_layout else cfg.num_layers,
+            num_layers=self.kv_layout.layers_per_block,
             num_kv_heads=tp_kv_heads(cfg.num_kv_heads, self.args.tensor_parallel_size),
             head_dim=cfg.head_dim,
             block_size=self.args.block_size,
@@ -117,7 +117,8 @@ class KVCachePlanner:
         # the core's admission rule: the fewest blocks the longest sequence the scheduler holds
         # is ever admitted into (its blocks plus the watermark's share)
         layout = self.kv_layout
-        hybrid = layout is not None and layout.is_hybrid
+        log_kv_layout(args, self.cfg, layout)
+        hybrid = layout.is_hybrid
         least = min_kv_blocks(
             self.max_model_len,
             block_size=args.block_size,
@@ -152,7 +153,7 @@ class KVCachePlanner:
         """The most blocks one `max_model_len` sequence holds, every KV group (a window
         group's bounded by its window and the prefill chunk)."""
         bs, layout = self.args.block_size, self.kv_layout
-        if layout is None or not layout.is_hybrid:
+        if not layout.is_hybrid:
             return math.ceil(self.max_model_len / bs)
         # the core's rule (`kv::max_blocks_held`), without the watermark's share
         return min_kv_blocks(
@@ -218,3 +219,10 @@ def log_kv_layout(args: EngineArgs, cfg: ModelConfig, layout: KVGroupLayout) -> 
             "KV cache: sliding-window layers keep every block (one group): %s",
             args.hybrid_kv_off_reason,
         )
+
+
+def apply_kv_groups(scheduler, layout: KVGroupLayout) -> None:
+    """Gives the scheduler the cache's layer groups (nothing to give for one full-attention
+    group: its default)."""
+    if layout.is_hybrid:
+        scheduler.set_kv_groups(list(layout.windows))

@@ -22,7 +22,7 @@ from pagedllm._core import Scheduler, request_id_list
 from pagedllm.config import EngineArgs
 from pagedllm.engine.faults import StepFaults, sample_isolating
 from pagedllm.engine.inputs import InputProcessor, PromptType
-from pagedllm.engine.kv_sizing import KVCachePlanner, resolve_max_model_len
+from pagedllm.engine.kv_sizing import KVCachePlanner, apply_kv_groups, resolve_max_model_len
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parts import (
     check_model_fits,
@@ -160,6 +160,7 @@ class LLMEngine:
             **kv_offloading_kwargs(args, self.kv_transfer),
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
+        apply_kv_groups(self.scheduler, self.worker.kv_layout)  # sliding windows' own blocks
         self.kv_events = kv_events_publisher(args, self.device, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
         self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
