@@ -11,6 +11,8 @@ from pagedllm.config import SCHEDULING_STRATEGIES
 from pagedllm.engine import LLMEngine
 from pagedllm.engine.faults import Group
 
+from model_factory import save_tiny_checkpoint
+
 PROMPTS = ["Hello, my name is", "a", "The quick brown fox jumps over", "0123456789" * 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 STRATEGIES = list(SCHEDULING_STRATEGIES)
@@ -340,4 +342,21 @@ def test_requests_run_in_groups_give_the_outputs_of_one_forward(
     assert forward.calls > llm.engine.get_stats()["num_steps"], "steps ran in several forwards"
     if kind == "ngram":
         assert llm.engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert_nothing_leaked(llm.engine)
+
+
+def test_hybrid_kv_requests_run_in_groups_give_the_outputs_of_one_forward(tmp_path, monkeypatch):
+    # a sliding-window layer (window 8) has its own KV group: each quarantine group's rows
+    # carry their rows of every group's tables and slots
+    folder = save_tiny_checkpoint(
+        tmp_path, "qwen2", use_sliding_window=True, max_window_layers=1, sliding_window=8
+    )
+    want = make_llm(model=str(folder)).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = make_llm(model=str(folder))
+    assert llm.engine.scheduler.kv_groups == [None, 8]
+    run_every_request_apart(llm.engine, monkeypatch)
+    forward = FlakyForward(llm.engine, set(), RuntimeError("unused"))
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert forward.calls > llm.engine.get_stats()["num_steps"], "steps ran in several forwards"
     assert_nothing_leaked(llm.engine)

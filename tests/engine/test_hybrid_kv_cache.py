@@ -90,9 +90,7 @@ def _held_after_3k_tokens(folder) -> int:
         engine.shutdown()
 
 
-def test_a_gemma3_layout_holds_at_most_a_quarter_of_full_attention_end_to_end(
-    gemma3, gemma3_full
-):
+def test_a_gemma3_layout_holds_at_most_a_quarter_of_full_attention_end_to_end(gemma3, gemma3_full):
     local, full = _held_after_3k_tokens(gemma3), _held_after_3k_tokens(gemma3_full)
     assert full == 6 * 194  # 3,103 tokens in blocks of 16, every layer
     assert local * 4 <= full, (local, full)

@@ -11,14 +11,17 @@ import torch
 
 from pagedllm import EngineArgs, LLMEngine, SamplingParams
 from pagedllm._core import SCHEDULER_OUTPUT_FIELDS, STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS, Scheduler
+from pagedllm.attention.kv_groups import kv_group_layout
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.worker import STEP_FIELDS, StepArrays, StepMessage, Worker
 
 from model_factory import save_tiny_checkpoint
 
 
-def _decode_step():
+def _decode_step(kv_groups=None):
     s = Scheduler(block_size=4, num_gpu_blocks=16, max_num_seqs=4, max_model_len=32)
+    if kv_groups is not None:
+        s.set_kv_groups(kv_groups)
     s.add_request("a", [1, 2, 3, 4, 5], max_tokens=4)
     s.add_request("b", [6, 7], max_tokens=4)
     first = s.schedule()
@@ -43,13 +46,30 @@ class _Recorder:
         return getattr(self._step, name)
 
 
-def test_the_runner_reads_only_fields_a_step_carries_to_other_ranks():
-    _, step = _decode_step()
+@pytest.mark.parametrize("layers", [(0, 0), (0, 4)], ids=["full", "hybrid"])
+def test_the_runner_reads_only_fields_a_step_carries_to_other_ranks(layers):
+    layout = kv_group_layout(layers, 2, 32)
+    _, step = _decode_step(list(layout.windows))
     runner = ModelRunner.__new__(ModelRunner)  # prepare needs no model
     runner.device, runner.lora = torch.device("cpu"), None
+    runner.kv_layout = layout if layout.is_hybrid else None
     recorder = _Recorder(step)
     runner.prepare(recorder)
     assert recorder.read and recorder.read <= set(STEP_FIELDS)
+    assert ("kv_group_tables" in recorder.read) == layout.is_hybrid
+
+
+def test_a_hybrid_step_gives_each_layer_its_groups_tables():
+    layout = kv_group_layout((0, 4), 2, 32)
+    _, step = _decode_step(list(layout.windows))
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.lora, runner.kv_layout = torch.device("cpu"), None, layout
+    meta = runner.prepare(step)[2]
+    for layer, group in enumerate(layout.layer_group):
+        slot, layer_meta = meta.for_layer(layer)
+        assert slot == 0  # one layer per group: every layer is a block's only slot
+        np.testing.assert_array_equal(layer_meta.block_tables, step.kv_group_tables[group])
+        np.testing.assert_array_equal(layer_meta.slot_mapping, step.kv_group_slots[group])
 
 
 def test_step_arrays_name_a_missing_field():
