@@ -2,7 +2,8 @@
 process: one `LLM`, its runner's `cpu_forward` swapped round by round, decode tok/s of 128 tokens
 after a 16-token prompt, alternated; medians and their ratio.
 
-    python benches/cpu_forward_ab.py /work/models/smollm2-Q8_0.gguf --rounds 3 --threads 1
+    python benches/cpu_forward_ab.py /work/models/smollm2-Q8_0.gguf --rounds 3 --threads 1 \
+        [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(args.model, cpu_threads=args.threads)
+    llm = LLM(args.model, cpu_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.worker.runner
     fused = runner.cpu_forward
     if fused is None:
