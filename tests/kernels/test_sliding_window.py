@@ -182,3 +182,37 @@ def test_triton_kernels_cap_scores_with_and_without_a_window():
     )
     expected = _expected(decode_q, dense, [1, 1, 1, 1], 0.5, 0, softcap=2.0)
     torch.testing.assert_close(out.cpu(), expected)
+
+
+def test_released_blocks_marked_minus_one_are_never_read_by_any_path():
+    # hybrid KV groups: the scheduler's tables hold -1 where a window released a block
+    window, scale = 6, 1 / math.sqrt(D)
+    q, kc, vc, tables, lens, qsl, dense = _batch(SEQ_LENS, Q_LENS, seed=8)
+    released = tables.clone()
+    for s, (L, ql) in enumerate(zip(SEQ_LENS, Q_LENS)):
+        released[s, : max(0, L - ql + 1 - window) // PAGE] = -1
+    assert (released == -1).any()
+    want = _expected(q, dense, Q_LENS, scale, window)
+    k = v = torch.zeros(q.shape[0], KVH, D)
+    meta = _meta(lens, qsl, released)
+    cpu = paged_attention(q, k, v, kc, vc, meta, LayerAttention(scale, window))
+    torch.testing.assert_close(cpu, want)
+    torch_ref = ref.paged_attention(q, kc, vc, qsl, lens, released, scale, sliding_window=window)
+    torch.testing.assert_close(torch_ref, want)
+    prefill = paged_prefill_attention(
+        *(t.to(DEV) for t in (q, kc, vc, qsl, lens, released)),
+        scale,
+        max(Q_LENS),
+        block_m=16,
+        block_n=8,
+        sliding_window=window,
+    )
+    torch.testing.assert_close(prefill.cpu(), want)
+    decode = paged_decode_attention(
+        *(t.to(DEV) for t in (q[:1], kc, vc, released[:1], lens[:1])),
+        scale,
+        2,
+        block_n=8,
+        sliding_window=window,
+    )
+    torch.testing.assert_close(decode.cpu(), want[:1])
