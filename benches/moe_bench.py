@@ -11,6 +11,11 @@ the wall time of the batch (prefill of 8-token prompts included, a few percent).
 
     python benches/moe_bench.py [--concurrency 1 8] [--tokens 32] [--threads 2]
         [--variants grouped per_expert_loop per_token_loop] [--folder /tmp/moe_bench_model]
+
+`--write-only --shape large --tokenizer-from DIR` writes instead the model of the llama.cpp
+comparison (benches/RESULTS.md): ~1.75 B parameters, ~0.29 B active (16 layers x 64 experts of
+width 512, top-8, hidden 1024, a 49152-token vocabulary), bfloat16 in one shard per layer, with
+DIR's tokenizer files beside it so that llama.cpp's `convert_hf_to_gguf.py` converts it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -40,37 +46,53 @@ SHAPE = dict(
     head_dim=64,
     vocab_size=32000,
 )
+# Qwen3-30B-A3B's proportions (128 experts, top-8) scaled to ~1.75 B / ~0.29 B active
+LARGE = dict(SHAPE, num_hidden_layers=16, num_experts=64, num_experts_per_tok=8, vocab_size=49152)
 
 
-def write_model(folder: Path) -> None:
-    """A random Qwen3-MoE checkpoint (float32, per-expert tensors, no tokenizer needed: the
-    bench sends token ids)."""
+def write_model(
+    folder: Path, s: dict = SHAPE, dtype: torch.dtype = torch.float32, tokenizer: Path | None = None
+) -> None:
+    """A random Qwen3-MoE checkpoint of shape `s` (per-expert tensors, one shard per layer; no
+    tokenizer needed by the bench, which sends token ids; `tokenizer`: a folder whose tokenizer
+    files are copied beside it)."""
     if (folder / "config.json").exists():
         return
     folder.mkdir(parents=True, exist_ok=True)
-    s = SHAPE
     h, q, kv = s["hidden_size"], s["num_attention_heads"] * 64, s["num_key_value_heads"] * 64
     width, gen = s["moe_intermediate_size"], torch.Generator().manual_seed(0)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])
+        return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(dtype)
 
-    tensors = {
-        "model.embed_tokens.weight": rand(s["vocab_size"], h),
-        "model.norm.weight": torch.ones(h),
-    }
-    tensors["lm_head.weight"] = rand(s["vocab_size"], h)
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
+    index: dict[str, str] = {}
+
+    def save(tensors: dict, name: str) -> None:
+        save_file(tensors, folder / name, metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+
+    save(
+        {
+            "model.embed_tokens.weight": rand(s["vocab_size"], h),
+            "model.norm.weight": ones(h),
+            "lm_head.weight": rand(s["vocab_size"], h),
+        },
+        "model-top.safetensors",
+    )
     for i in range(s["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
+        tensors = {
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
             p + "self_attn.q_proj.weight": rand(q, h),
             p + "self_attn.k_proj.weight": rand(kv, h),
             p + "self_attn.v_proj.weight": rand(kv, h),
             p + "self_attn.o_proj.weight": rand(h, q),
-            p + "self_attn.q_norm.weight": torch.ones(64),
-            p + "self_attn.k_norm.weight": torch.ones(64),
+            p + "self_attn.q_norm.weight": ones(64),
+            p + "self_attn.k_norm.weight": ones(64),
             p + "mlp.gate.weight": rand(s["num_experts"], h) * 4,
         }
         for e in range(s["num_experts"]):
@@ -78,15 +100,19 @@ def write_model(folder: Path) -> None:
             tensors[x + "gate_proj.weight"] = rand(width, h)
             tensors[x + "up_proj.weight"] = rand(width, h)
             tensors[x + "down_proj.weight"] = rand(h, width)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        save(tensors, f"model-layer{i:03d}.safetensors")
+    index_file = {"metadata": {}, "weight_map": index}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_file))
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer else ():
+        shutil.copy(tokenizer / name, folder / name)
     config = dict(
-        SHAPE,
+        s,
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
         norm_topk_prob=True,
         max_position_embeddings=4096,
         rope_theta=1000000.0,
-        torch_dtype="float32",
+        torch_dtype=str(dtype).removeprefix("torch."),
         tie_word_embeddings=False,
     )
     (folder / "config.json").write_text(json.dumps(config))
@@ -140,9 +166,15 @@ def main() -> int:
         "--variants", nargs="+", default=["grouped", "per_expert_loop", "per_token_loop"]
     )
     p.add_argument("--folder", type=Path, default=Path("/tmp/moe_bench_model"))
+    p.add_argument("--shape", choices=["small", "large"], default="small")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tokenizer-from", type=Path, help="copy this folder's tokenizer files")
+    p.add_argument("--write-only", action="store_true", help="write the model, run nothing")
     args = p.parse_args()
-    write_model(args.folder)
-    s = SHAPE
+    s = LARGE if args.shape == "large" else SHAPE
+    write_model(args.folder, s, getattr(torch, args.dtype), args.tokenizer_from)
+    if args.write_only:
+        return 0
     expert = 3 * s["hidden_size"] * s["moe_intermediate_size"]
     layers = s["num_hidden_layers"]
     print(
