@@ -305,6 +305,8 @@ def kv_event_index_records(
     router's hashes (the table's changes staged). ValueError for a payload that is not a batch."""
 
 ROUTING_POLICIES: list[str]
+MAX_ROUTER_REPLICAS: int
+"""The most replicas one router indexes (a replica is a bit of each block's holder mask)."""
 
 class Router:
     """The data-parallel router core: a prefix index (block hash -> replicas) built from the

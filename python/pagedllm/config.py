@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagedllm._core import (  # the mode names: re-exported for the CLI's choices
     DEFAULTS,
+    MAX_ROUTER_REPLICAS,
     POLICIES,  # noqa: F401
     PREEMPTION_MODES,  # noqa: F401
     SCHEDULING_STRATEGIES,  # noqa: F401
@@ -255,8 +256,7 @@ class EngineArgs:
         return None
 
     def _validate_parallel(self) -> None:
-        _positive("data_parallel_size", self.data_parallel_size)
-        _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
+        self._validate_data_parallel()
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _one_of(
             "distributed_executor_backend",
@@ -278,6 +278,28 @@ class EngineArgs:
                 f"tensor_parallel_size={self.tensor_parallel_size} does not support "
                 f"model='{TINY_RANDOM_MODEL}' (tensor parallelism needs a checkpoint folder)"
             )
+
+    def _validate_data_parallel(self) -> None:
+        """What the replicas' launchers (`serve -dp`, `LLM(data_parallel_size=N)`) would refuse
+        once some replicas run, refused here, before any process starts."""
+        size = self.data_parallel_size
+        _positive("data_parallel_size", size)
+        _one_of("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
+        if size > MAX_ROUTER_REPLICAS:
+            raise ValueError(
+                f"data_parallel_size (--data-parallel-size) must be at most {MAX_ROUTER_REPLICAS}"
+                f" (the replicas one router indexes), got {size}"
+            )
+        if size == 1:
+            return
+        if self.data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "data_parallel_backend='ray' (--data-parallel-backend) needs Ray, which is not "
+                "installed: pip install 'pagedllm[ray]' (or use 'mp' on one machine)"
+            )
+        events = KVEventsConfig.from_dict(self.kv_events_config)
+        if events is not None and events.publishes:
+            events.for_rank(size - 1)  # the last replica's ports exist
 
     def _validate_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

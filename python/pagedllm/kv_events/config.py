@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 PUBLISHERS = ("null", "zmq")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,18 @@ class KVEventsConfig:
 
 
 def offset_port(endpoint: str | None, offset: int) -> str | None:
-    """`tcp://host:port` with port + offset; other transports unchanged (ipc/inproc: + suffix)."""
+    """`tcp://host:port` with port + offset; other transports unchanged (ipc/inproc: + suffix).
+    ValueError when the port would pass 65535 (too many data-parallel ranks above it)."""
     if endpoint is None:
         return None
     match = re.fullmatch(r"(tcp://.+):(\d+)", endpoint)
     if match:
-        return f"{match.group(1)}:{int(match.group(2)) + offset}"
+        port = int(match.group(2)) + offset
+        if port > MAX_PORT:
+            raise ValueError(
+                f"kv_events_config: {endpoint} + {offset} (data-parallel replica {offset}'s port, "
+                f"each TCP port + its rank) passes port {MAX_PORT}; give a lower port or fewer "
+                "replicas (--data-parallel-size)"
+            )
+        return f"{match.group(1)}:{port}"
     return f"{endpoint}-{offset}"

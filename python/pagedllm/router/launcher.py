@@ -37,6 +37,7 @@ from pagedllm.executor.errors import ReplicaDiedError, WorkerStartupError
 from pagedllm.executor.lifeline import Tie
 from pagedllm.executor.supervisor import ProcessSupervisor
 from pagedllm.kv_events import KVEventsConfig
+from pagedllm.kv_events.config import MAX_PORT
 from pagedllm.worker.cpu_threads import default_cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,26 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """ValueError naming --host/--port when the router could not listen there (an address
+    this machine does not have, a port past 65535 or taken), checked before any replica starts:
+    the router binds only once they are all up. (Bound with SO_REUSEADDR, as uvicorn binds.)"""
+    if not 0 <= port <= MAX_PORT:  # getaddrinfo would take it modulo 65536
+        raise ValueError(f"--port {port}: ports go from 0 to {MAX_PORT}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ValueError(
+            f"--host {host} --port {port}: the data-parallel router cannot listen there ({why})"
+        ) from None
 
 
 def replica_events_config(kv_events_config, rank: int, endpoint: str, replay: str) -> dict:

@@ -1,6 +1,6 @@
 //! Python face of the data-parallel router core (`crate::router`): `Router` (routing
-//! decisions, the prefix index fed with KV-event arrays, per-replica load and counters) and
-//! `ROUTING_POLICIES`.
+//! decisions, the prefix index fed with KV-event arrays, per-replica load and counters),
+//! `ROUTING_POLICIES` and `MAX_ROUTER_REPLICAS`.
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 use super::errors::non_negative;
 use super::kv_args;
 use crate::kv::events::Medium;
-use crate::router::{defaults, Applied, Router, RouterConfig, RoutingPolicy};
+use crate::router::{defaults, Applied, Router, RouterConfig, RoutingPolicy, MAX_REPLICAS};
 
 #[pyclass(name = "Router", module = "pagedllm._core")]
 pub(crate) struct PyRouter {
@@ -240,5 +240,6 @@ impl PyRouter {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRouter>()?;
     let names: Vec<&str> = RoutingPolicy::ALL.iter().map(|p| p.as_str()).collect();
-    m.add("ROUTING_POLICIES", names)
+    m.add("ROUTING_POLICIES", names)?;
+    m.add("MAX_ROUTER_REPLICAS", MAX_REPLICAS)
 }

@@ -209,8 +209,14 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 def _serve_data_parallel(args: argparse.Namespace) -> int:
     """`serve -dp N`: N replicas (processes) behind the router, on --host/--port."""
-    EngineArgs.from_kwargs(**_engine_kwargs(args))  # bad knobs refused before any process
+    from pagedllm.router.launcher import check_listen_address
+
+    # what the start would refuse once replicas run, refused before any process starts: the
+    # engine's knobs (EngineArgs: the replicas, their backend, their event ports too), the
+    # device, the router's address
+    EngineArgs.from_kwargs(**_engine_kwargs(args))
     check_device(args.device)
+    check_listen_address(args.host, args.port)
     if args.data_parallel_backend == "ray":
         from pagedllm.router.ray_launcher import run_data_parallel_ray as run_data_parallel
     else:
