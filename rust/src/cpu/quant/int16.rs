@@ -326,13 +326,26 @@ mod avx2 {
         };
         // block blk: row[blk * bytes..(blk + 1) * bytes], inside the row
         let b = row.as_ptr().add(blk * bytes);
+        if T == 2 || T == 3 {
+            // the 16 bytes widened first: each 16-bit lane's low and high nibbles are elements
+            // j and j + 16
+            let qs = b.add(if T == 2 { 2 } else { 4 });
+            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.cast()));
+            let (lo, hi) = (
+                _mm256_and_si256(v, _mm256_set1_epi16(0xF)),
+                _mm256_srli_epi16::<4>(v),
+            );
+            if T == 2 {
+                let eight = _mm256_set1_epi16(8);
+                let w = [_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight)];
+                block(w, half(b), 0.0, blk, x, acc);
+            } else {
+                block([lo, hi], half(b), half(b.add(2)), blk, x, acc);
+            }
+            return;
+        }
         let (q, m) = match T {
             8 => (_mm256_loadu_si256(b.add(2).cast()), 0.0),
-            2 => (
-                _mm256_sub_epi8(nibbles32(b.add(2)), _mm256_set1_epi8(8)),
-                0.0,
-            ),
-            3 => (nibbles32(b.add(4)), half(b.add(2))),
             6 => {
                 let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
                 let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
@@ -385,6 +398,22 @@ mod avx2 {
             let qs = b.add(if FIVE { 48 } else { 16 });
             let qh = _mm256_loadu_si256(b.add(16).cast());
             for g in 0..4 {
+                if !FIVE {
+                    // the 32 bytes widened first: each 16-bit lane's low nibble is sub-block
+                    // 2g's element, its high nibble sub-block 2g + 1's
+                    let at = |h: usize| _mm_loadu_si128(qs.add(32 * g + 16 * h).cast());
+                    let v = [_mm256_cvtepu8_epi16(at(0)), _mm256_cvtepu8_epi16(at(1))];
+                    let mask = _mm256_set1_epi16(0xF);
+                    let lo = [_mm256_and_si256(v[0], mask), _mm256_and_si256(v[1], mask)];
+                    let hi = [_mm256_srli_epi16::<4>(v[0]), _mm256_srli_epi16::<4>(v[1])];
+                    for (h, w) in [lo, hi].into_iter().enumerate() {
+                        let i = 2 * g + h;
+                        let dl = d * scales[i] as f32;
+                        let ml = -(dmin * mins[i] as f32);
+                        block(w, dl, ml, 8 * sb + i, x, &mut acc[h]);
+                    }
+                    continue;
+                }
                 let v = _mm256_loadu_si256(qs.add(32 * g).cast());
                 let halves = [
                     _mm256_and_si256(v, nibble),
