@@ -251,7 +251,7 @@ class KvEventStream:
         data_parallel_rank: int = 0,
         hashes_only: bool = False,
     ) -> None:
-        """``medium``: the name of the device cache's medium (``GPU``; a CPU engine's ``CPU``);
+        """``medium``: the name of the device cache's medium (vLLM's ``GPU``, on every device);
         the tiers' are ``CPU`` (host) and ``STORAGE`` (disk)."""
     def note_lora(self, lora_id: int) -> None:
         """Blocks of adapter ``lora_id`` report it as their ``lora_id``."""

@@ -111,7 +111,7 @@ def test_a_prompts_blocks_are_published_as_block_stored_in_vllms_schema(engine_f
         "token_ids": prompt[:12],
         "block_size": BLOCK,
         "lora_id": None,
-        "medium": "CPU",
+        "medium": "GPU",  # vLLM's name for the main KV cache, whatever the device
         "lora_name": None,
         "extra_keys": [None] * 3,
         "group_idx": 0,

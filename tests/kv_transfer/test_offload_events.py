@@ -70,6 +70,17 @@ def tier_stores(sub: zmq.Socket, medium: str) -> list[int]:
     return out
 
 
+def stored_media(sub: zmq.Socket) -> set[tuple[str, bool]]:
+    """(medium, whether it lists tokens) of each `BlockStored` event received."""
+    out = set()
+    while sub.poll(300):
+        _, _, payload = sub.recv_multipart()
+        for event in msgpack.unpackb(payload)[1]:
+            if event["type"] == "BlockStored":
+                out.add((event["medium"], bool(event["token_ids"])))
+    return out
+
+
 def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -119,3 +130,51 @@ def test_a_router_finds_a_prefix_the_device_let_go_in_the_host_tier(tmp_path):
     finally:
         sub.close()
         llm.llm_engine.shutdown()
+
+
+def test_a_cpu_engines_cache_and_host_tier_publish_apart_and_weigh_as_device_and_host(tmp_path):
+    """vLLM names the main KV cache `GPU` on every platform: a CPU engine's device blocks are
+    `GPU`, its host tier's `CPU`, and a router prefers a replica holding a prefix on its device
+    (1.0 a block) to one holding it in its host tier (0.8)."""
+    tiered_dir, plain_dir = tmp_path / "tiered", tmp_path / "plain"
+    tiered_dir.mkdir(), plain_dir.mkdir()
+    tiered = host_tier_llm(tiered_dir)
+    plain = LLM(
+        device="cpu",
+        block_size=BLOCK,
+        num_gpu_blocks=24,
+        swap_space=0.01,
+        max_model_len=80,
+        kv_events_config=events_config(plain_dir),
+    )
+    router, lock = Router(2, BLOCK), threading.Lock()
+    subs = [
+        KVEventSubscriber(router, lock, i, f"ipc://{d}/pub", f"ipc://{d}/replay").start()
+        for i, d in enumerate((tiered_dir, plain_dir))
+    ]
+    raws = [subscribe(tiered_dir), subscribe(plain_dir)]
+    try:
+        wait_for(lambda: all(s.replays == 1 for s in subs))
+        time.sleep(0.2)  # the SUB sockets' subscriptions reach the publishers
+        first = prompt(1)
+        for seed in (1, 2, 3):  # the tiered engine's device lets the first prompt go
+            serve(tiered, prompt(seed))
+        serve(plain, first)
+        # (medium, lists tokens): the device's blocks list theirs, a tier's none
+        assert stored_media(raws[0]) == {("GPU", True), ("CPU", False)}
+        assert stored_media(raws[1]) == {("GPU", True)}
+        for i, llm in enumerate((tiered, plain)):
+            seq = llm.llm_engine.kv_events.seq
+            wait_for(lambda i=i, seq=seq: router.next_seq(i) == seq + 1)
+        blocks = set(hash_block_chain(first, BLOCK))
+        held = set(router.replica_hashes(0).tolist())
+        assert not blocks <= held and router.stats()[0]["host_tier_blocks"] > 0
+        assert blocks <= set(router.replica_hashes(1).tolist())
+        assert router.stats()[1]["host_tier_blocks"] == 0
+        replica, matched, eligible, _, _ = router.route(first + [7])
+        assert (replica, matched) == (1, eligible)
+    finally:
+        for sub in [*raws, *subs]:
+            sub.close()
+        tiered.llm_engine.shutdown()
+        plain.llm_engine.shutdown()

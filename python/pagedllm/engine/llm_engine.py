@@ -161,7 +161,7 @@ class LLMEngine:
             **(self.spec.scheduler_kwargs(args.scheduling) if self.spec else {}),
         )
         apply_kv_groups(self.scheduler, self.worker.kv_layout)  # sliding windows' own blocks
-        self.kv_events = kv_events_publisher(args, self.device, self.scheduler)
+        self.kv_events = kv_events_publisher(args, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
         self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
         self.runner = rank_zero_runner(local_runner, self.executor)

@@ -102,7 +102,7 @@ def kv_offloading_kwargs(args: EngineArgs, connector) -> dict:
     return {"kv_offloading_blocks": connector.pool.num_slots}
 
 
-def kv_events_publisher(args: EngineArgs, device: torch.device, scheduler):
+def kv_events_publisher(args: EngineArgs, scheduler):
     """The KV-event publisher (`kv_events_config`), the scheduler's events turned on; None when
     events are off."""
     from pagedllm.kv_events import KVEventsConfig
@@ -112,9 +112,8 @@ def kv_events_publisher(args: EngineArgs, device: torch.device, scheduler):
         return None
     from pagedllm.kv_events.publisher import KVEventPublisher
 
-    # the engine's KV cache is vLLM's "GPU" on CUDA, and wherever an offload tier publishes:
-    # "CPU" names the host tier there; a CPU engine without a tier names its cache "CPU"
-    on_gpu = device.type == "cuda" or bool(args.kv_offloading_size)
-    publisher = KVEventPublisher(config, args.block_size, medium="GPU" if on_gpu else "CPU")
+    # the engine's KV cache is vLLM's "GPU" whatever the device (vLLM's MEDIUM_GPU): "CPU"
+    # is the host tier's, so a CPU engine naming its cache "CPU" would read as tier hits
+    publisher = KVEventPublisher(config, args.block_size, medium="GPU")
     scheduler.set_kv_events(True)
     return publisher

@@ -198,7 +198,7 @@ impl PyKvEventStream {
 
 #[pymethods]
 impl PyKvEventStream {
-    /// `medium`: the name of the device cache's medium (`GPU`; a CPU engine's `CPU`).
+    /// `medium`: the name of the device cache's medium (vLLM's `GPU`, on every platform).
     #[new]
     #[pyo3(signature = (block_size, *, medium = None, data_parallel_rank = 0, hashes_only = false))]
     fn new(

@@ -13,10 +13,8 @@
 //! tiers in host memory and on disk, which a replica loads a prefix from instead of computing
 //! it again. `holders` is the device's; `tier_holders` the tiers'. A tier's part of a replica
 //! is bounded by `DEFAULT_CAPACITY`. `AllBlocksCleared` empties every medium of the replica
-//! (what the router then does not know it counts as recompute). A replica that never names a
-//! medium `GPU` has its `CPU` blocks counted as its device cache's: an engine running on the
-//! CPU names its KV cache `CPU` (pagedllm's, unless it has an offload tier), and a router
-//! cannot tell it from a host tier otherwise.
+//! (what the router then does not know it counts as recompute). Media are vLLM's: `GPU` (or
+//! none) is the device cache on every platform (a CPU engine's too), `CPU` the host tier.
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
@@ -55,8 +53,6 @@ pub struct PrefixIndex {
     held: Vec<[usize; MEDIA]>,
     capacity: Vec<usize>,
     dropped: Vec<u64>,
-    /// Per replica: it named a medium `GPU` (so its `CPU` is a host tier, not its cache).
-    names_gpu: Vec<bool>,
 }
 
 impl PrefixIndex {
@@ -72,7 +68,6 @@ impl PrefixIndex {
             held: vec![[0; MEDIA]; num_replicas],
             capacity: vec![DEFAULT_CAPACITY; num_replicas],
             dropped: vec![0; num_replicas],
-            names_gpu: vec![false; num_replicas],
         })
     }
 
@@ -183,17 +178,9 @@ impl PrefixIndex {
             return Ok(Applied::Gap { expected });
         }
         let bit = 1u64 << replica;
-        let cleared = KvEventKind::AllCleared as u8;
-        if kinds
-            .iter()
-            .zip(media)
-            .any(|(&k, &m)| k != cleared && m == 0)
-        {
-            self.names_gpu[replica] = true;
-        }
         for (r, &kind) in kinds.iter().enumerate() {
             let records = &hashes[starts[r] as usize..starts[r + 1] as usize];
-            let medium = self.medium(replica, media.get(r).copied());
+            let medium = Self::medium(media.get(r).copied());
             match kind {
                 k if k == KvEventKind::Stored as u8 => {
                     for &h in records {
@@ -229,9 +216,8 @@ impl PrefixIndex {
         self.check_replica(replica)?;
         let media = check_media(media, hashes.len())?;
         self.clear_replica(replica);
-        self.names_gpu[replica] = media.contains(&0);
         for (i, &h) in hashes.iter().enumerate() {
-            self.add(replica, h, self.medium(replica, media.get(i).copied()));
+            self.add(replica, h, Self::medium(media.get(i).copied()));
         }
         self.next_seq[replica] = seq + 1;
         Ok(())
@@ -241,7 +227,6 @@ impl PrefixIndex {
     pub fn reset_replica(&mut self, replica: usize) -> Result<()> {
         self.check_replica(replica)?;
         self.clear_replica(replica);
-        self.names_gpu[replica] = false;
         self.next_seq[replica] = 0;
         Ok(())
     }
@@ -257,14 +242,10 @@ impl PrefixIndex {
             .collect())
     }
 
-    /// Where a block published on medium code `m` (None: the device) of `replica` is indexed.
+    /// Where a block published on medium code `m` (None: the device) is indexed.
     #[inline]
-    fn medium(&self, replica: usize, m: Option<u8>) -> usize {
-        match m {
-            Some(m) if m == Medium::Host as u8 && !self.names_gpu[replica] => 0,
-            Some(m) => m as usize,
-            None => 0,
-        }
+    fn medium(m: Option<u8>) -> usize {
+        m.map_or(0, usize::from)
     }
 
     fn clear_replica(&mut self, replica: usize) {
@@ -446,14 +427,12 @@ mod tests {
     const DISK: u8 = Medium::Disk as u8;
 
     #[test]
-    fn a_replica_that_never_names_gpu_has_its_cpu_blocks_on_its_device() {
+    fn cpu_blocks_are_the_host_tier_even_before_a_replica_names_gpu() {
+        // vLLM names the main cache GPU on every platform: CPU is always the host tier
         let mut ix = PrefixIndex::new(1).unwrap();
         ix.apply_batch_on(0, 0, &[S], &[0, 1], &[10], &[HOST])
             .unwrap();
-        assert_eq!((ix.holders(10), ix.tier_holders(10)), (1, (0, 0)));
-        ix.apply_batch_on(0, 1, &[S, S], &[0, 1, 2], &[11, 12], &[0, HOST])
-            .unwrap();
-        assert_eq!((ix.holders(11), ix.tier_holders(12)), (1, (1, 0)));
+        assert_eq!((ix.holders(10), ix.tier_holders(10)), (0, (1, 0)));
     }
 
     #[test]

@@ -109,8 +109,8 @@ pub struct EncodeOptions<'a> {
     /// (hash key, adapter id) of each adapter in use: a stored record under that key reports
     /// the adapter's id as its `lora_id`; under another key, none.
     pub lora: &'a [(u64, u64)],
-    /// The `medium` of the device cache's records (`GPU`; pagedllm names a CPU engine's
-    /// `CPU`); None writes nil. The tiers' are vLLM's `CPU` and `STORAGE`.
+    /// The `medium` of the device cache's records (vLLM's `GPU`, whatever the device); None
+    /// writes nil. The tiers' are vLLM's `CPU` and `STORAGE`.
     pub device_medium: Option<&'a str>,
     pub data_parallel_rank: Option<u64>,
 }
