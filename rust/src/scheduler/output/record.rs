@@ -181,17 +181,13 @@ impl Scheduler {
         self.check_group_read(out)?;
         let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
         let width = t.rows.iter().map(|r| r.len).max().unwrap_or(0) as usize;
-        let mut tables = vec![0i32; self.mgr.num_groups() * t.rows.len() * width];
-        for (g, dst) in tables
-            .chunks_exact_mut((t.rows.len() * width).max(1))
-            .enumerate()
-        {
-            for (r, (&seq, dst)) in t
-                .rows
-                .iter()
-                .zip(out.seq_ids.iter().zip(dst.chunks_exact_mut(width.max(1))))
-            {
-                let row = &self.mgr.group_block_table(seq as SeqId, g)?[..r.len as usize];
+        let plane = t.rows.len() * width; // one group's [S, width]
+        let mut tables = vec![0i32; self.mgr.num_groups() * plane];
+        // row by row: one lookup of each sequence's table, every group's row copied from it
+        for (i, (r, &seq)) in t.rows.iter().zip(&out.seq_ids).enumerate() {
+            let table = self.mgr.table(seq as SeqId)?;
+            for (g, row) in table.rows().enumerate() {
+                let dst = &mut tables[g * plane + i * width..][..r.len as usize];
                 for (d, &b) in dst.iter_mut().zip(row) {
                     *d = if b == NULL_BLOCK { -1 } else { b as i32 };
                 }
@@ -206,14 +202,18 @@ impl Scheduler {
     pub fn group_slots(&self, out: &StepOutput) -> Result<Vec<i64>> {
         self.check_group_read(out)?;
         let t = out.tables.lock().unwrap_or_else(|e| e.into_inner());
-        let bs = self.mgr.block_size();
-        let mut slots = Vec::with_capacity(self.mgr.num_groups() * out.num_batched_tokens);
-        for g in 0..self.mgr.num_groups() {
-            for (r, &seq) in t.rows.iter().zip(&out.seq_ids) {
-                let row = self.mgr.group_block_table(seq as SeqId, g)?;
-                let (start, end) = (r.start as usize, (r.start + r.n) as usize);
-                slots.extend((start..end).map(|p| (row[p / bs] as usize * bs + p % bs) as i64));
+        let (bs, total) = (self.mgr.block_size(), out.num_batched_tokens);
+        let mut slots = vec![0i64; self.mgr.num_groups() * total];
+        let mut at = 0; // the row's first token
+        for (r, &seq) in t.rows.iter().zip(&out.seq_ids) {
+            let (start, n) = (r.start as usize, r.n as usize);
+            for (g, row) in self.mgr.table(seq as SeqId)?.rows().enumerate() {
+                let dst = &mut slots[g * total + at..][..n];
+                for (d, p) in dst.iter_mut().zip(start..) {
+                    *d = (row[p / bs] as usize * bs + p % bs) as i64;
+                }
             }
+            at += n;
         }
         Ok(slots)
     }
