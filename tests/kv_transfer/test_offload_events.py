@@ -11,10 +11,10 @@ import time
 import msgpack
 import pytest
 import zmq
-from kv_transfer_util import make_disk_llm, prompt
+from kv_transfer_util import block_files, make_disk_llm, prompt
 
 from pagedllm import LLM, SamplingParams
-from pagedllm._core import Router, hash_block_chain
+from pagedllm._core import Router, hash_block_chain, kv_block_file_name
 from pagedllm.kv_events.subscriber import KVEventSubscriber
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -178,3 +178,36 @@ def test_a_cpu_engines_cache_and_host_tier_publish_apart_and_weigh_as_device_and
             sub.close()
         tiered.llm_engine.shutdown()
         plain.llm_engine.shutdown()
+
+
+def test_blocks_the_disk_tier_evicts_are_published_removed_and_leave_the_routers_index(tmp_path):
+    folder = tmp_path / "blocks"
+    folder.mkdir()
+    llm = make_disk_llm(folder, kv_events_config=events_config(tmp_path))
+    tier = llm.llm_engine.kv_transfer
+    tier.size_bytes = 16 * tier.file_bytes(0)  # 16 block files: the second prompt evicts
+    router, lock = Router(1, BLOCK), threading.Lock()
+    sub = KVEventSubscriber(
+        router, lock, 0, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    ).start()
+    raw = subscribe(tmp_path)
+    try:
+        wait_for(lambda: sub.replays == 1)
+        time.sleep(0.2)  # the SUB socket's subscription reaches the publisher
+        for seed in (1, 2):  # 12 blocks each
+            serve(llm, prompt(seed))
+        removed = []
+        while raw.poll(300):
+            for event in msgpack.unpackb(raw.recv_multipart()[2])[1]:
+                if event["type"] == "BlockRemoved" and event["medium"] == "STORAGE":
+                    removed += event["block_hashes"]
+        on_disk = {p.name for p in block_files(folder)}
+        assert removed and len(on_disk) <= 16
+        assert not {kv_block_file_name(h) for h in removed} & on_disk
+        publisher = llm.llm_engine.kv_events
+        wait_for(lambda: router.next_seq(0) == publisher.seq + 1)
+        assert router.stats()[0]["disk_tier_blocks"] == len(on_disk)
+    finally:
+        raw.close()
+        sub.close()
+        llm.llm_engine.shutdown()

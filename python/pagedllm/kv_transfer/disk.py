@@ -23,7 +23,8 @@ save. A read-only folder still serves loads.
 
 `kv_offloading_size` bounds the directory: after a save, the least recently used files (by
 modification time, which a load refreshes where it can) are deleted until it fits; a file
-another engine deleted first is skipped.
+another engine deleted first is skipped. The scheduler's side finds them gone and publishes
+them removed (KV events, medium `STORAGE`: `rust/src/connector/disk.rs`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@
 //! its payload's checksum before loading it and report a mismatched, truncated or corrupted
 //! one as a failed load; this side then never offers that hash again. Capacity (LRU by modification time) is the workers' business: they touch a file
 //! when they load it and delete the oldest when a save would exceed the size.
+//!
+//! KV events (medium `STORAGE`): a block is published stored once its save is reported and
+//! its file is there, and removed when its file is found gone (the workers' evictions after a
+//! save, another engine's, a failed load), so a router's disk index keeps no stale blocks: the
+//! directory is listed once per step that finished saves (when events are on), and a block
+//! looked up and missing is published removed at once.
 use std::collections::HashSet;
 use std::path::PathBuf;
 
@@ -35,9 +41,11 @@ pub struct DiskConnector {
     jobs: std::collections::HashMap<u64, Vec<(BlockId, u64)>>,
     pending: ConnectorMeta,
     stats: OffloadStats,
-    /// Blocks this engine saved (stored) or found unloadable (removed), on the disk medium;
-    /// files the workers delete to stay under the size are not seen here.
+    /// Blocks this engine saved (stored) or found gone or unloadable (removed), on the disk
+    /// medium.
     events: KvEventLog,
+    /// Hashes published stored and not removed since (only while events are on).
+    published: HashSet<u64>,
 }
 
 impl DiskConnector {
@@ -51,11 +59,43 @@ impl DiskConnector {
             pending: ConnectorMeta::default(),
             stats: OffloadStats::default(),
             events: KvEventLog::for_medium(Medium::Disk),
+            published: HashSet::new(),
         }
     }
 
     fn on_disk(&self, hash: u64) -> bool {
         !self.bad.contains(&hash) && self.dir.join(block_file_name(hash)).is_file()
+    }
+
+    /// `hash` published removed, if it was published stored.
+    fn unpublish(&mut self, hash: u64) {
+        if self.published.remove(&hash) {
+            self.events.removed(hash);
+        }
+    }
+
+    /// Publishes removed every published block whose file is gone (one directory listing; a
+    /// folder deleted outright took them all, one that cannot be listed is checked next time).
+    fn sweep_removed(&mut self) {
+        if self.published.is_empty() {
+            return;
+        }
+        let present: HashSet<u64> = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries
+                .filter_map(|e| {
+                    let name = e.ok()?.file_name();
+                    let hex = name.to_str()?.strip_suffix(".kvblock")?;
+                    u64::from_str_radix(hex, 16).ok()
+                })
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
+            Err(_) => return,
+        };
+        let mut gone: Vec<u64> = self.published.difference(&present).copied().collect();
+        gone.sort_unstable(); // one order for a run's events
+        for hash in gone {
+            self.unpublish(hash);
+        }
     }
 }
 
@@ -73,6 +113,9 @@ impl KvConnector for DiskConnector {
             .iter()
             .take_while(|&&h| self.on_disk(h))
             .count();
+        if let Some(&missing) = req.block_hashes[start..eligible].get(hits) {
+            self.unpublish(missing); // evicted (here or by another engine) since it was stored
+        }
         if hits == 0 {
             self.stats.missed_blocks += (eligible - start) as u64;
         }
@@ -121,10 +164,13 @@ impl KvConnector for DiskConnector {
     }
 
     fn update_connector_output(&mut self, out: &ConnectorOutput<'_>) {
+        if !out.finished_sending.is_empty() && self.events.is_enabled() {
+            self.sweep_removed(); // a save is followed by the workers' evictions
+        }
         for job in out.finished_sending {
             for (_, hash) in self.jobs.remove(job).unwrap_or_default() {
                 self.saving.remove(&hash);
-                if self.on_disk(hash) {
+                if self.on_disk(hash) && self.events.is_enabled() && self.published.insert(hash) {
                     self.events.stored_in_tier(hash);
                 }
             }
@@ -134,7 +180,7 @@ impl KvConnector for DiskConnector {
                 if out.invalid_blocks.contains(&block) {
                     self.stats.failed_blocks += 1;
                     self.bad.insert(hash);
-                    self.events.removed(hash);
+                    self.unpublish(hash);
                 } else {
                     self.stats.loaded_blocks += 1;
                 }
@@ -187,6 +233,47 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(c.get_num_new_matched_tokens(&r(0), 0), (2, true));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_stored_block_whose_file_is_evicted_is_published_removed_on_storage() {
+        let dir = std::env::temp_dir().join(format!("pagedllm-disk-ev-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = DiskConnector::new(2, &dir);
+        c.kv_events_mut().unwrap().set_enabled(true, 2);
+        let tokens = [1; 5];
+        let (first, second) = ([10, 11], [20, 21]);
+        let r = |job, hashes: &'static [u64]| ConnectorRequest {
+            id: "r",
+            job,
+            tokens: &tokens,
+            block_hashes: hashes,
+        };
+        let save = |c: &mut DiskConnector, job, hashes: &'static [u64]| {
+            assert!(c.request_finished(&r(job, hashes), &[4, 5]));
+            for &h in hashes {
+                std::fs::write(dir.join(block_file_name(h)), b"x").unwrap();
+            }
+            c.update_connector_output(&ConnectorOutput {
+                finished_sending: &[job],
+                ..Default::default()
+            });
+            c.kv_events_mut().unwrap().drain()
+        };
+        let stored = save(&mut c, 1, &[10, 11]);
+        assert_eq!((stored.kinds, stored.hashes), (vec![0], first.to_vec()));
+        // the workers evict block 10 to make room for the next save
+        std::fs::remove_file(dir.join(block_file_name(10))).unwrap();
+        let b = save(&mut c, 2, &[20, 21]);
+        assert_eq!(b.kinds, vec![1, 0]);
+        assert_eq!(b.media, vec![Medium::Disk as u8; 2]);
+        assert_eq!(b.hashes, vec![10, second[0], second[1]]);
+        // one another engine evicted is published removed when looked up
+        std::fs::remove_file(dir.join(block_file_name(11))).unwrap();
+        c.get_num_new_matched_tokens(&r(3, &[11, 20]), 0);
+        let b = c.kv_events_mut().unwrap().drain();
+        assert_eq!((b.kinds, b.hashes), (vec![1], vec![11]));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
