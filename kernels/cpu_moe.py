@@ -5,12 +5,13 @@ A step's tokens are grouped by expert; each chosen expert's gate/up and down wei
 once, as the linear kernel's column panels (`kernels/cpu_linear.py`), for all its tokens; the
 weighted sum of a token's experts is written to its output row. Experts no token chose are never
 read: at decode a token reads only its k experts, the floor of the bytes a step must move.
-float32 and bfloat16.
+float32 and bfloat16; and experts kept in their GGUF types (`QuantExperts`, the quantized
+products of `rust/src/cpu/quant/` per chosen expert).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,6 +65,48 @@ def pack_experts(gate_up: Tensor, down: Tensor) -> PackedExperts:
 def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
     """(gate_up `[E, 2I, H]`, down `[E, H, I]`) back from the panels (copies)."""
     return _unpanel(packed.gate_up, 2 * packed.width), _unpanel(packed.down, packed.hidden)
+
+
+@dataclass(frozen=True)
+class QuantExperts:
+    """Every expert's gate/up `[2I, H]` and down `[H, I]` weights kept in their GGUF types
+    (`cpu_quant.QuantWeight`s), with the segment arrays each call passes, made once."""
+
+    gate_up: list  # QuantWeight per expert
+    down: list
+    gate_up_arrays: list = field(repr=False)
+    down_arrays: list = field(repr=False)
+
+    @classmethod
+    def of(cls, gate_up: list, down: list) -> QuantExperts:
+        def arrays(weights):
+            return [[(s.qtype, s.data.numpy()) for s in w.segments] for w in weights]
+
+        return cls(gate_up, down, arrays(gate_up), arrays(down))
+
+
+def moe_quant_experts(
+    x: Tensor, experts: QuantExperts, weights: Tensor, ids: Tensor, activations: str = "f32"
+) -> Tensor:
+    """`moe_experts` for float32 x over quantized experts (`_core.cpu_moe_quant_experts`): each
+    chosen expert's tokens through the quantized products, multiplying x as `activations`
+    (`cpu_quant`'s "f32", "int8", "int16") says."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"quantized experts take float32 activations, got {x.dtype}")
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden).contiguous()
+    out = torch.empty_like(rows)
+    _core.cpu_moe_quant_experts(
+        rows.numpy(),
+        experts.gate_up_arrays,
+        experts.down_arrays,
+        numpy_view(ids.to(torch.int64).reshape(rows.shape[0], -1).contiguous()),
+        numpy_view(weights.to(torch.float32).reshape(rows.shape[0], -1).contiguous()),
+        out.numpy(),
+        torch.get_num_threads(),
+        activations,
+    )
+    return out.view(x.shape)
 
 
 def moe_experts(x: Tensor, packed: PackedExperts, weights: Tensor, ids: Tensor) -> Tensor:

@@ -118,3 +118,23 @@ def test_two_halves_of_the_experts_with_the_other_half_not_held_sum_to_the_whole
     for kernel_or_loop in (0, 1):
         total = halves[0][kernel_or_loop] + halves[1][kernel_or_loop]
         torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_experts_match_the_torch_loop_on_their_dequantized_weights():
+    from pagedllm.kernels import cpu_quant
+
+    # Q8_0 rows: widths on its blocks of 32
+    g = torch.Generator().manual_seed(6)
+    gate_up = torch.randn(EXPERTS, 64, 64, generator=g) / 8
+    down = torch.randn(EXPERTS, 64, 32, generator=g) / 6
+    quant = [
+        [cpu_quant.quantize(w, cpu_quant.Q8_0) for w in weights] for weights in (gate_up, down)
+    ]
+    dequantized = [torch.stack([cpu_quant.dequantize(w) for w in ws]) for ws in quant]
+    weights, ids = routing(7, 4)
+    ids[3, 1] = cpu_moe.NOT_HELD  # another rank's expert: adds nothing
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    packed = cpu_moe.QuantExperts.of(*quant)
+    got = cpu_moe.moe_quant_experts(x, packed, weights, ids, activations="f32")
+    want = moe_experts_reference(x, *dequantized, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -66,7 +66,7 @@ def test_each_expert_loads_as_its_own_weight_of_the_files_bytes(tmp_path):
     path = save_tiny_moe_gguf(tmp_path, "qwen3_moe", **WIDTHS)
     model = load_model(path, dtype="float32", device="cpu", pack_for_cpu=True)
     experts = model.model.layers[1].mlp.experts
-    gate_ups, downs = experts.quant
+    gate_ups, downs = experts.quant.gate_up, experts.quant.down
     assert len(gate_ups) == len(downs) == 8
     assert experts.gate_up_proj.numel() == experts.down_proj.numel() == 0
     tensors = load_file(tmp_path / "model.safetensors")
@@ -122,9 +122,10 @@ def test_an_expert_parallel_rank_loads_its_share_of_the_quantized_experts(tmp_pa
     whole = load_model(path, dtype="float32", device="cpu").model.layers[0].mlp.experts
     half = load_model(path, dtype="float32", device="cpu", tp=TPShard(1, 2, True))
     experts = half.model.layers[0].mlp.experts
-    assert (experts.first, experts.num_experts, len(experts.quant[0])) == (4, 4, 4)
+    assert (experts.first, experts.num_experts, len(experts.quant.gate_up)) == (4, 4, 4)
+    pairs = ((experts.quant.gate_up, whole.quant.gate_up), (experts.quant.down, whole.quant.down))
     for local, expert in enumerate(range(4, 8)):
-        for mine, theirs in zip(experts.quant, whole.quant):
+        for mine, theirs in pairs:
             pairs = zip(mine[local].segments, theirs[expert].segments, strict=True)
             assert all(torch.equal(a.data, b.data) for a, b in pairs)
 

@@ -14,7 +14,7 @@ tensors concatenated by the loader. On the CPU they are packed into per-expert p
 expert, each chosen expert's weights read once for all its tokens, experts no token chose never
 read. Elsewhere the torch loop (`kernels.moe_reference`). Experts loaded quantized from a GGUF
 file (`set_quantized`: a `cpu_quant.QuantWeight` per expert and projection, in the file's type)
-run the same loop over the quantized kernels (`quant_linear`), one chosen expert at a time.
+run the same grouping over the quantized products (`cpu_moe.moe_quant_experts`).
 
 Tensor parallelism shards the experts like the dense MLP: rank r holds slice r of every expert's
 intermediate width, the partial outputs (and the shared expert's) are summed by one all-reduce.
@@ -102,8 +102,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e * 2 * self.width, hidden))
         self.down_proj = nn.Parameter(torch.empty(e * hidden, self.width))
         self.packed: cpu_moe.PackedExperts | None = None
-        # (gate_up, down) QuantWeights per held expert (`set_quantized`); None: float weights
-        self.quant: tuple[list[QuantWeight], list[QuantWeight]] | None = None
+        # the held experts' QuantWeights (`set_quantized`); None: float weights
+        self.quant: cpu_moe.QuantExperts | None = None
 
     def stacked(self) -> tuple[Tensor, Tensor]:
         """(gate_up `[E, 2I, H]`, down `[E, H, I]`) views of the parameters."""
@@ -128,7 +128,7 @@ class Experts(nn.Module):
         `[T, H]` (this rank's partial sum under tensor parallelism)."""
         ids = self.held_ids(ids)
         if self.quant is not None:
-            return quant_experts(x, *self.quant, weights, ids)
+            return cpu_moe.moe_quant_experts(x, self.quant, weights, ids, _quant_activations())
         if self.packed is not None:
             return cpu_moe.moe_experts(x, self.packed, weights, ids)
         return moe_experts_reference(x, *self.stacked(), weights, ids)
@@ -141,7 +141,7 @@ class Experts(nn.Module):
                 f"quantized experts: {len(gate_up)} gate/up and {len(down)} down weights for "
                 f"{self.num_experts} experts"
             )
-        self.quant = (gate_up, down)
+        self.quant = cpu_moe.QuantExperts.of(gate_up, down)
         self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -153,10 +153,10 @@ class Experts(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.quant is not None:
+        if (q := self.quant) is not None:
             from pagedllm.kernels import cpu_quant
 
-            for name, weights in zip(("gate_up_proj", "down_proj"), self.quant):
+            for name, weights in (("gate_up_proj", q.gate_up), ("down_proj", q.down)):
                 destination[prefix + name] = torch.cat([cpu_quant.dequantize(w) for w in weights])
         if self.packed is not None:
             gate_up, down = cpu_moe.unpack_experts(self.packed)
@@ -164,22 +164,11 @@ class Experts(nn.Module):
             destination[prefix + "down_proj"] = down.flatten(0, 1)
 
 
-def quant_experts(
-    x: Tensor, gate_up: list[QuantWeight], down: list[QuantWeight], weights: Tensor, ids: Tensor
-) -> Tensor:
-    """`kernels.moe_reference`'s loop over quantized weights (float32): each chosen expert's
-    tokens through its gate/up, SwiGLU and down, weighted, added in ascending expert order."""
+def _quant_activations() -> str:
+    """The activations the dense quantized layers multiply with (`cpu_quant.ACTIVATIONS`)."""
     from pagedllm.kernels import cpu_quant  # only quantized models need the quantized kernels
 
-    acts = cpu_quant.ACTIVATIONS
-    out = torch.zeros_like(x)
-    for expert in torch.unique(ids[ids >= 0]).tolist():
-        tokens, slots = torch.where(ids == expert)
-        # the activations the dense quantized layers use (`cpu_quant.ACTIVATIONS`)
-        h = cpu_quant.quant_linear(x[tokens], gate_up[expert], None, activations=acts)
-        y = cpu_quant.quant_linear(silu_and_mul(h), down[expert], None, activations=acts)
-        out.index_add_(0, tokens, y * weights[tokens, slots, None])
-    return out
+    return cpu_quant.ACTIVATIONS
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,10 +1,12 @@
 //! The grouped mixture-of-experts kernel (`crate::cpu::moe_experts`) for the model runner: torch
 //! CPU tensors as numpy views (bfloat16 as its uint16 bits, `cpu_ops`'s rule), the kernel run
-//! with the GIL released.
-use numpy::{PyReadonlyArray2, PyReadwriteArray2};
+//! with the GIL released. Quantized experts (`cpu_moe_quant_experts`) cross as `cpu_quant`'s
+//! segments, one list per expert and projection.
+use numpy::{PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::cpu_ops::{readonly, readwrite, view, view_mut, Dtype, Kind};
+use super::cpu_quant::{activations_named, matrix, Segments};
 use crate::cpu;
 
 /// `out [T, H]` = each token's experts' SwiGLU outputs weighted by the router and summed, for x
@@ -59,7 +61,53 @@ fn experts<N: Dtype>(
     Ok(())
 }
 
+/// `cpu_moe_experts` for float32 x `[T, H]` over quantized experts: `gate_up[e]` (`[2I, H]`,
+/// gate rows then up rows) and `down[e]` (`[H, I]`) each expert's `(ggml type code, uint8
+/// [rows, row_bytes])` segments; `activations` "f32", "int8" or "int16" (`cpu_quant_linear`'s).
+#[pyfunction]
+#[pyo3(signature = (x, gate_up, down, ids, weights, out, num_threads, activations="f32"))]
+#[allow(clippy::too_many_arguments)]
+fn cpu_moe_quant_experts(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    gate_up: Vec<Segments<'_>>,
+    down: Vec<Segments<'_>>,
+    ids: PyReadonlyArray2<'_, i64>,
+    weights: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArray2<'_, f32>,
+    num_threads: usize,
+    activations: &str,
+) -> PyResult<()> {
+    let activations = activations_named(activations)?;
+    let hidden = x.shape()[1];
+    let gate_up = gate_up
+        .iter()
+        .map(|segments| matrix(segments, hidden))
+        .collect::<PyResult<Vec<_>>>()?;
+    let width = gate_up.first().map_or(0, |w| w.n() / 2);
+    let down = down
+        .iter()
+        .map(|segments| matrix(segments, width))
+        .collect::<PyResult<Vec<_>>>()?;
+    let (x, ids, weights) = (x.as_array(), ids.as_array(), weights.as_array());
+    let out = out.as_array_mut();
+    py.detach(|| {
+        cpu::moe_quant_experts(
+            x,
+            &gate_up,
+            &down,
+            ids,
+            weights,
+            out,
+            num_threads,
+            activations,
+        )
+    })?;
+    Ok(())
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_moe_experts, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_moe_quant_experts, m)?)?;
     Ok(())
 }

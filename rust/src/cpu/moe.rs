@@ -13,6 +13,10 @@
 //! `k` experts' bytes. A choice `NOT_HELD` (an expert another expert-parallel rank holds) adds
 //! nothing here: that rank adds its term.
 //!
+//! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (a
+//! `QuantMatrix` per expert and projection): each chosen expert's rows through the quantized
+//! products (`quant::quant_linear_with`), the activation and the weighted sum as above.
+//!
 //! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
 //! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
 //! activation, the down output).
@@ -26,6 +30,7 @@ use super::elem::Elem;
 use super::invalid;
 use super::linear::{self, Ctx, PANEL};
 use super::pool;
+use super::quant::{quant_linear_with, Activations, QuantMatrix};
 use crate::error::Result;
 
 /// The expert id of a choice this call skips: the expert is another expert-parallel rank's.
@@ -124,6 +129,89 @@ pub fn moe_experts<T: Elem>(
     groups.products(acts, down, down_dims, &mut ys, threads);
     groups.weighted_sum(&ys, ids, weights, hidden, out, threads);
     Ok(())
+}
+
+/// `moe_experts` for float32 x over quantized experts: `gate_up[e]` `[2I, H]` (gate rows, then
+/// up rows) and `down[e]` `[H, I]` of every expert `e`; ids (in `0..E` or `NOT_HELD`) and
+/// weights `[M, K]`; the products multiply x as `activations` says.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_quant_experts(
+    x: ArrayView2<f32>,
+    gate_up: &[QuantMatrix<'_>],
+    down: &[QuantMatrix<'_>],
+    ids: ArrayView2<i64>,
+    weights: ArrayView2<f32>,
+    mut out: ArrayViewMut2<f32>,
+    num_threads: usize,
+    activations: Activations,
+) -> Result<()> {
+    let (m, hidden) = x.dim();
+    let width = check_quant_shapes(gate_up, down, hidden)?;
+    if ids.nrows() != m || weights.dim() != ids.dim() || out.dim() != (m, hidden) {
+        return Err(invalid(format!(
+            "ids {:?}, weights {:?} and out {:?} must be [{m}, k], [{m}, k] and [{m}, {hidden}]",
+            ids.shape(),
+            weights.shape(),
+            out.shape()
+        )));
+    }
+    let contiguous = || invalid("x, ids, weights and out must be contiguous");
+    let x = x.to_slice().ok_or_else(contiguous)?;
+    let ids = ids.to_slice().ok_or_else(contiguous)?;
+    let weights = weights.to_slice().ok_or_else(contiguous)?;
+    let out = out.as_slice_mut().ok_or_else(contiguous)?;
+    let groups = Groups::of(ids, ids.len() / m.max(1), gate_up.len())?;
+    let rows = groups.rows();
+    if rows == 0 || width == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let threads = num_threads.max(1);
+    let xs = groups.gather(x, hidden);
+    let mut gate_ups = vec![0.0f32; rows * 2 * width];
+    groups.quant_products(&xs, gate_up, &mut gate_ups, threads, activations)?;
+    let mut acts = vec![0.0f32; rows * width];
+    silu_and_mul(
+        ArrayView2::from_shape((rows, 2 * width), &gate_ups[..])
+            .map_err(|e| invalid(e.to_string()))?,
+        ArrayViewMut2::from_shape((rows, width), &mut acts[..])
+            .map_err(|e| invalid(e.to_string()))?,
+        threads,
+    )?;
+    let mut ys = vec![0.0f32; rows * hidden];
+    groups.quant_products(&acts, down, &mut ys, threads, activations)?;
+    groups.weighted_sum(&ys, ids, weights, hidden, out, threads);
+    Ok(())
+}
+
+/// The experts' width I, every expert's gate/up `[2I, H]` and down `[H, I]` checked.
+fn check_quant_shapes(
+    gate_up: &[QuantMatrix<'_>],
+    down: &[QuantMatrix<'_>],
+    hidden: usize,
+) -> Result<usize> {
+    if gate_up.len() != down.len() {
+        return Err(invalid(format!(
+            "{} gate/up and {} down weights: one of each per expert",
+            gate_up.len(),
+            down.len()
+        )));
+    }
+    let width = down.first().map_or(0, |d| d.k());
+    for (e, (gu, dn)) in gate_up.iter().zip(down).enumerate() {
+        if (gu.n(), gu.k(), dn.n(), dn.k()) != (2 * width, hidden, hidden, width) {
+            return Err(invalid(format!(
+                "expert {e}: gate/up [{}, {}] and down [{}, {}], expected [{}, {hidden}] and \
+                 [{hidden}, {width}] (x has {hidden} columns)",
+                gu.n(),
+                gu.k(),
+                dn.n(),
+                dn.k(),
+                2 * width
+            )));
+        }
+    }
+    Ok(width)
 }
 
 struct Shape {
@@ -299,6 +387,32 @@ impl Groups {
         } else {
             pool::WORKERS.run_claimed(threads, items, run);
         }
+    }
+
+    /// `products` over quantized weights: each chosen expert's rows through `weights[e]` (whose
+    /// rows are the output's `n` columns), one expert after another, each product on up to
+    /// `threads` threads.
+    fn quant_products(
+        &self,
+        input: &[f32],
+        weights: &[QuantMatrix<'_>],
+        out: &mut [f32],
+        threads: usize,
+        activations: Activations,
+    ) -> Result<()> {
+        for (e, w) in weights.iter().enumerate() {
+            let (first, end) = (self.starts[e], self.starts[e + 1]);
+            if first == end {
+                continue; // no token chose it: never read
+            }
+            let (k, n) = (w.k(), w.n());
+            let x = ArrayView2::from_shape((end - first, k), &input[first * k..end * k])
+                .map_err(|err| invalid(err.to_string()))?;
+            let y = ArrayViewMut2::from_shape((end - first, n), &mut out[first * n..end * n])
+                .map_err(|err| invalid(err.to_string()))?;
+            quant_linear_with(x, w, None, y, threads, activations)?;
+        }
+        Ok(())
     }
 
     /// `out[t] = sum_j weights[t, j] * ys[row of (t, j)]`, the terms in ascending expert order
@@ -577,6 +691,62 @@ mod tests {
         }
         for (s, want) in sum.iter().zip(want) {
             assert!((s - want).abs() < 1e-4, "{s} vs {want}");
+        }
+    }
+
+    /// Q8_0 bytes of a weight `[n, k]`, and the weight as they dequantize.
+    fn q8_0(w: &[f32], n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        use crate::cpu::quant::{self, QType};
+        let mut bytes = Array2::<u8>::zeros((n, QType::Q8_0.row_bytes(k).unwrap()));
+        let w = ndarray::ArrayView2::from_shape((n, k), w).unwrap();
+        quant::quantize(w, QType::Q8_0, bytes.view_mut()).unwrap();
+        let bytes = bytes.into_raw_vec_and_offset().0;
+        let mut back = Array2::<f32>::zeros((n, k));
+        quant::dequantize(&matrix(&bytes, n, k), back.view_mut()).unwrap();
+        let back = back.into_raw_vec_and_offset().0;
+        (bytes, back)
+    }
+
+    fn matrix(bytes: &[u8], n: usize, k: usize) -> QuantMatrix<'_> {
+        use crate::cpu::quant::{QType, Segment};
+        let segment = Segment {
+            qtype: QType::Q8_0,
+            data: bytes,
+            rows: n,
+        };
+        QuantMatrix::new(vec![segment], k).unwrap()
+    }
+
+    #[test]
+    fn quantized_experts_match_the_float_kernel_on_their_dequantized_weights() {
+        let (m, h, i, experts) = (7, 64, 32, 4);
+        let mut case = Case::new(m, h, i, experts);
+        let gate_up: Vec<(Vec<u8>, Vec<f32>)> =
+            case.gate_up.iter().map(|w| q8_0(w, 2 * i, h)).collect();
+        let down: Vec<(Vec<u8>, Vec<f32>)> = case.down.iter().map(|w| q8_0(w, h, i)).collect();
+        case.gate_up = gate_up.iter().map(|(_, w)| w.clone()).collect();
+        case.down = down.iter().map(|(_, w)| w.clone()).collect();
+        let gate_up_q: Vec<_> = gate_up.iter().map(|(b, _)| matrix(b, 2 * i, h)).collect();
+        let down_q: Vec<_> = down.iter().map(|(b, _)| matrix(b, h, i)).collect();
+        let (mut ids, w) = routing(m, 3, experts);
+        ids[[2, 1]] = NOT_HELD; // another rank's expert: adds nothing
+        let panels = stacked_panels::<f32>(&case.gate_up, 2 * i, h);
+        let want = case.run(&panels, &ids, &w, 2);
+        let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
+        let mut got = Array2::<f32>::zeros((m, h));
+        moe_quant_experts(
+            x.view(),
+            &gate_up_q,
+            &down_q,
+            ids.view(),
+            w.view(),
+            got.view_mut(),
+            2,
+            Activations::F32,
+        )
+        .unwrap();
+        for (g, want) in got.iter().zip(want.iter()) {
+            assert!((g - want).abs() < 1e-4, "{g} vs {want}");
         }
     }
 
