@@ -11,6 +11,7 @@ import logging
 import pytest
 from transformers import Gemma3TextConfig
 
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
@@ -154,3 +155,27 @@ def test_the_offload_tier_keeps_one_group_and_says_why(gemma3, caplog):
         assert "offload tier" in caplog.text
     finally:
         engine.shutdown()
+
+
+def test_ngram_speculation_over_hybrid_groups_gives_the_tokens_of_plain_decoding(gemma3):
+    # drafts rejected are truncated from every group's table, windows included
+    prompts = [{"prompt_token_ids": [(i * 7 + r) % 50 + 2 for i in range(150)]} for r in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256)
+    want = LLM(str(gemma3), **common).generate(prompts, params, use_tqdm=False)
+    spec = LLM(
+        str(gemma3),
+        **common,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.engine.scheduler.kv_groups == [None] + [WINDOW] * 5
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.engine.get_stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_draft_model_keeps_one_kv_group_and_says_why(gemma3):
+    draft = {"method": "draft_model", "model": str(gemma3), "num_speculative_tokens": 2}
+    args = EngineArgs(model=str(gemma3), device="cpu", speculative_config=draft)
+    assert "draft model" in args.hybrid_kv_off_reason
+    assert EngineArgs(model=str(gemma3), device="cpu").hybrid_kv_off_reason is None
