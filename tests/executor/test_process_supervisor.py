@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 
@@ -33,6 +34,15 @@ def _fail(tie, conn) -> None:
 
 def _hang(tie, conn) -> None:
     threading.Event().wait()
+
+
+def _die_holding_a_segment(tie, conn) -> None:
+    """Creates an all-reduce segment (its name in /dev/shm) and is killed before unlinking it."""
+    from pagedllm._core import ShmAllReduce
+
+    segment = ShmAllReduce.create(2, 64, 1.0)
+    conn.send((segment.name,))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _label(index: int) -> str:
@@ -147,3 +157,17 @@ def test_a_silent_child_is_told_apart_from_a_dead_one(supervisor):
     with pytest.raises(ChildFailed) as dead:
         supervisor.expect("ok", 60.0, "tp_step_timeout")
     assert not dead.value.silent
+
+
+def test_a_child_killed_before_unlinking_its_segment_leaves_no_name_once_stopped(supervisor):
+    _spawn(supervisor, _die_holding_a_segment)
+    (name,) = supervisor.conns[0].recv()
+    path = f"/dev/shm/{name.lstrip('/')}"
+    supervisor.procs[0].join(10)
+    try:
+        assert os.path.exists(path)  # what the child left
+        supervisor.stop(None)
+        assert not os.path.exists(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
