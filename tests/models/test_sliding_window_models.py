@@ -119,6 +119,8 @@ def test_greedy_tokens_match_transformers_with_chunked_prefill_and_prefix_cachin
     second = llm.generate({"prompt_token_ids": PROMPTS[2]}, params, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in first + second] == expected
     assert second[0].num_cached_tokens >= len(SHARED) - 4
+    # the windows' layers have KV groups of their own (only their windows' blocks kept)
+    assert WINDOW in llm.engine.scheduler.kv_groups
 
 
 def _smallest_cache(folder, max_model_len: int, chunk: int) -> int:
