@@ -132,6 +132,9 @@ def test_the_engine_says_its_kv_groups_in_the_log_and_stats(gemma3, caplog):
         assert engine.scheduler.kv_groups == [None] + [WINDOW] * 5
         assert engine.get_stats()["kv_groups"] == "6 groups (1 x full, 5 x window 32) of 1 layers"
         assert "KV cache layer groups: 6 groups" in caplog.text
+        # tokens every group holds (vLLM's count), not blocks x block size
+        blocks = engine.cache_engine.num_gpu_blocks
+        assert engine.get_stats()["kv_cache_num_tokens"] == blocks // 6 * 16
     finally:
         engine.shutdown()
 

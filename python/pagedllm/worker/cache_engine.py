@@ -11,6 +11,7 @@ import mmap
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_groups import KVGroupLayout
 from pagedllm.kernels.reference import as_bytes, kv_format, kv_row_size, kv_storage_dtype
 
 logger = logging.getLogger("pagedllm")
@@ -47,8 +48,8 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class CacheEngine:
     """Owns `kv_cache` [2, layers, blocks, block_size, kv_heads, head_dim] and its host twin.
-    With hybrid KV groups `layers` is a block's layer slots (`attention/kv_groups.py`: a block
-    holds one group's layers, `kv_groups` describes them).
+    With hybrid KV groups (`kv_layout`, `attention/kv_groups.py`) `layers` is a block's layer
+    slots: a block holds one group's layers.
 
     One tensor for all layers makes a block copy or swap a single indexed copy. A quantized
     cache (`kv_cache_dtype` int8 / fp8) is of the format's dtype with rows of `head_dim + 1`
@@ -68,10 +69,10 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
-        kv_groups: str | None = None,
+        kv_layout: KVGroupLayout | None = None,
     ) -> None:
         self.block_size = block_size
-        self.kv_groups = kv_groups
+        self.kv_layout = kv_layout
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.device = device
@@ -104,8 +105,10 @@ class CacheEngine:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the device cache holds (every block full)."""
-        return self.num_gpu_blocks * self.block_size
+        """Tokens the device cache holds (every block full; with hybrid KV groups, tokens of
+        every group, as vLLM counts them)."""
+        groups = len(self.kv_layout.windows) if self.kv_layout else 1
+        return self.num_gpu_blocks // groups * self.block_size
 
     @property
     def dtype_name(self) -> str:
@@ -117,7 +120,9 @@ class CacheEngine:
     def stats(self) -> dict:
         """What the cache is: its format, the tokens it holds, its bytes (`get_stats()`)."""
         return {
-            "kv_groups": self.kv_groups or "1 group (full attention)",
+            "kv_groups": self.kv_layout.describe()
+            if self.kv_layout
+            else "1 group (full attention)",
             "kv_cache_dtype": self.dtype_name,
             "kv_cache_num_tokens": self.num_tokens,
             "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),

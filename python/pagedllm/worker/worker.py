@@ -152,7 +152,7 @@ class Worker:
             dtype=self.dtype,
             device=self.device,
             kv_cache_dtype=args.kv_cache_dtype,
-            kv_groups=self.kv_layout.describe() if self.kv_layout.is_hybrid else None,
+            kv_layout=self.kv_layout if self.kv_layout.is_hybrid else None,
         )
         self.runner = ModelRunner(
             self.model,
