@@ -467,7 +467,9 @@ impl PyScheduler {
         request_id: &str,
         parents: Vec<usize>,
     ) -> PyResult<usize> {
-        Ok(self.inner.fork_beams(output.out.step, request_id, &parents)?)
+        Ok(self
+            .inner
+            .fork_beams(output.out.step, request_id, &parents)?)
     }
 
     fn num_waiting(&self) -> usize {
