@@ -829,3 +829,33 @@ fn int16_activations_keep_a_nan_of_x_in_the_products() {
         }
     }
 }
+
+#[test]
+fn int16_activations_keep_a_nan_or_infinity_of_x_in_multi_row_products() {
+    // the types without a min skip the mins on the AVX2 path from 2 rows of x: the NaN must
+    // come through the block's scale alone
+    let (m, k) = (4, 256);
+    let mut x = floats(m * k, 1.0);
+    x[k + 40] = f32::NAN;
+    x[3 * k + 7] = f32::INFINITY;
+    let x = Array2::from_shape_vec((m, k), x).unwrap();
+    for t in INT16_TYPES {
+        let data = random_rows(t, 3, k, 5);
+        let segments = vec![Segment {
+            qtype: t,
+            data: &data,
+            rows: 3,
+        }];
+        let w = QuantMatrix::new(segments, k).unwrap();
+        let mut out = Array2::from_elem((m, 3), 0.0f32);
+        quant_linear_with(x.view(), &w, None, out.view_mut(), 1, Activations::Int16).unwrap();
+        for c in 0..3 {
+            assert!(
+                out[[0, c]].is_finite() && out[[2, c]].is_finite(),
+                "{}",
+                t.name()
+            );
+            assert!(out[[1, c]].is_nan() && out[[3, c]].is_nan(), "{}", t.name());
+        }
+    }
+}
