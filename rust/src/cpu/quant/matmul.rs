@@ -273,77 +273,49 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     }
 }
 
-/// Row `r` (type `t`, `int8::takes(t)`, bytes `row`) dotted with every row of x quantized
-/// (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it.
-#[inline(always)]
-fn int8_row<const F: bool>(
-    ctx: &Ctx<'_, '_>,
-    xq: &int8::QuantizedRows,
-    t: super::QType,
-    row: &[u8],
-    r: usize,
-) {
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    while F && i < ctx.m {
-        use int8::row_dots_avx2;
-        let x = |j: usize| xq.row(i + j);
-        let k = ctx.k;
-        // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
-        // `takes(t)`, the row and the rows of x hold k elements.
-        let dots: &[f32] = unsafe {
-            match ctx.m - i {
-                1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
-                2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
-                3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
-                _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+/// `$name`: row `r` (type `t`, `$m::takes(t)`, bytes `row`) dotted with every row of x
+/// quantized by `$m` (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it. One
+/// body for the 8- and 16-bit activations, whose modules offer the same `row` / `row_dot` /
+/// `row_dots_avx2`.
+macro_rules! integer_row {
+    ($name:ident, $m:ident) => {
+        #[inline(always)]
+        fn $name<const F: bool>(
+            ctx: &Ctx<'_, '_>,
+            xq: &$m::QuantizedRows,
+            t: super::QType,
+            row: &[u8],
+            r: usize,
+        ) {
+            let mut i = 0;
+            #[cfg(target_arch = "x86_64")]
+            while F && i < ctx.m {
+                use $m::row_dots_avx2;
+                let x = |j: usize| xq.row(i + j);
+                let k = ctx.k;
+                // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c
+                // checked); `takes(t)`, the row and the rows of x hold k elements.
+                let dots: &[f32] = unsafe {
+                    match ctx.m - i {
+                        1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
+                        2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
+                        3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
+                        _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+                    }
+                };
+                for (j, v) in dots.iter().enumerate() {
+                    ctx.put(i + j, r, *v);
+                }
+                i += dots.len();
             }
-        };
-        for (j, v) in dots.iter().enumerate() {
-            ctx.put(i + j, r, *v);
-        }
-        i += dots.len();
-    }
-    for i in i..ctx.m {
-        ctx.put(i, r, int8::row_dot(t, row, xq.row(i)));
-    }
-}
-
-/// Row `r` (type `t`, `int16::takes(t)`, bytes `row`) dotted with every row of x quantized
-/// (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it.
-#[inline(always)]
-fn int16_row<const F: bool>(
-    ctx: &Ctx<'_, '_>,
-    xq: &int16::QuantizedRows,
-    t: super::QType,
-    row: &[u8],
-    r: usize,
-) {
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    while F && i < ctx.m {
-        use int16::row_dots_avx2;
-        let x = |j: usize| xq.row(i + j);
-        let k = ctx.k;
-        // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
-        // `takes(t)`, the row and the rows of x hold k elements.
-        let dots: &[f32] = unsafe {
-            match ctx.m - i {
-                1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
-                2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
-                3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
-                _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+            for i in i..ctx.m {
+                ctx.put(i, r, $m::row_dot(t, row, xq.row(i)));
             }
-        };
-        for (j, v) in dots.iter().enumerate() {
-            ctx.put(i + j, r, *v);
         }
-        i += dots.len();
-    }
-    for i in i..ctx.m {
-        ctx.put(i, r, int16::row_dot(t, row, xq.row(i)));
-    }
+    };
 }
+integer_row!(int8_row, int8);
+integer_row!(int16_row, int16);
 
 /// Row `r` (type `t`, bytes `row`) dotted with every row of x in registers
 /// (`dot_avx2::row_dots`), up to 4 rows of x per pass over it.
