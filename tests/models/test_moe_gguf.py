@@ -15,14 +15,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pagedllm import SamplingParams
 from pagedllm.checkpoint.gguf_reader import open_gguf
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.layers import TPShard
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.models import load_model
 from pagedllm.models.gguf import GGUFError, read_gguf_config
 
+from engine_util import engine_greedy
 from model_factory import hf_generate_greedy, paged_greedy
 from moe_factory import save_tiny_moe_gguf
 
@@ -131,30 +130,17 @@ def test_an_expert_parallel_rank_loads_its_share_of_the_quantized_experts(tmp_pa
 
 
 def _greedy_engine(path, tp: int, expert_parallel: bool) -> list[list[int]]:
-    engine = LLMEngine(
-        EngineArgs(
-            model=str(path),
-            tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel,
-            device="cpu",
-            dtype="float32",
-            cpu_threads=1,
-            max_model_len=64,
-            skip_tokenizer_init=True,
-        )
+    args = EngineArgs(
+        model=str(path),
+        tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
+        device="cpu",
+        dtype="float32",
+        cpu_threads=1,
+        max_model_len=64,
+        skip_tokenizer_init=True,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        for i, ids in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        tokens = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        return [tokens[str(i)] for i in range(len(PROMPTS))]
-    finally:
-        engine.shutdown()
+    return engine_greedy(args, PROMPTS, 8)
 
 
 def test_two_expert_parallel_ranks_on_quantized_experts_generate_the_tokens_of_one(tmp_path):
