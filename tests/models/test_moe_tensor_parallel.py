@@ -9,12 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 import pagedllm.cli.app
-from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.layers import TPShard
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.models import load_model
 
+from engine_util import engine_greedy
 from moe_factory import save_tiny_moe_checkpoint
 
 PREFIX = list(range(40, 56))
@@ -22,30 +21,17 @@ PROMPTS = [PREFIX + [100 + 7 * i + j for j in range(3 + 2 * i)] for i in range(3
 
 
 def _run(folder, tp: int, expert_parallel: bool = False) -> list[list[int]]:
-    engine = LLMEngine(
-        EngineArgs(
-            model=str(folder),
-            tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel,
-            device="cpu",
-            cpu_threads=1,
-            max_model_len=64,
-            max_num_batched_tokens=16,
-            enable_prefix_caching=True,
-        )
+    args = EngineArgs(
+        model=str(folder),
+        tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
+        device="cpu",
+        cpu_threads=1,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        for i, ids in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        tokens = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        return [tokens[str(i)] for i in range(len(PROMPTS))]
-    finally:
-        engine.shutdown()
+    return engine_greedy(args, PROMPTS, 12)
 
 
 def test_two_ranks_holding_a_slice_of_every_expert_generate_the_greedy_tokens_of_one(tmp_path):
