@@ -51,6 +51,18 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # (embeddings, scores); `convert` says how a causal LM is pooled (vLLM's `--convert`)
 RUNNERS = ("generate", "pooling")
 CONVERTS = ("auto", "embed", "classify")
+# hf_overrides (vLLM's, `--hf-overrides`): fields of the checkpoint's config.json replaced at
+# load. The ones honoured turn a causal LM into a reranker whose score is the sigmoid of two
+# tokens' log-odds at the last position (Qwen3-Reranker; pagedllm/pooling/token_classifier.py);
+# any other key is refused by name, never ignored
+HF_OVERRIDE_KEYS = (
+    "architectures",
+    "classifier_from_token",
+    "is_original_qwen3_reranker",
+    "method",
+)
+# the only `method` (vLLM's name): score = logit[true token] - logit[false token], one label
+TWO_WAY_SOFTMAX = "from_2_way_softmax"
 # backends of the KV offload tier (kv_offloading_backend)
 KV_OFFLOADING_BACKENDS = ("native", "disk")
 
@@ -132,6 +144,10 @@ class EngineArgs:
     # "pooling": prefill-only requests whose result is the pooled hidden state (pagedllm.pooling)
     runner: str = "generate"
     convert: str = "auto"
+    # vLLM's hf_overrides (HF_OVERRIDE_KEYS), e.g. {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    # "is_original_qwen3_reranker": true} to rerank with a causal Qwen3-Reranker checkpoint
+    hf_overrides: dict | None = None
 
     @property
     def tp_startup_timeout(self) -> float:
@@ -205,6 +221,62 @@ class EngineArgs:
             raise ValueError(
                 "runner='pooling' runs with tensor_parallel_size=1, data_parallel_size=1 and "
                 "no speculative_config"
+            )
+        self._validate_hf_overrides()
+
+    def _validate_hf_overrides(self) -> None:
+        """The overrides' keys and types; whether the checkpoint can take them (a causal LM of
+        the family named, tokens of its vocabulary) is the pooling engine's check."""
+        overrides = self.hf_overrides
+        if overrides is None:
+            return
+        if not isinstance(overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict (a JSON object), got {overrides!r}")
+        for key in overrides:
+            if key not in HF_OVERRIDE_KEYS:
+                raise ValueError(
+                    f"hf_overrides: key {key!r} is not supported (supported: "
+                    f"{', '.join(HF_OVERRIDE_KEYS)})"
+                )
+        if not overrides:
+            return
+        architectures = overrides.get("architectures")
+        if (
+            not isinstance(architectures, list)
+            or len(architectures) != 1
+            or not isinstance(architectures[0], str)
+            or not architectures[0].endswith("ForSequenceClassification")
+        ):
+            raise ValueError(
+                "hf_overrides.architectures must be one *ForSequenceClassification name, e.g. "
+                f"['Qwen3ForSequenceClassification'], got {architectures!r}"
+            )
+        tokens = overrides.get("classifier_from_token")
+        if (
+            not isinstance(tokens, list)
+            or len(tokens) != 2
+            or not all(isinstance(t, str) and t for t in tokens)
+        ):
+            raise ValueError(
+                "hf_overrides.classifier_from_token must be two tokens [false, true], e.g. "
+                f"['no', 'yes'], got {tokens!r}"
+            )
+        original = overrides.get("is_original_qwen3_reranker", False)
+        if not isinstance(original, bool):
+            raise ValueError(
+                f"hf_overrides.is_original_qwen3_reranker must be a boolean, got {original!r}"
+            )
+        method = overrides.get("method", TWO_WAY_SOFTMAX if original else None)
+        if method != TWO_WAY_SOFTMAX:
+            raise ValueError(
+                f"hf_overrides.method must be {TWO_WAY_SOFTMAX!r} (or give "
+                f"is_original_qwen3_reranker: true), got {method!r}"
+            )
+        if self.runner != "pooling" or self.convert == "embed":
+            raise ValueError(
+                "hf_overrides (a reranker from classifier_from_token) needs runner='pooling' "
+                f"and convert 'auto' or 'classify', got runner={self.runner!r}, "
+                f"convert={self.convert!r}"
             )
 
     def _validate_offloading(self) -> None:

@@ -528,8 +528,16 @@ def add_pooling_flags(parser: argparse.ArgumentParser) -> None:
         "its sentence-transformers files say otherwise); 'classify' scores with its "
         "score.weight head; 'auto': by the architecture",
     )
+    g.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        default=None,
+        help="fields of the checkpoint's config.json replaced (vLLM's), as JSON; e.g. a causal "
+        'Qwen3-Reranker: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
+    )
 
 
 def pooling_engine_kwargs(args: argparse.Namespace) -> dict:
     """The `EngineArgs` keywords of the pooling flags."""
-    return {"runner": args.runner, "convert": args.convert}
+    return {"runner": args.runner, "convert": args.convert, "hf_overrides": args.hf_overrides}
