@@ -24,9 +24,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm._core import min_kv_blocks
 from pagedllm.attention.kv_groups import kv_group_layout
 from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.models import load_model, load_model_config
 
+from engine_util import engine_greedy
 from model_factory import PagedRunner, build_hf_model, hf_generate_greedy, save_tiny_tokenizer
 
 WINDOW = 16
@@ -164,31 +164,18 @@ def test_greedy_tokens_match_transformers_under_preemption(checkpoint, mode):
 
 
 def _engine_greedy(folder, tp: int, prompts) -> list[list[int]]:
-    engine = LLMEngine(
-        EngineArgs(
-            model=str(folder),
-            tensor_parallel_size=tp,
-            device="cpu",
-            dtype="float32",
-            cpu_threads=1,
-            block_size=4,
-            max_model_len=128,
-            max_num_batched_tokens=24,
-            enable_prefix_caching=True,
-        )
+    args = EngineArgs(
+        model=str(folder),
+        tensor_parallel_size=tp,
+        device="cpu",
+        dtype="float32",
+        cpu_threads=1,
+        block_size=4,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        for i, ids in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        tokens = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        return [tokens[str(i)] for i in range(len(prompts))]
-    finally:
-        engine.shutdown()
+    return engine_greedy(args, prompts, 16)
 
 
 def test_two_tensor_parallel_ranks_generate_the_greedy_tokens_of_one(checkpoint):
