@@ -25,7 +25,7 @@ from pagedllm.entrypoints.errors import APIError, ErrorResponse, bad_request, un
 from pagedllm.entrypoints.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedllm.executor.errors import EngineDeadError
 from pagedllm.pooling import PoolingEngine, PoolingParams
-from pagedllm.pooling.offline import cosine, pair_token_ids, score_pairs, single_score
+from pagedllm.pooling.offline import cosine, score_pairs, score_prompt_ids, single_score
 
 _CLIENT_ERROR = {
     "4XX": {"model": ErrorResponse, "description": "A client error (400: a bad field)"}
@@ -256,11 +256,10 @@ async def _pair_scores(server, engine: PoolingEngine, queries, documents, field:
     except ValueError as exc:
         raise APIError(400, str(exc), param=field) from None
     if engine.task == "classify":
-        tokenizer = server.engine.tokenizer
-        if tokenizer is None:
+        if engine.tokenizer is None:
             raise APIError(400, f"{field}: scoring needs a tokenizer", param=field)
         prompts = await asyncio.to_thread(
-            lambda: [pair_token_ids(tokenizer, q, d) for q, d in pairs]
+            lambda: [score_prompt_ids(engine, q, d) for q, d in pairs]
         )
         outputs = await _pool(server, prompts, PoolingParams(), field)
         try:

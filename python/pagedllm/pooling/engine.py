@@ -34,6 +34,7 @@ from pagedllm.pooling.config import PoolerConfig, read_pooler_config
 from pagedllm.pooling.outputs import PoolingRequestOutput
 from pagedllm.pooling.params import PoolingParams
 from pagedllm.pooling.pooler import ChunkSums, class_scores, finish_embedding
+from pagedllm.pooling.token_classifier import token_classifier, token_classifier_head, token_ids
 from pagedllm.sampling_params import SamplingParams
 
 # what the scheduler runs a pooling request as: its prompt, then one token it never computes
@@ -55,7 +56,13 @@ class PoolingEngine(LLMEngine):
 
     def __init__(self, args: EngineArgs) -> None:
         cfg = load_model_config(args.model)
-        self.pooler_config: PoolerConfig = read_pooler_config(cfg, pooling_task(cfg, args.convert))
+        # a causal LM made a reranker by hf_overrides: classify with a head built from lm_head
+        # rows once the model is loaded (as a causal LM: `convert` reset for the loader)
+        self.token_classifier = token_classifier(cfg, args.hf_overrides)
+        task = pooling_task(cfg, args.convert)
+        if self.token_classifier is not None:
+            task, args = "classify", dataclasses.replace(args, convert="auto")
+        self.pooler_config: PoolerConfig = read_pooler_config(cfg, task)
         if self.pooler_config.uses_every_position and args.enable_prefix_caching:
             args = dataclasses.replace(args, enable_prefix_caching=False)
         self.chunks = ChunkSums(self.pooler_config.pooling_type)
@@ -63,6 +70,9 @@ class PoolingEngine(LLMEngine):
         self._pooled: dict[str, torch.Tensor] = {}
         self._rows = None  # the step (or quarantined group) whose forward runs next
         super().__init__(args)
+        if self.token_classifier is not None:
+            ids = token_ids(self.tokenizer, self.token_classifier)
+            self.model.score = token_classifier_head(cfg, self.model, ids)
 
     @property
     def task(self) -> str:

@@ -3,8 +3,9 @@ server's /v1/score and /v1/rerank share with them.
 
 Scoring (vLLM's `LLM.score`): a classification model (a cross-encoder, `*ForSequenceClassification`)
 reads each (query, document) pair as one prompt — the query's tokens, then the document's, as
-the tokenizer encodes a text pair — and the score is its head's sigmoid; an embedding model
-embeds both texts and the score is their cosine similarity.
+the tokenizer encodes a text pair (a causal LM reranking by two tokens, `hf_overrides`: the
+two texts joined) — and the score is its head's sigmoid; an embedding model embeds both texts
+and the score is their cosine similarity.
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ def pair_token_ids(tokenizer, query: str, document: str) -> list[int]:
     return tokenizer.encode(query) + tokenizer.encode(document, add_special_tokens=False)
 
 
+def score_prompt_ids(engine: PoolingEngine, query: str, document: str) -> list[int]:
+    """A classifier's prompt of a pair: a causal LM made a reranker by `hf_overrides` reads the
+    two texts joined, with no separator (vLLM's "LLM as reranker": the query and document
+    carry the template, so a fixed instruction opening every query is a shared prefix); a
+    cross-encoder reads the tokenizer's text pair (`pair_token_ids`)."""
+    if engine.token_classifier is not None:
+        return list(engine.tokenizer.encode(query + document))
+    return pair_token_ids(engine.tokenizer, query, document)
+
+
 def single_score(output: PoolingRequestOutput) -> float:
     """The score of a single-logit classification head (the only kind that scores pairs)."""
     if output.pooled.numel() != 1:
@@ -126,7 +137,7 @@ def score(
     if engine.task == "classify":
         if engine.tokenizer is None:
             raise ValueError("score needs a tokenizer (the engine has none)")
-        prompts = [{"prompt_token_ids": pair_token_ids(engine.tokenizer, q, d)} for q, d in pairs]
+        prompts = [{"prompt_token_ids": score_prompt_ids(engine, q, d)} for q, d in pairs]
         ids = [new_id() for _ in prompts]
         outputs = run_pooling(engine, ids, prompts, PoolingParams(), on_done)
         return [
