@@ -194,13 +194,21 @@ class LLM:
         ids = [f"{next(self._ids)}" for _ in prompt_list]
         return embed(pooling_engine(self.engine), ids, prompt_list, PoolingParams(dimensions))
 
-    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str]):
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        chat_template: str | None = None,
+    ):
         """The relevance of each (query, document) pair (vLLM's `LLM.score`): one query
         against every document, or pair by pair; `ScoringRequestOutput`s whose `outputs.score`
-        is a classifier's sigmoid, or an embedding model's cosine similarity."""
+        is a classifier's sigmoid, or an embedding model's cosine similarity. `chat_template`:
+        a classifier's score template (e.g. Qwen3-Reranker's; `pagedllm.pooling.score_template`)."""
         from pagedllm.pooling.offline import pooling_engine, score
 
-        return score(pooling_engine(self.engine), lambda: f"{next(self._ids)}", data_1, data_2)
+        engine, new_id = pooling_engine(self.engine), lambda: f"{next(self._ids)}"
+        return score(engine, new_id, data_1, data_2, chat_template=chat_template)
 
     def chat(
         self,

@@ -258,9 +258,13 @@ async def _pair_scores(server, engine: PoolingEngine, queries, documents, field:
     if engine.task == "classify":
         if engine.tokenizer is None:
             raise APIError(400, f"{field}: scoring needs a tokenizer", param=field)
-        prompts = await asyncio.to_thread(
-            lambda: [score_prompt_ids(engine, q, d) for q, d in pairs]
-        )
+        template = server.config.chat_template  # --chat-template: the pairs' score template
+        try:
+            prompts = await asyncio.to_thread(
+                lambda: [score_prompt_ids(engine, q, d, template) for q, d in pairs]
+            )
+        except ValueError as exc:  # the score template failed on this pair
+            raise APIError(400, str(exc), param=field) from None
         outputs = await _pool(server, prompts, PoolingParams(), field)
         try:
             return [single_score(o) for o in outputs], outputs

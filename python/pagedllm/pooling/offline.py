@@ -26,6 +26,7 @@ from pagedllm.pooling.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.score_template import render_score_prompt
 
 
 def pooling_engine(engine) -> PoolingEngine:
@@ -105,11 +106,17 @@ def pair_token_ids(tokenizer, query: str, document: str) -> list[int]:
     return tokenizer.encode(query) + tokenizer.encode(document, add_special_tokens=False)
 
 
-def score_prompt_ids(engine: PoolingEngine, query: str, document: str) -> list[int]:
-    """A classifier's prompt of a pair: a causal LM made a reranker by `hf_overrides` reads the
-    two texts joined, with no separator (vLLM's "LLM as reranker": the query and document
-    carry the template, so a fixed instruction opening every query is a shared prefix); a
-    cross-encoder reads the tokenizer's text pair (`pair_token_ids`)."""
+def score_prompt_ids(
+    engine: PoolingEngine, query: str, document: str, chat_template: str | None = None
+) -> list[int]:
+    """A classifier's prompt of a pair: with a score template (`chat_template`, see
+    `score_template.py`), the rendered text; else a causal LM made a reranker by `hf_overrides`
+    reads the two texts joined, with no separator (vLLM's "LLM as reranker": the caller's query
+    and document carry the template), and a cross-encoder the tokenizer's text pair
+    (`pair_token_ids`). A fixed text opening every pair is a shared prefix (prefix cache)."""
+    if chat_template is not None:
+        text = render_score_prompt(chat_template, query, document, engine.tokenizer)
+        return list(engine.tokenizer.encode(text))
     if engine.token_classifier is not None:
         return list(engine.tokenizer.encode(query + document))
     return pair_token_ids(engine.tokenizer, query, document)
@@ -130,14 +137,27 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def score(
-    engine: PoolingEngine, new_id: Callable[[], str], queries, documents, on_done=None
+    engine: PoolingEngine,
+    new_id: Callable[[], str],
+    queries,
+    documents,
+    on_done=None,
+    chat_template: str | None = None,
 ) -> list[ScoringRequestOutput]:
-    """One score per pair (`score_pairs`); see the module docstring."""
+    """One score per pair (`score_pairs`); see the module docstring. `chat_template`: a score
+    template for a classifier's pairs (`score_prompt_ids`)."""
     pairs = score_pairs(queries, documents)
+    if chat_template is not None and engine.task != "classify":
+        raise ValueError(
+            "chat_template: a score template is for a classifier (a reranker); this model "
+            "embeds, and scores by cosine similarity"
+        )
     if engine.task == "classify":
         if engine.tokenizer is None:
             raise ValueError("score needs a tokenizer (the engine has none)")
-        prompts = [{"prompt_token_ids": score_prompt_ids(engine, q, d)} for q, d in pairs]
+        prompts = [
+            {"prompt_token_ids": score_prompt_ids(engine, q, d, chat_template)} for q, d in pairs
+        ]
         ids = [new_id() for _ in prompts]
         outputs = run_pooling(engine, ids, prompts, PoolingParams(), on_done)
         return [
