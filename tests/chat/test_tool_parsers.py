@@ -158,31 +158,44 @@ def test_required_calls_are_read_from_the_json_array():
     }
 
 
-def test_a_required_reply_cut_short_keeps_the_calls_completed_before_the_cut():
+def test_a_required_reply_cut_short_keeps_the_whole_calls_and_the_cut_ones_text():
     text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 1'
     content, calls = RequiredCalls().extract(text)
-    assert content is None and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')]
+    assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')]
+    assert content == '{"name": "b", "parameters": {"x": 1'
 
 
-def test_a_required_reply_cut_in_its_first_call_has_no_calls_and_no_content():
-    assert RequiredCalls().extract('[{"name": "a", "parameters": {"x": 1') == (None, [])
+def test_a_required_reply_cut_in_its_first_call_is_its_text():
+    text = '[{"name": "a", "parameters": {"x": 1'
+    assert RequiredCalls().extract(text) == (text, [])
+    assert _stream(RequiredCalls(), text) == (text, {})
+
+
+def test_a_required_reply_cut_right_after_a_call_has_no_content():
+    text = '[{"name": "a", "parameters": {"x": 1}}, '
+    content, calls = RequiredCalls().extract(text)
+    assert content is None and [c.name for c in calls] == ["a"]
 
 
 @pytest.mark.parametrize("step", [1, 4])
 def test_a_required_call_is_streamed_whole_once_its_object_closes(step):
     text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"x": 1'
-    for end in range(1, len(text) + 1):  # nothing of "b" is ever sent
+    for end in range(1, len(text) + 1):  # nothing of "b" is ever sent as a call
         assert [c.name for c in RequiredCalls().partial(text[:end], final=False)[1]] in (
             [],
             ["a"],
         )
-    assert _stream(RequiredCalls(), text, step) == ("", {0: {"name": "a", "arguments": '{"x": 1}'}})
+    # the cut call's text comes as content at the end, as the whole reply has it
+    assert _stream(RequiredCalls(), text, step) == (
+        '{"name": "b", "parameters": {"x": 1',
+        {0: {"name": "a", "arguments": '{"x": 1}'}},
+    )
 
 
-def test_a_named_call_cut_short_is_no_call_streamed_or_whole():
+def test_a_named_call_cut_short_is_its_text_streamed_or_whole():
     text = '{"x": [1, 2'
-    assert NamedCall("f").extract(text) == (None, [])
-    assert _stream(NamedCall("f"), text) == ("", {})
+    assert NamedCall("f").extract(text) == (text, [])
+    assert _stream(NamedCall("f"), text) == (text, {})
 
 
 def test_a_named_call_is_the_whole_reply():

@@ -1,7 +1,8 @@
 """`POST /v1/responses` through the official `openai` client against a live server (hermes
 parser, auto tool choice on): text in and out with usage, a function-call round trip, a JSON
 schema `text.format` that parses, streamed events in OpenAI's order, a cut reply that is
-incomplete, and bad input answered with a 400 naming the field."""
+incomplete (a cut forced call: its text in an incomplete message), and bad input answered with
+a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -152,6 +153,41 @@ def test_a_cut_stream_ends_incomplete(client):
     events = _stream(client, input="x", text=_json_format(LONG), max_output_tokens=3)
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+# a required call's JSON (`[{"name": "add", "parameters": {"a": N}}]`) is longer than this
+CUT_IN_FIRST_CALL = 12
+
+
+def test_a_required_call_cut_in_its_first_call_is_its_text_in_an_incomplete_message(client):
+    response = _create(
+        client, input="x", tools=TOOLS, tool_choice="required", max_output_tokens=CUT_IN_FIRST_CALL
+    )
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output  # never an empty message: the generated text, not a call
+    assert message.type == "message" and message.status == "incomplete"
+    assert (
+        message.content[0].text.startswith("[")
+        and response.usage.output_tokens == CUT_IN_FIRST_CALL
+    )
+
+
+def test_a_streamed_required_call_cut_in_its_first_call_streams_its_text(client):
+    events = _stream(
+        client, input="x", tools=TOOLS, tool_choice="required", max_output_tokens=CUT_IN_FIRST_CALL
+    )
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert final.incomplete_details.reason == "max_output_tokens"
+    assert not [e for e in events if e.type.startswith("response.function_call")]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    [message] = final.output
+    assert message.status == "incomplete" and message.content[0].text == deltas
+    whole = _create(
+        client, input="x", tools=TOOLS, tool_choice="required", max_output_tokens=CUT_IN_FIRST_CALL
+    )
+    assert whole.output[0].content[0].text == deltas
 
 
 def _post(server, **body) -> httpx.Response:

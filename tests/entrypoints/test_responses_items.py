@@ -102,8 +102,8 @@ def _fake_job(texts: list[str], finish_reason: str):
     return SimpleNamespace(outputs=outputs, num_prompt_tokens=3, num_cached_tokens=0)
 
 
-def _stream(texts: list[str], finish_reason: str = "stop") -> list[dict]:
-    plan = plan_chat(THINKING, tools=None, tool_choice=None)
+def _stream(texts: list[str], finish_reason: str = "stop", plan=None) -> list[dict]:
+    plan = plan or plan_chat(THINKING, tools=None, tool_choice=None)
     server = SimpleNamespace(engine=SimpleNamespace(tokenizer=None))
     head = {"id": "resp_1", "status": "in_progress", "output": []}
 
@@ -148,3 +148,38 @@ def test_a_streamed_reply_cut_by_its_limit_ends_incomplete():
     assert response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert response["output"][-1]["status"] == "incomplete"
     assert response["usage"]["output_tokens"] == 2
+
+
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+CUT_SECOND = '[{"name": "add", "parameters": {"a": 1}}, {"name": "add", "parameters": {"a'
+
+
+def test_a_required_call_cut_in_its_first_call_is_an_incomplete_message_of_its_text():
+    plan = plan_chat(ChatOptions(), tools=ADD_TOOL, tool_choice="required")
+    text = '[{"name": "add", "parameters": {"a'
+    [message] = output_items(split_reply(plan, text), "incomplete")
+    assert message["type"] == "message" and message["status"] == "incomplete"
+    assert message["content"][0]["text"] == text
+
+
+def test_a_required_array_cut_in_its_second_call_is_the_call_then_the_cut_text():
+    plan = plan_chat(ChatOptions(), tools=ADD_TOOL, tool_choice="required")
+    call, message = output_items(split_reply(plan, CUT_SECOND), "incomplete")
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert message["status"] == "incomplete"
+    assert message["content"][0]["text"] == '{"name": "add", "parameters": {"a'
+
+
+def test_a_streamed_cut_required_array_ends_with_the_items_of_the_whole_reply():
+    plan = plan_chat(ChatOptions(), tools=ADD_TOOL, tool_choice="required")
+    texts = [CUT_SECOND[:end] for end in range(4, len(CUT_SECOND) + 4, 4)]
+    events = _stream(texts, "length", plan)
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    whole = output_items(split_reply(plan, CUT_SECOND), "incomplete")
+    strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in whole]
+    assert [
+        {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in final["output"]
+    ] == (strip)
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == '{"name": "add", "parameters": {"a'

@@ -232,48 +232,62 @@ def _reply_text(logprobs: list[dict]) -> str:
     return "".join(token["token"] for token in logprobs)
 
 
-def test_a_required_array_cut_by_max_tokens_keeps_the_calls_completed_before_the_cut(server):
+def test_a_required_array_cut_by_max_tokens_keeps_its_whole_calls_and_the_cut_ones_text(server):
     body = _cut_request("required", CUT_IN_SECOND_CALL)
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     (choice,) = response.json()["choices"]
+    reply = _reply_text(choice["logprobs"]["content"])
     # the cut landed inside the second call
-    assert _reply_text(choice["logprobs"]["content"]).count('{"name"') == 2
+    assert reply.count('{"name"') == 2
     assert choice["finish_reason"] == "length"
-    assert choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "add"
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
+    cut = choice["message"]["content"]  # the second call's text, not dropped
+    assert cut.startswith('{"name"') and reply.endswith(cut)
 
 
-def test_a_streamed_required_array_cut_by_max_tokens_never_sends_the_cut_call(server):
+def test_a_streamed_required_array_cut_by_max_tokens_sends_the_cut_call_as_text_last(server):
     body = _cut_request("required", CUT_IN_SECOND_CALL)
     choices = _stream_choices(server, body)
     reply = _reply_text([t for c in choices for t in (c["logprobs"] or {}).get("content", ())])
     assert reply.count('{"name"') == 2
     calls = [d for c in choices for d in c["delta"].get("tool_calls") or ()]
-    # the completed call in one delta (id, name, all its arguments); nothing of the cut one
+    # the completed call in one delta (id, name, all its arguments); the cut one never a call
     (call,) = calls
     assert call["index"] == 0 and call["id"].startswith("call_")
     assert call["function"]["name"] == "add"
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
-    assert all("content" not in c["delta"] for c in choices[1:])
-    assert choices[-1]["finish_reason"] == "length"
+    content = [c["delta"]["content"] for c in choices[1:] if "content" in c["delta"]]
+    assert "content" in choices[-1]["delta"] and choices[-1]["finish_reason"] == "length"
     whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
-    assert whole["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
+    message = whole["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"] == call["function"]
+    assert "".join(content) == message["content"]
 
 
-def test_a_named_call_cut_by_max_tokens_is_no_call(server):
+def test_a_named_call_cut_by_max_tokens_is_its_text_with_finish_reason_length(server):
     body = _cut_request(WEATHER, CUT_IN_ARGUMENTS)
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     (choice,) = response.json()["choices"]
-    assert _reply_text(choice["logprobs"]["content"]).startswith("{")
+    reply = _reply_text(choice["logprobs"]["content"])
     assert choice["finish_reason"] == "length"
-    assert choice["message"]["content"] is None
+    # what was generated (the logprobs' tokens are bytes: compared where they are ASCII)
+    content = choice["message"]["content"]
+    assert content.startswith('{"city": "') and reply.startswith('{"city": "')
     assert "tool_calls" not in choice["message"]
 
 
-def test_a_streamed_named_call_cut_by_max_tokens_never_sends_its_name(server):
+def test_a_streamed_named_call_cut_by_max_tokens_sends_its_text_never_its_name(server):
     choices = _stream_choices(server, _cut_request(WEATHER, CUT_IN_ARGUMENTS))
+    reply = _reply_text([t for c in choices for t in (c["logprobs"] or {}).get("content", ())])
     assert all("tool_calls" not in c["delta"] for c in choices)
-    assert all("content" not in c["delta"] for c in choices[1:])
+    content = [c["delta"]["content"] for c in choices[1:] if "content" in c["delta"]]
     assert choices[-1]["finish_reason"] == "length"
+    whole = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json=_cut_request(WEATHER, CUT_IN_ARGUMENTS),
+        timeout=60,
+    )
+    assert "".join(content) == whole.json()["choices"][0]["message"]["content"]
+    assert reply.startswith('{"city": "')

@@ -10,9 +10,12 @@ constraint the request samples under, and how its reply becomes a message (`reas
   valid against its tool's schema; named (`{"type": "function", "function": {"name": N}}`):
   the reply is constrained to N's arguments. Either way the arguments always parse and
   validate. Neither combines with a request's own constraint. A reply cut short (max_tokens,
-  a stop string) keeps the calls completed before the cut and drops the cut one; streamed, a
-  call is sent whole (id, name and all of its arguments in one delta) once its JSON object
-  closes, so a cut never leaves a call sent that the whole answer does not have.
+  a stop string) keeps the calls completed before the cut; the cut call's JSON text becomes the
+  message's `content` (after the calls), with the finish reason "length", so nothing generated
+  is lost and no call with arguments that do not parse is ever returned (see `cut_call_text`).
+  Streamed, a call is sent whole (id, name and all of its arguments in one delta) once its JSON
+  object closes, and a cut call's text comes as content in the last delta, so the streamed
+  pieces always add up to the whole answer.
 - `"auto"` (the default when tools are given): needs a tool parser (`--enable-auto-tool-choice
   --tool-call-parser NAME`). The model writes freely, but once it opens a call (hermes:
   `<tool_call>`; llama3_json: a reply starting with `{`) the grammar holds the rest of the call
@@ -127,18 +130,21 @@ def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
 
 class RequiredCalls(ToolParser):
     """`tool_choice="required"`: the reply is `[{"name": ..., "parameters": {...}}, ...]`; only
-    complete calls are calls (the grammar makes each valid, but a cut one is not a call)."""
+    complete calls are calls (the grammar makes each valid, but a cut one is not a call: its
+    text is content, `cut_call_text`)."""
 
     name = "required"
     _KEYS = ("parameters", "arguments")
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        _, calls = self.partial(text, final=True)
+        calls = self._whole_calls(text)
         try:
             items = json.loads(text)
         except ValueError:
             if text.lstrip().startswith("["):  # the array cut short: the calls made before
-                return None, [ToolCall(call.name, call.arguments) for call in calls]
+                return cut_call_text(text, calls[-1].end if calls else None), [
+                    ToolCall(call.name, call.arguments) for call in calls
+                ]
             return blank_to_none(text), []
         valid = (
             isinstance(items, list)
@@ -150,11 +156,16 @@ class RequiredCalls(ToolParser):
         return None, [ToolCall(call.name, call.arguments) for call in calls]
 
     def partial(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        # the content (a cut call's text) is known only at the end: the whole reply's own
+        content = (self.extract(text)[0] or "") if final else ""
+        return content, self._whole_calls(text)
+
+    def _whole_calls(self, text: str) -> list[PartialCall]:
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
-            return "", []
+            return []
         calls = partial_calls(text, skip_ws(text, i + 1), self._KEYS, ",")
-        return "", [call for call in calls if call.end is not None and call.name is not None]
+        return [call for call in calls if call.end is not None and call.name is not None]
 
     @staticmethod
     def schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -177,7 +188,7 @@ class RequiredCalls(ToolParser):
 
 class NamedCall(ToolParser):
     """A named tool choice: the whole reply is the arguments of that function, a call once
-    they are complete (cut short, there is no call)."""
+    they are complete (cut short, there is no call: the text is content, `cut_call_text`)."""
 
     def __init__(self, name: str) -> None:
         self.function = name
@@ -187,7 +198,7 @@ class NamedCall(ToolParser):
             value = json.loads(text)
         except ValueError:
             if text.lstrip()[:1] in ("{", '"'):  # the arguments cut short: no call
-                return None, []
+                return cut_call_text(text, None), []
             return blank_to_none(text), []
         if not isinstance(value, (dict, str)):
             return blank_to_none(text), []
@@ -195,16 +206,34 @@ class NamedCall(ToolParser):
         return None, [ToolCall(self.function, arguments_text(text, i, value_end(text, i)))]
 
     def partial(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        # the content (the cut arguments' text) is known only at the end: the whole reply's own
+        content = (self.extract(text)[0] or "") if final else ""
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] not in '{"':
-            return "", []
+            return content, []
         try:
             end = value_end(text, i)
         except ValueError:
-            return "", []
+            return content, []
         if end is None:  # open: sent whole once it closes (a cut must not leave a call sent)
-            return "", []
-        return "", [PartialCall(self.function, arguments_text(text, i, end), end)]
+            return content, []
+        return content, [PartialCall(self.function, arguments_text(text, i, end), end)]
+
+
+def cut_call_text(text: str, after: int | None) -> str | None:
+    """The text of a forced call cut short (from the end of the last whole call, `after`, or
+    the whole reply), shown as the message's content.
+
+    Why text and not a call with cut arguments: OpenAI's chat API returns such a call (its
+    arguments do not parse, finish reason "length") and the Responses API documents a
+    `function_call` item `status: "incomplete"`; but a call whose name was cut cannot be one at
+    all, a client that runs every call it gets would run arguments that do not parse, and
+    "required" / named calls here promise arguments that parse and validate. vLLM returns the
+    raw text as the message; so does this, with the finish reason "length" (Responses: a
+    `message` item `status: "incomplete"` in a response `incomplete` for `max_output_tokens`),
+    so the generated text is never dropped."""
+    rest = text if after is None else text[after:].lstrip(" \t\r\n,")
+    return blank_to_none(rest)
 
 
 def finish_reason(made_calls: bool, finish: str | None) -> str | None:
@@ -214,11 +243,13 @@ def finish_reason(made_calls: bool, finish: str | None) -> str | None:
 
 @dataclass
 class Message:
-    """A reply split as the chat API returns it."""
+    """A reply split as the chat API returns it. `cut_call`: `content` is the text of a forced
+    call cut short (`cut_call_text`), which came after the calls."""
 
     reasoning: str | None
     content: str | None
     tool_calls: list[ToolCall]
+    cut_call: bool = False
 
 
 class ChatPlan:
@@ -247,7 +278,8 @@ class ChatPlan:
         if self.tool_parser is None:
             return Message(reasoning, answer or None, [])
         content, calls = self.tool_parser.extract(answer)
-        return Message(reasoning, content, calls)
+        forced = isinstance(self.tool_parser, (RequiredCalls, NamedCall))
+        return Message(reasoning, content, calls, cut_call=forced and content is not None)
 
     def stream(self) -> MessageDeltas:
         return MessageDeltas(self)

@@ -4,8 +4,9 @@ a conversation (responses_protocol.py), generated under the same plan as a chat 
 Responses output items: `reasoning` (the reasoning parser's thinking), `message` (the answer's
 `output_text`) and `function_call` items, with `usage`. A reply cut by `max_output_tokens` (or
 by the context) is `status: "incomplete"` with `incomplete_details.reason:
-"max_output_tokens"`. With `stream: true` the same items come as the Responses events
-(responses_stream.py).
+"max_output_tokens"`; a required or named call cut so is its text in an incomplete `message` item
+(`chat.tools.cut_call_text` says why not a call). With `stream: true` the same items come as
+the Responses events (responses_stream.py).
 
 Nothing is kept between requests: `store: true` and `previous_response_id` are 400s naming the
 field (a client sends the conversation back in `input`, as with `store: false`).

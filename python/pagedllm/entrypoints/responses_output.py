@@ -60,14 +60,20 @@ def call_item(id_: str, call_id: str, name: str, arguments: str, status: str) ->
 
 
 def output_items(split: Message, status: str) -> list[dict[str, Any]]:
-    """The output items of a whole reply; in a cut one the last text is incomplete."""
+    """The output items of a whole reply; in a cut one the last text is incomplete (a forced
+    call cut short is that text, after the calls made before it: `chat.tools.cut_call_text`)."""
     items = []
     if split.reasoning:
         items.append(reasoning_item(item_id("rs"), split.reasoning, "completed"))
+    message = None
     if split.content or not split.tool_calls:
-        items.append(message_item(item_id("msg"), split.content or "", "completed"))
+        message = message_item(item_id("msg"), split.content or "", "completed")
+    if message is not None and not split.cut_call:
+        items.append(message)
     for call in split.tool_calls:
         items.append(call_item(item_id("fc"), call.id, call.name, call.arguments, "completed"))
+    if message is not None and split.cut_call:
+        items.append(message)
     # a cut reply's text is cut; its calls are whole (a cut call is no call)
     if status != "completed" and items[-1]["type"] != "function_call":
         items[-1]["status"] = "incomplete"

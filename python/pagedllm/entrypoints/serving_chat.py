@@ -3,7 +3,8 @@ sample; streamed `delta.content` chunks concatenate to the non-streamed message.
 reasoning parser (chat_tools.py) a reply is split into `reasoning`, `content` and `tool_calls`
 (finish reason "tool_calls" when it made calls), streamed in OpenAI's delta shape: a call's
 first delta has its id, type and name, the later ones pieces of its arguments (a required or
-named call comes whole in one delta once complete, so a cut one is never sent).
+named call comes whole in one delta once complete; one cut by `max_tokens` is never a call: its
+text is the content, in the last delta, with the finish reason "length").
 """
 
 from __future__ import annotations
