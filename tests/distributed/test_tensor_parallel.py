@@ -20,6 +20,7 @@ from pagedllm.executor.base import UniprocExecutor
 from pagedllm.executor.multiproc import EngineDeadError
 from pagedllm.structured_output.params import StructuredOutputsParams
 
+from engine_util import engine_greedy, greedy_tokens, running_engine
 from model_factory import save_tiny_checkpoint
 
 # prompts sharing a 32-token prefix (two full blocks: prefix-cache hits), longer than the
@@ -43,19 +44,9 @@ def _checkpoint(tmp_path_factory, family: str, kv_heads: int):
 
 
 def _run(folder, tp: int, **knobs) -> tuple[list[list[int]], dict]:
-    engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=tp, **KNOBS, **knobs))
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        for i, ids in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        tokens = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        return [tokens[str(i)] for i in range(len(PROMPTS))], engine.get_stats()
-    finally:
-        engine.shutdown()
+    args = EngineArgs(model=str(folder), tensor_parallel_size=tp, **KNOBS, **knobs)
+    with running_engine(args) as engine:
+        return greedy_tokens(engine, PROMPTS, 40), engine.get_stats()
 
 
 @pytest.mark.parametrize(
@@ -261,19 +252,8 @@ def test_two_engines_started_at_once_both_come_up(tmp_path_factory):
 
 def _greedy(folder, tp: int, **knobs) -> list[list[int]]:
     """A few prompts' greedy tokens (short: one compact run per strategy)."""
-    engine = LLMEngine(EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**KNOBS, **knobs}))
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        for i, ids in enumerate(PROMPTS[:4]):
-            engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        tokens = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        return [tokens[str(i)] for i in range(4)]
-    finally:
-        engine.shutdown()
+    args = EngineArgs(model=str(folder), tensor_parallel_size=tp, **{**KNOBS, **knobs})
+    return engine_greedy(args, PROMPTS[:4], 6)
 
 
 # each strategy with a budget it accepts (prefill_first never splits a prompt)
