@@ -19,6 +19,7 @@ from pagedllm.router.replicas import ReplicaSet  # noqa: E402
 from server_util import ENGINE, LiveServer, free_port  # noqa: E402
 
 MODEL = "pagedllm/tiny-random"
+REPLICA_HEADER = "x-pagedllm-replica"  # the index of the replica that answered
 REPLICA_ENGINE = {**ENGINE, "max_model_len": 512, "num_gpu_blocks": 96}
 
 
@@ -62,6 +63,20 @@ def routed(urls: list[str], policy: str = "cache_aware", **knobs):
         yield live, replicas
     finally:
         stop(live)
+
+
+@contextlib.contextmanager
+def two_routed_replicas(folder: Path, names: tuple[str, str] = ("a", "b"), **engine):
+    """Two replicas named `names` (their KV events over ipc sockets in `folder`, `engine` over
+    the tiny model's engine arguments) behind a cache-aware router; yields (the replicas, the
+    router's LiveServer, its ReplicaSet), all stopped after."""
+    replicas = [replica(folder, name, **engine) for name in names]
+    try:
+        with routed([r.url for r in replicas]) as (router, state):
+            yield replicas, router, state
+    finally:
+        for r in replicas:
+            stop(r)
 
 
 def cached_hashes(engine) -> list[int]:
