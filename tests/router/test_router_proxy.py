@@ -9,21 +9,20 @@ import json
 
 import httpx
 import pytest
-from router_util import MODEL, cached_hashes, complete, replica, routed, stop, wait_for
-
-REPLICA_HEADER = "x-pagedllm-replica"
+from router_util import (
+    MODEL,
+    REPLICA_HEADER,
+    cached_hashes,
+    complete,
+    two_routed_replicas,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("events")
-    replicas = [replica(folder, "a"), replica(folder, "b")]
-    try:
-        with routed([r.url for r in replicas]) as (router, state):
-            yield replicas, router, state
-    finally:
-        for r in replicas:
-            stop(r)
+    with two_routed_replicas(tmp_path_factory.mktemp("events")) as replicas_and_router:
+        yield replicas_and_router
 
 
 def served_by(response: httpx.Response) -> int:
