@@ -10,24 +10,17 @@ import json
 import httpx
 import pytest
 from pooling.checkpoints import save_embedding_checkpoint
-from router_util import MODEL, replica, routed, stop
+from router_util import MODEL, REPLICA_HEADER, two_routed_replicas
 
 from pagedllm.router.routes import routing_ids
 
-REPLICA_HEADER = "x-pagedllm-replica"
 INSTRUCTIONS = "You are a careful assistant. " * 3
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("events")
-    replicas = [replica(folder, "a"), replica(folder, "b")]
-    try:
-        with routed([r.url for r in replicas]) as (router, state):
-            yield replicas, router, state
-    finally:
-        for r in replicas:
-            stop(r)
+    with two_routed_replicas(tmp_path_factory.mktemp("events")) as replicas_and_router:
+        yield replicas_and_router
 
 
 def respond(url: str, **extra) -> httpx.Response:
@@ -115,13 +108,8 @@ def pooling_cluster(tmp_path_factory):
     model = save_embedding_checkpoint(tmp_path_factory.mktemp("embed"))
     folder = tmp_path_factory.mktemp("pooling-events")
     engine = {"model": str(model), "runner": "pooling", "max_model_len": 256}
-    replicas = [replica(folder, "pa", **engine), replica(folder, "pb", **engine)]
-    try:
-        with routed([r.url for r in replicas]) as (router, _):
-            yield replicas, router
-    finally:
-        for r in replicas:
-            stop(r)
+    with two_routed_replicas(folder, ("pa", "pb"), **engine) as (replicas, router, _):
+        yield replicas, router
 
 
 @pytest.mark.parametrize(
