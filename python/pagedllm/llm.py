@@ -163,20 +163,22 @@ class LLM:
         """Beam search of every prompt (vLLM's `LLM.beam_search`): one `BeamSearchOutput` per
         prompt, its `params.beam_width` best beams first (`engine/beam_search.py`: the
         scoring, and how beams share the KV cache's blocks copy-on-write). Every beam of every
-        prompt runs in the same engine steps."""
-        from pagedllm.engine.beam_search import run_beam_search
+        prompt runs in the same engine steps; with data-parallel replicas each prompt's whole
+        search runs on the replica the router picks for it (its beams fork there)."""
+        from pagedllm.engine.beam_search import beam_outputs, run_beam_search
 
-        if self.engine is None:
-            raise ValueError(
-                "beam_search runs on an engine in this process: build the LLM with "
-                "data_parallel_size=1"
-            )
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt("lora_request", lora_request, len(prompt_list), None)
         request_ids = [f"{next(self._ids)}" for _ in prompt_list]
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
         try:
             on_done = bar.update if bar is not None else None
+            if self.engine is None:  # a beam request is one request to a replica's engine
+                count = len(prompt_list)
+                outputs = self.backend.generate(
+                    request_ids, prompt_list, [params] * count, [0] * count, loras, on_done
+                )
+                return beam_outputs(self.get_tokenizer(), outputs)
             return run_beam_search(self.engine, request_ids, prompt_list, params, loras, on_done)
         finally:
             if bar is not None:

@@ -1,7 +1,8 @@
 """`LLM(data_parallel_size=2)`: two engine processes behind the router core. Greedy outputs equal
-one engine's, in the caller's order; prompts sharing a prefix go to one replica; a refused
-prompt raises the replica's error and leaves the replicas usable; a killed replica is named in
-the error and the rest are stopped; close() and deletion leave no process or socket folder."""
+one engine's, in the caller's order (beam searches too, each one's beams on one replica);
+prompts sharing a prefix go to one replica; a refused prompt raises the replica's error and
+leaves the replicas usable; a killed replica is named in the error and the rest are stopped;
+close() and deletion leave no process or socket folder."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from router_util import MODEL, leftover_sockets, wait_for
 from pagedllm import LLM, SamplingParams
 from pagedllm._core import hash_block_chain
 from pagedllm.router.offline import ReplicaDiedError
+from pagedllm.sampling_params import BeamSearchParams
 
 ENGINE = {"max_model_len": 256, "num_gpu_blocks": 64, "cpu_threads": 1, "block_size": 16}
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -48,6 +50,21 @@ def test_outputs_equal_one_engines_greedy_outputs_in_the_callers_order(dp_llm):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in single]
     ids = [int(o.request_id) for o in outputs]
     assert ids == list(range(ids[0], ids[0] + len(PROMPTS)))
+
+
+def test_beam_searches_spread_over_the_replicas_equal_one_engines_in_order(dp_llm):
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    before = [s["routed"] for s in dp_llm.replicas.router.stats()]
+    outputs = dp_llm.beam_search(PROMPTS, params)
+    routed = [s["routed"] - b for s, b in zip(dp_llm.replicas.router.stats(), before)]
+    single = LLM(MODEL, **ENGINE).beam_search(PROMPTS, params)
+    assert routed[0] > 0 and routed[1] > 0 and sum(routed) == len(PROMPTS)
+    for output, expected in zip(outputs, single, strict=True):
+        assert [b.tokens for b in output.sequences] == [b.tokens for b in expected.sequences]
+        assert [b.text for b in output.sequences] == [b.text for b in expected.sequences]
+        assert [b.cum_logprob for b in output.sequences] == pytest.approx(
+            [b.cum_logprob for b in expected.sequences], abs=1e-4
+        )
 
 
 def test_chat_runs_on_the_replicas_as_on_one_engine(dp_llm):

@@ -333,7 +333,13 @@ def run_beam_search(
         while engine.has_unfinished_requests():
             engine.step()
         raise
-    return [_beam_output(engine.tokenizer, finished[r]) for r in request_ids]
+    return beam_outputs(engine.tokenizer, [finished[r] for r in request_ids])
+
+
+def beam_outputs(tokenizer, outputs) -> list[BeamSearchOutput]:
+    """The `BeamSearchOutput` of each finished beam request's `RequestOutput` (from this
+    process's engine or a data-parallel replica's: `LLM.beam_search`)."""
+    return [_beam_output(tokenizer, output) for output in outputs]
 
 
 def _beam_output(tokenizer, output) -> BeamSearchOutput:
