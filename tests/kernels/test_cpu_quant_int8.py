@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from quant_paths import (
+    assert_only_the_leading_rows_leave_float32,
+    assert_prefill_rows_stay_on_float32,
+)
 
 from pagedllm.kernels import cpu_quant
 
@@ -105,9 +109,7 @@ def test_int8_activations_equal_the_integer_reference_exactly(qtype, rows_of_x):
 def test_int8_activations_leave_prefill_rows_on_the_float32_path():
     k = 64
     w = _weight(cpu_quant.Q8_0, _random_rows(cpu_quant.Q8_0, 5, k, seed=2), k)
-    x = torch.randn(9, k)  # above the decode path's 8 rows
-    exact = cpu_quant.quant_linear(x, w, None)
-    assert torch.equal(cpu_quant.quant_linear(x, w, None, activations="int8"), exact)
+    assert_prefill_rows_stay_on_float32(w, k, "int8")
 
 
 def test_int8_activations_leave_k_quant_rows_on_the_float32_path():
@@ -116,11 +118,7 @@ def test_int8_activations_leave_k_quant_rows_on_the_float32_path():
     q4_k = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (4, 144), dtype=np.uint8))
     q4_k[:, 0:4] = torch.from_numpy(np.full((4, 2), 0.01, np.float16).view(np.uint8))
     mixed = cpu_quant.make_weight([(cpu_quant.Q8_0, w.segments[0].data), (cpu_quant.Q4_K, q4_k)], k)
-    x = torch.randn(1, k)
-    exact = cpu_quant.quant_linear(x, mixed, None)
-    int8 = cpu_quant.quant_linear(x, mixed, None, activations="int8")
-    assert torch.equal(int8[:, 4:], exact[:, 4:])
-    assert not torch.equal(int8[:, :4], exact[:, :4])
+    assert_only_the_leading_rows_leave_float32(mixed, k, "int8", leading=4)
 
 
 def test_f32_activations_are_the_dequantized_product():
