@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from quant_paths import (
+    assert_only_the_leading_rows_leave_float32,
+    assert_prefill_rows_stay_on_float32,
+)
 
 from pagedllm.kernels import cpu_quant
 
@@ -87,9 +91,7 @@ def test_int16_activations_are_within_x_rounding_of_the_float32_product():
 def test_int16_activations_leave_prefill_rows_on_the_float32_path():
     k = 256
     w = _weight(cpu_quant.Q4_K, _random_rows(cpu_quant.Q4_K, 5, k, seed=2), k)
-    x = torch.randn(9, k)  # above the decode path's 8 rows
-    exact = cpu_quant.quant_linear(x, w, None)
-    assert torch.equal(cpu_quant.quant_linear(x, w, None, activations="int16"), exact)
+    assert_prefill_rows_stay_on_float32(w, k, "int16")
 
 
 def test_int16_activations_leave_float_rows_on_the_float32_path():
@@ -97,11 +99,7 @@ def test_int16_activations_leave_float_rows_on_the_float32_path():
     q5_k = torch.from_numpy(_random_rows(cpu_quant.Q5_K, 4, k, seed=3))
     f16 = torch.randn(3, k).to(torch.float16).view(torch.uint8)
     mixed = cpu_quant.make_weight([(cpu_quant.Q5_K, q5_k), (cpu_quant.F16, f16)], k)
-    x = torch.randn(1, k)
-    exact = cpu_quant.quant_linear(x, mixed, None)
-    int16 = cpu_quant.quant_linear(x, mixed, None, activations="int16")
-    assert torch.equal(int16[:, 4:], exact[:, 4:])
-    assert not torch.equal(int16[:, :4], exact[:, :4])
+    assert_only_the_leading_rows_leave_float32(mixed, k, "int16", leading=4)
 
 
 def test_engine_layers_default_to_int16_activations(monkeypatch):
