@@ -7,6 +7,10 @@ tests and the pooling server's tests (import as `pooling.checkpoints`).
 - `save_reranker_checkpoint(folder, family)`: a `*ForSequenceClassification` with one label.
 - `reference_embedding` / `reference_score`: what transformers' forward and the pooling
   config's math give.
+- `token_reranker_overrides(false, true)`: vLLM's hf_overrides making a causal Qwen3 a
+  Qwen3-Reranker (the tiny vocabulary has no "yes"/"no": two of its tokens stand in);
+  `reference_token_score`: sigmoid(logits[-1, true] - logits[-1, false]) of transformers'
+  causal LM.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from model_factory import (
     randomize_weights,
@@ -92,6 +96,23 @@ def reference_score(folder: Path, ids: list[int]) -> float:
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
     logits = model.eval()(torch.tensor([ids])).logits
     return float(torch.sigmoid(logits[0, 0]))
+
+
+def token_reranker_overrides(false_token: str = "lo", true_token: str = "he") -> dict:
+    return {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [false_token, true_token],
+        "is_original_qwen3_reranker": True,
+    }
+
+
+@torch.no_grad()
+def reference_token_score(folder: Path, ids: list[int], false_id: int, true_id: int) -> float:
+    """Qwen3-Reranker's score by transformers' causal LM: the sigmoid of the true token's
+    log-odds against the false one at the last position."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    logits = model(torch.tensor([ids])).logits[0, -1]
+    return float(torch.sigmoid(logits[true_id] - logits[false_id]))
 
 
 def cosine(a, b) -> float:
