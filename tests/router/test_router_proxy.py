@@ -1,7 +1,7 @@
 """`pagedllm router` in front of two replicas (in-process `pagedllm serve` apps over the tiny
 model, KV events over ipc): outputs equal a single engine's, conversations stick to the replica
-holding their prefix, the index equals the replicas' caches, a stopped replica is routed around
-and rejoins."""
+holding their prefix, the index equals the replicas' caches, beam searches (`use_beam_search`)
+run whole on the replica picked for them, a stopped replica is routed around and rejoins."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from router_util import (
     two_routed_replicas,
     wait_for,
 )
+
+from pagedllm._core import hash_block_chain
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,33 @@ def test_greedy_outputs_through_the_router_equal_a_single_engines(cluster):
     messages = [{"role": "user", "content": "Tell me a story."}]
     direct = chat(replicas[1].url, messages, max_tokens=8).json()
     assert chat(router.url, messages, max_tokens=8).json()["choices"] == direct["choices"]
+
+
+def test_beam_searches_run_on_the_replica_holding_their_prefix_as_on_one_engine(cluster):
+    replicas, router, state = cluster
+    prefixes = ["Beam prefix held by replica zero, long enough. " * 2, "Replica one's beams. " * 4]
+    for live, prefix in zip(replicas, prefixes):  # each replica caches one prefix
+        assert complete(live.url, prefix, max_tokens=1).status_code == 200
+    firsts = [
+        hash_block_chain(live.engine.engine.tokenizer.encode(prefix), 16)[0]
+        for live, prefix in zip(replicas, prefixes)
+    ]
+
+    def indexed() -> bool:
+        with state.lock:
+            return all(
+                h in set(state.router.replica_hashes(i).tolist()) for i, h in enumerate(firsts)
+            )
+
+    wait_for(indexed, what="the replicas' KV events")
+    beam = {"use_beam_search": True, "n": 2, "best_of": 3, "ignore_eos": True}
+    for index, prefix in enumerate(prefixes):
+        prompt = prefix + "and then"
+        proxied = complete(router.url, prompt, max_tokens=6, **beam)
+        assert proxied.status_code == 200 and served_by(proxied) == index
+        direct = complete(replicas[1 - index].url, prompt, max_tokens=6, **beam).json()
+        assert proxied.json()["choices"] == direct["choices"]
+        assert len(direct["choices"]) == 2
 
 
 def test_a_stream_through_the_router_equals_the_single_engines_text(cluster):
