@@ -888,22 +888,31 @@ def cpu_moe_experts(
     An id of -1 (another expert-parallel rank's expert) adds nothing. ``ValueError`` for another
     id outside ``0..E`` or shapes that do not fit together."""
 
-def cpu_moe_quant_experts(
-    x: _F32Array,
-    gate_up: _Sequence[_QuantSegments],
-    down: _Sequence[_QuantSegments],
-    ids: _npt.NDArray[_np.int64],
-    weights: _npt.NDArray[_np.float32],
-    out: _F32Array,
-    num_threads: int,
-    activations: str = "f32",
-) -> None:
-    """``cpu_moe_experts`` for float32 ``x`` ``[T, H]`` over experts kept in their GGUF types:
-    ``gate_up[e]`` (``[2I, H]``, gate rows then up rows) and ``down[e]`` (``[H, I]``) are expert
-    ``e``'s segments as ``cpu_quant_linear`` takes them, its products multiplying x as
-    ``activations`` says. Tokens grouped by expert, experts no token chose not read, terms summed
-    in ascending expert order. ``ValueError`` for an id outside ``0..E`` (other than -1), an
-    unsupported type or shapes that do not fit together."""
+class CpuMoeQuantExperts:
+    """Experts kept in their GGUF types, registered once: ``gate_up[e]`` (``[2I, H]``, gate rows
+    then up rows) and ``down[e]`` (``[H, I]``) are expert ``e``'s segments as
+    ``cpu_quant_linear`` takes them (their arrays held, never written); ``hidden`` = H.
+    ``ValueError`` for an unsupported type or shapes that do not fit together."""
+
+    def __init__(
+        self,
+        gate_up: _Sequence[_QuantSegments],
+        down: _Sequence[_QuantSegments],
+        hidden: int,
+    ) -> None: ...
+    def run(
+        self,
+        x: _F32Array,
+        ids: _npt.NDArray[_np.int64],
+        weights: _npt.NDArray[_np.float32],
+        out: _F32Array,
+        num_threads: int,
+        activations: str = "f32",
+    ) -> None:
+        """``cpu_moe_experts`` for float32 ``x`` ``[T, H]`` over these experts, the products
+        multiplying x as ``activations`` says. Tokens grouped by expert, experts no token chose
+        not read, terms summed in ascending expert order. ``ValueError`` for an id outside
+        ``0..E`` (other than -1) or shapes that do not fit together."""
 
 def cpu_rms_norm(x: _KernelArray, weight: _KernelArray, eps: float, out: _KernelArray) -> None:
     """``out = weight * (x * rsqrt(mean(x**2, -1) + eps))`` for every row of ``x`` ``[T, E]``,

@@ -97,6 +97,7 @@ class Experts(nn.Module):
         check_moe_tensor_parallel(moe, tp.size, tp.expert_parallel)
         held, width_split = expert_shard(moe, tp)
         self.first, self.num_experts, self.hidden = held.start, held.stop - held.start, hidden
+        self.total_experts = moe.num_experts
         self.width = moe.intermediate_size // width_split.size
         e = self.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(e * 2 * self.width, hidden))
@@ -148,6 +149,8 @@ class Experts(nn.Module):
     def held_ids(self, ids: Tensor) -> Tensor:
         """The router's expert ids -> indexes of this rank's experts (`cpu_moe.NOT_HELD` for
         an expert another rank holds)."""
+        if self.first == 0 and self.num_experts == self.total_experts:
+            return ids  # every expert is held here: the ids are the indexes
         local = ids - self.first
         return local.masked_fill_((local < 0) | (local >= self.num_experts), cpu_moe.NOT_HELD)
 
