@@ -57,7 +57,10 @@ def test_rerank_sorts_by_relevance_with_index_and_relevance_score(server, model)
     response = httpx.post(f"{server.url}/v1/rerank", json=body, timeout=60)
     assert response.status_code == 200, response.text
     results = response.json()["results"]
-    expected = expected_scores(server, model, [QUERY + d for d in DOCUMENTS])
+    texts = [QUERY + d for d in DOCUMENTS]
+    expected = expected_scores(server, model, texts)
+    tokens = sum(len(server.engine.tokenizer.encode(text)) for text in texts)
+    assert response.json()["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])[:2]
     assert [r["index"] for r in results] == order
     for result in results:

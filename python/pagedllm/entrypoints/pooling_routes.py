@@ -312,10 +312,10 @@ async def _rerank(server, engine: PoolingEngine, body: RerankRequest, request: R
         if body.return_documents:
             result["document"] = {"text": body.documents[i]}
         results.append(result)
-    tokens = _usage(outputs)["total_tokens"]
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
         "model": model,
         "results": results,
-        "usage": {"total_tokens": tokens},
+        # Jina's and Cohere's total_tokens, and vLLM's prompt_tokens beside it
+        "usage": _usage(outputs),
     }
