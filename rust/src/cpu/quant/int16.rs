@@ -3,27 +3,23 @@
 //! 16-bit codes with an f32 scale per 32 elements (`QuantizedRows`: x ≈ d·q, |q| <= 32767, an
 //! error of at most d / 2 = max |x| / 65534 of the block, 258 times finer than 8-bit codes), the
 //! weights are widened to 16-bit integers in registers and multiplied with `madd` (AVX2's
-//! `vpmaddwd`: 16 products a multiply-add, summed in pairs to 32-bit lanes), and each
-//! 32-element block's integer sums are scaled once: `Σ_blocks d_w·d_x · Σ q_w·q_x` (plus
-//! `m_w · d_x·Σ q_x` for the types with a min: Q4_1, Q5_1 and the Q4_K / Q5_K sub-blocks).
+//! `vpmaddwd`: 16 products a multiply-add, summed in pairs to 32-bit lanes).
 //!
-//! No integer sum overflows: a block's weight codes are at most 4096 in magnitude (Q8_0's
-//! 128, the 4- and 5-bit codes' 31, Q6_K's codes (-32..=31) times its 8-bit sub-block scale
-//! (-128..=127), folded into the code: 32 · 128), x's at most 32767, so a 32-bit lane, which
-//! sums 4 products, holds at most 4 · 32767 · 4096 < 2^29 (`madd`'s one overflow, two products
-//! of -32768 · -32768, cannot happen: x's codes stop at -32767).
-//!
-//! As in `int8`, each block's sums are kept as the 8 lanes AVX2 leaves (lane j: elements 2j,
-//! 2j + 1, 16 + 2j and 17 + 2j), each converted, scaled and added to its own f32 lane with a
-//! separate multiply and add, even and odd blocks into two sets of lanes (two add chains), and
-//! the lanes summed in one fixed order: the AVX2 rows (`row_dots_avx2`) and the portable ones
-//! (`row_dot`) agree bit for bit.
+//! A row is cut into units of one weight scale and one x scale: the 32-element blocks (and
+//! Q4_K / Q5_K sub-blocks), Q6_K's halves of 16 (its 8-bit scale per 16 kept out of the
+//! codes). Each unit's integer products are summed whole, exactly, in 32 bits (at most
+//! 32 · 32767 · 128 < 2^28 for Q8_0, 32 · 32767 · 31 for the 4- and 5-bit codes, 16 · 32 · 32767
+//! for Q6_K; `madd`'s one overflow, two products of -32768 · -32768, cannot happen: x's codes
+//! stop at -32767), converted to f32 once and scaled by `d_w·d_x`: unit u adds
+//! `(d_w·d_x) · S_u` to f32 lane u % 8 (plus `m_w · d_x·Σ q_x` to mins lane u % 8 for the types
+//! with a min: Q4_1, Q5_1 and the Q4_K / Q5_K sub-blocks), and the lanes are summed in one
+//! fixed order at the end. AVX2 sums 8 units at a time to one vector of 8 sums in registers
+//! (a tree of `vphaddd`), so a convert, a scale product and an add serve 8 units; the portable
+//! path (`row_dot`) takes the same steps one unit at a time, bit for bit the same.
 use super::formats::{f16_to_f32, five_bits, QType, QK_K};
 
 /// Elements per block of x (and per block or sub-block of every type taken here).
 const QK: usize = 32;
-/// The largest code of x.
-const MAX_CODE: f32 = 32767.0;
 
 /// Whether the integer path takes rows of this type (F32 / F16 / BF16 keep the f32 path).
 pub fn takes(t: QType) -> bool {
@@ -32,79 +28,11 @@ pub fn takes(t: QType) -> bool {
 
 /// Rows of x `[m, k]` as blocks of 32 codes `q` in -32767..=32767 with the scale `d` = max |x|
 /// / 32767 of the block (x ≈ d·q, rounded to nearest, ties to even), and `s` = d · Σ q (what a
-/// min multiplies); a block under ~4e-34 in magnitude has codes of 0. A block holding a NaN or an infinity gets a NaN scale: its products are
-/// NaN, as the f32 path's would be.
-pub struct QuantizedRows {
-    /// `[m, k]`.
-    q: Vec<i16>,
-    /// `[m, k / 32]`.
-    d: Vec<f32>,
-    /// `[m, k / 32]`.
-    s: Vec<f32>,
-    k: usize,
-}
+/// min multiplies); a block under ~4e-34 in magnitude has codes of 0.
+pub type QuantizedRows = super::quantize::QuantizedRows<i16>;
 
 /// One row of `QuantizedRows`.
-#[derive(Clone, Copy)]
-pub struct Row<'a> {
-    pub q: &'a [i16],
-    pub d: &'a [f32],
-    pub s: &'a [f32],
-}
-
-impl QuantizedRows {
-    /// `x [m, k]` quantized; `k` a multiple of 32; on the AVX2 path when `fast`.
-    pub fn new(x: &[f32], k: usize, fast: bool) -> Self {
-        assert!(k.is_multiple_of(QK) && x.len().is_multiple_of(k.max(1)));
-        let blocks = x.len() / QK;
-        let mut rows = Self {
-            q: vec![0; x.len()],
-            d: vec![0.0; blocks],
-            s: vec![0.0; blocks],
-            k,
-        };
-        let parts = rows
-            .q
-            .chunks_exact_mut(QK)
-            .zip(rows.d.iter_mut().zip(rows.s.iter_mut()));
-        for (c, (q, (d, s))) in x.chunks_exact(QK).zip(parts) {
-            let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            *d = if c.iter().all(|v| v.is_finite()) {
-                amax / MAX_CODE
-            } else {
-                f32::NAN
-            };
-            // a block under ~4e-34 (a subnormal scale, whose inverse may overflow) or not
-            // finite gets codes of 0
-            let id = if d.is_normal() { 1.0 / *d } else { 0.0 };
-            #[cfg(target_arch = "x86_64")]
-            if fast {
-                // SAFETY: `fast` is set only on a CPU with avx2 (`super::fast`); 32 of each.
-                *s = *d * unsafe { avx2::codes_of(c, id, q) } as f32;
-                continue;
-            }
-            let _ = fast;
-            let mut sum = 0i32;
-            for (v, q) in c.iter().zip(q.iter_mut()) {
-                // |v · id| <= 32767 up to rounding; `as` saturates (and takes NaN to 0)
-                *q = (v * id).round_ties_even() as i16;
-                sum += i32::from(*q);
-            }
-            *s = *d * sum as f32;
-        }
-        rows
-    }
-
-    /// Row `i`.
-    pub fn row(&self, i: usize) -> Row<'_> {
-        let kb = self.k / QK;
-        Row {
-            q: &self.q[i * self.k..(i + 1) * self.k],
-            d: &self.d[i * kb..(i + 1) * kb],
-            s: &self.s[i * kb..(i + 1) * kb],
-        }
-    }
-}
+pub type Row<'a> = super::quantize::Row<'a, i16>;
 
 /// A Q4_K / Q5_K super-block's 8 sub-block scales and 8 mins (6 bits each, 12 bytes), unpacked
 /// as llama.cpp does (`formats::k_scale_min`, four at a time).
@@ -125,9 +53,9 @@ pub fn k_scales(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 }
 
 /// Block `blk` (32 elements) of the row `row` of type `t` as its 32 integer weights `w`
-/// (element order), scale and min: the weight is `d·w + m` (Q6_K's codes carry their sub-block
-/// scale: `d` is the super-block's).
-fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
+/// (element order), the scales of its halves (elements 0-15 and 16-31: equal but for Q6_K,
+/// whose 8-bit scale per 16 they carry) and its min: the weight is `dl[h]·w + m`.
+fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], [f32; 2], f32) {
     let half = |b: &[u8], at: usize| f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
     let mut q = [0i16; QK];
     let bytes = t.block().1;
@@ -140,10 +68,11 @@ fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
             for (l, v) in q.iter_mut().enumerate() {
                 let low = (ql[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0xF;
                 let high = (qh[32 * h + l] >> (2 * k)) & 3;
-                let scale = i16::from(scales[2 * i + l / 16] as i8);
-                *v = (i16::from(low | (high << 4)) - 32) * scale;
+                *v = i16::from(low | (high << 4)) - 32;
             }
-            return (q, half(b, 208), 0.0);
+            let d = half(b, 208);
+            let dl = |j: usize| d * f32::from(scales[2 * i + j] as i8);
+            return (q, [dl(0), dl(1)], 0.0);
         }
         let (scales, mins) = k_scales(&b[4..16]);
         let qs = if t == QType::Q5_K { 48 } else { 16 };
@@ -156,16 +85,16 @@ fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
             };
             *v = i16::from(((group[l] >> (4 * (i % 2))) & 0xF) | bit4);
         }
-        let dl = half(b, 0) * scales[i] as f32;
-        return (q, dl, -(half(b, 2) * mins[i] as f32));
+        let dl = half(b, 0) * f32::from(scales[i]);
+        return (q, [dl; 2], -(half(b, 2) * f32::from(mins[i])));
     }
     let b = &row[blk * bytes..(blk + 1) * bytes];
-    match t {
+    let (d, m) = match t {
         QType::Q8_0 => {
             for (q, v) in q.iter_mut().zip(&b[2..34]) {
                 *q = i16::from(*v as i8);
             }
-            (q, half(b, 0), 0.0)
+            (half(b, 0), 0.0)
         }
         QType::Q4_0 | QType::Q4_1 => {
             let (qs, offset) = if t == QType::Q4_0 { (2, 8) } else { (4, 0) };
@@ -174,7 +103,7 @@ fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
                 q[j + 16] = i16::from(v >> 4) - offset;
             }
             let m = if t == QType::Q4_1 { half(b, 2) } else { 0.0 };
-            (q, half(b, 0), m)
+            (half(b, 0), m)
         }
         QType::Q5_0 | QType::Q5_1 => {
             let (h, offset) = if t == QType::Q5_0 { (2, 16) } else { (4, 0) };
@@ -183,48 +112,51 @@ fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], f32, f32) {
                 *v = i16::from(five_bits(&b[h + 4..h + 20], qh, j)) - offset;
             }
             let m = if t == QType::Q5_1 { half(b, 2) } else { 0.0 };
-            (q, half(b, 0), m)
+            (half(b, 0), m)
         }
         _ => unreachable!("{} is not a quantized type", t.name()),
-    }
+    };
+    (q, [d; 2], m)
 }
 
-/// Whether the weights of type `t` are `d·w + m` (a min per block or sub-block). The others
-/// skip the mins: a zero min would add only a zero (to lanes that start at +0 and so are never
-/// -0: no sign changes) or a NaN of x (already in the lanes through the block's scale), so the
-/// sums are bit for bit those with the zero mins added.
+/// Whether the weights of type `t` are `d·w + m` (a min per block or sub-block); the others
+/// add no mins (their lanes stay +0).
 fn has_min(t: QType) -> bool {
     matches!(t, QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K)
 }
 
-/// The even and odd blocks' lanes and mins summed, in the order of `row_dots_avx2`.
+/// Eight lanes summed in the order of a tree over lanes 0 + 4, 2 + 6, 1 + 5, 3 + 7.
 #[inline(always)]
-fn total(even: [f32; 8], odd: [f32; 8], mins: [f32; 2]) -> f32 {
-    let a: [f32; 8] = std::array::from_fn(|j| even[j] + odd[j]);
-    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + (mins[0] + mins[1])
+fn fold(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
 /// `Σ_i w[i] · x[i]` of the weight row `row` (type `t`, `takes(t)`) and the quantized row `x`
-/// of as many elements, portably.
+/// of as many elements, portably: unit by unit as `row_dots_avx2` sums them 8 at a time.
 pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
-    let mut acc = [[0.0f32; 8]; 2];
-    let mut mins = [0.0f32; 2];
+    let mut acc = [0.0f32; 8];
+    let mut mins = [0.0f32; 8];
+    // Q6_K's units are halves of 16 (unit 2·blk + h), the others' whole blocks
+    let halves = t == QType::Q6_K;
     for blk in 0..x.d.len() {
-        let (w, dw, mw) = codes(t, row, blk);
+        let (w, dl, m) = codes(t, row, blk);
         let xq = &x.q[blk * QK..(blk + 1) * QK];
-        let d = dw * x.d[blk];
-        for (j, lane) in acc[blk % 2].iter_mut().enumerate() {
-            let sum: i32 = [2 * j, 2 * j + 1, 16 + 2 * j, 17 + 2 * j]
-                .iter()
-                .map(|e| i32::from(w[*e]) * i32::from(xq[*e]))
-                .sum();
-            *lane += d * sum as f32;
+        let dot = |from: usize, to: usize| -> i32 {
+            (from..to).map(|e| i32::from(w[e]) * i32::from(xq[e])).sum()
+        };
+        if halves {
+            for h in 0..2 {
+                let sum = dot(16 * h, 16 * h + 16);
+                acc[(2 * blk + h) % 8] += dl[h] * x.d[blk] * sum as f32;
+            }
+        } else {
+            acc[blk % 8] += dl[0] * x.d[blk] * dot(0, QK) as f32;
         }
         if has_min(t) {
-            mins[blk % 2] += mw * x.s[blk];
+            mins[blk % 8] += m * x.s[blk];
         }
     }
-    total(acc[0], acc[1], mins)
+    fold(acc) + fold(mins)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -238,78 +170,56 @@ mod avx2 {
     use super::{k_scales, Row, QK};
     use crate::cpu::quant::QType;
 
-    /// 32 elements `c` times `id`, rounded to nearest (ties to even, the default rounding
-    /// mode, as `round_ties_even`) and saturated to i16 into `q`; returns their sum.
-    ///
-    /// # Safety
-    /// The CPU supports avx2; `c` and `q` hold 32 elements.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn codes_of(c: &[f32], id: f32, q: &mut [i16]) -> i32 {
-        debug_assert!(c.len() == QK && q.len() == QK);
-        let (id, p) = (_mm256_set1_ps(id), c.as_ptr());
-        let mut int = [_mm256_setzero_si256(); 4];
-        for (i, v) in int.iter_mut().enumerate() {
-            *v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p.add(8 * i)), id));
-        }
-        // packs interleaves the 128-bit halves (0-3 8-11 4-7 12-15): put back in order
-        let lo = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(int[0], int[1]));
-        let hi = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(int[2], int[3]));
-        _mm256_storeu_si256(q.as_mut_ptr().cast(), lo);
-        _mm256_storeu_si256(q.as_mut_ptr().add(16).cast(), hi);
-        let ones = _mm256_set1_epi16(1);
-        let sums = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-        let s = _mm_add_epi32(
-            _mm256_castsi256_si128(sums),
-            _mm256_extracti128_si256::<1>(sums),
-        );
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0x4E>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0xB1>(s));
-        _mm_cvtsi128_si32(s)
+    /// Per row of x: the 8 f32 lanes of scaled unit sums and the 8 lanes of mins.
+    struct Lanes<const R: usize> {
+        acc: [__m256; R],
+        mins: [__m256; R],
     }
 
-    /// Per row of x: the 8 f32 lanes and the mins' sum, of the even or the odd blocks.
-    struct Acc<const R: usize> {
-        lanes: [__m256; R],
-        mins: [f32; R],
-    }
-
-    impl<const R: usize> Acc<R> {
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Self {
-                lanes: [_mm256_setzero_ps(); R],
-                mins: [0.0; R],
-            }
-        }
-    }
-
-    /// Adds block `blk` (16-bit weights `w`: elements 0-15 and 16-31, scale `dw`, min `mw`,
-    /// read when `MIN`) times block `blk` of each row of x. The types without a min skip a
-    /// scalar multiply-add per block and row of x (`has_min`) where x has 2 rows or more
-    /// (10-25% faster at 4-8 rows); one row keeps it: without it that loop ran 1.2-1.5x slower
-    /// (its code laid out differently).
+    /// The 8 i32 lanes of the 16-bit weights `w` (elements 0-15, 16-31) times the 32 codes
+    /// at `p`.
     #[inline(always)]
-    unsafe fn block<const R: usize, const MIN: bool>(
-        w: [__m256i; 2],
-        dw: f32,
-        mw: f32,
-        blk: usize,
-        x: &[Row<'_>; R],
-        acc: &mut Acc<R>,
-    ) {
-        for (r, x) in x.iter().enumerate() {
-            // block blk of row r: inside it (blk < k / 32)
-            let p = x.q.as_ptr().add(QK * blk);
-            let lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256(p.cast()));
-            let hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256(p.add(16).cast()));
-            // 4 products a lane: at most 4 · 32767 · 4096 (the module's bound)
-            let lanes = _mm256_add_epi32(lo, hi);
-            let d = _mm256_set1_ps(dw * *x.d.get_unchecked(blk));
-            let scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes));
-            acc.lanes[r] = _mm256_add_ps(acc.lanes[r], scaled);
-            if MIN || R == 1 {
-                acc.mins[r] += mw * *x.s.get_unchecked(blk);
+    unsafe fn dot32(w: [__m256i; 2], p: *const i16) -> __m256i {
+        let lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256(p.cast()));
+        let hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256(p.add(16).cast()));
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// Per row of x, the integer sums of 8 units in one vector (lane u: unit u), from
+    /// `pair(p)`: units 2p and 2p + 1 as 8 i32 lanes each, per row. Each unit's weights are
+    /// decoded once (in `pair`) for every row of x.
+    #[inline(always)]
+    unsafe fn tree<const R: usize>(
+        mut pair: impl FnMut(usize) -> [[__m256i; R]; 2],
+    ) -> [__m256i; R] {
+        let mut g = [[_mm256_setzero_si256(); R]; 2];
+        for (q, g) in g.iter_mut().enumerate() {
+            let a = pair(2 * q);
+            let b = pair(2 * q + 1);
+            for (r, g) in g.iter_mut().enumerate() {
+                // per 128-bit half: units 4q..4q + 4's sums of lanes 0-3 (low) and 4-7 (high)
+                let ab = _mm256_hadd_epi32(a[0][r], a[1][r]);
+                let cd = _mm256_hadd_epi32(b[0][r], b[1][r]);
+                *g = _mm256_hadd_epi32(ab, cd);
             }
+        }
+        std::array::from_fn(|r| {
+            let lo = _mm256_permute2x128_si256::<0x20>(g[0][r], g[1][r]);
+            let hi = _mm256_permute2x128_si256::<0x31>(g[0][r], g[1][r]);
+            _mm256_add_epi32(lo, hi)
+        })
+    }
+
+    /// Adds `c(r) · S[r]` to each row's lanes: `s` the 8 units' integer sums, `c(r)` their
+    /// scale products `d_w·d_x`.
+    #[inline(always)]
+    unsafe fn add<const R: usize>(
+        s: [__m256i; R],
+        c: impl Fn(usize) -> __m256,
+        lanes: &mut [__m256; R],
+    ) {
+        for (r, l) in lanes.iter_mut().enumerate() {
+            *l = _mm256_add_ps(*l, _mm256_mul_ps(c(r), _mm256_cvtepi32_ps(s[r])));
         }
     }
 
@@ -322,14 +232,16 @@ mod avx2 {
         ]
     }
 
-    /// Block `blk` of a row of the 32-element block type of ggml code `T` times block `blk`
-    /// of each row of x, added to `acc`.
+    /// Blocks `blk0..blk0 + n` (`n` <= 8) of a row of the 32-element block type of ggml code
+    /// `T` times the same blocks of each row of x, added to `lanes` (the missing units of a
+    /// last group add +0).
     #[inline(always)]
-    unsafe fn block32<const R: usize, const T: u32>(
+    unsafe fn group32<const R: usize, const T: u32>(
         row: &[u8],
-        blk: usize,
+        blk0: usize,
+        n: usize,
         x: &[Row<'_>; R],
-        acc: &mut Acc<R>,
+        lanes: &mut Lanes<R>,
     ) {
         let bytes = match T {
             8 => 34,
@@ -338,136 +250,190 @@ mod avx2 {
             6 => 22,
             _ => 24,
         };
-        // block blk: row[blk * bytes..(blk + 1) * bytes], inside the row
-        let b = row.as_ptr().add(blk * bytes);
-        if T == 2 || T == 3 {
-            // the 16 bytes widened first: each 16-bit lane's low and high nibbles are elements
-            // j and j + 16
-            let qs = b.add(if T == 2 { 2 } else { 4 });
-            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.cast()));
-            let (lo, hi) = (
-                _mm256_and_si256(v, _mm256_set1_epi16(0xF)),
-                _mm256_srli_epi16::<4>(v),
-            );
-            if T == 2 {
-                let eight = _mm256_set1_epi16(8);
-                let w = [_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight)];
-                block::<R, false>(w, half(b), 0.0, blk, x, acc);
-            } else {
-                block::<R, true>([lo, hi], half(b), half(b.add(2)), blk, x, acc);
-            }
-            return;
-        }
-        let (q, m) = match T {
-            8 => (_mm256_loadu_si256(b.add(2).cast()), 0.0),
-            6 => {
-                let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-                let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
-                (_mm256_sub_epi8(q, _mm256_set1_epi8(16)), 0.0)
-            }
-            _ => {
-                let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
-                let q = _mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh));
-                (q, half(b.add(2)))
+        // block blk0 + j (j < n): row[(blk0 + j) * bytes..], inside the row
+        let b = |j: usize| row.as_ptr().add((blk0 + j) * bytes);
+        // the f16 at byte `at` of each block, as f32 (0 past the last)
+        let f16s = |at: usize| {
+            let h = |j: usize| {
+                if j < n {
+                    b(j).add(at).cast::<i16>().read_unaligned()
+                } else {
+                    0
+                }
+            };
+            _mm256_cvtph_ps(_mm_setr_epi16(
+                h(0),
+                h(1),
+                h(2),
+                h(3),
+                h(4),
+                h(5),
+                h(6),
+                h(7),
+            ))
+        };
+        let weights = |j: usize| -> [__m256i; 2] {
+            let b = b(j);
+            match T {
+                2 | 3 => {
+                    // the 16 bytes widened first: each 16-bit lane's low and high nibbles
+                    // are elements j and j + 16
+                    let qs = b.add(if T == 2 { 2 } else { 4 });
+                    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.cast()));
+                    let lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+                    let hi = _mm256_srli_epi16::<4>(v);
+                    if T == 2 {
+                        let eight = _mm256_set1_epi16(8);
+                        [_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight)]
+                    } else {
+                        [lo, hi]
+                    }
+                }
+                8 => widen(_mm256_loadu_si256(b.add(2).cast())),
+                6 => {
+                    let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+                    let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
+                    widen(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
+                }
+                _ => {
+                    let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+                    widen(_mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh)))
+                }
             }
         };
-        if T == 7 {
-            block::<R, true>(widen(q), half(b), m, blk, x, acc);
-        } else {
-            block::<R, false>(widen(q), half(b), m, blk, x, acc);
+        let unit = |j: usize| -> [__m256i; R] {
+            if j >= n {
+                return [_mm256_setzero_si256(); R];
+            }
+            let w = weights(j);
+            // block blk0 + j of each row of x: inside it
+            std::array::from_fn(|r| dot32(w, x[r].q.as_ptr().add(QK * (blk0 + j))))
+        };
+        let s = tree::<R>(|p| [unit(2 * p), unit(2 * p + 1)]);
+        let valid = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        // the scales (or sums) of x's blocks blk0..blk0 + n, 0 past the last
+        let load = |v: &[f32]| {
+            if n == 8 {
+                _mm256_loadu_ps(v.as_ptr().add(blk0))
+            } else {
+                _mm256_maskload_ps(v.as_ptr().add(blk0), valid)
+            }
+        };
+        let dw = f16s(0);
+        add(s, |r| _mm256_mul_ps(dw, load(x[r].d)), &mut lanes.acc);
+        if T == 3 || T == 7 {
+            let mw = f16s(2);
+            for (r, m) in lanes.mins.iter_mut().enumerate() {
+                *m = _mm256_add_ps(*m, _mm256_mul_ps(mw, load(x[r].s)));
+            }
         }
     }
 
-    /// A row of the 32-element block type of ggml code `T`: blocks in pairs (even, odd).
+    /// A row of the 32-element block type of ggml code `T`, 8 blocks at a time.
     #[inline(always)]
-    unsafe fn blocks32<const R: usize, const T: u32>(
+    unsafe fn rows32<const R: usize, const T: u32>(
         row: &[u8],
         k: usize,
         x: &[Row<'_>; R],
-        acc: &mut [Acc<R>; 2],
+        lanes: &mut Lanes<R>,
     ) {
         let blocks = k / QK;
         let mut blk = 0;
-        while blk + 1 < blocks {
-            block32::<R, T>(row, blk, x, &mut acc[0]);
-            block32::<R, T>(row, blk + 1, x, &mut acc[1]);
-            blk += 2;
+        while blk + 8 <= blocks {
+            group32::<R, T>(row, blk, 8, x, lanes);
+            blk += 8;
         }
         if blk < blocks {
-            block32::<R, T>(row, blk, x, &mut acc[0]);
+            group32::<R, T>(row, blk, blocks - blk, x, lanes);
         }
     }
 
-    /// A Q4_K or (`FIVE`) Q5_K row, a super-block (8 sub-blocks of 32) at a time.
+    /// 8 bytes as f32.
+    #[inline(always)]
+    unsafe fn floats_of(v: [u8; 8]) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().cast())))
+    }
+
+    /// A Q4_K or (`FIVE`) Q5_K row, a super-block (8 sub-blocks of 32: 8 units) at a time.
     #[inline(always)]
     unsafe fn k_rows<const R: usize, const FIVE: bool>(
         row: &[u8],
         k: usize,
         x: &[Row<'_>; R],
-        acc: &mut [Acc<R>; 2],
+        lanes: &mut Lanes<R>,
     ) {
         let bytes = if FIVE { 176 } else { 144 };
         let nibble = _mm256_set1_epi8(0xF);
+        let mask = _mm256_set1_epi16(0xF);
         for sb in 0..k / 256 {
             // super-block sb: row[sb * bytes..(sb + 1) * bytes], inside the row
             let b = row.as_ptr().add(sb * bytes);
-            let (d, dmin) = (half(b), half(b.add(2)));
             let (scales, mins) = k_scales(std::slice::from_raw_parts(b.add(4), 12));
             let qs = b.add(if FIVE { 48 } else { 16 });
             let qh = _mm256_loadu_si256(b.add(16).cast());
-            for g in 0..4 {
-                if !FIVE {
+            let blk0 = 8 * sb;
+            // block blk0 + i of row r of x: inside it
+            let xq = |r: usize, i: usize| x[r].q.as_ptr().add(QK * (blk0 + i));
+            let s = tree::<R>(|g| {
+                let w: [[__m256i; 2]; 2] = if FIVE {
+                    let v = _mm256_loadu_si256(qs.add(32 * g).cast());
+                    let halves = [
+                        _mm256_and_si256(v, nibble),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
+                    ];
+                    std::array::from_fn(|h| {
+                        // bit 2g + h of each qh byte, as bit 4
+                        let bit = _mm256_set1_epi8(1 << (2 * g + h));
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                        let high = _mm256_and_si256(set, _mm256_set1_epi8(16));
+                        widen(_mm256_or_si256(halves[h], high))
+                    })
+                } else {
                     // the 32 bytes widened first: each 16-bit lane's low nibble is sub-block
                     // 2g's element, its high nibble sub-block 2g + 1's
                     let at = |h: usize| _mm_loadu_si128(qs.add(32 * g + 16 * h).cast());
                     let v = [_mm256_cvtepu8_epi16(at(0)), _mm256_cvtepu8_epi16(at(1))];
-                    let mask = _mm256_set1_epi16(0xF);
-                    let lo = [_mm256_and_si256(v[0], mask), _mm256_and_si256(v[1], mask)];
-                    let hi = [_mm256_srli_epi16::<4>(v[0]), _mm256_srli_epi16::<4>(v[1])];
-                    for (h, w) in [lo, hi].into_iter().enumerate() {
-                        let i = 2 * g + h;
-                        let dl = d * scales[i] as f32;
-                        let ml = -(dmin * mins[i] as f32);
-                        block::<R, true>(w, dl, ml, 8 * sb + i, x, &mut acc[h]);
-                    }
-                    continue;
-                }
-                let v = _mm256_loadu_si256(qs.add(32 * g).cast());
-                let halves = [
-                    _mm256_and_si256(v, nibble),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
-                ];
-                for (h, mut q) in halves.into_iter().enumerate() {
-                    let i = 2 * g + h;
-                    if FIVE {
-                        // bit i of each qh byte, as bit 4
-                        let bit = _mm256_set1_epi8(1 << i);
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
-                    }
-                    let dl = d * scales[i] as f32;
-                    let ml = -(dmin * mins[i] as f32);
-                    block::<R, true>(widen(q), dl, ml, 8 * sb + i, x, &mut acc[h]);
-                }
+                    [
+                        [_mm256_and_si256(v[0], mask), _mm256_and_si256(v[1], mask)],
+                        [_mm256_srli_epi16::<4>(v[0]), _mm256_srli_epi16::<4>(v[1])],
+                    ]
+                };
+                [
+                    std::array::from_fn(|r| dot32(w[0], xq(r, 2 * g))),
+                    std::array::from_fn(|r| dot32(w[1], xq(r, 2 * g + 1))),
+                ]
+            });
+            let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), floats_of(scales));
+            let at = |v: &[f32]| _mm256_loadu_ps(v.as_ptr().add(blk0));
+            add(s, |r| _mm256_mul_ps(dl, at(x[r].d)), &mut lanes.acc);
+            let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), floats_of(mins));
+            let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
+            for (r, m) in lanes.mins.iter_mut().enumerate() {
+                *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, at(x[r].s)));
             }
         }
     }
 
-    /// A Q6_K row: per super-block, half h and quarter k, 32 codes - 32 times their scale
-    /// per 16 (at most 32 · 128 in magnitude: 16 bits).
+    /// A Q6_K row: per super-block, half h (4 sub-blocks of 32: 8 units of 16) and quarter
+    /// kq, 32 codes - 32; their 8-bit scales per 16 go with `d` into the units' scales.
     #[inline(always)]
     unsafe fn q6_k_rows<const R: usize>(
         row: &[u8],
         k: usize,
         x: &[Row<'_>; R],
-        acc: &mut [Acc<R>; 2],
+        lanes: &mut Lanes<R>,
     ) {
         let (nibble, two) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        // x's scale of each sub-block, for both its units
+        let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
         for sb in 0..k / 256 {
             // super-block sb: row[sb * 210..(sb + 1) * 210], inside the row
             let b = row.as_ptr().add(sb * 210);
             let (ql, qh, scales) = (b, b.add(128), b.add(192));
-            let d = half(b.add(208));
+            let d = _mm256_set1_ps(half(b.add(208)));
             for h in 0..2 {
                 let high_bits = _mm256_loadu_si256(qh.add(32 * h).cast());
                 let low0 = _mm256_loadu_si256(ql.add(64 * h).cast());
@@ -484,17 +450,33 @@ mod avx2 {
                         _mm256_srli_epi16::<6>(high_bits),
                     ),
                 ];
-                for (kq, (low, high)) in quarters.into_iter().enumerate() {
+                let blk0 = 8 * sb + 4 * h;
+                let s = tree::<R>(|kq| {
+                    let (low, high) = quarters[kq];
                     let low = _mm256_and_si256(low, nibble);
                     let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
                     let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-                    let i = 4 * h + kq;
-                    let [w0, w1] = widen(q);
-                    let s0 = _mm256_set1_epi16(i16::from(*scales.add(2 * i) as i8));
-                    let s1 = _mm256_set1_epi16(i16::from(*scales.add(2 * i + 1) as i8));
-                    let w = [_mm256_mullo_epi16(w0, s0), _mm256_mullo_epi16(w1, s1)];
-                    block::<R, false>(w, d, 0.0, 8 * sb + i, x, &mut acc[kq % 2]);
-                }
+                    let w = widen(q);
+                    // block blk0 + kq of row r of x: inside it
+                    let p = |r: usize| x[r].q.as_ptr().add(QK * (blk0 + kq));
+                    [
+                        std::array::from_fn(|r| {
+                            _mm256_madd_epi16(w[0], _mm256_loadu_si256(p(r).cast()))
+                        }),
+                        std::array::from_fn(|r| {
+                            _mm256_madd_epi16(w[1], _mm256_loadu_si256(p(r).add(16).cast()))
+                        }),
+                    ]
+                });
+                let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    scales.add(8 * h).cast(),
+                )));
+                let dl = _mm256_mul_ps(d, sc);
+                let dx = |r: usize| {
+                    let v = _mm_loadu_ps(x[r].d.as_ptr().add(blk0));
+                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), pairs)
+                };
+                add(s, |r| _mm256_mul_ps(dl, dx(r)), &mut lanes.acc);
             }
         }
     }
@@ -511,25 +493,26 @@ mod avx2 {
         k: usize,
         x: &[Row<'_>; R],
     ) -> [f32; R] {
-        let mut acc = [Acc::<R>::zero(), Acc::<R>::zero()];
+        let mut lanes = Lanes {
+            acc: [_mm256_setzero_ps(); R],
+            mins: [_mm256_setzero_ps(); R],
+        };
         match t {
-            QType::Q8_0 => blocks32::<R, 8>(row, k, x, &mut acc),
-            QType::Q4_0 => blocks32::<R, 2>(row, k, x, &mut acc),
-            QType::Q4_1 => blocks32::<R, 3>(row, k, x, &mut acc),
-            QType::Q5_0 => blocks32::<R, 6>(row, k, x, &mut acc),
-            QType::Q5_1 => blocks32::<R, 7>(row, k, x, &mut acc),
-            QType::Q4_K => k_rows::<R, false>(row, k, x, &mut acc),
-            QType::Q5_K => k_rows::<R, true>(row, k, x, &mut acc),
-            QType::Q6_K => q6_k_rows::<R>(row, k, x, &mut acc),
+            QType::Q8_0 => rows32::<R, 8>(row, k, x, &mut lanes),
+            QType::Q4_0 => rows32::<R, 2>(row, k, x, &mut lanes),
+            QType::Q4_1 => rows32::<R, 3>(row, k, x, &mut lanes),
+            QType::Q5_0 => rows32::<R, 6>(row, k, x, &mut lanes),
+            QType::Q5_1 => rows32::<R, 7>(row, k, x, &mut lanes),
+            QType::Q4_K => k_rows::<R, false>(row, k, x, &mut lanes),
+            QType::Q5_K => k_rows::<R, true>(row, k, x, &mut lanes),
+            QType::Q6_K => q6_k_rows::<R>(row, k, x, &mut lanes),
             _ => unreachable!("{} is not a quantized type", t.name()),
         }
-        let mut out = [0.0; R];
-        for (r, o) in out.iter_mut().enumerate() {
-            let (mut e, mut d) = ([0.0f32; 8], [0.0f32; 8]);
-            _mm256_storeu_ps(e.as_mut_ptr(), acc[0].lanes[r]);
-            _mm256_storeu_ps(d.as_mut_ptr(), acc[1].lanes[r]);
-            *o = super::total(e, d, [acc[0].mins[r], acc[1].mins[r]]);
-        }
-        out
+        std::array::from_fn(|r| {
+            let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
+            _mm256_storeu_ps(a.as_mut_ptr(), lanes.acc[r]);
+            _mm256_storeu_ps(m.as_mut_ptr(), lanes.mins[r]);
+            super::fold(a) + super::fold(m)
+        })
     }
 }

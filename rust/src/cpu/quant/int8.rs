@@ -24,68 +24,12 @@ pub fn takes(t: QType) -> bool {
 }
 
 /// Rows of x `[m, k]` as blocks of 32 codes `q` in -127..=127 with the scale `d` = max |x| /
-/// 127 of the block (x ≈ d·q), and `s` = d · Σ q (what the min of a Q4_1 / Q5_1 block
-/// multiplies). A block holding a NaN or an infinity gets a NaN scale: its products are NaN,
-/// as the f32 path's would be.
-pub struct QuantizedRows {
-    /// `[m, k]`.
-    q: Vec<i8>,
-    /// `[m, k / 32]`.
-    d: Vec<f32>,
-    /// `[m, k / 32]`.
-    s: Vec<f32>,
-    k: usize,
-}
+/// 127 of the block (x ≈ d·q, rounded half away from zero), and `s` = d · Σ q (what the min
+/// of a Q4_1 / Q5_1 block multiplies).
+pub type QuantizedRows = super::quantize::QuantizedRows<i8>;
 
 /// One row of `QuantizedRows`.
-#[derive(Clone, Copy)]
-pub struct Row<'a> {
-    pub q: &'a [i8],
-    pub d: &'a [f32],
-    pub s: &'a [f32],
-}
-
-impl QuantizedRows {
-    /// `x [m, k]` quantized; `k` a multiple of 32.
-    pub fn new(x: &[f32], k: usize) -> Self {
-        assert!(k.is_multiple_of(QK) && x.len().is_multiple_of(k.max(1)));
-        let blocks = x.len() / QK;
-        let mut rows = Self {
-            q: vec![0; x.len()],
-            d: Vec::with_capacity(blocks),
-            s: Vec::with_capacity(blocks),
-            k,
-        };
-        for (c, q) in x.chunks_exact(QK).zip(rows.q.chunks_exact_mut(QK)) {
-            let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let d = if c.iter().all(|v| v.is_finite()) {
-                amax / 127.0
-            } else {
-                f32::NAN
-            };
-            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (v, q) in c.iter().zip(q.iter_mut()) {
-                // |v · id| <= 127 up to rounding; `as` saturates (and takes NaN to 0)
-                *q = (v * id).round() as i8;
-                sum += i32::from(*q);
-            }
-            rows.d.push(d);
-            rows.s.push(d * sum as f32);
-        }
-        rows
-    }
-
-    /// Row `i`.
-    pub fn row(&self, i: usize) -> Row<'_> {
-        let kb = self.k / QK;
-        Row {
-            q: &self.q[i * self.k..(i + 1) * self.k],
-            d: &self.d[i * kb..(i + 1) * kb],
-            s: &self.s[i * kb..(i + 1) * kb],
-        }
-    }
-}
+pub type Row<'a> = super::quantize::Row<'a, i8>;
 
 /// Block `b` of type `t` as its 32 codes (element order), scale and min (0 for the types
 /// without one): the weight is `d·q + m`.

@@ -63,7 +63,7 @@ impl QuantizedX {
         match activations {
             Activations::F32 => None,
             Activations::Int8 => {
-                any(int8::takes).then(|| Self::Int8(int8::QuantizedRows::new(x, k)))
+                any(int8::takes).then(|| Self::Int8(int8::QuantizedRows::new(x, k, fast)))
             }
             Activations::Int16 => {
                 any(int16::takes).then(|| Self::Int16(int16::QuantizedRows::new(x, k, fast)))

@@ -437,7 +437,7 @@ const INT8_TYPES: [QType; 5] = [
 #[test]
 fn int8_activations_are_codes_of_at_most_127_times_a_scale_per_32_elements() {
     let x: Vec<f32> = floats(64, 1.0).iter().map(|v| v * 3.0).collect();
-    let q = int8::QuantizedRows::new(&x, 64);
+    let q = int8::QuantizedRows::new(&x, 64, false);
     let row = q.row(0);
     for (b, c) in x.chunks_exact(32).enumerate() {
         let amax = c.iter().fold(0.0f32, |a, v| a.max(v.abs()));
@@ -464,7 +464,7 @@ fn int8_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
         .flat_map(|k| INT8_TYPES.map(|t| (k, t)))
     {
         let x: Vec<f32> = floats(4 * k, 0.5);
-        let xq = int8::QuantizedRows::new(&x, k);
+        let xq = int8::QuantizedRows::new(&x, k, false);
         let rows: [int8::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
         // random bytes: Q8_0 codes of -128 included
         let data = random_rows(t, 4, k, t as u64 + 11);
@@ -491,7 +491,7 @@ fn int8_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
 fn int8_row_dots_are_close_to_the_dequantized_rows_dot() {
     let k = 512;
     let x = floats(k, 2.0);
-    let xq = int8::QuantizedRows::new(&x, k);
+    let xq = int8::QuantizedRows::new(&x, k, false);
     for t in INT8_TYPES {
         let data = random_rows(t, 1, k, t as u64 + 5);
         let mut w = vec![0.0; k];
@@ -543,7 +543,7 @@ fn quant_linear_int8_takes_decode_rows_of_block_32_types_and_leaves_the_rest_exa
         let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32)).unwrap();
         let mut exact = Array2::zeros((m, n));
         quant_linear(x.view(), &w, Some(&bias), exact.view_mut(), 1).unwrap();
-        let xq = int8::QuantizedRows::new(x.as_slice().unwrap(), k);
+        let xq = int8::QuantizedRows::new(x.as_slice().unwrap(), k, false);
         for threads in [1, 2] {
             let mut out = Array2::from_elem((m, n), f32::NAN);
             let int8 = Activations::Int8;
@@ -569,7 +569,7 @@ fn int8_activations_keep_a_nan_of_x_in_the_products() {
     let data = random_rows(QType::Q8_0, 1, k, 3);
     let mut x = floats(k, 1.0);
     x[40] = f32::NAN;
-    let xq = int8::QuantizedRows::new(&x, k);
+    let xq = int8::QuantizedRows::new(&x, k, false);
     assert!(int8::row_dot(QType::Q8_0, &data, xq.row(0)).is_nan());
 }
 
