@@ -5,8 +5,10 @@
 //!
 //! AMX needs more than the CPUID bits: Linux hands a process the (8 KiB) tile state only after it
 //! asks for it (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); a tile instruction
-//! without that permission kills the process with SIGILL. A kernel or VM that refuses the request
-//! leaves the level at AVX-512.
+//! without that permission kills the process with SIGILL. Detection only asks whether the kernel
+//! supports the tile state (`ARCH_GET_XCOMP_SUPP`): a kernel or VM that does not leaves the level
+//! at AVX-512. The request itself, which grows every thread's signal frame and context switches
+//! by the tile state, waits for an AMX kernel's first use: `amx_tile_permission`.
 
 use std::sync::OnceLock;
 
@@ -48,7 +50,7 @@ impl IsaLevel {
 pub struct Machine {
     pub level: IsaLevel,
     /// The detected flags among those the levels use or report (`avx2`, `avx512vnni`, ...;
-    /// `amx-*` only where the OS granted the tile state).
+    /// `amx-*` only where the OS supports the tile state, so would grant it on request).
     pub flags: Vec<&'static str>,
 }
 
@@ -161,7 +163,7 @@ fn detect() -> Machine {
     .filter_map(|(flag, on)| on.then_some(flag))
     .collect();
     let amx = amx_flags();
-    if !amx.is_empty() && amx_tile_state_granted() {
+    if !amx.is_empty() && amx_tile_state_supported() {
         flags.extend(amx);
     }
     Machine {
@@ -206,40 +208,58 @@ fn amx_flags() -> Vec<&'static str> {
         .collect()
 }
 
-/// Asks Linux for the AMX tile state (process-wide) and reads the permission back; false where
-/// the kernel or a VM refuses (no AMX support in the kernel, tile state masked by the host).
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn amx_tile_state_granted() -> bool {
-    const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
-    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-    const XFEATURE_XTILEDATA: libc::c_long = 18;
-    let mut permitted: u64 = 0;
-    // SAFETY: arch_prctl with these codes reads an integer argument / writes one u64 through the
-    // pointer, which points at a live local.
-    unsafe {
-        if libc::syscall(
-            libc::SYS_arch_prctl,
-            ARCH_REQ_XCOMP_PERM,
-            XFEATURE_XTILEDATA,
-        ) != 0
-        {
-            return false;
-        }
-        if libc::syscall(
-            libc::SYS_arch_prctl,
-            ARCH_GET_XCOMP_PERM,
-            &mut permitted as *mut u64,
-        ) != 0
-        {
-            return false;
-        }
-    }
-    (permitted >> XFEATURE_XTILEDATA) & 1 == 1
+/// Whether this process may run tile instructions, asking Linux for the AMX tile state on the
+/// first call (process-wide, once). Every AMX kernel must call this before its first tile
+/// instruction and take its AVX-512 path where it returns false: a level forced below AMX, a
+/// machine without it, or a request refused (e.g. a signal stack too small for the tile state).
+// no AMX kernel yet: the first one calls this where it is chosen
+#[allow(dead_code)]
+pub(crate) fn amx_tile_permission() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| level() >= IsaLevel::Amx && request_amx_tile_state())
 }
 
-/// Elsewhere the tile state is not requested, so AMX is not used.
-#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
-fn amx_tile_state_granted() -> bool {
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod xcomp {
+    pub const GET_SUPP: libc::c_long = 0x1021;
+    pub const GET_PERM: libc::c_long = 0x1022;
+    pub const REQ_PERM: libc::c_long = 0x1023;
+    pub const XTILEDATA: libc::c_long = 18;
+
+    /// An `ARCH_GET_XCOMP_*` feature mask: whether it has the tile data (false where the call
+    /// fails: a kernel before 5.16).
+    pub fn has_tile_data(code: libc::c_long) -> bool {
+        let mut mask: u64 = 0;
+        // SAFETY: arch_prctl with a GET code writes one u64 through the pointer, which points at
+        // a live local.
+        let rc = unsafe { libc::syscall(libc::SYS_arch_prctl, code, &mut mask as *mut u64) };
+        rc == 0 && (mask >> XTILEDATA) & 1 == 1
+    }
+}
+
+/// Whether Linux supports the AMX tile state (it would grant a request); asks for nothing.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_tile_state_supported() -> bool {
+    xcomp::has_tile_data(xcomp::GET_SUPP)
+}
+
+/// Asks Linux for the AMX tile state (process-wide) and reads the permission back; false where
+/// the kernel or a VM refuses.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_amx_tile_state() -> bool {
+    // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM) takes an integer argument and touches no memory.
+    let rc = unsafe { libc::syscall(libc::SYS_arch_prctl, xcomp::REQ_PERM, xcomp::XTILEDATA) };
+    rc == 0 && xcomp::has_tile_data(xcomp::GET_PERM)
+}
+
+/// Elsewhere the tile state is neither supported nor requested, so AMX is not used.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn amx_tile_state_supported() -> bool {
+    false
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn request_amx_tile_state() -> bool {
     false
 }
 
@@ -296,6 +316,39 @@ mod tests {
             "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx-tile", "amx-int8", "amx-bf16",
         ];
         assert_eq!(level_of(&all), IsaLevel::Amx);
+    }
+
+    /// The tile state this process holds now (never requested here: only `amx_tile_permission`).
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    fn tile_state_permitted() -> bool {
+        xcomp::has_tile_data(xcomp::GET_PERM)
+    }
+
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+    fn tile_state_permitted() -> bool {
+        false
+    }
+
+    #[test]
+    fn the_tile_state_is_requested_at_first_use_not_at_detection() {
+        // the only test that calls amx_tile_permission: nothing else requests the tile state
+        let machine = detect();
+        assert!(
+            !tile_state_permitted(),
+            "detection requested the tile state"
+        );
+        let granted = amx_tile_permission();
+        assert!(
+            !granted || level() >= IsaLevel::Amx,
+            "granted below the AMX level"
+        );
+        assert_eq!(tile_state_permitted(), granted);
+        assert_eq!(amx_tile_permission(), granted);
+        if level() >= IsaLevel::Amx {
+            // the machine reported AMX only where the kernel supports the tile state
+            assert!(machine.flags.contains(&"amx-tile"));
+            assert!(granted, "the kernel supports the tile state but refused it");
+        }
     }
 
     #[test]
