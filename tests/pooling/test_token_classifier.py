@@ -146,3 +146,15 @@ def test_a_score_template_on_an_embedding_model_is_refused(tmp_path):
     engine = build_engine(EngineArgs(model=str(folder), **ENGINE))
     with pytest.raises(ValueError, match="chat_template: a score template is for a classifier"):
         score(engine, new_id, "a", ["b"], chat_template=TEMPLATE)
+
+
+def test_convert_classify_with_the_overrides_scores_the_same(reranker, causal_qwen3):
+    args = EngineArgs(
+        model=str(causal_qwen3),
+        hf_overrides=token_reranker_overrides(),
+        **(ENGINE | {"convert": "classify"}),
+    )
+    engine = build_engine(args)
+    (expected,) = score(reranker, new_id, QUERY, DOCUMENTS[:1])
+    (got,) = score(engine, new_id, QUERY, DOCUMENTS[:1])
+    assert got.outputs.score == pytest.approx(expected.outputs.score, rel=1e-6)
