@@ -215,7 +215,8 @@ class SparseMoeBlock(nn.Module):
     def _count(self, ids: Tensor) -> None:
         if self.expert_tokens.device != ids.device:
             self.expert_tokens = self.expert_tokens.to(ids.device)
-        self.expert_tokens += torch.bincount(ids.flatten(), minlength=self.expert_tokens.numel())
+        # in place: `self.expert_tokens += ...` would go through nn.Module.__setattr__ each step
+        self.expert_tokens.add_(torch.bincount(ids.flatten(), minlength=self.expert_tokens.numel()))
 
     def _shared_partial(self, x: Tensor) -> Tensor:
         # this rank's term of the shared expert, reduced with the experts' in one all-reduce
