@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm._core import ShmAllReduce
+from pagedllm.distributed.shm_names import remove_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ def _join_shm_allreduce(rank: int, size: int, timeout_s: float) -> ShmAllReduce 
     failure: Exception | None = None
     name: list[str | None] = [None]
     if rank == 0:
+        remove_stale_segments()  # what engines killed in this window before left
         try:
             handle = ShmAllReduce.create(size, SHM_CHUNK_BYTES, timeout_s)
             name[0] = handle.name

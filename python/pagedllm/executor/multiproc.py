@@ -50,6 +50,7 @@ import torch
 from pagedllm._core import ShmRingReader, ShmRingWriter
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
+from pagedllm.distributed.shm_names import remove_stale_segments
 from pagedllm.executor.base import FAILED_STEP_GRACE_S, join_as_rank, join_as_rank_zero
 from pagedllm.executor.errors import EngineDeadError, RankDiedError
 from pagedllm.executor.lifeline import Tie
@@ -167,6 +168,7 @@ class MultiprocExecutor:
         store = parallel_state.open_rendezvous(self.size, self.startup_timeout_s)
         rendezvous = parallel_state.Rendezvous("127.0.0.1", store.port)
         self.workers = ProcessSupervisor(_rank_label, "pagedllm-tp", get_context("spawn"))
+        remove_stale_segments()  # what engines killed before their ranks mapped them left
         self.ring = ShmRingWriter(self.size - 1, RING_CHUNKS, RING_CHUNK_BYTES)
         # at exit, even if the engine is never shut down (a weak reference: no cycle kept alive)
         ref = weakref.ref(self)

@@ -10,7 +10,7 @@
 - stop: the children are asked to exit (the caller's way) and joined for a grace, then sent
   SIGTERM (when the caller gives that a grace too), then killed;
 - clean-up: the shared-memory names a child made and had not unlinked when it died (named
-  with its pid: `rust/src/dist/segment.rs`; a replica engine killed in the moment between
+  with its pid: `distributed/shm_names.py`; a replica engine killed in the moment between
   creating its all-reduce segment and its ranks mapping it) are removed once it is reaped.
 
 It knows nothing of what the children do: the `mp` executor's ranks, the `serve -dp` replicas
@@ -27,29 +27,15 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import re
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from multiprocessing import connection, get_context
 
+from pagedllm.distributed.shm_names import remove_segments_of
 from pagedllm.executor.errors import WorkerStartupError
 from pagedllm.executor.lifeline import Tie, run_tied
-
-_SHM_FOLDER = "/dev/shm"
-
-
-def remove_segments_of(pid: int) -> None:
-    """Unlinks the shared-memory names process `pid` (ended) created: `pagedllm-{kind}-{pid}-
-    {n}-{16 hex digits}` (`Segment::create`). A name it unlinked is long gone; one it was killed
-    before unlinking would stay in /dev/shm until reboot."""
-    own = re.compile(rf"pagedllm-[a-z]+-{pid}-\d+-[0-9a-f]{{16}}")
-    with contextlib.suppress(OSError):  # no /dev/shm: no names either
-        for name in os.listdir(_SHM_FOLDER):
-            if own.fullmatch(name):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(_SHM_FOLDER, name))
 
 
 class ChildFailed(Exception):
