@@ -67,6 +67,12 @@ def test_beam_searches_spread_over_the_replicas_equal_one_engines_in_order(dp_ll
         )
 
 
+def test_a_refused_beam_search_raises_the_replicas_error_naming_beam_width(dp_llm):
+    with pytest.raises(ValueError, match="beam_width=1000"):
+        dp_llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=1000, max_tokens=2))
+    assert len(dp_llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=2, max_tokens=2))) == 2
+
+
 def test_chat_runs_on_the_replicas_as_on_one_engine(dp_llm):
     conversation = [{"role": "user", "content": "Hello there"}]
     reply = dp_llm.chat(conversation, GREEDY, use_tqdm=False)[0]
