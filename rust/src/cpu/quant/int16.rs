@@ -162,6 +162,8 @@ pub fn row_dot(t: QType, row: &[u8], x: Row<'_>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub use avx2::row_dots_avx2;
 
+/// No closures below: a closure does not take its caller's target features, and LLVM may
+/// leave it (and the intrinsics in it) out of line; helpers are `#[inline(always)]` functions.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -176,50 +178,67 @@ mod avx2 {
         mins: [__m256; R],
     }
 
-    /// The 8 i32 lanes of the 16-bit weights `w` (elements 0-15, 16-31) times the 32 codes
-    /// at `p`.
+    /// The 8 i32 lanes of the 16-bit weights `w` (elements 0-15, 16-31) times block `blk` of
+    /// each row of x (inside it: blk < k / 32).
     #[inline(always)]
-    unsafe fn dot32(w: [__m256i; 2], p: *const i16) -> __m256i {
-        let lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256(p.cast()));
-        let hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256(p.add(16).cast()));
-        _mm256_add_epi32(lo, hi)
-    }
-
-    /// Per row of x, the integer sums of 8 units in one vector (lane u: unit u), from
-    /// `pair(p)`: units 2p and 2p + 1 as 8 i32 lanes each, per row. Each unit's weights are
-    /// decoded once (in `pair`) for every row of x.
-    #[inline(always)]
-    unsafe fn tree<const R: usize>(
-        mut pair: impl FnMut(usize) -> [[__m256i; R]; 2],
-    ) -> [__m256i; R] {
-        let mut g = [[_mm256_setzero_si256(); R]; 2];
-        for (q, g) in g.iter_mut().enumerate() {
-            let a = pair(2 * q);
-            let b = pair(2 * q + 1);
-            for (r, g) in g.iter_mut().enumerate() {
-                // per 128-bit half: units 4q..4q + 4's sums of lanes 0-3 (low) and 4-7 (high)
-                let ab = _mm256_hadd_epi32(a[0][r], a[1][r]);
-                let cd = _mm256_hadd_epi32(b[0][r], b[1][r]);
-                *g = _mm256_hadd_epi32(ab, cd);
-            }
+    unsafe fn dots<const R: usize>(w: [__m256i; 2], x: &[Row<'_>; R], blk: usize) -> [__m256i; R] {
+        let mut out = [_mm256_setzero_si256(); R];
+        for (o, x) in out.iter_mut().zip(x) {
+            let p = x.q.as_ptr().add(QK * blk);
+            let lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256(p.cast()));
+            let hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256(p.add(16).cast()));
+            *o = _mm256_add_epi32(lo, hi);
         }
-        std::array::from_fn(|r| {
-            let lo = _mm256_permute2x128_si256::<0x20>(g[0][r], g[1][r]);
-            let hi = _mm256_permute2x128_si256::<0x31>(g[0][r], g[1][r]);
-            _mm256_add_epi32(lo, hi)
-        })
+        out
     }
 
-    /// Adds `c(r) · S[r]` to each row's lanes: `s` the 8 units' integer sums, `c(r)` their
-    /// scale products `d_w·d_x`.
+    /// Two halves of 16: the 8 i32 lanes of `w[0]` times elements 0-15 of block `blk` of each
+    /// row of x, and of `w[1]` times elements 16-31 (Q6_K's units).
     #[inline(always)]
-    unsafe fn add<const R: usize>(
-        s: [__m256i; R],
-        c: impl Fn(usize) -> __m256,
-        lanes: &mut [__m256; R],
-    ) {
-        for (r, l) in lanes.iter_mut().enumerate() {
-            *l = _mm256_add_ps(*l, _mm256_mul_ps(c(r), _mm256_cvtepi32_ps(s[r])));
+    unsafe fn half_dots<const R: usize>(
+        w: [__m256i; 2],
+        x: &[Row<'_>; R],
+        blk: usize,
+    ) -> [[__m256i; R]; 2] {
+        let mut out = [[_mm256_setzero_si256(); R]; 2];
+        for (r, x) in x.iter().enumerate() {
+            let p = x.q.as_ptr().add(QK * blk);
+            out[0][r] = _mm256_madd_epi16(w[0], _mm256_loadu_si256(p.cast()));
+            out[1][r] = _mm256_madd_epi16(w[1], _mm256_loadu_si256(p.add(16).cast()));
+        }
+        out
+    }
+
+    /// Per row, `vphaddd` of two units' lanes (or of two such pairs).
+    #[inline(always)]
+    unsafe fn hadd<const R: usize>(a: [__m256i; R], b: [__m256i; R]) -> [__m256i; R] {
+        let mut out = a;
+        for (o, b) in out.iter_mut().zip(b) {
+            *o = _mm256_hadd_epi32(*o, b);
+        }
+        out
+    }
+
+    /// Per row, 8 units' sums in order (lane u: unit u) from `hadd(hadd(0, 1), hadd(2, 3))`
+    /// (per 128-bit half: units 0-3's sums of lanes 0-3, low, and 4-7, high) and the same of
+    /// units 4-7.
+    #[inline(always)]
+    unsafe fn finish<const R: usize>(g0: [__m256i; R], g1: [__m256i; R]) -> [__m256i; R] {
+        let mut out = g0;
+        for (o, g1) in out.iter_mut().zip(g1) {
+            let lo = _mm256_permute2x128_si256::<0x20>(*o, g1);
+            let hi = _mm256_permute2x128_si256::<0x31>(*o, g1);
+            *o = _mm256_add_epi32(lo, hi);
+        }
+        out
+    }
+
+    /// Adds `c[r] · S[r]` to each row's lanes: `s` the 8 units' integer sums, `c` their scale
+    /// products `d_w·d_x`.
+    #[inline(always)]
+    unsafe fn add<const R: usize>(s: [__m256i; R], c: [__m256; R], lanes: &mut [__m256; R]) {
+        for ((l, s), c) in lanes.iter_mut().zip(s).zip(c) {
+            *l = _mm256_add_ps(*l, _mm256_mul_ps(c, _mm256_cvtepi32_ps(s)));
         }
     }
 
@@ -230,6 +249,71 @@ mod avx2 {
             _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)),
             _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(q)),
         ]
+    }
+
+    /// The block at `b` of the 32-element block type of ggml code `T` as 16-bit weights.
+    #[inline(always)]
+    unsafe fn weights32<const T: u32>(b: *const u8) -> [__m256i; 2] {
+        match T {
+            2 | 3 => {
+                // the 16 bytes widened first: each 16-bit lane's low and high nibbles are
+                // elements j and j + 16
+                let qs = b.add(if T == 2 { 2 } else { 4 });
+                let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.cast()));
+                let lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
+                let hi = _mm256_srli_epi16::<4>(v);
+                if T == 2 {
+                    let eight = _mm256_set1_epi16(8);
+                    [_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight)]
+                } else {
+                    [lo, hi]
+                }
+            }
+            8 => widen(_mm256_loadu_si256(b.add(2).cast())),
+            6 => {
+                let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
+                let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
+                widen(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
+            }
+            _ => {
+                let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
+                widen(_mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh)))
+            }
+        }
+    }
+
+    /// Bytes per block of the 32-element block type of ggml code `T`.
+    const fn bytes32(t: u32) -> usize {
+        match t {
+            8 => 34,
+            2 => 18,
+            3 => 20,
+            6 => 22,
+            _ => 24,
+        }
+    }
+
+    /// The f16 at byte `at` of blocks `0..n` from `b` (`stride` bytes apart) as f32, 0 past n.
+    #[inline(always)]
+    unsafe fn f16s(b: *const u8, stride: usize, at: usize, n: usize) -> __m256 {
+        let mut h = [0i16; 8];
+        for (j, h) in h.iter_mut().enumerate().take(n) {
+            *h = b.add(j * stride + at).cast::<i16>().read_unaligned();
+        }
+        _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast()))
+    }
+
+    /// Elements `at..at + n` of `v` (`n` <= 8), 0 past n.
+    #[inline(always)]
+    unsafe fn load8(v: &[f32], at: usize, n: usize) -> __m256 {
+        if n == 8 {
+            return _mm256_loadu_ps(v.as_ptr().add(at));
+        }
+        let valid = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        _mm256_maskload_ps(v.as_ptr().add(at), valid)
     }
 
     /// Blocks `blk0..blk0 + n` (`n` <= 8) of a row of the 32-element block type of ggml code
@@ -243,91 +327,36 @@ mod avx2 {
         x: &[Row<'_>; R],
         lanes: &mut Lanes<R>,
     ) {
-        let bytes = match T {
-            8 => 34,
-            2 => 18,
-            3 => 20,
-            6 => 22,
-            _ => 24,
-        };
-        // block blk0 + j (j < n): row[(blk0 + j) * bytes..], inside the row
-        let b = |j: usize| row.as_ptr().add((blk0 + j) * bytes);
-        // the f16 at byte `at` of each block, as f32 (0 past the last)
-        let f16s = |at: usize| {
-            let h = |j: usize| {
-                if j < n {
-                    b(j).add(at).cast::<i16>().read_unaligned()
-                } else {
-                    0
-                }
-            };
-            _mm256_cvtph_ps(_mm_setr_epi16(
-                h(0),
-                h(1),
-                h(2),
-                h(3),
-                h(4),
-                h(5),
-                h(6),
-                h(7),
-            ))
-        };
-        let weights = |j: usize| -> [__m256i; 2] {
-            let b = b(j);
-            match T {
-                2 | 3 => {
-                    // the 16 bytes widened first: each 16-bit lane's low and high nibbles
-                    // are elements j and j + 16
-                    let qs = b.add(if T == 2 { 2 } else { 4 });
-                    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.cast()));
-                    let lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF));
-                    let hi = _mm256_srli_epi16::<4>(v);
-                    if T == 2 {
-                        let eight = _mm256_set1_epi16(8);
-                        [_mm256_sub_epi16(lo, eight), _mm256_sub_epi16(hi, eight)]
-                    } else {
-                        [lo, hi]
+        let bytes = bytes32(T);
+        // blocks blk0..blk0 + n: inside the row
+        let b = row.as_ptr().add(blk0 * bytes);
+        let mut g = [[_mm256_setzero_si256(); R]; 2];
+        for (q, g) in g.iter_mut().enumerate() {
+            let mut h = [[_mm256_setzero_si256(); R]; 2];
+            for (p, h) in h.iter_mut().enumerate() {
+                let j = 4 * q + 2 * p;
+                let mut u = [[_mm256_setzero_si256(); R]; 2];
+                for (i, u) in u.iter_mut().enumerate() {
+                    if j + i < n {
+                        let w = weights32::<T>(b.add((j + i) * bytes));
+                        *u = dots(w, x, blk0 + j + i);
                     }
                 }
-                8 => widen(_mm256_loadu_si256(b.add(2).cast())),
-                6 => {
-                    let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-                    let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
-                    widen(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
-                }
-                _ => {
-                    let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
-                    widen(_mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh)))
-                }
+                *h = hadd(u[0], u[1]);
             }
-        };
-        let unit = |j: usize| -> [__m256i; R] {
-            if j >= n {
-                return [_mm256_setzero_si256(); R];
-            }
-            let w = weights(j);
-            // block blk0 + j of each row of x: inside it
-            std::array::from_fn(|r| dot32(w, x[r].q.as_ptr().add(QK * (blk0 + j))))
-        };
-        let s = tree::<R>(|p| [unit(2 * p), unit(2 * p + 1)]);
-        let valid = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(n as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        // the scales (or sums) of x's blocks blk0..blk0 + n, 0 past the last
-        let load = |v: &[f32]| {
-            if n == 8 {
-                _mm256_loadu_ps(v.as_ptr().add(blk0))
-            } else {
-                _mm256_maskload_ps(v.as_ptr().add(blk0), valid)
-            }
-        };
-        let dw = f16s(0);
-        add(s, |r| _mm256_mul_ps(dw, load(x[r].d)), &mut lanes.acc);
+            *g = hadd(h[0], h[1]);
+        }
+        let s = finish(g[0], g[1]);
+        let dw = f16s(b, bytes, 0, n);
+        let mut c = [dw; R];
+        for (c, x) in c.iter_mut().zip(x) {
+            *c = _mm256_mul_ps(dw, load8(x.d, blk0, n));
+        }
+        add(s, c, &mut lanes.acc);
         if T == 3 || T == 7 {
-            let mw = f16s(2);
-            for (r, m) in lanes.mins.iter_mut().enumerate() {
-                *m = _mm256_add_ps(*m, _mm256_mul_ps(mw, load(x[r].s)));
+            let mw = f16s(b, bytes, 2, n);
+            for (m, x) in lanes.mins.iter_mut().zip(x) {
+                *m = _mm256_add_ps(*m, _mm256_mul_ps(mw, load8(x.s, blk0, n)));
             }
         }
     }
@@ -357,6 +386,42 @@ mod avx2 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().cast())))
     }
 
+    /// Sub-blocks 2g and 2g + 1 of a Q4_K super-block (quants at `qs`) or (`FIVE`) a Q5_K one
+    /// (`qh` its high bits) as 16-bit weights.
+    #[inline(always)]
+    unsafe fn k_weights<const FIVE: bool>(
+        qs: *const u8,
+        qh: __m256i,
+        g: usize,
+    ) -> [[__m256i; 2]; 2] {
+        if FIVE {
+            let nibble = _mm256_set1_epi8(0xF);
+            let v = _mm256_loadu_si256(qs.add(32 * g).cast());
+            let halves = [
+                _mm256_and_si256(v, nibble),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
+            ];
+            let mut w = [[_mm256_setzero_si256(); 2]; 2];
+            for (h, (w, q)) in w.iter_mut().zip(halves).enumerate() {
+                // bit 2g + h of each qh byte, as bit 4
+                let bit = _mm256_set1_epi8(1 << (2 * g + h));
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                let high = _mm256_and_si256(set, _mm256_set1_epi8(16));
+                *w = widen(_mm256_or_si256(q, high));
+            }
+            return w;
+        }
+        // the 32 bytes widened first: each 16-bit lane's low nibble is sub-block 2g's
+        // element, its high nibble sub-block 2g + 1's
+        let mask = _mm256_set1_epi16(0xF);
+        let v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.add(32 * g).cast()));
+        let v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(qs.add(32 * g + 16).cast()));
+        [
+            [_mm256_and_si256(v0, mask), _mm256_and_si256(v1, mask)],
+            [_mm256_srli_epi16::<4>(v0), _mm256_srli_epi16::<4>(v1)],
+        ]
+    }
+
     /// A Q4_K or (`FIVE`) Q5_K row, a super-block (8 sub-blocks of 32: 8 units) at a time.
     #[inline(always)]
     unsafe fn k_rows<const R: usize, const FIVE: bool>(
@@ -366,8 +431,6 @@ mod avx2 {
         lanes: &mut Lanes<R>,
     ) {
         let bytes = if FIVE { 176 } else { 144 };
-        let nibble = _mm256_set1_epi8(0xF);
-        let mask = _mm256_set1_epi16(0xF);
         for sb in 0..k / 256 {
             // super-block sb: row[sb * bytes..(sb + 1) * bytes], inside the row
             let b = row.as_ptr().add(sb * bytes);
@@ -375,44 +438,30 @@ mod avx2 {
             let qs = b.add(if FIVE { 48 } else { 16 });
             let qh = _mm256_loadu_si256(b.add(16).cast());
             let blk0 = 8 * sb;
-            // block blk0 + i of row r of x: inside it
-            let xq = |r: usize, i: usize| x[r].q.as_ptr().add(QK * (blk0 + i));
-            let s = tree::<R>(|g| {
-                let w: [[__m256i; 2]; 2] = if FIVE {
-                    let v = _mm256_loadu_si256(qs.add(32 * g).cast());
-                    let halves = [
-                        _mm256_and_si256(v, nibble),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
-                    ];
-                    std::array::from_fn(|h| {
-                        // bit 2g + h of each qh byte, as bit 4
-                        let bit = _mm256_set1_epi8(1 << (2 * g + h));
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                        let high = _mm256_and_si256(set, _mm256_set1_epi8(16));
-                        widen(_mm256_or_si256(halves[h], high))
-                    })
-                } else {
-                    // the 32 bytes widened first: each 16-bit lane's low nibble is sub-block
-                    // 2g's element, its high nibble sub-block 2g + 1's
-                    let at = |h: usize| _mm_loadu_si128(qs.add(32 * g + 16 * h).cast());
-                    let v = [_mm256_cvtepu8_epi16(at(0)), _mm256_cvtepu8_epi16(at(1))];
-                    [
-                        [_mm256_and_si256(v[0], mask), _mm256_and_si256(v[1], mask)],
-                        [_mm256_srli_epi16::<4>(v[0]), _mm256_srli_epi16::<4>(v[1])],
-                    ]
-                };
-                [
-                    std::array::from_fn(|r| dot32(w[0], xq(r, 2 * g))),
-                    std::array::from_fn(|r| dot32(w[1], xq(r, 2 * g + 1))),
-                ]
-            });
+            let mut g = [[_mm256_setzero_si256(); R]; 2];
+            for (q, g) in g.iter_mut().enumerate() {
+                let mut h = [[_mm256_setzero_si256(); R]; 2];
+                for (p, h) in h.iter_mut().enumerate() {
+                    let pair = 2 * q + p;
+                    let w = k_weights::<FIVE>(qs, qh, pair);
+                    let a = dots(w[0], x, blk0 + 2 * pair);
+                    let c = dots(w[1], x, blk0 + 2 * pair + 1);
+                    *h = hadd(a, c);
+                }
+                *g = hadd(h[0], h[1]);
+            }
+            let s = finish(g[0], g[1]);
             let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), floats_of(scales));
-            let at = |v: &[f32]| _mm256_loadu_ps(v.as_ptr().add(blk0));
-            add(s, |r| _mm256_mul_ps(dl, at(x[r].d)), &mut lanes.acc);
+            let mut c = [dl; R];
+            for (c, x) in c.iter_mut().zip(x) {
+                *c = _mm256_mul_ps(dl, _mm256_loadu_ps(x.d.as_ptr().add(blk0)));
+            }
+            add(s, c, &mut lanes.acc);
             let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), floats_of(mins));
             let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
-            for (r, m) in lanes.mins.iter_mut().enumerate() {
-                *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, at(x[r].s)));
+            for (m, x) in lanes.mins.iter_mut().zip(x) {
+                let s = _mm256_loadu_ps(x.s.as_ptr().add(blk0));
+                *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, s));
             }
         }
     }
@@ -451,32 +500,32 @@ mod avx2 {
                     ),
                 ];
                 let blk0 = 8 * sb + 4 * h;
-                let s = tree::<R>(|kq| {
-                    let (low, high) = quarters[kq];
-                    let low = _mm256_and_si256(low, nibble);
-                    let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
-                    let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-                    let w = widen(q);
-                    // block blk0 + kq of row r of x: inside it
-                    let p = |r: usize| x[r].q.as_ptr().add(QK * (blk0 + kq));
-                    [
-                        std::array::from_fn(|r| {
-                            _mm256_madd_epi16(w[0], _mm256_loadu_si256(p(r).cast()))
-                        }),
-                        std::array::from_fn(|r| {
-                            _mm256_madd_epi16(w[1], _mm256_loadu_si256(p(r).add(16).cast()))
-                        }),
-                    ]
-                });
+                let mut g = [[_mm256_setzero_si256(); R]; 2];
+                for (q, g) in g.iter_mut().enumerate() {
+                    let mut hs = [[_mm256_setzero_si256(); R]; 2];
+                    for (p, hs) in hs.iter_mut().enumerate() {
+                        let kq = 2 * q + p;
+                        let (low, high) = quarters[kq];
+                        let low = _mm256_and_si256(low, nibble);
+                        let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
+                        let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                        let u = half_dots(widen(q), x, blk0 + kq);
+                        *hs = hadd(u[0], u[1]);
+                    }
+                    *g = hadd(hs[0], hs[1]);
+                }
+                let s = finish(g[0], g[1]);
                 let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                     scales.add(8 * h).cast(),
                 )));
                 let dl = _mm256_mul_ps(d, sc);
-                let dx = |r: usize| {
-                    let v = _mm_loadu_ps(x[r].d.as_ptr().add(blk0));
-                    _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), pairs)
-                };
-                add(s, |r| _mm256_mul_ps(dl, dx(r)), &mut lanes.acc);
+                let mut c = [dl; R];
+                for (c, x) in c.iter_mut().zip(x) {
+                    let v = _mm_loadu_ps(x.d.as_ptr().add(blk0));
+                    let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), pairs);
+                    *c = _mm256_mul_ps(dl, dx);
+                }
+                add(s, c, &mut lanes.acc);
             }
         }
     }
@@ -508,11 +557,13 @@ mod avx2 {
             QType::Q6_K => q6_k_rows::<R>(row, k, x, &mut lanes),
             _ => unreachable!("{} is not a quantized type", t.name()),
         }
-        std::array::from_fn(|r| {
+        let mut out = [0.0; R];
+        for (r, o) in out.iter_mut().enumerate() {
             let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
             _mm256_storeu_ps(a.as_mut_ptr(), lanes.acc[r]);
             _mm256_storeu_ps(m.as_mut_ptr(), lanes.mins[r]);
-            super::fold(a) + super::fold(m)
-        })
+            *o = super::fold(a) + super::fold(m);
+        }
+        out
     }
 }
