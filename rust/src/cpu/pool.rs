@@ -1,18 +1,223 @@
-//! The CPU kernels' worker threads: one persistent pool (rayon-core) whose idle threads park on
-//! a condition variable, instead of threads spawned and joined on every call (and left to
-//! compete with torch's OpenMP threads). A call with `n` shares runs one on the calling thread
-//! and the others on `n - 1` pool workers; the pool is rebuilt only when a call asks for a
-//! different count (torch's thread count changed).
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+//! The CPU kernels' worker threads: one persistent pool of our own threads, instead of threads
+//! spawned and joined on every call (and left to compete with torch's OpenMP threads). A call
+//! with `n` shares runs one on the calling thread and the others on `n - 1` workers.
+//!
+//! A worker that has finished a share keeps polling for the next call for `SPIN` (yielding its
+//! core to any other runnable thread between polls) before it parks on a condition variable: a
+//! decode step makes a product call every few hundred microseconds, and waking a parked thread
+//! costs about as long as one small product, so a parked worker used to join a call only after
+//! the caller had claimed nearly all of it (the second core did 3 % of the 8-row products).
+use std::cell::{Cell, UnsafeCell};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::thread;
+use std::time::{Duration, Instant};
 
-use rayon_core::{ThreadPool, ThreadPoolBuilder};
+/// How long an idle worker polls for the next call before it parks (`PAGEDLLM_CPU_SPIN_US`,
+/// default 2,000 microseconds; 0 parks at once).
+fn spin() -> Duration {
+    static SPIN: OnceLock<Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("PAGEDLLM_CPU_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(2_000);
+        Duration::from_micros(us)
+    })
+}
 
 /// The kernels' workers (`Workers::run_shares`).
 pub(crate) static WORKERS: Workers = Workers::new();
 
 pub(crate) struct Workers {
-    pool: Mutex<Option<Arc<ThreadPool>>>,
+    /// The pool, grown to the most helpers a call has asked for; held by one call at a time.
+    pool: Mutex<Option<Pool>>,
+}
+
+/// One call's task, `task(i)` on worker `i` for `i` below the call's helper count (`Shared::
+/// epoch`). Borrowed from the calling frame, which waits until every helper has finished with it
+/// (`Pool::run`); the lifetime is erased to store it.
+type Job = *const (dyn Fn(usize) + Sync + 'static);
+/// The low bits of `Shared::epoch` hold the call's helper count, the rest count the calls.
+const HELPER_BITS: u32 = 16;
+
+struct Shared {
+    /// Changed once per call, after `job` is written: the call's number and its helper count
+    /// (`HELPER_BITS`), so that a worker not in the call never reads `job`.
+    epoch: AtomicU64,
+    /// The current call's task (written only while no helper of the previous call reads it:
+    /// `pending` is 0).
+    job: UnsafeCell<Job>,
+    /// Helpers of the current call that have not finished their share.
+    pending: AtomicUsize,
+    /// Set by a helper whose share panicked; the caller panics in turn.
+    panicked: AtomicBool,
+    /// Workers parked on `wake` (or about to).
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+// SAFETY: `job` is written by the one caller holding the pool while no worker reads it (every
+// helper of the previous call has decremented `pending`), published by the release store of
+// `epoch` and read after its acquire load; the task it points to is `Sync`.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+struct Pool {
+    shared: Arc<Shared>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+thread_local! {
+    /// Set on a pool worker, and on a caller while it runs a call's shares: a nested call runs
+    /// its shares inline instead of waiting on workers that are busy with the outer one.
+    static INSIDE: Cell<bool> = const { Cell::new(false) };
+}
+
+impl Pool {
+    fn new() -> Self {
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            job: UnsafeCell::new(&|_: usize| {}),
+            pending: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        Pool {
+            shared,
+            threads: Vec::new(),
+        }
+    }
+
+    /// Starts workers until there are `helpers` (false if a thread could not be started).
+    fn grow(&mut self, helpers: usize) -> bool {
+        while self.threads.len() < helpers {
+            let index = self.threads.len();
+            let shared = Arc::clone(&self.shared);
+            let seen = shared.epoch.load(Ordering::Acquire);
+            let started = thread::Builder::new()
+                .name(format!("pagedllm-cpu-{index}"))
+                .spawn(move || worker(&shared, index, seen));
+            match started {
+                Ok(handle) => self.threads.push(handle),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// `task(i)` on worker `i` for `i < helpers` while the caller runs `mine`; returns when all
+    /// have finished (re-raising a helper's panic).
+    fn run(&self, helpers: usize, task: &(dyn Fn(usize) + Sync), mine: impl FnOnce()) {
+        let shared = &*self.shared;
+        // SAFETY: only the lifetime is erased; `Wait` below does not return (nor unwind) before
+        // every helper has finished with the task.
+        let task: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(task) };
+        shared.panicked.store(false, Ordering::Relaxed);
+        shared.pending.store(helpers, Ordering::Relaxed);
+        // SAFETY: no worker reads `job` now (the previous call's helpers are done: `pending`
+        // was 0 before this call stored it), see `Shared`.
+        unsafe { *shared.job.get() = task };
+        let calls = (shared.epoch.load(Ordering::Relaxed) >> HELPER_BITS) + 1;
+        shared
+            .epoch
+            .store(calls << HELPER_BITS | helpers as u64, Ordering::SeqCst);
+        if shared.sleepers.load(Ordering::SeqCst) > 0 {
+            let _held = lock(&shared.lock);
+            shared.wake.notify_all();
+        }
+        /// Waits for the helpers, also when `mine` unwinds.
+        struct Wait<'a>(&'a Shared);
+        impl Drop for Wait<'_> {
+            fn drop(&mut self) {
+                let mut polls = 0u32;
+                while self.0.pending.load(Ordering::Acquire) != 0 {
+                    polls += 1;
+                    if polls.is_multiple_of(64) {
+                        thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        }
+        let wait = Wait(shared);
+        mine();
+        drop(wait);
+        if shared.panicked.load(Ordering::Relaxed) {
+            panic!("a CPU kernel worker panicked");
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let _held = lock(&self.shared.lock);
+            self.shared.wake.notify_all();
+        }
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A worker's loop: poll for a call that includes it (`SPIN`, then park), run its share.
+fn worker(shared: &Shared, index: usize, mut seen: u64) {
+    INSIDE.with(|inside| inside.set(true));
+    loop {
+        let mut since = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            if shared.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let epoch = shared.epoch.load(Ordering::Acquire);
+            if epoch != seen {
+                seen = epoch;
+                if (index as u64) < epoch & ((1 << HELPER_BITS) - 1) {
+                    // SAFETY: published by the release store of `epoch` (see `Shared`); the
+                    // caller waits for `pending` before the task's frame ends.
+                    let task = unsafe { &**shared.job.get() };
+                    if panic::catch_unwind(AssertUnwindSafe(|| task(index))).is_err() {
+                        shared.panicked.store(true, Ordering::Relaxed);
+                    }
+                    shared.pending.fetch_sub(1, Ordering::Release);
+                }
+                since = Instant::now();
+                polls = 0;
+                continue;
+            }
+            polls += 1;
+            if !polls.is_multiple_of(64) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if since.elapsed() >= spin() {
+                break;
+            }
+            // leave the core to any other runnable thread (torch's, another process's)
+            thread::yield_now();
+        }
+        let mut held = lock(&shared.lock);
+        shared.sleepers.fetch_add(1, Ordering::SeqCst);
+        while shared.epoch.load(Ordering::SeqCst) == seen && !shared.stop.load(Ordering::SeqCst) {
+            held = shared.wake.wait(held).unwrap_or_else(|e| e.into_inner());
+        }
+        shared.sleepers.fetch_sub(1, Ordering::SeqCst);
+        drop(held);
+    }
 }
 
 impl Workers {
@@ -22,48 +227,51 @@ impl Workers {
         }
     }
 
-    /// A pool of `workers` threads (>= 1), shared by every call asking for that many.
-    fn pool(&self, workers: usize) -> Option<Arc<ThreadPool>> {
-        let mut held = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(pool) = held.as_ref() {
-            if pool.current_num_threads() == workers {
-                return Some(Arc::clone(pool));
-            }
-        }
-        let built = ThreadPoolBuilder::new()
-            .num_threads(workers)
-            .thread_name(|i| format!("pagedllm-cpu-{i}"))
-            .build()
-            .ok()
-            .map(Arc::new);
-        if built.is_some() {
-            held.clone_from(&built);
-        }
-        built
-    }
-
     /// Runs `task` on every share: the last on the calling thread, the others on pool workers;
-    /// returns when all have finished. Without a pool (no thread could be started) the caller
-    /// runs them all.
+    /// returns when all have finished. The caller runs them all when there is one share, when
+    /// it is itself running a share (a nested call), when another call holds the workers, or
+    /// when no worker thread could be started.
     pub(crate) fn run_shares<T: Send>(&self, mut shares: Vec<T>, task: impl Fn(T) + Sync) {
         let Some(mine) = shares.pop() else { return };
-        let pool = if shares.is_empty() {
+        let helpers = shares.len();
+        let held = if helpers == 0 || helpers >= 1 << HELPER_BITS || INSIDE.with(Cell::get) {
             None
         } else {
-            self.pool(shares.len())
+            match self.pool.try_lock() {
+                Ok(held) => Some(held),
+                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            }
         };
-        let Some(pool) = pool else {
+        let Some(mut held) = held else {
             shares.into_iter().for_each(&task);
             task(mine);
             return;
         };
-        let task = &task;
-        pool.in_place_scope(|scope| {
-            for share in shares {
-                scope.spawn(move |_| task(share));
-            }
+        let pool = held.get_or_insert_with(Pool::new);
+        if !pool.grow(helpers) {
+            drop(held);
+            shares.into_iter().for_each(&task);
             task(mine);
-        });
+            return;
+        }
+        let slots: Vec<Mutex<Option<T>>> =
+            shares.into_iter().map(|s| Mutex::new(Some(s))).collect();
+        let task = &task;
+        let theirs = |i: usize| {
+            if let Some(share) = lock(&slots[i]).take() {
+                task(share);
+            }
+        };
+        INSIDE.with(|inside| inside.set(true));
+        struct Outside;
+        impl Drop for Outside {
+            fn drop(&mut self) {
+                INSIDE.with(|inside| inside.set(false));
+            }
+        }
+        let _outside = Outside;
+        pool.run(helpers, &theirs, || task(mine));
     }
 
     /// Runs `task(i)` for every `i` in `0..items`, each claimed in turn by whichever of the
@@ -87,6 +295,7 @@ impl Workers {
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
     use std::thread::{self, ThreadId};
 
@@ -107,39 +316,27 @@ mod tests {
             .collect()
     }
 
-    /// The threads of the pool the workers hold now.
-    fn pool_threads(workers: &Workers) -> HashSet<ThreadId> {
-        let held = workers.pool.lock().unwrap().clone().expect("a pool");
-        held.broadcast(|_| thread::current().id())
-            .into_iter()
-            .collect()
-    }
-
     #[test]
     fn every_share_runs_once_the_last_on_the_caller_the_others_on_workers() {
         let workers = Workers::new();
         let ran = threads_of(&workers, 4);
-        assert_eq!(ran[3], thread::current().id());
-        let pool = pool_threads(&workers);
-        assert_eq!(pool.len(), 3, "n shares: n - 1 workers");
-        assert!(
-            ran[..3].iter().all(|t| pool.contains(t)),
-            "{ran:?} {pool:?}"
-        );
+        let me = thread::current().id();
+        assert_eq!(ran[3], me);
+        let others: HashSet<_> = ran[..3].iter().collect();
+        assert_eq!(others.len(), 3, "n shares: n - 1 workers, {ran:?}");
+        assert!(!others.contains(&me));
     }
 
     #[test]
-    fn workers_persist_across_calls_and_are_rebuilt_for_another_count() {
+    fn workers_persist_across_calls_and_fewer_shares_take_some_of_them() {
         let workers = Workers::new();
-        threads_of(&workers, 3);
-        let first = pool_threads(&workers);
-        let ran = threads_of(&workers, 3);
-        assert_eq!(pool_threads(&workers), first, "the same parked workers");
-        assert!(ran[..2].iter().all(|t| first.contains(t)));
-        threads_of(&workers, 2);
-        let other = pool_threads(&workers);
-        assert_eq!(other.len(), 1);
-        assert!(other.is_disjoint(&first), "another count: a new pool");
+        let first: HashSet<_> = threads_of(&workers, 3)[..2].iter().copied().collect();
+        let again: HashSet<_> = threads_of(&workers, 3)[..2].iter().copied().collect();
+        assert_eq!(again, first, "the same workers");
+        let fewer = threads_of(&workers, 2);
+        assert!(first.contains(&fewer[0]), "{fewer:?} {first:?}");
+        let more: HashSet<_> = threads_of(&workers, 4)[..3].iter().copied().collect();
+        assert!(first.is_subset(&more), "grown, not rebuilt");
     }
 
     #[test]
@@ -154,6 +351,51 @@ mod tests {
                 "{threads} threads"
             );
         }
+    }
+
+    #[test]
+    fn many_back_to_back_calls_run_every_item_once() {
+        // the workers poll between calls: no call is missed or run twice
+        let workers = Workers::new();
+        let total = AtomicUsize::new(0);
+        for call in 0..2000 {
+            workers.run_claimed(3, 1 + call % 5, |_| {
+                total.fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        let expected: usize = (0..2000).map(|c| 1 + c % 5).sum();
+        assert_eq!(total.into_inner(), expected);
+    }
+
+    #[test]
+    fn a_nested_call_runs_inline_on_the_share_that_makes_it() {
+        let workers = Workers::new();
+        let ran = Mutex::new(Vec::new());
+        workers.run_claimed(2, 2, |outer| {
+            let me = thread::current().id();
+            workers.run_claimed(2, 3, |inner| {
+                assert_eq!(thread::current().id(), me, "inline");
+                ran.lock().unwrap().push((outer, inner));
+            });
+        });
+        let mut ran = ran.into_inner().unwrap();
+        ran.sort_unstable();
+        assert_eq!(ran, [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+    }
+
+    #[test]
+    fn a_panicking_share_panics_the_caller_and_the_pool_still_works() {
+        let workers = Workers::new();
+        let caller = thread::current().id();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            workers.run_shares(vec![0, 1], |_| {
+                if thread::current().id() != caller {
+                    panic!("a worker's share fails");
+                }
+            });
+        }));
+        assert!(outcome.is_err());
+        assert_eq!(threads_of(&workers, 2).len(), 2);
     }
 
     #[test]
