@@ -5,7 +5,7 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 use super::{dequantize_range, fast, QuantMatrix};
-use super::{int16, int8};
+use super::{gemm16, int16, int8};
 use crate::cpu::linear::{linear, PANEL};
 use crate::cpu::{invalid, pool, simd};
 use crate::error::Result;
@@ -35,7 +35,8 @@ pub enum Activations {
     /// 8 bits per 32 elements and integer dot products (`int8`); the rest as `F32`.
     Int8,
     /// Up to `DECODE_MAX_ROWS` rows of x, rows of every quantized type by x quantized to 16
-    /// bits per 32 elements and integer dot products (`int16`); the rest as `F32`.
+    /// bits per 32 elements and integer dot products (`int16`); more rows of x by weights all
+    /// Q8_0 / Q4_0 on integer panels (`gemm16`), the same codes of x; the rest as `F32`.
     Int16,
 }
 
@@ -140,8 +141,16 @@ pub fn quant_linear_with(
     } else {
         Vec::new()
     };
-    // quantized once per call, read by every share
-    let xq = QuantizedX::new(x, m, w, activations, fast);
+    // quantized once per call, read by every share; above the decode rows, 16-bit codes for
+    // the integer panels where every row's type takes them (`gemm16`)
+    let xq = if m > DECODE_MAX_ROWS {
+        let panels16 = activations == Activations::Int16
+            && k.is_multiple_of(32)
+            && w.segments.iter().all(|s| gemm16::takes(s.qtype));
+        panels16.then(|| QuantizedX::Int16(int16::QuantizedRows::new(x, k, fast)))
+    } else {
+        QuantizedX::new(x, m, w, activations, fast)
+    };
     let ctx = Ctx {
         x,
         xq: xq.as_ref(),
@@ -160,7 +169,14 @@ pub fn quant_linear_with(
         let chunk = n.div_ceil(threads * CHUNKS_PER_THREAD).max(per_share);
         run_runs(threads, n, chunk, |rows| decode_rows(&ctx, rows));
     } else {
-        let chunk = (PANEL_SCRATCH_BYTES / (4 * k) / PANEL).max(1) * PANEL;
+        let chunk = if xq.is_some() {
+            // the integer panels keep one panel at a time: runs as small as the decode path's
+            // (a 576-row weight in one run left the second thread idle)
+            n.div_ceil(num_threads.max(1) * CHUNKS_PER_THREAD)
+                .next_multiple_of(PANEL)
+        } else {
+            (PANEL_SCRATCH_BYTES / (4 * k) / PANEL).max(1) * PANEL
+        };
         let threads = num_threads.clamp(1, n.div_ceil(chunk));
         run_runs(threads, n, chunk, |rows| prefill_rows(&ctx, rows));
     }
@@ -374,6 +390,10 @@ thread_local! {
 /// The weight rows `rows` dequantized once into panels (`PANEL_SCRATCH_BYTES`) and multiplied
 /// with every row of x by `linear` (its blocked path: x packed, K sliced).
 fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
+    if let Some(QuantizedX::Int16(xq)) = ctx.xq {
+        prefill_rows16(ctx, xq, rows);
+        return;
+    }
     let (m, k) = (ctx.m, ctx.k);
     let cols = rows.len();
     let panels = cols.div_ceil(PANEL);
@@ -418,6 +438,33 @@ fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
                 std::slice::from_raw_parts_mut(ctx.out.0.add(i * ctx.n + rows.start), cols)
             };
             dst.copy_from_slice(sums);
+        }
+    });
+}
+
+thread_local! {
+    static PANEL16: RefCell<(gemm16::Panel, Vec<[f32; PANEL]>)> = RefCell::default();
+}
+
+/// `prefill_rows` on the integer panels (`gemm16`): each panel of 16 weight rows widened once
+/// to 16-bit codes and multiplied with every row of x's 16-bit codes `xq`.
+fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usize>) {
+    PANEL16.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        let (panel, sums) = &mut *scratch;
+        sums.resize(ctx.m, [0.0; PANEL]);
+        let mut first = rows.start;
+        while first < rows.end {
+            let count = (rows.end - first).min(PANEL);
+            let weights: Vec<_> = (first..first + count).map(|r| ctx.w.row(r)).collect();
+            panel.pack(&weights, ctx.k, ctx.fast);
+            panel.product(xq, sums, ctx.fast);
+            for (i, s) in sums.iter().enumerate() {
+                for (j, v) in s[..count].iter().enumerate() {
+                    ctx.put(i, first + j, *v);
+                }
+            }
+            first += count;
         }
     });
 }

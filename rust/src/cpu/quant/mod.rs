@@ -17,11 +17,14 @@
 mod dot_avx2;
 pub mod formats;
 mod formats_avx2;
+mod gemm16;
 mod int16;
 mod int8;
 mod matmul;
 mod quantize;
 
+#[cfg(test)]
+mod gemm_tests;
 #[cfg(test)]
 mod tests;
 

@@ -1,0 +1,196 @@
+//! The multi-row (above `DECODE_MAX_ROWS`: batched decode, prefill) products of the 32-element
+//! block types without a min (Q8_0, Q4_0) with 16-bit activations, in integers: a panel of
+//! `PANEL` weight rows is widened once to 16-bit codes laid out for `vpmaddwd` (`pack`: pairs
+//! of adjacent k of the 16 rows side by side, `[k / 2, PANEL]` 32-bit pairs, and the rows' scales
+//! `[k / 32, PANEL]`) and every row of x (its 16-bit codes per 32 elements, `int16`'s
+//! `QuantizedRows`) passes over it, 3 rows a register tile. One `madd` does 16 multiply-adds
+//! where an f32 FMA does 8, and the weights are widened, not dequantized to f32.
+//!
+//! Each block's 32 products are summed exactly in 32 bits (at most 32 · 32767 · 128 < 2^28),
+//! converted to f32 once and added as `acc = fma(S, d_w · d_x, acc)`, block after block in
+//! order: the portable path (`product_portable`) and the AVX2 one give the same bits.
+use super::formats::{f16_to_f32, QType};
+use super::int16::QuantizedRows;
+use super::matmul::transpose_into_panel;
+use crate::cpu::linear::PANEL;
+
+/// Elements per block (of x and of the types taken).
+const QK: usize = 32;
+/// Rows of x per register tile: 2 f32 and 2 i32 accumulators a row, 2 weight registers and
+/// the broadcast within the 16 AVX registers.
+const TILE: usize = 3;
+
+/// Whether the integer panels take rows of this type.
+pub(super) fn takes(t: QType) -> bool {
+    matches!(t, QType::Q8_0 | QType::Q4_0)
+}
+
+/// One thread's panel: `codes` `[k / 2, PANEL]` pairs of 16-bit codes (held as f32 bits so
+/// that `transpose_into_panel` moves them), `scales` `[k / 32, PANEL]`, and the row-major
+/// codes before the transpose.
+#[derive(Default)]
+pub(super) struct Panel {
+    codes: Vec<f32>,
+    scales: Vec<f32>,
+    staging: Vec<f32>,
+}
+
+/// A block `b` of a type taken, its 32 codes into `q`; returns its scale.
+#[inline(always)]
+fn widen_block(t: QType, b: &[u8], q: &mut [i16]) -> f32 {
+    let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+    match t {
+        QType::Q8_0 => {
+            for (q, v) in q.iter_mut().zip(&b[2..34]) {
+                *q = i16::from(*v as i8);
+            }
+        }
+        QType::Q4_0 => {
+            let (lo, hi) = q.split_at_mut(16);
+            for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
+                *l = i16::from(v & 0xF) - 8;
+                *h = i16::from(v >> 4) - 8;
+            }
+        }
+        _ => unreachable!("{} is not taken by the integer panels", t.name()),
+    }
+    d
+}
+
+impl Panel {
+    /// Widens the weight rows `rows` (each of a type `takes`, `k` elements; at most `PANEL`,
+    /// the missing ones zero) into the panel.
+    pub(super) fn pack(&mut self, rows: &[(QType, &[u8])], k: usize, fast: bool) {
+        assert!(rows.len() <= PANEL && k.is_multiple_of(QK));
+        let (pairs, blocks) = (k / 2, k / QK);
+        // rows a cache line apart beyond k (see `prefill_rows`)
+        let stride = pairs + 16;
+        self.staging.clear();
+        self.staging.resize(PANEL * stride, 0.0);
+        self.scales.clear();
+        self.scales.resize(blocks * PANEL, 0.0);
+        // SAFETY: the staging floats viewed as twice as many i16 (f32's alignment is i16's
+        // twice); every bit pattern is a valid value of both.
+        let staging: &mut [i16] = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.staging.as_mut_ptr().cast::<i16>(),
+                2 * self.staging.len(),
+            )
+        };
+        for (j, (t, row)) in rows.iter().enumerate() {
+            let bytes = t.block().1;
+            let dst = &mut staging[2 * j * stride..2 * j * stride + k];
+            for (b, q) in dst.chunks_exact_mut(QK).enumerate() {
+                self.scales[b * PANEL + j] = widen_block(*t, &row[b * bytes..(b + 1) * bytes], q);
+            }
+        }
+        self.codes.resize(pairs * PANEL, 0.0);
+        transpose_into_panel(&self.staging, stride, pairs, &mut self.codes, fast);
+    }
+
+    /// `acc[r][j] = Σ_k w[j][k] · x[r][k]` for the panel's 16 rows `j` and every row `r` of
+    /// `x` (`acc` holds x's rows).
+    pub(super) fn product(&self, x: &QuantizedRows, acc: &mut [[f32; PANEL]], fast: bool) {
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            // SAFETY: `fast` is set only on a CPU with avx2, fma and f16c.
+            unsafe { product_avx2(self, x, acc) };
+            return;
+        }
+        let _ = fast;
+        product_portable(self, x, acc);
+    }
+}
+
+/// `Panel::product` one element at a time, in the AVX2 path's order.
+fn product_portable(panel: &Panel, x: &QuantizedRows, acc: &mut [[f32; PANEL]]) {
+    let codes: Vec<[i16; 2]> = panel
+        .codes
+        .iter()
+        .map(|v| {
+            let b = v.to_bits();
+            [b as u16 as i16, (b >> 16) as u16 as i16]
+        })
+        .collect();
+    for (r, sums) in acc.iter_mut().enumerate() {
+        let row = x.row(r);
+        *sums = [0.0; PANEL];
+        for (b, dx) in row.d.iter().enumerate() {
+            for (j, s) in sums.iter_mut().enumerate() {
+                let mut int = 0i32;
+                for p in 0..QK / 2 {
+                    let w = codes[(b * QK / 2 + p) * PANEL + j];
+                    let q = &row.q[b * QK + 2 * p..];
+                    int += i32::from(w[0]) * i32::from(q[0]) + i32::from(w[1]) * i32::from(q[1]);
+                }
+                *s = (int as f32).mul_add(panel.scales[b * PANEL + j] * dx, *s);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn product_avx2(panel: &Panel, x: &QuantizedRows, acc: &mut [[f32; PANEL]]) {
+    let m = acc.len();
+    let mut r = 0;
+    while r < m {
+        let rows = (m - r).min(TILE);
+        let out = &mut acc[r..r + rows];
+        match rows {
+            1 => tile_avx2::<1>(panel, x, r, out),
+            2 => tile_avx2::<2>(panel, x, r, out),
+            _ => tile_avx2::<3>(panel, x, r, out),
+        }
+        r += rows;
+    }
+}
+
+/// Rows `first..first + R` of x over the whole panel, the sums in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_avx2<const R: usize>(
+    panel: &Panel,
+    x: &QuantizedRows,
+    first: usize,
+    out: &mut [[f32; PANEL]],
+) {
+    use std::arch::x86_64::*;
+    let rows: [_; R] = std::array::from_fn(|r| x.row(first + r));
+    let blocks = rows[0].d.len();
+    debug_assert!(panel.codes.len() == blocks * QK / 2 * PANEL);
+    let w = panel.codes.as_ptr().cast::<__m256i>();
+    let mut f = [[_mm256_setzero_ps(); 2]; R];
+    for b in 0..blocks {
+        let mut s = [[_mm256_setzero_si256(); 2]; R];
+        for p in 0..QK / 2 {
+            // pair p of block b: 16 rows' two codes, two vectors of 8 (inside codes)
+            let w0 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2));
+            let w1 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2 + 1));
+            for (sr, row) in s.iter_mut().zip(&rows) {
+                // elements b * 32 + 2p and + 1 of the row: inside its k codes
+                let pair = row
+                    .q
+                    .as_ptr()
+                    .add(b * QK + 2 * p)
+                    .cast::<i32>()
+                    .read_unaligned();
+                let xv = _mm256_set1_epi32(pair);
+                sr[0] = _mm256_add_epi32(sr[0], _mm256_madd_epi16(w0, xv));
+                sr[1] = _mm256_add_epi32(sr[1], _mm256_madd_epi16(w1, xv));
+            }
+        }
+        let scales = panel.scales.as_ptr().add(b * PANEL);
+        let (d0, d1) = (_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8)));
+        for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
+            let dx = _mm256_set1_ps(row.d[b]);
+            fr[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[0]), _mm256_mul_ps(d0, dx), fr[0]);
+            fr[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[1]), _mm256_mul_ps(d1, dx), fr[1]);
+        }
+    }
+    for (dst, fr) in out.iter_mut().zip(&f) {
+        _mm256_storeu_ps(dst.as_mut_ptr(), fr[0]);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(8), fr[1]);
+    }
+}
