@@ -859,3 +859,46 @@ fn int16_activations_keep_a_nan_or_infinity_of_x_in_multi_row_products() {
         }
     }
 }
+
+#[test]
+fn int16_decode_rows_equal_the_portable_row_dots_for_1_to_8_rows_and_partial_groups() {
+    // the AVX2 products sum 8 units (blocks, Q6_K's halves) at a time: k of 1, 3, 7, 9 and 18
+    // blocks leave a last group of 1-7, 256 and 768 whole super-blocks; 1-8 rows of x take
+    // passes of 4, 3, 2 and 1 rows
+    for t in INT16_TYPES {
+        for k in [32usize, 96, 224, 288, 576, 256, 768] {
+            if !k.is_multiple_of(t.block().0) {
+                continue;
+            }
+            let n = 3;
+            let data = random_rows(t, n, k, k as u64 + t as u64);
+            let segments = vec![Segment {
+                qtype: t,
+                data: &data,
+                rows: n,
+            }];
+            let w = QuantMatrix::new(segments, k).unwrap();
+            for m in 1..=matmul::DECODE_MAX_ROWS {
+                let mut x = floats(m * k, m as f32 + 0.25);
+                x[k - 1] = -3.0e4;
+                let xq = int16::QuantizedRows::new(&x, k, false);
+                let x = Array2::from_shape_vec((m, k), x).unwrap();
+                let mut out = Array2::from_elem((m, n), f32::NAN);
+                let int16 = Activations::Int16;
+                quant_linear_with(x.view(), &w, None, out.view_mut(), 1, int16).unwrap();
+                for c in 0..n {
+                    let (_, row) = w.row(c);
+                    for i in 0..m {
+                        let want = int16::row_dot(t, row, xq.row(i));
+                        let got = out[[i, c]];
+                        let what = format!("{} k {k} m {m} row {c} x {i}", t.name());
+                        assert_eq!(got.to_bits(), want.to_bits(), "{what}");
+                        let (exact, size) = int16_reference(t, row, xq.row(i));
+                        let err = (f64::from(got) - exact).abs();
+                        assert!(err <= size * 1e-6, "{what}: {got} vs {exact}");
+                    }
+                }
+            }
+        }
+    }
+}
