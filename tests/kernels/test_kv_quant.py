@@ -144,6 +144,8 @@ SHAPES = pytest.mark.parametrize(
     [
         # decode, GQA 4, partial last blocks, a one-token context (keys in lanes)
         ([37, 5, 16, 1, 300], [1, 1, 1, 1, 1], 8, 2, 64, 16),
+        # decode, GQA 3 (SmolLM2's): a pair of rows per key widening, then a single row
+        ([45, 130], [1, 1], 9, 3, 64, 16),
         # prefill chunks over a cached prefix beside decodes (rows in lanes), head_dim 128
         ([40, 70, 17], [40, 33, 1], 4, 2, 128, 16),
         # a head size not a multiple of 8 (the portable loop), odd block size

@@ -713,11 +713,28 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                 let at: [usize; 8] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
                 for g in 0..kv_heads {
                     let eight = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * row));
-                    for r in 0..rows {
-                        let q = sc.q.as_ptr().add((g * rows + r) * d);
-                        let scores = k::qk_keys_in_lanes(q, &eight, d);
-                        let row = sc.scores.as_mut_ptr().add((g * rows + r) * KEY_TILE);
-                        std::arch::x86_64::_mm256_storeu_ps(row.add(j0), scores);
+                    let (q_at, s_at) = (sc.q.as_ptr(), sc.scores.as_mut_ptr());
+                    let q_row = |r: usize| q_at.add((g * rows + r) * d);
+                    let score_row = |r: usize| s_at.add((g * rows + r) * KEY_TILE + j0);
+                    let mut r = 0;
+                    while r < rows {
+                        // quantized keys: a pair of rows per pass, each key widened once for
+                        // both (the widening, not the FMAs, is what a quantized key costs more)
+                        if C::EXTRA > 0 && r + 1 < rows {
+                            let pair = k::qk_keys_in_lanes_rows::<C, 2>(
+                                [q_row(r), q_row(r + 1)],
+                                &eight,
+                                d,
+                            );
+                            for (i, scores) in pair.into_iter().enumerate() {
+                                std::arch::x86_64::_mm256_storeu_ps(score_row(r + i), scores);
+                            }
+                            r += 2;
+                        } else {
+                            let scores = k::qk_keys_in_lanes(q_row(r), &eight, d);
+                            std::arch::x86_64::_mm256_storeu_ps(score_row(r), scores);
+                            r += 1;
+                        }
                     }
                 }
             }

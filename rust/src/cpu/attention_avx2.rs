@@ -180,6 +180,54 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem>(
     _mm256_mul_ps(scores, _mm256_loadu_ps(factors.as_ptr()))
 }
 
+/// `qk_keys_in_lanes` for `R` rows at once (the rows of a GQA group: the same keys), each key
+/// vector widened once for all of them, not once per row; four keys at a time so that the
+/// `R * 4` sums, the `R` query vectors and the key stay in registers. The same sums in the same
+/// order as `qk_keys_in_lanes`: bit for bit its scores.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn qk_keys_in_lanes_rows<C: KvElem, const R: usize>(
+    q: [*const f32; R],
+    keys: &[*const C; 8],
+    d: usize,
+) -> [__m256; R] {
+    // per row, lanes: [sums of keys 0-3 over the low half of x, ... over the high half], then
+    // the same for keys 4-7 (the fold of `qk_keys_in_lanes` before its cross-half add)
+    let mut halves = [[_mm256_setzero_ps(); 2]; R];
+    for (half, four) in keys.chunks_exact(4).enumerate() {
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        let mut x = 0;
+        while x < d {
+            let qv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(q[r].add(x)));
+            for (l, k) in four.iter().enumerate() {
+                let kv = C::load8(k.add(x));
+                for r in 0..R {
+                    acc[r][l] = _mm256_fmadd_ps(qv[r], kv, acc[r][l]);
+                }
+            }
+            x += 8;
+        }
+        for r in 0..R {
+            let h01 = _mm256_hadd_ps(acc[r][0], acc[r][1]);
+            let h23 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
+            halves[r][half] = _mm256_hadd_ps(h01, h23);
+        }
+    }
+    let factors: [f32; 8] = std::array::from_fn(|l| C::factor(keys[l], d));
+    let factors = _mm256_loadu_ps(factors.as_ptr());
+    std::array::from_fn(|r| {
+        let [h0123, h4567] = halves[r];
+        let low = _mm256_permute2f128_ps::<0x20>(h0123, h4567);
+        let high = _mm256_permute2f128_ps::<0x31>(h0123, h4567);
+        let scores = _mm256_add_ps(low, high);
+        if C::EXTRA == 0 {
+            scores
+        } else {
+            _mm256_mul_ps(scores, factors)
+        }
+    })
+}
+
 /// Quantized values: `p[r * p_row + j * p_key] *= factor(values[j])` for rows `r < rows` (after
 /// the softmax took its sums), so that `pv` accumulates the dequantized values.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -421,6 +469,43 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn scores_of_a_pair_of_rows_are_those_of_each_row_bit_for_bit() {
+        use crate::cpu::kv_quant::{Fp8E4M3, KvElem, I8};
+        if !has_avx2_fma() || !std::arch::is_x86_feature_detected!("f16c") {
+            return;
+        }
+        fn check<C: KvElem>() {
+            let d = 64;
+            let xs = |seed: usize| -> Vec<f32> {
+                (0..d)
+                    .map(|i| ((i * 31 + seed * 17) % 29) as f32 * 0.11 - 1.5)
+                    .collect()
+            };
+            // eight coded keys, rows of d + EXTRA elements
+            let mut rows = vec![unsafe { std::mem::zeroed::<C>() }; 8 * (d + C::EXTRA)];
+            for (j, row) in rows.chunks_exact_mut(d + C::EXTRA).enumerate() {
+                C::encode(&xs(j + 3), row);
+            }
+            let keys: [*const C; 8] = std::array::from_fn(|j| rows[j * (d + C::EXTRA)..].as_ptr());
+            let (q0, q1) = (xs(40), xs(41));
+            let lanes = |v: __m256| {
+                let mut out = [0.0f32; 8];
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+                out
+            };
+            let pair =
+                unsafe { qk_keys_in_lanes_rows::<C, 2>([q0.as_ptr(), q1.as_ptr()], &keys, d) };
+            for (q, got) in [(&q0, pair[0]), (&q1, pair[1])] {
+                let want = unsafe { qk_keys_in_lanes::<C>(q.as_ptr(), &keys, d) };
+                assert_eq!(lanes(got), lanes(want));
+            }
+        }
+        check::<I8>();
+        check::<Fp8E4M3>();
+        check::<f32>();
     }
 
     #[test]
