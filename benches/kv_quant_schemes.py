@@ -1,0 +1,138 @@
+"""Candidate KV row formats measured before building them: the model runs with its float cache,
+layer by layer (`enforce_eager`), and each layer's new keys and values are coded and decoded in
+torch by the candidate scheme just before the store, so every position attends over keys and
+values as the scheme would give them back. Teacher-forced over real text as
+`kv_quant_quality.py`: the share of positions whose top-1 token equals the float cache's, and
+the perplexity against the float cache's.
+
+    python benches/kv_quant_schemes.py --tokens 4096 [--text FILE] \
+        --schemes engine-int8 int8-b3 int8-b5 int8-exact int8-mse int8-b3-konly fp8-b3 fp8-b3-norot
+
+A scheme is `KIND-BOUND[-norot][-konly|-vonly]`: KIND int8 (symmetric, max 127) or fp8
+(e4m3fn, max 448); BOUND how the row's bound (scale x max) is kept: `b3` / `b5` its amax rounded
+up to 3 / 5 mantissa bits (`b3` is the shipped scale byte), `exact` the amax as a float, `mse`
+the bound among 1.0 .. 0.7 x amax with the row's least squared error; `norot` codes the row
+without the Walsh-Hadamard rotation; `konly` / `vonly` codes only the keys / values. `engine-int8`
+and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check against b3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from kv_quant_quality import TEXT, teacher_forced
+
+from pagedllm import LLM
+from pagedllm.attention import cpu_attention
+from pagedllm.kernels import reference
+
+_CLIPS = [1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76, 0.73, 0.7]
+_MAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def round_up(amax: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """`amax` (float32 > 0) rounded up to `mantissa_bits` bits of mantissa."""
+    shift = 23 - mantissa_bits
+    bits = ((amax.view(torch.int32).long() + (1 << shift) - 1) >> shift) << shift
+    return bits.int().view(torch.float32)
+
+
+def code(y: torch.Tensor, bound: torch.Tensor, kind: str) -> torch.Tensor:
+    """Rows `y` coded with their bound and decoded."""
+    scale = bound / _MAX[kind]
+    if kind == "int8":
+        return (y / scale).round().clamp(-127, 127) * scale
+    return (y / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def least_squares_bound(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch.Tensor:
+    best, bound = None, amax
+    for clip in _CLIPS:
+        candidate = amax * clip
+        err = ((code(y, candidate, kind) - y) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = err
+        else:
+            better = err < best
+            best, bound = torch.where(better, err, best), torch.where(better, candidate, bound)
+    return bound
+
+
+def fake(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """`x` [T, KVH, D] coded and decoded by `scheme` (float32)."""
+    x = x.float()
+    if scheme.startswith("engine-"):
+        dtype = {"engine-int8": torch.int8, "engine-fp8": torch.float8_e4m3fn}[scheme]
+        return reference.dequantize_rows(reference.quantize_rows(x, dtype))
+    kind, bound_kind, *flags = scheme.split("-")
+    rotate = "norot" not in flags
+    y = reference.hadamard(x) if rotate else x
+    amax = y.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    bound = {
+        "b3": lambda: round_up(amax, 3),
+        "b5": lambda: round_up(amax, 5),
+        "exact": lambda: amax,
+        "mse": lambda: least_squares_bound(y, amax, kind),
+    }[bound_kind]()
+    y = code(y, bound, kind)
+    return reference.unrotate(y) if rotate else y
+
+
+def with_scheme(holder: dict):
+    store = cpu_attention.store_and_attend
+
+    def patched(q, k, v, *args, **kwargs):
+        scheme = holder.get("scheme")
+        if scheme is not None:
+            plain = scheme.replace("-konly", "").replace("-vonly", "")
+            k = k if "-vonly" in scheme else fake(k, plain).to(k.dtype)
+            v = v if "-konly" in scheme else fake(v, plain).to(v.dtype)
+        return store(q, k, v, *args, **kwargs)
+
+    cpu_attention.store_and_attend = patched
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--text", type=Path, default=TEXT)
+    p.add_argument("--schemes", nargs="+", required=True)
+    args = p.parse_args()
+    holder: dict = {}
+    with_scheme(holder)
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        max_model_len=args.window + 64,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+    )
+    ids = llm.get_tokenizer().encode(args.text.read_text())[: args.tokens + 1]
+    step = args.window
+    windows = [ids[i : i + step + 1] for i in range(0, len(ids) - 1, step)]
+    ref_top1, logprobs = teacher_forced(llm, windows)
+    ref_ppl = math.exp(-sum(logprobs) / len(logprobs))
+    print(json.dumps({"scheme": "float", "positions": len(ref_top1), "perplexity": ref_ppl}))
+    for scheme in args.schemes:
+        holder["scheme"] = scheme
+        top1, logprobs = teacher_forced(llm, windows)
+        differ = sum(a != b for a, b in zip(top1, ref_top1))
+        ppl = math.exp(-sum(logprobs) / len(logprobs))
+        result = {
+            "scheme": scheme,
+            "top1_agreement": round(1 - differ / len(top1), 5),
+            "differ": differ,
+            "perplexity_vs_float": round(ppl / ref_ppl - 1, 5),
+        }
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
