@@ -724,12 +724,14 @@ class Scheduler:
         finished_recving: _Iterable[int],
         finished_sending: _Iterable[int],
         invalid_blocks: _Iterable[int] = ...,
+        removed_hashes: _Iterable[int] = ...,
     ) -> None:
         """The workers' report of the KV connector's transfers: finished loads, finished
-        saves, device blocks whose load failed (recomputed). A step's synchronous loads
-        (``kv_sync_jobs``) are reported before its output; when one of their blocks failed,
-        the step is discarded (``discard_step``), not applied. ``ValueError`` for an id the
-        scheduler is not waiting for."""
+        saves, device blocks whose load failed (recomputed), block hashes whose tier copy
+        they deleted (the disk tier's evictions: published removed, first). A step's
+        synchronous loads (``kv_sync_jobs``) are reported before its output; when one of
+        their blocks failed, the step is discarded (``discard_step``), not applied.
+        ``ValueError`` for an id the scheduler is not waiting for."""
     def has_pending_transfers(self) -> bool:
         """Loads or saves not reported yet (their blocks stay allocated until then)."""
     def get_stats(self) -> dict[str, int | float]: ...

@@ -81,6 +81,26 @@ def stored_media(sub: zmq.Socket) -> set[tuple[str, bool]]:
     return out
 
 
+def evicting_disk_llm(tmp_path) -> tuple:
+    """(its folder, an engine over a disk tier of 16 block files publishing events): the second
+    of two 12-block prompts evicts."""
+    folder = tmp_path / "blocks"
+    folder.mkdir()
+    llm = make_disk_llm(folder, kv_events_config=events_config(tmp_path))
+    llm.llm_engine.kv_transfer.size_bytes = 16 * llm.llm_engine.kv_transfer.file_bytes(0)
+    return folder, llm
+
+
+def storage_removed(sub: zmq.Socket) -> list[int]:
+    """The hashes of every `BlockRemoved` on `STORAGE` received until the socket falls quiet."""
+    removed = []
+    while sub.poll(300):
+        for event in msgpack.unpackb(sub.recv_multipart()[2])[1]:
+            if event["type"] == "BlockRemoved" and event["medium"] == "STORAGE":
+                removed += event["block_hashes"]
+    return removed
+
+
 def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -181,11 +201,7 @@ def test_a_cpu_engines_cache_and_host_tier_publish_apart_and_weigh_as_device_and
 
 
 def test_blocks_the_disk_tier_evicts_are_published_removed_and_leave_the_routers_index(tmp_path):
-    folder = tmp_path / "blocks"
-    folder.mkdir()
-    llm = make_disk_llm(folder, kv_events_config=events_config(tmp_path))
-    tier = llm.llm_engine.kv_transfer
-    tier.size_bytes = 16 * tier.file_bytes(0)  # 16 block files: the second prompt evicts
+    folder, llm = evicting_disk_llm(tmp_path)
     router, lock = Router(1, BLOCK), threading.Lock()
     sub = KVEventSubscriber(
         router, lock, 0, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
@@ -196,11 +212,7 @@ def test_blocks_the_disk_tier_evicts_are_published_removed_and_leave_the_routers
         time.sleep(0.2)  # the SUB socket's subscription reaches the publisher
         for seed in (1, 2):  # 12 blocks each
             serve(llm, prompt(seed))
-        removed = []
-        while raw.poll(300):
-            for event in msgpack.unpackb(raw.recv_multipart()[2])[1]:
-                if event["type"] == "BlockRemoved" and event["medium"] == "STORAGE":
-                    removed += event["block_hashes"]
+        removed = storage_removed(raw)
         on_disk = {p.name for p in block_files(folder)}
         assert removed and len(on_disk) <= 16
         assert not {kv_block_file_name(h) for h in removed} & on_disk
@@ -210,4 +222,29 @@ def test_blocks_the_disk_tier_evicts_are_published_removed_and_leave_the_routers
     finally:
         raw.close()
         sub.close()
+        llm.llm_engine.shutdown()
+
+
+def test_the_disk_tiers_removed_blocks_are_the_evictions_its_saves_report(tmp_path):
+    # the scheduler's side publishes what the workers deleted, not what a listing misses
+    folder, llm = evicting_disk_llm(tmp_path)
+    tier = llm.llm_engine.kv_transfer
+    reported, finished = [], tier.get_finished
+
+    def recorded():
+        out = finished()
+        reported.extend(out[3])
+        return out
+
+    tier.get_finished = recorded
+    raw = subscribe(tmp_path)
+    try:
+        time.sleep(0.2)  # the SUB socket's subscription reaches the publisher
+        for seed in (1, 2):  # 12 blocks each
+            serve(llm, prompt(seed))
+        removed = storage_removed(raw)
+        assert reported and sorted(removed) == sorted(reported)
+        assert not {kv_block_file_name(h) for h in reported} & {p.name for p in block_files(folder)}
+    finally:
+        raw.close()
         llm.llm_engine.shutdown()

@@ -490,9 +490,9 @@ class LLMEngine:
     def _transfers_finished(self) -> None:
         """The offload tier's finished loads and saves, fed back to the scheduler: parked
         requests whose prefix loaded become admissible, saved blocks are given back."""
-        recving, sending, invalid = self.kv_transfer.get_finished()
-        if recving or sending:
-            self.scheduler.update_connector_output(recving, sending, invalid)
+        recving, sending, invalid, removed = self.kv_transfer.get_finished()
+        if recving or sending or removed:
+            self.scheduler.update_connector_output(recving, sending, invalid, removed)
 
     def _grammars_compiled(self) -> None:
         """Requests whose grammar finished compiling: schedulable from this step on, or ended

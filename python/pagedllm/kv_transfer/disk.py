@@ -23,8 +23,9 @@ save. A read-only folder still serves loads.
 
 `kv_offloading_size` bounds the directory: after a save, the least recently used files (by
 modification time, which a load refreshes where it can) are deleted until it fits; a file
-another engine deleted first is skipped. The scheduler's side finds them gone and publishes
-them removed (KV events, medium `STORAGE`: `rust/src/connector/disk.rs`).
+another engine deleted first is skipped. Their hashes go to the scheduler's side (with the
+finished transfers: `get_finished`), which publishes them removed (KV events, medium `STORAGE`:
+`rust/src/connector/disk.rs`) without listing the directory.
 """
 
 from __future__ import annotations
@@ -182,17 +183,23 @@ class DiskConnector(CopyThreadConnector):
             return
         if total <= self.size_bytes:
             return
-        for _, path, size in sorted(entries):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:  # another engine evicted it first
-                pass
-            except OSError as exc:  # read-only: so would every other deletion be
-                self._io_error("evict", path, exc)
-                return
-            total -= size
-            if total <= self.size_bytes:
-                break
+        removed = []
+        try:
+            for _, path, size in sorted(entries):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:  # another engine evicted it first
+                    pass
+                except OSError as exc:  # read-only: so would every other deletion be
+                    self._io_error("evict", path, exc)
+                    return
+                removed.append(int(os.path.basename(path).removesuffix(SUFFIX), 16))
+                total -= size
+                if total <= self.size_bytes:
+                    break
+        finally:
+            with self._lock:  # for the scheduler, which publishes them removed
+                self._removed.extend(removed)
 
     # ---- loads --------------------------------------------------------------------------
 

@@ -10,8 +10,9 @@ step's `kv_load_*` / `kv_save_*` arrays) on a copy thread and reports finished t
   (jobs, failed device blocks) for the engine to report at once. They may overtake the copy
   thread's saves: a save reads blocks held until it is reported and writes a slot no load
   reads, a load reads a slot whose save was reported and writes a fresh block.
-- `get_finished()`: (finished loads, finished saves, device blocks whose load failed), the
-  scheduler's `update_connector_output` arguments (vLLM's `get_finished`).
+- `get_finished()`: (finished loads, finished saves, device blocks whose load failed, block
+  hashes whose tier copy a save deleted), the scheduler's `update_connector_output` arguments
+  (vLLM's `get_finished`, plus the disk tier's evictions).
 - `wait_for_save()`: blocks until every transfer submitted so far is done.
 
 Asynchronous loads (the disk tier's) run on the copy thread: the scheduler parks the
@@ -106,6 +107,8 @@ class CopyThreadConnector:
         self._recving: list[int] = []
         self._sending: list[int] = []
         self._invalid: list[int] = []
+        # block hashes whose tier copy a save deleted (the disk tier's evictions)
+        self._removed: list[int] = []
         self._inflight: list[Future] = []
         self._done = threading.Condition(self._lock)
         # bytes moved each way and the loads' latencies (submitted -> copied), for the metrics
@@ -152,15 +155,15 @@ class CopyThreadConnector:
             self.load_latency.observe(time.perf_counter() - submitted)
         return received, invalid
 
-    def get_finished(self) -> tuple[list[int], list[int], list[int]]:
-        """(finished loading, finished saving, invalid device blocks) since the last call;
-        re-raises a copy thread's error."""
+    def get_finished(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(finished loading, finished saving, invalid device blocks, block hashes whose tier
+        copy a save deleted) since the last call; re-raises a copy thread's error."""
         with self._lock:
             for future in self._inflight:
                 if future.done() and future.exception() is not None:
                     raise future.exception()
-            out = (self._recving, self._sending, self._invalid)
-            self._recving, self._sending, self._invalid = [], [], []
+            out = (self._recving, self._sending, self._invalid, self._removed)
+            self._recving, self._sending, self._invalid, self._removed = [], [], [], []
         return out
 
     def wait_for_save(self, timeout: float | None = None) -> None:

@@ -538,14 +538,20 @@ impl PyScheduler {
     /// failed (their tokens are computed again). A step's synchronous loads (`kv_sync_jobs`)
     /// are reported before its output; when one of their blocks failed, the step is
     /// discarded (`discard_step`), not applied. ValueError for an id the scheduler is not
-    /// waiting for; nothing is applied then.
-    #[pyo3(signature = (finished_recving, finished_sending, invalid_blocks = Vec::new()))]
+    /// waiting for; nothing is applied then. `removed_hashes`: the blocks whose tier copy the
+    /// workers deleted (the disk tier's evictions), published removed first, whatever else
+    /// the report holds (the files are gone either way).
+    #[pyo3(signature = (
+        finished_recving, finished_sending, invalid_blocks = Vec::new(), removed_hashes = Vec::new()
+    ))]
     fn update_connector_output(
         &mut self,
         finished_recving: Vec<u64>,
         finished_sending: Vec<u64>,
         invalid_blocks: Vec<u32>,
+        removed_hashes: Vec<u64>,
     ) -> PyResult<()> {
+        self.inner.kv_tier_removed(&removed_hashes);
         Ok(self.inner.update_connector_output(
             &finished_recving,
             &finished_sending,

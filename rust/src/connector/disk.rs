@@ -11,10 +11,11 @@
 //! when they load it and delete the oldest when a save would exceed the size.
 //!
 //! KV events (medium `STORAGE`): a block is published stored once its save is reported and
-//! its file is there, and removed when its file is found gone (the workers' evictions after a
-//! save, another engine's, a failed load), so a router's disk index keeps no stale blocks: the
-//! directory is listed once per step that finished saves (when events are on), and a block
-//! looked up and missing is published removed at once.
+//! its file is there, and removed when its file is gone: the workers report the files they
+//! evicted to stay within the size (`tier_removed`, with the saves that made room), a failed
+//! load reports its block, and a block looked up and missing (another engine evicted it) is
+//! published removed at once. So a router's disk index keeps no stale blocks, and no step lists
+//! the directory (whose size grows with the files).
 use std::collections::HashSet;
 use std::path::PathBuf;
 
@@ -71,30 +72,6 @@ impl DiskConnector {
     fn unpublish(&mut self, hash: u64) {
         if self.published.remove(&hash) {
             self.events.removed(hash);
-        }
-    }
-
-    /// Publishes removed every published block whose file is gone (one directory listing; a
-    /// folder deleted outright took them all, one that cannot be listed is checked next time).
-    fn sweep_removed(&mut self) {
-        if self.published.is_empty() {
-            return;
-        }
-        let present: HashSet<u64> = match std::fs::read_dir(&self.dir) {
-            Ok(entries) => entries
-                .filter_map(|e| {
-                    let name = e.ok()?.file_name();
-                    let hex = name.to_str()?.strip_suffix(".kvblock")?;
-                    u64::from_str_radix(hex, 16).ok()
-                })
-                .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
-            Err(_) => return,
-        };
-        let mut gone: Vec<u64> = self.published.difference(&present).copied().collect();
-        gone.sort_unstable(); // one order for a run's events
-        for hash in gone {
-            self.unpublish(hash);
         }
     }
 }
@@ -163,10 +140,15 @@ impl KvConnector for DiskConnector {
         true
     }
 
-    fn update_connector_output(&mut self, out: &ConnectorOutput<'_>) {
-        if !out.finished_sending.is_empty() && self.events.is_enabled() {
-            self.sweep_removed(); // a save is followed by the workers' evictions
+    fn tier_removed(&mut self, hashes: &[u64]) {
+        let mut gone = hashes.to_vec();
+        gone.sort_unstable(); // one order for a run's events
+        for hash in gone {
+            self.unpublish(hash);
         }
+    }
+
+    fn update_connector_output(&mut self, out: &ConnectorOutput<'_>) {
         for job in out.finished_sending {
             for (_, hash) in self.jobs.remove(job).unwrap_or_default() {
                 self.saving.remove(&hash);
@@ -263,8 +245,9 @@ mod tests {
         };
         let stored = save(&mut c, 1, &[10, 11]);
         assert_eq!((stored.kinds, stored.hashes), (vec![0], first.to_vec()));
-        // the workers evict block 10 to make room for the next save
+        // the workers evict block 10 to make room for the next save, and report it with it
         std::fs::remove_file(dir.join(block_file_name(10))).unwrap();
+        c.tier_removed(&[10]);
         let b = save(&mut c, 2, &[20, 21]);
         assert_eq!(b.kinds, vec![1, 0]);
         assert_eq!(b.media, vec![Medium::Disk as u8; 2]);
@@ -274,6 +257,40 @@ mod tests {
         c.get_num_new_matched_tokens(&r(3, &[11, 20]), 0);
         let b = c.kv_events_mut().unwrap().drain();
         assert_eq!((b.kinds, b.hashes), (vec![1], vec![11]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_save_step_publishes_only_the_reported_evictions_without_listing_the_directory() {
+        let dir = std::env::temp_dir().join(format!("pagedllm-disk-nl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = DiskConnector::new(2, &dir);
+        c.kv_events_mut().unwrap().set_enabled(true, 2);
+        let tokens = [1; 5];
+        for (job, hashes) in [(1, &[10, 11]), (2, &[20, 21])] {
+            let req = ConnectorRequest {
+                id: "r",
+                job,
+                tokens: &tokens,
+                block_hashes: hashes,
+            };
+            assert!(c.request_finished(&req, &[4, 5]));
+            for &h in hashes {
+                std::fs::write(dir.join(block_file_name(h)), b"x").unwrap();
+            }
+            if job == 2 {
+                // gone without a report (another engine's eviction): not looked for here
+                std::fs::remove_file(dir.join(block_file_name(10))).unwrap();
+                c.tier_removed(&[11]);
+            }
+            c.update_connector_output(&ConnectorOutput {
+                finished_sending: &[job],
+                ..Default::default()
+            });
+        }
+        let b = c.kv_events_mut().unwrap().drain();
+        assert_eq!(b.kinds, vec![0, 1, 0]);
+        assert_eq!(b.hashes, vec![10, 11, 11, 20, 21]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

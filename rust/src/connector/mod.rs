@@ -161,6 +161,10 @@ pub trait KvConnector: std::fmt::Debug + Send + Sync {
     /// The workers' report of finished transfers.
     fn update_connector_output(&mut self, out: &ConnectorOutput<'_>);
 
+    /// Blocks (by hash) whose copy in the tier the workers deleted (the disk tier's evictions
+    /// to stay within its size), so the tier publishes them removed without looking.
+    fn tier_removed(&mut self, _hashes: &[u64]) {}
+
     /// Counters of the tier, when it keeps any.
     fn offload_stats(&self) -> Option<OffloadStats> {
         None

@@ -334,6 +334,14 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Blocks (by hash) whose tier copy the workers deleted (the disk tier's evictions): the
+    /// connector publishes them removed.
+    pub fn kv_tier_removed(&mut self, hashes: &[u64]) {
+        if let Some(connector) = self.kv.connector.as_mut() {
+            connector.tier_removed(hashes);
+        }
+    }
+
     /// Loads or saves the workers have not reported yet.
     pub fn has_pending_transfers(&self) -> bool {
         !self.kv.loading.is_empty() || !self.kv.held.is_empty() || !self.kv.syncing.is_empty()
