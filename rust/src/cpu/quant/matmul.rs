@@ -252,15 +252,21 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let (m, k) = (ctx.m, ctx.k);
     let mut buf = [0.0f32; CHUNK];
     let mut sums = [0.0f32; DECODE_MAX_ROWS];
-    for r in rows {
-        let (t, row) = ctx.w.row(r);
+    // x's quantized rows looked up once per run, not once per weight row
+    let (mut x8, mut x16) = (Vec::new(), Vec::new());
+    match ctx.xq {
+        Some(QuantizedX::Int8(xq)) => x8.extend((0..m).map(|i| xq.row(i))),
+        Some(QuantizedX::Int16(xq)) => x16.extend((0..m).map(|i| xq.row(i))),
+        None => {}
+    }
+    for (r, t, row) in ctx.w.rows_in(rows) {
         match ctx.xq.filter(|xq| xq.takes(t)) {
-            Some(QuantizedX::Int8(xq)) => {
-                int8_row::<F>(ctx, xq, t, row, r);
+            Some(QuantizedX::Int8(_)) => {
+                int8_row::<F>(ctx, &x8, t, row, r);
                 continue;
             }
-            Some(QuantizedX::Int16(xq)) => {
-                int16_row::<F>(ctx, xq, t, row, r);
+            Some(QuantizedX::Int16(_)) => {
+                int16_row::<F>(ctx, &x16, t, row, r);
                 continue;
             }
             None => {}
@@ -290,33 +296,33 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
 }
 
 /// `$name`: row `r` (type `t`, `$m::takes(t)`, bytes `row`) dotted with every row of x
-/// quantized by `$m` (`xq`): on the AVX2 path (when `F`) up to 4 rows of x per pass over it. One
-/// body for the 8- and 16-bit activations, whose modules offer the same `row` / `row_dot` /
-/// `row_dots_avx2`.
+/// quantized by `$m` (`x`, its rows): on the AVX2 path (when `F`) up to 4 rows of x per pass
+/// over it. One body for the 8- and 16-bit activations, whose modules offer the same `Row` /
+/// `row_dot` / `row_dots_avx2`.
 macro_rules! integer_row {
     ($name:ident, $m:ident) => {
         #[inline(always)]
         fn $name<const F: bool>(
             ctx: &Ctx<'_, '_>,
-            xq: &$m::QuantizedRows,
+            x: &[$m::Row<'_>],
             t: super::QType,
             row: &[u8],
             r: usize,
         ) {
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
-            while F && i < ctx.m {
+            while F && i < x.len() {
                 use $m::row_dots_avx2;
-                let x = |j: usize| xq.row(i + j);
                 let k = ctx.k;
+                let x = &x[i..];
                 // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c
                 // checked); `takes(t)`, the row and the rows of x hold k elements.
                 let dots: &[f32] = unsafe {
-                    match ctx.m - i {
-                        1 => &row_dots_avx2::<1>(t, row, k, &[x(0)]),
-                        2 => &row_dots_avx2::<2>(t, row, k, &[x(0), x(1)]),
-                        3 => &row_dots_avx2::<3>(t, row, k, &[x(0), x(1), x(2)]),
-                        _ => &row_dots_avx2::<4>(t, row, k, &[x(0), x(1), x(2), x(3)]),
+                    match x.len() {
+                        1 => &row_dots_avx2::<1>(t, row, k, &[x[0]]),
+                        2 => &row_dots_avx2::<2>(t, row, k, &[x[0], x[1]]),
+                        3 => &row_dots_avx2::<3>(t, row, k, &[x[0], x[1], x[2]]),
+                        _ => &row_dots_avx2::<4>(t, row, k, &[x[0], x[1], x[2], x[3]]),
                     }
                 };
                 for (j, v) in dots.iter().enumerate() {
@@ -324,8 +330,8 @@ macro_rules! integer_row {
                 }
                 i += dots.len();
             }
-            for i in i..ctx.m {
-                ctx.put(i, r, $m::row_dot(t, row, xq.row(i)));
+            for (i, x) in x.iter().enumerate().skip(i) {
+                ctx.put(i, r, $m::row_dot(t, row, *x));
             }
         }
     };

@@ -28,6 +28,8 @@ mod gemm_tests;
 #[cfg(test)]
 mod tests;
 
+use std::ops::Range;
+
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 pub use formats::QType;
@@ -86,6 +88,24 @@ impl<'a> QuantMatrix<'a> {
     /// Input features (elements of a row).
     pub fn k(&self) -> usize {
         self.k
+    }
+
+    /// Rows `rows` as (row, type, bytes), the segments walked once (no search per row).
+    fn rows_in(&self, rows: Range<usize>) -> impl Iterator<Item = (usize, QType, &'a [u8])> + '_ {
+        let mut s = self
+            .starts
+            .partition_point(|start| *start <= rows.start)
+            .max(1)
+            - 1;
+        rows.map(move |r| {
+            while self.starts[s + 1] <= r {
+                s += 1;
+            }
+            let seg = &self.segments[s];
+            let bytes = seg.data.len() / seg.rows;
+            let i = r - self.starts[s];
+            (r, seg.qtype, &seg.data[i * bytes..(i + 1) * bytes])
+        })
     }
 
     /// Row `r`'s type and bytes.
