@@ -2,14 +2,13 @@
 //! CPU tensors as numpy views (bfloat16 as its uint16 bits, `cpu_ops`'s rule), the kernel run
 //! with the GIL released. Quantized experts (`CpuMoeQuantExperts`) are registered once as
 //! `cpu_quant`'s segments, one list per expert and projection.
-use numpy::{PyArray2, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::cpu_ops::{readonly, readwrite, view, view_mut, Dtype, Kind};
 use super::cpu_quant::{activations_named, matrix, Segments};
 use crate::cpu;
-use crate::cpu::quant::QuantMatrix;
 
 /// `out [T, H]` = each token's experts' SwiGLU outputs weighted by the router and summed, for x
 /// `[T, H]`, the stacked gate/up panels `[E, ceil(2I / 16), H, 16]` and down panels
@@ -63,23 +62,53 @@ fn experts<N: Dtype>(
     Ok(())
 }
 
+/// One expert's projection: its segments' `(ggml type code, uint8 [rows, row_bytes])` arrays.
+type HeldSegments = Vec<(u32, Py<PyArray2<u8>>)>;
+
 /// Experts kept in their GGUF types, registered once (`cpu_moe.QuantExperts`): the segments'
-/// arrays held, their rows viewed as `QuantMatrix`es made once, so that a step's call passes only
-/// x, the routing and out (extracting every expert's segments on each call cost ~165 µs a layer
-/// at 64 experts, ~3 % of a decode step).
+/// arrays held, so that a step's call passes only x, the routing and out (extracting every
+/// expert's segments from Python lists on each call cost ~165 µs a layer at 64 experts).
 #[pyclass(frozen, module = "pagedllm._core")]
 pub struct CpuMoeQuantExperts {
-    /// Holds the arrays `gate_up` and `down` view.
-    _arrays: Vec<Py<PyArray2<u8>>>,
-    gate_up: Vec<QuantMatrix<'static>>,
-    down: Vec<QuantMatrix<'static>>,
+    gate_up: Vec<HeldSegments>,
+    down: Vec<HeldSegments>,
     hidden: usize,
+    width: usize,
+}
+
+fn held(segments: &[Segments<'_>]) -> Vec<HeldSegments> {
+    segments
+        .iter()
+        .map(|s| {
+            s.iter()
+                .map(|(code, a)| (*code, a.as_unbound().clone_ref(a.py())))
+                .collect()
+        })
+        .collect()
+}
+
+/// Borrows the held arrays for one call (`cpu_quant::matrix`'s segments).
+fn borrowed<'py>(py: Python<'py>, experts: &[HeldSegments]) -> PyResult<Vec<Segments<'py>>> {
+    experts
+        .iter()
+        .map(|s| {
+            s.iter()
+                .map(|(code, a)| {
+                    let array = a.bind(py).try_readonly().map_err(|e| {
+                        PyValueError::new_err(format!("an expert's weight is borrowed: {e}"))
+                    })?;
+                    Ok((*code, array))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 #[pymethods]
 impl CpuMoeQuantExperts {
     /// `gate_up[e]` (`[2I, H]`, gate rows then up rows) and `down[e]` (`[H, I]`): expert `e`'s
-    /// `(ggml type code, uint8 [rows, row_bytes])` segments; `hidden` = H.
+    /// `(ggml type code, uint8 [rows, row_bytes])` segments; `hidden` = H. Types and row
+    /// sizes checked here, the experts' shapes by each call.
     #[new]
     fn new(gate_up: Vec<Segments<'_>>, down: Vec<Segments<'_>>, hidden: usize) -> PyResult<Self> {
         let gate_up_m = gate_up
@@ -91,23 +120,12 @@ impl CpuMoeQuantExperts {
             .iter()
             .map(|segments| matrix(segments, width))
             .collect::<PyResult<Vec<_>>>()?;
-        let arrays = gate_up
-            .iter()
-            .chain(&down)
-            .flatten()
-            .map(|(_, a)| a.as_unbound().clone_ref(a.py()))
-            .collect();
-        // SAFETY: the matrices view the bytes of arrays held in `_arrays` for as long as `self`
-        // lives (a numpy array's data does not move while referenced); the weights are never
-        // written after load (the model's GGUF views).
-        let extend = |m: Vec<QuantMatrix<'_>>| unsafe {
-            std::mem::transmute::<Vec<QuantMatrix<'_>>, Vec<QuantMatrix<'static>>>(m)
-        };
+        drop((gate_up_m, down_m));
         Ok(Self {
-            _arrays: arrays,
-            gate_up: extend(gate_up_m),
-            down: extend(down_m),
+            gate_up: held(&gate_up),
+            down: held(&down),
             hidden,
+            width,
         })
     }
 
@@ -134,13 +152,22 @@ impl CpuMoeQuantExperts {
                 self.hidden
             )));
         }
+        let (gate_up, down) = (borrowed(py, &self.gate_up)?, borrowed(py, &self.down)?);
+        let gate_up = gate_up
+            .iter()
+            .map(|segments| matrix(segments, self.hidden))
+            .collect::<PyResult<Vec<_>>>()?;
+        let down = down
+            .iter()
+            .map(|segments| matrix(segments, self.width))
+            .collect::<PyResult<Vec<_>>>()?;
         let (x, ids, weights) = (x.as_array(), ids.as_array(), weights.as_array());
         let out = out.as_array_mut();
         py.detach(|| {
             cpu::moe_quant_experts(
                 x,
-                &self.gate_up,
-                &self.down,
+                &gate_up,
+                &down,
                 ids,
                 weights,
                 out,
