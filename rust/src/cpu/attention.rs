@@ -438,7 +438,7 @@ struct Scratch {
 fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
     #[cfg(target_arch = "x86_64")]
-    // f16c: the fp8 caches widen through half precision (every avx2 CPU has it)
+    // f16c: e5m2 caches widen through half precision (every avx2 CPU has it)
     if super::simd::has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c") {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
