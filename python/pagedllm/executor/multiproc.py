@@ -25,8 +25,9 @@ that. Either makes the executor dead: this step and every later one raise `RankD
 naming the rank. A worker dies with its engine at any moment of its life (`lifeline.Tie`: a watch
 from its first instruction, then the kernel's parent-death signal; in steps it also sees rank 0's
 death from the ring). `shutdown()` (also at exit) stops and joins every worker. The ring's name
-leaves /dev/shm once every worker has mapped it (and at shutdown, or by a worker whose engine died
-before it mapped it).
+leaves /dev/shm once every worker has mapped it, before the group forms and the shards load (and
+at shutdown, or by a worker whose engine died before it mapped it); what an engine killed in the
+moments between leaves, the next start removes (`distributed/shm_names.py`).
 
 Start-up (spawning, meeting, loading the shards, allocating the KV cache) has its own, longer
 bound, `EngineArgs.tp_startup_timeout`: a worker that dies meanwhile still fails it at once. Rank 0
@@ -119,6 +120,7 @@ def _worker_main(
     try:
         ring = ShmRingReader(ring_name, rank)
         tie.hold()  # the ring is mapped: the kernel may kill this worker with its engine now
+        conn.send(("mapped",))  # so the engine unlinks its name now, not after the load
         worker = join_as_rank(rank, args, dtype, rendezvous)
         conn.send(("loaded",))
         tag, ints, _ = ring.receive()
@@ -180,9 +182,12 @@ class MultiprocExecutor:
             for rank in range(1, self.size):
                 work = (rank, args, dtype, rendezvous, self.ring.name)
                 self.workers.spawn(tie, _worker_main, work)
+            # every worker has it mapped (and no longer removes it if this process dies): the
+            # name goes now, not after the shards load, so a kill meanwhile leaves nothing
+            self._expect("mapped", self.startup_timeout_s)
+            self.ring.unlink()
             self._join_group(store)
             self._expect("loaded", self.startup_timeout_s)
-            self.ring.unlink()  # every worker has it mapped
             self.workers.watch(self, MultiprocExecutor._mark_dead)
         except BaseException:
             # also when a spawn fails: the workers started so far and the ring's name go
