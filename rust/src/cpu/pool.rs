@@ -41,16 +41,23 @@ pub(crate) struct Workers {
 type Job = *const (dyn Fn(usize) + Sync + 'static);
 /// The low bits of `Shared::epoch` hold the call's helper count, the rest count the calls.
 const HELPER_BITS: u32 = 16;
+/// `Shared::gate`: open (helpers may join) and the call number's shift.
+const GATE_OPEN: u64 = 1 << 31;
+const GATE_CALL: u32 = 32;
+const GATE_IN: u64 = GATE_OPEN - 1;
 
 struct Shared {
     /// Changed once per call, after `job` is written: the call's number and its helper count
     /// (`HELPER_BITS`), so that a worker not in the call never reads `job`.
     epoch: AtomicU64,
     /// The current call's task (written only while no helper of the previous call reads it:
-    /// `pending` is 0).
+    /// the previous gate closed with no helper in).
     job: UnsafeCell<Job>,
-    /// Helpers of the current call that have not finished their share.
-    pending: AtomicUsize,
+    /// Who may still join the current call: its number (high 32 bits, `GATE_CALL`), whether it
+    /// is open (`GATE_OPEN`) and how many helpers are in it (the low bits). The caller closes it
+    /// once its own share is done and runs the shares of helpers that have not joined (a parked
+    /// or descheduled worker), then waits only for those in.
+    gate: AtomicU64,
     /// Set by a helper whose share panicked; the caller panics in turn.
     panicked: AtomicBool,
     /// Workers parked on `wake` (or about to).
@@ -60,8 +67,9 @@ struct Shared {
     stop: AtomicBool,
 }
 
-// SAFETY: `job` is written by the one caller holding the pool while no worker reads it (every
-// helper of the previous call has decremented `pending`), published by the release store of
+// SAFETY: `job` is written by the one caller holding the pool while no worker reads it (the
+// previous call's gate is closed with no helper in, and a helper reads `job` only after joining
+// through the gate of the call it saw), published by the release store of
 // `epoch` and read after its acquire load; the task it points to is `Sync`.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
@@ -82,7 +90,7 @@ impl Pool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             job: UnsafeCell::new(&|_: usize| {}),
-            pending: AtomicUsize::new(0),
+            gate: AtomicU64::new(0),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
@@ -112,19 +120,22 @@ impl Pool {
         true
     }
 
-    /// `task(i)` on worker `i` for `i < helpers` while the caller runs `mine`; returns when all
-    /// have finished (re-raising a helper's panic).
+    /// `task(i)` on worker `i` for `i < helpers` while the caller runs `mine`; then the caller
+    /// closes the call and runs `task(i)` itself for every `i` (the task must do nothing for a
+    /// share a helper has taken); returns when all have finished (re-raising a helper's panic).
     fn run(&self, helpers: usize, task: &(dyn Fn(usize) + Sync), mine: impl FnOnce()) {
         let shared = &*self.shared;
         // SAFETY: only the lifetime is erased; `Wait` below does not return (nor unwind) before
         // every helper has finished with the task.
         let task: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(task) };
         shared.panicked.store(false, Ordering::Relaxed);
-        shared.pending.store(helpers, Ordering::Relaxed);
-        // SAFETY: no worker reads `job` now (the previous call's helpers are done: `pending`
-        // was 0 before this call stored it), see `Shared`.
+        // SAFETY: no worker reads `job` now (see `Shared`).
         unsafe { *shared.job.get() = task };
         let calls = (shared.epoch.load(Ordering::Relaxed) >> HELPER_BITS) + 1;
+        shared.gate.store(
+            u64::from(calls as u32) << GATE_CALL | GATE_OPEN,
+            Ordering::SeqCst,
+        );
         shared
             .epoch
             .store(calls << HELPER_BITS | helpers as u64, Ordering::SeqCst);
@@ -136,8 +147,9 @@ impl Pool {
         struct Wait<'a>(&'a Shared);
         impl Drop for Wait<'_> {
             fn drop(&mut self) {
+                self.0.gate.fetch_and(!GATE_OPEN, Ordering::AcqRel);
                 let mut polls = 0u32;
-                while self.0.pending.load(Ordering::Acquire) != 0 {
+                while self.0.gate.load(Ordering::Acquire) & GATE_IN != 0 {
                     polls += 1;
                     if polls.is_multiple_of(64) {
                         thread::yield_now();
@@ -149,6 +161,10 @@ impl Pool {
         }
         let wait = Wait(shared);
         mine();
+        shared.gate.fetch_and(!GATE_OPEN, Ordering::AcqRel);
+        for i in 0..helpers {
+            task_ref(task, i);
+        }
         drop(wait);
         if shared.panicked.load(Ordering::Relaxed) {
             panic!("a CPU kernel worker panicked");
@@ -173,6 +189,30 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `task(i)` through the erased pointer of the caller's own frame.
+fn task_ref(task: *const (dyn Fn(usize) + Sync + 'static), i: usize) {
+    // SAFETY: called by `Pool::run` only, while the task it was given is borrowed.
+    unsafe { (*task)(i) }
+}
+
+/// Joins the call numbered in `epoch` if its gate is still open.
+fn join(shared: &Shared, epoch: u64) -> bool {
+    let call = u64::from((epoch >> HELPER_BITS) as u32) << GATE_CALL | GATE_OPEN;
+    let mut gate = shared.gate.load(Ordering::Acquire);
+    loop {
+        if gate & !GATE_IN != call {
+            return false;
+        }
+        match shared
+            .gate
+            .compare_exchange_weak(gate, gate + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return true,
+            Err(now) => gate = now,
+        }
+    }
+}
+
 /// A worker's loop: poll for a call that includes it (`SPIN`, then park), run its share.
 fn worker(shared: &Shared, index: usize, mut seen: u64) {
     INSIDE.with(|inside| inside.set(true));
@@ -186,14 +226,14 @@ fn worker(shared: &Shared, index: usize, mut seen: u64) {
             let epoch = shared.epoch.load(Ordering::Acquire);
             if epoch != seen {
                 seen = epoch;
-                if (index as u64) < epoch & ((1 << HELPER_BITS) - 1) {
+                if (index as u64) < epoch & ((1 << HELPER_BITS) - 1) && join(shared, epoch) {
                     // SAFETY: published by the release store of `epoch` (see `Shared`); the
-                    // caller waits for `pending` before the task's frame ends.
+                    // caller waits for the helpers in before the task's frame ends.
                     let task = unsafe { &**shared.job.get() };
                     if panic::catch_unwind(AssertUnwindSafe(|| task(index))).is_err() {
                         shared.panicked.store(true, Ordering::Relaxed);
                     }
-                    shared.pending.fetch_sub(1, Ordering::Release);
+                    shared.gate.fetch_sub(1, Ordering::Release);
                 }
                 since = Instant::now();
                 polls = 0;
@@ -227,8 +267,9 @@ impl Workers {
         }
     }
 
-    /// Runs `task` on every share: the last on the calling thread, the others on pool workers;
-    /// returns when all have finished. The caller runs them all when there is one share, when
+    /// Runs `task` on every share: the last on the calling thread, the others on pool workers
+    /// (those a worker has not started when the caller's own is done, the caller runs too: a
+    /// parked or descheduled worker holds no call up); returns when all have finished. The caller runs them all when there is one share, when
     /// it is itself running a share (a nested call), when another call holds the workers, or
     /// when no worker thread could be started.
     pub(crate) fn run_shares<T: Send>(&self, mut shares: Vec<T>, task: impl Fn(T) + Sync) {
@@ -301,13 +342,21 @@ mod tests {
 
     use super::Workers;
 
-    /// The thread that ran each share of one call with `n` shares.
+    /// The thread that ran each share of one call with `n` shares (the caller's, the last,
+    /// waits until the workers have run theirs: else it would run those not yet joined).
     fn threads_of(workers: &Workers, n: usize) -> Vec<ThreadId> {
         let seen = Mutex::new(vec![None; n]);
+        let done = AtomicUsize::new(0);
         workers.run_shares((0..n).collect(), |i| {
+            if i == n - 1 {
+                while done.load(Ordering::Acquire) < n - 1 {
+                    thread::yield_now();
+                }
+            }
             let mut seen = seen.lock().unwrap();
             assert!(seen[i].is_none(), "share {i} ran twice");
             seen[i] = Some(thread::current().id());
+            done.fetch_add(1, Ordering::Release);
         });
         seen.into_inner()
             .unwrap()
@@ -385,12 +434,12 @@ mod tests {
 
     #[test]
     fn a_panicking_share_panics_the_caller_and_the_pool_still_works() {
+        // share 0 is a worker's, or the caller's if the worker has not joined in time
         let workers = Workers::new();
-        let caller = thread::current().id();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            workers.run_shares(vec![0, 1], |_| {
-                if thread::current().id() != caller {
-                    panic!("a worker's share fails");
+            workers.run_shares(vec![0, 1], |i| {
+                if i == 0 {
+                    panic!("a share fails");
                 }
             });
         }));
