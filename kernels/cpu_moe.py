@@ -70,25 +70,26 @@ def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
 @dataclass(frozen=True)
 class QuantExperts:
     """Every expert's gate/up `[2I, H]` and down `[H, I]` weights kept in their GGUF types
-    (`cpu_quant.QuantWeight`s), with the segment arrays each call passes, made once."""
+    (`cpu_quant.QuantWeight`s), registered once with the kernel (`_core.CpuMoeQuantExperts`,
+    which holds their segments' arrays: a call passes only x and the routing)."""
 
     gate_up: list  # QuantWeight per expert
     down: list
-    gate_up_arrays: list = field(repr=False)
-    down_arrays: list = field(repr=False)
+    kernel: _core.CpuMoeQuantExperts = field(repr=False)
 
     @classmethod
     def of(cls, gate_up: list, down: list) -> QuantExperts:
         def arrays(weights):
             return [[(s.qtype, s.data.numpy()) for s in w.segments] for w in weights]
 
-        return cls(gate_up, down, arrays(gate_up), arrays(down))
+        hidden = gate_up[0].in_features if gate_up else 0
+        return cls(gate_up, down, _core.CpuMoeQuantExperts(arrays(gate_up), arrays(down), hidden))
 
 
 def moe_quant_experts(
     x: Tensor, experts: QuantExperts, weights: Tensor, ids: Tensor, activations: str = "f32"
 ) -> Tensor:
-    """`moe_experts` for float32 x over quantized experts (`_core.cpu_moe_quant_experts`): each
+    """`moe_experts` for float32 x over quantized experts (`CpuMoeQuantExperts.run`): each
     chosen expert's tokens through the quantized products, multiplying x as `activations`
     (`cpu_quant`'s "f32", "int8", "int16") says."""
     if x.dtype != torch.float32:
@@ -96,10 +97,8 @@ def moe_quant_experts(
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden).contiguous()
     out = torch.empty_like(rows)
-    _core.cpu_moe_quant_experts(
+    experts.kernel.run(
         rows.numpy(),
-        experts.gate_up_arrays,
-        experts.down_arrays,
         numpy_view(ids.to(torch.int64).reshape(rows.shape[0], -1).contiguous()),
         numpy_view(weights.to(torch.float32).reshape(rows.shape[0], -1).contiguous()),
         out.numpy(),
