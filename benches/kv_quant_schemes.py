@@ -11,7 +11,8 @@ the perplexity against the float cache's.
 A scheme is `KIND-BOUND[-norot][-konly|-vonly]`: KIND int8 (symmetric, max 127) or fp8
 (e4m3fn, max 448); BOUND how the row's bound (scale x max) is kept: `b3` / `b5` its amax rounded
 up to 3 / 5 mantissa bits (`b3` is the shipped scale byte), `exact` the amax as a float, `mse`
-the bound among 1.0 .. 0.7 x amax with the row's least squared error; `norot` codes the row
+the bound among 1.0 .. 0.7 x amax with the row's least squared error, `b3mse` among
+the scale byte's bound and the three bytes below it; `norot` codes the row
 without the Walsh-Hadamard rotation; `konly` / `vonly` codes only the keys / values. `engine-int8`
 and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check against b3).
 """
@@ -49,6 +50,22 @@ def code(y: torch.Tensor, bound: torch.Tensor, kind: str) -> torch.Tensor:
     return (y / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
+def least_squares_byte(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch.Tensor:
+    """Among the scale byte's bound and the three bounds below it (the row's largest values
+    then clipped to the code's max), the one with the row's least squared error."""
+    top = (amax.view(torch.int32).long() + (1 << 20) - 1) >> 20
+    best, bound = None, None
+    for down in range(4):
+        candidate = ((top - down) << 20).int().view(torch.float32)
+        err = ((code(y, candidate, kind) - y) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best, bound = err, candidate
+        else:
+            better = err < best
+            best, bound = torch.where(better, err, best), torch.where(better, candidate, bound)
+    return bound
+
+
 def least_squares_bound(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch.Tensor:
     best, bound = None, amax
     for clip in _CLIPS:
@@ -77,6 +94,7 @@ def fake(x: torch.Tensor, scheme: str) -> torch.Tensor:
         "b5": lambda: round_up(amax, 5),
         "exact": lambda: amax,
         "mse": lambda: least_squares_bound(y, amax, kind),
+        "b3mse": lambda: least_squares_byte(y, amax, kind),
     }[bound_kind]()
     y = code(y, bound, kind)
     return reference.unrotate(y) if rotate else y
