@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use super::cpu_ops::{readonly, readwrite, view, view_mut, Dtype, Kind};
 use super::cpu_quant::{activations_named, matrix, Segments};
 use crate::cpu;
+use crate::cpu::quant::QuantMatrix;
 
 /// `out [T, H]` = each token's experts' SwiGLU outputs weighted by the router and summed, for x
 /// `[T, H]`, the stacked gate/up panels `[E, ceil(2I / 16), H, 16]` and down panels
@@ -87,11 +88,20 @@ fn held(segments: &[Segments<'_>]) -> Vec<HeldSegments> {
         .collect()
 }
 
-/// Borrows the held arrays for one call (`cpu_quant::matrix`'s segments).
-fn borrowed<'py>(py: Python<'py>, experts: &[HeldSegments]) -> PyResult<Vec<Segments<'py>>> {
+/// Borrows the arrays of the experts `chosen` marks for one call (`cpu_quant::matrix`'s
+/// segments; None for the others, which the call does not read).
+fn borrowed<'py>(
+    py: Python<'py>,
+    experts: &[HeldSegments],
+    chosen: &[bool],
+) -> PyResult<Vec<Option<Segments<'py>>>> {
     experts
         .iter()
-        .map(|s| {
+        .zip(chosen)
+        .map(|(s, &chosen)| {
+            if !chosen {
+                return Ok(None);
+            }
             s.iter()
                 .map(|(code, a)| {
                     let array = a.bind(py).try_readonly().map_err(|e| {
@@ -99,8 +109,20 @@ fn borrowed<'py>(py: Python<'py>, experts: &[HeldSegments]) -> PyResult<Vec<Segm
                     })?;
                     Ok((*code, array))
                 })
-                .collect()
+                .collect::<PyResult<Segments<'py>>>()
+                .map(Some)
         })
+        .collect()
+}
+
+/// The held experts' weights of one call: only those some id names.
+fn matrices<'a>(
+    segments: &'a [Option<Segments<'_>>],
+    in_features: usize,
+) -> PyResult<Vec<Option<QuantMatrix<'a>>>> {
+    segments
+        .iter()
+        .map(|s| s.as_ref().map(|s| matrix(s, in_features)).transpose())
         .collect()
 }
 
@@ -152,22 +174,25 @@ impl CpuMoeQuantExperts {
                 self.hidden
             )));
         }
-        let (gate_up, down) = (borrowed(py, &self.gate_up)?, borrowed(py, &self.down)?);
-        let gate_up = gate_up
-            .iter()
-            .map(|segments| matrix(segments, self.hidden))
-            .collect::<PyResult<Vec<_>>>()?;
-        let down = down
-            .iter()
-            .map(|segments| matrix(segments, self.width))
-            .collect::<PyResult<Vec<_>>>()?;
+        // an id outside 0..E marks nothing here: the kernel names it in its error
+        let mut chosen = vec![false; self.gate_up.len()];
+        for &id in ids.as_array().iter() {
+            if let Some(c) = usize::try_from(id).ok().and_then(|e| chosen.get_mut(e)) {
+                *c = true;
+            }
+        }
+        let gate_up = borrowed(py, &self.gate_up, &chosen)?;
+        let down = borrowed(py, &self.down, &chosen)?;
+        let gate_up = matrices(&gate_up, self.hidden)?;
+        let down = matrices(&down, self.width)?;
+        let gate_up: Vec<Option<&QuantMatrix<'_>>> = gate_up.iter().map(Option::as_ref).collect();
+        let down: Vec<Option<&QuantMatrix<'_>>> = down.iter().map(Option::as_ref).collect();
         let (x, ids, weights) = (x.as_array(), ids.as_array(), weights.as_array());
         let out = out.as_array_mut();
         py.detach(|| {
-            cpu::moe_quant_experts(
+            cpu::moe_quant_chosen(
                 x,
-                &gate_up,
-                &down,
+                (&gate_up, &down),
                 ids,
                 weights,
                 out,

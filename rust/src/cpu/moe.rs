@@ -141,6 +141,24 @@ pub fn moe_quant_experts(
     down: &[QuantMatrix<'_>],
     ids: ArrayView2<i64>,
     weights: ArrayView2<f32>,
+    out: ArrayViewMut2<f32>,
+    num_threads: usize,
+    activations: Activations,
+) -> Result<()> {
+    let gate_up: Vec<Option<&QuantMatrix<'_>>> = gate_up.iter().map(Some).collect();
+    let down: Vec<Option<&QuantMatrix<'_>>> = down.iter().map(Some).collect();
+    let experts = (&gate_up[..], &down[..]);
+    moe_quant_chosen(x, experts, ids, weights, out, num_threads, activations)
+}
+
+/// `moe_quant_experts` given only the chosen experts' weights: `None` for an expert no choice of
+/// this call names (a caller that borrows its weights per call borrows 8 of 64 at one token);
+/// an error names a chosen expert whose weights are missing.
+pub fn moe_quant_chosen(
+    x: ArrayView2<f32>,
+    (gate_up, down): (&[Option<&QuantMatrix<'_>>], &[Option<&QuantMatrix<'_>>]),
+    ids: ArrayView2<i64>,
+    weights: ArrayView2<f32>,
     mut out: ArrayViewMut2<f32>,
     num_threads: usize,
     activations: Activations,
@@ -186,8 +204,8 @@ pub fn moe_quant_experts(
 
 /// The experts' width I, every expert's gate/up `[2I, H]` and down `[H, I]` checked.
 fn check_quant_shapes(
-    gate_up: &[QuantMatrix<'_>],
-    down: &[QuantMatrix<'_>],
+    gate_up: &[Option<&QuantMatrix<'_>>],
+    down: &[Option<&QuantMatrix<'_>>],
     hidden: usize,
 ) -> Result<usize> {
     if gate_up.len() != down.len() {
@@ -197,8 +215,17 @@ fn check_quant_shapes(
             down.len()
         )));
     }
-    let width = down.first().map_or(0, |d| d.k());
-    for (e, (gu, dn)) in gate_up.iter().zip(down).enumerate() {
+    let width = down.iter().flatten().next().map_or(0, |d| d.k());
+    for (e, pair) in gate_up.iter().zip(down).enumerate() {
+        let (gu, dn) = match pair {
+            (Some(gu), Some(dn)) => (gu, dn),
+            (None, None) => continue,
+            _ => {
+                return Err(invalid(format!(
+                    "expert {e}: gate/up and down weights must both be given or both left out"
+                )))
+            }
+        };
         if (gu.n(), gu.k(), dn.n(), dn.k()) != (2 * width, hidden, hidden, width) {
             return Err(invalid(format!(
                 "expert {e}: gate/up [{}, {}] and down [{}, {}], expected [{}, {hidden}] and \
@@ -395,7 +422,7 @@ impl Groups {
     fn quant_products(
         &self,
         input: &[f32],
-        weights: &[QuantMatrix<'_>],
+        weights: &[Option<&QuantMatrix<'_>>],
         out: &mut [f32],
         threads: usize,
         activations: Activations,
@@ -405,6 +432,8 @@ impl Groups {
             if first == end {
                 continue; // no token chose it: never read
             }
+            let w =
+                w.ok_or_else(|| invalid(format!("expert {e} was chosen, its weights not given")))?;
             let (k, n) = (w.k(), w.n());
             let x = ArrayView2::from_shape((end - first, k), &input[first * k..end * k])
                 .map_err(|err| invalid(err.to_string()))?;
@@ -748,6 +777,54 @@ mod tests {
         for (g, want) in got.iter().zip(want.iter()) {
             assert!((g - want).abs() < 1e-4, "{g} vs {want}");
         }
+    }
+
+    /// `ws[e]` for the experts in `keep`, None for the others.
+    fn pick<'a, 'b>(ws: &'a [QuantMatrix<'b>], keep: &[usize]) -> Vec<Option<&'a QuantMatrix<'b>>> {
+        ws.iter()
+            .enumerate()
+            .map(|(e, q)| keep.contains(&e).then_some(q))
+            .collect()
+    }
+
+    #[test]
+    fn quantized_experts_given_only_where_chosen_equal_all_of_them_given() {
+        let (m, h, i, experts) = (3, 64, 32, 6);
+        let case = Case::new(m, h, i, experts);
+        let gate_up: Vec<_> = case.gate_up.iter().map(|w| q8_0(w, 2 * i, h).0).collect();
+        let down: Vec<_> = case.down.iter().map(|w| q8_0(w, h, i).0).collect();
+        let gate_up_q: Vec<_> = gate_up.iter().map(|b| matrix(b, 2 * i, h)).collect();
+        let down_q: Vec<_> = down.iter().map(|b| matrix(b, h, i)).collect();
+        let ids = Array2::from_shape_vec((m, 2), vec![1i64, 4, 4, 1, 1, NOT_HELD]).unwrap();
+        let w = Array2::from_shape_vec((m, 2), vec![0.6f32, 0.4, 0.7, 0.3, 1.0, 0.5]).unwrap();
+        let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
+        let every: Vec<usize> = (0..experts).collect();
+        let mut outs = Vec::new();
+        for (keep_gate_up, keep_down) in [
+            (&every[..], &every[..]),
+            (&[1, 4], &[1, 4]),
+            (&[1, 4], &[1]),
+            (&[1], &[1]),
+        ] {
+            let mut out = Array2::<f32>::zeros((m, h));
+            let (g, d) = (pick(&gate_up_q, keep_gate_up), pick(&down_q, keep_down));
+            let r = moe_quant_chosen(
+                x.view(),
+                (&g, &d),
+                ids.view(),
+                w.view(),
+                out.view_mut(),
+                1,
+                Activations::F32,
+            );
+            outs.push(r.map(|()| out));
+        }
+        let want = outs[0].as_ref().unwrap();
+        assert_eq!(outs[1].as_ref().unwrap(), want);
+        let err = format!("{}", outs[2].as_ref().unwrap_err());
+        assert!(err.contains("expert 4: gate/up and down"), "{err}");
+        let err = format!("{}", outs[3].as_ref().unwrap_err());
+        assert!(err.contains("expert 4 was chosen"), "{err}");
     }
 
     #[test]
