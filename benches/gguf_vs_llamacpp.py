@@ -92,12 +92,16 @@ def single_stream(args, model: str) -> None:
         rows["ours_pp"].append(ours["prefill"])
     med = {k: statistics.median(v) for k, v in rows.items()}
     name = Path(model).name
+    prefill = (
+        ""
+        if args.decode_only
+        else f"; prefill {args.prefill_tokens}: {med['ours_pp']:.0f} vs {med['theirs_pp']:.0f} "
+        f"tok/s ({med['ours_pp'] / med['theirs_pp']:.2f}x)"
+    )
     print(
         f"{name}: decode {med['ours_tg']:.1f} vs {med['theirs_tg']:.1f} tok/s "
-        f"({med['ours_tg'] / med['theirs_tg']:.2f}x); prefill {args.prefill_tokens}: "
-        f"{med['ours_pp']:.0f} vs {med['theirs_pp']:.0f} tok/s "
-        f"({med['ours_pp'] / med['theirs_pp']:.2f}x)  [pagedllm vs llama.cpp, medians of "
-        f"{args.rounds}, {args.threads} thread(s)]",
+        f"({med['ours_tg'] / med['theirs_tg']:.2f}x){prefill}  [pagedllm vs llama.cpp, medians "
+        f"of {args.rounds}, {args.threads} thread(s)]",
         flush=True,
     )
     # each round's pair (llama.cpp then pagedllm, back to back): on a busy machine the ratio
