@@ -2,11 +2,12 @@
 //! spawned and joined on every call (and left to compete with torch's OpenMP threads). A call
 //! with `n` shares runs one on the calling thread and the others on `n - 1` workers.
 //!
-//! A worker that has finished a share keeps polling for the next call for `SPIN` (yielding its
-//! core to any other runnable thread between polls) before it parks on a condition variable: a
-//! decode step makes a product call every few hundred microseconds, and waking a parked thread
-//! costs about as long as one small product, so a parked worker used to join a call only after
-//! the caller had claimed nearly all of it (the second core did 3 % of the 8-row products).
+//! A worker that has finished a share may keep polling for the next call for
+//! `PAGEDLLM_CPU_SPIN_US` (yielding its core to any other runnable thread between polls) before
+//! it parks on a condition variable; the default is 0 (park at once): on the busy 2-core machine
+//! a 2 ms poll made the 8-stream decode step no faster (benches/RESULTS.md, "multi-row products
+//! on integer panels"). Either way the caller closes a call once its own share is done and runs
+//! the shares no worker has started, so a parked worker never holds a product up.
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -15,14 +16,14 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker polls for the next call before it parks (`PAGEDLLM_CPU_SPIN_US`,
-/// default 2,000 microseconds; 0 parks at once).
+/// default 0: park at once).
 fn spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
         let us = std::env::var("PAGEDLLM_CPU_SPIN_US")
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(2_000);
+            .unwrap_or(0);
         Duration::from_micros(us)
     })
 }
