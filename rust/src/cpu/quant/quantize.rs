@@ -85,13 +85,19 @@ pub trait Code: Copy + Default {
     #[inline(always)]
     fn codes(c: &[f32], id: f32, q: &mut [Self], fast: bool) -> i32 {
         let _ = fast;
-        let mut sum = 0i32;
-        for (v, q) in c.iter().zip(q.iter_mut()) {
-            *q = Self::code(v * id);
-            sum += q.wide();
-        }
-        sum
+        portable_codes(c, id, q)
     }
+}
+
+/// `Code::codes` one element at a time.
+#[inline(always)]
+fn portable_codes<C: Code>(c: &[f32], id: f32, q: &mut [C]) -> i32 {
+    let mut sum = 0i32;
+    for (v, q) in c.iter().zip(q.iter_mut()) {
+        *q = C::code(v * id);
+        sum += q.wide();
+    }
+    sum
 }
 
 /// 8-bit codes, llama.cpp's: rounded half away from zero; a zero scale codes to 0.
@@ -143,12 +149,7 @@ impl Code for i16 {
             return unsafe { avx2::codes_i16(c, id, q) };
         }
         let _ = fast;
-        let mut sum = 0i32;
-        for (v, q) in c.iter().zip(q.iter_mut()) {
-            *q = Self::code(v * id);
-            sum += i32::from(*q);
-        }
-        sum
+        portable_codes(c, id, q)
     }
 }
 
