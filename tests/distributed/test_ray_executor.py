@@ -23,6 +23,7 @@ from pagedllm.executor.multiproc import EngineDeadError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.worker import StepMessage
 
+from engine_util import greedy_tokens
 from model_factory import save_tiny_checkpoint
 
 ray = pytest.importorskip("ray")
@@ -75,29 +76,17 @@ def _engine(folder, tp: int, **knobs) -> LLMEngine:
     )
 
 
-def _greedy(engine: LLMEngine) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    for i, ids in enumerate(PROMPTS):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    return [tokens[str(i)] for i in range(len(PROMPTS))]
-
-
 def _group_state(group) -> str:
     return ray.util.placement_group_table(group)["state"]
 
 
 def test_two_ray_ranks_generate_the_greedy_tokens_of_one(cluster, folder):
     one = _engine(folder, 1)
-    expected = _greedy(one)
+    expected = greedy_tokens(one, PROMPTS, 24)
     engine = _engine(folder, 2)
     try:
         assert type(engine.executor).__name__ == "RayExecutor"
-        assert _greedy(engine) == expected
+        assert greedy_tokens(engine, PROMPTS, 24) == expected
         stats = engine.get_stats()
         assert stats["prefix_cache_hits"] > 0
         assert stats["num_preemptions_swap"] > 0

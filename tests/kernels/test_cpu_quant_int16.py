@@ -88,7 +88,8 @@ def test_int16_activations_are_within_x_rounding_of_the_float32_product():
     assert not torch.equal(int16, exact)
 
 
-def test_int16_activations_leave_prefill_rows_on_the_float32_path():
+def test_int16_activations_leave_prefill_rows_of_k_quants_on_the_float32_path():
+    # Q8_0 and Q4_0 prefill rows take the integer panels instead (rust/src/cpu/quant/gemm16.rs)
     k = 256
     w = _weight(cpu_quant.Q4_K, _random_rows(cpu_quant.Q4_K, 5, k, seed=2), k)
     assert_prefill_rows_stay_on_float32(w, k, "int16")

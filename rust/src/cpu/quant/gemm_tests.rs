@@ -12,13 +12,10 @@ use crate::cpu::linear::PANEL;
 /// Pseudo-random floats in about [-1, 1) (xorshift), the same for the same seed, with a few
 /// larger values so that blocks' scales differ.
 fn floats(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = super::tests::xorshift(seed);
     (0..len)
         .map(|i| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let v = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            let v = (next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
             if i % 97 == 5 {
                 v * 8.0
             } else {

@@ -17,17 +17,21 @@ fn dequantized(t: QType, block: &[u8]) -> Vec<f32> {
     y
 }
 
-/// A pseudo-random byte stream (xorshift), the same for the same seed.
-fn bytes(len: usize, seed: u64) -> Vec<u8> {
+/// The quant tests' pseudo-random source (xorshift), the same stream for the same seed.
+pub(super) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect()
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+/// A pseudo-random byte stream, the same for the same seed.
+fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut next = xorshift(seed);
+    (0..len).map(|_| (next() >> 24) as u8).collect()
 }
 
 /// `rows` random rows of type `t` with small, finite f16 scales (random bytes elsewhere).
