@@ -202,8 +202,9 @@ def test_a_loop_that_fails_starts_over_counted_and_catches_up(live, caplog):
     sub._replay = fails_once
     sub.resync()
     with caplog.at_level(logging.ERROR, "pagedllm.kv_events.subscriber"):
-        wait_for(lambda: sub.restarts == 1)
-    assert "starting over" in caplog.text
+        # the subscriber's thread counts the restart just before it logs it: wait for both
+        wait_for(lambda: sub.restarts == 1 and "starting over" in caplog.text)
+    assert sub.restarts == 1
     replica.serve(list(range(0, 9)))
     wait_for(lambda: caught_up(replica, index))
     assert sub.is_alive()
