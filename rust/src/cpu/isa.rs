@@ -75,6 +75,49 @@ pub(crate) fn level() -> IsaLevel {
     }
 }
 
+/// An instruction-set extension beside a level's required flags, which a kernel may take where the
+/// machine has it AND the process runs at the level it belongs to (so forcing a lower level with
+/// `PAGEDLLM_CPU_ISA` turns it off as well, and `avx2` behaves like an AVX2-only machine).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extension {
+    /// `vpdpbusd` / `vpdpwssd` on 512-bit registers (int8 and int16 dot products): `avx512vnni`.
+    Avx512Vnni,
+    /// `vdpbf16ps` and the bf16 conversions on 512-bit registers: `avx512bf16`.
+    Avx512Bf16,
+}
+
+impl Extension {
+    const ALL: [Extension; 2] = [Self::Avx512Vnni, Self::Avx512Bf16];
+
+    /// The flag `detect` reports for it.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Avx512Vnni => "avx512vnni",
+            Self::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// The level a kernel using it runs at (its own instructions need that level's too).
+    pub fn level(self) -> IsaLevel {
+        IsaLevel::Avx512
+    }
+}
+
+/// Whether the kernels may use `ext` (decided once per process, cheap to ask per call).
+#[allow(dead_code)] // the first VNNI / BF16 kernels land this session
+#[inline]
+pub(crate) fn has(ext: Extension) -> bool {
+    static GRANTED: OnceLock<[bool; 2]> = OnceLock::new();
+    let granted = GRANTED.get_or_init(|| {
+        let flags = match decided() {
+            Ok(isa) => &isa.machine.flags,
+            Err((machine, _)) => &machine.flags,
+        };
+        Extension::ALL.map(|e| level() >= e.level() && flags.contains(&e.flag()))
+    });
+    granted[ext as usize]
+}
+
 /// The process's level and the machine's flags; an error naming a `PAGEDLLM_CPU_ISA` value that
 /// is not a level or is above what the machine grants.
 pub fn cpu_isa() -> crate::error::Result<&'static CpuIsa> {
@@ -348,6 +391,15 @@ mod tests {
             // the machine reported AMX only where the kernel supports the tile state
             assert!(machine.flags.contains(&"amx-tile"));
             assert!(granted, "the kernel supports the tile state but refused it");
+        }
+    }
+
+    #[test]
+    fn an_extension_is_granted_only_at_its_level_and_where_the_machine_has_it() {
+        let isa = decided().as_ref().expect("a valid PAGEDLLM_CPU_ISA");
+        for ext in Extension::ALL {
+            let want = level() >= ext.level() && isa.machine.flags.contains(&ext.flag());
+            assert_eq!(has(ext), want, "{ext:?}");
         }
     }
 
