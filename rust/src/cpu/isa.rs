@@ -17,7 +17,8 @@ use std::sync::OnceLock;
 pub enum IsaLevel {
     /// Plain Rust (what any CPU runs; the only level off x86-64).
     Portable,
-    /// AVX2 + FMA: 8 float lanes.
+    /// AVX2 + FMA (and F16C, which every AVX2 processor has: half-precision conversions): 8 float
+    /// lanes.
     Avx2,
     /// AVX-512 F, BW and VL: 16 float lanes, masked tails.
     Avx512,
@@ -221,7 +222,7 @@ fn level_of(flags: &[&str]) -> IsaLevel {
     let has = |need: &[&str]| need.iter().all(|f| flags.contains(f));
     let mut level = IsaLevel::Portable;
     for (next, need) in [
-        (IsaLevel::Avx2, &["avx2", "fma"][..]),
+        (IsaLevel::Avx2, &["avx2", "fma", "f16c"][..]),
         (IsaLevel::Avx512, &["avx512f", "avx512bw", "avx512vl"][..]),
         (IsaLevel::Amx, &["amx-tile", "amx-int8", "amx-bf16"][..]),
     ] {
@@ -314,7 +315,7 @@ mod tests {
         let flags = match level {
             IsaLevel::Portable => vec![],
             IsaLevel::Avx2 => vec!["avx2", "fma", "f16c"],
-            _ => vec!["avx2", "fma", "avx512f", "avx512bw", "avx512vl"],
+            _ => vec!["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"],
         };
         Machine { level, flags }
     }
@@ -352,11 +353,16 @@ mod tests {
     #[test]
     fn the_level_needs_every_flag_of_it_and_of_the_levels_below() {
         assert_eq!(level_of(&["avx2"]), IsaLevel::Portable);
-        assert_eq!(level_of(&["avx2", "fma", "avx512f"]), IsaLevel::Avx2);
-        let amx_without_avx512 = ["avx2", "fma", "amx-tile", "amx-int8", "amx-bf16"];
+        assert_eq!(level_of(&["avx2", "fma"]), IsaLevel::Portable);
+        assert_eq!(
+            level_of(&["avx2", "fma", "f16c", "avx512f"]),
+            IsaLevel::Avx2
+        );
+        let amx_without_avx512 = ["avx2", "fma", "f16c", "amx-tile", "amx-int8", "amx-bf16"];
         assert_eq!(level_of(&amx_without_avx512), IsaLevel::Avx2);
         let all = [
-            "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "amx-tile", "amx-int8", "amx-bf16",
+            "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "amx-tile", "amx-int8",
+            "amx-bf16",
         ];
         assert_eq!(level_of(&all), IsaLevel::Amx);
     }
