@@ -111,6 +111,20 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// avx2, fma and f16c are available, `p` is valid for 8 elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen values at `p` as f32 lanes (the AVX-512 kernels), short of the values by the
+    /// row's `factor` as `load8`'s.
+    ///
+    /// # Safety
+    /// The AVX-512 level is granted (`isa::level()`), `p` is valid for 16 elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// `load8(lo)` in lanes 0-7 and `load8(hi)` in lanes 8-15 (two rows' runs of eight: the
+    /// AVX-512 kernels keep two keys' 8-lane sums in one register).
+    ///
+    /// # Safety
+    /// As `load16`, `lo` and `hi` each valid for 8 elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512;
 }
 
 macro_rules! float_kv_elem {
@@ -148,8 +162,46 @@ macro_rules! float_kv_elem {
             unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
                 super::simd::load8(p)
             }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+                load16_float::<$t>(p)
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+                load8x2_float::<$t>(lo, hi)
+            }
         }
     };
+}
+
+/// Sixteen f32 or bf16 values as f32 lanes (bf16: zero-extended into each lane's high half).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16_float<T: Elem>(p: *const T) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    if T::IS_BF16 {
+        let halves = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+    } else {
+        _mm512_loadu_ps(p as *const f32)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn load8x2_float<T: Elem>(lo: *const T, hi: *const T) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    if T::IS_BF16 {
+        let halves = _mm256_loadu2_m128i(hi as *const __m128i, lo as *const __m128i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+    } else {
+        let low = _mm512_castps256_ps512(_mm256_loadu_ps(lo as *const f32));
+        _mm512_insertf32x8::<1>(low, _mm256_loadu_ps(hi as *const f32))
+    }
 }
 
 float_kv_elem!(f32);
@@ -183,6 +235,11 @@ trait Quantized: Copy + Send + Sync + 'static {
     fn decode(self) -> f32;
     #[cfg(target_arch = "x86_64")]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen codes (the bytes of `codes`) as f32 lanes, short of the values as `decode8`'s.
+    /// # Safety
+    /// The AVX-512 level is granted.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512;
 }
 
 impl Quantized for I8 {
@@ -199,6 +256,11 @@ impl Quantized for I8 {
     #[inline(always)]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
         load8_i8(p as *const u8)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+        decode16_i8(codes)
     }
 }
 
@@ -217,6 +279,11 @@ impl Quantized for Fp8E4M3 {
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
         load8_e4m3(p as *const u8)
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+        decode16_e4m3(codes)
+    }
 }
 
 impl Quantized for Fp8E5M2 {
@@ -233,6 +300,11 @@ impl Quantized for Fp8E5M2 {
     #[inline(always)]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256 {
         load8_e5m2(p as *const u8)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+        decode16_e5m2(codes)
     }
 }
 
@@ -295,6 +367,17 @@ impl<Q: Quantized> KvElem for Q {
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         Q::decode8(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        Q::decode16(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        Q::decode16(bytes8x2(lo as *const u8, hi as *const u8))
     }
 }
 
@@ -362,6 +445,45 @@ unsafe fn load8_e4m3(p: *const u8) -> std::arch::x86_64::__m256 {
         _mm256_set1_epi32(0x87f0_0000u32 as i32),
     );
     _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(E4M3_POW))
+}
+
+/// The eight bytes at `lo`, then the eight at `hi`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn bytes8x2(lo: *const u8, hi: *const u8) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    let low = _mm_castsi128_pd(_mm_loadl_epi64(lo as *const __m128i));
+    _mm_castpd_si128(_mm_loadh_pd(low, hi as *const f64))
+}
+
+/// `load8_i8`, `load8_e4m3` and `load8_e5m2` on sixteen codes, the same operations lane by lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode16_i8(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode16_e4m3(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let bits = _mm512_and_si512(
+        _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(codes)),
+        _mm512_set1_epi32(0x87f0_0000u32 as i32),
+    );
+    _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(E4M3_POW))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode16_e5m2(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_cvtph_ps(_mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(codes)))
 }
 
 /// Eight e5m2 codes as f32 lanes: an e5m2 code is the high byte of its value's half.
@@ -521,5 +643,54 @@ mod tests {
             .map(Fp8E5M2)
             .collect();
         check(&e5m2);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_sixteen_lane_loads_are_two_eight_lane_loads() {
+        use crate::cpu::isa::{level, IsaLevel};
+        use std::arch::x86_64::*;
+        if level() < IsaLevel::Avx512 {
+            return;
+        }
+        fn check<Q: KvElem>(codes: &[Q]) {
+            let lanes8 = |p: *const Q| {
+                let mut out = [0.0f32; 8];
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), Q::load8(p)) };
+                out
+            };
+            let lanes16 = |v: __m512| {
+                let mut out = [0.0f32; 16];
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+                out
+            };
+            for (i, chunk) in codes.chunks_exact(16).enumerate() {
+                let (p, other) = (
+                    chunk.as_ptr(),
+                    codes[(i * 40) % (codes.len() - 8)..].as_ptr(),
+                );
+                let want16 = [lanes8(p), lanes8(unsafe { p.add(8) })].concat();
+                assert_eq!(lanes16(unsafe { Q::load16(p) }).to_vec(), want16);
+                let want_pair = [lanes8(other), lanes8(p)].concat();
+                assert_eq!(lanes16(unsafe { Q::load8x2(other, p) }).to_vec(), want_pair);
+            }
+        }
+        let bytes: Vec<u8> = (0..=255u8)
+            .chain(0..=255u8)
+            .map(|b| b.wrapping_mul(77))
+            .collect();
+        check(&bytes.iter().map(|b| I8(*b as i8)).collect::<Vec<_>>());
+        let e4m3: Vec<_> = bytes.iter().map(|b| Fp8E4M3(b & !0x01)).collect();
+        check(&e4m3);
+        let e5m2: Vec<_> = bytes.iter().map(|b| Fp8E5M2(b & !0x40)).collect();
+        check(&e5m2);
+        let floats: Vec<f32> = (0..512).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        check(&floats);
+        check(
+            &floats
+                .iter()
+                .map(|x| Bf16::from_f32(*x))
+                .collect::<Vec<_>>(),
+        );
     }
 }
