@@ -199,8 +199,12 @@ unsafe fn load8x2_float<T: Elem>(lo: *const T, hi: *const T) -> std::arch::x86_6
         let halves = _mm256_loadu2_m128i(hi as *const __m128i, lo as *const __m128i);
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
     } else {
-        let low = _mm512_castps256_ps512(_mm256_loadu_ps(lo as *const f32));
-        _mm512_insertf32x8::<1>(low, _mm256_loadu_ps(hi as *const f32))
+        // (insertf32x8 is AVX-512 DQ, not in the level: the same move as 64-bit lanes)
+        let low = _mm512_castpd256_pd512(_mm256_loadu_pd(lo as *const f64));
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            low,
+            _mm256_loadu_pd(hi as *const f64),
+        ))
     }
 }
 
