@@ -24,14 +24,18 @@ use ndarray::{ArrayView2, ArrayView3, ArrayViewMut2};
 
 use super::elem::Elem;
 use super::invalid;
+use super::isa::{self, IsaLevel};
+#[cfg(target_arch = "x86_64")]
+use super::linear_avx512;
 use super::pool;
 use crate::error::Result;
 
-/// Output columns per panel: two AVX registers of f32.
+/// Output columns per panel: two AVX registers of f32, one AVX-512 register.
 pub const PANEL: usize = 16;
-/// Rows of x per register tile: 2 accumulators a row, plus two weight registers and the
-/// broadcast, within the 16 AVX registers.
-const TILE_ROWS: usize = 6;
+/// Rows of x per register tile (and per tile of packed x): 2 accumulators a row, plus two
+/// weight registers and the broadcast, within the 16 AVX registers. The AVX-512 tiles
+/// (`linear_avx512`) take two packed tiles at a time.
+pub(super) const TILE_ROWS: usize = 6;
 /// Bytes of x (as f32) per block of rows that every panel passes over while it stays in L2.
 const X_BLOCK_BYTES: usize = 256 * 1024;
 /// Weight rows (k steps) of a panel per slice that stays in L1 while every tile of an M block
@@ -39,7 +43,7 @@ const X_BLOCK_BYTES: usize = 256 * 1024;
 const K_BLOCK: usize = 256;
 /// Up to this many rows the product is memory-bound and the tiles read x in place
 /// (`run_direct`); above it x is packed and K blocked (`run_blocked`).
-const DIRECT_MAX_ROWS: usize = 16;
+pub(super) const DIRECT_MAX_ROWS: usize = 16;
 /// Below this many weight elements a share, a worker thread costs more than it saves.
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of panels a call is cut into per thread, claimed by whichever thread is free.
@@ -49,6 +53,18 @@ const CHUNKS_PER_THREAD: usize = 4;
 /// PANEL]` (`pack_panels`). All contiguous. `num_threads` threads at most (the calling thread
 /// and parked workers of the kernels' pool), each taking a run of panels.
 pub fn linear<T: Elem>(
+    x: ArrayView2<T>,
+    panels: ArrayView3<T>,
+    bias: Option<&[T]>,
+    out: ArrayViewMut2<T>,
+    num_threads: usize,
+) -> Result<()> {
+    linear_at(isa::level(), x, panels, bias, out, num_threads)
+}
+
+/// `linear`'s tiles at `level` (at most the process's: `run_at`).
+fn linear_at<T: Elem>(
+    level: IsaLevel,
     x: ArrayView2<T>,
     panels: ArrayView3<T>,
     bias: Option<&[T]>,
@@ -112,7 +128,7 @@ pub fn linear<T: Elem>(
     let per_share = (MIN_SHARE_ELEMS / (k * PANEL)).max(1);
     let threads = num_threads.clamp(1, num_panels.div_ceil(per_share));
     if threads == 1 {
-        run(&ctx, 0..num_panels);
+        run_at(level, &ctx, 0..num_panels);
         return Ok(());
     }
     // runs of panels claimed in turn, several per thread: on a busy machine a thread that
@@ -122,7 +138,7 @@ pub fn linear<T: Elem>(
         .max(per_share);
     let chunks = num_panels.div_ceil(chunk);
     pool::WORKERS.run_claimed(threads, chunks, |c| {
-        run(&ctx, c * chunk..((c + 1) * chunk).min(num_panels));
+        run_at(level, &ctx, c * chunk..((c + 1) * chunk).min(num_panels));
     });
     Ok(())
 }
@@ -190,45 +206,77 @@ impl<'a, T: Elem> Ctx<'a, T> {
     }
 }
 
-/// Computes the product's output columns of `panels` (the SIMD path where the CPU has it).
+/// Computes the product's output columns of `panels` at the process's ISA level.
 pub(crate) fn run<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    run_at(isa::level(), ctx, panels);
+}
+
+/// The kernels' tile sets, as `run_with`'s parameter: plain Rust, AVX2 + FMA, AVX-512.
+const PORTABLE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+
+/// `run` at `level` (no higher than the process's, which the CPU grants): the tests run every
+/// level below the machine's this way.
+pub(crate) fn run_at<T: Elem>(level: IsaLevel, ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    assert!(
+        level <= isa::level(),
+        "{level:?} is above the process's ISA level"
+    );
     #[cfg(target_arch = "x86_64")]
-    if super::simd::has_avx2_fma() {
-        // SAFETY: the CPU supports the features the function is compiled for (checked above).
+    if level >= IsaLevel::Avx512 {
+        // SAFETY: the CPU has AVX-512 F/BW/VL (the process's level is at least AVX-512).
+        unsafe { run_avx512(ctx, panels) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level >= IsaLevel::Avx2 {
+        // SAFETY: the CPU has avx2 and fma (the process's level is at least AVX2).
         unsafe { run_avx2_fma(ctx, panels) };
         return;
     }
-    run_with::<false, T>(ctx, panels);
+    run_with::<PORTABLE, T>(ctx, panels);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_avx2_fma<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
-    run_with::<true, T>(ctx, panels);
+    run_with::<AVX2, T>(ctx, panels);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn run_avx512<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    run_with::<AVX512, T>(ctx, panels);
 }
 
 #[inline(always)]
-fn run_with<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+fn run_with<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     if ctx.m <= DIRECT_MAX_ROWS {
-        run_direct::<F, T>(ctx, panels);
+        run_direct::<L, T>(ctx, panels);
     } else {
-        run_blocked::<F, T>(ctx, panels);
+        run_blocked::<L, T>(ctx, panels);
     }
 }
 
 /// Few rows (memory-bound): each tile walks its whole panel over x in place, so the weight is
-/// one sequential read.
+/// one sequential read (AVX-512's tiles hold every row, so it is read once).
 #[inline(always)]
-fn run_direct<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
+    let height = if L == AVX512 {
+        DIRECT_MAX_ROWS
+    } else {
+        TILE_ROWS
+    };
     for p in panels {
         let w = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
         let mut row = 0;
         while row < ctx.m {
-            let rows = (ctx.m - row).min(TILE_ROWS);
+            let rows = (ctx.m - row).min(height);
             let x = &ctx.x[row * k..(row + rows) * k];
-            let mut acc = [[0.0f32; PANEL]; TILE_ROWS];
-            tile_rows::<F, T, false>(rows, x, w, k, k, &mut acc);
+            let mut acc = [[0.0f32; PANEL]; DIRECT_MAX_ROWS];
+            tile_rows::<L, T, false>(rows, x, x, w, k, k, &mut acc[..rows]);
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
@@ -243,10 +291,11 @@ fn run_direct<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 /// next slice continues the same FMA chain in order, so the sums are bit-identical to
 /// `run_direct`'s.
 #[inline(always)]
-fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
     // M blocks of at most X_BLOCK_BYTES, as even as whole tiles allow (a last block of a few
     // rows would stream the whole run of weights for little work)
+    let step = if L == AVX512 { 2 } else { 1 };
     let most = (X_BLOCK_BYTES / (4 * k)).max(TILE_ROWS);
     let block = ctx
         .m
@@ -278,11 +327,22 @@ fn run_blocked<const F: bool, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                 while k0 < k {
                     let depth = (k - k0).min(K_BLOCK);
                     let w = &panel[k0 * PANEL..(k0 + depth) * PANEL];
-                    for (t, sums) in tiles.iter_mut().enumerate() {
-                        let row = t * TILE_ROWS;
-                        let rows = (end - first - row).min(TILE_ROWS);
-                        let x = &xs[row * k + k0 * rows..row * k + (k0 + depth) * rows];
-                        tile_rows::<F, T, true>(rows, x, w, depth, k, sums);
+                    // the tiles `step` at a time (AVX-512: two, a full one and the next)
+                    for (s, sums) in tiles.chunks_mut(step).enumerate() {
+                        let row = s * step * TILE_ROWS;
+                        let rows = (end - first - row).min(step * TILE_ROWS);
+                        // the depth slice of each tile: its rows' steps k0..k0 + depth
+                        let slice = |row: usize, rows: usize| {
+                            &xs[row * k + k0 * rows..row * k + (k0 + depth) * rows]
+                        };
+                        let xa = slice(row, rows.min(TILE_ROWS));
+                        let xb = if rows > TILE_ROWS {
+                            slice(row + TILE_ROWS, rows - TILE_ROWS)
+                        } else {
+                            xa
+                        };
+                        let sums = sums.as_flattened_mut();
+                        tile_rows::<L, T, true>(rows, xa, xb, w, depth, k, &mut sums[..rows]);
                     }
                     k0 += depth;
                 }
@@ -338,23 +398,62 @@ fn pack_rows(x: &[f32], k: usize, packed: &mut [f32]) {
     }
 }
 
-/// `tile` for a runtime row count `rows` (1..=TILE_ROWS).
+/// The level `L`'s tile for a runtime row count `rows` (1..=TILE_ROWS; at AVX-512 up to
+/// DIRECT_MAX_ROWS in place, or two packed tiles: `xa` a full one, `xb` the next).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn tile_rows<const F: bool, T: Elem, const PACKED: bool>(
+fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
     rows: usize,
-    x: &[f32],
+    xa: &[f32],
+    xb: &[f32],
     w: &[T],
     depth: usize,
     k: usize,
-    acc: &mut [[f32; PANEL]; TILE_ROWS],
+    acc: &mut [[f32; PANEL]],
 ) {
-    match rows {
-        1 => tile::<F, T, 1, PACKED>(x, w, depth, k, acc),
-        2 => tile::<F, T, 2, PACKED>(x, w, depth, k, acc),
-        3 => tile::<F, T, 3, PACKED>(x, w, depth, k, acc),
-        4 => tile::<F, T, 4, PACKED>(x, w, depth, k, acc),
-        5 => tile::<F, T, 5, PACKED>(x, w, depth, k, acc),
-        _ => tile::<F, T, 6, PACKED>(x, w, depth, k, acc),
+    debug_assert!(acc.len() == rows && w.len() == depth * PANEL);
+    #[cfg(target_arch = "x86_64")]
+    if L == AVX512 {
+        debug_assert!(if PACKED {
+            xa.len() == depth * rows.min(TILE_ROWS)
+                && (rows <= TILE_ROWS || xb.len() == depth * (rows - TILE_ROWS))
+        } else {
+            xa.len() == rows * k && depth == k
+        });
+        // SAFETY: `L` is AVX512 only inside `run_avx512`, which runs only where the CPU has
+        // AVX-512 F/BW/VL; x, w and acc hold what the tile reads and writes (asserted above).
+        unsafe {
+            if PACKED {
+                linear_avx512::tile_packed(
+                    rows,
+                    xa.as_ptr(),
+                    xb.as_ptr(),
+                    w.as_ptr(),
+                    depth,
+                    k,
+                    acc,
+                )
+            } else {
+                linear_avx512::tile_direct(rows, xa.as_ptr(), w.as_ptr(), k, acc)
+            }
+        }
+        return;
+    }
+    let _ = xb;
+    let f = L == AVX2;
+    match (rows, f) {
+        (1, false) => tile::<false, T, 1, PACKED>(xa, w, depth, k, acc),
+        (2, false) => tile::<false, T, 2, PACKED>(xa, w, depth, k, acc),
+        (3, false) => tile::<false, T, 3, PACKED>(xa, w, depth, k, acc),
+        (4, false) => tile::<false, T, 4, PACKED>(xa, w, depth, k, acc),
+        (5, false) => tile::<false, T, 5, PACKED>(xa, w, depth, k, acc),
+        (_, false) => tile::<false, T, 6, PACKED>(xa, w, depth, k, acc),
+        (1, true) => tile::<true, T, 1, PACKED>(xa, w, depth, k, acc),
+        (2, true) => tile::<true, T, 2, PACKED>(xa, w, depth, k, acc),
+        (3, true) => tile::<true, T, 3, PACKED>(xa, w, depth, k, acc),
+        (4, true) => tile::<true, T, 4, PACKED>(xa, w, depth, k, acc),
+        (5, true) => tile::<true, T, 5, PACKED>(xa, w, depth, k, acc),
+        (_, true) => tile::<true, T, 6, PACKED>(xa, w, depth, k, acc),
     }
 }
 
@@ -401,9 +500,9 @@ fn tile<const F: bool, T: Elem, const R: usize, const PACKED: bool>(
     w: &[T],
     depth: usize,
     k: usize,
-    acc: &mut [[f32; PANEL]; TILE_ROWS],
+    acc: &mut [[f32; PANEL]],
 ) {
-    debug_assert!(w.len() == depth * PANEL);
+    debug_assert!(w.len() == depth * PANEL && acc.len() >= R);
     debug_assert!(x.len() == if PACKED { depth * R } else { R * k } && depth <= k);
     #[cfg(target_arch = "x86_64")]
     if F {
@@ -431,7 +530,7 @@ unsafe fn tile_avx2_fma<T: Elem, const R: usize, const PACKED: bool>(
     w: &[T],
     depth: usize,
     k: usize,
-    acc: &mut [[f32; PANEL]; TILE_ROWS],
+    acc: &mut [[f32; PANEL]],
 ) {
     use std::arch::x86_64::*;
 
@@ -480,12 +579,120 @@ mod tests {
     }
 
     fn run_f32(x: &Array2<f32>, w: &Array2<f32>, b: Option<&[f32]>, threads: usize) -> Array2<f32> {
+        run_at_level::<f32>(isa::level(), x, w, b, threads)
+    }
+
+    /// `linear` of element type `T` at `level`, from f32 values (rounded to `T`), as f32.
+    fn run_at_level<T: Elem>(
+        level: IsaLevel,
+        x: &Array2<f32>,
+        w: &Array2<f32>,
+        b: Option<&[f32]>,
+        threads: usize,
+    ) -> Array2<f32> {
         let (n, k) = w.dim();
+        let w = w.mapv(T::from_f32);
         let panels =
             Array3::from_shape_vec((n.div_ceil(PANEL), k, PANEL), pack_panels(w.view())).unwrap();
-        let mut out = Array2::from_elem((x.dim().0, n), f32::NAN);
-        linear(x.view(), panels.view(), b, out.view_mut(), threads).unwrap();
-        out
+        let b: Option<Vec<T>> = b.map(|b| b.iter().map(|v| T::from_f32(*v)).collect());
+        let mut out = Array2::from_elem((x.dim().0, n), T::from_f32(f32::NAN));
+        let x = x.mapv(T::from_f32);
+        linear_at(
+            level,
+            x.view(),
+            panels.view(),
+            b.as_deref(),
+            out.view_mut(),
+            threads,
+        )
+        .unwrap();
+        out.mapv(T::to_f32)
+    }
+
+    /// The levels this process can run (every one up to its own).
+    fn levels() -> Vec<IsaLevel> {
+        let all = [IsaLevel::Portable, IsaLevel::Avx2, IsaLevel::Avx512];
+        all.into_iter().filter(|l| *l <= isa::level()).collect()
+    }
+
+    /// Direct tiles of every height up to 16, blocked ones as pairs and single tiles, K slices,
+    /// ragged panels.
+    const LEVEL_SHAPES: [(usize, usize, usize); 9] = [
+        (1, 7, 5),
+        (4, 64, 33),
+        (8, 100, 16),
+        (13, 40, 47),
+        (16, 300, 17),
+        (17, 600, 37),
+        (23, 256, 16),
+        (40, 5, 3),
+        (70, 700, 53),
+    ];
+
+    #[test]
+    fn every_level_up_to_the_processes_matches_a_float64_reference() {
+        let mut checked = Vec::new();
+        for level in levels() {
+            for (m, k, n) in LEVEL_SHAPES {
+                let x = Array2::from_shape_vec((m, k), values(m * k, 31.0)).unwrap();
+                let w = Array2::from_shape_vec((n, k), values(n * k, 32.0)).unwrap();
+                let b = values(n, 33.0);
+                let want = reference(&x, &w, Some(&b));
+                for threads in [1, 2] {
+                    let got = run_at_level::<f32>(level, &x, &w, Some(&b), threads);
+                    for (g, w) in got.iter().zip(&want) {
+                        let tol = 1e-6 * k as f64;
+                        assert!(
+                            (*g as f64 - w).abs() < tol,
+                            "{level:?} {m}x{k}x{n}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+            checked.push(level);
+        }
+        // the process's own level among them (a forced lower one or the machine's)
+        let top = isa::level().min(IsaLevel::Avx512);
+        assert_eq!(checked.last(), Some(&top), "checked {checked:?}");
+    }
+
+    #[test]
+    fn simd_levels_give_bit_identical_float32_and_bf16_weight_products() {
+        // every lane is the same FMA chain over k at AVX2 and AVX-512: the products must agree
+        // bit for bit (the greedy outputs identical across ISA levels rest on it)
+        let simd: Vec<IsaLevel> = levels()
+            .into_iter()
+            .filter(|l| *l >= IsaLevel::Avx2)
+            .collect();
+        for (m, k, n) in LEVEL_SHAPES {
+            let x = Array2::from_shape_vec((m, k), values(m * k, 34.0)).unwrap();
+            let w = Array2::from_shape_vec((n, k), values(n * k, 35.0)).unwrap();
+            let b = values(n, 36.0);
+            for &level in simd.iter().skip(1) {
+                for threads in [1, 2] {
+                    assert_eq!(
+                        run_at_level::<f32>(level, &x, &w, Some(&b), threads),
+                        run_at_level::<f32>(simd[0], &x, &w, Some(&b), 1),
+                        "f32 {level:?} vs {:?}, {m}x{k}x{n}, {threads} threads",
+                        simd[0]
+                    );
+                    assert_eq!(
+                        run_at_level::<Bf16>(level, &x, &w, Some(&b), threads),
+                        run_at_level::<Bf16>(simd[0], &x, &w, Some(&b), 1),
+                        "bf16 {level:?} vs {:?}, {m}x{k}x{n}, {threads} threads",
+                        simd[0]
+                    );
+                }
+            }
+        }
+        // what was compared: every SIMD level this process runs (none below AVX2, one at AVX2)
+        let want = match isa::level() {
+            IsaLevel::Portable => 0,
+            IsaLevel::Avx2 => 1,
+            _ => 2,
+        };
+        assert_eq!(simd.len(), want, "compared {simd:?}");
+        eprintln!("bit-identical across {simd:?}");
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub mod forward;
 pub mod isa;
 pub mod kv_quant;
 pub mod linear;
+#[cfg(target_arch = "x86_64")]
+mod linear_avx512;
 pub mod moe;
 pub mod norm;
 mod pool;

@@ -1,0 +1,139 @@
+//! The linear kernel's register tiles at the AVX-512 level (`linear.rs` chooses them where
+//! `isa::level()` is AVX-512 or above). A panel's 16 output columns are one 512-bit register,
+//! so a tile row is one accumulator instead of AVX2's two, and the 32 registers hold taller
+//! tiles: up to `DIRECT_MAX_ROWS` rows of x read in place (a decode step of up to 16 rows reads
+//! each weight once), or two packed tiles of `TILE_ROWS` rows at a time (prefill: 12
+//! independent FMA chains cover the FMA units' latency).
+//!
+//! Each lane is still one output element's FMA chain over `k` in order, starting from the sums
+//! given, exactly as in the AVX2 and portable tiles: float32 results are bit-identical across
+//! the levels (only the width of the registers and the tile heights differ).
+
+use std::arch::x86_64::*;
+
+use super::elem::Elem;
+use super::linear::{DIRECT_MAX_ROWS, PANEL, TILE_ROWS};
+
+// the row counts `tile_direct` and `tile_packed` spell out
+const _: () = assert!(DIRECT_MAX_ROWS == 16 && TILE_ROWS == 6 && PANEL == 16);
+
+/// Sixteen elements at `p` as f32 lanes: a plain load for f32, for bf16 sixteen 16-bit loads
+/// zero-extended and shifted into the high half of each lane (exact).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[inline]
+pub(crate) unsafe fn load16<T: Elem>(p: *const T) -> __m512 {
+    if T::IS_BF16 {
+        let halves = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+    } else {
+        _mm512_loadu_ps(p as *const f32)
+    }
+}
+
+/// Where step `i` of row `r` of an `R`-row tile's x is: rows of `k` in place (`xa`); packed,
+/// one tile's `[depth, R]` (`xa`, R <= TILE_ROWS) or two tiles, a full one (`xa`, `[depth,
+/// TILE_ROWS]`) and the next (`xb`, `[depth, R - TILE_ROWS]`).
+#[inline(always)]
+unsafe fn x_ptr<const R: usize, const PACKED: bool>(
+    xa: *const f32,
+    xb: *const f32,
+    r: usize,
+    i: usize,
+    k: usize,
+) -> *const f32 {
+    if !PACKED {
+        xa.add(r * k + i)
+    } else if R <= TILE_ROWS {
+        xa.add(i * R + r)
+    } else if r < TILE_ROWS {
+        xa.add(i * TILE_ROWS + r)
+    } else {
+        xb.add(i * (R - TILE_ROWS) + r - TILE_ROWS)
+    }
+}
+
+/// `acc[r][j] += x(r, i) * w[i * PANEL + j]` for `i` in `0..depth` in order, for the tile's `R`
+/// rows (`x_ptr` says where x(r, i) is).
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL (the ISA level); `w` must hold `depth * PANEL` elements,
+/// `acc` at least `R` rows, and x every element `x_ptr` names for `r < R`, `i < depth`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[inline]
+unsafe fn tile<T: Elem, const R: usize, const PACKED: bool>(
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    debug_assert!(acc.len() >= R);
+    let mut sums = [_mm512_setzero_ps(); R];
+    for (s, src) in sums.iter_mut().zip(acc.iter()) {
+        *s = _mm512_loadu_ps(src.as_ptr());
+    }
+    for i in 0..depth {
+        let wv = load16(w.add(i * PANEL));
+        for (r, s) in sums.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*x_ptr::<R, PACKED>(xa, xb, r, i, k));
+            *s = _mm512_fmadd_ps(a, wv, *s);
+        }
+    }
+    for (dst, s) in acc.iter_mut().zip(&sums) {
+        _mm512_storeu_ps(dst.as_mut_ptr(), *s);
+    }
+}
+
+/// `tile` for `rows` rows of x read in place (`[rows, k]` at `x`), 1..=16.
+///
+/// # Safety
+/// As `tile`: the CPU has the level; `x` holds `rows * k` floats, `w` `depth * PANEL`
+/// elements, `acc` `rows` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[inline]
+pub(super) unsafe fn tile_direct<T: Elem>(
+    rows: usize,
+    x: *const f32,
+    w: *const T,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile::<T, $r, false>(x, x, w, k, k, acc),)*
+                _ => unreachable!("a direct tile has 1..=16 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+}
+
+/// `tile` for `rows` rows of packed x (1..=2 * TILE_ROWS): one tile at `xa` (`rows <=
+/// TILE_ROWS`) or a full tile at `xa` and the next one's `rows - TILE_ROWS` rows at `xb`.
+///
+/// # Safety
+/// As `tile`: the CPU has the level; `xa` (and `xb`) hold their tiles' `depth` steps, `w`
+/// `depth * PANEL` elements, `acc` `rows` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[inline]
+pub(super) unsafe fn tile_packed<T: Elem>(
+    rows: usize,
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile::<T, $r, true>(xa, xb, w, depth, k, acc),)*
+                _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12)
+}
