@@ -3,17 +3,20 @@
 //! released (`crate::cpu::forward`).
 use numpy::ndarray::{ArrayViewMut2, Ix6};
 use numpy::{
-    PyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3, PyUntypedArrayMethods,
+    PyArray, PyArray1, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1,
+    PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray1, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::cpu_moe::CpuMoeQuantExperts;
 use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
-use crate::cpu::forward::{self, Layer, Linear, Options, Shape, Step, Weight};
+use crate::cpu::forward::{
+    self, Experts, Layer, Linear, Mlp, MoeMlp, Options, Shape, SharedExpert, Step, Weight,
+};
 use crate::cpu::views::cast_view_mut;
 
 /// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
@@ -36,8 +39,33 @@ struct LayerArrays {
     qk_norm: Option<(Vector, Vector)>,
     o: LinearArrays,
     post_norm: Py<PyArray1<f32>>,
-    gate_up: LinearArrays,
-    down: LinearArrays,
+    mlp: MlpArrays,
+}
+
+enum MlpArrays {
+    Dense {
+        gate_up: LinearArrays,
+        down: LinearArrays,
+    },
+    Moe(MoeArrays),
+}
+
+/// A sparse layer's MLP (`models/cpu_forward.py`'s `_moe`).
+struct MoeArrays {
+    router: LinearArrays,
+    experts: ExpertArrays,
+    top_k: usize,
+    normalize: bool,
+    /// gate_up, down, gate
+    shared: Option<(LinearArrays, LinearArrays, LinearArrays)>,
+    /// the block's `expert_tokens` `[E]`, added to in place
+    counts: Py<PyArray1<i64>>,
+}
+
+enum ExpertArrays {
+    /// stacked gate/up and down panels
+    Panels(Py<PyArray4<f32>>, Py<PyArray4<f32>>),
+    Quant(Py<CpuMoeQuantExperts>),
 }
 
 /// A decoder's weights for `forward` (see `models/cpu_forward.py`, which builds it).
@@ -117,14 +145,93 @@ fn layer_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays> {
             )))
         }
     };
+    let mlp = if part(7)?.is_none() {
+        MlpArrays::Moe(moe_arrays(&part(6)?, &name("moe"))?)
+    } else {
+        MlpArrays::Dense {
+            gate_up: linear_arrays(&part(6)?, &name("gate_up"))?,
+            down: linear_arrays(&part(7)?, &name("down"))?,
+        }
+    };
     Ok(LayerArrays {
         input_norm: array1(&part(0)?, &name("input_norm"))?,
         qkv: linear_arrays(&part(1)?, &name("qkv"))?,
         qk_norm,
         o: linear_arrays(&part(4)?, &name("o"))?,
         post_norm: array1(&part(5)?, &name("post_norm"))?,
-        gate_up: linear_arrays(&part(6)?, &name("gate_up"))?,
-        down: linear_arrays(&part(7)?, &name("down"))?,
+        mlp,
+    })
+}
+
+/// `("moe", router, experts, top_k, normalize, shared, counts)`: router a linear spec, experts
+/// `("panels", float32 gate_up [E, P, H, 16], float32 down [E, P, I, 16])` or `("quant",
+/// CpuMoeQuantExperts)`, shared None or `(gate_up, down, gate)` linear specs, counts int64 `[E]`.
+fn moe_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays> {
+    type Spec<'py> = (
+        String,
+        Bound<'py, PyAny>,
+        Bound<'py, PyTuple>,
+        usize,
+        bool,
+        Option<Bound<'py, PyTuple>>,
+        Bound<'py, PyAny>,
+    );
+    let (kind, router, experts, top_k, normalize, shared, counts): Spec<'_> =
+        spec.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must be ('moe', router, experts, top_k, normalize, shared, counts)"
+            ))
+        })?;
+    if kind != "moe" {
+        return Err(PyValueError::new_err(format!(
+            "{what}: kind {kind:?} is not 'moe' (a dense layer gives gate_up and down)"
+        )));
+    }
+    let experts_kind: String = experts.get_item(0)?.extract()?;
+    let experts = match experts_kind.as_str() {
+        "panels" if experts.len() == 3 => {
+            let panels = |j: usize| -> PyResult<Py<PyArray4<f32>>> {
+                let item = experts.get_item(j)?;
+                let array = item.cast::<PyArray4<f32>>().map_err(|_| {
+                    PyTypeError::new_err(format!("{what}'s expert panels must be 4-D float32"))
+                })?;
+                Ok(array.clone().unbind())
+            };
+            ExpertArrays::Panels(panels(1)?, panels(2)?)
+        }
+        "quant" if experts.len() == 2 => {
+            let held = experts.get_item(1)?;
+            let held = held.cast::<CpuMoeQuantExperts>().map_err(|_| {
+                PyTypeError::new_err(format!("{what}'s quantized experts must be a CpuMoeQuantExperts"))
+            })?;
+            ExpertArrays::Quant(held.clone().unbind())
+        }
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "{what}: experts ({other:?}, ...) are neither ('panels', gate_up, down) nor                  ('quant', CpuMoeQuantExperts)"
+            )))
+        }
+    };
+    let shared = shared
+        .map(|parts| -> PyResult<_> {
+            let part = |j: usize, name: &str| {
+                linear_arrays(&parts.get_item(j)?, &format!("{what}'s shared {name}"))
+            };
+            Ok((part(0, "gate_up")?, part(1, "down")?, part(2, "gate")?))
+        })
+        .transpose()?;
+    let counts = counts
+        .cast::<PyArray1<i64>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}'s counts must be a 1-D int64 array")))?
+        .clone()
+        .unbind();
+    Ok(MoeArrays {
+        router: linear_arrays(&router, &format!("{what}'s router"))?,
+        experts,
+        top_k,
+        normalize,
+        shared,
+        counts,
     })
 }
 
@@ -145,8 +252,29 @@ struct LayerGuard<'py> {
     qk_norm: Option<(PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>)>,
     o: LinearGuard<'py>,
     post_norm: PyReadonlyArray1<'py, f32>,
-    gate_up: LinearGuard<'py>,
-    down: LinearGuard<'py>,
+    mlp: MlpGuard<'py>,
+}
+
+enum MlpGuard<'py> {
+    Dense {
+        gate_up: LinearGuard<'py>,
+        down: LinearGuard<'py>,
+    },
+    Moe(MoeGuard<'py>),
+}
+
+struct MoeGuard<'py> {
+    router: LinearGuard<'py>,
+    experts: ExpertGuard<'py>,
+    top_k: usize,
+    normalize: bool,
+    shared: Option<(LinearGuard<'py>, LinearGuard<'py>, LinearGuard<'py>)>,
+}
+
+enum ExpertGuard<'py> {
+    Panels(PyReadonlyArray4<'py, f32>, PyReadonlyArray4<'py, f32>),
+    /// every expert's gate/up and down segments, and H and I
+    Quant(Vec<Segments<'py>>, Vec<Segments<'py>>, usize, usize),
 }
 
 fn read1<'py>(py: Python<'py>, a: &Py<PyArray1<f32>>) -> PyReadonlyArray1<'py, f32> {
@@ -170,9 +298,38 @@ impl LinearArrays {
     }
 }
 
+impl MlpArrays {
+    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<MlpGuard<'py>> {
+        Ok(match self {
+            MlpArrays::Dense { gate_up, down } => MlpGuard::Dense {
+                gate_up: gate_up.borrow(py),
+                down: down.borrow(py),
+            },
+            MlpArrays::Moe(moe) => MlpGuard::Moe(MoeGuard {
+                router: moe.router.borrow(py),
+                experts: match &moe.experts {
+                    ExpertArrays::Panels(g, d) => {
+                        ExpertGuard::Panels(g.bind(py).readonly(), d.bind(py).readonly())
+                    }
+                    ExpertArrays::Quant(held) => {
+                        let (gate_up, down, hidden, width) = held.get().borrow_all(py)?;
+                        ExpertGuard::Quant(gate_up, down, hidden, width)
+                    }
+                },
+                top_k: moe.top_k,
+                normalize: moe.normalize,
+                shared: moe
+                    .shared
+                    .as_ref()
+                    .map(|(g, d, s)| (g.borrow(py), d.borrow(py), s.borrow(py))),
+            }),
+        })
+    }
+}
+
 impl LayerArrays {
-    fn borrow<'py>(&self, py: Python<'py>) -> LayerGuard<'py> {
-        LayerGuard {
+    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<LayerGuard<'py>> {
+        Ok(LayerGuard {
             input_norm: read1(py, &self.input_norm),
             qkv: self.qkv.borrow(py),
             qk_norm: self
@@ -181,9 +338,8 @@ impl LayerArrays {
                 .map(|(q, k)| (read1(py, q), read1(py, k))),
             o: self.o.borrow(py),
             post_norm: read1(py, &self.post_norm),
-            gate_up: self.gate_up.borrow(py),
-            down: self.down.borrow(py),
-        }
+            mlp: self.mlp.borrow(py)?,
+        })
     }
 }
 
@@ -218,15 +374,60 @@ impl LayerGuard<'_> {
             qk_norm,
             o: self.o.view()?,
             post_norm: slice1(&self.post_norm)?,
-            gate_up: self.gate_up.view()?,
-            down: self.down.view()?,
+            mlp: self.mlp.view()?,
         })
+    }
+}
+
+impl MlpGuard<'_> {
+    fn view(&self) -> PyResult<Mlp<'_>> {
+        let moe = match self {
+            MlpGuard::Dense { gate_up, down } => {
+                return Ok(Mlp::Dense {
+                    gate_up: gate_up.view()?,
+                    down: down.view()?,
+                })
+            }
+            MlpGuard::Moe(moe) => moe,
+        };
+        let experts = match &moe.experts {
+            ExpertGuard::Panels(g, d) => Experts::Panels {
+                gate_up: g.as_array(),
+                down: d.as_array(),
+            },
+            ExpertGuard::Quant(gate_up, down, hidden, width) => Experts::Quant {
+                gate_up: gate_up
+                    .iter()
+                    .map(|s| matrix(s, *hidden))
+                    .collect::<PyResult<_>>()?,
+                down: down
+                    .iter()
+                    .map(|s| matrix(s, *width))
+                    .collect::<PyResult<_>>()?,
+            },
+        };
+        let shared = match &moe.shared {
+            Some((gate_up, down, gate)) => Some(SharedExpert {
+                gate_up: gate_up.view()?,
+                down: down.view()?,
+                gate: gate.view()?,
+            }),
+            None => None,
+        };
+        Ok(Mlp::Moe(MoeMlp {
+            router: moe.router.view()?,
+            experts,
+            top_k: moe.top_k,
+            normalize: moe.normalize,
+            shared,
+        }))
     }
 }
 
 #[pymethods]
 impl CpuDecoder {
-    /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`,
+    /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`
+    /// (a sparse layer: `(..., post_norm, moe, None)`, `moe_arrays`),
     /// norms float32 `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
     /// them.
     #[new]
@@ -286,7 +487,25 @@ impl CpuDecoder {
     ) -> PyResult<()> {
         let activations = super::cpu_quant::activations_named(activations)?;
         let kv_format = KvFormat::parse(kv_cache_dtype)?;
-        let guards: Vec<LayerGuard<'_>> = self.layers.iter().map(|l| l.borrow(py)).collect();
+        let guards = self
+            .layers
+            .iter()
+            .map(|l| l.borrow(py))
+            .collect::<PyResult<Vec<LayerGuard<'_>>>>()?;
+        let mut counts = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mlp {
+                MlpArrays::Moe(moe) => Some(moe.counts.bind(py).try_readwrite()),
+                MlpArrays::Dense { .. } => None,
+            })
+            .collect::<Result<Vec<PyReadwriteArray1<'_, i64>>, _>>()
+            .map_err(|e| PyValueError::new_err(format!("expert counts must be writeable ({e})")))?;
+        let mut counts = counts
+            .iter_mut()
+            .map(|c| c.as_slice_mut())
+            .collect::<Result<Vec<&mut [i64]>, _>>()
+            .map_err(|_| PyValueError::new_err("expert counts must be contiguous"))?;
         let layers = guards
             .iter()
             .map(LayerGuard::view)
@@ -326,6 +545,7 @@ impl CpuDecoder {
             final_norm,
             shape: self.shape,
             step: &step,
+            expert_counts: &mut counts,
             opts,
         };
         match kv_format {
@@ -349,6 +569,7 @@ struct Run<'a, 'b> {
     final_norm: &'a [f32],
     shape: Shape,
     step: &'a Step<'a>,
+    expert_counts: &'a mut [&'b mut [i64]],
     opts: Options,
 }
 
@@ -367,9 +588,21 @@ impl Run<'_, '_> {
             final_norm,
             shape,
             step,
+            expert_counts,
             opts,
         } = self;
-        py.detach(|| forward::decoder_forward(x, layers, final_norm, shape, step, kv_cache, opts))?;
+        py.detach(|| {
+            forward::decoder_forward(
+                x,
+                layers,
+                final_norm,
+                shape,
+                step,
+                kv_cache,
+                expert_counts,
+                opts,
+            )
+        })?;
         Ok(())
     }
 }

@@ -126,6 +126,27 @@ fn matrices<'a>(
         .collect()
 }
 
+impl CpuMoeQuantExperts {
+    /// Every expert's segments borrowed (the one-call decoder's routing runs without the GIL,
+    /// so all experts are lent to it), and H and I.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn borrow_all<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Vec<Segments<'py>>, Vec<Segments<'py>>, usize, usize)> {
+        let all = vec![true; self.gate_up.len()];
+        let every = |experts| -> PyResult<Vec<Segments<'py>>> {
+            Ok(borrowed(py, experts, &all)?.into_iter().flatten().collect())
+        };
+        Ok((
+            every(&self.gate_up)?,
+            every(&self.down)?,
+            self.hidden,
+            self.width,
+        ))
+    }
+}
+
 #[pymethods]
 impl CpuMoeQuantExperts {
     /// `gate_up[e]` (`[2I, H]`, gate rows then up rows) and `down[e]` (`[H, I]`): expert `e`'s

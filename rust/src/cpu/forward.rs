@@ -11,11 +11,16 @@
 //!
 //! Scope: float32 activations, weights as `linear`'s panels or ggml-typed rows (`quant`), full
 //! causal attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
-//! decides when a model qualifies and keeps the layer-by-layer path otherwise.
+//! decides when a model qualifies and keeps the layer-by-layer path otherwise. A layer's MLP is
+//! dense or a mixture of experts (`moe_layer`: router, routing, grouped experts, shared expert).
 use ndarray::{
     s, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, ArrayViewMut6, Axis,
     ShapeBuilder,
 };
+
+mod moe_layer;
+
+pub use moe_layer::{route, Experts, MoeMlp, SharedExpert};
 
 use super::attention::{paged_attention, store_kv, PagedBatch};
 use super::kv_quant::KvElem;
@@ -77,9 +82,17 @@ pub struct Layer<'a> {
     pub qk_norm: Option<(&'a [f32], &'a [f32])>,
     pub o: Linear<'a>,
     pub post_norm: &'a [f32],
-    /// gate then up output features side by side
-    pub gate_up: Linear<'a>,
-    pub down: Linear<'a>,
+    pub mlp: Mlp<'a>,
+}
+
+/// A layer's MLP: dense SwiGLU, or a mixture of experts.
+pub enum Mlp<'a> {
+    Dense {
+        /// gate then up output features side by side
+        gate_up: Linear<'a>,
+        down: Linear<'a>,
+    },
+    Moe(MoeMlp<'a>),
 }
 
 /// The attention geometry and the norms' epsilon.
@@ -123,6 +136,9 @@ struct Scratch {
 /// Runs `layers` and the final norm over `x [T, E]` (the step's embeddings in, the final
 /// hidden states out, in place), storing each layer's K/V into its cache and attending over it.
 /// `kv_cache` is the engine's `[2, layers, blocks, block_size, KVH, D (+ scale)]`.
+/// `expert_counts`: one `[E]` per mixture-of-experts layer, in layer order, to which each
+/// token's chosen experts are added.
+#[allow(clippy::too_many_arguments)]
 pub fn decoder_forward<C: KvElem>(
     mut x: ArrayViewMut2<f32>,
     layers: &[Layer<'_>],
@@ -130,6 +146,7 @@ pub fn decoder_forward<C: KvElem>(
     shape: Shape,
     step: &Step<'_>,
     mut kv_cache: ArrayViewMut6<C>,
+    expert_counts: &mut [&mut [i64]],
     opts: Options,
 ) -> Result<()> {
     let (tokens, hidden) = x.dim();
@@ -141,6 +158,16 @@ pub fn decoder_forward<C: KvElem>(
         step.slot_mapping.len(),
         tokens,
     )?;
+    let moe_layers = layers
+        .iter()
+        .filter(|l| matches!(l.mlp, Mlp::Moe(_)))
+        .count();
+    if expert_counts.len() != moe_layers {
+        return Err(invalid(format!(
+            "{} expert token counts for {moe_layers} mixture-of-experts layers",
+            expert_counts.len()
+        )));
+    }
     if kv_cache.dim().0 != 2 || kv_cache.dim().1 != layers.len() {
         return Err(invalid(format!(
             "kv_cache has shape {:?}, expected [2, {}, blocks, block_size, kv heads, row]",
@@ -153,6 +180,7 @@ pub fn decoder_forward<C: KvElem>(
     }
     let mut scratch = Scratch::new(tokens, hidden, layers, shape);
     let (mut k_caches, mut v_caches) = kv_cache.view_mut().split_at(Axis(0), 1);
+    let mut counts = expert_counts.iter_mut();
     for (i, layer) in layers.iter().enumerate() {
         let first = i == 0;
         if first {
@@ -181,7 +209,14 @@ pub fn decoder_forward<C: KvElem>(
             opts,
         )?;
         add_norm(&mut x, &mut scratch.residual, layer.post_norm, shape.eps)?;
-        mlp(&mut x, layer, &mut scratch, opts)?;
+        match &layer.mlp {
+            Mlp::Dense { gate_up, down } => mlp(&mut x, (gate_up, down), &mut scratch, opts)?,
+            Mlp::Moe(moe) => {
+                // as many counts as sparse layers: checked above
+                let counts = counts.next().ok_or_else(|| invalid("expert counts"))?;
+                moe_layer::moe_mlp(&mut x, moe, counts, opts)?
+            }
+        }
     }
     if layers.is_empty() {
         let copy = x.to_owned();
@@ -212,30 +247,37 @@ fn check(
     let q = shape.num_heads * shape.head_dim;
     let kv = shape.num_kv_heads * shape.head_dim;
     for (i, layer) in layers.iter().enumerate() {
-        let projections = [
+        let mut projections = vec![
             ("qkv", &layer.qkv, hidden, q + 2 * kv),
             ("o", &layer.o, q, hidden),
-            (
-                "down",
-                &layer.down,
-                layer.gate_up.weight.out_features() / 2,
-                hidden,
-            ),
         ];
-        for (name, proj, k, n) in projections {
-            if proj.weight.in_features() != k || proj.weight.out_features() != n {
-                return Err(invalid(format!(
-                    "layer {i}: {name} is [{}, {}], expected [{n}, {k}]",
-                    proj.weight.out_features(),
-                    proj.weight.in_features()
-                )));
+        let (gate_up, down) = match &layer.mlp {
+            Mlp::Dense { gate_up, down } => (gate_up, down),
+            Mlp::Moe(moe) => {
+                moe.check(i, hidden)?;
+                check_projections(i, &projections)?;
+                continue;
             }
-        }
-        if layer.gate_up.weight.in_features() != hidden
-            || layer.gate_up.weight.out_features() % 2 != 0
-        {
+        };
+        projections.push(("down", down, gate_up.weight.out_features() / 2, hidden));
+        check_projections(i, &projections)?;
+        if gate_up.weight.in_features() != hidden || gate_up.weight.out_features() % 2 != 0 {
             return Err(invalid(format!(
                 "layer {i}: gate_up must take {hidden} inputs to an even number of outputs"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Each projection `(name, linear, in, out)` of layer `i` checked against its expected shape.
+fn check_projections(i: usize, projections: &[(&str, &Linear<'_>, usize, usize)]) -> Result<()> {
+    for &(name, proj, k, n) in projections {
+        if proj.weight.in_features() != k || proj.weight.out_features() != n {
+            return Err(invalid(format!(
+                "layer {i}: {name} is [{}, {}], expected [{n}, {k}]",
+                proj.weight.out_features(),
+                proj.weight.in_features()
             )));
         }
     }
@@ -248,7 +290,10 @@ impl Scratch {
         let kv = shape.num_kv_heads * shape.head_dim;
         let inter = layers
             .iter()
-            .map(|l| l.gate_up.weight.out_features())
+            .map(|l| match &l.mlp {
+                Mlp::Dense { gate_up, .. } => gate_up.weight.out_features(),
+                Mlp::Moe(_) => 0, // the experts' kernels hold their own buffers
+            })
             .max()
             .unwrap_or(0);
         let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
@@ -438,16 +483,16 @@ fn store_and_attend<C: KvElem>(
 /// x (normed) -> x = down(silu(gate) * up).
 fn mlp(
     x: &mut ArrayViewMut2<f32>,
-    layer: &Layer<'_>,
+    (gate_up_proj, down): (&Linear<'_>, &Linear<'_>),
     scratch: &mut Scratch,
     opts: Options,
 ) -> Result<()> {
     let tokens = x.dim().0;
-    let width = layer.gate_up.weight.out_features();
+    let width = gate_up_proj.weight.out_features();
     let gate_up =
         ArrayViewMut2::from_shape((tokens, width), &mut scratch.gate_up[..tokens * width])
             .map_err(bad_shape)?;
-    layer.gate_up.run(x.view(), gate_up, opts)?;
+    gate_up_proj.run(x.view(), gate_up, opts)?;
     let gate_up = ArrayView2::from_shape((tokens, width), &scratch.gate_up[..tokens * width])
         .map_err(bad_shape)?;
     let act =
@@ -456,5 +501,5 @@ fn mlp(
     activation::silu_and_mul(gate_up, act, opts.num_threads)?;
     let act = ArrayView2::from_shape((tokens, width / 2), &scratch.act[..tokens * width / 2])
         .map_err(bad_shape)?;
-    layer.down.run(act, x.view_mut(), opts)
+    down.run(act, x.view_mut(), opts)
 }
