@@ -5,11 +5,15 @@
 activation, ~10 a layer, each crossing with its numpy views and torch allocations: at decode
 sizes that glue costs as much as a small model's kernels (SmolLM2-135M: ~8 ms of a ~27 ms step
 over 30 layers). `CpuDecoderForward` runs the same kernels in the same order on the same numbers
-from Rust, so its hidden states equal the layer-by-layer path's bit for bit; the embedding, the
+from Rust, so its hidden states equal the layer-by-layer path's bit for bit (a mixture of experts'
+routing weights to the softmax's last bits: torch's vectorized exp); the embedding, the
 rotary tables and the LM head stay where they are.
 
 `build` decides when a model qualifies (float32 on the CPU, one tensor-parallel rank, no LoRA,
-dense gated MLPs, full attention, every projection packed or quantized, a float32 or quantized
+dense gated MLPs or mixture-of-experts blocks (`models/moe.py`'s `SparseMoeBlock`, experts packed
+float32 or quantized: the router, the routing, the grouped experts, the shared expert and the
+expert token counts run in the same call, `rust/src/cpu/forward/moe_layer.rs`), full attention,
+every projection packed or quantized, a float32 or quantized
 (`kv_cache_dtype` int8 / fp8: stored and read by the same Rust kernels as layer by layer) KV cache)
 and returns None otherwise: the model then runs layer by layer, as before.
 """
@@ -25,6 +29,7 @@ from pagedllm.kernels import cpu_quant
 from pagedllm.kernels.reference import as_bytes, kv_format
 from pagedllm.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from pagedllm.models.mlp import GatedMLP
+from pagedllm.models.moe import SparseMoeBlock
 
 
 class CpuDecoderForward:
@@ -110,7 +115,7 @@ def _plain_layer(layer: torch.nn.Module) -> bool:
     return (
         type(layer) is DecoderLayer
         and type(attn) is Attention
-        and type(layer.mlp) is GatedMLP
+        and type(layer.mlp) in (GatedMLP, SparseMoeBlock)
         and not attn.sliding_window
         and not attn.softcap
         and layer.pre_feedforward_layernorm is None
@@ -135,12 +140,48 @@ def _linear(layer: torch.nn.Module):
 
 def _layer(layer: DecoderLayer) -> tuple | None:
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [_linear(p) for p in (attn.qkv_proj, attn.o_proj)]
     norms = [_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     qk = [_norm(n) if n is not None else None for n in (attn.q_norm, attn.k_norm)]
-    if any(part is None for part in linears + norms):
+    mlp_parts = _moe(mlp) if isinstance(mlp, SparseMoeBlock) else _dense(mlp)
+    if any(part is None for part in linears + norms) or mlp_parts is None:
         return None
     if attn.q_norm is not None and any(n is None for n in qk):
         return None
-    qkv, o, gate_up, down = linears
-    return (norms[0], qkv, qk[0], qk[1], o, norms[1], gate_up, down)
+    qkv, o = linears
+    return (norms[0], qkv, qk[0], qk[1], o, norms[1], *mlp_parts)
+
+
+def _dense(mlp: GatedMLP) -> tuple | None:
+    parts = (_linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+    return None if None in parts else parts
+
+
+def _moe(block: SparseMoeBlock) -> tuple | None:
+    """`(("moe", router, experts, top_k, normalize, shared, counts), None)`, or None where the
+    block's experts are neither packed float32 nor quantized, or a part is not packed."""
+    experts = block.experts
+    if experts.num_experts != experts.total_experts:
+        return None  # expert parallelism holds a share: one rank only here
+    if experts.quant is not None:
+        held = ("quant", experts.quant.kernel)
+    elif experts.packed is not None and experts.packed.gate_up.dtype == torch.float32:
+        held = ("panels", experts.packed.gate_up_array, experts.packed.down_array)
+    else:
+        return None
+    router = _linear(block.gate)
+    shared = None
+    if block.shared_expert is not None:
+        mlp = block.shared_expert
+        shared = (
+            _linear(mlp.gate_up_proj),
+            _linear(mlp.down_proj),
+            _linear(block.shared_expert_gate),
+        )
+        if None in shared:
+            return None
+    counts = block.expert_tokens
+    if router is None or counts.device.type != "cpu" or not counts.is_contiguous():
+        return None
+    spec = ("moe", router, held, block.top_k, block.normalize, shared, counts.numpy())
+    return (spec, None)

@@ -1,0 +1,101 @@
+"""Mixtures of experts in the one-call CPU decoder (`models/cpu_forward.py`, the sparse layer of
+`rust/src/cpu/forward/moe_layer.rs`): the same greedy tokens, logprobs (to the routing softmax's
+last bits) and per-expert token counts as the layer-by-layer path, on float32 and on Q8_0
+experts, with a shared expert and with dense layers among sparse ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import cpu_forward
+from pagedllm.models.moe import expert_token_counts
+
+from moe_factory import save_tiny_moe_checkpoint, save_tiny_moe_gguf
+
+PROMPTS = [
+    [5, 9, 33, 71, 2, 8, 100, 41, 17, 3, 64, 12, 90, 7],
+    [11, 12, 13],
+    [200, 150, 100, 50, 25, 12, 6, 3, 1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121, 144],
+]
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+CASES = {
+    "qwen3_moe_dense_layer": (
+        "qwen3_moe",
+        dict(num_experts=16, num_experts_per_tok=8, num_hidden_layers=3, mlp_only_layers=[1]),
+    ),
+    "qwen2_moe_shared_expert": ("qwen2_moe", dict(num_experts=12, num_experts_per_tok=4)),
+    "mixtral": ("mixtral", dict(num_experts=8, num_experts_per_tok=2)),
+}
+
+
+def _generate(monkeypatch, model: str, *, fused: bool, **engine) -> tuple:
+    """(tokens, logprobs, expert counts, what `build` returned) for PROMPTS."""
+    built = []
+    real = cpu_forward.build
+
+    def build(*args, **kwargs):
+        result = real(*args, **kwargs) if fused else None
+        built.append(result)
+        return result
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_forward, "build", build)
+        # small chunks: prompts span several steps, mixed with other sequences' decodes
+        llm = LLM(model, max_num_batched_tokens=8, cpu_threads=1, **engine)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+        counts = expert_token_counts(llm.llm_engine.model)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [
+        sorted((t, lp.logprob) for t, lp in position.items())
+        for o in outs
+        for position in o.outputs[0].logprobs
+    ]
+    return tokens, logprobs, counts, built
+
+
+def _assert_same(fused: tuple, plain: tuple) -> None:
+    tokens, logprobs, counts, built = fused
+    assert built and built[0] is not None  # the one-call path did run
+    assert tokens == plain[0]
+    assert counts == plain[2] and sum(map(sum, counts.values())) > 0
+    for got, want in zip(logprobs, plain[1], strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
+    monkeypatch, tmp_path, case
+):
+    family, shape = CASES[case]
+    save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
+    fused = _generate(monkeypatch, str(tmp_path), fused=True, dtype="float32")
+    plain = _generate(monkeypatch, str(tmp_path), fused=False, dtype="float32")
+    _assert_same(fused, plain)
+
+
+def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts(
+    monkeypatch, tmp_path
+):
+    path = save_tiny_moe_gguf(
+        tmp_path,
+        "qwen2_moe",
+        seed=3,
+        moe_intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=4,
+        shared_expert_intermediate_size=128,
+    )
+    engine = dict(dtype="float32", skip_tokenizer_init=True)  # the file holds no tokenizer
+    fused = _generate(monkeypatch, str(path), fused=True, **engine)
+    plain = _generate(monkeypatch, str(path), fused=False, **engine)
+    _assert_same(fused, plain)
+
+
+def test_bfloat16_experts_keep_the_layer_by_layer_path(monkeypatch, tmp_path):
+    family, shape = CASES["mixtral"]
+    save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
+    *_, built = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
+    assert built == [None]
