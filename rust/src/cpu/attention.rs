@@ -28,6 +28,7 @@ use ndarray::{ArrayView2, ArrayView3, ArrayView4, ArrayViewMut3, ArrayViewMut4, 
 
 use super::elem::Elem;
 use super::invalid;
+use super::isa::{self, IsaLevel};
 use super::kv_quant::{self, KvElem};
 use super::{pool, simd};
 use crate::error::Result;
@@ -157,6 +158,23 @@ pub fn paged_attention<'a, T: Elem, C: KvElem>(
     v_cache: ArrayView4<'a, C>,
     batch: PagedBatch<'a>,
     scores: impl Into<Scores>,
+    out: ArrayViewMut3<T>,
+    num_threads: usize,
+) -> Result<()> {
+    let level = isa::level();
+    paged_attention_at(level, q, k_cache, v_cache, batch, scores, out, num_threads)
+}
+
+/// `paged_attention` with the kernels of `level` (at most the process's, `isa::level()`): the
+/// tests compare the levels' results within one process.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn paged_attention_at<'a, T: Elem, C: KvElem>(
+    level: IsaLevel,
+    q: ArrayView3<'a, T>,
+    k_cache: ArrayView4<'a, C>,
+    v_cache: ArrayView4<'a, C>,
+    batch: PagedBatch<'a>,
+    scores: impl Into<Scores>,
     mut out: ArrayViewMut3<T>,
     num_threads: usize,
 ) -> Result<()> {
@@ -174,6 +192,7 @@ pub fn paged_attention<'a, T: Elem, C: KvElem>(
         tables: batch.block_tables,
         shape,
         scores,
+        level: level.min(isa::level()),
     };
     let out = out
         .as_slice_mut()
@@ -414,6 +433,8 @@ struct Ctx<'a, T, C> {
     tables: ArrayView2<'a, i32>,
     shape: Shape,
     scores: Scores,
+    /// the kernels' level: never above the process's
+    level: IsaLevel,
 }
 
 /// Per-thread buffers, reused across items.
@@ -437,14 +458,19 @@ struct Scratch {
 
 fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
     let mut scratch = Scratch::default();
+    // ctx.level is at most the process's level: the machine grants its features (the Avx2
+    // level includes f16c, through which e5m2 caches widen)
     #[cfg(target_arch = "x86_64")]
-    // the Avx2 level includes f16c (e5m2 caches widen through half precision)
-    if super::simd::has_avx2_fma() {
-        // SAFETY: the ISA level (checked above) grants the features the function is compiled for.
+    if ctx.level >= IsaLevel::Avx512 {
+        // SAFETY: the level (checked above) grants the features the function is compiled for.
+        unsafe { run_avx512(ctx, chunks, &mut scratch) };
+        return;
+    } else if ctx.level >= IsaLevel::Avx2 {
+        // SAFETY: as above.
         unsafe { run_avx2_fma(ctx, chunks, &mut scratch) };
         return;
     }
-    run_with::<false, T, C>(ctx, chunks, &mut scratch);
+    run_with::<false, false, T, C>(ctx, chunks, &mut scratch);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -454,11 +480,22 @@ unsafe fn run_avx2_fma<T: Elem, C: KvElem>(
     chunks: Vec<(Item, &mut [T])>,
     scratch: &mut Scratch,
 ) {
-    run_with::<true, T, C>(ctx, chunks, scratch);
+    run_with::<true, false, T, C>(ctx, chunks, scratch);
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn run_avx512<T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
+    chunks: Vec<(Item, &mut [T])>,
+    scratch: &mut Scratch,
+) {
+    run_with::<true, true, T, C>(ctx, chunks, scratch);
+}
+
+/// `F`: inside an avx2 + fma function; `W`: inside an AVX-512 one.
 #[inline(always)]
-fn run_with<const F: bool, T: Elem, C: KvElem>(
+fn run_with<const F: bool, const W: bool, T: Elem, C: KvElem>(
     ctx: &Ctx<'_, T, C>,
     chunks: Vec<(Item, &mut [T])>,
     scratch: &mut Scratch,
@@ -466,8 +503,15 @@ fn run_with<const F: bool, T: Elem, C: KvElem>(
     let attend = |item, out: &mut [f32], scratch: &mut Scratch| {
         #[cfg(target_arch = "x86_64")]
         if F && ctx.shape.head_dim.is_multiple_of(simd::LANES) {
-            // SAFETY: `F` is true only inside `run_avx2_fma`, run after the CPU was checked.
-            return unsafe { attend_item_avx2(ctx, item, out, scratch) };
+            // SAFETY: `F` (`W`) is true only inside `run_avx2_fma` (`run_avx512`), run at that
+            // level.
+            return unsafe {
+                if W {
+                    attend_item_avx512(ctx, item, out, scratch)
+                } else {
+                    attend_item_avx2(ctx, item, out, scratch)
+                }
+            };
         }
         attend_item::<F, T, C>(ctx, item, out, scratch)
     };
@@ -615,9 +659,37 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
     out: &mut [f32],
     sc: &mut Scratch,
 ) {
+    attend_item_simd::<false, T, C>(ctx, item, out, sc)
+}
+
+/// `attend_item_avx2` with the AVX-512 loops (`attention_avx512`: 16 lanes, the same sums in the
+/// same order, so the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn attend_item_avx512<T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
+    item: Item,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
+    attend_item_simd::<true, T, C>(ctx, item, out, sc)
+}
+
+/// The body of `attend_item_avx2` (`W` false) and `attend_item_avx512` (`W` true), inlined into
+/// each (so that their loops are compiled for its level).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
+    ctx: &Ctx<'_, T, C>,
+    item: Item,
+    out: &mut [f32],
+    sc: &mut Scratch,
+) {
     use std::ptr::null;
 
     use super::attention_avx2 as k;
+    use super::attention_avx512 as k16;
 
     let Shape {
         heads,
@@ -705,7 +777,37 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
         let n = KEY_TILE.min(keys - t0);
         // this tile's first position in `key_at`
         let kt = t0 - base;
-        if !in_lanes {
+        if !in_lanes && W {
+            // the same, sixteen positions at a time (scores past n8 are never read)
+            for j0 in (0..n).step_by(16) {
+                let at: [usize; 16] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
+                for g in 0..kv_heads {
+                    let sixteen = std::array::from_fn(|l| ctx.k.as_ptr().add(at[l] + g * row));
+                    let (q_at, s_at) = (sc.q.as_ptr(), sc.scores.as_mut_ptr());
+                    let q_row = |r: usize| q_at.add((g * rows + r) * d);
+                    let score_row = |r: usize| s_at.add((g * rows + r) * KEY_TILE + j0);
+                    let mut r = 0;
+                    while r < rows {
+                        // a pair of rows per pass: each key widened once for both
+                        if r + 1 < rows {
+                            let pair = k16::qk_keys_in_lanes::<C, 2>(
+                                [q_row(r), q_row(r + 1)],
+                                &sixteen,
+                                d,
+                            );
+                            for (i, scores) in pair.into_iter().enumerate() {
+                                std::arch::x86_64::_mm512_storeu_ps(score_row(r + i), scores);
+                            }
+                            r += 2;
+                        } else {
+                            let [scores] = k16::qk_keys_in_lanes::<C, 1>([q_row(r)], &sixteen, d);
+                            std::arch::x86_64::_mm512_storeu_ps(score_row(r), scores);
+                            r += 1;
+                        }
+                    }
+                }
+            }
+        } else if !in_lanes {
             // few rows: every kv head's scores of eight positions at a time, so that each
             // position's keys (all heads, one contiguous run) are read in one go
             for j0 in (0..n).step_by(simd::LANES) {
@@ -776,13 +878,21 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                 for j in 0..n {
                     key_f32[j] = if C::WIDEN {
                         let dst = sc.keys.as_mut_ptr().add(j * d);
-                        k::widen(key_ptr[j], dst, d);
+                        if W {
+                            k16::widen(key_ptr[j], dst, d);
+                        } else {
+                            k::widen(key_ptr[j], dst, d);
+                        }
                         dst
                     } else {
                         key_ptr[j] as *const f32
                     };
                 }
-                k::qk_rows_in_lanes(q, rp, &key_f32[..n], d, s);
+                if W {
+                    k16::qk_rows_in_lanes(q, rp, &key_f32[..n], d, s);
+                } else {
+                    k::qk_rows_in_lanes(q, rp, &key_f32[..n], d, s);
+                }
                 if cap > 0.0 {
                     soft_cap(s, n * rp, cap);
                 }
@@ -800,11 +910,20 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                         }
                     }
                 }
-                k::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
+                if W {
+                    k16::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
+                } else {
+                    k::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
+                }
                 if C::EXTRA > 0 {
                     k::scale_by_values(s, 1, rp, rp, &value_ptr[..n], d);
                 }
-                k::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, &value_ptr[..n], d);
+                let values = &value_ptr[..n];
+                if W {
+                    k16::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, values, d);
+                } else {
+                    k::pv(out.as_mut_ptr(), row_at, corr, s, 1, rp, values, d);
+                }
             } else {
                 let n8 = n.next_multiple_of(simd::LANES);
                 let s = s.add(g * rows * KEY_TILE);
@@ -824,16 +943,12 @@ unsafe fn attend_item_avx2<T: Elem, C: KvElem>(
                 if C::EXTRA > 0 {
                     k::scale_by_values(s, KEY_TILE, 1, rows, &value_ptr[..n], d);
                 }
-                k::pv(
-                    out.as_mut_ptr(),
-                    row_at,
-                    corr,
-                    s,
-                    KEY_TILE,
-                    1,
-                    &value_ptr[..n],
-                    d,
-                );
+                let (o, values) = (out.as_mut_ptr(), &value_ptr[..n]);
+                if W {
+                    k16::pv(o, row_at, corr, s, KEY_TILE, 1, values, d);
+                } else {
+                    k::pv(o, row_at, corr, s, KEY_TILE, 1, values, d);
+                }
             }
         }
     }

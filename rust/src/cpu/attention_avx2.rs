@@ -20,7 +20,7 @@ use super::kv_quant::KvElem;
 
 // 2^f on |f| <= 1/2: Taylor coefficients (ln 2)^k / k!, k = 7..0 (truncation error < 1e-8
 // relative: below half an ulp of f32; the Horner rounding adds about one ulp)
-const EXP2_C: [f32; 8] = [
+pub(crate) const EXP2_C: [f32; 8] = [
     1.525_273_4e-5,
     1.540_353e-4,
     1.333_355_8e-3,
@@ -367,13 +367,13 @@ pub(crate) unsafe fn pv<T: KvElem>(
     }
 }
 
-type PvRows<'a> = (*mut f32, &'a [usize], &'a [f32], *const f32);
+pub(crate) type PvRows<'a> = (*mut f32, &'a [usize], &'a [f32], *const f32);
 
 /// `R` rows by `C` 8-column vectors from column `x`, `R * C` accumulators in registers.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
-unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
+pub(crate) unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
     (out, row_at, corr, p): PvRows<'_>,
     p_row: usize,
     p_key: usize,

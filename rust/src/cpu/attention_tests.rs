@@ -3,8 +3,9 @@
 //! reads; the output then differs from it by the one final rounding to bf16).
 use ndarray::{Array2, Array3, Array4, Axis};
 
-use super::attention::{paged_attention, store_kv, PagedBatch, Scores};
+use super::attention::{paged_attention, paged_attention_at, store_kv, PagedBatch, Scores};
 use super::elem::{Bf16, Elem};
+use super::isa::{self, IsaLevel};
 use super::kv_quant::{self, Fp8E4M3, Fp8E5M2, KvElem, I8};
 
 /// Deterministic pseudo-random values in [-1, 1), exact in `T`.
@@ -106,6 +107,18 @@ fn check_in<T: Elem, C: KvElem>(case: Case, threads: usize) {
 /// wholly before each sequence's first query's window are -1 when the kernel runs: reading one
 /// would index far outside the cache.
 fn check_scored<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, softcap: f32) {
+    check_levels::<T, C>(case, threads, window, softcap, false)
+}
+
+/// `check_scored`; `same_bits`: also the kernels of the AVX2 level, below the process's (the
+/// AVX-512 one's), must give the very bits the process's level gave.
+fn check_levels<T: Elem, C: KvElem>(
+    case: Case,
+    threads: usize,
+    window: usize,
+    softcap: f32,
+    same_bits: bool,
+) {
     let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
     let row = d + C::EXTRA;
     let widths: Vec<usize> = case.seqs.iter().map(|(_, l)| l.div_ceil(bs)).collect();
@@ -197,9 +210,10 @@ fn check_scored<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, s
         window,
         softcap,
     };
+    let q_in = q.mapv(T::from_f32);
     let mut out = Array3::<T>::from_elem((total_q, h, d), T::from_f32(f32::NAN));
     paged_attention(
-        q.mapv(T::from_f32).view(),
+        q_in.view(),
         k_cache.view(),
         v_cache.view(),
         batch,
@@ -208,6 +222,26 @@ fn check_scored<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, s
         threads,
     )
     .unwrap();
+    if same_bits && isa::level() > IsaLevel::Avx2 {
+        let mut lower = Array3::<T>::from_elem((total_q, h, d), T::from_f32(f32::NAN));
+        paged_attention_at(
+            IsaLevel::Avx2,
+            q_in.view(),
+            k_cache.view(),
+            v_cache.view(),
+            batch,
+            rule,
+            lower.view_mut(),
+            threads,
+        )
+        .unwrap();
+        let bits = |a: &Array3<T>| a.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&out) == bits(&lower),
+            "{:?} differs from avx2",
+            isa::level()
+        );
+    }
     let want = dense(&case, &q, &ks, &vs, rule);
     for (got, want) in out.iter().zip(want.iter()) {
         let got = got.to_f32();
@@ -517,4 +551,49 @@ fn soft_capped_scores_match_dense_attention_on_every_path() {
     check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, 0, 0.5);
     check_scored::<f32, f32>(case(4, 2, 20, vec![(1, 70), (17, 40)]), 1, 0, 0.5);
     check_scored::<f32, f32>(case(8, 2, 64, tile_edges()), 1, 16, 0.5);
+}
+
+// The AVX-512 level (where the machine has it) against the AVX2 level, bit for bit: its loops keep
+// the AVX2 path's sums in the same order (`attention_avx512`). On a machine without AVX-512 these
+// check the process's level against the dense reference only.
+
+fn same_bits<T: Elem, C: KvElem>(case: Case, threads: usize, window: usize, softcap: f32) {
+    check_levels::<T, C>(case, threads, window, softcap, true)
+}
+
+#[test]
+fn avx512_decode_and_prefill_give_the_avx2_bits_for_float_caches() {
+    for kv_heads in [8, 4, 2, 1] {
+        same_bits::<f32, f32>(case(8, kv_heads, 64, tile_edges()), 1, 0, 0.0);
+    }
+    same_bits::<Bf16, Bf16>(case(8, 4, 64, tile_edges()), 1, 0, 0.0);
+    same_bits::<Bf16, Bf16>(case(4, 1, 128, tile_edges()), 2, 0, 0.0);
+}
+
+#[test]
+fn avx512_decode_and_prefill_give_the_avx2_bits_for_quantized_caches() {
+    same_bits::<f32, I8>(case(8, 2, 64, tile_edges()), 1, 0, 0.0);
+    same_bits::<Bf16, I8>(case(12, 4, 64, tile_edges()), 1, 0, 0.0);
+    same_bits::<f32, Fp8E4M3>(case(8, 2, 64, tile_edges()), 1, 0, 0.0);
+    same_bits::<Bf16, Fp8E4M3>(case(8, 4, 128, tile_edges()), 1, 0, 0.0);
+    same_bits::<f32, Fp8E5M2>(case(8, 8, 64, tile_edges()), 1, 0, 0.0);
+}
+
+#[test]
+fn avx512_gives_the_avx2_bits_for_head_sizes_not_a_multiple_of_16() {
+    // the 8-column tails of the 16-lane loops (40, 24, 8) and the portable loop (20)
+    let seqs = vec![(1, 70), (17, 40), (1, 129), (40, 90)];
+    for d in [40, 24, 8, 20] {
+        same_bits::<f32, f32>(case(8, 2, d, seqs.clone()), 1, 0, 0.0);
+        same_bits::<Bf16, I8>(case(8, 4, d, seqs.clone()), 1, 0, 0.0);
+        same_bits::<f32, Fp8E4M3>(case(4, 4, d, seqs.clone()), 1, 0, 0.0);
+    }
+}
+
+#[test]
+fn avx512_gives_the_avx2_bits_with_windows_soft_caps_and_threads() {
+    let long = vec![(200, 200), (130, 190), (1, 511), (3, 300), (1, 5)];
+    same_bits::<f32, f32>(case(4, 2, 64, long.clone()), 3, 32, 0.0);
+    same_bits::<Bf16, Bf16>(case(8, 4, 64, long.clone()), 2, 48, 0.5);
+    same_bits::<f32, I8>(case(8, 2, 64, long), 2, 0, 0.5);
 }

@@ -10,6 +10,7 @@ pub mod activation;
 pub mod argmax;
 pub mod attention;
 mod attention_avx2;
+mod attention_avx512;
 pub mod elem;
 pub mod forward;
 pub mod isa;
