@@ -12,9 +12,12 @@
 //! stays in L1 while every tile of the block passes over it.
 //!
 //! Each output element is one FMA chain over `k` in order, whatever the row count, tiling, K
-//! slices or threads: a row's result does not depend on the batch it runs in. x, the panels,
-//! the bias and y share one element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is
-//! rounded once.
+//! slices, threads or ISA level (AVX2 and AVX-512 give the same bits; `linear_avx512`): a row's
+//! result does not depend on the batch it runs in. x, the panels, the bias and y share one
+//! element type (`Elem`: f32 or bf16); sums are f32 and a bf16 y is rounded once. Where the
+//! machine has AVX-512 BF16, bf16 products take `vdpbf16ps` instead, two k steps a time: the
+//! same exact products (x is bf16 too), summed a pair at a time, still the same for every row
+//! count (and not bit-identical to the other levels' bf16).
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -59,12 +62,19 @@ pub fn linear<T: Elem>(
     out: ArrayViewMut2<T>,
     num_threads: usize,
 ) -> Result<()> {
-    linear_at(isa::level(), x, panels, bias, out, num_threads)
+    linear_with(
+        tiles_at::<T>(isa::level()),
+        x,
+        panels,
+        bias,
+        out,
+        num_threads,
+    )
 }
 
-/// `linear`'s tiles at `level` (at most the process's: `run_at`).
-fn linear_at<T: Elem>(
-    level: IsaLevel,
+/// `linear` with the tile set `tiles` (one the process may run: `run_with_tiles`).
+fn linear_with<T: Elem>(
+    tiles: u8,
     x: ArrayView2<T>,
     panels: ArrayView3<T>,
     bias: Option<&[T]>,
@@ -128,7 +138,7 @@ fn linear_at<T: Elem>(
     let per_share = (MIN_SHARE_ELEMS / (k * PANEL)).max(1);
     let threads = num_threads.clamp(1, num_panels.div_ceil(per_share));
     if threads == 1 {
-        run_at(level, &ctx, 0..num_panels);
+        run_with_tiles(tiles, &ctx, 0..num_panels);
         return Ok(());
     }
     // runs of panels claimed in turn, several per thread: on a busy machine a thread that
@@ -138,7 +148,7 @@ fn linear_at<T: Elem>(
         .max(per_share);
     let chunks = num_panels.div_ceil(chunk);
     pool::WORKERS.run_claimed(threads, chunks, |c| {
-        run_at(level, &ctx, c * chunk..((c + 1) * chunk).min(num_panels));
+        run_with_tiles(tiles, &ctx, c * chunk..((c + 1) * chunk).min(num_panels));
     });
     Ok(())
 }
@@ -208,32 +218,44 @@ impl<'a, T: Elem> Ctx<'a, T> {
 
 /// Computes the product's output columns of `panels` at the process's ISA level.
 pub(crate) fn run<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
-    run_at(isa::level(), ctx, panels);
+    run_with_tiles(tiles_at::<T>(isa::level()), ctx, panels);
 }
 
-/// The kernels' tile sets, as `run_with`'s parameter: plain Rust, AVX2 + FMA, AVX-512.
+/// The kernels' tile sets, as `run_with`'s parameter, each needing the ones before it: plain
+/// Rust, AVX2 + FMA, AVX-512 (the same sums, bit for bit, as AVX2), and for bf16 weights
+/// AVX-512 BF16's `vdpbf16ps` (x's bf16 values two k steps at a time: the same exact
+/// products, summed a pair at a time).
 const PORTABLE: u8 = 0;
 const AVX2: u8 = 1;
 const AVX512: u8 = 2;
+const AVX512_BF16: u8 = 3;
 
-/// `run` at `level` (no higher than the process's, which the CPU grants): the tests run every
-/// level below the machine's this way.
-pub(crate) fn run_at<T: Elem>(level: IsaLevel, ctx: &Ctx<'_, T>, panels: Range<usize>) {
+/// The tile set of element type `T` at `level`.
+fn tiles_at<T: Elem>(level: IsaLevel) -> u8 {
+    match level {
+        IsaLevel::Portable => PORTABLE,
+        IsaLevel::Avx2 => AVX2,
+        _ if T::IS_BF16 && isa::has(isa::Extension::Avx512Bf16) => AVX512_BF16,
+        _ => AVX512,
+    }
+}
+
+/// `run` with the tile set `tiles`, which must be the process's (`tiles_at` its level) or
+/// below: the tests run every set this way.
+fn run_with_tiles<T: Elem>(tiles: u8, ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    let most = tiles_at::<T>(isa::level());
     assert!(
-        level <= isa::level(),
-        "{level:?} is above the process's ISA level"
+        tiles <= most,
+        "tile set {tiles} is above the process's ({most})"
     );
     #[cfg(target_arch = "x86_64")]
-    if level >= IsaLevel::Avx512 {
-        // SAFETY: the CPU has AVX-512 F/BW/VL (the process's level is at least AVX-512).
-        unsafe { run_avx512(ctx, panels) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level >= IsaLevel::Avx2 {
-        // SAFETY: the CPU has avx2 and fma (the process's level is at least AVX2).
-        unsafe { run_avx2_fma(ctx, panels) };
-        return;
+    match tiles {
+        // SAFETY (each): the CPU has what the function is compiled for: the process's level
+        // (and for AVX512_BF16 the extension) includes it (asserted above).
+        AVX512_BF16 => return unsafe { run_avx512_bf16(ctx, panels) },
+        AVX512 => return unsafe { run_avx512(ctx, panels) },
+        AVX2 => return unsafe { run_avx2_fma(ctx, panels) },
+        _ => {}
     }
     run_with::<PORTABLE, T>(ctx, panels);
 }
@@ -250,6 +272,34 @@ unsafe fn run_avx512<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     run_with::<AVX512, T>(ctx, panels);
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+unsafe fn run_avx512_bf16<T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    run_with::<AVX512_BF16, T>(ctx, panels);
+}
+
+/// The width of a row of x as the tiles of `L` read it: `k` floats, or at AVX512_BF16 its
+/// `ceil(k / 2)` bf16 pairs (`linear_avx512::bf16_pairs`).
+#[inline(always)]
+fn x_width<const L: u8>(k: usize) -> usize {
+    if L == AVX512_BF16 {
+        k.div_ceil(2)
+    } else {
+        k
+    }
+}
+
+/// x `[m, k]` as the tiles of `L` read it (`x_width`).
+#[inline(always)]
+fn x_for<const L: u8>(x: &[f32], k: usize) -> std::borrow::Cow<'_, [f32]> {
+    #[cfg(target_arch = "x86_64")]
+    if L == AVX512_BF16 {
+        return linear_avx512::bf16_pairs(x, k).into();
+    }
+    let _ = k;
+    x.into()
+}
+
 #[inline(always)]
 fn run_with<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     if ctx.m <= DIRECT_MAX_ROWS {
@@ -264,7 +314,8 @@ fn run_with<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 #[inline(always)]
 fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
-    let height = if L == AVX512 {
+    let (xk, xs) = (x_width::<L>(k), x_for::<L>(ctx.x, k));
+    let height = if L >= AVX512 {
         DIRECT_MAX_ROWS
     } else {
         TILE_ROWS
@@ -274,9 +325,9 @@ fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         let mut row = 0;
         while row < ctx.m {
             let rows = (ctx.m - row).min(height);
-            let x = &ctx.x[row * k..(row + rows) * k];
+            let x = &xs[row * xk..(row + rows) * xk];
             let mut acc = [[0.0f32; PANEL]; DIRECT_MAX_ROWS];
-            tile_rows::<L, T, false>(rows, x, x, w, k, k, &mut acc[..rows]);
+            tile_rows::<L, T, false>(rows, x, x, w, k, xk, &mut acc[..rows]);
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
@@ -295,8 +346,9 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
     // M blocks of at most X_BLOCK_BYTES, as even as whole tiles allow (a last block of a few
     // rows would stream the whole run of weights for little work)
-    let step = if L == AVX512 { 2 } else { 1 };
-    let most = (X_BLOCK_BYTES / (4 * k)).max(TILE_ROWS);
+    let step = if L >= AVX512 { 2 } else { 1 };
+    let xk = x_width::<L>(k);
+    let most = (X_BLOCK_BYTES / (4 * xk)).max(TILE_ROWS);
     let block = ctx
         .m
         .div_ceil(ctx.m.div_ceil(most))
@@ -306,8 +358,8 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         let Scratch { call, packed, acc } = &mut *scratch;
         // a thread given several runs of panels in one call packs x for the first only
         if *call != ctx.call {
-            packed.resize(ctx.m * k, 0.0);
-            pack_rows(ctx.x, k, packed);
+            packed.resize(ctx.m * xk, 0.0);
+            pack_rows(&x_for::<L>(ctx.x, k), xk, packed);
             *call = ctx.call;
         }
         acc.resize(
@@ -318,7 +370,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         while first < ctx.m {
             let end = (first + block).min(ctx.m);
             // block starts are whole tiles: the block's tiles are packed[first * k..end * k]
-            let xs = &packed[first * k..end * k];
+            let xs = &packed[first * xk..end * xk];
             for p in panels.clone() {
                 let panel = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
                 let tiles = &mut acc[..(end - first).div_ceil(TILE_ROWS)];
@@ -331,9 +383,11 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                     for (s, sums) in tiles.chunks_mut(step).enumerate() {
                         let row = s * step * TILE_ROWS;
                         let rows = (end - first - row).min(step * TILE_ROWS);
-                        // the depth slice of each tile: its rows' steps k0..k0 + depth
+                        // the depth slice of each tile: its rows' steps k0..k0 + depth (K_BLOCK
+                        // is even: a slice starts at a whole bf16 pair)
+                        let (x0, x1) = (x_width::<L>(k0), x_width::<L>(k0 + depth));
                         let slice = |row: usize, rows: usize| {
-                            &xs[row * k + k0 * rows..row * k + (k0 + depth) * rows]
+                            &xs[row * xk + x0 * rows..row * xk + x1 * rows]
                         };
                         let xa = slice(row, rows.min(TILE_ROWS));
                         let xb = if rows > TILE_ROWS {
@@ -342,7 +396,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                             xa
                         };
                         let sums = sums.as_flattened_mut();
-                        tile_rows::<L, T, true>(rows, xa, xb, w, depth, k, &mut sums[..rows]);
+                        tile_rows::<L, T, true>(rows, xa, xb, w, depth, xk, &mut sums[..rows]);
                     }
                     k0 += depth;
                 }
@@ -399,7 +453,8 @@ fn pack_rows(x: &[f32], k: usize, packed: &mut [f32]) {
 }
 
 /// The level `L`'s tile for a runtime row count `rows` (1..=TILE_ROWS; at AVX-512 up to
-/// DIRECT_MAX_ROWS in place, or two packed tiles: `xa` a full one, `xb` the next).
+/// DIRECT_MAX_ROWS in place, or two packed tiles: `xa` a full one, `xb` the next). `k` is the
+/// width of a row of x in place (`x_width`), `depth` the weight rows (k steps) to run.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
@@ -413,28 +468,24 @@ fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
 ) {
     debug_assert!(acc.len() == rows && w.len() == depth * PANEL);
     #[cfg(target_arch = "x86_64")]
-    if L == AVX512 {
+    if L >= AVX512 {
+        let steps = x_width::<L>(depth);
         debug_assert!(if PACKED {
-            xa.len() == depth * rows.min(TILE_ROWS)
-                && (rows <= TILE_ROWS || xb.len() == depth * (rows - TILE_ROWS))
+            xa.len() == steps * rows.min(TILE_ROWS)
+                && (rows <= TILE_ROWS || xb.len() == steps * (rows - TILE_ROWS))
         } else {
-            xa.len() == rows * k && depth == k
+            xa.len() == rows * k && steps == k
         });
-        // SAFETY: `L` is AVX512 only inside `run_avx512`, which runs only where the CPU has
-        // AVX-512 F/BW/VL; x, w and acc hold what the tile reads and writes (asserted above).
+        let (xa, xb, w) = (xa.as_ptr(), xb.as_ptr(), w.as_ptr());
+        // SAFETY: `L` is AVX512 (AVX512_BF16) only inside `run_avx512` (`run_avx512_bf16`),
+        // which runs only where the CPU has AVX-512 F/BW/VL (and BF16); x, w and acc hold what
+        // the tile reads and writes (asserted above).
         unsafe {
-            if PACKED {
-                linear_avx512::tile_packed(
-                    rows,
-                    xa.as_ptr(),
-                    xb.as_ptr(),
-                    w.as_ptr(),
-                    depth,
-                    k,
-                    acc,
-                )
-            } else {
-                linear_avx512::tile_direct(rows, xa.as_ptr(), w.as_ptr(), k, acc)
+            match (L == AVX512_BF16, PACKED) {
+                (false, false) => linear_avx512::tile_direct(rows, xa, w, k, acc),
+                (false, true) => linear_avx512::tile_packed(rows, xa, xb, w, depth, k, acc),
+                (true, false) => linear_avx512::tile_pairs_direct(rows, xa, w, depth, k, acc),
+                (true, true) => linear_avx512::tile_pairs_packed(rows, xa, xb, w, depth, k, acc),
             }
         }
         return;
@@ -579,12 +630,13 @@ mod tests {
     }
 
     fn run_f32(x: &Array2<f32>, w: &Array2<f32>, b: Option<&[f32]>, threads: usize) -> Array2<f32> {
-        run_at_level::<f32>(isa::level(), x, w, b, threads)
+        run_tiles::<f32>(widening(), x, w, b, threads)
     }
 
-    /// `linear` of element type `T` at `level`, from f32 values (rounded to `T`), as f32.
-    fn run_at_level<T: Elem>(
-        level: IsaLevel,
+    /// `linear` of element type `T` with the tile set `tiles`, from f32 values (rounded to
+    /// `T`), as f32.
+    fn run_tiles<T: Elem>(
+        tiles: u8,
         x: &Array2<f32>,
         w: &Array2<f32>,
         b: Option<&[f32]>,
@@ -597,8 +649,8 @@ mod tests {
         let b: Option<Vec<T>> = b.map(|b| b.iter().map(|v| T::from_f32(*v)).collect());
         let mut out = Array2::from_elem((x.dim().0, n), T::from_f32(f32::NAN));
         let x = x.mapv(T::from_f32);
-        linear_at(
-            level,
+        linear_with(
+            tiles,
             x.view(),
             panels.view(),
             b.as_deref(),
@@ -609,10 +661,14 @@ mod tests {
         out.mapv(T::to_f32)
     }
 
-    /// The levels this process can run (every one up to its own).
-    fn levels() -> Vec<IsaLevel> {
-        let all = [IsaLevel::Portable, IsaLevel::Avx2, IsaLevel::Avx512];
-        all.into_iter().filter(|l| *l <= isa::level()).collect()
+    /// The tile sets this process can run for `T` (every one up to its own).
+    fn tile_sets<T: Elem>() -> Vec<u8> {
+        (PORTABLE..=tiles_at::<T>(isa::level())).collect()
+    }
+
+    /// The widening tile set of the process (its f32 one; bf16 may take AVX512_BF16 above it).
+    fn widening() -> u8 {
+        tiles_at::<f32>(isa::level())
     }
 
     /// Direct tiles of every height up to 16, blocked ones as pairs and single tiles, K slices,
@@ -630,69 +686,118 @@ mod tests {
     ];
 
     #[test]
-    fn every_level_up_to_the_processes_matches_a_float64_reference() {
+    fn every_tile_set_up_to_the_processes_matches_a_float64_reference() {
         let mut checked = Vec::new();
-        for level in levels() {
+        for tiles in tile_sets::<f32>() {
             for (m, k, n) in LEVEL_SHAPES {
                 let x = Array2::from_shape_vec((m, k), values(m * k, 31.0)).unwrap();
                 let w = Array2::from_shape_vec((n, k), values(n * k, 32.0)).unwrap();
                 let b = values(n, 33.0);
                 let want = reference(&x, &w, Some(&b));
                 for threads in [1, 2] {
-                    let got = run_at_level::<f32>(level, &x, &w, Some(&b), threads);
+                    let got = run_tiles::<f32>(tiles, &x, &w, Some(&b), threads);
                     for (g, w) in got.iter().zip(&want) {
                         let tol = 1e-6 * k as f64;
                         assert!(
                             (*g as f64 - w).abs() < tol,
-                            "{level:?} {m}x{k}x{n}: {g} vs {w}"
+                            "{tiles} {m}x{k}x{n}: {g} vs {w}"
                         );
                     }
                 }
             }
-            checked.push(level);
+            checked.push(tiles);
         }
-        // the process's own level among them (a forced lower one or the machine's)
-        let top = isa::level().min(IsaLevel::Avx512);
-        assert_eq!(checked.last(), Some(&top), "checked {checked:?}");
+        // the process's own set among them (a forced lower level's or the machine's)
+        let want = match isa::level() {
+            IsaLevel::Portable => vec![PORTABLE],
+            IsaLevel::Avx2 => vec![PORTABLE, AVX2],
+            _ => vec![PORTABLE, AVX2, AVX512],
+        };
+        assert_eq!(checked, want);
     }
 
     #[test]
-    fn simd_levels_give_bit_identical_float32_and_bf16_weight_products() {
+    fn every_bf16_tile_set_matches_a_float64_reference_to_bf16_rounding() {
+        // the reference of the bf16 values; the output is rounded to bf16 once (2^-9 relative),
+        // the pair tiles' sums differ from the FMA chain's by a few f32 roundings
+        for tiles in tile_sets::<Bf16>() {
+            for (m, k, n) in LEVEL_SHAPES {
+                let round = |v: Vec<f32>| -> Vec<f32> { v.into_iter().map(Bf16::round).collect() };
+                let x = Array2::from_shape_vec((m, k), round(values(m * k, 37.0))).unwrap();
+                let w = Array2::from_shape_vec((n, k), round(values(n * k, 38.0))).unwrap();
+                let b = round(values(n, 39.0));
+                let want = reference(&x, &w, Some(&b));
+                let got = run_tiles::<Bf16>(tiles, &x, &w, Some(&b), 2);
+                for (g, w) in got.iter().zip(&want) {
+                    let tol = w.abs() / 256.0 + 1e-6 * k as f64;
+                    assert!(
+                        (*g as f64 - w).abs() <= tol,
+                        "{tiles} {m}x{k}x{n}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+        let top = tiles_at::<Bf16>(isa::level());
+        assert_eq!(tile_sets::<Bf16>().last(), Some(&top));
+        let pairs = isa::has(isa::Extension::Avx512Bf16);
+        assert_eq!(top == AVX512_BF16, pairs, "checked up to tile set {top}");
+    }
+
+    #[test]
+    fn widening_simd_tile_sets_give_bit_identical_float32_and_bf16_products() {
         // every lane is the same FMA chain over k at AVX2 and AVX-512: the products must agree
         // bit for bit (the greedy outputs identical across ISA levels rest on it)
-        let simd: Vec<IsaLevel> = levels()
+        let simd: Vec<u8> = tile_sets::<f32>()
             .into_iter()
-            .filter(|l| *l >= IsaLevel::Avx2)
+            .filter(|t| *t >= AVX2)
             .collect();
         for (m, k, n) in LEVEL_SHAPES {
             let x = Array2::from_shape_vec((m, k), values(m * k, 34.0)).unwrap();
             let w = Array2::from_shape_vec((n, k), values(n * k, 35.0)).unwrap();
             let b = values(n, 36.0);
-            for &level in simd.iter().skip(1) {
+            for &tiles in simd.iter().skip(1) {
                 for threads in [1, 2] {
                     assert_eq!(
-                        run_at_level::<f32>(level, &x, &w, Some(&b), threads),
-                        run_at_level::<f32>(simd[0], &x, &w, Some(&b), 1),
-                        "f32 {level:?} vs {:?}, {m}x{k}x{n}, {threads} threads",
-                        simd[0]
+                        run_tiles::<f32>(tiles, &x, &w, Some(&b), threads),
+                        run_tiles::<f32>(AVX2, &x, &w, Some(&b), 1),
+                        "f32 tile set {tiles} vs AVX2, {m}x{k}x{n}, {threads} threads",
                     );
                     assert_eq!(
-                        run_at_level::<Bf16>(level, &x, &w, Some(&b), threads),
-                        run_at_level::<Bf16>(simd[0], &x, &w, Some(&b), 1),
-                        "bf16 {level:?} vs {:?}, {m}x{k}x{n}, {threads} threads",
-                        simd[0]
+                        run_tiles::<Bf16>(tiles, &x, &w, Some(&b), threads),
+                        run_tiles::<Bf16>(AVX2, &x, &w, Some(&b), 1),
+                        "bf16 tile set {tiles} vs AVX2, {m}x{k}x{n}, {threads} threads",
                     );
                 }
             }
         }
-        // what was compared: every SIMD level this process runs (none below AVX2, one at AVX2)
+        // what was compared: every SIMD set this process runs (none below AVX2, one at AVX2)
         let want = match isa::level() {
-            IsaLevel::Portable => 0,
-            IsaLevel::Avx2 => 1,
-            _ => 2,
+            IsaLevel::Portable => vec![],
+            IsaLevel::Avx2 => vec![AVX2],
+            _ => vec![AVX2, AVX512],
         };
-        assert_eq!(simd.len(), want, "compared {simd:?}");
-        eprintln!("bit-identical across {simd:?}");
+        assert_eq!(simd, want);
+    }
+
+    #[test]
+    fn a_bf16_rows_result_does_not_depend_on_the_batch_at_the_processes_tile_set() {
+        // at AVX512_BF16 too: the direct and blocked paths pair the same k steps (odd K: the
+        // last pair half empty; K slices start at even steps)
+        let tiles = tiles_at::<Bf16>(isa::level());
+        for (m, k, n) in [(20, 301, 37), (70, 700, 53)] {
+            let x = Array2::from_shape_vec((m, k), values(m * k, 40.0)).unwrap();
+            let w = Array2::from_shape_vec((n, k), values(n * k, 41.0)).unwrap();
+            let all = run_tiles::<Bf16>(tiles, &x, &w, None, 2);
+            for r in [0, 5, 6, 13, m - 1] {
+                let row = x.slice(ndarray::s![r..r + 1, ..]).to_owned();
+                let one = run_tiles::<Bf16>(tiles, &row, &w, None, 1);
+                assert_eq!(
+                    one.row(0),
+                    all.row(r),
+                    "tile set {tiles}, {m}x{k}x{n}, row {r}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -802,7 +907,8 @@ mod tests {
     }
 
     /// bf16 x, weight and bias `[m, k] x [n, k]` (values seeded by `seed`, `seed + 1`, `seed +
-    /// 2`) give, on each of `threads`, the f32 product of their widened values rounded once.
+    /// 2`) give, on each of `threads` at the widening tiles, the f32 product of their widened
+    /// values rounded once.
     fn check_bf16_matches_widened_f32(m: usize, k: usize, n: usize, seed: f32, threads: &[usize]) {
         let bf16 =
             |len, s| -> Vec<Bf16> { values(len, s).into_iter().map(Bf16::from_f32).collect() };
@@ -822,7 +928,16 @@ mod tests {
             Array3::from_shape_vec((n.div_ceil(PANEL), k, PANEL), pack_panels(w.view())).unwrap();
         for &t in threads {
             let mut out = Array2::from_elem((m, n), Bf16(0));
-            linear(x.view(), panels.view(), Some(&bb), out.view_mut(), t).unwrap();
+            // the widening tiles (AVX512_BF16 sums pairs: its own tests above)
+            linear_with(
+                widening(),
+                x.view(),
+                panels.view(),
+                Some(&bb),
+                out.view_mut(),
+                t,
+            )
+            .unwrap();
             for (g, w) in out.iter().zip(&want) {
                 assert_eq!(*g, Bf16::from_f32(*w));
             }

@@ -137,3 +137,137 @@ pub(super) unsafe fn tile_packed<T: Elem>(
     }
     rows!(1 2 3 4 5 6 7 8 9 10 11 12)
 }
+
+/// Each output column's weights of two k steps side by side: `vpermw`'s index that turns a
+/// panel's rows `2i` and `2i + 1` (32 bf16, row after row) into 16 pairs `(w[2i][j],
+/// w[2i + 1][j])`, the operand order `vdpbf16ps` multiplies x's pairs with.
+static PAIR_COLUMNS: [u16; 32] = {
+    let mut idx = [0u16; 32];
+    let mut j = 0;
+    while j < 16 {
+        idx[2 * j] = j as u16;
+        idx[2 * j + 1] = 16 + j as u16;
+        j += 1;
+    }
+    idx
+};
+
+/// Rows `x [m, k]` (f32 holding bf16 values) as bf16 pairs: `[m, ceil(k / 2)]` 32-bit lanes
+/// (as f32 bits), steps `2i` (low half) and `2i + 1` (high half; zero past an odd k).
+pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
+    use super::elem::Bf16;
+    let half = |v: f32| Bf16::from_f32(v).0 as u32;
+    let mut pairs = Vec::with_capacity(x.len() / k * k.div_ceil(2));
+    for row in x.chunks_exact(k) {
+        let mut steps = row.chunks_exact(2);
+        pairs.extend(
+            steps
+                .by_ref()
+                .map(|s| f32::from_bits(half(s[0]) | (half(s[1]) << 16))),
+        );
+        pairs.extend(steps.remainder().iter().map(|v| f32::from_bits(half(*v))));
+    }
+    pairs
+}
+
+/// `tile` over bf16 weights with `vdpbf16ps`: each lane adds `x(r, 2i) * w[2i][j] + x(r, 2i + 1)
+/// * w[2i + 1][j]` for the pairs `i` of `0..depth` steps in order (an odd depth's last pair is
+/// `(x, 0) * (w, 0)`). x is `bf16_pairs` (one 32-bit lane a pair; `x_ptr` with `k` the pairs
+/// per row of x), so it must hold bf16 values: the products are then exact, and only the sums
+/// differ from the widening tiles' (two adds a pair in the instruction's order, subnormal
+/// inputs and outputs flushed to zero).
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and BF16 (`isa::has(Extension::Avx512Bf16)`); `w` holds
+/// `depth * PANEL` bf16, `acc` at least `R` rows, x the pairs `x_ptr` names for `r < R`, `i <
+/// ceil(depth / 2)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    debug_assert!(T::IS_BF16 && acc.len() >= R);
+    let idx = _mm512_loadu_si512(PAIR_COLUMNS.as_ptr() as *const __m512i);
+    let mut sums = [_mm512_setzero_ps(); R];
+    for (s, src) in sums.iter_mut().zip(acc.iter()) {
+        *s = _mm512_loadu_ps(src.as_ptr());
+    }
+    let w = w as *const u16;
+    let step = |sums: &mut [__m512; R], i: usize, rows: __m512i| {
+        let wv: __m512bh = std::mem::transmute(_mm512_permutexvar_epi16(idx, rows));
+        for (r, s) in sums.iter_mut().enumerate() {
+            let x = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
+            *s = _mm512_dpbf16_ps(*s, std::mem::transmute(_mm512_set1_epi32(x)), wv);
+        }
+    };
+    for i in 0..depth / 2 {
+        step(
+            &mut sums,
+            i,
+            _mm512_loadu_si512(w.add(2 * i * PANEL) as *const __m512i),
+        );
+    }
+    if depth % 2 == 1 {
+        let last = _mm256_loadu_si256(w.add((depth - 1) * PANEL) as *const __m256i);
+        step(&mut sums, depth / 2, _mm512_zextsi256_si512(last));
+    }
+    for (dst, s) in acc.iter_mut().zip(&sums) {
+        _mm512_storeu_ps(dst.as_mut_ptr(), *s);
+    }
+}
+
+/// `tile_direct` with `tile_pairs` (x: `bf16_pairs` rows of `k` pairs; `depth` weight steps).
+///
+/// # Safety
+/// As `tile_pairs`, with x holding `rows * k` pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+pub(super) unsafe fn tile_pairs_direct<T: Elem>(
+    rows: usize,
+    x: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile_pairs::<T, $r, false>(x, x, w, depth, k, acc),)*
+                _ => unreachable!("a direct tile has 1..=16 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+}
+
+/// `tile_packed` with `tile_pairs` (x: packed tiles of `bf16_pairs`).
+///
+/// # Safety
+/// As `tile_pairs` and `tile_packed`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+pub(super) unsafe fn tile_pairs_packed<T: Elem>(
+    rows: usize,
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile_pairs::<T, $r, true>(xa, xb, w, depth, k, acc),)*
+                _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12)
+}
