@@ -6,6 +6,7 @@ use ndarray::Array2;
 use super::formats::QType;
 use super::gemm16::{takes, Panel};
 use super::quantize::quantize_blocks;
+use super::tests::QUANTIZED_TYPES;
 use super::*;
 use crate::cpu::linear::PANEL;
 
@@ -67,25 +68,18 @@ fn codes_reference(t: QType, row: &[u8], xq: int16::Row<'_>, k: usize) -> f64 {
 
 #[test]
 fn panels_take_the_block_types_without_a_min() {
-    assert!(takes(QType::Q8_0) && takes(QType::Q4_0));
-    for t in [
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-        QType::Q4_K,
-        QType::Q5_K,
-        QType::Q6_K,
-        QType::F32,
-        QType::F16,
-        QType::BF16,
-    ] {
-        assert!(!takes(t), "{}", t.name());
-    }
+    let taken: Vec<QType> = QType::ALL.into_iter().filter(|t| takes(*t)).collect();
+    assert_eq!(taken, [QType::Q4_0, QType::Q8_0]);
+}
+
+/// The quantized types the integer panels take.
+fn panel_types() -> impl Iterator<Item = QType> {
+    QUANTIZED_TYPES.into_iter().filter(|t| takes(*t))
 }
 
 #[test]
 fn a_panel_product_is_the_codes_product_and_avx2_equals_portable_bit_for_bit() {
-    for t in [QType::Q8_0, QType::Q4_0] {
+    for t in panel_types() {
         for (m, count, k) in [
             (9, 16, 64),
             (10, 7, 96),

@@ -127,7 +127,7 @@ fn has_min(t: QType) -> bool {
 
 /// Eight lanes summed in the order of a tree over lanes 0 + 4, 2 + 6, 1 + 5, 3 + 7.
 #[inline(always)]
-fn fold(a: [f32; 8]) -> f32 {
+pub(super) fn fold(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
@@ -165,7 +165,7 @@ pub use avx2::row_dots_avx2;
 /// No closures below: a closure does not take its caller's target features, and LLVM may
 /// leave it (and the intrinsics in it) out of line; helpers are `#[inline(always)]` functions.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::dot_avx2::{bit4_of_each, half, nibbles32};
@@ -173,9 +173,9 @@ mod avx2 {
     use crate::cpu::quant::QType;
 
     /// Per row of x: the 8 f32 lanes of scaled unit sums and the 8 lanes of mins.
-    struct Lanes<const R: usize> {
-        acc: [__m256; R],
-        mins: [__m256; R],
+    pub(in crate::cpu::quant) struct Lanes<const R: usize> {
+        pub(in crate::cpu::quant) acc: [__m256; R],
+        pub(in crate::cpu::quant) mins: [__m256; R],
     }
 
     /// The 8 i32 lanes of the 16-bit weights `w` (elements 0-15, 16-31) times block `blk` of
@@ -236,7 +236,11 @@ mod avx2 {
     /// Adds `c[r] · S[r]` to each row's lanes: `s` the 8 units' integer sums, `c` their scale
     /// products `d_w·d_x`.
     #[inline(always)]
-    unsafe fn add<const R: usize>(s: [__m256i; R], c: [__m256; R], lanes: &mut [__m256; R]) {
+    pub(in crate::cpu::quant) unsafe fn add<const R: usize>(
+        s: [__m256i; R],
+        c: [__m256; R],
+        lanes: &mut [__m256; R],
+    ) {
         for ((l, s), c) in lanes.iter_mut().zip(s).zip(c) {
             *l = _mm256_add_ps(*l, _mm256_mul_ps(c, _mm256_cvtepi32_ps(s)));
         }
@@ -283,7 +287,7 @@ mod avx2 {
     }
 
     /// Bytes per block of the 32-element block type of ggml code `T`.
-    const fn bytes32(t: u32) -> usize {
+    pub(in crate::cpu::quant) const fn bytes32(t: u32) -> usize {
         match t {
             8 => 34,
             2 => 18,
@@ -295,7 +299,12 @@ mod avx2 {
 
     /// The f16 at byte `at` of blocks `0..n` from `b` (`stride` bytes apart) as f32, 0 past n.
     #[inline(always)]
-    unsafe fn f16s(b: *const u8, stride: usize, at: usize, n: usize) -> __m256 {
+    pub(in crate::cpu::quant) unsafe fn f16s(
+        b: *const u8,
+        stride: usize,
+        at: usize,
+        n: usize,
+    ) -> __m256 {
         let mut h = [0i16; 8];
         for (j, h) in h.iter_mut().enumerate().take(n) {
             *h = b.add(j * stride + at).cast::<i16>().read_unaligned();
@@ -305,7 +314,7 @@ mod avx2 {
 
     /// Elements `at..at + n` of `v` (`n` <= 8), 0 past n.
     #[inline(always)]
-    unsafe fn load8(v: &[f32], at: usize, n: usize) -> __m256 {
+    pub(in crate::cpu::quant) unsafe fn load8(v: &[f32], at: usize, n: usize) -> __m256 {
         if n == 8 {
             return _mm256_loadu_ps(v.as_ptr().add(at));
         }
@@ -382,7 +391,7 @@ mod avx2 {
 
     /// 8 bytes as f32.
     #[inline(always)]
-    unsafe fn floats_of(v: [u8; 8]) -> __m256 {
+    pub(in crate::cpu::quant) unsafe fn floats_of(v: [u8; 8]) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().cast())))
     }
 

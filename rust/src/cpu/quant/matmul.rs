@@ -44,11 +44,32 @@ pub enum Activations {
 /// decode row counts).
 enum QuantizedX {
     Int8(int8::QuantizedRows),
-    Int16(int16::QuantizedRows),
+    /// The 16-bit codes, and at decode rows on AVX-512 with VNNI their byte planes.
+    Int16(int16::QuantizedRows, Option<Planes>),
+}
+
+/// x's 16-bit codes split for the VNNI products (`vnni::Planes`; none off x86-64).
+#[cfg(target_arch = "x86_64")]
+type Planes = super::vnni::Planes;
+#[cfg(not(target_arch = "x86_64"))]
+type Planes = std::convert::Infallible;
+
+/// x's 16-bit codes `q` (`m` rows of `k`) split for the VNNI products, where the process takes
+/// them.
+fn planes(q: &int16::QuantizedRows, m: usize, k: usize) -> Option<Planes> {
+    #[cfg(target_arch = "x86_64")]
+    if super::vnni() {
+        return Some(Planes::new(q, m, k));
+    }
+    let _ = (q, m, k);
+    None
 }
 
 impl QuantizedX {
-    /// x `[m, k]` quantized as `activations` asks, where some row of `w` takes it.
+    /// x `[m, k]` quantized once per call as `activations` asks, for the path its `m` rows
+    /// take: up to `DECODE_MAX_ROWS`, where some row of `w` takes the integer products
+    /// (`int8` / `int16`); above, 16-bit codes for the integer panels where every row's type
+    /// takes them (`gemm16`); otherwise None (the f32 path).
     fn new(
         x: &[f32],
         m: usize,
@@ -57,18 +78,25 @@ impl QuantizedX {
         fast: bool,
     ) -> Option<Self> {
         let k = w.k();
-        if m > DECODE_MAX_ROWS || !k.is_multiple_of(32) {
+        if !k.is_multiple_of(32) {
             return None;
         }
         let any = |takes: fn(super::QType) -> bool| w.segments.iter().any(|s| takes(s.qtype));
+        let codes = || int16::QuantizedRows::new(x, k, fast);
+        if m > DECODE_MAX_ROWS {
+            let all = w.segments.iter().all(|s| gemm16::takes(s.qtype));
+            return (activations == Activations::Int16 && all).then(|| Self::Int16(codes(), None));
+        }
         match activations {
             Activations::F32 => None,
             Activations::Int8 => {
                 any(int8::takes).then(|| Self::Int8(int8::QuantizedRows::new(x, k, fast)))
             }
-            Activations::Int16 => {
-                any(int16::takes).then(|| Self::Int16(int16::QuantizedRows::new(x, k, fast)))
-            }
+            Activations::Int16 => any(int16::takes).then(|| {
+                let q = codes();
+                let p = planes(&q, m, k);
+                Self::Int16(q, p)
+            }),
         }
     }
 
@@ -76,7 +104,7 @@ impl QuantizedX {
     fn takes(&self, t: super::QType) -> bool {
         match self {
             Self::Int8(_) => int8::takes(t),
-            Self::Int16(_) => int16::takes(t),
+            Self::Int16(..) => int16::takes(t),
         }
     }
 }
@@ -141,16 +169,8 @@ pub fn quant_linear_with(
     } else {
         Vec::new()
     };
-    // quantized once per call, read by every share; above the decode rows, 16-bit codes for
-    // the integer panels where every row's type takes them (`gemm16`)
-    let xq = if m > DECODE_MAX_ROWS {
-        let panels16 = activations == Activations::Int16
-            && k.is_multiple_of(32)
-            && w.segments.iter().all(|s| gemm16::takes(s.qtype));
-        panels16.then(|| QuantizedX::Int16(int16::QuantizedRows::new(x, k, fast)))
-    } else {
-        QuantizedX::new(x, m, w, activations, fast)
-    };
+    // quantized once per call, read by every share
+    let xq = QuantizedX::new(x, m, w, activations, fast);
     let ctx = Ctx {
         x,
         xq: xq.as_ref(),
@@ -254,9 +274,18 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
     let mut sums = [0.0f32; DECODE_MAX_ROWS];
     // x's quantized rows looked up once per run, not once per weight row
     let (mut x8, mut x16) = (Vec::new(), Vec::new());
+    #[cfg(target_arch = "x86_64")]
+    let mut planes = Vec::new();
     match ctx.xq {
         Some(QuantizedX::Int8(xq)) => x8.extend((0..m).map(|i| xq.row(i))),
-        Some(QuantizedX::Int16(xq)) => x16.extend((0..m).map(|i| xq.row(i))),
+        Some(QuantizedX::Int16(xq, p)) => {
+            x16.extend((0..m).map(|i| xq.row(i)));
+            #[cfg(target_arch = "x86_64")]
+            if let Some(p) = p {
+                planes.extend((0..m).map(|i| p.row(i)));
+            }
+            let _ = p;
+        }
         None => {}
     }
     for (r, t, row) in ctx.w.rows_in(rows) {
@@ -265,7 +294,12 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
                 int8_row::<F>(ctx, &x8, t, row, r);
                 continue;
             }
-            Some(QuantizedX::Int16(_)) => {
+            Some(QuantizedX::Int16(..)) => {
+                #[cfg(target_arch = "x86_64")]
+                if !planes.is_empty() {
+                    int16_row_vnni(ctx, &x16, &planes, t, row, r);
+                    continue;
+                }
                 int16_row::<F>(ctx, &x16, t, row, r);
                 continue;
             }
@@ -339,6 +373,45 @@ macro_rules! integer_row {
 integer_row!(int8_row, int8);
 integer_row!(int16_row, int16);
 
+/// `int16_row` at AVX-512 with VNNI (`vnni::row_dots_vnni`): `x` the rows' codes, `p` their
+/// planes; up to 4 rows of x per pass over the weight row.
+#[cfg(target_arch = "x86_64")]
+fn int16_row_vnni(
+    ctx: &Ctx<'_, '_>,
+    x: &[int16::Row<'_>],
+    p: &[super::vnni::PlaneRow<'_>],
+    t: super::QType,
+    row: &[u8],
+    r: usize,
+) {
+    use super::vnni::row_dots_vnni;
+    let k = ctx.k;
+    let mut i = 0;
+    while i < x.len() {
+        let (x, p) = (&x[i..], &p[i..]);
+        // SAFETY: planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`,
+        // the row and the rows of x hold k elements.
+        let dots: &[f32] = unsafe {
+            match x.len() {
+                1 => &row_dots_vnni::<1>(t, row, k, &[x[0]], &[p[0]]),
+                2 => &row_dots_vnni::<2>(t, row, k, &[x[0], x[1]], &[p[0], p[1]]),
+                3 => &row_dots_vnni::<3>(t, row, k, &[x[0], x[1], x[2]], &[p[0], p[1], p[2]]),
+                _ => &row_dots_vnni::<4>(
+                    t,
+                    row,
+                    k,
+                    &[x[0], x[1], x[2], x[3]],
+                    &[p[0], p[1], p[2], p[3]],
+                ),
+            }
+        };
+        for (j, v) in dots.iter().enumerate() {
+            ctx.put(i + j, r, *v);
+        }
+        i += dots.len();
+    }
+}
+
 /// Row `r` (type `t`, bytes `row`) dotted with every row of x in registers
 /// (`dot_avx2::row_dots`), up to 4 rows of x per pass over it.
 ///
@@ -396,7 +469,7 @@ thread_local! {
 /// The weight rows `rows` dequantized once into panels (`PANEL_SCRATCH_BYTES`) and multiplied
 /// with every row of x by `linear` (its blocked path: x packed, K sliced).
 fn prefill_rows(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
-    if let Some(QuantizedX::Int16(xq)) = ctx.xq {
+    if let Some(QuantizedX::Int16(xq, _)) = ctx.xq {
         prefill_rows16(ctx, xq, rows);
         return;
     }

@@ -23,11 +23,15 @@ mod int16;
 mod int8;
 mod matmul;
 mod quantize;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 #[cfg(test)]
 mod gemm_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod vnni_tests;
 
 use std::ops::Range;
 
@@ -140,6 +144,15 @@ fn dequantize_range(t: QType, row: &[u8], start: usize, dst: &mut [f32], fast: b
 fn fast() -> bool {
     #[cfg(target_arch = "x86_64")]
     return formats_avx2::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether the kernels take the AVX-512 VNNI paths (`isa` grants `avx512vnni` at its level; a
+/// lower `PAGEDLLM_CPU_ISA` turns them off).
+fn vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::cpu::isa::has(crate::cpu::isa::Extension::Avx512Vnni);
     #[cfg(not(target_arch = "x86_64"))]
     false
 }

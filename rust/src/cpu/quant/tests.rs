@@ -35,7 +35,7 @@ fn bytes(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// `rows` random rows of type `t` with small, finite f16 scales (random bytes elsewhere).
-fn random_rows(t: QType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+pub(super) fn random_rows(t: QType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
     let (elems, size) = t.block();
     let mut data = bytes(rows * k / elems * size, seed);
     let scale_at: &[usize] = match t {
@@ -430,14 +430,6 @@ fn panels_are_the_rows_transposed_on_either_path() {
     }
 }
 
-const INT8_TYPES: [QType; 5] = [
-    QType::Q8_0,
-    QType::Q4_0,
-    QType::Q4_1,
-    QType::Q5_0,
-    QType::Q5_1,
-];
-
 #[test]
 fn int8_activations_are_codes_of_at_most_127_times_a_scale_per_32_elements() {
     let x: Vec<f32> = floats(64, 1.0).iter().map(|v| v * 3.0).collect();
@@ -465,7 +457,7 @@ fn int8_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
     // an odd count of blocks: the last one has no odd partner
     for (k, t) in [96, 256]
         .into_iter()
-        .flat_map(|k| INT8_TYPES.map(|t| (k, t)))
+        .flat_map(|k| int8_types().map(move |t| (k, t)))
     {
         let x: Vec<f32> = floats(4 * k, 0.5);
         let xq = int8::QuantizedRows::new(&x, k, false);
@@ -496,7 +488,7 @@ fn int8_row_dots_are_close_to_the_dequantized_rows_dot() {
     let k = 512;
     let x = floats(k, 2.0);
     let xq = int8::QuantizedRows::new(&x, k, false);
-    for t in INT8_TYPES {
+    for t in int8_types() {
         let data = random_rows(t, 1, k, t as u64 + 5);
         let mut w = vec![0.0; k];
         dequantize_blocks(t, &data, &mut w);
@@ -577,7 +569,9 @@ fn int8_activations_keep_a_nan_of_x_in_the_products() {
     assert!(int8::row_dot(QType::Q8_0, &data, xq.row(0)).is_nan());
 }
 
-const INT16_TYPES: [QType; 8] = [
+/// The quantized ggml types (every type but the float rows), for each path's tests to filter
+/// by what it takes (`int8::takes`, `int16::takes`, `gemm16::takes`).
+pub(super) const QUANTIZED_TYPES: [QType; 8] = [
     QType::Q8_0,
     QType::Q4_0,
     QType::Q4_1,
@@ -588,9 +582,19 @@ const INT16_TYPES: [QType; 8] = [
     QType::Q6_K,
 ];
 
+/// The types the decode path's 8-bit products take.
+fn int8_types() -> impl Iterator<Item = QType> {
+    QUANTIZED_TYPES.into_iter().filter(|t| int8::takes(*t))
+}
+
+/// The types the decode path's 16-bit products take.
+pub(super) fn int16_types() -> impl Iterator<Item = QType> {
+    QUANTIZED_TYPES.into_iter().filter(|t| int16::takes(*t))
+}
+
 /// Rows of k elements of x: sines, and a block whose codes are ties (0.5, 1.5, ... at a scale
 /// of 1) and a block of zeros.
-fn int16_x(rows: usize, k: usize) -> Vec<f32> {
+pub(super) fn int16_x(rows: usize, k: usize) -> Vec<f32> {
     let mut x = floats(rows * k, 0.5);
     x[32..64].copy_from_slice(&std::array::from_fn::<f32, 32, _>(|i| i as f32 - 15.5));
     x[63] = 32767.0;
@@ -639,8 +643,7 @@ fn int16_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
         return;
     }
     // 96: an odd count of blocks, the last one without an odd partner
-    let cases = INT16_TYPES
-        .into_iter()
+    let cases = int16_types()
         .flat_map(|t| [96, 256, 768].map(|k| (t, k)))
         .filter(|(t, k)| k % t.block().0 == 0);
     for (t, k) in cases {
@@ -689,7 +692,7 @@ fn int16_row_dots_equal_the_dequantized_rows_dot_up_to_f32_rounding() {
     let x = floats(k, 2.0);
     for fast in [false, super::fast()] {
         let xq = int16::QuantizedRows::new(&x, k, fast);
-        for t in INT16_TYPES {
+        for t in int16_types() {
             let data = random_rows(t, 1, k, t as u64 + 5);
             let (exact, size) = int16_reference(t, &data, xq.row(0));
             let got = f64::from(int16::row_dot(t, &data, xq.row(0)));
@@ -717,7 +720,7 @@ fn int16_products_do_not_overflow_at_the_largest_codes() {
     // every weight code at its extreme (Q8_0's -128, the 4/5-bit codes' 15 / 31 / -16, Q6_K's
     // -32 times a scale of -128) against x's codes of ±32767, signs matching the weights'
     let k = 256;
-    for t in INT16_TYPES {
+    for t in int16_types() {
         let (elems, size) = t.block();
         let mut data = vec![0u8; k / elems * size];
         for b in data.chunks_exact_mut(size) {
@@ -827,7 +830,7 @@ fn int16_activations_keep_a_nan_of_x_in_the_products() {
     x[40] = f32::NAN;
     for fast in [false, super::fast()] {
         let xq = int16::QuantizedRows::new(&x, k, fast);
-        for t in INT16_TYPES {
+        for t in int16_types() {
             let data = random_rows(t, 1, k, 3);
             assert!(int16::row_dot(t, &data, xq.row(0)).is_nan(), "{}", t.name());
         }
@@ -843,7 +846,7 @@ fn int16_activations_keep_a_nan_or_infinity_of_x_in_multi_row_products() {
     x[k + 40] = f32::NAN;
     x[3 * k + 7] = f32::INFINITY;
     let x = Array2::from_shape_vec((m, k), x).unwrap();
-    for t in INT16_TYPES {
+    for t in int16_types() {
         let data = random_rows(t, 3, k, 5);
         let segments = vec![Segment {
             qtype: t,
@@ -869,7 +872,7 @@ fn int16_decode_rows_equal_the_portable_row_dots_for_1_to_8_rows_and_partial_gro
     // the AVX2 products sum 8 units (blocks, Q6_K's halves) at a time: k of 1, 3, 7, 9 and 18
     // blocks leave a last group of 1-7, 256 and 768 whole super-blocks; 1-8 rows of x take
     // passes of 4, 3, 2 and 1 rows
-    for t in INT16_TYPES {
+    for t in int16_types() {
         for k in [32usize, 96, 224, 288, 576, 256, 768] {
             if !k.is_multiple_of(t.block().0) {
                 continue;

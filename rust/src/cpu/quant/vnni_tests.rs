@@ -1,0 +1,162 @@
+//! The AVX-512 VNNI products (`vnni`, `gemm16`'s VNNI tile) against the portable and AVX2 ones:
+//! the same bits. Each test returns at once where the process does not run at AVX-512 with
+//! VNNI (`PAGEDLLM_CPU_ISA=avx2`, an AVX2 machine); the portable and AVX2 paths have their own.
+use super::gemm16::{product_avx2, product_vnni, Panel};
+use super::int16::{self, QuantizedRows};
+use super::quantize::quantize_blocks;
+use super::tests::{int16_types, int16_x, random_rows};
+use super::vnni::{row_dots_vnni, Planes};
+use super::QType;
+use crate::cpu::linear::PANEL;
+
+#[test]
+fn planes_split_each_code_into_a_signed_high_and_an_unsigned_low_byte() {
+    let k = 96;
+    let x = int16_x(2, k);
+    let xq = QuantizedRows::new(&x, k, false);
+    let planes = Planes::new(&xq, 2, k);
+    for i in 0..2 {
+        let (q, p) = (xq.row(i).q, planes.row(i));
+        for (e, code) in q.iter().enumerate() {
+            // SAFETY: e < k: inside the row's planes
+            let (hi, lo) = unsafe { (*p.hi.add(e), *p.lo.add(e)) };
+            assert_eq!(
+                256 * i32::from(hi) + i32::from(lo),
+                i32::from(*code),
+                "row {i} {e}"
+            );
+        }
+        for (b, c) in q.chunks_exact(16).enumerate() {
+            assert_eq!(p.sum16[b], c.iter().map(|v| i32::from(*v)).sum::<i32>());
+        }
+        for (b, c) in q.chunks_exact(32).enumerate() {
+            assert_eq!(p.sum32[b], c.iter().map(|v| i32::from(*v)).sum::<i32>());
+            let hi: i32 = c.iter().map(|v| i32::from(v >> 8)).sum();
+            assert_eq!(p.hsum[b], 32768 * hi);
+        }
+    }
+}
+
+#[test]
+fn vnni_row_dots_equal_the_portable_and_avx2_ones_bit_for_bit() {
+    if !super::vnni() {
+        return;
+    }
+    // 96, 224, 320: a last group of 3, 7 and 2 blocks (odd counts read x's padding)
+    let cases = int16_types()
+        .flat_map(|t| [96, 224, 256, 320, 768].map(|k| (t, k)))
+        .filter(|(t, k)| k % t.block().0 == 0);
+    for (t, k) in cases {
+        let x = int16_x(4, k);
+        let xq = QuantizedRows::new(&x, k, true);
+        let planes = Planes::new(&xq, 4, k);
+        let rows: [int16::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
+        let p: [_; 4] = std::array::from_fn(|i| planes.row(i));
+        let data = random_rows(t, 4, k, t as u64 + 29);
+        let bytes = t.row_bytes(k).unwrap();
+        for row in data.chunks_exact(bytes) {
+            let portable: Vec<u32> = rows
+                .iter()
+                .map(|x| int16::row_dot(t, row, *x).to_bits())
+                .collect();
+            // SAFETY: vnni() (AVX-512 with VNNI granted, AVX2 with it); rows of k elements
+            let (one, three, four, avx2) = unsafe {
+                (
+                    row_dots_vnni::<1>(t, row, k, &[rows[2]], &[p[2]]),
+                    row_dots_vnni::<3>(
+                        t,
+                        row,
+                        k,
+                        &[rows[1], rows[2], rows[3]],
+                        &[p[1], p[2], p[3]],
+                    ),
+                    row_dots_vnni::<4>(t, row, k, &rows, &p),
+                    int16::row_dots_avx2::<4>(t, row, k, &rows),
+                )
+            };
+            let name = t.name();
+            assert_eq!(one[0].to_bits(), portable[2], "{name} k {k}");
+            assert_eq!(
+                three.map(f32::to_bits).to_vec(),
+                portable[1..],
+                "{name} k {k}"
+            );
+            assert_eq!(four.map(f32::to_bits).to_vec(), portable, "{name} k {k}");
+            assert_eq!(avx2.map(f32::to_bits).to_vec(), portable, "{name} k {k}");
+        }
+    }
+}
+
+#[test]
+fn vnni_row_dots_are_exact_at_the_largest_codes() {
+    if !super::vnni() {
+        return;
+    }
+    // x's codes of ±32767 (high bytes -128 / 127) against weights of all-ones bytes, all-zero
+    // bytes and random ones: the partial sums' bounds at their largest
+    let k = 512;
+    for t in int16_types() {
+        for (s, x) in [(0, 1.0f32), (1, -1.0), (2, 1.0)] {
+            let mut data = random_rows(t, 1, k, 7 + s);
+            let size = t.block().1;
+            let fill = [0xFFu8, 0x00, 0x80][s as usize];
+            for b in data.chunks_exact_mut(size) {
+                let keep: &[usize] = match t {
+                    QType::Q6_K => &[208, 209],
+                    QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0, 1],
+                    _ => &[0, 1, 2, 3],
+                };
+                for (i, v) in b.iter_mut().enumerate() {
+                    if !keep.contains(&i) {
+                        *v = fill;
+                    }
+                }
+            }
+            let xs: Vec<f32> = (0..k).map(|i| if i % 3 == 0 { -x } else { x }).collect();
+            let xq = QuantizedRows::new(&xs, k, true);
+            let planes = Planes::new(&xq, 1, k);
+            let want = int16::row_dot(t, &data, xq.row(0));
+            // SAFETY: vnni(); a row of k elements
+            let got = unsafe { row_dots_vnni::<1>(t, &data, k, &[xq.row(0)], &[planes.row(0)]) };
+            assert_eq!(
+                got[0].to_bits(),
+                want.to_bits(),
+                "{} fill {fill:#x}",
+                t.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn vnni_panel_products_equal_the_avx2_ones_bit_for_bit() {
+    if !super::vnni() {
+        return;
+    }
+    // 1-8 rows a tile and a partial last tile; full and partial panels
+    for t in [QType::Q8_0, QType::Q4_0] {
+        for (m, count, k) in [(9, 16, 64), (13, 7, 96), (17, 16, 576), (40, 1, 256)] {
+            let x: Vec<f32> = int16_x(m, k);
+            let w: Vec<f32> = int16_x(count, k).iter().map(|v| v * 0.25).collect();
+            let mut data = vec![0u8; count * t.row_bytes(k).unwrap()];
+            quantize_blocks(t, &w, &mut data).unwrap();
+            let rows: Vec<_> = data
+                .chunks_exact(t.row_bytes(k).unwrap())
+                .map(|r| (t, r))
+                .collect();
+            let xq = QuantizedRows::new(&x, k, true);
+            let mut panel = Panel::default();
+            panel.pack(&rows, k, true);
+            let (mut avx2, mut vnni) = (vec![[f32::NAN; PANEL]; m], vec![[f32::NAN; PANEL]; m]);
+            // SAFETY: vnni(): AVX-512 with VNNI granted, and AVX2 with it
+            unsafe {
+                product_avx2(&panel, &xq, &mut avx2);
+                product_vnni(&panel, &xq, &mut vnni);
+            }
+            let bits = |s: &Vec<[f32; PANEL]>| -> Vec<u32> {
+                s.iter().flatten().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(bits(&vnni), bits(&avx2), "{} {m}x{k}", t.name());
+        }
+    }
+}
