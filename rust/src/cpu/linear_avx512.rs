@@ -170,12 +170,12 @@ pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
     pairs
 }
 
-/// `tile` over bf16 weights with `vdpbf16ps`: each lane adds `x(r, 2i) * w[2i][j] + x(r, 2i + 1)
-/// * w[2i + 1][j]` for the pairs `i` of `0..depth` steps in order (an odd depth's last pair is
-/// `(x, 0) * (w, 0)`). x is `bf16_pairs` (one 32-bit lane a pair; `x_ptr` with `k` the pairs
-/// per row of x), so it must hold bf16 values: the products are then exact, and only the sums
-/// differ from the widening tiles' (two adds a pair in the instruction's order, subnormal
-/// inputs and outputs flushed to zero).
+/// `tile` over bf16 weights with `vdpbf16ps`: each lane adds the products of the pair `i` of
+/// steps, `x(r, 2i) w[2i][j]` and `x(r, 2i + 1) w[2i + 1][j]`, for the pairs of `0..depth`
+/// steps in order (an odd depth's last pair is `(x, 0)` by `(w, 0)`). x is `bf16_pairs` (one
+/// 32-bit lane a pair; `x_ptr` with `k` the pairs per row of x), so it must hold bf16 values:
+/// the products are then exact, and only the sums differ from the widening tiles' (two adds a
+/// pair in the instruction's order, subnormal inputs and outputs flushed to zero).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL and BF16 (`isa::has(Extension::Avx512Bf16)`); `w` holds
@@ -199,10 +199,11 @@ unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
     }
     let w = w as *const u16;
     let step = |sums: &mut [__m512; R], i: usize, rows: __m512i| {
-        let wv: __m512bh = std::mem::transmute(_mm512_permutexvar_epi16(idx, rows));
+        let wv = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(idx, rows));
         for (r, s) in sums.iter_mut().enumerate() {
             let x = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
-            *s = _mm512_dpbf16_ps(*s, std::mem::transmute(_mm512_set1_epi32(x)), wv);
+            let xv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(x));
+            *s = _mm512_dpbf16_ps(*s, xv, wv);
         }
     };
     for i in 0..depth / 2 {
