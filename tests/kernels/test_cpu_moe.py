@@ -43,12 +43,37 @@ def test_grouped_kernel_matches_the_torch_loop_in_float32(tokens, k):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_kernel_matches_the_torch_loop_in_bfloat16_within_its_rounding():
+@pytest.mark.parametrize("tokens", [1, 9, 70], ids=["decode", "batch", "prefill"])
+def test_grouped_kernel_matches_the_torch_loop_in_bfloat16_within_its_rounding(tokens):
+    # 70 tokens x 4 of 8 experts: tiles of 8 rows and the 4 / 2 / 1-row remainders (the
+    # vdpbf16ps tiles on a CPU with AVX-512 BF16)
     gate_up, down = experts(torch.bfloat16)
-    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
-    got, want = run_both(x, gate_up, down, *routing(9, 4))
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got, want = run_both(x, gate_up, down, *routing(tokens, 4))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bfloat16_experts_of_odd_widths_match_the_torch_loop():
+    # an odd hidden size and width: each product's last inner element has no pair
+    g = torch.Generator().manual_seed(4)
+    hidden, width = 37, 21
+    gate_up = (torch.randn(EXPERTS, 2 * width, hidden, generator=g) / hidden**0.5).bfloat16()
+    down = (torch.randn(EXPERTS, hidden, width, generator=g) / width**0.5).bfloat16()
+    x = torch.randn(19, hidden, generator=g).bfloat16()
+    got, want = run_both(x, gate_up, down, *routing(19, 3))
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_bfloat16_tokens_output_does_not_depend_on_its_batch():
+    gate_up, down = experts(torch.bfloat16)
+    packed = cpu_moe.pack_experts(gate_up, down)
+    weights, ids = routing(30, 4)
+    x = torch.randn(30, HIDDEN, generator=torch.Generator().manual_seed(6)).bfloat16()
+    batch = cpu_moe.moe_experts(x, packed, weights, ids)
+    for t in (0, 13, 29):
+        alone = cpu_moe.moe_experts(x[t : t + 1], packed, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
 
 
 def test_experts_no_token_chose_are_never_read():
