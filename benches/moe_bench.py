@@ -16,6 +16,12 @@ the wall time of the batch (prefill of 8-token prompts included, a few percent).
 comparison (benches/RESULTS.md): ~1.75 B parameters, ~0.29 B active (16 layers x 64 experts of
 width 512, top-8, hidden 1024, a 49152-token vocabulary), bfloat16 in one shard per layer, with
 DIR's tokenizer files beside it so that llama.cpp's `convert_hf_to_gguf.py` converts it.
+
+`--kernel` times the bfloat16 expert kernel alone (the large shape's 64 experts, top-8, random
+weights; `--concurrency` tokens) against a torch loop of `F.linear` per chosen expert, in
+alternated pairs, one thread's CPU time, medians of `--rounds`. `--gguf FILE` runs FILE's decode
+through the engine with the one-call CPU decoder and layer by layer (`enforce_eager`), the two
+engines alternated, medians of `--rounds` (wall time; label it busy on a shared machine).
 """
 
 from __future__ import annotations
@@ -157,6 +163,70 @@ def decode_tok_s(llm: LLM, concurrency: int, tokens: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def kernel_ab(tokens_list: list[int], rounds: int) -> None:
+    """The bf16 grouped kernel against the F.linear loop on the large shape (one thread)."""
+    from pagedllm.kernels import cpu_moe
+    from pagedllm.kernels.moe_reference import moe_experts_reference
+
+    torch.set_num_threads(1)
+    s, g = LARGE, torch.Generator().manual_seed(0)
+    e, h, i, k = s["num_experts"], s["hidden_size"], s["moe_intermediate_size"], 8
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    down = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
+    packed = cpu_moe.pack_experts(gate_up, down)
+    print("| tokens | experts chosen | grouped kernel ms | F.linear loop ms | ratio (median) |")
+    print("|---:|---:|---:|---:|---:|")
+    for tokens in tokens_list:
+        x = torch.randn(tokens, h, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, k, generator=g), -1)
+        ours, theirs, ratios = [], [], []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            cpu_moe.moe_experts(x, packed, weights, ids)
+            t1 = time.thread_time()
+            moe_experts_reference(x, gate_up, down, weights, ids)
+            t2 = time.thread_time()
+            ours.append(t1 - t0)
+            theirs.append(t2 - t1)
+            ratios.append((t2 - t1) / (t1 - t0))
+        print(
+            f"| {tokens} | {ids.unique().numel()} | {_median(ours) * 1e3:.2f} | "
+            f"{_median(theirs) * 1e3:.2f} | {_median(ratios):.2f}x |",
+            flush=True,
+        )
+
+
+def fused_ab(path: str, concurrency: list[int], tokens: int, threads: int, rounds: int) -> None:
+    """Decode of a GGUF file with the one-call decoder against layer by layer."""
+    engines = {
+        name: LLM(
+            path,
+            device="cpu",
+            skip_tokenizer_init=True,
+            cpu_threads=threads,
+            max_model_len=256,
+            enable_prefix_caching=False,
+            enforce_eager=eager,
+        )
+        for name, eager in (("one call", False), ("layer by layer", True))
+    }
+    print("| streams | one call tok/s | layer by layer tok/s | ratio (median of pairs) |")
+    print("|---:|---:|---:|---:|")
+    for c in concurrency:
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, llm in engines.items():
+                rates[name].append(decode_tok_s(llm, c, tokens))
+        fused, plain = rates["one call"], rates["layer by layer"]
+        ratio = _median([a / b for a, b in zip(fused, plain)])
+        print(f"| {c} | {_median(fused):.1f} | {_median(plain):.1f} | {ratio:.2f}x |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -170,7 +240,16 @@ def main() -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--tokenizer-from", type=Path, help="copy this folder's tokenizer files")
     p.add_argument("--write-only", action="store_true", help="write the model, run nothing")
+    p.add_argument("--kernel", action="store_true", help="the bf16 expert kernel alone")
+    p.add_argument("--gguf", help="a GGUF file: one-call decoder against layer by layer")
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.kernel:
+        kernel_ab(args.concurrency, args.rounds)
+        return 0
+    if args.gguf:
+        fused_ab(args.gguf, args.concurrency, args.tokens, args.threads, args.rounds)
+        return 0
     s = LARGE if args.shape == "large" else SHAPE
     write_model(args.folder, s, getattr(torch, args.dtype), args.tokenizer_from)
     if args.write_only:
