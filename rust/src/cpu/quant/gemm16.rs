@@ -1,15 +1,19 @@
-//! The multi-row (above `DECODE_MAX_ROWS`: batched decode, prefill) products of the 32-element
-//! block types without a min (Q8_0, Q4_0) with 16-bit activations, in integers: a panel of
-//! `PANEL` weight rows is widened once to 16-bit codes laid out for `vpmaddwd` (`pack`: pairs
-//! of adjacent k of the 16 rows side by side, `[k / 2, PANEL]` 32-bit pairs, and the rows' scales
-//! `[k / 32, PANEL]`) and every row of x (its 16-bit codes per 32 elements, `int16`'s
-//! `QuantizedRows`) passes over it, 3 rows a register tile. One `madd` does 16 multiply-adds
-//! where an f32 FMA does 8, and the weights are widened, not dequantized to f32.
+//! The multi-row (above `DECODE_MAX_ROWS`: batched decode, prefill) products with 16-bit
+//! activations, in integers, for the types whose scale and min change at most every 32 elements
+//! (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the Q4_K / Q5_K sub-blocks; Q6_K's scale per 16 is not
+//! taken): a panel of `PANEL` weight rows is widened once to 16-bit codes laid out for
+//! `vpmaddwd` (`pack`: pairs of adjacent k of the 16 rows side by side, `[k / 2, PANEL]` 32-bit
+//! pairs, and the rows' scales and mins per 32 elements `[k / 32, PANEL]`) and every row of x
+//! (its 16-bit codes per 32 elements, `int16`'s `QuantizedRows`) passes over it, a few rows a
+//! register tile. One `madd` does 16 multiply-adds where an f32 FMA does 8 (AVX-512 VNNI's
+//! `vpdpwssd` 32, the add included), and the weights are widened, not dequantized to f32.
 //!
-//! Each block's 32 products are summed exactly in 32 bits (at most 32 · 32767 · 128 < 2^28),
-//! converted to f32 once and added as `acc = fma(S, d_w · d_x, acc)`, block after block in
-//! order: the portable path (`product_portable`) and the AVX2 one give the same bits.
-use super::formats::{f16_to_f32, QType};
+//! Each block's 32 products are summed exactly in 32 bits (at most 32 · 32767 · 128 < 2^28; the
+//! K-quants' 6-bit scales stay out of the codes, in the block's scale), converted to f32 once and
+//! added as `acc = fma(S, d_w · d_x, acc)`, then, in a panel with any min, `acc = fma(m_w, s_x,
+//! acc)` (`s_x` = d_x · Σ q_x), block after block in order: the portable path
+//! (`product_portable`), the AVX2 one and the VNNI one give the same bits.
+use super::formats::{f16_to_f32, five_bits, QType, QK_K};
 use super::int16::QuantizedRows;
 use super::matmul::transpose_into_panel;
 use crate::cpu::linear::PANEL;
@@ -22,7 +26,16 @@ const TILE: usize = 3;
 
 /// Whether the integer panels take rows of this type.
 pub(super) fn takes(t: QType) -> bool {
-    matches!(t, QType::Q8_0 | QType::Q4_0)
+    matches!(
+        t,
+        QType::Q8_0
+            | QType::Q4_0
+            | QType::Q4_1
+            | QType::Q5_0
+            | QType::Q5_1
+            | QType::Q4_K
+            | QType::Q5_K
+    )
 }
 
 /// One thread's panel: `codes` `[k / 2, PANEL]` pairs of 16-bit codes (held as f32 bits so
@@ -32,29 +45,78 @@ pub(super) fn takes(t: QType) -> bool {
 pub(super) struct Panel {
     codes: Vec<f32>,
     scales: Vec<f32>,
+    /// `[k / 32, PANEL]`: each block's min (the weight is `scale · code + min`), or empty where
+    /// no row of the panel has one.
+    mins: Vec<f32>,
     staging: Vec<f32>,
+    /// A row's scales and mins per 32 elements.
+    row_scales: Vec<f32>,
+    row_mins: Vec<f32>,
 }
 
-/// A block `b` of a type taken, its 32 codes into `q`; returns its scale.
+/// The f16 at byte `at` of `b` as f32.
 #[inline(always)]
-fn widen_block(t: QType, b: &[u8], q: &mut [i16]) -> f32 {
-    let d = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-    match t {
-        QType::Q8_0 => {
-            for (q, v) in q.iter_mut().zip(&b[2..34]) {
-                *q = i16::from(*v as i8);
+fn half(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// A row `row` of a type taken (`q.len()` elements) as its codes into `q` and each 32
+/// elements' scale and min into `d` and `m`: element e's weight is `d[e / 32] · q[e] +
+/// m[e / 32]` (the mins 0 for the types without).
+fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) {
+    let bytes = t.block().1;
+    if t.block().0 == QK_K {
+        let five = t == QType::Q5_K;
+        for (sb, b) in row.chunks_exact(bytes).enumerate() {
+            let (scales, mins) = super::int16::k_scales(&b[4..16]);
+            let (dd, dmin) = (half(b, 0), half(b, 2));
+            let qs = &b[if five { 48 } else { 16 }..];
+            for i in 0..8 {
+                let blk = 8 * sb + i;
+                let group = &qs[32 * (i / 2)..32 * (i / 2) + 32];
+                let dst = &mut q[QK * blk..QK * (blk + 1)];
+                for (l, (v, g)) in dst.iter_mut().zip(group).enumerate() {
+                    let bit4 = if five { ((b[16 + l] >> i) & 1) << 4 } else { 0 };
+                    *v = i16::from(((g >> (4 * (i % 2))) & 0xF) | bit4);
+                }
+                // as `int16`'s units (and the dequantized weight `(d·sc)·q - dmin·m`)
+                d[blk] = dd * f32::from(scales[i]);
+                m[blk] = -(dmin * f32::from(mins[i]));
             }
         }
-        QType::Q4_0 => {
-            let (lo, hi) = q.split_at_mut(16);
-            for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..18]) {
-                *l = i16::from(v & 0xF) - 8;
-                *h = i16::from(v >> 4) - 8;
-            }
-        }
-        _ => unreachable!("{} is not taken by the integer panels", t.name()),
+        return;
     }
-    d
+    for (blk, b) in row.chunks_exact(bytes).enumerate() {
+        let dst = &mut q[QK * blk..QK * (blk + 1)];
+        d[blk] = half(b, 0);
+        m[blk] = 0.0;
+        match t {
+            QType::Q8_0 => {
+                for (q, v) in dst.iter_mut().zip(&b[2..34]) {
+                    *q = i16::from(*v as i8);
+                }
+            }
+            QType::Q4_0 | QType::Q4_1 => {
+                let (at, offset) = if t == QType::Q4_0 { (2, 8) } else { (4, 0) };
+                let (lo, hi) = dst.split_at_mut(16);
+                for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[at..at + 16]) {
+                    *l = i16::from(v & 0xF) - offset;
+                    *h = i16::from(v >> 4) - offset;
+                }
+            }
+            QType::Q5_0 | QType::Q5_1 => {
+                let (h, offset) = if t == QType::Q5_0 { (2, 16) } else { (4, 0) };
+                let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+                for (j, v) in dst.iter_mut().enumerate() {
+                    *v = i16::from(five_bits(&b[h + 4..h + 20], qh, j)) - offset;
+                }
+            }
+            _ => unreachable!("{} is not taken by the integer panels", t.name()),
+        }
+        if matches!(t, QType::Q4_1 | QType::Q5_1) {
+            m[blk] = half(b, 2);
+        }
+    }
 }
 
 impl Panel {
@@ -69,6 +131,13 @@ impl Panel {
         self.staging.resize(PANEL * stride, 0.0);
         self.scales.clear();
         self.scales.resize(blocks * PANEL, 0.0);
+        let mins = rows.iter().any(|(t, _)| has_min(*t));
+        self.mins.clear();
+        if mins {
+            self.mins.resize(blocks * PANEL, 0.0);
+        }
+        self.row_scales.resize(blocks, 0.0);
+        self.row_mins.resize(blocks, 0.0);
         // SAFETY: the staging floats viewed as twice as many i16 (f32's alignment is i16's
         // twice); every bit pattern is a valid value of both.
         let staging: &mut [i16] = unsafe {
@@ -78,16 +147,28 @@ impl Panel {
             )
         };
         for (j, (t, row)) in rows.iter().enumerate() {
-            let bytes = t.block().1;
             let dst = &mut staging[2 * j * stride..2 * j * stride + k];
-            for (b, q) in dst.chunks_exact_mut(QK).enumerate() {
-                self.scales[b * PANEL + j] = widen_block(*t, &row[b * bytes..(b + 1) * bytes], q);
+            widen_row(*t, row, dst, &mut self.row_scales, &mut self.row_mins);
+            for (b, d) in self.row_scales.iter().enumerate() {
+                self.scales[b * PANEL + j] = *d;
+            }
+            if mins {
+                for (b, m) in self.row_mins.iter().enumerate() {
+                    self.mins[b * PANEL + j] = *m;
+                }
             }
         }
         self.codes.resize(pairs * PANEL, 0.0);
         transpose_into_panel(&self.staging, stride, pairs, &mut self.codes, fast);
     }
+}
 
+/// Whether weights of type `t` have a min (`int16`'s).
+fn has_min(t: QType) -> bool {
+    matches!(t, QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K)
+}
+
+impl Panel {
     /// `acc[r][j] = Σ_k w[j][k] · x[r][k]` for the panel's 16 rows `j` and every row `r` of
     /// `x` (`acc` holds x's rows).
     pub(super) fn product(&self, x: &QuantizedRows, acc: &mut [[f32; PANEL]], fast: bool) {
@@ -130,6 +211,9 @@ fn product_portable(panel: &Panel, x: &QuantizedRows, acc: &mut [[f32; PANEL]]) 
                     int += i32::from(w[0]) * i32::from(q[0]) + i32::from(w[1]) * i32::from(q[1]);
                 }
                 *s = (int as f32).mul_add(panel.scales[b * PANEL + j] * dx, *s);
+                if !panel.mins.is_empty() {
+                    *s = panel.mins[b * PANEL + j].mul_add(row.s[b], *s);
+                }
             }
         }
     }
@@ -193,6 +277,15 @@ unsafe fn tile_avx2<const R: usize>(
             let dx = _mm256_set1_ps(row.d[b]);
             fr[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[0]), _mm256_mul_ps(d0, dx), fr[0]);
             fr[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[1]), _mm256_mul_ps(d1, dx), fr[1]);
+        }
+        if !panel.mins.is_empty() {
+            let mins = panel.mins.as_ptr().add(b * PANEL);
+            let (m0, m1) = (_mm256_loadu_ps(mins), _mm256_loadu_ps(mins.add(8)));
+            for (fr, row) in f.iter_mut().zip(&rows) {
+                let sx = _mm256_set1_ps(row.s[b]);
+                fr[0] = _mm256_fmadd_ps(m0, sx, fr[0]);
+                fr[1] = _mm256_fmadd_ps(m1, sx, fr[1]);
+            }
         }
     }
     for (dst, fr) in out.iter_mut().zip(&f) {
@@ -267,6 +360,12 @@ unsafe fn tile_vnni<const R: usize>(
         for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
             let dx = _mm512_set1_ps(row.d[b]);
             *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sr), _mm512_mul_ps(d, dx), *fr);
+        }
+        if !panel.mins.is_empty() {
+            let mins = _mm512_loadu_ps(panel.mins.as_ptr().add(b * PANEL));
+            for (fr, row) in f.iter_mut().zip(&rows) {
+                *fr = _mm512_fmadd_ps(mins, _mm512_set1_ps(row.s[b]), *fr);
+            }
         }
     }
     for (dst, fr) in out.iter_mut().zip(&f) {

@@ -6,7 +6,7 @@ use ndarray::Array2;
 use super::formats::QType;
 use super::gemm16::{takes, Panel};
 use super::quantize::quantize_blocks;
-use super::tests::QUANTIZED_TYPES;
+use super::tests::{random_rows, QUANTIZED_TYPES};
 use super::*;
 use crate::cpu::linear::PANEL;
 
@@ -39,37 +39,36 @@ fn dequantized(t: QType, row: &[u8], k: usize) -> Vec<f32> {
     out
 }
 
-/// `Σ_b d_w · d_x · Σ q_w q_x` in f64 of a weight row and a row of x's codes (the weight's
-/// codes are its dequantized values over its block scales).
+/// `Σ_b d_w · d_x · Σ q_w q_x + m_w · s_x` in f64 of a weight row and a row of x's codes (the
+/// weight's codes, scales and mins as `int16`'s units give them).
 fn codes_reference(t: QType, row: &[u8], xq: int16::Row<'_>, k: usize) -> f64 {
-    let w = dequantized(t, row, k);
-    let bytes = t.block().1;
     let mut sum = 0.0f64;
-    for (b, dx) in xq.d.iter().enumerate() {
-        let at = b * bytes;
-        let dw = formats::f16_to_f32(u16::from_le_bytes([row[at], row[at + 1]]));
-        let span = b * 32..(b + 1) * 32;
-        let int: i64 = w[span.clone()]
+    for b in 0..k / 32 {
+        let (w, dw, mw) = int16::codes(t, row, b);
+        let int: i64 = w
             .iter()
-            .zip(&xq.q[span])
-            .map(|(v, q)| {
-                let code = if dw == 0.0 {
-                    0
-                } else {
-                    (v / dw).round() as i64
-                };
-                code * i64::from(*q)
-            })
+            .zip(&xq.q[32 * b..32 * b + 32])
+            .map(|(w, q)| i64::from(*w) * i64::from(*q))
             .sum();
-        sum += f64::from(dw) * f64::from(*dx) * int as f64;
+        sum += f64::from(dw[0]) * f64::from(xq.d[b]) * int as f64;
+        sum += f64::from(mw) * f64::from(xq.s[b]);
     }
     sum
 }
 
 #[test]
-fn panels_take_the_block_types_without_a_min() {
+fn panels_take_the_types_with_a_scale_and_min_per_32_elements() {
     let taken: Vec<QType> = QType::ALL.into_iter().filter(|t| takes(*t)).collect();
-    assert_eq!(taken, [QType::Q4_0, QType::Q8_0]);
+    let want = [
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4_K,
+        QType::Q5_K,
+    ];
+    assert_eq!(taken, want);
 }
 
 /// The quantized types the integer panels take.
@@ -81,13 +80,13 @@ fn panel_types() -> impl Iterator<Item = QType> {
 fn a_panel_product_is_the_codes_product_and_avx2_equals_portable_bit_for_bit() {
     for t in panel_types() {
         for (m, count, k) in [
-            (9, 16, 64),
-            (10, 7, 96),
-            (11, 1, 32),
-            (33, 16, 576),
+            (9, 16, 256),
+            (10, 7, 512),
+            (11, 1, 256),
+            (33, 16, 768),
             (64, 13, 256),
         ] {
-            let data = rows_of(t, count, k, (m * count + k) as u64);
+            let data = random_rows(t, count, k, (m * count + k) as u64);
             let bytes = t.row_bytes(k).unwrap();
             let rows: Vec<_> = data.chunks_exact(bytes).map(|r| (t, r)).collect();
             let x = floats(m * k, m as u64 + 3);
@@ -123,11 +122,15 @@ fn a_panel_product_is_the_codes_product_and_avx2_equals_portable_bit_for_bit() {
 fn quant_linear_int16_multi_row_products_are_close_to_the_dequantized_product() {
     // batched-decode (9-64) and prefill (128-200) rows, output columns that end in a partial
     // panel, a weight of two types, 1 and 2 threads
-    let k = 320;
-    let (n8, n4) = (21, 30);
+    let k = 512;
+    let (n8, n4, nk, n1) = (21, 30, 18, 9);
     let (d8, d4) = (
         rows_of(QType::Q8_0, n8, k, 1),
         rows_of(QType::Q4_0, n4, k, 2),
+    );
+    let (dk, d1) = (
+        random_rows(QType::Q4_K, nk, k, 3),
+        random_rows(QType::Q4_1, n1, k, 4),
     );
     let segments = vec![
         Segment {
@@ -139,6 +142,16 @@ fn quant_linear_int16_multi_row_products_are_close_to_the_dequantized_product() 
             qtype: QType::Q4_0,
             data: &d4,
             rows: n4,
+        },
+        Segment {
+            qtype: QType::Q4_K,
+            data: &dk,
+            rows: nk,
+        },
+        Segment {
+            qtype: QType::Q4_1,
+            data: &d1,
+            rows: n1,
         },
     ];
     let w = QuantMatrix::new(segments, k).unwrap();
@@ -219,9 +232,12 @@ fn quant_linear_int16_multi_row_results_do_not_depend_on_threads() {
 
 #[test]
 fn quant_linear_int16_leaves_weights_with_other_types_on_the_float_panels() {
-    // a Q4_K segment: the whole call keeps the f32 panels, bit for bit F32's result
+    // a Q6_K segment: the whole call keeps the f32 panels, bit for bit F32's result
     let k = 256;
-    let (d8, dk) = (rows_of(QType::Q8_0, 5, k, 3), vec![0x11u8; 4 * 144]);
+    let (d8, dk) = (
+        rows_of(QType::Q8_0, 5, k, 3),
+        random_rows(QType::Q6_K, 4, k, 4),
+    );
     let segments = vec![
         Segment {
             qtype: QType::Q8_0,
@@ -229,7 +245,7 @@ fn quant_linear_int16_leaves_weights_with_other_types_on_the_float_panels() {
             rows: 5,
         },
         Segment {
-            qtype: QType::Q4_K,
+            qtype: QType::Q6_K,
             data: &dk,
             rows: 4,
         },

@@ -55,7 +55,7 @@ pub fn k_scales(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 /// Block `blk` (32 elements) of the row `row` of type `t` as its 32 integer weights `w`
 /// (element order), the scales of its halves (elements 0-15 and 16-31: equal but for Q6_K,
 /// whose 8-bit scale per 16 they carry) and its min: the weight is `dl[h]·w + m`.
-fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], [f32; 2], f32) {
+pub(super) fn codes(t: QType, row: &[u8], blk: usize) -> ([i16; QK], [f32; 2], f32) {
     let half = |b: &[u8], at: usize| f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
     let mut q = [0i16; QK];
     let bytes = t.block().1;

@@ -3,8 +3,7 @@
 //! VNNI (`PAGEDLLM_CPU_ISA=avx2`, an AVX2 machine); the portable and AVX2 paths have their own.
 use super::gemm16::{product_avx2, product_vnni, Panel};
 use super::int16::{self, QuantizedRows};
-use super::quantize::quantize_blocks;
-use super::tests::{int16_types, int16_x, random_rows};
+use super::tests::{int16_types, int16_x, random_rows, QUANTIZED_TYPES};
 use super::vnni::{row_dots_vnni, Planes};
 use super::QType;
 use crate::cpu::linear::PANEL;
@@ -134,12 +133,13 @@ fn vnni_panel_products_equal_the_avx2_ones_bit_for_bit() {
         return;
     }
     // 1-8 rows a tile and a partial last tile; full and partial panels
-    for t in [QType::Q8_0, QType::Q4_0] {
-        for (m, count, k) in [(9, 16, 64), (13, 7, 96), (17, 16, 576), (40, 1, 256)] {
+    let types = QUANTIZED_TYPES
+        .into_iter()
+        .filter(|t| super::gemm16::takes(*t));
+    for t in types {
+        for (m, count, k) in [(9, 16, 256), (13, 7, 512), (17, 16, 768), (40, 1, 256)] {
             let x: Vec<f32> = int16_x(m, k);
-            let w: Vec<f32> = int16_x(count, k).iter().map(|v| v * 0.25).collect();
-            let mut data = vec![0u8; count * t.row_bytes(k).unwrap()];
-            quantize_blocks(t, &w, &mut data).unwrap();
+            let data = random_rows(t, count, k, m as u64);
             let rows: Vec<_> = data
                 .chunks_exact(t.row_bytes(k).unwrap())
                 .map(|r| (t, r))
