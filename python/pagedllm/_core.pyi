@@ -1000,8 +1000,13 @@ class CpuDecoder:
         """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
         down)``: norms float32 ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each
         projection ``("panels", float32 [P, K, 16], out_features, bias)`` or ``("quant",
-        segments, in_features, bias)`` with bias None or float32 ``[N]``. ``TypeError`` /
-        ``ValueError`` naming the layer and part that is not so."""
+        segments, in_features, bias)`` with bias None or float32 ``[N]``. A mixture-of-experts
+        layer ends ``(..., post_norm, moe, None)`` with ``moe`` = ``("moe", router, experts,
+        top_k, normalize, shared, counts)``: experts ``("panels", gate_up [E, P, H, 16],
+        down [E, P, I, 16])`` or ``("quant", CpuMoeQuantExperts)``, shared None or the shared
+        expert's ``(gate_up, down, gate)`` projections, counts int64 ``[E]`` (each token's
+        chosen experts added in place). ``TypeError`` / ``ValueError`` naming the layer and part
+        that is not so."""
 
     def forward(
         self,
