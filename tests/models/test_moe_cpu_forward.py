@@ -99,3 +99,53 @@ def test_bfloat16_experts_keep_the_layer_by_layer_path(monkeypatch, tmp_path):
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
     *_, built = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
     assert built == [None]
+
+
+def _moe_layer(top_k: int, hidden: int = 64, width: int = 32, experts: int = 4) -> tuple:
+    norm = np.ones(hidden, np.float32)
+
+    def panels(n, k):
+        return ("panels", np.zeros((-(-n // 16), k, 16), np.float32), n, None)
+
+    stacked = (
+        "panels",
+        np.zeros((experts, 2 * width // 16, hidden, 16), np.float32),
+        np.zeros((experts, hidden // 16, width, 16), np.float32),
+    )
+    counts = np.zeros(experts, np.int64)
+    moe = ("moe", panels(experts, hidden), stacked, top_k, True, None, counts)
+    return (norm, panels(3 * hidden, hidden), None, None, panels(hidden, hidden), norm, moe, None)
+
+
+def _forward(decoder, hidden: int = 64) -> None:
+    tables = np.zeros((1, 32), np.float32)
+    decoder.forward(
+        np.zeros((1, hidden), np.float32),
+        tables,
+        tables,
+        np.zeros(1, np.int64),
+        np.array([0, 1], np.int32),
+        np.array([1], np.int32),
+        np.zeros((1, 1), np.int32),
+        np.zeros((2, 1, 4, 16, 1, 64), np.float32),
+        1,
+    )
+
+
+def test_a_sparse_layer_choosing_more_experts_than_it_has_is_a_value_error_naming_top_k():
+    from pagedllm import _core
+
+    norm = np.ones(64, np.float32)
+    decoder = _core.CpuDecoder([_moe_layer(top_k=5)], norm, 1, 1, 64, 1e-6, 0.125)
+    with pytest.raises(ValueError, match=r"layer 0: top_k 5 must be in 1..=4"):
+        _forward(decoder)
+
+
+def test_a_sparse_layer_counts_each_tokens_chosen_experts():
+    from pagedllm import _core
+
+    layer = _moe_layer(top_k=2)
+    decoder = _core.CpuDecoder([layer], np.ones(64, np.float32), 1, 1, 64, 1e-6, 0.125)
+    _forward(decoder)
+    # zero router logits: equal probabilities, the two lowest experts chosen
+    assert layer[6][-1].tolist() == [1, 1, 0, 0]
