@@ -9,7 +9,7 @@ the model's float cache, on real text (this repository's docs/ARCHITECTURE.md, E
   identical to the float cache's.
 
     python benches/kv_quant_quality.py [--model smollm2] [--tokens 2048] \
-        [--kv-cache-dtypes int8 fp8_e4m3 fp8_e5m2] [--dtype float32]
+        [--kv-cache-dtypes int8 fp8_e4m3 fp8_e5m2] [--dtype float32] [--text FILE]
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["int8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--text", type=Path, default=TEXT)
     args = p.parse_args()
-    text = TEXT.read_text()
+    text = args.text.read_text()
     results, reference = {}, None
     for kv in ["auto", *args.kv_cache_dtypes]:
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 64)

@@ -9,11 +9,14 @@ the perplexity against the float cache's.
         --schemes engine-int8 int8-b3 int8-b5 int8-exact int8-mse int8-b3-konly fp8-b3 fp8-b3-norot
 
 A scheme is `KIND-BOUND[-norot][-konly|-vonly]`: KIND int8 (symmetric, max 127) or fp8
-(e4m3fn, max 448); BOUND how the row's bound (scale x max) is kept: `b3` / `b5` its amax rounded
-up to 3 / 5 mantissa bits (`b3` is the shipped scale byte), `exact` the amax as a float, `mse`
+(e4m3fn, max 448); BOUND how the row's bound (scale x max) is kept: `b3` / `b4` / `b5` its amax
+rounded up to 3 / 4 / 5 mantissa bits (`b3` is round 5's scale byte), `lg16` / `lg20` / `lg24` its
+amax rounded up to a power of 2^(1 / 16) (/ 20 / 24); `@F` after one of these keeps the bound
+within the 256 values a byte codes from 2^F up (`m2`: -2); `exact` the amax as a float, `mse`
 the bound among 1.0 .. 0.7 x amax with the row's least squared error, `b3mse` among
 the scale byte's bound and the three bytes below it; `norot` codes the row
-without the Walsh-Hadamard rotation; `konly` / `vonly` codes only the keys / values. `engine-int8`
+without the Walsh-Hadamard rotation, `rs` flips a fixed random set of its channels' signs
+first; `konly` / `vonly` codes only the keys / values. `engine-int8`
 and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check against b3).
 """
 
@@ -33,6 +36,9 @@ from pagedllm.kernels import reference
 
 _CLIPS = [1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76, 0.73, 0.7]
 _MAX = {"int8": 127.0, "fp8": 448.0}
+# how many rows (rotated) a scheme met per octave of their amax, keys and values apart: the range
+# a scale byte must cover
+_OCTAVES: dict = {"k": {}, "v": {}}
 
 
 def round_up(amax: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
@@ -40,6 +46,11 @@ def round_up(amax: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
     shift = 23 - mantissa_bits
     bits = ((amax.view(torch.int32).long() + (1 << shift) - 1) >> shift) << shift
     return bits.int().view(torch.float32)
+
+
+def log_up(amax: torch.Tensor, steps: int) -> torch.Tensor:
+    """`amax` rounded up to a power of 2^(1 / steps) (a log-spaced scale byte)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.double()) * steps - 1e-9) / steps).float()
 
 
 def code(y: torch.Tensor, bound: torch.Tensor, kind: str) -> torch.Tensor:
@@ -79,7 +90,7 @@ def least_squares_bound(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch
     return bound
 
 
-def fake(x: torch.Tensor, scheme: str) -> torch.Tensor:
+def fake(x: torch.Tensor, scheme: str, part: str) -> torch.Tensor:
     """`x` [T, KVH, D] coded and decoded by `scheme` (float32)."""
     x = x.float()
     if scheme.startswith("engine-"):
@@ -87,17 +98,39 @@ def fake(x: torch.Tensor, scheme: str) -> torch.Tensor:
         return reference.dequantize_rows(reference.quantize_rows(x, dtype))
     kind, bound_kind, *flags = scheme.split("-")
     rotate = "norot" not in flags
-    y = reference.hadamard(x) if rotate else x
+    # `rs`: random signs before the rotation (H D x, D = diag(+-1)): a row whose channels share
+    # a sign pattern with one of H's rows no longer concentrates on one channel
+    signs = _signs(x.shape[-1]) if "rs" in flags else 1.0
+    y = reference.hadamard(x * signs) if rotate else x
     amax = y.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    octaves = _OCTAVES[part]
+    for o, n in zip(*torch.unique(torch.floor(torch.log2(amax)).int(), return_counts=True)):
+        octaves[o.item()] = octaves.get(o.item(), 0) + n.item()
+    bound_kind, _, floor = bound_kind.partition("@")
     bound = {
         "b3": lambda: round_up(amax, 3),
+        "b4": lambda: round_up(amax, 4),
         "b5": lambda: round_up(amax, 5),
+        "lg16": lambda: log_up(amax, 16),
+        "lg20": lambda: log_up(amax, 20),
+        "lg24": lambda: log_up(amax, 24),
         "exact": lambda: amax,
         "mse": lambda: least_squares_bound(y, amax, kind),
         "b3mse": lambda: least_squares_byte(y, amax, kind),
     }[bound_kind]()
+    if floor:
+        # a byte's 256 bounds from 2^floor up: rows below code with the smallest, rows above
+        # are clipped to the largest
+        steps = {"b4": 16, "b5": 32}.get(bound_kind) or int(bound_kind.removeprefix("lg"))
+        low = 2.0 ** float(floor.replace("m", "-"))
+        bound = bound.clamp(low, low * 2.0 ** (255 / steps))
     y = code(y, bound, kind)
-    return reference.unrotate(y) if rotate else y
+    return reference.unrotate(y) * signs if rotate else y
+
+
+def _signs(d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(d)
+    return torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
 
 
 def with_scheme(holder: dict):
@@ -107,8 +140,8 @@ def with_scheme(holder: dict):
         scheme = holder.get("scheme")
         if scheme is not None:
             plain = scheme.replace("-konly", "").replace("-vonly", "")
-            k = k if "-vonly" in scheme else fake(k, plain).to(k.dtype)
-            v = v if "-konly" in scheme else fake(v, plain).to(v.dtype)
+            k = k if "-vonly" in scheme else fake(k, plain, "k").to(k.dtype)
+            v = v if "-konly" in scheme else fake(v, plain, "v").to(v.dtype)
         return store(q, k, v, *args, **kwargs)
 
     cpu_attention.store_and_attend = patched
@@ -134,8 +167,8 @@ def main() -> int:
     ids = llm.get_tokenizer().encode(args.text.read_text())[: args.tokens + 1]
     step = args.window
     windows = [ids[i : i + step + 1] for i in range(0, len(ids) - 1, step)]
-    ref_top1, logprobs = teacher_forced(llm, windows)
-    ref_ppl = math.exp(-sum(logprobs) / len(logprobs))
+    ref_top1, ref_logprobs = teacher_forced(llm, windows)
+    ref_ppl = math.exp(-sum(ref_logprobs) / len(ref_logprobs))
     print(json.dumps({"scheme": "float", "positions": len(ref_top1), "perplexity": ref_ppl}))
     for scheme in args.schemes:
         holder["scheme"] = scheme
@@ -147,7 +180,16 @@ def main() -> int:
             "top1_agreement": round(1 - differ / len(top1), 5),
             "differ": differ,
             "perplexity_vs_float": round(ppl / ref_ppl - 1, 5),
+            # a steadier figure than the count of flipped near-ties: how far each position's
+            # logprob of the text's token moved
+            "mean_abs_dlogprob": round(
+                sum(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) / len(logprobs), 6
+            ),
+            "rows_per_octave_of_amax": {
+                part: dict(sorted(counts.items())) for part, counts in _OCTAVES.items()
+            },
         }
+        _OCTAVES.update(k={}, v={})
         print(json.dumps(result), flush=True)
     return 0
 

@@ -98,7 +98,16 @@ def attend_tile(
 
 @triton.jit
 def _row_scale(byte_ptr, nmask, SCALE_RCP: tl.constexpr):
-    # the byte's bits are the bound's f32 exponent (rebiased by 111) and top 3 mantissa bits
     byte = tl.load(byte_ptr.to(tl.pointer_type(tl.uint8)), mask=nmask, other=0).to(tl.int32)
-    bound = ((byte + 888) << 20).to(tl.float32, bitcast=True)
-    return tl.where(nmask, bound * SCALE_RCP, 0.0)
+    return tl.where(nmask, bound_of(byte) * SCALE_RCP, 0.0)
+
+
+@triton.jit
+def bound_of(b):
+    """The bound scale byte `b` (int32) codes, `reference._bound_bits`: 5 mantissa bits over
+    2^1 .. 2^8 (bytes 16-239), 3 bits over the two octaves either side."""
+    low = ((b >> 3) + 126) << 23 | (b & 7) << 20
+    band = (((b - 16) >> 5) + 128) << 23 | ((b - 16) & 31) << 18
+    high = (((b - 240) >> 3) + 135) << 23 | ((b - 240) & 7) << 20
+    bits = tl.where(b < 16, low, tl.where(b < 240, band, high))
+    return bits.to(tl.float32, bitcast=True)

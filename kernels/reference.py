@@ -14,8 +14,10 @@ says why):
 - the row is rotated first, `H x` (`hadamard`: the Sylvester Hadamard matrix, entries +-1, over
   blocks of the largest power of two dividing `head_dim`); the kernels rotate q by `H q / n` and
   their output back, so attention is the unrotated rows'; `dequantize_rows` undoes the rotation;
-- the scale byte `e << 3 | m` codes the row's bound `(1 + m / 8) 2^(e - 16)`, the smallest at
-  least the rotated row's amax (2^-16 to 61440); `scale = bound * float32(1 / max)`;
+- the scale byte codes the row's bound, the smallest at least the rotated row's amax: with 5
+  mantissa bits from 2 to 256 (bytes 16-239: `(1 + m / 32) 2^(1 + e)` for `16 + (e << 5 | m)`),
+  with 3 bits on the two octaves either side (0.5 to 2, 256 to 960); below, the smallest, above,
+  the largest (the codes then saturate); `scale = bound * float32(1 / max)`;
 - int8: max 127, codes `round_half_even(x / scale)` in [-127, 127];
 - fp8: max 448 (e4m3fn) or 57344 (e5m2), codes `x / scale` clamped to +-max and rounded to
   nearest even (torch's conversion).
@@ -54,9 +56,9 @@ __all__ = [
 
 
 KV_SCALE_BYTES = 1
-# the scale byte's exponent bias, as the f32 exponent's bits: byte b is the f32 with bits
-# (b + _BOUND_OFFSET) << 20 (exponent and the top 3 mantissa bits)
-_BOUND_OFFSET = (127 - 16) << 3
+# the scale byte's bounds (`_bound_bits`): 5 mantissa bits over a band of 7 octaves from
+# 2^_BAND (bytes 16-239), 3 bits over the 2 octaves on either side (0-15 below, 240-255 above)
+_BAND = 1
 # storage dtype of each quantized format (`kv_cache_dtype` name, "fp8" resolved) and the largest
 # magnitude its codes reach
 _KV_FORMATS = {
@@ -101,7 +103,7 @@ def kv_row_format(cache_dtype: torch.dtype) -> str:
     format (another dtype, or an earlier quantized layout) must not be loaded."""
     if cache_dtype not in _KV_NAMES:
         return str(cache_dtype).removeprefix("torch.")
-    return f"{_KV_NAMES[cache_dtype]}:hadamard,codes,bound-byte-e5m3"
+    return f"{_KV_NAMES[cache_dtype]}:hadamard,codes,bound-byte-m5-2-256-m3-tails"
 
 
 def hadamard(x: Tensor) -> Tensor:
@@ -125,14 +127,31 @@ def unrotate(x: Tensor) -> Tensor:
     return hadamard(x) * (1.0 / (d & -d))
 
 
+def _bound_bits(byte: Tensor) -> Tensor:
+    """The f32 bits (int64) of the bound each scale byte codes."""
+    b = byte.long()
+    low = ((_BAND - 2 + (b >> 3) + 127) << 23) | ((b & 7) << 20)
+    band = ((_BAND + ((b - 16) >> 5) + 127) << 23) | (((b - 16) & 31) << 18)
+    high = ((_BAND + 7 + ((b - 240) >> 3) + 127) << 23) | (((b - 240) & 7) << 20)
+    return torch.where(b < 16, low, torch.where(b < 240, band, high))
+
+
 def _bound_byte(amax: Tensor) -> Tensor:
-    """The smallest scale byte whose bound is at least `amax` (float32 >= 0), as int32."""
-    up = (amax.view(torch.int32).long() + (1 << 20) - 1) >> 20
-    return (up - _BOUND_OFFSET).clamp(0, 255).int()
+    """The smallest scale byte whose bound is at least `amax` (float32 >= 0), as int32: amax's
+    bits rounded up to 5 (in the band) or 3 (outside) mantissa bits, the carry moving into the
+    exponent; below the smallest bound byte 0, above the largest 255 (the codes saturate)."""
+    bits = amax.view(torch.int32).long()
+    up5, up3 = (bits + (1 << 18) - 1) >> 18, (bits + (1 << 20) - 1) >> 20
+    e5, e3 = (up5 >> 5) - 127, (up3 >> 3) - 127
+    low = ((e3 - _BAND + 2) << 3) + (up3 & 7)
+    band = 16 + ((e5 - _BAND) << 5) + (up5 & 31)
+    high = 240 + ((e3 - _BAND - 7) << 3) + (up3 & 7)
+    byte = torch.where(e5 < _BAND, low, torch.where(e5 < _BAND + 7, band, high))
+    return byte.clamp(0, 255).int()
 
 
 def _row_scale(byte: Tensor, cache_dtype: torch.dtype) -> Tensor:
-    bound = ((byte.int() + _BOUND_OFFSET) << 20).view(torch.float32)
+    bound = _bound_bits(byte).int().view(torch.float32)
     return bound * torch.tensor(1 / _KV_MAX[cache_dtype], dtype=torch.float32)
 
 

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tile import bound_of
 from ._util import next_pow2
 from .reference import hadamard, kv_code_max, kv_format, kv_row_size
 
@@ -73,14 +74,11 @@ def _store_quantized(
     FP8_M: tl.constexpr,
     FP8_BIAS: tl.constexpr,
 ):
-    # masked lanes loaded 0: they never raise a row's amax. The scale byte: amax's bits rounded
-    # up to 3 mantissa bits, rebiased (exponent bias 16), clamped to a byte; the bound it codes
-    # is those bits again, the scale the bound times 1 / QMAX (as float32)
-    amax = tl.max(tl.abs(x), axis=1).to(tl.uint32, bitcast=True)
-    byte = ((amax + 1048575) >> 20).to(tl.int32) - 888
-    byte = tl.minimum(tl.maximum(byte, 0), 255)
+    # masked lanes loaded 0: they never raise a row's amax. The scale byte (`_bound_byte`): the
+    # smallest whose bound is at least amax; the scale its bound times 1 / QMAX (as float32)
+    byte = _bound_byte(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True))
     rcp: tl.constexpr = 1.0 / QMAX
-    scale = ((byte + 888) << 20).to(tl.float32, bitcast=True) * rcp
+    scale = bound_of(byte) * rcp
     y = x / scale[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
@@ -92,6 +90,21 @@ def _store_quantized(
         tl.store((c_ptr + dst).to(tl.pointer_type(tl.uint8)), code, mask=mask)
     byte_ptr = (c_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.uint8))
     tl.store(byte_ptr, byte.to(tl.uint8), mask=row_mask)
+
+
+@triton.jit
+def _bound_byte(bits):
+    """`reference._bound_byte` on amax's bits: rounded up to 5 mantissa bits in the band (2 to
+    256, bytes 16-239), to 3 outside (0.5 to 2: 0-15, 256 to 960: 240-255), clamped to a byte."""
+    up5 = (bits + 262143) >> 18
+    up3 = (bits + 1048575) >> 20
+    e5 = (up5 >> 5) - 127
+    e3 = (up3 >> 3) - 127
+    low = ((e3 + 1) << 3) + (up3 & 7)
+    band = 16 + ((e5 - 1) << 5) + (up5 & 31)
+    high = 240 + ((e3 - 8) << 3) + (up3 & 7)
+    byte = tl.where(e5 < 1, low, tl.where(e5 < 8, band, high))
+    return tl.minimum(tl.maximum(byte, 0), 255)
 
 
 @triton.jit
