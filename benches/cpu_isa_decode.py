@@ -5,7 +5,7 @@ process, so one process per level), alternated for `--rounds` rounds: decode tok
 rounds' ratios; and whether the two levels' greedy tokens are identical.
 
     python benches/cpu_isa_decode.py /work/models/kvq-smollm2-f32 --levels avx2 avx512 \\
-        [--rounds 3] [--tokens 128] [--threads 1]
+        [--rounds 3] [--tokens 128] [--threads 1] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 def child(args) -> None:
     from pagedllm import LLM, SamplingParams, _core
 
-    llm = LLM(args.model, cpu_threads=args.threads)
+    llm = LLM(args.model, cpu_threads=args.threads, dtype=args.dtype)
     prompt = [{"prompt_token_ids": list(range(100, 116))}]
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="the model's (EngineArgs.dtype)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -51,14 +52,17 @@ def main() -> None:
     for r in range(args.rounds):
         for level in (first, second) if r % 2 == 0 else (second, first):
             cmd = [sys.executable, __file__, args.model, "--child", "--tokens", str(args.tokens)]
-            cmd += ["--threads", str(args.threads)]
+            cmd += ["--threads", str(args.threads), "--dtype", args.dtype]
             env = {**os.environ, "PAGEDLLM_CPU_ISA": level}
             done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             got = json.loads(done.stdout.strip().splitlines()[-1])
             if got["isa"] != level:
                 raise SystemExit(f"asked for {level}, the process ran at {got['isa']}")
             runs[level].append(got)
-    print(f"{args.model}: {args.tokens} tokens, {args.threads} thread(s), {args.rounds} rounds")
+    print(
+        f"{args.model} ({args.dtype}): {args.tokens} tokens, {args.threads} thread(s), "
+        f"{args.rounds} rounds"
+    )
     for clock in ("wall", "cpu"):
         rate = {lv: [args.tokens / run[clock] for run in runs[lv]] for lv in runs}
         ratio = statistics.median(b / a for a, b in zip(rate[first], rate[second]))
