@@ -1,17 +1,18 @@
 //! The multi-row (above `DECODE_MAX_ROWS`: batched decode, prefill) products with 16-bit
-//! activations, in integers, for the types whose scale and min change at most every 32 elements
-//! (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the Q4_K / Q5_K sub-blocks; Q6_K's scale per 16 is not
-//! taken): a panel of `PANEL` weight rows is widened once to 16-bit codes laid out for
-//! `vpmaddwd` (`pack`: pairs of adjacent k of the 16 rows side by side, `[k / 2, PANEL]` 32-bit
-//! pairs, and the rows' scales and mins per 32 elements `[k / 32, PANEL]`) and every row of x
-//! (its 16-bit codes per 32 elements, `int16`'s `QuantizedRows`) passes over it, a few rows a
-//! register tile. One `madd` does 16 multiply-adds where an f32 FMA does 8 (AVX-512 VNNI's
-//! `vpdpwssd` 32, the add included), and the weights are widened, not dequantized to f32.
+//! activations, in integers, for every quantized type: a panel of `PANEL` weight rows is widened
+//! once to 16-bit codes laid out for `vpmaddwd` (`pack`: pairs of adjacent k of the 16 rows side
+//! by side, `[k / 2, PANEL]` 32-bit pairs, the rows' scales per unit and mins per 32 elements)
+//! and every row of x (its 16-bit codes per 32 elements, `int16`'s `QuantizedRows`) passes over
+//! it, a few rows a register tile. One `madd` does 16 multiply-adds where an f32 FMA does 8
+//! (AVX-512 VNNI's `vpdpwssd` 32, the add included), and the weights are widened, not
+//! dequantized to f32. A unit is a block of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the Q4_K / Q5_K
+//! sub-blocks), or a half of 16 in a panel with a Q6_K row (its 8-bit scale per 16 kept out of
+//! the codes, whose sums would not fit 32 bits with it).
 //!
-//! Each block's 32 products are summed exactly in 32 bits (at most 32 · 32767 · 128 < 2^28; the
-//! K-quants' 6-bit scales stay out of the codes, in the block's scale), converted to f32 once and
-//! added as `acc = fma(S, d_w · d_x, acc)`, then, in a panel with any min, `acc = fma(m_w, s_x,
-//! acc)` (`s_x` = d_x · Σ q_x), block after block in order: the portable path
+//! Each unit's products are summed exactly in 32 bits (at most 32 · 32767 · 128 < 2^28; the
+//! K-quants' scales stay out of the codes, in the unit's scale), converted to f32 once and
+//! added as `acc = fma(S, d_w · d_x, acc)`, then after each block, in a panel with any min,
+//! `acc = fma(m_w, s_x, acc)` (`s_x` = d_x · Σ q_x), in order: the portable path
 //! (`product_portable`), the AVX2 one and the VNNI one give the same bits.
 use super::formats::{f16_to_f32, five_bits, QType, QK_K};
 use super::int16::QuantizedRows;
@@ -35,6 +36,7 @@ pub(super) fn takes(t: QType) -> bool {
             | QType::Q5_1
             | QType::Q4_K
             | QType::Q5_K
+            | QType::Q6_K
     )
 }
 
@@ -45,6 +47,9 @@ pub(super) fn takes(t: QType) -> bool {
 pub(super) struct Panel {
     codes: Vec<f32>,
     scales: Vec<f32>,
+    /// Whether the units are halves of 16 (a row of the panel is Q6_K: a scale per 16) or
+    /// whole blocks of 32.
+    halves: bool,
     /// `[k / 32, PANEL]`: each block's min (the weight is `scale · code + min`), or empty where
     /// no row of the panel has one.
     mins: Vec<f32>,
@@ -60,11 +65,33 @@ fn half(b: &[u8], at: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 
-/// A row `row` of a type taken (`q.len()` elements) as its codes into `q` and each 32
-/// elements' scale and min into `d` and `m`: element e's weight is `d[e / 32] · q[e] +
-/// m[e / 32]` (the mins 0 for the types without).
+/// A row `row` of a type taken (`q.len()` elements) as its codes into `q`, each 16 elements'
+/// scale into `d` and each 32 elements' min into `m`: element e's weight is `d[e / 16] · q[e]
+/// + m[e / 32]` (the two scales of a block equal but for Q6_K's; the mins 0 for the types
+/// without).
 fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) {
     let bytes = t.block().1;
+    if t == QType::Q6_K {
+        for (sb, b) in row.chunks_exact(bytes).enumerate() {
+            let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
+            let dd = half(b, 208);
+            for i in 0..8 {
+                let blk = 8 * sb + i;
+                let (h, kq) = (i / 4, i % 4);
+                let dst = &mut q[QK * blk..QK * (blk + 1)];
+                for (l, v) in dst.iter_mut().enumerate() {
+                    let low = (ql[64 * h + 32 * (kq % 2) + l] >> (4 * (kq / 2))) & 0xF;
+                    let high = (qh[32 * h + l] >> (2 * kq)) & 3;
+                    *v = i16::from(low | (high << 4)) - 32;
+                }
+                // as `int16`'s units
+                d[2 * blk] = dd * f32::from(scales[2 * i] as i8);
+                d[2 * blk + 1] = dd * f32::from(scales[2 * i + 1] as i8);
+                m[blk] = 0.0;
+            }
+        }
+        return;
+    }
     if t.block().0 == QK_K {
         let five = t == QType::Q5_K;
         for (sb, b) in row.chunks_exact(bytes).enumerate() {
@@ -80,7 +107,8 @@ fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) 
                     *v = i16::from(((g >> (4 * (i % 2))) & 0xF) | bit4);
                 }
                 // as `int16`'s units (and the dequantized weight `(d·sc)·q - dmin·m`)
-                d[blk] = dd * f32::from(scales[i]);
+                d[2 * blk] = dd * f32::from(scales[i]);
+                d[2 * blk + 1] = d[2 * blk];
                 m[blk] = -(dmin * f32::from(mins[i]));
             }
         }
@@ -88,7 +116,8 @@ fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) 
     }
     for (blk, b) in row.chunks_exact(bytes).enumerate() {
         let dst = &mut q[QK * blk..QK * (blk + 1)];
-        d[blk] = half(b, 0);
+        d[2 * blk] = half(b, 0);
+        d[2 * blk + 1] = d[2 * blk];
         m[blk] = 0.0;
         match t {
             QType::Q8_0 => {
@@ -129,14 +158,16 @@ impl Panel {
         let stride = pairs + 16;
         self.staging.clear();
         self.staging.resize(PANEL * stride, 0.0);
+        self.halves = rows.iter().any(|(t, _)| *t == QType::Q6_K);
+        let per_block = if self.halves { 2 } else { 1 };
         self.scales.clear();
-        self.scales.resize(blocks * PANEL, 0.0);
+        self.scales.resize(per_block * blocks * PANEL, 0.0);
         let mins = rows.iter().any(|(t, _)| has_min(*t));
         self.mins.clear();
         if mins {
             self.mins.resize(blocks * PANEL, 0.0);
         }
-        self.row_scales.resize(blocks, 0.0);
+        self.row_scales.resize(2 * blocks, 0.0);
         self.row_mins.resize(blocks, 0.0);
         // SAFETY: the staging floats viewed as twice as many i16 (f32's alignment is i16's
         // twice); every bit pattern is a valid value of both.
@@ -149,8 +180,9 @@ impl Panel {
         for (j, (t, row)) in rows.iter().enumerate() {
             let dst = &mut staging[2 * j * stride..2 * j * stride + k];
             widen_row(*t, row, dst, &mut self.row_scales, &mut self.row_mins);
-            for (b, d) in self.row_scales.iter().enumerate() {
-                self.scales[b * PANEL + j] = *d;
+            // a scale per unit: each 16 elements' in a panel of halves, else each block's first
+            for (u, d) in self.row_scales.iter().step_by(2 / per_block).enumerate() {
+                self.scales[u * PANEL + j] = *d;
             }
             if mins {
                 for (b, m) in self.row_mins.iter().enumerate() {
@@ -199,18 +231,24 @@ fn product_portable(panel: &Panel, x: &QuantizedRows, acc: &mut [[f32; PANEL]]) 
             [b as u16 as i16, (b >> 16) as u16 as i16]
         })
         .collect();
+    let units = if panel.halves { 2 } else { 1 };
+    let pairs = QK / 2 / units;
     for (r, sums) in acc.iter_mut().enumerate() {
         let row = x.row(r);
         *sums = [0.0; PANEL];
         for (b, dx) in row.d.iter().enumerate() {
             for (j, s) in sums.iter_mut().enumerate() {
-                let mut int = 0i32;
-                for p in 0..QK / 2 {
-                    let w = codes[(b * QK / 2 + p) * PANEL + j];
-                    let q = &row.q[b * QK + 2 * p..];
-                    int += i32::from(w[0]) * i32::from(q[0]) + i32::from(w[1]) * i32::from(q[1]);
+                for h in 0..units {
+                    let mut int = 0i32;
+                    for p in h * pairs..(h + 1) * pairs {
+                        let w = codes[(b * QK / 2 + p) * PANEL + j];
+                        let q = &row.q[b * QK + 2 * p..];
+                        int +=
+                            i32::from(w[0]) * i32::from(q[0]) + i32::from(w[1]) * i32::from(q[1]);
+                    }
+                    let d = panel.scales[(b * units + h) * PANEL + j];
+                    *s = (int as f32).mul_add(d * dx, *s);
                 }
-                *s = (int as f32).mul_add(panel.scales[b * PANEL + j] * dx, *s);
                 if !panel.mins.is_empty() {
                     *s = panel.mins[b * PANEL + j].mul_add(row.s[b], *s);
                 }
@@ -227,20 +265,24 @@ pub(super) unsafe fn product_avx2(panel: &Panel, x: &QuantizedRows, acc: &mut [[
     while r < m {
         let rows = (m - r).min(TILE);
         let out = &mut acc[r..r + rows];
-        match rows {
-            1 => tile_avx2::<1>(panel, x, r, out),
-            2 => tile_avx2::<2>(panel, x, r, out),
-            _ => tile_avx2::<3>(panel, x, r, out),
+        match (rows, panel.halves) {
+            (1, false) => tile_avx2::<1, 1>(panel, x, r, out),
+            (2, false) => tile_avx2::<2, 1>(panel, x, r, out),
+            (_, false) => tile_avx2::<3, 1>(panel, x, r, out),
+            (1, true) => tile_avx2::<1, 2>(panel, x, r, out),
+            (2, true) => tile_avx2::<2, 2>(panel, x, r, out),
+            (_, true) => tile_avx2::<3, 2>(panel, x, r, out),
         }
         r += rows;
     }
 }
 
-/// Rows `first..first + R` of x over the whole panel, the sums in registers.
+/// Rows `first..first + R` of x over the whole panel, the sums in registers; `U` units a
+/// block (1, or 2 halves of 16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn tile_avx2<const R: usize>(
+unsafe fn tile_avx2<const R: usize, const U: usize>(
     panel: &Panel,
     x: &QuantizedRows,
     first: usize,
@@ -253,30 +295,32 @@ unsafe fn tile_avx2<const R: usize>(
     let w = panel.codes.as_ptr().cast::<__m256i>();
     let mut f = [[_mm256_setzero_ps(); 2]; R];
     for b in 0..blocks {
-        let mut s = [[_mm256_setzero_si256(); 2]; R];
-        for p in 0..QK / 2 {
-            // pair p of block b: 16 rows' two codes, two vectors of 8 (inside codes)
-            let w0 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2));
-            let w1 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2 + 1));
-            for (sr, row) in s.iter_mut().zip(&rows) {
-                // elements b * 32 + 2p and + 1 of the row: inside its k codes
-                let pair = row
-                    .q
-                    .as_ptr()
-                    .add(b * QK + 2 * p)
-                    .cast::<i32>()
-                    .read_unaligned();
-                let xv = _mm256_set1_epi32(pair);
-                sr[0] = _mm256_add_epi32(sr[0], _mm256_madd_epi16(w0, xv));
-                sr[1] = _mm256_add_epi32(sr[1], _mm256_madd_epi16(w1, xv));
+        for h in 0..U {
+            let mut s = [[_mm256_setzero_si256(); 2]; R];
+            for p in h * QK / 2 / U..(h + 1) * QK / 2 / U {
+                // pair p of block b: 16 rows' two codes, two vectors of 8 (inside codes)
+                let w0 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2));
+                let w1 = _mm256_loadu_si256(w.add((b * QK / 2 + p) * 2 + 1));
+                for (sr, row) in s.iter_mut().zip(&rows) {
+                    // elements b * 32 + 2p and + 1 of the row: inside its k codes
+                    let pair = row
+                        .q
+                        .as_ptr()
+                        .add(b * QK + 2 * p)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    let xv = _mm256_set1_epi32(pair);
+                    sr[0] = _mm256_add_epi32(sr[0], _mm256_madd_epi16(w0, xv));
+                    sr[1] = _mm256_add_epi32(sr[1], _mm256_madd_epi16(w1, xv));
+                }
             }
-        }
-        let scales = panel.scales.as_ptr().add(b * PANEL);
-        let (d0, d1) = (_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8)));
-        for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
-            let dx = _mm256_set1_ps(row.d[b]);
-            fr[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[0]), _mm256_mul_ps(d0, dx), fr[0]);
-            fr[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[1]), _mm256_mul_ps(d1, dx), fr[1]);
+            let scales = panel.scales.as_ptr().add((b * U + h) * PANEL);
+            let (d0, d1) = (_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8)));
+            for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
+                let dx = _mm256_set1_ps(row.d[b]);
+                fr[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[0]), _mm256_mul_ps(d0, dx), fr[0]);
+                fr[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sr[1]), _mm256_mul_ps(d1, dx), fr[1]);
+            }
         }
         if !panel.mins.is_empty() {
             let mins = panel.mins.as_ptr().add(b * PANEL);
@@ -306,17 +350,34 @@ pub(super) unsafe fn product_vnni(panel: &Panel, x: &QuantizedRows, acc: &mut [[
     while r < m {
         let rows = (m - r).min(TILE_VNNI);
         let out = &mut acc[r..r + rows];
-        match rows {
-            1 => tile_vnni::<1>(panel, x, r, out),
-            2 => tile_vnni::<2>(panel, x, r, out),
-            3 => tile_vnni::<3>(panel, x, r, out),
-            4 => tile_vnni::<4>(panel, x, r, out),
-            5 => tile_vnni::<5>(panel, x, r, out),
-            6 => tile_vnni::<6>(panel, x, r, out),
-            7 => tile_vnni::<7>(panel, x, r, out),
-            _ => tile_vnni::<8>(panel, x, r, out),
+        if panel.halves {
+            tiles_vnni::<2>(panel, x, r, out);
+        } else {
+            tiles_vnni::<1>(panel, x, r, out);
         }
         r += rows;
+    }
+}
+
+/// `tile_vnni` for the rows of `out` (at most `TILE_VNNI`), x's from row `first`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn tiles_vnni<const U: usize>(
+    panel: &Panel,
+    x: &QuantizedRows,
+    first: usize,
+    out: &mut [[f32; PANEL]],
+) {
+    match out.len() {
+        1 => tile_vnni::<1, U>(panel, x, first, out),
+        2 => tile_vnni::<2, U>(panel, x, first, out),
+        3 => tile_vnni::<3, U>(panel, x, first, out),
+        4 => tile_vnni::<4, U>(panel, x, first, out),
+        5 => tile_vnni::<5, U>(panel, x, first, out),
+        6 => tile_vnni::<6, U>(panel, x, first, out),
+        7 => tile_vnni::<7, U>(panel, x, first, out),
+        _ => tile_vnni::<8, U>(panel, x, first, out),
     }
 }
 
@@ -328,7 +389,7 @@ const TILE_VNNI: usize = 8;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn tile_vnni<const R: usize>(
+unsafe fn tile_vnni<const R: usize, const U: usize>(
     panel: &Panel,
     x: &QuantizedRows,
     first: usize,
@@ -341,25 +402,27 @@ unsafe fn tile_vnni<const R: usize>(
     let w = panel.codes.as_ptr().cast::<__m512i>();
     let mut f = [_mm512_setzero_ps(); R];
     for b in 0..blocks {
-        let mut s = [_mm512_setzero_si512(); R];
-        for p in 0..QK / 2 {
-            // pair p of block b: 16 rows' two codes, one 512-bit vector (inside codes)
-            let wv = _mm512_loadu_si512(w.add(b * QK / 2 + p).cast());
-            for (sr, row) in s.iter_mut().zip(&rows) {
-                // elements b * 32 + 2p and + 1 of the row: inside its k codes
-                let pair = row
-                    .q
-                    .as_ptr()
-                    .add(b * QK + 2 * p)
-                    .cast::<i32>()
-                    .read_unaligned();
-                *sr = _mm512_dpwssd_epi32(*sr, wv, _mm512_set1_epi32(pair));
+        for h in 0..U {
+            let mut s = [_mm512_setzero_si512(); R];
+            for p in h * QK / 2 / U..(h + 1) * QK / 2 / U {
+                // pair p of block b: 16 rows' two codes, one 512-bit vector (inside codes)
+                let wv = _mm512_loadu_si512(w.add(b * QK / 2 + p).cast());
+                for (sr, row) in s.iter_mut().zip(&rows) {
+                    // elements b * 32 + 2p and + 1 of the row: inside its k codes
+                    let pair = row
+                        .q
+                        .as_ptr()
+                        .add(b * QK + 2 * p)
+                        .cast::<i32>()
+                        .read_unaligned();
+                    *sr = _mm512_dpwssd_epi32(*sr, wv, _mm512_set1_epi32(pair));
+                }
             }
-        }
-        let d = _mm512_loadu_ps(panel.scales.as_ptr().add(b * PANEL));
-        for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
-            let dx = _mm512_set1_ps(row.d[b]);
-            *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sr), _mm512_mul_ps(d, dx), *fr);
+            let d = _mm512_loadu_ps(panel.scales.as_ptr().add((b * U + h) * PANEL));
+            for ((fr, sr), row) in f.iter_mut().zip(&s).zip(&rows) {
+                let dx = _mm512_set1_ps(row.d[b]);
+                *fr = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*sr), _mm512_mul_ps(d, dx), *fr);
+            }
         }
         if !panel.mins.is_empty() {
             let mins = _mm512_loadu_ps(panel.mins.as_ptr().add(b * PANEL));

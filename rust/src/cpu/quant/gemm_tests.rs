@@ -40,24 +40,31 @@ fn dequantized(t: QType, row: &[u8], k: usize) -> Vec<f32> {
 }
 
 /// `Σ_b d_w · d_x · Σ q_w q_x + m_w · s_x` in f64 of a weight row and a row of x's codes (the
-/// weight's codes, scales and mins as `int16`'s units give them).
-fn codes_reference(t: QType, row: &[u8], xq: int16::Row<'_>, k: usize) -> f64 {
-    let mut sum = 0.0f64;
+/// weight's codes, scales and mins as `int16`'s units give them), and the sum of the terms'
+/// magnitudes (the scale of f32 rounding).
+fn codes_reference(t: QType, row: &[u8], xq: int16::Row<'_>, k: usize) -> (f64, f64) {
+    let (mut sum, mut size) = (0.0f64, 0.0f64);
     for b in 0..k / 32 {
         let (w, dw, mw) = int16::codes(t, row, b);
-        let int: i64 = w
-            .iter()
-            .zip(&xq.q[32 * b..32 * b + 32])
-            .map(|(w, q)| i64::from(*w) * i64::from(*q))
-            .sum();
-        sum += f64::from(dw[0]) * f64::from(xq.d[b]) * int as f64;
-        sum += f64::from(mw) * f64::from(xq.s[b]);
+        for h in 0..2 {
+            let int: i64 = w[16 * h..16 * h + 16]
+                .iter()
+                .zip(&xq.q[32 * b + 16 * h..32 * b + 16 * h + 16])
+                .map(|(w, q)| i64::from(*w) * i64::from(*q))
+                .sum();
+            let term = f64::from(dw[h]) * f64::from(xq.d[b]) * int as f64;
+            sum += term;
+            size += term.abs();
+        }
+        let term = f64::from(mw) * f64::from(xq.s[b]);
+        sum += term;
+        size += term.abs();
     }
-    sum
+    (sum, size)
 }
 
 #[test]
-fn panels_take_the_types_with_a_scale_and_min_per_32_elements() {
+fn panels_take_every_quantized_type() {
     let taken: Vec<QType> = QType::ALL.into_iter().filter(|t| takes(*t)).collect();
     let want = [
         QType::Q4_0,
@@ -67,6 +74,7 @@ fn panels_take_the_types_with_a_scale_and_min_per_32_elements() {
         QType::Q8_0,
         QType::Q4_K,
         QType::Q5_K,
+        QType::Q6_K,
     ];
     assert_eq!(taken, want);
 }
@@ -97,11 +105,15 @@ fn a_panel_product_is_the_codes_product_and_avx2_equals_portable_bit_for_bit() {
             panel.product(&xq, &mut portable, false);
             for (i, sums) in portable.iter().enumerate() {
                 for (j, got) in sums.iter().enumerate() {
-                    let want = rows
+                    let (want, size) = rows
                         .get(j)
-                        .map_or(0.0, |(t, r)| codes_reference(*t, r, xq.row(i), k));
-                    let tol = 1e-5 * (1.0 + want.abs());
-                    assert!((f64::from(*got) - want).abs() <= tol, "{m}x{k} [{i}, {j}]");
+                        .map_or((0.0, 0.0), |(t, r)| codes_reference(*t, r, xq.row(i), k));
+                    let tol = 1e-6 * size + 1e-6;
+                    let name = t.name();
+                    assert!(
+                        (f64::from(*got) - want).abs() <= tol,
+                        "{name} {m}x{k} [{i}, {j}]: {got} vs {want}"
+                    );
                 }
             }
             if super::fast() {
@@ -123,7 +135,7 @@ fn quant_linear_int16_multi_row_products_are_close_to_the_dequantized_product() 
     // batched-decode (9-64) and prefill (128-200) rows, output columns that end in a partial
     // panel, a weight of two types, 1 and 2 threads
     let k = 512;
-    let (n8, n4, nk, n1) = (21, 30, 18, 9);
+    let (n8, n4, nk, n1, n6) = (21, 30, 18, 9, 7);
     let (d8, d4) = (
         rows_of(QType::Q8_0, n8, k, 1),
         rows_of(QType::Q4_0, n4, k, 2),
@@ -132,6 +144,7 @@ fn quant_linear_int16_multi_row_products_are_close_to_the_dequantized_product() 
         random_rows(QType::Q4_K, nk, k, 3),
         random_rows(QType::Q4_1, n1, k, 4),
     );
+    let d6 = random_rows(QType::Q6_K, n6, k, 5);
     let segments = vec![
         Segment {
             qtype: QType::Q8_0,
@@ -152,6 +165,11 @@ fn quant_linear_int16_multi_row_products_are_close_to_the_dequantized_product() 
             qtype: QType::Q4_1,
             data: &d1,
             rows: n1,
+        },
+        Segment {
+            qtype: QType::Q6_K,
+            data: &d6,
+            rows: n6,
         },
     ];
     let w = QuantMatrix::new(segments, k).unwrap();
@@ -232,11 +250,11 @@ fn quant_linear_int16_multi_row_results_do_not_depend_on_threads() {
 
 #[test]
 fn quant_linear_int16_leaves_weights_with_other_types_on_the_float_panels() {
-    // a Q6_K segment: the whole call keeps the f32 panels, bit for bit F32's result
+    // an F16 segment: the whole call keeps the f32 panels, bit for bit F32's result
     let k = 256;
     let (d8, dk) = (
         rows_of(QType::Q8_0, 5, k, 3),
-        random_rows(QType::Q6_K, 4, k, 4),
+        random_rows(QType::F16, 4, k, 4),
     );
     let segments = vec![
         Segment {
@@ -245,7 +263,7 @@ fn quant_linear_int16_leaves_weights_with_other_types_on_the_float_panels() {
             rows: 5,
         },
         Segment {
-            qtype: QType::Q6_K,
+            qtype: QType::F16,
             data: &dk,
             rows: 4,
         },

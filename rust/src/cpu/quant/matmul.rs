@@ -36,7 +36,7 @@ pub enum Activations {
     Int8,
     /// Up to `DECODE_MAX_ROWS` rows of x, rows of every quantized type by x quantized to 16
     /// bits per 32 elements and integer dot products (`int16`); more rows of x by weights all
-    /// Q8_0 / Q4_0 on integer panels (`gemm16`), the same codes of x; the rest as `F32`.
+    /// of quantized types on integer panels (`gemm16`), the same codes of x; the rest as `F32`.
     Int16,
 }
 

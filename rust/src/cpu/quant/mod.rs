@@ -11,7 +11,8 @@
 //! - above that (prefill chunks, compute-bound) each thread dequantizes a panel of output rows
 //!   once into an L2-sized f32 scratch in `linear`'s panel layout and runs `linear`'s register
 //!   tiles over it for all rows of x, 16 at a time (read in place, no packing).
-//!   With 16-bit activations, weights all Q8_0 / Q4_0 take integer panels instead (`gemm16`).
+//!   With 16-bit activations, weights all of quantized types take integer panels instead
+//!   (`gemm16`; `vpdpwssd` at AVX-512 with VNNI, and the decode rows' VNNI products in `vnni`).
 //!
 //! Dequantization (`formats`, portable; `formats_avx2`, runtime-detected) is bit-exact with
 //! the `gguf` package's.
