@@ -12,6 +12,13 @@ quantized to 8 bits, integer dots, decode rows of the 32-element block types; in
 every quantized type; other rows take the f32 path), all calls alternated; each A after the first
 gets its ms and its speed against the first's.
 
+`--isa L1 L2 ...` compares instruction-set levels (`PAGEDLLM_CPU_ISA`, read once per process): each
+of `--rounds` rounds runs the kernel table once per level in a fresh process (`--activations`'
+first value, default int16), alternated; prints each case's median ms per level and the median
+of the rounds' ratios to the first level (> 1: the other level is faster).
+
+    python benches/cpu_quant_bench.py --isa avx2 avx512 --rows 1 512 --rounds 3
+
 `--quality MODEL.gguf` instead measures what quantized activations cost a model: `--tokens`
 tokens of docs/ARCHITECTURE.md (512-token prompts) teacher-forced (`prompt_logprobs=1`) 8 tokens a
 step (`max_num_batched_tokens=8`: every forward has decode-sized rows, so every quantized product
@@ -32,8 +39,12 @@ tok/s, the medians and the median of the rounds' ratios to the first value.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,6 +157,40 @@ def decode(model: str, activations: list[str], rounds: int, tokens: int, threads
     return 0
 
 
+def isa_ab(levels: list[str], rounds: int, argv: list[str]) -> int:
+    """The kernel table once per level and round in fresh processes, alternated."""
+    ms: dict[tuple, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for level in levels:
+            env = dict(os.environ, PAGEDLLM_CPU_ISA=level)
+            out = subprocess.run(
+                [sys.executable, __file__, *argv, "--json"],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            for line in out.splitlines():
+                case = json.loads(line)
+                key = (case["shape"], case["rows"], case["type"])
+                ms.setdefault(key, {lv: [] for lv in levels})[level].append(case["ms"])
+        print(f"round {r} done", file=sys.stderr, flush=True)
+    base = levels[0]
+    head = "".join(f" {lv} ms |" for lv in levels) + "".join(
+        f" {lv} vs {base} |" for lv in levels[1:]
+    )
+    print(f"medians of {rounds} alternated rounds (one process per level and round)")
+    print("| shape N x K | rows | type |" + head)
+    print("| --- | ---: | --- |" + " ---: |" * (2 * len(levels) - 1))
+    for (shape, rows, qtype), per in ms.items():
+        cols = "".join(f" {statistics.median(per[lv]):.3f} |" for lv in levels)
+        for lv in levels[1:]:
+            ratios = [b / v for b, v in zip(per[base], per[lv])]
+            cols += f" {statistics.median(ratios):.2f}x |"
+        print(f"| {shape} | {rows} | {qtype} |" + cols)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["576x1536", "5632x2048"], help="NxK")
@@ -164,11 +209,23 @@ def main() -> int:
     )
     p.add_argument("--quality", metavar="MODEL", help="quantized activations' cost on a model")
     p.add_argument("--decode", metavar="MODEL", help="decode tok/s per activations, end to end")
-    p.add_argument("--rounds", type=int, default=5, help="--decode's alternated rounds")
+    p.add_argument("--rounds", type=int, default=5, help="--decode's / --isa's alternated rounds")
+    p.add_argument("--isa", nargs="+", help="instruction-set levels to compare (kernel table)")
+    p.add_argument("--json", action="store_true", help="one JSON line a case (--isa's children)")
     p.add_argument(
         "--tokens", type=int, help="--quality's teacher-forced tokens (2048), --decode's (128)"
     )
     args = p.parse_args()
+    if args.isa:
+        argv = list(sys.argv[1:])
+        at = argv.index("--isa")
+        end = at + 1
+        while end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        argv = argv[:at] + argv[end:]
+        if not args.activations:
+            argv += ["--activations", "int16"]
+        return isa_ab(args.isa, args.rounds, argv)
     if args.decode:
         acts = args.activations or ["f32", "int16"]
         return decode(args.decode, acts, args.rounds, args.tokens or 128, args.threads)
@@ -181,6 +238,8 @@ def main() -> int:
     acts = args.activations or ["f32"]
     torch.set_num_threads(args.threads)
     types = [int(GGMLQuantizationType[name]) for name in args.types]
+    if args.json:
+        return kernel_json(args, types, acts[0])
     print(f"{args.threads} thread(s), median of {args.repeats} calls each, alternated")
     print(
         f"quant ms: quant_linear with {acts[0]} activations; f32 ms: the float32 panel kernel "
@@ -231,6 +290,29 @@ def main() -> int:
                         f"| {2 * m * n * k / tq / 1e9:.1f} |" + extra_cols,
                         flush=True,
                     )
+    return 0
+
+
+def kernel_json(args, types: list[int], activations: str) -> int:
+    """`quant_linear`'s median ms per case, one JSON line each (`--isa`'s children)."""
+    with torch.inference_mode():
+        for shape in args.shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            dense = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+            for qtype in types:
+                if k % cpu_quant.block_shape(qtype)[0]:
+                    continue
+                rows = weight_rows(qtype, dense, seed=qtype)
+                w = cpu_quant.make_weight([(qtype, torch.from_numpy(rows))], k)
+                for m in args.rows:
+                    x = torch.randn(m, k)
+
+                    def call(x=x, w=w):
+                        return cpu_quant.quant_linear(x, w, None, activations=activations)
+
+                    t = median_seconds(call, args.repeats)
+                    case = {"shape": shape, "rows": m, "type": cpu_quant.type_name(qtype)}
+                    print(json.dumps({**case, "ms": t * 1e3}), flush=True)
     return 0
 
 
