@@ -19,17 +19,16 @@
 //!
 //! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
 //! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
-//! activation, the down output). bfloat16 experts on a CPU with AVX-512 BF16 take `bf16.rs`'s
-//! `vdpbf16ps` tiles instead (the same panels; the same rounding points).
-mod bf16;
-
+//! activation, the down output). At AVX-512 BF16 those tiles take bf16 weights with `vdpbf16ps`
+//! (linear.rs): an own pair of tiles here was slower on the experts' 1-8 rows (64 tokens of the
+//! benches' 64-expert model: 17.2 against 14.5 ms a layer, benches/RESULTS.md, MoE round 6).
 use std::any::TypeId;
 use std::sync::Mutex;
 
 use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
 
 use super::activation::silu_and_mul;
-use super::elem::{Bf16, Elem};
+use super::elem::Elem;
 use super::invalid;
 use super::linear::{self, Ctx, PANEL};
 use super::pool;
@@ -375,16 +374,6 @@ impl Groups {
         threads: usize,
     ) {
         let Dims { k, n } = dims;
-        if TypeId::of::<T>() == TypeId::of::<Bf16>() && bf16::available() {
-            // SAFETY: T is Bf16 (checked just above), a transparent u16.
-            let (panels, out) = unsafe {
-                (
-                    std::slice::from_raw_parts(panels.as_ptr().cast::<u16>(), panels.len()),
-                    std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u16>(), out.len()),
-                )
-            };
-            return self.products_bf16(input, panels, dims, out, threads);
-        }
         let num_panels = n.div_ceil(PANEL);
         let per_expert = num_panels * k * PANEL;
         let chosen: Vec<usize> = (0..self.starts.len() - 1)
@@ -421,57 +410,6 @@ impl Groups {
             let (product, run) = (i / runs_per_product, i % runs_per_product);
             let panels = run * chunk..((run + 1) * chunk).min(num_panels);
             linear::run(&products[product], panels);
-        };
-        if threads == 1 || items == 1 {
-            (0..items).for_each(run);
-        } else {
-            pool::WORKERS.run_claimed(threads, items, run);
-        }
-    }
-
-    /// `products` for bf16 panels (bits) with `vdpbf16ps` (`bf16.rs`; `bf16::available()`).
-    fn products_bf16(
-        &self,
-        input: &[f32],
-        panels: &[u16],
-        dims: Dims,
-        out: &mut [u16],
-        threads: usize,
-    ) {
-        let Dims { k, n } = dims;
-        let num_panels = n.div_ceil(PANEL);
-        let per_expert = num_panels * k * PANEL;
-        let kp = k.div_ceil(2);
-        let xs = bf16::pairs(input, self.rows(), k);
-        let base = out.as_mut_ptr();
-        let products: Vec<bf16::Product<'_>> = (0..self.starts.len() - 1)
-            .filter(|&e| self.starts[e + 1] > self.starts[e])
-            .map(|e| {
-                let (first, end) = (self.starts[e], self.starts[e + 1]);
-                bf16::Product {
-                    x: &xs[first * kp..end * kp],
-                    w: &panels[e * per_expert..(e + 1) * per_expert],
-                    // each expert writes only its own rows first..end of out [rows, n]
-                    out: base.wrapping_add(first * n),
-                    m: end - first,
-                    k,
-                    n,
-                }
-            })
-            .collect();
-        let per_share = (MIN_SHARE_ELEMS / (k * PANEL).max(1)).max(1);
-        let chunk = (products.len() * num_panels)
-            .div_ceil(threads * CHUNKS_PER_THREAD)
-            .max(per_share);
-        let runs_per_product = num_panels.div_ceil(chunk);
-        let items = products.len() * runs_per_product;
-        let run = |i: usize| {
-            let (product, run) = (i / runs_per_product, i % runs_per_product);
-            let panels = run * chunk..((run + 1) * chunk).min(num_panels);
-            // SAFETY: bf16 is available (the caller checked); the products' rows are disjoint,
-            // and the items' panel ranges within a product are, and `out`'s exclusive borrow is
-            // held until the pool call has returned.
-            unsafe { products[product].run(panels) };
         };
         if threads == 1 || items == 1 {
             (0..items).for_each(run);
