@@ -164,6 +164,28 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// As `load16`, `lo` and `hi` each valid for 8 elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512;
+    /// A power of two: `load16_lifted`'s lanes times it are `load16`'s (1 but where a widening
+    /// ends in a multiply by a power of two, which the lifted loads leave to the caller: e4m3's
+    /// 2^120, folded by the AVX-512 attention kernels into a probability or a lifted q).
+    const LIFT: f32 = 1.0;
+    /// `load16(p) / LIFT`, exactly (subnormal lanes included).
+    ///
+    /// # Safety
+    /// As `load16`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_lifted(p: *const Self) -> std::arch::x86_64::__m512 {
+        Self::load16(p)
+    }
+    /// `load8x2(lo, hi) / LIFT`, exactly.
+    ///
+    /// # Safety
+    /// As `load8x2`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8x2_lifted(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        Self::load8x2(lo, hi)
+    }
 }
 
 macro_rules! float_kv_elem {
@@ -283,6 +305,15 @@ trait Quantized: Copy + Send + Sync + 'static {
     /// The AVX-512 level is granted.
     #[cfg(target_arch = "x86_64")]
     unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512;
+    /// `KvElem::LIFT` and `load16_lifted`'s decoding: `decode16 / LIFT`.
+    const LIFT: f32 = 1.0;
+    /// # Safety
+    /// The AVX-512 level is granted.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode16_lifted(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+        Self::decode16(codes)
+    }
 }
 
 impl Quantized for I8 {
@@ -326,6 +357,12 @@ impl Quantized for Fp8E4M3 {
     #[inline(always)]
     unsafe fn decode16(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
         decode16_e4m3(codes)
+    }
+    const LIFT: f32 = E4M3_POW;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn decode16_lifted(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+        decode16_e4m3_lifted(codes)
     }
 }
 
@@ -421,6 +458,18 @@ impl<Q: Quantized> KvElem for Q {
     #[inline(always)]
     unsafe fn load8x2(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
         Q::decode16(bytes8x2(lo as *const u8, hi as *const u8))
+    }
+    const LIFT: f32 = Q::LIFT;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16_lifted(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        Q::decode16_lifted(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8x2_lifted(lo: *const Self, hi: *const Self) -> std::arch::x86_64::__m512 {
+        Q::decode16_lifted(bytes8x2(lo as *const u8, hi as *const u8))
     }
 }
 
@@ -519,6 +568,20 @@ unsafe fn decode16_e4m3(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64:
         _mm512_set1_epi32(0x87f0_0000u32 as i32),
     );
     _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(E4M3_POW))
+}
+
+/// `decode16_e4m3` without its multiply: each lane the value times 2^-120, exactly (an e4m3
+/// subnormal an f32 subnormal).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+unsafe fn decode16_e4m3_lifted(codes: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let bits = _mm512_and_si512(
+        _mm512_slli_epi32::<20>(_mm512_cvtepi8_epi32(codes)),
+        _mm512_set1_epi32(0x87f0_0000u32 as i32),
+    );
+    _mm512_castsi512_ps(bits)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -727,6 +790,10 @@ mod tests {
                 assert_eq!(lanes16(unsafe { Q::load16(p) }).to_vec(), want16);
                 let want_pair = [lanes8(other), lanes8(p)].concat();
                 assert_eq!(lanes16(unsafe { Q::load8x2(other, p) }).to_vec(), want_pair);
+                // the lifted loads: the same lanes short of a power of two, exactly
+                let lift = |v: __m512| lanes16(v).map(|x| x * Q::LIFT).to_vec();
+                assert_eq!(lift(unsafe { Q::load16_lifted(p) }), want16);
+                assert_eq!(lift(unsafe { Q::load8x2_lifted(other, p) }), want_pair);
             }
         }
         let bytes: Vec<u8> = (0..=255u8)
