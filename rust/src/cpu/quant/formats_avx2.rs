@@ -8,9 +8,10 @@ use std::arch::x86_64::*;
 
 use super::formats::{f16_to_f32, k_scale_min, QType};
 
-/// Whether this CPU runs the functions here (AVX2, FMA for the kernels around them, F16C).
+/// Whether this process runs the functions here (AVX2, FMA for the kernels around them, F16C:
+/// `isa`'s AVX2 level, which a forced `PAGEDLLM_CPU_ISA=portable` turns off).
 pub fn available() -> bool {
-    crate::cpu::simd::has_avx2_fma() && std::arch::is_x86_feature_detected!("f16c")
+    crate::cpu::isa::level() >= crate::cpu::isa::IsaLevel::Avx2
 }
 
 /// `formats::dequantize_blocks`, vectorized.
