@@ -112,6 +112,13 @@ def single_stream(args, model: str) -> None:
         f"{statistics.median(pairs):.2f}x",
         flush=True,
     )
+    if not args.decode_only:
+        pairs = [o / t for o, t in zip(rows["ours_pp"], rows["theirs_pp"])]
+        print(
+            f"  prefill pairs (ours / theirs): {' '.join(f'{p:.2f}' for p in pairs)}; median "
+            f"{statistics.median(pairs):.2f}x",
+            flush=True,
+        )
 
 
 def serving(args, model: str) -> None:
