@@ -723,7 +723,14 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
         sc.key_at.extend((first..first + bs).map(|slot| slot * run));
     }
     sc.key_at.truncate(keys - base);
-    let q_scale = ctx.scale_log2();
+    // the AVX-512 loops read values (and, at decode, keys) with the lifted loads: p and q are
+    // lifted by powers of two instead (`attention_avx512::q_lift`), which changes no bits
+    let value_lift = if W { C::LIFT } else { 1.0 };
+    let q_scale = if W && !in_lanes {
+        ctx.scale_log2() * k16::q_lift::<C>()
+    } else {
+        ctx.scale_log2()
+    };
     // soft-capping in log2 units: c * tanh(x / c) with c = cap * log2(e)
     let cap = ctx.scores.softcap * std::f32::consts::LOG2_E;
     // row r: query r0 + r / group, head g * group + r % group
@@ -916,7 +923,7 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                     k::softmax_rows_in_lanes(s, rp, n, max, sum, corr);
                 }
                 if C::EXTRA > 0 {
-                    k::scale_by_values(s, 1, rp, rp, &value_ptr[..n], d);
+                    k::scale_by_values(s, 1, rp, rp, &value_ptr[..n], d, value_lift);
                 }
                 let values = &value_ptr[..n];
                 if W {
@@ -941,7 +948,7 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                     k::softmax_row(row, n8, &mut max[r], &mut sum[r], &mut corr[r]);
                 }
                 if C::EXTRA > 0 {
-                    k::scale_by_values(s, KEY_TILE, 1, rows, &value_ptr[..n], d);
+                    k::scale_by_values(s, KEY_TILE, 1, rows, &value_ptr[..n], d, value_lift);
                 }
                 let (o, values) = (out.as_mut_ptr(), &value_ptr[..n]);
                 if W {

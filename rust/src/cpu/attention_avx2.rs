@@ -228,8 +228,9 @@ pub(crate) unsafe fn qk_keys_in_lanes_rows<C: KvElem, const R: usize>(
     })
 }
 
-/// Quantized values: `p[r * p_row + j * p_key] *= factor(values[j])` for rows `r < rows` (after
-/// the softmax took its sums), so that `pv` accumulates the dequantized values.
+/// Quantized values: `p[r * p_row + j * p_key] *= factor(values[j]) * lift` for rows `r < rows`
+/// (after the softmax took its sums), so that `pv` accumulates the dequantized values (`lift`:
+/// 1, or the power of two the AVX-512 `pv`'s lifted loads leave out).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn scale_by_values<C: KvElem>(
@@ -239,9 +240,10 @@ pub(crate) unsafe fn scale_by_values<C: KvElem>(
     rows: usize,
     values: &[*const C],
     d: usize,
+    lift: f32,
 ) {
     for (j, &value) in values.iter().enumerate() {
-        let factor = C::factor(value, d);
+        let factor = C::factor(value, d) * lift;
         if p_row == 1 {
             // rows in lanes: a contiguous run of `rows` (a multiple of 8)
             let (run, f) = (p.add(j * p_key), _mm256_set1_ps(factor));

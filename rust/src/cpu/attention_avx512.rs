@@ -189,9 +189,23 @@ unsafe fn hadd(a: __m512, b: __m512) -> __m512 {
     )
 }
 
+/// What the keys-in-lanes q rows are multiplied by (`q_lift`, a power of two) for keys of `C`:
+/// its lifted loads (`KvElem::load8x2_lifted`) are short of the values by `C::LIFT` (e4m3: 2^120),
+/// and q lifted by all but 2^20 of it keeps the products where they would be near f32's normal
+/// range (scaled by 2^-20: never subnormal for a q above 2^-97), without q overflowing below 2^28.
+/// Every scaling is by a power of two, so the scores' bits do not change.
+#[inline(always)]
+pub(crate) fn q_lift<C: KvElem>() -> f32 {
+    if C::LIFT > 1.0 {
+        C::LIFT * (1.0 / (1u32 << 20) as f32)
+    } else {
+        1.0
+    }
+}
+
 /// `attention_avx2::qk_keys_in_lanes_rows` for 16 keys: `R` rows' 16 scores `q[r] . keys[j]`
 /// (each times its row's factor for quantized keys), bit for bit the AVX2 path's two calls on
-/// keys 0-7 and 8-15.
+/// keys 0-7 and 8-15, given each q row times `q_lift::<C>()`.
 ///
 /// Register `i` holds key `KEY_LO[i]`'s 8-lane sum in lanes 0-7 and key `KEY_LO[i] + 4`'s in
 /// lanes 8-15: after the fold (two rounds of `hadd`, then the low quads' sums plus the high
@@ -214,15 +228,18 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem, const R: usize>(
             _mm512_castpd_ps(_mm512_broadcast_f64x4(eight))
         });
         for (i, &lo) in KEY_LO.iter().enumerate() {
-            let kv = C::load8x2(keys[lo].add(x), keys[lo + 4].add(x));
+            let kv = C::load8x2_lifted(keys[lo].add(x), keys[lo + 4].add(x));
             for r in 0..R {
                 acc[r][i] = _mm512_fmadd_ps(qv[r], kv, acc[r][i]);
             }
         }
         x += 8;
     }
-    let factors = if C::EXTRA > 0 {
-        let factors: [f32; 16] = std::array::from_fn(|l| C::factor(keys[l], d));
+    // the factor, and what the lifted lanes and q left out (exact: powers of two)
+    let plain = C::EXTRA == 0 && C::LIFT == 1.0;
+    let unlift = C::LIFT / q_lift::<C>();
+    let factors = if !plain {
+        let factors: [f32; 16] = std::array::from_fn(|l| C::factor(keys[l], d) * unlift);
         _mm512_loadu_ps(factors.as_ptr())
     } else {
         _mm512_setzero_ps()
@@ -235,7 +252,7 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem, const R: usize>(
         let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(first, second);
         let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(first, second);
         let scores = _mm512_add_ps(low, high);
-        if C::EXTRA == 0 {
+        if plain {
             scores
         } else {
             _mm512_mul_ps(scores, factors)
@@ -243,7 +260,8 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem, const R: usize>(
     })
 }
 
-/// `attention_avx2::pv` with 16 columns per vector (each column's sum in the same order).
+/// `attention_avx2::pv` with 16 columns per vector (each column's sum in the same order), the
+/// values read by the lifted loads: `p` must be the AVX2 path's times `T::LIFT` (exact).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -278,10 +296,10 @@ pub(crate) unsafe fn pv<T: KvElem>(
                 (2, 16) => pv_block::<2, 1, T>(args, p_row, p_key, values, x),
                 (_, 16) => pv_block::<1, 1, T>(args, p_row, p_key, values, x),
                 // the last 8 columns of a head size not a multiple of 16
-                (4, _) => avx2::pv_block::<4, 1, T>(args, p_row, p_key, values, x),
-                (3, _) => avx2::pv_block::<3, 1, T>(args, p_row, p_key, values, x),
-                (2, _) => avx2::pv_block::<2, 1, T>(args, p_row, p_key, values, x),
-                (_, _) => avx2::pv_block::<1, 1, T>(args, p_row, p_key, values, x),
+                (4, _) => pv_block8::<4, T>(args, p_row, p_key, values, x),
+                (3, _) => pv_block8::<3, T>(args, p_row, p_key, values, x),
+                (2, _) => pv_block8::<2, T>(args, p_row, p_key, values, x),
+                (_, _) => pv_block8::<1, T>(args, p_row, p_key, values, x),
             }
             x += step;
         }
@@ -311,7 +329,7 @@ unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
     for (j, value) in values.iter().enumerate() {
         let mut vv = [_mm512_setzero_ps(); C];
         for (v, vv) in vv.iter_mut().enumerate() {
-            *vv = T::load16(value.add(x + v * 16));
+            *vv = T::load16_lifted(value.add(x + v * 16));
         }
         for r in 0..R {
             let w = _mm512_set1_ps(*p.add(r * p_row + j * p_key));
@@ -324,6 +342,36 @@ unsafe fn pv_block<const R: usize, const C: usize, T: KvElem>(
         for v in 0..C {
             _mm512_storeu_ps(out.add(row_at[r] + x + v * 16), acc[r][v]);
         }
+    }
+}
+
+/// `pv_block` on the 8 columns from `x` (the lifted lanes of 8 values: the low half of a
+/// `load8x2_lifted` of them twice).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::needless_range_loop)] // a register block's indices, unrolled (const bounds)
+unsafe fn pv_block8<const R: usize, T: KvElem>(
+    (out, row_at, corr, p): avx2::PvRows<'_>,
+    p_row: usize,
+    p_key: usize,
+    values: &[*const T],
+    x: usize,
+) {
+    let mut acc = [_mm256_setzero_ps(); R];
+    for r in 0..R {
+        let o = out.add(row_at[r] + x);
+        acc[r] = _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(corr[r]));
+    }
+    for (j, value) in values.iter().enumerate() {
+        let at = value.add(x);
+        let vv = _mm512_castps512_ps256(T::load8x2_lifted(at, at));
+        for r in 0..R {
+            let w = _mm256_set1_ps(*p.add(r * p_row + j * p_key));
+            acc[r] = _mm256_fmadd_ps(w, vv, acc[r]);
+        }
+    }
+    for r in 0..R {
+        _mm256_storeu_ps(out.add(row_at[r] + x), acc[r]);
     }
 }
 
@@ -427,13 +475,16 @@ mod tests {
             let keys: [*const C; 16] =
                 std::array::from_fn(|j| cache[((j * 7) % 16) * row..].as_ptr());
             let (q0, q1) = (xs(d, 40), xs(d, 41));
+            // the AVX-512 loop takes q lifted (exact: a power of two)
+            let lifted = |q: &[f32]| q.iter().map(|x| x * q_lift::<C>()).collect::<Vec<_>>();
+            let (l0, l1) = (lifted(&q0), lifted(&q1));
             let lanes = |v: __m512| {
                 let mut out = [0.0f32; 16];
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
                 out
             };
-            let pair = unsafe { qk_keys_in_lanes::<C, 2>([q0.as_ptr(), q1.as_ptr()], &keys, d) };
-            let one = unsafe { qk_keys_in_lanes::<C, 1>([q1.as_ptr()], &keys, d) };
+            let pair = unsafe { qk_keys_in_lanes::<C, 2>([l0.as_ptr(), l1.as_ptr()], &keys, d) };
+            let one = unsafe { qk_keys_in_lanes::<C, 1>([l1.as_ptr()], &keys, d) };
             for (q, got) in [(&q0, pair[0]), (&q1, pair[1]), (&q1, one[0])] {
                 let mut want = [0.0f32; 16];
                 for h in 0..2 {
@@ -469,26 +520,28 @@ mod tests {
             let row_at: Vec<usize> = (0..rows_n).map(|r| (rows_n - 1 - r) * (d + 8)).collect();
             let start = xs(rows_n * (d + 8), 9);
             let (mut got, mut want) = (start.clone(), start);
+            // the AVX-512 loop takes p times the lifted loads' power of two (exact)
+            let lifted: Vec<f32> = p.iter().map(|x| x * C::LIFT).collect();
+            let vals = values.as_slice();
             unsafe {
-                let args = (p.as_ptr(), keys, 1, values.as_slice(), d);
                 pv(
                     got.as_mut_ptr(),
                     &row_at,
                     &corr,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
+                    lifted.as_ptr(),
+                    keys,
+                    1,
+                    vals,
                     d,
                 );
                 avx2::pv(
                     want.as_mut_ptr(),
                     &row_at,
                     &corr,
-                    args.0,
-                    args.1,
-                    args.2,
-                    args.3,
+                    p.as_ptr(),
+                    keys,
+                    1,
+                    vals,
                     d,
                 );
             }
