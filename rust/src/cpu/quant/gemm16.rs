@@ -66,9 +66,9 @@ fn half(b: &[u8], at: usize) -> f32 {
 }
 
 /// A row `row` of a type taken (`q.len()` elements) as its codes into `q`, each 16 elements'
-/// scale into `d` and each 32 elements' min into `m`: element e's weight is `d[e / 16] · q[e]
-/// + m[e / 32]` (the two scales of a block equal but for Q6_K's; the mins 0 for the types
-/// without).
+/// scale into `d` and each 32 elements' min into `m`: element e's weight is
+/// `d[e / 16] · q[e] + m[e / 32]` (the two scales of a block equal but for Q6_K's; the mins 0
+/// for the types without).
 fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) {
     let bytes = t.block().1;
     if t == QType::Q6_K {
