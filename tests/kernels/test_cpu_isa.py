@@ -124,3 +124,22 @@ def test_forced_portable_gives_the_greedy_tokens_of_the_detected_level(checkpoin
     assert runs["portable"]["tokens"] == runs[None]["tokens"]
     # fused and unfused multiply-add round differently: the logprobs agree to float32 noise
     assert runs["portable"]["logprobs"] == pytest.approx(runs[None]["logprobs"], rel=1e-5, abs=1e-5)
+
+
+def test_float32_greedy_tokens_and_logprobs_are_bit_identical_at_every_simd_level(checkpoint):
+    # the SIMD kernels keep AVX2's order of sums at every level above it (issue 40: greedy
+    # outputs identical across ISA levels for float32), so the logprobs agree exactly too
+    machine = _cpu_isa(None)[0]
+    simd = list(LEVELS[1 : LEVELS.index(machine) + 1])
+    runs = {}
+    for isa in simd:
+        done = _run(_GREEDY, isa, str(checkpoint))
+        assert done.returncode == 0, done.stderr
+        runs[isa] = json.loads(done.stdout.splitlines()[-1])
+        assert runs[isa]["stats"] == isa
+    for isa in simd[1:]:
+        assert runs[isa]["tokens"] == runs["avx2"]["tokens"], isa
+        assert runs[isa]["logprobs"] == runs["avx2"]["logprobs"], isa
+    # what was compared: every SIMD level this machine runs, from avx2 up (none on a machine
+    # without AVX2, one where AVX2 is the highest)
+    assert list(runs) == simd
