@@ -313,8 +313,27 @@ fn run_with<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 /// one sequential read (AVX-512's tiles hold every row, so it is read once).
 #[inline(always)]
 fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if L == AVX512_BF16 {
+        // x's pairs once per thread and call (a thread may be given several runs of panels)
+        return PAIRS.with(|pairs| {
+            let mut pairs = pairs.borrow_mut();
+            let (call, xs) = &mut *pairs;
+            if *call != ctx.call {
+                linear_avx512::bf16_pairs_into(ctx.x, ctx.k, xs);
+                *call = ctx.call;
+            }
+            run_direct_over::<L, T>(ctx, xs, panels)
+        });
+    }
+    run_direct_over::<L, T>(ctx, ctx.x, panels);
+}
+
+/// `run_direct` over x as the tiles of `L` read it (`xs`, `[m, x_width(k)]`).
+#[inline(always)]
+fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
     let k = ctx.k;
-    let (xk, xs) = (x_width::<L>(k), x_for::<L>(ctx.x, k));
+    let xk = x_width::<L>(k);
     let height = if L >= AVX512 {
         DIRECT_MAX_ROWS
     } else {
@@ -429,6 +448,8 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = const {
         RefCell::new(Scratch { call: 0, packed: Vec::new(), acc: Vec::new() })
     };
+    /// The direct path's x as bf16 pairs (AVX512_BF16) and the call (`Ctx::call`) it is of.
+    static PAIRS: RefCell<(u64, Vec<f32>)> = const { RefCell::new((0, Vec::new())) };
 }
 
 /// Numbers the calls of `linear` (from 1: a fresh `Scratch` holds none).

@@ -155,9 +155,17 @@ static PAIR_COLUMNS: [u16; 32] = {
 /// Rows `x [m, k]` (f32 holding bf16 values) as bf16 pairs: `[m, ceil(k / 2)]` 32-bit lanes
 /// (as f32 bits), steps `2i` (low half) and `2i + 1` (high half; zero past an odd k).
 pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
+    let mut pairs = Vec::new();
+    bf16_pairs_into(x, k, &mut pairs);
+    pairs
+}
+
+/// `bf16_pairs` into `pairs` (its contents replaced, its capacity kept).
+pub(super) fn bf16_pairs_into(x: &[f32], k: usize, pairs: &mut Vec<f32>) {
     use super::elem::Bf16;
     let half = |v: f32| Bf16::from_f32(v).0 as u32;
-    let mut pairs = Vec::with_capacity(x.len() / k * k.div_ceil(2));
+    pairs.clear();
+    pairs.reserve(x.len() / k * k.div_ceil(2));
     for row in x.chunks_exact(k) {
         let mut steps = row.chunks_exact(2);
         pairs.extend(
@@ -167,7 +175,6 @@ pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
         );
         pairs.extend(steps.remainder().iter().map(|v| f32::from_bits(half(*v))));
     }
-    pairs
 }
 
 /// `tile` over bf16 weights with `vdpbf16ps`: each lane adds the products of the pair `i` of
