@@ -414,13 +414,13 @@ impl MlpGuard<'_> {
             }),
             None => None,
         };
-        Ok(Mlp::Moe(MoeMlp {
+        Ok(Mlp::Moe(Box::new(MoeMlp {
             router: moe.router.view()?,
             experts,
             top_k: moe.top_k,
             normalize: moe.normalize,
             shared,
-        }))
+        })))
     }
 }
 

@@ -92,7 +92,8 @@ pub enum Mlp<'a> {
         gate_up: Linear<'a>,
         down: Linear<'a>,
     },
-    Moe(MoeMlp<'a>),
+    /// boxed: far larger than a dense MLP
+    Moe(Box<MoeMlp<'a>>),
 }
 
 /// The attention geometry and the norms' epsilon.
