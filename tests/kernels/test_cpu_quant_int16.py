@@ -56,7 +56,8 @@ def _weight(qtype: int, rows: np.ndarray, k: int) -> cpu_quant.QuantWeight:
     return cpu_quant.make_weight([(qtype, torch.from_numpy(rows))], k)
 
 
-@pytest.mark.parametrize("rows_of_x", [1, 5, 8])
+# 1-8 rows: the decode products; 9 and 40: the integer panels (rust/src/cpu/quant/gemm16.rs)
+@pytest.mark.parametrize("rows_of_x", [1, 5, 8, 9, 40])
 @pytest.mark.parametrize("qtype", TYPES, ids=cpu_quant.type_name)
 def test_int16_activations_equal_the_dequantized_product_up_to_float32_rounding(qtype, rows_of_x):
     k, n = 512, 7
@@ -88,11 +89,13 @@ def test_int16_activations_are_within_x_rounding_of_the_float32_product():
     assert not torch.equal(int16, exact)
 
 
-def test_int16_activations_leave_prefill_rows_of_k_quants_on_the_float32_path():
-    # Q8_0 and Q4_0 prefill rows take the integer panels instead (rust/src/cpu/quant/gemm16.rs)
+def test_int16_activations_leave_prefill_rows_of_a_weight_with_float_rows_on_the_float32_path():
+    # the integer panels take a call's rows only where every row of the weight is quantized
     k = 256
-    w = _weight(cpu_quant.Q4_K, _random_rows(cpu_quant.Q4_K, 5, k, seed=2), k)
-    assert_prefill_rows_stay_on_float32(w, k, "int16")
+    q4_k = torch.from_numpy(_random_rows(cpu_quant.Q4_K, 5, k, seed=2))
+    f16 = torch.randn(3, k).to(torch.float16).view(torch.uint8)
+    mixed = cpu_quant.make_weight([(cpu_quant.Q4_K, q4_k), (cpu_quant.F16, f16)], k)
+    assert_prefill_rows_stay_on_float32(mixed, k, "int16")
 
 
 def test_int16_activations_leave_float_rows_on_the_float32_path():
