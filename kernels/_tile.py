@@ -105,9 +105,9 @@ def _row_scale(byte_ptr, nmask, SCALE_RCP: tl.constexpr):
 @triton.jit
 def bound_of(b):
     """The bound scale byte `b` (int32) codes, `reference._bound_bits`: 5 mantissa bits over
-    2^1 .. 2^8 (bytes 16-239), 3 bits over the two octaves either side."""
-    low = ((b >> 3) + 126) << 23 | (b & 7) << 20
+    2^1 .. 2^8 (bytes 16-239), 1 bit over the eight octaves either side."""
+    low = ((b >> 1) + 120) << 23 | (b & 1) << 22
     band = (((b - 16) >> 5) + 128) << 23 | ((b - 16) & 31) << 18
-    high = (((b - 240) >> 3) + 135) << 23 | ((b - 240) & 7) << 20
+    high = (((b - 240) >> 1) + 135) << 23 | ((b - 240) & 1) << 22
     bits = tl.where(b < 16, low, tl.where(b < 240, band, high))
     return bits.to(tl.float32, bitcast=True)

@@ -16,7 +16,7 @@ says why):
   their output back, so attention is the unrotated rows'; `dequantize_rows` undoes the rotation;
 - the scale byte codes the row's bound, the smallest at least the rotated row's amax: with 5
   mantissa bits from 2 to 256 (bytes 16-239: `(1 + m / 32) 2^(1 + e)` for `16 + (e << 5 | m)`),
-  with 3 bits on the two octaves either side (0.5 to 2, 256 to 960); below, the smallest, above,
+  with 1 bit on the eight octaves either side (2^-7 to 2, 256 to 49152); below, the smallest, above,
   the largest (the codes then saturate); `scale = bound * float32(1 / max)`;
 - int8: max 127, codes `round_half_even(x / scale)` in [-127, 127];
 - fp8: max 448 (e4m3fn) or 57344 (e5m2), codes `x / scale` clamped to +-max and rounded to
@@ -57,7 +57,7 @@ __all__ = [
 
 KV_SCALE_BYTES = 1
 # the scale byte's bounds (`_bound_bits`): 5 mantissa bits over a band of 7 octaves from
-# 2^_BAND (bytes 16-239), 3 bits over the 2 octaves on either side (0-15 below, 240-255 above)
+# 2^_BAND (bytes 16-239), 1 bit over the 8 octaves on either side (0-15 below, 240-255 above)
 _BAND = 1
 # storage dtype of each quantized format (`kv_cache_dtype` name, "fp8" resolved) and the largest
 # magnitude its codes reach
@@ -103,7 +103,7 @@ def kv_row_format(cache_dtype: torch.dtype) -> str:
     format (another dtype, or an earlier quantized layout) must not be loaded."""
     if cache_dtype not in _KV_NAMES:
         return str(cache_dtype).removeprefix("torch.")
-    return f"{_KV_NAMES[cache_dtype]}:hadamard,codes,bound-byte-m5-2-256-m3-tails"
+    return f"{_KV_NAMES[cache_dtype]}:hadamard,codes,bound-byte-m5-2-256-m1-tails"
 
 
 def hadamard(x: Tensor) -> Tensor:
@@ -130,22 +130,22 @@ def unrotate(x: Tensor) -> Tensor:
 def _bound_bits(byte: Tensor) -> Tensor:
     """The f32 bits (int64) of the bound each scale byte codes."""
     b = byte.long()
-    low = ((_BAND - 2 + (b >> 3) + 127) << 23) | ((b & 7) << 20)
+    low = ((_BAND - 8 + (b >> 1) + 127) << 23) | ((b & 1) << 22)
     band = ((_BAND + ((b - 16) >> 5) + 127) << 23) | (((b - 16) & 31) << 18)
-    high = ((_BAND + 7 + ((b - 240) >> 3) + 127) << 23) | (((b - 240) & 7) << 20)
+    high = ((_BAND + 7 + ((b - 240) >> 1) + 127) << 23) | (((b - 240) & 1) << 22)
     return torch.where(b < 16, low, torch.where(b < 240, band, high))
 
 
 def _bound_byte(amax: Tensor) -> Tensor:
     """The smallest scale byte whose bound is at least `amax` (float32 >= 0), as int32: amax's
-    bits rounded up to 5 (in the band) or 3 (outside) mantissa bits, the carry moving into the
+    bits rounded up to 5 (in the band) or 1 (outside) mantissa bits, the carry moving into the
     exponent; below the smallest bound byte 0, above the largest 255 (the codes saturate)."""
     bits = amax.view(torch.int32).long()
-    up5, up3 = (bits + (1 << 18) - 1) >> 18, (bits + (1 << 20) - 1) >> 20
-    e5, e3 = (up5 >> 5) - 127, (up3 >> 3) - 127
-    low = ((e3 - _BAND + 2) << 3) + (up3 & 7)
+    up5, up1 = (bits + (1 << 18) - 1) >> 18, (bits + (1 << 22) - 1) >> 22
+    e5, e1 = (up5 >> 5) - 127, (up1 >> 1) - 127
+    low = ((e1 - _BAND + 8) << 1) + (up1 & 1)
     band = 16 + ((e5 - _BAND) << 5) + (up5 & 31)
-    high = 240 + ((e3 - _BAND - 7) << 3) + (up3 & 7)
+    high = 240 + ((e1 - _BAND - 7) << 1) + (up1 & 1)
     byte = torch.where(e5 < _BAND, low, torch.where(e5 < _BAND + 7, band, high))
     return byte.clamp(0, 255).int()
 

@@ -95,14 +95,15 @@ def _store_quantized(
 @triton.jit
 def _bound_byte(bits):
     """`reference._bound_byte` on amax's bits: rounded up to 5 mantissa bits in the band (2 to
-    256, bytes 16-239), to 3 outside (0.5 to 2: 0-15, 256 to 960: 240-255), clamped to a byte."""
+    256, bytes 16-239), to 1 outside (2^-7 to 2: 0-15, 256 to 49152: 240-255), clamped to a
+    byte."""
     up5 = (bits + 262143) >> 18
-    up3 = (bits + 1048575) >> 20
+    up1 = (bits + 4194303) >> 22
     e5 = (up5 >> 5) - 127
-    e3 = (up3 >> 3) - 127
-    low = ((e3 + 1) << 3) + (up3 & 7)
+    e1 = (up1 >> 1) - 127
+    low = ((e1 + 7) << 1) + (up1 & 1)
     band = 16 + ((e5 - 1) << 5) + (up5 & 31)
-    high = 240 + ((e3 - 8) << 3) + (up3 & 7)
+    high = 240 + ((e1 - 8) << 1) + (up1 & 1)
     byte = tl.where(e5 < 1, low, tl.where(e5 < 8, band, high))
     return tl.minimum(tl.maximum(byte, 0), 255)
 

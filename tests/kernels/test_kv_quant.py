@@ -69,24 +69,24 @@ def test_the_scale_byte_codes_the_smallest_bound_at_least_the_rows_amax():
     x = torch.tensor([[3.0, -1.0], [3.03, 0.0], [1.01, 0.0], [300.0, 0.0], [0.0, 0.0], [1e9, 1.0]])
     # after the 2-wide rotation the amaxes are 4, 3.03, 1.01, 300, 0, ~1e9
     byte = ref.quantize_rows(x, torch.int8).view(torch.uint8)[:, -1]
-    # 5 mantissa bits from 2 to 256 (4, 3.03 -> 3.0625), 3 outside (1.01 -> 1.125, 300 -> 320);
-    # out of range the smallest (0.5) or the largest (960)
-    assert byte.tolist()[:3] == [16 + 32, 16 + 17, 8 + 1]
+    # 5 mantissa bits from 2 to 256 (4, 3.03 -> 3.0625), 1 outside (1.01 -> 1.5, 300 -> 384);
+    # out of range the smallest (2^-7) or the largest (49152)
+    assert byte.tolist() == [16 + 32, 16 + 17, 15, 241, 0, 255]
     assert ref._row_scale(byte, torch.int8).mul(127).tolist() == pytest.approx(
-        [4.0, 3.0625, 1.125, 320.0, 0.5, 960.0], rel=1e-6
+        [4.0, 3.0625, 1.5, 384.0, 2**-7, 49152.0], rel=1e-6
     )
 
 
 def test_a_row_below_the_smallest_bound_errs_by_at_most_half_its_step():
-    x = _rows(8, 64, seed=4, magnitudes=(-4, -2.5))
-    assert float(ref.hadamard(x).abs().amax()) < 0.5
+    x = _rows(8, 64, seed=4, magnitudes=(-6, -4.5))
+    assert float(ref.hadamard(x).abs().amax()) < 2**-7
     back = ref.dequantize_rows(ref.quantize_rows(x, torch.int8))
-    assert bool(((back - x).abs() <= 0.5 / 127 / 2 * 1.0001).all())
+    assert bool(((back - x).abs() <= 2**-7 / 127 / 2 * 1.0001).all())
 
 
 def test_a_row_above_the_largest_bound_saturates_its_codes():
     x = torch.full((1, 64), 10.0)
-    x[0, 0] = 2000.0  # rotated: 2630, then 1990 in every other channel: above the bound 960
+    x[0, 0] = 60000.0  # rotated: 60630, then 59990 in every other channel: above the bound 49152
     rows = ref.quantize_rows(x, torch.int8)
     assert rows.view(torch.uint8)[0, -1] == 255
     assert bool((rows[0, :-1].abs() == 127).all())

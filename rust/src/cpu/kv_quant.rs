@@ -13,8 +13,8 @@
 //!   it: the kernels rotate q the same way (`unrotate`: `H q / n`, so `q' · H k = q · k`) and
 //!   rotate the output back (`H (Σ p H v) / n = Σ p v`), once per query row, not per key;
 //! - the scale byte codes the row's bound `B >= amax` (of the rotated row), rounded up: an
-//!   unsigned float with 5 mantissa bits from 2 to 256, 3 bits on the two octaves either side
-//!   (0.5 to 2, 256 to 960; `BAND`); the codes are `x / scale` with `scale = B * (1 / max)`:
+//!   unsigned float with 5 mantissa bits from 2 to 256, 1 bit on the eight octaves either side
+//!   (2^-7 to 2, 256 to 98304; `BAND`); the codes are `x / scale` with `scale = B * (1 / max)`:
 //! - int8: symmetric, max 127, `q = round_half_even(x / scale)` in [-127, 127];
 //! - fp8 e4m3 (`e4m3fn`: no infinities, max 448) and e5m2 (max 57344): `x / scale` clamped to
 //!   ±max, rounded to nearest even, torch's `.to(float8_*)` bit for bit.
@@ -26,22 +26,23 @@ use super::elem::{Bf16, Elem};
 /// Bytes of a quantized row's scale, after its `d` values.
 pub const SCALE_BYTES: usize = 1;
 /// The scale byte's band: bytes 16-239 code bounds with 5 mantissa bits over the 7 octaves from
-/// `2^BAND` (2 to 256), bytes 0-15 and 240-255 with 3 bits over the 2 octaves on either side
-/// (0.5 to 2, 256 to 960). Round 5 kept 3 bits over 32 octaves: the bound up to 1/8 above the
+/// `2^BAND` (2 to 256), bytes 0-15 and 240-255 with 1 bit over the 8 octaves on either side
+/// (2^-7 to 2, 256 to 49152). Round 5 kept 3 bits over 32 octaves: the bound up to 1/8 above the
 /// row's amax, a share of the code range unused, and the keys' error that flipped most differing
 /// tokens (benches/RESULTS.md, round 6). The band holds the rows models write (SmolLM2's rotated
-/// rows: 0.33-139); a row below the smallest bound codes with its step, finer than a typical
-/// row's, a row above the largest is clipped.
+/// rows: 0.33-139); the tails keep round 5's range nearly whole, so another model's rows outside
+/// the band are coded with a bound at most 1/2 above their amax rather than clipped (above
+/// 49152) or coded with a step far coarser than their values (below 2^-7).
 const BAND: i32 = 1;
 
 /// The f32 bits of the bound byte `b` codes.
 const fn bound_bits(b: i32) -> u32 {
     let (exponent, mantissa) = if b < 16 {
-        (BAND - 2 + (b >> 3), (b & 7) << 20)
+        (BAND - 8 + (b >> 1), (b & 1) << 22)
     } else if b < 240 {
         (BAND + ((b - 16) >> 5), ((b - 16) & 31) << 18)
     } else {
-        (BAND + 7 + ((b - 240) >> 3), ((b - 240) & 7) << 20)
+        (BAND + 7 + ((b - 240) >> 1), ((b - 240) & 1) << 22)
     };
     ((exponent + 127) << 23 | mantissa) as u32
 }
@@ -64,21 +65,21 @@ pub fn bound_of(byte: u8) -> f32 {
 }
 
 /// The smallest scale byte whose bound is at least `amax` (>= 0): amax's f32 bits rounded up to
-/// 5 (in the band) or 3 (outside) mantissa bits, the carry moving into the exponent; below the
+/// 5 (in the band) or 1 (outside) mantissa bits, the carry moving into the exponent; below the
 /// smallest bound (a zero row included) byte 0, above the largest byte 255 (the codes then
 /// saturate).
 #[inline]
 pub fn byte_of(amax: f32) -> u8 {
     let bits = amax.to_bits() as i64;
-    let (up5, up3) = ((bits + (1 << 18) - 1) >> 18, (bits + (1 << 20) - 1) >> 20);
-    let (e5, e3) = ((up5 >> 5) - 127, (up3 >> 3) - 127);
+    let (up5, up1) = ((bits + (1 << 18) - 1) >> 18, (bits + (1 << 22) - 1) >> 22);
+    let (e5, e1) = ((up5 >> 5) - 127, (up1 >> 1) - 127);
     let band = BAND as i64;
     let byte = if e5 < band {
-        ((e3 - band + 2) << 3) + (up3 & 7)
+        ((e1 - band + 8) << 1) + (up1 & 1)
     } else if e5 < band + 7 {
         16 + ((e5 - band) << 5) + (up5 & 31)
     } else {
-        240 + ((e3 - band - 7) << 3) + (up3 & 7)
+        240 + ((e1 - band - 7) << 1) + (up1 & 1)
     };
     byte.clamp(0, 255) as u8
 }
@@ -633,26 +634,30 @@ mod tests {
     #[test]
     fn the_scale_byte_is_the_smallest_bound_at_least_amax() {
         for amax in [
-            0.5001f32, 0.77, 1.0, 1.97, 2.01, 7.99, 100.0, 251.0, 255.9, 300.0, 959.0,
+            0.008f32, 0.05, 0.5001, 0.77, 1.0, 1.97, 2.01, 7.99, 100.0, 251.0, 255.9, 300.0, 959.0,
+            3000.0, 40000.0,
         ] {
             let byte = byte_of(amax);
             assert!(bound_of(byte) >= amax, "{amax}");
             assert!(bound_of(byte - 1) < amax, "{amax}");
         }
         assert!(BOUNDS.windows(2).all(|w| w[0] < w[1]));
-        // the band: 5 mantissa bits; either side: 3
+        // the band: 5 mantissa bits; either side: 1
         assert_eq!(bound_of(byte_of(4.0)), 4.0);
         assert_eq!(bound_of(byte_of(4.01)), 4.125);
-        assert_eq!(bound_of(byte_of(1.01)), 1.125);
-        assert_eq!(bound_of(byte_of(300.0)), 320.0);
+        assert_eq!(bound_of(byte_of(1.01)), 1.5);
+        assert_eq!(bound_of(byte_of(300.0)), 384.0);
         assert_eq!(
             (bound_of(15), bound_of(16), bound_of(239), bound_of(240)),
-            (1.875, 2.0, 252.0, 256.0)
+            (1.5, 2.0, 252.0, 256.0)
         );
         // out of range: the smallest and the largest bound
-        assert_eq!((byte_of(0.0), byte_of(1e-9), byte_of(0.5)), (0, 0, 0));
-        assert_eq!(bound_of(0), 0.5);
-        assert_eq!((byte_of(1e9), bound_of(255)), (255, 960.0));
+        assert_eq!(
+            (byte_of(0.0), byte_of(1e-9), byte_of(2f32.powi(-7))),
+            (0, 0, 0)
+        );
+        assert_eq!(bound_of(0), 2f32.powi(-7));
+        assert_eq!((byte_of(1e9), bound_of(255)), (255, 49152.0));
     }
 
     #[test]
