@@ -105,7 +105,6 @@ impl Extension {
 }
 
 /// Whether the kernels may use `ext` (decided once per process, cheap to ask per call).
-#[allow(dead_code)] // the first VNNI / BF16 kernels land this session
 #[inline]
 pub(crate) fn has(ext: Extension) -> bool {
     static GRANTED: OnceLock<[bool; 2]> = OnceLock::new();
