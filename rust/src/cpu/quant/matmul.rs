@@ -296,7 +296,7 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
             }
             Some(QuantizedX::Int16(..)) => {
                 #[cfg(target_arch = "x86_64")]
-                if !planes.is_empty() {
+                if !planes.is_empty() && super::vnni::decodes(t) {
                     int16_row_vnni(ctx, &x16, &planes, t, row, r);
                     continue;
                 }

@@ -418,6 +418,14 @@ unsafe fn q6_k_rows<const R: usize>(
     }
 }
 
+/// Whether the decode products take `t`'s rows here rather than on the AVX2 units (the same
+/// bits either way): every type but Q8_0, whose rows ran slower at VNNI end to end (SmolLM2-135M
+/// Q8_0, k = 576 and 1536, one thread: 0.76x the AVX2 units' decode tok/s; the 0.73 B model,
+/// k = 2048: 1.04x; benches/RESULTS.md, "ISA levels on AMD Zen 5", the lead's check).
+pub fn decodes(t: QType) -> bool {
+    t != QType::Q8_0
+}
+
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the
 /// weight row decoded once; the same bits.
 ///
