@@ -54,14 +54,19 @@ type Planes = super::vnni::Planes;
 #[cfg(not(target_arch = "x86_64"))]
 type Planes = std::convert::Infallible;
 
-/// x's 16-bit codes `q` (`m` rows of `k`) split for the VNNI products, where the process takes
-/// them.
-fn planes(q: &int16::QuantizedRows, m: usize, k: usize) -> Option<Planes> {
+/// x's 16-bit codes `q` (`m` rows) split for the VNNI products, where the process takes them
+/// and some segment of `w` is decoded on them (Q8_0's rows stay on the AVX2 units: no planes
+/// for an all-Q8_0 weight).
+fn planes(q: &int16::QuantizedRows, m: usize, w: &QuantMatrix<'_>) -> Option<Planes> {
     #[cfg(target_arch = "x86_64")]
-    if super::vnni() {
-        return Some(Planes::new(q, m, k));
+    if super::vnni()
+        && w.segments
+            .iter()
+            .any(|s| int16::takes(s.qtype) && super::vnni::decodes(s.qtype))
+    {
+        return Some(Planes::new(q, m, w.k()));
     }
-    let _ = (q, m, k);
+    let _ = (q, m, w);
     None
 }
 
@@ -94,7 +99,7 @@ impl QuantizedX {
             }
             Activations::Int16 => any(int16::takes).then(|| {
                 let q = codes();
-                let p = planes(&q, m, k);
+                let p = planes(&q, m, w);
                 Self::Int16(q, p)
             }),
         }
@@ -186,7 +191,11 @@ pub fn quant_linear_with(
     if m <= DECODE_MAX_ROWS {
         let per_share = (MIN_SHARE_ELEMS / k).max(1);
         let threads = num_threads.clamp(1, n.div_ceil(per_share));
-        let chunk = n.div_ceil(threads * CHUNKS_PER_THREAD).max(per_share);
+        // runs of whole passes of four weight rows (`vnni4`)
+        let chunk = n
+            .div_ceil(threads * CHUNKS_PER_THREAD)
+            .max(per_share)
+            .next_multiple_of(4);
         run_runs(threads, n, chunk, |rows| decode_rows(&ctx, rows));
     } else {
         let chunk = if xq.is_some() {
@@ -288,7 +297,23 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         }
         None => {}
     }
+    // one row of x on the VNNI units: weight rows four a pass (`vnni4`)
+    #[cfg(target_arch = "x86_64")]
+    let mut four = Four {
+        on: m == 1 && !planes.is_empty(),
+        t: super::QType::F32,
+        rows: [(0, &[][..]); super::vnni4::ROWS],
+        n: 0,
+    };
     for (r, t, row) in ctx.w.rows_in(rows) {
+        #[cfg(target_arch = "x86_64")]
+        if four.on {
+            if super::vnni4::takes(t) {
+                four.push(ctx, &x16, &planes, t, row, r);
+                continue;
+            }
+            four.flush(ctx, &x16, &planes);
+        }
         match ctx.xq.filter(|xq| xq.takes(t)) {
             Some(QuantizedX::Int8(_)) => {
                 int8_row::<F>(ctx, &x8, t, row, r);
@@ -326,6 +351,60 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         for (i, s) in sums[..m].iter().enumerate() {
             ctx.put(i, r, *s);
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    four.flush(ctx, &x16, &planes);
+}
+
+/// Weight rows of one type waiting to be taken four a pass (`vnni4`) with the one row of x.
+#[cfg(target_arch = "x86_64")]
+struct Four<'a> {
+    /// Whether the run takes rows four a pass (one row of x, on the VNNI units).
+    on: bool,
+    /// The waiting rows' type.
+    t: super::QType,
+    /// The waiting rows (output row, bytes): the first `n`.
+    rows: [(usize, &'a [u8]); super::vnni4::ROWS],
+    n: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a> Four<'a> {
+    /// Adds row `r` (type `t`, `vnni4::takes(t)`): four of one type are taken at once; a row of
+    /// another type first sends the waiting ones through `flush`.
+    fn push(
+        &mut self,
+        ctx: &Ctx<'_, '_>,
+        x: &[int16::Row<'_>],
+        p: &[super::vnni::PlaneRow<'_>],
+        t: super::QType,
+        row: &'a [u8],
+        r: usize,
+    ) {
+        if self.n > 0 && self.t != t {
+            self.flush(ctx, x, p);
+        }
+        self.t = t;
+        self.rows[self.n] = (r, row);
+        self.n += 1;
+        if self.n == super::vnni4::ROWS {
+            let rows = self.rows.map(|(_, row)| row);
+            // SAFETY: `on` only with planes, made only where `vnni()` (AVX-512 with VNNI
+            // granted); `takes(t)`; the rows and x's row hold k elements
+            let dots = unsafe { super::vnni4::rows_dots_vnni(t, rows, ctx.k, &x[0], &p[0]) };
+            for ((r, _), v) in self.rows.iter().zip(dots) {
+                ctx.put(0, *r, v);
+            }
+            self.n = 0;
+        }
+    }
+
+    /// The waiting rows one at a time (`int16_row_vnni`: the same bits).
+    fn flush(&mut self, ctx: &Ctx<'_, '_>, x: &[int16::Row<'_>], p: &[super::vnni::PlaneRow<'_>]) {
+        for (r, row) in &self.rows[..self.n] {
+            int16_row_vnni(ctx, x, p, self.t, row, *r);
+        }
+        self.n = 0;
     }
 }
 

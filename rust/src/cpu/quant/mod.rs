@@ -26,6 +26,8 @@ mod matmul;
 mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod vnni4;
 
 #[cfg(test)]
 mod gemm_tests;

@@ -242,7 +242,7 @@ fn reference(x: &Array2<f32>, w: &Array2<f32>, b: &[f32]) -> Array2<f64> {
     })
 }
 
-fn floats(len: usize, seed: f32) -> Vec<f32> {
+pub(super) fn floats(len: usize, seed: f32) -> Vec<f32> {
     (0..len).map(|i| ((i as f32 + seed) * 0.37).sin()).collect()
 }
 
@@ -677,7 +677,7 @@ fn int16_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
 
 /// The f64 dot of the dequantized row `data` (type `t`) and x as its 16-bit codes give it,
 /// and the sum of |w · x| (the scale of f32 rounding).
-fn int16_reference(t: QType, data: &[u8], xq: int16::Row<'_>) -> (f64, f64) {
+pub(super) fn int16_reference(t: QType, data: &[u8], xq: int16::Row<'_>) -> (f64, f64) {
     let mut w = vec![0.0; xq.q.len()];
     dequantize_blocks(t, data, &mut w);
     let x = |i: usize| f64::from(xq.d[i / 32]) * f64::from(xq.q[i]);

@@ -129,7 +129,7 @@ unsafe fn dots<const R: usize>(
 
 /// Each 128-bit lane of `a` (units 0-3) and `b` (units 4-7) summed: unit u's sum in lane u.
 #[inline(always)]
-unsafe fn reduce_quads(a: __m512i, b: __m512i) -> __m256i {
+pub(super) unsafe fn reduce_quads(a: __m512i, b: __m512i) -> __m256i {
     // per 128-bit lane: a's two pair sums, then b's
     let t = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
     // lanes 4L and 4L + 2: a's and b's sums of 128-bit lane L
@@ -141,7 +141,7 @@ unsafe fn reduce_quads(a: __m512i, b: __m512i) -> __m256i {
 /// Four vectors of two units of 32 (low and high 256 bits; units 0-7 in order): each unit's 8
 /// lanes summed, unit u's sum in lane u.
 #[inline(always)]
-unsafe fn reduce_pairs(z: [__m512i; 4]) -> __m256i {
+pub(super) unsafe fn reduce_pairs(z: [__m512i; 4]) -> __m256i {
     reduce_quads(quads(z[0], z[1]), quads(z[2], z[3]))
 }
 
@@ -156,7 +156,7 @@ unsafe fn quads(a: __m512i, b: __m512i) -> __m512i {
 
 /// Elements `at..at + n` (`n` <= 8) of `v` as i32 lanes, 0 past n.
 #[inline(always)]
-unsafe fn load_i32(v: &[i32], at: usize, n: usize) -> __m256i {
+pub(super) unsafe fn load_i32(v: &[i32], at: usize, n: usize) -> __m256i {
     _mm256_maskz_loadu_epi32(((1u32 << n) - 1) as u8, v.as_ptr().add(at).cast())
 }
 
@@ -176,7 +176,7 @@ unsafe fn qh_bits(at: *const u8) -> u64 {
 /// 64 codes in element order (the second block's 0 when not `two`): Q8_0's signed bytes, the
 /// others' unsigned codes without their offset.
 #[inline(always)]
-unsafe fn codes64<const T: u32>(b: *const u8, two: bool) -> __m512i {
+pub(super) unsafe fn codes64<const T: u32>(b: *const u8, two: bool) -> __m512i {
     let bytes = bytes32(T);
     if T == 8 {
         let second = if two {

@@ -3,9 +3,9 @@
 //! VNNI (`PAGEDLLM_CPU_ISA=avx2`, an AVX2 machine); the portable and AVX2 paths have their own.
 use super::gemm16::{product_avx2, product_vnni, Panel};
 use super::int16::{self, QuantizedRows};
-use super::tests::{int16_types, int16_x, random_rows, QUANTIZED_TYPES};
+use super::tests::{floats, int16_reference, int16_types, int16_x, random_rows, QUANTIZED_TYPES};
 use super::vnni::{row_dots_vnni, Planes};
-use super::QType;
+use super::{quant_linear_with, vnni4, Activations, QType, QuantMatrix, Segment};
 use crate::cpu::linear::PANEL;
 
 #[test]
@@ -157,6 +157,100 @@ fn vnni_panel_products_equal_the_avx2_ones_bit_for_bit() {
                 s.iter().flatten().map(|v| v.to_bits()).collect()
             };
             assert_eq!(bits(&vnni), bits(&avx2), "{} {m}x{k}", t.name());
+        }
+    }
+}
+
+#[test]
+fn four_row_vnni_dots_equal_the_one_row_ones_and_the_portable_ones_bit_for_bit() {
+    if !super::vnni() {
+        return;
+    }
+    // 96, 224, 320, 576: a last group of 3, 7, 2 and 2 blocks (odd counts read x's padding)
+    let cases = int16_types()
+        .filter(|t| vnni4::takes(*t))
+        .flat_map(|t| [96, 224, 256, 320, 576, 768].map(|k| (t, k)))
+        .filter(|(t, k)| k % t.block().0 == 0);
+    for (t, k) in cases {
+        let x = int16_x(1, k);
+        let xq = QuantizedRows::new(&x, k, true);
+        let planes = Planes::new(&xq, 1, k);
+        let (xr, pr) = (xq.row(0), planes.row(0));
+        let data = random_rows(t, 4, k, t as u64 + 41);
+        let bytes = t.row_bytes(k).unwrap();
+        let rows: [&[u8]; 4] = std::array::from_fn(|r| &data[r * bytes..(r + 1) * bytes]);
+        // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements
+        let four = unsafe { vnni4::rows_dots_vnni(t, rows, k, &xr, &pr) };
+        for (r, row) in rows.iter().enumerate() {
+            // SAFETY: as above
+            let one = unsafe { row_dots_vnni::<1>(t, row, k, &[xr], &[pr]) };
+            let what = format!("{} k {k} row {r}", t.name());
+            assert_eq!(four[r].to_bits(), one[0].to_bits(), "{what}");
+            let portable = int16::row_dot(t, row, xr);
+            assert_eq!(four[r].to_bits(), portable.to_bits(), "{what}");
+            let (exact, size) = int16_reference(t, row, xr);
+            let err = (f64::from(four[r]) - exact).abs();
+            assert!(err <= size * 1e-6, "{what}: {} vs {exact}", four[r]);
+        }
+    }
+}
+
+#[test]
+fn one_row_of_x_takes_weight_rows_four_a_pass_across_mixed_segments_and_run_splits() {
+    // segments of 6 Q4_0, 3 Q5_K, 1 Q8_0 (AVX2 units), 5 Q6_K, 2 F32 and 7 Q4_1 rows: passes of
+    // four, rows left over before a change of type, and runs cut by 1 or 2 threads
+    let k = 768;
+    let kinds = [
+        (QType::Q4_0, 6),
+        (QType::Q5_K, 3),
+        (QType::Q8_0, 1),
+        (QType::Q6_K, 5),
+        (QType::F32, 2),
+        (QType::Q4_1, 7),
+    ];
+    let data: Vec<Vec<u8>> = kinds
+        .iter()
+        .map(|(t, n)| random_rows(*t, *n, k, *n as u64 + 3))
+        .collect();
+    let segments = kinds
+        .iter()
+        .zip(&data)
+        .map(|((t, n), d)| Segment {
+            qtype: *t,
+            data: d,
+            rows: *n,
+        })
+        .collect();
+    let w = QuantMatrix::new(segments, k).unwrap();
+    let n = w.n();
+    let x = floats(k, 0.75);
+    let xq = QuantizedRows::new(&x, k, super::fast());
+    let mut dense = ndarray::Array2::zeros((n, k));
+    super::dequantize(&w, dense.view_mut()).unwrap();
+    for threads in [1, 2] {
+        let xa = ndarray::ArrayView2::from_shape((1, k), &x).unwrap();
+        let mut out = ndarray::Array2::from_elem((1, n), f32::NAN);
+        let int16 = Activations::Int16;
+        quant_linear_with(xa, &w, None, out.view_mut(), threads, int16).unwrap();
+        for c in 0..n {
+            let (t, row) = w.row(c);
+            let got = out[[0, c]];
+            let what = format!("{} row {c} threads {threads}", t.name());
+            if int16::takes(t) {
+                let want = int16::row_dot(t, row, xq.row(0));
+                assert_eq!(got.to_bits(), want.to_bits(), "{what}");
+            }
+            // every row near the float product of its dequantized weights
+            let exact: f64 = (0..k)
+                .map(|e| f64::from(dense[[c, e]]) * f64::from(x[e]))
+                .sum();
+            let size: f64 = (0..k)
+                .map(|e| (f64::from(dense[[c, e]]) * f64::from(x[e])).abs())
+                .sum();
+            assert!(
+                (f64::from(got) - exact).abs() <= size * 1e-4,
+                "{what}: {got} vs {exact}"
+            );
         }
     }
 }
