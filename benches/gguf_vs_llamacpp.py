@@ -5,7 +5,9 @@ against pagedllm generating N tokens after a short prompt, time after the first 
 prefill (`llama-bench -p P -n 0` against the time to the first token of a P-token prompt).
 Serving (`--serve`): `llama-server -np C -cb` and `pagedllm serve`, started in turn, each given
 the same streaming workload (`pagedllm bench serve`'s client: random prompts, `ignore_eos`) at
-each concurrency C. Medians over the rounds and pagedllm / llama.cpp ratios are printed.
+each concurrency C. Medians over the rounds and pagedllm / llama.cpp ratios are printed, with
+each round's pair ratio and the prompt / output tokens each server counted (the same work on both
+sides). A serving run with a failed request is run again (`--serve-retries`).
 
     python benches/gguf_vs_llamacpp.py --llama-bin DIR/build/bin --threads 1 \
         --model smollm2-Q8_0.gguf --model smollm2-Q4_K_M.gguf [--serve --concurrency 1 8 32]
@@ -131,37 +133,52 @@ def single_stream(args, model: str) -> None:
         )
 
 
+def server_command(args, name: str, model: str, port: int, concurrency: int) -> list[str]:
+    """Either server on `model`, `args.threads` threads each: llama-server with one slot a stream
+    (continuous batching, each slot the context a request needs) and its own default batch
+    sizes; pagedllm with its serving defaults."""
+    ctx = args.serve_input + args.serve_output + 64
+    if name == "pagedllm":
+        return [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
+                "--port", str(port), "--cpu-threads", str(args.threads),
+                "--max-model-len", str(ctx), "--log-level", "warning"]  # fmt: skip
+    return [str(args.llama_bin / "llama-server"), "-m", model, "--port",
+            str(port), "-t", str(args.threads), "-np", str(concurrency),
+            "-cb", "-c", str(ctx * concurrency), "--log-disable"]  # fmt: skip
+
+
 def serving(args, model: str) -> None:
     from pagedllm.cli.bench_serve import run_bench_serve
     from pagedllm.cli.serve_compare import free_port, running_server
 
-    ctx = args.serve_input + args.serve_output + 64
     for concurrency in args.concurrency:
         figures: dict[str, list[dict]] = {"pagedllm": [], "llama.cpp": []}
         for _ in range(args.rounds):
             for name in ("llama.cpp", "pagedllm"):
-                port = free_port()
-                if name == "pagedllm":
-                    command = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
-                               "--port", str(port), "--cpu-threads", str(args.threads),
-                               "--max-model-len", str(ctx), "--log-level", "warning"]  # fmt: skip
-                else:
-                    command = [str(args.llama_bin / "llama-server"), "-m", model, "--port",
-                               str(port), "-t", str(args.threads), "-np", str(concurrency),
-                               "-cb", "-c", str(ctx * concurrency), "--log-disable"]  # fmt: skip
                 env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                with running_server(name, command, port, env) as url:
-                    result = run_bench_serve(
-                        base_url=url,
-                        num_prompts=max(2 * concurrency, 4),
-                        input_len=args.serve_input,
-                        output_len=args.serve_output,
-                        max_concurrency=concurrency,
-                        progress=False,
+                for attempt in range(1 + args.serve_retries):
+                    port = free_port()
+                    command = server_command(args, name, model, port, concurrency)
+                    with running_server(name, command, port, env) as url:
+                        result = run_bench_serve(
+                            base_url=url,
+                            num_prompts=max(2 * concurrency, 4),
+                            input_len=args.serve_input,
+                            output_len=args.serve_output,
+                            max_concurrency=concurrency,
+                            progress=False,
+                        )
+                    if not result["failed"]:
+                        break
+                    # a failed request's tokens are missing from the rate: the run is repeated
+                    # (llama-server drops a kept-alive connection now and then: "disconnected
+                    # without a response"); the last attempt's figures stand, reported
+                    print(
+                        f"  {name}: {result['failed']} failed (attempt {attempt + 1}): "
+                        f"{result['errors']}",
+                        flush=True,
                     )
-                if result["failed"]:  # reported with the figures (llama-server drops a
-                    # kept-alive connection now and then: "disconnected without a response")
-                    print(f"  {name}: {result['failed']} failed: {result['errors']}", flush=True)
+                    time.sleep(1)
                 figures[name].append(result)
                 time.sleep(1)
         med = {
@@ -179,6 +196,25 @@ def serving(args, model: str) -> None:
             f"({ours['tok/s'] / theirs['tok/s']:.2f}x), TTFT p50 {ours['ttft_p50']:.0f} vs "
             f"{theirs['ttft_p50']:.0f} ms, TPOT p50 {ours['tpot_p50']:.1f} vs "
             f"{theirs['tpot_p50']:.1f} ms  [pagedllm vs llama-server]",
+            flush=True,
+        )
+        # each round's pair (llama-server then pagedllm, back to back): steadier on a busy machine
+        pairs = list(zip(figures["pagedllm"], figures["llama.cpp"]))
+        rates = [o["output_throughput"] / t["output_throughput"] for o, t in pairs]
+        ttfts = [o["ttft_ms"]["p50"] / t["ttft_ms"]["p50"] for o, t in pairs]
+        print(
+            f"  pairs (ours / theirs): tok/s {' '.join(f'{r:.2f}' for r in rates)} (median "
+            f"{statistics.median(rates):.2f}x); TTFT p50 {' '.join(f'{r:.2f}' for r in ttfts)} "
+            f"(median {statistics.median(ttfts):.2f}x)",
+            flush=True,
+        )
+        # the same work on both sides: prompt and output tokens the servers counted (usage)
+        print(
+            "  tokens (prompt / output, each round): "
+            + "; ".join(
+                f"{name} " + " ".join(f"{r['prompt_tokens']}/{r['output_tokens']}" for r in rs)
+                for name, rs in figures.items()
+            ),
             flush=True,
         )
 
@@ -217,6 +253,8 @@ def main() -> None:
     parser.add_argument("--serve-input", type=int, default=128)
     parser.add_argument("--serve-output", type=int, default=64)
     parser.add_argument("--no-single", action="store_true")
+    # a serving run with failed requests is run again (with a fresh server) up to this many times
+    parser.add_argument("--serve-retries", type=int, default=2)
     # llama.cpp's prefill run left out, so each decode pair runs back to back
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--isa", nargs="+", help="compare pagedllm at these levels instead")
