@@ -70,8 +70,10 @@ def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
 @dataclass(frozen=True)
 class QuantExperts:
     """Every expert's gate/up `[2I, H]` and down `[H, I]` weights kept in their GGUF types
-    (`cpu_quant.QuantWeight`s), registered once with the kernel (`_core.CpuMoeQuantExperts`,
-    which holds their segments' arrays: a call passes only x and the routing)."""
+    (`cpu_quant.QuantWeight`s), copied once into one uint8 buffer per projection, expert after
+    expert, and registered with the kernel (`_core.CpuMoeQuantExperts`: a call borrows the two
+    buffers, where a segment array per expert cost ~7 % of a Q8_0 decode step at 64 experts);
+    `gate_up` / `down` are views of the buffers."""
 
     gate_up: list  # QuantWeight per expert
     down: list
@@ -79,11 +81,32 @@ class QuantExperts:
 
     @classmethod
     def of(cls, gate_up: list, down: list) -> QuantExperts:
-        def arrays(weights):
-            return [[(s.qtype, s.data.numpy()) for s in w.segments] for w in weights]
-
+        gate_up_bytes, gate_up_parts, gate_up = _buffer(gate_up)
+        down_bytes, down_parts, down = _buffer(down)
         hidden = gate_up[0].in_features if gate_up else 0
-        return cls(gate_up, down, _core.CpuMoeQuantExperts(arrays(gate_up), arrays(down), hidden))
+        kernel = _core.CpuMoeQuantExperts(
+            gate_up_bytes.numpy(), gate_up_parts, down_bytes.numpy(), down_parts, hidden
+        )
+        return cls(gate_up, down, kernel)
+
+
+def _buffer(weights: list) -> tuple[Tensor, list, list]:
+    """(every weight's segments' bytes back to back as one uint8 tensor, each weight's segments
+    as `(type code, rows)`, the weights as views of the buffer)."""
+    from pagedllm.kernels.cpu_quant import make_weight
+
+    flat = [s.data.reshape(-1) for w in weights for s in w.segments]
+    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    parts, views, at = [], [], 0
+    for w in weights:
+        segments = []
+        for s in w.segments:
+            n = s.data.numel()
+            segments.append((s.qtype, buffer[at : at + n].view(s.data.shape)))
+            at += n
+        parts.append([(qtype, data.shape[0]) for qtype, data in segments])
+        views.append(make_weight(segments, w.in_features))
+    return buffer, parts, views
 
 
 def moe_quant_experts(

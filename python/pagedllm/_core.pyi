@@ -891,15 +891,19 @@ def cpu_moe_experts(
     id outside ``0..E`` or shapes that do not fit together."""
 
 class CpuMoeQuantExperts:
-    """Experts kept in their GGUF types, registered once: ``gate_up[e]`` (``[2I, H]``, gate rows
-    then up rows) and ``down[e]`` (``[H, I]``) are expert ``e``'s segments as
-    ``cpu_quant_linear`` takes them (their arrays held, never written); ``hidden`` = H.
-    ``ValueError`` for an unsupported type or shapes that do not fit together."""
+    """Experts kept in their GGUF types, registered once: ``gate_up_bytes`` / ``down_bytes``
+    (uint8, 1-D, held, never written) hold every expert's gate/up (``[2I, H]``, gate rows then up
+    rows) and down (``[H, I]``) rows back to back, expert after expert; ``gate_up[e]`` /
+    ``down[e]`` are expert ``e``'s segments there as ``(ggml type code, rows)``; ``hidden`` = H.
+    ``ValueError`` for an unsupported type, shapes that do not fit together or buffers not the
+    segments' size."""
 
     def __init__(
         self,
-        gate_up: _Sequence[_QuantSegments],
-        down: _Sequence[_QuantSegments],
+        gate_up_bytes: _npt.NDArray[_np.uint8],
+        gate_up: _Sequence[_Sequence[tuple[int, int]]],
+        down_bytes: _npt.NDArray[_np.uint8],
+        down: _Sequence[_Sequence[tuple[int, int]]],
         hidden: int,
     ) -> None: ...
     def run(

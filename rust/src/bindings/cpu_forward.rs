@@ -10,7 +10,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use super::cpu_moe::CpuMoeQuantExperts;
+use super::cpu_moe::{CpuMoeQuantExperts, HeldBytes};
 use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
@@ -273,8 +273,8 @@ struct MoeGuard<'py> {
 
 enum ExpertGuard<'py> {
     Panels(PyReadonlyArray4<'py, f32>, PyReadonlyArray4<'py, f32>),
-    /// every expert's gate/up and down segments, and H and I
-    Quant(Vec<Segments<'py>>, Vec<Segments<'py>>, usize, usize),
+    /// the experts' two byte buffers and their layout
+    Quant(HeldBytes<'py>),
 }
 
 fn read1<'py>(py: Python<'py>, a: &Py<PyArray1<f32>>) -> PyReadonlyArray1<'py, f32> {
@@ -311,10 +311,7 @@ impl MlpArrays {
                     ExpertArrays::Panels(g, d) => {
                         ExpertGuard::Panels(g.bind(py).readonly(), d.bind(py).readonly())
                     }
-                    ExpertArrays::Quant(held) => {
-                        let (gate_up, down, hidden, width) = held.get().borrow_all(py)?;
-                        ExpertGuard::Quant(gate_up, down, hidden, width)
-                    }
+                    ExpertArrays::Quant(held) => ExpertGuard::Quant(held.get().borrow(py)?),
                 },
                 top_k: moe.top_k,
                 normalize: moe.normalize,
@@ -395,16 +392,7 @@ impl MlpGuard<'_> {
                 gate_up: g.as_array(),
                 down: d.as_array(),
             },
-            ExpertGuard::Quant(gate_up, down, hidden, width) => Experts::Quant {
-                gate_up: gate_up
-                    .iter()
-                    .map(|s| matrix(s, *hidden))
-                    .collect::<PyResult<_>>()?,
-                down: down
-                    .iter()
-                    .map(|s| matrix(s, *width))
-                    .collect::<PyResult<_>>()?,
-            },
+            ExpertGuard::Quant(held) => Experts::Quant(held.view()?),
         };
         let shared = match &moe.shared {
             Some((gate_up, down, gate)) => Some(SharedExpert {

@@ -1,15 +1,20 @@
 //! The grouped mixture-of-experts kernel (`crate::cpu::moe_experts`) for the model runner: torch
 //! CPU tensors as numpy views (bfloat16 as its uint16 bits, `cpu_ops`'s rule), the kernel run
-//! with the GIL released. Quantized experts (`CpuMoeQuantExperts`) are registered once as
-//! `cpu_quant`'s segments, one list per expert and projection.
-use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+//! with the GIL released. Quantized experts (`CpuMoeQuantExperts`) are registered once as two
+//! byte buffers and their layout.
+use std::sync::Arc;
+
+use numpy::{
+    PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::cpu_ops::{readonly, readwrite, view, view_mut, Dtype, Kind};
-use super::cpu_quant::{activations_named, matrix, Segments};
+use super::cpu_quant::activations_named;
 use crate::cpu;
-use crate::cpu::quant::QuantMatrix;
+use crate::cpu::quant::QType;
 
 /// `out [T, H]` = each token's experts' SwiGLU outputs weighted by the router and summed, for x
 /// `[T, H]`, the stacked gate/up panels `[E, ceil(2I / 16), H, 16]` and down panels
@@ -63,113 +68,87 @@ fn experts<N: Dtype>(
     Ok(())
 }
 
-/// One expert's projection: its segments' `(ggml type code, uint8 [rows, row_bytes])` arrays.
-type HeldSegments = Vec<(u32, Py<PyArray2<u8>>)>;
-
-/// Experts kept in their GGUF types, registered once (`cpu_moe.QuantExperts`): the segments'
-/// arrays held, so that a step's call passes only x, the routing and out (extracting every
-/// expert's segments from Python lists on each call cost ~165 µs a layer at 64 experts).
+/// Experts kept in their GGUF types, registered once (`cpu_moe.QuantExperts`): every expert's
+/// gate/up and down row segments in two uint8 buffers (`cpu::QuantLayout`), so that a call
+/// borrows two arrays (a segment array per expert and projection borrowed per call cost ~7 % of
+/// a Q8_0 decode step at 64 experts a layer).
 #[pyclass(frozen, module = "pagedllm._core")]
 pub struct CpuMoeQuantExperts {
-    gate_up: Vec<HeldSegments>,
-    down: Vec<HeldSegments>,
-    hidden: usize,
-    width: usize,
+    gate_up: Py<PyArray1<u8>>,
+    down: Py<PyArray1<u8>>,
+    layout: Arc<cpu::QuantLayout>,
 }
 
-fn held(segments: &[Segments<'_>]) -> Vec<HeldSegments> {
-    segments
-        .iter()
-        .map(|s| {
-            s.iter()
-                .map(|(code, a)| (*code, a.as_unbound().clone_ref(a.py())))
+/// A projection's segments per expert `(ggml type code, rows)` as the layout takes them.
+fn parts(experts: Vec<Vec<(u32, usize)>>) -> PyResult<Vec<Vec<(QType, usize)>>> {
+    experts
+        .into_iter()
+        .map(|segments| {
+            segments
+                .into_iter()
+                .map(|(code, rows)| Ok((QType::from_code(code)?, rows)))
                 .collect()
         })
         .collect()
 }
 
-/// Borrows the arrays of the experts `chosen` marks for one call (`cpu_quant::matrix`'s
-/// segments; None for the others, which the call does not read).
-fn borrowed<'py>(
-    py: Python<'py>,
-    experts: &[HeldSegments],
-    chosen: &[bool],
-) -> PyResult<Vec<Option<Segments<'py>>>> {
-    experts
-        .iter()
-        .zip(chosen)
-        .map(|(s, &chosen)| {
-            if !chosen {
-                return Ok(None);
-            }
-            s.iter()
-                .map(|(code, a)| {
-                    let array = a.bind(py).try_readonly().map_err(|e| {
-                        PyValueError::new_err(format!("an expert's weight is borrowed: {e}"))
-                    })?;
-                    Ok((*code, array))
-                })
-                .collect::<PyResult<Segments<'py>>>()
-                .map(Some)
-        })
-        .collect()
+/// The borrowed buffers of one call.
+pub(crate) struct HeldBytes<'py> {
+    gate_up: PyReadonlyArray1<'py, u8>,
+    down: PyReadonlyArray1<'py, u8>,
+    layout: Arc<cpu::QuantLayout>,
 }
 
-/// The held experts' weights of one call: only those some id names.
-fn matrices<'a>(
-    segments: &'a [Option<Segments<'_>>],
-    in_features: usize,
-) -> PyResult<Vec<Option<QuantMatrix<'a>>>> {
-    segments
-        .iter()
-        .map(|s| s.as_ref().map(|s| matrix(s, in_features)).transpose())
-        .collect()
+impl HeldBytes<'_> {
+    /// The experts over the borrowed buffers.
+    pub(crate) fn view(&self) -> PyResult<cpu::QuantExperts<'_>> {
+        let contiguous = |_| PyValueError::new_err("the experts' bytes must be contiguous");
+        let gate_up = self.gate_up.as_slice().map_err(contiguous)?;
+        let down = self.down.as_slice().map_err(contiguous)?;
+        Ok(self.layout.over(gate_up, down)?)
+    }
 }
 
 impl CpuMoeQuantExperts {
-    /// Every expert's segments borrowed (the one-call decoder's routing runs without the GIL,
-    /// so all experts are lent to it), and H and I.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn borrow_all<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> PyResult<(Vec<Segments<'py>>, Vec<Segments<'py>>, usize, usize)> {
-        let all = vec![true; self.gate_up.len()];
-        let every = |experts| -> PyResult<Vec<Segments<'py>>> {
-            Ok(borrowed(py, experts, &all)?.into_iter().flatten().collect())
+    /// The two buffers borrowed for one call (the one-call decoder's too).
+    pub(crate) fn borrow<'py>(&self, py: Python<'py>) -> PyResult<HeldBytes<'py>> {
+        let read = |a: &Py<PyArray1<u8>>| {
+            a.bind(py).try_readonly().map_err(|e| {
+                PyValueError::new_err(format!("the experts' weights are borrowed: {e}"))
+            })
         };
-        Ok((
-            every(&self.gate_up)?,
-            every(&self.down)?,
-            self.hidden,
-            self.width,
-        ))
+        Ok(HeldBytes {
+            gate_up: read(&self.gate_up)?,
+            down: read(&self.down)?,
+            layout: Arc::clone(&self.layout),
+        })
     }
 }
 
 #[pymethods]
 impl CpuMoeQuantExperts {
-    /// `gate_up[e]` (`[2I, H]`, gate rows then up rows) and `down[e]` (`[H, I]`): expert `e`'s
-    /// `(ggml type code, uint8 [rows, row_bytes])` segments; `hidden` = H. Types and row
-    /// sizes checked here, the experts' shapes by each call.
+    /// `gate_up_bytes` / `down_bytes`: uint8 buffers holding every expert's gate/up (`[2I, H]`,
+    /// gate rows then up rows) and down (`[H, I]`) rows back to back, expert after expert;
+    /// `gate_up[e]` / `down[e]`: expert `e`'s segments there as `(ggml type code, rows)`;
+    /// `hidden` = H. A ValueError for an unsupported type, shapes that do not fit together or
+    /// buffers not the segments' size.
     #[new]
-    fn new(gate_up: Vec<Segments<'_>>, down: Vec<Segments<'_>>, hidden: usize) -> PyResult<Self> {
-        let gate_up_m = gate_up
-            .iter()
-            .map(|segments| matrix(segments, hidden))
-            .collect::<PyResult<Vec<_>>>()?;
-        let width = gate_up_m.first().map_or(0, |w| w.n() / 2);
-        let down_m = down
-            .iter()
-            .map(|segments| matrix(segments, width))
-            .collect::<PyResult<Vec<_>>>()?;
-        drop((gate_up_m, down_m));
-        Ok(Self {
-            gate_up: held(&gate_up),
-            down: held(&down),
-            hidden,
-            width,
-        })
+    fn new(
+        gate_up_bytes: Bound<'_, PyArray1<u8>>,
+        gate_up: Vec<Vec<(u32, usize)>>,
+        down_bytes: Bound<'_, PyArray1<u8>>,
+        down: Vec<Vec<(u32, usize)>>,
+        hidden: usize,
+    ) -> PyResult<Self> {
+        let py = gate_up_bytes.py();
+        let layout = cpu::QuantLayout::new(&parts(gate_up)?, &parts(down)?, hidden)?;
+        let held = Self {
+            gate_up: gate_up_bytes.unbind(),
+            down: down_bytes.unbind(),
+            layout: Arc::new(layout),
+        };
+        held.borrow(py)?.view()?; // the buffers' sizes and contiguity checked once here
+        Ok(held)
     }
 
     /// `cpu_moe_experts` for float32 x `[T, H]` over these experts: int64 ids (in `0..E`, or
@@ -188,38 +167,19 @@ impl CpuMoeQuantExperts {
         activations: &str,
     ) -> PyResult<()> {
         let activations = activations_named(activations)?;
-        if x.shape()[1] != self.hidden {
+        if x.shape()[1] != self.layout.hidden() {
             return Err(PyValueError::new_err(format!(
                 "x has {} columns, the experts take {}",
                 x.shape()[1],
-                self.hidden
+                self.layout.hidden()
             )));
         }
-        // an id outside 0..E marks nothing here: the kernel names it in its error
-        let mut chosen = vec![false; self.gate_up.len()];
-        for &id in ids.as_array().iter() {
-            if let Some(c) = usize::try_from(id).ok().and_then(|e| chosen.get_mut(e)) {
-                *c = true;
-            }
-        }
-        let gate_up = borrowed(py, &self.gate_up, &chosen)?;
-        let down = borrowed(py, &self.down, &chosen)?;
-        let gate_up = matrices(&gate_up, self.hidden)?;
-        let down = matrices(&down, self.width)?;
-        let gate_up: Vec<Option<&QuantMatrix<'_>>> = gate_up.iter().map(Option::as_ref).collect();
-        let down: Vec<Option<&QuantMatrix<'_>>> = down.iter().map(Option::as_ref).collect();
+        let held = self.borrow(py)?;
+        let experts = held.view()?;
         let (x, ids, weights) = (x.as_array(), ids.as_array(), weights.as_array());
         let out = out.as_array_mut();
         py.detach(|| {
-            cpu::moe_quant_chosen(
-                x,
-                (&gate_up, &down),
-                ids,
-                weights,
-                out,
-                num_threads,
-                activations,
-            )
+            cpu::moe_quant_experts(x, &experts, ids, weights, out, num_threads, activations)
         })?;
         Ok(())
     }

@@ -35,7 +35,7 @@ pub use attention::{paged_attention, store_kv, PagedBatch, Scores};
 pub use elem::{Bf16, Elem};
 pub use kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 pub use linear::{linear, pack_panels, PANEL};
-pub use moe::{moe_experts, moe_quant_chosen, moe_quant_experts};
+pub use moe::{moe_experts, moe_quant_experts, QuantExperts, QuantLayout};
 pub use norm::{add_rms_norm, rms_norm};
 pub use rotary::rotary_in_place;
 

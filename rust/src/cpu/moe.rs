@@ -13,9 +13,10 @@
 //! `k` experts' bytes. A choice `NOT_HELD` (an expert another expert-parallel rank holds) adds
 //! nothing here: that rank adds its term.
 //!
-//! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (a
-//! `QuantMatrix` per expert and projection): each chosen expert's rows through the quantized
-//! products (`quant::quant_linear_with`), the activation and the weighted sum as above.
+//! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (`QuantLayout`:
+//! every expert's row segments in two byte buffers): each chosen expert's rows through the
+//! quantized products (`quant::quant_linear_with`), the activation and the weighted sum as above;
+//! at one token the chosen experts' gate/up rows are one product.
 //!
 //! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
 //! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
@@ -32,7 +33,7 @@ use super::elem::Elem;
 use super::invalid;
 use super::linear::{self, Ctx, PANEL};
 use super::pool;
-use super::quant::{quant_linear_with, Activations, QuantMatrix};
+use super::quant::{quant_linear_with, Activations, QType, QuantMatrix, Segment};
 use crate::error::Result;
 
 /// The expert id of a choice this call skips: the expert is another expert-parallel rank's.
@@ -133,32 +134,163 @@ pub fn moe_experts<T: Elem>(
     Ok(())
 }
 
-/// `moe_experts` for float32 x over quantized experts: `gate_up[e]` `[2I, H]` (gate rows, then
-/// up rows) and `down[e]` `[H, I]` of every expert `e`; ids (in `0..E` or `NOT_HELD`) and
-/// weights `[M, K]`; the products multiply x as `activations` says.
+/// Where one held expert's projection lies in its byte buffer: row segments, back to back.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    qtype: QType,
+    /// The segment's first byte in the buffer.
+    offset: usize,
+    rows: usize,
+}
+
+/// Every held expert's quantized gate/up `[2I, H]` (gate rows, then up rows) and down `[H, I]`
+/// weights as row segments of two byte buffers, one per projection, each expert's segments back
+/// to back in expert order: laid out once, so that a call borrows two buffers, not a segment
+/// array per expert (3 x 64 borrows a layer cost ~7 % of a Q8_0 decode step, MoE round 7).
+#[derive(Debug)]
+pub struct QuantLayout {
+    gate_up: Vec<Vec<Part>>,
+    down: Vec<Vec<Part>>,
+    gate_up_bytes: usize,
+    down_bytes: usize,
+    hidden: usize,
+    width: usize,
+}
+
+impl QuantLayout {
+    /// The layout of `gate_up[e]` / `down[e]`: expert `e`'s segments as `(type, rows)` in buffer
+    /// order; `hidden` = H. An error names an expert whose rows do not make `[2I, H]` and
+    /// `[H, I]` with the same I as expert 0's.
+    pub fn new(
+        gate_up: &[Vec<(QType, usize)>],
+        down: &[Vec<(QType, usize)>],
+        hidden: usize,
+    ) -> Result<Self> {
+        if gate_up.len() != down.len() {
+            return Err(invalid(format!(
+                "{} gate/up and {} down weights: one of each per expert",
+                gate_up.len(),
+                down.len()
+            )));
+        }
+        let total = |segments: &[(QType, usize)]| segments.iter().map(|s| s.1).sum::<usize>();
+        let width = gate_up.first().map_or(0, |g| total(g) / 2);
+        for (e, (g, d)) in gate_up.iter().zip(down).enumerate() {
+            if (total(g), total(d)) != (2 * width, hidden) {
+                return Err(invalid(format!(
+                    "expert {e}: gate/up has {} rows and down {}, expected {} (2I, I = {width} \
+                     as expert 0's) and {hidden} (H)",
+                    total(g),
+                    total(d),
+                    2 * width
+                )));
+            }
+        }
+        let lay = |experts: &[Vec<(QType, usize)>], k: usize| -> Result<(Vec<Vec<Part>>, usize)> {
+            let mut offset = 0;
+            let mut parts = Vec::with_capacity(experts.len());
+            for segments in experts {
+                let mut expert = Vec::with_capacity(segments.len());
+                for &(qtype, rows) in segments {
+                    expert.push(Part {
+                        qtype,
+                        offset,
+                        rows,
+                    });
+                    offset += rows * qtype.row_bytes(k)?;
+                }
+                parts.push(expert);
+            }
+            Ok((parts, offset))
+        };
+        let (gate_up, gate_up_bytes) = lay(gate_up, hidden)?;
+        let (down, down_bytes) = lay(down, width)?;
+        Ok(Self {
+            gate_up,
+            down,
+            gate_up_bytes,
+            down_bytes,
+            hidden,
+            width,
+        })
+    }
+
+    /// Bytes of the gate/up and of the down buffer.
+    pub fn bytes(&self) -> (usize, usize) {
+        (self.gate_up_bytes, self.down_bytes)
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// The layout over its buffers; an error if they are not its sizes.
+    pub fn over<'a>(&'a self, gate_up: &'a [u8], down: &'a [u8]) -> Result<QuantExperts<'a>> {
+        if (gate_up.len(), down.len()) != self.bytes() {
+            return Err(invalid(format!(
+                "the experts' buffers hold {} and {} bytes, their layout {} and {}",
+                gate_up.len(),
+                down.len(),
+                self.gate_up_bytes,
+                self.down_bytes
+            )));
+        }
+        Ok(QuantExperts {
+            layout: self,
+            gate_up,
+            down,
+        })
+    }
+}
+
+/// A `QuantLayout` over its two buffers (`QuantLayout::over`).
+pub struct QuantExperts<'a> {
+    layout: &'a QuantLayout,
+    gate_up: &'a [u8],
+    down: &'a [u8],
+}
+
+impl<'a> QuantExperts<'a> {
+    pub fn count(&self) -> usize {
+        self.layout.gate_up.len()
+    }
+
+    /// Expert `e`'s gate/up (`down == false`) or down segments.
+    fn segments(&self, e: usize, down: bool) -> impl Iterator<Item = Segment<'a>> + '_ {
+        let (parts, bytes, k) = if down {
+            (&self.layout.down[e], self.down, self.layout.width)
+        } else {
+            (&self.layout.gate_up[e], self.gate_up, self.layout.hidden)
+        };
+        parts.iter().map(move |p| {
+            // row_bytes was Ok for this type and k when the layout was made
+            let len = p.rows * p.qtype.row_bytes(k).unwrap_or(0);
+            Segment {
+                qtype: p.qtype,
+                data: &bytes[p.offset..p.offset + len],
+                rows: p.rows,
+            }
+        })
+    }
+
+    /// Expert `e`'s gate/up (`down == false`) or down weight.
+    fn matrix(&self, e: usize, down: bool) -> Result<QuantMatrix<'a>> {
+        let k = if down {
+            self.layout.width
+        } else {
+            self.layout.hidden
+        };
+        QuantMatrix::new(self.segments(e, down).collect(), k)
+    }
+}
+
+/// `moe_experts` for float32 x `[M, H]` over quantized experts; ids (in `0..E` or `NOT_HELD`)
+/// and weights `[M, K]`; the products multiply x as `activations` says. At one token the chosen
+/// experts' gate/up rows are one product (x quantized once, one split over the threads).
 #[allow(clippy::too_many_arguments)]
 pub fn moe_quant_experts(
     x: ArrayView2<f32>,
-    gate_up: &[QuantMatrix<'_>],
-    down: &[QuantMatrix<'_>],
-    ids: ArrayView2<i64>,
-    weights: ArrayView2<f32>,
-    out: ArrayViewMut2<f32>,
-    num_threads: usize,
-    activations: Activations,
-) -> Result<()> {
-    let gate_up: Vec<Option<&QuantMatrix<'_>>> = gate_up.iter().map(Some).collect();
-    let down: Vec<Option<&QuantMatrix<'_>>> = down.iter().map(Some).collect();
-    let experts = (&gate_up[..], &down[..]);
-    moe_quant_chosen(x, experts, ids, weights, out, num_threads, activations)
-}
-
-/// `moe_quant_experts` given only the chosen experts' weights: `None` for an expert no choice of
-/// this call names (a caller that borrows its weights per call borrows 8 of 64 at one token);
-/// an error names a chosen expert whose weights are missing.
-pub fn moe_quant_chosen(
-    x: ArrayView2<f32>,
-    (gate_up, down): (&[Option<&QuantMatrix<'_>>], &[Option<&QuantMatrix<'_>>]),
+    experts: &QuantExperts<'_>,
     ids: ArrayView2<i64>,
     weights: ArrayView2<f32>,
     mut out: ArrayViewMut2<f32>,
@@ -166,7 +298,13 @@ pub fn moe_quant_chosen(
     activations: Activations,
 ) -> Result<()> {
     let (m, hidden) = x.dim();
-    let width = check_quant_shapes(gate_up, down, hidden)?;
+    let width = experts.layout.width;
+    if hidden != experts.layout.hidden {
+        return Err(invalid(format!(
+            "x has {hidden} columns, the experts take {}",
+            experts.layout.hidden
+        )));
+    }
     if ids.nrows() != m || weights.dim() != ids.dim() || out.dim() != (m, hidden) {
         return Err(invalid(format!(
             "ids {:?}, weights {:?} and out {:?} must be [{m}, k], [{m}, k] and [{m}, {hidden}]",
@@ -180,16 +318,40 @@ pub fn moe_quant_chosen(
     let ids = ids.to_slice().ok_or_else(contiguous)?;
     let weights = weights.to_slice().ok_or_else(contiguous)?;
     let out = out.as_slice_mut().ok_or_else(contiguous)?;
-    let groups = Groups::of(ids, ids.len() / m.max(1), gate_up.len())?;
+    let groups = Groups::of(ids, ids.len() / m.max(1), experts.count())?;
     let rows = groups.rows();
     if rows == 0 || width == 0 {
         out.fill(0.0);
         return Ok(());
     }
     let threads = num_threads.max(1);
-    let xs = groups.gather(x, hidden);
     let mut gate_ups = vec![0.0f32; rows * 2 * width];
-    groups.quant_products(&xs, gate_up, &mut gate_ups, threads, activations)?;
+    if m == 1
+        && groups
+            .chosen()
+            .all(|e| groups.starts[e + 1] - groups.starts[e] == 1)
+    {
+        // one token, each chosen expert once: its rows of gate_ups in expert order are the
+        // chosen experts' gate/up weights stacked, times x
+        let stacked: Vec<Segment<'_>> = groups
+            .chosen()
+            .flat_map(|e| experts.segments(e, false))
+            .collect();
+        let w = QuantMatrix::new(stacked, hidden)?;
+        let y = ArrayViewMut2::from_shape((1, rows * 2 * width), &mut gate_ups[..])
+            .map_err(|e| invalid(e.to_string()))?;
+        let x = ArrayView2::from_shape((1, hidden), x).map_err(|e| invalid(e.to_string()))?;
+        quant_linear_with(x, &w, None, y, threads, activations)?;
+    } else {
+        let xs = groups.gather(x, hidden);
+        groups.quant_products(
+            &xs,
+            |e| experts.matrix(e, false),
+            &mut gate_ups,
+            threads,
+            activations,
+        )?;
+    }
     let mut acts = vec![0.0f32; rows * width];
     silu_and_mul(
         ArrayView2::from_shape((rows, 2 * width), &gate_ups[..])
@@ -199,48 +361,15 @@ pub fn moe_quant_chosen(
         threads,
     )?;
     let mut ys = vec![0.0f32; rows * hidden];
-    groups.quant_products(&acts, down, &mut ys, threads, activations)?;
+    groups.quant_products(
+        &acts,
+        |e| experts.matrix(e, true),
+        &mut ys,
+        threads,
+        activations,
+    )?;
     groups.weighted_sum(&ys, ids, weights, hidden, out, threads);
     Ok(())
-}
-
-/// The experts' width I, every expert's gate/up `[2I, H]` and down `[H, I]` checked.
-fn check_quant_shapes(
-    gate_up: &[Option<&QuantMatrix<'_>>],
-    down: &[Option<&QuantMatrix<'_>>],
-    hidden: usize,
-) -> Result<usize> {
-    if gate_up.len() != down.len() {
-        return Err(invalid(format!(
-            "{} gate/up and {} down weights: one of each per expert",
-            gate_up.len(),
-            down.len()
-        )));
-    }
-    let width = down.iter().flatten().next().map_or(0, |d| d.k());
-    for (e, pair) in gate_up.iter().zip(down).enumerate() {
-        let (gu, dn) = match pair {
-            (Some(gu), Some(dn)) => (gu, dn),
-            (None, None) => continue,
-            _ => {
-                return Err(invalid(format!(
-                    "expert {e}: gate/up and down weights must both be given or both left out"
-                )))
-            }
-        };
-        if (gu.n(), gu.k(), dn.n(), dn.k()) != (2 * width, hidden, hidden, width) {
-            return Err(invalid(format!(
-                "expert {e}: gate/up [{}, {}] and down [{}, {}], expected [{}, {hidden}] and \
-                 [{hidden}, {width}] (x has {hidden} columns)",
-                gu.n(),
-                gu.k(),
-                dn.n(),
-                dn.k(),
-                2 * width
-            )));
-        }
-    }
-    Ok(width)
 }
 
 struct Shape {
@@ -376,9 +505,7 @@ impl Groups {
         let Dims { k, n } = dims;
         let num_panels = n.div_ceil(PANEL);
         let per_expert = num_panels * k * PANEL;
-        let chosen: Vec<usize> = (0..self.starts.len() - 1)
-            .filter(|&e| self.starts[e + 1] > self.starts[e])
-            .collect();
+        let chosen: Vec<usize> = self.chosen().collect();
         let base = out.as_mut_ptr();
         let products: Vec<Ctx<'_, T>> = chosen
             .iter()
@@ -418,30 +545,31 @@ impl Groups {
         }
     }
 
-    /// `products` over quantized weights: each chosen expert's rows through `weights[e]` (whose
+    /// The experts with rows, in ascending order.
+    fn chosen(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.starts.len() - 1).filter(|&e| self.starts[e + 1] > self.starts[e])
+    }
+
+    /// `products` over quantized weights: each chosen expert's rows through `weight(e)` (whose
     /// rows are the output's `n` columns), one expert after another, each product on up to
     /// `threads` threads.
-    fn quant_products(
+    fn quant_products<'w>(
         &self,
         input: &[f32],
-        weights: &[Option<&QuantMatrix<'_>>],
+        weight: impl Fn(usize) -> Result<QuantMatrix<'w>>,
         out: &mut [f32],
         threads: usize,
         activations: Activations,
     ) -> Result<()> {
-        for (e, w) in weights.iter().enumerate() {
+        for e in self.chosen() {
             let (first, end) = (self.starts[e], self.starts[e + 1]);
-            if first == end {
-                continue; // no token chose it: never read
-            }
-            let w =
-                w.ok_or_else(|| invalid(format!("expert {e} was chosen, its weights not given")))?;
+            let w = weight(e)?;
             let (k, n) = (w.k(), w.n());
             let x = ArrayView2::from_shape((end - first, k), &input[first * k..end * k])
                 .map_err(|err| invalid(err.to_string()))?;
             let y = ArrayViewMut2::from_shape((end - first, n), &mut out[first * n..end * n])
                 .map_err(|err| invalid(err.to_string()))?;
-            quant_linear_with(x, w, None, y, threads, activations)?;
+            quant_linear_with(x, &w, None, y, threads, activations)?;
         }
         Ok(())
     }
@@ -748,85 +876,125 @@ mod tests {
         QuantMatrix::new(vec![segment], k).unwrap()
     }
 
-    #[test]
-    fn quantized_experts_match_the_float_kernel_on_their_dequantized_weights() {
-        let (m, h, i, experts) = (7, 64, 32, 4);
+    /// Q8_0 experts: each one's gate/up `[2I, H]` bytes laid out as two segments (gate rows, up
+    /// rows) and its down `[H, I]` as one, in two buffers.
+    fn q8_0_layout(gate_up: &[Vec<u8>], down: &[Vec<u8>], h: usize, i: usize) -> QuantLayout {
+        let gate_up_parts = vec![vec![(QType::Q8_0, i), (QType::Q8_0, i)]; gate_up.len()];
+        let down_parts = vec![vec![(QType::Q8_0, h)]; down.len()];
+        QuantLayout::new(&gate_up_parts, &down_parts, h).unwrap()
+    }
+
+    /// The Q8_0 case: (the case on its dequantized weights, gate/up bytes, down bytes).
+    fn q8_0_case(m: usize, h: usize, i: usize, experts: usize) -> (Case, Vec<u8>, Vec<u8>) {
         let mut case = Case::new(m, h, i, experts);
         let gate_up: Vec<(Vec<u8>, Vec<f32>)> =
             case.gate_up.iter().map(|w| q8_0(w, 2 * i, h)).collect();
         let down: Vec<(Vec<u8>, Vec<f32>)> = case.down.iter().map(|w| q8_0(w, h, i)).collect();
         case.gate_up = gate_up.iter().map(|(_, w)| w.clone()).collect();
         case.down = down.iter().map(|(_, w)| w.clone()).collect();
-        let gate_up_q: Vec<_> = gate_up.iter().map(|(b, _)| matrix(b, 2 * i, h)).collect();
-        let down_q: Vec<_> = down.iter().map(|(b, _)| matrix(b, h, i)).collect();
-        let (mut ids, w) = routing(m, 3, experts);
-        ids[[2, 1]] = NOT_HELD; // another rank's expert: adds nothing
-        let panels = stacked_panels::<f32>(&case.gate_up, 2 * i, h);
-        let want = case.run(&panels, &ids, &w, 2);
-        let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
-        let mut got = Array2::<f32>::zeros((m, h));
+        let gate_up = gate_up.into_iter().flat_map(|(b, _)| b).collect();
+        let down = down.into_iter().flat_map(|(b, _)| b).collect();
+        (case, gate_up, down)
+    }
+
+    fn run_quant(
+        case: &Case,
+        (gate_up, down): (&[u8], &[u8]),
+        ids: &Array2<i64>,
+        w: &Array2<f32>,
+        activations: Activations,
+    ) -> Array2<f32> {
+        let experts = gate_up.len() / (2 * case.i * QType::Q8_0.row_bytes(case.h).unwrap());
+        let bytes_of = |n: usize, k: usize| vec![n * QType::Q8_0.row_bytes(k).unwrap(); experts];
+        let (g, d) = (bytes_of(2 * case.i, case.h), bytes_of(case.h, case.i));
+        let split = |all: &[u8], sizes: &[usize]| -> Vec<Vec<u8>> {
+            let mut at = 0;
+            sizes
+                .iter()
+                .map(|n| {
+                    at += n;
+                    all[at - n..at].to_vec()
+                })
+                .collect()
+        };
+        let layout = q8_0_layout(&split(gate_up, &g), &split(down, &d), case.h, case.i);
+        let held = layout.over(gate_up, down).unwrap();
+        let x = Array2::from_shape_vec((case.m, case.h), case.x.clone()).unwrap();
+        let mut got = Array2::<f32>::zeros((case.m, case.h));
         moe_quant_experts(
             x.view(),
-            &gate_up_q,
-            &down_q,
+            &held,
             ids.view(),
             w.view(),
             got.view_mut(),
             2,
-            Activations::F32,
+            activations,
         )
         .unwrap();
-        for (g, want) in got.iter().zip(want.iter()) {
-            assert!((g - want).abs() < 1e-4, "{g} vs {want}");
-        }
-    }
-
-    /// `ws[e]` for the experts in `keep`, None for the others.
-    fn pick<'a, 'b>(ws: &'a [QuantMatrix<'b>], keep: &[usize]) -> Vec<Option<&'a QuantMatrix<'b>>> {
-        ws.iter()
-            .enumerate()
-            .map(|(e, q)| keep.contains(&e).then_some(q))
-            .collect()
+        got
     }
 
     #[test]
-    fn quantized_experts_given_only_where_chosen_equal_all_of_them_given() {
-        let (m, h, i, experts) = (3, 64, 32, 6);
-        let case = Case::new(m, h, i, experts);
-        let gate_up: Vec<_> = case.gate_up.iter().map(|w| q8_0(w, 2 * i, h).0).collect();
-        let down: Vec<_> = case.down.iter().map(|w| q8_0(w, h, i).0).collect();
-        let gate_up_q: Vec<_> = gate_up.iter().map(|b| matrix(b, 2 * i, h)).collect();
-        let down_q: Vec<_> = down.iter().map(|b| matrix(b, h, i)).collect();
-        let ids = Array2::from_shape_vec((m, 2), vec![1i64, 4, 4, 1, 1, NOT_HELD]).unwrap();
-        let w = Array2::from_shape_vec((m, 2), vec![0.6f32, 0.4, 0.7, 0.3, 1.0, 0.5]).unwrap();
-        let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
-        let every: Vec<usize> = (0..experts).collect();
-        let mut outs = Vec::new();
-        for (keep_gate_up, keep_down) in [
-            (&every[..], &every[..]),
-            (&[1, 4], &[1, 4]),
-            (&[1, 4], &[1]),
-            (&[1], &[1]),
-        ] {
-            let mut out = Array2::<f32>::zeros((m, h));
-            let (g, d) = (pick(&gate_up_q, keep_gate_up), pick(&down_q, keep_down));
-            let r = moe_quant_chosen(
-                x.view(),
-                (&g, &d),
-                ids.view(),
-                w.view(),
-                out.view_mut(),
-                1,
-                Activations::F32,
-            );
-            outs.push(r.map(|()| out));
+    fn quantized_experts_match_the_float_kernel_on_their_dequantized_weights() {
+        // 7 tokens (grouped products) and 1 token (the chosen experts' gate/up stacked)
+        for m in [7, 1] {
+            let (h, i, experts) = (64, 32, 4);
+            let (case, gate_up, down) = q8_0_case(m, h, i, experts);
+            let (mut ids, w) = routing(m, 3, experts);
+            ids[[m / 2, 1]] = NOT_HELD; // another rank's expert: adds nothing
+            let panels = stacked_panels::<f32>(&case.gate_up, 2 * i, h);
+            let want = case.run(&panels, &ids, &w, 2);
+            let got = run_quant(&case, (&gate_up, &down), &ids, &w, Activations::F32);
+            for (g, want) in got.iter().zip(want.iter()) {
+                assert!((g - want).abs() < 1e-4, "{m} tokens: {g} vs {want}");
+            }
         }
-        let want = outs[0].as_ref().unwrap();
-        assert_eq!(outs[1].as_ref().unwrap(), want);
-        let err = format!("{}", outs[2].as_ref().unwrap_err());
-        assert!(err.contains("expert 4: gate/up and down"), "{err}");
-        let err = format!("{}", outs[3].as_ref().unwrap_err());
-        assert!(err.contains("expert 4 was chosen"), "{err}");
+    }
+
+    #[test]
+    fn one_quantized_token_equals_its_row_of_a_batch_bit_for_bit() {
+        // the stacked gate/up product of one token against the same token's row of the
+        // grouped products, at every activation kind
+        let (m, h, i, experts) = (5, 64, 32, 6);
+        let (case, gate_up, down) = q8_0_case(m, h, i, experts);
+        let (ids, w) = routing(m, 3, experts);
+        for activations in [Activations::F32, Activations::Int8, Activations::Int16] {
+            let batch = run_quant(&case, (&gate_up, &down), &ids, &w, activations);
+            for t in [0, 3] {
+                let mut one = Case::new(1, h, i, experts);
+                one.x = case.x[t * h..(t + 1) * h].to_vec();
+                let row = run_quant(
+                    &one,
+                    (&gate_up, &down),
+                    &ids.slice(ndarray::s![t..t + 1, ..]).to_owned(),
+                    &w.slice(ndarray::s![t..t + 1, ..]).to_owned(),
+                    activations,
+                );
+                assert_eq!(row.row(0), batch.row(t), "{activations:?}, token {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_layout_that_does_not_fit_its_experts_or_buffers_is_rejected() {
+        let q = QType::Q8_0;
+        let err = QuantLayout::new(&[vec![(q, 32)], vec![(q, 30)]], &vec![vec![(q, 64)]; 2], 64)
+            .unwrap_err();
+        assert!(
+            format!("{err}").contains("expert 1: gate/up has 30 rows"),
+            "{err}"
+        );
+        let err = QuantLayout::new(&[vec![(q, 32)]], &[], 64).unwrap_err();
+        assert!(format!("{err}").contains("1 gate/up and 0 down"), "{err}");
+        let layout = QuantLayout::new(&[vec![(q, 64)]], &[vec![(q, 64)]], 64).unwrap();
+        // 64 rows of 64 and 64 rows of 32 elements: 2 and 1 blocks of 34 bytes a row
+        assert_eq!(layout.bytes(), (64 * 68, 64 * 34));
+        let (g, d) = (vec![0u8; 64 * 68], vec![0u8; 64 * 34 - 1]);
+        let err = layout.over(&g, &d).err().unwrap();
+        assert!(
+            format!("{err}").contains("hold 4352 and 2175 bytes"),
+            "{err}"
+        );
     }
 
     #[test]

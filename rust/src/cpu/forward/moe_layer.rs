@@ -7,12 +7,11 @@
 use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
 
 use super::{bad_shape, Linear, Options};
-use crate::cpu::quant::QuantMatrix;
 use crate::cpu::{activation, invalid, moe};
 use crate::error::Result;
 
-/// The experts' weights: stacked `linear` panels (`cpu::moe_experts`) or a quantized matrix
-/// per expert and projection (`cpu::moe_quant_chosen`).
+/// The experts' weights: stacked `linear` panels (`cpu::moe_experts`) or quantized rows laid out
+/// in two buffers (`cpu::moe_quant_experts`).
 pub enum Experts<'a> {
     Panels {
         /// `[E, ceil(2I / PANEL), H, PANEL]`, each expert's gate rows then up rows
@@ -20,17 +19,14 @@ pub enum Experts<'a> {
         /// `[E, ceil(H / PANEL), I, PANEL]`
         down: ArrayView4<'a, f32>,
     },
-    Quant {
-        gate_up: Vec<QuantMatrix<'a>>,
-        down: Vec<QuantMatrix<'a>>,
-    },
+    Quant(moe::QuantExperts<'a>),
 }
 
 impl Experts<'_> {
     fn count(&self) -> usize {
         match self {
             Experts::Panels { down, .. } => down.dim().0,
-            Experts::Quant { down, .. } => down.len(),
+            Experts::Quant(held) => held.count(),
         }
     }
 }
@@ -171,19 +167,15 @@ pub(super) fn moe_mlp(
             out_view,
             opts.num_threads,
         )?,
-        Experts::Quant { gate_up, down } => {
-            let gate_up: Vec<Option<&QuantMatrix<'_>>> = gate_up.iter().map(Some).collect();
-            let down: Vec<Option<&QuantMatrix<'_>>> = down.iter().map(Some).collect();
-            moe::moe_quant_chosen(
-                x.view(),
-                (&gate_up, &down),
-                ids,
-                weights,
-                out_view,
-                opts.num_threads,
-                opts.activations,
-            )?
-        }
+        Experts::Quant(held) => moe::moe_quant_experts(
+            x.view(),
+            held,
+            ids,
+            weights,
+            out_view,
+            opts.num_threads,
+            opts.activations,
+        )?,
     }
     if let Some(shared) = &mlp.shared {
         add_shared(x.view(), shared, &mut out, opts)?;
