@@ -27,8 +27,10 @@ BENCH = Path(__file__).with_name("cpu_attention_kv_quant.py")
 BASELINE = {
     "int8": "float32",
     "fp8_e4m3": "float32",
+    "fp8_e5m2": "float32",
     "bf16+int8": "bfloat16",
     "bf16+fp8_e4m3": "bfloat16",
+    "bf16+fp8_e5m2": "bfloat16",
 }
 
 

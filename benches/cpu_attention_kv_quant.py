@@ -35,9 +35,11 @@ VARIANTS = {
     "float32": (torch.float32, torch.float32),
     "int8": (torch.float32, torch.int8),
     "fp8_e4m3": (torch.float32, torch.float8_e4m3fn),
+    "fp8_e5m2": (torch.float32, torch.float8_e5m2),
     "bfloat16": (torch.bfloat16, torch.bfloat16),
     "bf16+int8": (torch.bfloat16, torch.int8),
     "bf16+fp8_e4m3": (torch.bfloat16, torch.float8_e4m3fn),
+    "bf16+fp8_e5m2": (torch.bfloat16, torch.float8_e5m2),
 }
 
 
@@ -104,7 +106,7 @@ def main() -> int:
                     start = time.perf_counter()
                     _core.cpu_paged_attention(*call)
                     times[name].append(time.perf_counter() - start)
-            ms = {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()}
+            ms = {name: round(1e3 * statistics.median(t), 4) for name, t in times.items()}
             base = ms[args.variants[0]]
             ratio = {name: round(t / base, 3) for name, t in ms.items()}
             print(

@@ -454,6 +454,10 @@ struct Scratch {
     acc: Vec<f32>,
     /// the AVX2 path: one query row in f32 (rotated there for a quantized cache)
     q_row: Vec<f32>,
+    /// AVX-512 decode over a quantized cache: the key tile's factors (`key_factor`) and its
+    /// values' (times the lift), `[kv head][KEY_TILE]`
+    key_factors: Vec<f32>,
+    value_factors: Vec<f32>,
 }
 
 fn run<T: Elem, C: KvElem>(ctx: &Ctx<'_, T, C>, chunks: Vec<(Item, &mut [T])>) {
@@ -773,6 +777,11 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
             }
         }
     }
+    // AVX-512 decode, quantized rows: room for a key tile's key and value factors
+    if !in_lanes && W && C::EXTRA > 0 {
+        sc.key_factors.resize(kv_heads * KEY_TILE, 0.0);
+        sc.value_factors.resize(kv_heads * KEY_TILE, 0.0);
+    }
     sc.max.clear();
     sc.max.resize(kv_heads * rp, f32::NEG_INFINITY);
     sc.sum.clear();
@@ -784,6 +793,33 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
         let n = KEY_TILE.min(keys - t0);
         // this tile's first position in `key_at`
         let kt = t0 - base;
+        if !in_lanes && W && t0 + KEY_TILE < keys {
+            // decode: the next tile's keys asked for now, arriving while this tile is worked on
+            let (next, end) = (kt + KEY_TILE, (kt + 2 * KEY_TILE).min(keys - base));
+            let mut j = next;
+            while j < end {
+                let len = (bs - (base + j) % bs).min(end - j);
+                k::prefetch(ctx.k.as_ptr().add(sc.key_at[j]), len * run);
+                j += len;
+            }
+        }
+        if !in_lanes && W && C::EXTRA > 0 {
+            // every key's and value's factor, once per tile and head, sixteen rows at a time
+            // (gathered scale bytes, the factors computed in the lanes), not one row at a time
+            // inside the loops
+            let (kf, vf) = (sc.key_factors.as_mut_ptr(), sc.value_factors.as_mut_ptr());
+            let key_lift = k16::key_unlift::<C>();
+            for j0 in (0..n).step_by(16) {
+                let at: [usize; 16] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
+                for g in 0..kv_heads {
+                    let (i, offset) = (g * KEY_TILE + j0, g * row + d);
+                    let f = k16::row_factors(ctx.k.as_ptr(), &at, offset, key_lift);
+                    std::arch::x86_64::_mm512_storeu_ps(kf.add(i), f);
+                    let f = k16::row_factors(ctx.v.as_ptr(), &at, offset, value_lift);
+                    std::arch::x86_64::_mm512_storeu_ps(vf.add(i), f);
+                }
+            }
+        }
         if !in_lanes && W {
             // the same, sixteen positions at a time (scores past n8 are never read)
             for j0 in (0..n).step_by(16) {
@@ -793,6 +829,7 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                     let (q_at, s_at) = (sc.q.as_ptr(), sc.scores.as_mut_ptr());
                     let q_row = |r: usize| q_at.add((g * rows + r) * d);
                     let score_row = |r: usize| s_at.add((g * rows + r) * KEY_TILE + j0);
+                    let f = sc.key_factors.as_ptr().wrapping_add(g * KEY_TILE + j0);
                     let mut r = 0;
                     while r < rows {
                         // a pair of rows per pass: each key widened once for both
@@ -801,13 +838,15 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                                 [q_row(r), q_row(r + 1)],
                                 &sixteen,
                                 d,
+                                f,
                             );
                             for (i, scores) in pair.into_iter().enumerate() {
                                 std::arch::x86_64::_mm512_storeu_ps(score_row(r + i), scores);
                             }
                             r += 2;
                         } else {
-                            let [scores] = k16::qk_keys_in_lanes::<C, 1>([q_row(r)], &sixteen, d);
+                            let [scores] =
+                                k16::qk_keys_in_lanes::<C, 1>([q_row(r)], &sixteen, d, f);
                             std::arch::x86_64::_mm512_storeu_ps(score_row(r), scores);
                             r += 1;
                         }
@@ -947,7 +986,12 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                     }
                     k::softmax_row(row, n8, &mut max[r], &mut sum[r], &mut corr[r]);
                 }
-                if C::EXTRA > 0 {
+                if C::EXTRA > 0 && W {
+                    let f = sc.value_factors.as_ptr().add(g * KEY_TILE);
+                    for r in 0..rows {
+                        k16::scale_row(s.add(r * KEY_TILE), f, n);
+                    }
+                } else if C::EXTRA > 0 {
                     k::scale_by_values(s, KEY_TILE, 1, rows, &value_ptr[..n], d, value_lift);
                 }
                 let (o, values) = (out.as_mut_ptr(), &value_ptr[..n]);

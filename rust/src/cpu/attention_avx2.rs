@@ -426,6 +426,19 @@ pub(crate) unsafe fn touch<T>(p: *const T, len: usize) -> u8 {
     acc
 }
 
+/// Asks for every cache line of the `len` elements at `p` to be brought into L1 (a hint: nothing
+/// waits for it, unlike `touch`'s reads).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn prefetch<T>(p: *const T, len: usize) {
+    let (start, bytes) = (p as *const i8, len * std::mem::size_of::<T>());
+    let mut at = 0;
+    while at < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(at));
+        at += 64;
+    }
+}
+
 /// `dst[x] = src[x]` widened to f32 (a quantized row dequantized), `x < d` (a multiple of 8).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]

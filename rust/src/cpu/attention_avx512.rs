@@ -203,9 +203,68 @@ pub(crate) fn q_lift<C: KvElem>() -> f32 {
     }
 }
 
+/// What `qk_keys_in_lanes` multiplies a key row's factor by: what the lifted lanes and q left
+/// out (exact: a power of two).
+#[inline(always)]
+pub(crate) fn key_unlift<C: KvElem>() -> f32 {
+    C::LIFT / q_lift::<C>()
+}
+
+/// The sixteen quantized rows at `base + at[l] + offset` (their `d` codes and scale byte, `d`
+/// >= 3 given as `offset`, plus the kv head's place in the position) each have factor
+/// `C::byte_factor(scale byte) * times`: the bytes read by two gathers (each the top byte of the
+/// dword ending at it, inside the row), the factors computed in the lanes.
+///
+/// # Safety
+/// `C` is a one-byte format; every row lies in one allocation with `base`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn row_factors<C: KvElem>(
+    base: *const C,
+    at: &[usize; 16],
+    offset: usize,
+    times: f32,
+) -> __m512 {
+    debug_assert_eq!(std::mem::size_of::<C>(), 1);
+    let start = (base as *const u8).add(offset - 3) as *const i32;
+    let lo = _mm512_loadu_si512(at.as_ptr() as *const __m512i);
+    let hi = _mm512_loadu_si512(at.as_ptr().add(8) as *const __m512i);
+    let words = _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm512_i64gather_epi32::<1>(lo, start)),
+        _mm512_i64gather_epi32::<1>(hi, start),
+    );
+    let bytes = _mm512_srli_epi32::<24>(words);
+    _mm512_mul_ps(C::byte_factor16(bytes), _mm512_set1_ps(times))
+}
+
+/// `attention_avx2::scale_by_values` for one row's `n` probabilities at `p` (contiguous) given
+/// each value's `factor * lift` in `factors` (`n` of them): 16 at a time, the same products.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn scale_row(p: *mut f32, factors: *const f32, n: usize) {
+    let mut j = 0;
+    while j < n {
+        let m: __mmask16 = if n - j >= 16 {
+            0xffff
+        } else {
+            (1u16 << (n - j)) - 1
+        };
+        let at = p.add(j);
+        let scaled = _mm512_mul_ps(
+            _mm512_maskz_loadu_ps(m, at),
+            _mm512_maskz_loadu_ps(m, factors.add(j)),
+        );
+        _mm512_mask_storeu_ps(at, m, scaled);
+        j += 16;
+    }
+}
+
 /// `attention_avx2::qk_keys_in_lanes_rows` for 16 keys: `R` rows' 16 scores `q[r] . keys[j]`
 /// (each times its row's factor for quantized keys), bit for bit the AVX2 path's two calls on
 /// keys 0-7 and 8-15, given each q row times `q_lift::<C>()`.
+///
+/// `factors`: each key's `C::factor` times `key_unlift::<C>()` (16 values; not read for plain f32 / bf16 keys), found
+/// once per key by the caller for every head's rows instead of here per call.
 ///
 /// Register `i` holds key `KEY_LO[i]`'s 8-lane sum in lanes 0-7 and key `KEY_LO[i] + 4`'s in
 /// lanes 8-15: after the fold (two rounds of `hadd`, then the low quads' sums plus the high
@@ -217,6 +276,7 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem, const R: usize>(
     q: [*const f32; R],
     keys: &[*const C; 16],
     d: usize,
+    factors: *const f32,
 ) -> [__m512; R] {
     const KEY_LO: [usize; 8] = [0, 1, 2, 3, 8, 9, 10, 11];
     let mut acc = [[_mm512_setzero_ps(); 8]; R];
@@ -235,12 +295,9 @@ pub(crate) unsafe fn qk_keys_in_lanes<C: KvElem, const R: usize>(
         }
         x += 8;
     }
-    // the factor, and what the lifted lanes and q left out (exact: powers of two)
     let plain = C::EXTRA == 0 && C::LIFT == 1.0;
-    let unlift = C::LIFT / q_lift::<C>();
     let factors = if !plain {
-        let factors: [f32; 16] = std::array::from_fn(|l| C::factor(keys[l], d) * unlift);
-        _mm512_loadu_ps(factors.as_ptr())
+        _mm512_loadu_ps(factors)
     } else {
         _mm512_setzero_ps()
     };
@@ -483,8 +540,12 @@ mod tests {
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
                 out
             };
-            let pair = unsafe { qk_keys_in_lanes::<C, 2>([l0.as_ptr(), l1.as_ptr()], &keys, d) };
-            let one = unsafe { qk_keys_in_lanes::<C, 1>([l1.as_ptr()], &keys, d) };
+            let unlift = key_unlift::<C>();
+            let factors: [f32; 16] =
+                std::array::from_fn(|l| unsafe { C::factor(keys[l], d) } * unlift);
+            let f = factors.as_ptr();
+            let pair = unsafe { qk_keys_in_lanes::<C, 2>([l0.as_ptr(), l1.as_ptr()], &keys, d, f) };
+            let one = unsafe { qk_keys_in_lanes::<C, 1>([l1.as_ptr()], &keys, d, f) };
             for (q, got) in [(&q0, pair[0]), (&q1, pair[1]), (&q1, one[0])] {
                 let mut want = [0.0f32; 16];
                 for h in 0..2 {
@@ -553,6 +614,7 @@ mod tests {
                 check::<Bf16>(d, rows_n, 13);
                 check::<I8>(d, rows_n, 13);
                 check::<Fp8E4M3>(d, rows_n, 13);
+                check::<Fp8E5M2>(d, rows_n, 13);
             }
         }
     }
