@@ -191,7 +191,7 @@ pub fn quant_linear_with(
     if m <= DECODE_MAX_ROWS {
         let per_share = (MIN_SHARE_ELEMS / k).max(1);
         let threads = num_threads.clamp(1, n.div_ceil(per_share));
-        // runs of whole passes of four weight rows (`vnni4`)
+        // runs of whole passes of four weight rows (`vnni4`, `int16x4`)
         let chunk = n
             .div_ceil(threads * CHUNKS_PER_THREAD)
             .max(per_share)
@@ -278,134 +278,159 @@ unsafe fn decode_rows_avx2(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
 /// in L1 and dotted with the same elements of every row of x: the weight is read once.
 #[inline(always)]
 fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
-    let (m, k) = (ctx.m, ctx.k);
-    let mut buf = [0.0f32; CHUNK];
-    let mut sums = [0.0f32; DECODE_MAX_ROWS];
+    let m = ctx.m;
+    let mut rs = RowScratch {
+        buf: [0.0f32; CHUNK],
+        sums: [0.0f32; DECODE_MAX_ROWS],
+        x8: Vec::new(),
+        x16: Vec::new(),
+        #[cfg(target_arch = "x86_64")]
+        planes: Vec::new(),
+    };
     // x's quantized rows looked up once per run, not once per weight row
-    let (mut x8, mut x16) = (Vec::new(), Vec::new());
-    #[cfg(target_arch = "x86_64")]
-    let mut planes = Vec::new();
     match ctx.xq {
-        Some(QuantizedX::Int8(xq)) => x8.extend((0..m).map(|i| xq.row(i))),
+        Some(QuantizedX::Int8(xq)) => rs.x8.extend((0..m).map(|i| xq.row(i))),
         Some(QuantizedX::Int16(xq, p)) => {
-            x16.extend((0..m).map(|i| xq.row(i)));
+            rs.x16.extend((0..m).map(|i| xq.row(i)));
             #[cfg(target_arch = "x86_64")]
             if let Some(p) = p {
-                planes.extend((0..m).map(|i| p.row(i)));
+                rs.planes.extend((0..m).map(|i| p.row(i)));
             }
             let _ = p;
         }
         None => {}
     }
-    // one row of x on the VNNI units: weight rows four a pass (`vnni4`)
+    // one row of x: weight rows four a pass (`vnni4`, `int16x4`)
     #[cfg(target_arch = "x86_64")]
-    let mut four = Four {
-        on: m == 1 && !planes.is_empty(),
-        t: super::QType::F32,
-        rows: [(0, &[][..]); super::vnni4::ROWS],
-        n: 0,
-    };
-    for (r, t, row) in ctx.w.rows_in(rows) {
+    let four = F && m == 1 && !rs.x16.is_empty();
+    for (first, t, bytes, data) in ctx.w.runs_in(rows) {
+        let count = data.len() / bytes;
+        #[allow(unused_mut)]
+        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if four.on {
-            if super::vnni4::takes(t) {
-                four.push(ctx, &x16, &planes, t, row, r);
-                continue;
-            }
-            four.flush(ctx, &x16, &planes);
+        if four {
+            // SAFETY: `four` only inside `decode_rows_avx2` (avx2, fma and f16c checked)
+            done = unsafe { four_rows(ctx, &rs, t, bytes, data, first) };
         }
-        match ctx.xq.filter(|xq| xq.takes(t)) {
-            Some(QuantizedX::Int8(_)) => {
-                int8_row::<F>(ctx, &x8, t, row, r);
-                continue;
-            }
-            Some(QuantizedX::Int16(..)) => {
-                #[cfg(target_arch = "x86_64")]
-                if !planes.is_empty() && super::vnni::decodes(t) {
-                    int16_row_vnni(ctx, &x16, &planes, t, row, r);
-                    continue;
-                }
-                int16_row::<F>(ctx, &x16, t, row, r);
-                continue;
-            }
-            None => {}
-        }
-        #[cfg(target_arch = "x86_64")]
-        if F && !ctx.xsum.is_empty() && super::dot_avx2::fused(t) {
-            // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
-            // the row holds k elements of t; x rows of k floats, xsum rows of k / 32.
-            unsafe { fused_row(ctx, t, row, r) };
-            continue;
-        }
-        sums.fill(0.0);
-        let mut start = 0;
-        while start < k {
-            let len = (k - start).min(CHUNK);
-            let w = &mut buf[..len];
-            dequantize_range(t, row, start, w, F);
-            for (i, s) in sums[..m].iter_mut().enumerate() {
-                *s += simd::dot::<F, f32>(&ctx.x[i * k + start..i * k + start + len], w);
-            }
-            start += len;
-        }
-        for (i, s) in sums[..m].iter().enumerate() {
-            ctx.put(i, r, *s);
+        for i in done..count {
+            decode_row::<F>(
+                ctx,
+                &mut rs,
+                t,
+                &data[i * bytes..(i + 1) * bytes],
+                first + i,
+            );
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    four.flush(ctx, &x16, &planes);
 }
 
-/// Weight rows of one type waiting to be taken four a pass (`vnni4`) with the one row of x.
-#[cfg(target_arch = "x86_64")]
-struct Four<'a> {
-    /// Whether the run takes rows four a pass (one row of x, on the VNNI units).
-    on: bool,
-    /// The waiting rows' type.
+/// A run's buffers and x's quantized rows (`ctx.xq`'s, with their VNNI planes where it has
+/// them), for `decode_row`.
+struct RowScratch<'x> {
+    buf: [f32; CHUNK],
+    sums: [f32; DECODE_MAX_ROWS],
+    x8: Vec<int8::Row<'x>>,
+    x16: Vec<int16::Row<'x>>,
+    #[cfg(target_arch = "x86_64")]
+    planes: Vec<super::vnni::PlaneRow<'x>>,
+}
+
+/// Row `r` (type `t`, bytes `row`) times every row of x.
+#[inline(always)]
+fn decode_row<const F: bool>(
+    ctx: &Ctx<'_, '_>,
+    rs: &mut RowScratch<'_>,
     t: super::QType,
-    /// The waiting rows (output row, bytes): the first `n`.
-    rows: [(usize, &'a [u8]); super::vnni4::ROWS],
-    n: usize,
+    row: &[u8],
+    r: usize,
+) {
+    let (m, k) = (ctx.m, ctx.k);
+    match ctx.xq.filter(|xq| xq.takes(t)) {
+        Some(QuantizedX::Int8(_)) => {
+            int8_row::<F>(ctx, &rs.x8, t, row, r);
+            return;
+        }
+        Some(QuantizedX::Int16(..)) => {
+            #[cfg(target_arch = "x86_64")]
+            if !rs.planes.is_empty() && super::vnni::decodes(t) {
+                int16_row_vnni(ctx, &rs.x16, &rs.planes, t, row, r);
+                return;
+            }
+            int16_row::<F>(ctx, &rs.x16, t, row, r);
+            return;
+        }
+        None => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if F && !ctx.xsum.is_empty() && super::dot_avx2::fused(t) {
+        // SAFETY: F is true only inside `decode_rows_avx2` (avx2, fma and f16c checked);
+        // the row holds k elements of t; x rows of k floats, xsum rows of k / 32.
+        unsafe { fused_row(ctx, t, row, r) };
+        return;
+    }
+    let sums = &mut rs.sums;
+    sums.fill(0.0);
+    let mut start = 0;
+    while start < k {
+        let len = (k - start).min(CHUNK);
+        let w = &mut rs.buf[..len];
+        dequantize_range(t, row, start, w, F);
+        for (i, s) in sums[..m].iter_mut().enumerate() {
+            *s += simd::dot::<F, f32>(&ctx.x[i * k + start..i * k + start + len], w);
+        }
+        start += len;
+    }
+    for (i, s) in sums[..m].iter().enumerate() {
+        ctx.put(i, r, *s);
+    }
 }
 
+/// The rows of a segment's run (`data`: rows of `bytes` bytes of type `t`, the first output
+/// row `first`) four at a time with the one row of x, where a four-row unit takes `t`: by
+/// `vnni4` where x has planes and `t` is VNNI-decoded, by `int16x4` (AVX2) otherwise. Returns
+/// the rows done (a multiple of 4; the rest go one at a time, the same bits).
+///
+/// # Safety
+/// The CPU supports avx2, fma and f16c; one row of x, 16-bit codes (`rs.x16`).
 #[cfg(target_arch = "x86_64")]
-impl<'a> Four<'a> {
-    /// Adds row `r` (type `t`, `vnni4::takes(t)`): four of one type are taken at once; a row of
-    /// another type first sends the waiting ones through `flush`.
-    fn push(
-        &mut self,
-        ctx: &Ctx<'_, '_>,
-        x: &[int16::Row<'_>],
-        p: &[super::vnni::PlaneRow<'_>],
-        t: super::QType,
-        row: &'a [u8],
-        r: usize,
-    ) {
-        if self.n > 0 && self.t != t {
-            self.flush(ctx, x, p);
-        }
-        self.t = t;
-        self.rows[self.n] = (r, row);
-        self.n += 1;
-        if self.n == super::vnni4::ROWS {
-            let rows = self.rows.map(|(_, row)| row);
-            // SAFETY: `on` only with planes, made only where `vnni()` (AVX-512 with VNNI
-            // granted); `takes(t)`; the rows and x's row hold k elements
-            let dots = unsafe { super::vnni4::rows_dots_vnni(t, rows, ctx.k, &x[0], &p[0]) };
-            for ((r, _), v) in self.rows.iter().zip(dots) {
-                ctx.put(0, *r, v);
-            }
-            self.n = 0;
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn four_rows(
+    ctx: &Ctx<'_, '_>,
+    rs: &RowScratch<'_>,
+    t: super::QType,
+    bytes: usize,
+    data: &[u8],
+    first: usize,
+) -> usize {
+    use super::{int16x4, vnni4};
+    let vnni = !rs.planes.is_empty() && super::vnni::decodes(t);
+    if !(if vnni {
+        vnni4::takes(t)
+    } else {
+        int16x4::takes(t)
+    }) {
+        return 0;
+    }
+    let (k, x) = (ctx.k, &rs.x16[0]);
+    let passes = data.len() / bytes / vnni4::ROWS;
+    for (i, four) in data
+        .chunks_exact(vnni4::ROWS * bytes)
+        .take(passes)
+        .enumerate()
+    {
+        let rows: [&[u8]; vnni4::ROWS] = std::array::from_fn(|j| &four[j * bytes..(j + 1) * bytes]);
+        // planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`; the
+        // rows and x's row hold k elements
+        let dots = if vnni {
+            vnni4::rows_dots_vnni(t, rows, k, x, &rs.planes[0])
+        } else {
+            int16x4::rows_dots_avx2(t, rows, k, x)
+        };
+        for (j, v) in dots.into_iter().enumerate() {
+            ctx.put(0, first + vnni4::ROWS * i + j, v);
         }
     }
-
-    /// The waiting rows one at a time (`int16_row_vnni`: the same bits).
-    fn flush(&mut self, ctx: &Ctx<'_, '_>, x: &[int16::Row<'_>], p: &[super::vnni::PlaneRow<'_>]) {
-        for (r, row) in &self.rows[..self.n] {
-            int16_row_vnni(ctx, x, p, self.t, row, *r);
-        }
-        self.n = 0;
-    }
+    passes * vnni4::ROWS
 }
 
 /// `$name`: row `r` (type `t`, `$m::takes(t)`, bytes `row`) dotted with every row of x

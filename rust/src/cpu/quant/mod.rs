@@ -21,6 +21,8 @@ pub mod formats;
 mod formats_avx2;
 mod gemm16;
 mod int16;
+#[cfg(target_arch = "x86_64")]
+mod int16x4;
 mod int8;
 mod matmul;
 mod quantize;
@@ -98,22 +100,28 @@ impl<'a> QuantMatrix<'a> {
         self.k
     }
 
-    /// Rows `rows` as (row, type, bytes), the segments walked once (no search per row).
-    fn rows_in(&self, rows: Range<usize>) -> impl Iterator<Item = (usize, QType, &'a [u8])> + '_ {
-        let mut s = self
+    /// Rows `rows` a segment at a time: (first row, type, bytes of a row, the rows' bytes), the
+    /// segments walked once (no search or division per row).
+    fn runs_in(
+        &self,
+        rows: Range<usize>,
+    ) -> impl Iterator<Item = (usize, QType, usize, &'a [u8])> + '_ {
+        let first = self
             .starts
             .partition_point(|start| *start <= rows.start)
             .max(1)
             - 1;
-        rows.map(move |r| {
-            while self.starts[s + 1] <= r {
-                s += 1;
-            }
-            let seg = &self.segments[s];
-            let bytes = seg.data.len() / seg.rows;
-            let i = r - self.starts[s];
-            (r, seg.qtype, &seg.data[i * bytes..(i + 1) * bytes])
-        })
+        self.segments[first..]
+            .iter()
+            .zip(&self.starts[first..])
+            .map_while(move |(seg, start)| {
+                let (from, to) = (rows.start.max(*start), rows.end.min(start + seg.rows));
+                (from < to).then(|| {
+                    let bytes = seg.data.len() / seg.rows;
+                    let data = &seg.data[(from - start) * bytes..(to - start) * bytes];
+                    (from, seg.qtype, bytes, data)
+                })
+            })
     }
 
     /// Row `r`'s type and bytes.

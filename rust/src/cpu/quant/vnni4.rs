@@ -108,13 +108,17 @@ unsafe fn rows32<const T: u32>(
     lanes: &mut Lanes<ROWS>,
 ) {
     let (blocks, bytes) = (k / QK, bytes32(T));
+    // whole groups with n = 8 known (the scales' gather unrolled, no branch), then the rest
     let mut blk = 0;
-    while blk < blocks {
-        let n = (blocks - blk).min(8);
-        // blocks blk..blk + n of each row: inside it
+    while blk + 8 <= blocks {
+        // blocks blk..blk + 8 of each row: inside it
         let b = rows.map(|r| r.add(blk * bytes));
-        group32::<T>(b, blk, n, x, p, lanes);
-        blk += n;
+        group32::<T>(b, blk, 8, x, p, lanes);
+        blk += 8;
+    }
+    if blk < blocks {
+        let b = rows.map(|r| r.add(blk * bytes));
+        group32::<T>(b, blk, blocks - blk, x, p, lanes);
     }
 }
 
