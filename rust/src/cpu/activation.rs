@@ -12,6 +12,8 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::elem::Elem;
 use super::invalid;
+#[cfg(target_arch = "x86_64")]
+use super::isa::{self, IsaLevel};
 use super::pool;
 use crate::error::Result;
 
@@ -63,22 +65,40 @@ pub fn silu_and_mul<T: Elem>(
 /// The rows of `gate_up` `[n, 2 * width]` into `out` `[n, width]`.
 fn run<T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
     #[cfg(target_arch = "x86_64")]
+    if isa::level() >= IsaLevel::Avx512 {
+        // SAFETY: the CPU supports the features the function is compiled for (checked above).
+        unsafe { rows_avx512(gate_up, out, width) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { rows_avx2_fma(gate_up, out, width) };
         return;
     }
-    rows_with::<false, T>(gate_up, out, width);
+    rows_with::<PORTABLE, T>(gate_up, out, width);
 }
+
+/// The loops' levels (`rows_with`'s `L`).
+const PORTABLE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rows_avx2_fma<T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
-    rows_with::<true, T>(gate_up, out, width);
+    rows_with::<AVX2, T>(gate_up, out, width);
+}
+
+// the same loop, its widening and products on 16 lanes, silu on `simd_avx512::silu16`
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn rows_avx512<T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
+    rows_with::<AVX512, T>(gate_up, out, width);
 }
 
 #[inline(always)]
-fn rows_with<const AVX: bool, T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
+fn rows_with<const L: u8, T: Elem>(gate_up: &[T], out: &mut [T], width: usize) {
     let mut act = vec![0.0f32; width];
     for (src, dst) in gate_up
         .chunks_exact(2 * width)
@@ -88,7 +108,7 @@ fn rows_with<const AVX: bool, T: Elem>(gate_up: &[T], out: &mut [T], width: usiz
         for (a, g) in act.iter_mut().zip(gate) {
             *a = g.to_f32();
         }
-        silu_in_place::<AVX>(&mut act);
+        silu_in_place::<L>(&mut act);
         for ((d, a), u) in dst.iter_mut().zip(&act).zip(up) {
             *d = T::from_f32(T::round(*a) * u.to_f32());
         }
@@ -97,11 +117,15 @@ fn rows_with<const AVX: bool, T: Elem>(gate_up: &[T], out: &mut [T], width: usiz
 
 /// `x / (1 + exp(-x))` for every element.
 #[inline(always)]
-fn silu_in_place<const AVX: bool>(xs: &mut [f32]) {
+fn silu_in_place<const L: u8>(xs: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if AVX {
-        // SAFETY: `AVX` is true only inside functions compiled for avx2 + fma, which run only
+    if L == AVX512 {
+        // SAFETY: `L` is AVX512 only inside `rows_avx512`, which runs only where the ISA level
+        // is AVX-512 (`run`).
+        done = unsafe { super::simd_avx512::silu16(xs) };
+    } else if L == AVX2 {
+        // SAFETY: `L` is AVX2 only inside functions compiled for avx2 + fma, which run only
         // after the CPU was checked for both (`run`).
         done = unsafe { silu_avx2_fma(xs) };
     }
@@ -251,5 +275,27 @@ mod tests {
         let mut out = Array2::<f32>::zeros((2, 4));
         let err = silu_and_mul(gate_up.view(), out.view_mut(), 1).unwrap_err();
         assert!(format!("{err}").contains("want [T, 2I], [T, I]"), "{err}");
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_rows_give_the_avx2_rows_bits() {
+        use crate::cpu::isa::{self, IsaLevel};
+        if isa::level() < IsaLevel::Avx512 {
+            return; // the AVX-512 loops run only at that level (CI tests each level it has)
+        }
+        // widths with no tail, an 8-lane chunk after the 16-lane ones, and a scalar tail
+        for width in [16, 24, 37, 1376] {
+            let gate_up = inputs(3, width);
+            let gate_up = gate_up.as_slice().unwrap();
+            let (mut wide, mut narrow) = (vec![0.0f32; 3 * width], vec![0.0f32; 3 * width]);
+            // SAFETY: the level is AVX-512 (checked above), which includes AVX2 + FMA.
+            unsafe {
+                rows_avx512(gate_up, &mut wide, width);
+                rows_avx2_fma(gate_up, &mut narrow, width);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&wide), bits(&narrow), "width {width}");
+        }
     }
 }

@@ -346,7 +346,7 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
             let rows = (ctx.m - row).min(height);
             let x = &xs[row * xk..(row + rows) * xk];
             let mut acc = [[0.0f32; PANEL]; DIRECT_MAX_ROWS];
-            tile_rows::<L, T, false>(rows, x, x, w, k, xk, &mut acc[..rows]);
+            tile_rows::<L, T, false>(true, rows, x, x, w, k, xk, &mut acc[..rows]);
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
@@ -415,7 +415,18 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                             xa
                         };
                         let sums = sums.as_flattened_mut();
-                        tile_rows::<L, T, true>(rows, xa, xb, w, depth, xk, &mut sums[..rows]);
+                        // the first tiles over a slice read it from memory
+                        let first = s == 0;
+                        tile_rows::<L, T, true>(
+                            first,
+                            rows,
+                            xa,
+                            xb,
+                            w,
+                            depth,
+                            xk,
+                            &mut sums[..rows],
+                        );
                     }
                     k0 += depth;
                 }
@@ -479,6 +490,7 @@ fn pack_rows(x: &[f32], k: usize, packed: &mut [f32]) {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
+    prefetch: bool,
     rows: usize,
     xa: &[f32],
     xb: &[f32],
@@ -504,14 +516,16 @@ fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
         unsafe {
             match (L == AVX512_BF16, PACKED) {
                 (false, false) => linear_avx512::tile_direct(rows, xa, w, k, acc),
-                (false, true) => linear_avx512::tile_packed(rows, xa, xb, w, depth, k, acc),
+                (false, true) => {
+                    linear_avx512::tile_packed(prefetch, rows, xa, xb, w, depth, k, acc)
+                }
                 (true, false) => linear_avx512::tile_pairs_direct(rows, xa, w, depth, k, acc),
                 (true, true) => linear_avx512::tile_pairs_packed(rows, xa, xb, w, depth, k, acc),
             }
         }
         return;
     }
-    let _ = xb;
+    let _ = (xb, prefetch);
     let f = L == AVX2;
     match (rows, f) {
         (1, false) => tile::<false, T, 1, PACKED>(xa, w, depth, k, acc),

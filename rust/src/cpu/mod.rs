@@ -24,6 +24,8 @@ mod pool;
 pub mod quant;
 pub mod rotary;
 mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd_avx512;
 pub mod views;
 
 #[cfg(test)]

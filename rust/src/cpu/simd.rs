@@ -151,12 +151,12 @@ pub(crate) fn scale(y: &mut [f32], a: f32) {
     }
 }
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(super) const LOG2E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split in a part exact in few bits and the rest (Cody-Waite), so n * LN2_HI is exact
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
+pub(super) const LN2_HI: f32 = 0.693_359_4;
+pub(super) const LN2_LO: f32 = -2.121_944_4e-4;
 // minimax coefficients of (e^r - 1 - r) / r^2 on |r| <= ln2 / 2 (Cephes' expf)
-const P: [f32; 6] = [
+pub(super) const P: [f32; 6] = [
     1.987_569_1e-4,
     1.398_199_9e-3,
     8.333_452e-3,
