@@ -22,6 +22,9 @@ weights; `--concurrency` tokens) against a torch loop of `F.linear` per chosen e
 alternated pairs, one thread's CPU time, medians of `--rounds`. `--gguf FILE` runs FILE's decode
 through the engine with the one-call CPU decoder and layer by layer (`enforce_eager`), the two
 engines alternated, medians of `--rounds` (wall time; label it busy on a shared machine).
+`--gguf FILE --builds A/python B/python --llama-bin DIR --threads 1` compares package copies
+(e.g. two commits' release builds) single stream, decode 32 / prefill 64, with llama.cpp's
+`llama-bench` in the same rounds (builds alternated): medians and each round's ratios.
 """
 
 from __future__ import annotations
@@ -227,6 +230,35 @@ def fused_ab(path: str, concurrency: list[int], tokens: int, threads: int, round
         print(f"| {c} | {_median(fused):.1f} | {_median(plain):.1f} | {ratio:.2f}x |", flush=True)
 
 
+def builds_vs_llamacpp(args) -> None:
+    """Single-stream decode and prefill of `--gguf` by each package copy of `--builds` (a
+    `python` folder each, put first on PYTHONPATH) and by llama.cpp (`--llama-bin`), every round
+    llama.cpp then the builds in alternating order; medians and per-round ratios."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gguf_vs_llamacpp as vs  # the same runs as its single-stream comparison
+
+    names = ["llama.cpp", *args.builds]
+    runs: dict[str, dict[str, list[float]]] = {n: {"decode": [], "prefill": []} for n in names}
+    for r in range(args.rounds):
+        runs["llama.cpp"]["decode"].append(vs.llama_bench(args.llama_bin, args.gguf, 1, 0, 32))
+        runs["llama.cpp"]["prefill"].append(vs.llama_bench(args.llama_bin, args.gguf, 1, 64, 0))
+        for build in args.builds if r % 2 == 0 else args.builds[::-1]:
+            os.environ["PYTHONPATH"] = build
+            got = vs.pagedllm_single(args.gguf, args.threads, 32, 64)
+            for what in ("decode", "prefill"):
+                runs[build][what].append(got[what])
+    for what in ("decode", "prefill"):
+        medians = ", ".join(f"{n} {_median(runs[n][what]):.1f}" for n in names)
+        print(f"{what} tok/s (medians of {args.rounds}): {medians}")
+        for a, b in [(x, "llama.cpp") for x in args.builds] + [(args.builds[-1], args.builds[0])]:
+            ratios = [x / y for x, y in zip(runs[a][what], runs[b][what])]
+            listed = " ".join(f"{v:.2f}" for v in ratios)
+            print(f"  {a} / {b}: {listed} (median {_median(ratios):.2f}x)", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -243,7 +275,12 @@ def main() -> int:
     p.add_argument("--kernel", action="store_true", help="the bf16 expert kernel alone")
     p.add_argument("--gguf", help="a GGUF file: one-call decoder against layer by layer")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--llama-bin", type=Path, help="with --gguf and --builds: llama.cpp's bin")
+    p.add_argument("--builds", nargs="+", help="package copies' python folders to compare")
     args = p.parse_args()
+    if args.gguf and args.builds:
+        builds_vs_llamacpp(args)
+        return 0
     if args.kernel:
         kernel_ab(args.concurrency, args.rounds)
         return 0
