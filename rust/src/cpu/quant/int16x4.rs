@@ -1,7 +1,7 @@
 //! `int16`'s AVX2 decode products four weight rows a pass, for one row of x and the 32-element
-//! block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): x's codes of a block are loaded once for the four
-//! rows, x's scales and sums once a group (`vnni4` does the same at the VNNI level; Q8_0's rows
-//! take these units there too, `vnni::decodes`). Each weight row keeps the integer sums and the
+//! block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), at the AVX-512 level (32 registers; Q8_0's rows,
+//! which stay on the AVX2 units there, `vnni::decodes`): x's codes of a block are loaded once
+//! for the four rows, x's scales and sums once a group (`vnni4` does the same on VNNI). Each weight row keeps the integer sums and the
 //! very f32 steps of `int16::row_dots_avx2::<1>` in the same order, so each result equals it
 //! (and `int16::row_dot`) bit for bit.
 #![cfg(target_arch = "x86_64")]
@@ -17,7 +17,7 @@ pub const ROWS: usize = 4;
 /// Elements per block of x.
 const QK: usize = 32;
 
-/// Whether `rows_dots_avx2` takes rows of `t`.
+/// Whether `rows_dots_avx512` takes rows of `t`.
 pub fn takes(t: QType) -> bool {
     matches!(
         t,
@@ -100,13 +100,20 @@ unsafe fn rows32<const T: u32>(
 }
 
 /// `int16::row_dots_avx2::<1>` of each of the four weight rows `rows` (type `t`) with the row
-/// of x `x`: the same bits, x read once for the four.
+/// of x `x`: the same bits, x read once for the four. Compiled with AVX-512's 32 vector
+/// registers (the four rows' partial sums spill out of AVX2's 16: SmolLM2's Q8_0 output matrix
+/// ran 1.35x slower so); the instructions are AVX2's (their EVEX forms), the same bits.
 ///
 /// # Safety
-/// The CPU supports avx2, fma and f16c; `takes(t)`; each of `rows` holds `k` elements of `t`
-/// and x `k`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rows_dots_avx2(t: QType, rows: [&[u8]; ROWS], k: usize, x: &Row<'_>) -> [f32; ROWS] {
+/// The process runs at AVX-512 (`super::vnni()`); `takes(t)`; each of `rows` holds `k`
+/// elements of `t` and x `k`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub unsafe fn rows_dots_avx512(
+    t: QType,
+    rows: [&[u8]; ROWS],
+    k: usize,
+    x: &Row<'_>,
+) -> [f32; ROWS] {
     let mut lanes = Lanes {
         acc: [_mm256_setzero_ps(); ROWS],
         mins: [_mm256_setzero_ps(); ROWS],

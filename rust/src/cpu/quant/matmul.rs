@@ -387,7 +387,8 @@ fn decode_row<const F: bool>(
 
 /// The rows of a segment's run (`data`: rows of `bytes` bytes of type `t`, the first output
 /// row `first`) four at a time with the one row of x, where a four-row unit takes `t`: by
-/// `vnni4` where x has planes and `t` is VNNI-decoded, by `int16x4` (AVX2) otherwise. Returns
+/// `vnni4` where x has planes and `t` is VNNI-decoded, by `int16x4` at AVX-512 otherwise (Q8_0;
+/// none at the AVX2 level). Returns
 /// the rows done (a multiple of 4; the rest go one at a time, the same bits).
 ///
 /// # Safety
@@ -404,11 +405,13 @@ unsafe fn four_rows(
 ) -> usize {
     use super::{int16x4, vnni4};
     let vnni = !rs.planes.is_empty() && super::vnni::decodes(t);
-    if !(if vnni {
+    // AVX2's 16 registers do not hold four rows' sums: at that level rows go one at a time
+    let takes = if vnni {
         vnni4::takes(t)
     } else {
-        int16x4::takes(t)
-    }) {
+        super::vnni() && int16x4::takes(t)
+    };
+    if !takes {
         return 0;
     }
     let (k, x) = (ctx.k, &rs.x16[0]);
@@ -419,12 +422,12 @@ unsafe fn four_rows(
         .enumerate()
     {
         let rows: [&[u8]; vnni4::ROWS] = std::array::from_fn(|j| &four[j * bytes..(j + 1) * bytes]);
-        // planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`; the
-        // rows and x's row hold k elements
+        // planes are made only where `vnni()` (AVX-512 with VNNI granted), int16x4 taken only
+        // there; `takes(t)`; the rows and x's row hold k elements
         let dots = if vnni {
             vnni4::rows_dots_vnni(t, rows, k, x, &rs.planes[0])
         } else {
-            int16x4::rows_dots_avx2(t, rows, k, x)
+            int16x4::rows_dots_avx512(t, rows, k, x)
         };
         for (j, v) in dots.into_iter().enumerate() {
             ctx.put(0, first + vnni4::ROWS * i + j, v);
