@@ -16,7 +16,8 @@ within the 256 values a byte codes from 2^F up (`m2`: -2); `exact` the amax as a
 the bound among 1.0 .. 0.7 x amax with the row's least squared error, `b3mse` among
 the scale byte's bound and the three bytes below it; `norot` codes the row
 without the Walsh-Hadamard rotation, `rs` flips a fixed random set of its channels' signs
-first; `konly` / `vonly` codes only the keys / values. `engine-int8`
+first; `kc` codes the keys less their mean over the window's positions (an upper bound of
+a per-(layer, head) key offset); `konly` / `vonly` codes only the keys / values. `engine-int8`
 and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check against b3).
 """
 
@@ -97,6 +98,13 @@ def fake(x: torch.Tensor, scheme: str, part: str) -> torch.Tensor:
         dtype = {"engine-int8": torch.int8, "engine-fp8": torch.float8_e4m3fn}[scheme]
         return reference.dequantize_rows(reference.quantize_rows(x, dtype))
     kind, bound_kind, *flags = scheme.split("-")
+    if "kc" in flags and part == "k":
+        # `kc`: the keys' mean over the window's positions (per kv head) kept exact, the rest
+        # coded: what a fixed per-(layer, head) key offset could give at best (softmax ignores
+        # q . c, the same for every key of a query); measured, not built
+        center = x.mean(0, keepdim=True)
+        rest = [f for f in flags if f != "kc"]
+        return fake(x - center, "-".join([kind, bound_kind, *rest]), part) + center
     rotate = "norot" not in flags
     # `rs`: random signs before the rotation (H D x, D = diag(+-1)): a row whose channels share
     # a sign pattern with one of H's rows no longer concentrates on one channel

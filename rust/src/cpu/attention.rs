@@ -805,18 +805,16 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
         }
         if !in_lanes && W && C::EXTRA > 0 {
             // every key's and value's factor, once per tile and head, sixteen rows at a time
-            // (gathered scale bytes, the factors computed in the lanes), not one row at a time
+            // (their scale bytes, the factors computed in the lanes), not one row at a time
             // inside the loops
-            let (kf, vf) = (sc.key_factors.as_mut_ptr(), sc.value_factors.as_mut_ptr());
+            // (the values' after `touch` below has brought their lines in)
+            let kf = sc.key_factors.as_mut_ptr();
             let key_lift = k16::key_unlift::<C>();
             for j0 in (0..n).step_by(16) {
                 let at: [usize; 16] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
                 for g in 0..kv_heads {
-                    let (i, offset) = (g * KEY_TILE + j0, g * row + d);
-                    let f = k16::row_factors(ctx.k.as_ptr(), &at, offset, key_lift);
-                    std::arch::x86_64::_mm512_storeu_ps(kf.add(i), f);
-                    let f = k16::row_factors(ctx.v.as_ptr(), &at, offset, value_lift);
-                    std::arch::x86_64::_mm512_storeu_ps(vf.add(i), f);
+                    let f = k16::row_factors(ctx.k.as_ptr(), &at, g * row + d, key_lift);
+                    std::arch::x86_64::_mm512_storeu_ps(kf.add(g * KEY_TILE + j0), f);
                 }
             }
         }
@@ -898,6 +896,16 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                 let len = (bs - (t0 + j) % bs).min(n - j);
                 std::hint::black_box(k::touch(ctx.v.as_ptr().add(sc.key_at[kt + j]), len * run));
                 j += len;
+            }
+        }
+        if !in_lanes && W && C::EXTRA > 0 {
+            let vf = sc.value_factors.as_mut_ptr();
+            for j0 in (0..n).step_by(16) {
+                let at: [usize; 16] = std::array::from_fn(|l| sc.key_at[kt + (j0 + l).min(n - 1)]);
+                for g in 0..kv_heads {
+                    let f = k16::row_factors(ctx.v.as_ptr(), &at, g * row + d, value_lift);
+                    std::arch::x86_64::_mm512_storeu_ps(vf.add(g * KEY_TILE + j0), f);
+                }
             }
         }
         for g in 0..kv_heads {

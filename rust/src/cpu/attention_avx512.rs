@@ -210,13 +210,13 @@ pub(crate) fn key_unlift<C: KvElem>() -> f32 {
     C::LIFT / q_lift::<C>()
 }
 
-/// The sixteen quantized rows at `base + at[l] + offset` (their `d` codes and scale byte, `d`
-/// >= 3 given as `offset`, plus the kv head's place in the position) each have factor
-/// `C::byte_factor(scale byte) * times`: the bytes read by two gathers (each the top byte of the
-/// dword ending at it, inside the row), the factors computed in the lanes.
+/// The sixteen quantized rows at `base + at[l] + offset` (`offset`: the kv head's place in the
+/// position plus `d`, where each row's scale byte lies) each have factor
+/// `C::byte_factor(scale byte) * times`: the bytes read one by one (as fast here as two gathers),
+/// the factors computed in the lanes.
 ///
 /// # Safety
-/// `C` is a one-byte format; every row lies in one allocation with `base`.
+/// `C` is a one-byte format; every `base + at[l] + offset` is a row's scale byte.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 pub(crate) unsafe fn row_factors<C: KvElem>(
@@ -226,14 +226,9 @@ pub(crate) unsafe fn row_factors<C: KvElem>(
     times: f32,
 ) -> __m512 {
     debug_assert_eq!(std::mem::size_of::<C>(), 1);
-    let start = (base as *const u8).add(offset - 3) as *const i32;
-    let lo = _mm512_loadu_si512(at.as_ptr() as *const __m512i);
-    let hi = _mm512_loadu_si512(at.as_ptr().add(8) as *const __m512i);
-    let words = _mm512_inserti64x4::<1>(
-        _mm512_castsi256_si512(_mm512_i64gather_epi32::<1>(lo, start)),
-        _mm512_i64gather_epi32::<1>(hi, start),
-    );
-    let bytes = _mm512_srli_epi32::<24>(words);
+    let start = (base as *const u8).add(offset);
+    let bytes: [u8; 16] = std::array::from_fn(|l| *start.add(at[l]));
+    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr() as *const __m128i));
     _mm512_mul_ps(C::byte_factor16(bytes), _mm512_set1_ps(times))
 }
 
