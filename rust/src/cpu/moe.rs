@@ -46,6 +46,10 @@ const NO_ROW: usize = usize::MAX;
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of panels per thread and product, claimed by whichever thread is free.
 const CHUNKS_PER_THREAD: usize = 4;
+/// Rows of x up to which the quantized products take their decode path (`quant`'s
+/// `DECODE_MAX_ROWS`): a product that small runs whole on one thread when there are enough
+/// experts to share out.
+const ITEM_MAX_ROWS: usize = 8;
 /// Output elements per thread below which the weighted sum runs on the calling thread alone.
 const MIN_SUM_PER_THREAD: usize = 1 << 16;
 
@@ -551,27 +555,59 @@ impl Groups {
     }
 
     /// `products` over quantized weights: each chosen expert's rows through `weight(e)` (whose
-    /// rows are the output's `n` columns), one expert after another, each product on up to
-    /// `threads` threads.
+    /// rows are the output's `n` columns). Where every expert has decode rows
+    /// (`ITEM_MAX_ROWS`) and there are at least `2 * threads` experts, one pool call whose
+    /// items are whole experts on one thread each (a split of every expert over the threads
+    /// cost a pool call per expert); otherwise one expert after another, each on up to
+    /// `threads` threads. A row's result is the same either way.
     fn quant_products<'w>(
         &self,
         input: &[f32],
-        weight: impl Fn(usize) -> Result<QuantMatrix<'w>>,
+        weight: impl Fn(usize) -> Result<QuantMatrix<'w>> + Sync,
         out: &mut [f32],
         threads: usize,
         activations: Activations,
     ) -> Result<()> {
-        for e in self.chosen() {
-            let (first, end) = (self.starts[e], self.starts[e + 1]);
+        let chosen: Vec<usize> = self.chosen().collect();
+        let rows = |e: usize| self.starts[e + 1] - self.starts[e];
+        let k = input.len() / self.rows().max(1);
+        let n = out.len() / self.rows().max(1);
+        let product = |e: usize, y: &mut [f32], threads: usize| -> Result<()> {
+            let first = self.starts[e];
             let w = weight(e)?;
-            let (k, n) = (w.k(), w.n());
-            let x = ArrayView2::from_shape((end - first, k), &input[first * k..end * k])
+            let x = ArrayView2::from_shape((rows(e), k), &input[first * k..(first + rows(e)) * k])
                 .map_err(|err| invalid(err.to_string()))?;
-            let y = ArrayViewMut2::from_shape((end - first, n), &mut out[first * n..end * n])
+            let y = ArrayViewMut2::from_shape((rows(e), n), y)
                 .map_err(|err| invalid(err.to_string()))?;
-            quant_linear_with(x, &w, None, y, threads, activations)?;
+            quant_linear_with(x, &w, None, y, threads, activations)
+        };
+        let by_expert = chosen.iter().all(|&e| rows(e) <= ITEM_MAX_ROWS);
+        if threads == 1 || !by_expert || chosen.len() < 2 * threads {
+            for &e in &chosen {
+                let first = self.starts[e];
+                product(e, &mut out[first * n..(first + rows(e)) * n], threads)?;
+            }
+            return Ok(());
         }
-        Ok(())
+        // each expert's rows of out, in expert order (the groups are contiguous)
+        let mut parts = Vec::with_capacity(chosen.len());
+        let mut rest = out;
+        for &e in &chosen {
+            let (part, tail) = rest.split_at_mut(rows(e) * n);
+            parts.push(Mutex::new(part));
+            rest = tail;
+        }
+        let failed = Mutex::new(None);
+        pool::WORKERS.run_claimed(threads, chosen.len(), |i| {
+            let mut y = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(err) = product(chosen[i], &mut y, 1) {
+                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
+            }
+        });
+        match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
     }
 
     /// `out[t] = sum_j weights[t, j] * ys[row of (t, j)]`, the terms in ascending expert order
@@ -902,7 +938,7 @@ mod tests {
         (gate_up, down): (&[u8], &[u8]),
         ids: &Array2<i64>,
         w: &Array2<f32>,
-        activations: Activations,
+        (activations, threads): (Activations, usize),
     ) -> Array2<f32> {
         let experts = gate_up.len() / (2 * case.i * QType::Q8_0.row_bytes(case.h).unwrap());
         let bytes_of = |n: usize, k: usize| vec![n * QType::Q8_0.row_bytes(k).unwrap(); experts];
@@ -927,7 +963,7 @@ mod tests {
             ids.view(),
             w.view(),
             got.view_mut(),
-            2,
+            threads,
             activations,
         )
         .unwrap();
@@ -944,7 +980,7 @@ mod tests {
             ids[[m / 2, 1]] = NOT_HELD; // another rank's expert: adds nothing
             let panels = stacked_panels::<f32>(&case.gate_up, 2 * i, h);
             let want = case.run(&panels, &ids, &w, 2);
-            let got = run_quant(&case, (&gate_up, &down), &ids, &w, Activations::F32);
+            let got = run_quant(&case, (&gate_up, &down), &ids, &w, (Activations::F32, 2));
             for (g, want) in got.iter().zip(want.iter()) {
                 assert!((g - want).abs() < 1e-4, "{m} tokens: {g} vs {want}");
             }
@@ -959,7 +995,7 @@ mod tests {
         let (case, gate_up, down) = q8_0_case(m, h, i, experts);
         let (ids, w) = routing(m, 3, experts);
         for activations in [Activations::F32, Activations::Int8, Activations::Int16] {
-            let batch = run_quant(&case, (&gate_up, &down), &ids, &w, activations);
+            let batch = run_quant(&case, (&gate_up, &down), &ids, &w, (activations, 2));
             for t in [0, 3] {
                 let mut one = Case::new(1, h, i, experts);
                 one.x = case.x[t * h..(t + 1) * h].to_vec();
@@ -968,10 +1004,24 @@ mod tests {
                     (&gate_up, &down),
                     &ids.slice(ndarray::s![t..t + 1, ..]).to_owned(),
                     &w.slice(ndarray::s![t..t + 1, ..]).to_owned(),
-                    activations,
+                    (activations, 2),
                 );
                 assert_eq!(row.row(0), batch.row(t), "{activations:?}, token {t}");
             }
+        }
+    }
+
+    #[test]
+    fn quantized_products_split_by_expert_equal_them_split_by_rows_bit_for_bit() {
+        // 4 tokens choosing 4 of 8 experts: at 3 threads whole experts are the pool's items,
+        // at 1 thread each expert's rows are one call
+        let (m, h, i, experts) = (4, 64, 32, 8);
+        let (case, gate_up, down) = q8_0_case(m, h, i, experts);
+        let (ids, w) = routing(m, 4, experts);
+        for activations in [Activations::F32, Activations::Int16] {
+            let one = run_quant(&case, (&gate_up, &down), &ids, &w, (activations, 1));
+            let three = run_quant(&case, (&gate_up, &down), &ids, &w, (activations, 3));
+            assert_eq!(one, three, "{activations:?}");
         }
     }
 
