@@ -211,10 +211,7 @@ pub(super) mod avx2 {
 
     /// Per row, `vphaddd` of two units' lanes (or of two such pairs).
     #[inline(always)]
-    pub(in crate::cpu::quant) unsafe fn hadd<const R: usize>(
-        a: [__m256i; R],
-        b: [__m256i; R],
-    ) -> [__m256i; R] {
+    unsafe fn hadd<const R: usize>(a: [__m256i; R], b: [__m256i; R]) -> [__m256i; R] {
         let mut out = a;
         for (o, b) in out.iter_mut().zip(b) {
             *o = _mm256_hadd_epi32(*o, b);
@@ -226,10 +223,7 @@ pub(super) mod avx2 {
     /// (per 128-bit half: units 0-3's sums of lanes 0-3, low, and 4-7, high) and the same of
     /// units 4-7.
     #[inline(always)]
-    pub(in crate::cpu::quant) unsafe fn finish<const R: usize>(
-        g0: [__m256i; R],
-        g1: [__m256i; R],
-    ) -> [__m256i; R] {
+    unsafe fn finish<const R: usize>(g0: [__m256i; R], g1: [__m256i; R]) -> [__m256i; R] {
         let mut out = g0;
         for (o, g1) in out.iter_mut().zip(g1) {
             let lo = _mm256_permute2x128_si256::<0x20>(*o, g1);
@@ -263,7 +257,7 @@ pub(super) mod avx2 {
 
     /// The block at `b` of the 32-element block type of ggml code `T` as 16-bit weights.
     #[inline(always)]
-    pub(in crate::cpu::quant) unsafe fn weights32<const T: u32>(b: *const u8) -> [__m256i; 2] {
+    unsafe fn weights32<const T: u32>(b: *const u8) -> [__m256i; 2] {
         match T {
             2 | 3 => {
                 // the 16 bytes widened first: each 16-bit lane's low and high nibbles are
@@ -404,7 +398,7 @@ pub(super) mod avx2 {
     /// Sub-blocks 2g and 2g + 1 of a Q4_K super-block (quants at `qs`) or (`FIVE`) a Q5_K one
     /// (`qh` its high bits) as 16-bit weights.
     #[inline(always)]
-    pub(in crate::cpu::quant) unsafe fn k_weights<const FIVE: bool>(
+    unsafe fn k_weights<const FIVE: bool>(
         qs: *const u8,
         qh: __m256i,
         g: usize,

@@ -191,7 +191,7 @@ pub fn quant_linear_with(
     if m <= DECODE_MAX_ROWS {
         let per_share = (MIN_SHARE_ELEMS / k).max(1);
         let threads = num_threads.clamp(1, n.div_ceil(per_share));
-        // runs of whole passes of four weight rows (`vnni4`, `int16x4`)
+        // runs of whole passes of four weight rows (`vnni4`)
         let chunk = n
             .div_ceil(threads * CHUNKS_PER_THREAD)
             .max(per_share)
@@ -300,7 +300,7 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         }
         None => {}
     }
-    // one row of x: weight rows four a pass (`vnni4`, `int16x4`)
+    // one row of x: weight rows four a pass (`vnni4`)
     #[cfg(target_arch = "x86_64")]
     let four = F && m == 1 && !rs.x16.is_empty();
     for (first, t, bytes, data) in ctx.w.runs_in(rows) {
@@ -386,10 +386,8 @@ fn decode_row<const F: bool>(
 }
 
 /// The rows of a segment's run (`data`: rows of `bytes` bytes of type `t`, the first output
-/// row `first`) four at a time with the one row of x, where a four-row unit takes `t`: by
-/// `vnni4` where x has planes and `t` is VNNI-decoded, by `int16x4` at AVX-512 otherwise (Q8_0;
-/// none at the AVX2 level). Returns
-/// the rows done (a multiple of 4; the rest go one at a time, the same bits).
+/// row `first`) four at a time with the one row of x by `vnni4`, where x has planes and `vnni4`
+/// takes `t`. Returns the rows done (a multiple of 4; the rest go one at a time, the same bits).
 ///
 /// # Safety
 /// The CPU supports avx2, fma and f16c; one row of x, 16-bit codes (`rs.x16`).
@@ -403,15 +401,10 @@ unsafe fn four_rows(
     data: &[u8],
     first: usize,
 ) -> usize {
-    use super::{int16x4, vnni4};
-    let vnni = !rs.planes.is_empty() && super::vnni::decodes(t);
-    // AVX2's 16 registers do not hold four rows' sums: at that level rows go one at a time
-    let takes = if vnni {
-        vnni4::takes(t)
-    } else {
-        super::vnni() && int16x4::takes(t)
-    };
-    if !takes {
+    use super::vnni4;
+    // the VNNI units only: Q8_0's rows (AVX2 units) ran slower four a pass (SmolLM2's Q8_0
+    // output matrix 1.25 -> 1.6 ms), and at the AVX2 level four rows' sums spill
+    if rs.planes.is_empty() || !vnni4::takes(t) {
         return 0;
     }
     let (k, x) = (ctx.k, &rs.x16[0]);
@@ -422,13 +415,9 @@ unsafe fn four_rows(
         .enumerate()
     {
         let rows: [&[u8]; vnni4::ROWS] = std::array::from_fn(|j| &four[j * bytes..(j + 1) * bytes]);
-        // planes are made only where `vnni()` (AVX-512 with VNNI granted), int16x4 taken only
-        // there; `takes(t)`; the rows and x's row hold k elements
-        let dots = if vnni {
-            vnni4::rows_dots_vnni(t, rows, k, x, &rs.planes[0])
-        } else {
-            int16x4::rows_dots_avx512(t, rows, k, x)
-        };
+        // planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`; the
+        // rows and x's row hold k elements
+        let dots = vnni4::rows_dots_vnni(t, rows, k, x, &rs.planes[0]);
         for (j, v) in dots.into_iter().enumerate() {
             ctx.put(0, first + vnni4::ROWS * i + j, v);
         }

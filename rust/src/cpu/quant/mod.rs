@@ -21,8 +21,6 @@ pub mod formats;
 mod formats_avx2;
 mod gemm16;
 mod int16;
-#[cfg(target_arch = "x86_64")]
-mod int16x4;
 mod int8;
 mod matmul;
 mod quantize;

@@ -909,38 +909,3 @@ fn int16_decode_rows_equal_the_portable_row_dots_for_1_to_8_rows_and_partial_gro
         }
     }
 }
-
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn four_row_int16_dots_equal_the_one_row_avx2_ones_and_the_portable_ones_bit_for_bit() {
-    // int16x4 runs at the AVX-512 level (`PAGEDLLM_CPU_ISA=avx2` or an AVX2 machine: nothing
-    // to check)
-    if !super::vnni() {
-        return;
-    }
-    // 96, 320, 576: a last group of 3, 2 and 2 blocks; 256, 768: whole groups only
-    let cases = int16_types()
-        .filter(|t| super::int16x4::takes(*t))
-        .flat_map(|t| [96, 256, 320, 576, 768].map(|k| (t, k)));
-    for (t, k) in cases {
-        let x = int16_x(1, k);
-        let xq = int16::QuantizedRows::new(&x, k, true);
-        let xr = xq.row(0);
-        let data = random_rows(t, 4, k, t as u64 + 43);
-        let bytes = t.row_bytes(k).unwrap();
-        let rows: [&[u8]; 4] = std::array::from_fn(|r| &data[r * bytes..(r + 1) * bytes]);
-        // SAFETY: the process runs at AVX-512 (checked above); rows of k elements
-        let four = unsafe { super::int16x4::rows_dots_avx512(t, rows, k, &xr) };
-        for (r, row) in rows.iter().enumerate() {
-            // SAFETY: as above
-            let one = unsafe { int16::row_dots_avx2::<1>(t, row, k, &[xr]) };
-            let what = format!("{} k {k} row {r}", t.name());
-            assert_eq!(four[r].to_bits(), one[0].to_bits(), "{what}");
-            let portable = int16::row_dot(t, row, xr);
-            assert_eq!(four[r].to_bits(), portable.to_bits(), "{what}");
-            let (exact, size) = int16_reference(t, row, xr);
-            let err = (f64::from(four[r]) - exact).abs();
-            assert!(err <= size * 1e-6, "{what}: {} vs {exact}", four[r]);
-        }
-    }
-}
