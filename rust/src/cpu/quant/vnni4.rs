@@ -20,9 +20,18 @@ pub const ROWS: usize = 4;
 /// Elements per block of x.
 const QK: usize = 32;
 
-/// Whether `rows_dots_vnni` takes rows of `t`: the types the VNNI decode products take
-/// (`vnni::decodes`; Q8_0 stays on the AVX2 units).
+/// Whether the decode path takes rows of `t` four a pass: Q4_0 only. The units below take every
+/// type `vnni::decodes` (tested bit for bit), but SmolLM2's products per step measured slower
+/// four a pass for the others (Q4_1 file 0.79x, Q4_K_M file, mostly Q5_0: 0.66x; Q4_0 1.11x;
+/// busy, thread CPU time; benches/RESULTS.md, "four weight rows a pass"): their extra codes and
+/// scales for four rows exceed the registers.
 pub fn takes(t: QType) -> bool {
+    t == QType::Q4_0
+}
+
+/// Whether `rows_dots_vnni` can take rows of `t` (the types `vnni::decodes`).
+#[cfg(test)]
+pub fn can_take(t: QType) -> bool {
     super::int16::takes(t) && super::vnni::decodes(t)
 }
 
@@ -240,7 +249,8 @@ unsafe fn q6_k_rows(
 /// x `x` (its codes) / `p` (its planes): the same bits, x read once for the four.
 ///
 /// # Safety
-/// The process runs at AVX-512 with VNNI (`super::vnni()`); `takes(t)`; each of `rows` holds
+/// The process runs at AVX-512 with VNNI (`super::vnni()`); `vnni::decodes(t)` (not Q8_0, not
+/// a float type); each of `rows` holds
 /// `k` elements of `t` and x `k`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn rows_dots_vnni(
