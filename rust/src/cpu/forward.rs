@@ -121,8 +121,7 @@ pub struct Step<'a> {
     pub batch: PagedBatch<'a>,
 }
 
-/// The buffers one call reuses for every layer (and the next call on the thread: `KEPT`).
-#[derive(Default)]
+/// The buffers one call reuses for every layer.
 struct Scratch {
     residual: Vec<f32>,
     qkv: Vec<f32>,
@@ -142,12 +141,12 @@ struct Scratch {
 /// token's chosen experts are added.
 #[allow(clippy::too_many_arguments)]
 pub fn decoder_forward<C: KvElem>(
-    x: ArrayViewMut2<f32>,
+    mut x: ArrayViewMut2<f32>,
     layers: &[Layer<'_>],
     final_norm: &[f32],
     shape: Shape,
     step: &Step<'_>,
-    kv_cache: ArrayViewMut6<C>,
+    mut kv_cache: ArrayViewMut6<C>,
     expert_counts: &mut [&mut [i64]],
     opts: Options,
 ) -> Result<()> {
@@ -180,36 +179,7 @@ pub fn decoder_forward<C: KvElem>(
     if tokens == 0 {
         return Ok(());
     }
-    let mut scratch = Scratch::take(tokens, hidden, layers, shape);
-    let result = run_layers(
-        x,
-        layers,
-        final_norm,
-        shape,
-        step,
-        kv_cache,
-        expert_counts,
-        opts,
-        &mut scratch,
-    );
-    scratch.keep();
-    result
-}
-
-/// `decoder_forward`'s layers and final norm, once its arguments are checked.
-#[allow(clippy::too_many_arguments)]
-fn run_layers<C: KvElem>(
-    mut x: ArrayViewMut2<f32>,
-    layers: &[Layer<'_>],
-    final_norm: &[f32],
-    shape: Shape,
-    step: &Step<'_>,
-    mut kv_cache: ArrayViewMut6<C>,
-    expert_counts: &mut [&mut [i64]],
-    opts: Options,
-    scratch: &mut Scratch,
-) -> Result<()> {
-    let (tokens, hidden) = x.dim();
+    let mut scratch = Scratch::new(tokens, hidden, layers, shape);
     let (mut k_caches, mut v_caches) = kv_cache.view_mut().split_at(Axis(0), 1);
     let mut counts = expert_counts.iter_mut();
     for (i, layer) in layers.iter().enumerate() {
@@ -229,10 +199,19 @@ fn run_layers<C: KvElem>(
             k_cache.index_axis_move(Axis(0), i),
             v_cache.index_axis_move(Axis(0), i),
         );
-        attention(&mut x, layer, shape, step, k_cache, v_cache, scratch, opts)?;
+        attention(
+            &mut x,
+            layer,
+            shape,
+            step,
+            k_cache,
+            v_cache,
+            &mut scratch,
+            opts,
+        )?;
         add_norm(&mut x, &mut scratch.residual, layer.post_norm, shape.eps)?;
         match &layer.mlp {
-            Mlp::Dense { gate_up, down } => mlp(&mut x, (gate_up, down), scratch, opts)?,
+            Mlp::Dense { gate_up, down } => mlp(&mut x, (gate_up, down), &mut scratch, opts)?,
             Mlp::Moe(moe) => {
                 // as many counts as sparse layers: checked above
                 let counts = counts.next().ok_or_else(|| invalid("expert counts"))?;
@@ -306,52 +285,8 @@ fn check_projections(i: usize, projections: &[(&str, &Linear<'_>, usize, usize)]
     Ok(())
 }
 
-/// Floats of buffers (256 MiB) up to which a call's `Scratch` is kept for the thread's next
-/// call: fresh buffers each step were fresh pages, which the kernel zeroes on first touch
-/// (~4 % of an offline run of the 56M Llama in page clearing and memset); a huge prefill's
-/// buffers are not held.
-const KEEP_FLOATS: usize = 64 << 20;
-
-thread_local! {
-    /// The last call's buffers (`Scratch::keep`).
-    static KEPT: std::cell::Cell<Option<Scratch>> = const { std::cell::Cell::new(None) };
-}
-
 impl Scratch {
-    /// The buffers for a call of `tokens` rows: the thread's kept ones, each cut or grown to
-    /// its length (every buffer is written before it is read, so old contents do not matter).
-    fn take(tokens: usize, hidden: usize, layers: &[Layer<'_>], shape: Shape) -> Self {
-        let mut scratch = KEPT.with(|kept| kept.take()).unwrap_or_default();
-        let lens = Self::lens(tokens, hidden, layers, shape);
-        for (buffer, len) in scratch.buffers().into_iter().zip(lens) {
-            buffer.resize(len, 0.0);
-        }
-        scratch
-    }
-
-    /// Keeps the buffers for the thread's next call, unless they are large (`KEEP_FLOATS`).
-    fn keep(mut self) {
-        let floats: usize = self.buffers().iter().map(|b| b.capacity()).sum();
-        if floats <= KEEP_FLOATS {
-            KEPT.with(|kept| kept.set(Some(self)));
-        }
-    }
-
-    fn buffers(&mut self) -> [&mut Vec<f32>; 8] {
-        [
-            &mut self.residual,
-            &mut self.qkv,
-            &mut self.q,
-            &mut self.k,
-            &mut self.heads_in,
-            &mut self.attn,
-            &mut self.gate_up,
-            &mut self.act,
-        ]
-    }
-
-    /// The buffers' lengths, in `buffers`' order.
-    fn lens(tokens: usize, hidden: usize, layers: &[Layer<'_>], shape: Shape) -> [usize; 8] {
+    fn new(tokens: usize, hidden: usize, layers: &[Layer<'_>], shape: Shape) -> Self {
         let q = shape.num_heads * shape.head_dim;
         let kv = shape.num_kv_heads * shape.head_dim;
         let inter = layers
@@ -363,16 +298,16 @@ impl Scratch {
             .max()
             .unwrap_or(0);
         let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
-        [
-            tokens * hidden,
-            tokens * (q + 2 * kv),
-            if qk_norm { tokens * q } else { 0 },
-            if qk_norm { tokens * kv } else { 0 },
-            if qk_norm { tokens * q.max(kv) } else { 0 },
-            tokens * q,
-            tokens * inter,
-            tokens * inter / 2,
-        ]
+        Scratch {
+            residual: vec![0.0; tokens * hidden],
+            qkv: vec![0.0; tokens * (q + 2 * kv)],
+            q: vec![0.0; if qk_norm { tokens * q } else { 0 }],
+            k: vec![0.0; if qk_norm { tokens * kv } else { 0 }],
+            heads_in: vec![0.0; if qk_norm { tokens * q.max(kv) } else { 0 }],
+            attn: vec![0.0; tokens * q],
+            gate_up: vec![0.0; tokens * inter],
+            act: vec![0.0; tokens * inter / 2],
+        }
     }
 }
 
