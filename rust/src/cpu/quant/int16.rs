@@ -178,6 +178,21 @@ pub(super) mod avx2 {
         pub(in crate::cpu::quant) mins: [__m256; R],
     }
 
+    impl<const R: usize> Lanes<R> {
+        /// Each row's result: its lanes and its mins' lanes, each summed in `fold`'s order.
+        #[inline(always)]
+        pub(in crate::cpu::quant) unsafe fn totals(&self) -> [f32; R] {
+            let mut out = [0.0; R];
+            for (r, o) in out.iter_mut().enumerate() {
+                let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
+                _mm256_storeu_ps(a.as_mut_ptr(), self.acc[r]);
+                _mm256_storeu_ps(m.as_mut_ptr(), self.mins[r]);
+                *o = super::fold(a) + super::fold(m);
+            }
+            out
+        }
+    }
+
     /// The 8 i32 lanes of the 16-bit weights `w` (elements 0-15, 16-31) times block `blk` of
     /// each row of x (inside it: blk < k / 32).
     #[inline(always)]
@@ -566,13 +581,6 @@ pub(super) mod avx2 {
             QType::Q6_K => q6_k_rows::<R>(row, k, x, &mut lanes),
             _ => unreachable!("{} is not a quantized type", t.name()),
         }
-        let mut out = [0.0; R];
-        for (r, o) in out.iter_mut().enumerate() {
-            let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
-            _mm256_storeu_ps(a.as_mut_ptr(), lanes.acc[r]);
-            _mm256_storeu_ps(m.as_mut_ptr(), lanes.mins[r]);
-            *o = super::fold(a) + super::fold(m);
-        }
-        out
+        lanes.totals()
     }
 }

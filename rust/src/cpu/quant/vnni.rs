@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 use super::dot_avx2::half;
 use super::formats::QType;
 use super::int16::avx2::{add, bytes32, f16s, floats_of, load8, Lanes};
-use super::int16::{fold, k_scales, QuantizedRows, Row};
+use super::int16::{k_scales, QuantizedRows, Row};
 
 /// Elements per block of x.
 const QK: usize = 32;
@@ -455,12 +455,5 @@ pub unsafe fn row_dots_vnni<const R: usize>(
         QType::Q6_K => q6_k_rows::<R>(row, k, x, p, &mut lanes),
         _ => unreachable!("{} is not a quantized type", t.name()),
     }
-    let mut out = [0.0; R];
-    for (r, o) in out.iter_mut().enumerate() {
-        let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
-        _mm256_storeu_ps(a.as_mut_ptr(), lanes.acc[r]);
-        _mm256_storeu_ps(m.as_mut_ptr(), lanes.mins[r]);
-        *o = fold(a) + fold(m);
-    }
-    out
+    lanes.totals()
 }

@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use super::dot_avx2::half;
 use super::formats::QType;
 use super::int16::avx2::{add, bytes32, f16s, floats_of, load8, Lanes};
-use super::int16::{fold, k_scales, Row};
+use super::int16::{k_scales, Row};
 use super::vnni::{codes64, load_i32, reduce_pairs, reduce_quads, PlaneRow};
 
 /// Weight rows a pass.
@@ -275,12 +275,5 @@ pub unsafe fn rows_dots_vnni(
         QType::Q6_K => q6_k_rows(w, k, x, p, &mut lanes),
         _ => unreachable!("{} is not taken four rows a pass", t.name()),
     }
-    let mut out = [0.0; ROWS];
-    for (r, o) in out.iter_mut().enumerate() {
-        let (mut a, mut m) = ([0.0f32; 8], [0.0f32; 8]);
-        _mm256_storeu_ps(a.as_mut_ptr(), lanes.acc[r]);
-        _mm256_storeu_ps(m.as_mut_ptr(), lanes.mins[r]);
-        *o = fold(a) + fold(m);
-    }
-    out
+    lanes.totals()
 }
