@@ -168,7 +168,7 @@ fn four_row_vnni_dots_equal_the_one_row_ones_and_the_portable_ones_bit_for_bit()
     }
     // 96, 224, 320, 576: a last group of 3, 7, 2 and 2 blocks (odd counts read x's padding)
     let cases = int16_types()
-        .filter(|t| vnni4::can_take(*t))
+        .filter(|t| vnni4::takes(*t))
         .flat_map(|t| [96, 224, 256, 320, 576, 768].map(|k| (t, k)))
         .filter(|(t, k)| k % t.block().0 == 0);
     for (t, k) in cases {
