@@ -33,7 +33,7 @@ use super::elem::Elem;
 use super::invalid;
 use super::linear::{self, Ctx, PANEL};
 use super::pool;
-use super::quant::{quant_linear_with, Activations, QType, QuantMatrix, Segment};
+use super::quant::{quant_linear_with, Activations, QType, QuantMatrix, Segment, DECODE_MAX_ROWS};
 use crate::error::Result;
 
 /// The expert id of a choice this call skips: the expert is another expert-parallel rank's.
@@ -46,10 +46,6 @@ const NO_ROW: usize = usize::MAX;
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of panels per thread and product, claimed by whichever thread is free.
 const CHUNKS_PER_THREAD: usize = 4;
-/// Rows of x up to which the quantized products take their decode path (`quant`'s
-/// `DECODE_MAX_ROWS`): a product that small runs whole on one thread when there are enough
-/// experts to share out.
-const ITEM_MAX_ROWS: usize = 8;
 /// Output elements per thread below which the weighted sum runs on the calling thread alone.
 const MIN_SUM_PER_THREAD: usize = 1 << 16;
 
@@ -555,11 +551,12 @@ impl Groups {
     }
 
     /// `products` over quantized weights: each chosen expert's rows through `weight(e)` (whose
-    /// rows are the output's `n` columns). Where every expert has decode rows
-    /// (`ITEM_MAX_ROWS`) and there are at least `2 * threads` experts, one pool call whose
-    /// items are whole experts on one thread each (a split of every expert over the threads
-    /// cost a pool call per expert); otherwise one expert after another, each on up to
-    /// `threads` threads. A row's result is the same either way.
+    /// rows are the output's `n` columns). Where every expert has decode rows (at most
+    /// `quant::DECODE_MAX_ROWS`: a product that small takes the decode path) and there are at
+    /// least `2 * threads` experts, one pool call whose items are whole experts on one thread
+    /// each (a split of every expert over the threads cost a pool call per expert); otherwise
+    /// one expert after another, each on up to `threads` threads. A row's result is the same
+    /// either way.
     fn quant_products<'w>(
         &self,
         input: &[f32],
@@ -581,7 +578,7 @@ impl Groups {
                 .map_err(|err| invalid(err.to_string()))?;
             quant_linear_with(x, &w, None, y, threads, activations)
         };
-        let by_expert = chosen.iter().all(|&e| rows(e) <= ITEM_MAX_ROWS);
+        let by_expert = chosen.iter().all(|&e| rows(e) <= DECODE_MAX_ROWS);
         if threads == 1 || !by_expert || chosen.len() < 2 * threads {
             for &e in &chosen {
                 let first = self.starts[e];

@@ -41,7 +41,7 @@ use std::ops::Range;
 use ndarray::{ArrayView2, ArrayViewMut2};
 
 pub use formats::QType;
-pub use matmul::{quant_linear, quant_linear_with, Activations};
+pub use matmul::{quant_linear, quant_linear_with, Activations, DECODE_MAX_ROWS};
 
 use super::invalid;
 use crate::error::Result;
