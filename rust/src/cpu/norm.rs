@@ -12,8 +12,6 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 
 use super::elem::Elem;
 use super::invalid;
-#[cfg(target_arch = "x86_64")]
-use super::isa::{self, IsaLevel};
 use super::simd;
 use crate::error::Result;
 
@@ -41,12 +39,6 @@ pub fn rms_norm<T: Elem>(
         .as_slice_mut()
         .ok_or_else(|| invalid("out must be contiguous"))?;
     if rows == 0 || width == 0 {
-        return Ok(());
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa::level() >= IsaLevel::Avx512 {
-        // SAFETY: the CPU supports the features the function is compiled for (checked above).
-        unsafe { rows_avx512(x, weight, eps, out, width) };
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
@@ -88,12 +80,6 @@ pub fn add_rms_norm<T: Elem>(
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    if isa::level() >= IsaLevel::Avx512 {
-        // SAFETY: the CPU supports the features the function is compiled for (checked above).
-        unsafe { add_rows_avx512(x, residual, weight, eps, width) };
-        return Ok(());
-    }
-    #[cfg(target_arch = "x86_64")]
     if super::simd::has_avx2_fma() {
         // SAFETY: the CPU supports the features the function is compiled for (checked above).
         unsafe { add_rows_avx2_fma(x, residual, weight, eps, width) };
@@ -112,27 +98,6 @@ unsafe fn rows_avx2_fma<T: Elem>(x: &[T], weight: &[T], eps: f32, out: &mut [T],
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn add_rows_avx2_fma<T: Elem>(
-    x: &mut [T],
-    residual: &mut [T],
-    weight: &[T],
-    eps: f32,
-    width: usize,
-) {
-    add_rows_with::<true, T>(x, residual, weight, eps, width);
-}
-
-// The same loops at AVX-512: the widening, the residual add and the scaling on 16 lanes (they
-// are elementwise: the same bits); the sum of squares stays `simd::dot`'s AVX2 chain, so that
-// the scale, and with it every float32 result, is bit-identical to the AVX2 level's.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn rows_avx512<T: Elem>(x: &[T], weight: &[T], eps: f32, out: &mut [T], width: usize) {
-    rows_with::<true, T>(x, weight, eps, out, width);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn add_rows_avx512<T: Elem>(
     x: &mut [T],
     residual: &mut [T],
     weight: &[T],
@@ -273,33 +238,5 @@ mod tests {
         let mut out = Array2::<f32>::zeros((2, 8));
         let err = rms_norm(x.view(), &[1.0; 7], 1e-6, out.view_mut()).unwrap_err();
         assert!(format!("{err}").contains("weight 7 elements"), "{err}");
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx512_rows_give_the_avx2_rows_bits() {
-        if isa::level() < IsaLevel::Avx512 {
-            return; // the AVX-512 loops run only at that level (CI tests each level it has)
-        }
-        for width in [7, 37, 512, 1376] {
-            let x = Array2::from_shape_fn((3, width), |(r, c)| ((r * 131 + c * 7) as f32).sin());
-            let w: Vec<f32> = (0..width).map(|c| 0.5 + (c as f32 * 0.3).cos()).collect();
-            let x = x.as_slice().unwrap();
-            let (mut wide, mut narrow) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
-            // SAFETY: the level is AVX-512 (checked above), which includes AVX2 + FMA.
-            unsafe {
-                rows_avx512(x, &w, 1e-6, &mut wide, width);
-                rows_avx2_fma(x, &w, 1e-6, &mut narrow, width);
-            }
-            assert_eq!(wide, narrow, "rms_norm, width {width}");
-            let (mut xa, mut ra) = (x.to_vec(), x.iter().map(|v| v * 0.5).collect::<Vec<_>>());
-            let (mut xb, mut rb) = (xa.clone(), ra.clone());
-            // SAFETY: as above.
-            unsafe {
-                add_rows_avx512(&mut xa, &mut ra, &w, 1e-6, width);
-                add_rows_avx2_fma(&mut xb, &mut rb, &w, 1e-6, width);
-            }
-            assert_eq!((xa, ra), (xb, rb), "add_rms_norm, width {width}");
-        }
     }
 }
