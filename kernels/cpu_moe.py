@@ -67,46 +67,103 @@ def unpack_experts(packed: PackedExperts) -> tuple[Tensor, Tensor]:
     return _unpanel(packed.gate_up, 2 * packed.width), _unpanel(packed.down, packed.hidden)
 
 
+# The most buffers a call borrows: experts whose segments lie in more separate runs of memory
+# (sliced for tensor parallelism, or made one by one) are copied into one buffer instead.
+MAX_BUFFERS = 8
+
+
 @dataclass(frozen=True)
 class QuantExperts:
     """Every expert's gate/up `[2I, H]` and down `[H, I]` weights kept in their GGUF types
-    (`cpu_quant.QuantWeight`s), copied once into one uint8 buffer per projection, expert after
-    expert, and registered with the kernel (`_core.CpuMoeQuantExperts`: a call borrows the two
-    buffers, where a segment array per expert cost ~7 % of a Q8_0 decode step at 64 experts);
-    `gate_up` / `down` are views of the buffers."""
+    (`cpu_quant.QuantWeight`s), registered with the kernel (`_core.CpuMoeQuantExperts`) as the
+    few runs of memory their segments lie in: a GGUF file's stacked `ffn_{gate,up,down}_exps`
+    tensors as they are mapped (each expert a contiguous block of them; no copy, so processes
+    mapping the file share its page cache), or, where the segments are scattered over more than
+    `MAX_BUFFERS` runs, one copy of them back to back (then `gate_up` / `down` are views of it).
+    A call borrows those few buffers, where a segment array per expert cost ~7 % of a Q8_0
+    decode step at 64 experts."""
 
     gate_up: list  # QuantWeight per expert
     down: list
+    buffers: tuple  # the uint8 arrays the kernel reads
     kernel: _core.CpuMoeQuantExperts = field(repr=False)
 
     @classmethod
     def of(cls, gate_up: list, down: list) -> QuantExperts:
-        gate_up_bytes, gate_up_parts, gate_up = _buffer(gate_up)
-        down_bytes, down_parts, down = _buffer(down)
         hidden = gate_up[0].in_features if gate_up else 0
+        tensors = [s.data for w in [*gate_up, *down] for s in w.segments]
+        runs = _runs(tensors)
+        if len(runs) > MAX_BUFFERS:
+            _, gate_up, down = _copy(gate_up, down)
+            tensors = [s.data for w in [*gate_up, *down] for s in w.segments]
+            runs = _runs(tensors)
+        buffers = tuple(_span(first, nbytes) for first, _, nbytes in runs)
+        place = _placements(runs)
         kernel = _core.CpuMoeQuantExperts(
-            gate_up_bytes.numpy(), gate_up_parts, down_bytes.numpy(), down_parts, hidden
+            list(buffers),
+            [[place(s) for s in w.segments] for w in gate_up],
+            [[place(s) for s in w.segments] for w in down],
+            hidden,
+            tuple(tensors),  # they own the memory the buffers view
         )
-        return cls(gate_up, down, kernel)
+        return cls(gate_up, down, buffers, kernel)
 
 
-def _buffer(weights: list) -> tuple[Tensor, list, list]:
-    """(every weight's segments' bytes back to back as one uint8 tensor, each weight's segments
-    as `(type code, rows)`, the weights as views of the buffer)."""
+def _runs(tensors: list[Tensor]) -> list[tuple[Tensor, int, int]]:
+    """The runs of memory the non-empty tensors cover, each `(its lowest tensor, first address,
+    bytes)`: tensors back to back in memory (the experts of one GGUF tensor) make one run."""
+    runs: list[tuple[Tensor, int, int]] = []
+    for t in sorted((t for t in tensors if t.numel()), key=Tensor.data_ptr):
+        start = t.data_ptr()
+        if runs and runs[-1][1] + runs[-1][2] == start:
+            first, at, nbytes = runs[-1]
+            runs[-1] = (first, at, nbytes + t.numel())
+        elif not (runs and runs[-1][1] <= start < runs[-1][1] + runs[-1][2]):
+            runs.append((t, start, t.numel()))
+        elif start + t.numel() > runs[-1][1] + runs[-1][2]:  # overlaps a run's end
+            first, at, _ = runs[-1]
+            runs[-1] = (first, at, start + t.numel() - at)
+    return runs
+
+
+def _span(first: Tensor, nbytes: int) -> np.ndarray:
+    """A read-only uint8 array over `nbytes` from `first`'s first byte: every byte of it belongs
+    to one of the run's tensors (`_runs`), which the kernel object keeps alive."""
+    return np.lib.stride_tricks.as_strided(
+        first.numpy().reshape(-1), shape=(nbytes,), strides=(1,), writeable=False
+    )
+
+
+def _placements(runs: list[tuple[Tensor, int, int]]):
+    """segment -> `(type code, rows, buffer index, byte offset)` in the runs' buffers."""
+
+    def place(segment) -> tuple[int, int, int, int]:
+        start = segment.data.data_ptr()
+        for b, (_, at, nbytes) in enumerate(runs):
+            if at <= start < at + nbytes:
+                return (segment.qtype, segment.rows, b, start - at)
+        return (segment.qtype, segment.rows, 0, 0)  # no rows: nothing is read
+
+    return place
+
+
+def _copy(gate_up: list, down: list) -> tuple[Tensor, list, list]:
+    """(every weight's segments' bytes back to back as one uint8 tensor, the weights as views of
+    it)."""
     from pagedllm.kernels.cpu_quant import make_weight
 
+    weights = [*gate_up, *down]
     flat = [s.data.reshape(-1) for w in weights for s in w.segments]
     buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-    parts, views, at = [], [], 0
+    views, at = [], 0
     for w in weights:
         segments = []
         for s in w.segments:
             n = s.data.numel()
             segments.append((s.qtype, buffer[at : at + n].view(s.data.shape)))
             at += n
-        parts.append([(qtype, data.shape[0]) for qtype, data in segments])
         views.append(make_weight(segments, w.in_features))
-    return buffer, parts, views
+    return buffer, views[: len(gate_up)], views[len(gate_up) :]
 
 
 def moe_quant_experts(

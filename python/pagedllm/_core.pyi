@@ -891,20 +891,21 @@ def cpu_moe_experts(
     id outside ``0..E`` or shapes that do not fit together."""
 
 class CpuMoeQuantExperts:
-    """Experts kept in their GGUF types, registered once: ``gate_up_bytes`` / ``down_bytes``
-    (uint8, 1-D, held, never written) hold every expert's gate/up (``[2I, H]``, gate rows then up
-    rows) and down (``[H, I]``) rows back to back, expert after expert; ``gate_up[e]`` /
-    ``down[e]`` are expert ``e``'s segments there as ``(ggml type code, rows)``; ``hidden`` = H.
-    ``ValueError`` for an unsupported type, shapes that do not fit together or buffers not the
-    segments' size."""
+    """Experts kept in their GGUF types, registered once: ``buffers`` (uint8, 1-D, held, never
+    written: a GGUF file's mapped expert tensors as they are, or one copy); ``gate_up[e]`` /
+    ``down[e]`` are expert ``e``'s gate/up (``[2I, H]``, gate rows then up rows) and down
+    (``[H, I]``) row segments as ``(ggml type code, rows, buffer index, byte offset)``;
+    ``hidden`` = H; ``owners`` is kept alive as long as the experts (what owns the buffers'
+    memory). ``ValueError`` for an unsupported type, shapes that do not fit together or a
+    segment outside its buffer."""
 
     def __init__(
         self,
-        gate_up_bytes: _npt.NDArray[_np.uint8],
-        gate_up: _Sequence[_Sequence[tuple[int, int]]],
-        down_bytes: _npt.NDArray[_np.uint8],
-        down: _Sequence[_Sequence[tuple[int, int]]],
+        buffers: _Sequence[_npt.NDArray[_np.uint8]],
+        gate_up: _Sequence[_Sequence[tuple[int, int, int, int]]],
+        down: _Sequence[_Sequence[tuple[int, int, int, int]]],
         hidden: int,
+        owners: object = None,
     ) -> None: ...
     def run(
         self,

@@ -163,3 +163,48 @@ def test_quantized_experts_match_the_torch_loop_on_their_dequantized_weights():
     got = cpu_moe.moe_quant_experts(x, packed, weights, ids, activations="f32")
     want = moe_experts_reference(x, *dequantized, weights, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_experts_of_stacked_tensors_are_read_in_place_and_equal_a_copy():
+    import numpy as np
+
+    from pagedllm.kernels import cpu_quant
+
+    # a GGUF file's layout: each projection's experts one stacked tensor, an expert a block of
+    # its rows (gate and up separate tensors)
+    g = torch.Generator().manual_seed(7)
+    stacked = {
+        name: cpu_quant.quantize(torch.randn(EXPERTS * rows, cols, generator=g) / 8, cpu_quant.Q8_0)
+        for name, rows, cols in (("gate", 32, 64), ("up", 32, 64), ("down", 64, 32))
+    }
+    data = {name: w.segments[0].data for name, w in stacked.items()}
+
+    def block(name, e, rows):
+        return (cpu_quant.Q8_0, data[name][e * rows : (e + 1) * rows])
+
+    gate_up = [
+        cpu_quant.make_weight([block("gate", e, 32), block("up", e, 32)], 64)
+        for e in range(EXPERTS)
+    ]
+    down = [cpu_quant.make_weight([block("down", e, 64)], 32) for e in range(EXPERTS)]
+    in_place = cpu_moe.QuantExperts.of(gate_up, down)
+    assert 1 <= len(in_place.buffers) <= 3  # one run of memory per stacked tensor at most
+    for buffer in in_place.buffers:
+        assert any(np.shares_memory(buffer, d.numpy()) for d in data.values())
+    # the same bytes scattered over an allocation per segment: copied into one buffer
+    scattered = [
+        [
+            cpu_quant.make_weight([(s.qtype, s.data.clone()) for s in w.segments], w.in_features)
+            for w in ws
+        ]
+        for ws in (gate_up, down)
+    ]
+    copied = cpu_moe.QuantExperts.of(*scattered)
+    assert len(copied.buffers) == 1
+    assert not any(np.shares_memory(copied.buffers[0], d.numpy()) for d in data.values())
+    for tokens in (1, 7):
+        weights, ids = routing(tokens, 4)
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        got = cpu_moe.moe_quant_experts(x, in_place, weights, ids)
+        want = cpu_moe.moe_quant_experts(x, copied, weights, ids)
+        assert torch.equal(got, want), f"{tokens} tokens"

@@ -1,6 +1,6 @@
 //! The grouped mixture-of-experts kernel (`crate::cpu::moe_experts`) for the model runner: torch
 //! CPU tensors as numpy views (bfloat16 as its uint16 bits, `cpu_ops`'s rule), the kernel run
-//! with the GIL released. Quantized experts (`CpuMoeQuantExperts`) are registered once as two
+//! with the GIL released. Quantized experts (`CpuMoeQuantExperts`) are registered once as a few
 //! byte buffers and their layout.
 use std::sync::Arc;
 
@@ -69,24 +69,34 @@ fn experts<N: Dtype>(
 }
 
 /// Experts kept in their GGUF types, registered once (`cpu_moe.QuantExperts`): every expert's
-/// gate/up and down row segments in two uint8 buffers (`cpu::QuantLayout`), so that a call
-/// borrows two arrays (a segment array per expert and projection borrowed per call cost ~7 % of
-/// a Q8_0 decode step at 64 experts a layer).
+/// gate/up and down row segments placed in a few uint8 buffers (`cpu::QuantLayout`: the GGUF
+/// file's mapped expert tensors as they are, or one copy), so that a call borrows those few
+/// arrays (a segment array per expert and projection borrowed per call cost ~7 % of a Q8_0
+/// decode step at 64 experts a layer).
 #[pyclass(frozen, module = "pagedllm._core")]
 pub struct CpuMoeQuantExperts {
-    gate_up: Py<PyArray1<u8>>,
-    down: Py<PyArray1<u8>>,
+    buffers: Vec<Py<PyArray1<u8>>>,
     layout: Arc<cpu::QuantLayout>,
+    /// What owns the buffers' memory where they are views (kept alive as long as the experts).
+    _owners: Py<PyAny>,
 }
 
-/// A projection's segments per expert `(ggml type code, rows)` as the layout takes them.
-fn parts(experts: Vec<Vec<(u32, usize)>>) -> PyResult<Vec<Vec<(QType, usize)>>> {
+/// A projection's segments per expert `(ggml type code, rows, buffer, byte offset)` as the
+/// layout takes them.
+fn placed(experts: Vec<Vec<(u32, usize, usize, usize)>>) -> PyResult<Vec<Vec<cpu::moe::Placed>>> {
     experts
         .into_iter()
         .map(|segments| {
             segments
                 .into_iter()
-                .map(|(code, rows)| Ok((QType::from_code(code)?, rows)))
+                .map(|(code, rows, buffer, offset)| {
+                    Ok(cpu::moe::Placed {
+                        qtype: QType::from_code(code)?,
+                        rows,
+                        buffer,
+                        offset,
+                    })
+                })
                 .collect()
         })
         .collect()
@@ -94,32 +104,39 @@ fn parts(experts: Vec<Vec<(u32, usize)>>) -> PyResult<Vec<Vec<(QType, usize)>>> 
 
 /// The borrowed buffers of one call.
 pub(crate) struct HeldBytes<'py> {
-    gate_up: PyReadonlyArray1<'py, u8>,
-    down: PyReadonlyArray1<'py, u8>,
+    buffers: Vec<PyReadonlyArray1<'py, u8>>,
     layout: Arc<cpu::QuantLayout>,
 }
 
 impl HeldBytes<'_> {
     /// The experts over the borrowed buffers.
     pub(crate) fn view(&self) -> PyResult<cpu::QuantExperts<'_>> {
-        let contiguous = |_| PyValueError::new_err("the experts' bytes must be contiguous");
-        let gate_up = self.gate_up.as_slice().map_err(contiguous)?;
-        let down = self.down.as_slice().map_err(contiguous)?;
-        Ok(self.layout.over(gate_up, down)?)
+        let buffers = self
+            .buffers
+            .iter()
+            .map(|b| {
+                b.as_slice()
+                    .map_err(|_| PyValueError::new_err("the experts' bytes must be contiguous"))
+            })
+            .collect::<PyResult<Vec<&[u8]>>>()?;
+        Ok(self.layout.over(buffers)?)
     }
 }
 
 impl CpuMoeQuantExperts {
-    /// The two buffers borrowed for one call (the one-call decoder's too).
+    /// The buffers borrowed for one call (the one-call decoder's too).
     pub(crate) fn borrow<'py>(&self, py: Python<'py>) -> PyResult<HeldBytes<'py>> {
-        let read = |a: &Py<PyArray1<u8>>| {
-            a.bind(py).try_readonly().map_err(|e| {
-                PyValueError::new_err(format!("the experts' weights are borrowed: {e}"))
+        let buffers = self
+            .buffers
+            .iter()
+            .map(|a| {
+                a.bind(py).try_readonly().map_err(|e| {
+                    PyValueError::new_err(format!("the experts' weights are borrowed: {e}"))
+                })
             })
-        };
+            .collect::<PyResult<Vec<_>>>()?;
         Ok(HeldBytes {
-            gate_up: read(&self.gate_up)?,
-            down: read(&self.down)?,
+            buffers,
             layout: Arc::clone(&self.layout),
         })
     }
@@ -127,27 +144,29 @@ impl CpuMoeQuantExperts {
 
 #[pymethods]
 impl CpuMoeQuantExperts {
-    /// `gate_up_bytes` / `down_bytes`: uint8 buffers holding every expert's gate/up (`[2I, H]`,
-    /// gate rows then up rows) and down (`[H, I]`) rows back to back, expert after expert;
-    /// `gate_up[e]` / `down[e]`: expert `e`'s segments there as `(ggml type code, rows)`;
-    /// `hidden` = H. A ValueError for an unsupported type, shapes that do not fit together or
-    /// buffers not the segments' size.
+    /// `buffers`: 1-D uint8 arrays; `gate_up[e]` / `down[e]`: expert `e`'s gate/up (`[2I, H]`,
+    /// gate rows then up rows) and down (`[H, I]`) row segments as `(ggml type code, rows,
+    /// buffer index, byte offset)`; `hidden` = H; `owners`: kept alive as long as the experts
+    /// (what owns the buffers' memory). A ValueError for an unsupported type, shapes that do not
+    /// fit together or a segment outside its buffer.
     #[new]
+    #[pyo3(signature = (buffers, gate_up, down, hidden, owners=None))]
     fn new(
-        gate_up_bytes: Bound<'_, PyArray1<u8>>,
-        gate_up: Vec<Vec<(u32, usize)>>,
-        down_bytes: Bound<'_, PyArray1<u8>>,
-        down: Vec<Vec<(u32, usize)>>,
+        py: Python<'_>,
+        buffers: Vec<Bound<'_, PyArray1<u8>>>,
+        gate_up: Vec<Vec<(u32, usize, usize, usize)>>,
+        down: Vec<Vec<(u32, usize, usize, usize)>>,
         hidden: usize,
+        owners: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let py = gate_up_bytes.py();
-        let layout = cpu::QuantLayout::new(&parts(gate_up)?, &parts(down)?, hidden)?;
+        let sizes: Vec<usize> = buffers.iter().map(|b| b.len()).collect();
+        let layout = cpu::QuantLayout::new(&sizes, &placed(gate_up)?, &placed(down)?, hidden)?;
         let held = Self {
-            gate_up: gate_up_bytes.unbind(),
-            down: down_bytes.unbind(),
+            buffers: buffers.into_iter().map(Bound::unbind).collect(),
             layout: Arc::new(layout),
+            _owners: owners.unwrap_or_else(|| py.None()),
         };
-        held.borrow(py)?.view()?; // the buffers' sizes and contiguity checked once here
+        held.borrow(py)?.view()?; // the buffers' contiguity checked once here
         Ok(held)
     }
 

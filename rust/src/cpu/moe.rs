@@ -14,7 +14,7 @@
 //! nothing here: that rank adds its term.
 //!
 //! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (`QuantLayout`:
-//! every expert's row segments in two byte buffers): each chosen expert's rows through the
+//! every expert's row segments placed in a few byte buffers, the file's mapped tensors as they are): each chosen expert's rows through the
 //! quantized products (`quant::quant_linear_with`), the activation and the weighted sum as above;
 //! at one token the chosen experts' gate/up rows are one product.
 //!
@@ -134,90 +134,115 @@ pub fn moe_experts<T: Elem>(
     Ok(())
 }
 
-/// Where one held expert's projection lies in its byte buffer: row segments, back to back.
-#[derive(Clone, Copy, Debug)]
-struct Part {
-    qtype: QType,
-    /// The segment's first byte in the buffer.
-    offset: usize,
-    rows: usize,
+/// Where one held expert's row segment lies: its type and rows, and its first byte (a buffer of
+/// the layout and an offset in it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    pub qtype: QType,
+    pub rows: usize,
+    pub buffer: usize,
+    pub offset: usize,
 }
 
 /// Every held expert's quantized gate/up `[2I, H]` (gate rows, then up rows) and down `[H, I]`
-/// weights as row segments of two byte buffers, one per projection, each expert's segments back
-/// to back in expert order: laid out once, so that a call borrows two buffers, not a segment
-/// array per expert (3 x 64 borrows a layer cost ~7 % of a Q8_0 decode step, MoE round 7).
+/// weights as row segments placed in a few byte buffers: the GGUF file's stacked
+/// `ffn_{gate,up,down}_exps` tensors as they are mapped (each expert's rows a contiguous block of
+/// them; nothing copied, the page cache shared by every process mapping the file), or a copy
+/// where the segments are scattered (experts sliced for tensor parallelism). A call borrows the
+/// few buffers, not a segment array per expert (3 x 64 borrows a layer cost ~7 % of a Q8_0
+/// decode step, MoE round 7).
 #[derive(Debug)]
 pub struct QuantLayout {
-    gate_up: Vec<Vec<Part>>,
-    down: Vec<Vec<Part>>,
-    gate_up_bytes: usize,
-    down_bytes: usize,
+    gate_up: Vec<Vec<Placed>>,
+    down: Vec<Vec<Placed>>,
+    buffers: Vec<usize>,
     hidden: usize,
     width: usize,
 }
 
 impl QuantLayout {
-    /// The layout of `gate_up[e]` / `down[e]`: expert `e`'s segments as `(type, rows)` in buffer
-    /// order; `hidden` = H. An error names an expert whose rows do not make `[2I, H]` and
-    /// `[H, I]` with the same I as expert 0's.
+    /// The layout of `gate_up[e]` / `down[e]` (expert `e`'s segments, in row order) over buffers
+    /// of `buffers[b]` bytes; `hidden` = H. An error names an expert whose rows do not make
+    /// `[2I, H]` and `[H, I]` with the same I as expert 0's, or a segment outside its buffer.
     pub fn new(
-        gate_up: &[Vec<(QType, usize)>],
-        down: &[Vec<(QType, usize)>],
+        buffers: &[usize],
+        gate_up: &[Vec<Placed>],
+        down: &[Vec<Placed>],
         hidden: usize,
     ) -> Result<Self> {
-        if gate_up.len() != down.len() {
-            return Err(invalid(format!(
-                "{} gate/up and {} down weights: one of each per expert",
-                gate_up.len(),
-                down.len()
-            )));
-        }
-        let total = |segments: &[(QType, usize)]| segments.iter().map(|s| s.1).sum::<usize>();
-        let width = gate_up.first().map_or(0, |g| total(g) / 2);
-        for (e, (g, d)) in gate_up.iter().zip(down).enumerate() {
-            if (total(g), total(d)) != (2 * width, hidden) {
-                return Err(invalid(format!(
-                    "expert {e}: gate/up has {} rows and down {}, expected {} (2I, I = {width} \
-                     as expert 0's) and {hidden} (H)",
-                    total(g),
-                    total(d),
-                    2 * width
-                )));
-            }
-        }
-        let lay = |experts: &[Vec<(QType, usize)>], k: usize| -> Result<(Vec<Vec<Part>>, usize)> {
-            let mut offset = 0;
-            let mut parts = Vec::with_capacity(experts.len());
-            for segments in experts {
-                let mut expert = Vec::with_capacity(segments.len());
-                for &(qtype, rows) in segments {
-                    expert.push(Part {
-                        qtype,
-                        offset,
-                        rows,
-                    });
-                    offset += rows * qtype.row_bytes(k)?;
-                }
-                parts.push(expert);
-            }
-            Ok((parts, offset))
+        let rows = |experts: &[Vec<Placed>]| -> Vec<usize> {
+            experts
+                .iter()
+                .map(|s| s.iter().map(|p| p.rows).sum())
+                .collect()
         };
-        let (gate_up, gate_up_bytes) = lay(gate_up, hidden)?;
-        let (down, down_bytes) = lay(down, width)?;
+        let width = expert_width(&rows(gate_up), &rows(down), hidden)?;
+        for (what, experts, k) in [("gate/up", gate_up, hidden), ("down", down, width)] {
+            for (e, segments) in experts.iter().enumerate() {
+                for s in segments {
+                    let end = s.offset + s.rows * s.qtype.row_bytes(k)?;
+                    if buffers.get(s.buffer).is_none_or(|&size| end > size) {
+                        return Err(invalid(format!(
+                            "expert {e}: a {what} segment of {} rows at byte {} of buffer {} \
+                             lies outside the {} buffers ({buffers:?} bytes)",
+                            s.rows,
+                            s.offset,
+                            s.buffer,
+                            buffers.len()
+                        )));
+                    }
+                }
+            }
+        }
         Ok(Self {
-            gate_up,
-            down,
-            gate_up_bytes,
-            down_bytes,
+            gate_up: gate_up.to_vec(),
+            down: down.to_vec(),
+            buffers: buffers.to_vec(),
             hidden,
             width,
         })
     }
 
-    /// Bytes of the gate/up and of the down buffer.
-    pub fn bytes(&self) -> (usize, usize) {
-        (self.gate_up_bytes, self.down_bytes)
+    /// The layout of segments `(type, rows)` back to back, expert after expert: gate/up in
+    /// buffer 0, down in buffer 1.
+    pub fn back_to_back(
+        gate_up: &[Vec<(QType, usize)>],
+        down: &[Vec<(QType, usize)>],
+        hidden: usize,
+    ) -> Result<Self> {
+        let rows = |experts: &[Vec<(QType, usize)>]| -> Vec<usize> {
+            experts
+                .iter()
+                .map(|s| s.iter().map(|p| p.1).sum())
+                .collect()
+        };
+        let width = expert_width(&rows(gate_up), &rows(down), hidden)?;
+        let lay = |experts: &[Vec<(QType, usize)>], buffer: usize, k: usize| {
+            let mut offset = 0;
+            let mut placed = Vec::with_capacity(experts.len());
+            for segments in experts {
+                let mut expert = Vec::with_capacity(segments.len());
+                for &(qtype, rows) in segments {
+                    expert.push(Placed {
+                        qtype,
+                        rows,
+                        buffer,
+                        offset,
+                    });
+                    offset += rows * qtype.row_bytes(k)?;
+                }
+                placed.push(expert);
+            }
+            Ok::<_, crate::error::Error>((placed, offset))
+        };
+        let (gate_up, gate_up_bytes) = lay(gate_up, 0, hidden)?;
+        let (down, down_bytes) = lay(down, 1, width)?;
+        Self::new(&[gate_up_bytes, down_bytes], &gate_up, &down, hidden)
+    }
+
+    /// Bytes of each buffer.
+    pub fn buffers(&self) -> &[usize] {
+        &self.buffers
     }
 
     pub fn hidden(&self) -> usize {
@@ -225,29 +250,48 @@ impl QuantLayout {
     }
 
     /// The layout over its buffers; an error if they are not its sizes.
-    pub fn over<'a>(&'a self, gate_up: &'a [u8], down: &'a [u8]) -> Result<QuantExperts<'a>> {
-        if (gate_up.len(), down.len()) != self.bytes() {
+    pub fn over<'a>(&'a self, buffers: Vec<&'a [u8]>) -> Result<QuantExperts<'a>> {
+        let sizes: Vec<usize> = buffers.iter().map(|b| b.len()).collect();
+        if sizes != self.buffers {
             return Err(invalid(format!(
-                "the experts' buffers hold {} and {} bytes, their layout {} and {}",
-                gate_up.len(),
-                down.len(),
-                self.gate_up_bytes,
-                self.down_bytes
+                "the experts' buffers hold {sizes:?} bytes, their layout {:?}",
+                self.buffers
             )));
         }
         Ok(QuantExperts {
             layout: self,
-            gate_up,
-            down,
+            buffers,
         })
     }
 }
 
-/// A `QuantLayout` over its two buffers (`QuantLayout::over`).
+/// I, the experts' width, from each expert's gate/up and down rows; an error for unequal numbers
+/// of experts, or naming an expert whose rows are not `2I` and `H` with expert 0's I.
+fn expert_width(gate_up: &[usize], down: &[usize], hidden: usize) -> Result<usize> {
+    if gate_up.len() != down.len() {
+        return Err(invalid(format!(
+            "{} gate/up and {} down weights: one of each per expert",
+            gate_up.len(),
+            down.len()
+        )));
+    }
+    let width = gate_up.first().map_or(0, |g| g / 2);
+    for (e, (&g, &d)) in gate_up.iter().zip(down).enumerate() {
+        if (g, d) != (2 * width, hidden) {
+            return Err(invalid(format!(
+                "expert {e}: gate/up has {g} rows and down {d}, expected {} (2I, I = {width} as \
+                 expert 0's) and {hidden} (H)",
+                2 * width
+            )));
+        }
+    }
+    Ok(width)
+}
+
+/// A `QuantLayout` over its buffers (`QuantLayout::over`).
 pub struct QuantExperts<'a> {
     layout: &'a QuantLayout,
-    gate_up: &'a [u8],
-    down: &'a [u8],
+    buffers: Vec<&'a [u8]>,
 }
 
 impl<'a> QuantExperts<'a> {
@@ -257,17 +301,18 @@ impl<'a> QuantExperts<'a> {
 
     /// Expert `e`'s gate/up (`down == false`) or down segments.
     fn segments(&self, e: usize, down: bool) -> impl Iterator<Item = Segment<'a>> + '_ {
-        let (parts, bytes, k) = if down {
-            (&self.layout.down[e], self.down, self.layout.width)
+        let (placed, k) = if down {
+            (&self.layout.down[e], self.layout.width)
         } else {
-            (&self.layout.gate_up[e], self.gate_up, self.layout.hidden)
+            (&self.layout.gate_up[e], self.layout.hidden)
         };
-        parts.iter().map(move |p| {
-            // row_bytes was Ok for this type and k when the layout was made
+        placed.iter().map(move |p| {
+            // row_bytes was Ok for this type and k, and the segment inside its buffer, when the
+            // layout was made
             let len = p.rows * p.qtype.row_bytes(k).unwrap_or(0);
             Segment {
                 qtype: p.qtype,
-                data: &bytes[p.offset..p.offset + len],
+                data: &self.buffers[p.buffer][p.offset..p.offset + len],
                 rows: p.rows,
             }
         })
@@ -914,7 +959,7 @@ mod tests {
     fn q8_0_layout(gate_up: &[Vec<u8>], down: &[Vec<u8>], h: usize, i: usize) -> QuantLayout {
         let gate_up_parts = vec![vec![(QType::Q8_0, i), (QType::Q8_0, i)]; gate_up.len()];
         let down_parts = vec![vec![(QType::Q8_0, h)]; down.len()];
-        QuantLayout::new(&gate_up_parts, &down_parts, h).unwrap()
+        QuantLayout::back_to_back(&gate_up_parts, &down_parts, h).unwrap()
     }
 
     /// The Q8_0 case: (the case on its dequantized weights, gate/up bytes, down bytes).
@@ -951,7 +996,7 @@ mod tests {
                 .collect()
         };
         let layout = q8_0_layout(&split(gate_up, &g), &split(down, &d), case.h, case.i);
-        let held = layout.over(gate_up, down).unwrap();
+        let held = layout.over(vec![gate_up, down]).unwrap();
         let x = Array2::from_shape_vec((case.m, case.h), case.x.clone()).unwrap();
         let mut got = Array2::<f32>::zeros((case.m, case.h));
         moe_quant_experts(
@@ -1025,23 +1070,104 @@ mod tests {
     #[test]
     fn a_layout_that_does_not_fit_its_experts_or_buffers_is_rejected() {
         let q = QType::Q8_0;
-        let err = QuantLayout::new(&[vec![(q, 32)], vec![(q, 30)]], &vec![vec![(q, 64)]; 2], 64)
-            .unwrap_err();
+        let err =
+            QuantLayout::back_to_back(&[vec![(q, 32)], vec![(q, 30)]], &vec![vec![(q, 64)]; 2], 64)
+                .unwrap_err();
         assert!(
             format!("{err}").contains("expert 1: gate/up has 30 rows"),
             "{err}"
         );
-        let err = QuantLayout::new(&[vec![(q, 32)]], &[], 64).unwrap_err();
+        let err = QuantLayout::back_to_back(&[vec![(q, 32)]], &[], 64).unwrap_err();
         assert!(format!("{err}").contains("1 gate/up and 0 down"), "{err}");
-        let layout = QuantLayout::new(&[vec![(q, 64)]], &[vec![(q, 64)]], 64).unwrap();
+        let layout = QuantLayout::back_to_back(&[vec![(q, 64)]], &[vec![(q, 64)]], 64).unwrap();
         // 64 rows of 64 and 64 rows of 32 elements: 2 and 1 blocks of 34 bytes a row
-        assert_eq!(layout.bytes(), (64 * 68, 64 * 34));
+        assert_eq!(layout.buffers(), &[64 * 68, 64 * 34]);
         let (g, d) = (vec![0u8; 64 * 68], vec![0u8; 64 * 34 - 1]);
-        let err = layout.over(&g, &d).err().unwrap();
+        let err = layout.over(vec![&g, &d]).err().unwrap();
         assert!(
-            format!("{err}").contains("hold 4352 and 2175 bytes"),
+            format!("{err}").contains("hold [4352, 2175] bytes"),
             "{err}"
         );
+        // a segment past its buffer's end
+        let placed = |rows, buffer, offset| Placed {
+            qtype: q,
+            rows,
+            buffer,
+            offset,
+        };
+        let err = QuantLayout::new(
+            &[64 * 68, 64 * 34],
+            &[vec![placed(64, 0, 34)]],
+            &[vec![placed(64, 1, 0)]],
+            64,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err}").contains("gate/up segment of 64 rows at byte 34 of buffer 0"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn experts_placed_in_the_files_stacked_tensors_equal_them_laid_out_back_to_back() {
+        // GGUF's layout: all experts' gate rows in one buffer, their up rows in a second and
+        // their down rows in a third, each expert a contiguous block (the mapped file as it
+        // is), against the same bytes copied expert after expert
+        let (m, h, i, experts) = (6, 64, 32, 5);
+        let (case, gate_up, down) = q8_0_case(m, h, i, experts);
+        let (ids, w) = routing(m, 3, experts);
+        let rb = QType::Q8_0.row_bytes(h).unwrap();
+        let block = i * rb; // one expert's gate (or up) rows
+        let (mut gates, mut ups) = (Vec::new(), Vec::new());
+        for chunk in gate_up.chunks_exact(2 * block) {
+            gates.extend_from_slice(&chunk[..block]);
+            ups.extend_from_slice(&chunk[block..]);
+        }
+        let placed = |rows, buffer, offset| Placed {
+            qtype: QType::Q8_0,
+            rows,
+            buffer,
+            offset,
+        };
+        let down_block = h * QType::Q8_0.row_bytes(i).unwrap();
+        let gate_up_placed: Vec<Vec<Placed>> = (0..experts)
+            .map(|e| vec![placed(i, 0, e * block), placed(i, 1, e * block)])
+            .collect();
+        let down_placed: Vec<Vec<Placed>> = (0..experts)
+            .map(|e| vec![placed(h, 2, e * down_block)])
+            .collect();
+        let sizes = [gates.len(), ups.len(), down.len()];
+        let layout = QuantLayout::new(&sizes, &gate_up_placed, &down_placed, h).unwrap();
+        let held = layout.over(vec![&gates, &ups, &down]).unwrap();
+        for (rows, threads) in [(m, 2), (1, 2), (m, 1)] {
+            let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
+            let x = x.slice(ndarray::s![..rows, ..]).to_owned();
+            let (ids, w) = (
+                ids.slice(ndarray::s![..rows, ..]).to_owned(),
+                w.slice(ndarray::s![..rows, ..]).to_owned(),
+            );
+            let mut got = Array2::<f32>::zeros((rows, h));
+            moe_quant_experts(
+                x.view(),
+                &held,
+                ids.view(),
+                w.view(),
+                got.view_mut(),
+                threads,
+                Activations::F32,
+            )
+            .unwrap();
+            let mut one = Case::new(rows, h, i, experts);
+            one.x = case.x[..rows * h].to_vec();
+            let want = run_quant(
+                &one,
+                (&gate_up, &down),
+                &ids,
+                &w,
+                (Activations::F32, threads),
+            );
+            assert_eq!(got, want, "{rows} tokens, {threads} threads");
+        }
     }
 
     #[test]
