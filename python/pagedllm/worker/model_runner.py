@@ -17,6 +17,7 @@ from pagedllm.attention.kv_groups import KVGroupLayout
 from pagedllm.attention.paged import AttentionMetadata, LayerGroups
 from pagedllm.models import cpu_forward
 from pagedllm.sampling.verification import has_drafts, verification_logits_rows
+from pagedllm.worker import weight_pages
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_threads import configure_cpu_threads
 
@@ -70,6 +71,9 @@ class ModelRunner:
         # CPU: the layers in one Rust call a step where the model qualifies (bit-identical to
         # the layer-by-layer forward, without its per-kernel Python; models/cpu_forward.py)
         self.cpu_forward = None
+        if device.type == "cpu":
+            # the weights each decode step streams, on huge pages (worker/weight_pages.py)
+            weight_pages.move_weights(model)
         if fused_cpu_forward and device.type == "cpu" and cache_engine is not None:
             self.cpu_forward = cpu_forward.build(
                 model, cache_engine.kv_cache, lora=lora is not None

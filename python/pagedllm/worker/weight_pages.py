@@ -1,0 +1,95 @@
+"""The weights the CPU products stream every decode step, moved into one buffer on transparent
+huge pages at start-up.
+
+A decode step reads every projection's weight once, front to back. On 4 KiB pages that stream
+crosses a page every 4 KiB, each a TLB miss and a point where the hardware prefetcher stops: one
+thread reads a panel-packed float32 weight at ~31 GB/s from 4 KiB pages and ~42 GB/s from 2 MiB
+pages (benches/RESULTS.md, round 8, H2). torch allocates without asking for huge pages, and a GGUF
+file's quantized rows are read in place from its mapping (page cache: 4 KiB pages), so the linear
+layers' panels (`kernels.cpu_linear.PackedWeight`) and quantized rows
+(`kernels.cpu_quant.QuantWeight`) are copied into one huge-page buffer (`host_zeros`) and the
+layers pointed at the copies; the old memory is released (a file's page cache is left to the
+kernel). The copies hold the same bytes: every result is unchanged.
+
+An embedding table is read a row per token, so it stays where it is, unless it is tied to the
+LM head (one `QuantWeight` object), which reads it whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
+from pagedllm.kernels.cpu_arrays import numpy_view
+from pagedllm.kernels.cpu_linear import PackedWeight
+from pagedllm.kernels.cpu_quant import QuantSegment, QuantWeight
+from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES, host_zeros
+
+# tables read a row per token (moved only when tied to a layer that reads them whole)
+EMBEDDINGS = (nn.Embedding, QuantEmbedding, VocabParallelEmbedding)
+# each weight's start in the buffer: a cache line (the kernels' loads need no more)
+ALIGN = 64
+
+
+def move_weights(model: nn.Module) -> int:
+    """Copies every CPU linear layer's packed or quantized weight of `model` into one huge-page
+    buffer and points the layers (and a tied embedding) at the copies. Returns the bytes moved
+    (0 when there is less than a huge page of them: nothing is moved)."""
+    layers = [
+        m for m in model.modules() if not isinstance(m, EMBEDDINGS) and _weight_of(m) is not None
+    ]
+    tensors: dict[int, torch.Tensor] = {}
+    for module in layers:
+        for t in _tensors(_weight_of(module)):
+            tensors[id(t)] = t
+    total = sum(_aligned(t.nbytes) for t in tensors.values())
+    if total < HUGE_PAGE_BYTES:
+        return 0
+    buffer = host_zeros((total,), torch.uint8)
+    copies: dict[int, torch.Tensor] = {}
+    offset = 0
+    for key, t in tensors.items():
+        dst = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        copies[key] = dst
+        offset += _aligned(t.nbytes)
+    moved: dict[int, object] = {}
+    for module in [m for m in model.modules() if _weight_of(m) is not None]:
+        weight = _weight_of(module)
+        if id(weight) in moved or all(id(t) in copies for t in _tensors(weight)):
+            if id(weight) not in moved:
+                moved[id(weight)] = _copy(weight, copies)
+            if isinstance(weight, PackedWeight):
+                module.packed = moved[id(weight)]
+            else:
+                module.quant = moved[id(weight)]
+    return total
+
+
+def _weight_of(module: nn.Module) -> PackedWeight | QuantWeight | None:
+    quant = getattr(module, "quant", None)
+    if isinstance(quant, QuantWeight):
+        return quant
+    packed = getattr(module, "packed", None)
+    if isinstance(packed, PackedWeight) and packed.panels.device.type == "cpu":
+        return packed
+    return None
+
+
+def _tensors(weight: PackedWeight | QuantWeight) -> list[torch.Tensor]:
+    if isinstance(weight, PackedWeight):
+        return [weight.panels]
+    return [s.data for s in weight.segments]
+
+
+def _copy(weight: PackedWeight | QuantWeight, copies: dict[int, torch.Tensor]):
+    if isinstance(weight, PackedWeight):
+        panels = copies[id(weight.panels)]
+        return PackedWeight(panels, weight.out_features, numpy_view(panels))
+    segments = tuple(QuantSegment(s.qtype, copies[id(s.data)], s.rows) for s in weight.segments)
+    return QuantWeight(segments, weight.in_features)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN

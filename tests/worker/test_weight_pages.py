@@ -1,0 +1,74 @@
+"""worker/weight_pages.py: the linear layers' packed and quantized weights copied into one
+huge-page buffer, the same bytes, a tied embedding following its LM head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.layers import QuantEmbedding
+from pagedllm.kernels import cpu_linear, cpu_quant
+from pagedllm.worker import weight_pages
+from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES
+
+
+class Holder(nn.Module):
+    """A layer as the engine's: a `packed` or a `quant` slot."""
+
+    def __init__(self, packed=None, quant=None) -> None:
+        super().__init__()
+        self.packed, self.quant = packed, quant
+
+
+def _start(weight) -> int:
+    if isinstance(weight, cpu_linear.PackedWeight):
+        return weight.panels.data_ptr()
+    return weight.segments[0].data.data_ptr()
+
+
+def _model(rows: int = 1024) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    dense = torch.randn(rows, 512)
+    quant = torch.randn(rows, 512)
+    model = nn.Module()
+    model.a = Holder(packed=cpu_linear.pack(dense))
+    model.b = Holder(quant=cpu_quant.quantize(quant, cpu_quant.Q8_0))
+    return model, dense, quant
+
+
+def test_moved_layers_compute_the_same_products_from_one_buffer():
+    model, dense, _ = _model()
+    x = torch.randn(3, 512)
+    before = (
+        cpu_linear.linear(x, dense, None, model.a.packed),
+        cpu_quant.quant_linear(x, model.b.quant, None),
+    )
+    old = (_start(model.a.packed), _start(model.b.quant))
+    moved = weight_pages.move_weights(model)
+    assert moved >= dense.numel() * 4 + model.b.quant.segments[0].data.numel()
+    new = (_start(model.a.packed), _start(model.b.quant))
+    assert set(new).isdisjoint(old)
+    # one buffer, the weights side by side
+    assert abs(new[1] - new[0]) < moved
+    assert torch.equal(cpu_linear.linear(x, dense, None, model.a.packed), before[0])
+    assert torch.equal(cpu_quant.quant_linear(x, model.b.quant, None), before[1])
+
+
+def test_a_tied_embedding_follows_its_lm_head_and_an_untied_one_stays():
+    model, _, quant = _model()
+    tied = model.b.quant
+    untied = cpu_quant.quantize(quant, cpu_quant.Q8_0)
+    model.tied = QuantEmbedding(tied)
+    model.untied = QuantEmbedding(untied)
+    weight_pages.move_weights(model)
+    assert model.tied.quant is model.b.quant
+    assert model.b.quant is not tied
+    assert model.untied.quant is untied
+
+
+def test_less_than_a_huge_page_of_weights_is_left_in_place():
+    model, _, _ = _model(rows=64)
+    packed = model.a.packed
+    assert packed.panels.nbytes < HUGE_PAGE_BYTES
+    assert weight_pages.move_weights(model) == 0
+    assert model.a.packed is packed
