@@ -24,7 +24,9 @@ through the engine with the one-call CPU decoder and layer by layer (`enforce_ea
 engines alternated, medians of `--rounds` (wall time; label it busy on a shared machine).
 `--gguf FILE --builds A/python B/python --llama-bin DIR --threads 1` compares package copies
 (e.g. two commits' release builds) single stream, decode 32 / prefill 64, with llama.cpp's
-`llama-bench` in the same rounds (builds alternated): medians and each round's ratios.
+`llama-bench` in the same rounds (builds alternated): medians and each round's ratios; without
+`--llama-bin`, the builds' decode at each `--concurrency` (a fresh process a run, alternated) and
+their resident memory after load.
 """
 
 from __future__ import annotations
@@ -259,6 +261,57 @@ def builds_vs_llamacpp(args) -> None:
             print(f"  {a} / {b}: {listed} (median {_median(ratios):.2f}x)", flush=True)
 
 
+# one build's decode of a GGUF file at each concurrency, in a fresh process (`builds_streams`)
+_STREAMS = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import moe_bench
+from pagedllm import LLM
+path, threads, tokens = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(path, device="cpu", skip_tokenizer_init=True, cpu_threads=threads, max_model_len=256,
+          enable_prefix_caching=False)
+mem = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in open("/proc/self/status"))
+       if k in ("RssAnon", "RssFile")}
+rates = {c: moe_bench.decode_tok_s(llm, int(c), tokens) for c in sys.argv[5:]}
+print(json.dumps({"rates": rates, "mem_kb": mem}))
+"""
+
+
+def builds_streams(args) -> None:
+    """Decode of `--gguf` at each `--concurrency` by each package copy of `--builds` (a `python`
+    folder each, first on PYTHONPATH; a fresh process a run, the builds alternated every round):
+    medians, the last build over the first per round, and each build's resident memory after
+    load (anonymous: copies; file: the mapped model)."""
+    import os
+    import subprocess
+    import sys
+
+    here = str(Path(__file__).parent)
+    conc = [str(c) for c in args.concurrency]
+    runs: dict[str, list[dict]] = {b: [] for b in args.builds}
+    for r in range(args.rounds):
+        for build in args.builds if r % 2 == 0 else args.builds[::-1]:
+            env = {**os.environ, "PYTHONPATH": build, "OMP_NUM_THREADS": str(args.threads)}
+            cmd = [sys.executable, "-c", _STREAMS, here, args.gguf, str(args.threads)]
+            out = subprocess.run(
+                [*cmd, str(args.tokens), *conc], check=True, capture_output=True, text=True, env=env
+            ).stdout
+            runs[build].append(json.loads(out.strip().splitlines()[-1]))
+    first, last = args.builds[0], args.builds[-1]
+    for build in args.builds:
+        anon, file = (runs[build][-1]["mem_kb"][k] / 1024 for k in ("RssAnon", "RssFile"))
+        print(f"{build}: RssAnon {anon:.0f} MiB, RssFile {file:.0f} MiB")
+    print("| streams | " + " | ".join(f"{b} tok/s" for b in args.builds) + " | last / first |")
+    print("|---:|" + "---:|" * len(args.builds) + "---|")
+    for c in conc:
+        medians = " | ".join(
+            f"{_median([x['rates'][c] for x in runs[b]]):.1f}" for b in args.builds
+        )
+        ratios = [x["rates"][c] / y["rates"][c] for x, y in zip(runs[last], runs[first])]
+        listed = " ".join(f"{v:.2f}" for v in ratios)
+        print(f"| {c} | {medians} | {listed} (median {_median(ratios):.2f}x) |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -278,8 +331,11 @@ def main() -> int:
     p.add_argument("--llama-bin", type=Path, help="with --gguf and --builds: llama.cpp's bin")
     p.add_argument("--builds", nargs="+", help="package copies' python folders to compare")
     args = p.parse_args()
-    if args.gguf and args.builds:
+    if args.gguf and args.builds and args.llama_bin:
         builds_vs_llamacpp(args)
+        return 0
+    if args.gguf and args.builds:
+        builds_streams(args)
         return 0
     if args.kernel:
         kernel_ab(args.concurrency, args.rounds)

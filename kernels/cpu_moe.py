@@ -11,6 +11,7 @@ products of `rust/src/cpu/quant/` per chosen expert).
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +99,8 @@ class QuantExperts:
             tensors = [s.data for w in [*gate_up, *down] for s in w.segments]
             runs = _runs(tensors)
         buffers = tuple(_span(first, nbytes) for first, _, nbytes in runs)
+        for buffer in buffers:
+            _touch(buffer)
         place = _placements(runs)
         kernel = _core.CpuMoeQuantExperts(
             list(buffers),
@@ -132,6 +135,13 @@ def _span(first: Tensor, nbytes: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(
         first.numpy().reshape(-1), shape=(nbytes,), strides=(1,), writeable=False
     )
+
+
+def _touch(buffer: np.ndarray) -> None:
+    """Reads a byte of every page of `buffer` once: a mapped file's pages are mapped into the
+    process at load (as the copy they replace was written at load), not faulted in one by one by
+    the first steps that choose each expert."""
+    int(buffer[:: mmap.PAGESIZE].sum(dtype=np.uint64))
 
 
 def _placements(runs: list[tuple[Tensor, int, int]]):
