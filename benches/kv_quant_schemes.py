@@ -17,8 +17,14 @@ the bound among 1.0 .. 0.7 x amax with the row's least squared error, `b3mse` am
 the scale byte's bound and the three bytes below it; `norot` codes the row
 without the Walsh-Hadamard rotation, `rs` flips a fixed random set of its channels' signs
 first; `kc` codes the keys less their mean over the window's positions (an upper bound of
-a per-(layer, head) key offset); `konly` / `vonly` codes only the keys / values. `engine-int8`
-and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check against b3).
+a per-(layer, head) key offset), `calN` the keys less an offset fixed beforehand: their mean
+over the N-th `--calibration` source (another text, `FILE[:TOKENS]`, or `random:TOKENS` token
+ids from a fixed seed), per layer and kv head; `konly` / `vonly` codes only the keys / values.
+`engine-int8` and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check
+against b3); the offset flags apply to them too (`engine-int8-cal0`).
+
+    python benches/kv_quant_schemes.py --model /work/models/kvq-smollm2-f32 --text FILE \
+        --calibration OTHER_FILE random:1024 --schemes engine-int8 engine-int8-kc engine-int8-cal0
 """
 
 from __future__ import annotations
@@ -91,20 +97,24 @@ def least_squares_bound(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch
     return bound
 
 
-def fake(x: torch.Tensor, scheme: str, part: str) -> torch.Tensor:
-    """`x` [T, KVH, D] coded and decoded by `scheme` (float32)."""
+def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tensor:
+    """`x` [T, KVH, D] coded and decoded by `scheme` (float32); `layer` names the layer's
+    calibrated key offset (`calN`)."""
     x = x.float()
-    if scheme.startswith("engine-"):
-        dtype = {"engine-int8": torch.int8, "engine-fp8": torch.float8_e4m3fn}[scheme]
-        return reference.dequantize_rows(reference.quantize_rows(x, dtype))
     kind, bound_kind, *flags = scheme.split("-")
-    if "kc" in flags and part == "k":
+    offset = [f for f in flags if f == "kc" or f.startswith("cal")]
+    if offset and part == "k":
         # `kc`: the keys' mean over the window's positions (per kv head) kept exact, the rest
         # coded: what a fixed per-(layer, head) key offset could give at best (softmax ignores
-        # q . c, the same for every key of a query); measured, not built
-        center = x.mean(0, keepdim=True)
-        rest = [f for f in flags if f != "kc"]
-        return fake(x - center, "-".join([kind, bound_kind, *rest]), part) + center
+        # q . c, the same for every key of a query). `calN`: the offset fixed beforehand, the
+        # mean of the keys of the N-th `--calibration` source (another text, random tokens)
+        flag = offset[0]
+        center = x.mean(0, keepdim=True) if flag == "kc" else _CALIBRATED[flag][layer]
+        rest = [f for f in flags if f != flag]
+        return fake(x - center, "-".join([kind, bound_kind, *rest]), part, layer) + center
+    if kind == "engine":
+        dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[bound_kind]
+        return reference.dequantize_rows(reference.quantize_rows(x, dtype))
     rotate = "norot" not in flags
     # `rs`: random signs before the rotation (H D x, D = diag(+-1)): a row whose channels share
     # a sign pattern with one of H's rows no longer concentrates on one channel
@@ -141,18 +151,41 @@ def _signs(d: int) -> torch.Tensor:
     return torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
 
 
+# calibrated key offsets: flag `calN` -> per layer a [1, KVH, D] mean
+_CALIBRATED: dict = {}
+
+
 def with_scheme(holder: dict):
     store = cpu_attention.store_and_attend
+    layers: dict = {}
 
-    def patched(q, k, v, *args, **kwargs):
+    def patched(q, k, v, k_cache, *args, **kwargs):
+        # a layer is known by its cache tensor: the forward passes the layers in order
+        layer = layers.setdefault(k_cache.data_ptr(), len(layers))
         scheme = holder.get("scheme")
+        record = holder.get("record")
+        if record is not None:
+            total, count = record.get(layer, (0.0, 0))
+            record[layer] = (total + k.float().sum(0, keepdim=True), count + k.shape[0])
         if scheme is not None:
             plain = scheme.replace("-konly", "").replace("-vonly", "")
-            k = k if "-vonly" in scheme else fake(k, plain, "k").to(k.dtype)
-            v = v if "-konly" in scheme else fake(v, plain, "v").to(v.dtype)
-        return store(q, k, v, *args, **kwargs)
+            k = k if "-vonly" in scheme else fake(k, plain, "k", layer).to(k.dtype)
+            v = v if "-konly" in scheme else fake(v, plain, "v", layer).to(v.dtype)
+        return store(q, k, v, k_cache, *args, **kwargs)
 
     cpu_attention.store_and_attend = patched
+
+
+def _calibration_windows(llm, source: str, step: int) -> list[list[int]]:
+    name, _, tokens = source.rpartition(":") if ":" in source else (source, "", "")
+    count = int(tokens) if tokens else 4096
+    if name == "random":
+        vocab = llm.get_tokenizer().vocab_size
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (count + 1,), generator=g).tolist()
+    else:
+        ids = llm.get_tokenizer().encode(Path(name).read_text())[: count + 1]
+    return [ids[i : i + step + 1] for i in range(0, len(ids) - 1, step)]
 
 
 def main() -> int:
@@ -162,6 +195,13 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--schemes", nargs="+", required=True)
+    p.add_argument(
+        "--calibration",
+        nargs="*",
+        default=[],
+        help="key offset sources, flag calN takes the N-th: a text FILE[:TOKENS] or "
+        "random:TOKENS (token ids from a fixed seed)",
+    )
     args = p.parse_args()
     holder: dict = {}
     with_scheme(holder)
@@ -175,6 +215,11 @@ def main() -> int:
     ids = llm.get_tokenizer().encode(args.text.read_text())[: args.tokens + 1]
     step = args.window
     windows = [ids[i : i + step + 1] for i in range(0, len(ids) - 1, step)]
+    for n, source in enumerate(args.calibration):
+        holder["record"] = record = {}
+        teacher_forced(llm, _calibration_windows(llm, source, step))
+        holder.pop("record")
+        _CALIBRATED[f"cal{n}"] = {layer: total / count for layer, (total, count) in record.items()}
     ref_top1, ref_logprobs = teacher_forced(llm, windows)
     ref_ppl = math.exp(-sum(ref_logprobs) / len(ref_logprobs))
     print(json.dumps({"scheme": "float", "positions": len(ref_top1), "perplexity": ref_ppl}))
