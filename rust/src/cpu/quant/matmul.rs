@@ -26,6 +26,12 @@ const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of rows a call is cut into per thread, claimed by whichever thread is free.
 const CHUNKS_PER_THREAD: usize = 4;
 
+/// Decode runs are cut into whole passes of this many weight rows (`vnni4`'s).
+#[cfg(target_arch = "x86_64")]
+const PASS_ROWS: usize = super::vnni4::ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+const PASS_ROWS: usize = 1;
+
 /// How `quant_linear_with` multiplies the activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activations {
@@ -191,11 +197,10 @@ pub fn quant_linear_with(
     if m <= DECODE_MAX_ROWS {
         let per_share = (MIN_SHARE_ELEMS / k).max(1);
         let threads = num_threads.clamp(1, n.div_ceil(per_share));
-        // runs of whole passes of four weight rows (`vnni4`)
         let chunk = n
             .div_ceil(threads * CHUNKS_PER_THREAD)
             .max(per_share)
-            .next_multiple_of(4);
+            .next_multiple_of(PASS_ROWS);
         run_runs(threads, n, chunk, |rows| decode_rows(&ctx, rows));
     } else {
         let chunk = if xq.is_some() {
@@ -356,6 +361,7 @@ fn decode_row<const F: bool>(
                 int16_row_vnni(ctx, &rs.x16, &rs.planes, t, row, r);
                 return;
             }
+
             int16_row::<F>(ctx, &rs.x16, t, row, r);
             return;
         }
@@ -409,11 +415,7 @@ unsafe fn four_rows(
     }
     let (k, x) = (ctx.k, &rs.x16[0]);
     let passes = data.len() / bytes / vnni4::ROWS;
-    for (i, four) in data
-        .chunks_exact(vnni4::ROWS * bytes)
-        .take(passes)
-        .enumerate()
-    {
+    for (i, four) in data.chunks_exact(vnni4::ROWS * bytes).enumerate() {
         let rows: [&[u8]; vnni4::ROWS] = std::array::from_fn(|j| &four[j * bytes..(j + 1) * bytes]);
         // planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`; the
         // rows and x's row hold k elements
