@@ -111,6 +111,22 @@ class QuantExperts:
         )
         return cls(gate_up, down, buffers, kernel)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every expert's segments."""
+        return sum(s.data.numel() for w in [*self.gate_up, *self.down] for s in w.segments)
+
+    def onto(self, buffer: Tensor) -> QuantExperts:
+        """The same experts copied into `buffer` (uint8, 1-D, `nbytes` long: e.g. memory on
+        huge pages, which the decode rows stream ~1.15-1.2x faster than a mapped file's 4 KiB
+        pages, benches/RESULTS.md round 8 H3), back to back."""
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.nbytes:
+            raise ValueError(
+                f"the experts' copy needs a uint8 [{self.nbytes}] buffer, got {buffer.dtype} "
+                f"{list(buffer.shape)}"
+            )
+        return QuantExperts.of(*_copy(self.gate_up, self.down, buffer)[1:])
+
 
 def _runs(tensors: list[Tensor]) -> list[tuple[Tensor, int, int]]:
     """The runs of memory the non-empty tensors cover, each `(its lowest tensor, first address,
@@ -157,14 +173,17 @@ def _placements(runs: list[tuple[Tensor, int, int]]):
     return place
 
 
-def _copy(gate_up: list, down: list) -> tuple[Tensor, list, list]:
-    """(every weight's segments' bytes back to back as one uint8 tensor, the weights as views of
-    it)."""
+def _copy(gate_up: list, down: list, buffer: Tensor | None = None) -> tuple[Tensor, list, list]:
+    """(every weight's segments' bytes back to back as one uint8 tensor, `buffer` if given, the
+    weights as views of it)."""
     from pagedllm.kernels.cpu_quant import make_weight
 
     weights = [*gate_up, *down]
     flat = [s.data.reshape(-1) for w in weights for s in w.segments]
-    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    if buffer is None:
+        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    elif flat:
+        torch.cat(flat, out=buffer)
     views, at = [], 0
     for w in weights:
         segments = []

@@ -208,3 +208,24 @@ def test_quantized_experts_of_stacked_tensors_are_read_in_place_and_equal_a_copy
         got = cpu_moe.moe_quant_experts(x, in_place, weights, ids)
         want = cpu_moe.moe_quant_experts(x, copied, weights, ids)
         assert torch.equal(got, want), f"{tokens} tokens"
+
+
+def test_quantized_experts_copied_onto_a_buffer_read_it_and_give_the_same_outputs():
+    from pagedllm.kernels import cpu_quant
+
+    g = torch.Generator().manual_seed(8)
+    quant = [
+        [cpu_quant.quantize(torch.randn(rows, cols, generator=g) / 8, cpu_quant.Q8_0)]
+        * EXPERTS  # every expert the same weight object: a copy must still hold each one's rows
+        for rows, cols in ((64, 64), (64, 32))
+    ]
+    experts_ = cpu_moe.QuantExperts.of(*quant)
+    buffer = torch.zeros(experts_.nbytes, dtype=torch.uint8)
+    moved = experts_.onto(buffer)
+    assert len(moved.buffers) == 1 and moved.buffers[0].ctypes.data == buffer.data_ptr()
+    weights, ids = routing(5, 3)
+    x = torch.randn(5, 64, generator=g)
+    want = cpu_moe.moe_quant_experts(x, experts_, weights, ids)
+    assert torch.equal(cpu_moe.moe_quant_experts(x, moved, weights, ids), want)
+    with pytest.raises(ValueError, match="needs a uint8"):
+        experts_.onto(torch.zeros(experts_.nbytes - 1, dtype=torch.uint8))

@@ -171,3 +171,21 @@ def test_a_mixtral_file_llama_with_experts_generates_the_greedy_tokens_of_its_ch
     model = load_model(path, dtype="float32", device="cpu", pack_for_cpu=True)
     for prompt, want in zip(PROMPTS, expected):
         assert paged_greedy(model, prompt, 32) == want, f"prompt {prompt[:6]}..."
+
+
+def test_the_workers_weight_move_puts_the_experts_in_their_own_buffer_with_the_same_tokens(
+    tmp_path, monkeypatch
+):
+    from pagedllm.worker import weight_pages
+
+    path = save_tiny_moe_gguf(tmp_path, "qwen3_moe", **WIDTHS)
+    model = load_model(path, dtype="float32", device="cpu", pack_for_cpu=True)
+    want = paged_greedy(model, PROMPTS[0], 8)
+    experts = model.model.layers[1].mlp.experts
+    before = experts.quant
+    monkeypatch.setattr(weight_pages, "HUGE_PAGE_BYTES", 0)  # the tiny experts are moved too
+    moved = weight_pages.move_weights(model)
+    assert moved >= before.nbytes and experts.quant is not before
+    assert len(experts.quant.buffers) == 1
+    assert not any(np.shares_memory(experts.quant.buffers[0], b) for b in before.buffers)
+    assert paged_greedy(model, PROMPTS[0], 8) == want

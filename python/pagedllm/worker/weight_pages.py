@@ -23,6 +23,7 @@ from torch import nn
 from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
 from pagedllm.kernels.cpu_arrays import numpy_view
 from pagedllm.kernels.cpu_linear import PackedWeight
+from pagedllm.kernels.cpu_moe import QuantExperts
 from pagedllm.kernels.cpu_quant import QuantSegment, QuantWeight
 from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES, host_zeros
 
@@ -39,13 +40,14 @@ def move_weights(model: nn.Module) -> int:
     layers = [
         m for m in model.modules() if not isinstance(m, EMBEDDINGS) and _weight_of(m) is not None
     ]
+    experts = _move_experts(model)  # a mixture of experts' quantized experts: their own buffer
     tensors: dict[int, torch.Tensor] = {}
     for module in layers:
         for t in _tensors(_weight_of(module)):
             tensors[id(t)] = t
     total = sum(_aligned(t.nbytes) for t in tensors.values())
     if total < HUGE_PAGE_BYTES:
-        return 0
+        return experts
     buffer = host_zeros((total,), torch.uint8)
     copies: dict[int, torch.Tensor] = {}
     offset = 0
@@ -64,7 +66,19 @@ def move_weights(model: nn.Module) -> int:
                 module.packed = moved[id(weight)]
             else:
                 module.quant = moved[id(weight)]
-    return total
+    return total + experts
+
+
+def _move_experts(model: nn.Module) -> int:
+    """Copies each MoE layer's quantized experts (read in place from a GGUF file's mapping) into
+    a huge-page buffer of their own (`cpu_moe.QuantExperts.onto`); returns the bytes moved."""
+    moved = 0
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, QuantExperts) and quant.nbytes >= HUGE_PAGE_BYTES:
+            module.quant = quant.onto(host_zeros((quant.nbytes,), torch.uint8))
+            moved += quant.nbytes
+    return moved
 
 
 def _weight_of(module: nn.Module) -> PackedWeight | QuantWeight | None:
