@@ -29,9 +29,9 @@ mod simd_avx512;
 pub mod views;
 
 #[cfg(test)]
-mod attention_tests;
-#[cfg(test)]
 mod attention_offset_tests;
+#[cfg(test)]
+mod attention_tests;
 
 pub use activation::silu_and_mul;
 pub use argmax::argmax_rows;
