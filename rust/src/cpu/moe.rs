@@ -203,43 +203,6 @@ impl QuantLayout {
         })
     }
 
-    /// The layout of segments `(type, rows)` back to back, expert after expert: gate/up in
-    /// buffer 0, down in buffer 1.
-    pub fn back_to_back(
-        gate_up: &[Vec<(QType, usize)>],
-        down: &[Vec<(QType, usize)>],
-        hidden: usize,
-    ) -> Result<Self> {
-        let rows = |experts: &[Vec<(QType, usize)>]| -> Vec<usize> {
-            experts
-                .iter()
-                .map(|s| s.iter().map(|p| p.1).sum())
-                .collect()
-        };
-        let width = expert_width(&rows(gate_up), &rows(down), hidden)?;
-        let lay = |experts: &[Vec<(QType, usize)>], buffer: usize, k: usize| {
-            let mut offset = 0;
-            let mut placed = Vec::with_capacity(experts.len());
-            for segments in experts {
-                let mut expert = Vec::with_capacity(segments.len());
-                for &(qtype, rows) in segments {
-                    expert.push(Placed {
-                        qtype,
-                        rows,
-                        buffer,
-                        offset,
-                    });
-                    offset += rows * qtype.row_bytes(k)?;
-                }
-                placed.push(expert);
-            }
-            Ok::<_, crate::error::Error>((placed, offset))
-        };
-        let (gate_up, gate_up_bytes) = lay(gate_up, 0, hidden)?;
-        let (down, down_bytes) = lay(down, 1, width)?;
-        Self::new(&[gate_up_bytes, down_bytes], &gate_up, &down, hidden)
-    }
-
     /// Bytes of each buffer.
     pub fn buffers(&self) -> &[usize] {
         &self.buffers
@@ -954,12 +917,49 @@ mod tests {
         QuantMatrix::new(vec![segment], k).unwrap()
     }
 
+    /// The layout of segments `(type, rows)` back to back, expert after expert: gate/up in
+    /// buffer 0, down in buffer 1.
+    fn back_to_back(
+        gate_up: &[Vec<(QType, usize)>],
+        down: &[Vec<(QType, usize)>],
+        hidden: usize,
+    ) -> Result<QuantLayout> {
+        let rows = |experts: &[Vec<(QType, usize)>]| -> Vec<usize> {
+            experts
+                .iter()
+                .map(|s| s.iter().map(|p| p.1).sum())
+                .collect()
+        };
+        let width = expert_width(&rows(gate_up), &rows(down), hidden)?;
+        let lay = |experts: &[Vec<(QType, usize)>], buffer: usize, k: usize| {
+            let mut offset = 0;
+            let mut placed = Vec::with_capacity(experts.len());
+            for segments in experts {
+                let mut expert = Vec::with_capacity(segments.len());
+                for &(qtype, rows) in segments {
+                    expert.push(Placed {
+                        qtype,
+                        rows,
+                        buffer,
+                        offset,
+                    });
+                    offset += rows * qtype.row_bytes(k)?;
+                }
+                placed.push(expert);
+            }
+            Ok::<_, crate::error::Error>((placed, offset))
+        };
+        let (gate_up, gate_up_bytes) = lay(gate_up, 0, hidden)?;
+        let (down, down_bytes) = lay(down, 1, width)?;
+        QuantLayout::new(&[gate_up_bytes, down_bytes], &gate_up, &down, hidden)
+    }
+
     /// Q8_0 experts: each one's gate/up `[2I, H]` bytes laid out as two segments (gate rows, up
     /// rows) and its down `[H, I]` as one, in two buffers.
     fn q8_0_layout(gate_up: &[Vec<u8>], down: &[Vec<u8>], h: usize, i: usize) -> QuantLayout {
         let gate_up_parts = vec![vec![(QType::Q8_0, i), (QType::Q8_0, i)]; gate_up.len()];
         let down_parts = vec![vec![(QType::Q8_0, h)]; down.len()];
-        QuantLayout::back_to_back(&gate_up_parts, &down_parts, h).unwrap()
+        back_to_back(&gate_up_parts, &down_parts, h).unwrap()
     }
 
     /// The Q8_0 case: (the case on its dequantized weights, gate/up bytes, down bytes).
@@ -1071,15 +1071,14 @@ mod tests {
     fn a_layout_that_does_not_fit_its_experts_or_buffers_is_rejected() {
         let q = QType::Q8_0;
         let err =
-            QuantLayout::back_to_back(&[vec![(q, 32)], vec![(q, 30)]], &vec![vec![(q, 64)]; 2], 64)
-                .unwrap_err();
+            back_to_back(&[vec![(q, 32)], vec![(q, 30)]], &vec![vec![(q, 64)]; 2], 64).unwrap_err();
         assert!(
             format!("{err}").contains("expert 1: gate/up has 30 rows"),
             "{err}"
         );
-        let err = QuantLayout::back_to_back(&[vec![(q, 32)]], &[], 64).unwrap_err();
+        let err = back_to_back(&[vec![(q, 32)]], &[], 64).unwrap_err();
         assert!(format!("{err}").contains("1 gate/up and 0 down"), "{err}");
-        let layout = QuantLayout::back_to_back(&[vec![(q, 64)]], &[vec![(q, 64)]], 64).unwrap();
+        let layout = back_to_back(&[vec![(q, 64)]], &[vec![(q, 64)]], 64).unwrap();
         // 64 rows of 64 and 64 rows of 32 elements: 2 and 1 blocks of 34 bytes a row
         assert_eq!(layout.buffers(), &[64 * 68, 64 * 34]);
         let (g, d) = (vec![0u8; 64 * 68], vec![0u8; 64 * 34 - 1]);
