@@ -361,7 +361,6 @@ fn decode_row<const F: bool>(
                 int16_row_vnni(ctx, &rs.x16, &rs.planes, t, row, r);
                 return;
             }
-
             int16_row::<F>(ctx, &rs.x16, t, row, r);
             return;
         }

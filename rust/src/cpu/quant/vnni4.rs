@@ -10,9 +10,9 @@
 use std::arch::x86_64::*;
 
 use super::formats::QType;
-use super::int16::avx2::{add, bytes32, f16s, load8, Lanes};
+use super::int16::avx2::{add, bytes32, load8, Lanes};
 use super::int16::Row;
-use super::vnni::{codes64, load_i32, reduce_pairs, PlaneRow};
+use super::vnni::{codes64, load_i32, reduce_pairs, scales, PlaneRow};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
@@ -78,7 +78,7 @@ unsafe fn group(
     let dx = load8(x.d, blk0, n);
     for (r, (z, b)) in z.into_iter().zip(b).enumerate() {
         let s = _mm256_sub_epi32(reduce_pairs(z), offset);
-        let c = _mm256_mul_ps(f16s(b, bytes, 0, n), dx);
+        let c = _mm256_mul_ps(scales(b, bytes, 0, n), dx);
         let mut acc = [lanes.acc[r]];
         add([s], [c], &mut acc);
         lanes.acc[r] = acc[0];
