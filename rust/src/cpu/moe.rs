@@ -997,11 +997,23 @@ mod tests {
         };
         let layout = q8_0_layout(&split(gate_up, &g), &split(down, &d), case.h, case.i);
         let held = layout.over(vec![gate_up, down]).unwrap();
-        let x = Array2::from_shape_vec((case.m, case.h), case.x.clone()).unwrap();
-        let mut got = Array2::<f32>::zeros((case.m, case.h));
+        run_held(&held, &case.x, ids, w, (activations, threads))
+    }
+
+    /// `moe_quant_experts` over `held` for the rows of x `[ids.nrows(), H]`.
+    fn run_held(
+        held: &QuantExperts<'_>,
+        x: &[f32],
+        ids: &Array2<i64>,
+        w: &Array2<f32>,
+        (activations, threads): (Activations, usize),
+    ) -> Array2<f32> {
+        let (m, h) = (ids.nrows(), held.layout.hidden);
+        let x = Array2::from_shape_vec((m, h), x[..m * h].to_vec()).unwrap();
+        let mut got = Array2::<f32>::zeros((m, h));
         moe_quant_experts(
             x.view(),
-            &held,
+            held,
             ids.view(),
             w.view(),
             got.view_mut(),
@@ -1139,23 +1151,11 @@ mod tests {
         let layout = QuantLayout::new(&sizes, &gate_up_placed, &down_placed, h).unwrap();
         let held = layout.over(vec![&gates, &ups, &down]).unwrap();
         for (rows, threads) in [(m, 2), (1, 2), (m, 1)] {
-            let x = Array2::from_shape_vec((m, h), case.x.clone()).unwrap();
-            let x = x.slice(ndarray::s![..rows, ..]).to_owned();
             let (ids, w) = (
                 ids.slice(ndarray::s![..rows, ..]).to_owned(),
                 w.slice(ndarray::s![..rows, ..]).to_owned(),
             );
-            let mut got = Array2::<f32>::zeros((rows, h));
-            moe_quant_experts(
-                x.view(),
-                &held,
-                ids.view(),
-                w.view(),
-                got.view_mut(),
-                threads,
-                Activations::F32,
-            )
-            .unwrap();
+            let got = run_held(&held, &case.x, &ids, &w, (Activations::F32, threads));
             let mut one = Case::new(rows, h, i, experts);
             one.x = case.x[..rows * h].to_vec();
             let want = run_quant(
