@@ -206,7 +206,7 @@ fn four_row_vnni_dots_equal_the_one_row_ones_and_the_portable_ones_bit_for_bit()
         let bytes = t.row_bytes(k).unwrap();
         let rows: [&[u8]; 4] = std::array::from_fn(|r| &data[r * bytes..(r + 1) * bytes]);
         // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements
-        let four = unsafe { vnni4::rows_dots_vnni(t, rows, k, &xr, &pr) };
+        let four = unsafe { vnni4::rows_dots_vnni(t, &data, bytes, k, &xr, &pr) };
         for (r, row) in rows.iter().enumerate() {
             // SAFETY: as above
             let one = unsafe { row_dots_vnni::<1>(t, row, k, &[xr], &[pr]) };
