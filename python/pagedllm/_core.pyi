@@ -823,13 +823,11 @@ def cpu_store_kvcache(
     v_cache: _KernelArray,
     slot_mapping: _npt.NDArray[_np.int64],
     kv_cache_dtype: str = "auto",
-    key_offset: _npt.NDArray[_np.float32] | None = None,
 ) -> None:
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
     (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes.
     ``kv_cache_dtype`` "int8" (int8 caches) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized
-    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte.
-    ``key_offset`` (float32 ``[KVH, D]``): each key stored less it, in the same pass."""
+    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte."""
 
 def cpu_paged_attention(
     q: _KernelArray,

@@ -115,49 +115,6 @@ def test_rust_store_codes_rows_bit_for_bit_as_the_reference(kv_dtype, model_dtyp
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
 
 
-@ALL_FORMATS
-@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
-def test_rust_store_with_a_key_offset_codes_the_keys_less_it_as_the_reference(
-    kv_dtype, model_dtype
-):
-    cache_dtype = FORMATS[kv_dtype]
-    n, kvh, d, bs, blocks = 10, 2, 32, 4, 5
-    k = (_rows(n * kvh, d, seed=4) + 3.0).to(model_dtype).view(n, kvh, d)
-    v = _rows(n * kvh, d, seed=5, dtype=model_dtype).view(n, kvh, d)
-    offset = torch.randn(kvh, d, generator=torch.Generator().manual_seed(6)) * 3
-    slots = torch.tensor([3, 0, -1, 7, 19, 8, 9, 10, -1, 1], dtype=torch.int64)
-    shape = (blocks, bs, kvh, d + ref.KV_SCALE_BYTES)
-    want_k, want_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-    # the keys less the offset in float32, then coded; the values as they are
-    ref.store_kvcache(k.float() - offset, v, want_k, want_v, slots)
-    got_k, got_v = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-    _core.cpu_store_kvcache(
-        numpy_view(k),
-        numpy_view(v),
-        _cache_view(got_k),
-        _cache_view(got_v),
-        slots.numpy(),
-        kv_dtype,
-        key_offset=offset.numpy(),
-    )
-    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
-    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
-
-
-def test_a_key_offset_of_another_shape_is_a_value_error_naming_it():
-    k = torch.ones(1, 2, 32)
-    caches = [torch.zeros(1, 4, 2, 33, dtype=torch.int8) for _ in range(2)]
-    with pytest.raises(ValueError, match="key_offset"):
-        _core.cpu_store_kvcache(
-            numpy_view(k),
-            numpy_view(k),
-            *(_cache_view(c) for c in caches),
-            np.zeros(1, np.int64),
-            "int8",
-            key_offset=np.zeros((2, 31), np.float32),
-        )
-
-
 def _quantized_batch(ctx_lens, q_lens, heads, kv_heads, head_dim, block_size, kv_dtype, dtype):
     """A batch whose whole context was stored through the Rust store (as the engine does)."""
     g = torch.Generator().manual_seed(sum(ctx_lens) + head_dim)

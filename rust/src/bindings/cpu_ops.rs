@@ -252,10 +252,8 @@ fn kv_view_mut<C: KvDtype>(
 /// (int64 `[T]`, -1 = padding row, skipped); k/v float32, or bfloat16 as uint16. The caches are
 /// of k's dtype (`kv_cache_dtype="auto"`), or quantized (`"int8"`: int8, `"fp8_e4m3"` /
 /// `"fp8_e5m2"`: uint8 bits), `[blocks, block_size, KVH, D + 1]`, each row coded with its scale byte.
-/// `key_offset` (float32 `[KVH, D]`): each key is stored less it (`store_kv_offset`).
 #[pyfunction]
-#[pyo3(signature = (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto", key_offset = None))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto"))]
 fn cpu_store_kvcache(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
@@ -264,25 +262,15 @@ fn cpu_store_kvcache(
     v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
     kv_cache_dtype: &str,
-    key_offset: Option<PyReadonlyArray2<'_, f32>>,
 ) -> PyResult<()> {
     let format = KvFormat::parse(kv_cache_dtype)?;
     with_kv_format!(
         Kind::of("k", k)?,
         format,
-        store(
-            py,
-            k,
-            v,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            key_offset.as_ref()
-        )
+        store(py, k, v, k_cache, v_cache, slot_mapping)
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 fn store<N: Dtype, C: KvDtype>(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
@@ -290,7 +278,6 @@ fn store<N: Dtype, C: KvDtype>(
     k_cache: &Bound<'_, PyAny>,
     v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
-    key_offset: Option<&PyReadonlyArray2<'_, f32>>,
 ) -> PyResult<()> {
     let slots = contiguous("slot_mapping", &slot_mapping)?;
     let (k, v) = (readonly::<N, _>("k", k)?, readonly::<N, _>("v", v)?);
@@ -305,8 +292,7 @@ fn store<N: Dtype, C: KvDtype>(
         kv_view_mut::<C>(kc.as_array_mut()),
         kv_view_mut::<C>(vc.as_array_mut()),
     );
-    let offset = key_offset.map(|c| c.as_array());
-    py.detach(|| cpu::store_kv_offset(k, v, offset, slots, kc, vc))?;
+    py.detach(|| cpu::store_kv(k, v, slots, kc, vc))?;
     Ok(())
 }
 

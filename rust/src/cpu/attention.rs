@@ -86,49 +86,16 @@ pub fn store_kv<T: Elem, C: KvElem>(
     k_cache: ArrayViewMut4<C>,
     v_cache: ArrayViewMut4<C>,
 ) -> Result<()> {
-    store_kv_offset(k, v, None, slot_mapping, k_cache, v_cache)
-}
-
-/// `store_kv` with each key stored less a fixed `key_offset` `[KVH, D]` (float32), in the same
-/// pass. Why: softmax ignores `q . c` for a `c` every key of the query shares, so keys less
-/// their typical (post-RoPE) mean attend alike and code finer in a quantized row; the offset
-/// must stay the same for every key the cache ever holds (`docs/quantized-kv-cache.md`).
-pub fn store_kv_offset<T: Elem, C: KvElem>(
-    k: ArrayView3<T>,
-    v: ArrayView3<T>,
-    key_offset: Option<ArrayView2<f32>>,
-    slot_mapping: &[i64],
-    k_cache: ArrayViewMut4<C>,
-    v_cache: ArrayViewMut4<C>,
-) -> Result<()> {
     if v_cache.dim() != k_cache.dim() {
         return Err(invalid("k_cache and v_cache must have the same shape"));
     }
-    let (_, _, kv_heads, row) = k_cache.dim();
-    let offset = match key_offset {
-        None => None,
-        Some(c) => {
-            let head_dim = row.saturating_sub(C::EXTRA);
-            match c.to_slice() {
-                Some(c) if c.len() == kv_heads * head_dim => Some(c),
-                _ => {
-                    return Err(invalid(format!(
-                        "key_offset has shape {:?}, expected a contiguous [{kv_heads}, \
-                         {head_dim}] (cache heads and head size)",
-                        c.shape()
-                    )))
-                }
-            }
-        }
-    };
-    store_one("k", k, offset, slot_mapping, k_cache)?;
-    store_one("v", v, None, slot_mapping, v_cache)
+    store_one("k", k, slot_mapping, k_cache)?;
+    store_one("v", v, slot_mapping, v_cache)
 }
 
 fn store_one<T: Elem, C: KvElem>(
     name: &str,
     rows: ArrayView3<T>,
-    key_offset: Option<&[f32]>,
     slot_mapping: &[i64],
     mut cache: ArrayViewMut4<C>,
 ) -> Result<()> {
@@ -168,10 +135,6 @@ fn store_one<T: Elem, C: KvElem>(
         for (h, src) in rows.index_axis(Axis(0), t).outer_iter().enumerate() {
             for (w, x) in wide.iter_mut().zip(src) {
                 *w = x.to_f32();
-            }
-            if let Some(key_offset) = key_offset {
-                let c = &key_offset[h * head_dim..(h + 1) * head_dim];
-                wide.iter_mut().zip(c).for_each(|(w, c)| *w -= c);
             }
             if C::ROTATED {
                 kv_quant::hadamard(&mut wide);

@@ -29,13 +29,11 @@ mod simd_avx512;
 pub mod views;
 
 #[cfg(test)]
-mod attention_offset_tests;
-#[cfg(test)]
 mod attention_tests;
 
 pub use activation::silu_and_mul;
 pub use argmax::argmax_rows;
-pub use attention::{paged_attention, store_kv, store_kv_offset, PagedBatch, Scores};
+pub use attention::{paged_attention, store_kv, PagedBatch, Scores};
 pub use elem::{Bf16, Elem};
 pub use kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 pub use linear::{linear, pack_panels, PANEL};
