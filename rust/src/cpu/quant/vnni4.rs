@@ -16,6 +16,8 @@ use super::vnni::{codes64, load_i32, reduce_pairs, scales, PlaneRow};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
+/// Passes ahead whose weight rows a pass prefetches.
+const PREFETCH_PASSES: usize = 2;
 /// Elements per block of x.
 const QK: usize = 32;
 /// ggml's type code of Q4_0 (`codes64` and `bytes32` take codes).
@@ -92,6 +94,7 @@ unsafe fn q4_0_rows(
     k: usize,
     x: &Row<'_>,
     p: &PlaneRow<'_>,
+    ahead: usize,
     lanes: &mut Lanes<ROWS>,
 ) {
     let (blocks, bytes) = (k / QK, bytes32(Q4_0));
@@ -100,6 +103,14 @@ unsafe fn q4_0_rows(
     while blk + 8 <= blocks {
         // blocks blk..blk + 8 of each row: inside it
         let b = rows.map(|r| r.add(blk * bytes));
+        for b in b {
+            // the same group of the rows `ahead` bytes on (a later pass), 3 lines cover its
+            // 144 bytes; a prefetch past the weight's end is a hint, not a read
+            let at = b.wrapping_add(ahead);
+            _mm_prefetch::<_MM_HINT_T0>(at.cast());
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64).cast());
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(128).cast());
+        }
         group(b, blk, 8, x, p, lanes);
         blk += 8;
     }
@@ -137,6 +148,6 @@ pub unsafe fn rows_dots_vnni(
         // row j: inside `rows`
         *w = rows.as_ptr().add(j * bytes);
     }
-    q4_0_rows(w, k, x, p, &mut lanes);
+    q4_0_rows(w, k, x, p, PREFETCH_PASSES * ROWS * bytes, &mut lanes);
     lanes.totals()
 }
