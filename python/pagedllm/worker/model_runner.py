@@ -71,7 +71,7 @@ class ModelRunner:
         # CPU: the layers in one Rust call a step where the model qualifies (bit-identical to
         # the layer-by-layer forward, without its per-kernel Python; models/cpu_forward.py)
         self.cpu_forward = None
-        if device.type == "cpu":
+        if device.type == "cpu" and isinstance(model, torch.nn.Module):
             # the weights each decode step streams, on huge pages (worker/weight_pages.py)
             weight_pages.move_weights(model)
         if fused_cpu_forward and device.type == "cpu" and cache_engine is not None:
