@@ -415,9 +415,10 @@ unsafe fn four_rows(
     let (k, x) = (ctx.k, &rs.x16[0]);
     let passes = data.len() / bytes / vnni4::ROWS;
     for (i, four) in data.chunks_exact(vnni4::ROWS * bytes).enumerate() {
+        let rows: [&[u8]; vnni4::ROWS] = std::array::from_fn(|j| &four[j * bytes..(j + 1) * bytes]);
         // planes are made only where `vnni()` (AVX-512 with VNNI granted); `takes(t)`; the
         // rows and x's row hold k elements
-        let dots = vnni4::rows_dots_vnni(t, four, bytes, k, x, &rs.planes[0]);
+        let dots = vnni4::rows_dots_vnni(t, rows, k, x, &rs.planes[0]);
         for (j, v) in dots.into_iter().enumerate() {
             ctx.put(0, first + vnni4::ROWS * i + j, v);
         }

@@ -172,44 +172,6 @@ unsafe fn qh_bits(at: *const u8) -> u64 {
     u64::from(at.cast::<u32>().read_unaligned())
 }
 
-/// Whether a whole group's f16s at byte `at` of blocks of `bytes` take `f16s8`: each half's 4
-/// f16s lie within 64 bytes (Q4_0's and Q4_1's). Q5_0, Q5_1 and Q8_0 would need two registers
-/// a half; that measured no faster than the gather (Q5_0 at k = 576 0.84x, busy), and
-/// byte-masked loads instead of whole ones slower (Q4_1 at k = 576 0.68x).
-#[inline(always)]
-const fn permuted(bytes: usize, at: usize) -> bool {
-    at + 3 * bytes + 2 <= 64
-}
-
-/// `int16::avx2::f16s(b, bytes, at, 8)` for a whole group of 8 blocks without the scalar
-/// gather (8 word loads into a vector, the largest cost of a Q4_0 group): each half's 4 blocks
-/// read with one 64-byte load (inside the group: blocks of 16 bytes or more) and one word
-/// permute picking the 8 f16s of the two; the same values. `bytes` even and at least 16, `at`
-/// even, `permuted(bytes, at)`.
-#[inline(always)]
-pub(super) unsafe fn f16s8(b: *const u8, bytes: usize, at: usize) -> __m256 {
-    debug_assert!(bytes.is_multiple_of(2) && at.is_multiple_of(2) && bytes >= 16);
-    debug_assert!(permuted(bytes, at));
-    // words 0-31 the first half's bytes, 32-63 the second's
-    let word = |j: usize| (at + (j % 4) * bytes) / 2 + 32 * (j / 4).min(1);
-    let idx: [i16; 32] = std::array::from_fn(|j| word(j) as i16);
-    let first = _mm512_loadu_si512(b.cast());
-    let second = _mm512_loadu_si512(b.add(4 * bytes).cast());
-    let idx = _mm512_loadu_si512(idx.as_ptr().cast());
-    let words = _mm512_permutex2var_epi16(first, idx, second);
-    _mm256_cvtph_ps(_mm512_castsi512_si128(words))
-}
-
-/// `f16s(b, bytes, at, n)`, by `f16s8` for a whole group where `permuted`.
-#[inline(always)]
-pub(super) unsafe fn scales(b: *const u8, bytes: usize, at: usize, n: usize) -> __m256 {
-    if n == 8 && permuted(bytes, at) {
-        f16s8(b, bytes, at)
-    } else {
-        f16s(b, bytes, at, n)
-    }
-}
-
 /// Blocks at `b` and (`two`) `b + bytes32(T)` of the 32-element block type of ggml code `T` as
 /// 64 codes in element order (the second block's 0 when not `two`): Q8_0's signed bytes, the
 /// others' unsigned codes without their offset.
@@ -304,14 +266,14 @@ unsafe fn group32<const R: usize, const T: u32>(
         };
     }
     // from here as `int16::avx2::group32`
-    let dw = scales(b, bytes, 0, n);
+    let dw = f16s(b, bytes, 0, n);
     let mut c = [dw; R];
     for (c, x) in c.iter_mut().zip(x) {
         *c = _mm256_mul_ps(dw, load8(x.d, blk0, n));
     }
     add(s, c, &mut lanes.acc);
     if T == 3 || T == 7 {
-        let mw = scales(b, bytes, 2, n);
+        let mw = f16s(b, bytes, 2, n);
         for (m, x) in lanes.mins.iter_mut().zip(x) {
             *m = _mm256_add_ps(*m, _mm256_mul_ps(mw, load8(x.s, blk0, n)));
         }

@@ -10,14 +10,12 @@
 use std::arch::x86_64::*;
 
 use super::formats::QType;
-use super::int16::avx2::{add, bytes32, load8, Lanes};
+use super::int16::avx2::{add, bytes32, f16s, load8, Lanes};
 use super::int16::Row;
-use super::vnni::{codes64, load_i32, reduce_pairs, scales, PlaneRow};
+use super::vnni::{codes64, load_i32, reduce_pairs, PlaneRow};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
-/// Passes ahead whose weight rows a pass prefetches.
-const PREFETCH_PASSES: usize = 2;
 /// Elements per block of x.
 const QK: usize = 32;
 /// ggml's type code of Q4_0 (`codes64` and `bytes32` take codes).
@@ -80,7 +78,7 @@ unsafe fn group(
     let dx = load8(x.d, blk0, n);
     for (r, (z, b)) in z.into_iter().zip(b).enumerate() {
         let s = _mm256_sub_epi32(reduce_pairs(z), offset);
-        let c = _mm256_mul_ps(scales(b, bytes, 0, n), dx);
+        let c = _mm256_mul_ps(f16s(b, bytes, 0, n), dx);
         let mut acc = [lanes.acc[r]];
         add([s], [c], &mut acc);
         lanes.acc[r] = acc[0];
@@ -94,7 +92,6 @@ unsafe fn q4_0_rows(
     k: usize,
     x: &Row<'_>,
     p: &PlaneRow<'_>,
-    ahead: usize,
     lanes: &mut Lanes<ROWS>,
 ) {
     let (blocks, bytes) = (k / QK, bytes32(Q4_0));
@@ -103,14 +100,6 @@ unsafe fn q4_0_rows(
     while blk + 8 <= blocks {
         // blocks blk..blk + 8 of each row: inside it
         let b = rows.map(|r| r.add(blk * bytes));
-        for b in b {
-            // the same group of the rows `ahead` bytes on (a later pass), 3 lines cover its
-            // 144 bytes; a prefetch past the weight's end is a hint, not a read
-            let at = b.wrapping_add(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(at.cast());
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64).cast());
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(128).cast());
-        }
         group(b, blk, 8, x, p, lanes);
         blk += 8;
     }
@@ -120,19 +109,17 @@ unsafe fn q4_0_rows(
     }
 }
 
-/// `vnni::row_dots_vnni::<1>` of each of the four weight rows `rows` (type `t`, `bytes` bytes
-/// each, side by side) with the row of x `x` (its codes) / `p` (its planes): the same bits, x
-/// read once for the four. The rows' starts are computed here, not gathered into an array of
-/// slices by the caller (`array::from_fn` stayed out of line: 3 % of a Q4_0 decode step).
+/// `vnni::row_dots_vnni::<1>` of each of the four weight rows `rows` (type `t`) with the row of
+/// x `x` (its codes) / `p` (its planes): the same bits, x read once for the four.
 ///
 /// # Safety
-/// The process runs at AVX-512 with VNNI (`super::vnni()`); `takes(t)`; each row holds `k`
-/// elements of `t` and x `k`.
+/// The process runs at AVX-512 with VNNI (`super::vnni()`); `vnni::decodes(t)` (not Q8_0, not
+/// a float type); each of `rows` holds
+/// `k` elements of `t` and x `k`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn rows_dots_vnni(
     t: QType,
-    rows: &[u8],
-    bytes: usize,
+    rows: [&[u8]; ROWS],
     k: usize,
     x: &Row<'_>,
     p: &PlaneRow<'_>,
@@ -141,13 +128,8 @@ pub unsafe fn rows_dots_vnni(
         acc: [_mm256_setzero_ps(); ROWS],
         mins: [_mm256_setzero_ps(); ROWS],
     };
+    let w = rows.map(<[u8]>::as_ptr);
     assert!(takes(t), "{} is not taken four rows a pass", t.name());
-    assert_eq!(rows.len(), ROWS * bytes, "{ROWS} rows of {bytes} bytes");
-    let mut w = [rows.as_ptr(); ROWS];
-    for (j, w) in w.iter_mut().enumerate() {
-        // row j: inside `rows`
-        *w = rows.as_ptr().add(j * bytes);
-    }
-    q4_0_rows(w, k, x, p, PREFETCH_PASSES * ROWS * bytes, &mut lanes);
+    q4_0_rows(w, k, x, p, &mut lanes);
     lanes.totals()
 }

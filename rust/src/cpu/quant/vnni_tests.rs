@@ -37,32 +37,6 @@ fn planes_split_each_code_into_a_signed_high_and_an_unsigned_low_byte() {
 }
 
 #[test]
-fn whole_group_scales_by_permute_equal_the_gathered_ones() {
-    if !super::vnni() {
-        return;
-    }
-    use super::int16::avx2::f16s;
-    use super::vnni::f16s8;
-    use std::arch::x86_64::_mm256_storeu_ps;
-    // Q4_0's d, Q4_1's d and m (what `scales` permutes), a group of 8 blocks filling the
-    // buffer: the loads stay inside it
-    for (bytes, at) in [(18, 0), (20, 0), (20, 2)] {
-        let data: Vec<u8> = (0..8 * bytes)
-            .map(|i| (i * 37 + bytes) as u8 & 0x7B)
-            .collect();
-        let (mut got, mut want) = ([0f32; 8], [0f32; 8]);
-        // SAFETY: vnni() (AVX-512 with VNNI granted, AVX2 with it); 8 blocks of `bytes`
-        unsafe {
-            let b = data.as_ptr();
-            _mm256_storeu_ps(got.as_mut_ptr(), f16s8(b, bytes, at));
-            _mm256_storeu_ps(want.as_mut_ptr(), f16s(b, bytes, at, 8));
-        }
-        let what = format!("{bytes} bytes a block, at {at}");
-        assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{what}");
-    }
-}
-
-#[test]
 fn vnni_row_dots_equal_the_portable_and_avx2_ones_bit_for_bit() {
     if !super::vnni() {
         return;
@@ -206,7 +180,7 @@ fn four_row_vnni_dots_equal_the_one_row_ones_and_the_portable_ones_bit_for_bit()
         let bytes = t.row_bytes(k).unwrap();
         let rows: [&[u8]; 4] = std::array::from_fn(|r| &data[r * bytes..(r + 1) * bytes]);
         // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements
-        let four = unsafe { vnni4::rows_dots_vnni(t, &data, bytes, k, &xr, &pr) };
+        let four = unsafe { vnni4::rows_dots_vnni(t, rows, k, &xr, &pr) };
         for (r, row) in rows.iter().enumerate() {
             // SAFETY: as above
             let one = unsafe { row_dots_vnni::<1>(t, row, k, &[xr], &[pr]) };
