@@ -987,6 +987,14 @@ def cpu_quant_quantize(weight: _F32Array, qtype: int, out: _npt.NDArray[_np.uint
     """``weight [N, K]`` quantized to Q8_0 or Q4_0 into ``out [N, row_bytes]`` with ggml's
     reference rounding (byte for byte as ``gguf.quants.quantize``)."""
 
+def cpu_quant_repack(
+    qtype: int, src: _npt.NDArray[_np.uint8], in_features: int, out: _npt.NDArray[_np.uint8]
+) -> int | None:
+    """Rows ``src [rows, row_bytes]`` of ggml type ``qtype`` written into ``out`` (as many bytes)
+    in the layout this process's products read fastest, returning that layout's type code (Q4_0
+    at AVX-512 with VNNI: 1002, repacked Q4_0); ``None``, ``out`` untouched, where the type stays
+    as it is. ``ValueError`` for sizes that are not the same whole rows."""
+
 class CpuDecoder:
     """A decoder's layer weights (numpy arrays, held once) for ``forward``: the layers and the
     final norm of a Llama / Qwen2 / Qwen3 model in one call, kernel for kernel as the Python

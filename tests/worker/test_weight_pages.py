@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm import _core
 from pagedllm.distributed.layers import QuantEmbedding
 from pagedllm.kernels import cpu_linear, cpu_quant
 from pagedllm.worker import weight_pages
@@ -72,3 +73,39 @@ def test_less_than_a_huge_page_of_weights_is_left_in_place():
     assert packed.panels.nbytes < HUGE_PAGE_BYTES
     assert weight_pages.move_weights(model) == 0
     assert model.a.packed is packed
+
+
+def _q4_0_model(rows: int = 4096) -> nn.Module:
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.b = Holder(quant=cpu_quant.quantize(torch.randn(rows, 576), cpu_quant.Q4_0))
+    model.tied = QuantEmbedding(model.b.quant)
+    return model
+
+
+def test_q4_0_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_results():
+    model = _q4_0_model()
+    x1, x4, x20 = torch.randn(1, 576), torch.randn(4, 576), torch.randn(20, 576)
+    ids = torch.tensor([0, 4095, 17])
+    w = model.b.quant
+    before = [cpu_quant.quant_linear(x, w, None, activations="int16") for x in (x1, x4, x20)]
+    before += [cpu_quant.quant_linear(x1, w, None), cpu_quant.embedding(ids, w)]
+    weight_pages.move_weights(model)
+    w = model.b.quant
+    level, flags = _core.cpu_isa()
+    vnni = level in ("avx512", "amx") and "avx512vnni" in flags
+    assert w.segments[0].qtype == (weight_pages.Q4_0_REPACKED if vnni else cpu_quant.Q4_0)
+    assert model.tied.quant is w
+    after = [cpu_quant.quant_linear(x, w, None, activations="int16") for x in (x1, x4, x20)]
+    after += [cpu_quant.quant_linear(x1, w, None), cpu_quant.embedding(ids, w)]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_repack_switch_off_copies_q4_0_rows_as_they_are(monkeypatch):
+    monkeypatch.setattr(weight_pages, "REPACK", False)
+    model = _q4_0_model()
+    data = model.b.quant.segments[0].data.clone()
+    weight_pages.move_weights(model)
+    assert model.b.quant.segments[0].qtype == cpu_quant.Q4_0
+    assert torch.equal(model.b.quant.segments[0].data, data)

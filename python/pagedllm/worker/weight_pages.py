@@ -13,13 +13,21 @@ kernel). The copies hold the same bytes: every result is unchanged.
 
 An embedding table is read a row per token, so it stays where it is, unless it is tied to the
 LM head (one `QuantWeight` object), which reads it whole.
+
+Quantized rows of a type the products read faster in another layout are written in that layout
+instead of copied (`_core.cpu_quant_repack`: Q4_0 at AVX-512 with VNNI, repacked Q4_0, the same
+bytes a row; `rust/src/cpu/quant/repack.rs`); the products' results are the same bit for bit.
+`REPACK_ENV=0` copies them as they are (an A/B switch, read once at import).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from pagedllm import _core
 from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
 from pagedllm.kernels.cpu_arrays import numpy_view
 from pagedllm.kernels.cpu_linear import PackedWeight
@@ -31,6 +39,11 @@ from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES, host_zeros
 EMBEDDINGS = (nn.Embedding, QuantEmbedding, VocabParallelEmbedding)
 # each weight's start in the buffer: a cache line (the kernels' loads need no more)
 ALIGN = 64
+# "0": quantized rows copied as they are, never repacked
+REPACK_ENV = "PAGEDLLM_WEIGHT_REPACK"
+REPACK: bool = os.environ.get(REPACK_ENV, "1") != "0"
+# the type code of Q4_0 rows repacked for the VNNI products (not a ggml code)
+Q4_0_REPACKED = 1002
 
 
 def move_weights(model: nn.Module) -> int:
@@ -45,15 +58,27 @@ def move_weights(model: nn.Module) -> int:
     for module in layers:
         for t in _tensors(_weight_of(module)):
             tensors[id(t)] = t
+    # each quantized segment's bytes: (type, row length), for the repack
+    layouts = {
+        id(s.data): (s.qtype, w.in_features)
+        for w in map(_weight_of, layers)
+        if isinstance(w, QuantWeight)
+        for s in w.segments
+    }
     total = sum(_aligned(t.nbytes) for t in tensors.values())
     if total < HUGE_PAGE_BYTES:
         return experts
     buffer = host_zeros((total,), torch.uint8)
     copies: dict[int, torch.Tensor] = {}
+    retyped: dict[int, int] = {}  # a repacked segment's bytes: their new type code
     offset = 0
     for key, t in tensors.items():
         dst = buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t)
+        code = _repack(t, dst, *layouts[key]) if REPACK and key in layouts else None
+        if code is None:
+            dst.copy_(t)
+        else:
+            retyped[key] = code
         copies[key] = dst
         offset += _aligned(t.nbytes)
     moved: dict[int, object] = {}
@@ -61,7 +86,7 @@ def move_weights(model: nn.Module) -> int:
         weight = _weight_of(module)
         if id(weight) in moved or all(id(t) in copies for t in _tensors(weight)):
             if id(weight) not in moved:
-                moved[id(weight)] = _copy(weight, copies)
+                moved[id(weight)] = _copy(weight, copies, retyped)
             if isinstance(weight, PackedWeight):
                 module.packed = moved[id(weight)]
             else:
@@ -97,11 +122,24 @@ def _tensors(weight: PackedWeight | QuantWeight) -> list[torch.Tensor]:
     return [s.data for s in weight.segments]
 
 
-def _copy(weight: PackedWeight | QuantWeight, copies: dict[int, torch.Tensor]):
+def _repack(src: torch.Tensor, dst: torch.Tensor, qtype: int, in_features: int) -> int | None:
+    """Writes the quantized rows `src` into `dst` in the layout the products read fastest and
+    returns its type code, or None (nothing written) where the type stays as it is."""
+    return _core.cpu_quant_repack(qtype, src.numpy(), in_features, dst.numpy())
+
+
+def _copy(
+    weight: PackedWeight | QuantWeight,
+    copies: dict[int, torch.Tensor],
+    retyped: dict[int, int],
+):
     if isinstance(weight, PackedWeight):
         panels = copies[id(weight.panels)]
         return PackedWeight(panels, weight.out_features, numpy_view(panels))
-    segments = tuple(QuantSegment(s.qtype, copies[id(s.data)], s.rows) for s in weight.segments)
+    segments = tuple(
+        QuantSegment(retyped.get(id(s.data), s.qtype), copies[id(s.data)], s.rows)
+        for s in weight.segments
+    )
     return QuantWeight(segments, weight.in_features)
 
 

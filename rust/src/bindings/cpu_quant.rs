@@ -144,11 +144,39 @@ fn cpu_quant_quantize(
     Ok(())
 }
 
+/// uint8 rows `src` `[rows, row_bytes]` of ggml type `qtype` (`in_features` elements a row)
+/// written into `out` (as many bytes) in the layout this process's products read fastest
+/// (`quant::repack`), returning that layout's type code; None, `out` untouched, where the type
+/// stays as it is.
+#[pyfunction]
+fn cpu_quant_repack(
+    py: Python<'_>,
+    qtype: u32,
+    src: PyReadonlyArray2<'_, u8>,
+    in_features: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<Option<u32>> {
+    let t = QType::from_code(qtype)?;
+    if !quant::repack::repacks(t) {
+        return Ok(None);
+    }
+    let mut out = writeable::<u8>(out, "uint8")?;
+    let src = src
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("src must be contiguous"))?;
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be contiguous"))?;
+    py.detach(|| quant::repack::repack_q4_0(src, dst, in_features))?;
+    Ok(Some(QType::Q4_0R as u32))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_quant_block_shape, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_quant_linear, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_quant_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_quant_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_quant_repack, m)?)?;
     Ok(())
 }

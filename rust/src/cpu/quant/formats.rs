@@ -27,10 +27,13 @@ pub enum QType {
     Q5_K = 13,
     Q6_K = 14,
     BF16 = 30,
+    /// Not a ggml type: Q4_0 rows repacked at load for the VNNI products (`repack`), numbered
+    /// past ggml's codes.
+    Q4_0R = 1002,
 }
 
 impl QType {
-    pub const ALL: [QType; 11] = [
+    pub const ALL: [QType; 12] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -42,6 +45,7 @@ impl QType {
         QType::Q5_K,
         QType::Q6_K,
         QType::BF16,
+        QType::Q4_0R,
     ];
 
     /// The type of ggml code `code`, or an error naming the code.
@@ -70,6 +74,7 @@ impl QType {
             QType::Q5_K => "Q5_K",
             QType::Q6_K => "Q6_K",
             QType::BF16 => "BF16",
+            QType::Q4_0R => "Q4_0 (repacked)",
         }
     }
 
@@ -78,7 +83,7 @@ impl QType {
         match self {
             QType::F32 => (1, 4),
             QType::F16 | QType::BF16 => (1, 2),
-            QType::Q4_0 => (32, 18),
+            QType::Q4_0 | QType::Q4_0R => (32, 18),
             QType::Q4_1 => (32, 20),
             QType::Q5_0 => (32, 22),
             QType::Q5_1 => (32, 24),
@@ -174,6 +179,15 @@ pub fn k_scale_min(s: &[u8], i: usize) -> (u8, u8) {
 
 /// Dequantizes whole blocks `src` of type `t` into `dst` (`dst.len()` = their elements).
 pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
+    if t == QType::Q4_0R {
+        // whole groups of a repacked row (`dequantize_range`'s chunks start on one)
+        let mut blocks = [0u8; 8 * 18];
+        for (g, y) in src.chunks(8 * 18).zip(dst.chunks_mut(8 * 32)) {
+            super::repack::q4_0_blocks(g, &mut blocks[..g.len()]);
+            dequantize_blocks(QType::Q4_0, &blocks[..g.len()], y);
+        }
+        return;
+    }
     let (elems, bytes) = t.block();
     debug_assert_eq!(src.len() / bytes * elems, dst.len());
     for (b, y) in src.chunks_exact(bytes).zip(dst.chunks_exact_mut(elems)) {
@@ -189,6 +203,7 @@ pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
             QType::Q4_K => q4_k(b, y),
             QType::Q5_K => q5_k(b, y),
             QType::Q6_K => q6_k(b, y),
+            QType::Q4_0R => unreachable!("repacked rows are dequantized a group at a time"),
         }
     }
 }

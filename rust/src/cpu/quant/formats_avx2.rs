@@ -20,6 +20,15 @@ pub fn available() -> bool {
 /// The CPU supports avx2, fma and f16c (`available`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
+    if t == QType::Q4_0R {
+        // whole groups of a repacked row, as `formats::dequantize_blocks`
+        let mut blocks = [0u8; 8 * 18];
+        for (g, y) in src.chunks(8 * 18).zip(dst.chunks_mut(8 * 32)) {
+            super::repack::q4_0_blocks(g, &mut blocks[..g.len()]);
+            dequantize_blocks(QType::Q4_0, &blocks[..g.len()], y);
+        }
+        return;
+    }
     let (elems, bytes) = t.block();
     let blocks = (src.len() / bytes).min(dst.len() / elems);
     let (s, y) = (src.as_ptr(), dst.as_mut_ptr());
@@ -40,7 +49,7 @@ pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
                     QType::Q4_K => q4_k(b, out),
                     QType::Q5_K => q5_k(b, out),
                     QType::Q6_K => q6_k(b, out),
-                    QType::F32 | QType::F16 | QType::BF16 => unreachable!(),
+                    QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R => unreachable!(),
                 }
             }
         }

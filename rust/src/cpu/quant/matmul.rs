@@ -70,7 +70,8 @@ fn planes(q: &int16::QuantizedRows, m: usize, w: &QuantMatrix<'_>) -> Option<Pla
             .iter()
             .any(|s| int16::takes(s.qtype) && super::vnni::decodes(s.qtype))
     {
-        return Some(Planes::new(q, m, w.k()));
+        let permuted = w.segments.iter().any(|s| s.qtype == super::QType::Q4_0R);
+        return Some(Planes::new(q, m, w.k(), permuted));
     }
     let _ = (q, m, w);
     None
@@ -92,10 +93,12 @@ impl QuantizedX {
         if !k.is_multiple_of(32) {
             return None;
         }
-        let any = |takes: fn(super::QType) -> bool| w.segments.iter().any(|s| takes(s.qtype));
+        // repacked Q4_0 rows are read as Q4_0 by every path but the VNNI products
+        let read_as = |s: &super::Segment<'_>| super::repack::read_as(s.qtype);
+        let any = |takes: fn(super::QType) -> bool| w.segments.iter().any(|s| takes(read_as(s)));
         let codes = || int16::QuantizedRows::new(x, k, fast);
         if m > DECODE_MAX_ROWS {
-            let all = w.segments.iter().all(|s| gemm16::takes(s.qtype));
+            let all = w.segments.iter().all(|s| gemm16::takes(read_as(s)));
             return (activations == Activations::Int16 && all).then(|| Self::Int16(codes(), None));
         }
         match activations {
@@ -291,6 +294,7 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         x16: Vec::new(),
         #[cfg(target_arch = "x86_64")]
         planes: Vec::new(),
+        q4_0: Vec::new(),
     };
     // x's quantized rows looked up once per run, not once per weight row
     match ctx.xq {
@@ -338,6 +342,8 @@ struct RowScratch<'x> {
     x16: Vec<int16::Row<'x>>,
     #[cfg(target_arch = "x86_64")]
     planes: Vec<super::vnni::PlaneRow<'x>>,
+    /// A repacked Q4_0 row read back as Q4_0 (`repack::standard_row`).
+    q4_0: Vec<u8>,
 }
 
 /// Row `r` (type `t`, bytes `row`) times every row of x.
@@ -350,6 +356,19 @@ fn decode_row<const F: bool>(
     r: usize,
 ) {
     let (m, k) = (ctx.m, ctx.k);
+    #[cfg(target_arch = "x86_64")]
+    let vnni = matches!(ctx.xq, Some(QuantizedX::Int16(..)))
+        && rs.planes.first().is_some_and(|p| super::vnni::reads(p, t));
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    if t == super::QType::Q4_0R && !vnni {
+        // only the VNNI products read repacked rows: every other path takes them as Q4_0
+        let mut buf = std::mem::take(&mut rs.q4_0);
+        let (t, row) = super::repack::standard_row(t, row, &mut buf);
+        decode_row::<F>(ctx, rs, t, row, r);
+        rs.q4_0 = buf;
+        return;
+    }
     match ctx.xq.filter(|xq| xq.takes(t)) {
         Some(QuantizedX::Int8(_)) => {
             int8_row::<F>(ctx, &rs.x8, t, row, r);
@@ -357,7 +376,7 @@ fn decode_row<const F: bool>(
         }
         Some(QuantizedX::Int16(..)) => {
             #[cfg(target_arch = "x86_64")]
-            if !rs.planes.is_empty() && super::vnni::decodes(t) {
+            if vnni {
                 int16_row_vnni(ctx, &rs.x16, &rs.planes, t, row, r);
                 return;
             }
@@ -632,7 +651,15 @@ fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usiz
         let mut first = rows.start;
         while first < rows.end {
             let count = (rows.end - first).min(PANEL);
-            let weights: Vec<_> = (first..first + count).map(|r| ctx.w.row(r)).collect();
+            // repacked Q4_0 rows read back as Q4_0 (`repack::standard_row`)
+            let mut q4_0 = vec![Vec::new(); count];
+            let weights: Vec<_> = (first..first + count)
+                .zip(&mut q4_0)
+                .map(|(r, buf)| {
+                    let (t, row) = ctx.w.row(r);
+                    super::repack::standard_row(t, row, buf)
+                })
+                .collect();
             panel.pack(&weights, ctx.k, ctx.fast);
             panel.product(xq, sums, ctx.fast);
             for (i, s) in sums.iter().enumerate() {

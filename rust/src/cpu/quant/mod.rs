@@ -24,6 +24,7 @@ mod int16;
 mod int8;
 mod matmul;
 mod quantize;
+pub mod repack;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
 #[cfg(target_arch = "x86_64")]
@@ -31,6 +32,8 @@ mod vnni4;
 
 #[cfg(test)]
 mod gemm_tests;
+#[cfg(test)]
+mod repack_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -45,6 +45,11 @@ pub struct Planes {
     sum32: Vec<i32>,
     /// `[m, k / 32]`: 32768 times the high bytes' sums per 32 elements (Q8_0's offset).
     hsum: Vec<i32>,
+    /// `[m, kp]` (`kp`: k rounded up to 128), or empty: `hi` in repacked Q4_0's order
+    /// (`permuted`).
+    phi: Vec<i8>,
+    /// `[m, kp]`, or empty: `lo` in repacked Q4_0's order.
+    plo: Vec<u8>,
     k: usize,
 }
 
@@ -58,11 +63,17 @@ pub struct PlaneRow<'a> {
     pub(super) sum16: &'a [i32],
     pub(super) sum32: &'a [i32],
     pub(super) hsum: &'a [i32],
+    /// The row's first high byte in repacked Q4_0's order (`Planes::permuted`; `kp` readable
+    /// from it), or null.
+    pub(super) phi: *const i8,
+    /// The row's first low byte in that order, or null.
+    pub(super) plo: *const u8,
 }
 
 impl Planes {
-    /// The `m` rows of `x` (`k` elements each, a multiple of 32) split.
-    pub fn new(x: &QuantizedRows, m: usize, k: usize) -> Self {
+    /// The `m` rows of `x` (`k` elements each, a multiple of 32) split, and when `permuted` (some
+    /// rows of the weight are `QType::Q4_0R`) their planes in that type's order as well.
+    pub fn new(x: &QuantizedRows, m: usize, k: usize, permuted: bool) -> Self {
         debug_assert!(k.is_multiple_of(QK));
         let mut planes = Self {
             hi: Vec::with_capacity(m * k + PAD),
@@ -70,8 +81,11 @@ impl Planes {
             sum16: Vec::with_capacity(m * k / 16),
             sum32: Vec::with_capacity(m * k / QK),
             hsum: Vec::with_capacity(m * k / QK),
+            phi: Vec::new(),
+            plo: Vec::new(),
             k,
         };
+
         for i in 0..m {
             let q = x.row(i).q;
             planes.hi.extend(q.iter().map(|v| (v >> 8) as i8));
@@ -89,20 +103,52 @@ impl Planes {
                     .map(|c| 32768 * c.iter().map(|v| i32::from(v >> 8)).sum::<i32>()),
             );
         }
+        if permuted {
+            planes.permute(m);
+        }
         planes.hi.resize(m * k + PAD, 0);
         planes.lo.resize(m * k + PAD, 0);
         planes
     }
 
+    /// `hi` and `lo` in repacked Q4_0's order (`vnni4`'s Q4_0R products): per 4 blocks
+    /// (128 elements, a 64-byte load of their nibbles), the low halves (elements 0-15) of the
+    /// 4 blocks, then their high halves, so the low nibbles of the load meet the first 64
+    /// bytes and the high nibbles the next 64; zeros past the row's last block.
+    fn permute(&mut self, m: usize) {
+        let (k, kp) = (self.k, self.k.next_multiple_of(4 * QK));
+        self.phi.resize(m * kp, 0);
+        self.plo.resize(m * kp, 0);
+        for i in 0..m {
+            for e in 0..k {
+                let (blk, j) = (e / QK, e % QK);
+                let at = 4 * QK * (blk / 4) + 16 * (blk % 4) + j % 16 + 64 * (j / 16);
+                self.phi[i * kp + at] = self.hi[i * k + e];
+                self.plo[i * kp + at] = self.lo[i * k + e];
+            }
+        }
+    }
+
     /// Row `i`.
     pub fn row(&self, i: usize) -> PlaneRow<'_> {
-        let (k, kb) = (self.k, self.k / QK);
+        let (k, kb, kp) = (self.k, self.k / QK, self.k.next_multiple_of(4 * QK));
+        let permuted = !self.phi.is_empty();
         PlaneRow {
             hi: self.hi[i * k..].as_ptr(),
             lo: self.lo[i * k..].as_ptr(),
             sum16: &self.sum16[2 * i * kb..2 * (i + 1) * kb],
             sum32: &self.sum32[i * kb..(i + 1) * kb],
             hsum: &self.hsum[i * kb..(i + 1) * kb],
+            phi: if permuted {
+                self.phi[i * kp..].as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            plo: if permuted {
+                self.plo[i * kp..].as_ptr()
+            } else {
+                std::ptr::null()
+            },
         }
     }
 }
@@ -426,6 +472,12 @@ pub fn decodes(t: QType) -> bool {
     t != QType::Q8_0
 }
 
+/// Whether these planes take rows of `t`: all but `QType::Q4_0R` (`super::vnni4`'s order) in
+/// the natural order, that one only where the planes were permuted.
+pub fn reads(p: &PlaneRow<'_>, t: QType) -> bool {
+    decodes(t) && (t != QType::Q4_0R || !p.phi.is_null())
+}
+
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the
 /// weight row decoded once; the same bits.
 ///
@@ -453,6 +505,11 @@ pub unsafe fn row_dots_vnni<const R: usize>(
         QType::Q4_K => k_rows::<R, false>(row, k, x, p, &mut lanes),
         QType::Q5_K => k_rows::<R, true>(row, k, x, p, &mut lanes),
         QType::Q6_K => q6_k_rows::<R>(row, k, x, p, &mut lanes),
+        QType::Q4_0R => {
+            let mut acc = [lanes.acc];
+            super::vnni4::q4_0r_rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
+            lanes.acc = acc[0];
+        }
         _ => unreachable!("{} is not a quantized type", t.name()),
     }
     lanes.totals()

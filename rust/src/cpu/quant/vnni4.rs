@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use super::formats::QType;
 use super::int16::avx2::{add, bytes32, f16s, load8, Lanes};
 use super::int16::Row;
-use super::vnni::{codes64, load_i32, reduce_pairs, PlaneRow};
+use super::vnni::{codes64, load_i32, reduce_pairs, reduce_quads, PlaneRow};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
@@ -27,7 +27,7 @@ const Q4_0: u32 = 2;
 /// thread CPU time; benches/RESULTS.md, "four weight rows a pass"): their extra codes and
 /// scales for four rows exceed the registers, so they were removed rather than kept unused.
 pub fn takes(t: QType) -> bool {
-    t == QType::Q4_0
+    matches!(t, QType::Q4_0 | QType::Q4_0R)
 }
 
 /// Per weight row, the 16 i32 lanes of its 64 codes (`w`, unsigned, against both planes)
@@ -129,7 +129,115 @@ pub unsafe fn rows_dots_vnni(
         mins: [_mm256_setzero_ps(); ROWS],
     };
     let w = rows.map(<[u8]>::as_ptr);
-    assert!(takes(t), "{} is not taken four rows a pass", t.name());
-    q4_0_rows(w, k, x, p, &mut lanes);
+    match t {
+        QType::Q4_0 => q4_0_rows(w, k, x, p, &mut lanes),
+        QType::Q4_0R => {
+            let mut acc = lanes.acc.map(|a| [a]);
+            q4_0r_rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
+            lanes.acc = acc.map(|a| a[0]);
+        }
+        _ => panic!("{} is not taken four rows a pass", t.name()),
+    }
     lanes.totals()
+}
+
+/// Bytes ahead of the weight rows' current group that `q4_0r_rows` prefetches: the same group
+/// of the rows two passes of `ROWS` on (times `row_bytes`). From memory the hardware prefetcher
+/// alone left repacked rows at ~7 GB/s in a kernel benchmark (weights on huge pages, one
+/// thread); with it they ran at 27-34 GB/s, a plain read's 34-36 (busy; benches/RESULTS.md,
+/// round 9, H1).
+const PREFETCH_ROWS: usize = 2 * ROWS;
+
+/// Each of the `W` repacked Q4_0 rows `w` (`QType::Q4_0R`, `k` elements) times each of the `R`
+/// rows of x (`x` codes, `p` planes permuted): `acc[i][r]` takes row i's scaled unit sums with
+/// row r of x, a group of 8 blocks at a time, as `vnni::group32` (the same integer sums, the
+/// same f32 steps in the same order: the same bits as Q4_0's products).
+///
+/// A group is 4 blocks' nibbles a 64-byte load: its low nibbles are the 4 blocks' elements
+/// 0-15, its high nibbles their elements 16-31, which meet x's permuted planes; both
+/// products land in the same i32 lanes (lanes 4b..4b + 3: block b), so a block's sum is one
+/// 128-bit lane (`reduce_quads`).
+///
+/// # Safety
+/// AVX-512 with VNNI; each row of `w` holds `k` elements of Q4_0R; `p` permuted
+/// (`Planes::new(.., true)`); x's rows `k` elements.
+#[inline(always)]
+pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
+    w: [*const u8; W],
+    k: usize,
+    x: &[Row<'_>; R],
+    p: &[PlaneRow<'_>; R],
+    acc: &mut [[__m256; R]; W],
+) {
+    let blocks = k / QK;
+    let ahead = PREFETCH_ROWS * blocks * bytes32(Q4_0);
+    let nibble = _mm512_set1_epi8(0xF);
+    let mut blk0 = 0;
+    while blk0 < blocks {
+        let n = (blocks - blk0).min(8);
+        // group blk0 / 8 of each row: 18 bytes a block before it
+        let g = w.map(|r| r.add(blk0 * bytes32(Q4_0)));
+        for b in g {
+            // no fault past the weight's end: a prefetch is a hint
+            let ahead = b.wrapping_add(ahead);
+            for line in [0, 64, 128] {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+            }
+        }
+        let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
+        for c in 0..2 {
+            let first = 4 * c;
+            if first >= n {
+                break;
+            }
+            let n4 = (n - first).min(4);
+            // x's 128 permuted elements of blocks blk0 + first..: inside the planes' kp
+            let e = QK * (blk0 + first);
+            let mut planes = [[_mm512_setzero_si512(); 4]; R];
+            for (q, p) in planes.iter_mut().zip(p) {
+                *q = [
+                    _mm512_loadu_si512(p.phi.add(e).cast()),
+                    _mm512_loadu_si512(p.phi.add(e + 64).cast()),
+                    _mm512_loadu_si512(p.plo.add(e).cast()),
+                    _mm512_loadu_si512(p.plo.add(e + 64).cast()),
+                ];
+            }
+            for (z, g) in z.iter_mut().zip(g) {
+                // blocks first..first + n4's nibbles: 2n scale bytes, then 16 a block
+                let at = g.add(2 * n + 16 * first);
+                let v = if n4 == 4 {
+                    _mm512_loadu_si512(at.cast())
+                } else {
+                    _mm512_maskz_loadu_epi8((1u64 << (16 * n4)) - 1, at.cast())
+                };
+                let lo = _mm512_and_si512(v, nibble);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                for (z, q) in z.iter_mut().zip(&planes) {
+                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q[0]);
+                    let s = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(s, hi, q[1]));
+                    let s = _mm512_dpbusd_epi32(s, q[2], lo);
+                    z[c] = _mm512_dpbusd_epi32(s, q[3], hi);
+                }
+            }
+        }
+        // from here as `vnni::group32` for Q4_0: codes stored + 8, so 8 x's code sums off
+        let mut offset = [_mm256_setzero_si256(); R];
+        let mut dx = [_mm256_setzero_ps(); R];
+        for ((o, d), (x, p)) in offset.iter_mut().zip(&mut dx).zip(x.iter().zip(p)) {
+            *o = _mm256_slli_epi32::<3>(load_i32(p.sum32, blk0, n));
+            *d = load8(x.d, blk0, n);
+        }
+        for ((acc, z), g) in acc.iter_mut().zip(z).zip(g) {
+            let dw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(((1u32 << n) - 1) as u8, g.cast()));
+            let mut s = [_mm256_setzero_si256(); R];
+            let mut c = [dw; R];
+            for (((s, c), z), (o, d)) in s.iter_mut().zip(&mut c).zip(z).zip(offset.iter().zip(dx))
+            {
+                *s = _mm256_sub_epi32(reduce_quads(z[0], z[1]), *o);
+                *c = _mm256_mul_ps(dw, d);
+            }
+            add(s, c, acc);
+        }
+        blk0 += 8;
+    }
 }

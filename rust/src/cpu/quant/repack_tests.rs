@@ -1,0 +1,164 @@
+//! Repacked Q4_0 rows (`repack`, `QType::Q4_0R`) against the same rows as Q4_0: the same
+//! values, the same products bit for bit on every path (the VNNI products at AVX-512, the
+//! paths that read them back as Q4_0 elsewhere), and close to the dequantized weight's product.
+use ndarray::Array2;
+
+use super::repack::{q4_0_blocks, repack_q4_0, standard_row};
+use super::tests::{floats, random_rows};
+use super::*;
+
+/// Row lengths with a last group of 8, 2 (SmolLM2's 576), 3 and 5 blocks, and one of 1 block.
+const KS: [usize; 5] = [256, 576, 96, 1696, 32];
+
+/// `rows` random Q4_0 rows of `k` elements and the same rows repacked.
+fn rows_and_repacked(rows: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
+    let q4_0 = random_rows(QType::Q4_0, rows, k, seed);
+    let mut repacked = vec![0u8; q4_0.len()];
+    repack_q4_0(&q4_0, &mut repacked, k).unwrap();
+    (q4_0, repacked)
+}
+
+fn matrix(t: QType, data: &[u8], rows: usize, k: usize) -> QuantMatrix<'_> {
+    QuantMatrix::new(
+        vec![Segment {
+            qtype: t,
+            data,
+            rows,
+        }],
+        k,
+    )
+    .unwrap()
+}
+
+#[test]
+fn repacked_rows_read_back_as_the_q4_0_rows() {
+    for k in KS {
+        let (q4_0, repacked) = rows_and_repacked(3, k, k as u64);
+        if k > 32 {
+            assert_ne!(q4_0, repacked, "k {k}: the layout differs");
+        }
+        let row = q4_0.len() / 3;
+        let mut buf = Vec::new();
+        for r in 0..3 {
+            let (t, back) = standard_row(QType::Q4_0R, &repacked[r * row..(r + 1) * row], &mut buf);
+            assert_eq!(
+                (t, back),
+                (QType::Q4_0, &q4_0[r * row..(r + 1) * row]),
+                "k {k}"
+            );
+        }
+        let mut whole = vec![0u8; row];
+        q4_0_blocks(&repacked[..row], &mut whole);
+        assert_eq!(whole, q4_0[..row]);
+    }
+}
+
+#[test]
+fn repacked_rows_dequantize_and_embed_as_the_q4_0_rows() {
+    for k in KS {
+        let (q4_0, repacked) = rows_and_repacked(5, k, 7 + k as u64);
+        let (a, b) = (
+            matrix(QType::Q4_0, &q4_0, 5, k),
+            matrix(QType::Q4_0R, &repacked, 5, k),
+        );
+        let (mut da, mut db) = (Array2::zeros((5, k)), Array2::zeros((5, k)));
+        dequantize(&a, da.view_mut()).unwrap();
+        dequantize(&b, db.view_mut()).unwrap();
+        assert!(
+            da.iter().zip(&db).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "k {k}"
+        );
+        let ids = [4, 0, 2];
+        let (mut ea, mut eb) = (Array2::zeros((3, k)), Array2::zeros((3, k)));
+        embedding(&a, &ids, ea.view_mut()).unwrap();
+        embedding(&b, &ids, eb.view_mut()).unwrap();
+        assert!(
+            ea.iter().zip(&eb).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "k {k}"
+        );
+    }
+}
+
+#[test]
+fn repacked_products_equal_the_q4_0_products_bit_for_bit_on_every_path() {
+    // 13 rows: three passes of four and one row alone; x rows 1 (four rows a pass), 2-8
+    // (decode rows), 20 (integer panels / f32 panels)
+    let n = 13;
+    for k in KS {
+        let (q4_0, repacked) = rows_and_repacked(n, k, 31 + k as u64);
+        let (a, b) = (
+            matrix(QType::Q4_0, &q4_0, n, k),
+            matrix(QType::Q4_0R, &repacked, n, k),
+        );
+        let bias = floats(n, 1.0);
+        for m in [1, 2, 3, 5, 8, 20] {
+            let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32 + 0.5)).unwrap();
+            for act in [Activations::Int16, Activations::Int8, Activations::F32] {
+                for threads in [1, 2] {
+                    let mut ya = Array2::from_elem((m, n), f32::NAN);
+                    let mut yb = Array2::from_elem((m, n), f32::NAN);
+                    quant_linear_with(x.view(), &a, Some(&bias), ya.view_mut(), threads, act)
+                        .unwrap();
+                    quant_linear_with(x.view(), &b, Some(&bias), yb.view_mut(), threads, act)
+                        .unwrap();
+                    let same = ya.iter().zip(&yb).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same, "k {k}, m {m}, {act:?}: {ya:?} vs {yb:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn repacked_products_are_close_to_the_dequantized_product_in_a_mixed_weight() {
+    // a Q4_0R segment between others (a fused projection), one row and four
+    let k = 576;
+    let (_, repacked) = rows_and_repacked(9, k, 5);
+    let q8_0 = random_rows(QType::Q8_0, 3, k, 6);
+    let q4_1 = random_rows(QType::Q4_1, 6, k, 8);
+    let segments = vec![
+        Segment {
+            qtype: QType::Q8_0,
+            data: &q8_0,
+            rows: 3,
+        },
+        Segment {
+            qtype: QType::Q4_0R,
+            data: &repacked,
+            rows: 9,
+        },
+        Segment {
+            qtype: QType::Q4_1,
+            data: &q4_1,
+            rows: 6,
+        },
+    ];
+    let w = QuantMatrix::new(segments, k).unwrap();
+    let n = w.n();
+    let mut dense = Array2::zeros((n, k));
+    dequantize(&w, dense.view_mut()).unwrap();
+    for m in [1, 4] {
+        let x = Array2::from_shape_vec((m, k), floats(m * k, 2.0)).unwrap();
+        let mut out = Array2::from_elem((m, n), f32::NAN);
+        quant_linear_with(x.view(), &w, None, out.view_mut(), 1, Activations::Int16).unwrap();
+        for r in 0..m {
+            for c in 0..n {
+                let want: f64 = (0..k)
+                    .map(|i| f64::from(x[[r, i]]) * f64::from(dense[[c, i]]))
+                    .sum();
+                let tol = 1e-4 * (1.0 + want.abs()) * (k as f64).sqrt();
+                assert!((f64::from(out[[r, c]]) - want).abs() < tol, "{r},{c}");
+            }
+        }
+    }
+}
+
+#[test]
+fn repacking_rejects_sizes_that_are_not_whole_rows() {
+    let src = vec![0u8; 18 * 18];
+    let mut short = vec![0u8; 18 * 17];
+    let err = repack_q4_0(&src, &mut short, 576).unwrap_err().to_string();
+    assert!(err.contains("same whole rows"), "{err}");
+    let mut dst = vec![0u8; 18 * 18];
+    assert!(repack_q4_0(&src, &mut dst, 100).is_err());
+}
