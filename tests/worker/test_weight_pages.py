@@ -75,7 +75,7 @@ def test_less_than_a_huge_page_of_weights_is_left_in_place():
     assert model.a.packed is packed
 
 
-def _q4_0_model(rows: int = 4096) -> nn.Module:
+def _q4_0_model(rows: int = 8192) -> nn.Module:  # more than a huge page
     torch.manual_seed(1)
     model = nn.Module()
     model.b = Holder(quant=cpu_quant.quantize(torch.randn(rows, 576), cpu_quant.Q4_0))
@@ -86,7 +86,7 @@ def _q4_0_model(rows: int = 4096) -> nn.Module:
 def test_q4_0_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_results():
     model = _q4_0_model()
     x1, x4, x20 = torch.randn(1, 576), torch.randn(4, 576), torch.randn(20, 576)
-    ids = torch.tensor([0, 4095, 17])
+    ids = torch.tensor([0, 8191, 17])
     w = model.b.quant
     before = [cpu_quant.quant_linear(x, w, None, activations="int16") for x in (x1, x4, x20)]
     before += [cpu_quant.quant_linear(x1, w, None), cpu_quant.embedding(ids, w)]
