@@ -21,7 +21,17 @@ a per-(layer, head) key offset), `calN` the keys less an offset fixed beforehand
 over the N-th `--calibration` source (another text, `FILE[:TOKENS]`, or `random:TOKENS` token
 ids from a fixed seed), per layer and kv head; `konly` / `vonly` codes only the keys / values.
 `engine-int8` and `engine-fp8` are `kernels.reference`'s coding (the shipped format, for a check
-against b3); the offset flags apply to them too (`engine-int8-cal0`).
+against b3); the offset flags apply to them too (`engine-int8-cal0`). Channel scaling before
+the rotation (`k' = H S k`, the query met as `H S^-1 q`: scores exact): `sN` scales the keys by
+S from the N-th `--calibration` source's moments, `s_c = (E q_c^2 / E k_c^2)^(p / 2)` (`eP`:
+p = P / 100, default 50), `sw` from the coded window's own (an upper bound), `sx` from the
+weights alone (q_proj / k_proj rows times the layer norm's weights; a safetensors `--model`);
+`tie` one factor a RoPE pair (geometric mean), `tie2` from the pair's summed moments (then S
+commutes with RoPE and could fold into the projections); `vN` / `vw` scale the values by the
+output projection's column norms against their moments. `bf16-x` / `fp16-x`: the rows only
+rounded to a 16-bit float (the metric's floor). Each result also counts how many flips were
+float near-ties (top-1 / top-2 logprob margin below 0.01 / 0.05 / 0.1) and the agreement over
+the other positions.
 
     python benches/kv_quant_schemes.py --model /work/models/kvq-smollm2-f32 --text FILE \
         --calibration OTHER_FILE random:1024 --schemes engine-int8 engine-int8-kc engine-int8-cal0
@@ -35,12 +45,13 @@ import math
 from pathlib import Path
 
 import torch
-from kv_quant_quality import TEXT, teacher_forced
+from kv_quant_quality import TEXT
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.attention import cpu_attention
 from pagedllm.kernels import reference
 
+_TIES = (0.01, 0.05, 0.1)
 _CLIPS = [1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.79, 0.76, 0.73, 0.7]
 _MAX = {"int8": 127.0, "fp8": 448.0}
 # how many rows (rotated) a scheme met per octave of their amax, keys and values apart: the range
@@ -102,6 +113,9 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
     calibrated key offset (`calN`)."""
     x = x.float()
     kind, bound_kind, *flags = scheme.split("-")
+    if kind in _FLOATS:
+        # the floor: the rows only rounded to a 16-bit float (`bf16-x`, `fp16-x`)
+        return x.to(_FLOATS[kind]).float()
     offset = [f for f in flags if f == "kc" or f.startswith("cal")]
     if offset and part == "k":
         # `kc`: the keys' mean over the window's positions (per kv head) kept exact, the rest
@@ -112,6 +126,16 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
         center = x.mean(0, keepdim=True) if flag == "kc" else _CALIBRATED[flag][layer]
         rest = [f for f in flags if f != flag]
         return fake(x - center, "-".join([kind, bound_kind, *rest]), part, layer) + center
+    shaped = [f for f in flags if _shaping_flag(f) and (f[0] == "s") == (part == "k")]
+    if shaped:
+        # channel scaling before the rotation (`k' = H S k`, the query met as `H S^-1 q`, so
+        # scores are exact): precision where the queries look. `sN` / `vN`: S from the N-th
+        # `--calibration` source, `sw` / `vw` from the window itself (an upper bound); `eP`
+        # the exponent, `tie` one factor a RoPE pair
+        flag = shaped[0]
+        s = _shaping(flag, flags, layer)
+        rest = [f for f in flags if f != flag]
+        return fake(x * s, "-".join([kind, bound_kind, *rest]), part, layer) / s
     if kind == "engine":
         dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[bound_kind]
         return reference.dequantize_rows(reference.quantize_rows(x, dtype))
@@ -146,6 +170,61 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
     return reference.unrotate(y) * signs if rotate else y
 
 
+_FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# per calibration source N, per layer: sums of k, k^2, v^2 and of q^2 over each kv head's group
+# of query heads ([1, KVH, D] each) and the count of positions
+_STATS: dict = {}
+# the window being coded (flags `sw` / `vw`): the same sums over its own positions
+_WINDOW: dict = {}
+# per layer, `sx`: q / k second moments from the weights alone (inputs taken as isotropic after
+# the layer's norm: the squared norms of the q_proj / k_proj rows times the norm's weights)
+_WQK: dict = {}
+# per layer, the output projection's squared column norms per kv head's group ([1, KVH, D])
+_WO: dict = {}
+
+
+def _stat_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    kvh = k.shape[1]
+    q = q.float().reshape(q.shape[0], kvh, -1, q.shape[-1])
+    k, v = k.float(), v.float()
+    return {
+        "k": k.sum(0, keepdim=True),
+        "k2": (k * k).sum(0, keepdim=True),
+        "v2": (v * v).sum(0, keepdim=True),
+        "q2": (q * q).sum((0, 2)).unsqueeze(0),
+        "n": k.shape[0],
+    }
+
+
+def _shaping_flag(flag: str) -> bool:
+    return flag in ("sw", "vw", "sx") or flag[:1] in ("s", "v") and flag[1:].isdigit()
+
+
+def _shaping(flag: str, flags: list, layer: int) -> torch.Tensor:
+    """S `[1, KVH, D]` minimizing the score error's (keys) or the output's (values) variance
+    under an isotropic rotated-domain error: `s_c = (a_c / b_c)^(p / 2)`, `a` the squared size
+    of what multiplies the channel (queries; the output projection's columns), `b` the channel's
+    mean square; p = 1/2 (`e50`) is the Cauchy-Schwarz optimum. Scaled to keep the rows' energy."""
+    stats = {"sw": _WINDOW, "vw": _WINDOW, "sx": _WQK.get(layer)}.get(flag)
+    stats = stats or _STATS[int(flag[1:])][layer]
+    exponent = next((int(f[1:]) / 100 for f in flags if f[:1] == "e" and f[1:].isdigit()), 0.5)
+    if flag[0] == "s":
+        a, b = stats["q2"], stats["k2"]
+    else:
+        a, b = _WO[layer], stats["v2"]
+    if "tie2" in flags:
+        # one factor a RoPE pair from the pair's summed moments: S then commutes with RoPE and
+        # folds into the q / k projections' rows (no kernel change)
+        half = a.shape[-1] // 2
+        a, b = (torch.cat([x[..., :half] + x[..., half:]] * 2, -1) for x in (a, b))
+    s = (a.clamp_min(1e-30) / b.clamp_min(1e-30)) ** (exponent / 2)
+    if "tie" in flags:
+        half = s.shape[-1] // 2
+        pair = (s[..., :half] * s[..., half:]).sqrt()
+        s = torch.cat([pair, pair], -1)
+    return s * (b.sum(-1, keepdim=True) / (s * s * b).sum(-1, keepdim=True)).sqrt()
+
+
 def _signs(d: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(d)
     return torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
@@ -164,10 +243,13 @@ def with_scheme(holder: dict):
         layer = layers.setdefault(k_cache.data_ptr(), len(layers))
         scheme = holder.get("scheme")
         record = holder.get("record")
+        sums = _stat_sums(q, k, v)
         if record is not None:
-            total, count = record.get(layer, (0.0, 0))
-            record[layer] = (total + k.float().sum(0, keepdim=True), count + k.shape[0])
+            old = record.get(layer)
+            record[layer] = sums if old is None else {n: old[n] + sums[n] for n in sums}
         if scheme is not None:
+            _WINDOW.clear()
+            _WINDOW.update(sums)
             plain = scheme.replace("-konly", "").replace("-vonly", "")
             k = k if "-vonly" in scheme else fake(k, plain, "k", layer).to(k.dtype)
             v = v if "-konly" in scheme else fake(v, plain, "v", layer).to(v.dtype)
@@ -176,12 +258,48 @@ def with_scheme(holder: dict):
     cpu_attention.store_and_attend = patched
 
 
+def teacher_forced(llm: LLM, windows: list[list[int]]):
+    """Per predicted position: the top-1 token, the text token's logprob and the top-1 / top-2
+    logprob margin (a near-tie any perturbation may flip)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    top1, logprobs, margins = [], [], []
+    for window, out in zip(windows, outs):
+        for token, step in zip(window[1:], out.prompt_logprobs[1:]):
+            ranked = {lp.rank: (t, lp.logprob) for t, lp in step.items()}
+            top1.append(ranked[1][0])
+            margins.append(ranked[1][1] - ranked[2][1])
+            logprobs.append(step[token].logprob)
+    return top1, logprobs, margins
+
+
+def _output_columns(model: str) -> None:
+    """`_WO`: each layer's o_proj squared column norms summed over a kv head's query heads
+    (a safetensors model folder)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    kvh, d = config["num_key_value_heads"], config["head_dim"]
+    weights = load_file(str(Path(model) / "model.safetensors"))
+    for layer in range(config["num_hidden_layers"]):
+        w = weights[f"model.layers.{layer}.self_attn.o_proj.weight"].float()
+        _WO[layer] = (w * w).sum(0).reshape(kvh, -1, d).sum(1).unsqueeze(0)
+        norm = weights[f"model.layers.{layer}.input_layernorm.weight"].float()
+        wq = weights[f"model.layers.{layer}.self_attn.q_proj.weight"].float() * norm
+        wk = weights[f"model.layers.{layer}.self_attn.k_proj.weight"].float() * norm
+        _WQK[layer] = {
+            "q2": (wq * wq).sum(1).reshape(kvh, -1, d).sum(1).unsqueeze(0),
+            "k2": (wk * wk).sum(1).reshape(kvh, d).unsqueeze(0),
+        }
+
+
 def _calibration_windows(llm, source: str, step: int) -> list[list[int]]:
     name, _, tokens = source.rpartition(":") if ":" in source else (source, "", "")
     count = int(tokens) if tokens else 4096
-    if name == "random":
+    if name.startswith("random"):
+        # `randomS`: another seed S (0 when none)
         vocab = llm.get_tokenizer().vocab_size
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(int(name.removeprefix("random") or 0))
         ids = torch.randint(0, vocab, (count + 1,), generator=g).tolist()
     else:
         ids = llm.get_tokenizer().encode(Path(name).read_text())[: count + 1]
@@ -200,7 +318,7 @@ def main() -> int:
         nargs="*",
         default=[],
         help="key offset sources, flag calN takes the N-th: a text FILE[:TOKENS] or "
-        "random:TOKENS (token ids from a fixed seed)",
+        "random[SEED]:TOKENS (token ids from a fixed seed, 0 when none)",
     )
     args = p.parse_args()
     holder: dict = {}
@@ -219,19 +337,40 @@ def main() -> int:
         holder["record"] = record = {}
         teacher_forced(llm, _calibration_windows(llm, source, step))
         holder.pop("record")
-        _CALIBRATED[f"cal{n}"] = {layer: total / count for layer, (total, count) in record.items()}
-    ref_top1, ref_logprobs = teacher_forced(llm, windows)
+        _STATS[n] = record
+        _CALIBRATED[f"cal{n}"] = {layer: r["k"] / r["n"] for layer, r in record.items()}
+    ref_top1, ref_logprobs, ref_margins = teacher_forced(llm, windows)
+    shaped = [f for x in args.schemes for f in x.split("-")[2:] if _shaping_flag(f)]
+    if any(f[0] == "v" or f == "sx" for f in shaped):
+        _output_columns(args.model)
     ref_ppl = math.exp(-sum(ref_logprobs) / len(ref_logprobs))
-    print(json.dumps({"scheme": "float", "positions": len(ref_top1), "perplexity": ref_ppl}))
+    ties = {t: sum(m < t for m in ref_margins) for t in _TIES}
+    print(
+        json.dumps(
+            {
+                "scheme": "float",
+                "positions": len(ref_top1),
+                "perplexity": ref_ppl,
+                "float_margin_below": ties,
+            }
+        )
+    )
     for scheme in args.schemes:
         holder["scheme"] = scheme
-        top1, logprobs = teacher_forced(llm, windows)
-        differ = sum(a != b for a, b in zip(top1, ref_top1))
+        top1, logprobs, _ = teacher_forced(llm, windows)
+        flips = [m for a, b, m in zip(top1, ref_top1, ref_margins) if a != b]
+        differ = len(flips)
         ppl = math.exp(-sum(logprobs) / len(logprobs))
         result = {
             "scheme": scheme,
             "top1_agreement": round(1 - differ / len(top1), 5),
             "differ": differ,
+            # of the flips, how many were float near-ties (top-1 / top-2 margin below t nats),
+            # and the agreement over the positions that were not
+            "flips_margin_below": {t: sum(m < t for m in flips) for t in _TIES},
+            "agreement_without_ties": {
+                t: round(1 - sum(m >= t for m in flips) / (len(top1) - ties[t]), 5) for t in _TIES
+            },
             "perplexity_vs_float": round(ppl / ref_ppl - 1, 5),
             # a steadier figure than the count of flipped near-ties: how far each position's
             # logprob of the text's token moved
