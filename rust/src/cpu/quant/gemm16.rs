@@ -156,8 +156,13 @@ impl Panel {
         let (pairs, blocks) = (k / 2, k / QK);
         // rows a cache line apart beyond k (see `prefill_rows`)
         let stride = pairs + 16;
-        self.staging.clear();
-        self.staging.resize(PANEL * stride, 0.0);
+        // zeroed only where a size changes or a row is missing (the columns past k are never
+        // read): the whole buffer's memset each panel showed in the profile
+        if self.staging.len() != PANEL * stride {
+            self.staging.clear();
+            self.staging.resize(PANEL * stride, 0.0);
+        }
+        self.staging[rows.len() * stride..].fill(0.0);
         self.halves = rows.iter().any(|(t, _)| *t == QType::Q6_K);
         let per_block = if self.halves { 2 } else { 1 };
         self.scales.clear();
@@ -179,6 +184,17 @@ impl Panel {
         };
         for (j, (t, row)) in rows.iter().enumerate() {
             let dst = &mut staging[2 * j * stride..2 * j * stride + k];
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                // SAFETY: `fast` is set only on a CPU with avx2, fma and f16c; the row holds
+                // k = dst.len() elements of a type taken (every one `int16` takes).
+                unsafe {
+                    super::int16::avx2::row_codes(*t, row, dst);
+                    let mins = &mut self.mins[..];
+                    unit_scales_f16c(*t, row, j, self.halves, &mut self.scales, mins);
+                }
+                continue;
+            }
             widen_row(*t, row, dst, &mut self.row_scales, &mut self.row_mins);
             // a scale per unit: each 16 elements' in a panel of halves, else each block's first
             for (u, d) in self.row_scales.iter().step_by(2 / per_block).enumerate() {
@@ -193,6 +209,69 @@ impl Panel {
         self.codes.resize(pairs * PANEL, 0.0);
         transpose_into_panel(&self.staging, stride, pairs, &mut self.codes, fast);
     }
+}
+
+/// `widen_row`'s scales and mins of the panel's row `j` (type `t`, bytes `row`) written straight
+/// to the panel's `scales` (`[units, PANEL]`, two units a block where `halves`) and `mins`
+/// (`[blocks, PANEL]`, or empty: then no row has one), the f16s converted by F16C (exact, the
+/// same values as `f16_to_f32`): the portable loop's per-block work showed beside the products.
+///
+/// # Safety
+/// The CPU supports avx2, fma and f16c.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn unit_scales_f16c(
+    t: QType,
+    row: &[u8],
+    j: usize,
+    halves: bool,
+    scales: &mut [f32],
+    mins: &mut [f32],
+) {
+    let per_block = if halves { 2 } else { 1 };
+    let mut put = |blk: usize, d: [f32; 2], m: f32| {
+        scales[per_block * blk * PANEL + j] = d[0];
+        if halves {
+            scales[(2 * blk + 1) * PANEL + j] = d[1];
+        }
+        if !mins.is_empty() {
+            mins[blk * PANEL + j] = m;
+        }
+    };
+    let bytes = t.block().1;
+    if t == QType::Q6_K {
+        for (sb, b) in row.chunks_exact(bytes).enumerate() {
+            let dd = half_f16c(b, 208);
+            for i in 0..8 {
+                let sc = |u: usize| dd * f32::from(b[192 + 2 * i + u] as i8);
+                put(8 * sb + i, [sc(0), sc(1)], 0.0);
+            }
+        }
+    } else if t.block().0 == QK_K {
+        for (sb, b) in row.chunks_exact(bytes).enumerate() {
+            let (sc, mn) = super::int16::k_scales(&b[4..16]);
+            let (dd, dmin) = (half_f16c(b, 0), half_f16c(b, 2));
+            for i in 0..8 {
+                let d = dd * f32::from(sc[i]);
+                put(8 * sb + i, [d, d], -(dmin * f32::from(mn[i])));
+            }
+        }
+    } else {
+        let min = matches!(t, QType::Q4_1 | QType::Q5_1);
+        for (blk, b) in row.chunks_exact(bytes).enumerate() {
+            let d = half_f16c(b, 0);
+            put(blk, [d, d], if min { half_f16c(b, 2) } else { 0.0 });
+        }
+    }
+}
+
+/// The f16 at byte `at` of `b` as f32 by F16C (inlined into a caller that enables it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn half_f16c(b: &[u8], at: usize) -> f32 {
+    use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+    let h = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
 }
 
 /// Whether weights of type `t` have a min (`int16`'s).

@@ -310,3 +310,35 @@ fn quant_linear_int16_multi_row_products_keep_a_nan_of_x() {
         }
     }
 }
+
+#[test]
+fn a_panel_packed_again_with_fewer_rows_equals_a_fresh_panel_bit_for_bit() {
+    // the staging rows are zeroed only where a row is missing: a full panel's rows must not
+    // leak into a later, shorter one
+    let (m, k) = (12, 512);
+    let x = floats(m * k, 17);
+    let xq = int16::QuantizedRows::new(&x, k, false);
+    for t in panel_types() {
+        let bytes = t.row_bytes(k).unwrap();
+        let full = random_rows(t, PANEL, k, 5);
+        let short = random_rows(t, 7, k, 6);
+        let (full, short): (Vec<_>, Vec<_>) = (
+            full.chunks_exact(bytes).map(|r| (t, r)).collect(),
+            short.chunks_exact(bytes).map(|r| (t, r)).collect(),
+        );
+        for fast in [false, super::fast()] {
+            let mut reused = Panel::default();
+            reused.pack(&full, k, fast);
+            reused.pack(&short, k, fast);
+            let mut fresh = Panel::default();
+            fresh.pack(&short, k, fast);
+            let (mut a, mut b) = (vec![[f32::NAN; PANEL]; m], vec![[f32::NAN; PANEL]; m]);
+            reused.product(&xq, &mut a, fast);
+            fresh.product(&xq, &mut b, fast);
+            let bits = |s: &Vec<[f32; PANEL]>| -> Vec<u32> {
+                s.iter().flatten().map(|v| v.to_bits()).collect()
+            };
+            assert_eq!(bits(&a), bits(&b), "{} fast={fast}", t.name());
+        }
+    }
+}

@@ -583,4 +583,95 @@ pub(super) mod avx2 {
         }
         lanes.totals()
     }
+
+    /// A row of type `t` (`takes(t)`, `q.len()` elements) as its 16-bit codes in element order
+    /// (`codes`' per block, whole blocks of 32 and super-blocks of 256 a time): the integer
+    /// panels' widening (`gemm16`), the same values as the portable loop.
+    ///
+    /// # Safety
+    /// The CPU supports avx2, fma and f16c; `row` holds `q.len()` elements of `t`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::cpu::quant) unsafe fn row_codes(t: QType, row: &[u8], q: &mut [i16]) {
+        match t {
+            QType::Q8_0 => blocks_codes::<8>(row, q),
+            QType::Q4_0 => blocks_codes::<2>(row, q),
+            QType::Q4_1 => blocks_codes::<3>(row, q),
+            QType::Q5_0 => blocks_codes::<6>(row, q),
+            QType::Q5_1 => blocks_codes::<7>(row, q),
+            QType::Q4_K => k_codes::<false>(row, q),
+            QType::Q5_K => k_codes::<true>(row, q),
+            QType::Q6_K => q6_k_codes(row, q),
+            _ => unreachable!("{} is not a quantized type", t.name()),
+        }
+    }
+
+    /// Stores the 16-bit weights `w` (elements 0-15, 16-31) as block `blk` of `q`.
+    #[inline(always)]
+    unsafe fn store32(q: &mut [i16], blk: usize, w: [__m256i; 2]) {
+        debug_assert!(q.len() >= QK * (blk + 1));
+        let at = q.as_mut_ptr().add(QK * blk).cast::<__m256i>();
+        _mm256_storeu_si256(at, w[0]);
+        _mm256_storeu_si256(at.add(1), w[1]);
+    }
+
+    /// `row_codes` for the 32-element block type of ggml code `T`.
+    #[inline(always)]
+    unsafe fn blocks_codes<const T: u32>(row: &[u8], q: &mut [i16]) {
+        let bytes = bytes32(T);
+        assert!(row.len() >= q.len() / QK * bytes);
+        for blk in 0..q.len() / QK {
+            store32(q, blk, weights32::<T>(row.as_ptr().add(blk * bytes)));
+        }
+    }
+
+    /// `row_codes` for Q4_K or (`FIVE`) Q5_K.
+    #[inline(always)]
+    unsafe fn k_codes<const FIVE: bool>(row: &[u8], q: &mut [i16]) {
+        let bytes = if FIVE { 176 } else { 144 };
+        assert!(row.len() >= q.len() / 256 * bytes);
+        for sb in 0..q.len() / 256 {
+            let b = row.as_ptr().add(sb * bytes);
+            let qs = b.add(if FIVE { 48 } else { 16 });
+            let qh = _mm256_loadu_si256(b.add(16).cast());
+            for g in 0..4 {
+                let w = k_weights::<FIVE>(qs, qh, g);
+                store32(q, 8 * sb + 2 * g, w[0]);
+                store32(q, 8 * sb + 2 * g + 1, w[1]);
+            }
+        }
+    }
+
+    /// `row_codes` for Q6_K: codes - 32, quarter kq of half h being sub-block 4h + kq.
+    #[inline(always)]
+    unsafe fn q6_k_codes(row: &[u8], q: &mut [i16]) {
+        let (nibble, two) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        assert!(row.len() >= q.len() / 256 * 210);
+        for sb in 0..q.len() / 256 {
+            let b = row.as_ptr().add(sb * 210);
+            let (ql, qh) = (b, b.add(128));
+            for h in 0..2 {
+                let high_bits = _mm256_loadu_si256(qh.add(32 * h).cast());
+                let low0 = _mm256_loadu_si256(ql.add(64 * h).cast());
+                let low1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
+                let quarters = [
+                    (low0, high_bits),
+                    (low1, _mm256_srli_epi16::<2>(high_bits)),
+                    (
+                        _mm256_srli_epi16::<4>(low0),
+                        _mm256_srli_epi16::<4>(high_bits),
+                    ),
+                    (
+                        _mm256_srli_epi16::<4>(low1),
+                        _mm256_srli_epi16::<6>(high_bits),
+                    ),
+                ];
+                for (kq, (low, high)) in quarters.into_iter().enumerate() {
+                    let low = _mm256_and_si256(low, nibble);
+                    let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
+                    let c = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                    store32(q, 8 * sb + 4 * h + kq, widen(c));
+                }
+            }
+        }
+    }
 }
