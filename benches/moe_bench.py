@@ -26,7 +26,8 @@ engines alternated, medians of `--rounds` (wall time; label it busy on a shared 
 (e.g. two commits' release builds) single stream, decode 32 / prefill 64, with llama.cpp's
 `llama-bench` in the same rounds (builds alternated): medians and each round's ratios; without
 `--llama-bin`, the builds' decode at each `--concurrency` (a fresh process a run, alternated) and
-their resident memory after load.
+their resident memory after load; `--envs VAR=A VAR=B` compares instead one build under each
+setting (an A/B switch inside one build).
 """
 
 from __future__ import annotations
@@ -279,34 +280,43 @@ print(json.dumps({"rates": rates, "mem_kb": mem}))
 
 def builds_streams(args) -> None:
     """Decode of `--gguf` at each `--concurrency` by each package copy of `--builds` (a `python`
-    folder each, first on PYTHONPATH; a fresh process a run, the builds alternated every round):
-    medians, the last build over the first per round, and each build's resident memory after
-    load (anonymous: copies; file: the mapped model)."""
+    folder each, first on PYTHONPATH; a fresh process a run, the builds alternated every round),
+    or by one build under each `--envs` setting (`VAR=VALUE`: a switch inside one build):
+    medians, the last over the first per round, and each run's resident memory after load
+    (anonymous: copies; file: the mapped model)."""
     import os
     import subprocess
     import sys
 
     here = str(Path(__file__).parent)
     conc = [str(c) for c in args.concurrency]
-    runs: dict[str, list[dict]] = {b: [] for b in args.builds}
+    # (label, PYTHONPATH, extra environment) per variant
+    variants = [(b, b, {}) for b in args.builds]
+    if args.envs:
+        build = args.builds[0]
+        variants = [(e, build, dict([e.split("=", 1)])) for e in args.envs]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in variants}
     for r in range(args.rounds):
-        for build in args.builds if r % 2 == 0 else args.builds[::-1]:
+        for label, build, extra in variants if r % 2 == 0 else variants[::-1]:
             env = {**os.environ, "PYTHONPATH": build, "OMP_NUM_THREADS": str(args.threads)}
             cmd = [sys.executable, "-c", _STREAMS, here, args.gguf, str(args.threads)]
             out = subprocess.run(
-                [*cmd, str(args.tokens), *conc], check=True, capture_output=True, text=True, env=env
+                [*cmd, str(args.tokens), *conc],
+                check=True,
+                capture_output=True,
+                text=True,
+                env={**env, **extra},
             ).stdout
-            runs[build].append(json.loads(out.strip().splitlines()[-1]))
-    first, last = args.builds[0], args.builds[-1]
-    for build in args.builds:
+            runs[label].append(json.loads(out.strip().splitlines()[-1]))
+    labels = [label for label, _, _ in variants]
+    first, last = labels[0], labels[-1]
+    for build in labels:
         anon, file = (runs[build][-1]["mem_kb"][k] / 1024 for k in ("RssAnon", "RssFile"))
         print(f"{build}: RssAnon {anon:.0f} MiB, RssFile {file:.0f} MiB")
-    print("| streams | " + " | ".join(f"{b} tok/s" for b in args.builds) + " | last / first |")
-    print("|---:|" + "---:|" * len(args.builds) + "---|")
+    print("| streams | " + " | ".join(f"{b} tok/s" for b in labels) + " | last / first |")
+    print("|---:|" + "---:|" * len(labels) + "---|")
     for c in conc:
-        medians = " | ".join(
-            f"{_median([x['rates'][c] for x in runs[b]]):.1f}" for b in args.builds
-        )
+        medians = " | ".join(f"{_median([x['rates'][c] for x in runs[b]]):.1f}" for b in labels)
         ratios = [x["rates"][c] / y["rates"][c] for x, y in zip(runs[last], runs[first])]
         listed = " ".join(f"{v:.2f}" for v in ratios)
         print(f"| {c} | {medians} | {listed} (median {_median(ratios):.2f}x) |", flush=True)
@@ -330,6 +340,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--llama-bin", type=Path, help="with --gguf and --builds: llama.cpp's bin")
     p.add_argument("--builds", nargs="+", help="package copies' python folders to compare")
+    p.add_argument(
+        "--envs", nargs="+", help="with --gguf and one --builds: VAR=VALUE settings to compare"
+    )
     args = p.parse_args()
     if args.gguf and args.builds and args.llama_bin:
         builds_vs_llamacpp(args)
