@@ -181,11 +181,7 @@ pub fn k_scale_min(s: &[u8], i: usize) -> (u8, u8) {
 pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
     if t == QType::Q4_0R {
         // whole groups of a repacked row (`dequantize_range`'s chunks start on one)
-        let mut blocks = [0u8; 8 * 18];
-        for (g, y) in src.chunks(8 * 18).zip(dst.chunks_mut(8 * 32)) {
-            super::repack::q4_0_blocks(g, &mut blocks[..g.len()]);
-            dequantize_blocks(QType::Q4_0, &blocks[..g.len()], y);
-        }
+        super::repack::dequantize_groups(src, dst, |b, y| dequantize_blocks(QType::Q4_0, b, y));
         return;
     }
     let (elems, bytes) = t.block();

@@ -22,11 +22,10 @@ pub fn available() -> bool {
 pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
     if t == QType::Q4_0R {
         // whole groups of a repacked row, as `formats::dequantize_blocks`
-        let mut blocks = [0u8; 8 * 18];
-        for (g, y) in src.chunks(8 * 18).zip(dst.chunks_mut(8 * 32)) {
-            super::repack::q4_0_blocks(g, &mut blocks[..g.len()]);
-            dequantize_blocks(QType::Q4_0, &blocks[..g.len()], y);
-        }
+        // SAFETY: the caller's CPU has avx2, fma and f16c
+        super::repack::dequantize_groups(src, dst, |b, y| unsafe {
+            dequantize_blocks(QType::Q4_0, b, y)
+        });
         return;
     }
     let (elems, bytes) = t.block();

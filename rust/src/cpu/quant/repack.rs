@@ -68,6 +68,21 @@ pub fn q4_0_blocks(src: &[u8], out: &mut [u8]) {
     }
 }
 
+/// Repacked bytes `src` (whole groups, as `q4_0_blocks` takes them) dequantized into `dst` a
+/// group at a time by `dequantize` (Q4_0 blocks to their elements).
+pub fn dequantize_groups(
+    src: &[u8],
+    dst: &mut [f32],
+    mut dequantize: impl FnMut(&[u8], &mut [f32]),
+) {
+    let mut blocks = [0u8; GROUP * BLOCK];
+    for (g, y) in src.chunks(GROUP * BLOCK).zip(dst.chunks_mut(GROUP * 32)) {
+        let b = &mut blocks[..g.len()];
+        q4_0_blocks(g, b);
+        dequantize(b, y);
+    }
+}
+
 /// The type the kernels other than the VNNI products read rows of `t` as.
 pub fn read_as(t: QType) -> QType {
     if t == QType::Q4_0R {
