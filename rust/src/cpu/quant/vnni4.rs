@@ -21,7 +21,8 @@ const QK: usize = 32;
 /// ggml's type code of Q4_0 (`codes64` and `bytes32` take codes).
 const Q4_0: u32 = 2;
 
-/// Whether the decode path takes rows of `t` four a pass: Q4_0 only. Units for the other types
+/// Whether the decode path takes rows of `t` four a pass: Q4_0, as stored or repacked
+/// (`QType::Q4_0R`, `q4_0r_rows`). Units for the other types
 /// `vnni::decodes` were built and tested bit for bit, but SmolLM2's products per step measured
 /// slower four a pass (Q4_1 file 0.79x, Q4_K_M file, mostly Q5_0: 0.66x; Q4_0 1.11x; busy,
 /// thread CPU time; benches/RESULTS.md, "four weight rows a pass"): their extra codes and
