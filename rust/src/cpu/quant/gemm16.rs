@@ -184,8 +184,10 @@ impl Panel {
         };
         for (j, (t, row)) in rows.iter().enumerate() {
             let dst = &mut staging[2 * j * stride..2 * j * stride + k];
+            // Q8_0's rows stay on the portable loop (the compiler vectorizes its i8 -> i16):
+            // SmolLM2 Q8_0 at 32 rows measured no faster this way (benches/RESULTS.md, round 9)
             #[cfg(target_arch = "x86_64")]
-            if fast {
+            if fast && *t != QType::Q8_0 {
                 // SAFETY: `fast` is set only on a CPU with avx2, fma and f16c; the row holds
                 // k = dst.len() elements of a type taken (every one `int16` takes).
                 unsafe {
