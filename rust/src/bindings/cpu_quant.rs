@@ -167,8 +167,8 @@ fn cpu_quant_repack(
     let dst = out
         .as_slice_mut()
         .map_err(|_| PyValueError::new_err("out must be contiguous"))?;
-    py.detach(|| quant::repack::repack_q4_0(src, dst, in_features))?;
-    Ok(Some(QType::Q4_0R as u32))
+    let to = py.detach(|| quant::repack::repack(t, src, dst, in_features))?;
+    Ok(Some(to as u32))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -182,7 +182,9 @@ pub unsafe fn row_dots<const R: usize>(
                 q6_k_super_block(b, blk, x, xsum, &mut sums);
             }
         }
-        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R => unreachable!("not fused"),
+        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R | QType::Q5_0R => {
+            unreachable!("not fused")
+        }
     }
     let mut out = [0.0; R];
     for (r, o) in out.iter_mut().enumerate() {

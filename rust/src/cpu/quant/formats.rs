@@ -30,10 +30,12 @@ pub enum QType {
     /// Not a ggml type: Q4_0 rows repacked at load for the VNNI products (`repack`), numbered
     /// past ggml's codes.
     Q4_0R = 1002,
+    /// Not a ggml type: Q5_0 rows repacked at load for the VNNI products (`repack`).
+    Q5_0R = 1006,
 }
 
 impl QType {
-    pub const ALL: [QType; 12] = [
+    pub const ALL: [QType; 13] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -46,6 +48,7 @@ impl QType {
         QType::Q6_K,
         QType::BF16,
         QType::Q4_0R,
+        QType::Q5_0R,
     ];
 
     /// The type of ggml code `code`, or an error naming the code.
@@ -75,6 +78,7 @@ impl QType {
             QType::Q6_K => "Q6_K",
             QType::BF16 => "BF16",
             QType::Q4_0R => "Q4_0 (repacked)",
+            QType::Q5_0R => "Q5_0 (repacked)",
         }
     }
 
@@ -85,7 +89,7 @@ impl QType {
             QType::F16 | QType::BF16 => (1, 2),
             QType::Q4_0 | QType::Q4_0R => (32, 18),
             QType::Q4_1 => (32, 20),
-            QType::Q5_0 => (32, 22),
+            QType::Q5_0 | QType::Q5_0R => (32, 22),
             QType::Q5_1 => (32, 24),
             QType::Q8_0 => (32, 34),
             QType::Q4_K => (QK_K, 144),
@@ -179,9 +183,10 @@ pub fn k_scale_min(s: &[u8], i: usize) -> (u8, u8) {
 
 /// Dequantizes whole blocks `src` of type `t` into `dst` (`dst.len()` = their elements).
 pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
-    if t == QType::Q4_0R {
+    if super::repack::repacked(t) {
         // whole groups of a repacked row (`dequantize_range`'s chunks start on one)
-        super::repack::dequantize_groups(src, dst, |b, y| dequantize_blocks(QType::Q4_0, b, y));
+        let plain = super::repack::read_as(t);
+        super::repack::dequantize_groups(t, src, dst, |b, y| dequantize_blocks(plain, b, y));
         return;
     }
     let (elems, bytes) = t.block();
@@ -199,7 +204,9 @@ pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
             QType::Q4_K => q4_k(b, y),
             QType::Q5_K => q5_k(b, y),
             QType::Q6_K => q6_k(b, y),
-            QType::Q4_0R => unreachable!("repacked rows are dequantized a group at a time"),
+            QType::Q4_0R | QType::Q5_0R => {
+                unreachable!("repacked rows are dequantized a group at a time")
+            }
         }
     }
 }

@@ -20,11 +20,12 @@ pub fn available() -> bool {
 /// The CPU supports avx2, fma and f16c (`available`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
-    if t == QType::Q4_0R {
+    if super::repack::repacked(t) {
         // whole groups of a repacked row, as `formats::dequantize_blocks`
+        let plain = super::repack::read_as(t);
         // SAFETY: the caller's CPU has avx2, fma and f16c
-        super::repack::dequantize_groups(src, dst, |b, y| unsafe {
-            dequantize_blocks(QType::Q4_0, b, y)
+        super::repack::dequantize_groups(t, src, dst, |b, y| unsafe {
+            dequantize_blocks(plain, b, y)
         });
         return;
     }
@@ -48,7 +49,9 @@ pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
                     QType::Q4_K => q4_k(b, out),
                     QType::Q5_K => q5_k(b, out),
                     QType::Q6_K => q6_k(b, out),
-                    QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R => unreachable!(),
+                    QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R | QType::Q5_0R => {
+                        unreachable!()
+                    }
                 }
             }
         }

@@ -70,7 +70,7 @@ fn planes(q: &int16::QuantizedRows, m: usize, w: &QuantMatrix<'_>) -> Option<Pla
             .iter()
             .any(|s| int16::takes(s.qtype) && super::vnni::decodes(s.qtype))
     {
-        let permuted = w.segments.iter().any(|s| s.qtype == super::QType::Q4_0R);
+        let permuted = w.segments.iter().any(|s| super::repack::repacked(s.qtype));
         return Some(Planes::new(q, m, w.k(), permuted));
     }
     let _ = (q, m, w);
@@ -342,7 +342,7 @@ struct RowScratch<'x> {
     x16: Vec<int16::Row<'x>>,
     #[cfg(target_arch = "x86_64")]
     planes: Vec<super::vnni::PlaneRow<'x>>,
-    /// A repacked Q4_0 row read back as Q4_0 (`repack::standard_row`).
+    /// A repacked row read back as its plain type (`repack::standard_row`).
     q4_0: Vec<u8>,
 }
 
@@ -361,7 +361,7 @@ fn decode_row<const F: bool>(
         && rs.planes.first().is_some_and(|p| super::vnni::reads(p, t));
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
-    if t == super::QType::Q4_0R && !vnni {
+    if super::repack::repacked(t) && !vnni {
         // only the VNNI products read repacked rows: every other path takes them as Q4_0
         let mut buf = std::mem::take(&mut rs.q4_0);
         let (t, row) = super::repack::standard_row(t, row, &mut buf);

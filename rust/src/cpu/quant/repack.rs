@@ -1,6 +1,6 @@
-//! Q4_0 rows repacked for the one-row VNNI products (`QType::Q4_0R`), written once at load
-//! into the CPU worker's huge-page copy of the weights (`worker/weight_pages.py`), in place of
-//! the plain copy: the same bytes per row, the same values.
+//! Q4_0 and Q5_0 rows repacked for the one-row VNNI products (`QType::Q4_0R`, `QType::Q5_0R`),
+//! written once at load into the CPU worker's huge-page copy of the weights
+//! (`worker/weight_pages.py`), in place of the plain copy: the same bytes per row, the same values.
 //!
 //! A Q4_0 block is an f16 scale and 16 bytes of nibbles (18 bytes), so a row's nibbles come in
 //! 16-byte pieces 18 bytes apart and its scales 2 bytes 18 apart: the VNNI products assembled
@@ -11,94 +11,143 @@
 //! scales one 16-byte load. A row keeps `k / 32 · 18` bytes, so row slices, tensor-parallel
 //! row shards and the huge-page buffer's sizes are those of Q4_0.
 //!
-//! Every path but the VNNI products reads a repacked row back as Q4_0 blocks (`q4_0_blocks`,
-//! `standard_row`): the same codes and scales, so every result equals Q4_0's bit for bit.
+//! A Q5_0 block (22 bytes) has a 32-bit qh between its scale and nibbles: bit j is element
+//! j's bit 4. Repacked, a group is its `n` scales (2n bytes), the low 16 bits of each block's
+//! qh (2n bytes: elements 0-15, the low nibbles' bits), the high 16 bits of each (2n bytes:
+//! elements 16-31), then the nibbles as Q4_0R's (16n bytes): 4 blocks' low (high) nibbles'
+//! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction.
+//!
+//! Every path but the VNNI products reads a repacked row back as the plain type's blocks
+//! (`blocks`, `standard_row`): the same codes and scales, so every result equals the plain
+//! type's bit for bit.
 use super::formats::QType;
 use crate::cpu::invalid;
 use crate::error::Result;
 
 /// Blocks a group.
 pub const GROUP: usize = 8;
-/// Bytes of a Q4_0 block.
-const BLOCK: usize = 18;
 
-/// Whether weights of type `t` are repacked (to `QType::Q4_0R`) when this process copies them:
-/// Q4_0, where the VNNI products read the repacked layout (AVX-512 with VNNI granted; elsewhere
-/// every path would only convert them back).
-pub fn repacks(t: QType) -> bool {
-    t == QType::Q4_0 && super::vnni()
+/// The repacked type of rows of `t`, if it has one.
+pub fn repacked_type(t: QType) -> Option<QType> {
+    match t {
+        QType::Q4_0 => Some(QType::Q4_0R),
+        QType::Q5_0 => Some(QType::Q5_0R),
+        _ => None,
+    }
 }
 
-/// Q4_0 rows `src` (`k` elements each) repacked into `dst` (as many bytes); an error unless both
-/// hold the same whole number of rows.
-pub fn repack_q4_0(src: &[u8], dst: &mut [u8], k: usize) -> Result<()> {
-    let row = QType::Q4_0.row_bytes(k)?;
+/// Whether `t` is a repacked type (`QType::Q4_0R`, `QType::Q5_0R`).
+pub fn repacked(t: QType) -> bool {
+    matches!(t, QType::Q4_0R | QType::Q5_0R)
+}
+
+/// Whether weights of type `t` are repacked (to `repacked_type(t)`) when this process copies
+/// them: Q4_0 and Q5_0, where the VNNI products read the repacked layouts (AVX-512 with VNNI
+/// granted; elsewhere every path would only convert them back).
+pub fn repacks(t: QType) -> bool {
+    repacked_type(t).is_some() && super::vnni()
+}
+
+/// Bytes of a block of the plain type and of its qh (0 for Q4_0).
+fn block_and_qh(t: QType) -> (usize, usize) {
+    match read_as(t) {
+        QType::Q5_0 => (22, 4),
+        _ => (18, 0),
+    }
+}
+
+/// Rows `src` of type `t` (Q4_0 or Q5_0, `k` elements each) repacked into `dst` (as many
+/// bytes), returning the repacked type; an error for another type or unless both hold the same
+/// whole number of rows.
+pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
+    let Some(to) = repacked_type(t) else {
+        return Err(invalid(format!(
+            "{} rows have no repacked layout",
+            t.name()
+        )));
+    };
+    let row = t.row_bytes(k)?;
     if src.len() != dst.len() || !src.len().is_multiple_of(row) {
         return Err(invalid(format!(
-            "repacking Q4_0 rows of {k} elements ({row} bytes): source {} bytes, destination \
+            "repacking {} rows of {k} elements ({row} bytes): source {} bytes, destination \
              {} bytes (both must be the same whole rows)",
+            t.name(),
             src.len(),
             dst.len()
         )));
     }
+    let (block, qh) = block_and_qh(t);
     for (s, d) in src.chunks_exact(row).zip(dst.chunks_exact_mut(row)) {
-        for (sg, dg) in s.chunks(GROUP * BLOCK).zip(d.chunks_mut(GROUP * BLOCK)) {
-            let n = sg.len() / BLOCK;
-            let (scales, nibbles) = dg.split_at_mut(2 * n);
-            for (j, b) in sg.chunks_exact(BLOCK).enumerate() {
-                scales[2 * j..2 * j + 2].copy_from_slice(&b[..2]);
-                nibbles[16 * j..16 * j + 16].copy_from_slice(&b[2..]);
+        for (sg, dg) in s.chunks(GROUP * block).zip(d.chunks_mut(GROUP * block)) {
+            let n = sg.len() / block;
+            for (j, b) in sg.chunks_exact(block).enumerate() {
+                dg[2 * j..2 * j + 2].copy_from_slice(&b[..2]);
+                if qh > 0 {
+                    // qh's low 16 bits, then its high 16 bits, each with its kind
+                    dg[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
+                    dg[4 * n + 2 * j..4 * n + 2 * j + 2].copy_from_slice(&b[4..6]);
+                }
+                let at = (2 + qh) * n + 16 * j;
+                dg[at..at + 16].copy_from_slice(&b[2 + qh..]);
             }
         }
     }
-    Ok(())
+    Ok(to)
 }
 
-/// Repacked bytes `src` (whole groups of one row from a group's start: full groups, the last
-/// perhaps the row's short one) as the Q4_0 blocks they hold, into `out` (as many bytes).
-pub fn q4_0_blocks(src: &[u8], out: &mut [u8]) {
-    debug_assert!(src.len() == out.len() && src.len().is_multiple_of(BLOCK));
-    for (sg, og) in src.chunks(GROUP * BLOCK).zip(out.chunks_mut(GROUP * BLOCK)) {
-        let n = sg.len() / BLOCK;
-        let (scales, nibbles) = sg.split_at(2 * n);
-        for (j, b) in og.chunks_exact_mut(BLOCK).enumerate() {
-            b[..2].copy_from_slice(&scales[2 * j..2 * j + 2]);
-            b[2..].copy_from_slice(&nibbles[16 * j..16 * j + 16]);
+/// Repacked bytes `src` of type `t` (whole groups of one row from a group's start: full
+/// groups, the last perhaps the row's short one) as the plain type's blocks they hold, into
+/// `out` (as many bytes).
+pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
+    let (block, qh) = block_and_qh(t);
+    debug_assert!(src.len() == out.len() && src.len().is_multiple_of(block));
+    for (sg, og) in src.chunks(GROUP * block).zip(out.chunks_mut(GROUP * block)) {
+        let n = sg.len() / block;
+        for (j, b) in og.chunks_exact_mut(block).enumerate() {
+            b[..2].copy_from_slice(&sg[2 * j..2 * j + 2]);
+            if qh > 0 {
+                b[2..4].copy_from_slice(&sg[2 * n + 2 * j..2 * n + 2 * j + 2]);
+                b[4..6].copy_from_slice(&sg[4 * n + 2 * j..4 * n + 2 * j + 2]);
+            }
+            let at = (2 + qh) * n + 16 * j;
+            b[2 + qh..].copy_from_slice(&sg[at..at + 16]);
         }
     }
 }
 
-/// Repacked bytes `src` (whole groups, as `q4_0_blocks` takes them) dequantized into `dst` a
-/// group at a time by `dequantize` (Q4_0 blocks to their elements).
+/// Repacked bytes `src` of type `t` (whole groups, as `blocks` takes them) dequantized into
+/// `dst` a group at a time by `dequantize` (the plain type's blocks to their elements).
 pub fn dequantize_groups(
+    t: QType,
     src: &[u8],
     dst: &mut [f32],
     mut dequantize: impl FnMut(&[u8], &mut [f32]),
 ) {
-    let mut blocks = [0u8; GROUP * BLOCK];
-    for (g, y) in src.chunks(GROUP * BLOCK).zip(dst.chunks_mut(GROUP * 32)) {
-        let b = &mut blocks[..g.len()];
-        q4_0_blocks(g, b);
+    let (block, _) = block_and_qh(t);
+    let mut plain = [0u8; GROUP * 22];
+    for (g, y) in src.chunks(GROUP * block).zip(dst.chunks_mut(GROUP * 32)) {
+        let b = &mut plain[..g.len()];
+        blocks(t, g, b);
         dequantize(b, y);
     }
 }
 
 /// The type the kernels other than the VNNI products read rows of `t` as.
 pub fn read_as(t: QType) -> QType {
-    if t == QType::Q4_0R {
-        QType::Q4_0
-    } else {
-        t
+    match t {
+        QType::Q4_0R => QType::Q4_0,
+        QType::Q5_0R => QType::Q5_0,
+        _ => t,
     }
 }
 
 /// Row `row` of type `t` as the kernels other than the VNNI products read it: a repacked row
-/// converted into `buf` as Q4_0, any other row as it is.
+/// converted into `buf` as its plain type, any other row as it is.
 pub fn standard_row<'a>(t: QType, row: &'a [u8], buf: &'a mut Vec<u8>) -> (QType, &'a [u8]) {
-    if t != QType::Q4_0R {
+    if !repacked(t) {
         return (t, row);
     }
     buf.resize(row.len(), 0);
-    q4_0_blocks(row, buf);
-    (QType::Q4_0, buf)
+    blocks(t, row, buf);
+    (read_as(t), buf)
 }

@@ -1,21 +1,25 @@
-//! Repacked Q4_0 rows (`repack`, `QType::Q4_0R`) against the same rows as Q4_0: the same
-//! values, the same products bit for bit on every path (the VNNI products at AVX-512, the
-//! paths that read them back as Q4_0 elsewhere), and close to the dequantized weight's product.
+//! Repacked Q4_0 and Q5_0 rows (`repack`, `QType::Q4_0R`, `QType::Q5_0R`) against the same
+//! rows as Q4_0 / Q5_0: the same values, the same products bit for bit on every path (the VNNI
+//! products at AVX-512, the paths that read them back as the plain type elsewhere), and close
+//! to the dequantized weight's product.
 use ndarray::Array2;
 
-use super::repack::{q4_0_blocks, repack_q4_0, standard_row};
+use super::repack::{blocks, repack, standard_row};
 use super::tests::{floats, random_rows};
 use super::*;
 
 /// Row lengths with a last group of 8, 2 (SmolLM2's 576), 3 and 5 blocks, and one of 1 block.
 const KS: [usize; 5] = [256, 576, 96, 1696, 32];
 
-/// `rows` random Q4_0 rows of `k` elements and the same rows repacked.
-fn rows_and_repacked(rows: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
-    let q4_0 = random_rows(QType::Q4_0, rows, k, seed);
-    let mut repacked = vec![0u8; q4_0.len()];
-    repack_q4_0(&q4_0, &mut repacked, k).unwrap();
-    (q4_0, repacked)
+/// The plain types with a repacked layout, each with it.
+const TYPES: [(QType, QType); 2] = [(QType::Q4_0, QType::Q4_0R), (QType::Q5_0, QType::Q5_0R)];
+
+/// `rows` random rows of plain type `t` (`k` elements) and the same rows repacked.
+fn rows_and_repacked(t: QType, rows: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
+    let plain = random_rows(t, rows, k, seed);
+    let mut repacked = vec![0u8; plain.len()];
+    repack(t, &plain, &mut repacked, k).unwrap();
+    (plain, repacked)
 }
 
 fn matrix(t: QType, data: &[u8], rows: usize, k: usize) -> QuantMatrix<'_> {
@@ -31,42 +35,39 @@ fn matrix(t: QType, data: &[u8], rows: usize, k: usize) -> QuantMatrix<'_> {
 }
 
 #[test]
-fn repacked_rows_read_back_as_the_q4_0_rows() {
-    for k in KS {
-        let (q4_0, repacked) = rows_and_repacked(3, k, k as u64);
+fn repacked_rows_read_back_as_the_plain_rows() {
+    for ((t, rt), k) in TYPES.into_iter().flat_map(|t| KS.map(|k| (t, k))) {
+        let (plain, repacked) = rows_and_repacked(t, 3, k, k as u64);
         if k > 32 {
-            assert_ne!(q4_0, repacked, "k {k}: the layout differs");
+            assert_ne!(plain, repacked, "{t:?} k {k}: the layout differs");
         }
-        let row = q4_0.len() / 3;
+        let row = plain.len() / 3;
         let mut buf = Vec::new();
-        for r in 0..3 {
-            let (t, back) = standard_row(QType::Q4_0R, &repacked[r * row..(r + 1) * row], &mut buf);
+        for i in 0..3 {
+            let (back_t, back) = standard_row(rt, &repacked[i * row..(i + 1) * row], &mut buf);
             assert_eq!(
-                (t, back),
-                (QType::Q4_0, &q4_0[r * row..(r + 1) * row]),
-                "k {k}"
+                (back_t, back),
+                (t, &plain[i * row..(i + 1) * row]),
+                "{t:?} k {k}"
             );
         }
         let mut whole = vec![0u8; row];
-        q4_0_blocks(&repacked[..row], &mut whole);
-        assert_eq!(whole, q4_0[..row]);
+        blocks(rt, &repacked[..row], &mut whole);
+        assert_eq!(whole, plain[..row]);
     }
 }
 
 #[test]
-fn repacked_rows_dequantize_and_embed_as_the_q4_0_rows() {
-    for k in KS {
-        let (q4_0, repacked) = rows_and_repacked(5, k, 7 + k as u64);
-        let (a, b) = (
-            matrix(QType::Q4_0, &q4_0, 5, k),
-            matrix(QType::Q4_0R, &repacked, 5, k),
-        );
+fn repacked_rows_dequantize_and_embed_as_the_plain_rows() {
+    for ((t, rt), k) in TYPES.into_iter().flat_map(|t| KS.map(|k| (t, k))) {
+        let (plain, repacked) = rows_and_repacked(t, 5, k, 7 + k as u64);
+        let (a, b) = (matrix(t, &plain, 5, k), matrix(rt, &repacked, 5, k));
         let (mut da, mut db) = (Array2::zeros((5, k)), Array2::zeros((5, k)));
         dequantize(&a, da.view_mut()).unwrap();
         dequantize(&b, db.view_mut()).unwrap();
         assert!(
             da.iter().zip(&db).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "k {k}"
+            "{t:?} k {k}"
         );
         let ids = [4, 0, 2];
         let (mut ea, mut eb) = (Array2::zeros((3, k)), Array2::zeros((3, k)));
@@ -74,22 +75,19 @@ fn repacked_rows_dequantize_and_embed_as_the_q4_0_rows() {
         embedding(&b, &ids, eb.view_mut()).unwrap();
         assert!(
             ea.iter().zip(&eb).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "k {k}"
+            "{t:?} k {k}"
         );
     }
 }
 
 #[test]
-fn repacked_products_equal_the_q4_0_products_bit_for_bit_on_every_path() {
+fn repacked_products_equal_the_plain_products_bit_for_bit_on_every_path() {
     // 13 rows: three passes of four and one row alone; x rows 1 (four rows a pass), 2-8
     // (decode rows), 20 (integer panels / f32 panels)
     let n = 13;
-    for k in KS {
-        let (q4_0, repacked) = rows_and_repacked(n, k, 31 + k as u64);
-        let (a, b) = (
-            matrix(QType::Q4_0, &q4_0, n, k),
-            matrix(QType::Q4_0R, &repacked, n, k),
-        );
+    for ((t, rt), k) in TYPES.into_iter().flat_map(|t| KS.map(|k| (t, k))) {
+        let (plain, repacked) = rows_and_repacked(t, n, k, 31 + k as u64);
+        let (a, b) = (matrix(t, &plain, n, k), matrix(rt, &repacked, n, k));
         let bias = floats(n, 1.0);
         for m in [1, 2, 3, 5, 8, 20] {
             let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32 + 0.5)).unwrap();
@@ -102,7 +100,7 @@ fn repacked_products_equal_the_q4_0_products_bit_for_bit_on_every_path() {
                     quant_linear_with(x.view(), &b, Some(&bias), yb.view_mut(), threads, act)
                         .unwrap();
                     let same = ya.iter().zip(&yb).all(|(p, q)| p.to_bits() == q.to_bits());
-                    assert!(same, "k {k}, m {m}, {act:?}: {ya:?} vs {yb:?}");
+                    assert!(same, "{t:?} k {k}, m {m}, {act:?}: {ya:?} vs {yb:?}");
                 }
             }
         }
@@ -111,27 +109,18 @@ fn repacked_products_equal_the_q4_0_products_bit_for_bit_on_every_path() {
 
 #[test]
 fn repacked_products_are_close_to_the_dequantized_product_in_a_mixed_weight() {
-    // a Q4_0R segment between others (a fused projection), one row and four
+    // Q4_0R and Q5_0R segments between others (a fused projection), one row and four
     let k = 576;
-    let (_, repacked) = rows_and_repacked(9, k, 5);
+    let (_, q4_0r) = rows_and_repacked(QType::Q4_0, 9, k, 5);
+    let (_, q5_0r) = rows_and_repacked(QType::Q5_0, 5, k, 9);
     let q8_0 = random_rows(QType::Q8_0, 3, k, 6);
     let q4_1 = random_rows(QType::Q4_1, 6, k, 8);
+    let segment = |qtype, data, rows| Segment { qtype, data, rows };
     let segments = vec![
-        Segment {
-            qtype: QType::Q8_0,
-            data: &q8_0,
-            rows: 3,
-        },
-        Segment {
-            qtype: QType::Q4_0R,
-            data: &repacked,
-            rows: 9,
-        },
-        Segment {
-            qtype: QType::Q4_1,
-            data: &q4_1,
-            rows: 6,
-        },
+        segment(QType::Q8_0, &q8_0[..], 3),
+        segment(QType::Q4_0R, &q4_0r[..], 9),
+        segment(QType::Q5_0R, &q5_0r[..], 5),
+        segment(QType::Q4_1, &q4_1[..], 6),
     ];
     let w = QuantMatrix::new(segments, k).unwrap();
     let n = w.n();
@@ -155,10 +144,22 @@ fn repacked_products_are_close_to_the_dequantized_product_in_a_mixed_weight() {
 
 #[test]
 fn repacking_rejects_sizes_that_are_not_whole_rows() {
-    let src = vec![0u8; 18 * 18];
-    let mut short = vec![0u8; 18 * 17];
-    let err = repack_q4_0(&src, &mut short, 576).unwrap_err().to_string();
-    assert!(err.contains("same whole rows"), "{err}");
-    let mut dst = vec![0u8; 18 * 18];
-    assert!(repack_q4_0(&src, &mut dst, 100).is_err());
+    for (t, block) in [(QType::Q4_0, 18), (QType::Q5_0, 22)] {
+        let src = vec![0u8; 18 * block];
+        let mut short = vec![0u8; 17 * block];
+        let err = repack(t, &src, &mut short, 576).unwrap_err().to_string();
+        assert!(err.contains("same whole rows"), "{err}");
+        let mut dst = vec![0u8; 18 * block];
+        assert!(repack(t, &src, &mut dst, 100).is_err());
+    }
+}
+
+#[test]
+fn repacking_rejects_a_type_without_a_repacked_layout() {
+    let src = vec![0u8; 20 * 18];
+    let mut dst = vec![0u8; src.len()];
+    let err = repack(QType::Q4_1, &src, &mut dst, 576)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no repacked layout"), "{err}");
 }

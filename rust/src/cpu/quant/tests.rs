@@ -36,17 +36,17 @@ fn bytes(len: usize, seed: u64) -> Vec<u8> {
 
 /// `rows` random rows of type `t` with small, finite f16 scales (random bytes elsewhere).
 pub(super) fn random_rows(t: QType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
-    if t == QType::Q4_0R {
-        let q4_0 = random_rows(QType::Q4_0, rows, k, seed);
-        let mut repacked = vec![0; q4_0.len()];
-        repack::repack_q4_0(&q4_0, &mut repacked, k).unwrap();
+    if repack::repacked(t) {
+        let plain = random_rows(repack::read_as(t), rows, k, seed);
+        let mut repacked = vec![0; plain.len()];
+        repack::repack(repack::read_as(t), &plain, &mut repacked, k).unwrap();
         return repacked;
     }
     let (elems, size) = t.block();
     let mut data = bytes(rows * k / elems * size, seed);
     let scale_at: &[usize] = match t {
         QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => &[0],
-        QType::Q4_0R => unreachable!("repacked from Q4_0 rows above"),
+        QType::Q4_0R | QType::Q5_0R => unreachable!("repacked from plain rows above"),
         QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
         QType::Q6_K => &[208],
         QType::F16 => &[0],
@@ -398,8 +398,8 @@ fn avx2_row_dots_equal_the_dequantized_rows_dot_within_rounding() {
     let xsum: Vec<f32> = x.chunks_exact(32).map(|c| c.iter().sum()).collect();
     let rows = [0, 1, 2].map(|r| x[r * k..].as_ptr());
     let sums = [0, 1, 2].map(|r| xsum[r * k / 32..].as_ptr());
-    // repacked Q4_0 rows reach the fused rows as Q4_0 (`repack::standard_row`)
-    let fused = |t: &QType| dot_avx2::fused(*t) && *t != QType::Q4_0R;
+    // repacked rows reach the fused rows as their plain type (`repack::standard_row`)
+    let fused = |t: &QType| dot_avx2::fused(*t) && !repack::repacked(*t);
     for t in QType::ALL.into_iter().filter(fused) {
         let row = random_rows(t, 1, k, t as u64 + 40);
         let mut w = vec![0.0; k];

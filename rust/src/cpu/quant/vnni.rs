@@ -72,7 +72,8 @@ pub struct PlaneRow<'a> {
 
 impl Planes {
     /// The `m` rows of `x` (`k` elements each, a multiple of 32) split, and when `permuted` (some
-    /// rows of the weight are `QType::Q4_0R`) their planes in that type's order as well.
+    /// rows of the weight are `QType::Q4_0R` or `QType::Q5_0R`) their planes in those types' order
+    /// as well.
     pub fn new(x: &QuantizedRows, m: usize, k: usize, permuted: bool) -> Self {
         debug_assert!(k.is_multiple_of(QK));
         let mut planes = Self {
@@ -472,10 +473,11 @@ pub fn decodes(t: QType) -> bool {
     t != QType::Q8_0
 }
 
-/// Whether these planes take rows of `t`: all but `QType::Q4_0R` (`super::vnni4`'s order) in
-/// the natural order, that one only where the planes were permuted.
+/// Whether these planes take rows of `t`: all but the repacked types (`QType::Q4_0R`,
+/// `QType::Q5_0R`: `super::vnni4`'s order) in the natural order, those only where the planes
+/// were permuted.
 pub fn reads(p: &PlaneRow<'_>, t: QType) -> bool {
-    decodes(t) && (t != QType::Q4_0R || !p.phi.is_null())
+    decodes(t) && (!super::repack::repacked(t) || !p.phi.is_null())
 }
 
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the
@@ -508,6 +510,11 @@ pub unsafe fn row_dots_vnni<const R: usize>(
         QType::Q4_0R => {
             let mut acc = [lanes.acc];
             super::vnni4::q4_0r_rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
+            lanes.acc = acc[0];
+        }
+        QType::Q5_0R => {
+            let mut acc = [lanes.acc];
+            super::vnni4::q5_0r_rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
             lanes.acc = acc[0];
         }
         _ => unreachable!("{} is not a quantized type", t.name()),

@@ -170,19 +170,55 @@ pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
     p: &[PlaneRow<'_>; R],
     acc: &mut [[__m256; R]; W],
 ) {
+    repacked_rows::<W, R, false>(w, k, x, p, acc);
+}
+
+/// `q4_0r_rows` for repacked Q5_0 rows (`QType::Q5_0R`): the same, each 64 codes' bits 4 added
+/// from one 64-bit mask (4 blocks' qh halves, stored together by the repack), the offset 16
+/// taken off; the same bits as Q5_0's products (`vnni::group32`).
+///
+/// # Safety
+/// As `q4_0r_rows`, the rows Q5_0R.
+#[inline(always)]
+pub(super) unsafe fn q5_0r_rows<const W: usize, const R: usize>(
+    w: [*const u8; W],
+    k: usize,
+    x: &[Row<'_>; R],
+    p: &[PlaneRow<'_>; R],
+    acc: &mut [[__m256; R]; W],
+) {
+    repacked_rows::<W, R, true>(w, k, x, p, acc);
+}
+
+/// `q4_0r_rows` (Q4_0R) or, `FIVE`, `q5_0r_rows` (Q5_0R).
+#[inline(always)]
+unsafe fn repacked_rows<const W: usize, const R: usize, const FIVE: bool>(
+    w: [*const u8; W],
+    k: usize,
+    x: &[Row<'_>; R],
+    p: &[PlaneRow<'_>; R],
+    acc: &mut [[__m256; R]; W],
+) {
     let blocks = k / QK;
-    let ahead = PREFETCH_ROWS * blocks * bytes32(Q4_0);
+    // bytes a block, and a group's bytes before its nibbles per block (scale, qh halves)
+    let (block, head) = if FIVE { (22, 6) } else { (18, 2) };
+    let ahead = PREFETCH_ROWS * blocks * block;
     let nibble = _mm512_set1_epi8(0xF);
+    let sixteen = _mm512_set1_epi8(16);
     let mut blk0 = 0;
     while blk0 < blocks {
         let n = (blocks - blk0).min(8);
-        // group blk0 / 8 of each row: 18 bytes a block before it
-        let g = w.map(|r| r.add(blk0 * bytes32(Q4_0)));
+        // group blk0 / 8 of each row: `block` bytes a block before it
+        let g = w.map(|r| r.add(blk0 * block));
         for b in g {
             // no fault past the weight's end: a prefetch is a hint
             let ahead = b.wrapping_add(ahead);
             for line in [0, 64, 128] {
                 _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+            }
+            if FIVE {
+                // a group of 176 bytes reaches a fourth line
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(8 * 22 - 1).cast());
             }
         }
         let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
@@ -203,16 +239,30 @@ pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
                     _mm512_loadu_si512(p.plo.add(e + 64).cast()),
                 ];
             }
+            let valid = if n4 == 4 {
+                u64::MAX
+            } else {
+                (1u64 << (16 * n4)) - 1
+            };
             for (z, g) in z.iter_mut().zip(g) {
-                // blocks first..first + n4's nibbles: 2n scale bytes, then 16 a block
-                let at = g.add(2 * n + 16 * first);
+                // blocks first..first + n4's nibbles: the group's heads, then 16 a block
+                let at = g.add(head * n + 16 * first);
                 let v = if n4 == 4 {
                     _mm512_loadu_si512(at.cast())
                 } else {
-                    _mm512_maskz_loadu_epi8((1u64 << (16 * n4)) - 1, at.cast())
+                    _mm512_maskz_loadu_epi8(valid, at.cast())
                 };
-                let lo = _mm512_and_si512(v, nibble);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                let mut lo = _mm512_and_si512(v, nibble);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                if FIVE {
+                    // the blocks' qh low halves (2 bytes a block from 2n), then high halves
+                    // (from 4n): inside the group, its nibbles follow
+                    let qh = g.add(2 * n + 2 * first);
+                    let bits_lo = qh.cast::<u64>().read_unaligned() & valid;
+                    let bits_hi = qh.add(2 * n).cast::<u64>().read_unaligned() & valid;
+                    lo = _mm512_mask_add_epi8(lo, bits_lo, lo, sixteen);
+                    hi = _mm512_mask_add_epi8(hi, bits_hi, hi, sixteen);
+                }
                 for (z, q) in z.iter_mut().zip(&planes) {
                     let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q[0]);
                     let s = _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(s, hi, q[1]));
@@ -221,11 +271,17 @@ pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
                 }
             }
         }
-        // from here as `vnni::group32` for Q4_0: codes stored + 8, so 8 x's code sums off
+        // from here as `vnni::group32` for Q4_0 / Q5_0: codes stored + 8 / + 16, so 8 / 16
+        // x's code sums off
         let mut offset = [_mm256_setzero_si256(); R];
         let mut dx = [_mm256_setzero_ps(); R];
         for ((o, d), (x, p)) in offset.iter_mut().zip(&mut dx).zip(x.iter().zip(p)) {
-            *o = _mm256_slli_epi32::<3>(load_i32(p.sum32, blk0, n));
+            let sums = load_i32(p.sum32, blk0, n);
+            *o = if FIVE {
+                _mm256_slli_epi32::<4>(sums)
+            } else {
+                _mm256_slli_epi32::<3>(sums)
+            };
             *d = load8(x.d, blk0, n);
         }
         for ((acc, z), g) in acc.iter_mut().zip(z).zip(g) {
