@@ -3,7 +3,11 @@ huge-page buffer, the same bytes, a tied embedding following its LM head."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 from torch import nn
 
 from pagedllm import _core
@@ -75,16 +79,30 @@ def test_less_than_a_huge_page_of_weights_is_left_in_place():
     assert model.a.packed is packed
 
 
-def _q4_0_model(rows: int = 8192) -> nn.Module:  # more than a huge page
+def _quantized_model(qtype: int, rows: int = 8192) -> nn.Module:  # more than a huge page
     torch.manual_seed(1)
+    weight = torch.randn(rows, 576)
+    if qtype == cpu_quant.Q4_0:
+        quant = cpu_quant.quantize(weight, qtype)
+    else:  # ggml's reference rounding (the engine quantizes only to Q8_0 / Q4_0)
+        data = gguf_quants.quantize(weight.numpy(), GGMLQuantizationType(qtype))
+        data = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1))
+        quant = cpu_quant.make_weight([(qtype, data)], 576)
     model = nn.Module()
-    model.b = Holder(quant=cpu_quant.quantize(torch.randn(rows, 576), cpu_quant.Q4_0))
+    model.b = Holder(quant=quant)
     model.tied = QuantEmbedding(model.b.quant)
     return model
 
 
-def test_q4_0_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_results():
-    model = _q4_0_model()
+@pytest.mark.parametrize(
+    ("qtype", "repacked"),
+    [
+        (cpu_quant.Q4_0, weight_pages.Q4_0_REPACKED),
+        (cpu_quant.Q5_0, weight_pages.Q5_0_REPACKED),
+    ],
+)
+def test_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_results(qtype, repacked):
+    model = _quantized_model(qtype)
     x1, x4, x20 = torch.randn(1, 576), torch.randn(4, 576), torch.randn(20, 576)
     ids = torch.tensor([0, 8191, 17])
     w = model.b.quant
@@ -94,7 +112,7 @@ def test_q4_0_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_
     w = model.b.quant
     level, flags = _core.cpu_isa()
     vnni = level in ("avx512", "amx") and "avx512vnni" in flags
-    assert w.segments[0].qtype == (weight_pages.Q4_0_REPACKED if vnni else cpu_quant.Q4_0)
+    assert w.segments[0].qtype == (repacked if vnni else qtype)
     assert model.tied.quant is w
     after = [cpu_quant.quant_linear(x, w, None, activations="int16") for x in (x1, x4, x20)]
     after += [cpu_quant.quant_linear(x1, w, None), cpu_quant.embedding(ids, w)]
@@ -104,7 +122,7 @@ def test_q4_0_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_
 
 def test_the_repack_switch_off_copies_q4_0_rows_as_they_are(monkeypatch):
     monkeypatch.setattr(weight_pages, "REPACK", False)
-    model = _q4_0_model()
+    model = _quantized_model(cpu_quant.Q4_0)
     data = model.b.quant.segments[0].data.clone()
     weight_pages.move_weights(model)
     assert model.b.quant.segments[0].qtype == cpu_quant.Q4_0
