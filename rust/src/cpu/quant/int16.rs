@@ -490,6 +490,36 @@ pub(super) mod avx2 {
         }
     }
 
+    /// Half h of a Q6_K super-block (`ql` its low nibbles, `qh` its high bits): its four
+    /// quarters' 32 codes - 32 each, quarter kq being sub-block 4h + kq.
+    #[inline(always)]
+    unsafe fn q6_k_half(ql: *const u8, qh: *const u8, h: usize) -> [__m256i; 4] {
+        let (nibble, two) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
+        let high_bits = _mm256_loadu_si256(qh.add(32 * h).cast());
+        let low0 = _mm256_loadu_si256(ql.add(64 * h).cast());
+        let low1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
+        let quarters = [
+            (low0, high_bits),
+            (low1, _mm256_srli_epi16::<2>(high_bits)),
+            (
+                _mm256_srli_epi16::<4>(low0),
+                _mm256_srli_epi16::<4>(high_bits),
+            ),
+            (
+                _mm256_srli_epi16::<4>(low1),
+                _mm256_srli_epi16::<6>(high_bits),
+            ),
+        ];
+        // a loop, not `map`: a closure would not be inlined with the caller's target features
+        let mut codes = [_mm256_setzero_si256(); 4];
+        for (c, (low, high)) in codes.iter_mut().zip(quarters) {
+            let low = _mm256_and_si256(low, nibble);
+            let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
+            *c = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+        }
+        codes
+    }
+
     /// A Q6_K row: per super-block, half h (4 sub-blocks of 32: 8 units of 16) and quarter
     /// kq, 32 codes - 32; their 8-bit scales per 16 go with `d` into the units' scales.
     #[inline(always)]
@@ -499,7 +529,6 @@ pub(super) mod avx2 {
         x: &[Row<'_>; R],
         lanes: &mut Lanes<R>,
     ) {
-        let (nibble, two) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
         // x's scale of each sub-block, for both its units
         let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
         for sb in 0..k / 256 {
@@ -508,32 +537,14 @@ pub(super) mod avx2 {
             let (ql, qh, scales) = (b, b.add(128), b.add(192));
             let d = _mm256_set1_ps(half(b.add(208)));
             for h in 0..2 {
-                let high_bits = _mm256_loadu_si256(qh.add(32 * h).cast());
-                let low0 = _mm256_loadu_si256(ql.add(64 * h).cast());
-                let low1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
-                let quarters = [
-                    (low0, high_bits),
-                    (low1, _mm256_srli_epi16::<2>(high_bits)),
-                    (
-                        _mm256_srli_epi16::<4>(low0),
-                        _mm256_srli_epi16::<4>(high_bits),
-                    ),
-                    (
-                        _mm256_srli_epi16::<4>(low1),
-                        _mm256_srli_epi16::<6>(high_bits),
-                    ),
-                ];
+                let codes = q6_k_half(ql, qh, h);
                 let blk0 = 8 * sb + 4 * h;
                 let mut g = [[_mm256_setzero_si256(); R]; 2];
                 for (q, g) in g.iter_mut().enumerate() {
                     let mut hs = [[_mm256_setzero_si256(); R]; 2];
                     for (p, hs) in hs.iter_mut().enumerate() {
                         let kq = 2 * q + p;
-                        let (low, high) = quarters[kq];
-                        let low = _mm256_and_si256(low, nibble);
-                        let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
-                        let q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-                        let u = half_dots(widen(q), x, blk0 + kq);
+                        let u = half_dots(widen(codes[kq]), x, blk0 + kq);
                         *hs = hadd(u[0], u[1]);
                     }
                     *g = hadd(hs[0], hs[1]);
@@ -644,31 +655,12 @@ pub(super) mod avx2 {
     /// `row_codes` for Q6_K: codes - 32, quarter kq of half h being sub-block 4h + kq.
     #[inline(always)]
     unsafe fn q6_k_codes(row: &[u8], q: &mut [i16]) {
-        let (nibble, two) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
         assert!(row.len() >= q.len() / 256 * 210);
         for sb in 0..q.len() / 256 {
             let b = row.as_ptr().add(sb * 210);
             let (ql, qh) = (b, b.add(128));
             for h in 0..2 {
-                let high_bits = _mm256_loadu_si256(qh.add(32 * h).cast());
-                let low0 = _mm256_loadu_si256(ql.add(64 * h).cast());
-                let low1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
-                let quarters = [
-                    (low0, high_bits),
-                    (low1, _mm256_srli_epi16::<2>(high_bits)),
-                    (
-                        _mm256_srli_epi16::<4>(low0),
-                        _mm256_srli_epi16::<4>(high_bits),
-                    ),
-                    (
-                        _mm256_srli_epi16::<4>(low1),
-                        _mm256_srli_epi16::<6>(high_bits),
-                    ),
-                ];
-                for (kq, (low, high)) in quarters.into_iter().enumerate() {
-                    let low = _mm256_and_si256(low, nibble);
-                    let high = _mm256_slli_epi16::<4>(_mm256_and_si256(high, two));
-                    let c = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+                for (kq, c) in q6_k_half(ql, qh, h).into_iter().enumerate() {
                     store32(q, 8 * sb + 4 * h + kq, widen(c));
                 }
             }

@@ -93,7 +93,7 @@ impl QuantizedX {
         if !k.is_multiple_of(32) {
             return None;
         }
-        // repacked Q4_0 rows are read as Q4_0 by every path but the VNNI products
+        // repacked rows are read as their plain type by every path but the VNNI products
         let read_as = |s: &super::Segment<'_>| super::repack::read_as(s.qtype);
         let any = |takes: fn(super::QType) -> bool| w.segments.iter().any(|s| takes(read_as(s)));
         let codes = || int16::QuantizedRows::new(x, k, fast);
@@ -294,7 +294,7 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         x16: Vec::new(),
         #[cfg(target_arch = "x86_64")]
         planes: Vec::new(),
-        q4_0: Vec::new(),
+        plain: Vec::new(),
     };
     // x's quantized rows looked up once per run, not once per weight row
     match ctx.xq {
@@ -343,7 +343,7 @@ struct RowScratch<'x> {
     #[cfg(target_arch = "x86_64")]
     planes: Vec<super::vnni::PlaneRow<'x>>,
     /// A repacked row read back as its plain type (`repack::standard_row`).
-    q4_0: Vec<u8>,
+    plain: Vec<u8>,
 }
 
 /// Row `r` (type `t`, bytes `row`) times every row of x.
@@ -362,11 +362,11 @@ fn decode_row<const F: bool>(
     #[cfg(not(target_arch = "x86_64"))]
     let vnni = false;
     if super::repack::repacked(t) && !vnni {
-        // only the VNNI products read repacked rows: every other path takes them as Q4_0
-        let mut buf = std::mem::take(&mut rs.q4_0);
+        // only the VNNI products read repacked rows: every other path takes them as their plain type
+        let mut buf = std::mem::take(&mut rs.plain);
         let (t, row) = super::repack::standard_row(t, row, &mut buf);
         decode_row::<F>(ctx, rs, t, row, r);
-        rs.q4_0 = buf;
+        rs.plain = buf;
         return;
     }
     match ctx.xq.filter(|xq| xq.takes(t)) {
@@ -651,10 +651,10 @@ fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usiz
         let mut first = rows.start;
         while first < rows.end {
             let count = (rows.end - first).min(PANEL);
-            // repacked Q4_0 rows read back as Q4_0 (`repack::standard_row`)
-            let mut q4_0 = vec![Vec::new(); count];
+            // repacked rows read back as their plain type (`repack::standard_row`)
+            let mut plain = vec![Vec::new(); count];
             let weights: Vec<_> = (first..first + count)
-                .zip(&mut q4_0)
+                .zip(&mut plain)
                 .map(|(r, buf)| {
                     let (t, row) = ctx.w.row(r);
                     super::repack::standard_row(t, row, buf)
