@@ -9,7 +9,12 @@ the model's float cache, on real text (this repository's docs/ARCHITECTURE.md, E
   identical to the float cache's.
 
     python benches/kv_quant_quality.py [--model smollm2] [--tokens 2048] \
-        [--kv-cache-dtypes int8 fp8_e4m3 fp8_e5m2] [--dtype float32] [--text FILE]
+        [--kv-cache-dtypes int8 fp8_e4m3 fp8_e5m2] [--dtype float32] [--text FILE] \
+        [--calibrations 4096 0]
+
+`--calibrations`: each quantized cache once per value of `PAGEDLLM_KV_CALIBRATION` (random token
+ids of the start-up key calibration, `worker/kv_calibration.py`; 0: off), against one float run;
+each line then says the calibration's start-up seconds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 from pagedllm import LLM, SamplingParams
@@ -44,11 +50,17 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--text", type=Path, default=TEXT)
+    p.add_argument("--calibrations", nargs="+", default=[None])
     args = p.parse_args()
     text = args.text.read_text()
     results, reference = {}, None
-    for kv in ["auto", *args.kv_cache_dtypes]:
+    runs = [("auto", None)]
+    runs += [(kv, cal) for kv in args.kv_cache_dtypes for cal in args.calibrations]
+    for kv, calibration in runs:
+        if calibration is not None:
+            os.environ["PAGEDLLM_KV_CALIBRATION"] = calibration
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv, max_model_len=args.window + 64)
+        calibrated = llm.llm_engine.cache_engine.key_calibration
         tokenizer = llm.get_tokenizer()
         ids = tokenizer.encode(text)[: args.tokens + 1]
         windows = [ids[i : i + args.window + 1] for i in range(0, len(ids) - 1, args.window)]
@@ -60,6 +72,8 @@ def main() -> int:
             o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)
         ]
         result = {
+            "key_calibration": calibrated.describe() if calibrated else "off",
+            "calibration_seconds": round(calibrated.seconds, 2) if calibrated else 0.0,
             "positions": len(top1),
             "perplexity": round(math.exp(-sum(logprobs) / len(logprobs)), 4),
         }
@@ -73,7 +87,7 @@ def main() -> int:
             result["identical_continuations"] = (
                 f"{sum(a == b for a, b in zip(continuations, ref_cont))}/{len(ref_cont)}"
             )
-        results[kv] = result
+        results[kv, calibration] = result
         print(json.dumps({"kv_cache_dtype": kv, **result}), flush=True)
         llm.llm_engine.shutdown()
     return 0

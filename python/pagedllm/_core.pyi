@@ -1010,6 +1010,7 @@ class CpuDecoder:
         head_dim: int,
         eps: float,
         scale: float,
+        key_transforms: list[tuple[_F32Array, _F32Array, _F32Array | None] | None] | None = None,
     ) -> None:
         """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
         down)``: norms float32 ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each
@@ -1019,8 +1020,10 @@ class CpuDecoder:
         top_k, normalize, shared, counts)``: experts ``("panels", gate_up [E, P, H, 16],
         down [E, P, I, 16])`` or ``("quant", CpuMoeQuantExperts)``, shared None or the shared
         expert's ``(gate_up, down, gate)`` projections, counts int64 ``[E]`` (each token's
-        chosen experts added in place). ``TypeError`` / ``ValueError`` naming the layer and part
-        that is not so."""
+        chosen experts added in place). ``key_transforms``: per layer None or a quantized
+        cache's key transform ``(query_scale [H * D], key_scale [KVH * D], key_offset [KVH * D]
+        or None)`` (``attention/key_transform.py``). ``TypeError`` / ``ValueError`` naming the
+        layer and part that is not so."""
 
     def forward(
         self,

@@ -85,6 +85,7 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
         cfg.head_dim,
         inner.norm.eps,
         attn.scale if attn is not None else cfg.head_dim**-0.5,
+        key_transforms=[_key_transform(layer.self_attn) for layer in inner.layers],
     )
     kv_cache_dtype = kv_format(kv_cache.dtype)
     return CpuDecoderForward(model, decoder, kv_cache_dtype)
@@ -120,6 +121,16 @@ def _plain_layer(layer: torch.nn.Module) -> bool:
         and not attn.softcap
         and layer.pre_feedforward_layernorm is None
     )
+
+
+def _key_transform(attn: Attention) -> tuple | None:
+    """A quantized cache's key transform (`attention/key_transform.py`) as the Rust layer
+    takes it: (query_scale, key_scale, key_offset or None), flat float32."""
+    t = attn.key_transform
+    if t is None:
+        return None
+    offset = None if t.offset is None else t.offset.reshape(-1).numpy()
+    return (t.query_scale.reshape(-1).numpy(), t.scale.reshape(-1).numpy(), offset)
 
 
 def _norm(norm: torch.nn.Module) -> Tensor:

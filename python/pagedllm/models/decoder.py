@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from pagedllm.attention import cpu_rotary
 from pagedllm.attention.cpu_rotary import RopeTables
+from pagedllm.attention.key_transform import KeyTransform
 from pagedllm.attention.paged import AttentionMetadata, LayerAttention, paged_attention
 from pagedllm.distributed.layers import (
     ParallelLMHead,
@@ -140,6 +141,9 @@ class Attention(nn.Module):
         eps, offset = cfg.rms_norm_eps, cfg.norm_offset
         self.q_norm = RMSNorm(cfg.head_dim, eps, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, eps, offset) if cfg.qk_norm else None
+        # a quantized KV cache's key transform (`attention/key_transform.py`), set by the worker
+        # after its start-up calibration; None: q and k go to the cache as RoPE leaves them
+        self.key_transform: KeyTransform | None = None
 
     def forward(
         self,
@@ -165,6 +169,8 @@ class Attention(nn.Module):
             )
             apply_rope_(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.key_transform is not None:
+            self.key_transform.apply_(q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scoring)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 

@@ -7,12 +7,16 @@ import contextlib
 import logging
 import math
 import mmap
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.attention.kv_groups import KVGroupLayout
 from pagedllm.kernels.reference import as_bytes, kv_format, kv_row_size, kv_storage_dtype
+
+if TYPE_CHECKING:
+    from pagedllm.worker.kv_calibration import KeyCalibration
 
 logger = logging.getLogger("pagedllm")
 
@@ -70,8 +74,12 @@ class CacheEngine:
         device: torch.device,
         kv_cache_dtype: str = "auto",
         kv_layout: KVGroupLayout | None = None,
+        key_calibration: KeyCalibration | None = None,
     ) -> None:
         self.block_size = block_size
+        # a quantized cache's key transform (`worker/kv_calibration.py`): its rows' keys are
+        # `(k - c) * s`, so a block means nothing under another calibration
+        self.key_calibration = key_calibration
         self.kv_layout = kv_layout
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -124,6 +132,9 @@ class CacheEngine:
             if self.kv_layout
             else "1 group (full attention)",
             "kv_cache_dtype": self.dtype_name,
+            "kv_key_calibration": self.key_calibration.describe()
+            if self.key_calibration
+            else "off",
             "kv_cache_num_tokens": self.num_tokens,
             "kv_cache_bytes": self.kv_cache.numel() * self.kv_cache.element_size(),
         }
@@ -131,8 +142,9 @@ class CacheEngine:
     def log_capacity(self) -> None:
         stats = self.stats()
         logger.info(
-            "KV cache: %s, %d blocks of %d tokens = %d tokens in %.3f GiB",
+            "KV cache: %s (key calibration: %s), %d blocks of %d tokens = %d tokens in %.3f GiB",
             stats["kv_cache_dtype"],
+            stats["kv_key_calibration"],
             self.num_gpu_blocks,
             self.block_size,
             stats["kv_cache_num_tokens"],

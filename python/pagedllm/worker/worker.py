@@ -22,8 +22,10 @@ import torch
 from pagedllm._core import STEP_INPUT_ARRAYS, STEP_INPUT_SCALARS, cpu_isa
 from pagedllm.config import EngineArgs
 from pagedllm.distributed.layers import TPShard
+from pagedllm.kernels.reference import kv_format, kv_storage_dtype
 from pagedllm.models import ModelConfig, load_model
 from pagedllm.models.sequence_classification import load_pooling_model
+from pagedllm.worker import kv_calibration
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.kv_layout import kv_layout
 from pagedllm.worker.model_runner import ModelRunner
@@ -141,7 +143,22 @@ class Worker:
         group: `worker/kv_layout.py`) and its runner."""
         cfg, args = self.model.config, self.args
         # rank 0 checked max_model_len against the model (engine/kv_sizing.py) before any rank
-        self.kv_layout = kv_layout(args, cfg, args.max_model_len or cfg.max_position_embeddings)
+        max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.kv_layout = kv_layout(args, cfg, max_model_len)
+        calibration = None
+        if kv_format(kv_storage_dtype(args.kv_cache_dtype, self.dtype)) != "auto":
+            # a quantized cache's key transform, from a forward over a float cache of its own
+            # before the quantized one takes the memory (`worker/kv_calibration.py`)
+            calibration = kv_calibration.calibrate(
+                self.model,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=args.block_size,
+                max_model_len=max_model_len,
+                tokens=kv_calibration.calibration_tokens(),
+                vocab_size=cfg.vocab_size,
+            )
+            kv_calibration.set_transforms(self.model, calibration)
         self.cache_engine = CacheEngine(
             num_layers=self.kv_layout.layers_per_block,
             num_kv_heads=self.tp.kv_heads(cfg.num_kv_heads),
@@ -153,6 +170,7 @@ class Worker:
             device=self.device,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_layout=self.kv_layout if self.kv_layout.is_hybrid else None,
+            key_calibration=calibration,
         )
         self.runner = ModelRunner(
             self.model,

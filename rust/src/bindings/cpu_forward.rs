@@ -15,7 +15,8 @@ use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
 use crate::cpu::forward::{
-    self, Experts, Layer, Linear, Mlp, MoeMlp, Options, Shape, SharedExpert, Step, Weight,
+    self, Experts, KeyTransform, Layer, Linear, Mlp, MoeMlp, Options, Shape, SharedExpert, Step,
+    Weight,
 };
 use crate::cpu::views::cast_view_mut;
 
@@ -40,6 +41,8 @@ struct LayerArrays {
     o: LinearArrays,
     post_norm: Py<PyArray1<f32>>,
     mlp: MlpArrays,
+    /// query scale, key scale, key offset (`models/cpu_forward.py`'s `_key_transform`)
+    key_transform: Option<(Vector, Vector, Option<Vector>)>,
 }
 
 enum MlpArrays {
@@ -160,7 +163,30 @@ fn layer_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays> {
         o: linear_arrays(&part(4)?, &name("o"))?,
         post_norm: array1(&part(5)?, &name("post_norm"))?,
         mlp,
+        key_transform: None,
     })
+}
+
+/// `(query_scale [H·D], key_scale [KVH·D], key_offset [KVH·D] or None)`, float32.
+fn key_transform_arrays(
+    spec: &Bound<'_, PyAny>,
+    i: usize,
+) -> PyResult<(Vector, Vector, Option<Vector>)> {
+    let what = format!("layer {i}'s key transform");
+    let (q, k, c): (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) =
+        spec.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "{what} must be (query_scale, key_scale, key_offset or None)"
+            ))
+        })?;
+    let offset = c
+        .map(|c| array1(&c, &format!("{what}'s key_offset")))
+        .transpose()?;
+    Ok((
+        array1(&q, &format!("{what}'s query_scale"))?,
+        array1(&k, &format!("{what}'s key_scale"))?,
+        offset,
+    ))
 }
 
 /// `("moe", router, experts, top_k, normalize, shared, counts)`: router a linear spec, experts
@@ -253,7 +279,14 @@ struct LayerGuard<'py> {
     o: LinearGuard<'py>,
     post_norm: PyReadonlyArray1<'py, f32>,
     mlp: MlpGuard<'py>,
+    key_transform: Option<KeyGuard<'py>>,
 }
+
+type KeyGuard<'py> = (
+    PyReadonlyArray1<'py, f32>,
+    PyReadonlyArray1<'py, f32>,
+    Option<PyReadonlyArray1<'py, f32>>,
+);
 
 enum MlpGuard<'py> {
     Dense {
@@ -336,6 +369,10 @@ impl LayerArrays {
             o: self.o.borrow(py),
             post_norm: read1(py, &self.post_norm),
             mlp: self.mlp.borrow(py)?,
+            key_transform: self
+                .key_transform
+                .as_ref()
+                .map(|(q, k, c)| (read1(py, q), read1(py, k), c.as_ref().map(|c| read1(py, c)))),
         })
     }
 }
@@ -372,6 +409,14 @@ impl LayerGuard<'_> {
             o: self.o.view()?,
             post_norm: slice1(&self.post_norm)?,
             mlp: self.mlp.view()?,
+            key_transform: match &self.key_transform {
+                Some((q, k, c)) => Some(KeyTransform {
+                    query_scale: slice1(q)?,
+                    key_scale: slice1(k)?,
+                    key_offset: c.as_ref().map(slice1).transpose()?,
+                }),
+                None => None,
+            },
         })
     }
 }
@@ -417,9 +462,13 @@ impl CpuDecoder {
     /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`
     /// (a sparse layer: `(..., post_norm, moe, None)`, `moe_arrays`),
     /// norms float32 `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
-    /// them.
+    /// them. `key_transforms`: None, or per layer None or `(query_scale, key_scale, key_offset)`
+    /// (`forward::KeyTransform`; a quantized cache's calibration).
     #[new]
-    #[pyo3(signature = (layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale))]
+    #[pyo3(signature = (
+        layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale, key_transforms = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         layers: Vec<Bound<'_, PyAny>>,
         final_norm: &Bound<'_, PyAny>,
@@ -428,12 +477,25 @@ impl CpuDecoder {
         head_dim: usize,
         eps: f32,
         scale: f32,
+        key_transforms: Option<Vec<Option<Bound<'_, PyAny>>>>,
     ) -> PyResult<Self> {
-        let layers = layers
+        let mut layers = layers
             .iter()
             .enumerate()
             .map(|(i, l)| layer_arrays(l, i))
             .collect::<PyResult<Vec<_>>>()?;
+        if let Some(transforms) = key_transforms {
+            if transforms.len() != layers.len() {
+                return Err(PyValueError::new_err(format!(
+                    "key_transforms has {} entries for {} layers",
+                    transforms.len(),
+                    layers.len()
+                )));
+            }
+            for (i, (layer, t)) in layers.iter_mut().zip(transforms).enumerate() {
+                layer.key_transform = t.map(|t| key_transform_arrays(&t, i)).transpose()?;
+            }
+        }
         Ok(CpuDecoder {
             layers,
             final_norm: array1(final_norm, "final_norm")?,

@@ -83,6 +83,58 @@ pub struct Layer<'a> {
     pub o: Linear<'a>,
     pub post_norm: &'a [f32],
     pub mlp: Mlp<'a>,
+    /// a quantized cache's key transform, applied where q and k leave the rotation
+    pub key_transform: Option<KeyTransform<'a>>,
+}
+
+/// A quantized KV cache's key transform (`attention/key_transform.py`): keys stored as
+/// `(k - c) * s`, queries met as `q * (1 / s)`, so `q . k` moves by `q . c` only, the same for
+/// every key of a query (softmax unchanged). The same float32 operations in the same order as
+/// the Python layer's, so the rows equal its rows bit for bit.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyTransform<'a> {
+    /// `1 / s` of each query head's kv head, `[H * D]`
+    pub query_scale: &'a [f32],
+    /// s, `[KVH * D]`
+    pub key_scale: &'a [f32],
+    /// c, `[KVH * D]`; none where scores are soft-capped
+    pub key_offset: Option<&'a [f32]>,
+}
+
+impl KeyTransform<'_> {
+    fn check(&self, i: usize, q: usize, kv: usize) -> Result<()> {
+        let offset = self.key_offset.map_or(kv, <[f32]>::len);
+        if self.query_scale.len() != q || self.key_scale.len() != kv || offset != kv {
+            return Err(invalid(format!(
+                "layer {i}: the key transform has {} query, {} key and {offset} offset \
+                 elements, expected {q}, {kv}, {kv}",
+                self.query_scale.len(),
+                self.key_scale.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// q `[T, H·D]` and k `[T, KVH·D]` rows transformed in place.
+    fn apply(&self, mut q: ArrayViewMut2<f32>, mut k: ArrayViewMut2<f32>) {
+        for mut row in q.rows_mut() {
+            row.iter_mut()
+                .zip(self.query_scale)
+                .for_each(|(x, r)| *x *= r);
+        }
+        for mut row in k.rows_mut() {
+            match self.key_offset {
+                Some(c) => row
+                    .iter_mut()
+                    .zip(c.iter().zip(self.key_scale))
+                    .for_each(|(x, (c, s))| *x = (*x - c) * s),
+                None => row
+                    .iter_mut()
+                    .zip(self.key_scale)
+                    .for_each(|(x, s)| *x *= s),
+            }
+        }
+    }
 }
 
 /// A layer's MLP: dense SwiGLU, or a mixture of experts.
@@ -248,6 +300,9 @@ fn check(
     let q = shape.num_heads * shape.head_dim;
     let kv = shape.num_kv_heads * shape.head_dim;
     for (i, layer) in layers.iter().enumerate() {
+        if let Some(t) = &layer.key_transform {
+            t.check(i, q, kv)?;
+        }
         let mut projections = vec![
             ("qkv", &layer.qkv, hidden, q + 2 * kv),
             ("o", &layer.o, q, hidden),
@@ -359,6 +414,12 @@ fn attention<C: KvElem>(
             )
             .map_err(bad_shape)?;
             rotary::rotary_in_place(qk, step.cos, step.sin)?;
+            if let Some(t) = &layer.key_transform {
+                let mut qkv = ArrayViewMut2::from_shape((tokens, width), &mut scratch.qkv[..])
+                    .map_err(bad_shape)?;
+                let (q, k) = qkv.multi_slice_mut((s![.., ..h * d], s![.., h * d..(h + kvh) * d]));
+                t.apply(q, k);
+            }
         }
         Some((q_norm, k_norm)) => {
             // per-head norms into contiguous copies (as the Python path's `.contiguous()`)
@@ -381,6 +442,13 @@ fn attention<C: KvElem>(
             let k = ArrayViewMut3::from_shape((tokens, kvh, d), &mut scratch.k[..])
                 .map_err(bad_shape)?;
             rotary::rotary_in_place(k, step.cos, step.sin)?;
+            if let Some(t) = &layer.key_transform {
+                let q = ArrayViewMut2::from_shape((tokens, h * d), &mut scratch.q[..])
+                    .map_err(bad_shape)?;
+                let k = ArrayViewMut2::from_shape((tokens, kvh * d), &mut scratch.k[..])
+                    .map_err(bad_shape)?;
+                t.apply(q, k);
+            }
         }
     }
     let (q, k) = if layer.qk_norm.is_some() {
