@@ -17,6 +17,7 @@
 use super::formats::{f16_to_f32, five_bits, QType, QK_K};
 use super::int16::QuantizedRows;
 use super::matmul::transpose_into_panel;
+use super::repack;
 use crate::cpu::linear::PANEL;
 
 /// Elements per block (of x and of the types taken).
@@ -71,6 +72,18 @@ fn half(b: &[u8], at: usize) -> f32 {
 /// for the types without).
 fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) {
     let bytes = t.block().1;
+    if repack::repacked(t) {
+        // a group at a time as the plain type's blocks, on the stack (no read-back of the row)
+        let mut plain = [0u8; repack::GROUP * 34]; // Q8_0 blocks, the largest kept
+        for (g, src) in row.chunks(repack::GROUP * bytes).enumerate() {
+            let (b0, n) = (g * repack::GROUP, src.len() / bytes);
+            let blocks = &mut plain[..src.len()];
+            repack::blocks(t, src, blocks);
+            let (q, d) = (&mut q[QK * b0..QK * (b0 + n)], &mut d[2 * b0..2 * (b0 + n)]);
+            widen_row(repack::read_as(t), blocks, q, d, &mut m[b0..b0 + n]);
+        }
+        return;
+    }
     if t == QType::Q6_K {
         for (sb, b) in row.chunks_exact(bytes).enumerate() {
             let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
@@ -149,8 +162,8 @@ fn widen_row(t: QType, row: &[u8], q: &mut [i16], d: &mut [f32], m: &mut [f32]) 
 }
 
 impl Panel {
-    /// Widens the weight rows `rows` (each of a type `takes`, `k` elements; at most `PANEL`,
-    /// the missing ones zero) into the panel.
+    /// Widens the weight rows `rows` (each of a type `takes`, or repacked from one: read in
+    /// place, `k` elements; at most `PANEL`, the missing ones zero) into the panel.
     pub(super) fn pack(&mut self, rows: &[(QType, &[u8])], k: usize, fast: bool) {
         assert!(rows.len() <= PANEL && k.is_multiple_of(QK));
         let (pairs, blocks) = (k / 2, k / QK);
@@ -256,6 +269,14 @@ unsafe fn unit_scales_f16c(
             for i in 0..8 {
                 let d = dd * f32::from(sc[i]);
                 put(8 * sb + i, [d, d], -(dmin * f32::from(mn[i])));
+            }
+        }
+    } else if repack::repacked(t) {
+        // each group's n scales first (`repack`)
+        for (g, src) in row.chunks(repack::GROUP * bytes).enumerate() {
+            for j in 0..src.len() / bytes {
+                let d = half_f16c(src, 2 * j);
+                put(repack::GROUP * g + j, [d, d], 0.0);
             }
         }
     } else {

@@ -291,14 +291,21 @@ pub(super) mod avx2 {
             8 => widen(_mm256_loadu_si256(b.add(2).cast())),
             6 => {
                 let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-                let q = _mm256_or_si256(nibbles32(b.add(6)), bit4_of_each(qh));
-                widen(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
+                q5_0_weights(qh, b.add(6))
             }
             _ => {
                 let qh = u32::from_le_bytes([*b.add(4), *b.add(5), *b.add(6), *b.add(7)]);
                 widen(_mm256_or_si256(nibbles32(b.add(8)), bit4_of_each(qh)))
             }
         }
+    }
+
+    /// A Q5_0 block's 16-bit weights from its qh (bit j: element j's bit 4) and its 16 bytes
+    /// of nibbles at `qs`.
+    #[inline(always)]
+    unsafe fn q5_0_weights(qh: u32, qs: *const u8) -> [__m256i; 2] {
+        let q = _mm256_or_si256(nibbles32(qs), bit4_of_each(qh));
+        widen(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
     }
 
     /// Bytes per block of the 32-element block type of ggml code `T`.
@@ -612,7 +619,49 @@ pub(super) mod avx2 {
             QType::Q4_K => k_codes::<false>(row, q),
             QType::Q5_K => k_codes::<true>(row, q),
             QType::Q6_K => q6_k_codes(row, q),
+            t if crate::cpu::quant::repack::repacked(t) => repacked_codes(t, row, q),
             _ => unreachable!("{} is not a quantized type", t.name()),
+        }
+    }
+
+    /// `row_codes` for a repacked row (`repack`'s groups of up to 8 blocks: the scales, for
+    /// Q5_0 the qh halves, then each block's codes), read in place: the codes of the plain
+    /// type's blocks (`weights32`), nothing converted back first.
+    #[inline(always)]
+    unsafe fn repacked_codes(t: QType, row: &[u8], q: &mut [i16]) {
+        use crate::cpu::quant::repack::{self, GROUP};
+        let plain = repack::read_as(t);
+        let (block, payload) = match plain {
+            QType::Q4_0 => (18, 16),
+            QType::Q5_0 => (22, 16),
+            QType::Q8_0 => (34, 32),
+            _ => unreachable!("{} has no repacked layout", t.name()),
+        };
+        // a group's bytes per block before its codes (scale, qh halves)
+        let head = block - payload;
+        let blocks = q.len() / QK;
+        assert!(row.len() >= blocks * block);
+        let mut blk0 = 0;
+        while blk0 < blocks {
+            // a group of n blocks from blk0 (the row's last the rest): inside the row
+            let n = (blocks - blk0).min(GROUP);
+            let g = row.as_ptr().add(blk0 * block);
+            for j in 0..n {
+                // block j's codes; the plain block keeps them 2 bytes in (Q4_0, Q8_0: after
+                // the scale, where `weights32` reads them)
+                let qs = g.add(head * n + payload * j);
+                let w = match plain {
+                    QType::Q5_0 => {
+                        let lo = g.add(2 * n + 2 * j).cast::<u16>().read_unaligned();
+                        let hi = g.add(4 * n + 2 * j).cast::<u16>().read_unaligned();
+                        q5_0_weights(u32::from(lo) | (u32::from(hi) << 16), qs)
+                    }
+                    QType::Q8_0 => weights32::<8>(qs.sub(2)),
+                    _ => weights32::<2>(qs.sub(2)),
+                };
+                store32(q, blk0 + j, w);
+            }
+            blk0 += n;
         }
     }
 

@@ -651,16 +651,12 @@ fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usiz
         let mut first = rows.start;
         while first < rows.end {
             let count = (rows.end - first).min(PANEL);
-            // repacked rows read back as their plain type (`repack::standard_row`)
-            let mut plain = vec![Vec::new(); count];
-            let weights: Vec<_> = (first..first + count)
-                .zip(&mut plain)
-                .map(|(r, buf)| {
-                    let (t, row) = ctx.w.row(r);
-                    super::repack::standard_row(t, row, buf)
-                })
-                .collect();
-            panel.pack(&weights, ctx.k, ctx.fast);
+            // repacked rows as they are: the panel widens their groups in place
+            let mut weights = [(super::QType::F32, &[][..]); PANEL];
+            for (j, w) in weights[..count].iter_mut().enumerate() {
+                *w = ctx.w.row(first + j);
+            }
+            panel.pack(&weights[..count], ctx.k, ctx.fast);
             panel.product(xq, sums, ctx.fast);
             for (i, s) in sums.iter().enumerate() {
                 for (j, v) in s[..count].iter().enumerate() {

@@ -108,6 +108,49 @@ fn repacked_products_equal_the_plain_products_bit_for_bit_on_every_path() {
 }
 
 #[test]
+fn integer_panels_widen_repacked_rows_in_place_as_the_plain_rows_bit_for_bit() {
+    // `gemm16::Panel::pack` reads the repacked groups directly (portable and AVX2): a panel of
+    // them gives the plain rows' products; a mixed panel (mins, Q6_K's halves) too
+    use super::gemm16::Panel;
+    use crate::cpu::linear::PANEL;
+    let m = 11;
+    for ((t, rt), k) in TYPES.into_iter().flat_map(|t| KS.map(|k| (t, k))) {
+        let x = floats(m * k, 3.0);
+        let xq = int16::QuantizedRows::new(&x, k, false);
+        let bytes = t.row_bytes(k).unwrap();
+        let (plain, repacked) = rows_and_repacked(t, 13, k, 41 + k as u64);
+        let q4_1 = random_rows(QType::Q4_1, 1, k, 3);
+        let q6_k = (k % 256 == 0).then(|| random_rows(QType::Q6_K, 1, k, 4));
+        let mut a: Vec<_> = plain.chunks_exact(bytes).map(|r| (t, r)).collect();
+        let mut b: Vec<_> = repacked.chunks_exact(bytes).map(|r| (rt, r)).collect();
+        for rows in [&mut a, &mut b] {
+            rows.push((QType::Q4_1, &q4_1[..]));
+            if let Some(q6_k) = &q6_k {
+                rows.push((QType::Q6_K, &q6_k[..]));
+            }
+        }
+        for fast in [false, super::fast()] {
+            for count in [1, 13, a.len()] {
+                let (mut pa, mut pb) = (Panel::default(), Panel::default());
+                pa.pack(&a[..count], k, fast);
+                pb.pack(&b[..count], k, fast);
+                let (mut ya, mut yb) = (vec![[f32::NAN; PANEL]; m], vec![[f32::NAN; PANEL]; m]);
+                pa.product(&xq, &mut ya, fast);
+                pb.product(&xq, &mut yb, fast);
+                let bits = |s: &Vec<[f32; PANEL]>| -> Vec<u32> {
+                    s.iter().flatten().map(|v| v.to_bits()).collect()
+                };
+                assert_eq!(
+                    bits(&ya),
+                    bits(&yb),
+                    "{t:?} k {k}, {count} rows, fast={fast}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn repacked_products_are_close_to_the_dequantized_product_in_a_mixed_weight() {
     // Q4_0R and Q5_0R segments between others (a fused projection), one row and four
     let k = 576;
