@@ -6,9 +6,9 @@ another).
 A file is a header, a checksum, then the block of every layer in the pool's slot layout: 8
 magic bytes, the header's length (4 bytes, little endian), the header as JSON (the model's
 identity: its path, its weights' and tokenizer's fingerprint (`fingerprint.py`), its
-quantization at load; dtype, block size, layout, the block's hash), the payload's xxh3-64 (8
-bytes, little endian), the payload. A file is written under a temporary name and renamed, so
-a visible file is complete.
+quantization at load; dtype, row format, a quantized cache's key calibration digest, block
+size, layout, the block's hash), the payload's xxh3-64 (8 bytes, little endian), the payload.
+A file is written under a temporary name and renamed, so a visible file is complete.
 
 A load reads no more than a header before it knows the file's size (from its metadata), then
 checks the header against this engine's, the size, and the payload against its checksum,
@@ -65,6 +65,7 @@ class DiskConnector(CopyThreadConnector):
         model: str,
         tokenizer: str | None = None,
         quantization: str | None = None,
+        key_calibration: str | None = None,
     ) -> None:
         super().__init__(kv_cache)
         self.directory = Path(directory)
@@ -82,6 +83,9 @@ class DiskConnector(CopyThreadConnector):
             # a quantized cache's row format (rotation, scale coding): an earlier layout's
             # blocks of the same dtype are refused too
             "rows": kv_row_format(kv_cache.dtype),
+            # a quantized cache's key transform (`worker/kv_calibration.py`): its digest, as
+            # keys stored under another calibration (or none) are other numbers
+            "key_calibration": key_calibration,
             "block_size": int(kv_cache.shape[3]),
             "layout": "slot:[2,layers,block_size,kv_heads,head_dim]",
             "shape": list(self.block_shape),

@@ -1,0 +1,126 @@
+"""`worker/kv_calibration.py`: the quantized cache's key calibration at start-up."""
+
+import pytest
+import torch
+from transformers import Gemma2Config
+
+from pagedllm import LLM
+from pagedllm.models import load_model
+from pagedllm.worker import kv_calibration
+from pagedllm.worker.kv_calibration import Moments, calibrate
+
+from model_factory import build_hf_model, save_tiny_checkpoint
+
+
+def _calibrate(model, tokens: int = 96):
+    cfg = model.config
+    return calibrate(
+        model,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        block_size=4,
+        max_model_len=40,  # windows of 40: three forwards
+        tokens=tokens,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = save_tiny_checkpoint(tmp_path_factory.mktemp("llama") / "m", "llama")
+    return load_model(folder, dtype="float32", device="cpu")
+
+
+def test_calibration_gives_the_same_transforms_twice(llama):
+    first, second = _calibrate(llama), _calibrate(llama)
+    assert first.digest == second.digest
+    for a, b in zip(first.transforms, second.transforms, strict=True):
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.offset, b.offset)
+
+
+def test_another_number_of_ids_is_another_calibration(llama):
+    assert _calibrate(llama, 96).digest != _calibrate(llama, 64).digest
+
+
+def test_a_heads_transform_depends_on_that_heads_moments_only():
+    # what a tensor-parallel rank relies on: its heads' slice of the moments gives the slice of
+    # the whole model's transform
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(50, 8, 16, generator=g), torch.randn(50, 4, 16, generator=g) + 1.0
+    whole, rank1 = Moments(), Moments()
+    whole.apply_(q, k)
+    rank1.apply_(q[:, 4:], k[:, 2:])
+    full, part = whole.transform(8, offset=True), rank1.transform(4, offset=True)
+    torch.testing.assert_close(part.scale, full.scale[2:], rtol=1e-6, atol=0)
+    torch.testing.assert_close(part.offset, full.offset[2:], rtol=1e-6, atol=0)
+
+
+def test_the_scale_follows_the_queries_and_keeps_the_rows_energy():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(400, 1, 4, generator=g) * torch.tensor([1.0, 1.0, 4.0, 1.0])
+    q = torch.randn(400, 2, 4, generator=g) * torch.tensor([1.0, 1.0, 1.0, 9.0])
+    m = Moments()
+    m.apply_(q, k)
+    s = m.transform(2, offset=False).scale[0].double()
+    k2 = (k.double() ** 2).mean(0)[0]
+    q2 = (q.double() ** 2).mean((0, 1))
+    want = (q2 / k2) ** 0.25
+    want = want * (k2.sum() / (want**2 * k2).sum()).sqrt()
+    torch.testing.assert_close(s, want, rtol=1e-6, atol=0)
+    assert s[3] > s[0] > s[2]  # more precision where the queries look, less on a loud channel
+
+
+def test_soft_capped_layers_get_the_scale_but_no_offset(tmp_path):
+    config = Gemma2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        attn_logit_softcapping=5.0,
+    )
+    build_hf_model(config, seed=3).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype="float32", device="cpu")
+    assert model.config.attn_softcap
+    calibration = _calibrate(model)
+    assert calibration.transforms and all(t.offset is None for t in calibration.transforms)
+
+
+def test_layers_without_soft_capping_get_an_offset(llama):
+    assert all(t.offset is not None for t in _calibrate(llama).transforms)
+
+
+def test_the_calibration_leaves_no_transform_on_the_layers(llama):
+    _calibrate(llama)
+    assert all(layer.self_attn.key_transform is None for layer in llama.model.layers)
+
+
+def test_a_quantized_engine_is_calibrated_and_says_so(monkeypatch):
+    monkeypatch.setenv(kv_calibration.ENV, "64")
+    llm = LLM(kv_cache_dtype="int8", num_gpu_blocks=16, max_model_len=32)
+    engine = llm.llm_engine
+    calibration = engine.cache_engine.key_calibration
+    assert calibration.tokens == 64
+    assert engine.get_stats()["kv_key_calibration"] == "64 random token ids (seed 0)"
+    layers = engine.worker.model.model.layers
+    assert [layer.self_attn.key_transform for layer in layers] == list(calibration.transforms)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "env"), [("auto", None), ("int8", "0")], ids=["float_cache", "turned_off"]
+)
+def test_no_calibration_for_a_float_cache_or_when_turned_off(monkeypatch, kv_cache_dtype, env):
+    if env is not None:
+        monkeypatch.setenv(kv_calibration.ENV, env)
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=16, max_model_len=32)
+    assert llm.llm_engine.cache_engine.key_calibration is None
+    assert llm.llm_engine.get_stats()["kv_key_calibration"] == "off"
+
+
+def test_a_bad_calibration_setting_is_a_value_error_naming_it(monkeypatch):
+    monkeypatch.setenv(kv_calibration.ENV, "many")
+    with pytest.raises(ValueError, match=kv_calibration.ENV):
+        kv_calibration.calibration_tokens()
