@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--calibrations", nargs="+", default=[None])
     args = p.parse_args()
     text = args.text.read_text()
-    results, reference = {}, None
+    reference = None
     runs = [("auto", None)]
     runs += [(kv, cal) for kv in args.kv_cache_dtypes for cal in args.calibrations]
     for kv, calibration in runs:
@@ -78,16 +78,19 @@ def main() -> int:
             "perplexity": round(math.exp(-sum(logprobs) / len(logprobs)), 4),
         }
         if reference is None:
-            reference = (top1, result["perplexity"], continuations)
+            reference = (top1, result["perplexity"], continuations, logprobs)
         else:
-            ref_top1, ref_ppl, ref_cont = reference
-            agree = sum(a == b for a, b in zip(top1, ref_top1)) / len(top1)
-            result["top1_agreement"] = round(agree, 4)
+            ref_top1, ref_ppl, ref_cont, ref_logprobs = reference
+            differ = sum(a != b for a, b in zip(top1, ref_top1))
+            result["top1_agreement"] = round(1 - differ / len(top1), 5)
+            result["differ"] = differ
+            # the text token's logprob's mean move: steadier than the count of flipped near-ties
+            moves = [abs(a - b) for a, b in zip(logprobs, ref_logprobs)]
+            result["mean_abs_dlogprob"] = round(sum(moves) / len(moves), 5)
             result["perplexity_vs_float"] = round(result["perplexity"] / ref_ppl - 1, 4)
             result["identical_continuations"] = (
                 f"{sum(a == b for a, b in zip(continuations, ref_cont))}/{len(ref_cont)}"
             )
-        results[kv, calibration] = result
         print(json.dumps({"kv_cache_dtype": kv, **result}), flush=True)
         llm.llm_engine.shutdown()
     return 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Gemma2Config
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
 from pagedllm.worker import kv_calibration
 from pagedllm.worker.kv_calibration import Moments, calibrate
@@ -124,3 +124,38 @@ def test_a_bad_calibration_setting_is_a_value_error_naming_it(monkeypatch):
     monkeypatch.setenv(kv_calibration.ENV, "many")
     with pytest.raises(ValueError, match=kv_calibration.ENV):
         kv_calibration.calibration_tokens()
+
+
+def _prompt_logprobs(monkeypatch, kv_cache_dtype: str, *, torch_path: bool, env: str = "64"):
+    from pagedllm.attention import cpu_attention
+    from pagedllm.models import cpu_forward
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    prompts = [[5, 9, 33, 71, 2, 8, 100, 41, 17, 3, 64, 12, 90, 7, 8, 200, 6], [11, 12, 13]]
+    with monkeypatch.context() as m:
+        m.setenv(kv_calibration.ENV, env)
+        if torch_path:  # the torch reference's store and attention, layer by layer
+            m.setattr(cpu_attention, "supports", lambda q, k_cache: False)
+            m.setattr(cpu_forward, "build", lambda *args, **kwargs: None)
+        llm = LLM(kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=16, max_model_len=32, block_size=4)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return torch.tensor(
+        [
+            step[t].logprob
+            for o, p in zip(outs, prompts)
+            for t, step in zip(p[1:], o.prompt_logprobs[1:])
+        ]
+    )
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_a_calibrated_quantized_engine_matches_the_torch_reference_path(
+    monkeypatch, kv_cache_dtype
+):
+    engine = _prompt_logprobs(monkeypatch, kv_cache_dtype, torch_path=False)
+    reference = _prompt_logprobs(monkeypatch, kv_cache_dtype, torch_path=True)
+    torch.testing.assert_close(engine, reference, rtol=0, atol=1e-4)
+    # and the calibration is in play: without it the quantized numbers are others
+    assert not torch.equal(
+        _prompt_logprobs(monkeypatch, kv_cache_dtype, torch_path=False, env="0"), engine
+    )
