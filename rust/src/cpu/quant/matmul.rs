@@ -309,9 +309,9 @@ fn decode_rows_with<const F: bool>(ctx: &Ctx<'_, '_>, rows: Range<usize>) {
         }
         None => {}
     }
-    // one row of x: weight rows four a pass (`vnni4`)
+    // weight rows four a pass (`vnni4`) where x has VNNI planes
     #[cfg(target_arch = "x86_64")]
-    let four = F && m == 1 && !rs.x16.is_empty();
+    let four = F && !rs.planes.is_empty();
     for (first, t, bytes, data) in ctx.w.runs_in(rows) {
         let count = data.len() / bytes;
         #[allow(unused_mut)]
@@ -410,11 +410,12 @@ fn decode_row<const F: bool>(
 }
 
 /// The rows of a segment's run (`data`: rows of `bytes` bytes of type `t`, the first output
-/// row `first`) four at a time with the one row of x by `vnni4`, where x has planes and `vnni4`
-/// takes `t`. Returns the rows done (a multiple of 4; the rest go one at a time, the same bits).
+/// row `first`) four at a time where x has planes: with one row of x by `vnni4` where it takes
+/// `t`, with more the repacked types (`repacked_passes`). Returns the rows done (a multiple of
+/// 4; the rest go one at a time, the same bits).
 ///
 /// # Safety
-/// The CPU supports avx2, fma and f16c; one row of x, 16-bit codes (`rs.x16`).
+/// The CPU supports avx2, fma and f16c; 16-bit codes of x (`rs.x16`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn four_rows(
@@ -426,9 +427,21 @@ unsafe fn four_rows(
     first: usize,
 ) -> usize {
     use super::vnni4;
+    if rs.planes.is_empty() {
+        return 0;
+    }
+    if ctx.m > 1 {
+        // planes are made only where `vnni()` (AVX-512 with VNNI granted), permuted where a
+        // segment is repacked
+        return if repacked_four(t) {
+            repacked_passes(ctx, rs, t, bytes, data, first)
+        } else {
+            0
+        };
+    }
     // the VNNI units only: Q8_0's rows (AVX2 units) ran slower four a pass (SmolLM2's Q8_0
     // output matrix 1.25 -> 1.6 ms), and at the AVX2 level four rows' sums spill
-    if rs.planes.is_empty() || !vnni4::takes(t) {
+    if !vnni4::takes(t) {
         return 0;
     }
     let (k, x) = (ctx.k, &rs.x16[0]);
@@ -443,6 +456,102 @@ unsafe fn four_rows(
         }
     }
     passes * vnni4::ROWS
+}
+
+/// Rows of x a pass of `repacked_passes` over four weight rows: each row of x keeps two
+/// 512-bit sums a weight row and four plane registers, so four weight rows by two rows of x
+/// fill the 32 registers (`vnni4::q4_0r_rows`).
+#[cfg(target_arch = "x86_64")]
+const X_ROWS: usize = 2;
+
+/// Whether `repacked_passes` takes rows of `t` (at 2-8 rows of x): the repacked layouts, read
+/// four weight rows a pass as at one row of x.
+#[cfg(target_arch = "x86_64")]
+fn repacked_four(t: super::QType) -> bool {
+    matches!(t, super::QType::Q4_0R | super::QType::Q5_0R)
+}
+
+/// `four_rows` at 2-8 rows of x for the repacked types (`repacked_four`): four weight rows a
+/// pass, each group of them loaded once for `X_ROWS` rows of x and x's planes once for the four
+/// (`vnni4::q4_0r_rows`, `q5_0r_rows`); the same bits as `int16_row_vnni`, which takes them
+/// one weight row at a time. Returns the rows done (whole passes).
+///
+/// # Safety
+/// As `four_rows`; `rs.planes` made (AVX-512 with VNNI granted) and permuted (a repacked
+/// segment); `repacked_four(t)`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn repacked_passes(
+    ctx: &Ctx<'_, '_>,
+    rs: &RowScratch<'_>,
+    t: super::QType,
+    bytes: usize,
+    data: &[u8],
+    first: usize,
+) -> usize {
+    use super::vnni4::ROWS;
+    let (k, m) = (ctx.k, ctx.m);
+    let passes = data.len() / bytes / ROWS;
+    for (pass, four) in data.chunks_exact(ROWS * bytes).enumerate() {
+        let at = four.as_ptr();
+        let w = [at, at.add(bytes), at.add(2 * bytes), at.add(3 * bytes)];
+        let mut i = 0;
+        while i < m {
+            let (x, p) = (&rs.x16[i..], &rs.planes[i..]);
+            let col = first + ROWS * pass;
+            let r = if m - i == 1 {
+                put_dots(ctx, i, col, repacked_dots::<1>(t, w, k, &[x[0]], &[p[0]]));
+                1
+            } else {
+                let dots = repacked_dots::<X_ROWS>(t, w, k, &[x[0], x[1]], &[p[0], p[1]]);
+                put_dots(ctx, i, col, dots);
+                X_ROWS
+            };
+            i += r;
+        }
+    }
+    passes * ROWS
+}
+
+/// Writes `dots[j][r]` (weight row `col + j`, row `i + r` of x) to out.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn put_dots<const R: usize>(ctx: &Ctx<'_, '_>, i: usize, col: usize, dots: [[f32; R]; 4]) {
+    for (j, d) in dots.iter().enumerate() {
+        for (r, v) in d.iter().enumerate() {
+            ctx.put(i + r, col + j, *v);
+        }
+    }
+}
+
+/// `vnni::row_dots_vnni::<R>` of each of the four repacked weight rows `w` (type `t`,
+/// `repacked_four(t)`) with the rows of x `x` / `p`: the same integer sums and f32 steps per
+/// pair (`Lanes::totals`, no mins), the same bits.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn repacked_dots<const R: usize>(
+    t: super::QType,
+    w: [*const u8; 4],
+    k: usize,
+    x: &[int16::Row<'_>; R],
+    p: &[super::vnni::PlaneRow<'_>; R],
+) -> [[f32; R]; 4] {
+    use std::arch::x86_64::_mm256_setzero_ps;
+    let mut acc = [[_mm256_setzero_ps(); R]; 4];
+    match t {
+        super::QType::Q4_0R => super::vnni4::q4_0r_rows::<4, R>(w, k, x, p, &mut acc),
+        _ => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
+    }
+    // no closure: it would not take this function's target features
+    let mut out = [[0.0; R]; 4];
+    for (o, acc) in out.iter_mut().zip(acc) {
+        let lanes = int16::avx2::Lanes {
+            acc,
+            mins: [_mm256_setzero_ps(); R],
+        };
+        *o = lanes.totals();
+    }
+    out
 }
 
 /// `$name`: row `r` (type `t`, `$m::takes(t)`, bytes `row`) dotted with every row of x

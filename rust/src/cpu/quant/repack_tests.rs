@@ -83,13 +83,14 @@ fn repacked_rows_dequantize_and_embed_as_the_plain_rows() {
 #[test]
 fn repacked_products_equal_the_plain_products_bit_for_bit_on_every_path() {
     // 13 rows: three passes of four and one row alone; x rows 1 (four rows a pass), 2-8
-    // (decode rows), 20 (integer panels / f32 panels)
+    // (decode rows: four repacked rows a pass, two rows of x at a time and one alone), 20
+    // (integer panels / f32 panels)
     let n = 13;
     for ((t, rt), k) in TYPES.into_iter().flat_map(|t| KS.map(|k| (t, k))) {
         let (plain, repacked) = rows_and_repacked(t, n, k, 31 + k as u64);
         let (a, b) = (matrix(t, &plain, n, k), matrix(rt, &repacked, n, k));
         let bias = floats(n, 1.0);
-        for m in [1, 2, 3, 5, 8, 20] {
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 20] {
             let x = Array2::from_shape_vec((m, k), floats(m * k, m as f32 + 0.5)).unwrap();
             for act in [Activations::Int16, Activations::Int8, Activations::F32] {
                 for threads in [1, 2] {
