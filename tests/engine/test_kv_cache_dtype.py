@@ -143,7 +143,11 @@ def test_a_disk_tier_written_with_another_kv_dtype_is_never_loaded(tmp_path, cap
     assert out.outputs[0].token_ids == want.token_ids
 
 
-def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_rank(tmp_path):
+def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_rank(
+    tmp_path, monkeypatch
+):
+    # the key calibration is not run under tensor parallelism (worker.py): one rank without it
+    monkeypatch.setenv("PAGEDLLM_KV_CALIBRATION", "0")
     folder = save_tiny_checkpoint(tmp_path, "llama", seed=3)
     kw = dict(model=str(folder), kv_cache_dtype="int8", num_gpu_blocks=28, swap_space=0.01)
     _, one = _run(**kw)

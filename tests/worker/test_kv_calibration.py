@@ -120,6 +120,14 @@ def test_no_calibration_for_a_float_cache_or_when_turned_off(monkeypatch, kv_cac
     assert llm.llm_engine.get_stats()["kv_key_calibration"] == "off"
 
 
+def test_a_tensor_parallel_engine_runs_uncalibrated(tmp_path):
+    # its start-up forward would need every rank at once (worker.py)
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama")
+    llm = LLM(str(folder), kv_cache_dtype="int8", tensor_parallel_size=2, cpu_threads=1)
+    assert llm.llm_engine.get_stats()["kv_key_calibration"] == "off"
+    llm.llm_engine.shutdown()
+
+
 def test_a_bad_calibration_setting_is_a_value_error_naming_it(monkeypatch):
     monkeypatch.setenv(kv_calibration.ENV, "many")
     with pytest.raises(ValueError, match=kv_calibration.ENV):

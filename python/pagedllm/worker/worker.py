@@ -146,9 +146,12 @@ class Worker:
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.kv_layout = kv_layout(args, cfg, max_model_len)
         calibration = None
-        if kv_format(kv_storage_dtype(args.kv_cache_dtype, self.dtype)) != "auto":
-            # a quantized cache's key transform, from a forward over a float cache of its own
-            # before the quantized one takes the memory (`worker/kv_calibration.py`)
+        quantized = kv_format(kv_storage_dtype(args.kv_cache_dtype, self.dtype)) != "auto"
+        # a quantized cache's key transform, from a forward over a float cache of its own
+        # before the quantized one takes the memory (`worker/kv_calibration.py`). Not under
+        # tensor parallelism yet: rank 0 allocates its cache before the other ranks are told
+        # to, and the forward's collectives need every rank at once
+        if quantized and self.tp.size == 1:
             calibration = kv_calibration.calibrate(
                 self.model,
                 dtype=self.dtype,
