@@ -32,10 +32,12 @@ pub enum QType {
     Q4_0R = 1002,
     /// Not a ggml type: Q5_0 rows repacked at load for the VNNI products (`repack`).
     Q5_0R = 1006,
+    /// Not a ggml type: Q8_0 rows repacked at load for the VNNI products (`repack`).
+    Q8_0R = 1008,
 }
 
 impl QType {
-    pub const ALL: [QType; 13] = [
+    pub const ALL: [QType; 14] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -49,6 +51,7 @@ impl QType {
         QType::BF16,
         QType::Q4_0R,
         QType::Q5_0R,
+        QType::Q8_0R,
     ];
 
     /// The type of ggml code `code`, or an error naming the code.
@@ -79,6 +82,7 @@ impl QType {
             QType::BF16 => "BF16",
             QType::Q4_0R => "Q4_0 (repacked)",
             QType::Q5_0R => "Q5_0 (repacked)",
+            QType::Q8_0R => "Q8_0 (repacked)",
         }
     }
 
@@ -91,7 +95,7 @@ impl QType {
             QType::Q4_1 => (32, 20),
             QType::Q5_0 | QType::Q5_0R => (32, 22),
             QType::Q5_1 => (32, 24),
-            QType::Q8_0 => (32, 34),
+            QType::Q8_0 | QType::Q8_0R => (32, 34),
             QType::Q4_K => (QK_K, 144),
             QType::Q5_K => (QK_K, 176),
             QType::Q6_K => (QK_K, 210),
@@ -204,7 +208,7 @@ pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
             QType::Q4_K => q4_k(b, y),
             QType::Q5_K => q5_k(b, y),
             QType::Q6_K => q6_k(b, y),
-            QType::Q4_0R | QType::Q5_0R => {
+            QType::Q4_0R | QType::Q5_0R | QType::Q8_0R => {
                 unreachable!("repacked rows are dequantized a group at a time")
             }
         }

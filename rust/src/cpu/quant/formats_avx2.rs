@@ -49,7 +49,12 @@ pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
                     QType::Q4_K => q4_k(b, out),
                     QType::Q5_K => q5_k(b, out),
                     QType::Q6_K => q6_k(b, out),
-                    QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R | QType::Q5_0R => {
+                    QType::F32
+                    | QType::F16
+                    | QType::BF16
+                    | QType::Q4_0R
+                    | QType::Q5_0R
+                    | QType::Q8_0R => {
                         unreachable!()
                     }
                 }

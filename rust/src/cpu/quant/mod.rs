@@ -23,6 +23,8 @@ mod gemm16;
 mod int16;
 mod int8;
 mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod q8_0r;
 mod quantize;
 pub mod repack;
 #[cfg(target_arch = "x86_64")]

@@ -17,6 +17,10 @@
 //! elements 16-31), then the nibbles as Q4_0R's (16n bytes): 4 blocks' low (high) nibbles'
 //! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction.
 //!
+//! A Q8_0 block (34 bytes) is its scale and 32 signed codes. Repacked, a group is its `n`
+//! scales (2n bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one
+//! 64-byte load in element order (`q8_0r`).
+//!
 //! Every path but the VNNI products reads a repacked row back as the plain type's blocks
 //! (`blocks`, `standard_row`): the same codes and scales, so every result equals the plain
 //! type's bit for bit.
@@ -26,37 +30,41 @@ use crate::error::Result;
 
 /// Blocks a group.
 pub const GROUP: usize = 8;
+/// Bytes of the largest group (Q8_0R's): a buffer for one group read back as plain blocks.
+pub const GROUP_BYTES_MAX: usize = GROUP * 34;
 
 /// The repacked type of rows of `t`, if it has one.
 pub fn repacked_type(t: QType) -> Option<QType> {
     match t {
         QType::Q4_0 => Some(QType::Q4_0R),
         QType::Q5_0 => Some(QType::Q5_0R),
+        QType::Q8_0 => Some(QType::Q8_0R),
         _ => None,
     }
 }
 
-/// Whether `t` is a repacked type (`QType::Q4_0R`, `QType::Q5_0R`).
+/// Whether `t` is a repacked type (`QType::Q4_0R`, `QType::Q5_0R`, `QType::Q8_0R`).
 pub fn repacked(t: QType) -> bool {
-    matches!(t, QType::Q4_0R | QType::Q5_0R)
+    matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q8_0R)
 }
 
 /// Whether weights of type `t` are repacked (to `repacked_type(t)`) when this process copies
-/// them: Q4_0 and Q5_0, where the VNNI products read the repacked layouts (AVX-512 with VNNI
+/// them: Q4_0, Q5_0 and Q8_0, where the VNNI products read the repacked layouts (AVX-512 with VNNI
 /// granted; elsewhere every path would only convert them back).
 pub fn repacks(t: QType) -> bool {
     repacked_type(t).is_some() && super::vnni()
 }
 
-/// Bytes of a block of the plain type and of its qh (0 for Q4_0).
+/// Bytes of a block of the plain type and of its qh (0 for Q4_0 and Q8_0).
 fn block_and_qh(t: QType) -> (usize, usize) {
     match read_as(t) {
         QType::Q5_0 => (22, 4),
+        QType::Q8_0 => (34, 0),
         _ => (18, 0),
     }
 }
 
-/// Rows `src` of type `t` (Q4_0 or Q5_0, `k` elements each) repacked into `dst` (as many
+/// Rows `src` of type `t` (Q4_0, Q5_0 or Q8_0, `k` elements each) repacked into `dst` (as many
 /// bytes), returning the repacked type; an error for another type or unless both hold the same
 /// whole number of rows.
 pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
@@ -87,8 +95,9 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
                     dg[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
                     dg[4 * n + 2 * j..4 * n + 2 * j + 2].copy_from_slice(&b[4..6]);
                 }
-                let at = (2 + qh) * n + 16 * j;
-                dg[at..at + 16].copy_from_slice(&b[2 + qh..]);
+                // the codes: 16 bytes of nibbles (Q4_0, Q5_0) or 32 bytes (Q8_0)
+                let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
+                dg[at..at + codes].copy_from_slice(&b[2 + qh..]);
             }
         }
     }
@@ -109,8 +118,8 @@ pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
                 b[2..4].copy_from_slice(&sg[2 * n + 2 * j..2 * n + 2 * j + 2]);
                 b[4..6].copy_from_slice(&sg[4 * n + 2 * j..4 * n + 2 * j + 2]);
             }
-            let at = (2 + qh) * n + 16 * j;
-            b[2 + qh..].copy_from_slice(&sg[at..at + 16]);
+            let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
+            b[2 + qh..].copy_from_slice(&sg[at..at + codes]);
         }
     }
 }
@@ -124,7 +133,7 @@ pub fn dequantize_groups(
     mut dequantize: impl FnMut(&[u8], &mut [f32]),
 ) {
     let (block, _) = block_and_qh(t);
-    let mut plain = [0u8; GROUP * 22];
+    let mut plain = [0u8; GROUP_BYTES_MAX];
     for (g, y) in src.chunks(GROUP * block).zip(dst.chunks_mut(GROUP * 32)) {
         let b = &mut plain[..g.len()];
         blocks(t, g, b);
@@ -137,6 +146,7 @@ pub fn read_as(t: QType) -> QType {
     match t {
         QType::Q4_0R => QType::Q4_0,
         QType::Q5_0R => QType::Q5_0,
+        QType::Q8_0R => QType::Q8_0,
         _ => t,
     }
 }

@@ -466,18 +466,24 @@ unsafe fn q6_k_rows<const R: usize>(
 }
 
 /// Whether the decode products take `t`'s rows here rather than on the AVX2 units (the same
-/// bits either way): every type but Q8_0, whose rows ran slower at VNNI end to end (SmolLM2-135M
-/// Q8_0, k = 576 and 1536, one thread: 0.76x the AVX2 units' decode tok/s; the 0.73 B model,
-/// k = 2048: 1.04x; benches/RESULTS.md, "ISA levels on AMD Zen 5", the lead's check).
+/// bits either way): every type but Q8_0 as stored, whose rows ran slower at VNNI end to end
+/// (SmolLM2-135M Q8_0, k = 576 and 1536, one thread: 0.76x the AVX2 units' decode tok/s; the
+/// 0.73 B model, k = 2048: 1.04x; benches/RESULTS.md, "ISA levels on AMD Zen 5", the lead's
+/// check). Repacked Q8_0 rows (`QType::Q8_0R`, `super::q8_0r`) are taken here.
 pub fn decodes(t: QType) -> bool {
     t != QType::Q8_0
 }
 
-/// Whether these planes take rows of `t`: all but the repacked types (`QType::Q4_0R`,
-/// `QType::Q5_0R`: `super::vnni4`'s order) in the natural order, those only where the planes
-/// were permuted.
+/// Whether rows of `t` are read against x's planes in repacked Q4_0's order (`Planes::new(..,
+/// permuted)`): Q4_0R and Q5_0R (`super::vnni4`); Q8_0R reads the natural order.
+pub fn permutes(t: QType) -> bool {
+    matches!(t, QType::Q4_0R | QType::Q5_0R)
+}
+
+/// Whether these planes take rows of `t`: all but `permutes` types in the natural order, those
+/// only where the planes were permuted.
 pub fn reads(p: &PlaneRow<'_>, t: QType) -> bool {
-    decodes(t) && (!super::repack::repacked(t) || !p.phi.is_null())
+    decodes(t) && (!permutes(t) || !p.phi.is_null())
 }
 
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the
@@ -515,6 +521,11 @@ pub unsafe fn row_dots_vnni<const R: usize>(
         QType::Q5_0R => {
             let mut acc = [lanes.acc];
             super::vnni4::q5_0r_rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
+            lanes.acc = acc[0];
+        }
+        QType::Q8_0R => {
+            let mut acc = [lanes.acc];
+            super::q8_0r::rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
             lanes.acc = acc[0];
         }
         _ => unreachable!("{} is not a quantized type", t.name()),

@@ -23,13 +23,14 @@ const Q4_0: u32 = 2;
 
 /// Whether the decode path takes rows of `t` four a pass: Q4_0, as stored or repacked
 /// (`QType::Q4_0R`, `q4_0r_rows`), and repacked Q5_0 (`QType::Q5_0R`, `q5_0r_rows`: its codes
-/// are a load and two masked adds, no more registers than Q4_0R's). Units for the other types
+/// are a load and two masked adds, no more registers than Q4_0R's), and repacked Q8_0
+/// (`QType::Q8_0R`, `super::q8_0r::rows`: one load and a xor a two blocks). Units for the other types
 /// `vnni::decodes` were built and tested bit for bit, but SmolLM2's products per step measured
 /// slower four a pass (Q4_1 file 0.79x, Q4_K_M file, mostly Q5_0: 0.66x; Q4_0 1.11x; busy,
 /// thread CPU time; benches/RESULTS.md, "four weight rows a pass"): their extra codes and
 /// scales for four rows exceed the registers, so they were removed rather than kept unused.
 pub fn takes(t: QType) -> bool {
-    matches!(t, QType::Q4_0 | QType::Q4_0R | QType::Q5_0R)
+    matches!(t, QType::Q4_0 | QType::Q4_0R | QType::Q5_0R | QType::Q8_0R)
 }
 
 /// Per weight row, the 16 i32 lanes of its 64 codes (`w`, unsigned, against both planes)
@@ -141,6 +142,12 @@ pub unsafe fn rows_dots_vnni(
         QType::Q5_0R => {
             let mut acc = lanes.acc.map(|a| [a]);
             q5_0r_rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
+            lanes.acc = acc.map(|a| a[0]);
+        }
+        QType::Q8_0R => {
+            // `super::q8_0r`: x's natural planes
+            let mut acc = lanes.acc.map(|a| [a]);
+            super::q8_0r::rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
             lanes.acc = acc.map(|a| a[0]);
         }
         _ => panic!("{} is not taken four rows a pass", t.name()),

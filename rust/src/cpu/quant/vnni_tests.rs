@@ -254,3 +254,68 @@ fn one_row_of_x_takes_weight_rows_four_a_pass_across_mixed_segments_and_run_spli
         }
     }
 }
+
+#[test]
+fn repacked_q8_0_rows_on_vnni_equal_the_plain_rows_portable_products_bit_for_bit() {
+    if !super::vnni() {
+        return;
+    }
+    // `q8_0r::rows`: four weight rows a pass (one row of x) and one a pass (1-4 rows of x); a
+    // last group of 3, 7, 2, 8 and 1 blocks (one block alone: the second half's lanes 0), and
+    // rows of the largest codes (0x7F, 0x80: -128, 0xFF: -1) against x's codes of ±32767
+    for k in [96, 224, 256, 576, 32] {
+        for fill in [None, Some(0x7Fu8), Some(0x80), Some(0xFF)] {
+            let x = match fill {
+                None => int16_x(4, k),
+                Some(_) => (0..4 * k)
+                    .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+                    .collect(),
+            };
+            let xq = QuantizedRows::new(&x, k, true);
+            let planes = Planes::new(&xq, 4, k, false);
+            let xs: [int16::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
+            let ps: [_; 4] = std::array::from_fn(|i| planes.row(i));
+            let mut plain = random_rows(QType::Q8_0, 4, k, k as u64 + 5);
+            if let Some(v) = fill {
+                for b in plain.chunks_exact_mut(34) {
+                    b[2..].fill(v);
+                }
+            }
+            let mut repacked = vec![0u8; plain.len()];
+            super::repack::repack(QType::Q8_0, &plain, &mut repacked, k).unwrap();
+            let bytes = 34 * k / 32;
+            let row = |d: &[u8], r: usize| -> Vec<u8> { d[r * bytes..(r + 1) * bytes].to_vec() };
+            let rows: [Vec<u8>; 4] = std::array::from_fn(|r| row(&repacked, r));
+            let want: Vec<Vec<u32>> = (0..4)
+                .map(|r| {
+                    let w = row(&plain, r);
+                    xs.iter()
+                        .map(|x| int16::row_dot(QType::Q8_0, &w, *x).to_bits())
+                        .collect()
+                })
+                .collect();
+            let what = format!("k {k} fill {fill:?}");
+            let t = QType::Q8_0R;
+            // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements, x's planes natural
+            let four = unsafe {
+                vnni4::rows_dots_vnni(t, rows.each_ref().map(|r| &r[..]), k, &xs[1], &ps[1])
+            };
+            for r in 0..4 {
+                assert_eq!(four[r].to_bits(), want[r][1], "{what} row {r}, four a pass");
+                // SAFETY: as above
+                let (one, all) = unsafe {
+                    (
+                        row_dots_vnni::<1>(t, &rows[r], k, &[xs[3]], &[ps[3]]),
+                        row_dots_vnni::<4>(t, &rows[r], k, &xs, &ps),
+                    )
+                };
+                assert_eq!(one[0].to_bits(), want[r][3], "{what} row {r}, one row of x");
+                assert_eq!(
+                    all.map(f32::to_bits).to_vec(),
+                    want[r],
+                    "{what} row {r}, four rows of x"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Repacked Q8_0 rows (`QType::Q8_0R`, `repack`) times rows of x's 16-bit codes on the VNNI
+//! units: `W` weight rows by `R` rows of x a pass (single-stream decode: four weight rows by one
+//! row of x, x's planes loaded once for the four; 2-8 rows of x: one weight row).
+//!
+//! A Q8_0 block is an f16 scale and 32 signed codes (34 bytes), so as stored two blocks' codes
+//! are two 32-byte loads 34 bytes apart and 8 scales a gather; on AVX2 each block is widened to
+//! 16 bits and taken by two `vpmaddwd` (SmolLM2 Q8_0, one thread: ~70 % of a decode step in
+//! those units and their per-row calls). Repacked, a group of 8 blocks is its `n` scales (2n
+//! bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one 64-byte load in
+//! element order, against x's natural byte planes, and 8 scales one 16-byte load.
+//!
+//! The integer sums are `vnni::group32`'s for Q8_0 (the codes shifted by 128 to unsigned
+//! against x's high bytes, signed against the low bytes, `hsum` off) and the f32 steps those of
+//! `int16::avx2::group32` in the same order, so every result equals `int16::row_dot` on the
+//! plain Q8_0 row bit for bit.
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::int16::avx2::{add, load8};
+use super::int16::Row;
+use super::vnni::{load_i32, reduce_pairs, PlaneRow};
+
+/// Elements per block.
+const QK: usize = 32;
+/// Bytes per block (as Q8_0's).
+const BLOCK: usize = 34;
+/// Weight rows ahead of the current ones whose group is prefetched (two passes of four): from
+/// memory the hardware prefetcher alone does not keep several rows streaming (round 9, H1's
+/// kernel benchmark on Q4_0R).
+const PREFETCH_ROWS: usize = 8;
+
+/// Each of the `W` repacked Q8_0 rows `w` (`k` elements) times each of the `R` rows of x (`x`
+/// codes, `p` natural planes): `acc[i][r]` takes row i's scaled unit sums with row r of x, a
+/// group of 8 blocks at a time, as `vnni::group32` for Q8_0 (the same integer sums and f32 steps
+/// in the same order).
+///
+/// # Safety
+/// AVX-512 with VNNI (`super::vnni()`), avx2, fma, f16c; each row of `w` holds `k` elements of
+/// Q8_0R (`k` a multiple of 32); x's rows `k` elements, their planes `k + PAD` bytes.
+#[inline(always)]
+pub(super) unsafe fn rows<const W: usize, const R: usize>(
+    w: [*const u8; W],
+    k: usize,
+    x: &[Row<'_>; R],
+    p: &[PlaneRow<'_>; R],
+    acc: &mut [[__m256; R]; W],
+) {
+    let blocks = k / QK;
+    let ahead = PREFETCH_ROWS * blocks * BLOCK;
+    let flip = _mm512_set1_epi8(-128);
+    let mut blk0 = 0;
+    while blk0 < blocks {
+        let n = (blocks - blk0).min(8);
+        // group blk0 / 8 of each row: `BLOCK` bytes a block before it
+        let g = w.map(|r| r.add(blk0 * BLOCK));
+        for b in g {
+            // a hint only: no fault past the weight's end
+            let ahead = b.wrapping_add(ahead);
+            for line in [0, 64, 128, 192, 256] {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
+            }
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(n * BLOCK - 1).cast());
+        }
+        let mut z = [[[_mm512_setzero_si512(); 4]; R]; W];
+        for j in 0..4 {
+            let first = 2 * j;
+            if first >= n {
+                break;
+            }
+            let two = first + 1 < n;
+            // x's elements of blocks blk0 + first, + 1: inside the planes' k + PAD bytes
+            let e = QK * (blk0 + first);
+            let mut planes = [[_mm512_setzero_si512(); 2]; R];
+            for (q, p) in planes.iter_mut().zip(p) {
+                *q = [
+                    _mm512_loadu_si512(p.hi.add(e).cast()),
+                    _mm512_loadu_si512(p.lo.add(e).cast()),
+                ];
+            }
+            for (z, g) in z.iter_mut().zip(g) {
+                // blocks first, first + 1's codes: after the group's 2n bytes of scales
+                let at = g.add(2 * n + QK * first);
+                let (codes, shifted) = if two {
+                    let v = _mm512_loadu_si512(at.cast());
+                    (v, _mm512_xor_si512(v, flip))
+                } else {
+                    // one block: the missing one's lanes 0 in both operands
+                    let v = _mm512_zextsi256_si512(_mm256_loadu_si256(at.cast()));
+                    (v, _mm512_maskz_xor_epi32(0x00FF, v, flip))
+                };
+                for (z, q) in z.iter_mut().zip(&planes) {
+                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shifted, q[0]);
+                    z[j] = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(s), q[1], codes);
+                }
+            }
+        }
+        // from here as `vnni::group32` for Q8_0
+        let mut dx = [_mm256_setzero_ps(); R];
+        let mut hsum = [_mm256_setzero_si256(); R];
+        for ((d, h), (x, p)) in dx.iter_mut().zip(&mut hsum).zip(x.iter().zip(p)) {
+            *d = load8(x.d, blk0, n);
+            *h = load_i32(p.hsum, blk0, n);
+        }
+        for ((acc, z), g) in acc.iter_mut().zip(z).zip(g) {
+            let dw = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(((1u32 << n) - 1) as u8, g.cast()));
+            let mut s = [_mm256_setzero_si256(); R];
+            let mut c = [dw; R];
+            for (((s, c), z), (h, d)) in s.iter_mut().zip(&mut c).zip(z).zip(hsum.iter().zip(dx)) {
+                *s = _mm256_sub_epi32(reduce_pairs(z), *h);
+                *c = _mm256_mul_ps(dw, d);
+            }
+            add(s, c, acc);
+        }
+        blk0 += 8;
+    }
+}
