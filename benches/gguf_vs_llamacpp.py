@@ -152,13 +152,39 @@ def server_command(args, name: str, model: str, port: int, concurrency: int) -> 
             "-cb", "-c", str(ctx * concurrency), "--log-disable"]  # fmt: skip
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of process `pid` and its live descendants: the
+    work a server does, which a busy machine stretches far less than wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = fields
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        if p in stats:
+            # fields after the name: state is 0, utime 11, stime 12
+            total += (int(stats[p][11]) + int(stats[p][12])) / tick
+        todo.extend(children.get(p, []))
+    return total
+
+
 def _listed(ratios: list[float]) -> str:
     return " ".join(f"{r:.2f}" for r in ratios)
 
 
 def serving(args, model: str) -> None:
     from pagedllm.cli.bench_serve import run_bench_serve
-    from pagedllm.cli.serve_compare import free_port, running_server
+    from pagedllm.cli.serve_compare import free_port, server_process
 
     for concurrency in args.concurrency:
         variants = {
@@ -174,15 +200,19 @@ def serving(args, model: str) -> None:
                 for attempt in range(1 + args.serve_retries):
                     port = free_port()
                     command = server_command(args, name, model, port, concurrency)
-                    with running_server(name, command, port, env) as url:
+                    with server_process(name, command, port, env) as proc:
+                        cpu = _cpu_seconds(proc.pid)
                         result = run_bench_serve(
-                            base_url=url,
+                            base_url=f"http://127.0.0.1:{port}",
                             num_prompts=max(2 * concurrency, 4),
                             input_len=args.serve_input,
                             output_len=args.serve_output,
                             max_concurrency=concurrency,
                             progress=False,
                         )
+                        # the server's CPU per output token over the run
+                        cpu = _cpu_seconds(proc.pid) - cpu
+                        result["cpu_ms_per_token"] = 1e3 * cpu / max(result["output_tokens"], 1)
                     if not result["failed"]:
                         break
                     # a failed request's tokens are missing from the rate: the run is repeated
@@ -221,6 +251,20 @@ def serving(args, model: str) -> None:
             f"  pairs (ours / theirs): tok/s {' '.join(f'{r:.2f}' for r in rates)} (median "
             f"{statistics.median(rates):.2f}x); TTFT p50 {' '.join(f'{r:.2f}' for r in ttfts)} "
             f"(median {statistics.median(ttfts):.2f}x)",
+            flush=True,
+        )
+        cpu = {n: [r["cpu_ms_per_token"] for r in rs] for n, rs in figures.items()}
+        print(
+            "  server CPU ms per output token (median; pairs / pagedllm's): "
+            + "; ".join(
+                f"{n} {statistics.median(c):.1f}"
+                + (
+                    ""
+                    if n == "pagedllm"
+                    else " (" + _listed([a / b for a, b in zip(c, cpu["pagedllm"])]) + ")"
+                )
+                for n, c in cpu.items()
+            ),
             flush=True,
         )
         for name in variants:
