@@ -133,9 +133,7 @@ class LLMEngine:
         self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
-        self.kv_transfer = kv_transfer(
-            args, self.cache_engine.kv_cache, self.device, self.cache_engine.key_calibration
-        )
+        self.kv_transfer = kv_transfer(args, self.cache_engine, self.device)
         if draft is not None:
             draft.allocate_cache(
                 block_size=args.block_size,

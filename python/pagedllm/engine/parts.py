@@ -66,12 +66,11 @@ def draft_model(spec: SpecDecoder | None, *, dtype: torch.dtype, device: torch.d
     return DraftModelProposer(c.model, c.num_speculative_tokens, dtype=dtype, device=device)
 
 
-def kv_transfer(
-    args: EngineArgs, kv_cache: torch.Tensor, device: torch.device, key_calibration=None
-):
-    """kv_offloading_size: the worker connector that copies blocks in and out of the tier:
-    a host pool (exactly as many blocks as the GiB hold) or the disk tier's directory (its
-    header names the cache's `key_calibration`, `worker/kv_calibration.py`)."""
+def kv_transfer(args: EngineArgs, cache_engine, device: torch.device):
+    """kv_offloading_size: the worker connector that copies blocks in and out of the
+    `cache_engine`'s tier: a host pool (exactly as many blocks as the GiB hold) or the disk
+    tier's directory (its header names the cache's key calibration, `worker/kv_calibration.py`)."""
+    kv_cache, calibration = cache_engine.kv_cache, cache_engine.key_calibration
     backend = args.resolved_kv_offloading_backend
     if backend is None:
         return None
@@ -86,7 +85,7 @@ def kv_transfer(
             model=args.model,
             tokenizer=args.tokenizer,
             quantization=args.quantization,
-            key_calibration=key_calibration.digest if key_calibration else None,
+            key_calibration=calibration.digest if calibration else None,
         )
     pool = HostKVPool(
         size,
