@@ -25,10 +25,12 @@ use super::vnni::{load_i32, reduce_pairs, PlaneRow};
 const QK: usize = 32;
 /// Bytes per block (as Q8_0's).
 const BLOCK: usize = 34;
-/// Weight rows ahead of the current ones whose group is prefetched (two passes of four): from
+/// Weight rows ahead of the current ones whose group is prefetched (four passes of four): from
 /// memory the hardware prefetcher alone does not keep several rows streaming (round 9, H1's
-/// kernel benchmark on Q4_0R).
-const PREFETCH_ROWS: usize = 8;
+/// kernel benchmark on Q4_0R). SmolLM2 Q8_0's matrices from huge pages, one row of x, one
+/// thread: 8 rows ahead 23-27 GB/s, 12: 26-30, 16-32: 30-31, 48-64: 26-30 (busy; benches/
+/// RESULTS.md, round 10, HC).
+const PREFETCH_ROWS: usize = 16;
 
 /// Each of the `W` repacked Q8_0 rows `w` (`k` elements) times each of the `R` rows of x (`x`
 /// codes, `p` natural planes): `acc[i][r]` takes row i's scaled unit sums with row r of x, a
