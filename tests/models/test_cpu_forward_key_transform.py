@@ -6,41 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cpu_forward import _generate, _logprob_values
 
-from pagedllm import LLM, SamplingParams, _core
-from pagedllm.models import cpu_forward
+from pagedllm import _core
 
 from model_factory import save_tiny_checkpoint
-
-PROMPTS = [[5, 9, 33, 71, 2, 8, 100, 41, 17, 3, 64, 12, 90, 7], [11, 12, 13]]
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-
-
-def _run(monkeypatch, folder, *, fused: bool, kv_cache_dtype: str):
-    built = []
-    real = cpu_forward.build
-
-    def build(*args, **kwargs):
-        result = real(*args, **kwargs) if fused else None
-        built.append(result)
-        return result
-
-    with monkeypatch.context() as m:
-        m.setattr(cpu_forward, "build", build)
-        llm = LLM(
-            str(folder),
-            kv_cache_dtype=kv_cache_dtype,
-            max_num_batched_tokens=8,  # prompts over several steps, mixed with decodes
-            cpu_threads=1,
-        )
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-    assert llm.llm_engine.cache_engine.key_calibration is not None
-    values = []
-    for o in outputs:
-        for position in [*o.prompt_logprobs, *o.outputs[0].logprobs]:
-            if position is not None:
-                values.append(sorted((t, lp.logprob) for t, lp in position.items()))
-    return [o.outputs[0].token_ids for o in outputs], values, built
 
 
 @pytest.mark.parametrize(("family", "kv_cache_dtype"), [("llama", "int8"), ("qwen3", "fp8_e4m3")])
@@ -49,10 +19,15 @@ def test_fused_forward_with_a_key_transform_gives_the_layer_by_layer_numbers(
 ):
     # qwen3: q/k norms before the rotation (the transform on their own buffers)
     folder = save_tiny_checkpoint(tmp_path / "m", family, hidden_size=64, intermediate_size=128)
-    fused = _run(monkeypatch, folder, fused=True, kv_cache_dtype=kv_cache_dtype)
-    assert fused[2][0] is not None
-    plain = _run(monkeypatch, folder, fused=False, kv_cache_dtype=kv_cache_dtype)
-    assert fused[:2] == plain[:2]
+    kv = {"kv_cache_dtype": kv_cache_dtype}
+    fused_tokens, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, **kv)
+    decoder = built[0]
+    assert decoder is not None
+    transforms = [layer.self_attn.key_transform for layer in decoder.model.model.layers]
+    assert all(t is not None for t in transforms)  # calibrated (a quantized cache)
+    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, **kv)
+    assert fused_tokens == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
 def test_a_key_transform_of_the_wrong_size_is_a_value_error_naming_it():
