@@ -468,7 +468,10 @@ const X_ROWS: usize = 2;
 /// four weight rows a pass as at one row of x.
 #[cfg(target_arch = "x86_64")]
 fn repacked_four(t: super::QType) -> bool {
-    matches!(t, super::QType::Q4_0R | super::QType::Q5_0R)
+    matches!(
+        t,
+        super::QType::Q4_0R | super::QType::Q5_0R | super::QType::Q8_0R
+    )
 }
 
 /// `four_rows` at 2-8 rows of x for the repacked types (`repacked_four`): four weight rows a
@@ -540,7 +543,8 @@ unsafe fn repacked_dots<const R: usize>(
     let mut acc = [[_mm256_setzero_ps(); R]; 4];
     match t {
         super::QType::Q4_0R => super::vnni4::q4_0r_rows::<4, R>(w, k, x, p, &mut acc),
-        _ => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
+        super::QType::Q5_0R => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
+        _ => super::q8_0r::rows::<4, R>(w, k, x, p, &mut acc),
     }
     // no closure: it would not take this function's target features
     let mut out = [[0.0; R]; 4];

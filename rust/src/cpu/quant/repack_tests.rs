@@ -12,7 +12,11 @@ use super::*;
 const KS: [usize; 5] = [256, 576, 96, 1696, 32];
 
 /// The plain types with a repacked layout, each with it.
-const TYPES: [(QType, QType); 2] = [(QType::Q4_0, QType::Q4_0R), (QType::Q5_0, QType::Q5_0R)];
+const TYPES: [(QType, QType); 3] = [
+    (QType::Q4_0, QType::Q4_0R),
+    (QType::Q5_0, QType::Q5_0R),
+    (QType::Q8_0, QType::Q8_0R),
+];
 
 /// `rows` random rows of plain type `t` (`k` elements) and the same rows repacked.
 fn rows_and_repacked(t: QType, rows: usize, k: usize, seed: u64) -> (Vec<u8>, Vec<u8>) {
