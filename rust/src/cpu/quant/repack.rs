@@ -21,9 +21,11 @@
 //! scales (2n bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one
 //! 64-byte load in element order (`q8_0r`).
 //!
-//! Every path but the VNNI products reads a repacked row back as the plain type's blocks
-//! (`blocks`, `standard_row`): the same codes and scales, so every result equals the plain
-//! type's bit for bit.
+//! The VNNI products (four weight rows a pass at one row of x and, two rows of x a call, at
+//! 2-8: `vnni4`, `q8_0r`, `matmul::repacked_passes`) and the integer panels' widening (> 8
+//! rows: `int16::avx2::repacked_codes`, `gemm16`) read the groups where they are; every other
+//! path reads a repacked row back as the plain type's blocks (`blocks`, `standard_row`). The
+//! same codes and scales either way, so every result equals the plain type's bit for bit.
 use super::formats::QType;
 use crate::cpu::invalid;
 use crate::error::Result;

@@ -1,7 +1,7 @@
-//! Repacked Q4_0 and Q5_0 rows (`repack`, `QType::Q4_0R`, `QType::Q5_0R`) against the same
-//! rows as Q4_0 / Q5_0: the same values, the same products bit for bit on every path (the VNNI
-//! products at AVX-512, the paths that read them back as the plain type elsewhere), and close
-//! to the dequantized weight's product.
+//! Repacked Q4_0, Q5_0 and Q8_0 rows (`repack`, `QType::Q4_0R`, `Q5_0R`, `Q8_0R`) against the
+//! same rows as stored: the same values, the same products bit for bit on every path (the VNNI
+//! products at AVX-512, the integer panels, the paths that read them back as the plain type
+//! elsewhere), and close to the dequantized weight's product.
 use ndarray::Array2;
 
 use super::repack::{blocks, repack, standard_row};
