@@ -6,10 +6,12 @@ from transformers import Gemma2Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_model
+from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.worker import kv_calibration
 from pagedllm.worker.kv_calibration import Moments, calibrate
 
 from model_factory import build_hf_model, save_tiny_checkpoint
+from moe_factory import save_tiny_moe_checkpoint
 
 
 def _calibrate(model, tokens: int = 96):
@@ -91,6 +93,14 @@ def test_soft_capped_layers_get_the_scale_but_no_offset(tmp_path):
 
 def test_layers_without_soft_capping_get_an_offset(llama):
     assert all(t.offset is not None for t in _calibrate(llama).transforms)
+
+
+def test_a_mixture_of_experts_counts_no_calibration_tokens(tmp_path):
+    folder = save_tiny_moe_checkpoint(tmp_path, "mixtral", seed=4)
+    model = load_model(folder, dtype="float32", device="cpu")
+    _calibrate(model)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(int(b.expert_tokens.sum()) == 0 for b in blocks)
 
 
 def test_the_calibration_leaves_no_transform_on_the_layers(llama):

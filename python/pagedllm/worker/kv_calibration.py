@@ -33,6 +33,7 @@ from torch import Tensor
 from pagedllm.attention.key_transform import KeyTransform
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.models.decoder import Attention
+from pagedllm.models.moe import SparseMoeBlock
 
 logger = logging.getLogger("pagedllm")
 
@@ -138,6 +139,9 @@ def calibrate(
     finally:
         for layer in layers:
             layer.key_transform = None
+        for block in model.modules():
+            if isinstance(block, SparseMoeBlock):
+                block.expert_tokens.zero_()  # `get_stats` counts served tokens, not these
     transforms = tuple(
         m.transform(layer.num_heads, offset=not layer.softcap) for layer, m in zip(layers, moments)
     )
