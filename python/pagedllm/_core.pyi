@@ -993,7 +993,7 @@ def cpu_quant_repack(
     """Rows ``src [rows, row_bytes]`` of ggml type ``qtype`` written into ``out`` (as many bytes)
     in the layout this process's products read fastest, returning that layout's type code (at
     AVX-512 with VNNI: Q4_0 1002, repacked Q4_0; Q5_0 1006, repacked Q5_0; Q8_0 1008, repacked
-    Q8_0); ``None``, ``out``
+    Q8_0; Q4_1 1003, repacked Q4_1); ``None``, ``out``
     untouched, where the type stays
     as it is. ``ValueError`` for sizes that are not the same whole rows."""
 

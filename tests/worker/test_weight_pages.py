@@ -100,6 +100,7 @@ def _quantized_model(qtype: int, rows: int = 8192) -> nn.Module:  # more than a 
         (cpu_quant.Q4_0, weight_pages.Q4_0_REPACKED),
         (cpu_quant.Q5_0, weight_pages.Q5_0_REPACKED),
         (cpu_quant.Q8_0, weight_pages.Q8_0_REPACKED),
+        (cpu_quant.Q4_1, weight_pages.Q4_1_REPACKED),
     ],
 )
 def test_rows_are_repacked_where_the_vnni_products_read_them_with_the_same_results(qtype, repacked):

@@ -15,10 +15,10 @@ An embedding table is read a row per token, so it stays where it is, unless it i
 LM head (one `QuantWeight` object), which reads it whole.
 
 Quantized rows of a type the products read faster in another layout are written in that layout
-instead of copied (`_core.cpu_quant_repack`: Q4_0, Q5_0 and Q8_0 at AVX-512 with VNNI, repacked
-Q4_0 / Q5_0 / Q8_0, the same bytes a row; `rust/src/cpu/quant/repack.rs`); the products' results
-are the same bit for bit. A tied Q8_0 embedding follows its LM head into the repacked layout (its
-rows are read back as Q8_0 a group at a time).
+instead of copied (`_core.cpu_quant_repack`: Q4_0, Q5_0, Q8_0 and Q4_1 at AVX-512 with VNNI,
+repacked Q4_0 / Q5_0 / Q8_0 / Q4_1, the same bytes a row; `rust/src/cpu/quant/repack.rs`); the
+products' results are the same bit for bit. A tied Q8_0 embedding follows its LM head into the
+repacked layout (its rows are read back as Q8_0 a group at a time).
 `REPACK_ENV=0` copies them as they are (an A/B switch, read once at import).
 """
 
@@ -44,10 +44,11 @@ ALIGN = 64
 # "0": quantized rows copied as they are, never repacked
 REPACK_ENV = "PAGEDLLM_WEIGHT_REPACK"
 REPACK: bool = os.environ.get(REPACK_ENV, "1") != "0"
-# the type codes of Q4_0 / Q5_0 / Q8_0 rows repacked for the VNNI products (not ggml codes)
+# the type codes of Q4_0 / Q5_0 / Q8_0 / Q4_1 rows repacked for the VNNI products (not ggml codes)
 Q4_0_REPACKED = 1002
 Q5_0_REPACKED = 1006
 Q8_0_REPACKED = 1008
+Q4_1_REPACKED = 1003
 
 
 def move_weights(model: nn.Module) -> int:

@@ -182,7 +182,13 @@ pub unsafe fn row_dots<const R: usize>(
                 q6_k_super_block(b, blk, x, xsum, &mut sums);
             }
         }
-        QType::F32 | QType::F16 | QType::BF16 | QType::Q4_0R | QType::Q5_0R | QType::Q8_0R => {
+        QType::F32
+        | QType::F16
+        | QType::BF16
+        | QType::Q4_0R
+        | QType::Q5_0R
+        | QType::Q8_0R
+        | QType::Q4_1R => {
             unreachable!("not fused")
         }
     }

@@ -34,10 +34,12 @@ pub enum QType {
     Q5_0R = 1006,
     /// Not a ggml type: Q8_0 rows repacked at load for the VNNI products (`repack`).
     Q8_0R = 1008,
+    /// Not a ggml type: Q4_1 rows repacked at load for the VNNI products (`repack`).
+    Q4_1R = 1003,
 }
 
 impl QType {
-    pub const ALL: [QType; 14] = [
+    pub const ALL: [QType; 15] = [
         QType::F32,
         QType::F16,
         QType::Q4_0,
@@ -52,6 +54,7 @@ impl QType {
         QType::Q4_0R,
         QType::Q5_0R,
         QType::Q8_0R,
+        QType::Q4_1R,
     ];
 
     /// The type of ggml code `code`, or an error naming the code.
@@ -83,6 +86,7 @@ impl QType {
             QType::Q4_0R => "Q4_0 (repacked)",
             QType::Q5_0R => "Q5_0 (repacked)",
             QType::Q8_0R => "Q8_0 (repacked)",
+            QType::Q4_1R => "Q4_1 (repacked)",
         }
     }
 
@@ -92,7 +96,7 @@ impl QType {
             QType::F32 => (1, 4),
             QType::F16 | QType::BF16 => (1, 2),
             QType::Q4_0 | QType::Q4_0R => (32, 18),
-            QType::Q4_1 => (32, 20),
+            QType::Q4_1 | QType::Q4_1R => (32, 20),
             QType::Q5_0 | QType::Q5_0R => (32, 22),
             QType::Q5_1 => (32, 24),
             QType::Q8_0 | QType::Q8_0R => (32, 34),
@@ -208,7 +212,7 @@ pub fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
             QType::Q4_K => q4_k(b, y),
             QType::Q5_K => q5_k(b, y),
             QType::Q6_K => q6_k(b, y),
-            QType::Q4_0R | QType::Q5_0R | QType::Q8_0R => {
+            QType::Q4_0R | QType::Q5_0R | QType::Q8_0R | QType::Q4_1R => {
                 unreachable!("repacked rows are dequantized a group at a time")
             }
         }

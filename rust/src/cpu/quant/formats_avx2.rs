@@ -54,7 +54,8 @@ pub unsafe fn dequantize_blocks(t: QType, src: &[u8], dst: &mut [f32]) {
                     | QType::BF16
                     | QType::Q4_0R
                     | QType::Q5_0R
-                    | QType::Q8_0R => {
+                    | QType::Q8_0R
+                    | QType::Q4_1R => {
                         unreachable!()
                     }
                 }

@@ -272,11 +272,18 @@ unsafe fn unit_scales_f16c(
             }
         }
     } else if repack::repacked(t) {
-        // each group's n scales first (`repack`)
+        // each group's n scales first, then (Q4_1R) its n mins (`repack`)
+        let min = repack::read_as(t) == QType::Q4_1;
         for (g, src) in row.chunks(repack::GROUP * bytes).enumerate() {
-            for j in 0..src.len() / bytes {
+            let n = src.len() / bytes;
+            for j in 0..n {
                 let d = half_f16c(src, 2 * j);
-                put(repack::GROUP * g + j, [d, d], 0.0);
+                let m = if min {
+                    half_f16c(src, 2 * n + 2 * j)
+                } else {
+                    0.0
+                };
+                put(repack::GROUP * g + j, [d, d], m);
             }
         }
     } else {
@@ -299,7 +306,10 @@ unsafe fn half_f16c(b: &[u8], at: usize) -> f32 {
 
 /// Whether weights of type `t` have a min (`int16`'s).
 fn has_min(t: QType) -> bool {
-    matches!(t, QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K)
+    matches!(
+        repack::read_as(t),
+        QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K
+    )
 }
 
 impl Panel {

@@ -635,6 +635,7 @@ pub(super) mod avx2 {
             QType::Q4_0 => (18, 16),
             QType::Q5_0 => (22, 16),
             QType::Q8_0 => (34, 32),
+            QType::Q4_1 => (20, 16),
             _ => unreachable!("{} has no repacked layout", t.name()),
         };
         // a group's bytes per block before its codes (scale, qh halves)
@@ -657,6 +658,7 @@ pub(super) mod avx2 {
                         q5_0_weights(u32::from(lo) | (u32::from(hi) << 16), qs)
                     }
                     QType::Q8_0 => weights32::<8>(qs.sub(2)),
+                    QType::Q4_1 => weights32::<3>(qs.sub(4)),
                     _ => weights32::<2>(qs.sub(2)),
                 };
                 store32(q, blk0 + j, w);

@@ -24,6 +24,8 @@ mod int16;
 mod int8;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
+mod q4_1r;
+#[cfg(target_arch = "x86_64")]
 mod q8_0r;
 mod quantize;
 pub mod repack;

@@ -21,6 +21,10 @@
 //! scales (2n bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one
 //! 64-byte load in element order (`q8_0r`).
 //!
+//! A Q4_1 block (20 bytes) is its scale, its min and 16 bytes of nibbles. Repacked, a group is
+//! its `n` scales (2n bytes), its `n` mins (2n), then the nibbles as Q4_0R's (16n): the one-row
+//! products take them four a pass (`q4_1r`), 2-8 rows of x one weight row a call.
+//!
 //! The VNNI products (four weight rows a pass at one row of x and, two rows of x a call, at
 //! 2-8: `vnni4`, `q8_0r`, `matmul::repacked_passes`) and the integer panels' widening (> 8
 //! rows: `int16::avx2::repacked_codes`, `gemm16`) read the groups where they are; every other
@@ -41,13 +45,15 @@ pub fn repacked_type(t: QType) -> Option<QType> {
         QType::Q4_0 => Some(QType::Q4_0R),
         QType::Q5_0 => Some(QType::Q5_0R),
         QType::Q8_0 => Some(QType::Q8_0R),
+        QType::Q4_1 => Some(QType::Q4_1R),
         _ => None,
     }
 }
 
-/// Whether `t` is a repacked type (`QType::Q4_0R`, `QType::Q5_0R`, `QType::Q8_0R`).
+/// Whether `t` is a repacked type (`QType::Q4_0R`, `QType::Q5_0R`, `QType::Q8_0R`,
+/// `QType::Q4_1R`).
 pub fn repacked(t: QType) -> bool {
-    matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q8_0R)
+    matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q8_0R | QType::Q4_1R)
 }
 
 /// Whether weights of type `t` are repacked (to `repacked_type(t)`) when this process copies
@@ -57,10 +63,12 @@ pub fn repacks(t: QType) -> bool {
     repacked_type(t).is_some() && super::vnni()
 }
 
-/// Bytes of a block of the plain type and of its qh (0 for Q4_0 and Q8_0).
+/// Bytes of a block of the plain type and of its fields between the scale and the codes (Q5_0's
+/// qh, Q4_1's min; 0 for Q4_0 and Q8_0), each 2 bytes of which a group keeps together.
 fn block_and_qh(t: QType) -> (usize, usize) {
     match read_as(t) {
         QType::Q5_0 => (22, 4),
+        QType::Q4_1 => (20, 2),
         QType::Q8_0 => (34, 0),
         _ => (18, 0),
     }
@@ -91,11 +99,11 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
         for (sg, dg) in s.chunks(GROUP * block).zip(d.chunks_mut(GROUP * block)) {
             let n = sg.len() / block;
             for (j, b) in sg.chunks_exact(block).enumerate() {
-                dg[2 * j..2 * j + 2].copy_from_slice(&b[..2]);
-                if qh > 0 {
-                    // qh's low 16 bits, then its high 16 bits, each with its kind
-                    dg[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
-                    dg[4 * n + 2 * j..4 * n + 2 * j + 2].copy_from_slice(&b[4..6]);
+                // the scale, then each 2 bytes of the fields after it (Q4_1's min; Q5_0's qh low
+                // 16 bits, then its high 16 bits), each with its kind
+                for i in 0..1 + qh / 2 {
+                    let at = 2 * i * n + 2 * j;
+                    dg[at..at + 2].copy_from_slice(&b[2 * i..2 * i + 2]);
                 }
                 // the codes: 16 bytes of nibbles (Q4_0, Q5_0) or 32 bytes (Q8_0)
                 let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
@@ -115,10 +123,9 @@ pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
     for (sg, og) in src.chunks(GROUP * block).zip(out.chunks_mut(GROUP * block)) {
         let n = sg.len() / block;
         for (j, b) in og.chunks_exact_mut(block).enumerate() {
-            b[..2].copy_from_slice(&sg[2 * j..2 * j + 2]);
-            if qh > 0 {
-                b[2..4].copy_from_slice(&sg[2 * n + 2 * j..2 * n + 2 * j + 2]);
-                b[4..6].copy_from_slice(&sg[4 * n + 2 * j..4 * n + 2 * j + 2]);
+            for i in 0..1 + qh / 2 {
+                let at = 2 * i * n + 2 * j;
+                b[2 * i..2 * i + 2].copy_from_slice(&sg[at..at + 2]);
             }
             let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
             b[2 + qh..].copy_from_slice(&sg[at..at + codes]);
@@ -149,6 +156,7 @@ pub fn read_as(t: QType) -> QType {
         QType::Q4_0R => QType::Q4_0,
         QType::Q5_0R => QType::Q5_0,
         QType::Q8_0R => QType::Q8_0,
+        QType::Q4_1R => QType::Q4_1,
         _ => t,
     }
 }

@@ -1,7 +1,7 @@
-//! Repacked Q4_0, Q5_0 and Q8_0 rows (`repack`, `QType::Q4_0R`, `Q5_0R`, `Q8_0R`) against the
-//! same rows as stored: the same values, the same products bit for bit on every path (the VNNI
-//! products at AVX-512, the integer panels, the paths that read them back as the plain type
-//! elsewhere), and close to the dequantized weight's product.
+//! Repacked Q4_0, Q5_0, Q8_0 and Q4_1 rows (`repack`, `QType::Q4_0R`, `Q5_0R`, `Q8_0R`,
+//! `Q4_1R`) against the same rows as stored: the same values, the same products bit for bit on
+//! every path (the VNNI products at AVX-512, the integer panels, the paths that read them back
+//! as the plain type elsewhere), and close to the dequantized weight's product.
 use ndarray::Array2;
 
 use super::repack::{blocks, repack, standard_row};
@@ -12,10 +12,11 @@ use super::*;
 const KS: [usize; 5] = [256, 576, 96, 1696, 32];
 
 /// The plain types with a repacked layout, each with it.
-const TYPES: [(QType, QType); 3] = [
+const TYPES: [(QType, QType); 4] = [
     (QType::Q4_0, QType::Q4_0R),
     (QType::Q5_0, QType::Q5_0R),
     (QType::Q8_0, QType::Q8_0R),
+    (QType::Q4_1, QType::Q4_1R),
 ];
 
 /// `rows` random rows of plain type `t` (`k` elements) and the same rows repacked.
@@ -204,9 +205,9 @@ fn repacking_rejects_sizes_that_are_not_whole_rows() {
 
 #[test]
 fn repacking_rejects_a_type_without_a_repacked_layout() {
-    let src = vec![0u8; 20 * 18];
+    let src = vec![0u8; 24 * 18];
     let mut dst = vec![0u8; src.len()];
-    let err = repack(QType::Q4_1, &src, &mut dst, 576)
+    let err = repack(QType::Q5_1, &src, &mut dst, 576)
         .unwrap_err()
         .to_string();
     assert!(err.contains("no repacked layout"), "{err}");

@@ -46,7 +46,7 @@ pub(super) fn random_rows(t: QType, rows: usize, k: usize, seed: u64) -> Vec<u8>
     let mut data = bytes(rows * k / elems * size, seed);
     let scale_at: &[usize] = match t {
         QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => &[0],
-        QType::Q4_0R | QType::Q5_0R | QType::Q8_0R => {
+        QType::Q4_0R | QType::Q5_0R | QType::Q8_0R | QType::Q4_1R => {
             unreachable!("repacked from plain rows above")
         }
         QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],

@@ -475,9 +475,10 @@ pub fn decodes(t: QType) -> bool {
 }
 
 /// Whether rows of `t` are read against x's planes in repacked Q4_0's order (`Planes::new(..,
-/// permuted)`): Q4_0R and Q5_0R (`super::vnni4`); Q8_0R reads the natural order.
+/// permuted)`): Q4_0R and Q5_0R (`super::vnni4`), Q4_1R (`super::q4_1r`); Q8_0R reads the
+/// natural order.
 pub fn permutes(t: QType) -> bool {
-    matches!(t, QType::Q4_0R | QType::Q5_0R)
+    matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q4_1R)
 }
 
 /// Whether these planes take rows of `t`: all but `permutes` types in the natural order, those
@@ -527,6 +528,11 @@ pub unsafe fn row_dots_vnni<const R: usize>(
             let mut acc = [lanes.acc];
             super::q8_0r::rows::<1, R>([row.as_ptr()], k, x, p, &mut acc);
             lanes.acc = acc[0];
+        }
+        QType::Q4_1R => {
+            let (mut acc, mut mins) = ([lanes.acc], [lanes.mins]);
+            super::q4_1r::rows::<1, R>([row.as_ptr()], k, x, p, &mut acc, &mut mins);
+            (lanes.acc, lanes.mins) = (acc[0], mins[0]);
         }
         _ => unreachable!("{} is not a quantized type", t.name()),
     }
