@@ -94,6 +94,18 @@ def test_two_ray_ranks_generate_the_greedy_tokens_of_one(cluster, folder):
         engine.shutdown()
 
 
+def test_two_ray_ranks_calibrate_an_int8_cache_together_and_match_one(cluster, folder):
+    # the calibration forward's collectives need both ranks while rank 0 builds its cache
+    one = _engine(folder, 1, kv_cache_dtype="int8")
+    expected = greedy_tokens(one, PROMPTS, 24)
+    engine = _engine(folder, 2, kv_cache_dtype="int8")
+    try:
+        assert engine.get_stats()["kv_key_calibration"] != "off"
+        assert greedy_tokens(engine, PROMPTS, 24) == expected
+    finally:
+        engine.shutdown()
+
+
 def test_a_killed_ray_actor_fails_the_step_naming_its_rank(cluster, folder):
     engine = _engine(folder, 2, tp_step_timeout=20.0)
     executor = engine.executor

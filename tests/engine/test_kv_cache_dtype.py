@@ -143,11 +143,8 @@ def test_a_disk_tier_written_with_another_kv_dtype_is_never_loaded(tmp_path, cap
     assert out.outputs[0].token_ids == want.token_ids
 
 
-def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_rank(
-    tmp_path, monkeypatch
-):
-    # the key calibration is not run under tensor parallelism (worker.py): one rank without it
-    monkeypatch.setenv("PAGEDLLM_KV_CALIBRATION", "0")
+def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_rank(tmp_path):
+    # both ranks calibrate their heads' keys together (its forward's collectives need both)
     folder = save_tiny_checkpoint(tmp_path, "llama", seed=3)
     kw = dict(model=str(folder), kv_cache_dtype="int8", num_gpu_blocks=28, swap_space=0.01)
     _, one = _run(**kw)
@@ -155,6 +152,7 @@ def test_tensor_parallel_ranks_each_hold_their_heads_int8_and_agree_with_one_ran
     # each rank's cache: int8 rows of its half of the kv heads (the tiny llama has 2)
     assert two_ranks.llm_engine.cache_engine.kv_cache.shape[4:] == (1, 16 + 1)
     assert two_ranks.llm_engine.get_stats()["num_preemptions"] > 0
+    assert two_ranks.llm_engine.get_stats()["kv_key_calibration"] != "off"
     two_ranks.llm_engine.shutdown()
     assert _tokens(two) == _tokens(one)
 

@@ -129,7 +129,7 @@ class LLMEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             draft=draft,
         ).plan()
-        local_runner = self.worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        runner = self.executor.start_workers(num_gpu_blocks, num_cpu_blocks, self.worker.init_cache)
         self.cache_engine = self.worker.cache_engine
         self.cache_engine.log_capacity()
         # the offload tier (None: off): its host pool, and the copies the scheduler asks for
@@ -163,8 +163,7 @@ class LLMEngine:
         apply_kv_groups(self.scheduler, self.worker.kv_layout)  # sliding windows' own blocks
         self.kv_events = kv_events_publisher(args, self.scheduler)
         self.worker.capture_cuda_graphs(self.max_model_len)
-        self.executor.start_workers(num_gpu_blocks, num_cpu_blocks)
-        self.runner = rank_zero_runner(local_runner, self.executor)
+        self.runner = rank_zero_runner(runner, self.executor)
         self.sampler = Sampler(generator)
         self.requests = RequestRegistry(self.scheduler)
         if self.kv_transfer is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -25,6 +25,8 @@ from pagedllm.worker.worker import StepArrays, StepMessage, Worker, step_block_o
 # ranks' answers (one that failed and aborted the collective sends its error at once)
 FAILED_STEP_GRACE_S = 0.5
 
+R = TypeVar("R")  # what rank 0's part of `start_workers` returns
+
 
 class Executor(Protocol):
     """Carries rank 0's steps to ranks 1..size-1 (a death, error or silence there makes it dead:
@@ -36,8 +38,13 @@ class Executor(Protocol):
     # told (from another thread) of a rank's death between steps
     on_death: list[Callable[[str], None]]
 
-    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The other ranks allocate the KV cache rank 0 planned (as many blocks on every rank)."""
+    def start_workers(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, rank_zero: Callable[[int, int], R]
+    ) -> R:
+        """Every rank allocates the KV cache rank 0 planned (as many blocks on every rank): the
+        other ranks are told, `rank_zero(num_gpu_blocks, num_cpu_blocks)` runs meanwhile (a
+        quantized cache's calibration forward meets the other ranks' in its collectives), then
+        their answers are awaited. Returns rank 0's result."""
 
     def broadcast_step(self, message: StepMessage) -> None:
         """Send one step to every other rank (rank 0 runs its own forward meanwhile)."""
@@ -63,8 +70,10 @@ class UniprocExecutor:
         self.dead: str | None = None
         self.on_death: list[Callable[[str], None]] = []
 
-    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        pass
+    def start_workers(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, rank_zero: Callable[[int, int], R]
+    ) -> R:
+        return rank_zero(num_gpu_blocks, num_cpu_blocks)
 
     def broadcast_step(self, message: StepMessage) -> None:
         pass

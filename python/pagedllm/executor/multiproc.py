@@ -224,10 +224,13 @@ class MultiprocExecutor:
         if failure is not None:
             raise failure
 
-    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Give the workers the cache size rank 0 planned (every rank holds as many blocks)."""
+    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int, rank_zero):
+        """Give the workers the cache size rank 0 planned (every rank holds as many blocks);
+        rank 0 allocates its own meanwhile."""
         self._send(("cache", num_gpu_blocks, num_cpu_blocks))
+        local = rank_zero(num_gpu_blocks, num_cpu_blocks)
         self._expect("ready", self.startup_timeout_s)
+        return local
 
     # ---- messages -----------------------------------------------------------------------------
 

@@ -138,11 +138,14 @@ class RayExecutor:
 
         join_as_rank_zero(self.size, store, self.timeout_s, self.startup_timeout_s, watch)
 
-    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """Give the actors the cache size rank 0 planned (every rank holds as many blocks)."""
+    def start_workers(self, num_gpu_blocks: int, num_cpu_blocks: int, rank_zero):
+        """Give the actors the cache size rank 0 planned (every rank holds as many blocks);
+        rank 0 allocates its own meanwhile."""
         self.check_health()
         allocations = [a.allocate.remote(num_gpu_blocks, num_cpu_blocks) for a in self.actors]
+        local = rank_zero(num_gpu_blocks, num_cpu_blocks)
         self._wait(allocations, self.startup_timeout_s, STARTUP_BOUND)
+        return local
 
     def pids(self) -> list[int]:
         """The actors' process ids, rank 1 first."""

@@ -10,11 +10,9 @@ Cauchy-Schwarz optimum of the score error under the rows' rotated, evenly spread
 so a head's rows keep their energy). Random ids, not real text: round 9's calibration on one
 real text failed another (benches/RESULTS.md, Round 9, H4).
 
-The moments of a head depend on that head only, so a tensor-parallel rank running the same
-forward would get its heads' rows of the one-rank transform; the worker does not run it under
-tensor parallelism yet (rank 0 allocates its cache before the other ranks are told to, and the
-forward's collectives need every rank at once): such an engine's cache is uncalibrated. The
-worker holds the result (`KeyCalibration`) and sets each layer's transform; its `digest` names
+The moments of a head depend on that head only, so each tensor-parallel rank, running the same
+forward on its shard, gets its heads' rows of the one-rank transform; every rank calibrates at
+once (`Executor.start_workers`: the forward's collectives need them all). The worker holds the result (`KeyCalibration`) and sets each layer's transform; its `digest` names
 it in a disk tier's header, so blocks stored under another calibration (or none) are never
 loaded.
 """

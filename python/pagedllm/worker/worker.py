@@ -148,10 +148,9 @@ class Worker:
         calibration = None
         quantized = kv_format(kv_storage_dtype(args.kv_cache_dtype, self.dtype)) != "auto"
         # a quantized cache's key transform, from a forward over a float cache of its own
-        # before the quantized one takes the memory (`worker/kv_calibration.py`). Not under
-        # tensor parallelism yet: rank 0 allocates its cache before the other ranks are told
-        # to, and the forward's collectives need every rank at once
-        if quantized and self.tp.size == 1:
+        # before the quantized one takes the memory (`worker/kv_calibration.py`); every rank
+        # runs it at once (`Executor.start_workers`): the forward's collectives need them all
+        if quantized:
             calibration = kv_calibration.calibrate(
                 self.model,
                 dtype=self.dtype,
