@@ -33,8 +33,23 @@ rounded to a 16-bit float (the metric's floor). Each result also counts how many
 float near-ties (top-1 / top-2 logprob margin below 0.01 / 0.05 / 0.1) and the agreement over
 the other positions.
 
+Error-feedback rounding of the keys (`gN`, GPTQ / OBQ's update): a stored key row's score error
+over the queries is `q' . delta` (`q'` the query as it meets the rotated, S-scaled row, `delta`
+the row's rounding error), of expected square `delta^T Sigma delta`, `Sigma = E q' q'^T` of the kv
+head's queries from the N-th `--calibration` source (pooled over its query heads, in the basis the
+row is stored in: S and the rotation of the scheme's other flags). The row's channels are rounded
+one by one, each one's error pushed onto the channels not yet rounded through the upper Cholesky
+factor of `Sigma^-1` (damped by 1 % of its mean diagonal): the nearest plane rather than the
+nearest point. `gNo` rounds the channels in decreasing order of Sigma's diagonal (GPTQ's act
+order). The scale byte is the shipped one (the unperturbed row's amax). Each `g` result also
+reports Sigma's spectrum per layer: the off-diagonal share of its Frobenius norm, the largest /
+four largest eigenvalues' share of its trace, and the predicted ratio of the feedback's expected
+score error to rounding to nearest (`sum 1 / U_jj^2 / trace Sigma` under uniform rounding errors).
+
     python benches/kv_quant_schemes.py --model /work/models/kvq-smollm2-f32 --text FILE \
         --calibration OTHER_FILE random:1024 --schemes engine-int8 engine-int8-kc engine-int8-cal0
+    python benches/kv_quant_schemes.py --model /work/models/kvq-smollm2-f32 --text FILE \
+        --calibration random1:4096 --schemes engine-fp8-cal0-s0 engine-fp8-cal0-s0-g0
 """
 
 from __future__ import annotations
@@ -108,11 +123,22 @@ def least_squares_bound(y: torch.Tensor, amax: torch.Tensor, kind: str) -> torch
     return bound
 
 
-def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tensor:
+def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0, feedback=None) -> torch.Tensor:
     """`x` [T, KVH, D] coded and decoded by `scheme` (float32); `layer` names the layer's
-    calibrated key offset (`calN`)."""
+    calibrated key offset (`calN`); `feedback` the keys' error-feedback factors (`gN`)."""
     x = x.float()
     kind, bound_kind, *flags = scheme.split("-")
+    gflag = [f for f in flags if _feedback_flag(f)]
+    if gflag and part == "k":
+        # error-feedback rounding against the queries' second moments, in the basis the row is
+        # stored in: the scheme's S (if any) and the rotation
+        rest = [f for f in flags if f != gflag[0]]
+        shaped = [f for f in rest if _shaping_flag(f) and f[0] == "s"]
+        s = _shaping(shaped[0], rest, layer) if shaped else None
+        factors = _feedback_factors(gflag[0], layer, s, "norot" not in rest)
+        return fake(x, "-".join([kind, bound_kind, *rest]), part, layer, factors)
+    if gflag:
+        flags = [f for f in flags if f != gflag[0]]
     if kind in _FLOATS:
         # the floor: the rows only rounded to a 16-bit float (`bf16-x`, `fp16-x`)
         return x.to(_FLOATS[kind]).float()
@@ -125,7 +151,8 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
         flag = offset[0]
         center = x.mean(0, keepdim=True) if flag == "kc" else _CALIBRATED[flag][layer]
         rest = [f for f in flags if f != flag]
-        return fake(x - center, "-".join([kind, bound_kind, *rest]), part, layer) + center
+        joined = "-".join([kind, bound_kind, *rest])
+        return fake(x - center, joined, part, layer, feedback) + center
     shaped = [f for f in flags if _shaping_flag(f) and (f[0] == "s") == (part == "k")]
     if shaped:
         # channel scaling before the rotation (`k' = H S k`, the query met as `H S^-1 q`, so
@@ -135,9 +162,11 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
         flag = shaped[0]
         s = _shaping(flag, flags, layer)
         rest = [f for f in flags if f != flag]
-        return fake(x * s, "-".join([kind, bound_kind, *rest]), part, layer) / s
+        return fake(x * s, "-".join([kind, bound_kind, *rest]), part, layer, feedback) / s
     if kind == "engine":
         dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[bound_kind]
+        if feedback is not None:
+            return _feedback_rows(x, dtype, feedback)
         return reference.dequantize_rows(reference.quantize_rows(x, dtype))
     rotate = "norot" not in flags
     # `rs`: random signs before the rotation (H D x, D = diag(+-1)): a row whose channels share
@@ -168,6 +197,89 @@ def fake(x: torch.Tensor, scheme: str, part: str, layer: int = 0) -> torch.Tenso
         bound = bound.clamp(low, low * 2.0 ** (255 / steps))
     y = code(y, bound, kind)
     return reference.unrotate(y) * signs if rotate else y
+
+
+def _feedback_flag(flag: str) -> bool:
+    return flag[:1] == "g" and flag[1:].removesuffix("o").isdigit()
+
+
+# per (flag, layer, S's identity): the feedback factors and Sigma's spectrum figures
+_FEEDBACK: dict = {}
+_SPECTRUM: dict = {}
+
+
+def _feedback_factors(flag: str, layer: int, s, rotate: bool) -> tuple:
+    """Per kv head the upper Cholesky factor U of `Sigma^-1` ([KVH, D, D], in the channel order
+    rounded) and that order ([KVH, D]): what a store would keep per (layer, kv head)."""
+    key = (flag, layer, None if s is None else s.sum().item(), rotate)
+    if key in _FEEDBACK:
+        return _FEEDBACK[key]
+    n = int(flag[1:].removesuffix("o"))
+    stats = _STATS[n][layer]
+    sigma = stats["qq"].double() / stats["n"]  # [KVH, D, D], post-RoPE queries
+    if s is not None:
+        inv = 1.0 / s[0].double()  # [KVH, D]: the query meets the scaled key as q / s
+        sigma = sigma * inv[:, :, None] * inv[:, None, :]
+    d = sigma.shape[-1]
+    if rotate:
+        # the query meets the rotated row as H q / n: Sigma' = H Sigma H / n^2
+        h = reference.hadamard(torch.eye(d, dtype=torch.float32)).double()
+        sigma = h @ sigma @ h / float(d & -d) ** 2
+    if flag.endswith("o"):
+        order = torch.argsort(torch.diagonal(sigma, dim1=-2, dim2=-1), dim=-1, descending=True)
+    else:
+        order = torch.arange(d).expand(sigma.shape[0], d)
+    sigma = torch.stack([m[o][:, o] for m, o in zip(sigma, order)])
+    damp = 0.01 * torch.diagonal(sigma, dim1=-2, dim2=-1).mean(-1)
+    damped = sigma + damp[:, None, None] * torch.eye(d, dtype=sigma.dtype)
+    upper = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    eig = torch.linalg.eigvalsh(sigma)
+    trace = eig.sum(-1)
+    diag = torch.diagonal(sigma, dim1=-2, dim2=-1)
+    top = eig.flip(-1)
+    _SPECTRUM[(flag, layer)] = {
+        "offdiag_frobenius_share": round(
+            ((sigma.square().sum((-2, -1)) - diag.square().sum(-1)) / sigma.square().sum((-2, -1)))
+            .sqrt()
+            .mean()
+            .item(),
+            3,
+        ),
+        "top1_eig_share": round((top[:, 0] / trace).mean().item(), 3),
+        "top4_eig_share": round((top[:, :4].sum(-1) / trace).mean().item(), 3),
+        "predicted_error_ratio": round(
+            ((1.0 / torch.diagonal(upper, dim1=-2, dim2=-1).square()).sum(-1) / trace)
+            .mean()
+            .item(),
+            3,
+        ),
+    }
+    _FEEDBACK[key] = (upper.float(), order)
+    return _FEEDBACK[key]
+
+
+def _feedback_rows(x: torch.Tensor, dtype: torch.dtype, factors: tuple) -> torch.Tensor:
+    """`reference.quantize_rows` then `dequantize_rows` with the codes chosen by error feedback:
+    rows `[T, KVH, D]` rotated, scale byte from their amax as shipped, then channel by channel
+    (in `order`) the code nearest the value so far, its error `e` (in the row's scale units)
+    pushed onto the later channels as `- e / U_jj * U_j,later` (GPTQ's update): about D^2 / 2
+    multiply-adds a row on top of the shipped store."""
+    upper, order = factors
+    y = reference.hadamard(x)
+    byte = reference._bound_byte(y.abs().amax(-1, keepdim=True))
+    scale = reference._row_scale(byte, dtype)
+    limit = reference._KV_MAX[dtype]
+    index = order.unsqueeze(0).expand_as(y)
+    w = torch.gather(y / scale, -1, index).clone()
+    codes = torch.empty_like(w)
+    for j in range(w.shape[-1]):
+        value = w[..., j].clamp(-limit, limit)
+        coded = value.round() if dtype == torch.int8 else value.to(dtype).float()
+        codes[..., j] = coded
+        err = (w[..., j] - coded) / upper[:, j, j]
+        w[..., j + 1 :] -= err.unsqueeze(-1) * upper[:, j, j + 1 :]
+    stored = torch.empty_like(codes).scatter_(-1, index, codes)
+    return reference.unrotate(stored * scale)
 
 
 _FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -245,6 +357,9 @@ def with_scheme(holder: dict):
         record = holder.get("record")
         sums = _stat_sums(q, k, v)
         if record is not None:
+            # the queries' second moments per kv head (pooled over its query heads): `gN`
+            g = q.float().reshape(q.shape[0], k.shape[1], -1, q.shape[-1])
+            sums["qq"] = torch.einsum("tkgd,tkge->kde", g, g)
             old = record.get(layer)
             record[layer] = sums if old is None else {n: old[n] + sums[n] for n in sums}
         if scheme is not None:
@@ -381,6 +496,11 @@ def main() -> int:
                 part: dict(sorted(counts.items())) for part, counts in _OCTAVES.items()
             },
         }
+        gflags = [f for f in scheme.split("-")[2:] if _feedback_flag(f)]
+        if gflags:
+            result["sigma_spectrum_per_layer"] = {
+                layer: fig for (flag, layer), fig in sorted(_SPECTRUM.items()) if flag == gflags[0]
+            }
         _OCTAVES.update(k={}, v={})
         print(json.dumps(result), flush=True)
     return 0
