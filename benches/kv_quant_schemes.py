@@ -203,7 +203,8 @@ def _feedback_flag(flag: str) -> bool:
     return flag[:1] == "g" and flag[1:].removesuffix("o").isdigit()
 
 
-# per (flag, layer, S's identity): the feedback factors and Sigma's spectrum figures
+# per (flag, layer, S's identity): the feedback factors and Sigma's spectrum figures; per
+# (flag, layer) the figures of the scheme last coded
 _FEEDBACK: dict = {}
 _SPECTRUM: dict = {}
 
@@ -213,7 +214,8 @@ def _feedback_factors(flag: str, layer: int, s, rotate: bool) -> tuple:
     rounded) and that order ([KVH, D]): what a store would keep per (layer, kv head)."""
     key = (flag, layer, None if s is None else s.sum().item(), rotate)
     if key in _FEEDBACK:
-        return _FEEDBACK[key]
+        factors, _SPECTRUM[(flag, layer)] = _FEEDBACK[key]
+        return factors
     n = int(flag[1:].removesuffix("o"))
     stats = _STATS[n][layer]
     sigma = stats["qq"].double() / stats["n"]  # [KVH, D, D], post-RoPE queries
@@ -254,8 +256,8 @@ def _feedback_factors(flag: str, layer: int, s, rotate: bool) -> tuple:
             3,
         ),
     }
-    _FEEDBACK[key] = (upper.float(), order)
-    return _FEEDBACK[key]
+    _FEEDBACK[key] = ((upper.float(), order), _SPECTRUM[(flag, layer)])
+    return _FEEDBACK[key][0]
 
 
 def _feedback_rows(x: torch.Tensor, dtype: torch.dtype, factors: tuple) -> torch.Tensor:
