@@ -470,7 +470,7 @@ const X_ROWS: usize = 2;
 fn repacked_four(t: super::QType) -> bool {
     matches!(
         t,
-        super::QType::Q4_0R | super::QType::Q5_0R | super::QType::Q8_0R
+        super::QType::Q4_0R | super::QType::Q5_0R | super::QType::Q8_0R | super::QType::Q4_1R
     )
 }
 
@@ -529,7 +529,7 @@ fn put_dots<const R: usize>(ctx: &Ctx<'_, '_>, i: usize, col: usize, dots: [[f32
 
 /// `vnni::row_dots_vnni::<R>` of each of the four repacked weight rows `w` (type `t`,
 /// `repacked_four(t)`) with the rows of x `x` / `p`: the same integer sums and f32 steps per
-/// pair (`Lanes::totals`, no mins), the same bits.
+/// pair (`Lanes::totals`), the same bits.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn repacked_dots<const R: usize>(
@@ -541,19 +541,17 @@ unsafe fn repacked_dots<const R: usize>(
 ) -> [[f32; R]; 4] {
     use std::arch::x86_64::_mm256_setzero_ps;
     let mut acc = [[_mm256_setzero_ps(); R]; 4];
+    let mut mins = [[_mm256_setzero_ps(); R]; 4];
     match t {
         super::QType::Q4_0R => super::vnni4::q4_0r_rows::<4, R>(w, k, x, p, &mut acc),
         super::QType::Q5_0R => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
+        super::QType::Q4_1R => super::q4_1r::rows::<4, R>(w, k, x, p, &mut acc, &mut mins),
         _ => super::q8_0r::rows::<4, R>(w, k, x, p, &mut acc),
     }
     // no closure: it would not take this function's target features
     let mut out = [[0.0; R]; 4];
-    for (o, acc) in out.iter_mut().zip(acc) {
-        let lanes = int16::avx2::Lanes {
-            acc,
-            mins: [_mm256_setzero_ps(); R],
-        };
-        *o = lanes.totals();
+    for ((o, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+        *o = int16::avx2::Lanes { acc, mins }.totals();
     }
     out
 }
