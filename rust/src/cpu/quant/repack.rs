@@ -22,8 +22,8 @@
 //! 64-byte load in element order (`q8_0r`).
 //!
 //! A Q4_1 block (20 bytes) is its scale, its min and 16 bytes of nibbles. Repacked, a group is
-//! its `n` scales (2n bytes), its `n` mins (2n), then the nibbles as Q4_0R's (16n): the one-row
-//! products take them four a pass (`q4_1r`), 2-8 rows of x one weight row a call.
+//! its `n` scales (2n bytes), its `n` mins (2n), then the nibbles as Q4_0R's (16n), read by
+//! `q4_1r` four weight rows a pass (with x's permuted planes; the mins in their own lanes).
 //!
 //! The VNNI products (four weight rows a pass at one row of x and, two rows of x a call, at
 //! 2-8: `vnni4`, `q8_0r`, `matmul::repacked_passes`) and the integer panels' widening (> 8
