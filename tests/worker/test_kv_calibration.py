@@ -130,12 +130,20 @@ def test_no_calibration_for_a_float_cache_or_when_turned_off(monkeypatch, kv_cac
     assert llm.llm_engine.get_stats()["kv_key_calibration"] == "off"
 
 
-def test_a_tensor_parallel_engine_runs_uncalibrated(tmp_path):
-    # its start-up forward would need every rank at once (worker.py)
+def test_tensor_parallel_rank_zero_holds_its_heads_rows_of_the_one_rank_calibration(tmp_path):
+    # every rank calibrates at once (Executor.start_workers): rank 0 keeps kv head 0 of 2
     folder = save_tiny_checkpoint(tmp_path / "m", "llama")
-    llm = LLM(str(folder), kv_cache_dtype="int8", tensor_parallel_size=2, cpu_threads=1)
-    assert llm.llm_engine.get_stats()["kv_key_calibration"] == "off"
+    kw = dict(kv_cache_dtype="int8", cpu_threads=1)
+    one = LLM(str(folder), **kw).llm_engine.cache_engine.key_calibration
+    llm = LLM(str(folder), tensor_parallel_size=2, **kw)
+    two = llm.llm_engine.cache_engine.key_calibration
     llm.llm_engine.shutdown()
+    assert len(two.transforms) == len(one.transforms)
+    assert one.transforms[0].scale.shape[0] == 2  # kv heads, one a rank
+    for mine, whole in zip(two.transforms, one.transforms):
+        # the same forward, its all-reduces summed in another order: close, not bit for bit
+        torch.testing.assert_close(mine.scale, whole.scale[:1], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(mine.offset, whole.offset[:1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_bad_calibration_setting_is_a_value_error_naming_it(monkeypatch):
