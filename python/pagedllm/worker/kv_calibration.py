@@ -12,9 +12,9 @@ real text failed another (benches/RESULTS.md, Round 9, H4).
 
 The moments of a head depend on that head only, so each tensor-parallel rank, running the same
 forward on its shard, gets its heads' rows of the one-rank transform; every rank calibrates at
-once (`Executor.start_workers`: the forward's collectives need them all). The worker holds the result (`KeyCalibration`) and sets each layer's transform; its `digest` names
-it in a disk tier's header, so blocks stored under another calibration (or none) are never
-loaded.
+once (`Executor.start_workers`: the forward's collectives need them all). The worker holds the
+result (`KeyCalibration`) and sets each layer's transform; its `digest` names it in a disk tier's
+header, so blocks stored under another calibration (or none) are never loaded.
 """
 
 from __future__ import annotations
