@@ -411,8 +411,8 @@ fn decode_row<const F: bool>(
 
 /// The rows of a segment's run (`data`: rows of `bytes` bytes of type `t`, the first output
 /// row `first`) four at a time where x has planes: with one row of x by `vnni4` where it takes
-/// `t`, with more the repacked types (`repacked_passes`). Returns the rows done (a multiple of
-/// 4; the rest go one at a time, the same bits).
+/// `t`, with more the repacked types and Q4_K / Q6_K (`repacked_passes`). Returns the rows done
+/// (a multiple of 4; the rest go one at a time, the same bits).
 ///
 /// # Safety
 /// The CPU supports avx2, fma and f16c; 16-bit codes of x (`rs.x16`).
@@ -464,24 +464,24 @@ unsafe fn four_rows(
 #[cfg(target_arch = "x86_64")]
 const X_ROWS: usize = 2;
 
-/// Whether `repacked_passes` takes rows of `t` (at 2-8 rows of x): the repacked layouts, read
-/// four weight rows a pass as at one row of x.
+/// Whether `repacked_passes` takes rows of `t` (at 2-8 rows of x): the repacked layouts and the
+/// stored Q4_K / Q6_K rows (`kquant4`, natural planes), read four weight rows a pass as at one
+/// row of x.
 #[cfg(target_arch = "x86_64")]
 fn repacked_four(t: super::QType) -> bool {
-    matches!(
-        t,
-        super::QType::Q4_0R | super::QType::Q5_0R | super::QType::Q8_0R | super::QType::Q4_1R
-    )
+    use super::QType::{Q4_0R, Q4_1R, Q4_K, Q5_0R, Q6_K, Q8_0R};
+    matches!(t, Q4_0R | Q5_0R | Q8_0R | Q4_1R | Q4_K | Q6_K)
 }
 
-/// `four_rows` at 2-8 rows of x for the repacked types (`repacked_four`): four weight rows a
-/// pass, each group of them loaded once for `X_ROWS` rows of x and x's planes once for the four
-/// (`vnni4::q4_0r_rows`, `q5_0r_rows`); the same bits as `int16_row_vnni`, which takes them
-/// one weight row at a time. Returns the rows done (whole passes).
+/// `four_rows` at 2-8 rows of x for the repacked types and Q4_K / Q6_K (`repacked_four`): four
+/// weight rows a pass, each group of them loaded once for `X_ROWS` rows of x and x's planes once
+/// for the four (`vnni4::q4_0r_rows`, `q5_0r_rows`, `kquant4`); the same bits as
+/// `int16_row_vnni`, which takes them one weight row at a time. Returns the rows done (whole
+/// passes).
 ///
 /// # Safety
-/// As `four_rows`; `rs.planes` made (AVX-512 with VNNI granted) and permuted (a repacked
-/// segment); `repacked_four(t)`.
+/// As `four_rows`; `rs.planes` made (AVX-512 with VNNI granted) and permuted where a segment is
+/// repacked (Q4_K / Q6_K read the natural planes, always made); `repacked_four(t)`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn repacked_passes(
@@ -546,6 +546,8 @@ unsafe fn repacked_dots<const R: usize>(
         super::QType::Q4_0R => super::vnni4::q4_0r_rows::<4, R>(w, k, x, p, &mut acc),
         super::QType::Q5_0R => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
         super::QType::Q4_1R => super::q4_1r::rows::<4, R>(w, k, x, p, &mut acc, &mut mins),
+        super::QType::Q4_K => super::kquant4::q4_k_rows::<4, R>(w, k, x, p, &mut acc, &mut mins),
+        super::QType::Q6_K => super::kquant4::q6_k_rows::<4, R>(w, k, x, p, &mut acc),
         _ => super::q8_0r::rows::<4, R>(w, k, x, p, &mut acc),
     }
     // no closure: it would not take this function's target features

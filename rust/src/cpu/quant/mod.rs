@@ -22,6 +22,8 @@ mod formats_avx2;
 mod gemm16;
 mod int16;
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod kquant4;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod q4_1r;

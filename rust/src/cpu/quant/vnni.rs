@@ -194,7 +194,7 @@ pub(super) unsafe fn reduce_pairs(z: [__m512i; 4]) -> __m256i {
 
 /// 128-bit lanes 0 + 1 and 2 + 3 of `a`, then of `b`: one unit's 4 partial sums a 128-bit lane.
 #[inline(always)]
-unsafe fn quads(a: __m512i, b: __m512i) -> __m512i {
+pub(super) unsafe fn quads(a: __m512i, b: __m512i) -> __m512i {
     _mm512_add_epi32(
         _mm512_shuffle_i64x2::<0x88>(a, b),
         _mm512_shuffle_i64x2::<0xDD>(a, b),

@@ -25,15 +25,23 @@ const Q4_0: u32 = 2;
 /// (`QType::Q4_0R`, `q4_0r_rows`), and repacked Q5_0 (`QType::Q5_0R`, `q5_0r_rows`: its codes
 /// are a load and two masked adds, no more registers than Q4_0R's), and repacked Q8_0
 /// (`QType::Q8_0R`, `super::q8_0r::rows`: one load and a xor a two blocks) and repacked Q4_1
-/// (`QType::Q4_1R`, `super::q4_1r::rows`: Q4_0R's loads, the mins one 16-byte load a group).
-/// Units for the other types `vnni::decodes` were built and tested bit for bit, but SmolLM2's products per step measured
-/// slower four a pass (Q4_1 file 0.79x, Q4_K_M file, mostly Q5_0: 0.66x; Q4_0 1.11x; busy,
-/// thread CPU time; benches/RESULTS.md, "four weight rows a pass"): their extra codes and
-/// scales for four rows exceed the registers, so they were removed rather than kept unused.
+/// (`QType::Q4_1R`, `super::q4_1r::rows`: Q4_0R's loads, the mins one 16-byte load a group),
+/// and Q4_K and Q6_K as stored (`super::kquant4`: a super-block's scales once a row, x's planes
+/// once for the four). Units for the other stored 32-element types were built and tested bit
+/// for bit, but SmolLM2's products per step measured slower four a pass (Q4_1 file 0.79x,
+/// Q4_K_M file, mostly Q5_0: 0.66x; Q4_0 1.11x; busy, thread CPU time; benches/RESULTS.md,
+/// "four weight rows a pass"): their extra codes and scales for four rows exceed the
+/// registers, so they were removed rather than kept unused.
 pub fn takes(t: QType) -> bool {
     matches!(
         t,
-        QType::Q4_0 | QType::Q4_0R | QType::Q5_0R | QType::Q8_0R | QType::Q4_1R
+        QType::Q4_0
+            | QType::Q4_0R
+            | QType::Q5_0R
+            | QType::Q8_0R
+            | QType::Q4_1R
+            | QType::Q4_K
+            | QType::Q6_K
     )
 }
 
@@ -161,6 +169,20 @@ pub unsafe fn rows_dots_vnni(
             // `super::q8_0r`: x's natural planes
             let mut acc = lanes.acc.map(|a| [a]);
             super::q8_0r::rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
+            lanes.acc = acc.map(|a| a[0]);
+        }
+        QType::Q4_K => {
+            // `super::kquant4`: the stored layout, x's natural planes
+            let mut acc = [[_mm256_setzero_ps()]; ROWS];
+            let mut mins = [[_mm256_setzero_ps()]; ROWS];
+            super::kquant4::q4_k_rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc, &mut mins);
+            for (r, (a, m)) in acc.iter().zip(&mins).enumerate() {
+                (lanes.acc[r], lanes.mins[r]) = (a[0], m[0]);
+            }
+        }
+        QType::Q6_K => {
+            let mut acc = lanes.acc.map(|a| [a]);
+            super::kquant4::q6_k_rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
             lanes.acc = acc.map(|a| a[0]);
         }
         _ => panic!("{} is not taken four rows a pass", t.name()),

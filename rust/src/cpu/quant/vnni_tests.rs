@@ -319,3 +319,42 @@ fn repacked_q8_0_rows_on_vnni_equal_the_plain_rows_portable_products_bit_for_bit
         }
     }
 }
+
+#[test]
+fn k_quant_rows_four_a_pass_equal_the_portable_row_dots_for_1_to_8_rows_of_x() {
+    // `kquant4`: 9 weight rows (two passes of four and one row alone, or runs cut by 2
+    // threads), 1-8 rows of x (four weight rows by one or two rows of x a pass), k of 1, 2 and 6
+    // super-blocks (1536: SmolLM2's ffn_down)
+    for t in [QType::Q4_K, QType::Q6_K] {
+        for k in [256usize, 512, 1536] {
+            let n = 9;
+            let data = random_rows(t, n, k, k as u64 + t as u64 + 7);
+            let segments = vec![Segment {
+                qtype: t,
+                data: &data,
+                rows: n,
+            }];
+            let w = QuantMatrix::new(segments, k).unwrap();
+            for m in 1..=super::DECODE_MAX_ROWS {
+                let mut x = int16_x(m, k);
+                x[k - 1] = -3.0e4;
+                let xq = QuantizedRows::new(&x, k, false);
+                let xa = ndarray::Array2::from_shape_vec((m, k), x).unwrap();
+                for threads in [1, 2] {
+                    let mut out = ndarray::Array2::from_elem((m, n), f32::NAN);
+                    let int16 = Activations::Int16;
+                    quant_linear_with(xa.view(), &w, None, out.view_mut(), threads, int16).unwrap();
+                    for c in 0..n {
+                        let (_, row) = w.row(c);
+                        for i in 0..m {
+                            let want = int16::row_dot(t, row, xq.row(i));
+                            let what =
+                                format!("{} k {k} m {m} row {c} x {i} threads {threads}", t.name());
+                            assert_eq!(out[[i, c]].to_bits(), want.to_bits(), "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
