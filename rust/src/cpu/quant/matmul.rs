@@ -546,7 +546,19 @@ unsafe fn repacked_dots<const R: usize>(
         super::QType::Q4_0R => super::vnni4::q4_0r_rows::<4, R>(w, k, x, p, &mut acc),
         super::QType::Q5_0R => super::vnni4::q5_0r_rows::<4, R>(w, k, x, p, &mut acc),
         super::QType::Q4_1R => super::q4_1r::rows::<4, R>(w, k, x, p, &mut acc, &mut mins),
-        super::QType::Q4_K => super::kquant4::q4_k_rows::<4, R>(w, k, x, p, &mut acc, &mut mins),
+        super::QType::Q4_K => {
+            // two weight rows a call: four by two rows of x spill (`kquant4::q4_k_rows`)
+            for h in 0..2 {
+                let (w, mut a, mut m) = (
+                    [w[2 * h], w[2 * h + 1]],
+                    [acc[2 * h], acc[2 * h + 1]],
+                    [mins[2 * h], mins[2 * h + 1]],
+                );
+                super::kquant4::q4_k_rows::<2, R>(w, k, x, p, &mut a, &mut m);
+                (acc[2 * h], acc[2 * h + 1], mins[2 * h], mins[2 * h + 1]) =
+                    (a[0], a[1], m[0], m[1]);
+            }
+        }
         super::QType::Q6_K => super::kquant4::q6_k_rows::<4, R>(w, k, x, p, &mut acc),
         _ => super::q8_0r::rows::<4, R>(w, k, x, p, &mut acc),
     }
