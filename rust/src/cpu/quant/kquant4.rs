@@ -1,6 +1,7 @@
 //! Q4_K and Q6_K rows times rows of x's 16-bit codes on the VNNI units, `W` weight rows by `R`
-//! rows of x a pass: four weight rows by one row of x (single-stream decode) and by two rows of x
-//! (2-8 rows, `matmul::repacked_passes`), x's planes loaded once for the four weight rows.
+//! rows of x a pass: four weight rows by one row of x (single-stream decode) and, at 2-8 rows
+//! (`matmul::repacked_passes`), four (Q6_K) or two (Q4_K: four spilled) weight rows by two rows
+//! of x, x's planes loaded once for the weight rows.
 //!
 //! The stored layouts are read as they are (no repack): a Q4_K super-block's 128 bytes of
 //! nibbles are 32 bytes a pair of sub-blocks (low nibbles one, high nibbles the next), a Q6_K
