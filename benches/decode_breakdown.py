@@ -8,6 +8,9 @@ the timed steps.
 
     python benches/decode_breakdown.py --model /tmp/llama56m --batch 1 4 8 --steps 60
 
+Where the model runs fused on the CPU (`models/cpu_forward.py`), a decode step's embedding, layers
+and LM head are one Rust call, timed as "fused_logits" (the per-kernel parts then read 0).
+
 Each timed part is wrapped once (a wrapper costs ~1 us per call, counted in "rest").
 """
 
@@ -98,6 +101,11 @@ def main() -> int:
     engine._prepare = timed("prepare", engine._prepare)
     engine._sample = timed("sample", engine._sample)
     engine._update = timed("update", engine._update)
+    fused = engine.runner.cpu_forward
+    if fused is not None and getattr(fused, "head_rows", None) is not None:
+        # the fused CPU decode (models/cpu_forward.py): embedding, layers and LM head in one call,
+        # so the parts above inside it read 0 and the call is one part
+        fused.logits = timed("fused_logits", fused.logits)
 
     vocab = engine.model_config.vocab_size
     report = {}

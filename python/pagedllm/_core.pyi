@@ -1012,6 +1012,7 @@ class CpuDecoder:
         eps: float,
         scale: float,
         key_transforms: list[tuple[_F32Array, _F32Array, _F32Array | None] | None] | None = None,
+        ends: tuple[tuple[object, ...], tuple[object, ...]] | None = None,
     ) -> None:
         """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
         down)``: norms float32 ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each
@@ -1023,8 +1024,10 @@ class CpuDecoder:
         expert's ``(gate_up, down, gate)`` projections, counts int64 ``[E]`` (each token's
         chosen experts added in place). ``key_transforms``: per layer None or a quantized
         cache's key transform ``(query_scale [H * D], key_scale [KVH * D], key_offset [KVH * D]
-        or None)`` (``attention/key_transform.py``). ``TypeError`` / ``ValueError`` naming the
-        layer and part that is not so."""
+        or None)`` (``attention/key_transform.py``). ``ends``: None, or ``(embedding, head)``
+        for ``logits``: the embedding ``("table", float32 [V, E])`` or ``("quant", segments,
+        in_features)``, the LM head a projection as above. ``TypeError`` / ``ValueError`` naming
+        the layer and part that is not so."""
 
     def forward(
         self,
@@ -1047,6 +1050,27 @@ class CpuDecoder:
         ``cos``/``sin`` ``[T, D / 2]``; ``activations`` of the
         quantized projections as ``cpu_quant_linear`` takes them. ``ValueError`` naming a
         projection or array whose shape does not fit."""
+
+    def logits(
+        self,
+        ids: _npt.NDArray[_np.int64],
+        cos: _F32Array,
+        sin: _F32Array,
+        slot_mapping: _npt.NDArray[_np.int64],
+        query_start_loc: _npt.NDArray[_np.int32],
+        seq_lens: _npt.NDArray[_np.int32],
+        block_tables: _npt.NDArray[_np.int32],
+        kv_cache: _npt.NDArray[_np.float32] | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
+        sample_rows: _npt.NDArray[_np.int64],
+        logits: _F32Array,
+        num_threads: int,
+        activations: str = "f32",
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        """``forward`` from token ids to logits: ``ids [T]`` embedded, the layers and the final
+        norm run as ``forward`` runs them, then the LM head over rows ``sample_rows [K]`` of the
+        hidden states into ``logits [K, V]`` float32. ``ValueError`` when the decoder holds no
+        ``ends``, or an id or row is out of range."""
 
     def __len__(self) -> int: ...
 

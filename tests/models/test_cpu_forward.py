@@ -231,3 +231,52 @@ def test_a_plain_model_is_fused(checkpoint):
     kv_cache = torch.zeros(2, cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim)
     assert cpu_forward.build(model, kv_cache, lora=False) is not None
     assert cpu_forward.build(model, kv_cache, lora=True) is None
+
+
+def test_a_plain_model_is_fused_from_its_token_ids_to_its_logits(checkpoint):
+    from pagedllm.models import load_model
+
+    model = load_model(checkpoint, dtype="float32", device="cpu", pack_for_cpu=True)
+    cfg = model.config
+    kv_cache = torch.zeros(2, cfg.num_layers, 4, 4, cfg.num_kv_heads, cfg.head_dim)
+    assert cpu_forward.build(model, kv_cache, lora=False).head_rows == cfg.vocab_size
+
+
+def _step_arrays() -> tuple:
+    tables = np.zeros((1, 32), np.float32)
+    return (
+        tables,
+        tables,
+        np.zeros(1, np.int64),
+        np.array([0, 1], np.int32),
+        np.array([1], np.int32),
+        np.zeros((1, 1), np.int32),
+        np.zeros((2, 1, 4, 16, 1, 64), np.float32),
+    )
+
+
+def test_logits_of_a_decoder_without_its_embedding_and_head_is_a_value_error():
+    from pagedllm import _core
+
+    layers, norm = _decoder(1)
+    decoder = _core.CpuDecoder(layers, norm, 1, 1, 64, 1e-6, 0.125)
+    ids, rows, logits = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 16), np.float32)
+    with pytest.raises(ValueError, match="holds no embedding and LM head"):
+        decoder.logits(ids, *_step_arrays(), rows, logits, 1)
+
+
+@pytest.mark.parametrize(
+    ("ids", "rows", "message"),
+    [([16], [0], "token id 16 is outside"), ([3], [1], "sample row 1 is outside")],
+    ids=["token", "row"],
+)
+def test_a_token_id_or_sample_row_out_of_range_is_a_value_error(ids, rows, message):
+    from pagedllm import _core
+
+    layers, norm = _decoder(1)
+    table = np.zeros((16, 64), np.float32)
+    head = ("panels", np.zeros((1, 64, 16), np.float32), 16, None)
+    decoder = _core.CpuDecoder(layers, norm, 1, 1, 64, 1e-6, 0.125, ends=(("table", table), head))
+    ids, rows = np.array(ids, np.int64), np.array(rows, np.int64)
+    with pytest.raises(ValueError, match=message):
+        decoder.logits(ids, *_step_arrays(), rows, np.zeros((1, 16), np.float32), 1)

@@ -6,8 +6,11 @@ activation, ~10 a layer, each crossing with its numpy views and torch allocation
 sizes that glue costs as much as a small model's kernels (SmolLM2-135M: ~8 ms of a ~27 ms step
 over 30 layers). `CpuDecoderForward` runs the same kernels in the same order on the same numbers
 from Rust, so its hidden states equal the layer-by-layer path's bit for bit (a mixture of experts'
-routing weights to the softmax's last bits: torch's vectorized exp); the embedding, the
-rotary tables and the LM head stay where they are.
+routing weights to the softmax's last bits: torch's vectorized exp); the rotary tables stay
+where they are. Where the embedding and the LM head are of kinds the Rust side reads (`_ends`),
+`CpuDecoderForward.logits` runs them in the same call: token ids in, the sampled rows' logits
+out, the same kernels on the same rows (without the step's half dozen torch calls around the
+layers: a single-stream step of a small model is ~5 ms, those calls ~0.3-0.5 ms of it).
 
 `build` decides when a model qualifies (float32 on the CPU, one tensor-parallel rank, no LoRA,
 dense gated MLPs or mixture-of-experts blocks (`models/moe.py`'s `SparseMoeBlock`, experts packed
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from pagedllm import _core
 from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
 from pagedllm.kernels import cpu_quant
 from pagedllm.kernels.reference import as_bytes, kv_format
 from pagedllm.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
@@ -36,11 +40,18 @@ class CpuDecoderForward:
     """`model.forward` with the layers and the final norm run by one `_core.CpuDecoder` call."""
 
     def __init__(
-        self, model: DecoderForCausalLM, decoder: _core.CpuDecoder, kv_cache_dtype: str
+        self,
+        model: DecoderForCausalLM,
+        decoder: _core.CpuDecoder,
+        kv_cache_dtype: str,
+        head_rows: int | None = None,
     ) -> None:
         self.model = model
         self.decoder = decoder
         self.kv_cache_dtype = kv_cache_dtype
+        # the LM head's rows (the logits' width) where the decoder holds the embedding and the
+        # head (`logits` applies); None otherwise
+        self.head_rows = head_rows
 
     def __call__(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -65,6 +76,37 @@ class CpuDecoderForward:
         )
         return x
 
+    def logits(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+        sample_rows: Tensor,
+    ) -> Tensor | None:
+        """`compute_logits(self(...)[sample_rows])` in one Rust call (`head_rows` set): float32
+        `[K, V]`, None when K = 0 (the layers still run: their K/V are stored)."""
+        cos, sin = self.model.model.rotary_emb(positions, torch.float32)
+        slots, query_start_loc, seq_lens, block_tables = meta.cpu_arrays()
+        rows = sample_rows.numpy()
+        out = torch.empty(len(rows), self.head_rows, dtype=torch.float32)
+        self.decoder.logits(
+            input_ids.numpy(),
+            cos.contiguous().numpy(),
+            sin.contiguous().numpy(),
+            slots,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            as_bytes(kv_cache).numpy(),
+            rows,
+            out.numpy(),
+            torch.get_num_threads(),
+            cpu_quant.ACTIVATIONS,
+            self.kv_cache_dtype,
+        )
+        return out if len(rows) else None
+
 
 def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoderForward | None:
     """The fused forward for `model` over `kv_cache`, or None where it does not apply (see the
@@ -77,6 +119,7 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
     if any(layer is None for layer in layers):
         return None
     attn = inner.layers[0].self_attn if len(inner.layers) else None
+    ends = _ends(model)
     decoder = _core.CpuDecoder(
         layers,
         _norm(inner.norm),
@@ -86,9 +129,60 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
         inner.norm.eps,
         attn.scale if attn is not None else cfg.head_dim**-0.5,
         key_transforms=[_key_transform(layer.self_attn) for layer in inner.layers],
+        ends=ends,
+        buffers=_buffers(model),
     )
     kv_cache_dtype = kv_format(kv_cache.dtype)
-    return CpuDecoderForward(model, decoder, kv_cache_dtype)
+    head_rows = None if ends is None else _head_rows(model.lm_head)
+    return CpuDecoderForward(model, decoder, kv_cache_dtype, head_rows=head_rows)
+
+
+def _ends(model: DecoderForCausalLM) -> tuple | None:
+    """`(embedding, head)` as `CpuDecoder` takes them, or None where either is of another kind
+    (the step then embeds and computes its logits in Python, as before): the embedding a
+    float32 table or quantized rows, the head quantized rows or float32 panels, one rank, no
+    soft-capped logits."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    if model.config.final_softcap or head.size != 1 or getattr(embed, "size", 1) != 1:
+        return None
+    if isinstance(embed, QuantEmbedding) or (
+        type(embed) is VocabParallelEmbedding and embed.quant is not None
+    ):
+        table = ("quant", list(embed.quant._arrays), embed.quant.in_features)
+    elif type(embed) is VocabParallelEmbedding and _float_table(embed.weight):
+        table = ("table", embed.weight.detach().numpy())
+    else:
+        return None
+    if head.quant is not None:
+        lm = ("quant", list(head.quant._arrays), head.quant.in_features, None)
+    elif head.packed is not None and head.packed.panels.dtype == torch.float32:
+        lm = ("panels", head.packed.array, head.packed.out_features, None)
+    else:
+        return None
+    return table, lm
+
+
+def _buffers(model: torch.nn.Module) -> list:
+    """The memory of the quantized weights' segments, one uint8 array per distinct storage
+    (`worker/weight_pages.py` copies them all into one buffer): the decoder borrows each once a
+    step instead of every segment."""
+    storages = {}
+    for module in model.modules():
+        quant = getattr(module, "quant", None)
+        for segment in getattr(quant, "segments", ()):
+            storage = segment.data.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage)
+    return [
+        torch.empty(0, dtype=torch.uint8).set_(storage).numpy() for storage in storages.values()
+    ]
+
+
+def _head_rows(head: torch.nn.Module) -> int:
+    return head.quant.out_features if head.quant is not None else head.packed.out_features
+
+
+def _float_table(weight: Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
 
 
 def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:

@@ -69,19 +69,22 @@ def random_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 def mask_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """The first processing stages, shared by greedy and random rows, in vLLM's order:
     allowed_token_ids, bad_words, the min_tokens mask, logit_bias, then penalties."""
-    minus_inf = torch.tensor(float("-inf"), device=logits.device)
     if meta.allowed is not None:
         logits = apply_allowed(logits, *meta.allowed)
     if meta.bad_words is not None:
-        logits = logits.index_put(meta.bad_words, minus_inf)
+        logits = logits.index_put(meta.bad_words, _minus_inf(logits))
     if meta.banned is not None:
-        logits = logits.index_put(meta.banned, minus_inf)
+        logits = logits.index_put(meta.banned, _minus_inf(logits))
     if meta.logit_bias is not None:
         rows, tokens, biases = meta.logit_bias
         logits = logits.index_put((rows, tokens), biases, accumulate=True)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     return logits
+
+
+def _minus_inf(logits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float("-inf"), device=logits.device)
 
 
 def _sample_random(logits, meta: SamplingMetadata, generator, seeded) -> torch.Tensor:

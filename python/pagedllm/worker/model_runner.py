@@ -157,6 +157,10 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(input_ids, meta):
             hidden = graphs.run(input_ids, positions, meta)
         elif self.cpu_forward is not None:
+            if prompt is None and self.cpu_forward.head_rows is not None:
+                # embedding, layers and LM head in one call (models/cpu_forward.py)
+                kv_cache = self.cache_engine.kv_cache
+                return self.cpu_forward.logits(input_ids, positions, kv_cache, meta, sample_rows)
             hidden = self.cpu_forward(input_ids, positions, self.cache_engine.kv_cache, meta)
         else:
             hidden = self.model(input_ids, positions, self.cache_engine.kv_cache, meta)

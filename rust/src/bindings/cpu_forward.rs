@@ -1,7 +1,7 @@
 //! `CpuDecoder`: a model's layer weights held once (numpy arrays: `linear`'s panels or a GGUF
 //! weight's segments), and `forward`, the whole decoder over one step in one call with the GIL
 //! released (`crate::cpu::forward`).
-use numpy::ndarray::{ArrayViewMut2, Ix6};
+use numpy::ndarray::{Array2, ArrayViewMut2, Ix6};
 use numpy::{
     PyArray, PyArray1, PyArray2, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray1,
     PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray1, PyUntypedArrayMethods,
@@ -15,15 +15,84 @@ use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
 use crate::cpu::forward::{
-    self, Experts, KeyTransform, Layer, Linear, Mlp, MoeMlp, Options, Shape, SharedExpert, Step,
-    Weight,
+    self, Embedding, Experts, KeyTransform, Layer, Linear, Mlp, MoeMlp, Options, Shape,
+    SharedExpert, Step, Weight,
 };
+use crate::cpu::quant::{QType, QuantMatrix, Segment};
 use crate::cpu::views::cast_view_mut;
 
 /// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
 enum WeightArrays {
     Panels(Py<PyArray3<f32>>, usize),
-    Quant(Vec<(u32, Py<PyArray2<u8>>)>, usize),
+    Quant(Vec<HeldSegment>, usize),
+}
+
+/// One ggml segment: its type code and rows, and where it lies in one of the decoder's
+/// `buffers` if it does (then read from the buffer's one borrow a call, not borrowed itself:
+/// numpy's borrow check costs ~1 us an array, ~2 % of a small model's decode step).
+struct HeldSegment {
+    code: u32,
+    array: Py<PyArray2<u8>>,
+    /// (buffer, byte offset, bytes, rows)
+    place: Option<(usize, usize, usize, usize)>,
+}
+
+impl HeldSegment {
+    /// Its place in one of `buffers` (address, bytes) where it lies wholly inside one.
+    fn place_in(&mut self, py: Python<'_>, buffers: &[(usize, usize)]) {
+        let array = self.array.bind(py);
+        if !array.is_c_contiguous() {
+            return;
+        }
+        let (start, len) = (array.data() as usize, array.len());
+        self.place = buffers
+            .iter()
+            .position(|&(b, n)| b <= start && start + len <= b + n)
+            .map(|i| (i, start - buffers[i].0, len, array.shape()[0]));
+    }
+}
+
+/// A segment borrowed for a call: the array itself, or its place in a borrowed buffer.
+enum SegmentGuard<'py> {
+    Own(u32, PyReadonlyArray2<'py, u8>),
+    Placed(u32, (usize, usize, usize, usize)),
+}
+
+/// The kernels' weight over `segments` (`cpu_quant::matrix`), placed ones sliced from `bufs`.
+fn placed_matrix<'a>(
+    segments: &'a [SegmentGuard<'_>],
+    k: usize,
+    bufs: &[&'a [u8]],
+) -> PyResult<QuantMatrix<'a>> {
+    let parts = segments
+        .iter()
+        .enumerate()
+        .map(|(i, segment)| -> PyResult<Segment<'a>> {
+            let (code, data, rows) = match segment {
+                SegmentGuard::Own(code, a) => {
+                    let data = a.as_slice().map_err(|_| {
+                        PyValueError::new_err(format!("segment {i}'s bytes must be contiguous"))
+                    })?;
+                    (*code, data, a.shape()[0])
+                }
+                SegmentGuard::Placed(code, (b, offset, len, rows)) => {
+                    let data = bufs
+                        .get(*b)
+                        .and_then(|buf| buf.get(*offset..*offset + *len))
+                        .ok_or_else(|| {
+                            PyValueError::new_err(format!("segment {i} is outside its buffer"))
+                        })?;
+                    (*code, data, *rows)
+                }
+            };
+            Ok(Segment {
+                qtype: QType::from_code(code)?,
+                data,
+                rows,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(QuantMatrix::new(parts, k)?)
 }
 
 struct LinearArrays {
@@ -71,12 +140,103 @@ enum ExpertArrays {
     Quant(Py<CpuMoeQuantExperts>),
 }
 
+/// The token embedding `logits` reads its rows from.
+enum EmbeddingArrays {
+    /// float32 `[V, E]`
+    Table(Py<PyArray2<f32>>),
+    /// ggml segments of rows of `k` elements
+    Quant(Vec<(u32, Py<PyArray2<u8>>)>, usize),
+}
+
 /// A decoder's weights for `forward` (see `models/cpu_forward.py`, which builds it).
 #[pyclass(frozen, module = "pagedllm._core")]
 pub struct CpuDecoder {
     layers: Vec<LayerArrays>,
     final_norm: Py<PyArray1<f32>>,
     shape: Shape,
+    /// the embedding and the LM head, both or neither: `logits` runs only with them
+    ends: Option<(EmbeddingArrays, LinearArrays)>,
+    /// uint8 buffers holding quantized segments (the huge-page weight buffer): each borrowed
+    /// once a call, the segments in them sliced from it (`HeldSegment`)
+    buffers: Vec<Py<PyArray1<u8>>>,
+}
+
+/// The decoder's buffers borrowed for a call.
+fn borrow_buffers<'py>(
+    py: Python<'py>,
+    buffers: &[Py<PyArray1<u8>>],
+) -> Vec<PyReadonlyArray1<'py, u8>> {
+    buffers.iter().map(|b| b.bind(py).readonly()).collect()
+}
+
+fn buffer_slices<'a>(held: &'a [PyReadonlyArray1<'_, u8>]) -> PyResult<Vec<&'a [u8]>> {
+    held.iter()
+        .map(|b| {
+            b.as_slice()
+                .map_err(|_| PyValueError::new_err("a weight buffer is not contiguous"))
+        })
+        .collect()
+}
+
+/// `("table", float32 [V, E])` or `("quant", [(type, uint8 [rows, bytes])], k)`.
+fn embedding_arrays(spec: &Bound<'_, PyAny>) -> PyResult<EmbeddingArrays> {
+    let parts = spec
+        .cast::<PyTuple>()
+        .map_err(|_| PyTypeError::new_err("embedding must be a tuple"))?;
+    let kind: String = parts.get_item(0)?.extract()?;
+    match (kind.as_str(), parts.len()) {
+        ("table", 2) => {
+            let table = parts.get_item(1)?;
+            let table = table.cast::<PyArray2<f32>>().map_err(|_| {
+                PyTypeError::new_err("the embedding table must be a 2-D float32 array")
+            })?;
+            Ok(EmbeddingArrays::Table(table.clone().unbind()))
+        }
+        ("quant", 3) => {
+            let segments: Vec<(u32, Bound<'_, PyArray2<u8>>)> =
+                parts.get_item(1)?.extract().map_err(|_| {
+                    PyTypeError::new_err("the embedding's segments must be (type, uint8 2-D) pairs")
+                })?;
+            let segments = segments.into_iter().map(|(t, a)| (t, a.unbind())).collect();
+            Ok(EmbeddingArrays::Quant(
+                segments,
+                parts.get_item(2)?.extract()?,
+            ))
+        }
+        _ => Err(PyValueError::new_err(
+            "embedding must be ('table', float32 [V, E]) or ('quant', segments, k)",
+        )),
+    }
+}
+
+/// The embedding's arrays borrowed for a call.
+enum EmbeddingGuard<'py> {
+    Table(PyReadonlyArray2<'py, f32>),
+    Quant(Segments<'py>, usize),
+}
+
+impl EmbeddingArrays {
+    fn borrow<'py>(&self, py: Python<'py>) -> EmbeddingGuard<'py> {
+        match self {
+            EmbeddingArrays::Table(t) => EmbeddingGuard::Table(t.bind(py).readonly()),
+            EmbeddingArrays::Quant(segments, k) => EmbeddingGuard::Quant(
+                segments
+                    .iter()
+                    .map(|(t, a)| (*t, a.bind(py).readonly()))
+                    .collect(),
+                *k,
+            ),
+        }
+    }
+}
+
+impl EmbeddingGuard<'_> {
+    fn view(&self) -> PyResult<Embedding<'_>> {
+        Ok(match self {
+            EmbeddingGuard::Table(t) => Embedding::Table(t.as_array()),
+            EmbeddingGuard::Quant(segments, k) => Embedding::Quant(matrix(segments, *k)?),
+        })
+    }
 }
 
 fn array1(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyArray1<f32>>> {
@@ -107,7 +267,14 @@ fn linear_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<LinearArrays> 
             let segments: Vec<(u32, Bound<'_, PyArray2<u8>>)> = weight.extract().map_err(|_| {
                 PyTypeError::new_err(format!("{what}'s segments must be (type, uint8 2-D) pairs"))
             })?;
-            let segments = segments.into_iter().map(|(t, a)| (t, a.unbind())).collect();
+            let segments = segments
+                .into_iter()
+                .map(|(code, a)| HeldSegment {
+                    code,
+                    array: a.unbind(),
+                    place: None,
+                })
+                .collect();
             WeightArrays::Quant(segments, size)
         }
         other => {
@@ -264,7 +431,7 @@ fn moe_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays> {
 /// The arrays of one projection borrowed for a call.
 enum WeightGuard<'py> {
     Panels(PyReadonlyArray3<'py, f32>, usize),
-    Quant(Segments<'py>, usize),
+    Quant(Vec<SegmentGuard<'py>>, usize),
 }
 
 struct LinearGuard<'py> {
@@ -321,13 +488,22 @@ impl LinearArrays {
             WeightArrays::Quant(segments, k) => WeightGuard::Quant(
                 segments
                     .iter()
-                    .map(|(t, a)| (*t, a.bind(py).readonly()))
+                    .map(|s| match s.place {
+                        Some(place) => SegmentGuard::Placed(s.code, place),
+                        None => SegmentGuard::Own(s.code, s.array.bind(py).readonly()),
+                    })
                     .collect(),
                 *k,
             ),
         };
         let bias = self.bias.as_ref().map(|b| read1(py, b));
         LinearGuard { weight, bias }
+    }
+
+    fn place_in(&mut self, py: Python<'_>, buffers: &[(usize, usize)]) {
+        if let WeightArrays::Quant(segments, _) = &mut self.weight {
+            segments.iter_mut().for_each(|s| s.place_in(py, buffers));
+        }
     }
 }
 
@@ -383,13 +559,13 @@ fn slice1<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
 }
 
 impl LinearGuard<'_> {
-    fn view(&self) -> PyResult<Linear<'_>> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Linear<'a>> {
         let weight = match &self.weight {
             WeightGuard::Panels(p, n) => Weight::Panels {
                 panels: p.as_array(),
                 n: *n,
             },
-            WeightGuard::Quant(segments, k) => Weight::Quant(matrix(segments, *k)?),
+            WeightGuard::Quant(segments, k) => Weight::Quant(placed_matrix(segments, *k, bufs)?),
         };
         let bias = self.bias.as_ref().map(slice1).transpose()?;
         Ok(Linear { weight, bias })
@@ -397,18 +573,18 @@ impl LinearGuard<'_> {
 }
 
 impl LayerGuard<'_> {
-    fn view(&self) -> PyResult<Layer<'_>> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Layer<'a>> {
         let qk_norm = match &self.qk_norm {
             Some((q, k)) => Some((slice1(q)?, slice1(k)?)),
             None => None,
         };
         Ok(Layer {
             input_norm: slice1(&self.input_norm)?,
-            qkv: self.qkv.view()?,
+            qkv: self.qkv.view(bufs)?,
             qk_norm,
-            o: self.o.view()?,
+            o: self.o.view(bufs)?,
             post_norm: slice1(&self.post_norm)?,
-            mlp: self.mlp.view()?,
+            mlp: self.mlp.view(bufs)?,
             key_transform: match &self.key_transform {
                 Some((q, k, c)) => Some(KeyTransform {
                     query_scale: slice1(q)?,
@@ -422,12 +598,12 @@ impl LayerGuard<'_> {
 }
 
 impl MlpGuard<'_> {
-    fn view(&self) -> PyResult<Mlp<'_>> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Mlp<'a>> {
         let moe = match self {
             MlpGuard::Dense { gate_up, down } => {
                 return Ok(Mlp::Dense {
-                    gate_up: gate_up.view()?,
-                    down: down.view()?,
+                    gate_up: gate_up.view(bufs)?,
+                    down: down.view(bufs)?,
                 })
             }
             MlpGuard::Moe(moe) => moe,
@@ -441,14 +617,14 @@ impl MlpGuard<'_> {
         };
         let shared = match &moe.shared {
             Some((gate_up, down, gate)) => Some(SharedExpert {
-                gate_up: gate_up.view()?,
-                down: down.view()?,
-                gate: gate.view()?,
+                gate_up: gate_up.view(bufs)?,
+                down: down.view(bufs)?,
+                gate: gate.view(bufs)?,
             }),
             None => None,
         };
         Ok(Mlp::Moe(Box::new(MoeMlp {
-            router: moe.router.view()?,
+            router: moe.router.view(bufs)?,
             experts,
             top_k: moe.top_k,
             normalize: moe.normalize,
@@ -465,8 +641,11 @@ impl CpuDecoder {
     /// them. `key_transforms`: None, or per layer None or `(query_scale, key_scale, key_offset)`
     /// (`forward::KeyTransform`; a quantized cache's calibration).
     #[new]
+    /// `ends`: None, or `(embedding, head)` for `logits`: the embedding `("table", float32 [V,
+    /// E])` or `("quant", segments, k)`, the LM head a projection as `linear_arrays` reads it.
     #[pyo3(signature = (
-        layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale, key_transforms = None
+        layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale, key_transforms = None,
+        ends = None, buffers = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -478,6 +657,8 @@ impl CpuDecoder {
         eps: f32,
         scale: f32,
         key_transforms: Option<Vec<Option<Bound<'_, PyAny>>>>,
+        ends: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
+        buffers: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
         let mut layers = layers
             .iter()
@@ -496,7 +677,45 @@ impl CpuDecoder {
                 layer.key_transform = t.map(|t| key_transform_arrays(&t, i)).transpose()?;
             }
         }
+        let mut ends = ends
+            .map(|(e, h)| -> PyResult<_> {
+                Ok((embedding_arrays(&e)?, linear_arrays(&h, "the LM head")?))
+            })
+            .transpose()?;
+        let buffers = buffers
+            .unwrap_or_default()
+            .iter()
+            .map(|b| {
+                let b = b.cast::<PyArray1<u8>>().map_err(|_| {
+                    PyTypeError::new_err("a weight buffer must be a 1-D uint8 array")
+                })?;
+                if !b.is_contiguous() {
+                    return Err(PyValueError::new_err("a weight buffer must be contiguous"));
+                }
+                Ok(b.clone().unbind())
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        if !buffers.is_empty() {
+            let py = final_norm.py();
+            let spans: Vec<(usize, usize)> = buffers
+                .iter()
+                .map(|b| (b.bind(py).data() as usize, b.bind(py).len()))
+                .collect();
+            for layer in &mut layers {
+                layer.qkv.place_in(py, &spans);
+                layer.o.place_in(py, &spans);
+                if let MlpArrays::Dense { gate_up, down } = &mut layer.mlp {
+                    gate_up.place_in(py, &spans);
+                    down.place_in(py, &spans);
+                }
+            }
+            if let Some((_, head)) = &mut ends {
+                head.place_in(py, &spans);
+            }
+        }
         Ok(CpuDecoder {
+            ends,
+            buffers,
             layers,
             final_norm: array1(final_norm, "final_norm")?,
             shape: Shape {
@@ -535,6 +754,138 @@ impl CpuDecoder {
         activations: &str,
         kv_cache_dtype: &str,
     ) -> PyResult<()> {
+        let mut x = x
+            .cast::<PyArray2<f32>>()
+            .map_err(|_| PyTypeError::new_err("x must be a 2-D float32 array"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
+        let arrays = StepArrays {
+            cos,
+            sin,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_cache,
+        };
+        let held = borrow_buffers(py, &self.buffers);
+        let bufs = buffer_slices(&held)?;
+        let opts = (num_threads, activations, kv_cache_dtype);
+        self.run(py, x.as_array_mut(), arrays, None, &bufs, opts)
+    }
+
+    /// `forward` from token ids to the logits of the rows to sample: `ids [T]` embedded, every
+    /// layer and the final norm run as `forward` runs them, then the LM head over rows
+    /// `sample_rows [K]` of the hidden states into `logits [K, V]` (float32), one call for
+    /// what `embed_tokens`, `forward`, `index_select` and `compute_logits` do. The decoder must
+    /// hold its `ends`.
+    #[pyo3(signature = (
+        ids, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
+        sample_rows, logits, num_threads, activations = "f32", kv_cache_dtype = "auto"
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn logits(
+        &self,
+        py: Python<'_>,
+        ids: PyReadonlyArray1<'_, i64>,
+        cos: PyReadonlyArray2<'_, f32>,
+        sin: PyReadonlyArray2<'_, f32>,
+        slot_mapping: PyReadonlyArray1<'_, i64>,
+        query_start_loc: PyReadonlyArray1<'_, i32>,
+        seq_lens: PyReadonlyArray1<'_, i32>,
+        block_tables: PyReadonlyArray2<'_, i32>,
+        kv_cache: &Bound<'_, PyAny>,
+        sample_rows: PyReadonlyArray1<'_, i64>,
+        logits: &Bound<'_, PyAny>,
+        num_threads: usize,
+        activations: &str,
+        kv_cache_dtype: &str,
+    ) -> PyResult<()> {
+        let (embedding, head) = self
+            .ends
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("this decoder holds no embedding and LM head"))?;
+        let ids = ids
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("ids must be contiguous"))?;
+        let embedding = embedding.borrow(py);
+        let mut x = Array2::<f32>::zeros((ids.len(), self.final_norm.bind(py).len()));
+        forward::embed(&embedding.view()?, ids, x.view_mut())?;
+        let mut logits = logits
+            .cast::<PyArray2<f32>>()
+            .map_err(|_| PyTypeError::new_err("logits must be a 2-D float32 array"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("logits must be writeable ({e})")))?;
+        let rows = sample_rows
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("sample_rows must be contiguous"))?;
+        let held = borrow_buffers(py, &self.buffers);
+        let bufs = buffer_slices(&held)?;
+        let head = head.borrow(py);
+        let head = head.view(&bufs)?;
+        let arrays = StepArrays {
+            cos,
+            sin,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_cache,
+        };
+        let tail = Head {
+            linear: &head,
+            rows,
+            logits: logits.as_array_mut(),
+        };
+        let opts = (num_threads, activations, kv_cache_dtype);
+        self.run(py, x.view_mut(), arrays, Some(tail), &bufs, opts)
+    }
+
+    /// Number of layers held.
+    fn __len__(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+/// A step's arrays as `forward` takes them.
+struct StepArrays<'a, 'py> {
+    cos: PyReadonlyArray2<'py, f32>,
+    sin: PyReadonlyArray2<'py, f32>,
+    slot_mapping: PyReadonlyArray1<'py, i64>,
+    query_start_loc: PyReadonlyArray1<'py, i32>,
+    seq_lens: PyReadonlyArray1<'py, i32>,
+    block_tables: PyReadonlyArray2<'py, i32>,
+    kv_cache: &'a Bound<'py, PyAny>,
+}
+
+/// The LM head after the layers (`logits`): its rows of the hidden states and their logits.
+struct Head<'a, 'b> {
+    linear: &'a Linear<'b>,
+    rows: &'a [i64],
+    logits: ArrayViewMut2<'a, f32>,
+}
+
+impl CpuDecoder {
+    /// The layers over `x` (in place) and the step's cache, then `head` where given.
+    /// `opts`: the threads, the activations and the cache's dtype, as `forward` takes them.
+    fn run(
+        &self,
+        py: Python<'_>,
+        mut x: ArrayViewMut2<'_, f32>,
+        arrays: StepArrays<'_, '_>,
+        head: Option<Head<'_, '_>>,
+        bufs: &[&[u8]],
+        (num_threads, activations, kv_cache_dtype): (usize, &str, &str),
+    ) -> PyResult<()> {
+        let StepArrays {
+            cos,
+            sin,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            kv_cache,
+        } = arrays;
         let activations = super::cpu_quant::activations_named(activations)?;
         let kv_format = KvFormat::parse(kv_cache_dtype)?;
         let guards = self
@@ -558,15 +909,10 @@ impl CpuDecoder {
             .map_err(|_| PyValueError::new_err("expert counts must be contiguous"))?;
         let layers = guards
             .iter()
-            .map(LayerGuard::view)
+            .map(|g| g.view(bufs))
             .collect::<PyResult<Vec<_>>>()?;
         let final_norm = read1(py, &self.final_norm);
         let final_norm = slice1(&final_norm)?;
-        let mut x = x
-            .cast::<PyArray2<f32>>()
-            .map_err(|_| PyTypeError::new_err("x must be a 2-D float32 array"))?
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
         let contiguous = |what: &str| PyValueError::new_err(format!("{what} must be contiguous"));
         let query_start_loc = query_start_loc
             .as_slice()
@@ -590,7 +936,7 @@ impl CpuDecoder {
             activations,
         };
         let run = Run {
-            x: x.as_array_mut(),
+            x: x.view_mut(),
             layers: &layers,
             final_norm,
             shape: self.shape,
@@ -599,16 +945,11 @@ impl CpuDecoder {
             opts,
         };
         match kv_format {
-            KvFormat::Auto => run.over::<FloatKv<f32>>(py, kv_cache),
-            KvFormat::Int8 => run.over::<Int8Kv>(py, kv_cache),
-            KvFormat::Fp8E4M3 => run.over::<Fp8E4M3Kv>(py, kv_cache),
-            KvFormat::Fp8E5M2 => run.over::<Fp8E5M2Kv>(py, kv_cache),
+            KvFormat::Auto => run.over::<FloatKv<f32>>(py, kv_cache, head),
+            KvFormat::Int8 => run.over::<Int8Kv>(py, kv_cache, head),
+            KvFormat::Fp8E4M3 => run.over::<Fp8E4M3Kv>(py, kv_cache, head),
+            KvFormat::Fp8E5M2 => run.over::<Fp8E5M2Kv>(py, kv_cache, head),
         }
-    }
-
-    /// Number of layers held.
-    fn __len__(&self) -> usize {
-        self.layers.len()
     }
 }
 
@@ -624,8 +965,13 @@ struct Run<'a, 'b> {
 }
 
 impl Run<'_, '_> {
-    /// The decoder over `kv_cache`, a 6-D array of `C`'s numpy dtype.
-    fn over<C: KvDtype>(self, py: Python<'_>, kv_cache: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The decoder over `kv_cache`, a 6-D array of `C`'s numpy dtype, then `head` where given.
+    fn over<C: KvDtype>(
+        self,
+        py: Python<'_>,
+        kv_cache: &Bound<'_, PyAny>,
+        head: Option<Head<'_, '_>>,
+    ) -> PyResult<()> {
         let mut kv_cache = kv_cache
             .cast::<PyArray<C::Numpy, Ix6>>()
             .map_err(|_| PyTypeError::new_err(format!("kv_cache must be a 6-D {} array", C::NAME)))?
@@ -633,7 +979,7 @@ impl Run<'_, '_> {
             .map_err(|e| PyValueError::new_err(format!("kv_cache must be writeable ({e})")))?;
         let kv_cache = cast_view_mut::<_, C::Kernel, _>(kv_cache.as_array_mut());
         let Run {
-            x,
+            mut x,
             layers,
             final_norm,
             shape,
@@ -643,7 +989,7 @@ impl Run<'_, '_> {
         } = self;
         py.detach(|| {
             forward::decoder_forward(
-                x,
+                x.view_mut(),
                 layers,
                 final_norm,
                 shape,
@@ -651,7 +997,11 @@ impl Run<'_, '_> {
                 kv_cache,
                 expert_counts,
                 opts,
-            )
+            )?;
+            match head {
+                Some(h) => forward::head_logits(x.view(), h.rows, h.linear, h.logits, opts),
+                None => Ok(()),
+            }
         })?;
         Ok(())
     }

@@ -14,8 +14,8 @@
 //! decides when a model qualifies and keeps the layer-by-layer path otherwise. A layer's MLP is
 //! dense or a mixture of experts (`moe_layer`: router, routing, grouped experts, shared expert).
 use ndarray::{
-    s, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, ArrayViewMut6, Axis,
-    ShapeBuilder,
+    s, Array2, ArrayView2, ArrayView3, ArrayViewMut2, ArrayViewMut3, ArrayViewMut4, ArrayViewMut6,
+    Axis, ShapeBuilder,
 };
 
 mod moe_layer;
@@ -24,7 +24,7 @@ pub use moe_layer::{route, Experts, MoeMlp, SharedExpert};
 
 use super::attention::{paged_attention, store_kv, PagedBatch};
 use super::kv_quant::KvElem;
-use super::quant::{quant_linear_with, Activations, QuantMatrix};
+use super::quant::{self, quant_linear_with, Activations, QuantMatrix};
 use super::{activation, invalid, linear, norm, rotary};
 use crate::error::Result;
 
@@ -61,7 +61,8 @@ pub struct Linear<'a> {
 }
 
 impl Linear<'_> {
-    fn run(&self, x: ArrayView2<f32>, out: ArrayViewMut2<f32>, opts: Options) -> Result<()> {
+    /// `out = x @ W.T (+ bias)`, the kernel the Python layer calls for this weight.
+    pub fn run(&self, x: ArrayView2<f32>, out: ArrayViewMut2<f32>, opts: Options) -> Result<()> {
         match &self.weight {
             Weight::Panels { panels, .. } => {
                 linear::linear(x, *panels, self.bias, out, opts.num_threads)
@@ -71,6 +72,74 @@ impl Linear<'_> {
             }
         }
     }
+}
+
+/// A token embedding table: float32 rows `[V, E]`, or ggml-typed rows.
+pub enum Embedding<'a> {
+    Table(ArrayView2<'a, f32>),
+    Quant(QuantMatrix<'a>),
+}
+
+/// Rows `ids` of `table` into `out [T, E]`: the same floats as `F.embedding` /
+/// `cpu_quant.embedding` give (a float row copied, a quantized row dequantized by the same kernel).
+pub fn embed(table: &Embedding<'_>, ids: &[i64], mut out: ArrayViewMut2<f32>) -> Result<()> {
+    let table = match table {
+        Embedding::Quant(w) => return quant::embedding(w, ids, out),
+        Embedding::Table(table) => table,
+    };
+    let (rows, hidden) = table.dim();
+    if out.dim() != (ids.len(), hidden) {
+        return Err(invalid(format!(
+            "out has shape {:?}, expected [{}, {hidden}]",
+            out.shape(),
+            ids.len()
+        )));
+    }
+    if let Some(bad) = ids.iter().find(|id| !(0..rows as i64).contains(id)) {
+        return Err(invalid(format!(
+            "token id {bad} is outside the embedding's {rows} rows"
+        )));
+    }
+    for (mut dst, &id) in out.rows_mut().into_iter().zip(ids) {
+        dst.assign(&table.row(id as usize));
+    }
+    Ok(())
+}
+
+/// The LM head over rows `rows` of the final hidden states `x [T, E]` into `logits [K, V]` (row
+/// i from `x[rows[i]]`, the rows the engine samples), as `compute_logits` runs it on
+/// `hidden.index_select(0, rows)`: the same rows into the same kernel.
+pub fn head_logits(
+    x: ArrayView2<f32>,
+    rows: &[i64],
+    head: &Linear<'_>,
+    logits: ArrayViewMut2<f32>,
+    opts: Options,
+) -> Result<()> {
+    let (tokens, hidden) = x.dim();
+    let vocab = head.weight.out_features();
+    if head.weight.in_features() != hidden || logits.dim() != (rows.len(), vocab) {
+        return Err(invalid(format!(
+            "the head is [{vocab}, {}] and logits {:?}, expected [{}, {vocab}] from hidden \
+             size {hidden}",
+            head.weight.in_features(),
+            logits.shape(),
+            rows.len()
+        )));
+    }
+    if let Some(bad) = rows.iter().find(|r| !(0..tokens as i64).contains(r)) {
+        return Err(invalid(format!(
+            "sample row {bad} is outside the step's {tokens} rows"
+        )));
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut picked = Array2::<f32>::zeros((rows.len(), hidden));
+    for (mut dst, &r) in picked.rows_mut().into_iter().zip(rows) {
+        dst.assign(&x.row(r as usize));
+    }
+    head.run(picked.view(), logits, opts)
 }
 
 /// One decoder layer's parameters (`models/decoder.py`'s `DecoderLayer`).
