@@ -334,6 +334,10 @@ fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
     let k = ctx.k;
     let xk = x_width::<L>(k);
+    #[cfg(target_arch = "x86_64")]
+    if L == AVX512_BF16 && ctx.m <= 2 * TILE_ROWS {
+        return run_direct_wide(ctx, xs, panels);
+    }
     let height = if L >= AVX512 {
         DIRECT_MAX_ROWS
     } else {
@@ -350,6 +354,41 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
+    }
+}
+
+/// `run_direct_over` at AVX512_BF16 for up to `2 * TILE_ROWS` rows: the panels a few at a time
+/// (`linear_avx512::wide_panels`), each step's x broadcast once for all of them (the last
+/// panels of the range, fewer than a group, one at a time). The same sums as one panel at a
+/// time, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn run_direct_wide<T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
+    let (k, m) = (ctx.k, ctx.m);
+    let xk = x_width::<AVX512_BF16>(k);
+    debug_assert!(xs.len() == m * xk && (1..=2 * TILE_ROWS).contains(&m));
+    let group = linear_avx512::wide_panels(m);
+    let mut acc = [[0.0f32; PANEL]; 4 * TILE_ROWS];
+    let mut p = panels.start;
+    while p < panels.end {
+        let g = if panels.end - p >= group { group } else { 1 };
+        let w = &ctx.w[p * k * PANEL..(p + g) * k * PANEL];
+        let sums = &mut acc[..g * m];
+        sums.fill([0.0; PANEL]);
+        // SAFETY: AVX512_BF16 runs only inside `run_avx512_bf16`, on a CPU with AVX-512
+        // F/BW/VL and BF16; x holds m rows of xk pairs, w g panels of k steps, sums g * m rows
+        // (g is wide_panels(m) or 1).
+        unsafe {
+            if g == 1 {
+                linear_avx512::tile_pairs_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+            } else {
+                linear_avx512::tile_pairs_wide_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+            }
+        }
+        for j in 0..g {
+            store(ctx, &sums[j * m..(j + 1) * m], 0, (p + j) * PANEL);
+        }
+        p += g;
     }
 }
 
@@ -830,6 +869,29 @@ mod tests {
                     one.row(0),
                     all.row(r),
                     "tile set {tiles}, {m}x{k}x{n}, row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_direct_rows_of_every_height_give_the_blocked_paths_bits() {
+        // 1..=16 rows take the direct path (at AVX512_BF16: 4 panels side by side up to 6
+        // rows, 2 up to 12, the tail panels one at a time); each row must equal its row of a
+        // blocked batch, whatever the grouping of panels (10 panels: groups and a tail)
+        let tiles = tiles_at::<Bf16>(isa::level());
+        let (k, n) = (301, 9 * PANEL + 5);
+        let w = Array2::from_shape_vec((n, k), values(n * k, 42.0)).unwrap();
+        let x = Array2::from_shape_vec((DIRECT_MAX_ROWS + 4, k), values(20 * k, 43.0)).unwrap();
+        let blocked = run_tiles::<Bf16>(tiles, &x, &w, None, 1);
+        for m in 1..=DIRECT_MAX_ROWS {
+            let rows = x.slice(ndarray::s![..m, ..]).to_owned();
+            for threads in [1, 2] {
+                let got = run_tiles::<Bf16>(tiles, &rows, &w, None, threads);
+                assert_eq!(
+                    got,
+                    blocked.slice(ndarray::s![..m, ..]),
+                    "tile set {tiles}, {m} rows, {threads} threads"
                 );
             }
         }
