@@ -420,25 +420,28 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
             pack_rows(&x_for::<L>(ctx.x, k), xk, packed);
             *call = ctx.call;
         }
-        acc.resize(
-            block.min(ctx.m).div_ceil(TILE_ROWS),
-            [[0.0; PANEL]; TILE_ROWS],
-        );
+        // AVX512_BF16: two panels side by side (each pair of x read once for both, 24 sums)
+        let wide = if L == AVX512_BF16 { 2 } else { 1 };
+        let ntiles = block.min(ctx.m).div_ceil(TILE_ROWS);
+        acc.resize(wide * ntiles, [[0.0; PANEL]; TILE_ROWS]);
         let mut first = 0;
         while first < ctx.m {
             let end = (first + block).min(ctx.m);
             // block starts are whole tiles: the block's tiles are packed[first * k..end * k]
             let xs = &packed[first * xk..end * xk];
-            for p in panels.clone() {
-                let panel = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
-                let tiles = &mut acc[..(end - first).div_ceil(TILE_ROWS)];
+            let count = (end - first).div_ceil(TILE_ROWS);
+            let mut p = panels.start;
+            while p < panels.end {
+                let g = if panels.end - p >= wide { wide } else { 1 };
+                let tiles = &mut acc[..g * count];
                 tiles.fill([[0.0; PANEL]; TILE_ROWS]);
+                let (ta, tb) = tiles.split_at_mut(count);
                 let mut k0 = 0;
                 while k0 < k {
                     let depth = (k - k0).min(K_BLOCK);
-                    let w = &panel[k0 * PANEL..(k0 + depth) * PANEL];
+                    let w = &ctx.w[p * k * PANEL + k0 * PANEL..];
                     // the tiles `step` at a time (AVX-512: two, a full one and the next)
-                    for (s, sums) in tiles.chunks_mut(step).enumerate() {
+                    for s in 0..count.div_ceil(step) {
                         let row = s * step * TILE_ROWS;
                         let rows = (end - first - row).min(step * TILE_ROWS);
                         // the depth slice of each tile: its rows' steps k0..k0 + depth (K_BLOCK
@@ -453,15 +456,30 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                         } else {
                             xa
                         };
-                        let sums = sums.as_flattened_mut();
+                        let tiles = s * step..((s + 1) * step).min(count);
+                        let sums = ta[tiles.clone()].as_flattened_mut();
+                        if g == 2 {
+                            #[cfg(target_arch = "x86_64")]
+                            wide_slice(
+                                rows,
+                                xa,
+                                xb,
+                                w,
+                                k,
+                                depth,
+                                xk,
+                                sums,
+                                tb[tiles].as_flattened_mut(),
+                            );
+                            continue;
+                        }
                         // the first tiles over a slice read it from memory
-                        let first = s == 0;
                         tile_rows::<L, T, true>(
-                            first,
+                            s == 0,
                             rows,
                             xa,
                             xb,
-                            w,
+                            &w[..depth * PANEL],
                             depth,
                             xk,
                             &mut sums[..rows],
@@ -469,15 +487,58 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                     }
                     k0 += depth;
                 }
-                for (t, sums) in tiles.iter().enumerate() {
-                    let row = t * TILE_ROWS;
-                    let rows = (end - first - row).min(TILE_ROWS);
-                    store(ctx, &sums[..rows], first + row, p * PANEL);
+                for (j, part) in [&*ta, &*tb].into_iter().enumerate().take(g) {
+                    for (t, sums) in part.iter().enumerate() {
+                        let row = t * TILE_ROWS;
+                        let rows = (end - first - row).min(TILE_ROWS);
+                        store(ctx, &sums[..rows], first + row, (p + j) * PANEL);
+                    }
                 }
+                p += g;
             }
             first = end;
         }
     });
+}
+
+/// One K slice of two panels for a tile pair of `rows` packed rows at AVX512_BF16
+/// (`linear_avx512::tile_pairs_wide_packed`): `w` starts at the first panel's slice, the second
+/// `k * PANEL` elements on; the sums continue `sums_a` (first panel) and `sums_b`'s rows.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn wide_slice<T: Elem>(
+    rows: usize,
+    xa: &[f32],
+    xb: &[f32],
+    w: &[T],
+    k: usize,
+    depth: usize,
+    xk: usize,
+    sums_a: &mut [[f32; PANEL]],
+    sums_b: &mut [[f32; PANEL]],
+) {
+    assert!(w.len() >= k * PANEL + depth * PANEL && sums_a.len() >= rows && sums_b.len() >= rows);
+    let mut both = [[0.0f32; PANEL]; 4 * TILE_ROWS];
+    both[..rows].copy_from_slice(&sums_a[..rows]);
+    both[rows..2 * rows].copy_from_slice(&sums_b[..rows]);
+    // SAFETY: called only at AVX512_BF16 (inside `run_avx512_bf16`: the CPU has AVX-512
+    // F/BW/VL and BF16); w holds both slices (asserted), x the tiles' packed pairs, both 2 * rows
+    // rows.
+    unsafe {
+        linear_avx512::tile_pairs_wide_packed(
+            rows,
+            xa.as_ptr(),
+            xb.as_ptr(),
+            w.as_ptr(),
+            k * PANEL,
+            depth,
+            xk,
+            &mut both[..2 * rows],
+        );
+    }
+    sums_a[..rows].copy_from_slice(&both[..rows]);
+    sums_b[..rows].copy_from_slice(&both[rows..2 * rows]);
 }
 
 /// A register tile's sums (`TILE_ROWS` rows of one panel).

@@ -309,21 +309,23 @@ pub(super) fn wide_panels(rows: usize) -> usize {
     }
 }
 
-/// `tile_pairs` over `G` adjacent panels at once (`w`: `G` panels of `depth * PANEL` bf16, one
-/// after another), for `R` rows of x in place: each step's pair of x is broadcast once for the
-/// `G` panels, and `G * R` independent sums cover `vdpbf16ps`'s latency where one panel's `R`
-/// rows (a few rows: an expert's tokens at decode) leave it waiting. Each weight stream is
-/// prefetched `PREFETCH_STEPS` steps ahead. Every lane is the same chain of pairs as
+/// `tile_pairs` over `G` adjacent panels at once (`w`: their slices of `depth * PANEL` bf16,
+/// `stride` elements apart), for `R` rows of x (in place or packed: `x_ptr`): each step's pair
+/// of x is broadcast once for the `G` panels, and `G * R` independent sums cover `vdpbf16ps`'s
+/// latency where one panel's `R` rows (a few rows: an expert's tokens at decode) leave it
+/// waiting. Each weight stream is prefetched `PREFETCH_STEPS` steps ahead. Every lane is the same chain of pairs as
 /// `tile_pairs`'s, so the sums are the same bits. `acc[g * R + r]` is panel `g`'s row `r`.
 ///
 /// # Safety
-/// As `tile_pairs` (x: `R` rows of `k` pairs in place), with `w` holding `G * depth * PANEL`
-/// bf16 and `acc` at least `G * R` rows.
+/// As `tile_pairs` (x: the pairs `x_ptr` names), with `w` holding `G` slices of `depth *
+/// PANEL` bf16 `stride` elements apart and `acc` at least `G * R` rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
-unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize>(
-    x: *const f32,
+unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED: bool>(
+    xa: *const f32,
+    xb: *const f32,
     w: *const T,
+    stride: usize,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
@@ -337,14 +339,13 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize>(
         }
     }
     let w = w as *const u16;
-    let stride = depth * PANEL;
     let step = |sums: &mut [[__m512; R]; G], i: usize, rows: [__m512i; G]| {
         let mut wv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); G];
         for (v, r) in wv.iter_mut().zip(rows) {
             *v = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(idx, r));
         }
         for r in 0..R {
-            let xr = *(x.add(r * k + i) as *const i32);
+            let xr = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
             let xv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(xr));
             for (panel, v) in sums.iter_mut().zip(&wv) {
                 panel[r] = _mm512_dpbf16_ps(panel[r], xv, *v);
@@ -395,7 +396,7 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
     macro_rules! rows {
         ($g:literal: $($r:literal)*) => {
             match rows {
-                $($r => return tile_pairs_wide::<T, $r, $g>(x, w, depth, k, acc),)*
+                $($r => return tile_pairs_wide::<T, $r, $g, false>(x, x, w, depth * PANEL, depth, k, acc),)*
                 _ => {}
             }
         };
@@ -403,4 +404,35 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
     rows!(4: 1 2 3 4 5 6);
     rows!(2: 7 8 9 10 11 12);
     unreachable!("a wide direct tile has 1..=12 rows, not {rows}")
+}
+
+/// `tile_pairs_wide` over two panels' slices (`stride` elements apart) for `rows` rows of
+/// packed x (1..=2 * TILE_ROWS: one tile at `xa`, or a full one at `xa` and the next one's
+/// rows at `xb`), the blocked path's tiles: each pair of x read once for both panels, up to 24
+/// independent sums.
+///
+/// # Safety
+/// As `tile_pairs_wide` and `tile_pairs_packed`, with `acc` holding `2 * rows` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
+    rows: usize,
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    stride: usize,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile_pairs_wide::<T, $r, 2, true>(xa, xb, w, stride, depth, k, acc),)*
+                _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12)
 }
