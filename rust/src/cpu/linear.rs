@@ -334,6 +334,10 @@ fn run_direct<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
     let k = ctx.k;
     let xk = x_width::<L>(k);
+    #[cfg(target_arch = "x86_64")]
+    if L == AVX512_BF16 && ctx.m <= 2 * TILE_ROWS {
+        return run_direct_wide(ctx, xs, panels);
+    }
     let height = if L >= AVX512 {
         DIRECT_MAX_ROWS
     } else {
@@ -350,6 +354,41 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
+    }
+}
+
+/// `run_direct_over` at AVX512_BF16 for up to `2 * TILE_ROWS` rows: the panels a few at a time
+/// (`linear_avx512::wide_panels`), each step's x broadcast once for all of them (the last
+/// panels of the range, fewer than a group, one at a time). The same sums as one panel at a
+/// time, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn run_direct_wide<T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
+    let (k, m) = (ctx.k, ctx.m);
+    let xk = x_width::<AVX512_BF16>(k);
+    debug_assert!(xs.len() == m * xk && (1..=2 * TILE_ROWS).contains(&m));
+    let group = linear_avx512::wide_panels(m);
+    let mut acc = [[0.0f32; PANEL]; 4 * TILE_ROWS];
+    let mut p = panels.start;
+    while p < panels.end {
+        let g = if panels.end - p >= group { group } else { 1 };
+        let w = &ctx.w[p * k * PANEL..(p + g) * k * PANEL];
+        let sums = &mut acc[..g * m];
+        sums.fill([0.0; PANEL]);
+        // SAFETY: AVX512_BF16 runs only inside `run_avx512_bf16`, on a CPU with AVX-512
+        // F/BW/VL and BF16; x holds m rows of xk pairs, w g panels of k steps, sums g * m rows
+        // (g is wide_panels(m) or 1).
+        unsafe {
+            if g == 1 {
+                linear_avx512::tile_pairs_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+            } else {
+                linear_avx512::tile_pairs_wide_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+            }
+        }
+        for j in 0..g {
+            store(ctx, &sums[j * m..(j + 1) * m], 0, (p + j) * PANEL);
+        }
+        p += g;
     }
 }
 
@@ -381,25 +420,28 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
             pack_rows(&x_for::<L>(ctx.x, k), xk, packed);
             *call = ctx.call;
         }
-        acc.resize(
-            block.min(ctx.m).div_ceil(TILE_ROWS),
-            [[0.0; PANEL]; TILE_ROWS],
-        );
+        // AVX512_BF16: two panels side by side (each pair of x read once for both, 24 sums)
+        let wide = if L == AVX512_BF16 { 2 } else { 1 };
+        let ntiles = block.min(ctx.m).div_ceil(TILE_ROWS);
+        acc.resize(wide * ntiles, [[0.0; PANEL]; TILE_ROWS]);
         let mut first = 0;
         while first < ctx.m {
             let end = (first + block).min(ctx.m);
             // block starts are whole tiles: the block's tiles are packed[first * k..end * k]
             let xs = &packed[first * xk..end * xk];
-            for p in panels.clone() {
-                let panel = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
-                let tiles = &mut acc[..(end - first).div_ceil(TILE_ROWS)];
+            let count = (end - first).div_ceil(TILE_ROWS);
+            let mut p = panels.start;
+            while p < panels.end {
+                let g = if panels.end - p >= wide { wide } else { 1 };
+                let tiles = &mut acc[..g * count];
                 tiles.fill([[0.0; PANEL]; TILE_ROWS]);
+                let (ta, tb) = tiles.split_at_mut(count);
                 let mut k0 = 0;
                 while k0 < k {
                     let depth = (k - k0).min(K_BLOCK);
-                    let w = &panel[k0 * PANEL..(k0 + depth) * PANEL];
+                    let w = &ctx.w[p * k * PANEL + k0 * PANEL..];
                     // the tiles `step` at a time (AVX-512: two, a full one and the next)
-                    for (s, sums) in tiles.chunks_mut(step).enumerate() {
+                    for s in 0..count.div_ceil(step) {
                         let row = s * step * TILE_ROWS;
                         let rows = (end - first - row).min(step * TILE_ROWS);
                         // the depth slice of each tile: its rows' steps k0..k0 + depth (K_BLOCK
@@ -414,15 +456,30 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                         } else {
                             xa
                         };
-                        let sums = sums.as_flattened_mut();
+                        let tiles = s * step..((s + 1) * step).min(count);
+                        let sums = ta[tiles.clone()].as_flattened_mut();
+                        if g == 2 {
+                            #[cfg(target_arch = "x86_64")]
+                            wide_slice(
+                                rows,
+                                xa,
+                                xb,
+                                w,
+                                k,
+                                depth,
+                                xk,
+                                sums,
+                                tb[tiles].as_flattened_mut(),
+                            );
+                            continue;
+                        }
                         // the first tiles over a slice read it from memory
-                        let first = s == 0;
                         tile_rows::<L, T, true>(
-                            first,
+                            s == 0,
                             rows,
                             xa,
                             xb,
-                            w,
+                            &w[..depth * PANEL],
                             depth,
                             xk,
                             &mut sums[..rows],
@@ -430,15 +487,58 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                     }
                     k0 += depth;
                 }
-                for (t, sums) in tiles.iter().enumerate() {
-                    let row = t * TILE_ROWS;
-                    let rows = (end - first - row).min(TILE_ROWS);
-                    store(ctx, &sums[..rows], first + row, p * PANEL);
+                for (j, part) in [&*ta, &*tb].into_iter().enumerate().take(g) {
+                    for (t, sums) in part.iter().enumerate() {
+                        let row = t * TILE_ROWS;
+                        let rows = (end - first - row).min(TILE_ROWS);
+                        store(ctx, &sums[..rows], first + row, (p + j) * PANEL);
+                    }
                 }
+                p += g;
             }
             first = end;
         }
     });
+}
+
+/// One K slice of two panels for a tile pair of `rows` packed rows at AVX512_BF16
+/// (`linear_avx512::tile_pairs_wide_packed`): `w` starts at the first panel's slice, the second
+/// `k * PANEL` elements on; the sums continue `sums_a` (first panel) and `sums_b`'s rows.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn wide_slice<T: Elem>(
+    rows: usize,
+    xa: &[f32],
+    xb: &[f32],
+    w: &[T],
+    k: usize,
+    depth: usize,
+    xk: usize,
+    sums_a: &mut [[f32; PANEL]],
+    sums_b: &mut [[f32; PANEL]],
+) {
+    assert!(w.len() >= k * PANEL + depth * PANEL && sums_a.len() >= rows && sums_b.len() >= rows);
+    let mut both = [[0.0f32; PANEL]; 4 * TILE_ROWS];
+    both[..rows].copy_from_slice(&sums_a[..rows]);
+    both[rows..2 * rows].copy_from_slice(&sums_b[..rows]);
+    // SAFETY: called only at AVX512_BF16 (inside `run_avx512_bf16`: the CPU has AVX-512
+    // F/BW/VL and BF16); w holds both slices (asserted), x the tiles' packed pairs, both 2 * rows
+    // rows.
+    unsafe {
+        linear_avx512::tile_pairs_wide_packed(
+            rows,
+            xa.as_ptr(),
+            xb.as_ptr(),
+            w.as_ptr(),
+            k * PANEL,
+            depth,
+            xk,
+            &mut both[..2 * rows],
+        );
+    }
+    sums_a[..rows].copy_from_slice(&both[..rows]);
+    sums_b[..rows].copy_from_slice(&both[rows..2 * rows]);
 }
 
 /// A register tile's sums (`TILE_ROWS` rows of one panel).
@@ -830,6 +930,29 @@ mod tests {
                     one.row(0),
                     all.row(r),
                     "tile set {tiles}, {m}x{k}x{n}, row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_direct_rows_of_every_height_give_the_blocked_paths_bits() {
+        // 1..=16 rows take the direct path (at AVX512_BF16: 4 panels side by side up to 6
+        // rows, 2 up to 12, the tail panels one at a time); each row must equal its row of a
+        // blocked batch, whatever the grouping of panels (10 panels: groups and a tail)
+        let tiles = tiles_at::<Bf16>(isa::level());
+        let (k, n) = (301, 9 * PANEL + 5);
+        let w = Array2::from_shape_vec((n, k), values(n * k, 42.0)).unwrap();
+        let x = Array2::from_shape_vec((DIRECT_MAX_ROWS + 4, k), values(20 * k, 43.0)).unwrap();
+        let blocked = run_tiles::<Bf16>(tiles, &x, &w, None, 1);
+        for m in 1..=DIRECT_MAX_ROWS {
+            let rows = x.slice(ndarray::s![..m, ..]).to_owned();
+            for threads in [1, 2] {
+                let got = run_tiles::<Bf16>(tiles, &rows, &w, None, threads);
+                assert_eq!(
+                    got,
+                    blocked.slice(ndarray::s![..m, ..]),
+                    "tile set {tiles}, {m} rows, {threads} threads"
                 );
             }
         }

@@ -298,3 +298,141 @@ pub(super) unsafe fn tile_pairs_packed<T: Elem>(
     }
     rows!(1 2 3 4 5 6 7 8 9 10 11 12)
 }
+
+/// Panels a wide direct tile (`tile_pairs_wide`) runs side by side at `rows` rows of x: 4 up to
+/// 6 rows, 2 up to 12 (at most 24 accumulators), else 1 (`tile_pairs_direct`).
+pub(super) fn wide_panels(rows: usize) -> usize {
+    match rows {
+        0..=6 => 4,
+        7..=12 => 2,
+        _ => 1,
+    }
+}
+
+/// `tile_pairs` over `G` adjacent panels at once (`w`: their slices of `depth * PANEL` bf16,
+/// `stride` elements apart), for `R` rows of x (in place or packed: `x_ptr`): each step's pair
+/// of x is broadcast once for the `G` panels, and `G * R` independent sums cover `vdpbf16ps`'s
+/// latency where one panel's `R` rows (a few rows: an expert's tokens at decode) leave it
+/// waiting. Each weight stream is prefetched `PREFETCH_STEPS` steps ahead. Every lane is the same chain of pairs as
+/// `tile_pairs`'s, so the sums are the same bits. `acc[g * R + r]` is panel `g`'s row `r`.
+///
+/// # Safety
+/// As `tile_pairs` (x: the pairs `x_ptr` names), with `w` holding `G` slices of `depth *
+/// PANEL` bf16 `stride` elements apart and `acc` at least `G * R` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED: bool>(
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    stride: usize,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    debug_assert!(T::IS_BF16 && acc.len() >= G * R);
+    let idx = _mm512_loadu_si512(PAIR_COLUMNS.as_ptr() as *const __m512i);
+    let mut sums = [[_mm512_setzero_ps(); R]; G];
+    for (g, panel) in sums.iter_mut().enumerate() {
+        for (r, s) in panel.iter_mut().enumerate() {
+            *s = _mm512_loadu_ps(acc[g * R + r].as_ptr());
+        }
+    }
+    let w = w as *const u16;
+    let step = |sums: &mut [[__m512; R]; G], i: usize, rows: [__m512i; G]| {
+        let mut wv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); G];
+        for (v, r) in wv.iter_mut().zip(rows) {
+            *v = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(idx, r));
+        }
+        for r in 0..R {
+            let xr = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
+            let xv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(xr));
+            for (panel, v) in sums.iter_mut().zip(&wv) {
+                panel[r] = _mm512_dpbf16_ps(panel[r], xv, *v);
+            }
+        }
+    };
+    for i in 0..depth / 2 {
+        let mut rows = [_mm512_setzero_si512(); G];
+        for (g, r) in rows.iter_mut().enumerate() {
+            let at = w.add(g * stride + 2 * i * PANEL);
+            // a hint only: an address past the weights' end does not fault
+            let ahead = at.wrapping_add(PREFETCH_STEPS * PANEL);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.cast::<i8>());
+            *r = _mm512_loadu_si512(at as *const __m512i);
+        }
+        step(&mut sums, i, rows);
+    }
+    if depth % 2 == 1 {
+        let mut rows = [_mm512_setzero_si512(); G];
+        for (g, r) in rows.iter_mut().enumerate() {
+            let last =
+                _mm256_loadu_si256(w.add(g * stride + (depth - 1) * PANEL) as *const __m256i);
+            *r = _mm512_zextsi256_si512(last);
+        }
+        step(&mut sums, depth / 2, rows);
+    }
+    for (g, panel) in sums.iter().enumerate() {
+        for (r, s) in panel.iter().enumerate() {
+            _mm512_storeu_ps(acc[g * R + r].as_mut_ptr(), *s);
+        }
+    }
+}
+
+/// `tile_pairs_wide` for `rows` rows of x in place (1..=12) over `wide_panels(rows)` panels.
+///
+/// # Safety
+/// As `tile_pairs_wide`, with `G = wide_panels(rows)`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
+    rows: usize,
+    x: *const f32,
+    w: *const T,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($g:literal: $($r:literal)*) => {
+            match rows {
+                $($r => return tile_pairs_wide::<T, $r, $g, false>(x, x, w, depth * PANEL, depth, k, acc),)*
+                _ => {}
+            }
+        };
+    }
+    rows!(4: 1 2 3 4 5 6);
+    rows!(2: 7 8 9 10 11 12);
+    unreachable!("a wide direct tile has 1..=12 rows, not {rows}")
+}
+
+/// `tile_pairs_wide` over two panels' slices (`stride` elements apart) for `rows` rows of
+/// packed x (1..=2 * TILE_ROWS: one tile at `xa`, or a full one at `xa` and the next one's
+/// rows at `xb`), the blocked path's tiles: each pair of x read once for both panels, up to 24
+/// independent sums.
+///
+/// # Safety
+/// As `tile_pairs_wide` and `tile_pairs_packed`, with `acc` holding `2 * rows` rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
+    rows: usize,
+    xa: *const f32,
+    xb: *const f32,
+    w: *const T,
+    stride: usize,
+    depth: usize,
+    k: usize,
+    acc: &mut [[f32; PANEL]],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile_pairs_wide::<T, $r, 2, true>(xa, xb, w, stride, depth, k, acc),)*
+                _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6 7 8 9 10 11 12)
+}
