@@ -155,17 +155,33 @@ def _row_scale(byte: Tensor, cache_dtype: torch.dtype) -> Tensor:
     return bound * torch.tensor(1 / _KV_MAX[cache_dtype], dtype=torch.float32)
 
 
-def quantize_rows(x: Tensor, cache_dtype: torch.dtype) -> Tensor:
+def quantize_rows(x: Tensor, cache_dtype: torch.dtype, feedback: Tensor | None = None) -> Tensor:
     """Rows `[..., D]` (any float dtype) coded as `[..., D + 1]` of the quantized `cache_dtype`:
-    the rotated row's codes, then its scale byte (see the module docstring)."""
+    the rotated row's codes, then its scale byte (see the module docstring).
+
+    `feedback` (float32 `[KVH, D, D]`, rows `[..., KVH, D]`; the key calibration's): the codes
+    chosen by error feedback (GPTQ's update on one row): channel by channel the code of the value
+    so far, its error `e` (in the row's scale units) pushed onto the later channels as
+    `w_l -= e * feedback[h, j, l]` (zero on and below the diagonal). Same scale byte, same row
+    format; the Rust store (`KvElem::encode_fed`) repeats these float32 operations."""
     x = hadamard(x.float())
     byte = _bound_byte(x.abs().amax(-1, keepdim=True))
     y = x / _row_scale(byte, cache_dtype)
     limit = _KV_MAX[cache_dtype]
-    if cache_dtype == torch.int8:
-        codes = y.round().clamp(-limit, limit).to(torch.int8)
+
+    def code(y: Tensor) -> Tensor:
+        y = y.clamp(-limit, limit)
+        return y.round().to(torch.int8) if cache_dtype == torch.int8 else y.to(cache_dtype)
+
+    if feedback is None:
+        codes = code(y)
     else:
-        codes = y.clamp(-limit, limit).to(cache_dtype)
+        w, columns = y.clone(), []
+        for j in range(w.shape[-1]):
+            columns.append(code(w[..., j]))
+            err = w[..., j] - columns[-1].float()
+            w[..., j + 1 :] -= err.unsqueeze(-1) * feedback[:, j, j + 1 :]
+        codes = torch.stack(columns, dim=-1)
     rows = torch.cat([codes.view(torch.uint8), byte.to(torch.uint8)], dim=-1)
     return rows.view(cache_dtype)
 
@@ -182,22 +198,38 @@ def dequantize_rows(rows: Tensor) -> Tensor:
 
 
 def store_kvcache(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    key_feedback: Tensor | None = None,
 ) -> None:
-    """Write k/v `[T, KVH, D]` into their slots; slot -1 marks padding and is skipped."""
+    """Write k/v `[T, KVH, D]` into their slots; slot -1 marks padding and is skipped.
+    `key_feedback`: a quantized cache's keys coded by error feedback (`quantize_rows`)."""
     keep = slot_mapping >= 0
-    _store(k, v, k_cache, v_cache, keep.nonzero().view(-1), slot_mapping[keep].long())
+    rows, slots = keep.nonzero().view(-1), slot_mapping[keep].long()
+    _store(k, v, k_cache, v_cache, rows, slots, key_feedback)
 
 
 def _store(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None, slots: Tensor
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    rows: Tensor | None,
+    slots: Tensor,
+    key_feedback: Tensor | None = None,
 ) -> None:
     """k/v rows `rows` (None: all) into flat slots `slots` (int64, all valid)."""
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
     # flatten (block, offset) into one slot axis; the caches are views of one contiguous tensor
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = quantize_rows(x, cache.dtype) if cache.dtype in _KV_NAMES else x.to(cache.dtype)
+    for x, cache, feedback in ((k, k_cache, key_feedback), (v, v_cache, None)):
+        if cache.dtype in _KV_NAMES:
+            rows = quantize_rows(x, cache.dtype, feedback)
+        else:
+            rows = x.to(cache.dtype)
         as_bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, as_bytes(rows))
 
 
@@ -380,10 +412,15 @@ def _plan_sub(
 
 
 def store_planned(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: AttentionPlan,
+    key_feedback: Tensor | None = None,
 ) -> None:
     """`store_kvcache` with the slot filtering of a prebuilt plan."""
-    _store(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots)
+    _store(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots, key_feedback)
 
 
 def paged_attention(

@@ -1,7 +1,8 @@
 """Triton kernel: write this step's K/V into their paged-cache slots; a quantized cache
 (`kv_cache_dtype` int8 / fp8) gets each (token, kv head) row rotated (by torch, before the
 kernel) and coded with its scale byte, as `reference.quantize_rows` defines (the byte after the
-row's HEAD_DIM codes)."""
+row's HEAD_DIM codes), the keys by error feedback when the key calibration gives it (the same
+float32 operations, unfused)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _store_kv_kernel(
     stride_vh,
     stride_cslot,
     stride_ch,
+    fb_ptr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -35,6 +37,7 @@ def _store_kv_kernel(
     INT8: tl.constexpr = False,
     FP8_M: tl.constexpr = 0,
     FP8_BIAS: tl.constexpr = 0,
+    FEEDBACK: tl.constexpr = False,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -53,8 +56,9 @@ def _store_kv_kernel(
     if QMAX > 0:
         row_mask = (h < NUM_KV_HEADS) & (slot + tl.zeros([BLOCK_H], dtype=tl.int64) >= 0)
         fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
-        _store_quantized(kc_ptr, row, dst, k.to(tl.float32), mask, row_mask, *fmt)
-        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), mask, row_mask, *fmt)
+        tile = (mask, row_mask, fb_ptr, h, d)
+        _store_quantized(kc_ptr, row, dst, k.to(tl.float32), *tile, *fmt, FEEDBACK)
+        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, False)
     else:
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
@@ -68,11 +72,15 @@ def _store_quantized(
     x,
     mask,
     row_mask,
+    fb_ptr,
+    h,
+    d,
     HEAD_DIM: tl.constexpr,
     QMAX: tl.constexpr,
     INT8: tl.constexpr,
     FP8_M: tl.constexpr,
     FP8_BIAS: tl.constexpr,
+    FEEDBACK: tl.constexpr,
 ):
     # masked lanes loaded 0: they never raise a row's amax. The scale byte (`_bound_byte`): the
     # smallest whose bound is at least amax; the scale its bound times 1 / QMAX (as float32)
@@ -80,6 +88,8 @@ def _store_quantized(
     rcp: tl.constexpr = 1.0 / QMAX
     scale = bound_of(byte) * rcp
     y = x / scale[:, None]
+    if FEEDBACK:
+        y = _feedback(y, mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
         # round half to even: adding 1.5 * 2^23 leaves no fraction bits (|y| <= 127)
@@ -90,6 +100,45 @@ def _store_quantized(
         tl.store((c_ptr + dst).to(tl.pointer_type(tl.uint8)), code, mask=mask)
     byte_ptr = (c_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.uint8))
     tl.store(byte_ptr, byte.to(tl.uint8), mask=row_mask)
+
+
+@triton.jit
+def _feedback(y, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, FP8_BIAS):
+    """The coded values of rows `y` (already divided by their scale) chosen by error feedback
+    (`reference.quantize_rows`): column by column the value so far coded, its error pushed onto
+    the later columns through the head's feedback matrix (`[KVH, D, D]`, zero on and below the
+    diagonal). A column is taken out by its bits (an integer sum: exact, signed zeros kept)."""
+    w = y
+    coded = tl.zeros_like(y)
+    for j in tl.static_range(HEAD_DIM):
+        column = d[None, :] == j
+        bits = tl.sum(tl.where(column, w.to(tl.int32, bitcast=True), 0), axis=1)
+        wj = bits.to(tl.float32, bitcast=True)
+        cj = tl.minimum(tl.maximum(wj, -QMAX), QMAX)
+        vj = (cj + 12582912.0) - 12582912.0 if INT8 else _fp8_value(cj, FP8_M, FP8_BIAS)
+        coded = tl.where(column, vj[:, None], coded)
+        u = tl.load(
+            fb_ptr + h[:, None] * HEAD_DIM * HEAD_DIM + j * HEAD_DIM + d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        w = w - (wj - vj)[:, None] * u
+    return coded
+
+
+@triton.jit
+def _fp8_value(y, M: tl.constexpr, BIAS: tl.constexpr):
+    """The value of `_fp8_code(y)` as float32 (|y| <= the format's max): the same rounding."""
+    a = tl.abs(y)
+    step: tl.constexpr = 2.0 ** (BIAS - 1 + M)
+    steps = (a * step + 12582912.0) - 12582912.0
+    abits = a.to(tl.uint32, bitcast=True)
+    SHIFT: tl.constexpr = 23 - M
+    rounded = abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)
+    normal = ((rounded >> SHIFT) << SHIFT).to(tl.float32, bitcast=True)
+    min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+    value = tl.where(a < min_normal, steps * (1.0 / step), normal)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -value, value)
 
 
 @triton.jit
@@ -136,9 +185,11 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_feedback: torch.Tensor | None = None,
 ) -> None:
     """k/v `[T, KVH, D]` -> caches `[num_blocks, block_size, KVH, D]` at `slot_mapping` (-1
-    skipped)."""
+    skipped); `key_feedback` float32 `[KVH, D, D]`: a quantized cache's keys coded by error
+    feedback."""
     T, kvh, d = k.shape
     if T == 0:
         return
@@ -153,6 +204,10 @@ def store_kvcache(
         )
     assert k_cache.stride() == v_cache.stride()
     qmax = 0.0
+    if kv_format(k_cache.dtype) == "auto":
+        key_feedback = None
+    if key_feedback is not None:
+        key_feedback = key_feedback.to(device=k.device, dtype=torch.float32).contiguous()
     if kv_format(k_cache.dtype) != "auto":
         assert k_cache.shape[3] == kv_row_size(d, k_cache.dtype), "rows do not match k's heads"
         qmax = kv_code_max(k_cache.dtype)
@@ -172,6 +227,7 @@ def store_kvcache(
         v.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        k if key_feedback is None else key_feedback,  # (unread without feedback)
         NUM_KV_HEADS=kvh,
         HEAD_DIM=d,
         BLOCK_H=block_h,
@@ -180,5 +236,8 @@ def store_kvcache(
         INT8=k_cache.dtype == torch.int8,
         FP8_M={torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}.get(k_cache.dtype, 0),
         FP8_BIAS={torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}.get(k_cache.dtype, 0),
+        FEEDBACK=key_feedback is not None,
         num_warps=4 if block_h * block_d >= 1024 else 1,
+        # the feedback's multiply and subtract each rounded, as the reference's
+        enable_fp_fusion=key_feedback is None,
     )

@@ -823,11 +823,14 @@ def cpu_store_kvcache(
     v_cache: _KernelArray,
     slot_mapping: _npt.NDArray[_np.int64],
     kv_cache_dtype: str = "auto",
+    key_feedback: _F32Array | None = None,
 ) -> None:
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
     (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes.
     ``kv_cache_dtype`` "int8" (int8 caches) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized
-    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte."""
+    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte.
+    ``key_feedback`` float32 ``[KVH, D, D]`` (a quantized cache): the keys' codes chosen by error
+    feedback as ``kernels/reference.py``'s ``quantize_rows`` chooses them, bit for bit."""
 
 def cpu_paged_attention(
     q: _KernelArray,
@@ -1011,7 +1014,8 @@ class CpuDecoder:
         head_dim: int,
         eps: float,
         scale: float,
-        key_transforms: list[tuple[_F32Array, _F32Array, _F32Array | None] | None] | None = None,
+        key_transforms: list[tuple[_F32Array, _F32Array, _F32Array | None, _F32Array | None] | None]
+        | None = None,
         ends: tuple[tuple[object, ...], tuple[object, ...]] | None = None,
     ) -> None:
         """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
@@ -1024,10 +1028,10 @@ class CpuDecoder:
         expert's ``(gate_up, down, gate)`` projections, counts int64 ``[E]`` (each token's
         chosen experts added in place). ``key_transforms``: per layer None or a quantized
         cache's key transform ``(query_scale [H * D], key_scale [KVH * D], key_offset [KVH * D]
-        or None)`` (``attention/key_transform.py``). ``ends``: None, or ``(embedding, head)``
-        for ``logits``: the embedding ``("table", float32 [V, E])`` or ``("quant", segments,
-        in_features)``, the LM head a projection as above. ``TypeError`` / ``ValueError`` naming
-        the layer and part that is not so."""
+        or None, key_feedback [KVH * D * D] or None)`` (``attention/key_transform.py``).
+        ``ends``: None, or ``(embedding, head)`` for ``logits``: the embedding ``("table",
+        float32 [V, E])`` or ``("quant", segments, in_features)``, the LM head a projection as
+        above. ``TypeError`` / ``ValueError`` naming the layer and part that is not so."""
 
     def forward(
         self,

@@ -84,3 +84,18 @@ def test_triton_prefill_over_a_quantized_cache_matches_the_reference(cache_dtype
     want = ref.paged_prefill_attention(q, kc, vc, qsl, lens, tables, scale, 6)
     got = paged_prefill_attention(q, kc, vc, qsl, lens, tables, scale, 6, block_m=16, block_n=4)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", FORMATS)
+def test_triton_store_codes_keys_with_feedback_bit_for_bit_as_the_reference(cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    k = (torch.randn(5, KVH, D, generator=g) * torch.logspace(-1, 1, 5)[:, None, None]).to(DEV)
+    v = torch.randn(5, KVH, D, generator=g).to(DEV)
+    feedback = torch.triu(torch.randn(KVH, D, D, generator=g) * 0.3, diagonal=1).to(DEV)
+    slots = torch.tensor([5, 0, -1, 2, 7], device=DEV)
+    want_k, want_v = _caches(2, cache_dtype)
+    ref.store_kvcache(k, v, want_k, want_v, slots, feedback)
+    got_k, got_v = _caches(2, cache_dtype)
+    store_kvcache(k, v, got_k, got_v, slots, feedback)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))

@@ -45,7 +45,7 @@ def test_a_key_transform_of_the_wrong_size_is_a_value_error_naming_it():
         panels(hidden, 128),
     )
     ones = lambda n: np.ones(n, dtype=np.float32)  # noqa: E731
-    transform = (ones(heads * d), ones(kv_heads * d), ones(kv_heads * d - 1))
+    transform = (ones(heads * d), ones(kv_heads * d), ones(kv_heads * d - 1), None)
     decoder = _core.CpuDecoder(
         [layer], norm, heads, kv_heads, d, 1e-6, 0.25, key_transforms=[transform]
     )

@@ -5,6 +5,7 @@ import torch
 from transformers import Gemma2Config
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels import reference as ref
 from pagedllm.models import load_model
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.worker import kv_calibration
@@ -55,6 +56,24 @@ def test_a_heads_transform_depends_on_that_heads_moments_only():
     full, part = whole.transform(8, offset=True), rank1.transform(4, offset=True)
     torch.testing.assert_close(part.scale, full.scale[2:], rtol=1e-6, atol=0)
     torch.testing.assert_close(part.offset, full.offset[2:], rtol=1e-6, atol=0)
+    torch.testing.assert_close(part.feedback, full.feedback[2:], rtol=1e-5, atol=1e-6)
+
+
+def test_the_feedback_is_the_rotated_scaled_query_moments_pre_divided_cholesky_rows():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(300, 2, 8, generator=g) + 0.5, torch.randn(300, 1, 8, generator=g)
+    m = Moments()
+    m.apply_(q, k)
+    t = m.transform(2, offset=True)
+    # Sigma of the queries as they meet a stored row: H (q / s) / n, n = 8
+    qs = q.double().reshape(-1, 8) / t.scale[0].double()
+    h = ref.hadamard(torch.eye(8)).double()
+    rotated = qs @ h.T / 8
+    sigma = rotated.T @ rotated / 300
+    damped = sigma + 0.01 * sigma.diagonal().mean() * torch.eye(8, dtype=torch.float64)
+    upper = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    want = torch.triu(upper / upper.diagonal()[:, None], diagonal=1)
+    torch.testing.assert_close(t.feedback[0].double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_scale_follows_the_queries_and_keeps_the_rows_energy():
@@ -144,6 +163,7 @@ def test_tensor_parallel_rank_zero_holds_its_heads_rows_of_the_one_rank_calibrat
         # the same forward, its all-reduces summed in another order: close, not bit for bit
         torch.testing.assert_close(mine.scale, whole.scale[:1], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(mine.offset, whole.offset[:1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.feedback, whole.feedback[:1], rtol=1e-3, atol=1e-4)
 
 
 def test_a_bad_calibration_setting_is_a_value_error_naming_it(monkeypatch):

@@ -66,14 +66,16 @@ def store_and_attend(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    key_feedback: Tensor | None = None,
 ) -> Tensor:
     """Store k/v `[T, KVH, D]` at their slots, then attend q `[T, H, D]` -> `[T, H, D]` (a
     query sees the last `sliding_window` positions when that is > 0; scores capped at
-    `softcap` when that is > 0)."""
+    `softcap` when that is > 0; `key_feedback`: keys coded by error feedback)."""
     slots, query_start_loc, seq_lens, block_tables = arrays
     kc, vc = _cache_view(k_cache), _cache_view(v_cache)
     kv_dtype = kv_format(k_cache.dtype)
-    _core.cpu_store_kvcache(numpy_view(k), numpy_view(v), kc, vc, slots, kv_dtype)
+    feedback = None if key_feedback is None else key_feedback.numpy()
+    _core.cpu_store_kvcache(numpy_view(k), numpy_view(v), kc, vc, slots, kv_dtype, feedback)
     # allocated on the numpy side and shared with torch: no dispatcher ops for the bridge
     # (bfloat16: one, the view of the uint16 bits as bfloat16)
     out = np.empty(q.shape, dtype=NUMPY_DTYPE[q.dtype])

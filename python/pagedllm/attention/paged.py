@@ -115,18 +115,21 @@ def paged_attention(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float | LayerAttention,
+    key_feedback: Tensor | None = None,
 ) -> Tensor:
     """q `[T, H, D]`, k/v `[T, KVH, D]`; caches `[num_blocks, block_size, KVH, D]` (quantized:
     `D + 1`, `kernels.reference`) -> `[T, H, D]`. `scale`: the softmax scale of a full-attention
-    layer, or the layer's `LayerAttention`."""
+    layer, or the layer's `LayerAttention`. `key_feedback`: a quantized cache's keys coded by
+    error feedback (`attention/key_transform.py`)."""
     layer = _as_layer(scale)
     if q.is_cuda:
-        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, layer)
+        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, layer, key_feedback)
     if cpu_attention.supports(q, k_cache):
+        arrays, capped = meta.cpu_arrays(), (layer.scale, layer.window, layer.softcap)
         return cpu_attention.store_and_attend(
-            q, k, v, k_cache, v_cache, meta.cpu_arrays(), layer.scale, layer.window, layer.softcap
+            q, k, v, k_cache, v_cache, arrays, *capped, key_feedback
         )
-    return _paged_attention_torch(q, k, v, k_cache, v_cache, meta, layer)
+    return _paged_attention_torch(q, k, v, k_cache, v_cache, meta, layer, key_feedback)
 
 
 def _paged_attention_torch(
@@ -137,12 +140,13 @@ def _paged_attention_torch(
     v_cache: Tensor,
     meta,
     scale: float | LayerAttention,
+    key_feedback: Tensor | None = None,
 ) -> Tensor:
     """The torch reference path: one vectorized gather + SDPA for decode, prefill and mixed
     batches (the plan groups decode rows itself)."""
     layer = _as_layer(scale)
     plan = meta.cpu_plan(k_cache.shape[1], q.shape[1], q.shape[0], q.device, layer.window)
-    _ref.store_planned(k, v, k_cache, v_cache, plan)
+    _ref.store_planned(k, v, k_cache, v_cache, plan, key_feedback)
     return _ref.attend(q, k_cache, v_cache, plan, layer.scale, layer.softcap)
 
 
@@ -151,14 +155,14 @@ def _as_layer(scale: float | LayerAttention) -> LayerAttention:
 
 
 def _paged_attention_triton(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float | LayerAttention
+    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float | LayerAttention, key_feedback
 ) -> Tensor:
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
 
     layer = _as_layer(scale)
     scale, window, softcap = layer.scale, layer.window, layer.softcap
 
-    store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+    store_kv.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, key_feedback)
     if meta.is_decode_only:
         num_splits = meta.num_splits
         if num_splits is None:

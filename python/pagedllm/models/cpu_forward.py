@@ -219,12 +219,14 @@ def _plain_layer(layer: torch.nn.Module) -> bool:
 
 def _key_transform(attn: Attention) -> tuple | None:
     """A quantized cache's key transform (`attention/key_transform.py`) as the Rust layer
-    takes it: (query_scale, key_scale, key_offset or None), flat float32."""
+    takes it: (query_scale, key_scale, key_offset or None, key_feedback or None), flat
+    float32."""
     t = attn.key_transform
     if t is None:
         return None
     offset = None if t.offset is None else t.offset.reshape(-1).numpy()
-    return (t.query_scale.reshape(-1).numpy(), t.scale.reshape(-1).numpy(), offset)
+    feedback = None if t.feedback is None else t.feedback.reshape(-1).numpy()
+    return (t.query_scale.reshape(-1).numpy(), t.scale.reshape(-1).numpy(), offset, feedback)
 
 
 def _norm(norm: torch.nn.Module) -> Tensor:

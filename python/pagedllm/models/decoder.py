@@ -169,9 +169,11 @@ class Attention(nn.Module):
             )
             apply_rope_(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        feedback = None
         if self.key_transform is not None:
             self.key_transform.apply_(q, k)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scoring)
+            feedback = self.key_transform.feedback
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scoring, feedback)
         return self.o_proj.forward(out.reshape(num_tokens, -1))
 
 

@@ -7,8 +7,12 @@ windows of at most `WINDOW` tokens. Each layer's attention records, where q and 
 the sums of k, k^2 per (kv head, channel) and of q^2 over the kv head's query heads; from them
 the layer's key offset `c = E k` and key scale `s_c = (E q_c^2 / E k_c^2)^(1/4)` (the
 Cauchy-Schwarz optimum of the score error under the rows' rotated, evenly spread error; scaled
-so a head's rows keep their energy). Random ids, not real text: round 9's calibration on one
-real text failed another (benches/RESULTS.md, Round 9, H4).
+so a head's rows keep their energy). The sums of `q q^T` per kv head give the second moments
+`Sigma` of the queries as they meet a stored row (`H (q / s) / n`, rotated), and from them the
+stores' error feedback: `U`, the upper Cholesky factor of `(Sigma + 0.01 mean(diag Sigma) I)^-1`,
+each row divided by its diagonal (GPTQ's update on one row: the keys' rounding error is pushed
+where the queries do not look; benches/RESULTS.md, round 10 HD). Random ids, not real text:
+round 9's calibration on one real text failed another (benches/RESULTS.md, Round 9, H4).
 
 The moments of a head depend on that head only, so each tensor-parallel rank, running the same
 forward on its shard, gets its heads' rows of the one-rank transform; every rank calibrates at
@@ -30,6 +34,7 @@ from torch import Tensor
 
 from pagedllm.attention.key_transform import KeyTransform
 from pagedllm.attention.paged import AttentionMetadata
+from pagedllm.kernels.reference import hadamard
 from pagedllm.models.decoder import Attention
 from pagedllm.models.moe import SparseMoeBlock
 
@@ -76,27 +81,48 @@ class Moments:
     """Stands in for a layer's transform during the calibration forward: records the sums,
     leaves q and k as they are."""
 
+    feedback = None  # (the stores code as uncalibrated)
+
     def __init__(self) -> None:
-        self.sums: list[Tensor] | None = None  # k, k^2, q^2 (float64 [KVH, D])
+        self.sums: list[Tensor] | None = None  # k, k^2, q^2 (float64 [KVH, D]), q q^T [KVH, D, D]
         self.count = 0
 
     def apply_(self, q: Tensor, k: Tensor) -> None:
         kv_heads = k.shape[1]
         k = k.double()
         q = q.double().reshape(q.shape[0], kv_heads, -1, q.shape[-1])
-        sums = [k.sum(0), (k * k).sum(0), (q * q).sum((0, 2))]
+        qq = torch.einsum("tkgd,tkge->kde", q, q)
+        sums = [k.sum(0), (k * k).sum(0), (q * q).sum((0, 2)), qq]
         self.sums = sums if self.sums is None else [a + b for a, b in zip(self.sums, sums)]
         self.count += k.shape[0]
 
     def transform(self, num_heads: int, *, offset: bool) -> KeyTransform:
         """The layer's transform from its moments (`offset`: with the key offset)."""
-        k, k2, q2 = (s / self.count for s in self.sums)
+        k, k2, q2, qq = (s / self.count for s in self.sums)
         tiny = torch.finfo(torch.float32).tiny
         scale = (q2.clamp_min(tiny) / k2.clamp_min(tiny)) ** 0.25
         # a head's rows keep their energy: only the channels' shares move
         energy = k2.sum(-1, keepdim=True) / (scale * scale * k2).sum(-1, keepdim=True)
         scale = scale * energy.sqrt()
-        return KeyTransform.of(scale, k if offset else None, num_heads)
+        feedback = error_feedback(qq, scale.float().double())
+        return KeyTransform.of(scale, k if offset else None, num_heads, feedback)
+
+
+def error_feedback(qq: Tensor, scale: Tensor) -> Tensor:
+    """The stores' feedback matrices `[KVH, D, D]` (float32) from the queries' second moments
+    `qq` `[KVH, D, D]` (as RoPE leaves them) and the key scale `s`: Sigma of `q / s` rotated as a
+    stored row meets it, damped by 1 % of its mean diagonal; U = upper Cholesky factor of its
+    inverse, rows divided by their diagonal, zero on and below it."""
+    inv = 1.0 / scale
+    sigma = qq * inv[:, :, None] * inv[:, None, :]
+    d = sigma.shape[-1]
+    h = hadamard(torch.eye(d, dtype=torch.float32)).double()
+    sigma = h @ sigma @ h / float(d & -d) ** 2
+    damp = 0.01 * torch.diagonal(sigma, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+    damped = sigma + damp[:, None, None] * torch.eye(d, dtype=sigma.dtype)
+    upper = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
+    upper = upper / torch.diagonal(upper, dim1=-2, dim2=-1).unsqueeze(-1)
+    return torch.triu(upper, diagonal=1).float().contiguous()
 
 
 def calibrate(

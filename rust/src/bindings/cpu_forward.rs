@@ -110,8 +110,9 @@ struct LayerArrays {
     o: LinearArrays,
     post_norm: Py<PyArray1<f32>>,
     mlp: MlpArrays,
-    /// query scale, key scale, key offset (`models/cpu_forward.py`'s `_key_transform`)
-    key_transform: Option<(Vector, Vector, Option<Vector>)>,
+    /// query scale, key scale, key offset, key feedback (`models/cpu_forward.py`'s
+    /// `_key_transform`)
+    key_transform: Option<KeyArrays>,
 }
 
 enum MlpArrays {
@@ -334,25 +335,32 @@ fn layer_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays> {
     })
 }
 
-/// `(query_scale [H·D], key_scale [KVH·D], key_offset [KVH·D] or None)`, float32.
-fn key_transform_arrays(
-    spec: &Bound<'_, PyAny>,
-    i: usize,
-) -> PyResult<(Vector, Vector, Option<Vector>)> {
+type KeyArrays = (Vector, Vector, Option<Vector>, Option<Vector>);
+
+/// `(query_scale [H·D], key_scale [KVH·D], key_offset [KVH·D] or None, key_feedback
+/// [KVH·D·D] or None)`, float32.
+fn key_transform_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<KeyArrays> {
     let what = format!("layer {i}'s key transform");
-    let (q, k, c): (Bound<'_, PyAny>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) =
-        spec.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "{what} must be (query_scale, key_scale, key_offset or None)"
-            ))
-        })?;
-    let offset = c
-        .map(|c| array1(&c, &format!("{what}'s key_offset")))
-        .transpose()?;
+    type Spec<'py> = (
+        Bound<'py, PyAny>,
+        Bound<'py, PyAny>,
+        Option<Bound<'py, PyAny>>,
+        Option<Bound<'py, PyAny>>,
+    );
+    let (q, k, c, f): Spec<'_> = spec.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be (query_scale, key_scale, key_offset or None, key_feedback or None)"
+        ))
+    })?;
+    let optional = |a: Option<Bound<'_, PyAny>>, name: &str| {
+        a.map(|a| array1(&a, &format!("{what}'s {name}")))
+            .transpose()
+    };
     Ok((
         array1(&q, &format!("{what}'s query_scale"))?,
         array1(&k, &format!("{what}'s key_scale"))?,
-        offset,
+        optional(c, "key_offset")?,
+        optional(f, "key_feedback")?,
     ))
 }
 
@@ -453,6 +461,7 @@ type KeyGuard<'py> = (
     PyReadonlyArray1<'py, f32>,
     PyReadonlyArray1<'py, f32>,
     Option<PyReadonlyArray1<'py, f32>>,
+    Option<PyReadonlyArray1<'py, f32>>,
 );
 
 enum MlpGuard<'py> {
@@ -545,10 +554,10 @@ impl LayerArrays {
             o: self.o.borrow(py),
             post_norm: read1(py, &self.post_norm),
             mlp: self.mlp.borrow(py)?,
-            key_transform: self
-                .key_transform
-                .as_ref()
-                .map(|(q, k, c)| (read1(py, q), read1(py, k), c.as_ref().map(|c| read1(py, c)))),
+            key_transform: self.key_transform.as_ref().map(|(q, k, c, f)| {
+                let optional = |a: &Option<Vector>| a.as_ref().map(|a| read1(py, a));
+                (read1(py, q), read1(py, k), optional(c), optional(f))
+            }),
         })
     }
 }
@@ -586,10 +595,11 @@ impl LayerGuard<'_> {
             post_norm: slice1(&self.post_norm)?,
             mlp: self.mlp.view(bufs)?,
             key_transform: match &self.key_transform {
-                Some((q, k, c)) => Some(KeyTransform {
+                Some((q, k, c, f)) => Some(KeyTransform {
                     query_scale: slice1(q)?,
                     key_scale: slice1(k)?,
                     key_offset: c.as_ref().map(slice1).transpose()?,
+                    key_feedback: f.as_ref().map(slice1).transpose()?,
                 }),
                 None => None,
             },
@@ -638,8 +648,8 @@ impl CpuDecoder {
     /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`
     /// (a sparse layer: `(..., post_norm, moe, None)`, `moe_arrays`),
     /// norms float32 `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
-    /// them. `key_transforms`: None, or per layer None or `(query_scale, key_scale, key_offset)`
-    /// (`forward::KeyTransform`; a quantized cache's calibration).
+    /// them. `key_transforms`: None, or per layer None or `(query_scale, key_scale, key_offset,
+    /// key_feedback)` (`forward::KeyTransform`; a quantized cache's calibration).
     #[new]
     /// `ends`: None, or `(embedding, head)` for `logits`: the embedding `("table", float32 [V,
     /// E])` or `("quant", segments, k)`, the LM head a projection as `linear_arrays` reads it.

@@ -7,7 +7,8 @@
 use ndarray::{ArrayView, ArrayViewMut, Dimension};
 use numpy::{
     Element, PyArray, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray,
-    PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray, PyUntypedArray, PyUntypedArrayMethods,
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArray, PyUntypedArray,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -252,8 +253,13 @@ fn kv_view_mut<C: KvDtype>(
 /// (int64 `[T]`, -1 = padding row, skipped); k/v float32, or bfloat16 as uint16. The caches are
 /// of k's dtype (`kv_cache_dtype="auto"`), or quantized (`"int8"`: int8, `"fp8_e4m3"` /
 /// `"fp8_e5m2"`: uint8 bits), `[blocks, block_size, KVH, D + 1]`, each row coded with its scale byte.
+/// `key_feedback` (float32 `[KVH, D, D]`, a quantized cache): the keys' codes chosen by error
+/// feedback (`cpu::store_kv_fed`, the key calibration's matrices).
 #[pyfunction]
-#[pyo3(signature = (k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto"))]
+#[pyo3(signature = (
+    k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype = "auto", key_feedback = None
+))]
+#[allow(clippy::too_many_arguments)]
 fn cpu_store_kvcache(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
@@ -262,15 +268,24 @@ fn cpu_store_kvcache(
     v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
     kv_cache_dtype: &str,
+    key_feedback: Option<PyReadonlyArrayDyn<'_, f32>>,
 ) -> PyResult<()> {
     let format = KvFormat::parse(kv_cache_dtype)?;
+    let feedback = match &key_feedback {
+        Some(f) => Some(
+            f.as_slice()
+                .map_err(|_| PyValueError::new_err("key_feedback must be contiguous"))?,
+        ),
+        None => None,
+    };
     with_kv_format!(
         Kind::of("k", k)?,
         format,
-        store(py, k, v, k_cache, v_cache, slot_mapping)
+        store(py, k, v, k_cache, v_cache, slot_mapping, feedback)
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn store<N: Dtype, C: KvDtype>(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
@@ -278,6 +293,7 @@ fn store<N: Dtype, C: KvDtype>(
     k_cache: &Bound<'_, PyAny>,
     v_cache: &Bound<'_, PyAny>,
     slot_mapping: PyReadonlyArray1<'_, i64>,
+    key_feedback: Option<&[f32]>,
 ) -> PyResult<()> {
     let slots = contiguous("slot_mapping", &slot_mapping)?;
     let (k, v) = (readonly::<N, _>("k", k)?, readonly::<N, _>("v", v)?);
@@ -292,7 +308,7 @@ fn store<N: Dtype, C: KvDtype>(
         kv_view_mut::<C>(kc.as_array_mut()),
         kv_view_mut::<C>(vc.as_array_mut()),
     );
-    py.detach(|| cpu::store_kv(k, v, slots, kc, vc))?;
+    py.detach(|| cpu::store_kv_fed(k, v, slots, kc, vc, key_feedback))?;
     Ok(())
 }
 

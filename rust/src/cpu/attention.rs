@@ -86,11 +86,36 @@ pub fn store_kv<T: Elem, C: KvElem>(
     k_cache: ArrayViewMut4<C>,
     v_cache: ArrayViewMut4<C>,
 ) -> Result<()> {
+    store_kv_fed(k, v, slot_mapping, k_cache, v_cache, None)
+}
+
+/// `store_kv` with the keys of a quantized cache coded by error feedback
+/// (`KvElem::encode_fed`): `key_feedback` float32 `[KVH, D, D]` (flat), one matrix per kv head
+/// (the key calibration's, `worker/kv_calibration.py`); None, or a float cache: `store_kv`.
+pub fn store_kv_fed<T: Elem, C: KvElem>(
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
+    slot_mapping: &[i64],
+    k_cache: ArrayViewMut4<C>,
+    v_cache: ArrayViewMut4<C>,
+    key_feedback: Option<&[f32]>,
+) -> Result<()> {
     if v_cache.dim() != k_cache.dim() {
         return Err(invalid("k_cache and v_cache must have the same shape"));
     }
-    store_one("k", k, slot_mapping, k_cache)?;
-    store_one("v", v, slot_mapping, v_cache)
+    let (_, _, kv_heads, row) = k_cache.dim();
+    let d = row.saturating_sub(C::EXTRA);
+    let key_feedback = key_feedback.filter(|_| C::ROTATED);
+    if let Some(f) = key_feedback {
+        if f.len() != kv_heads * d * d {
+            return Err(invalid(format!(
+                "key_feedback has {} elements, expected {kv_heads} x {d} x {d}",
+                f.len()
+            )));
+        }
+    }
+    store_one("k", k, slot_mapping, k_cache, key_feedback)?;
+    store_one("v", v, slot_mapping, v_cache, None)
 }
 
 fn store_one<T: Elem, C: KvElem>(
@@ -98,6 +123,7 @@ fn store_one<T: Elem, C: KvElem>(
     rows: ArrayView3<T>,
     slot_mapping: &[i64],
     mut cache: ArrayViewMut4<C>,
+    feedback: Option<&[f32]>,
 ) -> Result<()> {
     let (blocks, block_size, kv_heads, row) = cache.dim();
     let head_dim = row.saturating_sub(C::EXTRA);
@@ -140,9 +166,16 @@ fn store_one<T: Elem, C: KvElem>(
                 kv_quant::hadamard(&mut wide);
             }
             let mut dst_row = dst.index_axis_mut(Axis(0), h);
-            match dst_row.as_slice_mut() {
-                Some(dst_row) => C::encode(&wide, dst_row),
-                None => return Err(invalid(format!("{name}'s cache rows must be contiguous"))),
+            match (dst_row.as_slice_mut(), feedback) {
+                (Some(dst_row), Some(f)) => C::encode_fed(
+                    &mut wide,
+                    dst_row,
+                    &f[h * head_dim * head_dim..][..head_dim * head_dim],
+                ),
+                (Some(dst_row), None) => C::encode(&wide, dst_row),
+                (None, _) => {
+                    return Err(invalid(format!("{name}'s cache rows must be contiguous")))
+                }
             }
         }
     }

@@ -22,7 +22,7 @@ mod moe_layer;
 
 pub use moe_layer::{route, Experts, MoeMlp, SharedExpert};
 
-use super::attention::{paged_attention, store_kv, PagedBatch};
+use super::attention::{paged_attention, store_kv_fed, PagedBatch};
 use super::kv_quant::KvElem;
 use super::quant::{self, quant_linear_with, Activations, QuantMatrix};
 use super::{activation, invalid, linear, norm, rotary};
@@ -168,6 +168,9 @@ pub struct KeyTransform<'a> {
     pub key_scale: &'a [f32],
     /// c, `[KVH * D]`; none where scores are soft-capped
     pub key_offset: Option<&'a [f32]>,
+    /// the keys' error-feedback rounding in a quantized store, `[KVH * D * D]`
+    /// (`attention::store_kv_fed`); none: nearest rounding
+    pub key_feedback: Option<&'a [f32]>,
 }
 
 impl KeyTransform<'_> {
@@ -539,6 +542,7 @@ fn attention<C: KvElem>(
         v_cache,
         &mut scratch.attn,
         opts,
+        layer.key_transform.and_then(|t| t.key_feedback),
     )?;
     let attn = ArrayView2::from_shape((tokens, h * d), &scratch.attn[..]).map_err(bad_shape)?;
     layer.o.run(attn, x.view_mut(), opts)
@@ -590,13 +594,15 @@ fn store_and_attend<C: KvElem>(
     mut v_cache: ArrayViewMut4<C>,
     out: &mut [f32],
     opts: Options,
+    key_feedback: Option<&[f32]>,
 ) -> Result<()> {
-    store_kv(
+    store_kv_fed(
         k,
         v,
         step.slot_mapping,
         k_cache.view_mut(),
         v_cache.view_mut(),
+        key_feedback,
     )?;
     let tokens = q.dim().0;
     let out = ArrayViewMut3::from_shape((tokens, shape.num_heads, shape.head_dim), out)

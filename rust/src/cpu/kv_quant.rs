@@ -47,6 +47,35 @@ const fn bound_bits(b: i32) -> u32 {
     ((exponent + 127) << 23 | mantissa) as u32
 }
 
+/// `KvElem::encode_fed`'s channel loop over `xs` (divided by the row's scale): each channel's
+/// code, its error pushed onto the later channels.
+#[inline(always)]
+fn fed_codes<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
+    let d = xs.len();
+    for j in 0..d {
+        let code = Q::code(xs[j]);
+        values[j] = code;
+        let e = xs[j] - code.decode();
+        let (_, later) = xs.split_at_mut(j + 1);
+        // a multiply then a subtract, each rounded (no fused multiply-add): torch's order
+        for (w, u) in later.iter_mut().zip(&feedback[j * d + j + 1..(j + 1) * d]) {
+            *w -= e * u;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn fed_codes_avx512<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
+    fed_codes(xs, values, feedback)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fed_codes_avx2<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
+    fed_codes(xs, values, feedback)
+}
+
 /// `bound_of` on sixteen bytes (one per 32-bit lane, 0-255): `bound_bits`, each of its three
 /// pieces linear in the byte (the mantissa's carry runs into the exponent).
 #[cfg(target_arch = "x86_64")]
@@ -214,6 +243,16 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     unsafe fn scale(row: *const Self, d: usize) -> f32;
     /// Writes `xs` (`d` values) as one row of `d + EXTRA` elements.
     fn encode(xs: &[f32], row: &mut [Self]);
+    /// `encode` with error-feedback rounding (quantized rows; float rows: `encode`): the scale
+    /// byte as `encode`'s, then channel by channel the code of the value so far, its error `e`
+    /// (in the row's scale units) pushed onto the later channels as `w_l -= e * feedback[j, l]`
+    /// (`feedback`: `[d, d]` row-major, the calibration's pre-divided Cholesky rows, zero on and
+    /// below the diagonal; `kernels/reference.py`'s `quantize_rows` bit for bit). `xs` is left
+    /// as the running values (scratch).
+    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+        let _ = feedback;
+        Self::encode(xs, row)
+    }
     /// `xs · row`'s values (factor included), `xs.len()` = `d`; `F`: inside an avx2+fma function.
     fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32;
     /// `y += a * row`'s values (factor included).
@@ -526,6 +565,35 @@ impl<Q: Quantized> KvElem for Q {
         // SAFETY: `tail` is exactly the byte written
         unsafe { *(tail.as_mut_ptr() as *mut u8) = byte };
     }
+    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+        let d = xs.len();
+        assert_eq!(feedback.len(), d * d, "a row's feedback is [d, d]");
+        let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let byte = byte_of(amax);
+        let scale = bound_of(byte) * Q::RCP;
+        xs.iter_mut().for_each(|x| *x /= scale);
+        let (values, tail) = row.split_at_mut(d);
+        // the same operations at every level: only the vector width of the updates differs
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::isa::{level, IsaLevel};
+            match level() {
+                // SAFETY: the level grants the features
+                l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512(xs, values, feedback) },
+                l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2(xs, values, feedback) },
+                _ => fed_codes(xs, values, feedback),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        fed_codes(xs, values, feedback);
+        assert_eq!(
+            std::mem::size_of_val(tail),
+            SCALE_BYTES,
+            "a row's scale takes 1 byte"
+        );
+        // SAFETY: `tail` is exactly the byte written
+        unsafe { *(tail.as_mut_ptr() as *mut u8) = byte };
+    }
     #[inline(always)]
     fn dot<const F: bool>(xs: &[f32], row: &[Self]) -> f32 {
         let d = xs.len();
@@ -736,6 +804,43 @@ mod tests {
         (0..d)
             .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.173 + (i as f32 * 0.61).sin())
             .collect()
+    }
+
+    fn encoded<Q: KvElem>(xs: &[f32], feedback: Option<&[f32]>) -> Vec<Q> {
+        let mut row = vec![unsafe { std::mem::zeroed::<Q>() }; xs.len() + Q::EXTRA];
+        match feedback {
+            Some(f) => Q::encode_fed(&mut xs.to_vec(), &mut row, f),
+            None => Q::encode(xs, &mut row),
+        }
+        row
+    }
+
+    #[test]
+    fn a_zero_feedback_codes_as_nearest_rounding() {
+        let mut xs = sample(64);
+        hadamard(&mut xs);
+        let zero = vec![0.0f32; 64 * 64];
+        assert_eq!(encoded::<I8>(&xs, Some(&zero)), encoded::<I8>(&xs, None));
+        assert_eq!(
+            encoded::<Fp8E4M3>(&xs, Some(&zero)),
+            encoded::<Fp8E4M3>(&xs, None)
+        );
+    }
+
+    #[test]
+    fn feedback_moves_the_later_codes_by_the_earlier_errors() {
+        // one channel's error fed wholly into the next: their sum is coded nearly exactly
+        let xs = [10.3f32, 20.4, 0.0, 0.0];
+        let mut f = vec![0.0f32; 16];
+        f[1] = 1.0; // row 0 -> channel 1
+        let fed = encoded::<I8>(&xs, Some(&f));
+        let plain = encoded::<I8>(&xs, None);
+        assert_eq!(fed[0], plain[0]);
+        assert_eq!(fed[4], plain[4], "same scale byte");
+        let scale = bound_of(fed[4].0 as u8) * <I8 as Quantized>::RCP;
+        let (w0, w1) = (xs[0] / scale, xs[1] / scale);
+        let want = (w1 - (w0 - w0.round_ties_even())).round_ties_even();
+        assert_eq!(fed[1].0 as f32, want);
     }
 
     #[test]

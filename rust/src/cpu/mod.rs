@@ -33,7 +33,7 @@ mod attention_tests;
 
 pub use activation::silu_and_mul;
 pub use argmax::argmax_rows;
-pub use attention::{paged_attention, store_kv, PagedBatch, Scores};
+pub use attention::{paged_attention, store_kv, store_kv_fed, PagedBatch, Scores};
 pub use elem::{Bf16, Elem};
 pub use kv_quant::{Fp8E4M3, Fp8E5M2, KvElem, I8};
 pub use linear::{linear, pack_panels, PANEL};
