@@ -155,7 +155,14 @@ def _as_layer(scale: float | LayerAttention) -> LayerAttention:
 
 
 def _paged_attention_triton(
-    q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float | LayerAttention, key_feedback
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float | LayerAttention,
+    key_feedback: Tensor | None = None,
 ) -> Tensor:
     from pagedllm.kernels import decode_attention, prefill_attention, store_kv
 
