@@ -177,14 +177,20 @@ pub fn quant_linear_with(
         return Ok(());
     }
     let fast = fast();
-    // the decode path's AVX2 row dots add each sub-block's min times these sums once
-    let xsum: Vec<f32> = if fast && m <= DECODE_MAX_ROWS && k % 32 == 0 {
+    // quantized once per call, read by every share
+    let xq = QuantizedX::new(x, m, w, activations, fast);
+    // the decode path's AVX2 row dots of f32 activations (`fused_row`) add each sub-block's
+    // min times these sums once: made only where some segment's rows take that path (with
+    // 16-bit activations none: summing x showed in an 8-stream step's profile)
+    let plain_rows = w.segments.iter().any(|s| {
+        let t = super::repack::read_as(s.qtype);
+        xq.as_ref().is_none_or(|xq| !xq.takes(t))
+    });
+    let xsum: Vec<f32> = if fast && plain_rows && m <= DECODE_MAX_ROWS && k % 32 == 0 {
         x.chunks_exact(32).map(|c| c.iter().sum()).collect()
     } else {
         Vec::new()
     };
-    // quantized once per call, read by every share
-    let xq = QuantizedX::new(x, m, w, activations, fast);
     let ctx = Ctx {
         x,
         xq: xq.as_ref(),
@@ -782,6 +788,12 @@ fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usiz
                 *w = ctx.w.row(first + j);
             }
             panel.pack(&weights[..count], ctx.k, ctx.fast);
+            // the next panel's bytes on their way from memory while this one's product runs:
+            // packing read them cold (its widening showed as much as the product at 32 rows)
+            let next = first + count;
+            for r in next..(next + PANEL).min(rows.end) {
+                prefetch_l2(ctx.w.row(r).1);
+            }
             panel.product(xq, sums, ctx.fast);
             for (i, s) in sums.iter().enumerate() {
                 for (j, v) in s[..count].iter().enumerate() {
@@ -791,6 +803,22 @@ fn prefill_rows16(ctx: &Ctx<'_, '_>, xq: &int16::QuantizedRows, rows: Range<usiz
             first += count;
         }
     });
+}
+
+/// The cache lines of `bytes` prefetched into L2 (a hint; nothing off x86-64).
+#[inline(always)]
+fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch reads nothing architecturally; the address is inside `bytes`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// `panel[i * PANEL + j] = rows[j * stride + i]` for the `PANEL` rows `j` and `i < k`: 8 x 8
