@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use super::dot_avx2::half;
 use super::int16::avx2::{add, floats_of};
 use super::int16::{k_scales, Row};
-use super::vnni::{quads, reduce_quads, PlaneRow};
+use super::vnni::{prefetch_rows, q6_k_half, quads, reduce_quads, PlaneRow};
 
 /// Elements per super-block.
 const QK_K: usize = 256;
@@ -30,17 +30,6 @@ const Q4_K_BYTES: usize = 144;
 const Q6_K_BYTES: usize = 210;
 /// Weight rows ahead of the current ones whose super-block is prefetched (as `q8_0r`'s).
 const PREFETCH_ROWS: usize = 16;
-
-/// The `bytes` bytes at `at` prefetched (a hint: no fault past the weight's end).
-#[inline(always)]
-unsafe fn prefetch(at: *const u8, bytes: usize) {
-    let mut line = 0;
-    while line < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast());
-        line += 64;
-    }
-    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(bytes - 1).cast());
-}
 
 /// Each of the `W` Q4_K rows `w` (`k` elements, a multiple of 256) times each of the `R` rows
 /// of x (`x` codes, `p` natural planes): `acc[i][r]` takes row i's scaled sub-block sums with
@@ -64,9 +53,7 @@ pub(super) unsafe fn q4_k_rows<const W: usize, const R: usize>(
     for sb in 0..k / QK_K {
         // super-block sb of each row: inside it
         let b = w.map(|r| r.add(sb * Q4_K_BYTES));
-        for b in b {
-            prefetch(b.wrapping_add(ahead), Q4_K_BYTES);
-        }
+        prefetch_rows(b, ahead, Q4_K_BYTES);
         // sub-blocks 0-3's lanes folded to quads (`quads`) before 4-7's are taken: fewer
         // registers live at four weight rows by two rows of x
         let mut first = [[_mm512_setzero_si512(); R]; W];
@@ -150,18 +137,11 @@ pub(super) unsafe fn q6_k_rows<const W: usize, const R: usize>(
     acc: &mut [[__m256; R]; W],
 ) {
     let ahead = PREFETCH_ROWS * (k / QK_K) * Q6_K_BYTES;
-    let (nibble, bits45) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
-    // as `vnni::q6_k_rows`: quarter q's 2 high bits are bits 2q of qh, to bits 4-5
-    let (by2, by4) = (0x0002_0002_0002_0002, 0x0004_0004_0004_0004);
-    let left01 = _mm512_setr_epi64(by4, by4, by4, by4, by2, by2, by2, by2);
-    let right23 = _mm512_setr_epi64(0, 0, 0, 0, by2, by2, by2, by2);
     let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for sb in 0..k / QK_K {
         // super-block sb of each row: inside it
         let b = w.map(|r| r.add(sb * Q6_K_BYTES));
-        for b in b {
-            prefetch(b.wrapping_add(ahead), Q6_K_BYTES);
-        }
+        prefetch_rows(b, ahead, Q6_K_BYTES);
         let d = b.map(|b| _mm256_set1_ps(half(b.add(208))));
         for h in 0..2 {
             // x's elements 128h..128h + 128 of the super-block: inside the rows' k + PAD bytes
@@ -190,16 +170,7 @@ pub(super) unsafe fn q6_k_rows<const W: usize, const R: usize>(
             }
             for ((acc, b), d) in acc.iter_mut().zip(b).zip(d) {
                 let (ql, qh, scales) = (b, b.add(128), b.add(192));
-                let low = _mm512_loadu_si512(ql.add(64 * h).cast());
-                let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h).cast()));
-                let w01 = _mm512_or_si512(
-                    _mm512_and_si512(low, nibble),
-                    _mm512_and_si512(_mm512_sllv_epi16(high, left01), bits45),
-                );
-                let w23 = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(low), nibble),
-                    _mm512_and_si512(_mm512_srlv_epi16(high, right23), bits45),
-                );
+                let (w01, w23) = q6_k_half(ql.add(64 * h), qh.add(32 * h));
                 let mut s = [_mm256_setzero_si256(); R];
                 for ((s, q), o) in s.iter_mut().zip(&planes).zip(offset) {
                     let z01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w01, q[0]);

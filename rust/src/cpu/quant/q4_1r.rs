@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 
 use super::int16::avx2::{add, load8};
 use super::int16::Row;
-use super::vnni::{reduce_quads, PlaneRow};
+use super::vnni::{prefetch_rows, reduce_quads, PlaneRow};
 
 /// Elements per block.
 const QK: usize = 32;
@@ -52,14 +52,7 @@ pub(super) unsafe fn rows<const W: usize, const R: usize>(
         let n = (blocks - blk0).min(8);
         // group blk0 / 8 of each row: `BLOCK` bytes a block before it
         let g = w.map(|r| r.add(blk0 * BLOCK));
-        for b in g {
-            // a hint only: no fault past the weight's end
-            let ahead = b.wrapping_add(ahead);
-            for line in [0, 64, 128] {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-            }
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(n * BLOCK - 1).cast());
-        }
+        prefetch_rows(g, ahead, 8 * BLOCK);
         let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
         for c in 0..2 {
             let first = 4 * c;

@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 
 use super::int16::avx2::{add, load8};
 use super::int16::Row;
-use super::vnni::{load_i32, reduce_pairs, PlaneRow};
+use super::vnni::{load_i32, prefetch_rows, reduce_pairs, PlaneRow};
 
 /// Elements per block.
 const QK: usize = 32;
@@ -56,14 +56,7 @@ pub(super) unsafe fn rows<const W: usize, const R: usize>(
         let n = (blocks - blk0).min(8);
         // group blk0 / 8 of each row: `BLOCK` bytes a block before it
         let g = w.map(|r| r.add(blk0 * BLOCK));
-        for b in g {
-            // a hint only: no fault past the weight's end
-            let ahead = b.wrapping_add(ahead);
-            for line in [0, 64, 128, 192, 256] {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-            }
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(n * BLOCK - 1).cast());
-        }
+        prefetch_rows(g, ahead, 8 * BLOCK);
         let mut z = [[[_mm512_setzero_si512(); 4]; R]; W];
         for j in 0..4 {
             let first = 2 * j;

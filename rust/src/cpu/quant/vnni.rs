@@ -406,6 +406,49 @@ unsafe fn k_rows<const R: usize, const FIVE: bool>(
     }
 }
 
+/// The `bytes` bytes `ahead` bytes past each of the weight rows' current positions `at`
+/// prefetched into L1: a hint, no fault past the weight's end (from memory the hardware
+/// prefetcher alone does not keep several rows streaming: round 9, H1).
+#[inline(always)]
+pub(super) unsafe fn prefetch_rows<const W: usize>(at: [*const u8; W], ahead: usize, bytes: usize) {
+    for b in at {
+        let b = b.wrapping_add(ahead);
+        let mut line = 0;
+        while line < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(line).cast());
+            line += 64;
+        }
+        _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(bytes - 1).cast());
+    }
+}
+
+/// A Q6_K half super-block's 128 codes (0..=63) from its 64 bytes of low bits at `ql` and 32
+/// of high bits at `qh`, as two vectors in the order of x's planes: quarters 0-1 (`w01`) and
+/// 2-3 (`w23`).
+///
+/// # Safety
+/// AVX-512 BW; `ql` and `qh` readable for 64 and 32 bytes.
+#[inline(always)]
+pub(super) unsafe fn q6_k_half(ql: *const u8, qh: *const u8) -> (__m512i, __m512i) {
+    let (nibble, bits45) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
+    // quarter q's 2 high bits are bits 2q of qh: to bits 4-5 by << 4, << 2 (quarters 0, 1)
+    // and >> 0, >> 2 (quarters 2, 3), per 16-bit lane, then masked per byte
+    let (by2, by4) = (0x0002_0002_0002_0002, 0x0004_0004_0004_0004);
+    let left01 = _mm512_setr_epi64(by4, by4, by4, by4, by2, by2, by2, by2);
+    let right23 = _mm512_setr_epi64(0, 0, 0, 0, by2, by2, by2, by2);
+    let low = _mm512_loadu_si512(ql.cast());
+    let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.cast()));
+    let w01 = _mm512_or_si512(
+        _mm512_and_si512(low, nibble),
+        _mm512_and_si512(_mm512_sllv_epi16(high, left01), bits45),
+    );
+    let w23 = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi16::<4>(low), nibble),
+        _mm512_and_si512(_mm512_srlv_epi16(high, right23), bits45),
+    );
+    (w01, w23)
+}
+
 /// A Q6_K row: per super-block and half h (4 sub-blocks of 32: 8 units of 16), two vectors
 /// of 64 codes (quarters 0-1, 2-3) in 0..=63, the offset 32 off with x's sums per 16.
 #[inline(always)]
@@ -416,12 +459,6 @@ unsafe fn q6_k_rows<const R: usize>(
     p: &[PlaneRow<'_>; R],
     lanes: &mut Lanes<R>,
 ) {
-    let (nibble, bits45) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
-    // quarter q's 2 high bits are bits 2q of qh: to bits 4-5 by << 4, << 2 (quarters 0, 1)
-    // and >> 0, >> 2 (quarters 2, 3), per 16-bit lane, then masked per byte
-    let (by2, by4) = (0x0002_0002_0002_0002, 0x0004_0004_0004_0004);
-    let left01 = _mm512_setr_epi64(by4, by4, by4, by4, by2, by2, by2, by2);
-    let right23 = _mm512_setr_epi64(0, 0, 0, 0, by2, by2, by2, by2);
     let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for sb in 0..k / 256 {
         // super-block sb: row[sb * 210..(sb + 1) * 210], inside the row
@@ -429,16 +466,7 @@ unsafe fn q6_k_rows<const R: usize>(
         let (ql, qh, scales) = (b, b.add(128), b.add(192));
         let d = _mm256_set1_ps(half(b.add(208)));
         for h in 0..2 {
-            let low = _mm512_loadu_si512(ql.add(64 * h).cast());
-            let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(qh.add(32 * h).cast()));
-            let w01 = _mm512_or_si512(
-                _mm512_and_si512(low, nibble),
-                _mm512_and_si512(_mm512_sllv_epi16(high, left01), bits45),
-            );
-            let w23 = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16::<4>(low), nibble),
-                _mm512_and_si512(_mm512_srlv_epi16(high, right23), bits45),
-            );
+            let (w01, w23) = q6_k_half(ql.add(64 * h), qh.add(32 * h));
             let e = 256 * sb + 128 * h;
             let z01 = dots(w01, w01, p, e);
             let z23 = dots(w23, w23, p, e + 64);

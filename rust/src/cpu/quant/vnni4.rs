@@ -12,7 +12,7 @@ use std::arch::x86_64::*;
 use super::formats::QType;
 use super::int16::avx2::{add, bytes32, f16s, load8, Lanes};
 use super::int16::Row;
-use super::vnni::{codes64, load_i32, reduce_pairs, reduce_quads, PlaneRow};
+use super::vnni::{codes64, load_i32, prefetch_rows, reduce_pairs, reduce_quads, PlaneRow};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
@@ -258,17 +258,7 @@ unsafe fn repacked_rows<const W: usize, const R: usize, const FIVE: bool>(
         let n = (blocks - blk0).min(8);
         // group blk0 / 8 of each row: `block` bytes a block before it
         let g = w.map(|r| r.add(blk0 * block));
-        for b in g {
-            // no fault past the weight's end: a prefetch is a hint
-            let ahead = b.wrapping_add(ahead);
-            for line in [0, 64, 128] {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
-            }
-            if FIVE {
-                // a group of 176 bytes reaches a fourth line
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(8 * 22 - 1).cast());
-            }
-        }
+        prefetch_rows(g, ahead, 8 * block);
         let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
         for c in 0..2 {
             let first = 4 * c;
