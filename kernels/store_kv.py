@@ -12,7 +12,9 @@ import triton.language as tl
 
 from ._tile import bound_of
 from ._util import next_pow2
-from .reference import hadamard, kv_code_max, kv_format, kv_row_size
+from .reference import KEY_BYTES, hadamard, kv_code_max, kv_format, kv_row_size
+
+_KEY_BYTES = tl.constexpr(KEY_BYTES)
 
 
 @triton.jit
@@ -86,10 +88,10 @@ def _store_quantized(
     # smallest whose bound is at least amax; the scale its bound times 1 / QMAX (as float32)
     byte = _bound_byte(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True))
     rcp: tl.constexpr = 1.0 / QMAX
-    scale = bound_of(byte) * rcp
-    y = x / scale[:, None]
     if FEEDBACK:
-        y = _feedback(y, mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+        y, byte = _searched(x, byte, mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+    else:
+        y = x / (bound_of(byte) * rcp)[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
         # round half to even: adding 1.5 * 2^23 leaves no fraction bits (|y| <= 127)
@@ -103,13 +105,36 @@ def _store_quantized(
 
 
 @triton.jit
+def _searched(x, byte0, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, FP8_BIAS):
+    """The coded values and scale bytes of rows `x` by error feedback with the byte searched
+    (`reference.quantize_rows`): each of `KEY_BYTES` bytes from `byte0` up (at most 255) coded
+    by `_feedback`, the one of least `acc * scale^2` kept (the first of equals)."""
+    rcp: tl.constexpr = 1.0 / QMAX
+    best_y, best_err, best_byte = tl.zeros_like(x), tl.zeros_like(byte0.to(tl.float32)), byte0
+    for c in range(_KEY_BYTES):
+        byte = tl.minimum(byte0 + c, 255)
+        scale = bound_of(byte) * rcp
+        y, acc = _feedback(
+            x / scale[:, None], mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS
+        )
+        err = acc * (scale * scale)
+        take = (err < best_err) | (tl.zeros_like(byte0) + c == 0)
+        best_y = tl.where(take[:, None], y, best_y)
+        best_err = tl.where(take, err, best_err)
+        best_byte = tl.where(take, byte, best_byte)
+    return best_y, best_byte
+
+
+@triton.jit
 def _feedback(y, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, FP8_BIAS):
     """The coded values of rows `y` (already divided by their scale) chosen by error feedback
     (`reference.quantize_rows`): column by column the value so far coded, its error pushed onto
-    the later columns through the head's feedback matrix (`[KVH, D, D]`, zero on and below the
-    diagonal). A column is taken out by its bits (an integer sum: exact, signed zeros kept)."""
+    the later columns through the head's feedback matrix (`[KVH, D, D]`, used above the
+    diagonal), and the errors' squares summed weighted by its diagonal. A column is taken out
+    by its bits (an integer sum: exact, signed zeros kept)."""
     w = y
     coded = tl.zeros_like(y)
+    acc = tl.zeros_like(tl.sum(y, axis=1))
     for j in tl.static_range(HEAD_DIM):
         column = d[None, :] == j
         bits = tl.sum(tl.where(column, w.to(tl.int32, bitcast=True), 0), axis=1)
@@ -122,8 +147,11 @@ def _feedback(y, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, 
             mask=mask,
             other=0.0,
         )
-        w = w - (wj - vj)[:, None] * u
-    return coded
+        g = tl.sum(tl.where(column, u.to(tl.int32, bitcast=True), 0), axis=1)
+        e = wj - vj
+        acc = acc + e * e * g.to(tl.float32, bitcast=True)
+        w = w - e[:, None] * tl.where(d[None, :] > j, u, 0.0)
+    return coded, acc
 
 
 @triton.jit

@@ -47,33 +47,102 @@ const fn bound_bits(b: i32) -> u32 {
     ((exponent + 127) << 23 | mantissa) as u32
 }
 
-/// `KvElem::encode_fed`'s channel loop over `xs` (divided by the row's scale): each channel's
-/// code, its error pushed onto the later channels.
+/// The keys' scale bytes `KvElem::encode_fed` searches (from the smallest bound >= amax up).
+pub const KEY_BYTES: usize = 4;
+
+/// `KvElem::encode_fed`'s channel loop over `N` candidate rows side by side (`ws`: `N` rows of
+/// `d` values, each divided by its candidate's scale; `codes` likewise): each channel's code,
+/// its error pushed onto the later channels; returns each row's `sum_j e_j^2 feedback[j, j]`.
+/// The rows are independent chains, interleaved so one's latency hides behind the others'.
 #[inline(always)]
-fn fed_codes<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    let d = xs.len();
+fn fed_codes<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    codes: &mut [Q],
+    feedback: &[f32],
+) -> [f32; N] {
+    let d = ws.len() / N;
+    let mut acc = [0.0f32; N];
     for j in 0..d {
-        let code = Q::code(xs[j]);
-        values[j] = code;
-        let e = xs[j] - code.decode();
-        let (_, later) = xs.split_at_mut(j + 1);
-        // a multiply then a subtract, each rounded (no fused multiply-add): torch's order
-        for (w, u) in later.iter_mut().zip(&feedback[j * d + j + 1..(j + 1) * d]) {
-            *w -= e * u;
+        let (g, u) = (feedback[j * d + j], &feedback[j * d + j + 1..(j + 1) * d]);
+        let mut e = [0.0f32; N];
+        for c in 0..N {
+            let code = Q::code(ws[c * d + j]);
+            codes[c * d + j] = code;
+            e[c] = ws[c * d + j] - code.decode();
+            acc[c] += e[c] * e[c] * g;
+        }
+        for (c, e) in e.iter().enumerate() {
+            // a multiply then a subtract, each rounded (no fused multiply-add): torch's order
+            for (w, u) in ws[c * d + j + 1..(c + 1) * d].iter_mut().zip(u) {
+                *w -= e * u;
+            }
         }
     }
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn fed_codes_avx512<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    fed_codes(xs, values, feedback)
+unsafe fn fed_codes_avx512<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    codes: &mut [Q],
+    feedback: &[f32],
+) -> [f32; N] {
+    fed_codes::<Q, N>(ws, codes, feedback)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fed_codes_avx2<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    fed_codes(xs, values, feedback)
+unsafe fn fed_codes_avx2<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    codes: &mut [Q],
+    feedback: &[f32],
+) -> [f32; N] {
+    fed_codes::<Q, N>(ws, codes, feedback)
+}
+
+/// `fed_codes` at the level's widest updates (the same operations at every level).
+fn fed_codes_at_level<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    codes: &mut [Q],
+    feedback: &[f32],
+) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::isa::{level, IsaLevel};
+        match level() {
+            // SAFETY: the level grants the features
+            l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512::<Q, N>(ws, codes, feedback) },
+            l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2::<Q, N>(ws, codes, feedback) },
+            _ => fed_codes::<Q, N>(ws, codes, feedback),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    fed_codes::<Q, N>(ws, codes, feedback)
+}
+
+/// `encode_fed` with `N` candidate bytes (1: the first alone): the bytes `first..first + N`
+/// (at most 255), each row coded by `fed_codes`, the one of least `acc * scale^2` kept (the
+/// first of equals). Writes its codes to `values`, returns its byte.
+fn encode_fed_n<Q: Quantized, const N: usize>(
+    xs: &[f32],
+    values: &mut [Q],
+    feedback: &[f32],
+    first: u8,
+) -> u8 {
+    let d = xs.len();
+    let bytes: [u8; N] = std::array::from_fn(|c| first.saturating_add(c as u8));
+    let scales = bytes.map(|b| bound_of(b) * Q::RCP);
+    let mut ws = vec![0.0f32; N * d];
+    for (w, s) in ws.chunks_exact_mut(d).zip(scales) {
+        w.iter_mut().zip(xs).for_each(|(w, x)| *w = x / s);
+    }
+    let mut codes = vec![Q::default(); N * d];
+    let acc = fed_codes_at_level::<Q, N>(&mut ws, &mut codes, feedback);
+    let err: [f32; N] = std::array::from_fn(|c| acc[c] * (scales[c] * scales[c]));
+    let best = (1..N).fold(0, |best, c| if err[c] < err[best] { c } else { best });
+    values.copy_from_slice(&codes[best * d..(best + 1) * d]);
+    bytes[best]
 }
 
 /// `bound_of` on sixteen bytes (one per 32-bit lane, 0-255): `bound_bits`, each of its three
@@ -243,13 +312,14 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     unsafe fn scale(row: *const Self, d: usize) -> f32;
     /// Writes `xs` (`d` values) as one row of `d + EXTRA` elements.
     fn encode(xs: &[f32], row: &mut [Self]);
-    /// `encode` with error-feedback rounding (quantized rows; float rows: `encode`): the scale
-    /// byte as `encode`'s, then channel by channel the code of the value so far, its error `e`
-    /// (in the row's scale units) pushed onto the later channels as `w_l -= e * feedback[j, l]`
-    /// (`feedback`: `[d, d]` row-major, the calibration's pre-divided Cholesky rows, zero on and
-    /// below the diagonal; `kernels/reference.py`'s `quantize_rows` bit for bit). `xs` is left
-    /// as the running values (scratch).
-    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+    /// `encode` with error-feedback rounding (quantized rows; float rows: `encode`): channel by
+    /// channel the code of the value so far, its error `e` (in the row's scale units) pushed
+    /// onto the later channels as `w_l -= e * feedback[j, l]` (`feedback`: `[d, d]` row-major,
+    /// the calibration's pre-divided Cholesky rows above the diagonal, `1 / U_jj^2` on it, zero
+    /// below), and the scale byte searched: each of the `KEY_BYTES` bytes from `encode`'s up
+    /// coded so, the one of least `scale^2 sum_j e_j^2 feedback[j, j]` kept (a zero diagonal:
+    /// `encode`'s byte). `kernels/reference.py`'s `quantize_rows` bit for bit.
+    fn encode_fed(xs: &[f32], row: &mut [Self], feedback: &[f32]) {
         let _ = feedback;
         Self::encode(xs, row)
     }
@@ -410,7 +480,7 @@ pub struct Fp8E4M3(pub u8);
 pub struct Fp8E5M2(pub u8);
 
 /// The quantized formats: how one value is coded, the rest (scale, rows) is shared.
-trait Quantized: Copy + Send + Sync + 'static {
+trait Quantized: Copy + Default + Send + Sync + 'static {
     /// The largest magnitude a value codes (the row's bound maps onto it).
     const MAX: f32;
     /// `1 / MAX` in f32: a row's scale is its bound times this.
@@ -565,27 +635,17 @@ impl<Q: Quantized> KvElem for Q {
         // SAFETY: `tail` is exactly the byte written
         unsafe { *(tail.as_mut_ptr() as *mut u8) = byte };
     }
-    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+    fn encode_fed(xs: &[f32], row: &mut [Self], feedback: &[f32]) {
         let d = xs.len();
         assert_eq!(feedback.len(), d * d, "a row's feedback is [d, d]");
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let byte = byte_of(amax);
-        let scale = bound_of(byte) * Q::RCP;
-        xs.iter_mut().for_each(|x| *x /= scale);
         let (values, tail) = row.split_at_mut(d);
-        // the same operations at every level: only the vector width of the updates differs
-        #[cfg(target_arch = "x86_64")]
-        {
-            use super::isa::{level, IsaLevel};
-            match level() {
-                // SAFETY: the level grants the features
-                l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512(xs, values, feedback) },
-                l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2(xs, values, feedback) },
-                _ => fed_codes(xs, values, feedback),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        fed_codes(xs, values, feedback);
+        // a zero diagonal weighs every candidate's error 0: the first byte, searched or not
+        let byte = if (0..d).any(|j| feedback[j * d + j] != 0.0) {
+            encode_fed_n::<Q, KEY_BYTES>(xs, values, feedback, byte_of(amax))
+        } else {
+            encode_fed_n::<Q, 1>(xs, values, feedback, byte_of(amax))
+        };
         assert_eq!(
             std::mem::size_of_val(tail),
             SCALE_BYTES,
@@ -809,7 +869,7 @@ mod tests {
     fn encoded<Q: KvElem>(xs: &[f32], feedback: Option<&[f32]>) -> Vec<Q> {
         let mut row = vec![unsafe { std::mem::zeroed::<Q>() }; xs.len() + Q::EXTRA];
         match feedback {
-            Some(f) => Q::encode_fed(&mut xs.to_vec(), &mut row, f),
+            Some(f) => Q::encode_fed(xs, &mut row, f),
             None => Q::encode(xs, &mut row),
         }
         row
@@ -841,6 +901,46 @@ mod tests {
         let (w0, w1) = (xs[0] / scale, xs[1] / scale);
         let want = (w1 - (w0 - w0.round_ties_even())).round_ties_even();
         assert_eq!(fed[1].0 as f32, want);
+    }
+
+    #[test]
+    fn the_key_scale_search_keeps_the_candidate_byte_of_least_weighted_error() {
+        // a diagonal feedback (weights, no error pushed on): each candidate byte codes the row
+        // by nearest rounding; the byte kept is the one of least sum_j w_j (code_j scale - x_j)^2
+        let d = 64;
+        let mut moved = 0;
+        for seed in 0..32 {
+            let mut xs = sample(d);
+            xs.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x *= 1.0 + 0.37 * seed as f32 + 0.01 * ((i * seed) % 7) as f32);
+            let mut f = vec![0.0f32; d * d];
+            (0..d).for_each(|j| f[j * d + j] = 0.5 + ((j * 13 + seed) % 11) as f32 / 10.0);
+            let first = encoded::<I8>(&xs, None)[d].0 as u8;
+            let chosen = encoded::<I8>(&xs, Some(&f))[d].0 as u8;
+            let error = |byte: u8| {
+                let scale = bound_of(byte) * <I8 as Quantized>::RCP;
+                (0..d)
+                    .map(|j| {
+                        let e = (xs[j] / scale).round_ties_even().clamp(-127.0, 127.0) * scale;
+                        f64::from(f[j * d + j]) * f64::from(e - xs[j]).powi(2)
+                    })
+                    .sum::<f64>()
+            };
+            let least = (0..KEY_BYTES as u8)
+                .map(|k| error(first + k))
+                .fold(f64::INFINITY, f64::min);
+            assert!(
+                chosen >= first && chosen < first + KEY_BYTES as u8,
+                "seed {seed}"
+            );
+            assert!(error(chosen) <= least * (1.0 + 1e-5), "seed {seed}");
+            moved += usize::from(chosen != first);
+        }
+        assert!(
+            moved >= 4,
+            "a search that never moves tests nothing: {moved}"
+        );
     }
 
     #[test]
