@@ -51,24 +51,22 @@ const fn bound_bits(b: i32) -> u32 {
 pub const KEY_BYTES: usize = 4;
 
 /// `KvElem::encode_fed`'s channel loop over `N` candidate rows side by side (`ws`: `N` rows of
-/// `d` values, each divided by its candidate's scale; `codes` likewise): each channel's code,
-/// its error pushed onto the later channels; returns each row's `sum_j e_j^2 feedback[j, j]`.
-/// The rows are independent chains, interleaved so one's latency hides behind the others'.
+/// `d` values, each divided by its candidate's scale): each channel's coded value
+/// (`Quantized::rounded`, left in `ws`), its error pushed onto the later channels; returns each
+/// row's `sum_j e_j^2 feedback[j, j]`. The rows are independent chains, interleaved so one's
+/// latency hides behind the others'.
 #[inline(always)]
-fn fed_codes<Q: Quantized, const N: usize>(
-    ws: &mut [f32],
-    codes: &mut [Q],
-    feedback: &[f32],
-) -> [f32; N] {
+fn fed_codes<Q: Quantized, const N: usize>(ws: &mut [f32], feedback: &[f32]) -> [f32; N] {
     let d = ws.len() / N;
     let mut acc = [0.0f32; N];
     for j in 0..d {
         let (g, u) = (feedback[j * d + j], &feedback[j * d + j + 1..(j + 1) * d]);
         let mut e = [0.0f32; N];
         for c in 0..N {
-            let code = Q::code(ws[c * d + j]);
-            codes[c * d + j] = code;
-            e[c] = ws[c * d + j] - code.decode();
+            let w = ws[c * d + j];
+            let v = Q::rounded(w);
+            ws[c * d + j] = v;
+            e[c] = w - v;
             acc[c] += e[c] * e[c] * g;
         }
         for (c, e) in e.iter().enumerate() {
@@ -85,40 +83,34 @@ fn fed_codes<Q: Quantized, const N: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn fed_codes_avx512<Q: Quantized, const N: usize>(
     ws: &mut [f32],
-    codes: &mut [Q],
     feedback: &[f32],
 ) -> [f32; N] {
-    fed_codes::<Q, N>(ws, codes, feedback)
+    fed_codes::<Q, N>(ws, feedback)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn fed_codes_avx2<Q: Quantized, const N: usize>(
     ws: &mut [f32],
-    codes: &mut [Q],
     feedback: &[f32],
 ) -> [f32; N] {
-    fed_codes::<Q, N>(ws, codes, feedback)
+    fed_codes::<Q, N>(ws, feedback)
 }
 
 /// `fed_codes` at the level's widest updates (the same operations at every level).
-fn fed_codes_at_level<Q: Quantized, const N: usize>(
-    ws: &mut [f32],
-    codes: &mut [Q],
-    feedback: &[f32],
-) -> [f32; N] {
+fn fed_codes_at_level<Q: Quantized, const N: usize>(ws: &mut [f32], feedback: &[f32]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     {
         use super::isa::{level, IsaLevel};
         match level() {
             // SAFETY: the level grants the features
-            l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512::<Q, N>(ws, codes, feedback) },
-            l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2::<Q, N>(ws, codes, feedback) },
-            _ => fed_codes::<Q, N>(ws, codes, feedback),
+            l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512::<Q, N>(ws, feedback) },
+            l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2::<Q, N>(ws, feedback) },
+            _ => fed_codes::<Q, N>(ws, feedback),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    fed_codes::<Q, N>(ws, codes, feedback)
+    fed_codes::<Q, N>(ws, feedback)
 }
 
 /// `encode_fed` with `N` candidate bytes (1: the first alone): the bytes `first..first + N`
@@ -137,11 +129,13 @@ fn encode_fed_n<Q: Quantized, const N: usize>(
     for (w, s) in ws.chunks_exact_mut(d).zip(scales) {
         w.iter_mut().zip(xs).for_each(|(w, x)| *w = x / s);
     }
-    let mut codes = vec![Q::default(); N * d];
-    let acc = fed_codes_at_level::<Q, N>(&mut ws, &mut codes, feedback);
+    let acc = fed_codes_at_level::<Q, N>(&mut ws, feedback);
     let err: [f32; N] = std::array::from_fn(|c| acc[c] * (scales[c] * scales[c]));
     let best = (1..N).fold(0, |best, c| if err[c] < err[best] { c } else { best });
-    values.copy_from_slice(&codes[best * d..(best + 1) * d]);
+    // the kept row's values are codes' values: coded exactly
+    for (q, v) in values.iter_mut().zip(&ws[best * d..(best + 1) * d]) {
+        *q = Q::code(*v);
+    }
     bytes[best]
 }
 
@@ -480,7 +474,7 @@ pub struct Fp8E4M3(pub u8);
 pub struct Fp8E5M2(pub u8);
 
 /// The quantized formats: how one value is coded, the rest (scale, rows) is shared.
-trait Quantized: Copy + Default + Send + Sync + 'static {
+trait Quantized: Copy + Send + Sync + 'static {
     /// The largest magnitude a value codes (the row's bound maps onto it).
     const MAX: f32;
     /// `1 / MAX` in f32: a row's scale is its bound times this.
@@ -490,6 +484,8 @@ trait Quantized: Copy + Default + Send + Sync + 'static {
     /// `x` (already divided by the scale) coded.
     fn code(x: f32) -> Self;
     fn decode(self) -> f32;
+    /// `code(x).decode()`, the same bits, without the code (the feedback's channel loop).
+    fn rounded(x: f32) -> f32;
     #[cfg(target_arch = "x86_64")]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256;
     /// Sixteen codes (the bytes of `codes`) as f32 lanes, short of the values as `decode8`'s.
@@ -515,6 +511,11 @@ impl Quantized for I8 {
         I8(x.round_ties_even().clamp(-127.0, 127.0) as i8)
     }
     #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        // (+ 0: an integer's zero has no sign)
+        x.round_ties_even().clamp(-127.0, 127.0) + 0.0
+    }
+    #[inline(always)]
     fn decode(self) -> f32 {
         self.0 as f32
     }
@@ -535,6 +536,10 @@ impl Quantized for Fp8E4M3 {
     #[inline]
     fn code(x: f32) -> Self {
         Fp8E4M3(f32_to_fp8::<3>(x.clamp(-Self::MAX, Self::MAX), 7))
+    }
+    #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        fp8_rounded::<3>(x.clamp(-Self::MAX, Self::MAX), 7)
     }
     #[inline(always)]
     fn decode(self) -> f32 {
@@ -563,6 +568,10 @@ impl Quantized for Fp8E5M2 {
     #[inline]
     fn code(x: f32) -> Self {
         Fp8E5M2(f32_to_fp8::<2>(x.clamp(-Self::MAX, Self::MAX), 15))
+    }
+    #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        fp8_rounded::<2>(x.clamp(-Self::MAX, Self::MAX), 15)
     }
     #[inline(always)]
     fn decode(self) -> f32 {
@@ -739,6 +748,22 @@ fn f32_to_fp8<const M: u32>(x: f32, bias: i32) -> u8 {
     let exponent = (rounded >> 23) as i32 - 127 + bias;
     let mantissa = (rounded >> shift) & ((1 << M) - 1);
     sign | (((exponent as u32) << M) | mantissa) as u8
+}
+
+/// The value of `f32_to_fp8::<M>(x, bias)`'s code (the same rounding, sign and zero's sign
+/// included), as f32.
+#[inline(always)]
+fn fp8_rounded<const M: u32>(x: f32, bias: i32) -> f32 {
+    let a = x.abs();
+    let value = if a < 2f32.powi(1 - bias) {
+        let step = 2f32.powi(bias - 1 + M as i32);
+        (a * step).round_ties_even() * (1.0 / step)
+    } else {
+        let (bits, shift) = (a.to_bits(), 23 - M);
+        let rounded = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1);
+        f32::from_bits(rounded & !((1 << shift) - 1))
+    };
+    value.copysign(x)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1091,6 +1116,29 @@ mod tests {
         for b in 0..=0x7b_u8 {
             assert_eq!(f32_to_fp8::<2>(Fp8E5M2(b).raw(), 15), b);
         }
+    }
+
+    #[test]
+    fn rounded_is_the_codes_value_bit_for_bit() {
+        fn check<Q: Quantized>(scale: f32) {
+            let mut x = 1.0f32;
+            for i in 0..200_000u32 {
+                // a spread of magnitudes, both signs, ties and the codes' edges included
+                x = f32::from_bits(x.to_bits().wrapping_mul(2_654_435_761).rotate_left(7));
+                let y = if i % 3 == 0 {
+                    (i as f32 - 100_000.0) * scale / 512.0
+                } else if x.is_finite() {
+                    x % (2.0 * Q::MAX)
+                } else {
+                    -0.0
+                };
+                let want = Q::code(y).decode();
+                assert_eq!(Q::rounded(y).to_bits(), want.to_bits(), "{y}");
+            }
+        }
+        check::<I8>(127.0);
+        check::<Fp8E4M3>(448.0);
+        check::<Fp8E5M2>(57344.0);
     }
 
     #[test]
