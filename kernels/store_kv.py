@@ -14,8 +14,6 @@ from ._tile import bound_of
 from ._util import next_pow2
 from .reference import KEY_BYTES, hadamard, kv_code_max, kv_format, kv_row_size
 
-_KEY_BYTES = tl.constexpr(KEY_BYTES)
-
 
 @triton.jit
 def _store_kv_kernel(
@@ -39,7 +37,7 @@ def _store_kv_kernel(
     INT8: tl.constexpr = False,
     FP8_M: tl.constexpr = 0,
     FP8_BIAS: tl.constexpr = 0,
-    FEEDBACK: tl.constexpr = False,
+    FEEDBACK: tl.constexpr = 0,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -60,7 +58,7 @@ def _store_kv_kernel(
         fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
         tile = (mask, row_mask, fb_ptr, h, d)
         _store_quantized(kc_ptr, row, dst, k.to(tl.float32), *tile, *fmt, FEEDBACK)
-        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, False)
+        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, 0)
     else:
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
@@ -88,8 +86,9 @@ def _store_quantized(
     # smallest whose bound is at least amax; the scale its bound times 1 / QMAX (as float32)
     byte = _bound_byte(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True))
     rcp: tl.constexpr = 1.0 / QMAX
-    if FEEDBACK:
-        y, byte = _searched(x, byte, mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+    if FEEDBACK > 0:
+        fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+        y, byte = _searched(x, byte, mask, fb_ptr, h, d, *fmt, FEEDBACK)
     else:
         y = x / (bound_of(byte) * rcp)[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -105,13 +104,26 @@ def _store_quantized(
 
 
 @triton.jit
-def _searched(x, byte0, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, FP8_BIAS):
+def _searched(
+    x,
+    byte0,
+    mask,
+    fb_ptr,
+    h,
+    d,
+    HEAD_DIM: tl.constexpr,
+    QMAX,
+    INT8,
+    FP8_M,
+    FP8_BIAS,
+    BYTES: tl.constexpr,
+):
     """The coded values and scale bytes of rows `x` by error feedback with the byte searched
-    (`reference.quantize_rows`): each of `KEY_BYTES` bytes from `byte0` up (at most 255) coded
+    (`reference.quantize_rows`): each of `BYTES` bytes from `byte0` up (at most 255) coded
     by `_feedback`, the one of least `acc * scale^2` kept (the first of equals)."""
     rcp: tl.constexpr = 1.0 / QMAX
     best_y, best_err, best_byte = tl.zeros_like(x), tl.zeros_like(byte0.to(tl.float32)), byte0
-    for c in range(_KEY_BYTES):
+    for c in range(BYTES):
         byte = tl.minimum(byte0 + c, 255)
         scale = bound_of(byte) * rcp
         y, acc = _feedback(
@@ -264,7 +276,8 @@ def store_kvcache(
         INT8=k_cache.dtype == torch.int8,
         FP8_M={torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}.get(k_cache.dtype, 0),
         FP8_BIAS={torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}.get(k_cache.dtype, 0),
-        FEEDBACK=key_feedback is not None,
+        # the feedback's candidate scale bytes (0: none; int8 keeps the first)
+        FEEDBACK=0 if key_feedback is None else 1 if k_cache.dtype == torch.int8 else KEY_BYTES,
         num_warps=4 if block_h * block_d >= 1024 else 1,
         # the feedback's multiply and subtract each rounded, as the reference's
         enable_fp_fusion=key_feedback is None,

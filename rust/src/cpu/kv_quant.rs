@@ -47,8 +47,9 @@ const fn bound_bits(b: i32) -> u32 {
     ((exponent + 127) << 23 | mantissa) as u32
 }
 
-/// The keys' scale bytes `KvElem::encode_fed` searches (from the smallest bound >= amax up).
-pub const KEY_BYTES: usize = 4;
+/// The keys' scale bytes `KvElem::encode_fed` searches (from the smallest bound >= amax up) in
+/// the fp8 formats (`Quantized::SEARCH`; int8 keeps the first: benches/RESULTS.md, round 12).
+pub const KEY_BYTES: usize = 8;
 
 /// `KvElem::encode_fed`'s channel loop over `N` candidate rows side by side (`ws`: `N` rows of
 /// `d` values, each divided by its candidate's scale): each channel's coded value
@@ -310,9 +311,10 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// channel the code of the value so far, its error `e` (in the row's scale units) pushed
     /// onto the later channels as `w_l -= e * feedback[j, l]` (`feedback`: `[d, d]` row-major,
     /// the calibration's pre-divided Cholesky rows above the diagonal, `1 / U_jj^2` on it, zero
-    /// below), and the scale byte searched: each of the `KEY_BYTES` bytes from `encode`'s up
-    /// coded so, the one of least `scale^2 sum_j e_j^2 feedback[j, j]` kept (a zero diagonal:
-    /// `encode`'s byte). `kernels/reference.py`'s `quantize_rows` bit for bit.
+    /// below), and in the fp8 formats the scale byte searched: each of the `KEY_BYTES` bytes
+    /// from `encode`'s up coded so, the one of least `scale^2 sum_j e_j^2 feedback[j, j]` kept
+    /// (a zero diagonal, or int8: `encode`'s byte). `kernels/reference.py`'s `quantize_rows`
+    /// bit for bit.
     fn encode_fed(xs: &[f32], row: &mut [Self], feedback: &[f32]) {
         let _ = feedback;
         Self::encode(xs, row)
@@ -486,6 +488,8 @@ trait Quantized: Copy + Send + Sync + 'static {
     fn decode(self) -> f32;
     /// `code(x).decode()`, the same bits, without the code (the feedback's channel loop).
     fn rounded(x: f32) -> f32;
+    /// `KvElem::encode_fed` searches the scale byte (of `KEY_BYTES`).
+    const SEARCH: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256;
     /// Sixteen codes (the bytes of `codes`) as f32 lanes, short of the values as `decode8`'s.
@@ -506,6 +510,7 @@ trait Quantized: Copy + Send + Sync + 'static {
 
 impl Quantized for I8 {
     const MAX: f32 = 127.0;
+    const SEARCH: bool = false;
     #[inline]
     fn code(x: f32) -> Self {
         I8(x.round_ties_even().clamp(-127.0, 127.0) as i8)
@@ -650,7 +655,7 @@ impl<Q: Quantized> KvElem for Q {
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
         let (values, tail) = row.split_at_mut(d);
         // a zero diagonal weighs every candidate's error 0: the first byte, searched or not
-        let byte = if (0..d).any(|j| feedback[j * d + j] != 0.0) {
+        let byte = if Q::SEARCH && (0..d).any(|j| feedback[j * d + j] != 0.0) {
             encode_fed_n::<Q, KEY_BYTES>(xs, values, feedback, byte_of(amax))
         } else {
             encode_fed_n::<Q, 1>(xs, values, feedback, byte_of(amax))
@@ -941,13 +946,13 @@ mod tests {
                 .for_each(|(i, x)| *x *= 1.0 + 0.37 * seed as f32 + 0.01 * ((i * seed) % 7) as f32);
             let mut f = vec![0.0f32; d * d];
             (0..d).for_each(|j| f[j * d + j] = 0.5 + ((j * 13 + seed) % 11) as f32 / 10.0);
-            let first = encoded::<I8>(&xs, None)[d].0 as u8;
-            let chosen = encoded::<I8>(&xs, Some(&f))[d].0 as u8;
+            let first = encoded::<Fp8E4M3>(&xs, None)[d].0;
+            let chosen = encoded::<Fp8E4M3>(&xs, Some(&f))[d].0;
             let error = |byte: u8| {
-                let scale = bound_of(byte) * <I8 as Quantized>::RCP;
+                let scale = bound_of(byte) * <Fp8E4M3 as Quantized>::RCP;
                 (0..d)
                     .map(|j| {
-                        let e = (xs[j] / scale).round_ties_even().clamp(-127.0, 127.0) * scale;
+                        let e = Fp8E4M3::code(xs[j] / scale).decode() * scale;
                         f64::from(f[j * d + j]) * f64::from(e - xs[j]).powi(2)
                     })
                     .sum::<f64>()
@@ -961,6 +966,8 @@ mod tests {
             );
             assert!(error(chosen) <= least * (1.0 + 1e-5), "seed {seed}");
             moved += usize::from(chosen != first);
+            // int8 keeps the first byte
+            assert_eq!(encoded::<I8>(&xs, Some(&f))[d], encoded::<I8>(&xs, None)[d]);
         }
         assert!(
             moved >= 4,
