@@ -68,6 +68,8 @@ _KV_FORMATS = {
 }
 _KV_NAMES = {dtype: name for name, (dtype, _) in _KV_FORMATS.items()}
 _KV_MAX = dict(_KV_FORMATS.values())
+# the keys' scale bytes searched under error feedback in the fp8 formats (`quantize_rows`)
+KEY_BYTES = 8
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -162,11 +164,14 @@ def quantize_rows(x: Tensor, cache_dtype: torch.dtype, feedback: Tensor | None =
     `feedback` (float32 `[KVH, D, D]`, rows `[..., KVH, D]`; the key calibration's): the codes
     chosen by error feedback (GPTQ's update on one row): channel by channel the code of the value
     so far, its error `e` (in the row's scale units) pushed onto the later channels as
-    `w_l -= e * feedback[h, j, l]` (zero on and below the diagonal). Same scale byte, same row
-    format; the Rust store (`KvElem::encode_fed`) repeats these float32 operations."""
+    `w_l -= e * feedback[h, j, l]` (above the diagonal), and in the fp8 formats the scale byte
+    searched: each of the `KEY_BYTES` bytes from the smallest bound >= amax up is coded so, the
+    one of least weighted error `scale^2 * sum_j e_j^2 feedback[h, j, j]` kept (the first of
+    equals; with `1 / U_jj^2` on the diagonal that is `delta^T Sigma delta`; a zero diagonal, or
+    int8, keeps the first byte). Same row format; the Rust store (`KvElem::encode_fed`) repeats
+    these float32 operations."""
     x = hadamard(x.float())
     byte = _bound_byte(x.abs().amax(-1, keepdim=True))
-    y = x / _row_scale(byte, cache_dtype)
     limit = _KV_MAX[cache_dtype]
 
     def code(y: Tensor) -> Tensor:
@@ -174,14 +179,24 @@ def quantize_rows(x: Tensor, cache_dtype: torch.dtype, feedback: Tensor | None =
         return y.round().to(torch.int8) if cache_dtype == torch.int8 else y.to(cache_dtype)
 
     if feedback is None:
-        codes = code(y)
+        codes = code(x / _row_scale(byte, cache_dtype))
     else:
-        w, columns = y.clone(), []
+        # the candidates side by side on a leading axis
+        n = 1 if cache_dtype == torch.int8 else KEY_BYTES
+        byte = (byte + torch.arange(n).view(-1, *[1] * x.dim())).clamp(max=255)
+        scale = _row_scale(byte, cache_dtype)
+        w, columns, err = x / scale, [], torch.zeros_like(scale)
         for j in range(w.shape[-1]):
             columns.append(code(w[..., j]))
-            err = w[..., j] - columns[-1].float()
-            w[..., j + 1 :] -= err.unsqueeze(-1) * feedback[:, j, j + 1 :]
-        codes = torch.stack(columns, dim=-1)
+            e = w[..., j] - columns[-1].float()
+            err += (e * e * feedback[:, j, j]).unsqueeze(-1)
+            w[..., j + 1 :] -= e.unsqueeze(-1) * feedback[:, j, j + 1 :]
+        codes, err = torch.stack(columns, dim=-1), err * (scale * scale)
+        pick = torch.zeros_like(byte[0], dtype=torch.long)
+        for k in range(1, n):
+            pick = torch.where(err[k] < err.gather(0, pick[None])[0], k, pick)
+        byte = byte.gather(0, pick[None])[0]
+        codes = codes.view(torch.uint8).gather(0, pick[None].expand_as(codes[:1]))[0]
     rows = torch.cat([codes.view(torch.uint8), byte.to(torch.uint8)], dim=-1)
     return rows.view(cache_dtype)
 

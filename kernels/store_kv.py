@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ._tile import bound_of
 from ._util import next_pow2
-from .reference import hadamard, kv_code_max, kv_format, kv_row_size
+from .reference import KEY_BYTES, hadamard, kv_code_max, kv_format, kv_row_size
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _store_kv_kernel(
     INT8: tl.constexpr = False,
     FP8_M: tl.constexpr = 0,
     FP8_BIAS: tl.constexpr = 0,
-    FEEDBACK: tl.constexpr = False,
+    FEEDBACK: tl.constexpr = 0,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -58,7 +58,7 @@ def _store_kv_kernel(
         fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
         tile = (mask, row_mask, fb_ptr, h, d)
         _store_quantized(kc_ptr, row, dst, k.to(tl.float32), *tile, *fmt, FEEDBACK)
-        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, False)
+        _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, 0)
     else:
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
@@ -86,10 +86,11 @@ def _store_quantized(
     # smallest whose bound is at least amax; the scale its bound times 1 / QMAX (as float32)
     byte = _bound_byte(tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True))
     rcp: tl.constexpr = 1.0 / QMAX
-    scale = bound_of(byte) * rcp
-    y = x / scale[:, None]
-    if FEEDBACK:
-        y = _feedback(y, mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+    if FEEDBACK > 0:
+        fmt = (HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS)
+        y, byte = _searched(x, byte, mask, fb_ptr, h, d, *fmt, FEEDBACK)
+    else:
+        y = x / (bound_of(byte) * rcp)[:, None]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
         # round half to even: adding 1.5 * 2^23 leaves no fraction bits (|y| <= 127)
@@ -103,13 +104,49 @@ def _store_quantized(
 
 
 @triton.jit
+def _searched(
+    x,
+    byte0,
+    mask,
+    fb_ptr,
+    h,
+    d,
+    HEAD_DIM: tl.constexpr,
+    QMAX,
+    INT8,
+    FP8_M,
+    FP8_BIAS,
+    BYTES: tl.constexpr,
+):
+    """The coded values and scale bytes of rows `x` by error feedback with the byte searched
+    (`reference.quantize_rows`): each of `BYTES` bytes from `byte0` up (at most 255) coded
+    by `_feedback`, the one of least `acc * scale^2` kept (the first of equals)."""
+    rcp: tl.constexpr = 1.0 / QMAX
+    best_y, best_err, best_byte = tl.zeros_like(x), tl.zeros_like(byte0.to(tl.float32)), byte0
+    for c in range(BYTES):
+        byte = tl.minimum(byte0 + c, 255)
+        scale = bound_of(byte) * rcp
+        y, acc = _feedback(
+            x / scale[:, None], mask, fb_ptr, h, d, HEAD_DIM, QMAX, INT8, FP8_M, FP8_BIAS
+        )
+        err = acc * (scale * scale)
+        take = (err < best_err) | (tl.zeros_like(byte0) + c == 0)
+        best_y = tl.where(take[:, None], y, best_y)
+        best_err = tl.where(take, err, best_err)
+        best_byte = tl.where(take, byte, best_byte)
+    return best_y, best_byte
+
+
+@triton.jit
 def _feedback(y, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, FP8_BIAS):
     """The coded values of rows `y` (already divided by their scale) chosen by error feedback
     (`reference.quantize_rows`): column by column the value so far coded, its error pushed onto
-    the later columns through the head's feedback matrix (`[KVH, D, D]`, zero on and below the
-    diagonal). A column is taken out by its bits (an integer sum: exact, signed zeros kept)."""
+    the later columns through the head's feedback matrix (`[KVH, D, D]`, used above the
+    diagonal), and the errors' squares summed weighted by its diagonal. A column is taken out
+    by its bits (an integer sum: exact, signed zeros kept)."""
     w = y
     coded = tl.zeros_like(y)
+    acc = tl.zeros_like(tl.sum(y, axis=1))
     for j in tl.static_range(HEAD_DIM):
         column = d[None, :] == j
         bits = tl.sum(tl.where(column, w.to(tl.int32, bitcast=True), 0), axis=1)
@@ -122,8 +159,11 @@ def _feedback(y, mask, fb_ptr, h, d, HEAD_DIM: tl.constexpr, QMAX, INT8, FP8_M, 
             mask=mask,
             other=0.0,
         )
-        w = w - (wj - vj)[:, None] * u
-    return coded
+        g = tl.sum(tl.where(column, u.to(tl.int32, bitcast=True), 0), axis=1)
+        e = wj - vj
+        acc = acc + e * e * g.to(tl.float32, bitcast=True)
+        w = w - e[:, None] * tl.where(d[None, :] > j, u, 0.0)
+    return coded, acc
 
 
 @triton.jit
@@ -236,7 +276,8 @@ def store_kvcache(
         INT8=k_cache.dtype == torch.int8,
         FP8_M={torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}.get(k_cache.dtype, 0),
         FP8_BIAS={torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}.get(k_cache.dtype, 0),
-        FEEDBACK=key_feedback is not None,
+        # the feedback's candidate scale bytes (0: none; int8 keeps the first)
+        FEEDBACK=0 if key_feedback is None else 1 if k_cache.dtype == torch.int8 else KEY_BYTES,
         num_warps=4 if block_h * block_d >= 1024 else 1,
         # the feedback's multiply and subtract each rounded, as the reference's
         enable_fp_fusion=key_feedback is None,

@@ -62,6 +62,34 @@ def test_feedback_puts_less_error_where_the_queries_look_than_nearest_rounding(k
     assert fed < 0.8 * nearest
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_key_scale_search_keeps_the_candidate_byte_of_least_weighted_error(kv_dtype):
+    # a diagonal feedback (no error pushed on, weights w): each candidate byte codes the row by
+    # nearest rounding, its error sum_j w_j (code_j scale - y_j)^2 computed here
+    cache_dtype, x = FORMATS[kv_dtype], _keys(64, seed=5)[:, :1]
+    weights = torch.rand(1, D, generator=torch.Generator().manual_seed(6)) + 0.5
+    rows = ref.quantize_rows(x, cache_dtype, torch.diag_embed(weights)).view(torch.uint8)
+    first = ref.quantize_rows(x, cache_dtype).view(torch.uint8)[..., -1:].long()
+    y, limit = ref.hadamard(x), ref.kv_code_max(cache_dtype)
+    errors = []
+    for k in range(ref.KEY_BYTES):
+        scale = ref._row_scale((first + k).clamp(max=255), cache_dtype)
+        codes = (y / scale).clamp(-limit, limit)
+        codes = codes.round() if cache_dtype == torch.int8 else codes.to(cache_dtype).float()
+        errors.append(((codes * scale - y).double() ** 2 * weights.double()).sum(-1))
+    errors = torch.stack(errors)
+    chosen = rows[..., -1].long() - first[..., 0]
+    assert ((chosen >= 0) & (chosen < ref.KEY_BYTES)).all()
+    assert (errors.gather(0, chosen[None])[0] <= errors.min(0).values * (1 + 1e-5)).all()
+    assert (chosen > 0).sum() >= 8, "a search that never moves tests nothing"
+
+
+def test_int8_keys_keep_the_smallest_bound_byte_under_feedback():
+    x = _keys(64, seed=5)
+    rows = ref.quantize_rows(x, torch.int8, _feedback()).view(torch.uint8)
+    assert torch.equal(rows[..., -1], ref.quantize_rows(x, torch.int8).view(torch.uint8)[..., -1])
+
+
 def _rust_store(x, kv_dtype, feedback):
     shape = (len(x), 1, KVH, D + 1)
     kc, vc = (torch.zeros(shape, dtype=FORMATS[kv_dtype]) for _ in range(2))

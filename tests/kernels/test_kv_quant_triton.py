@@ -91,7 +91,9 @@ def test_triton_store_codes_keys_with_feedback_bit_for_bit_as_the_reference(cach
     g = torch.Generator().manual_seed(1)
     k = (torch.randn(5, KVH, D, generator=g) * torch.logspace(-1, 1, 5)[:, None, None]).to(DEV)
     v = torch.randn(5, KVH, D, generator=g).to(DEV)
-    feedback = torch.triu(torch.randn(KVH, D, D, generator=g) * 0.3, diagonal=1).to(DEV)
+    # above the diagonal the pushed errors, on it the scale search's weights
+    feedback = torch.triu(torch.randn(KVH, D, D, generator=g) * 0.3, diagonal=1)
+    feedback = (feedback + torch.diag_embed(torch.rand(KVH, D, generator=g) + 0.5)).to(DEV)
     slots = torch.tensor([5, 0, -1, 2, 7], device=DEV)
     want_k, want_v = _caches(2, cache_dtype)
     ref.store_kvcache(k, v, want_k, want_v, slots, feedback)

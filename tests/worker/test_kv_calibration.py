@@ -73,7 +73,24 @@ def test_the_feedback_is_the_rotated_scaled_query_moments_pre_divided_cholesky_r
     damped = sigma + 0.01 * sigma.diagonal().mean() * torch.eye(8, dtype=torch.float64)
     upper = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
     want = torch.triu(upper / upper.diagonal()[:, None], diagonal=1)
+    want += torch.diag(1 / upper.diagonal() ** 2)
     torch.testing.assert_close(t.feedback[0].double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_feedback_diagonal_weighs_the_coding_errors_into_the_rows_error_under_sigma():
+    # the stores' scale search: coding errors e (pushed on by the rows above the diagonal) leave
+    # the row off by delta = -(I + F)^T e, and delta^T Sigma delta = sum_j e_j^2 feedback[j, j]
+    g = torch.Generator().manual_seed(2)
+    qq = torch.randn(1, 400, 8, generator=g, dtype=torch.float64) + 0.7
+    qq = qq.transpose(-1, -2) @ qq / 400
+    feedback = kv_calibration.error_feedback(qq, torch.ones(1, 8, dtype=torch.float64))[0].double()
+    h = ref.hadamard(torch.eye(8)).double()
+    sigma = h @ qq[0] @ h / 64
+    sigma += 0.01 * sigma.diagonal().mean() * torch.eye(8, dtype=torch.float64)
+    e = torch.randn(8, generator=g, dtype=torch.float64)
+    delta = -(torch.triu(feedback, diagonal=1) + torch.eye(8, dtype=torch.float64)).T @ e
+    want = (e * e * feedback.diagonal()).sum()
+    torch.testing.assert_close(delta @ sigma @ delta, want, rtol=1e-4, atol=0)
 
 
 def test_the_scale_follows_the_queries_and_keeps_the_rows_energy():

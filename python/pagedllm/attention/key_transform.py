@@ -9,7 +9,8 @@ E k_c^2)^(1/4)` spends a row's precision where the queries look, and the offset 
 mean) takes the channels' shared part out of the row's range (benches/RESULTS.md, rounds 8-9,
 H4). The stored keys' codes are then chosen by error feedback (`feedback`, GPTQ's update on one
 row against the calibration queries' second moments Sigma: the rounding error goes where the
-queries do not look; benches/RESULTS.md, round 10 HD): only which codes, not the row format,
+queries do not look; benches/RESULTS.md, round 10 HD), and their scale byte searched (of four,
+the one of least error under Sigma; round 12): only which codes and byte, not the row format,
 so the decode side needs nothing of it. With soft-capped scores (Gemma 2) the shift `q . c`
 would move scores before the cap: such a layer gets the scale alone (`offset` None), which keeps
 scores exact.
@@ -30,8 +31,8 @@ from torch import Tensor
 class KeyTransform:
     """One layer's transform: `scale` float32 `[KVH, D]` (s), `offset` float32 `[KVH, D]` (c)
     or None, `query_scale` float32 `[H, D]`: `1 / s` of each query head's kv head, and
-    `feedback` float32 `[KVH, D, D]` or None: the stored keys' error-feedback rounding
-    (`kernels/reference.py`'s `quantize_rows`; the decoded rows need nothing of it)."""
+    `feedback` float32 `[KVH, D, D]` or None: the stored keys' error-feedback rounding and
+    scale search (`kernels/reference.py`'s `quantize_rows`; the decoded rows need nothing of it)."""
 
     scale: Tensor
     offset: Tensor | None

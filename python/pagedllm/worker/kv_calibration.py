@@ -11,8 +11,10 @@ so a head's rows keep their energy). The sums of `q q^T` per kv head give the se
 `Sigma` of the queries as they meet a stored row (`H (q / s) / n`, rotated), and from them the
 stores' error feedback: `U`, the upper Cholesky factor of `(Sigma + 0.01 mean(diag Sigma) I)^-1`,
 each row divided by its diagonal (GPTQ's update on one row: the keys' rounding error is pushed
-where the queries do not look; benches/RESULTS.md, round 10 HD). Random ids, not real text:
-round 9's calibration on one real text failed another (benches/RESULTS.md, Round 9, H4).
+where the queries do not look; benches/RESULTS.md, round 10 HD), with `1 / U_jj^2` on its
+diagonal (the coding errors' weights under Sigma: the stores search the scale byte by them).
+Random ids, not real text: round 9's calibration on one real text failed another
+(benches/RESULTS.md, Round 9, H4).
 
 The moments of a head depend on that head only, so each tensor-parallel rank, running the same
 forward on its shard, gets its heads' rows of the one-rank transform; every rank calibrates at
@@ -112,7 +114,8 @@ def error_feedback(qq: Tensor, scale: Tensor) -> Tensor:
     """The stores' feedback matrices `[KVH, D, D]` (float32) from the queries' second moments
     `qq` `[KVH, D, D]` (as RoPE leaves them) and the key scale `s`: Sigma of `q / s` rotated as a
     stored row meets it, damped by 1 % of its mean diagonal; U = upper Cholesky factor of its
-    inverse, rows divided by their diagonal, zero on and below it."""
+    inverse, rows divided by their diagonal, zero below it, and `1 / U_jj^2` on it (the weights
+    that make the coding errors' sum the rows' error under Sigma: the stores' scale search)."""
     inv = 1.0 / scale
     sigma = qq * inv[:, :, None] * inv[:, None, :]
     d = sigma.shape[-1]
@@ -121,8 +124,9 @@ def error_feedback(qq: Tensor, scale: Tensor) -> Tensor:
     damp = 0.01 * torch.diagonal(sigma, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     damped = sigma + damp[:, None, None] * torch.eye(d, dtype=sigma.dtype)
     upper = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)
-    upper = upper / torch.diagonal(upper, dim1=-2, dim2=-1).unsqueeze(-1)
-    return torch.triu(upper, diagonal=1).float().contiguous()
+    diagonal = torch.diagonal(upper, dim1=-2, dim2=-1)
+    feedback = torch.triu(upper / diagonal.unsqueeze(-1), diagonal=1)
+    return (feedback + torch.diag_embed(1.0 / (diagonal * diagonal))).float().contiguous()
 
 
 def calibrate(
@@ -137,7 +141,7 @@ def calibrate(
 ) -> KeyCalibration | None:
     """Every attention layer's transform from `tokens` seeded random ids (None: no attention
     layer, or `tokens` 0). The layers' transforms are left unset."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layers = _attention_layers(model)
     if not layers or tokens <= 0:
         return None
     start = time.perf_counter()
@@ -198,6 +202,10 @@ def _meta(n: int, blocks: int, device: torch.device) -> AttentionMetadata:
 
 def set_transforms(model: torch.nn.Module, calibration: KeyCalibration | None) -> None:
     """Each attention layer's transform (None: none)."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(_attention_layers(model)):
         layer.key_transform = None if calibration is None else calibration.transforms[i]
+
+
+def _attention_layers(model: torch.nn.Module) -> list[Attention]:
+    """The model's attention layers in order: the calibration's and the transforms' order."""
+    return [m for m in model.modules() if isinstance(m, Attention)]

@@ -168,7 +168,7 @@ fn store_one<T: Elem, C: KvElem>(
             let mut dst_row = dst.index_axis_mut(Axis(0), h);
             match (dst_row.as_slice_mut(), feedback) {
                 (Some(dst_row), Some(f)) => C::encode_fed(
-                    &mut wide,
+                    &wide,
                     dst_row,
                     &f[h * head_dim * head_dim..][..head_dim * head_dim],
                 ),

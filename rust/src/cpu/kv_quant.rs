@@ -47,33 +47,97 @@ const fn bound_bits(b: i32) -> u32 {
     ((exponent + 127) << 23 | mantissa) as u32
 }
 
-/// `KvElem::encode_fed`'s channel loop over `xs` (divided by the row's scale): each channel's
-/// code, its error pushed onto the later channels.
+/// The keys' scale bytes `KvElem::encode_fed` searches (from the smallest bound >= amax up) in
+/// the fp8 formats (`Quantized::SEARCH`; int8 keeps the first: benches/RESULTS.md, round 12).
+pub const KEY_BYTES: usize = 8;
+
+/// `KvElem::encode_fed`'s channel loop over `N` candidate rows side by side (`ws`: `N` rows of
+/// `d` values, each divided by its candidate's scale): each channel's coded value
+/// (`Quantized::rounded`, left in `ws`), its error pushed onto the later channels; returns each
+/// row's `sum_j e_j^2 feedback[j, j]`. The rows are independent chains, interleaved so one's
+/// latency hides behind the others'.
 #[inline(always)]
-fn fed_codes<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    let d = xs.len();
+fn fed_codes<Q: Quantized, const N: usize>(ws: &mut [f32], feedback: &[f32]) -> [f32; N] {
+    let d = ws.len() / N;
+    let mut acc = [0.0f32; N];
     for j in 0..d {
-        let code = Q::code(xs[j]);
-        values[j] = code;
-        let e = xs[j] - code.decode();
-        let (_, later) = xs.split_at_mut(j + 1);
-        // a multiply then a subtract, each rounded (no fused multiply-add): torch's order
-        for (w, u) in later.iter_mut().zip(&feedback[j * d + j + 1..(j + 1) * d]) {
-            *w -= e * u;
+        let (g, u) = (feedback[j * d + j], &feedback[j * d + j + 1..(j + 1) * d]);
+        let mut e = [0.0f32; N];
+        for c in 0..N {
+            let w = ws[c * d + j];
+            let v = Q::rounded(w);
+            ws[c * d + j] = v;
+            e[c] = w - v;
+            acc[c] += e[c] * e[c] * g;
+        }
+        for (c, e) in e.iter().enumerate() {
+            // a multiply then a subtract, each rounded (no fused multiply-add): torch's order
+            for (w, u) in ws[c * d + j + 1..(c + 1) * d].iter_mut().zip(u) {
+                *w -= e * u;
+            }
         }
     }
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn fed_codes_avx512<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    fed_codes(xs, values, feedback)
+unsafe fn fed_codes_avx512<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    feedback: &[f32],
+) -> [f32; N] {
+    fed_codes::<Q, N>(ws, feedback)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fed_codes_avx2<Q: Quantized>(xs: &mut [f32], values: &mut [Q], feedback: &[f32]) {
-    fed_codes(xs, values, feedback)
+unsafe fn fed_codes_avx2<Q: Quantized, const N: usize>(
+    ws: &mut [f32],
+    feedback: &[f32],
+) -> [f32; N] {
+    fed_codes::<Q, N>(ws, feedback)
+}
+
+/// `fed_codes` at the level's widest updates (the same operations at every level).
+fn fed_codes_at_level<Q: Quantized, const N: usize>(ws: &mut [f32], feedback: &[f32]) -> [f32; N] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::isa::{level, IsaLevel};
+        match level() {
+            // SAFETY: the level grants the features
+            l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512::<Q, N>(ws, feedback) },
+            l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2::<Q, N>(ws, feedback) },
+            _ => fed_codes::<Q, N>(ws, feedback),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    fed_codes::<Q, N>(ws, feedback)
+}
+
+/// `encode_fed` with `N` candidate bytes (1: the first alone): the bytes `first..first + N`
+/// (at most 255), each row coded by `fed_codes`, the one of least `acc * scale^2` kept (the
+/// first of equals). Writes its codes to `values`, returns its byte.
+fn encode_fed_n<Q: Quantized, const N: usize>(
+    xs: &[f32],
+    values: &mut [Q],
+    feedback: &[f32],
+    first: u8,
+) -> u8 {
+    let d = xs.len();
+    let bytes: [u8; N] = std::array::from_fn(|c| first.saturating_add(c as u8));
+    let scales = bytes.map(|b| bound_of(b) * Q::RCP);
+    let mut ws = vec![0.0f32; N * d];
+    for (w, s) in ws.chunks_exact_mut(d).zip(scales) {
+        w.iter_mut().zip(xs).for_each(|(w, x)| *w = x / s);
+    }
+    let acc = fed_codes_at_level::<Q, N>(&mut ws, feedback);
+    let err: [f32; N] = std::array::from_fn(|c| acc[c] * (scales[c] * scales[c]));
+    let best = (1..N).fold(0, |best, c| if err[c] < err[best] { c } else { best });
+    // the kept row's values are codes' values: coded exactly
+    for (q, v) in values.iter_mut().zip(&ws[best * d..(best + 1) * d]) {
+        *q = Q::code(*v);
+    }
+    bytes[best]
 }
 
 /// `bound_of` on sixteen bytes (one per 32-bit lane, 0-255): `bound_bits`, each of its three
@@ -243,13 +307,15 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     unsafe fn scale(row: *const Self, d: usize) -> f32;
     /// Writes `xs` (`d` values) as one row of `d + EXTRA` elements.
     fn encode(xs: &[f32], row: &mut [Self]);
-    /// `encode` with error-feedback rounding (quantized rows; float rows: `encode`): the scale
-    /// byte as `encode`'s, then channel by channel the code of the value so far, its error `e`
-    /// (in the row's scale units) pushed onto the later channels as `w_l -= e * feedback[j, l]`
-    /// (`feedback`: `[d, d]` row-major, the calibration's pre-divided Cholesky rows, zero on and
-    /// below the diagonal; `kernels/reference.py`'s `quantize_rows` bit for bit). `xs` is left
-    /// as the running values (scratch).
-    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+    /// `encode` with error-feedback rounding (quantized rows; float rows: `encode`): channel by
+    /// channel the code of the value so far, its error `e` (in the row's scale units) pushed
+    /// onto the later channels as `w_l -= e * feedback[j, l]` (`feedback`: `[d, d]` row-major,
+    /// the calibration's pre-divided Cholesky rows above the diagonal, `1 / U_jj^2` on it, zero
+    /// below), and in the fp8 formats the scale byte searched: each of the `KEY_BYTES` bytes
+    /// from `encode`'s up coded so, the one of least `scale^2 sum_j e_j^2 feedback[j, j]` kept
+    /// (a zero diagonal, or int8: `encode`'s byte). `kernels/reference.py`'s `quantize_rows`
+    /// bit for bit.
+    fn encode_fed(xs: &[f32], row: &mut [Self], feedback: &[f32]) {
         let _ = feedback;
         Self::encode(xs, row)
     }
@@ -420,6 +486,10 @@ trait Quantized: Copy + Send + Sync + 'static {
     /// `x` (already divided by the scale) coded.
     fn code(x: f32) -> Self;
     fn decode(self) -> f32;
+    /// `code(x).decode()`, the same bits, without the code (the feedback's channel loop).
+    fn rounded(x: f32) -> f32;
+    /// `KvElem::encode_fed` searches the scale byte (of `KEY_BYTES`).
+    const SEARCH: bool = true;
     #[cfg(target_arch = "x86_64")]
     unsafe fn decode8(p: *const Self) -> std::arch::x86_64::__m256;
     /// Sixteen codes (the bytes of `codes`) as f32 lanes, short of the values as `decode8`'s.
@@ -440,9 +510,15 @@ trait Quantized: Copy + Send + Sync + 'static {
 
 impl Quantized for I8 {
     const MAX: f32 = 127.0;
+    const SEARCH: bool = false;
     #[inline]
     fn code(x: f32) -> Self {
         I8(x.round_ties_even().clamp(-127.0, 127.0) as i8)
+    }
+    #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        // (+ 0: an integer's zero has no sign)
+        x.round_ties_even().clamp(-127.0, 127.0) + 0.0
     }
     #[inline(always)]
     fn decode(self) -> f32 {
@@ -465,6 +541,10 @@ impl Quantized for Fp8E4M3 {
     #[inline]
     fn code(x: f32) -> Self {
         Fp8E4M3(f32_to_fp8::<3>(x.clamp(-Self::MAX, Self::MAX), 7))
+    }
+    #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        fp8_rounded::<3>(x.clamp(-Self::MAX, Self::MAX), 7)
     }
     #[inline(always)]
     fn decode(self) -> f32 {
@@ -493,6 +573,10 @@ impl Quantized for Fp8E5M2 {
     #[inline]
     fn code(x: f32) -> Self {
         Fp8E5M2(f32_to_fp8::<2>(x.clamp(-Self::MAX, Self::MAX), 15))
+    }
+    #[inline(always)]
+    fn rounded(x: f32) -> f32 {
+        fp8_rounded::<2>(x.clamp(-Self::MAX, Self::MAX), 15)
     }
     #[inline(always)]
     fn decode(self) -> f32 {
@@ -565,27 +649,17 @@ impl<Q: Quantized> KvElem for Q {
         // SAFETY: `tail` is exactly the byte written
         unsafe { *(tail.as_mut_ptr() as *mut u8) = byte };
     }
-    fn encode_fed(xs: &mut [f32], row: &mut [Self], feedback: &[f32]) {
+    fn encode_fed(xs: &[f32], row: &mut [Self], feedback: &[f32]) {
         let d = xs.len();
         assert_eq!(feedback.len(), d * d, "a row's feedback is [d, d]");
         let amax = xs.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let byte = byte_of(amax);
-        let scale = bound_of(byte) * Q::RCP;
-        xs.iter_mut().for_each(|x| *x /= scale);
         let (values, tail) = row.split_at_mut(d);
-        // the same operations at every level: only the vector width of the updates differs
-        #[cfg(target_arch = "x86_64")]
-        {
-            use super::isa::{level, IsaLevel};
-            match level() {
-                // SAFETY: the level grants the features
-                l if l >= IsaLevel::Avx512 => unsafe { fed_codes_avx512(xs, values, feedback) },
-                l if l >= IsaLevel::Avx2 => unsafe { fed_codes_avx2(xs, values, feedback) },
-                _ => fed_codes(xs, values, feedback),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        fed_codes(xs, values, feedback);
+        // a zero diagonal weighs every candidate's error 0: the first byte, searched or not
+        let byte = if Q::SEARCH && (0..d).any(|j| feedback[j * d + j] != 0.0) {
+            encode_fed_n::<Q, KEY_BYTES>(xs, values, feedback, byte_of(amax))
+        } else {
+            encode_fed_n::<Q, 1>(xs, values, feedback, byte_of(amax))
+        };
         assert_eq!(
             std::mem::size_of_val(tail),
             SCALE_BYTES,
@@ -679,6 +753,22 @@ fn f32_to_fp8<const M: u32>(x: f32, bias: i32) -> u8 {
     let exponent = (rounded >> 23) as i32 - 127 + bias;
     let mantissa = (rounded >> shift) & ((1 << M) - 1);
     sign | (((exponent as u32) << M) | mantissa) as u8
+}
+
+/// The value of `f32_to_fp8::<M>(x, bias)`'s code (the same rounding, sign and zero's sign
+/// included), as f32.
+#[inline(always)]
+fn fp8_rounded<const M: u32>(x: f32, bias: i32) -> f32 {
+    let a = x.abs();
+    let value = if a < 2f32.powi(1 - bias) {
+        let step = 2f32.powi(bias - 1 + M as i32);
+        (a * step).round_ties_even() * (1.0 / step)
+    } else {
+        let (bits, shift) = (a.to_bits(), 23 - M);
+        let rounded = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1);
+        f32::from_bits(rounded & !((1 << shift) - 1))
+    };
+    value.copysign(x)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -809,7 +899,7 @@ mod tests {
     fn encoded<Q: KvElem>(xs: &[f32], feedback: Option<&[f32]>) -> Vec<Q> {
         let mut row = vec![unsafe { std::mem::zeroed::<Q>() }; xs.len() + Q::EXTRA];
         match feedback {
-            Some(f) => Q::encode_fed(&mut xs.to_vec(), &mut row, f),
+            Some(f) => Q::encode_fed(xs, &mut row, f),
             None => Q::encode(xs, &mut row),
         }
         row
@@ -841,6 +931,48 @@ mod tests {
         let (w0, w1) = (xs[0] / scale, xs[1] / scale);
         let want = (w1 - (w0 - w0.round_ties_even())).round_ties_even();
         assert_eq!(fed[1].0 as f32, want);
+    }
+
+    #[test]
+    fn the_key_scale_search_keeps_the_candidate_byte_of_least_weighted_error() {
+        // a diagonal feedback (weights, no error pushed on): each candidate byte codes the row
+        // by nearest rounding; the byte kept is the one of least sum_j w_j (code_j scale - x_j)^2
+        let d = 64;
+        let mut moved = 0;
+        for seed in 0..32 {
+            let mut xs = sample(d);
+            xs.iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| *x *= 1.0 + 0.37 * seed as f32 + 0.01 * ((i * seed) % 7) as f32);
+            let mut f = vec![0.0f32; d * d];
+            (0..d).for_each(|j| f[j * d + j] = 0.5 + ((j * 13 + seed) % 11) as f32 / 10.0);
+            let first = encoded::<Fp8E4M3>(&xs, None)[d].0;
+            let chosen = encoded::<Fp8E4M3>(&xs, Some(&f))[d].0;
+            let error = |byte: u8| {
+                let scale = bound_of(byte) * <Fp8E4M3 as Quantized>::RCP;
+                (0..d)
+                    .map(|j| {
+                        let e = Fp8E4M3::code(xs[j] / scale).decode() * scale;
+                        f64::from(f[j * d + j]) * f64::from(e - xs[j]).powi(2)
+                    })
+                    .sum::<f64>()
+            };
+            let least = (0..KEY_BYTES as u8)
+                .map(|k| error(first + k))
+                .fold(f64::INFINITY, f64::min);
+            assert!(
+                chosen >= first && chosen < first + KEY_BYTES as u8,
+                "seed {seed}"
+            );
+            assert!(error(chosen) <= least * (1.0 + 1e-5), "seed {seed}");
+            moved += usize::from(chosen != first);
+            // int8 keeps the first byte
+            assert_eq!(encoded::<I8>(&xs, Some(&f))[d], encoded::<I8>(&xs, None)[d]);
+        }
+        assert!(
+            moved >= 4,
+            "a search that never moves tests nothing: {moved}"
+        );
     }
 
     #[test]
@@ -991,6 +1123,29 @@ mod tests {
         for b in 0..=0x7b_u8 {
             assert_eq!(f32_to_fp8::<2>(Fp8E5M2(b).raw(), 15), b);
         }
+    }
+
+    #[test]
+    fn rounded_is_the_codes_value_bit_for_bit() {
+        fn check<Q: Quantized>(scale: f32) {
+            let mut x = 1.0f32;
+            for i in 0..200_000u32 {
+                // a spread of magnitudes, both signs, ties and the codes' edges included
+                x = f32::from_bits(x.to_bits().wrapping_mul(2_654_435_761).rotate_left(7));
+                let y = if i % 3 == 0 {
+                    (i as f32 - 100_000.0) * scale / 512.0
+                } else if x.is_finite() {
+                    x % (2.0 * Q::MAX)
+                } else {
+                    -0.0
+                };
+                let want = Q::code(y).decode();
+                assert_eq!(Q::rounded(y).to_bits(), want.to_bits(), "{y}");
+            }
+        }
+        check::<I8>(127.0);
+        check::<Fp8E4M3>(448.0);
+        check::<Fp8E5M2>(57344.0);
     }
 
     #[test]
