@@ -102,13 +102,25 @@ def test_fused_forward_over_a_quantized_kv_cache_gives_the_layer_by_layer_number
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
+def test_fused_forward_of_a_bfloat16_model_gives_the_layer_by_layer_numbers_exactly(
+    monkeypatch, checkpoint
+):
+    engine = {"dtype": "bfloat16"}
+    fused_tokens, fused_logprobs, built = _generate(monkeypatch, checkpoint, fused=True, **engine)
+    assert built and built[0] is not None  # the fused path did run
+    tokens, logprobs, _ = _generate(monkeypatch, checkpoint, fused=False, **engine)
+    assert fused_tokens == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
+
+
 @pytest.mark.parametrize(
     "engine",
     [
         {"enable_lora": True},
-        {"dtype": "bfloat16"},
+        # a quantized cache's key transform is applied in float32 only
+        {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     ],
-    ids=["lora", "bfloat16"],
+    ids=["lora", "bfloat16_int8_cache"],
 )
 def test_models_that_do_not_qualify_run_layer_by_layer(monkeypatch, tmp_path, engine):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)

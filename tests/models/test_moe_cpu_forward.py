@@ -1,12 +1,14 @@
 """Mixtures of experts in the one-call CPU decoder (`models/cpu_forward.py`, the sparse layer of
 `rust/src/cpu/forward/moe_layer.rs`): the same greedy tokens, logprobs (to the routing softmax's
-last bits) and per-expert token counts as the layer-by-layer path, on float32 and on Q8_0
-experts, with a shared expert and with dense layers among sparse ones."""
+last bits) and per-expert token counts as the layer-by-layer path, on float32, bfloat16 (whose
+router logits tie often: the fused routing picks among equal experts as torch.topk does) and
+Q8_0 experts, with a shared expert and with dense layers among sparse ones."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import cpu_forward
@@ -94,11 +96,15 @@ def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts
     _assert_same(fused, plain)
 
 
-def test_bfloat16_experts_keep_the_layer_by_layer_path(monkeypatch, tmp_path):
-    family, shape = CASES["mixtral"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bfloat16_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
+    monkeypatch, tmp_path, case
+):
+    family, shape = CASES[case]
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
-    *_, built = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
-    assert built == [None]
+    fused = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
+    plain = _generate(monkeypatch, str(tmp_path), fused=False, dtype="bfloat16")
+    _assert_same(fused, plain)
 
 
 def _moe_layer(top_k: int, hidden: int = 64, width: int = 32, experts: int = 4) -> tuple:
@@ -113,7 +119,7 @@ def _moe_layer(top_k: int, hidden: int = 64, width: int = 32, experts: int = 4) 
         np.zeros((experts, hidden // 16, width, 16), np.float32),
     )
     counts = np.zeros(experts, np.int64)
-    moe = ("moe", panels(experts, hidden), stacked, top_k, True, None, counts)
+    moe = ("moe", panels(experts, hidden), stacked, top_k, (True, False), None, counts)
     return (norm, panels(3 * hidden, hidden), None, None, panels(hidden, hidden), norm, moe, None)
 
 
@@ -147,5 +153,6 @@ def test_a_sparse_layer_counts_each_tokens_chosen_experts():
     layer = _moe_layer(top_k=2)
     decoder = _core.CpuDecoder([layer], np.ones(64, np.float32), 1, 1, 64, 1e-6, 0.125)
     _forward(decoder)
-    # zero router logits: equal probabilities, the two lowest experts chosen
-    assert layer[6][-1].tolist() == [1, 1, 0, 0]
+    # zero router logits: equal probabilities, the two torch.topk picks among them chosen
+    picked = torch.topk(torch.full((4,), 0.25), 2).indices
+    assert layer[6][-1].tolist() == torch.bincount(picked, minlength=4).tolist()
