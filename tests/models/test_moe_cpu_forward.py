@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.models import cpu_forward
+from pagedllm import SamplingParams
 from pagedllm.models.moe import expert_token_counts
 
 from moe_factory import save_tiny_moe_checkpoint, save_tiny_moe_gguf
@@ -32,29 +31,20 @@ CASES = {
 }
 
 
-def _generate(monkeypatch, model: str, *, fused: bool, **engine) -> tuple:
-    """(tokens, logprobs, expert counts, what `build` returned) for PROMPTS."""
-    built = []
-    real = cpu_forward.build
+@pytest.fixture
+def generate(engine_pair):
+    def run(model, *, fused: bool, **engine) -> tuple:
+        """(tokens, logprobs, expert counts, what `build` returned) for PROMPTS."""
+        llm, outs, built = engine_pair(model, PROMPTS, PARAMS, fused=fused, **engine)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        logprobs = [
+            sorted((t, lp.logprob) for t, lp in position.items())
+            for o in outs
+            for position in o.outputs[0].logprobs
+        ]
+        return tokens, logprobs, expert_token_counts(llm.llm_engine.model), built
 
-    def build(*args, **kwargs):
-        result = real(*args, **kwargs) if fused else None
-        built.append(result)
-        return result
-
-    with monkeypatch.context() as m:
-        m.setattr(cpu_forward, "build", build)
-        # small chunks: prompts span several steps, mixed with other sequences' decodes
-        llm = LLM(model, max_num_batched_tokens=8, cpu_threads=1, **engine)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-        counts = expert_token_counts(llm.llm_engine.model)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [
-        sorted((t, lp.logprob) for t, lp in position.items())
-        for o in outs
-        for position in o.outputs[0].logprobs
-    ]
-    return tokens, logprobs, counts, built
+    return run
 
 
 def _assert_same(fused: tuple, plain: tuple) -> None:
@@ -69,17 +59,17 @@ def _assert_same(fused: tuple, plain: tuple) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
-    monkeypatch, tmp_path, case
+    generate, tmp_path, case
 ):
     family, shape = CASES[case]
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
-    fused = _generate(monkeypatch, str(tmp_path), fused=True, dtype="float32")
-    plain = _generate(monkeypatch, str(tmp_path), fused=False, dtype="float32")
+    fused = generate(str(tmp_path), fused=True, dtype="float32")
+    plain = generate(str(tmp_path), fused=False, dtype="float32")
     _assert_same(fused, plain)
 
 
 def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts(
-    monkeypatch, tmp_path
+    generate, tmp_path
 ):
     path = save_tiny_moe_gguf(
         tmp_path,
@@ -91,19 +81,19 @@ def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts
         shared_expert_intermediate_size=128,
     )
     engine = dict(dtype="float32", skip_tokenizer_init=True)  # the file holds no tokenizer
-    fused = _generate(monkeypatch, str(path), fused=True, **engine)
-    plain = _generate(monkeypatch, str(path), fused=False, **engine)
+    fused = generate(str(path), fused=True, **engine)
+    plain = generate(str(path), fused=False, **engine)
     _assert_same(fused, plain)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bfloat16_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
-    monkeypatch, tmp_path, case
+    generate, tmp_path, case
 ):
     family, shape = CASES[case]
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
-    fused = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
-    plain = _generate(monkeypatch, str(tmp_path), fused=False, dtype="bfloat16")
+    fused = generate(str(tmp_path), fused=True, dtype="bfloat16")
+    plain = generate(str(tmp_path), fused=False, dtype="bfloat16")
     _assert_same(fused, plain)
 
 
