@@ -26,7 +26,7 @@ pub use moe_layer::{route, Experts, MoeMlp, SharedExpert};
 use super::attention::{paged_attention, store_kv_fed, PagedBatch};
 use super::kv_quant::KvElem;
 use super::quant::{self, quant_linear_with, Activations, QuantMatrix};
-use super::{activation, invalid, linear, moe, norm, rotary, Bf16, Elem};
+use super::{activation, invalid, linear, moe, norm, rotary, Bf16, Elem, PANEL};
 use crate::error::Result;
 
 /// A projection's weight: `linear`'s panels `[ceil(N / PANEL), K, PANEL]` of `n` output
@@ -174,7 +174,8 @@ impl Act for Bf16 {
     }
 
     /// The bf16 logits widened to f32 as they are made (exact: a bf16 is an f32's high half),
-    /// a block of rows at a time, instead of a whole bf16 `[K, V]` and a copy.
+    /// a block of vocabulary columns at a time (every row at once: the head's weights read
+    /// once), instead of a whole bf16 `[K, V]` and a copy.
     fn head_f32(
         head: &Linear<'_, Bf16>,
         x: ArrayView2<Bf16>,
@@ -182,22 +183,35 @@ impl Act for Bf16 {
         opts: Options,
     ) -> Result<()> {
         let (rows, vocab) = logits.dim();
-        let mut block = Array2::<Bf16>::from_elem((rows.min(HEAD_ROWS), vocab), Bf16::ZERO);
-        for start in (0..rows).step_by(HEAD_ROWS) {
-            let end = (start + HEAD_ROWS).min(rows);
-            let mut out = block.slice_mut(s![..end - start, ..]);
-            head.run(x.slice(s![start..end, ..]), out.view_mut(), opts)?;
+        let Weight::Panels { panels, .. } = &head.weight else {
+            return Err(bf16_quant());
+        };
+        let mut block = vec![Bf16::ZERO; rows * HEAD_COLS.min(vocab)];
+        for start in (0..vocab).step_by(HEAD_COLS) {
+            let end = (start + HEAD_COLS).min(vocab);
+            let part = Linear {
+                weight: Weight::Panels {
+                    panels: panels.slice(s![start / PANEL..end.div_ceil(PANEL), .., ..]),
+                    n: end - start,
+                },
+                bias: head.bias.map(|b| &b[start..end]),
+            };
+            let cols = end - start;
+            let mut out = ArrayViewMut2::from_shape((rows, cols), &mut block[..rows * cols])
+                .map_err(bad_shape)?;
+            part.run(x, out.view_mut(), opts)?;
             logits
-                .slice_mut(s![start..end, ..])
+                .slice_mut(s![.., start..end])
                 .zip_mut_with(&out, |l, b| *l = b.to_f32());
         }
         Ok(())
     }
 }
 
-/// Rows of bf16 logits made at a time before their widening (`Act::head_f32`): small enough to
-/// stay in the cache between the two (16 x 49,152 x 2 bytes = 1.5 MiB).
-const HEAD_ROWS: usize = 16;
+/// Vocabulary columns of bf16 logits made at a time before their widening (`Act::head_f32`):
+/// a multiple of `PANEL`, small enough to stay in the cache between the two (64 rows x 4,096 x
+/// 2 bytes = 512 KiB) and wide enough for every thread's share of panels.
+const HEAD_COLS: usize = 4096;
 
 /// A token embedding table: rows `[V, E]` of the activations' type, or ggml-typed rows.
 pub enum Embedding<'a, T = f32> {
@@ -780,4 +794,40 @@ fn mlp<T: Act>(
     let act = ArrayView2::from_shape((tokens, width / 2), &scratch.act[..tokens * width / 2])
         .map_err(bad_shape)?;
     down.run(act, x.view_mut(), opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array2;
+
+    use super::{head_logits, Linear, Options, Weight, HEAD_COLS};
+    use crate::cpu::{linear, pack_panels, quant::Activations, Bf16, Elem, PANEL};
+
+    #[test]
+    fn a_bf16_head_wider_than_a_block_gives_the_whole_products_bits_widened() {
+        let (rows, hidden, vocab) = (5, 48, HEAD_COLS + 3 * PANEL + 5);
+        let value = |i: usize| Bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 64.0);
+        let x = Array2::from_shape_fn((rows, hidden), |(r, c)| value(r * hidden + c + 7));
+        let w = Array2::from_shape_fn((vocab, hidden), |(r, c)| value(r * 3 + c * 11));
+        let packed = pack_panels(w.view());
+        let panels =
+            ndarray::ArrayView3::from_shape((vocab.div_ceil(PANEL), hidden, PANEL), &packed)
+                .unwrap();
+        let opts = Options {
+            num_threads: 2,
+            activations: Activations::F32,
+        };
+        let mut whole = Array2::from_elem((rows, vocab), Bf16::ZERO);
+        linear(x.view(), panels, None, whole.view_mut(), 2).unwrap();
+        let head = Linear {
+            weight: Weight::Panels { panels, n: vocab },
+            bias: None,
+        };
+        let mut logits = Array2::<f32>::zeros((2, vocab));
+        head_logits(x.view(), &[3, 1], &head, logits.view_mut(), opts).unwrap();
+        for (got, want) in logits.rows().into_iter().zip([3, 1]) {
+            let want: Vec<f32> = whole.row(want).iter().map(|b| b.to_f32()).collect();
+            assert_eq!(got.to_vec(), want);
+        }
+    }
 }
