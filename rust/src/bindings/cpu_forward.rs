@@ -110,12 +110,15 @@ struct LinearArrays<N> {
 /// A key transform's vector, held (float32).
 type Vector = Py<PyArray1<f32>>;
 
+/// A norm weight or a bias, held, in the activations' dtype.
+type Weights1<N> = Py<PyArray1<N>>;
+
 struct LayerArrays<N> {
-    input_norm: Py<PyArray1<N>>,
+    input_norm: Weights1<N>,
     qkv: LinearArrays<N>,
-    qk_norm: Option<(Py<PyArray1<N>>, Py<PyArray1<N>>)>,
+    qk_norm: Option<(Weights1<N>, Weights1<N>)>,
     o: LinearArrays<N>,
-    post_norm: Py<PyArray1<N>>,
+    post_norm: Weights1<N>,
     mlp: MlpArrays<N>,
     /// query scale, key scale, key offset, key feedback (`models/cpu_forward.py`'s
     /// `_key_transform`)
