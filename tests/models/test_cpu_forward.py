@@ -4,6 +4,8 @@ model qualifies."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -31,17 +33,18 @@ def checkpoint(request, tmp_path_factory):
     return save_tiny_checkpoint(folder, request.param, hidden_size=64, intermediate_size=128)
 
 
+def tokens_and_logprobs(engine_pair, folder, *, fused: bool, **engine) -> tuple[list, list, list]:
+    """Tokens and logprobs of PROMPTS by `engine_pair`'s engine, and what `build` returned."""
+    engine.setdefault("enable_prefix_caching", True)
+    _, outputs, built = engine_pair(folder, PROMPTS, PARAMS, fused=fused, **engine)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [(o.prompt_logprobs, o.outputs[0].logprobs) for o in outputs]
+    return tokens, logprobs, built
+
+
 @pytest.fixture
 def generate(engine_pair):
-    def run(folder, *, fused: bool, **engine) -> tuple[list, list, list]:
-        """Tokens and logprobs of PROMPTS, and what `build` returned."""
-        engine.setdefault("enable_prefix_caching", True)
-        _, outputs, built = engine_pair(folder, PROMPTS, PARAMS, fused=fused, **engine)
-        tokens = [o.outputs[0].token_ids for o in outputs]
-        logprobs = [(o.prompt_logprobs, o.outputs[0].logprobs) for o in outputs]
-        return tokens, logprobs, built
-
-    return run
+    return functools.partial(tokens_and_logprobs, engine_pair)
 
 
 def _logprob_values(logprobs) -> list:
