@@ -9,8 +9,10 @@
 //! reused by every layer, so the hidden states equal the Python path's bit for bit (the
 //! tests in `tests/models/test_cpu_forward.py` compare them).
 //!
-//! Scope: float32 activations, weights as `linear`'s panels or ggml-typed rows (`quant`), full
-//! causal attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
+//! Scope: float32 activations with weights as `linear`'s panels or ggml-typed rows (`quant`), or
+//! bfloat16 activations with bf16 panels (`Act`: every kernel reads and writes bf16 rows where
+//! the Python path's do, so a bf16 model's hidden states are that path's too), full causal
+//! attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
 //! decides when a model qualifies and keeps the layer-by-layer path otherwise. A layer's MLP is
 //! dense or a mixture of experts (`moe_layer`: router, routing, grouped experts, shared expert).
 use ndarray::{
