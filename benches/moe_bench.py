@@ -20,8 +20,10 @@ DIR's tokenizer files beside it so that llama.cpp's `convert_hf_to_gguf.py` conv
 `--kernel` times the bfloat16 expert kernel alone (the large shape's 64 experts, top-8, random
 weights; `--concurrency` tokens) against a torch loop of `F.linear` per chosen expert, in
 alternated pairs, one thread's CPU time, medians of `--rounds`. `--gguf FILE` runs FILE's decode
-through the engine with the one-call CPU decoder and layer by layer (`enforce_eager`), the two
-engines alternated, medians of `--rounds` (wall time; label it busy on a shared machine).
+through the engine with the one-call CPU decoder and layer by layer (one engine, its runner's
+`cpu_forward` swapped, the order alternated), each run's median decode step, medians of
+`--rounds` and each pair's ratio (wall time; label it busy on a shared machine); `--fused-ab
+FOLDER --dtype bfloat16` the same for a checkpoint folder (the `--shape large` model).
 `--gguf FILE --builds A/python B/python --llama-bin DIR --threads 1` compares package copies
 (e.g. two commits' release builds) single stream, decode 32 / prefill 64, with llama.cpp's
 `llama-bench` in the same rounds (builds alternated): medians and each round's ratios; without
@@ -207,30 +209,54 @@ def kernel_ab(tokens_list: list[int], rounds: int) -> None:
         )
 
 
-def fused_ab(path: str, concurrency: list[int], tokens: int, threads: int, rounds: int) -> None:
-    """Decode of a GGUF file with the one-call decoder against layer by layer."""
-    engines = {
-        name: LLM(
-            path,
-            device="cpu",
-            skip_tokenizer_init=True,
-            cpu_threads=threads,
-            max_model_len=256,
-            enable_prefix_caching=False,
-            enforce_eager=eager,
-        )
-        for name, eager in (("one call", False), ("layer by layer", True))
-    }
-    print("| streams | one call tok/s | layer by layer tok/s | ratio (median of pairs) |")
-    print("|---:|---:|---:|---:|")
+def fused_ab(
+    path: str, concurrency: list[int], tokens: int, threads: int, rounds: int, dtype: str
+) -> None:
+    """Decode steps of a model (a GGUF file or a checkpoint folder, in `dtype`) with the
+    one-call decoder against layer by layer: one engine, its runner's `cpu_forward` swapped
+    round by round (the order alternated), each run's median all-decode step (wall ms)."""
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        cpu_threads=threads,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
+    runner = llm.llm_engine.runner
+    fused, forward, steps = runner.cpu_forward, runner.forward, []
+    if fused is None:
+        raise SystemExit(f"{path}: the model does not qualify for the one-call decoder")
+
+    def timed(inputs, prompt=None):
+        start = time.perf_counter()
+        out = forward(inputs, prompt)
+        steps.append((inputs[0].numel(), time.perf_counter() - start))
+        return out
+
+    runner.forward = timed
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    print("| streams | one call step ms | layer by layer step ms | ratios (pairs) |")
+    print("|---:|---:|---:|---|")
     for c in concurrency:
-        rates: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(rounds):
-            for name, llm in engines.items():
-                rates[name].append(decode_tok_s(llm, c, tokens))
-        fused, plain = rates["one call"], rates["layer by layer"]
-        ratio = _median([a / b for a, b in zip(fused, plain)])
-        print(f"| {c} | {_median(fused):.1f} | {_median(plain):.1f} | {ratio:.2f}x |", flush=True)
+        ms: dict[str, list[float]] = {"fused": [], "layers": []}
+        for r in range(rounds):
+            for name in ("fused", "layers")[:: 1 if r % 2 == 0 else -1]:
+                runner.cpu_forward = fused if name == "fused" else None
+                prompts = [
+                    {"prompt_token_ids": [100 + 7 * i + j for j in range(16)]} for i in range(c)
+                ]
+                steps.clear()
+                llm.generate(prompts, params, use_tqdm=False)
+                ms[name].append(1e3 * _median([t for n, t in steps if n == c]))
+        ratios = [b / a for a, b in zip(ms["fused"], ms["layers"])]
+        listed = " ".join(f"{v:.2f}" for v in ratios)
+        print(
+            f"| {c} | {_median(ms['fused']):.1f} | {_median(ms['layers']):.1f} | {listed} "
+            f"(median {_median(ratios):.2f}x) |",
+            flush=True,
+        )
 
 
 def builds_vs_llamacpp(args) -> None:
@@ -337,6 +363,7 @@ def main() -> int:
     p.add_argument("--write-only", action="store_true", help="write the model, run nothing")
     p.add_argument("--kernel", action="store_true", help="the bf16 expert kernel alone")
     p.add_argument("--gguf", help="a GGUF file: one-call decoder against layer by layer")
+    p.add_argument("--fused-ab", help="a model folder (in --dtype): the same as --gguf")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--llama-bin", type=Path, help="with --gguf and --builds: llama.cpp's bin")
     p.add_argument("--builds", nargs="+", help="package copies' python folders to compare")
@@ -353,8 +380,9 @@ def main() -> int:
     if args.kernel:
         kernel_ab(args.concurrency, args.rounds)
         return 0
-    if args.gguf:
-        fused_ab(args.gguf, args.concurrency, args.tokens, args.threads, args.rounds)
+    if args.gguf or args.fused_ab:
+        model = args.gguf or args.fused_ab
+        fused_ab(model, args.concurrency, args.tokens, args.threads, args.rounds, args.dtype)
         return 0
     s = LARGE if args.shape == "large" else SHAPE
     write_model(args.folder, s, getattr(torch, args.dtype), args.tokenizer_from)

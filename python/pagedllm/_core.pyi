@@ -1008,7 +1008,7 @@ class CpuDecoder:
     def __init__(
         self,
         layers: list[tuple[object, ...]],
-        final_norm: _F32Array,
+        final_norm: _KernelArray,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -1019,52 +1019,55 @@ class CpuDecoder:
         ends: tuple[tuple[object, ...], tuple[object, ...]] | None = None,
     ) -> None:
         """``layers``: per layer ``(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up,
-        down)``: norms float32 ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each
-        projection ``("panels", float32 [P, K, 16], out_features, bias)`` or ``("quant",
-        segments, in_features, bias)`` with bias None or float32 ``[N]``. A mixture-of-experts
-        layer ends ``(..., post_norm, moe, None)`` with ``moe`` = ``("moe", router, experts,
-        top_k, normalize, shared, counts)``: experts ``("panels", gate_up [E, P, H, 16],
+        down)``: norms ``[E]`` (``q_norm``/``k_norm`` ``[D]`` or both None), each projection
+        ``("panels", [P, K, 16], out_features, bias)`` or ``("quant", segments, in_features,
+        bias)`` with bias None or ``[N]``; every float array float32, or every one bfloat16
+        (uint16 bits): ``final_norm``'s dtype is the activations' (quantized projections take
+        float32 activations only). A mixture-of-experts layer ends ``(..., post_norm, moe,
+        None)`` with ``moe`` = ``("moe", router, experts, top_k, (normalize, round_weights),
+        shared, counts)``: experts ``("panels", gate_up [E, P, H, 16],
         down [E, P, I, 16])`` or ``("quant", CpuMoeQuantExperts)``, shared None or the shared
         expert's ``(gate_up, down, gate)`` projections, counts int64 ``[E]`` (each token's
         chosen experts added in place). ``key_transforms``: per layer None or a quantized
         cache's key transform ``(query_scale [H * D], key_scale [KVH * D], key_offset [KVH * D]
         or None, key_feedback [KVH * D * D] or None)`` (``attention/key_transform.py``).
         ``ends``: None, or ``(embedding, head)`` for ``logits``: the embedding ``("table",
-        float32 [V, E])`` or ``("quant", segments, in_features)``, the LM head a projection as
+        [V, E])`` or ``("quant", segments, in_features)``, the LM head a projection as
         above. ``TypeError`` / ``ValueError`` naming the layer and part that is not so."""
 
     def forward(
         self,
-        x: _F32Array,
-        cos: _F32Array,
-        sin: _F32Array,
+        x: _KernelArray,
+        cos: _KernelArray,
+        sin: _KernelArray,
         slot_mapping: _npt.NDArray[_np.int64],
         query_start_loc: _npt.NDArray[_np.int32],
         seq_lens: _npt.NDArray[_np.int32],
         block_tables: _npt.NDArray[_np.int32],
-        kv_cache: _npt.NDArray[_np.float32] | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
+        kv_cache: _KernelArray | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
         num_threads: int,
         activations: str = "f32",
         kv_cache_dtype: str = "auto",
     ) -> None:
         """Every layer and the final norm over ``x [T, E]`` in place (embeddings in, hidden
-        states out), K/V stored into ``kv_cache`` (float32 ``[2, L, blocks, block_size, KVH,
-        D]``, or ``kv_cache_dtype`` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with
-        rows of ``D + 1``, as ``cpu_store_kvcache`` codes them) and attended over;
-        ``cos``/``sin`` ``[T, D / 2]``; ``activations`` of the
-        quantized projections as ``cpu_quant_linear`` takes them. ``ValueError`` naming a
+        states out; ``x``, ``cos``, ``sin`` in the activations' dtype), K/V stored into
+        ``kv_cache`` (the activations' dtype ``[2, L, blocks, block_size, KVH, D]``, or
+        ``kv_cache_dtype`` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with rows of
+        ``D + 1``, as ``cpu_store_kvcache`` codes them) and attended over; ``cos``/``sin``
+        ``[T, D / 2]``; ``activations`` of the quantized projections as ``cpu_quant_linear``
+        takes them. ``ValueError`` naming a
         projection or array whose shape does not fit."""
 
     def logits(
         self,
         ids: _npt.NDArray[_np.int64],
-        cos: _F32Array,
-        sin: _F32Array,
+        cos: _KernelArray,
+        sin: _KernelArray,
         slot_mapping: _npt.NDArray[_np.int64],
         query_start_loc: _npt.NDArray[_np.int32],
         seq_lens: _npt.NDArray[_np.int32],
         block_tables: _npt.NDArray[_np.int32],
-        kv_cache: _npt.NDArray[_np.float32] | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
+        kv_cache: _KernelArray | _npt.NDArray[_np.int8] | _npt.NDArray[_np.uint8],
         sample_rows: _npt.NDArray[_np.int64],
         logits: _F32Array,
         num_threads: int,
@@ -1073,7 +1076,8 @@ class CpuDecoder:
     ) -> None:
         """``forward`` from token ids to logits: ``ids [T]`` embedded, the layers and the final
         norm run as ``forward`` runs them, then the LM head over rows ``sample_rows [K]`` of the
-        hidden states into ``logits [K, V]`` float32. ``ValueError`` when the decoder holds no
+        hidden states into ``logits [K, V]`` float32 (a bfloat16 head's widened exactly).
+        ``ValueError`` when the decoder holds no
         ``ends``, or an id or row is out of range."""
 
     def __len__(self) -> int: ...

@@ -4,11 +4,13 @@ model qualifies."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.kernels import cpu_quant
 from pagedllm.models import cpu_forward
 
@@ -31,30 +33,18 @@ def checkpoint(request, tmp_path_factory):
     return save_tiny_checkpoint(folder, request.param, hidden_size=64, intermediate_size=128)
 
 
-def _generate(monkeypatch, folder, *, fused: bool, **engine) -> tuple[list, list]:
-    """Tokens and logprobs of PROMPTS; records what `build` returned in `built`."""
-    built = []
-    real = cpu_forward.build
-
-    def build(*args, **kwargs):
-        result = real(*args, **kwargs) if fused else None
-        built.append(result)
-        return result
-
-    with monkeypatch.context() as m:
-        m.setattr(cpu_forward, "build", build)
-        llm = LLM(
-            str(folder),
-            # small chunks: prompts span several steps, mixed with other sequences' decodes
-            max_num_batched_tokens=8,
-            enable_prefix_caching=True,
-            cpu_threads=1,
-            **engine,
-        )
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+def tokens_and_logprobs(engine_pair, folder, *, fused: bool, **engine) -> tuple[list, list, list]:
+    """Tokens and logprobs of PROMPTS by `engine_pair`'s engine, and what `build` returned."""
+    engine.setdefault("enable_prefix_caching", True)
+    _, outputs, built = engine_pair(folder, PROMPTS, PARAMS, fused=fused, **engine)
     tokens = [o.outputs[0].token_ids for o in outputs]
     logprobs = [(o.prompt_logprobs, o.outputs[0].logprobs) for o in outputs]
     return tokens, logprobs, built
+
+
+@pytest.fixture
+def generate(engine_pair):
+    return functools.partial(tokens_and_logprobs, engine_pair)
 
 
 def _logprob_values(logprobs) -> list:
@@ -68,36 +58,47 @@ def _logprob_values(logprobs) -> list:
     return values
 
 
-def test_fused_forward_gives_the_layer_by_layer_numbers_exactly(monkeypatch, checkpoint):
-    fused_tokens, fused_logprobs, built = _generate(monkeypatch, checkpoint, fused=True)
+def test_fused_forward_gives_the_layer_by_layer_numbers_exactly(generate, checkpoint):
+    fused_tokens, fused_logprobs, built = generate(checkpoint, fused=True)
     assert built and built[0] is not None  # the fused path did run
-    tokens, logprobs, _ = _generate(monkeypatch, checkpoint, fused=False)
+    tokens, logprobs, _ = generate(checkpoint, fused=False)
     assert fused_tokens == tokens
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
 @pytest.mark.parametrize("activations", cpu_quant.ACTIVATION_CHOICES)
 def test_fused_forward_gives_the_same_numbers_on_quantized_weights(
-    monkeypatch, tmp_path, activations
+    monkeypatch, generate, tmp_path, activations
 ):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
     monkeypatch.setattr(cpu_quant, "ACTIVATIONS", activations)
-    fused, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, quantization="q4_0")
+    fused, fused_logprobs, built = generate(folder, fused=True, quantization="q4_0")
     assert built[0] is not None
-    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, quantization="q4_0")
+    tokens, logprobs, _ = generate(folder, fused=False, quantization="q4_0")
     assert fused == tokens
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_fused_forward_over_a_quantized_kv_cache_gives_the_layer_by_layer_numbers(
-    monkeypatch, tmp_path, kv_cache_dtype
+    generate, tmp_path, kv_cache_dtype
 ):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
     kv = {"kv_cache_dtype": kv_cache_dtype}
-    fused_tokens, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, **kv)
+    fused_tokens, fused_logprobs, built = generate(folder, fused=True, **kv)
     assert built[0] is not None
-    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, **kv)
+    tokens, logprobs, _ = generate(folder, fused=False, **kv)
+    assert fused_tokens == tokens
+    assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
+
+
+def test_fused_forward_of_a_bfloat16_model_gives_the_layer_by_layer_numbers_exactly(
+    generate, checkpoint
+):
+    engine = {"dtype": "bfloat16"}
+    fused_tokens, fused_logprobs, built = generate(checkpoint, fused=True, **engine)
+    assert built and built[0] is not None  # the fused path did run
+    tokens, logprobs, _ = generate(checkpoint, fused=False, **engine)
     assert fused_tokens == tokens
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 
@@ -106,13 +107,14 @@ def test_fused_forward_over_a_quantized_kv_cache_gives_the_layer_by_layer_number
     "engine",
     [
         {"enable_lora": True},
-        {"dtype": "bfloat16"},
+        # a quantized cache's key transform is applied in float32 only
+        {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
     ],
-    ids=["lora", "bfloat16"],
+    ids=["lora", "bfloat16_int8_cache"],
 )
-def test_models_that_do_not_qualify_run_layer_by_layer(monkeypatch, tmp_path, engine):
+def test_models_that_do_not_qualify_run_layer_by_layer(generate, tmp_path, engine):
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
-    _, _, built = _generate(monkeypatch, folder, fused=True, **engine)
+    _, _, built = generate(folder, fused=True, **engine)
     assert built == [None]
 
 

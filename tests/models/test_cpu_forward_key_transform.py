@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cpu_forward import _generate, _logprob_values
+from test_cpu_forward import _logprob_values, tokens_and_logprobs
 
 from pagedllm import _core
 
@@ -15,17 +15,17 @@ from model_factory import save_tiny_checkpoint
 
 @pytest.mark.parametrize(("family", "kv_cache_dtype"), [("llama", "int8"), ("qwen3", "fp8_e4m3")])
 def test_fused_forward_with_a_key_transform_gives_the_layer_by_layer_numbers(
-    monkeypatch, tmp_path, family, kv_cache_dtype
+    engine_pair, tmp_path, family, kv_cache_dtype
 ):
     # qwen3: q/k norms before the rotation (the transform on their own buffers)
     folder = save_tiny_checkpoint(tmp_path / "m", family, hidden_size=64, intermediate_size=128)
     kv = {"kv_cache_dtype": kv_cache_dtype}
-    fused_tokens, fused_logprobs, built = _generate(monkeypatch, folder, fused=True, **kv)
+    fused_tokens, fused_logprobs, built = tokens_and_logprobs(engine_pair, folder, fused=True, **kv)
     decoder = built[0]
     assert decoder is not None
     transforms = [layer.self_attn.key_transform for layer in decoder.model.model.layers]
     assert all(t is not None for t in transforms)  # calibrated (a quantized cache)
-    tokens, logprobs, _ = _generate(monkeypatch, folder, fused=False, **kv)
+    tokens, logprobs, _ = tokens_and_logprobs(engine_pair, folder, fused=False, **kv)
     assert fused_tokens == tokens
     assert _logprob_values(fused_logprobs) == _logprob_values(logprobs)
 

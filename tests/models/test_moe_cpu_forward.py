@@ -1,15 +1,16 @@
 """Mixtures of experts in the one-call CPU decoder (`models/cpu_forward.py`, the sparse layer of
 `rust/src/cpu/forward/moe_layer.rs`): the same greedy tokens, logprobs (to the routing softmax's
-last bits) and per-expert token counts as the layer-by-layer path, on float32 and on Q8_0
-experts, with a shared expert and with dense layers among sparse ones."""
+last bits) and per-expert token counts as the layer-by-layer path, on float32, bfloat16 (whose
+router logits tie often: the fused routing picks among equal experts as torch.topk does) and
+Q8_0 experts, with a shared expert and with dense layers among sparse ones."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.models import cpu_forward
+from pagedllm import SamplingParams
 from pagedllm.models.moe import expert_token_counts
 
 from moe_factory import save_tiny_moe_checkpoint, save_tiny_moe_gguf
@@ -30,29 +31,20 @@ CASES = {
 }
 
 
-def _generate(monkeypatch, model: str, *, fused: bool, **engine) -> tuple:
-    """(tokens, logprobs, expert counts, what `build` returned) for PROMPTS."""
-    built = []
-    real = cpu_forward.build
+@pytest.fixture
+def generate(engine_pair):
+    def run(model, *, fused: bool, **engine) -> tuple:
+        """(tokens, logprobs, expert counts, what `build` returned) for PROMPTS."""
+        llm, outs, built = engine_pair(model, PROMPTS, PARAMS, fused=fused, **engine)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        logprobs = [
+            sorted((t, lp.logprob) for t, lp in position.items())
+            for o in outs
+            for position in o.outputs[0].logprobs
+        ]
+        return tokens, logprobs, expert_token_counts(llm.llm_engine.model), built
 
-    def build(*args, **kwargs):
-        result = real(*args, **kwargs) if fused else None
-        built.append(result)
-        return result
-
-    with monkeypatch.context() as m:
-        m.setattr(cpu_forward, "build", build)
-        # small chunks: prompts span several steps, mixed with other sequences' decodes
-        llm = LLM(model, max_num_batched_tokens=8, cpu_threads=1, **engine)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-        counts = expert_token_counts(llm.llm_engine.model)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [
-        sorted((t, lp.logprob) for t, lp in position.items())
-        for o in outs
-        for position in o.outputs[0].logprobs
-    ]
-    return tokens, logprobs, counts, built
+    return run
 
 
 def _assert_same(fused: tuple, plain: tuple) -> None:
@@ -67,17 +59,17 @@ def _assert_same(fused: tuple, plain: tuple) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
-    monkeypatch, tmp_path, case
+    generate, tmp_path, case
 ):
     family, shape = CASES[case]
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
-    fused = _generate(monkeypatch, str(tmp_path), fused=True, dtype="float32")
-    plain = _generate(monkeypatch, str(tmp_path), fused=False, dtype="float32")
+    fused = generate(str(tmp_path), fused=True, dtype="float32")
+    plain = generate(str(tmp_path), fused=False, dtype="float32")
     _assert_same(fused, plain)
 
 
 def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts(
-    monkeypatch, tmp_path
+    generate, tmp_path
 ):
     path = save_tiny_moe_gguf(
         tmp_path,
@@ -89,16 +81,20 @@ def test_quantized_experts_in_one_call_give_the_layer_by_layer_tokens_and_counts
         shared_expert_intermediate_size=128,
     )
     engine = dict(dtype="float32", skip_tokenizer_init=True)  # the file holds no tokenizer
-    fused = _generate(monkeypatch, str(path), fused=True, **engine)
-    plain = _generate(monkeypatch, str(path), fused=False, **engine)
+    fused = generate(str(path), fused=True, **engine)
+    plain = generate(str(path), fused=False, **engine)
     _assert_same(fused, plain)
 
 
-def test_bfloat16_experts_keep_the_layer_by_layer_path(monkeypatch, tmp_path):
-    family, shape = CASES["mixtral"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bfloat16_sparse_model_in_one_call_gives_the_layer_by_layer_tokens_and_counts(
+    generate, tmp_path, case
+):
+    family, shape = CASES[case]
     save_tiny_moe_checkpoint(tmp_path, family, seed=3, **shape)
-    *_, built = _generate(monkeypatch, str(tmp_path), fused=True, dtype="bfloat16")
-    assert built == [None]
+    fused = generate(str(tmp_path), fused=True, dtype="bfloat16")
+    plain = generate(str(tmp_path), fused=False, dtype="bfloat16")
+    _assert_same(fused, plain)
 
 
 def _moe_layer(top_k: int, hidden: int = 64, width: int = 32, experts: int = 4) -> tuple:
@@ -113,7 +109,7 @@ def _moe_layer(top_k: int, hidden: int = 64, width: int = 32, experts: int = 4) 
         np.zeros((experts, hidden // 16, width, 16), np.float32),
     )
     counts = np.zeros(experts, np.int64)
-    moe = ("moe", panels(experts, hidden), stacked, top_k, True, None, counts)
+    moe = ("moe", panels(experts, hidden), stacked, top_k, (True, False), None, counts)
     return (norm, panels(3 * hidden, hidden), None, None, panels(hidden, hidden), norm, moe, None)
 
 
@@ -147,5 +143,6 @@ def test_a_sparse_layer_counts_each_tokens_chosen_experts():
     layer = _moe_layer(top_k=2)
     decoder = _core.CpuDecoder([layer], np.ones(64, np.float32), 1, 1, 64, 1e-6, 0.125)
     _forward(decoder)
-    # zero router logits: equal probabilities, the two lowest experts chosen
-    assert layer[6][-1].tolist() == [1, 1, 0, 0]
+    # zero router logits: equal probabilities, the two torch.topk picks among them chosen
+    picked = torch.topk(torch.full((4,), 0.25), 2).indices
+    assert layer[6][-1].tolist() == torch.bincount(picked, minlength=4).tolist()

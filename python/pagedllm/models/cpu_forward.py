@@ -12,13 +12,19 @@ where they are. Where the embedding and the LM head are of kinds the Rust side r
 out, the same kernels on the same rows (without the step's half dozen torch calls around the
 layers: a single-stream step of a small model is ~5 ms, those calls ~0.3-0.5 ms of it).
 
-`build` decides when a model qualifies (float32 on the CPU, one tensor-parallel rank, no LoRA,
-dense gated MLPs or mixture-of-experts blocks (`models/moe.py`'s `SparseMoeBlock`, experts packed
-float32 or quantized: the router, the routing, the grouped experts, the shared expert and the
-expert token counts run in the same call, `rust/src/cpu/forward/moe_layer.rs`), full attention,
-every projection packed or quantized, a float32 or quantized
-(`kv_cache_dtype` int8 / fp8: stored and read by the same Rust kernels as layer by layer) KV cache)
-and returns None otherwise: the model then runs layer by layer, as before.
+`build` decides when a model qualifies (float32 or bfloat16 on the CPU, one tensor-parallel rank,
+no LoRA, dense gated MLPs or mixture-of-experts blocks (`models/moe.py`'s `SparseMoeBlock`,
+experts packed or quantized: the router, the routing, the grouped experts, the shared expert and
+the expert token counts run in the same call, `rust/src/cpu/forward/moe_layer.rs`), full
+attention, every projection packed or quantized, a KV cache in the model's dtype or quantized
+(`kv_cache_dtype` int8 / fp8: stored and read by the same Rust kernels as layer by layer; float32
+models only) and returns None otherwise: the model then runs layer by layer, as before.
+
+A bfloat16 model runs bf16 activations through the same kernels as its layers do (every kernel
+reads and writes bf16 rows, rounding where the Python path's kernels round), its weights the
+bf16 panels the layers read; its LM head's logits are widened to float32 in the same call, as
+`compute_logits`' `.float()` does. Quantized weights take float32 activations: a bf16 model
+with any of them keeps the layer-by-layer path.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pagedllm import _core
 from pagedllm.attention.paged import AttentionMetadata
 from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
 from pagedllm.kernels import cpu_quant
+from pagedllm.kernels.cpu_arrays import numpy_view
 from pagedllm.kernels.reference import as_bytes, kv_format
 from pagedllm.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from pagedllm.models.mlp import GatedMLP
@@ -52,28 +59,31 @@ class CpuDecoderForward:
         # the LM head's rows (the logits' width) where the decoder holds the embedding and the
         # head (`logits` applies); None otherwise
         self.head_rows = head_rows
+        # the activations' dtype (float32 or bfloat16): the embedding's
+        self.dtype = model.model.embed_tokens.weight.dtype
+
+    def _step(self, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> tuple:
+        """A step's arguments after the hidden states / token ids, as `forward` and `logits`
+        take them: the rotary tables, the batch's arrays and the cache."""
+        cos, sin = self.model.model.rotary_emb(positions, self.dtype)
+        # fp8 codes cross as their uint8 bits (numpy has no fp8)
+        cache = numpy_view(as_bytes(kv_cache))
+        return (
+            numpy_view(cos.contiguous()),
+            numpy_view(sin.contiguous()),
+            *meta.cpu_arrays(),
+            cache,
+        )
+
+    def _opts(self) -> tuple:
+        """The call's threads, quantized activations and cache dtype."""
+        return (torch.get_num_threads(), cpu_quant.ACTIVATIONS, self.kv_cache_dtype)
 
     def __call__(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata
     ) -> Tensor:
-        inner = self.model.model
-        x = inner.embed_tokens(input_ids).contiguous()
-        cos, sin = inner.rotary_emb(positions, x.dtype)
-        slots, query_start_loc, seq_lens, block_tables = meta.cpu_arrays()
-        self.decoder.forward(
-            x.numpy(),
-            cos.contiguous().numpy(),
-            sin.contiguous().numpy(),
-            slots,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            # fp8 codes cross as their uint8 bits (numpy has no fp8)
-            as_bytes(kv_cache).numpy(),
-            torch.get_num_threads(),
-            cpu_quant.ACTIVATIONS,
-            self.kv_cache_dtype,
-        )
+        x = self.model.model.embed_tokens(input_ids).contiguous()
+        self.decoder.forward(numpy_view(x), *self._step(positions, kv_cache, meta), *self._opts())
         return x
 
     def logits(
@@ -86,25 +96,10 @@ class CpuDecoderForward:
     ) -> Tensor | None:
         """`compute_logits(self(...)[sample_rows])` in one Rust call (`head_rows` set): float32
         `[K, V]`, None when K = 0 (the layers still run: their K/V are stored)."""
-        cos, sin = self.model.model.rotary_emb(positions, torch.float32)
-        slots, query_start_loc, seq_lens, block_tables = meta.cpu_arrays()
         rows = sample_rows.numpy()
         out = torch.empty(len(rows), self.head_rows, dtype=torch.float32)
-        self.decoder.logits(
-            input_ids.numpy(),
-            cos.contiguous().numpy(),
-            sin.contiguous().numpy(),
-            slots,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            as_bytes(kv_cache).numpy(),
-            rows,
-            out.numpy(),
-            torch.get_num_threads(),
-            cpu_quant.ACTIVATIONS,
-            self.kv_cache_dtype,
-        )
+        step = self._step(positions, kv_cache, meta)
+        self.decoder.logits(input_ids.numpy(), *step, rows, out.numpy(), *self._opts())
         return out if len(rows) else None
 
 
@@ -115,14 +110,16 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
         return None
     cfg = model.config
     inner = model.model
-    layers = [_layer(layer) for layer in inner.layers]
-    if any(layer is None for layer in layers):
+    dtype = inner.embed_tokens.weight.dtype
+    layers = [_layer(layer, dtype) for layer in inner.layers]
+    final_norm = _norm(inner.norm, dtype)
+    if any(layer is None for layer in layers) or final_norm is None:
         return None
     attn = inner.layers[0].self_attn if len(inner.layers) else None
-    ends = _ends(model)
+    ends = _ends(model, dtype)
     decoder = _core.CpuDecoder(
         layers,
-        _norm(inner.norm),
+        final_norm,
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
@@ -137,25 +134,28 @@ def build(model: torch.nn.Module, kv_cache: Tensor, *, lora: bool) -> CpuDecoder
     return CpuDecoderForward(model, decoder, kv_cache_dtype, head_rows=head_rows)
 
 
-def _ends(model: DecoderForCausalLM) -> tuple | None:
+def _ends(model: DecoderForCausalLM, dtype: torch.dtype) -> tuple | None:
     """`(embedding, head)` as `CpuDecoder` takes them, or None where either is of another kind
-    (the step then embeds and computes its logits in Python, as before): the embedding a
-    float32 table or quantized rows, the head quantized rows or float32 panels, one rank, no
-    soft-capped logits."""
+    (the step then embeds and computes its logits in Python, as before): the embedding a table
+    in the activations' `dtype` or quantized rows, the head quantized rows or panels in `dtype`,
+    one rank, no soft-capped logits."""
     embed, head = model.model.embed_tokens, model.lm_head
     if model.config.final_softcap or head.size != 1 or getattr(embed, "size", 1) != 1:
         return None
+    float32 = dtype == torch.float32
     if isinstance(embed, QuantEmbedding) or (
         type(embed) is VocabParallelEmbedding and embed.quant is not None
     ):
+        if not float32:
+            return None
         table = ("quant", list(embed.quant._arrays), embed.quant.in_features)
-    elif type(embed) is VocabParallelEmbedding and _float_table(embed.weight):
-        table = ("table", embed.weight.detach().numpy())
+    elif type(embed) is VocabParallelEmbedding and _table(embed.weight, dtype):
+        table = ("table", numpy_view(embed.weight.detach()))
     else:
         return None
-    if head.quant is not None:
+    if head.quant is not None and float32:
         lm = ("quant", list(head.quant._arrays), head.quant.in_features, None)
-    elif head.packed is not None and head.packed.panels.dtype == torch.float32:
+    elif head.quant is None and head.packed is not None and head.packed.panels.dtype == dtype:
         lm = ("panels", head.packed.array, head.packed.out_features, None)
     else:
         return None
@@ -181,18 +181,25 @@ def _head_rows(head: torch.nn.Module) -> int:
     return head.quant.out_features if head.quant is not None else head.packed.out_features
 
 
-def _float_table(weight: Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
+def _table(weight: Tensor, dtype: torch.dtype) -> bool:
+    return weight.dtype == dtype and weight.dim() == 2 and weight.is_contiguous()
+
+
+def _cache_fits(kv_cache: Tensor, dtype: torch.dtype) -> bool:
+    """A cache in the activations' dtype, or (float32 models) a quantized one."""
+    quantized = kv_format(kv_cache.dtype) != "auto"
+    return kv_cache.dtype == dtype or (dtype == torch.float32 and quantized)
 
 
 def _qualifies(model: torch.nn.Module, kv_cache: Tensor) -> bool:
+    dtype = model.model.embed_tokens.weight.dtype
     return (
         type(model) is DecoderForCausalLM
         and model.tp.size == 1
         and kv_cache.device.type == "cpu"
-        and (kv_cache.dtype == torch.float32 or kv_format(kv_cache.dtype) != "auto")
+        and dtype in (torch.float32, torch.bfloat16)
+        and _cache_fits(kv_cache, dtype)
         and kv_cache.is_contiguous()
-        and model.model.embed_tokens.weight.dtype == torch.float32
         # Gemma's (1 + w) norms, sandwich norms and GeGLU are not in the fused layer
         and model.config.norm_offset == 0
         and model.config.hidden_act == "silu"
@@ -229,28 +236,32 @@ def _key_transform(attn: Attention) -> tuple | None:
     return (t.query_scale.reshape(-1).numpy(), t.scale.reshape(-1).numpy(), offset, feedback)
 
 
-def _norm(norm: torch.nn.Module) -> Tensor:
+def _norm(norm: torch.nn.Module, dtype: torch.dtype):
+    """The norm's weight in the activations' `dtype` as numpy, or None (another dtype)."""
     weight = norm.weight.detach()
-    return weight.contiguous().numpy() if weight.dtype == torch.float32 else None
+    return numpy_view(weight.contiguous()) if weight.dtype == dtype else None
 
 
-def _linear(layer: torch.nn.Module):
-    """`("panels", panels, n, bias)` / `("quant", segments, k, bias)`, or None (unpacked)."""
-    bias = None if layer.bias is None else layer.bias.detach().float().contiguous().numpy()
+def _linear(layer: torch.nn.Module, dtype: torch.dtype):
+    """`("panels", panels, n, bias)` / `("quant", segments, k, bias)` (float32 activations
+    only), or None (unpacked, or panels of another dtype than the activations')."""
+    bias = None if layer.bias is None else numpy_view(layer.bias.detach().to(dtype).contiguous())
     if layer.quant is not None:
+        if dtype != torch.float32:
+            return None
         return ("quant", list(layer.quant._arrays), layer.quant.in_features, bias)
     packed = layer.packed
-    if packed is None or packed.panels.dtype != torch.float32:
+    if packed is None or packed.panels.dtype != dtype:
         return None
     return ("panels", packed.array, packed.out_features, bias)
 
 
-def _layer(layer: DecoderLayer) -> tuple | None:
+def _layer(layer: DecoderLayer, dtype: torch.dtype) -> tuple | None:
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [_linear(p) for p in (attn.qkv_proj, attn.o_proj)]
-    norms = [_norm(n) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    qk = [_norm(n) if n is not None else None for n in (attn.q_norm, attn.k_norm)]
-    mlp_parts = _moe(mlp) if isinstance(mlp, SparseMoeBlock) else _dense(mlp)
+    linears = [_linear(p, dtype) for p in (attn.qkv_proj, attn.o_proj)]
+    norms = [_norm(n, dtype) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    qk = [_norm(n, dtype) if n is not None else None for n in (attn.q_norm, attn.k_norm)]
+    mlp_parts = _moe(mlp, dtype) if isinstance(mlp, SparseMoeBlock) else _dense(mlp, dtype)
     if any(part is None for part in linears + norms) or mlp_parts is None:
         return None
     if attn.q_norm is not None and any(n is None for n in qk):
@@ -259,36 +270,38 @@ def _layer(layer: DecoderLayer) -> tuple | None:
     return (norms[0], qkv, qk[0], qk[1], o, norms[1], *mlp_parts)
 
 
-def _dense(mlp: GatedMLP) -> tuple | None:
-    parts = (_linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+def _dense(mlp: GatedMLP, dtype: torch.dtype) -> tuple | None:
+    parts = (_linear(mlp.gate_up_proj, dtype), _linear(mlp.down_proj, dtype))
     return None if None in parts else parts
 
 
-def _moe(block: SparseMoeBlock) -> tuple | None:
-    """`(("moe", router, experts, top_k, normalize, shared, counts), None)`, or None where the
-    block's experts are neither packed float32 nor quantized, or a part is not packed."""
+def _moe(block: SparseMoeBlock, dtype: torch.dtype) -> tuple | None:
+    """`(("moe", router, experts, top_k, (normalize, round_weights), shared, counts), None)`,
+    or None where the block's experts are neither packed in `dtype` nor quantized (float32
+    activations), or a part is not packed."""
     experts = block.experts
     if experts.num_experts != experts.total_experts:
         return None  # expert parallelism holds a share: one rank only here
-    if experts.quant is not None:
+    if experts.quant is not None and dtype == torch.float32:
         held = ("quant", experts.quant.kernel)
-    elif experts.packed is not None and experts.packed.gate_up.dtype == torch.float32:
+    elif experts.packed is not None and experts.packed.gate_up.dtype == dtype:
         held = ("panels", experts.packed.gate_up_array, experts.packed.down_array)
     else:
         return None
-    router = _linear(block.gate)
+    router = _linear(block.gate, dtype)
     shared = None
     if block.shared_expert is not None:
         mlp = block.shared_expert
         shared = (
-            _linear(mlp.gate_up_proj),
-            _linear(mlp.down_proj),
-            _linear(block.shared_expert_gate),
+            _linear(mlp.gate_up_proj, dtype),
+            _linear(mlp.down_proj, dtype),
+            _linear(block.shared_expert_gate, dtype),
         )
         if None in shared:
             return None
     counts = block.expert_tokens
     if router is None or counts.device.type != "cpu" or not counts.is_contiguous():
         return None
-    spec = ("moe", router, held, block.top_k, block.normalize, shared, counts.numpy())
+    routing = (block.normalize, block.round_weights)
+    spec = ("moe", router, held, block.top_k, routing, shared, counts.numpy())
     return (spec, None)

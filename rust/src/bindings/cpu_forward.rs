@@ -11,19 +11,26 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::cpu_moe::{CpuMoeQuantExperts, HeldBytes};
-use super::cpu_ops::{FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
+use super::cpu_ops::{Dtype, FloatKv, Fp8E4M3Kv, Fp8E5M2Kv, Int8Kv, KvDtype, KvFormat};
 use super::cpu_quant::{matrix, Segments};
 use crate::cpu::attention::PagedBatch;
 use crate::cpu::forward::{
-    self, Embedding, Experts, KeyTransform, Layer, Linear, Mlp, MoeMlp, Options, Shape,
+    self, Act, Embedding, Experts, KeyTransform, Layer, Linear, Mlp, MoeMlp, Options, Shape,
     SharedExpert, Step, Weight,
 };
 use crate::cpu::quant::{QType, QuantMatrix, Segment};
-use crate::cpu::views::cast_view_mut;
+use crate::cpu::views::{cast_view, cast_view_mut};
+use crate::cpu::{Elem, KvElem};
+
+/// A numpy dtype the decoder's activations and float weights come in (float32, or bfloat16 as
+/// its uint16 bits) whose kernel element the forward runs on.
+trait ActDtype: Dtype<Kernel: Act + KvElem> {}
+
+impl<N: Dtype<Kernel: Act + KvElem>> ActDtype for N {}
 
 /// A projection's arrays: panels of `n` outputs, or ggml segments of rows of `k` elements.
-enum WeightArrays {
-    Panels(Py<PyArray3<f32>>, usize),
+enum WeightArrays<N> {
+    Panels(Py<PyArray3<N>>, usize),
     Quant(Vec<HeldSegment>, usize),
 }
 
@@ -95,56 +102,60 @@ fn placed_matrix<'a>(
     Ok(QuantMatrix::new(parts, k)?)
 }
 
-struct LinearArrays {
-    weight: WeightArrays,
-    bias: Option<Py<PyArray1<f32>>>,
+struct LinearArrays<N> {
+    weight: WeightArrays<N>,
+    bias: Option<Py<PyArray1<N>>>,
 }
 
-/// A norm weight or a bias, held.
+/// A key transform's vector, held (float32).
 type Vector = Py<PyArray1<f32>>;
 
-struct LayerArrays {
-    input_norm: Vector,
-    qkv: LinearArrays,
-    qk_norm: Option<(Vector, Vector)>,
-    o: LinearArrays,
-    post_norm: Py<PyArray1<f32>>,
-    mlp: MlpArrays,
+/// A norm weight or a bias, held, in the activations' dtype.
+type Weights1<N> = Py<PyArray1<N>>;
+
+struct LayerArrays<N> {
+    input_norm: Weights1<N>,
+    qkv: LinearArrays<N>,
+    qk_norm: Option<(Weights1<N>, Weights1<N>)>,
+    o: LinearArrays<N>,
+    post_norm: Weights1<N>,
+    mlp: MlpArrays<N>,
     /// query scale, key scale, key offset, key feedback (`models/cpu_forward.py`'s
     /// `_key_transform`)
     key_transform: Option<KeyArrays>,
 }
 
-enum MlpArrays {
+enum MlpArrays<N> {
     Dense {
-        gate_up: LinearArrays,
-        down: LinearArrays,
+        gate_up: LinearArrays<N>,
+        down: LinearArrays<N>,
     },
-    Moe(MoeArrays),
+    Moe(MoeArrays<N>),
 }
 
 /// A sparse layer's MLP (`models/cpu_forward.py`'s `_moe`).
-struct MoeArrays {
-    router: LinearArrays,
-    experts: ExpertArrays,
+struct MoeArrays<N> {
+    router: LinearArrays<N>,
+    experts: ExpertArrays<N>,
     top_k: usize,
     normalize: bool,
+    round_weights: bool,
     /// gate_up, down, gate
-    shared: Option<(LinearArrays, LinearArrays, LinearArrays)>,
+    shared: Option<(LinearArrays<N>, LinearArrays<N>, LinearArrays<N>)>,
     /// the block's `expert_tokens` `[E]`, added to in place
     counts: Py<PyArray1<i64>>,
 }
 
-enum ExpertArrays {
+enum ExpertArrays<N> {
     /// stacked gate/up and down panels
-    Panels(Py<PyArray4<f32>>, Py<PyArray4<f32>>),
+    Panels(Py<PyArray4<N>>, Py<PyArray4<N>>),
     Quant(Py<CpuMoeQuantExperts>),
 }
 
 /// The token embedding `logits` reads its rows from.
-enum EmbeddingArrays {
-    /// float32 `[V, E]`
-    Table(Py<PyArray2<f32>>),
+enum EmbeddingArrays<N> {
+    /// `[V, E]` in the activations' dtype
+    Table(Py<PyArray2<N>>),
     /// ggml segments of rows of `k` elements
     Quant(Vec<(u32, Py<PyArray2<u8>>)>, usize),
 }
@@ -152,14 +163,26 @@ enum EmbeddingArrays {
 /// A decoder's weights for `forward` (see `models/cpu_forward.py`, which builds it).
 #[pyclass(frozen, module = "pagedllm._core")]
 pub struct CpuDecoder {
-    layers: Vec<LayerArrays>,
-    final_norm: Py<PyArray1<f32>>,
+    /// the layers, the final norm and the ends, in float32 or bfloat16 (`final_norm`'s dtype)
+    weights: Weights,
     shape: Shape,
-    /// the embedding and the LM head, both or neither: `logits` runs only with them
-    ends: Option<(EmbeddingArrays, LinearArrays)>,
     /// uint8 buffers holding quantized segments (the huge-page weight buffer): each borrowed
     /// once a call, the segments in them sliced from it (`HeldSegment`)
     buffers: Vec<Py<PyArray1<u8>>>,
+}
+
+/// A decoder's float arrays, in the activations' dtype `N`.
+struct Held<N> {
+    layers: Vec<LayerArrays<N>>,
+    final_norm: Py<PyArray1<N>>,
+    /// the embedding and the LM head, both or neither: `logits` runs only with them
+    ends: Option<(EmbeddingArrays<N>, LinearArrays<N>)>,
+}
+
+enum Weights {
+    F32(Held<f32>),
+    /// bfloat16 as uint16 bits
+    Bf16(Held<u16>),
 }
 
 /// The decoder's buffers borrowed for a call.
@@ -179,8 +202,8 @@ fn buffer_slices<'a>(held: &'a [PyReadonlyArray1<'_, u8>]) -> PyResult<Vec<&'a [
         .collect()
 }
 
-/// `("table", float32 [V, E])` or `("quant", [(type, uint8 [rows, bytes])], k)`.
-fn embedding_arrays(spec: &Bound<'_, PyAny>) -> PyResult<EmbeddingArrays> {
+/// `("table", [V, E] in N)` or `("quant", [(type, uint8 [rows, bytes])], k)`.
+fn embedding_arrays<N: Dtype>(spec: &Bound<'_, PyAny>) -> PyResult<EmbeddingArrays<N>> {
     let parts = spec
         .cast::<PyTuple>()
         .map_err(|_| PyTypeError::new_err("embedding must be a tuple"))?;
@@ -188,8 +211,11 @@ fn embedding_arrays(spec: &Bound<'_, PyAny>) -> PyResult<EmbeddingArrays> {
     match (kind.as_str(), parts.len()) {
         ("table", 2) => {
             let table = parts.get_item(1)?;
-            let table = table.cast::<PyArray2<f32>>().map_err(|_| {
-                PyTypeError::new_err("the embedding table must be a 2-D float32 array")
+            let table = table.cast::<PyArray2<N>>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "the embedding table must be a 2-D {} array",
+                    N::NAME
+                ))
             })?;
             Ok(EmbeddingArrays::Table(table.clone().unbind()))
         }
@@ -211,13 +237,13 @@ fn embedding_arrays(spec: &Bound<'_, PyAny>) -> PyResult<EmbeddingArrays> {
 }
 
 /// The embedding's arrays borrowed for a call.
-enum EmbeddingGuard<'py> {
-    Table(PyReadonlyArray2<'py, f32>),
+enum EmbeddingGuard<'py, N: Dtype> {
+    Table(PyReadonlyArray2<'py, N>),
     Quant(Segments<'py>, usize),
 }
 
-impl EmbeddingArrays {
-    fn borrow<'py>(&self, py: Python<'py>) -> EmbeddingGuard<'py> {
+impl<N: Dtype> EmbeddingArrays<N> {
+    fn borrow<'py>(&self, py: Python<'py>) -> EmbeddingGuard<'py, N> {
         match self {
             EmbeddingArrays::Table(t) => EmbeddingGuard::Table(t.bind(py).readonly()),
             EmbeddingArrays::Quant(segments, k) => EmbeddingGuard::Quant(
@@ -231,36 +257,36 @@ impl EmbeddingArrays {
     }
 }
 
-impl EmbeddingGuard<'_> {
-    fn view(&self) -> PyResult<Embedding<'_>> {
+impl<N: Dtype> EmbeddingGuard<'_, N> {
+    fn view(&self) -> PyResult<Embedding<'_, N::Kernel>> {
         Ok(match self {
-            EmbeddingGuard::Table(t) => Embedding::Table(t.as_array()),
+            EmbeddingGuard::Table(t) => Embedding::Table(cast_view(t.as_array())),
             EmbeddingGuard::Quant(segments, k) => Embedding::Quant(matrix(segments, *k)?),
         })
     }
 }
 
-fn array1(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyArray1<f32>>> {
+fn array1<N: Dtype>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Py<PyArray1<N>>> {
     let array = obj
-        .cast::<PyArray1<f32>>()
-        .map_err(|_| PyTypeError::new_err(format!("{what} must be a 1-D float32 array")))?;
+        .cast::<PyArray1<N>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a 1-D {} array", N::NAME)))?;
     if !array.is_contiguous() {
         return Err(PyValueError::new_err(format!("{what} must be contiguous")));
     }
     Ok(array.clone().unbind())
 }
 
-/// `("panels", float32 [P, K, 16], n, bias)` or `("quant", [(type, uint8 [rows, bytes])], k,
-/// bias)`; bias None or float32 `[N]`.
-fn linear_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<LinearArrays> {
+/// `("panels", [P, K, 16], n, bias)` or `("quant", [(type, uint8 [rows, bytes])], k, bias)`;
+/// bias None or `[N]`; panels and bias in the activations' dtype `N`.
+fn linear_arrays<N: Dtype>(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<LinearArrays<N>> {
     let (kind, weight, size, bias): (String, Bound<'_, PyAny>, usize, Option<Bound<'_, PyAny>>) =
         spec.extract().map_err(|_| {
             PyTypeError::new_err(format!("{what} must be (kind, weight, size, bias)"))
         })?;
     let weight = match kind.as_str() {
         "panels" => {
-            let panels = weight.cast::<PyArray3<f32>>().map_err(|_| {
-                PyTypeError::new_err(format!("{what}'s panels must be a 3-D float32 array"))
+            let panels = weight.cast::<PyArray3<N>>().map_err(|_| {
+                PyTypeError::new_err(format!("{what}'s panels must be a 3-D {} array", N::NAME))
             })?;
             WeightArrays::Panels(panels.clone().unbind(), size)
         }
@@ -290,7 +316,7 @@ fn linear_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<LinearArrays> 
     Ok(LinearArrays { weight, bias })
 }
 
-fn layer_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays> {
+fn layer_arrays<N: Dtype>(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<LayerArrays<N>> {
     let parts = spec
         .cast::<PyTuple>()
         .map_err(|_| PyTypeError::new_err(format!("layer {i} must be a tuple of 8 parts")))?;
@@ -367,20 +393,21 @@ fn key_transform_arrays(spec: &Bound<'_, PyAny>, i: usize) -> PyResult<KeyArrays
 /// `("moe", router, experts, top_k, normalize, shared, counts)`: router a linear spec, experts
 /// `("panels", float32 gate_up [E, P, H, 16], float32 down [E, P, I, 16])` or `("quant",
 /// CpuMoeQuantExperts)`, shared None or `(gate_up, down, gate)` linear specs, counts int64 `[E]`.
-fn moe_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays> {
+fn moe_arrays<N: Dtype>(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays<N>> {
     type Spec<'py> = (
         String,
         Bound<'py, PyAny>,
         Bound<'py, PyTuple>,
         usize,
-        bool,
+        (bool, bool),
         Option<Bound<'py, PyTuple>>,
         Bound<'py, PyAny>,
     );
-    let (kind, router, experts, top_k, normalize, shared, counts): Spec<'_> =
+    let (kind, router, experts, top_k, (normalize, round_weights), shared, counts): Spec<'_> =
         spec.extract().map_err(|_| {
             PyTypeError::new_err(format!(
-                "{what} must be ('moe', router, experts, top_k, normalize, shared, counts)"
+                "{what} must be ('moe', router, experts, top_k, (normalize, round_weights), \
+                 shared, counts)"
             ))
         })?;
     if kind != "moe" {
@@ -391,10 +418,10 @@ fn moe_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays> {
     let experts_kind: String = experts.get_item(0)?.extract()?;
     let experts = match experts_kind.as_str() {
         "panels" if experts.len() == 3 => {
-            let panels = |j: usize| -> PyResult<Py<PyArray4<f32>>> {
+            let panels = |j: usize| -> PyResult<Py<PyArray4<N>>> {
                 let item = experts.get_item(j)?;
-                let array = item.cast::<PyArray4<f32>>().map_err(|_| {
-                    PyTypeError::new_err(format!("{what}'s expert panels must be 4-D float32"))
+                let array = item.cast::<PyArray4<N>>().map_err(|_| {
+                    PyTypeError::new_err(format!("{what}'s expert panels must be 4-D {}", N::NAME))
                 })?;
                 Ok(array.clone().unbind())
             };
@@ -431,29 +458,30 @@ fn moe_arrays(spec: &Bound<'_, PyAny>, what: &str) -> PyResult<MoeArrays> {
         experts,
         top_k,
         normalize,
+        round_weights,
         shared,
         counts,
     })
 }
 
 /// The arrays of one projection borrowed for a call.
-enum WeightGuard<'py> {
-    Panels(PyReadonlyArray3<'py, f32>, usize),
+enum WeightGuard<'py, N: Dtype> {
+    Panels(PyReadonlyArray3<'py, N>, usize),
     Quant(Vec<SegmentGuard<'py>>, usize),
 }
 
-struct LinearGuard<'py> {
-    weight: WeightGuard<'py>,
-    bias: Option<PyReadonlyArray1<'py, f32>>,
+struct LinearGuard<'py, N: Dtype> {
+    weight: WeightGuard<'py, N>,
+    bias: Option<PyReadonlyArray1<'py, N>>,
 }
 
-struct LayerGuard<'py> {
-    input_norm: PyReadonlyArray1<'py, f32>,
-    qkv: LinearGuard<'py>,
-    qk_norm: Option<(PyReadonlyArray1<'py, f32>, PyReadonlyArray1<'py, f32>)>,
-    o: LinearGuard<'py>,
-    post_norm: PyReadonlyArray1<'py, f32>,
-    mlp: MlpGuard<'py>,
+struct LayerGuard<'py, N: Dtype> {
+    input_norm: PyReadonlyArray1<'py, N>,
+    qkv: LinearGuard<'py, N>,
+    qk_norm: Option<(PyReadonlyArray1<'py, N>, PyReadonlyArray1<'py, N>)>,
+    o: LinearGuard<'py, N>,
+    post_norm: PyReadonlyArray1<'py, N>,
+    mlp: MlpGuard<'py, N>,
     key_transform: Option<KeyGuard<'py>>,
 }
 
@@ -464,34 +492,39 @@ type KeyGuard<'py> = (
     Option<PyReadonlyArray1<'py, f32>>,
 );
 
-enum MlpGuard<'py> {
+enum MlpGuard<'py, N: Dtype> {
     Dense {
-        gate_up: LinearGuard<'py>,
-        down: LinearGuard<'py>,
+        gate_up: LinearGuard<'py, N>,
+        down: LinearGuard<'py, N>,
     },
-    Moe(MoeGuard<'py>),
+    Moe(MoeGuard<'py, N>),
 }
 
-struct MoeGuard<'py> {
-    router: LinearGuard<'py>,
-    experts: ExpertGuard<'py>,
+struct MoeGuard<'py, N: Dtype> {
+    router: LinearGuard<'py, N>,
+    experts: ExpertGuard<'py, N>,
     top_k: usize,
     normalize: bool,
-    shared: Option<(LinearGuard<'py>, LinearGuard<'py>, LinearGuard<'py>)>,
+    round_weights: bool,
+    shared: Option<(
+        LinearGuard<'py, N>,
+        LinearGuard<'py, N>,
+        LinearGuard<'py, N>,
+    )>,
 }
 
-enum ExpertGuard<'py> {
-    Panels(PyReadonlyArray4<'py, f32>, PyReadonlyArray4<'py, f32>),
+enum ExpertGuard<'py, N: Dtype> {
+    Panels(PyReadonlyArray4<'py, N>, PyReadonlyArray4<'py, N>),
     /// the experts' two byte buffers and their layout
     Quant(HeldBytes<'py>),
 }
 
-fn read1<'py>(py: Python<'py>, a: &Py<PyArray1<f32>>) -> PyReadonlyArray1<'py, f32> {
+fn read1<'py, N: Dtype>(py: Python<'py>, a: &Py<PyArray1<N>>) -> PyReadonlyArray1<'py, N> {
     a.bind(py).readonly()
 }
 
-impl LinearArrays {
-    fn borrow<'py>(&self, py: Python<'py>) -> LinearGuard<'py> {
+impl<N: Dtype> LinearArrays<N> {
+    fn borrow<'py>(&self, py: Python<'py>) -> LinearGuard<'py, N> {
         let weight = match &self.weight {
             WeightArrays::Panels(p, n) => WeightGuard::Panels(p.bind(py).readonly(), *n),
             WeightArrays::Quant(segments, k) => WeightGuard::Quant(
@@ -516,8 +549,8 @@ impl LinearArrays {
     }
 }
 
-impl MlpArrays {
-    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<MlpGuard<'py>> {
+impl<N: Dtype> MlpArrays<N> {
+    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<MlpGuard<'py, N>> {
         Ok(match self {
             MlpArrays::Dense { gate_up, down } => MlpGuard::Dense {
                 gate_up: gate_up.borrow(py),
@@ -533,6 +566,7 @@ impl MlpArrays {
                 },
                 top_k: moe.top_k,
                 normalize: moe.normalize,
+                round_weights: moe.round_weights,
                 shared: moe
                     .shared
                     .as_ref()
@@ -542,8 +576,8 @@ impl MlpArrays {
     }
 }
 
-impl LayerArrays {
-    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<LayerGuard<'py>> {
+impl<N: Dtype> LayerArrays<N> {
+    fn borrow<'py>(&self, py: Python<'py>) -> PyResult<LayerGuard<'py, N>> {
         Ok(LayerGuard {
             input_norm: read1(py, &self.input_norm),
             qkv: self.qkv.borrow(py),
@@ -564,35 +598,42 @@ impl LayerArrays {
 
 fn slice1<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
     a.as_slice()
-        .map_err(|_| PyValueError::new_err("a norm weight or bias is not contiguous"))
+        .map_err(|_| PyValueError::new_err("a key transform vector is not contiguous"))
 }
 
-impl LinearGuard<'_> {
-    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Linear<'a>> {
+/// A norm weight or a bias as the kernels' elements.
+fn kernel1<'a, N: Dtype>(a: &'a PyReadonlyArray1<'_, N>) -> PyResult<&'a [N::Kernel]> {
+    cast_view(a.as_array())
+        .to_slice()
+        .ok_or_else(|| PyValueError::new_err("a norm weight or bias is not contiguous"))
+}
+
+impl<N: Dtype> LinearGuard<'_, N> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Linear<'a, N::Kernel>> {
         let weight = match &self.weight {
             WeightGuard::Panels(p, n) => Weight::Panels {
-                panels: p.as_array(),
+                panels: cast_view(p.as_array()),
                 n: *n,
             },
             WeightGuard::Quant(segments, k) => Weight::Quant(placed_matrix(segments, *k, bufs)?),
         };
-        let bias = self.bias.as_ref().map(slice1).transpose()?;
+        let bias = self.bias.as_ref().map(kernel1).transpose()?;
         Ok(Linear { weight, bias })
     }
 }
 
-impl LayerGuard<'_> {
-    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Layer<'a>> {
+impl<N: Dtype> LayerGuard<'_, N> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Layer<'a, N::Kernel>> {
         let qk_norm = match &self.qk_norm {
-            Some((q, k)) => Some((slice1(q)?, slice1(k)?)),
+            Some((q, k)) => Some((kernel1(q)?, kernel1(k)?)),
             None => None,
         };
         Ok(Layer {
-            input_norm: slice1(&self.input_norm)?,
+            input_norm: kernel1(&self.input_norm)?,
             qkv: self.qkv.view(bufs)?,
             qk_norm,
             o: self.o.view(bufs)?,
-            post_norm: slice1(&self.post_norm)?,
+            post_norm: kernel1(&self.post_norm)?,
             mlp: self.mlp.view(bufs)?,
             key_transform: match &self.key_transform {
                 Some((q, k, c, f)) => Some(KeyTransform {
@@ -607,8 +648,8 @@ impl LayerGuard<'_> {
     }
 }
 
-impl MlpGuard<'_> {
-    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Mlp<'a>> {
+impl<N: Dtype> MlpGuard<'_, N> {
+    fn view<'a>(&'a self, bufs: &[&'a [u8]]) -> PyResult<Mlp<'a, N::Kernel>> {
         let moe = match self {
             MlpGuard::Dense { gate_up, down } => {
                 return Ok(Mlp::Dense {
@@ -620,8 +661,8 @@ impl MlpGuard<'_> {
         };
         let experts = match &moe.experts {
             ExpertGuard::Panels(g, d) => Experts::Panels {
-                gate_up: g.as_array(),
-                down: d.as_array(),
+                gate_up: cast_view(g.as_array()),
+                down: cast_view(d.as_array()),
             },
             ExpertGuard::Quant(held) => Experts::Quant(held.view()?),
         };
@@ -638,6 +679,7 @@ impl MlpGuard<'_> {
             experts,
             top_k: moe.top_k,
             normalize: moe.normalize,
+            round_weights: moe.round_weights,
             shared,
         })))
     }
@@ -647,12 +689,14 @@ impl MlpGuard<'_> {
 impl CpuDecoder {
     /// `layers`: per layer `(input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down)`
     /// (a sparse layer: `(..., post_norm, moe, None)`, `moe_arrays`),
-    /// norms float32 `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
-    /// them. `key_transforms`: None, or per layer None or `(query_scale, key_scale, key_offset,
-    /// key_feedback)` (`forward::KeyTransform`; a quantized cache's calibration).
+    /// norms `[E]` (q/k norms `[D]` or both None), projections as `linear_arrays` reads
+    /// them, every float array float32 or every one bfloat16 (uint16 bits): `final_norm`'s dtype
+    /// is the activations'. `key_transforms`: None, or per layer None or `(query_scale,
+    /// key_scale, key_offset, key_feedback)` (`forward::KeyTransform`; a quantized cache's
+    /// calibration, float32).
     #[new]
-    /// `ends`: None, or `(embedding, head)` for `logits`: the embedding `("table", float32 [V,
-    /// E])` or `("quant", segments, k)`, the LM head a projection as `linear_arrays` reads it.
+    /// `ends`: None, or `(embedding, head)` for `logits`: the embedding `("table", [V, E])` or
+    /// `("quant", segments, k)`, the LM head a projection as `linear_arrays` reads it.
     #[pyo3(signature = (
         layers, final_norm, num_heads, num_kv_heads, head_dim, eps, scale, key_transforms = None,
         ends = None, buffers = None
@@ -670,28 +714,6 @@ impl CpuDecoder {
         ends: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>)>,
         buffers: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
-        let mut layers = layers
-            .iter()
-            .enumerate()
-            .map(|(i, l)| layer_arrays(l, i))
-            .collect::<PyResult<Vec<_>>>()?;
-        if let Some(transforms) = key_transforms {
-            if transforms.len() != layers.len() {
-                return Err(PyValueError::new_err(format!(
-                    "key_transforms has {} entries for {} layers",
-                    transforms.len(),
-                    layers.len()
-                )));
-            }
-            for (i, (layer, t)) in layers.iter_mut().zip(transforms).enumerate() {
-                layer.key_transform = t.map(|t| key_transform_arrays(&t, i)).transpose()?;
-            }
-        }
-        let mut ends = ends
-            .map(|(e, h)| -> PyResult<_> {
-                Ok((embedding_arrays(&e)?, linear_arrays(&h, "the LM head")?))
-            })
-            .transpose()?;
         let buffers = buffers
             .unwrap_or_default()
             .iter()
@@ -705,29 +727,20 @@ impl CpuDecoder {
                 Ok(b.clone().unbind())
             })
             .collect::<PyResult<Vec<_>>>()?;
-        if !buffers.is_empty() {
-            let py = final_norm.py();
-            let spans: Vec<(usize, usize)> = buffers
-                .iter()
-                .map(|b| (b.bind(py).data() as usize, b.bind(py).len()))
-                .collect();
-            for layer in &mut layers {
-                layer.qkv.place_in(py, &spans);
-                layer.o.place_in(py, &spans);
-                if let MlpArrays::Dense { gate_up, down } = &mut layer.mlp {
-                    gate_up.place_in(py, &spans);
-                    down.place_in(py, &spans);
-                }
-            }
-            if let Some((_, head)) = &mut ends {
-                head.place_in(py, &spans);
-            }
-        }
+        let py = final_norm.py();
+        let spans: Vec<(usize, usize)> = buffers
+            .iter()
+            .map(|b| (b.bind(py).data() as usize, b.bind(py).len()))
+            .collect();
+        let parts = (&layers[..], final_norm, key_transforms, ends, &spans[..]);
+        let weights = if final_norm.cast::<PyArray1<u16>>().is_ok() {
+            Weights::Bf16(held(parts)?)
+        } else {
+            Weights::F32(held(parts)?)
+        };
         Ok(CpuDecoder {
-            ends,
+            weights,
             buffers,
-            layers,
-            final_norm: array1(final_norm, "final_norm")?,
             shape: Shape {
                 num_heads,
                 num_kv_heads,
@@ -740,10 +753,11 @@ impl CpuDecoder {
 
     /// Runs every layer and the final norm over `x [T, E]` in place (the step's embeddings in,
     /// hidden states out), storing K/V into `kv_cache` (`[2, L, blocks, block_size, KVH, D]`
-    /// float32, or `kv_cache_dtype` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with
-    /// rows of `D + 1`, as `cpu_store_kvcache` writes them) and attending over it: `cos`/`sin`
-    /// `[T, D / 2]`, `slot_mapping [T]`, and the sequences' `query_start_loc`, `seq_lens`,
-    /// `block_tables` as paged attention takes them.
+    /// in the activations' dtype, or `kv_cache_dtype` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2"
+    /// (uint8 bits) with rows of `D + 1`, as `cpu_store_kvcache` writes them) and attending over
+    /// it: `cos`/`sin` `[T, D / 2]`, `slot_mapping [T]`, and the sequences' `query_start_loc`,
+    /// `seq_lens`, `block_tables` as paged attention takes them. `x`, `cos` and `sin` are in the
+    /// activations' dtype (float32, or bfloat16 as uint16 bits).
     #[pyo3(signature = (
         x, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
         num_threads, activations = "f32", kv_cache_dtype = "auto"
@@ -753,8 +767,8 @@ impl CpuDecoder {
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,
-        cos: PyReadonlyArray2<'_, f32>,
-        sin: PyReadonlyArray2<'_, f32>,
+        cos: &Bound<'_, PyAny>,
+        sin: &Bound<'_, PyAny>,
         slot_mapping: PyReadonlyArray1<'_, i64>,
         query_start_loc: PyReadonlyArray1<'_, i32>,
         seq_lens: PyReadonlyArray1<'_, i32>,
@@ -764,11 +778,6 @@ impl CpuDecoder {
         activations: &str,
         kv_cache_dtype: &str,
     ) -> PyResult<()> {
-        let mut x = x
-            .cast::<PyArray2<f32>>()
-            .map_err(|_| PyTypeError::new_err("x must be a 2-D float32 array"))?
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
         let arrays = StepArrays {
             cos,
             sin,
@@ -778,17 +787,18 @@ impl CpuDecoder {
             block_tables,
             kv_cache,
         };
-        let held = borrow_buffers(py, &self.buffers);
-        let bufs = buffer_slices(&held)?;
         let opts = (num_threads, activations, kv_cache_dtype);
-        self.run(py, x.as_array_mut(), arrays, None, &bufs, opts)
+        match &self.weights {
+            Weights::F32(held) => self.forward_in(py, held, x, arrays, opts),
+            Weights::Bf16(held) => self.forward_in(py, held, x, arrays, opts),
+        }
     }
 
     /// `forward` from token ids to the logits of the rows to sample: `ids [T]` embedded, every
     /// layer and the final norm run as `forward` runs them, then the LM head over rows
-    /// `sample_rows [K]` of the hidden states into `logits [K, V]` (float32), one call for
-    /// what `embed_tokens`, `forward`, `index_select` and `compute_logits` do. The decoder must
-    /// hold its `ends`.
+    /// `sample_rows [K]` of the hidden states into `logits [K, V]` (float32; a bfloat16 head's
+    /// logits widened exactly, as `.float()` does), one call for what `embed_tokens`,
+    /// `forward`, `index_select` and `compute_logits` do. The decoder must hold its `ends`.
     #[pyo3(signature = (
         ids, cos, sin, slot_mapping, query_start_loc, seq_lens, block_tables, kv_cache,
         sample_rows, logits, num_threads, activations = "f32", kv_cache_dtype = "auto"
@@ -798,8 +808,8 @@ impl CpuDecoder {
         &self,
         py: Python<'_>,
         ids: PyReadonlyArray1<'_, i64>,
-        cos: PyReadonlyArray2<'_, f32>,
-        sin: PyReadonlyArray2<'_, f32>,
+        cos: &Bound<'_, PyAny>,
+        sin: &Bound<'_, PyAny>,
         slot_mapping: PyReadonlyArray1<'_, i64>,
         query_start_loc: PyReadonlyArray1<'_, i32>,
         seq_lens: PyReadonlyArray1<'_, i32>,
@@ -811,28 +821,6 @@ impl CpuDecoder {
         activations: &str,
         kv_cache_dtype: &str,
     ) -> PyResult<()> {
-        let (embedding, head) = self
-            .ends
-            .as_ref()
-            .ok_or_else(|| PyValueError::new_err("this decoder holds no embedding and LM head"))?;
-        let ids = ids
-            .as_slice()
-            .map_err(|_| PyValueError::new_err("ids must be contiguous"))?;
-        let embedding = embedding.borrow(py);
-        let mut x = Array2::<f32>::zeros((ids.len(), self.final_norm.bind(py).len()));
-        forward::embed(&embedding.view()?, ids, x.view_mut())?;
-        let mut logits = logits
-            .cast::<PyArray2<f32>>()
-            .map_err(|_| PyTypeError::new_err("logits must be a 2-D float32 array"))?
-            .try_readwrite()
-            .map_err(|e| PyValueError::new_err(format!("logits must be writeable ({e})")))?;
-        let rows = sample_rows
-            .as_slice()
-            .map_err(|_| PyValueError::new_err("sample_rows must be contiguous"))?;
-        let held = borrow_buffers(py, &self.buffers);
-        let bufs = buffer_slices(&held)?;
-        let head = head.borrow(py);
-        let head = head.view(&bufs)?;
         let arrays = StepArrays {
             cos,
             sin,
@@ -842,25 +830,94 @@ impl CpuDecoder {
             block_tables,
             kv_cache,
         };
-        let tail = Head {
-            linear: &head,
-            rows,
-            logits: logits.as_array_mut(),
-        };
+        let mut logits = logits
+            .cast::<PyArray2<f32>>()
+            .map_err(|_| PyTypeError::new_err("logits must be a 2-D float32 array"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("logits must be writeable ({e})")))?;
+        let rows = sample_rows
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("sample_rows must be contiguous"))?;
+        let ids = ids
+            .as_slice()
+            .map_err(|_| PyValueError::new_err("ids must be contiguous"))?;
+        let tail = (ids, rows, logits.as_array_mut());
         let opts = (num_threads, activations, kv_cache_dtype);
-        self.run(py, x.view_mut(), arrays, Some(tail), &bufs, opts)
+        match &self.weights {
+            Weights::F32(held) => self.logits_in(py, held, tail, arrays, opts),
+            Weights::Bf16(held) => self.logits_in(py, held, tail, arrays, opts),
+        }
     }
 
     /// Number of layers held.
     fn __len__(&self) -> usize {
-        self.layers.len()
+        match &self.weights {
+            Weights::F32(held) => held.layers.len(),
+            Weights::Bf16(held) => held.layers.len(),
+        }
     }
 }
 
-/// A step's arrays as `forward` takes them.
+/// `CpuDecoder::new`'s arrays in dtype `N`: (layers, final_norm, key_transforms, ends, the
+/// weight buffers' spans).
+type Parts<'a, 'py> = (
+    &'a [Bound<'py, PyAny>],
+    &'a Bound<'py, PyAny>,
+    Option<Vec<Option<Bound<'py, PyAny>>>>,
+    Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    &'a [(usize, usize)],
+);
+
+fn held<N: Dtype>(
+    (layers, final_norm, key_transforms, ends, spans): Parts<'_, '_>,
+) -> PyResult<Held<N>> {
+    let mut layers = layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| layer_arrays(l, i))
+        .collect::<PyResult<Vec<LayerArrays<N>>>>()?;
+    if let Some(transforms) = key_transforms {
+        if transforms.len() != layers.len() {
+            return Err(PyValueError::new_err(format!(
+                "key_transforms has {} entries for {} layers",
+                transforms.len(),
+                layers.len()
+            )));
+        }
+        for (i, (layer, t)) in layers.iter_mut().zip(transforms).enumerate() {
+            layer.key_transform = t.map(|t| key_transform_arrays(&t, i)).transpose()?;
+        }
+    }
+    let mut ends = ends
+        .map(|(e, h)| -> PyResult<_> {
+            Ok((embedding_arrays(&e)?, linear_arrays(&h, "the LM head")?))
+        })
+        .transpose()?;
+    if !spans.is_empty() {
+        let py = final_norm.py();
+        for layer in &mut layers {
+            layer.qkv.place_in(py, spans);
+            layer.o.place_in(py, spans);
+            if let MlpArrays::Dense { gate_up, down } = &mut layer.mlp {
+                gate_up.place_in(py, spans);
+                down.place_in(py, spans);
+            }
+        }
+        if let Some((_, head)) = &mut ends {
+            head.place_in(py, spans);
+        }
+    }
+    Ok(Held {
+        layers,
+        ends,
+        final_norm: array1(final_norm, "final_norm")?,
+    })
+}
+
+/// A step's arrays as `forward` takes them (`cos`, `sin` in the activations' dtype).
 struct StepArrays<'a, 'py> {
-    cos: PyReadonlyArray2<'py, f32>,
-    sin: PyReadonlyArray2<'py, f32>,
+    cos: &'a Bound<'py, PyAny>,
+    sin: &'a Bound<'py, PyAny>,
     slot_mapping: PyReadonlyArray1<'py, i64>,
     query_start_loc: PyReadonlyArray1<'py, i32>,
     seq_lens: PyReadonlyArray1<'py, i32>,
@@ -869,23 +926,81 @@ struct StepArrays<'a, 'py> {
 }
 
 /// The LM head after the layers (`logits`): its rows of the hidden states and their logits.
-struct Head<'a, 'b> {
-    linear: &'a Linear<'b>,
+struct Head<'a, 'b, T> {
+    linear: &'a Linear<'b, T>,
     rows: &'a [i64],
     logits: ArrayViewMut2<'a, f32>,
 }
 
+/// `(num_threads, activations, kv_cache_dtype)` as `forward` takes them.
+type RunOpts<'a> = (usize, &'a str, &'a str);
+
+fn table<'py, N: Dtype>(a: &Bound<'py, PyAny>, what: &str) -> PyResult<PyReadonlyArray2<'py, N>> {
+    Ok(a.cast::<PyArray2<N>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a 2-D {} array", N::NAME)))?
+        .readonly())
+}
+
 impl CpuDecoder {
-    /// The layers over `x` (in place) and the step's cache, then `head` where given.
-    /// `opts`: the threads, the activations and the cache's dtype, as `forward` takes them.
-    fn run(
+    fn forward_in<N: ActDtype>(
         &self,
         py: Python<'_>,
-        mut x: ArrayViewMut2<'_, f32>,
+        held: &Held<N>,
+        x: &Bound<'_, PyAny>,
         arrays: StepArrays<'_, '_>,
-        head: Option<Head<'_, '_>>,
+        opts: RunOpts<'_>,
+    ) -> PyResult<()> {
+        let mut x = x
+            .cast::<PyArray2<N>>()
+            .map_err(|_| PyTypeError::new_err(format!("x must be a 2-D {} array", N::NAME)))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("x must be writeable ({e})")))?;
+        let borrowed = borrow_buffers(py, &self.buffers);
+        let bufs = buffer_slices(&borrowed)?;
+        let x = cast_view_mut(x.as_array_mut());
+        self.run(py, held, x, arrays, None, &bufs, opts)
+    }
+
+    fn logits_in<N: ActDtype>(
+        &self,
+        py: Python<'_>,
+        held: &Held<N>,
+        (ids, rows, mut logits): (&[i64], &[i64], ArrayViewMut2<'_, f32>),
+        arrays: StepArrays<'_, '_>,
+        opts: RunOpts<'_>,
+    ) -> PyResult<()> {
+        let (embedding, head) = held
+            .ends
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("this decoder holds no embedding and LM head"))?;
+        let embedding = embedding.borrow(py);
+        let hidden = held.final_norm.bind(py).len();
+        let mut x = Array2::<N::Kernel>::from_elem((ids.len(), hidden), <N::Kernel as Elem>::ZERO);
+        forward::embed(&embedding.view()?, ids, x.view_mut())?;
+        let borrowed = borrow_buffers(py, &self.buffers);
+        let bufs = buffer_slices(&borrowed)?;
+        let head = head.borrow(py);
+        let head = head.view(&bufs)?;
+        let tail = Head {
+            linear: &head,
+            rows,
+            logits: logits.view_mut(),
+        };
+        self.run(py, held, x.view_mut(), arrays, Some(tail), &bufs, opts)
+    }
+
+    /// The layers over `x` (in place) and the step's cache, then `head` where given.
+    /// `opts`: the threads, the activations and the cache's dtype, as `forward` takes them.
+    #[allow(clippy::too_many_arguments)]
+    fn run<N: ActDtype>(
+        &self,
+        py: Python<'_>,
+        held: &Held<N>,
+        mut x: ArrayViewMut2<'_, N::Kernel>,
+        arrays: StepArrays<'_, '_>,
+        head: Option<Head<'_, '_, N::Kernel>>,
         bufs: &[&[u8]],
-        (num_threads, activations, kv_cache_dtype): (usize, &str, &str),
+        (num_threads, activations, kv_cache_dtype): RunOpts<'_>,
     ) -> PyResult<()> {
         let StepArrays {
             cos,
@@ -896,14 +1011,15 @@ impl CpuDecoder {
             block_tables,
             kv_cache,
         } = arrays;
+        let (cos, sin) = (table::<N>(cos, "cos")?, table::<N>(sin, "sin")?);
         let activations = super::cpu_quant::activations_named(activations)?;
         let kv_format = KvFormat::parse(kv_cache_dtype)?;
-        let guards = self
+        let guards = held
             .layers
             .iter()
             .map(|l| l.borrow(py))
-            .collect::<PyResult<Vec<LayerGuard<'_>>>>()?;
-        let mut counts = self
+            .collect::<PyResult<Vec<LayerGuard<'_, N>>>>()?;
+        let mut counts = held
             .layers
             .iter()
             .filter_map(|l| match &l.mlp {
@@ -921,8 +1037,8 @@ impl CpuDecoder {
             .iter()
             .map(|g| g.view(bufs))
             .collect::<PyResult<Vec<_>>>()?;
-        let final_norm = read1(py, &self.final_norm);
-        let final_norm = slice1(&final_norm)?;
+        let final_norm = read1(py, &held.final_norm);
+        let final_norm = kernel1(&final_norm)?;
         let contiguous = |what: &str| PyValueError::new_err(format!("{what} must be contiguous"));
         let query_start_loc = query_start_loc
             .as_slice()
@@ -932,8 +1048,8 @@ impl CpuDecoder {
             .as_slice()
             .map_err(|_| contiguous("slot_mapping"))?;
         let step = Step {
-            cos: cos.as_array(),
-            sin: sin.as_array(),
+            cos: cast_view(cos.as_array()),
+            sin: cast_view(sin.as_array()),
             slot_mapping: slots,
             batch: PagedBatch {
                 query_start_loc,
@@ -955,7 +1071,7 @@ impl CpuDecoder {
             opts,
         };
         match kv_format {
-            KvFormat::Auto => run.over::<FloatKv<f32>>(py, kv_cache, head),
+            KvFormat::Auto => run.over::<FloatKv<N>>(py, kv_cache, head),
             KvFormat::Int8 => run.over::<Int8Kv>(py, kv_cache, head),
             KvFormat::Fp8E4M3 => run.over::<Fp8E4M3Kv>(py, kv_cache, head),
             KvFormat::Fp8E5M2 => run.over::<Fp8E5M2Kv>(py, kv_cache, head),
@@ -964,23 +1080,23 @@ impl CpuDecoder {
 }
 
 /// A step's arguments but the cache, whose element type the call picks (`kv_cache_dtype`).
-struct Run<'a, 'b> {
-    x: ArrayViewMut2<'a, f32>,
-    layers: &'a [Layer<'b>],
-    final_norm: &'a [f32],
+struct Run<'a, 'b, T> {
+    x: ArrayViewMut2<'a, T>,
+    layers: &'a [Layer<'b, T>],
+    final_norm: &'a [T],
     shape: Shape,
-    step: &'a Step<'a>,
+    step: &'a Step<'a, T>,
     expert_counts: &'a mut [&'b mut [i64]],
     opts: Options,
 }
 
-impl Run<'_, '_> {
+impl<T: Act> Run<'_, '_, T> {
     /// The decoder over `kv_cache`, a 6-D array of `C`'s numpy dtype, then `head` where given.
     fn over<C: KvDtype>(
         self,
         py: Python<'_>,
         kv_cache: &Bound<'_, PyAny>,
-        head: Option<Head<'_, '_>>,
+        head: Option<Head<'_, '_, T>>,
     ) -> PyResult<()> {
         let mut kv_cache = kv_cache
             .cast::<PyArray<C::Numpy, Ix6>>()

@@ -9,8 +9,10 @@
 //! reused by every layer, so the hidden states equal the Python path's bit for bit (the
 //! tests in `tests/models/test_cpu_forward.py` compare them).
 //!
-//! Scope: float32 activations, weights as `linear`'s panels or ggml-typed rows (`quant`), full
-//! causal attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
+//! Scope: float32 activations with weights as `linear`'s panels or ggml-typed rows (`quant`), or
+//! bfloat16 activations with bf16 panels (`Act`: every kernel reads and writes bf16 rows where
+//! the Python path's do, so a bf16 model's hidden states are that path's too), full causal
+//! attention, one tensor-parallel rank, no LoRA: the Python side (`models/cpu_forward.py`)
 //! decides when a model qualifies and keeps the layer-by-layer path otherwise. A layer's MLP is
 //! dense or a mixture of experts (`moe_layer`: router, routing, grouped experts, shared expert).
 use ndarray::{
@@ -19,26 +21,24 @@ use ndarray::{
 };
 
 mod moe_layer;
+mod topk;
 
 pub use moe_layer::{route, Experts, MoeMlp, SharedExpert};
 
 use super::attention::{paged_attention, store_kv_fed, PagedBatch};
 use super::kv_quant::KvElem;
 use super::quant::{self, quant_linear_with, Activations, QuantMatrix};
-use super::{activation, invalid, linear, norm, rotary};
+use super::{activation, invalid, linear, moe, norm, rotary, Bf16, Elem, PANEL};
 use crate::error::Result;
 
 /// A projection's weight: `linear`'s panels `[ceil(N / PANEL), K, PANEL]` of `n` output
 /// features, or ggml-typed rows.
-pub enum Weight<'a> {
-    Panels {
-        panels: ArrayView3<'a, f32>,
-        n: usize,
-    },
+pub enum Weight<'a, T = f32> {
+    Panels { panels: ArrayView3<'a, T>, n: usize },
     Quant(QuantMatrix<'a>),
 }
 
-impl Weight<'_> {
+impl<T> Weight<'_, T> {
     fn out_features(&self) -> usize {
         match self {
             Weight::Panels { n, .. } => *n,
@@ -55,36 +55,181 @@ impl Weight<'_> {
 }
 
 /// A projection: its weight and optional bias `[N]`.
-pub struct Linear<'a> {
-    pub weight: Weight<'a>,
-    pub bias: Option<&'a [f32]>,
+pub struct Linear<'a, T = f32> {
+    pub weight: Weight<'a, T>,
+    pub bias: Option<&'a [T]>,
 }
 
-impl Linear<'_> {
+impl<T: Act> Linear<'_, T> {
     /// `out = x @ W.T (+ bias)`, the kernel the Python layer calls for this weight.
-    pub fn run(&self, x: ArrayView2<f32>, out: ArrayViewMut2<f32>, opts: Options) -> Result<()> {
+    pub fn run(&self, x: ArrayView2<T>, out: ArrayViewMut2<T>, opts: Options) -> Result<()> {
         match &self.weight {
             Weight::Panels { panels, .. } => {
                 linear::linear(x, *panels, self.bias, out, opts.num_threads)
             }
-            Weight::Quant(w) => {
-                quant_linear_with(x, w, self.bias, out, opts.num_threads, opts.activations)
-            }
+            Weight::Quant(w) => T::quant_linear(x, w, self.bias, out, opts),
         }
     }
 }
 
-/// A token embedding table: float32 rows `[V, E]`, or ggml-typed rows.
-pub enum Embedding<'a> {
-    Table(ArrayView2<'a, f32>),
+/// The activations' element type: float32, or bfloat16 (`Bf16`: every kernel reads and writes
+/// bf16 rows, rounded where each Python kernel of a bf16 model rounds them, so the hidden
+/// states equal that path's). Quantized weights multiply float32 activations only.
+pub trait Act: Elem {
+    fn quant_linear(
+        x: ArrayView2<Self>,
+        w: &QuantMatrix<'_>,
+        bias: Option<&[Self]>,
+        out: ArrayViewMut2<Self>,
+        opts: Options,
+    ) -> Result<()>;
+    fn quant_embedding(w: &QuantMatrix<'_>, ids: &[i64], out: ArrayViewMut2<Self>) -> Result<()>;
+    fn quant_experts(
+        x: ArrayView2<Self>,
+        held: &moe::QuantExperts<'_>,
+        ids: ArrayView2<i64>,
+        weights: ArrayView2<f32>,
+        out: ArrayViewMut2<Self>,
+        opts: Options,
+    ) -> Result<()>;
+    /// `head` over `x` into float32 `logits` (what `compute_logits`' `.float()` gives).
+    fn head_f32(
+        head: &Linear<'_, Self>,
+        x: ArrayView2<Self>,
+        logits: ArrayViewMut2<f32>,
+        opts: Options,
+    ) -> Result<()>;
+}
+
+impl Act for f32 {
+    fn quant_linear(
+        x: ArrayView2<f32>,
+        w: &QuantMatrix<'_>,
+        bias: Option<&[f32]>,
+        out: ArrayViewMut2<f32>,
+        opts: Options,
+    ) -> Result<()> {
+        quant_linear_with(x, w, bias, out, opts.num_threads, opts.activations)
+    }
+
+    fn quant_embedding(w: &QuantMatrix<'_>, ids: &[i64], out: ArrayViewMut2<f32>) -> Result<()> {
+        quant::embedding(w, ids, out)
+    }
+
+    fn quant_experts(
+        x: ArrayView2<f32>,
+        held: &moe::QuantExperts<'_>,
+        ids: ArrayView2<i64>,
+        weights: ArrayView2<f32>,
+        out: ArrayViewMut2<f32>,
+        opts: Options,
+    ) -> Result<()> {
+        moe::moe_quant_experts(
+            x,
+            held,
+            ids,
+            weights,
+            out,
+            opts.num_threads,
+            opts.activations,
+        )
+    }
+
+    fn head_f32(
+        head: &Linear<'_, f32>,
+        x: ArrayView2<f32>,
+        logits: ArrayViewMut2<f32>,
+        opts: Options,
+    ) -> Result<()> {
+        head.run(x, logits, opts)
+    }
+}
+
+fn bf16_quant() -> crate::error::Error {
+    invalid("quantized weights take float32 activations, not bfloat16")
+}
+
+impl Act for Bf16 {
+    fn quant_linear(
+        _: ArrayView2<Bf16>,
+        _: &QuantMatrix<'_>,
+        _: Option<&[Bf16]>,
+        _: ArrayViewMut2<Bf16>,
+        _: Options,
+    ) -> Result<()> {
+        Err(bf16_quant())
+    }
+
+    fn quant_embedding(_: &QuantMatrix<'_>, _: &[i64], _: ArrayViewMut2<Bf16>) -> Result<()> {
+        Err(bf16_quant())
+    }
+
+    fn quant_experts(
+        _: ArrayView2<Bf16>,
+        _: &moe::QuantExperts<'_>,
+        _: ArrayView2<i64>,
+        _: ArrayView2<f32>,
+        _: ArrayViewMut2<Bf16>,
+        _: Options,
+    ) -> Result<()> {
+        Err(bf16_quant())
+    }
+
+    /// The bf16 logits widened to f32 as they are made (exact: a bf16 is an f32's high half),
+    /// a block of vocabulary columns at a time (every row at once: the head's weights read
+    /// once), instead of a whole bf16 `[K, V]` and a copy.
+    fn head_f32(
+        head: &Linear<'_, Bf16>,
+        x: ArrayView2<Bf16>,
+        mut logits: ArrayViewMut2<f32>,
+        opts: Options,
+    ) -> Result<()> {
+        let (rows, vocab) = logits.dim();
+        let Weight::Panels { panels, .. } = &head.weight else {
+            return Err(bf16_quant());
+        };
+        let mut block = vec![Bf16::ZERO; rows * HEAD_COLS.min(vocab)];
+        for start in (0..vocab).step_by(HEAD_COLS) {
+            let end = (start + HEAD_COLS).min(vocab);
+            let part = Linear {
+                weight: Weight::Panels {
+                    panels: panels.slice(s![start / PANEL..end.div_ceil(PANEL), .., ..]),
+                    n: end - start,
+                },
+                bias: head.bias.map(|b| &b[start..end]),
+            };
+            let cols = end - start;
+            let mut out = ArrayViewMut2::from_shape((rows, cols), &mut block[..rows * cols])
+                .map_err(bad_shape)?;
+            part.run(x, out.view_mut(), opts)?;
+            logits
+                .slice_mut(s![.., start..end])
+                .zip_mut_with(&out, |l, b| *l = b.to_f32());
+        }
+        Ok(())
+    }
+}
+
+/// Vocabulary columns of bf16 logits made at a time before their widening (`Act::head_f32`):
+/// a multiple of `PANEL`, small enough to stay in the cache between the two (64 rows x 4,096 x
+/// 2 bytes = 512 KiB) and wide enough for every thread's share of panels.
+const HEAD_COLS: usize = 4096;
+
+/// A token embedding table: rows `[V, E]` of the activations' type, or ggml-typed rows.
+pub enum Embedding<'a, T = f32> {
+    Table(ArrayView2<'a, T>),
     Quant(QuantMatrix<'a>),
 }
 
 /// Rows `ids` of `table` into `out [T, E]`: the same floats as `F.embedding` /
 /// `cpu_quant.embedding` give (a float row copied, a quantized row dequantized by the same kernel).
-pub fn embed(table: &Embedding<'_>, ids: &[i64], mut out: ArrayViewMut2<f32>) -> Result<()> {
+pub fn embed<T: Act>(
+    table: &Embedding<'_, T>,
+    ids: &[i64],
+    mut out: ArrayViewMut2<T>,
+) -> Result<()> {
     let table = match table {
-        Embedding::Quant(w) => return quant::embedding(w, ids, out),
+        Embedding::Quant(w) => return T::quant_embedding(w, ids, out),
         Embedding::Table(table) => table,
     };
     let (rows, hidden) = table.dim();
@@ -109,10 +254,10 @@ pub fn embed(table: &Embedding<'_>, ids: &[i64], mut out: ArrayViewMut2<f32>) ->
 /// The LM head over rows `rows` of the final hidden states `x [T, E]` into `logits [K, V]` (row
 /// i from `x[rows[i]]`, the rows the engine samples), as `compute_logits` runs it on
 /// `hidden.index_select(0, rows)`: the same rows into the same kernel.
-pub fn head_logits(
-    x: ArrayView2<f32>,
+pub fn head_logits<T: Act>(
+    x: ArrayView2<T>,
     rows: &[i64],
-    head: &Linear<'_>,
+    head: &Linear<'_, T>,
     logits: ArrayViewMut2<f32>,
     opts: Options,
 ) -> Result<()> {
@@ -135,23 +280,23 @@ pub fn head_logits(
     if rows.is_empty() {
         return Ok(());
     }
-    let mut picked = Array2::<f32>::zeros((rows.len(), hidden));
+    let mut picked = Array2::<T>::from_elem((rows.len(), hidden), T::ZERO);
     for (mut dst, &r) in picked.rows_mut().into_iter().zip(rows) {
         dst.assign(&x.row(r as usize));
     }
-    head.run(picked.view(), logits, opts)
+    T::head_f32(head, picked.view(), logits, opts)
 }
 
 /// One decoder layer's parameters (`models/decoder.py`'s `DecoderLayer`).
-pub struct Layer<'a> {
-    pub input_norm: &'a [f32],
+pub struct Layer<'a, T = f32> {
+    pub input_norm: &'a [T],
     /// q, k, v output features side by side
-    pub qkv: Linear<'a>,
+    pub qkv: Linear<'a, T>,
     /// per-head RMS norms of q and k before the rotation (Qwen3), both or neither
-    pub qk_norm: Option<(&'a [f32], &'a [f32])>,
-    pub o: Linear<'a>,
-    pub post_norm: &'a [f32],
-    pub mlp: Mlp<'a>,
+    pub qk_norm: Option<(&'a [T], &'a [T])>,
+    pub o: Linear<'a, T>,
+    pub post_norm: &'a [T],
+    pub mlp: Mlp<'a, T>,
     /// a quantized cache's key transform, applied where q and k leave the rotation
     pub key_transform: Option<KeyTransform<'a>>,
 }
@@ -187,37 +332,38 @@ impl KeyTransform<'_> {
         Ok(())
     }
 
-    /// q `[T, H·D]` and k `[T, KVH·D]` rows transformed in place.
-    fn apply(&self, mut q: ArrayViewMut2<f32>, mut k: ArrayViewMut2<f32>) {
+    /// q `[T, H·D]` and k `[T, KVH·D]` rows transformed in place (float32 rows: the Python
+    /// side keeps bf16 models with a quantized cache layer by layer).
+    fn apply<T: Elem>(&self, mut q: ArrayViewMut2<T>, mut k: ArrayViewMut2<T>) {
         for mut row in q.rows_mut() {
             row.iter_mut()
                 .zip(self.query_scale)
-                .for_each(|(x, r)| *x *= r);
+                .for_each(|(x, r)| *x = T::from_f32(x.to_f32() * r));
         }
         for mut row in k.rows_mut() {
             match self.key_offset {
                 Some(c) => row
                     .iter_mut()
                     .zip(c.iter().zip(self.key_scale))
-                    .for_each(|(x, (c, s))| *x = (*x - c) * s),
+                    .for_each(|(x, (c, s))| *x = T::from_f32((x.to_f32() - c) * s)),
                 None => row
                     .iter_mut()
                     .zip(self.key_scale)
-                    .for_each(|(x, s)| *x *= s),
+                    .for_each(|(x, s)| *x = T::from_f32(x.to_f32() * s)),
             }
         }
     }
 }
 
 /// A layer's MLP: dense SwiGLU, or a mixture of experts.
-pub enum Mlp<'a> {
+pub enum Mlp<'a, T = f32> {
     Dense {
         /// gate then up output features side by side
-        gate_up: Linear<'a>,
-        down: Linear<'a>,
+        gate_up: Linear<'a, T>,
+        down: Linear<'a, T>,
     },
     /// boxed: far larger than a dense MLP
-    Moe(Box<MoeMlp<'a>>),
+    Moe(Box<MoeMlp<'a, T>>),
 }
 
 /// The attention geometry and the norms' epsilon.
@@ -238,24 +384,24 @@ pub struct Options {
 }
 
 /// The step: rotary tables `[T, D / 2]` and where each token's K/V goes and what it attends.
-pub struct Step<'a> {
-    pub cos: ArrayView2<'a, f32>,
-    pub sin: ArrayView2<'a, f32>,
+pub struct Step<'a, T = f32> {
+    pub cos: ArrayView2<'a, T>,
+    pub sin: ArrayView2<'a, T>,
     pub slot_mapping: &'a [i64],
     pub batch: PagedBatch<'a>,
 }
 
 /// The buffers one call reuses for every layer.
-struct Scratch {
-    residual: Vec<f32>,
-    qkv: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
+struct Scratch<T> {
+    residual: Vec<T>,
+    qkv: Vec<T>,
+    q: Vec<T>,
+    k: Vec<T>,
     /// q's (or k's) heads gathered contiguously for their per-head norms
-    heads_in: Vec<f32>,
-    attn: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
+    heads_in: Vec<T>,
+    attn: Vec<T>,
+    gate_up: Vec<T>,
+    act: Vec<T>,
 }
 
 /// Runs `layers` and the final norm over `x [T, E]` (the step's embeddings in, the final
@@ -264,12 +410,12 @@ struct Scratch {
 /// `expert_counts`: one `[E]` per mixture-of-experts layer, in layer order, to which each
 /// token's chosen experts are added.
 #[allow(clippy::too_many_arguments)]
-pub fn decoder_forward<C: KvElem>(
-    mut x: ArrayViewMut2<f32>,
-    layers: &[Layer<'_>],
-    final_norm: &[f32],
+pub fn decoder_forward<T: Act, C: KvElem>(
+    mut x: ArrayViewMut2<T>,
+    layers: &[Layer<'_, T>],
+    final_norm: &[T],
     shape: Shape,
-    step: &Step<'_>,
+    step: &Step<'_, T>,
     mut kv_cache: ArrayViewMut6<C>,
     expert_counts: &mut [&mut [i64]],
     opts: Options,
@@ -350,9 +496,9 @@ pub fn decoder_forward<C: KvElem>(
     add_norm(&mut x, &mut scratch.residual, final_norm, shape.eps)
 }
 
-fn check(
-    layers: &[Layer<'_>],
-    final_norm: &[f32],
+fn check<T: Act>(
+    layers: &[Layer<'_, T>],
+    final_norm: &[T],
     shape: Shape,
     hidden: usize,
     slots: usize,
@@ -399,7 +545,10 @@ fn check(
 }
 
 /// Each projection `(name, linear, in, out)` of layer `i` checked against its expected shape.
-fn check_projections(i: usize, projections: &[(&str, &Linear<'_>, usize, usize)]) -> Result<()> {
+fn check_projections<T>(
+    i: usize,
+    projections: &[(&str, &Linear<'_, T>, usize, usize)],
+) -> Result<()> {
     for &(name, proj, k, n) in projections {
         if proj.weight.in_features() != k || proj.weight.out_features() != n {
             return Err(invalid(format!(
@@ -412,8 +561,8 @@ fn check_projections(i: usize, projections: &[(&str, &Linear<'_>, usize, usize)]
     Ok(())
 }
 
-impl Scratch {
-    fn new(tokens: usize, hidden: usize, layers: &[Layer<'_>], shape: Shape) -> Self {
+impl<T: Elem> Scratch<T> {
+    fn new(tokens: usize, hidden: usize, layers: &[Layer<'_, T>], shape: Shape) -> Self {
         let q = shape.num_heads * shape.head_dim;
         let kv = shape.num_kv_heads * shape.head_dim;
         let inter = layers
@@ -425,15 +574,16 @@ impl Scratch {
             .max()
             .unwrap_or(0);
         let qk_norm = layers.iter().any(|l| l.qk_norm.is_some());
+        let zero = T::ZERO;
         Scratch {
-            residual: vec![0.0; tokens * hidden],
-            qkv: vec![0.0; tokens * (q + 2 * kv)],
-            q: vec![0.0; if qk_norm { tokens * q } else { 0 }],
-            k: vec![0.0; if qk_norm { tokens * kv } else { 0 }],
-            heads_in: vec![0.0; if qk_norm { tokens * q.max(kv) } else { 0 }],
-            attn: vec![0.0; tokens * q],
-            gate_up: vec![0.0; tokens * inter],
-            act: vec![0.0; tokens * inter / 2],
+            residual: vec![zero; tokens * hidden],
+            qkv: vec![zero; tokens * (q + 2 * kv)],
+            q: vec![zero; if qk_norm { tokens * q } else { 0 }],
+            k: vec![zero; if qk_norm { tokens * kv } else { 0 }],
+            heads_in: vec![zero; if qk_norm { tokens * q.max(kv) } else { 0 }],
+            attn: vec![zero; tokens * q],
+            gate_up: vec![zero; tokens * inter],
+            act: vec![zero; tokens * inter / 2],
         }
     }
 }
@@ -443,15 +593,15 @@ fn bad_shape(e: ndarray::ShapeError) -> crate::error::Error {
     invalid(format!("decoder_forward: a buffer view does not fit ({e})"))
 }
 
-fn as_slice<'b>(x: &'b ArrayViewMut2<'_, f32>) -> Result<&'b [f32]> {
+fn as_slice<'b, T>(x: &'b ArrayViewMut2<'_, T>) -> Result<&'b [T]> {
     x.as_slice().ok_or_else(|| invalid("x must be contiguous"))
 }
 
 /// `residual += x; x = rms_norm(residual)`, as `RMSNorm.add_and_norm` on the CPU.
-fn add_norm(
-    x: &mut ArrayViewMut2<f32>,
-    residual: &mut [f32],
-    weight: &[f32],
+fn add_norm<T: Elem>(
+    x: &mut ArrayViewMut2<T>,
+    residual: &mut [T],
+    weight: &[T],
     eps: f32,
 ) -> Result<()> {
     let residual = ArrayViewMut2::from_shape(x.dim(), residual).map_err(bad_shape)?;
@@ -460,14 +610,14 @@ fn add_norm(
 
 /// x (normed) -> x = o_proj(attention(rotated q, k; v)), K/V stored first.
 #[allow(clippy::too_many_arguments)]
-fn attention<C: KvElem>(
-    x: &mut ArrayViewMut2<f32>,
-    layer: &Layer<'_>,
+fn attention<T: Act, C: KvElem>(
+    x: &mut ArrayViewMut2<T>,
+    layer: &Layer<'_, T>,
     shape: Shape,
-    step: &Step<'_>,
+    step: &Step<'_, T>,
     k_cache: ArrayViewMut4<C>,
     v_cache: ArrayViewMut4<C>,
-    scratch: &mut Scratch,
+    scratch: &mut Scratch<T>,
     opts: Options,
 ) -> Result<()> {
     let tokens = x.dim().0;
@@ -549,26 +699,26 @@ fn attention<C: KvElem>(
 }
 
 /// Heads `[T, n, d]` of the fused projection output `data [T, width]`, from column `start`.
-fn heads_view(
-    data: &[f32],
+fn heads_view<T>(
+    data: &[T],
     tokens: usize,
     n: usize,
     d: usize,
     width: usize,
     start: usize,
-) -> Result<ArrayView3<'_, f32>> {
+) -> Result<ArrayView3<'_, T>> {
     ArrayView3::from_shape((tokens, n, d).strides((width, d, 1)), &data[start..]).map_err(bad_shape)
 }
 
 /// RMS norm of every `d`-element head of `cols [T, n·d]` into `out` (contiguous `[T, n, d]`),
 /// the heads gathered contiguously into `rows` first (the norm kernel reads contiguous rows).
-fn norm_heads(
-    cols: ArrayView2<f32>,
-    weight: &[f32],
+fn norm_heads<T: Elem>(
+    cols: ArrayView2<T>,
+    weight: &[T],
     eps: f32,
     d: usize,
-    rows: &mut [f32],
-    out: &mut [f32],
+    rows: &mut [T],
+    out: &mut [T],
 ) -> Result<()> {
     let (tokens, width) = cols.dim();
     let rows = &mut rows[..tokens * width];
@@ -584,15 +734,15 @@ fn norm_heads(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn store_and_attend<C: KvElem>(
-    q: ArrayView3<f32>,
-    k: ArrayView3<f32>,
-    v: ArrayView3<f32>,
+fn store_and_attend<T: Elem, C: KvElem>(
+    q: ArrayView3<T>,
+    k: ArrayView3<T>,
+    v: ArrayView3<T>,
     shape: Shape,
-    step: &Step<'_>,
+    step: &Step<'_, T>,
     mut k_cache: ArrayViewMut4<C>,
     mut v_cache: ArrayViewMut4<C>,
-    out: &mut [f32],
+    out: &mut [T],
     opts: Options,
     key_feedback: Option<&[f32]>,
 ) -> Result<()> {
@@ -625,10 +775,10 @@ fn store_and_attend<C: KvElem>(
 }
 
 /// x (normed) -> x = down(silu(gate) * up).
-fn mlp(
-    x: &mut ArrayViewMut2<f32>,
-    (gate_up_proj, down): (&Linear<'_>, &Linear<'_>),
-    scratch: &mut Scratch,
+fn mlp<T: Act>(
+    x: &mut ArrayViewMut2<T>,
+    (gate_up_proj, down): (&Linear<'_, T>, &Linear<'_, T>),
+    scratch: &mut Scratch<T>,
     opts: Options,
 ) -> Result<()> {
     let tokens = x.dim().0;
@@ -646,4 +796,40 @@ fn mlp(
     let act = ArrayView2::from_shape((tokens, width / 2), &scratch.act[..tokens * width / 2])
         .map_err(bad_shape)?;
     down.run(act, x.view_mut(), opts)
+}
+
+#[cfg(test)]
+mod tests {
+    use ndarray::Array2;
+
+    use super::{head_logits, Linear, Options, Weight, HEAD_COLS};
+    use crate::cpu::{linear, pack_panels, quant::Activations, Bf16, Elem, PANEL};
+
+    #[test]
+    fn a_bf16_head_wider_than_a_block_gives_the_whole_products_bits_widened() {
+        let (rows, hidden, vocab) = (5, 48, HEAD_COLS + 3 * PANEL + 5);
+        let value = |i: usize| Bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 64.0);
+        let x = Array2::from_shape_fn((rows, hidden), |(r, c)| value(r * hidden + c + 7));
+        let w = Array2::from_shape_fn((vocab, hidden), |(r, c)| value(r * 3 + c * 11));
+        let packed = pack_panels(w.view());
+        let panels =
+            ndarray::ArrayView3::from_shape((vocab.div_ceil(PANEL), hidden, PANEL), &packed)
+                .unwrap();
+        let opts = Options {
+            num_threads: 2,
+            activations: Activations::F32,
+        };
+        let mut whole = Array2::from_elem((rows, vocab), Bf16::ZERO);
+        linear(x.view(), panels, None, whole.view_mut(), 2).unwrap();
+        let head = Linear {
+            weight: Weight::Panels { panels, n: vocab },
+            bias: None,
+        };
+        let mut logits = Array2::<f32>::zeros((2, vocab));
+        head_logits(x.view(), &[3, 1], &head, logits.view_mut(), opts).unwrap();
+        for (got, want) in logits.rows().into_iter().zip([3, 1]) {
+            let want: Vec<f32> = whole.row(want).iter().map(|b| b.to_f32()).collect();
+            assert_eq!(got.to_vec(), want);
+        }
+    }
 }

@@ -6,23 +6,23 @@
 //! vectorized `exp` against Rust's; the chosen experts and greedy tokens are the same).
 use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
 
-use super::{bad_shape, Linear, Options};
+use super::{bad_shape, topk, Act, Linear, Options};
 use crate::cpu::{activation, invalid, moe};
 use crate::error::Result;
 
 /// The experts' weights: stacked `linear` panels (`cpu::moe_experts`) or quantized rows laid out
 /// in two buffers (`cpu::moe_quant_experts`).
-pub enum Experts<'a> {
+pub enum Experts<'a, T = f32> {
     Panels {
         /// `[E, ceil(2I / PANEL), H, PANEL]`, each expert's gate rows then up rows
-        gate_up: ArrayView4<'a, f32>,
+        gate_up: ArrayView4<'a, T>,
         /// `[E, ceil(H / PANEL), I, PANEL]`
-        down: ArrayView4<'a, f32>,
+        down: ArrayView4<'a, T>,
     },
     Quant(moe::QuantExperts<'a>),
 }
 
-impl Experts<'_> {
+impl<T> Experts<'_, T> {
     fn count(&self) -> usize {
         match self {
             Experts::Panels { down, .. } => down.dim().0,
@@ -32,25 +32,28 @@ impl Experts<'_> {
 }
 
 /// Qwen2-MoE's shared expert: every token's SwiGLU MLP, scaled by `sigmoid(gate · x)`.
-pub struct SharedExpert<'a> {
-    pub gate_up: Linear<'a>,
-    pub down: Linear<'a>,
+pub struct SharedExpert<'a, T = f32> {
+    pub gate_up: Linear<'a, T>,
+    pub down: Linear<'a, T>,
     /// `[1, H]`
-    pub gate: Linear<'a>,
+    pub gate: Linear<'a, T>,
 }
 
 /// One sparse layer's MLP.
-pub struct MoeMlp<'a> {
+pub struct MoeMlp<'a, T = f32> {
     /// `[E, H]`: one logit per expert
-    pub router: Linear<'a>,
-    pub experts: Experts<'a>,
+    pub router: Linear<'a, T>,
+    pub experts: Experts<'a, T>,
     pub top_k: usize,
     /// `norm_topk_prob`: the k chosen weights divided by their sum
     pub normalize: bool,
-    pub shared: Option<SharedExpert<'a>>,
+    /// Qwen's routers hand the experts their weights rounded to the activations' type
+    /// (`SparseMoeBlock.round_weights`; Mixtral's stay float32)
+    pub round_weights: bool,
+    pub shared: Option<SharedExpert<'a, T>>,
 }
 
-impl MoeMlp<'_> {
+impl<T> MoeMlp<'_, T> {
     pub(super) fn check(&self, i: usize, hidden: usize) -> Result<()> {
         let experts = self.experts.count();
         let router = &self.router.weight;
@@ -89,7 +92,8 @@ impl MoeMlp<'_> {
 
 /// Routes a step's tokens: `logits [T, E]` -> (weights `[T, k]`, ids `[T, k]`), as
 /// `models/moe.py`'s `route`: softmax in f32 (max subtracted), the k largest in descending order
-/// (ties: the lower expert first), divided by their sum when `normalize`.
+/// (equal ones chosen and ordered as `torch.topk` does, `topk`), divided by their sum when
+/// `normalize`.
 pub fn route(
     logits: &[f32],
     experts: usize,
@@ -100,7 +104,8 @@ pub fn route(
     let mut weights = Vec::with_capacity(tokens * top_k);
     let mut ids = Vec::with_capacity(tokens * top_k);
     let mut probs = vec![0.0f32; experts];
-    let mut order: Vec<usize> = Vec::with_capacity(experts);
+    let mut pairs = Vec::with_capacity(experts);
+    let mut order: Vec<usize> = Vec::with_capacity(top_k);
     for row in logits.chunks_exact(experts) {
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let mut sum = 0.0f32;
@@ -110,10 +115,9 @@ pub fn route(
         }
         probs.iter_mut().for_each(|p| *p /= sum);
         order.clear();
-        order.extend(0..experts);
-        // stable: equal probabilities keep the lower expert first
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-        let chosen = &order[..top_k];
+        // equal probabilities (a bf16 router's logits tie often) in torch.topk's order
+        order.extend(topk::topk(&probs, top_k, &mut pairs));
+        let chosen = &order[..];
         let total: f32 = chosen.iter().map(|&e| probs[e]).sum();
         for &e in chosen {
             weights.push(if normalize {
@@ -128,9 +132,9 @@ pub fn route(
 }
 
 /// x (normed) -> x = the block's output; each token's chosen experts added to `counts`.
-pub(super) fn moe_mlp(
-    x: &mut ArrayViewMut2<f32>,
-    mlp: &MoeMlp<'_>,
+pub(super) fn moe_mlp<T: Act>(
+    x: &mut ArrayViewMut2<T>,
+    mlp: &MoeMlp<'_, T>,
     counts: &mut [i64],
     opts: Options,
 ) -> Result<()> {
@@ -142,20 +146,25 @@ pub(super) fn moe_mlp(
             counts.len()
         )));
     }
-    let mut logits = vec![0.0f32; tokens * experts];
+    let mut logits = vec![T::ZERO; tokens * experts];
     mlp.router.run(
         x.view(),
         ArrayViewMut2::from_shape((tokens, experts), &mut logits[..]).map_err(bad_shape)?,
         opts,
     )?;
     let k = mlp.top_k;
-    let (weights, ids) = route(&logits, experts, k, mlp.normalize);
+    // the softmax reads the logits widened to float32 (`softmax(..., dtype=float32)`)
+    let logits: Vec<f32> = logits.iter().map(|l| l.to_f32()).collect();
+    let (mut weights, ids) = route(&logits, experts, k, mlp.normalize);
+    if mlp.round_weights {
+        weights.iter_mut().for_each(|w| *w = T::round(*w));
+    }
     for &e in &ids {
         counts[e as usize] += 1;
     }
     let ids = ArrayView2::from_shape((tokens, k), &ids[..]).map_err(bad_shape)?;
     let weights = ArrayView2::from_shape((tokens, k), &weights[..]).map_err(bad_shape)?;
-    let mut out = vec![0.0f32; tokens * hidden];
+    let mut out = vec![T::ZERO; tokens * hidden];
     let out_view = ArrayViewMut2::from_shape((tokens, hidden), &mut out[..]).map_err(bad_shape)?;
     match &mlp.experts {
         Experts::Panels { gate_up, down } => moe::moe_experts(
@@ -167,15 +176,7 @@ pub(super) fn moe_mlp(
             out_view,
             opts.num_threads,
         )?,
-        Experts::Quant(held) => moe::moe_quant_experts(
-            x.view(),
-            held,
-            ids,
-            weights,
-            out_view,
-            opts.num_threads,
-            opts.activations,
-        )?,
+        Experts::Quant(held) => T::quant_experts(x.view(), held, ids, weights, out_view, opts)?,
     }
     if let Some(shared) = &mlp.shared {
         add_shared(x.view(), shared, &mut out, opts)?;
@@ -187,30 +188,30 @@ pub(super) fn moe_mlp(
     Ok(())
 }
 
-/// `out += sigmoid(gate · x) * down(silu(gate_up(x)))` (the Python block's order: the product
-/// with the gate rounded, then added).
-fn add_shared(
-    x: ArrayView2<f32>,
-    shared: &SharedExpert<'_>,
-    out: &mut [f32],
+/// `out += sigmoid(gate · x) * down(silu(gate_up(x)))` (the Python block's order: the sigmoid,
+/// the product with the gate and the sum each rounded to the activations' type).
+fn add_shared<T: Act>(
+    x: ArrayView2<T>,
+    shared: &SharedExpert<'_, T>,
+    out: &mut [T],
     opts: Options,
 ) -> Result<()> {
     let (tokens, hidden) = x.dim();
     let width = shared.gate_up.weight.out_features();
-    let mut gate = vec![0.0f32; tokens];
+    let mut gate = vec![T::ZERO; tokens];
     let gate_view = ArrayViewMut2::from_shape((tokens, 1), &mut gate[..]).map_err(bad_shape)?;
     shared.gate.run(x, gate_view, opts)?;
-    let mut gate_up = vec![0.0f32; tokens * width];
+    let mut gate_up = vec![T::ZERO; tokens * width];
     let gate_up_view =
         ArrayViewMut2::from_shape((tokens, width), &mut gate_up[..]).map_err(bad_shape)?;
     shared.gate_up.run(x, gate_up_view, opts)?;
-    let mut act = vec![0.0f32; tokens * width / 2];
+    let mut act = vec![T::ZERO; tokens * width / 2];
     activation::silu_and_mul(
         ArrayView2::from_shape((tokens, width), &gate_up[..]).map_err(bad_shape)?,
         ArrayViewMut2::from_shape((tokens, width / 2), &mut act[..]).map_err(bad_shape)?,
         opts.num_threads,
     )?;
-    let mut y = vec![0.0f32; tokens * hidden];
+    let mut y = vec![T::ZERO; tokens * hidden];
     shared.down.run(
         ArrayView2::from_shape((tokens, width / 2), &act[..]).map_err(bad_shape)?,
         ArrayViewMut2::from_shape((tokens, hidden), &mut y[..]).map_err(bad_shape)?,
@@ -221,8 +222,10 @@ fn add_shared(
         .zip(y.chunks_exact(hidden))
         .zip(&gate)
     {
-        let g = 1.0 / (1.0 + (-g).exp());
-        o.iter_mut().zip(y).for_each(|(o, y)| *o += g * y);
+        let g = T::round(1.0 / (1.0 + (-g.to_f32()).exp()));
+        o.iter_mut()
+            .zip(y)
+            .for_each(|(o, y)| *o = T::from_f32(o.to_f32() + T::round(g * y.to_f32())));
     }
     Ok(())
 }
@@ -235,8 +238,9 @@ mod tests {
     fn routing_keeps_the_largest_probabilities_renormalized_in_descending_order() {
         let logits = [0.0f32, 2.0, 1.0, -1.0, 2.0, 0.5, 0.5, 0.5];
         let (w, ids) = route(&logits, 4, 2, true);
-        // token 0: experts 1 then 2; token 1: expert 0 (2.0), then a tie of 1 and 2 at 0.5
-        assert_eq!(ids, vec![1, 2, 0, 1]);
+        // token 0: experts 1 then 2; token 1: expert 0 (2.0), then of the tied 1, 2, 3 at 0.5
+        // the one torch.topk picks, 2
+        assert_eq!(ids, vec![1, 2, 0, 2]);
         let p = |a: f32, b: f32| 1.0 / (1.0 + (b - a).exp());
         assert!((w[0] - p(2.0, 1.0)).abs() < 1e-6 && (w[1] - p(1.0, 2.0)).abs() < 1e-6);
         assert!((w[2] + w[3] - 1.0).abs() < 1e-6);
