@@ -863,8 +863,21 @@ unsafe fn attend_item_simd<const W: bool, T: Elem, C: KvElem>(
                     let f = sc.key_factors.as_ptr().wrapping_add(g * KEY_TILE + j0);
                     let mut r = 0;
                     while r < rows {
-                        // a pair of rows per pass: each key widened once for both
-                        if r + 1 < rows {
+                        // unquantized keys, a group's last three rows (GQA 3: every row) in one
+                        // pass: each key read once for the three (28 of the 32 registers)
+                        if C::EXTRA == 0 && r + 3 == rows {
+                            let three = k16::qk_keys_in_lanes::<C, 3>(
+                                [q_row(r), q_row(r + 1), q_row(r + 2)],
+                                &sixteen,
+                                d,
+                                f,
+                            );
+                            for (i, scores) in three.into_iter().enumerate() {
+                                std::arch::x86_64::_mm512_storeu_ps(score_row(r + i), scores);
+                            }
+                            r += 3;
+                        } else if r + 1 < rows {
+                            // a pair of rows per pass: each key widened once for both
                             let pair = k16::qk_keys_in_lanes::<C, 2>(
                                 [q_row(r), q_row(r + 1)],
                                 &sixteen,

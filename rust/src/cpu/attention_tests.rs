@@ -571,6 +571,17 @@ fn avx512_decode_and_prefill_give_the_avx2_bits_for_float_caches() {
 }
 
 #[test]
+fn avx512_decode_scoring_three_rows_per_pass_gives_the_avx2_bits() {
+    // groups of 3 (every row in one pass) and 5 (a pair, then three), float keys
+    for d in [64, 40] {
+        same_bits::<f32, f32>(case(9, 3, d, tile_edges()), 1, 0, 0.0);
+        same_bits::<f32, f32>(case(10, 2, d, tile_edges()), 1, 0, 0.0);
+    }
+    same_bits::<Bf16, Bf16>(case(9, 3, 64, tile_edges()), 1, 0, 0.0);
+    same_bits::<f32, f32>(case(9, 3, 64, tile_edges()), 2, 32, 0.5);
+}
+
+#[test]
 fn avx512_decode_and_prefill_give_the_avx2_bits_for_quantized_caches() {
     same_bits::<f32, I8>(case(8, 2, 64, tile_edges()), 1, 0, 0.0);
     same_bits::<Bf16, I8>(case(12, 4, 64, tile_edges()), 1, 0, 0.0);
