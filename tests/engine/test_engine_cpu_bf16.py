@@ -1,6 +1,7 @@
-"""bfloat16 on the CPU end to end: every attention and rotary call of a greedy generation goes
-through the Rust kernels (none falls back to the torch reference), and the tokens equal those of
-the same generation forced onto the torch reference path."""
+"""bfloat16 on the CPU end to end, layer by layer (`enforce_eager`: the one-call decoder's own
+equality with this path is tests/models/test_cpu_forward.py's): every attention and rotary call
+of a greedy generation goes through the Rust kernels (none falls back to the torch reference),
+and the tokens equal those of the same generation forced onto the torch reference path."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _greedy(folder) -> list[list[int]]:
         str(folder),
         dtype="bfloat16",
         device="cpu",
+        enforce_eager=True,  # layer by layer: the kernels counted below
         block_size=4,
         max_num_batched_tokens=16,  # the 40-token prompt prefills in chunks beside decodes
     )
