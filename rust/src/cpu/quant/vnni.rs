@@ -406,6 +406,24 @@ unsafe fn k_rows<const R: usize, const FIVE: bool>(
     }
 }
 
+/// About how far ahead of a weight row's current group the row kernels prefetch (`prefetch_ahead`).
+pub(super) const PREFETCH_BYTES: usize = 16 << 10;
+
+/// The distance `prefetch_rows` takes for rows of `row_bytes` read `rows` a pass: the same
+/// group `n` rows on, `n` the multiple of `rows` (at least two passes) reaching `PREFETCH_BYTES`.
+/// Taken by the repacked Q4_0 / Q5_0 rows (`vnni4`), whose 8 rows ahead fell short on short
+/// rows: SmolLM2's 576-element Q4_0 rows 2.6 KiB ahead decoded 1.17x slower than 16 KiB, the
+/// 0.73 B Llama's 2,048-element rows 1.05x (one thread; 8, 16 and 32 KiB tried: benches/
+/// RESULTS.md, round 13). Q8_0R, Q4_1R and the K-quants keep their tuned 16 rows (16 KiB was
+/// no faster on either model's Q8_0).
+#[inline(always)]
+pub(super) fn prefetch_ahead(row_bytes: usize, rows: usize) -> usize {
+    let n = PREFETCH_BYTES
+        .div_ceil(row_bytes.max(1))
+        .next_multiple_of(rows);
+    n.max(2 * rows) * row_bytes
+}
+
 /// The `bytes` bytes `ahead` bytes past each of the weight rows' current positions `at`
 /// prefetched into L1: a hint, no fault past the weight's end (from memory the hardware
 /// prefetcher alone does not keep several rows streaming: round 9, H1).

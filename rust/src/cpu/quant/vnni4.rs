@@ -12,7 +12,9 @@ use std::arch::x86_64::*;
 use super::formats::QType;
 use super::int16::avx2::{add, bytes32, f16s, load8, Lanes};
 use super::int16::Row;
-use super::vnni::{codes64, load_i32, prefetch_rows, reduce_pairs, reduce_quads, PlaneRow};
+use super::vnni::{
+    codes64, load_i32, prefetch_ahead, prefetch_rows, reduce_pairs, reduce_quads, PlaneRow,
+};
 
 /// Weight rows a pass.
 pub const ROWS: usize = 4;
@@ -190,13 +192,6 @@ pub unsafe fn rows_dots_vnni(
     lanes.totals()
 }
 
-/// Bytes ahead of the weight rows' current group that `q4_0r_rows` prefetches: the same group
-/// of the rows two passes of `ROWS` on (times `row_bytes`). From memory the hardware prefetcher
-/// alone left repacked rows at ~7 GB/s in a kernel benchmark (weights on huge pages, one
-/// thread); with it they ran at 27-34 GB/s, a plain read's 34-36 (busy; benches/RESULTS.md,
-/// round 9, H1).
-const PREFETCH_ROWS: usize = 2 * ROWS;
-
 /// Each of the `W` repacked Q4_0 rows `w` (`QType::Q4_0R`, `k` elements) times each of the `R`
 /// rows of x (`x` codes, `p` planes permuted): `acc[i][r]` takes row i's scaled unit sums with
 /// row r of x, a group of 8 blocks at a time, as `vnni::group32` (the same integer sums, the
@@ -250,7 +245,7 @@ unsafe fn repacked_rows<const W: usize, const R: usize, const FIVE: bool>(
     let blocks = k / QK;
     // bytes a block, and a group's bytes before its nibbles per block (scale, qh halves)
     let (block, head) = if FIVE { (22, 6) } else { (18, 2) };
-    let ahead = PREFETCH_ROWS * blocks * block;
+    let ahead = prefetch_ahead(blocks * block, W);
     let nibble = _mm512_set1_epi8(0xF);
     let sixteen = _mm512_set1_epi8(16);
     let mut blk0 = 0;
