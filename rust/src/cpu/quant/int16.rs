@@ -169,7 +169,7 @@ pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::super::dot_avx2::{bit4_of_each, half, nibbles32};
-    use super::{k_scales, Row, QK};
+    use super::{Row, QK};
     use crate::cpu::quant::QType;
 
     /// Per row of x: the 8 f32 lanes of scaled unit sums and the 8 lanes of mins.
@@ -411,10 +411,29 @@ pub(super) mod avx2 {
         }
     }
 
-    /// 8 bytes as f32.
+    /// `k_scales` of the 12 bytes at `s` as f32 (scales, mins), in registers: the scalar
+    /// unpacking and its bytes' trip through memory were a Q4_K decode row's largest cost after
+    /// the products. Lanes 0 / 1 of `v` (bytes 0-3, 4-7) hold the low 6 bits of scales / mins
+    /// 0-3 and, in each byte's top 2 bits, bits 4-5 of scales / mins 4-7; lane 2 (bytes 8-11)
+    /// their low 4 bits, scales' in the low nibbles, mins' in the high ones.
+    ///
+    /// # Safety
+    /// AVX2; 16 bytes readable at `s` (a K-quant super-block's scales are followed by its codes).
     #[inline(always)]
-    pub(in crate::cpu::quant) unsafe fn floats_of(v: [u8; 8]) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().cast())))
+    pub(in crate::cpu::quant) unsafe fn k_scale_floats(s: *const u8) -> (__m256, __m256) {
+        let v = _mm_loadu_si128(s.cast());
+        let low6 = _mm_and_si128(v, _mm_set1_epi8(0x3F));
+        let top2 = _mm_slli_epi32::<4>(_mm_and_si128(_mm_srli_epi32::<6>(v), _mm_set1_epi8(3)));
+        // lane 2 into lanes 0 and 1, the mins' nibbles shifted down in lane 1
+        let c = _mm_srlv_epi32(
+            _mm_shuffle_epi32::<0b1010_1010>(v),
+            _mm_setr_epi32(0, 4, 0, 0),
+        );
+        let high = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi8(0xF)), top2);
+        // bytes 0-7 the 8 scales, 8-15 the 8 mins
+        let both = _mm_unpacklo_epi32(low6, high);
+        let floats = |b: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+        (floats(both), floats(_mm_srli_si128::<8>(both)))
     }
 
     /// Sub-blocks 2g and 2g + 1 of a Q4_K super-block (quants at `qs`) or (`FIVE`) a Q5_K one
@@ -465,7 +484,7 @@ pub(super) mod avx2 {
         for sb in 0..k / 256 {
             // super-block sb: row[sb * bytes..(sb + 1) * bytes], inside the row
             let b = row.as_ptr().add(sb * bytes);
-            let (scales, mins) = k_scales(std::slice::from_raw_parts(b.add(4), 12));
+            let (scales, mins) = k_scale_floats(b.add(4));
             let qs = b.add(if FIVE { 48 } else { 16 });
             let qh = _mm256_loadu_si256(b.add(16).cast());
             let blk0 = 8 * sb;
@@ -482,13 +501,13 @@ pub(super) mod avx2 {
                 *g = hadd(h[0], h[1]);
             }
             let s = finish(g[0], g[1]);
-            let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), floats_of(scales));
+            let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
             let mut c = [dl; R];
             for (c, x) in c.iter_mut().zip(x) {
                 *c = _mm256_mul_ps(dl, _mm256_loadu_ps(x.d.as_ptr().add(blk0)));
             }
             add(s, c, &mut lanes.acc);
-            let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), floats_of(mins));
+            let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mins);
             let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
             for (m, x) in lanes.mins.iter_mut().zip(x) {
                 let s = _mm256_loadu_ps(x.s.as_ptr().add(blk0));

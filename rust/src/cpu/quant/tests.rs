@@ -649,6 +649,37 @@ fn k_scales_unpacks_as_k_scale_min() {
 
 #[cfg(target_arch = "x86_64")]
 #[test]
+fn k_scale_floats_in_registers_are_k_scales() {
+    use std::arch::x86_64::{__m256, _mm256_storeu_ps};
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        return;
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpacked(s: &[u8; 16]) -> ([f32; 8], [f32; 8]) {
+        let lanes = |v: __m256| {
+            let mut out = [0f32; 8];
+            _mm256_storeu_ps(out.as_mut_ptr(), v);
+            out
+        };
+        let (scales, mins) = int16::avx2::k_scale_floats(s.as_ptr());
+        (lanes(scales), lanes(mins))
+    }
+    // random bytes and each byte's extremes (every 6-bit field 0 and 63 somewhere)
+    let mut cases: Vec<[u8; 16]> = (0..256)
+        .map(|seed| bytes(16, seed).try_into().unwrap())
+        .collect();
+    cases.extend([[0u8; 16], [0xFF; 16], [0xAA; 16], [0x55; 16]]);
+    for s in cases {
+        let (scales, mins) = int16::k_scales(&s[..12]);
+        // SAFETY: AVX2 and FMA checked above; 16 bytes at s
+        let (fs, fm) = unsafe { unpacked(&s) };
+        assert_eq!(fs, scales.map(f32::from), "{s:?}");
+        assert_eq!(fm, mins.map(f32::from), "{s:?}");
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
 fn int16_avx2_row_dots_equal_the_portable_ones_bit_for_bit() {
     if !formats_avx2::available() {
         return;

@@ -23,8 +23,8 @@ use std::arch::x86_64::*;
 
 use super::dot_avx2::half;
 use super::formats::QType;
-use super::int16::avx2::{add, bytes32, f16s, floats_of, load8, Lanes};
-use super::int16::{k_scales, QuantizedRows, Row};
+use super::int16::avx2::{add, bytes32, f16s, k_scale_floats, load8, Lanes};
+use super::int16::{QuantizedRows, Row};
 
 /// Elements per block of x.
 const QK: usize = 32;
@@ -390,14 +390,14 @@ unsafe fn k_rows<const R: usize, const FIVE: bool>(
         }
         // from here as `int16::avx2::k_rows`
         let blk0 = 8 * sb;
-        let (scales, mins) = k_scales(std::slice::from_raw_parts(b.add(4), 12));
-        let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), floats_of(scales));
+        let (scales, mins) = k_scale_floats(b.add(4));
+        let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
         let mut c = [dl; R];
         for (c, x) in c.iter_mut().zip(x) {
             *c = _mm256_mul_ps(dl, _mm256_loadu_ps(x.d.as_ptr().add(blk0)));
         }
         add(s, c, &mut lanes.acc);
-        let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), floats_of(mins));
+        let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mins);
         let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
         for (m, x) in lanes.mins.iter_mut().zip(x) {
             let s = _mm256_loadu_ps(x.s.as_ptr().add(blk0));
