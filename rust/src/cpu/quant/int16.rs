@@ -411,9 +411,9 @@ pub(super) mod avx2 {
         }
     }
 
-    /// `k_scales` of the 12 bytes at `s` as f32 (scales, mins), in registers: the scalar
-    /// unpacking and its bytes' trip through memory were a Q4_K decode row's largest cost after
-    /// the products. Lanes 0 / 1 of `v` (bytes 0-3, 4-7) hold the low 6 bits of scales / mins
+    /// `k_scales` of the 12 bytes at `s` as f32 (scales, mins), in registers rather than by
+    /// scalar shifts into byte arrays read back through memory, per super-block and weight row
+    /// (the 0.73 B Llama's Q4_K_M decode 1.06x faster, benches/RESULTS.md round 13). Lanes 0 / 1 of `v` (bytes 0-3, 4-7) hold the low 6 bits of scales / mins
     /// 0-3 and, in each byte's top 2 bits, bits 4-5 of scales / mins 4-7; lane 2 (bytes 8-11)
     /// their low 4 bits, scales' in the low nibbles, mins' in the high ones.
     ///
@@ -434,6 +434,20 @@ pub(super) mod avx2 {
         let both = _mm_unpacklo_epi32(low6, high);
         let floats = |b: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
         (floats(both), floats(_mm_srli_si128::<8>(both)))
+    }
+
+    /// A Q4_K / Q5_K super-block's factors (at `b`: d, dmin, then the packed scales): its 8
+    /// sub-blocks' `d * scale` and `-(dmin * min)`, the lanes the `k_rows` kernels multiply
+    /// their unit sums and x's sub-block sums by.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `b` a super-block (its scales followed by its codes: `k_scale_floats`).
+    #[inline(always)]
+    pub(in crate::cpu::quant) unsafe fn k_factors(b: *const u8) -> (__m256, __m256) {
+        let (scales, mins) = k_scale_floats(b.add(4));
+        let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
+        let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mins);
+        (dl, _mm256_xor_ps(ml, _mm256_set1_ps(-0.0)))
     }
 
     /// Sub-blocks 2g and 2g + 1 of a Q4_K super-block (quants at `qs`) or (`FIVE`) a Q5_K one
@@ -484,7 +498,7 @@ pub(super) mod avx2 {
         for sb in 0..k / 256 {
             // super-block sb: row[sb * bytes..(sb + 1) * bytes], inside the row
             let b = row.as_ptr().add(sb * bytes);
-            let (scales, mins) = k_scale_floats(b.add(4));
+            let (dl, ml) = k_factors(b);
             let qs = b.add(if FIVE { 48 } else { 16 });
             let qh = _mm256_loadu_si256(b.add(16).cast());
             let blk0 = 8 * sb;
@@ -501,14 +515,11 @@ pub(super) mod avx2 {
                 *g = hadd(h[0], h[1]);
             }
             let s = finish(g[0], g[1]);
-            let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
             let mut c = [dl; R];
             for (c, x) in c.iter_mut().zip(x) {
                 *c = _mm256_mul_ps(dl, _mm256_loadu_ps(x.d.as_ptr().add(blk0)));
             }
             add(s, c, &mut lanes.acc);
-            let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mins);
-            let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
             for (m, x) in lanes.mins.iter_mut().zip(x) {
                 let s = _mm256_loadu_ps(x.s.as_ptr().add(blk0));
                 *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, s));

@@ -18,7 +18,7 @@
 use std::arch::x86_64::*;
 
 use super::dot_avx2::half;
-use super::int16::avx2::{add, k_scale_floats};
+use super::int16::avx2::{add, k_factors};
 use super::int16::Row;
 use super::vnni::{prefetch_rows, q6_k_half, quads, reduce_quads, PlaneRow};
 
@@ -106,15 +106,12 @@ pub(super) unsafe fn q4_k_rows<const W: usize, const R: usize>(
             for ((s, f), z) in s.iter_mut().zip(f).zip(z) {
                 *s = reduce_quads(*f, quads(z[0], z[1]));
             }
-            let (scales, mn) = k_scale_floats(b.add(4));
-            let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
+            let (dl, ml) = k_factors(b);
             let mut c = [dl; R];
             for (c, d) in c.iter_mut().zip(dx) {
                 *c = _mm256_mul_ps(dl, d);
             }
             add(s, c, acc);
-            let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mn);
-            let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
             for (m, s) in mins.iter_mut().zip(sx) {
                 *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, s));
             }

@@ -651,7 +651,10 @@ fn k_scales_unpacks_as_k_scale_min() {
 #[test]
 fn k_scale_floats_in_registers_are_k_scales() {
     use std::arch::x86_64::{__m256, _mm256_storeu_ps};
-    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+    if !(is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c"))
+    {
         return;
     }
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -671,7 +674,7 @@ fn k_scale_floats_in_registers_are_k_scales() {
     cases.extend([[0u8; 16], [0xFF; 16], [0xAA; 16], [0x55; 16]]);
     for s in cases {
         let (scales, mins) = int16::k_scales(&s[..12]);
-        // SAFETY: AVX2 and FMA checked above; 16 bytes at s
+        // SAFETY: AVX2, FMA and F16C checked above; 16 bytes at s
         let (fs, fm) = unsafe { unpacked(&s) };
         assert_eq!(fs, scales.map(f32::from), "{s:?}");
         assert_eq!(fm, mins.map(f32::from), "{s:?}");

@@ -23,7 +23,7 @@ use std::arch::x86_64::*;
 
 use super::dot_avx2::half;
 use super::formats::QType;
-use super::int16::avx2::{add, bytes32, f16s, k_scale_floats, load8, Lanes};
+use super::int16::avx2::{add, bytes32, f16s, k_factors, load8, Lanes};
 use super::int16::{QuantizedRows, Row};
 
 /// Elements per block of x.
@@ -390,15 +390,12 @@ unsafe fn k_rows<const R: usize, const FIVE: bool>(
         }
         // from here as `int16::avx2::k_rows`
         let blk0 = 8 * sb;
-        let (scales, mins) = k_scale_floats(b.add(4));
-        let dl = _mm256_mul_ps(_mm256_set1_ps(half(b)), scales);
+        let (dl, ml) = k_factors(b);
         let mut c = [dl; R];
         for (c, x) in c.iter_mut().zip(x) {
             *c = _mm256_mul_ps(dl, _mm256_loadu_ps(x.d.as_ptr().add(blk0)));
         }
         add(s, c, &mut lanes.acc);
-        let ml = _mm256_mul_ps(_mm256_set1_ps(half(b.add(2))), mins);
-        let ml = _mm256_xor_ps(ml, _mm256_set1_ps(-0.0));
         for (m, x) in lanes.mins.iter_mut().zip(x) {
             let s = _mm256_loadu_ps(x.s.as_ptr().add(blk0));
             *m = _mm256_add_ps(*m, _mm256_mul_ps(ml, s));
@@ -407,7 +404,7 @@ unsafe fn k_rows<const R: usize, const FIVE: bool>(
 }
 
 /// About how far ahead of a weight row's current group the row kernels prefetch (`prefetch_ahead`).
-pub(super) const PREFETCH_BYTES: usize = 16 << 10;
+const PREFETCH_BYTES: usize = 16 << 10;
 
 /// The distance `prefetch_rows` takes for rows of `row_bytes` read `rows` a pass: the same
 /// group `n` rows on, `n` the multiple of `rows` (at least two passes) reaching `PREFETCH_BYTES`.
