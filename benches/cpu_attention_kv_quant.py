@@ -5,7 +5,13 @@ of K and V read per step dominate. Every variant is called in turn on the same p
 (alternated call by call in one process, so a busy machine slows them alike); median ms per call.
 
     python benches/cpu_attention_kv_quant.py --batch 1 16 --context 1024 4096 16384 \
-        [--variants float32 int8 bfloat16 fp8_e4m3] [--threads 1]
+        [--variants float32 int8 bfloat16 fp8_e4m3] [--threads 1] [--layers 30 --between-mb 4]
+
+As in a decode step, each variant has `--layers` caches (a model's layers: the same keys and
+values in separate memory), called one after the other, and `--between-mb` of other memory is
+read (untimed) before each call, as a layer's weights are: a layer's cache comes from memory,
+not from the last call's cache lines. `--layers 1 --between-mb 0` times one cache read again
+and again (hot in L2 / L3 at small batches and contexts: the kernels' arithmetic alone).
 
 The default shape is the 56M Llama's (`benches/make_llama56m.py`): 8 query heads, 4 KV heads,
 head size 64, block size 16. Caches are allocated as the engine does (`worker.cache_engine
@@ -54,7 +60,7 @@ def cache_like(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return cache
 
 
-def make_calls(variants, batch, context, heads, kv_heads, head_dim, block_size, threads):
+def make_calls(variants, batch, context, heads, kv_heads, head_dim, block_size, threads, layers):
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
@@ -66,19 +72,39 @@ def make_calls(variants, batch, context, heads, kv_heads, head_dim, block_size, 
     for name in variants:
         model_dtype, cache_dtype = VARIANTS[name]
         q = q32.to(model_dtype)
-        calls[name] = (
-            numpy_view(q),
-            _cache_view(cache_like(k, cache_dtype)),
-            _cache_view(cache_like(v, cache_dtype)),
-            torch.arange(batch + 1, dtype=torch.int32).numpy(),
-            torch.full((batch,), context, dtype=torch.int32).numpy(),
-            tables.numpy(),
-            head_dim**-0.5,
-            numpy_view(torch.empty_like(q)),
-            threads,
-            kv_format(cache_dtype),
-        )
+        k_cache, v_cache = cache_like(k, cache_dtype), cache_like(v, cache_dtype)
+        calls[name] = []
+        for layer in range(layers):  # the same codes in separate memory, as a model's layers
+            k_layer = k_cache if layer == 0 else copy_cache(k_cache)
+            v_layer = v_cache if layer == 0 else copy_cache(v_cache)
+            calls[name].append(
+                (
+                    numpy_view(q),
+                    _cache_view(k_layer),
+                    _cache_view(v_layer),
+                    torch.arange(batch + 1, dtype=torch.int32).numpy(),
+                    torch.full((batch,), context, dtype=torch.int32).numpy(),
+                    tables.numpy(),
+                    head_dim**-0.5,
+                    numpy_view(torch.empty_like(q)),
+                    threads,
+                    kv_format(cache_dtype),
+                )
+            )
     return calls
+
+
+def copy_cache(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` in new memory allocated as the engine allocates it."""
+    out = host_zeros(tuple(cache.shape), cache.dtype)
+    out.copy_(cache)
+    return out
+
+
+def layer_count(args, float_bytes: int) -> int:
+    """`--layers`, fewer where they would hold more than `--cache-gb` of float32 K/V (at least
+    2: a layer's cache is still out of the caches by its next call, after another's)."""
+    return max(min(2, args.layers), min(args.layers, int(args.cache_gb * 1e9 / float_bytes)))
 
 
 def main() -> int:
@@ -93,16 +119,24 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     # calls per variant: about this many bytes of float32 K/V read in all, at least 7 calls
     p.add_argument("--budget-gb", type=float, default=12.0)
+    p.add_argument("--layers", type=int, default=30, help="caches a variant, called in turn")
+    p.add_argument("--cache-gb", type=float, default=2.0, help="float32 K/V bytes, all layers")
+    p.add_argument("--between-mb", type=float, default=4.0, help="memory read before a call")
     args = p.parse_args()
+    between = torch.ones(max(1, int(args.between_mb * 2**20) // 4))
     for batch in args.batch:
         for context in args.context:
             shape = (batch, context, args.heads, args.kv_heads, args.head_dim, args.block_size)
-            calls = make_calls(args.variants, *shape, args.threads)
             float_bytes = 2 * batch * context * args.kv_heads * args.head_dim * 4
+            layers = layer_count(args, float_bytes)
+            calls = make_calls(args.variants, *shape, args.threads, layers)
             repeats = max(7, min(300, int(args.budget_gb * 1e9 / float_bytes)))
             times = {name: [] for name in calls}
-            for _ in range(repeats):
-                for name, call in calls.items():
+            for i in range(repeats):
+                for name, layer_calls in calls.items():
+                    call = layer_calls[i % layers]
+                    if args.between_mb > 0:
+                        between.sum()  # a layer's weights, read between its attention calls
                     start = time.perf_counter()
                     _core.cpu_paged_attention(*call)
                     times[name].append(time.perf_counter() - start)
@@ -115,6 +149,8 @@ def main() -> int:
                         "batch": batch,
                         "context": context,
                         "repeats": repeats,
+                        "layers": layers,
+                        "between_mb": args.between_mb,
                         "median_ms": ms,
                         f"x_{args.variants[0]}": ratio,
                     }
