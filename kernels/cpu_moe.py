@@ -116,16 +116,18 @@ class QuantExperts:
         """The bytes of every expert's segments."""
         return sum(s.data.numel() for w in [*self.gate_up, *self.down] for s in w.segments)
 
-    def onto(self, buffer: Tensor) -> QuantExperts:
+    def onto(self, buffer: Tensor, repack: bool = False) -> QuantExperts:
         """The same experts copied into `buffer` (uint8, 1-D, `nbytes` long: e.g. memory on
         huge pages, which the decode rows stream ~1.15-1.2x faster than a mapped file's 4 KiB
-        pages, benches/RESULTS.md round 8 H3), back to back."""
+        pages, benches/RESULTS.md round 8 H3), back to back; with `repack`, rows of a type the
+        products read faster in another layout are written in it (`_core.cpu_quant_repack`: the
+        same bytes a row, the same results bit for bit), as the dense weights' are."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.nbytes:
             raise ValueError(
                 f"the experts' copy needs a uint8 [{self.nbytes}] buffer, got {buffer.dtype} "
                 f"{list(buffer.shape)}"
             )
-        return QuantExperts.of(*_copy(self.gate_up, self.down, buffer)[1:])
+        return QuantExperts.of(*_copy(self.gate_up, self.down, buffer, repack)[1:])
 
 
 def _runs(tensors: list[Tensor]) -> list[tuple[Tensor, int, int]]:
@@ -173,26 +175,42 @@ def _placements(runs: list[tuple[Tensor, int, int]]):
     return place
 
 
-def _copy(gate_up: list, down: list, buffer: Tensor | None = None) -> tuple[Tensor, list, list]:
+def _copy(
+    gate_up: list, down: list, buffer: Tensor | None = None, repack: bool = False
+) -> tuple[Tensor, list, list]:
     """(every weight's segments' bytes back to back as one uint8 tensor, `buffer` if given, the
-    weights as views of it)."""
-    from pagedllm.kernels.cpu_quant import make_weight
+    weights as views of it; with `repack`, each segment in its repacked layout where its type
+    has one)."""
+    from pagedllm.kernels.cpu_quant import QuantSegment, QuantWeight
 
     weights = [*gate_up, *down]
     flat = [s.data.reshape(-1) for w in weights for s in w.segments]
     if buffer is None:
         buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-    elif flat:
+    elif flat and not repack:
         torch.cat(flat, out=buffer)
     views, at = [], 0
     for w in weights:
         segments = []
         for s in w.segments:
             n = s.data.numel()
-            segments.append((s.qtype, buffer[at : at + n].view(s.data.shape)))
+            dst = buffer[at : at + n].view(s.data.shape)
+            qtype = _repacked(s, dst, w.in_features) if repack else s.qtype
+            segments.append(QuantSegment(qtype, dst, s.rows))
             at += n
-        views.append(make_weight(segments, w.in_features))
+        views.append(QuantWeight(tuple(segments), w.in_features))  # checked when first made
     return buffer, views[: len(gate_up)], views[len(gate_up) :]
+
+
+def _repacked(segment, dst: Tensor, in_features: int) -> int:
+    """Writes `segment`'s rows into `dst` repacked where its type has a faster layout (else
+    copied) and returns the type code of what was written."""
+    if segment.data.numel():
+        code = _core.cpu_quant_repack(segment.qtype, segment.data.numpy(), in_features, dst.numpy())
+        if code is not None:
+            return code
+        dst.copy_(segment.data)
+    return segment.qtype
 
 
 def moe_quant_experts(

@@ -229,3 +229,44 @@ def test_quantized_experts_copied_onto_a_buffer_read_it_and_give_the_same_output
     assert torch.equal(cpu_moe.moe_quant_experts(x, moved, weights, ids), want)
     with pytest.raises(ValueError, match="needs a uint8"):
         experts_.onto(torch.zeros(experts_.nbytes - 1, dtype=torch.uint8))
+
+
+def quantized(weight: torch.Tensor, qtype: int):
+    """`weight` in `qtype` with ggml's reference rounding (the `gguf` package's)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    from pagedllm.kernels import cpu_quant
+
+    data = gguf_quants.quantize(weight.numpy(), GGMLQuantizationType(qtype))
+    data = np.ascontiguousarray(data).view(np.uint8).reshape(weight.shape[0], -1)
+    return cpu_quant.make_weight([(qtype, torch.from_numpy(data))], weight.shape[1])
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_experts_repacked_onto_a_buffer_give_the_same_outputs_bit_for_bit(qtype_name):
+    from pagedllm import _core
+    from pagedllm.kernels import cpu_quant
+
+    qtype = getattr(cpu_quant, qtype_name)
+    g = torch.Generator().manual_seed(9)
+    # k = 256 and 288: whole groups of 8 blocks, and a last group of 1
+    hidden, width = 256, 288
+    quant = [
+        [quantized(torch.randn(rows, cols, generator=g) / 8, qtype) for _ in range(EXPERTS)]
+        for rows, cols in ((2 * width, hidden), (hidden, width))
+    ]
+    experts_ = cpu_moe.QuantExperts.of(*quant)
+    moved = experts_.onto(torch.zeros(experts_.nbytes, dtype=torch.uint8), repack=True)
+    level, flags = _core.cpu_isa()
+    vnni = level in ("avx512", "amx") and "avx512vnni" in flags
+    types = {s.qtype for w in [*moved.gate_up, *moved.down] for s in w.segments}
+    repacks = vnni and qtype != cpu_quant.Q5_1  # Q5_1 has no repacked layout
+    assert len(types) == 1 and (types != {qtype}) == repacks
+    for tokens, activations in ((1, "int16"), (6, "int16"), (40, "int16"), (3, "f32")):
+        weights, ids = routing(tokens, 3)
+        x = torch.randn(tokens, hidden, generator=g)
+        want = cpu_moe.moe_quant_experts(x, experts_, weights, ids, activations)
+        got = cpu_moe.moe_quant_experts(x, moved, weights, ids, activations)
+        assert torch.equal(got, want), f"{tokens} tokens, {activations}"

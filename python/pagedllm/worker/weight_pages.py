@@ -18,7 +18,8 @@ Quantized rows of a type the products read faster in another layout are written 
 instead of copied (`_core.cpu_quant_repack`: Q4_0, Q5_0, Q8_0 and Q4_1 at AVX-512 with VNNI,
 repacked Q4_0 / Q5_0 / Q8_0 / Q4_1, the same bytes a row; `rust/src/cpu/quant/repack.rs`); the
 products' results are the same bit for bit. A tied Q8_0 embedding follows its LM head into the
-repacked layout (its rows are read back as Q8_0 a group at a time).
+repacked layout (its rows are read back as Q8_0 a group at a time). A mixture of experts'
+quantized experts are repacked likewise as they are copied into their own buffer.
 `REPACK_ENV=0` copies them as they are (an A/B switch, read once at import).
 """
 
@@ -106,7 +107,7 @@ def _move_experts(model: nn.Module) -> int:
     for module in model.modules():
         quant = getattr(module, "quant", None)
         if isinstance(quant, QuantExperts) and quant.nbytes >= HUGE_PAGE_BYTES:
-            module.quant = quant.onto(host_zeros((quant.nbytes,), torch.uint8))
+            module.quant = quant.onto(host_zeros((quant.nbytes,), torch.uint8), REPACK)
             moved += quant.nbytes
     return moved
 
