@@ -73,14 +73,16 @@ KEY_BYTES = 8
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensor's dtype for a `kv_cache_dtype` ("auto": the model's)."""
+    """The cache tensor's dtype for a `kv_cache_dtype` ("auto": the model's; "bfloat16": a float
+    cache of bfloat16 whatever the model's dtype)."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "bfloat16":
+        return torch.bfloat16
     name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
     if name not in _KV_FORMATS:
-        raise ValueError(
-            f"kv_cache_dtype must be one of {['auto', 'fp8', *_KV_FORMATS]}, got {kv_cache_dtype!r}"
-        )
+        accepted = ["auto", "bfloat16", "fp8", *_KV_FORMATS]
+        raise ValueError(f"kv_cache_dtype must be one of {accepted}, got {kv_cache_dtype!r}")
     return _KV_FORMATS[name][0]
 
 

@@ -2,7 +2,8 @@
 (`kv_cache_dtype` int8 / fp8) gets each (token, kv head) row rotated (by torch, before the
 kernel) and coded with its scale byte, as `reference.quantize_rows` defines (the byte after the
 row's HEAD_DIM codes), the keys by error feedback when the key calibration gives it (the same
-float32 operations, unfused)."""
+float32 operations, unfused); a float32 model's rows into a bfloat16 cache rounded as torch
+rounds."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def _store_kv_kernel(
     FP8_M: tl.constexpr = 0,
     FP8_BIAS: tl.constexpr = 0,
     FEEDBACK: tl.constexpr = 0,
+    BF16: tl.constexpr = False,
 ):
     # one program per token; it moves all kv heads of the token (one contiguous-ish 2-D tile)
     t = tl.program_id(0)
@@ -59,9 +61,22 @@ def _store_kv_kernel(
         tile = (mask, row_mask, fb_ptr, h, d)
         _store_quantized(kc_ptr, row, dst, k.to(tl.float32), *tile, *fmt, FEEDBACK)
         _store_quantized(vc_ptr, row, dst, v.to(tl.float32), *tile, *fmt, 0)
+    elif BF16:
+        _store_bf16(kc_ptr, dst, k, mask)
+        _store_bf16(vc_ptr, dst, v, mask)
     else:
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_bf16(c_ptr, dst, x, mask):
+    """float32 `x` into a bfloat16 cache (`kv_cache_dtype="bfloat16"`), rounded to nearest even
+    in integer arithmetic as torch rounds: the same bits on the GPU and under the interpreter
+    (whose conversion truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    tl.store((c_ptr + dst).to(tl.pointer_type(tl.uint16)), rounded.to(tl.uint16), mask=mask)
 
 
 @triton.jit
@@ -278,6 +293,7 @@ def store_kvcache(
         FP8_BIAS={torch.float8_e4m3fn: 7, torch.float8_e5m2: 15}.get(k_cache.dtype, 0),
         # the feedback's candidate scale bytes (0: none; int8 keeps the first)
         FEEDBACK=0 if key_feedback is None else 1 if k_cache.dtype == torch.int8 else KEY_BYTES,
+        BF16=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16,
         num_warps=4 if block_h * block_d >= 1024 else 1,
         # the feedback's multiply and subtract each rounded, as the reference's
         enable_fp_fusion=key_feedback is None,

@@ -43,10 +43,11 @@ USAGE_CONTEXTS = ("offline", "server")
 # is prefilled a chunk at a time, so the first of them stream while the rest wait, where the
 # offline default (the core's) takes them all in one long step
 SERVER_MAX_NUM_BATCHED_TOKENS = 2048
-# the KV cache's formats (vLLM's names, `kv_cache_dtype`): "auto" is the model's dtype; "int8"
-# and "fp8" (= "fp8_e4m3") / "fp8_e5m2" code each (token, kv head) row with its own float32
-# scale, stored beside the row (kernels/reference.py: the formats' definition)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# the KV cache's formats (vLLM's names, `kv_cache_dtype`): "auto" is the model's dtype;
+# "bfloat16" a float32 model's keys and values rounded to bfloat16 (half the bytes, as
+# llama.cpp's default f16 cache); "int8" and "fp8" (= "fp8_e4m3") / "fp8_e5m2" code each (token,
+# kv head) row with its own scale, stored beside the row (kernels/reference.py: the formats)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # what the model is run for (vLLM's `runner`): generating text, or pooling its hidden states
 # (embeddings, scores); `convert` says how a causal LM is pooled (vLLM's `--convert`)
 RUNNERS = ("generate", "pooling")

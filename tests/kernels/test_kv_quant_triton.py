@@ -1,7 +1,8 @@
 """The Triton kernels over a quantized KV cache (int8, fp8_e4m3, fp8_e5m2; under the interpreter
 without a GPU): the store codes rows as `reference.quantize_rows` does, the decode and prefill
-kernels read codes and row scales and match the torch reference over the same cache. Tiny shapes:
-the interpreter is slow."""
+kernels read codes and row scales and match the torch reference over the same cache. And over a
+bfloat16 cache under float32 queries (`kv_cache_dtype="bfloat16"`): the store rounds as torch
+does. Tiny shapes: the interpreter is slow."""
 
 import math
 
@@ -14,7 +15,7 @@ from pagedllm.kernels.prefill_attention import paged_prefill_attention
 from pagedllm.kernels.store_kv import store_kvcache
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+FORMATS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16]
 KVH, D, PAGE = 2, 16, 4
 
 

@@ -24,11 +24,11 @@ from pagedllm.kernels.reference import kv_format
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
     """Whether the Rust kernels handle these tensors (float32 or bfloat16 on the CPU, the cache
-    of q's dtype or quantized, and contiguous)."""
+    of q's dtype, bfloat16 or quantized, and contiguous)."""
     return (
         q.device.type == "cpu"
         and kernel_dtype(q.dtype)
-        and (k_cache.dtype == q.dtype or kv_format(k_cache.dtype) != "auto")
+        and (k_cache.dtype in (q.dtype, torch.bfloat16) or kv_format(k_cache.dtype) != "auto")
         and k_cache.is_contiguous()
     )
 

@@ -1070,8 +1070,9 @@ impl CpuDecoder {
             expert_counts: &mut counts,
             opts,
         };
-        match kv_format {
+        match kv_format.of_cache(kv_cache) {
             KvFormat::Auto => run.over::<FloatKv<N>>(py, kv_cache, head),
+            KvFormat::Bf16 => run.over::<FloatKv<u16>>(py, kv_cache, head),
             KvFormat::Int8 => run.over::<Int8Kv>(py, kv_cache, head),
             KvFormat::Fp8E4M3 => run.over::<Fp8E4M3Kv>(py, kv_cache, head),
             KvFormat::Fp8E5M2 => run.over::<Fp8E5M2Kv>(py, kv_cache, head),

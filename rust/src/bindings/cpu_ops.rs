@@ -128,6 +128,7 @@ pub(super) fn view_mut<N: Dtype, D: Dimension>(
 #[derive(Clone, Copy)]
 pub(super) enum KvFormat {
     Auto,
+    Bf16,
     Int8,
     Fp8E4M3,
     Fp8E5M2,
@@ -137,13 +138,26 @@ impl KvFormat {
     pub(super) fn parse(name: &str) -> PyResult<Self> {
         match name {
             "auto" => Ok(KvFormat::Auto),
+            "bfloat16" => Ok(KvFormat::Bf16),
             "int8" => Ok(KvFormat::Int8),
             "fp8" | "fp8_e4m3" => Ok(KvFormat::Fp8E4M3),
             "fp8_e5m2" => Ok(KvFormat::Fp8E5M2),
             _ => Err(PyValueError::new_err(format!(
-                "kv_cache_dtype must be one of ['auto', 'int8', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], \
-                 got '{name}'"
+                "kv_cache_dtype must be one of ['auto', 'bfloat16', 'int8', 'fp8', 'fp8_e4m3', \
+                 'fp8_e5m2'], got '{name}'"
             ))),
+        }
+    }
+
+    /// `Auto` as the cache array holds it: a float cache of bfloat16 (uint16 bits) under a
+    /// float32 model is `Bf16` (`kv_cache_dtype="bfloat16"`); every other format as it is.
+    pub(super) fn of_cache(self, cache: &Bound<'_, PyAny>) -> Self {
+        let bf16 = cache
+            .cast::<PyUntypedArray>()
+            .is_ok_and(|a| a.dtype().is_equiv_to(&numpy::dtype::<u16>(cache.py())));
+        match self {
+            KvFormat::Auto if bf16 => KvFormat::Bf16,
+            other => other,
         }
     }
 }
@@ -197,6 +211,8 @@ macro_rules! with_kv_format {
         match ($kind, $format) {
             (Kind::F32, KvFormat::Auto) => $f::<f32, FloatKv<f32>>($($args),*),
             (Kind::Bf16, KvFormat::Auto) => $f::<u16, FloatKv<u16>>($($args),*),
+            (Kind::F32, KvFormat::Bf16) => $f::<f32, FloatKv<u16>>($($args),*),
+            (Kind::Bf16, KvFormat::Bf16) => $f::<u16, FloatKv<u16>>($($args),*),
             (Kind::F32, KvFormat::Int8) => $f::<f32, Int8Kv>($($args),*),
             (Kind::Bf16, KvFormat::Int8) => $f::<u16, Int8Kv>($($args),*),
             (Kind::F32, KvFormat::Fp8E4M3) => $f::<f32, Fp8E4M3Kv>($($args),*),
@@ -270,7 +286,7 @@ fn cpu_store_kvcache(
     kv_cache_dtype: &str,
     key_feedback: Option<PyReadonlyArrayDyn<'_, f32>>,
 ) -> PyResult<()> {
-    let format = KvFormat::parse(kv_cache_dtype)?;
+    let format = KvFormat::parse(kv_cache_dtype)?.of_cache(k_cache);
     let feedback = match &key_feedback {
         Some(f) => Some(
             f.as_slice()
@@ -339,7 +355,7 @@ fn cpu_paged_attention(
     sliding_window: usize,
     softcap: f32,
 ) -> PyResult<()> {
-    let format = KvFormat::parse(kv_cache_dtype)?;
+    let format = KvFormat::parse(kv_cache_dtype)?.of_cache(k_cache);
     let floats = (q, k_cache, v_cache, out);
     let ints = (query_start_loc, seq_lens, block_tables);
     let scores = Scores {
