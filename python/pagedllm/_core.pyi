@@ -827,8 +827,10 @@ def cpu_store_kvcache(
 ) -> None:
     """Write k/v ``[T, KVH, D]`` into the caches ``[blocks, block_size, KVH, D]`` at their slots
     (-1: padding row, skipped). ``ValueError`` for a slot outside the cache or mismatched shapes.
-    ``kv_cache_dtype`` "int8" (int8 caches) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized
-    caches ``[blocks, block_size, KVH, D + 1]``, each row rotated and coded with its scale byte.
+    "auto": a float cache of k's dtype, or bfloat16 (uint16 bits) under float32 k (each value
+    rounded to nearest even; "bfloat16" names it too). ``kv_cache_dtype`` "int8" (int8 caches)
+    / "fp8_e4m3" / "fp8_e5m2" (uint8 bits): quantized caches ``[blocks, block_size, KVH, D + 1]``,
+    each row rotated and coded with its scale byte.
     ``key_feedback`` float32 ``[KVH, D, D]`` (a quantized cache): the keys' codes chosen by error
     feedback as ``kernels/reference.py``'s ``quantize_rows`` chooses them, bit for bit."""
 
@@ -847,7 +849,8 @@ def cpu_paged_attention(
     softcap: float = 0.0,
 ) -> None:
     """Paged attention of q ``[T, H, D]`` over the caches into ``out`` (contiguous ``[T, H, D]``),
-    causal within each sequence's query rows, reading the cache in place; GIL released, at most
+    causal within each sequence's query rows, reading the cache in place (of q's dtype, bfloat16
+    under float32 q, or quantized as ``cpu_store_kvcache`` says); GIL released, at most
     ``num_threads`` threads. Computed in float32 for either dtype; a bfloat16 ``out`` is rounded
     once, at the end. ``sliding_window`` W > 0: a query sees its last W positions only (blocks
     wholly before are not read); ``softcap`` > 0: scores capped as ``softcap * tanh(s /
@@ -1051,7 +1054,8 @@ class CpuDecoder:
     ) -> None:
         """Every layer and the final norm over ``x [T, E]`` in place (embeddings in, hidden
         states out; ``x``, ``cos``, ``sin`` in the activations' dtype), K/V stored into
-        ``kv_cache`` (the activations' dtype ``[2, L, blocks, block_size, KVH, D]``, or
+        ``kv_cache`` (the activations' dtype ``[2, L, blocks, block_size, KVH, D]``, bfloat16
+        under float32 activations, or
         ``kv_cache_dtype`` "int8" (int8) / "fp8_e4m3" / "fp8_e5m2" (uint8 bits) with rows of
         ``D + 1``, as ``cpu_store_kvcache`` codes them) and attended over; ``cos``/``sin``
         ``[T, D / 2]``; ``activations`` of the quantized projections as ``cpu_quant_linear``
