@@ -18,8 +18,11 @@
 //! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction.
 //!
 //! A Q8_0 block (34 bytes) is its scale and 32 signed codes. Repacked, a group is its `n`
-//! scales (2n bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one
-//! 64-byte load in element order (`q8_0r`).
+//! scales (2n bytes) then its blocks' codes (32n bytes): in a full group (8 blocks) as an 8 x 8
+//! matrix of 4-byte words transposed (word j of block b at word 8j + b, `transpose_words`), so
+//! a 64-byte load holds words j, j + 1 of all 8 blocks and `q8_0r` sums each block in the same
+//! two lanes of one accumulator over the group (no per-load reduction); a short last group keeps
+//! its blocks' codes in order.
 //!
 //! A Q4_1 block (20 bytes) is its scale, its min and 16 bytes of nibbles. Repacked, a group is
 //! its `n` scales (2n bytes), its `n` mins (2n), then the nibbles as Q4_0R's (16n), read by
@@ -109,6 +112,9 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
                 let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
                 dg[at..at + codes].copy_from_slice(&b[2 + qh..]);
             }
+            if t == QType::Q8_0 && n == GROUP {
+                transpose_words(&mut dg[2 * GROUP..]);
+            }
         }
     }
     Ok(to)
@@ -120,8 +126,17 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
 pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
     let (block, qh) = block_and_qh(t);
     debug_assert!(src.len() == out.len() && src.len().is_multiple_of(block));
+    let mut copy = [0u8; GROUP_BYTES_MAX];
     for (sg, og) in src.chunks(GROUP * block).zip(out.chunks_mut(GROUP * block)) {
         let n = sg.len() / block;
+        let sg = if read_as(t) == QType::Q8_0 && n == GROUP {
+            // a full Q8_0R group's codes back in block order, on a copy
+            copy.copy_from_slice(sg);
+            transpose_words(&mut copy[2 * GROUP..]);
+            &copy[..]
+        } else {
+            sg
+        };
         for (j, b) in og.chunks_exact_mut(block).enumerate() {
             for i in 0..1 + qh / 2 {
                 let at = 2 * i * n + 2 * j;
@@ -130,6 +145,20 @@ pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
             let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
             b[2 + qh..].copy_from_slice(&sg[at..at + codes]);
         }
+    }
+}
+
+/// The 256 bytes `codes` (a full Q8_0 group's, 8 blocks of 32) as an 8 x 8 matrix of 4-byte
+/// words (row b: block b's words 0-7) transposed in place: word j of block b moves to word
+/// 8j + b and back (its own inverse).
+pub fn transpose_words(codes: &mut [u8]) {
+    let mut w = [[0u8; 4]; GROUP * 8];
+    for (w, c) in w.iter_mut().zip(codes.chunks_exact(4)) {
+        w.copy_from_slice(c);
+    }
+    for (i, c) in codes[..GROUP * 32].chunks_exact_mut(4).enumerate() {
+        let (b, j) = (i / 8, i % 8);
+        c.copy_from_slice(&w[8 * j + b]);
     }
 }
 

@@ -50,6 +50,10 @@ pub struct Planes {
     phi: Vec<i8>,
     /// `[m, kp]`, or empty: `lo` in repacked Q4_0's order.
     plo: Vec<u8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `hi` in repacked Q8_0's order (`transposed`).
+    thi: Vec<i8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `lo` in repacked Q8_0's order.
+    tlo: Vec<u8>,
     k: usize,
 }
 
@@ -68,13 +72,18 @@ pub struct PlaneRow<'a> {
     pub(super) phi: *const i8,
     /// The row's first low byte in that order, or null.
     pub(super) plo: *const u8,
+    /// The row's first high byte in repacked Q8_0's order (`Planes::transpose`; `k + PAD`
+    /// readable from it), or null.
+    pub(super) thi: *const i8,
+    /// The row's first low byte in that order, or null.
+    pub(super) tlo: *const u8,
 }
 
 impl Planes {
     /// The `m` rows of `x` (`k` elements each, a multiple of 32) split, and when `permuted` (some
-    /// rows of the weight are `QType::Q4_0R` or `QType::Q5_0R`) their planes in those types' order
-    /// as well.
-    pub fn new(x: &QuantizedRows, m: usize, k: usize, permuted: bool) -> Self {
+    /// rows of the weight are `QType::Q4_0R`, `QType::Q5_0R` or `QType::Q4_1R`) their planes in
+    /// those types' order as well, when `transposed` (some are `QType::Q8_0R`) in its order.
+    pub fn new(x: &QuantizedRows, m: usize, k: usize, permuted: bool, transposed: bool) -> Self {
         debug_assert!(k.is_multiple_of(QK));
         let mut planes = Self {
             hi: Vec::with_capacity(m * k + PAD),
@@ -84,6 +93,8 @@ impl Planes {
             hsum: Vec::with_capacity(m * k / QK),
             phi: Vec::new(),
             plo: Vec::new(),
+            thi: Vec::new(),
+            tlo: Vec::new(),
             k,
         };
 
@@ -106,6 +117,10 @@ impl Planes {
         }
         if permuted {
             planes.permute(m);
+        }
+        if transposed {
+            planes.thi = transpose_groups(&planes.hi, k);
+            planes.tlo = transpose_groups(&planes.lo, k);
         }
         planes.hi.resize(m * k + PAD, 0);
         planes.lo.resize(m * k + PAD, 0);
@@ -150,8 +165,40 @@ impl Planes {
             } else {
                 std::ptr::null()
             },
+            thi: if self.thi.is_empty() {
+                std::ptr::null()
+            } else {
+                self.thi[i * k..].as_ptr()
+            },
+            tlo: if self.tlo.is_empty() {
+                std::ptr::null()
+            } else {
+                self.tlo[i * k..].as_ptr()
+            },
         }
     }
+}
+
+/// Rows of `k` bytes `v` (a whole number of them) in repacked Q8_0's order, then `PAD` zeros:
+/// each full group of 8 blocks (256 bytes) as an 8 x 8 matrix of 4-byte words transposed
+/// (`repack::transpose_words`), a short last group as it is.
+fn transpose_groups<T: Copy + Default>(v: &[T], k: usize) -> Vec<T> {
+    let mut out = Vec::with_capacity(v.len() + PAD);
+    for row in v.chunks_exact(k) {
+        for g in row.chunks(8 * QK) {
+            if g.len() < 8 * QK {
+                out.extend_from_slice(g);
+                continue;
+            }
+            for j in 0..8 {
+                for b in 0..8 {
+                    out.extend_from_slice(&g[QK * b + 4 * j..QK * b + 4 * j + 4]);
+                }
+            }
+        }
+    }
+    out.resize(v.len() + PAD, T::default());
+    out
 }
 
 /// Per row of x, the 16 i32 lanes of 64 codes: `wa` the unsigned operand against the high
@@ -520,16 +567,16 @@ pub fn decodes(t: QType) -> bool {
 }
 
 /// Whether rows of `t` are read against x's planes in repacked Q4_0's order (`Planes::new(..,
-/// permuted)`): Q4_0R and Q5_0R (`super::vnni4`), Q4_1R (`super::q4_1r`); Q8_0R reads the
-/// natural order.
+/// permuted, _)`): Q4_0R and Q5_0R (`super::vnni4`), Q4_1R (`super::q4_1r`); Q8_0R reads them
+/// in its own order (`Planes::new(.., transposed)`).
 pub fn permutes(t: QType) -> bool {
     matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q4_1R)
 }
 
-/// Whether these planes take rows of `t`: all but `permutes` types in the natural order, those
-/// only where the planes were permuted.
+/// Whether these planes take rows of `t`: the plain types in the natural order, the repacked
+/// ones only where the planes were made in their order.
 pub fn reads(p: &PlaneRow<'_>, t: QType) -> bool {
-    decodes(t) && (!permutes(t) || !p.phi.is_null())
+    decodes(t) && (!permutes(t) || !p.phi.is_null()) && (t != QType::Q8_0R || !p.thi.is_null())
 }
 
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the

@@ -168,7 +168,7 @@ pub unsafe fn rows_dots_vnni(
             }
         }
         QType::Q8_0R => {
-            // `super::q8_0r`: x's natural planes
+            // `super::q8_0r`: x's planes in its order
             let mut acc = lanes.acc.map(|a| [a]);
             super::q8_0r::rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
             lanes.acc = acc.map(|a| a[0]);
