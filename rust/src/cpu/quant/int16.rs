@@ -649,6 +649,10 @@ pub(super) mod avx2 {
             QType::Q4_K => k_codes::<false>(row, q),
             QType::Q5_K => k_codes::<true>(row, q),
             QType::Q6_K => q6_k_codes(row, q),
+            QType::Q8_0R if crate::cpu::quant::vnni() => {
+                // AVX-512 granted: its permutes put the transposed words back
+                crate::cpu::quant::q8_0r::codes(row, q)
+            }
             t if crate::cpu::quant::repack::repacked(t) => repacked_codes(t, row, q),
             _ => unreachable!("{} is not a quantized type", t.name()),
         }

@@ -185,3 +185,77 @@ unsafe fn short_group<const W: usize, const R: usize>(
     }
     out
 }
+
+/// A Q8_0R row (`q.len()` elements) as its 16-bit codes in element order: the integer panels'
+/// widening (`int16::avx2::row_codes`) at AVX-512, a full group's transposed words put back in
+/// block order by 8 two-source permutes (4 blocks' words 0-3 and 4-7, then two blocks a vector)
+/// and widened two blocks a vector; a short group's blocks widened as they are.
+///
+/// # Safety
+/// AVX-512 F and BW; `row` holds `q.len()` elements of Q8_0R.
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+pub(super) unsafe fn codes(row: &[u8], q: &mut [i16]) {
+    let blocks = q.len() / QK;
+    assert!(row.len() >= blocks * BLOCK && q.len() == blocks * QK);
+    // lane 4i + j: word j (0-3, of two vectors' 32) of block h + i, for the blocks from h = 0
+    // and from h = 4
+    let quarter = |h: i32| {
+        _mm512_setr_epi32(
+            h,
+            8 + h,
+            16 + h,
+            24 + h,
+            h + 1,
+            9 + h,
+            17 + h,
+            25 + h,
+            h + 2,
+            10 + h,
+            18 + h,
+            26 + h,
+            h + 3,
+            11 + h,
+            19 + h,
+            27 + h,
+        )
+    };
+    let firsts = [quarter(0), quarter(4)];
+    // two blocks' 8 words each: words 0-3 from the first vector, 4-7 from the second
+    let pairs = [
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
+    ];
+    let mut blk0 = 0;
+    while blk0 < blocks {
+        let n = (blocks - blk0).min(8);
+        // group blk0 / 8 and its blocks' codes in q: inside both
+        let g = row.as_ptr().add(blk0 * BLOCK);
+        let out = q.as_mut_ptr().add(QK * blk0);
+        if n == 8 {
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = _mm512_loadu_si512(g.add(16 + 64 * i).cast());
+            }
+            for (h, first) in firsts.iter().enumerate() {
+                let low = _mm512_permutex2var_epi32(v[0], *first, v[1]);
+                let high = _mm512_permutex2var_epi32(v[2], *first, v[3]);
+                for (i, pair) in pairs.iter().enumerate() {
+                    let two = _mm512_permutex2var_epi32(low, *pair, high);
+                    let at = out.add(QK * (4 * h + 2 * i));
+                    let (a, b) = (
+                        _mm512_castsi512_si256(two),
+                        _mm512_extracti64x4_epi64::<1>(two),
+                    );
+                    _mm512_storeu_si512(at.cast(), _mm512_cvtepi8_epi16(a));
+                    _mm512_storeu_si512(at.add(QK).cast(), _mm512_cvtepi8_epi16(b));
+                }
+            }
+        } else {
+            for j in 0..n {
+                let c = _mm256_loadu_si256(g.add(2 * n + QK * j).cast());
+                _mm512_storeu_si512(out.add(QK * j).cast(), _mm512_cvtepi8_epi16(c));
+            }
+        }
+        blk0 += n;
+    }
+}
