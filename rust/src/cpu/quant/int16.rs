@@ -694,6 +694,16 @@ pub(super) mod avx2 {
                 blk0 += n;
                 continue;
             }
+            if plain == QType::Q5_0 && n == GROUP {
+                // a full Q5_0R group's masks and transposed words: its plain blocks back first
+                let mut blocks = [0u8; GROUP * 22];
+                repack::blocks(t, &row[blk0 * block..(blk0 + n) * block], &mut blocks);
+                for j in 0..n {
+                    store32(q, blk0 + j, weights32::<6>(blocks.as_ptr().add(22 * j)));
+                }
+                blk0 += n;
+                continue;
+            }
             for j in 0..n {
                 // block j's codes; the plain block keeps them 2 bytes in (Q4_0, Q8_0: after
                 // the scale, where `weights32` reads them)

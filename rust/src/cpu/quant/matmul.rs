@@ -70,9 +70,8 @@ fn planes(q: &int16::QuantizedRows, m: usize, w: &QuantMatrix<'_>) -> Option<Pla
             .iter()
             .any(|s| int16::takes(s.qtype) && super::vnni::decodes(s.qtype))
     {
-        let permuted = w.segments.iter().any(|s| super::vnni::permutes(s.qtype));
-        let transposed = w.segments.iter().any(|s| s.qtype == super::QType::Q8_0R);
-        return Some(Planes::new(q, m, w.k(), permuted, transposed));
+        let types: Vec<_> = w.segments.iter().map(|s| s.qtype).collect();
+        return Some(Planes::new(q, m, w.k(), &types));
     }
     let _ = (q, m, w);
     None
