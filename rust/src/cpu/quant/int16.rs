@@ -649,10 +649,6 @@ pub(super) mod avx2 {
             QType::Q4_K => k_codes::<false>(row, q),
             QType::Q5_K => k_codes::<true>(row, q),
             QType::Q6_K => q6_k_codes(row, q),
-            QType::Q8_0R if crate::cpu::quant::vnni() => {
-                // AVX-512 granted: its permutes put the transposed words back
-                crate::cpu::quant::q8_0r::codes(row, q)
-            }
             t if crate::cpu::quant::repack::repacked(t) => repacked_codes(t, row, q),
             _ => unreachable!("{} is not a quantized type", t.name()),
         }
@@ -676,11 +672,20 @@ pub(super) mod avx2 {
         let head = block - payload;
         let blocks = q.len() / QK;
         assert!(row.len() >= blocks * block);
+        // full Q8_0R / Q5_0R groups on AVX-512's permutes where it is granted
+        let wide = matches!(plain, QType::Q8_0 | QType::Q5_0) && crate::cpu::quant::vnni();
         let mut blk0 = 0;
         while blk0 < blocks {
             // a group of n blocks from blk0 (the row's last the rest): inside the row
             let n = (blocks - blk0).min(GROUP);
             let g = row.as_ptr().add(blk0 * block);
+            if wide && n == GROUP {
+                // SAFETY: AVX-512 granted (`vnni()`); a full group, its 256 codes inside q
+                let out = q.as_mut_ptr().add(QK * blk0);
+                crate::cpu::quant::q8_0r::group_codes(g, plain == QType::Q5_0, out);
+                blk0 += n;
+                continue;
+            }
             if plain == QType::Q8_0 && n == GROUP {
                 // a full Q8_0R group's codes are its blocks' 4-byte words transposed
                 // (`repack::transpose_words`): 8 loads of word j of each block, transposed back

@@ -186,76 +186,82 @@ unsafe fn short_group<const W: usize, const R: usize>(
     out
 }
 
-/// A Q8_0R row (`q.len()` elements) as its 16-bit codes in element order: the integer panels'
-/// widening (`int16::avx2::row_codes`) at AVX-512, a full group's transposed words put back in
-/// block order by 8 two-source permutes (4 blocks' words 0-3 and 4-7, then two blocks a vector)
-/// and widened two blocks a vector; a short group's blocks widened as they are.
+/// `group_codes`' first permutes: lane 4i + j is word j (0-3, of two vectors' 32) of block
+/// h + i, for the blocks from h = 0 and from h = 4.
+static FIRSTS: [[i32; 16]; 2] = {
+    let mut t = [[0; 16]; 2];
+    let mut l = 0;
+    while l < 32 {
+        let (h, i, j) = (l / 16, l % 16 / 4, l % 4);
+        t[h][l % 16] = (4 * h + i + 8 * j) as i32;
+        l += 1;
+    }
+    t
+};
+
+/// `group_codes`' second permutes: two blocks' 8 words each, words 0-3 from the first vector,
+/// 4-7 from the second.
+static PAIRS: [[i32; 16]; 2] = [
+    [0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23],
+    [8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31],
+];
+
+/// A full Q8_0R or (`five`) Q5_0R group at `g` (8 blocks, `repack`'s layouts) as its 256
+/// 16-bit codes in element order at `out` (Q5_0's less its offset 16, as `int16`'s
+/// `q5_0_weights`): the integer panels' widening (`int16::avx2::row_codes`) at AVX-512. The
+/// group's codes are 4 64-byte vectors of 4-byte words, word l of vector v word j of block
+/// l % 8 (Q8_0R: j = 2v + l / 8; Q5_0R: vector (c, h) = 2h + c its low (h = 0) or high nibbles'
+/// half c, j = 2c + l / 8, elements 16h + 4j..), put back in block order by 8 two-source
+/// permutes (4 blocks' words from the first two vectors, then from the last two; then two
+/// blocks a vector) and widened two blocks a vector.
 ///
 /// # Safety
-/// AVX-512 F and BW; `row` holds `q.len()` elements of Q8_0R.
+/// AVX-512 F and BW; `g` a full group of its type, `out` writable for 256 codes.
 #[target_feature(enable = "avx512f,avx512bw,avx2")]
-pub(super) unsafe fn codes(row: &[u8], q: &mut [i16]) {
-    let blocks = q.len() / QK;
-    assert!(row.len() >= blocks * BLOCK && q.len() == blocks * QK);
-    // lane 4i + j: word j (0-3, of two vectors' 32) of block h + i, for the blocks from h = 0
-    // and from h = 4
-    let quarter = |h: i32| {
-        _mm512_setr_epi32(
-            h,
-            8 + h,
-            16 + h,
-            24 + h,
-            h + 1,
-            9 + h,
-            17 + h,
-            25 + h,
-            h + 2,
-            10 + h,
-            18 + h,
-            26 + h,
-            h + 3,
-            11 + h,
-            19 + h,
-            27 + h,
-        )
-    };
-    let firsts = [quarter(0), quarter(4)];
-    // two blocks' 8 words each: words 0-3 from the first vector, 4-7 from the second
-    let pairs = [
-        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
-        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
-    ];
-    let mut blk0 = 0;
-    while blk0 < blocks {
-        let n = (blocks - blk0).min(8);
-        // group blk0 / 8 and its blocks' codes in q: inside both
-        let g = row.as_ptr().add(blk0 * BLOCK);
-        let out = q.as_mut_ptr().add(QK * blk0);
-        if n == 8 {
-            let mut v = [_mm512_setzero_si512(); 4];
-            for (i, v) in v.iter_mut().enumerate() {
-                *v = _mm512_loadu_si512(g.add(16 + 64 * i).cast());
-            }
-            for (h, first) in firsts.iter().enumerate() {
-                let low = _mm512_permutex2var_epi32(v[0], *first, v[1]);
-                let high = _mm512_permutex2var_epi32(v[2], *first, v[3]);
-                for (i, pair) in pairs.iter().enumerate() {
-                    let two = _mm512_permutex2var_epi32(low, *pair, high);
-                    let at = out.add(QK * (4 * h + 2 * i));
-                    let (a, b) = (
-                        _mm512_castsi512_si256(two),
-                        _mm512_extracti64x4_epi64::<1>(two),
-                    );
-                    _mm512_storeu_si512(at.cast(), _mm512_cvtepi8_epi16(a));
-                    _mm512_storeu_si512(at.add(QK).cast(), _mm512_cvtepi8_epi16(b));
-                }
-            }
-        } else {
-            for j in 0..n {
-                let c = _mm256_loadu_si256(g.add(2 * n + QK * j).cast());
-                _mm512_storeu_si512(out.add(QK * j).cast(), _mm512_cvtepi8_epi16(c));
+pub(super) unsafe fn group_codes(g: *const u8, five: bool, out: *mut i16) {
+    let mut v = [_mm512_setzero_si512(); 4];
+    if five {
+        // the 16 bytes of scales, 4 masks (32 bytes: half c's low nibbles', high nibbles'),
+        // then the nibbles' two halves
+        let (nibble, sixteen) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(16));
+        for c in 0..2 {
+            let half = _mm512_loadu_si512(g.add(48 + 64 * c).cast());
+            let masks = g.add(16 + 16 * c);
+            for h in 0..2 {
+                let w = if h == 0 {
+                    _mm512_and_si512(half, nibble)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(half), nibble)
+                };
+                let bits = masks.add(8 * h).cast::<u64>().read_unaligned();
+                let w = _mm512_mask_add_epi8(w, bits, w, sixteen);
+                v[2 * h + c] = _mm512_sub_epi8(w, sixteen);
             }
         }
-        blk0 += n;
+    } else {
+        for (i, v) in v.iter_mut().enumerate() {
+            *v = _mm512_loadu_si512(g.add(16 + 64 * i).cast());
+        }
+    }
+    let (mut firsts, mut pairs) = ([_mm512_setzero_si512(); 2], [_mm512_setzero_si512(); 2]);
+    for (f, i) in firsts.iter_mut().zip(&FIRSTS) {
+        *f = _mm512_loadu_si512(i.as_ptr().cast());
+    }
+    for (p, i) in pairs.iter_mut().zip(&PAIRS) {
+        *p = _mm512_loadu_si512(i.as_ptr().cast());
+    }
+    for (h, first) in firsts.iter().enumerate() {
+        let low = _mm512_permutex2var_epi32(v[0], *first, v[1]);
+        let high = _mm512_permutex2var_epi32(v[2], *first, v[3]);
+        for (i, pair) in pairs.iter().enumerate() {
+            let two = _mm512_permutex2var_epi32(low, *pair, high);
+            let at = out.add(QK * (4 * h + 2 * i));
+            let (a, b) = (
+                _mm512_castsi512_si256(two),
+                _mm512_extracti64x4_epi64::<1>(two),
+            );
+            _mm512_storeu_si512(at.cast(), _mm512_cvtepi8_epi16(a));
+            _mm512_storeu_si512(at.add(QK).cast(), _mm512_cvtepi8_epi16(b));
+        }
     }
 }
