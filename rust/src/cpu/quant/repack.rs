@@ -15,7 +15,11 @@
 //! j's bit 4. Repacked, a group is its `n` scales (2n bytes), the low 16 bits of each block's
 //! qh (2n bytes: elements 0-15, the low nibbles' bits), the high 16 bits of each (2n bytes:
 //! elements 16-31), then the nibbles as Q4_0R's (16n bytes): 4 blocks' low (high) nibbles'
-//! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction.
+//! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction. A full
+//! group (8 blocks) stores instead 4 64-bit masks (2n bytes twice) and its nibbles' 4-byte
+//! words transposed (`q5_0_masks_and_words`): each 64-byte load holds words 2c, 2c + 1 of all 8
+//! blocks and one mask for its low and one for its high nibbles, so `vnni4` sums each block in
+//! the same two lanes over the group.
 //!
 //! A Q8_0 block (34 bytes) is its scale and 32 signed codes. Repacked, a group is its `n`
 //! scales (2n bytes) then its blocks' codes (32n bytes): in a full group (8 blocks) as an 8 x 8

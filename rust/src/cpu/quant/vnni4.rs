@@ -218,10 +218,12 @@ pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
 
 /// `q4_0r_rows` for repacked Q5_0 rows (`QType::Q5_0R`): the same, each 64 codes' bits 4 added
 /// from one 64-bit mask (4 blocks' qh halves, stored together by the repack), the offset 16
-/// taken off; the same bits as Q5_0's products (`vnni::group32`).
+/// taken off; full groups in their own layout (`q5_0r_full_group`); the same bits as Q5_0's
+/// products (`vnni::group32`).
 ///
 /// # Safety
-/// As `q4_0r_rows`, the rows Q5_0R.
+/// As `q4_0r_rows`, the rows Q5_0R, x's planes in Q5_0R's order as well (`Planes::new`'s
+/// types with `QType::Q5_0R`).
 #[inline(always)]
 pub(super) unsafe fn q5_0r_rows<const W: usize, const R: usize>(
     w: [*const u8; W],
