@@ -164,7 +164,7 @@ pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
 /// The 256 bytes `codes` (a full Q8_0 group's, 8 blocks of 32) as an 8 x 8 matrix of 4-byte
 /// words (row b: block b's words 0-7) transposed in place: word j of block b moves to word
 /// 8j + b and back (its own inverse).
-pub fn transpose_words(codes: &mut [u8]) {
+fn transpose_words(codes: &mut [u8]) {
     let mut w = [[0u8; 4]; GROUP * 8];
     for (w, c) in w.iter_mut().zip(codes.chunks_exact(4)) {
         w.copy_from_slice(c);
@@ -183,7 +183,7 @@ pub fn transpose_words(codes: &mut [u8]) {
 /// words transposed (word j of block b at word 8j + b), so the 64-byte half c holds words 2c,
 /// 2c + 1 of all 8 blocks and mask (c, h) adds the 16s of its low (h = 0) or high nibbles in one
 /// masked add (`vnni4`).
-pub fn q5_0_masks_and_words(g: &mut [u8], to: bool) {
+fn q5_0_masks_and_words(g: &mut [u8], to: bool) {
     const QH: usize = 2 * GROUP;
     const NIBBLES: usize = 6 * GROUP;
     let mut qh = [0u32; GROUP];
