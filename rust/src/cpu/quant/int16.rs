@@ -672,11 +672,43 @@ pub(super) mod avx2 {
         let head = block - payload;
         let blocks = q.len() / QK;
         assert!(row.len() >= blocks * block);
+        // full Q8_0R / Q5_0R groups on AVX-512's permutes where it is granted
+        let wide = matches!(plain, QType::Q8_0 | QType::Q5_0) && crate::cpu::quant::vnni();
         let mut blk0 = 0;
         while blk0 < blocks {
             // a group of n blocks from blk0 (the row's last the rest): inside the row
             let n = (blocks - blk0).min(GROUP);
             let g = row.as_ptr().add(blk0 * block);
+            if wide && n == GROUP {
+                // SAFETY: AVX-512 granted (`vnni()`); a full group, its 256 codes inside q
+                let out = q.as_mut_ptr().add(QK * blk0);
+                crate::cpu::quant::q8_0r::group_codes(g, plain == QType::Q5_0, out);
+                blk0 += n;
+                continue;
+            }
+            if plain == QType::Q8_0 && n == GROUP {
+                // a full Q8_0R group's codes are its blocks' 4-byte words transposed
+                // (`repack::transpose_words`): 8 loads of word j of each block, transposed back
+                let mut words = [_mm256_setzero_si256(); 8];
+                for (j, w) in words.iter_mut().enumerate() {
+                    *w = _mm256_loadu_si256(g.add(2 * n + 32 * j).cast());
+                }
+                for (j, q32) in transpose8(words).into_iter().enumerate() {
+                    store32(q, blk0 + j, widen(q32));
+                }
+                blk0 += n;
+                continue;
+            }
+            if plain == QType::Q5_0 && n == GROUP {
+                // a full Q5_0R group's masks and transposed words: its plain blocks back first
+                let mut blocks = [0u8; GROUP * 22];
+                repack::blocks(t, &row[blk0 * block..(blk0 + n) * block], &mut blocks);
+                for j in 0..n {
+                    store32(q, blk0 + j, weights32::<6>(blocks.as_ptr().add(22 * j)));
+                }
+                blk0 += n;
+                continue;
+            }
             for j in 0..n {
                 // block j's codes; the plain block keeps them 2 bytes in (Q4_0, Q8_0: after
                 // the scale, where `weights32` reads them)
@@ -695,6 +727,32 @@ pub(super) mod avx2 {
             }
             blk0 += n;
         }
+    }
+
+    /// The 8 x 8 matrix of 32-bit lanes `r` (row i: `r[i]`) transposed: lane i of `out[c]` is
+    /// lane c of `r[i]`.
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256i; 8]) -> [__m256i; 8] {
+        let mut t = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4h + c]: lanes c (and c + 4 in the high half) of rows 4h..4h + 4
+        let mut u = [_mm256_setzero_si256(); 8];
+        for h in 0..2 {
+            let (a, b, c, d) = (t[4 * h], t[4 * h + 1], t[4 * h + 2], t[4 * h + 3]);
+            u[4 * h] = _mm256_unpacklo_epi64(a, c);
+            u[4 * h + 1] = _mm256_unpackhi_epi64(a, c);
+            u[4 * h + 2] = _mm256_unpacklo_epi64(b, d);
+            u[4 * h + 3] = _mm256_unpackhi_epi64(b, d);
+        }
+        let mut out = [_mm256_setzero_si256(); 8];
+        for c in 0..4 {
+            out[c] = _mm256_permute2x128_si256::<0x20>(u[c], u[4 + c]);
+            out[c + 4] = _mm256_permute2x128_si256::<0x31>(u[c], u[4 + c]);
+        }
+        out
     }
 
     /// Stores the 16-bit weights `w` (elements 0-15, 16-31) as block `blk` of `q`.

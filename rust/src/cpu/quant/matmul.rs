@@ -51,7 +51,7 @@ pub enum Activations {
 enum QuantizedX {
     Int8(int8::QuantizedRows),
     /// The 16-bit codes, and at decode rows on AVX-512 with VNNI their byte planes.
-    Int16(int16::QuantizedRows, Option<Planes>),
+    Int16(int16::QuantizedRows, Option<Box<Planes>>),
 }
 
 /// x's 16-bit codes split for the VNNI products (`vnni::Planes`; none off x86-64).
@@ -70,8 +70,8 @@ fn planes(q: &int16::QuantizedRows, m: usize, w: &QuantMatrix<'_>) -> Option<Pla
             .iter()
             .any(|s| int16::takes(s.qtype) && super::vnni::decodes(s.qtype))
     {
-        let permuted = w.segments.iter().any(|s| super::repack::repacked(s.qtype));
-        return Some(Planes::new(q, m, w.k(), permuted));
+        let types: Vec<_> = w.segments.iter().map(|s| s.qtype).collect();
+        return Some(Planes::new(q, m, w.k(), &types));
     }
     let _ = (q, m, w);
     None
@@ -108,7 +108,7 @@ impl QuantizedX {
             }
             Activations::Int16 => any(int16::takes).then(|| {
                 let q = codes();
-                let p = planes(&q, m, w);
+                let p = planes(&q, m, w).map(Box::new);
                 Self::Int16(q, p)
             }),
         }

@@ -15,11 +15,18 @@
 //! j's bit 4. Repacked, a group is its `n` scales (2n bytes), the low 16 bits of each block's
 //! qh (2n bytes: elements 0-15, the low nibbles' bits), the high 16 bits of each (2n bytes:
 //! elements 16-31), then the nibbles as Q4_0R's (16n bytes): 4 blocks' low (high) nibbles'
-//! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction.
+//! bits 4 are one 64-bit mask load, which adds 16 to those bytes in one instruction. A full
+//! group (8 blocks) stores instead 4 64-bit masks (2n bytes twice) and its nibbles' 4-byte
+//! words transposed (`q5_0_masks_and_words`): each 64-byte load holds words 2c, 2c + 1 of all 8
+//! blocks and one mask for its low and one for its high nibbles, so `vnni4` sums each block in
+//! the same two lanes over the group.
 //!
 //! A Q8_0 block (34 bytes) is its scale and 32 signed codes. Repacked, a group is its `n`
-//! scales (2n bytes) then its blocks' codes in order (32n bytes): two blocks' codes are one
-//! 64-byte load in element order (`q8_0r`).
+//! scales (2n bytes) then its blocks' codes (32n bytes): in a full group (8 blocks) as an 8 x 8
+//! matrix of 4-byte words transposed (word j of block b at word 8j + b, `transpose_words`), so
+//! a 64-byte load holds words j, j + 1 of all 8 blocks and `q8_0r` sums each block in the same
+//! two lanes of one accumulator over the group (no per-load reduction); a short last group keeps
+//! its blocks' codes in order.
 //!
 //! A Q4_1 block (20 bytes) is its scale, its min and 16 bytes of nibbles. Repacked, a group is
 //! its `n` scales (2n bytes), its `n` mins (2n), then the nibbles as Q4_0R's (16n), read by
@@ -109,6 +116,13 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
                 let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
                 dg[at..at + codes].copy_from_slice(&b[2 + qh..]);
             }
+            if n == GROUP {
+                match t {
+                    QType::Q8_0 => transpose_words(&mut dg[2 * GROUP..]),
+                    QType::Q5_0 => q5_0_masks_and_words(dg, true),
+                    _ => {}
+                }
+            }
         }
     }
     Ok(to)
@@ -120,8 +134,22 @@ pub fn repack(t: QType, src: &[u8], dst: &mut [u8], k: usize) -> Result<QType> {
 pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
     let (block, qh) = block_and_qh(t);
     debug_assert!(src.len() == out.len() && src.len().is_multiple_of(block));
+    let mut copy = [0u8; GROUP_BYTES_MAX];
     for (sg, og) in src.chunks(GROUP * block).zip(out.chunks_mut(GROUP * block)) {
         let n = sg.len() / block;
+        let sg = if n == GROUP && matches!(t, QType::Q8_0R | QType::Q5_0R) {
+            // a full Q8_0R / Q5_0R group as its blocks in order, on a copy
+            let copy = &mut copy[..sg.len()];
+            copy.copy_from_slice(sg);
+            if t == QType::Q8_0R {
+                transpose_words(&mut copy[2 * GROUP..]);
+            } else {
+                q5_0_masks_and_words(copy, false);
+            }
+            &copy[..]
+        } else {
+            sg
+        };
         for (j, b) in og.chunks_exact_mut(block).enumerate() {
             for i in 0..1 + qh / 2 {
                 let at = 2 * i * n + 2 * j;
@@ -130,6 +158,88 @@ pub fn blocks(t: QType, src: &[u8], out: &mut [u8]) {
             let (at, codes) = ((2 + qh) * n + (block - 2 - qh) * j, block - 2 - qh);
             b[2 + qh..].copy_from_slice(&sg[at..at + codes]);
         }
+    }
+}
+
+/// The 256 bytes `codes` (a full Q8_0 group's, 8 blocks of 32) as an 8 x 8 matrix of 4-byte
+/// words (row b: block b's words 0-7) transposed in place: word j of block b moves to word
+/// 8j + b and back (its own inverse).
+fn transpose_words(codes: &mut [u8]) {
+    let mut w = [[0u8; 4]; GROUP * 8];
+    for (w, c) in w.iter_mut().zip(codes.chunks_exact(4)) {
+        w.copy_from_slice(c);
+    }
+    for (i, c) in codes[..GROUP * 32].chunks_exact_mut(4).enumerate() {
+        let (b, j) = (i / 8, i % 8);
+        c.copy_from_slice(&w[8 * j + b]);
+    }
+}
+
+/// A full Q5_0R group (8 blocks, 176 bytes) from its blocks-in-order form (`to`: the scales,
+/// each block's qh low halves, then high halves, then each block's 16 bytes of nibbles) to the
+/// stored one, or back (`!to`): the scales; then 4 64-bit masks, for each half c of the nibbles
+/// (c = 0, 1) the bits 4 of the low nibbles' elements then of the high nibbles' (bit 4l + i of
+/// mask (c, h): element 16h + 4j + i of block l % 8, j = 2c + l / 8); then the nibbles' 4-byte
+/// words transposed (word j of block b at word 8j + b), so the 64-byte half c holds words 2c,
+/// 2c + 1 of all 8 blocks and mask (c, h) adds the 16s of its low (h = 0) or high nibbles in one
+/// masked add (`vnni4`).
+fn q5_0_masks_and_words(g: &mut [u8], to: bool) {
+    const QH: usize = 2 * GROUP;
+    const NIBBLES: usize = 6 * GROUP;
+    let mut qh = [0u32; GROUP];
+    let mut masks = [0u64; 4];
+    if to {
+        for (b, q) in qh.iter_mut().enumerate() {
+            let lo = u16::from_le_bytes([g[QH + 2 * b], g[QH + 2 * b + 1]]);
+            let hi = u16::from_le_bytes([g[2 * QH + 2 * b], g[2 * QH + 2 * b + 1]]);
+            *q = u32::from(lo) | (u32::from(hi) << 16);
+        }
+    } else {
+        for (c, m) in masks.iter_mut().enumerate() {
+            let at = QH + 8 * c;
+            *m = u64::from_le_bytes(g[at..at + 8].try_into().unwrap());
+        }
+    }
+    for (c, h, l, i) in
+        (0..4).flat_map(|ch| (0..16).flat_map(move |l| (0..4).map(move |i| (ch / 2, ch % 2, l, i))))
+    {
+        let (b, j) = (l % 8, 2 * c + l / 8);
+        let (bit, mbit) = (16 * h + 4 * j + i, 4 * l + i);
+        let m = &mut masks[2 * c + h];
+        if to {
+            *m |= u64::from(qh[b] >> bit & 1) << mbit;
+        } else {
+            qh[b] |= ((*m >> mbit & 1) as u32) << bit;
+        }
+    }
+    if to {
+        for (c, m) in masks.iter().enumerate() {
+            g[QH + 8 * c..QH + 8 * c + 8].copy_from_slice(&m.to_le_bytes());
+        }
+    } else {
+        for (b, q) in qh.iter().enumerate() {
+            g[QH + 2 * b..QH + 2 * b + 2].copy_from_slice(&(*q as u16).to_le_bytes());
+            g[2 * QH + 2 * b..2 * QH + 2 * b + 2]
+                .copy_from_slice(&((*q >> 16) as u16).to_le_bytes());
+        }
+    }
+    // 32 words of nibbles: 8 x 4 (block b's word j at 4b + j) <-> 4 x 8 (at 8j + b)
+    let mut w = [[0u8; 4]; 4 * GROUP];
+    for (w, c) in w.iter_mut().zip(g[NIBBLES..].chunks_exact(4)) {
+        w.copy_from_slice(c);
+    }
+    for (i, c) in g[NIBBLES..NIBBLES + 16 * GROUP]
+        .chunks_exact_mut(4)
+        .enumerate()
+    {
+        let from = if to {
+            // word i is 8j + b
+            4 * (i % 8) + i / 8
+        } else {
+            // word i is 4b + j
+            8 * (i % 4) + i / 4
+        };
+        c.copy_from_slice(&w[from]);
     }
 }
 

@@ -50,6 +50,14 @@ pub struct Planes {
     phi: Vec<i8>,
     /// `[m, kp]`, or empty: `lo` in repacked Q4_0's order.
     plo: Vec<u8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `hi` in repacked Q8_0's order (`transposed`).
+    thi: Vec<i8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `lo` in repacked Q8_0's order.
+    tlo: Vec<u8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `hi` in repacked Q5_0's order of full groups.
+    nhi: Vec<i8>,
+    /// `[m, k]` then `PAD` zeros, or empty: `lo` in that order.
+    nlo: Vec<u8>,
     k: usize,
 }
 
@@ -68,13 +76,24 @@ pub struct PlaneRow<'a> {
     pub(super) phi: *const i8,
     /// The row's first low byte in that order, or null.
     pub(super) plo: *const u8,
+    /// The row's first high byte in repacked Q8_0's order (`Planes::transpose`; `k + PAD`
+    /// readable from it), or null.
+    pub(super) thi: *const i8,
+    /// The row's first low byte in that order, or null.
+    pub(super) tlo: *const u8,
+    /// The row's first high byte in repacked Q5_0's order of full groups (`Q5_0R_WORDS`; `k +
+    /// PAD` readable from it), or null.
+    pub(super) nhi: *const i8,
+    /// The row's first low byte in that order, or null.
+    pub(super) nlo: *const u8,
 }
 
 impl Planes {
-    /// The `m` rows of `x` (`k` elements each, a multiple of 32) split, and when `permuted` (some
-    /// rows of the weight are `QType::Q4_0R` or `QType::Q5_0R`) their planes in those types' order
-    /// as well.
-    pub fn new(x: &QuantizedRows, m: usize, k: usize, permuted: bool) -> Self {
+    /// The `m` rows of `x` (`k` elements each, a multiple of 32) split, and for rows of the
+    /// `types` their planes in the orders they read as well: repacked Q4_0's (`QType::Q4_0R`,
+    /// `QType::Q4_1R`, `QType::Q5_0R`'s short groups), Q8_0's (`QType::Q8_0R`), Q5_0's
+    /// (`QType::Q5_0R`'s full groups).
+    pub fn new(x: &QuantizedRows, m: usize, k: usize, types: &[QType]) -> Self {
         debug_assert!(k.is_multiple_of(QK));
         let mut planes = Self {
             hi: Vec::with_capacity(m * k + PAD),
@@ -84,6 +103,10 @@ impl Planes {
             hsum: Vec::with_capacity(m * k / QK),
             phi: Vec::new(),
             plo: Vec::new(),
+            thi: Vec::new(),
+            tlo: Vec::new(),
+            nhi: Vec::new(),
+            nlo: Vec::new(),
             k,
         };
 
@@ -104,8 +127,16 @@ impl Planes {
                     .map(|c| 32768 * c.iter().map(|v| i32::from(v >> 8)).sum::<i32>()),
             );
         }
-        if permuted {
+        if types.iter().any(|t| permutes(*t)) {
             planes.permute(m);
+        }
+        if types.contains(&QType::Q8_0R) {
+            planes.thi = reorder_groups(&planes.hi, k, &Q8_0R_WORDS);
+            planes.tlo = reorder_groups(&planes.lo, k, &Q8_0R_WORDS);
+        }
+        if types.contains(&QType::Q5_0R) {
+            planes.nhi = reorder_groups(&planes.hi, k, &Q5_0R_WORDS);
+            planes.nlo = reorder_groups(&planes.lo, k, &Q5_0R_WORDS);
         }
         planes.hi.resize(m * k + PAD, 0);
         planes.lo.resize(m * k + PAD, 0);
@@ -150,9 +181,74 @@ impl Planes {
             } else {
                 std::ptr::null()
             },
+            thi: if self.thi.is_empty() {
+                std::ptr::null()
+            } else {
+                self.thi[i * k..].as_ptr()
+            },
+            tlo: if self.tlo.is_empty() {
+                std::ptr::null()
+            } else {
+                self.tlo[i * k..].as_ptr()
+            },
+            nhi: if self.nhi.is_empty() {
+                std::ptr::null()
+            } else {
+                self.nhi[i * k..].as_ptr()
+            },
+            nlo: if self.nlo.is_empty() {
+                std::ptr::null()
+            } else {
+                self.nlo[i * k..].as_ptr()
+            },
         }
     }
 }
+
+/// Rows of `k` bytes `v` (a whole number of them) with each full group of 8 blocks' 64 4-byte
+/// words in the order `words` gives (position w holds the group's word `words[w]`), a short last
+/// group as it is, then `PAD` zeros.
+fn reorder_groups<T: Copy + Default>(v: &[T], k: usize, words: &[usize; 64]) -> Vec<T> {
+    let mut out = vec![T::default(); v.len() + PAD];
+    for (row, dst) in v.chunks_exact(k).zip(out.chunks_exact_mut(k)) {
+        for (g, d) in row.chunks(8 * QK).zip(dst.chunks_mut(8 * QK)) {
+            if g.len() < 8 * QK {
+                d.copy_from_slice(g);
+                continue;
+            }
+            for (d, w) in d.chunks_exact_mut(4).zip(words) {
+                d.copy_from_slice(&g[4 * w..4 * w + 4]);
+            }
+        }
+    }
+    out
+}
+
+/// Repacked Q8_0's order of a full group's words (`repack::transpose_words`): word 8j + b is
+/// word j of block b.
+const Q8_0R_WORDS: [usize; 64] = {
+    let mut t = [0; 64];
+    let mut w = 0;
+    while w < 64 {
+        t[w] = 8 * (w % 8) + w / 8;
+        w += 1;
+    }
+    t
+};
+
+/// Repacked Q5_0's order of a full group's words (`repack::q5_0_masks_and_words`): per half c
+/// of its nibbles (32 words), the words of its low nibbles' elements then of its high nibbles'
+/// (h = 0, 1); word l of either is word 4h + j of block l % 8 (j = 2c + l / 8).
+const Q5_0R_WORDS: [usize; 64] = {
+    let mut t = [0; 64];
+    let mut w = 0;
+    while w < 64 {
+        let (c, h, l) = (w / 32, w / 16 % 2, w % 16);
+        t[w] = 8 * (l % 8) + 4 * h + 2 * c + l / 8;
+        w += 1;
+    }
+    t
+};
 
 /// Per row of x, the 16 i32 lanes of 64 codes: `wa` the unsigned operand against the high
 /// bytes, `wb` the signed one against the low bytes, at elements `e..e + 64` of the row.
@@ -520,16 +616,19 @@ pub fn decodes(t: QType) -> bool {
 }
 
 /// Whether rows of `t` are read against x's planes in repacked Q4_0's order (`Planes::new(..,
-/// permuted)`): Q4_0R and Q5_0R (`super::vnni4`), Q4_1R (`super::q4_1r`); Q8_0R reads the
-/// natural order.
+/// types)`): Q4_0R and Q5_0R (`super::vnni4`; Q5_0R's full groups in its own order as well),
+/// Q4_1R (`super::q4_1r`); Q8_0R reads them in its own order.
 pub fn permutes(t: QType) -> bool {
     matches!(t, QType::Q4_0R | QType::Q5_0R | QType::Q4_1R)
 }
 
-/// Whether these planes take rows of `t`: all but `permutes` types in the natural order, those
-/// only where the planes were permuted.
+/// Whether these planes take rows of `t`: the plain types in the natural order, the repacked
+/// ones only where the planes were made in their order.
 pub fn reads(p: &PlaneRow<'_>, t: QType) -> bool {
-    decodes(t) && (!permutes(t) || !p.phi.is_null())
+    decodes(t)
+        && (!permutes(t) || !p.phi.is_null())
+        && (t != QType::Q8_0R || !p.thi.is_null())
+        && (t != QType::Q5_0R || !p.nhi.is_null())
 }
 
 /// `int16::row_dot` for each of the `R` rows of x (`x` its codes, `p` their planes), the

@@ -168,7 +168,7 @@ pub unsafe fn rows_dots_vnni(
             }
         }
         QType::Q8_0R => {
-            // `super::q8_0r`: x's natural planes
+            // `super::q8_0r`: x's planes in its order
             let mut acc = lanes.acc.map(|a| [a]);
             super::q8_0r::rows::<ROWS, 1>(w, k, &[*x], &[*p], &mut acc);
             lanes.acc = acc.map(|a| a[0]);
@@ -218,10 +218,12 @@ pub(super) unsafe fn q4_0r_rows<const W: usize, const R: usize>(
 
 /// `q4_0r_rows` for repacked Q5_0 rows (`QType::Q5_0R`): the same, each 64 codes' bits 4 added
 /// from one 64-bit mask (4 blocks' qh halves, stored together by the repack), the offset 16
-/// taken off; the same bits as Q5_0's products (`vnni::group32`).
+/// taken off; full groups in their own layout (`q5_0r_full_group`); the same bits as Q5_0's
+/// products (`vnni::group32`).
 ///
 /// # Safety
-/// As `q4_0r_rows`, the rows Q5_0R.
+/// As `q4_0r_rows`, the rows Q5_0R, x's planes in Q5_0R's order as well (`Planes::new`'s
+/// types with `QType::Q5_0R`).
 #[inline(always)]
 pub(super) unsafe fn q5_0r_rows<const W: usize, const R: usize>(
     w: [*const u8; W],
@@ -255,7 +257,14 @@ unsafe fn repacked_rows<const W: usize, const R: usize, const FIVE: bool>(
         let g = w.map(|r| r.add(blk0 * block));
         prefetch_rows(g, ahead, 8 * block);
         let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
+        let full = FIVE && n == 8;
+        if full {
+            z = q5_0r_full_group(g, p, blk0);
+        }
         for c in 0..2 {
+            if full {
+                break;
+            }
             let first = 4 * c;
             if first >= n {
                 break;
@@ -323,11 +332,76 @@ unsafe fn repacked_rows<const W: usize, const R: usize, const FIVE: bool>(
             let mut c = [dw; R];
             for (((s, c), z), (o, d)) in s.iter_mut().zip(&mut c).zip(z).zip(offset.iter().zip(dx))
             {
-                *s = _mm256_sub_epi32(reduce_quads(z[0], z[1]), *o);
+                let sums = if full {
+                    // block b in lanes b and b + 8
+                    _mm256_add_epi32(
+                        _mm512_castsi512_si256(z[0]),
+                        _mm512_extracti64x4_epi64::<1>(z[0]),
+                    )
+                } else {
+                    reduce_quads(z[0], z[1])
+                };
+                *s = _mm256_sub_epi32(sums, *o);
                 *c = _mm256_mul_ps(dw, d);
             }
             add(s, c, acc);
         }
         blk0 += 8;
     }
+}
+
+/// A full Q5_0R group (8 blocks from `blk0`, `repack::q5_0_masks_and_words`) of each weight row
+/// `g` by each row of x (planes in Q5_0R's order): per half c of the nibbles one 64-byte load
+/// (words 2c, 2c + 1 of all 8 blocks), its low and high nibbles' bits 4 one masked add each,
+/// all products added to one accumulator a row pair, so block b's integer sum is lanes b and
+/// b + 8 of `[0]` (`[1]` unused).
+#[inline(always)]
+unsafe fn q5_0r_full_group<const W: usize, const R: usize>(
+    g: [*const u8; W],
+    p: &[PlaneRow<'_>; R],
+    blk0: usize,
+) -> [[[__m512i; 2]; R]; W] {
+    let nibble = _mm512_set1_epi8(0xF);
+    let sixteen = _mm512_set1_epi8(16);
+    let mut hi = [[_mm512_setzero_si512(); R]; W];
+    let mut lo = [[_mm512_setzero_si512(); R]; W];
+    for c in 0..2 {
+        // x's 128 elements of half c, in the group's order: inside the planes' k + PAD
+        let e = QK * blk0 + 128 * c;
+        let mut planes = [[_mm512_setzero_si512(); 4]; R];
+        for (q, p) in planes.iter_mut().zip(p) {
+            *q = [
+                _mm512_loadu_si512(p.nhi.add(e).cast()),
+                _mm512_loadu_si512(p.nhi.add(e + 64).cast()),
+                _mm512_loadu_si512(p.nlo.add(e).cast()),
+                _mm512_loadu_si512(p.nlo.add(e + 64).cast()),
+            ];
+        }
+        for ((hi, lo), g) in hi.iter_mut().zip(&mut lo).zip(g) {
+            // the 16 bytes of scales, the 4 masks (32), then the nibbles: inside the group
+            let masks = g.add(16 + 16 * c);
+            let v = _mm512_loadu_si512(g.add(48 + 64 * c).cast());
+            let (m0, m1) = (
+                masks.cast::<u64>().read_unaligned(),
+                masks.add(8).cast::<u64>().read_unaligned(),
+            );
+            let w0 = _mm512_and_si512(v, nibble);
+            let w1 = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+            let w0 = _mm512_mask_add_epi8(w0, m0, w0, sixteen);
+            let w1 = _mm512_mask_add_epi8(w1, m1, w1, sixteen);
+            for ((hi, lo), q) in hi.iter_mut().zip(lo.iter_mut()).zip(&planes) {
+                *hi = _mm512_dpbusd_epi32(*hi, w0, q[0]);
+                *hi = _mm512_dpbusd_epi32(*hi, w1, q[1]);
+                *lo = _mm512_dpbusd_epi32(*lo, q[2], w0);
+                *lo = _mm512_dpbusd_epi32(*lo, q[3], w1);
+            }
+        }
+    }
+    let mut z = [[[_mm512_setzero_si512(); 2]; R]; W];
+    for ((z, hi), lo) in z.iter_mut().zip(hi).zip(lo) {
+        for ((z, hi), lo) in z.iter_mut().zip(hi).zip(lo) {
+            z[0] = _mm512_add_epi32(_mm512_slli_epi32::<8>(hi), lo);
+        }
+    }
+    z
 }

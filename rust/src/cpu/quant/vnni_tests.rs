@@ -13,7 +13,7 @@ fn planes_split_each_code_into_a_signed_high_and_an_unsigned_low_byte() {
     let k = 96;
     let x = int16_x(2, k);
     let xq = QuantizedRows::new(&x, k, false);
-    let planes = Planes::new(&xq, 2, k, false);
+    let planes = Planes::new(&xq, 2, k, &[]);
     for i in 0..2 {
         let (q, p) = (xq.row(i).q, planes.row(i));
         for (e, code) in q.iter().enumerate() {
@@ -48,7 +48,7 @@ fn vnni_row_dots_equal_the_portable_and_avx2_ones_bit_for_bit() {
     for (t, k) in cases {
         let x = int16_x(4, k);
         let xq = QuantizedRows::new(&x, k, true);
-        let planes = Planes::new(&xq, 4, k, false);
+        let planes = Planes::new(&xq, 4, k, &[]);
         let rows: [int16::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
         let p: [_; 4] = std::array::from_fn(|i| planes.row(i));
         let data = random_rows(t, 4, k, t as u64 + 29);
@@ -113,7 +113,7 @@ fn vnni_row_dots_are_exact_at_the_largest_codes() {
             }
             let xs: Vec<f32> = (0..k).map(|i| if i % 3 == 0 { -x } else { x }).collect();
             let xq = QuantizedRows::new(&xs, k, true);
-            let planes = Planes::new(&xq, 1, k, false);
+            let planes = Planes::new(&xq, 1, k, &[]);
             let want = int16::row_dot(t, &data, xq.row(0));
             // SAFETY: vnni(); a row of k elements
             let got = unsafe { row_dots_vnni::<1>(t, &data, k, &[xq.row(0)], &[planes.row(0)]) };
@@ -174,7 +174,7 @@ fn four_row_vnni_dots_equal_the_one_row_ones_and_the_portable_ones_bit_for_bit()
     for (t, k) in cases {
         let x = int16_x(1, k);
         let xq = QuantizedRows::new(&x, k, true);
-        let planes = Planes::new(&xq, 1, k, false);
+        let planes = Planes::new(&xq, 1, k, &[]);
         let (xr, pr) = (xq.row(0), planes.row(0));
         let data = random_rows(t, 4, k, t as u64 + 41);
         let bytes = t.row_bytes(k).unwrap();
@@ -272,7 +272,7 @@ fn repacked_q8_0_rows_on_vnni_equal_the_plain_rows_portable_products_bit_for_bit
                     .collect(),
             };
             let xq = QuantizedRows::new(&x, k, true);
-            let planes = Planes::new(&xq, 4, k, false);
+            let planes = Planes::new(&xq, 4, k, &[QType::Q8_0R]);
             let xs: [int16::Row<'_>; 4] = std::array::from_fn(|i| xq.row(i));
             let ps: [_; 4] = std::array::from_fn(|i| planes.row(i));
             let mut plain = random_rows(QType::Q8_0, 4, k, k as u64 + 5);
@@ -296,7 +296,8 @@ fn repacked_q8_0_rows_on_vnni_equal_the_plain_rows_portable_products_bit_for_bit
                 .collect();
             let what = format!("k {k} fill {fill:?}");
             let t = QType::Q8_0R;
-            // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements, x's planes natural
+            // SAFETY: vnni() (AVX-512 with VNNI granted); rows of k elements, x's planes in Q8_0R's
+            // order
             let four = unsafe {
                 vnni4::rows_dots_vnni(t, rows.each_ref().map(|r| &r[..]), k, &xs[1], &ps[1])
             };
