@@ -13,6 +13,13 @@
 //! `k` experts' bytes. A choice `NOT_HELD` (an expert another expert-parallel rank holds) adds
 //! nothing here: that rank adds its term.
 //!
+//! The float path (`moe_experts`) runs the chosen experts in batches of at most `BATCH_ROWS`
+//! grouped rows (ascending experts; at decode one batch): gather, both products and the
+//! activation of a batch over buffers the calling thread keeps between calls, then each token's
+//! terms of the batch added to an f32 accumulator in expert order, so the sums are the same bits
+//! as one batch. A 1,024-token prefill of a top-8 model (8,192 rows) otherwise allocated, faulted
+//! in and freed ~90 MB a layer: a quarter of the step in the kernel (round 14).
+//!
 //! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (`QuantLayout`:
 //! every expert's row segments placed in a few byte buffers, the file's mapped tensors as they are): each chosen expert's rows through the
 //! quantized products (`quant::quant_linear_with`), the activation and the weighted sum as above;
