@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedllm import _core
 from pagedllm.distributed.layers import QuantEmbedding
-from pagedllm.kernels import cpu_linear, cpu_quant
+from pagedllm.kernels import cpu_linear, cpu_moe, cpu_quant
 from pagedllm.worker import weight_pages
 from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES
 
@@ -57,6 +57,25 @@ def test_moved_layers_compute_the_same_products_from_one_buffer():
     assert abs(new[1] - new[0]) < moved
     assert torch.equal(cpu_linear.linear(x, dense, None, model.a.packed), before[0])
     assert torch.equal(cpu_quant.quant_linear(x, model.b.quant, None), before[1])
+
+
+def test_float_experts_panels_move_onto_huge_pages_with_the_same_results():
+    torch.manual_seed(0)
+    experts, hidden, width = 16, 256, 128  # 3 MiB of panels
+    gate_up = torch.randn(experts, 2 * width, hidden).to(torch.bfloat16)
+    down = torch.randn(experts, hidden, width).to(torch.bfloat16)
+    model = nn.Module()
+    model.experts = Holder(packed=cpu_moe.pack_experts(gate_up, down))
+    old = model.experts.packed
+    x = torch.randn(5, hidden).to(torch.bfloat16)
+    ids = torch.tensor([[e % experts, (e + 3) % experts] for e in range(5)])
+    weights = torch.rand(5, 2)
+    before = cpu_moe.moe_experts(x, old, weights, ids)
+    assert weight_pages.move_weights(model) == old.gate_up.nbytes + old.down.nbytes
+    new = model.experts.packed
+    assert new.gate_up.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert torch.equal(new.gate_up, old.gate_up) and torch.equal(new.down, old.down)
+    assert torch.equal(cpu_moe.moe_experts(x, new, weights, ids), before)
 
 
 def test_a_tied_embedding_follows_its_lm_head_and_an_untied_one_stays():

@@ -11,6 +11,10 @@ layers' panels (`kernels.cpu_linear.PackedWeight`) and quantized rows
 layers pointed at the copies; the old memory is released (a file's page cache is left to the
 kernel). The copies hold the same bytes: every result is unchanged.
 
+A mixture of experts' float panels (`kernels.cpu_moe.PackedExperts`) and quantized experts
+(`QuantExperts`) each get huge-page buffers of their own (bf16 Qwen3-MoE decode ~1.05-1.1x, round
+14).
+
 An embedding table is read a row per token, so it stays where it is, unless it is tied to the
 LM head (one `QuantWeight` object), which reads it whole.
 
@@ -34,7 +38,7 @@ from pagedllm import _core
 from pagedllm.distributed.layers import QuantEmbedding, VocabParallelEmbedding
 from pagedllm.kernels.cpu_arrays import numpy_view
 from pagedllm.kernels.cpu_linear import PackedWeight
-from pagedllm.kernels.cpu_moe import QuantExperts
+from pagedllm.kernels.cpu_moe import PackedExperts, QuantExperts
 from pagedllm.kernels.cpu_quant import QuantSegment, QuantWeight
 from pagedllm.worker.cache_engine import HUGE_PAGE_BYTES, host_zeros
 
@@ -102,14 +106,36 @@ def move_weights(model: nn.Module) -> int:
 
 def _move_experts(model: nn.Module) -> int:
     """Copies each MoE layer's quantized experts (read in place from a GGUF file's mapping) into
-    a huge-page buffer of their own (`cpu_moe.QuantExperts.onto`); returns the bytes moved."""
+    a huge-page buffer of their own (`cpu_moe.QuantExperts.onto`), and its float experts' panels
+    (`cpu_moe.PackedExperts`, made by torch on 4 KiB pages) likewise; returns the bytes moved."""
     moved = 0
     for module in model.modules():
         quant = getattr(module, "quant", None)
         if isinstance(quant, QuantExperts) and quant.nbytes >= HUGE_PAGE_BYTES:
             module.quant = quant.onto(host_zeros((quant.nbytes,), torch.uint8), REPACK)
             moved += quant.nbytes
+        packed = getattr(module, "packed", None)
+        if not isinstance(packed, PackedExperts):
+            continue
+        nbytes = packed.gate_up.nbytes + packed.down.nbytes
+        if nbytes >= HUGE_PAGE_BYTES:
+            module.packed = _experts_onto_pages(packed)
+            moved += nbytes
     return moved
+
+
+def _experts_onto_pages(packed: PackedExperts) -> PackedExperts:
+    """The float experts' panels copied into memory on huge pages, each tensor its own
+    (`host_zeros`): every chosen expert's panels are read front to back once a step."""
+    copies = []
+    for panels in (packed.gate_up, packed.down):
+        copy = host_zeros(tuple(panels.shape), panels.dtype)
+        copy.copy_(panels)
+        copies.append(copy)
+    gate_up, down = copies
+    return PackedExperts(
+        gate_up, down, packed.width, packed.hidden, numpy_view(gate_up), numpy_view(down)
+    )
 
 
 def _weight_of(module: nn.Module) -> PackedWeight | QuantWeight | None:

@@ -289,17 +289,6 @@ fn x_width<const L: u8>(k: usize) -> usize {
     }
 }
 
-/// x `[m, k]` as the tiles of `L` read it (`x_width`).
-#[inline(always)]
-fn x_for<const L: u8>(x: &[f32], k: usize) -> std::borrow::Cow<'_, [f32]> {
-    #[cfg(target_arch = "x86_64")]
-    if L == AVX512_BF16 {
-        return linear_avx512::bf16_pairs(x, k).into();
-    }
-    let _ = k;
-    x.into()
-}
-
 #[inline(always)]
 fn run_with<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     if ctx.m <= DIRECT_MAX_ROWS {
@@ -417,7 +406,14 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
         // a thread given several runs of panels in one call packs x for the first only
         if *call != ctx.call {
             packed.resize(ctx.m * xk, 0.0);
-            pack_rows(&x_for::<L>(ctx.x, k), xk, packed);
+            #[cfg(target_arch = "x86_64")]
+            if L == AVX512_BF16 {
+                pack_pairs(ctx.x, k, packed);
+            } else {
+                pack_rows(ctx.x, k, packed);
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            pack_rows(ctx.x, k, packed);
             *call = ctx.call;
         }
         // AVX512_BF16: two panels side by side (each pair of x read once for both, 24 sums)
@@ -518,13 +514,10 @@ fn wide_slice<T: Elem>(
     sums_a: &mut [[f32; PANEL]],
     sums_b: &mut [[f32; PANEL]],
 ) {
-    assert!(w.len() >= k * PANEL + depth * PANEL && sums_a.len() >= rows && sums_b.len() >= rows);
-    let mut both = [[0.0f32; PANEL]; 4 * TILE_ROWS];
-    both[..rows].copy_from_slice(&sums_a[..rows]);
-    both[rows..2 * rows].copy_from_slice(&sums_b[..rows]);
+    assert!(w.len() >= k * PANEL + depth * PANEL);
     // SAFETY: called only at AVX512_BF16 (inside `run_avx512_bf16`: the CPU has AVX-512
-    // F/BW/VL and BF16); w holds both slices (asserted), x the tiles' packed pairs, both 2 * rows
-    // rows.
+    // F/BW/VL and BF16); w holds both slices (asserted), x the tiles' packed pairs; the sums'
+    // rows are checked by the tile.
     unsafe {
         linear_avx512::tile_pairs_wide_packed(
             rows,
@@ -534,11 +527,10 @@ fn wide_slice<T: Elem>(
             k * PANEL,
             depth,
             xk,
-            &mut both[..2 * rows],
+            sums_a,
+            sums_b,
         );
     }
-    sums_a[..rows].copy_from_slice(&both[..rows]);
-    sums_b[..rows].copy_from_slice(&both[rows..2 * rows]);
 }
 
 /// A register tile's sums (`TILE_ROWS` rows of one panel).
@@ -578,6 +570,25 @@ fn pack_rows(x: &[f32], k: usize, packed: &mut [f32]) {
             let src = &x[(row + r) * k..(row + r + 1) * k];
             for (i, v) in src.iter().enumerate() {
                 dst[i * rows + r] = *v;
+            }
+        }
+        row += rows;
+    }
+}
+
+/// `pack_rows` of x's `bf16_pairs` (`[rows, ceil(k / 2)]`) in one pass, from x `[rows, k]`.
+#[cfg(target_arch = "x86_64")]
+fn pack_pairs(x: &[f32], k: usize, packed: &mut [f32]) {
+    let (m, xk) = (x.len() / k, k.div_ceil(2));
+    let mut row = 0;
+    while row < m {
+        let rows = (m - row).min(TILE_ROWS);
+        let dst = &mut packed[row * xk..(row + rows) * xk];
+        for r in 0..rows {
+            let src = &x[(row + r) * k..(row + r + 1) * k];
+            for (i, s) in src.chunks(2).enumerate() {
+                dst[i * rows + r] =
+                    linear_avx512::bf16_pair(s[0], s.get(1).copied().unwrap_or(0.0));
             }
         }
         row += rows;
@@ -1049,6 +1060,21 @@ mod tests {
                 assert!((*g as f64 - w).abs() < 1e-4, "seed {seed}: {g} vs {w}");
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn pack_pairs_packs_the_rows_bf16_pairs() {
+        // odd k (the last pair's high half zero), a last tile of 2 rows
+        let (m, k) = (8, 7);
+        let x: Vec<f32> = values(m * k, 5.0).iter().map(|v| Bf16::round(*v)).collect();
+        let xk = k.div_ceil(2);
+        let mut want = vec![0.0f32; m * xk];
+        pack_rows(&linear_avx512::bf16_pairs(&x, k), xk, &mut want);
+        let mut got = vec![0.0f32; m * xk];
+        pack_pairs(&x, k, &mut got);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want));
     }
 
     #[test]

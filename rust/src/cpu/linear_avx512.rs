@@ -185,7 +185,10 @@ static PAIR_COLUMNS: [u16; 32] = {
 };
 
 /// Rows `x [m, k]` (f32 holding bf16 values) as bf16 pairs: `[m, ceil(k / 2)]` 32-bit lanes
-/// (as f32 bits), steps `2i` (low half) and `2i + 1` (high half; zero past an odd k).
+/// (as f32 bits), steps `2i` (low half) and `2i + 1` (high half; zero past an odd k). The
+/// kernels write this layout with `bf16_pairs_into` (direct tiles) and `linear::pack_pairs`
+/// (packed tiles); this allocating form is the tests'.
+#[cfg(test)]
 pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
     let mut pairs = Vec::new();
     bf16_pairs_into(x, k, &mut pairs);
@@ -194,19 +197,22 @@ pub(super) fn bf16_pairs(x: &[f32], k: usize) -> Vec<f32> {
 
 /// `bf16_pairs` into `pairs` (its contents replaced, its capacity kept).
 pub(super) fn bf16_pairs_into(x: &[f32], k: usize, pairs: &mut Vec<f32>) {
-    use super::elem::Bf16;
-    let half = |v: f32| Bf16::from_f32(v).0 as u32;
     pairs.clear();
     pairs.reserve(x.len() / k * k.div_ceil(2));
     for row in x.chunks_exact(k) {
-        let mut steps = row.chunks_exact(2);
         pairs.extend(
-            steps
-                .by_ref()
-                .map(|s| f32::from_bits(half(s[0]) | (half(s[1]) << 16))),
+            row.chunks(2)
+                .map(|s| bf16_pair(s[0], s.get(1).copied().unwrap_or(0.0))),
         );
-        pairs.extend(steps.remainder().iter().map(|v| f32::from_bits(half(*v))));
     }
+}
+
+/// One `bf16_pairs` lane: steps `a` (low half) and `b` (high half) rounded to bf16.
+#[inline(always)]
+pub(super) fn bf16_pair(a: f32, b: f32) -> f32 {
+    use super::elem::Bf16;
+    let half = |v: f32| Bf16::from_f32(v).0 as u32;
+    f32::from_bits(half(a) | (half(b) << 16))
 }
 
 /// `tile` over bf16 weights with `vdpbf16ps`: each lane adds the products of the pair `i` of
@@ -326,12 +332,14 @@ pub(super) fn wide_panels(rows: usize) -> usize {
 /// `stride` elements apart), for `R` rows of x (in place or packed: `x_ptr`): each step's pair
 /// of x is broadcast once for the `G` panels, and `G * R` independent sums cover `vdpbf16ps`'s
 /// latency where one panel's `R` rows (a few rows: an expert's tokens at decode) leave it
-/// waiting. Each weight stream is prefetched `PREFETCH_STEPS` steps ahead. Every lane is the same chain of pairs as
-/// `tile_pairs`'s, so the sums are the same bits. `acc[g * R + r]` is panel `g`'s row `r`.
+/// waiting. Each weight stream is prefetched `PREFETCH_STEPS` steps ahead. Every lane is the
+/// same chain of pairs as `tile_pairs`'s, so the sums are the same bits. `acc[g]` points to
+/// panel `g`'s `R` rows of sums (continued in place).
 ///
 /// # Safety
 /// As `tile_pairs` (x: the pairs `x_ptr` names), with `w` holding `G` slices of `depth *
-/// PANEL` bf16 `stride` elements apart and `acc` at least `G * R` rows.
+/// PANEL` bf16 `stride` elements apart and each `acc[g]` `R` rows that nothing else accesses
+/// during the call.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
 unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED: bool>(
@@ -341,14 +349,14 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
     stride: usize,
     depth: usize,
     k: usize,
-    acc: &mut [[f32; PANEL]],
+    acc: [*mut [f32; PANEL]; G],
 ) {
-    debug_assert!(T::IS_BF16 && acc.len() >= G * R);
+    debug_assert!(T::IS_BF16);
     let idx = _mm512_loadu_si512(PAIR_COLUMNS.as_ptr() as *const __m512i);
     let mut sums = [[_mm512_setzero_ps(); R]; G];
-    for (g, panel) in sums.iter_mut().enumerate() {
+    for (panel, rows) in sums.iter_mut().zip(acc) {
         for (r, s) in panel.iter_mut().enumerate() {
-            *s = _mm512_loadu_ps(acc[g * R + r].as_ptr());
+            *s = _mm512_loadu_ps(rows.add(r).cast::<f32>());
         }
     }
     let w = w as *const u16;
@@ -385,9 +393,9 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
         }
         step(&mut sums, depth / 2, rows);
     }
-    for (g, panel) in sums.iter().enumerate() {
+    for (panel, rows) in sums.iter().zip(acc) {
         for (r, s) in panel.iter().enumerate() {
-            _mm512_storeu_ps(acc[g * R + r].as_mut_ptr(), *s);
+            _mm512_storeu_ps(rows.add(r).cast::<f32>(), *s);
         }
     }
 }
@@ -395,7 +403,8 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
 /// `tile_pairs_wide` for `rows` rows of x in place (1..=12) over `wide_panels(rows)` panels.
 ///
 /// # Safety
-/// As `tile_pairs_wide`, with `G = wide_panels(rows)`.
+/// As `tile_pairs_wide`, with `G = wide_panels(rows)` and `acc` holding `G * rows` rows (panel
+/// `g`'s from row `g * rows`; asserted).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
 pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
@@ -406,10 +415,16 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
     k: usize,
     acc: &mut [[f32; PANEL]],
 ) {
+    let g = wide_panels(rows);
+    assert!(acc.len() >= g * rows);
+    let at = acc.as_mut_ptr();
     macro_rules! rows {
         ($g:literal: $($r:literal)*) => {
             match rows {
-                $($r => return tile_pairs_wide::<T, $r, $g, false>(x, x, w, depth * PANEL, depth, k, acc),)*
+                $($r => {
+                    let acc = std::array::from_fn::<_, $g, _>(|g| at.add(g * $r));
+                    return tile_pairs_wide::<T, $r, $g, false>(x, x, w, depth * PANEL, depth, k, acc);
+                })*
                 _ => {}
             }
         };
@@ -422,10 +437,10 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
 /// `tile_pairs_wide` over two panels' slices (`stride` elements apart) for `rows` rows of
 /// packed x (1..=2 * TILE_ROWS: one tile at `xa`, or a full one at `xa` and the next one's
 /// rows at `xb`), the blocked path's tiles: each pair of x read once for both panels, up to 24
-/// independent sums.
+/// independent sums, continuing `acc_a` (the first panel's rows) and `acc_b` (the second's).
 ///
 /// # Safety
-/// As `tile_pairs_wide` and `tile_pairs_packed`, with `acc` holding `2 * rows` rows.
+/// As `tile_pairs_wide` and `tile_pairs_packed`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
@@ -437,8 +452,11 @@ pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
     stride: usize,
     depth: usize,
     k: usize,
-    acc: &mut [[f32; PANEL]],
+    acc_a: &mut [[f32; PANEL]],
+    acc_b: &mut [[f32; PANEL]],
 ) {
+    assert!(acc_a.len() >= rows && acc_b.len() >= rows);
+    let acc = [acc_a.as_mut_ptr(), acc_b.as_mut_ptr()];
     macro_rules! rows {
         ($($r:literal)*) => {
             match rows {

@@ -13,6 +13,13 @@
 //! `k` experts' bytes. A choice `NOT_HELD` (an expert another expert-parallel rank holds) adds
 //! nothing here: that rank adds its term.
 //!
+//! The float path (`moe_experts`) runs the chosen experts in batches of at most `BATCH_ROWS`
+//! grouped rows (ascending experts; at decode one batch): gather, both products and the
+//! activation of a batch over buffers the calling thread keeps between calls, then each token's
+//! terms of the batch added to an f32 accumulator in expert order, so the sums are the same bits
+//! as one batch. A 1,024-token prefill of a top-8 model (8,192 rows) otherwise allocated, faulted
+//! in and freed ~90 MB a layer: a quarter of the step in the kernel (round 14).
+//!
 //! `moe_quant_experts` is the same grouping over experts kept in their GGUF types (`QuantLayout`:
 //! every expert's row segments placed in a few byte buffers, the file's mapped tensors as they are): each chosen expert's rows through the
 //! quantized products (`quant::quant_linear_with`), the activation and the weighted sum as above;
@@ -23,7 +30,7 @@
 //! activation, the down output). At AVX-512 BF16 those tiles take bf16 weights with `vdpbf16ps`
 //! (linear.rs): an own pair of tiles here was slower on the experts' 1-8 rows (64 tokens of the
 //! benches' 64-expert model: 17.2 against 14.5 ms a layer, benches/RESULTS.md, MoE round 6).
-use std::any::TypeId;
+use std::ops::Range;
 use std::sync::Mutex;
 
 use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
@@ -59,8 +66,24 @@ pub fn moe_experts<T: Elem>(
     down: ArrayView4<T>,
     ids: ArrayView2<i64>,
     weights: ArrayView2<f32>,
+    out: ArrayViewMut2<T>,
+    num_threads: usize,
+) -> Result<()> {
+    experts_in_batches(x, gate_up, down, ids, weights, out, num_threads, BATCH_ROWS)
+}
+
+/// `moe_experts` with the chosen experts run in batches of at most `batch_rows` grouped rows
+/// (`Groups::batches`): the buffers are a batch's, the sums the same bits for any batch size.
+#[allow(clippy::too_many_arguments)]
+fn experts_in_batches<T: Elem>(
+    x: ArrayView2<T>,
+    gate_up: ArrayView4<T>,
+    down: ArrayView4<T>,
+    ids: ArrayView2<i64>,
+    weights: ArrayView2<f32>,
     mut out: ArrayViewMut2<T>,
     num_threads: usize,
+    batch_rows: usize,
 ) -> Result<()> {
     let Shape {
         experts,
@@ -92,46 +115,150 @@ pub fn moe_experts<T: Elem>(
     }
     let groups = Groups::of(ids, k, experts)?;
     let threads = num_threads.max(1);
-    let rows = groups.rows();
-    if rows == 0 {
+    if groups.rows() == 0 {
         out.fill(T::ZERO); // every choice is another rank's expert
         return Ok(());
     }
-    // gate/up of every chosen expert over its rows, then the activation
-    let xs = groups.gather(x, hidden);
-    let mut gate_ups = vec![T::ZERO; rows * 2 * width];
-    let gate_up_dims = Dims {
-        k: hidden,
-        n: 2 * width,
-    };
-    groups.products(&xs, gate_up, gate_up_dims, &mut gate_ups, threads);
-    drop(xs);
-    let mut acts = vec![T::ZERO; rows * width];
-    silu_and_mul(
-        ArrayView2::from_shape((rows, 2 * width), &gate_ups[..])
-            .map_err(|e| invalid(e.to_string()))?,
-        ArrayViewMut2::from_shape((rows, width), &mut acts[..])
-            .map_err(|e| invalid(e.to_string()))?,
-        threads,
-    )?;
-    drop(gate_ups);
-    // down of every chosen expert over its activations
-    let widened;
-    let acts: &[f32] = if TypeId::of::<T>() == TypeId::of::<f32>() {
-        // SAFETY: T is f32 (checked just above): the same elements, length and alignment.
-        unsafe { std::slice::from_raw_parts(acts.as_ptr().cast::<f32>(), acts.len()) }
-    } else {
-        widened = acts.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
-        &widened
-    };
-    let mut ys = vec![T::ZERO; rows * hidden];
-    let down_dims = Dims {
-        k: width,
-        n: hidden,
-    };
-    groups.products(acts, down, down_dims, &mut ys, threads);
-    groups.weighted_sum(&ys, ids, weights, hidden, out, threads);
+    let tokens = out.len() / hidden;
+    // each token's pairs in ascending expert order (ties: choice order), the weighted sum's
+    let mut ordered: Vec<usize> = (0..ids.len()).collect();
+    for pairs in ordered.chunks_exact_mut(k) {
+        pairs.sort_by_key(|&p| ids[p]);
+    }
+    MOE_SCRATCH.with(|scratch| -> Result<()> {
+        let mut scratch = scratch.borrow_mut();
+        let Buffers {
+            xs,
+            gate_ups,
+            acts,
+            widened,
+            ys,
+            acc,
+        } = &mut *scratch;
+        let acc = words(acc, tokens * hidden);
+        acc.fill(0.0);
+        let batches = groups.batches(batch_rows);
+        for (b, batch) in batches.iter().enumerate() {
+            let rows = batch.rows.len();
+            // gate/up of the batch's experts over their rows, then the activation
+            let xs = words(xs, rows * hidden);
+            groups.gather_rows(x, hidden, batch.rows.clone(), xs);
+            let gate_ups = typed::<T>(gate_ups, rows * 2 * width);
+            let gate_up_dims = Dims {
+                k: hidden,
+                n: 2 * width,
+            };
+            groups.products(batch, xs, gate_up, gate_up_dims, gate_ups, threads);
+            let acts = typed::<T>(acts, rows * width);
+            silu_and_mul(
+                ArrayView2::from_shape((rows, 2 * width), &*gate_ups)
+                    .map_err(|e| invalid(e.to_string()))?,
+                ArrayViewMut2::from_shape((rows, width), &mut *acts)
+                    .map_err(|e| invalid(e.to_string()))?,
+                threads,
+            )?;
+            // down of the batch's experts over their activations
+            let acts: &[f32] = match T::as_f32_mut(acts) {
+                Some(acts) => acts,
+                None => {
+                    let widened = words(widened, rows * width);
+                    widened
+                        .iter_mut()
+                        .zip(acts.iter())
+                        .for_each(|(w, a)| *w = a.to_f32());
+                    widened
+                }
+            };
+            let ys = typed::<T>(ys, rows * hidden);
+            let down_dims = Dims {
+                k: width,
+                n: hidden,
+            };
+            groups.products(batch, acts, down, down_dims, ys, threads);
+            let sum = Sum {
+                ys,
+                first_row: batch.rows.start,
+                ordered: &ordered,
+                weights,
+                hidden,
+            };
+            let last = b + 1 == batches.len();
+            groups.add_weighted(&sum, acc, last.then_some(&mut *out), threads);
+        }
+        Ok(())
+    })?;
+    trim_scratch();
     Ok(())
+}
+
+/// Rows of the grouped buffers a batch of experts runs at most (an expert with more rows is a
+/// batch alone): a 1,024-token prefill's 8,192 rows of a top-8 model run in batches whose
+/// buffers stay a few MB and are reused (`MOE_SCRATCH`) instead of ~90 MB allocated, faulted in
+/// and freed per layer.
+const BATCH_ROWS: usize = 1024;
+/// A thread keeps its experts' scratch buffers between calls up to this many bytes.
+const SCRATCH_KEEP_BYTES: usize = 64 << 20;
+
+/// The float path's buffers, as f32 words (`typed` views them as the element type).
+#[derive(Default)]
+struct Buffers {
+    xs: Vec<f32>,
+    gate_ups: Vec<f32>,
+    acts: Vec<f32>,
+    widened: Vec<f32>,
+    ys: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl Buffers {
+    fn bytes(&self) -> usize {
+        [
+            &self.xs,
+            &self.gate_ups,
+            &self.acts,
+            &self.widened,
+            &self.ys,
+            &self.acc,
+        ]
+        .iter()
+        .map(|v| v.capacity() * 4)
+        .sum()
+    }
+}
+
+thread_local! {
+    static MOE_SCRATCH: std::cell::RefCell<Buffers> = std::cell::RefCell::default();
+}
+
+/// Drops the calling thread's scratch where a call left more than `SCRATCH_KEEP_BYTES` of it.
+fn trim_scratch() {
+    MOE_SCRATCH.with(|scratch| {
+        let mut scratch = scratch.borrow_mut();
+        if scratch.bytes() > SCRATCH_KEEP_BYTES {
+            *scratch = Buffers::default();
+        }
+    });
+}
+
+/// The first `len` words of `buf`, grown (zero-filled) where it is shorter.
+fn words(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
+}
+
+/// The first `len` elements of `T` over `buf`'s words (grown where it is shorter).
+fn typed<T: Elem>(buf: &mut Vec<f32>, len: usize) -> &mut [T] {
+    assert!(
+        std::mem::align_of::<T>() <= std::mem::align_of::<f32>()
+            && std::mem::size_of::<T>() <= std::mem::size_of::<f32>()
+    );
+    let words = words(buf, (len * std::mem::size_of::<T>()).div_ceil(4));
+    // SAFETY: the words hold at least `len` elements of T (no larger than, and aligned no more
+    // strictly than, f32: asserted), every bit pattern is a valid T (f32 or `Bf16`'s u16), and
+    // the slice borrows `buf` exclusively for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<T>(), len) }
 }
 
 /// Where one held expert's row segment lies: its type and rows, and its first byte (a buffer of
@@ -451,6 +578,22 @@ struct Groups {
     row_of: Vec<usize>,
 }
 
+/// A run of chosen experts (ascending) whose rows of the grouped buffers are `rows`.
+struct Batch {
+    experts: Vec<usize>,
+    rows: Range<usize>,
+}
+
+/// A batch's expert outputs `ys` (its rows, from grouped row `first_row`) to add to the tokens'
+/// sums: each token's pairs in the order its terms are added (`ordered`), their weights.
+struct Sum<'a, T> {
+    ys: &'a [T],
+    first_row: usize,
+    ordered: &'a [usize],
+    weights: &'a [f32],
+    hidden: usize,
+}
+
 impl Groups {
     fn of(ids: &[i64], k: usize, experts: usize) -> Result<Self> {
         let mut starts = vec![0usize; experts + 1];
@@ -483,6 +626,41 @@ impl Groups {
         self.starts[self.starts.len() - 1]
     }
 
+    /// The chosen experts in ascending order, cut into runs of at most `most` rows (an expert
+    /// with more rows is a run alone).
+    fn batches(&self, most: usize) -> Vec<Batch> {
+        let mut batches: Vec<Batch> = Vec::new();
+        for e in self.chosen() {
+            let (first, end) = (self.starts[e], self.starts[e + 1]);
+            match batches.last_mut() {
+                Some(b) if end - b.rows.start <= most => {
+                    b.experts.push(e);
+                    b.rows.end = end;
+                }
+                _ => batches.push(Batch {
+                    experts: vec![e],
+                    rows: first..end,
+                }),
+            }
+        }
+        batches
+    }
+
+    /// The grouped rows `rows` of x widened to f32 into `xs` (`[rows.len(), hidden]`).
+    fn gather_rows<T: Elem>(&self, x: &[T], hidden: usize, rows: Range<usize>, xs: &mut [f32]) {
+        for (p, &row) in self.row_of.iter().enumerate() {
+            if !rows.contains(&row) {
+                continue; // another batch's row, or NO_ROW
+            }
+            let t = p / self.k;
+            let src = &x[t * hidden..(t + 1) * hidden];
+            let at = row - rows.start;
+            for (d, s) in xs[at * hidden..(at + 1) * hidden].iter_mut().zip(src) {
+                *d = s.to_f32();
+            }
+        }
+    }
+
     /// x's rows widened to f32 in grouped order `[rows, hidden]`.
     fn gather<T: Elem>(&self, x: &[T], hidden: usize) -> Vec<f32> {
         let mut xs = vec![0.0f32; self.rows() * hidden];
@@ -499,11 +677,12 @@ impl Groups {
         xs
     }
 
-    /// `out[rows of e] = input[rows of e] · W_e^T` for every expert with rows (`panels`: every
-    /// expert's `[ceil(n / PANEL), k, PANEL]`, stacked), in one pool call whose items are runs
-    /// of one expert's panels. Experts without rows are not read.
+    /// `out[rows of e] = input[rows of e] · W_e^T` for every expert of `batch` (`panels`: every
+    /// expert's `[ceil(n / PANEL), k, PANEL]`, stacked; `input` and `out` the batch's rows), in
+    /// one pool call whose items are runs of one expert's panels. Other experts are not read.
     fn products<T: Elem>(
         &self,
+        batch: &Batch,
         input: &[f32],
         panels: &[T],
         dims: Dims,
@@ -513,12 +692,13 @@ impl Groups {
         let Dims { k, n } = dims;
         let num_panels = n.div_ceil(PANEL);
         let per_expert = num_panels * k * PANEL;
-        let chosen: Vec<usize> = self.chosen().collect();
         let base = out.as_mut_ptr();
-        let products: Vec<Ctx<'_, T>> = chosen
+        let products: Vec<Ctx<'_, T>> = batch
+            .experts
             .iter()
             .map(|&e| {
-                let (first, end) = (self.starts[e], self.starts[e + 1]);
+                let first = self.starts[e] - batch.rows.start;
+                let end = self.starts[e + 1] - batch.rows.start;
                 // SAFETY: each expert's product writes only its own rows first..end of out
                 // `[rows, n]` (the groups are disjoint), and `out`'s exclusive borrow is held
                 // until the pool call below has returned.
@@ -612,6 +792,60 @@ impl Groups {
         match failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(err) => Err(err),
             None => Ok(()),
+        }
+    }
+
+    /// `acc[t] += weights[t, j] * ys[row of (t, j)]` for the pairs whose rows `sum` holds, in
+    /// `sum.ordered`'s order, in f32; with `out`, then `out[t] = acc[t]` rounded once. Batches
+    /// added in ascending expert order give `weighted_sum`'s sums, bit for bit.
+    fn add_weighted<T: Elem>(
+        &self,
+        sum: &Sum<'_, T>,
+        acc: &mut [f32],
+        out: Option<&mut [T]>,
+        threads: usize,
+    ) {
+        let hidden = sum.hidden;
+        let tokens = acc.len() / hidden;
+        let rows = sum.first_row..sum.first_row + sum.ys.len() / hidden;
+        let threads = threads.clamp(1, (tokens * hidden / MIN_SUM_PER_THREAD).max(1));
+        let chunk_tokens = tokens.div_ceil(threads * CHUNKS_PER_THREAD).max(1);
+        let accs: Vec<Mutex<&mut [f32]>> = acc
+            .chunks_mut(chunk_tokens * hidden)
+            .map(Mutex::new)
+            .collect();
+        let outs: Option<Vec<Mutex<&mut [T]>>> = out.map(|out| {
+            out.chunks_mut(chunk_tokens * hidden)
+                .map(Mutex::new)
+                .collect()
+        });
+        let add_chunk = |c: usize| {
+            let mut acc = accs[c].lock().unwrap_or_else(|e| e.into_inner());
+            for (i, a) in acc.chunks_mut(hidden).enumerate() {
+                let t = c * chunk_tokens + i;
+                for &p in &sum.ordered[t * self.k..(t + 1) * self.k] {
+                    let row = self.row_of[p];
+                    if !rows.contains(&row) {
+                        continue; // another batch's row, or NO_ROW
+                    }
+                    let w = sum.weights[p];
+                    let y = &sum.ys[(row - rows.start) * hidden..(row - rows.start + 1) * hidden];
+                    for (a, y) in a.iter_mut().zip(y) {
+                        *a += w * y.to_f32();
+                    }
+                }
+            }
+            if let Some(outs) = &outs {
+                let mut out = outs[c].lock().unwrap_or_else(|e| e.into_inner());
+                for (d, a) in out.iter_mut().zip(acc.iter()) {
+                    *d = T::from_f32(*a);
+                }
+            }
+        };
+        if threads == 1 {
+            (0..accs.len()).for_each(add_chunk);
+        } else {
+            pool::WORKERS.run_claimed(threads, accs.len(), add_chunk);
         }
     }
 
@@ -786,6 +1020,47 @@ mod tests {
             for (g, want) in got.iter().zip(case.reference(&ids, &w)) {
                 assert!((*g as f64 - want).abs() < 1e-4, "{m} rows: {g} vs {want}");
             }
+        }
+    }
+
+    #[test]
+    fn experts_run_in_batches_of_any_rows_give_the_one_batch_bits() {
+        // 40 tokens x 3 choices over 8 experts (15 rows an expert: direct tiles; batches of 1
+        // expert, of a few, of all), one choice another rank's; f32 and bf16, 1 and 2 threads
+        fn check<T: Elem + PartialEq + std::fmt::Debug>(case: &Case, threads: usize) {
+            let (mut ids, w) = routing(case.m, 3, 8);
+            ids[[5, 1]] = NOT_HELD;
+            let gate_up = stacked_panels::<T>(&case.gate_up, 2 * case.i, case.h);
+            let down = stacked_panels::<T>(&case.down, case.h, case.i);
+            let x = Array2::from_shape_fn((case.m, case.h), |(t, c)| {
+                T::from_f32(case.x[t * case.h + c])
+            });
+            let run = |batch_rows: usize| {
+                let mut out = Array2::from_elem((case.m, case.h), T::ZERO);
+                let (gate_up, down, ids, w) = (gate_up.view(), down.view(), ids.view(), w.view());
+                let out_view = out.view_mut();
+                experts_in_batches(
+                    x.view(),
+                    gate_up,
+                    down,
+                    ids,
+                    w,
+                    out_view,
+                    threads,
+                    batch_rows,
+                )
+                .unwrap();
+                out
+            };
+            let whole = run(usize::MAX);
+            for batch_rows in [1, 16, 40, 100] {
+                assert_eq!(run(batch_rows), whole, "batches of {batch_rows} rows");
+            }
+        }
+        let case = Case::new(40, 37, 21, 8);
+        for threads in [1, 2] {
+            check::<f32>(&case, threads);
+            check::<Bf16>(&case, threads);
         }
     }
 
