@@ -124,9 +124,7 @@ unsafe fn full_group<const W: usize, const R: usize>(
             for ((hi, lo), q) in hi.iter_mut().zip(lo.iter_mut()).zip(&planes) {
                 if R == 1 {
                     // lo carries the sum
-                    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shifted, q[0]);
-                    let z = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(s), q[1], codes);
-                    *lo = _mm512_add_epi32(*lo, z);
+                    *lo = _mm512_add_epi32(*lo, load_products(codes, shifted, q));
                 } else {
                     *hi = _mm512_dpbusd_epi32(*hi, shifted, q[0]);
                     *lo = _mm512_dpbusd_epi32(*lo, q[1], codes);
@@ -143,6 +141,14 @@ unsafe fn full_group<const W: usize, const R: usize>(
         }
     }
     out
+}
+
+/// One load's integer products with x's planes `q` (high bytes, low bytes): the codes shifted
+/// by 128 against the high bytes, moved up 8 bits, plus the signed codes against the low bytes.
+#[inline(always)]
+unsafe fn load_products(codes: __m512i, shifted: __m512i, q: &[__m512i; 2]) -> __m512i {
+    let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shifted, q[0]);
+    _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(s), q[1], codes)
 }
 
 /// A short last group (`n` < 8 blocks from `blk0`, the codes in block order) of each weight row
@@ -184,8 +190,7 @@ unsafe fn short_group<const W: usize, const R: usize>(
                 (v, _mm512_maskz_xor_epi32(0x00FF, v, flip))
             };
             for (z, q) in z.iter_mut().zip(&planes) {
-                let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), shifted, q[0]);
-                z[j] = _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(s), q[1], codes);
+                z[j] = load_products(codes, shifted, q);
             }
         }
     }
