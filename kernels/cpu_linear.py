@@ -9,6 +9,11 @@ reads the `[N, K]` weight well at one row but repacks it into its GEMM's layout 
 with more than one row; oneDNN's weight packed once is slower than the panels at 1-16 rows
 (benches/RESULTS.md, "Serving speed on CPU"). float32 and bfloat16 weights are packed;
 anything else keeps `F.linear`.
+
+Where the kernel says so (`_core.cpu_panel_group`: bfloat16 on AVX-512 BF16) the panels are
+stored in groups of 4 interleaved a pair of weight rows at a time (`grouped`), so that a decode
+step reads a group as one stream of memory: the same products, ~1.2x the bandwidth of four
+streams one panel apart on one core (benches/RESULTS.md, round 16).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ PANEL = 16
 class PackedWeight:
     """A weight `[out_features, in_features]` as the kernel's panels."""
 
-    panels: Tensor  # [ceil(out_features / PANEL), in_features, PANEL], the weight's dtype
+    # [ceil(out_features / PANEL) / G, in_features, G * PANEL], the weight's dtype (`grouped`)
+    panels: Tensor
     out_features: int
     array: np.ndarray  # the panels' memory as numpy (bfloat16 as its uint16 bits), made once
 
@@ -51,15 +57,39 @@ def pack(weight: Tensor) -> PackedWeight:
     num_panels = -(-out_features // PANEL)
     padded = weight.detach().new_zeros(num_panels * PANEL, in_features)
     padded[:out_features] = weight.detach()
-    panels = padded.view(num_panels, PANEL, in_features).transpose(1, 2).contiguous()
+    panels = grouped(padded.view(num_panels, PANEL, in_features).transpose(1, 2))
     return PackedWeight(panels, out_features, numpy_view(panels))
 
 
 def unpack(packed: PackedWeight) -> Tensor:
     """The `[out, in]` weight back from its panels (a copy)."""
-    num_panels, in_features, _ = packed.panels.shape
-    whole = packed.panels.transpose(1, 2).reshape(num_panels * PANEL, in_features)
+    panels = plain(packed.panels)
+    num_panels, in_features, _ = panels.shape
+    whole = panels.transpose(1, 2).reshape(num_panels * PANEL, in_features)
     return whole[: packed.out_features].clone()
+
+
+def grouped(panels: Tensor) -> Tensor:
+    """Panels `[..., P, K, PANEL]` in the groups the kernel reads fastest here
+    (`_core.cpu_panel_group`): `[..., P / G, K, G * PANEL]`, each group `[K / 2, G, PANEL, 2]`
+    (G panels side by side a pair of weight rows at a time, each pair column by column as the
+    kernel multiplies it); contiguous."""
+    *lead, p, k, _ = panels.shape
+    g = _core.cpu_panel_group(str(panels.dtype).removeprefix("torch."), p, k)
+    if g == 1:
+        return panels.contiguous()
+    pairs = panels.reshape(*lead, p // g, g, k // 2, 2, PANEL).transpose(-4, -3)
+    return pairs.transpose(-2, -1).reshape(*lead, p // g, k, g * PANEL).contiguous()
+
+
+def plain(panels: Tensor) -> Tensor:
+    """`grouped` panels back as `[..., P, K, PANEL]`."""
+    *lead, groups, k, width = panels.shape
+    g = width // PANEL
+    if g > 1:
+        pairs = panels.reshape(*lead, groups, k // 2, g, PANEL, 2).transpose(-2, -1)
+        panels = pairs.transpose(-4, -3)
+    return panels.reshape(*lead, groups * g, k, PANEL)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:

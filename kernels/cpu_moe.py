@@ -5,6 +5,8 @@ A step's tokens are grouped by expert; each chosen expert's gate/up and down wei
 once, as the linear kernel's column panels (`kernels/cpu_linear.py`), for all its tokens; the
 weighted sum of a token's experts is written to its output row. Experts no token chose are never
 read: at decode a token reads only its k experts, the floor of the bytes a step must move.
+Each expert's panels are grouped as the linear kernel's are (`cpu_linear.grouped`): a decode
+step reads a group of 4 as one stream of memory.
 float32 and bfloat16; and experts kept in their GGUF types (`QuantExperts`, the quantized
 products of `rust/src/cpu/quant/` per chosen expert).
 """
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from pagedllm import _core
 from pagedllm.kernels.cpu_arrays import KERNEL_DTYPES, numpy_view
-from pagedllm.kernels.cpu_linear import PANEL
+from pagedllm.kernels.cpu_linear import PANEL, grouped, plain
 
 # an expert id the kernel skips (as does the torch reference): a choice of an expert another
 # expert-parallel rank holds, whose term that rank adds
@@ -31,8 +33,8 @@ NOT_HELD = -1
 class PackedExperts:
     """Every expert's gate/up `[2I, H]` and down `[H, I]` weights as column panels."""
 
-    gate_up: Tensor  # [E, ceil(2I / PANEL), H, PANEL]
-    down: Tensor  # [E, ceil(H / PANEL), I, PANEL]
+    gate_up: Tensor  # [E, ceil(2I / PANEL) / G, H, G * PANEL] (G = 1: plain panels)
+    down: Tensor  # [E, ceil(H / PANEL) / G, I, G * PANEL]
     width: int  # I, one expert's intermediate width
     hidden: int  # H
     gate_up_array: np.ndarray  # the panels as numpy (bfloat16 as uint16 bits), made once
@@ -44,15 +46,17 @@ def packable(weight: Tensor) -> bool:
 
 
 def _panels(stacked: Tensor) -> Tensor:
-    # [E, N, K] -> [E, ceil(N / PANEL), K, PANEL], each expert's last panel padded with zeros
+    # [E, N, K] -> [E, ceil(N / PANEL), K, PANEL], each expert's last panel padded with zeros,
+    # in the groups the kernel reads fastest (`cpu_linear.grouped`)
     experts, n, k = stacked.shape
     num_panels = -(-n // PANEL)
     padded = stacked.detach().new_zeros(experts, num_panels * PANEL, k)
     padded[:, :n] = stacked.detach()
-    return padded.view(experts, num_panels, PANEL, k).transpose(2, 3).contiguous()
+    return grouped(padded.view(experts, num_panels, PANEL, k).transpose(2, 3))
 
 
 def _unpanel(panels: Tensor, n: int) -> Tensor:
+    panels = plain(panels)
     experts, num_panels, k, _ = panels.shape
     return panels.transpose(2, 3).reshape(experts, num_panels * PANEL, k)[:, :n].clone()
 

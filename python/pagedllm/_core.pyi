@@ -872,10 +872,18 @@ def cpu_linear(
     num_threads: int,
 ) -> None:
     """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with the weight ``W [N, K]`` given as its
-    column panels ``[ceil(N / 16), K, 16]`` (the last zero-padded); every array contiguous and of
-    one dtype. Sums in float32 (one FMA chain per output in ``k`` order, so a row's result does
+    column panels ``[ceil(N / 16), K, 16]`` (the last zero-padded), or those in groups where
+    ``cpu_panel_group`` says so; every array contiguous and of one dtype. Sums in float32 (one FMA chain per output in ``k`` order, so a row's result does
     not depend on the rows beside it); a bfloat16 ``out`` is rounded once. ``num_threads``
     workers at most. ``ValueError`` for shapes that do not fit together."""
+
+def cpu_panel_group(dtype: str, panels: int, k: int) -> int:
+    """The panels per group (4, or 1: plain panels) in which ``cpu_linear`` and
+    ``cpu_moe_experts`` read ``panels`` panels of ``k`` rows of ``dtype`` (``"float32"`` or
+    ``"bfloat16"``) fastest here: 4 for bfloat16 where the CPU has AVX-512 BF16 (and the
+    process's ISA level allows it), ``panels`` a multiple of 4 and ``k`` even. Grouped panels
+    ``[P / G, K, G * 16]`` hold each group as ``[K / 2, G, 16, 2]``. ``ValueError`` for another
+    dtype."""
 
 def cpu_moe_experts(
     x: _KernelArray,
@@ -893,8 +901,11 @@ def cpu_moe_experts(
     are grouped by expert and each chosen expert's weights read once; experts no token chose are
     not read. The terms are summed in ascending expert order in float32 and ``out`` rounded once.
     ``x``, the panels and ``out`` of one dtype; all contiguous; ``num_threads`` workers at most.
-    An id of -1 (another expert-parallel rank's expert) adds nothing. ``ValueError`` for another
+    Either panel array may be in groups of ``G`` panels where ``cpu_panel_group`` says so:
+    ``[E, P / G, K, G * 16]``, each group ``[K / 2, G, 16, 2]`` (the same products, read as one
+    stream). An id of -1 (another expert-parallel rank's expert) adds nothing. ``ValueError`` for another
     id outside ``0..E`` or shapes that do not fit together."""
+
 
 class CpuMoeQuantExperts:
     """Experts kept in their GGUF types, registered once: ``buffers`` (uint8, 1-D, held, never

@@ -164,3 +164,43 @@ def test_a_packed_layers_state_dict_holds_its_weight_unpacked():
     assert state.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(state[name], tensor), name
+
+
+def _avx512_bf16() -> bool:
+    level, flags = _core.cpu_isa()
+    return level in ("avx512", "amx") and "avx512bf16" in flags
+
+
+def test_bfloat16_weights_are_grouped_where_avx512_bf16_reads_them_and_plain_elsewhere():
+    weight = torch.randn(128, 96).bfloat16()
+    g = 4 if _avx512_bf16() else 1
+    assert cpu_linear.pack(weight).panels.shape == (8 // g, 96, 16 * g)
+    assert cpu_linear.pack(weight.float()).panels.shape == (8, 96, 16)  # float32 stays plain
+    assert cpu_linear.pack(weight[:120]).panels.shape == (8 // g, 96, 16 * g)
+    assert cpu_linear.pack(weight[:100]).panels.shape == (7, 96, 16)  # not whole groups
+    assert cpu_linear.pack(weight[:, :95]).panels.shape == (8, 95, 16)  # an odd depth
+    assert _core.cpu_panel_group("bfloat16", 8, 96) == g
+    with pytest.raises(ValueError, match="float16"):
+        _core.cpu_panel_group("float16", 8, 96)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 12, 16, 17, 64])
+def test_grouped_bfloat16_panels_give_the_plain_panels_bits_and_unpack_to_the_weight(rows):
+    # two groups of panels, K over two slices of the kernel's K blocks; a bias
+    x, weight, b = _case(rows, 600, 120, seed=rows, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(weight)
+    assert torch.equal(cpu_linear.unpack(packed), weight)
+    plain = cpu_linear.plain(packed.panels).contiguous()
+    as_plain = cpu_linear.PackedWeight(plain, 120, numpy_view(plain))
+    got = cpu_linear.linear(x, weight, b, packed)
+    assert torch.equal(got, cpu_linear.linear(x, weight, b, as_plain))
+    torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), rtol=2e-2, atol=0.5)
+
+
+def test_grouped_panels_the_process_does_not_read_are_refused():
+    # float32 panels are never grouped: such an array is not a weight's panels
+    x, weight, _ = _case(2, 64, 64, seed=3)
+    bad = torch.zeros(1, 64, 64)
+    out = torch.empty(2, 64)
+    with pytest.raises(ValueError, match="groups of 4 panels are not read here"):
+        _core.cpu_linear(numpy_view(x), numpy_view(bad), None, numpy_view(out), 1)

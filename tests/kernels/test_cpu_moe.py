@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
+from pagedllm import _core
 from pagedllm.kernels import cpu_moe
+from pagedllm.kernels.cpu_arrays import numpy_view
 from pagedllm.kernels.moe_reference import moe_experts_reference
 
 HIDDEN, WIDTH, EXPERTS = 40, 24, 8  # widths that leave partial panels
 
 
-def experts(dtype=torch.float32, seed: int = 0):
+def experts(dtype=torch.float32, seed: int = 0, hidden: int = HIDDEN, width: int = WIDTH):
     g = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=g) / HIDDEN**0.5
-    down = torch.randn(EXPERTS, HIDDEN, WIDTH, generator=g) / WIDTH**0.5
+    gate_up = torch.randn(EXPERTS, 2 * width, hidden, generator=g) / hidden**0.5
+    down = torch.randn(EXPERTS, hidden, width, generator=g) / width**0.5
     return gate_up.to(dtype), down.to(dtype)
 
 
@@ -270,3 +273,40 @@ def test_quantized_experts_repacked_onto_a_buffer_give_the_same_outputs_bit_for_
         want = cpu_moe.moe_quant_experts(x, experts_, weights, ids, activations)
         got = cpu_moe.moe_quant_experts(x, moved, weights, ids, activations)
         assert torch.equal(got, want), f"{tokens} tokens, {activations}"
+
+
+def _avx512_bf16() -> bool:
+    level, flags = _core.cpu_isa()
+    return level in ("avx512", "amx") and "avx512bf16" in flags
+
+
+def test_bfloat16_experts_are_grouped_where_avx512_bf16_reads_them_and_plain_elsewhere():
+    grouped = cpu_moe.pack_experts(*experts(torch.bfloat16, seed=8, hidden=64, width=32))
+    plain = cpu_moe.pack_experts(*experts(seed=8, hidden=64, width=32))
+    assert plain.gate_up.shape == (EXPERTS, 4, 64, 16)  # float32 panels stay plain
+    g = 4 if _avx512_bf16() else 1
+    assert grouped.gate_up.shape == (EXPERTS, 4 // g, 64, 16 * g)
+    assert grouped.down.shape == (EXPERTS, 4 // g, 32, 16 * g)
+    assert _core.cpu_panel_group("bfloat16", 6, 64) == 1  # not whole groups
+    assert _core.cpu_panel_group("bfloat16", 4, 63) == 1  # an odd depth
+    with pytest.raises(ValueError, match="float16"):
+        _core.cpu_panel_group("float16", 4, 64)
+
+
+def test_grouped_bfloat16_experts_give_the_plain_panels_bits_and_unpack_to_the_weights():
+    gate_up, down = experts(torch.bfloat16, seed=9, hidden=64, width=32)
+    packed = cpu_moe.pack_experts(gate_up, down)
+    unpacked = cpu_moe.unpack_experts(packed)
+    assert torch.equal(unpacked[0], gate_up) and torch.equal(unpacked[1], down)
+
+    def plain(w: Tensor) -> Tensor:  # [E, N, K] -> [E, N / 16, K, 16]
+        return w.view(EXPERTS, w.shape[1] // 16, 16, w.shape[2]).transpose(2, 3).contiguous()
+
+    as_plain = cpu_moe.PackedExperts(
+        plain(gate_up), plain(down), 32, 64, numpy_view(plain(gate_up)), numpy_view(plain(down))
+    )
+    for tokens in (1, 8, 13, 40):
+        weights, ids = routing(tokens, 4)
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        got = cpu_moe.moe_experts(x, packed, weights, ids)
+        assert torch.equal(got, cpu_moe.moe_experts(x, as_plain, weights, ids)), tokens

@@ -438,6 +438,20 @@ fn rotate<N: Dtype>(
     Ok(())
 }
 
+/// The panels per group (`cpu::linear::panel_group`: 4, or 1 for plain panels) in which
+/// `cpu_linear` and `cpu_moe_experts` read `panels` panels of `k` rows of `dtype` ("float32" or
+/// "bfloat16") fastest on this machine.
+#[pyfunction]
+fn cpu_panel_group(dtype: &str, panels: usize, k: usize) -> PyResult<usize> {
+    match dtype {
+        "float32" => Ok(cpu::linear::panel_group::<f32>(panels, k)),
+        "bfloat16" => Ok(cpu::linear::panel_group::<cpu::Bf16>(panels, k)),
+        other => Err(PyValueError::new_err(format!(
+            "dtype {other:?} is neither 'float32' nor 'bfloat16'"
+        ))),
+    }
+}
+
 /// `out [M, N] = x [M, K] · W^T (+ bias [N])` with W as its panels `[ceil(N / 16), K, 16]`
 /// (`crate::cpu::linear`); `num_threads` workers at most. x, the panels, bias and out all
 /// float32 or all bfloat16 as uint16, contiguous.
@@ -609,6 +623,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_paged_attention, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rotary_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_panel_group, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_add_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_silu_and_mul, m)?)?;

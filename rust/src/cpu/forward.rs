@@ -188,12 +188,14 @@ impl Act for Bf16 {
         let Weight::Panels { panels, .. } = &head.weight else {
             return Err(bf16_quant());
         };
+        // a part's panels: whole groups where they are grouped (HEAD_COLS is a multiple)
+        let wide = panels.dim().2;
         let mut block = vec![Bf16::ZERO; rows * HEAD_COLS.min(vocab)];
         for start in (0..vocab).step_by(HEAD_COLS) {
             let end = (start + HEAD_COLS).min(vocab);
             let part = Linear {
                 weight: Weight::Panels {
-                    panels: panels.slice(s![start / PANEL..end.div_ceil(PANEL), .., ..]),
+                    panels: panels.slice(s![start / wide..end.div_ceil(wide), .., ..]),
                     n: end - start,
                 },
                 bias: head.bias.map(|b| &b[start..end]),
@@ -211,9 +213,10 @@ impl Act for Bf16 {
 }
 
 /// Vocabulary columns of bf16 logits made at a time before their widening (`Act::head_f32`):
-/// a multiple of `PANEL`, small enough to stay in the cache between the two (64 rows x 4,096 x
+/// a multiple of a group of panels (`linear::PANEL_GROUP * PANEL`), small enough to stay in the cache between the two (64 rows x 4,096 x
 /// 2 bytes = 512 KiB) and wide enough for every thread's share of panels.
 const HEAD_COLS: usize = 4096;
+const _: () = assert!(HEAD_COLS.is_multiple_of(linear::PANEL_GROUP * PANEL));
 
 /// A token embedding table: rows `[V, E]` of the activations' type, or ggml-typed rows.
 pub enum Embedding<'a, T = f32> {

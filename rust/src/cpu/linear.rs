@@ -18,6 +18,14 @@
 //! machine has AVX-512 BF16, bf16 products take `vdpbf16ps` instead, two k steps a time: the
 //! same exact products (x is bf16 too), summed a pair at a time, still the same for every row
 //! count (and not bit-identical to the other levels' bf16).
+//!
+//! There, a bf16 weight is held as groups of `PANEL_GROUP` panels interleaved a pair of weight
+//! rows at a time (`panel_group`, `group_panels`): `[P / G, K / 2, G, PANEL, 2]`, each pair of
+//! rows stored column by column as `vdpbf16ps` multiplies it (a plain panel's pair needs a
+//! `vpermw` first). The same products in the same order, so the sums are the same bits; a
+//! decode tile as wide as the group (`linear_avx512::wide_panels`) reads one contiguous stream
+//! instead of `G` streams one panel apart, which one core here reads ~1.2x faster (an expert's
+//! product at 1-6 rows: 35 -> 41 GB/s; benches/RESULTS.md, round 16).
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
@@ -51,9 +59,71 @@ pub(super) const DIRECT_MAX_ROWS: usize = 16;
 const MIN_SHARE_ELEMS: usize = 1 << 16;
 /// Runs of panels a call is cut into per thread, claimed by whichever thread is free.
 const CHUNKS_PER_THREAD: usize = 4;
+/// Panels a grouped weight interleaves (`panel_group`): the widest decode tile's.
+pub const PANEL_GROUP: usize = 4;
+
+/// The panels per group (`PANEL_GROUP`, or 1: plain panels) in which `panels` panels of `k`
+/// rows of `T` are read fastest here: grouped where the process's tiles for `T` are AVX-512
+/// BF16's (bf16 weights: only those tiles read groups), the panels fill whole groups and the
+/// rows whole pairs.
+pub fn panel_group<T: Elem>(panels: usize, k: usize) -> usize {
+    let grouped = tiles_at::<T>(isa::level()) == AVX512_BF16;
+    if grouped && panels.is_multiple_of(PANEL_GROUP) && k.is_multiple_of(2) {
+        PANEL_GROUP
+    } else {
+        1
+    }
+}
+
+/// How a panel's pairs of weight rows (k steps `2i`, `2i + 1`) lie in its array: `stride`
+/// elements from one pair to the next, each pair row after row (plain panels: `PANEL` elements
+/// of step `2i`, then `2i + 1`'s) or `paired`, column by column (grouped panels).
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub(super) struct Pairs {
+    pub(super) stride: usize,
+    pub(super) paired: bool,
+}
+
+impl Pairs {
+    /// A plain panel's pairs.
+    pub(super) const PLAIN: Pairs = Pairs {
+        stride: 2 * PANEL,
+        paired: false,
+    };
+}
+
+/// The panels per group of a panel array `[P / G, depth, width = G * PANEL]` of a weight `[n,
+/// k]`: 1, or `PANEL_GROUP` where `panel_group` groups such panels; None where the shape is
+/// neither (the array is not the weight's panels).
+pub(super) fn grouping<T: Elem>(
+    (groups, depth, width): (usize, usize, usize),
+    n: usize,
+    k: usize,
+) -> Option<usize> {
+    let panels = n.div_ceil(PANEL);
+    let fits = |g: usize| width == g * PANEL && groups * g == panels && depth == k;
+    if fits(1) {
+        Some(1)
+    } else if panel_group::<T>(panels, k) == PANEL_GROUP && fits(PANEL_GROUP) {
+        Some(PANEL_GROUP)
+    } else {
+        None
+    }
+}
+
+/// The elements a panel's first `depth` weight rows span when its pairs of rows are `step`
+/// apart (whole pairs, and half of one past an odd depth): `depth * PANEL` in a plain panel.
+pub(super) fn pairs_extent(depth: usize, step: usize) -> usize {
+    match (depth / 2, depth % 2) {
+        (0, 0) => 0,
+        (pairs, 0) => (pairs - 1) * step + 2 * PANEL,
+        (pairs, _) => pairs * step + PANEL,
+    }
+}
 
 /// `out [M, N] = x [M, K] · W^T + bias` with W given as its panels `[ceil(N / PANEL), K,
-/// PANEL]` (`pack_panels`). All contiguous. `num_threads` threads at most (the calling thread
+/// PANEL]` (`pack_panels`), or those in groups where `panel_group` says so (`[P / G, K, G *
+/// PANEL]`, `group_panels`). All contiguous. `num_threads` threads at most (the calling thread
 /// and parked workers of the kernels' pool), each taking a run of panels.
 pub fn linear<T: Elem>(
     x: ArrayView2<T>,
@@ -82,14 +152,15 @@ fn linear_with<T: Elem>(
     num_threads: usize,
 ) -> Result<()> {
     let (m, k) = x.dim();
-    let (num_panels, pk, width) = panels.dim();
+    let (groups, pk, width) = panels.dim();
     let (om, n) = out.dim();
-    if width != PANEL || pk != k {
+    if !width.is_multiple_of(PANEL) || pk != k {
         return Err(invalid(format!(
             "weight panels have shape {:?}, expected [panels, {k}, {PANEL}] (x has {k} columns)",
             panels.shape()
         )));
     }
+    let num_panels = groups * (width / PANEL);
     if om != m || n.div_ceil(PANEL) != num_panels {
         return Err(invalid(format!(
             "out has shape {:?}, expected [{m}, N] with ceil(N / {PANEL}) = {num_panels} \
@@ -97,6 +168,14 @@ fn linear_with<T: Elem>(
             out.shape()
         )));
     }
+    let Some(group) = grouping::<T>(panels.dim(), n, k) else {
+        return Err(invalid(format!(
+            "weight panels have shape {:?}: groups of {} panels are not read here \
+             (`panel_group`)",
+            panels.shape(),
+            width / PANEL
+        )));
+    };
     if let Some(b) = bias {
         if b.len() != n {
             return Err(invalid(format!(
@@ -129,6 +208,7 @@ fn linear_with<T: Elem>(
         call: CALLS.fetch_add(1, Ordering::Relaxed),
         x,
         w,
+        group,
         bias,
         out: OutPtr(out.as_mut_ptr()),
         m,
@@ -145,7 +225,8 @@ fn linear_with<T: Elem>(
     // shares its core with another process does fewer of them
     let chunk = num_panels
         .div_ceil(threads * CHUNKS_PER_THREAD)
-        .max(per_share);
+        .max(per_share)
+        .next_multiple_of(group); // whole groups: one stream each
     let chunks = num_panels.div_ceil(chunk);
     pool::WORKERS.run_claimed(threads, chunks, |c| {
         run_with_tiles(tiles, &ctx, c * chunk..((c + 1) * chunk).min(num_panels));
@@ -164,6 +245,23 @@ pub fn pack_panels<T: Elem>(w: ArrayView2<T>) -> Vec<T> {
     panels
 }
 
+/// Plain panels `[P, K, PANEL]` (`pack_panels`) in groups of `group` (`panel_group`): `[P /
+/// group, K / 2, group, PANEL, 2]` (the Python side groups with torch the same way).
+pub fn group_panels<T: Copy>(panels: &[T], k: usize, group: usize) -> Vec<T> {
+    assert!(panels.len().is_multiple_of(group * k * PANEL) && k.is_multiple_of(2));
+    let mut grouped = Vec::with_capacity(panels.len());
+    for chunk in panels.chunks_exact(group * k * PANEL) {
+        for pair in 0..k / 2 {
+            for panel in chunk.chunks_exact(k * PANEL) {
+                let rows = &panel[pair * 2 * PANEL..(pair + 1) * 2 * PANEL];
+                let (first, second) = rows.split_at(PANEL);
+                grouped.extend(first.iter().zip(second).flat_map(|(a, b)| [*a, *b]));
+            }
+        }
+    }
+    grouped
+}
+
 /// `out`'s first element; the shares write disjoint columns of it.
 #[derive(Clone, Copy)]
 struct OutPtr<T>(*mut T);
@@ -180,6 +278,8 @@ pub(crate) struct Ctx<'a, T> {
     /// `[m, k]` as f32.
     x: &'a [f32],
     w: &'a [T],
+    /// Panels per group of `w` (`panel_group`; 1: plain panels).
+    group: usize,
     bias: Option<&'a [T]>,
     out: OutPtr<T>,
     m: usize,
@@ -194,25 +294,57 @@ impl<'a, T: Elem> Ctx<'a, T> {
     /// # Safety
     /// `out` must point to `m * n` writable elements that nothing else reads or writes until
     /// every `run` over this product has returned, and `w` must hold `ceil(n / PANEL)` panels of
-    /// `k` rows.
+    /// `k` rows, in groups of `group` (`panel_group`: 1, or `PANEL_GROUP` where it says so).
     pub(crate) unsafe fn new(
         x: &'a [f32],
         w: &'a [T],
+        group: usize,
         out: *mut T,
         m: usize,
         k: usize,
         n: usize,
     ) -> Self {
+        debug_assert!(group == 1 || panel_group::<T>(n.div_ceil(PANEL), k) == group);
         Ctx {
             call: CALLS.fetch_add(1, Ordering::Relaxed),
             x,
             w,
+            group,
             bias: None,
             out: OutPtr(out),
             m,
             k,
             n,
         }
+    }
+
+    /// Where panel `p`'s first pair of weight rows is in `w`, and how its pairs lie (plain, or
+    /// the group's pairs side by side and paired).
+    #[inline(always)]
+    fn panel_at(&self, p: usize) -> (usize, Pairs) {
+        let g = self.group;
+        let pairs = Pairs {
+            stride: g * 2 * PANEL,
+            paired: g > 1,
+        };
+        ((p / g) * g * self.k * PANEL + (p % g) * 2 * PANEL, pairs)
+    }
+
+    /// The elements from a panel to the next one side by side (`side_by_side`).
+    #[inline(always)]
+    fn panel_stride(&self) -> usize {
+        if self.group == 1 {
+            self.k * PANEL
+        } else {
+            2 * PANEL
+        }
+    }
+
+    /// Whether `count` panels from `p` lie evenly spaced under one step (one wide tile can run
+    /// them): always in plain panels, within one group in groups.
+    #[inline(always)]
+    fn side_by_side(&self, p: usize, count: usize) -> bool {
+        self.group == 1 || p % self.group + count <= self.group
     }
 }
 
@@ -247,6 +379,10 @@ fn run_with_tiles<T: Elem>(tiles: u8, ctx: &Ctx<'_, T>, panels: Range<usize>) {
     assert!(
         tiles <= most,
         "tile set {tiles} is above the process's ({most})"
+    );
+    assert!(
+        ctx.group == 1 || tiles == AVX512_BF16,
+        "grouped panels are read by AVX-512 BF16's tiles only, not tile set {tiles}"
     );
     #[cfg(target_arch = "x86_64")]
     match tiles {
@@ -324,6 +460,10 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
     let k = ctx.k;
     let xk = x_width::<L>(k);
     #[cfg(target_arch = "x86_64")]
+    if L == AVX512_BF16 && ctx.group > 1 {
+        return run_direct_grouped(ctx, xs, panels);
+    }
+    #[cfg(target_arch = "x86_64")]
     if L == AVX512_BF16 && ctx.m <= 2 * TILE_ROWS {
         return run_direct_wide(ctx, xs, panels);
     }
@@ -333,13 +473,14 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
         TILE_ROWS
     };
     for p in panels {
-        let w = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
+        let (start, pairs) = ctx.panel_at(p);
+        let w = &ctx.w[start..start + pairs_extent(k, pairs.stride)];
         let mut row = 0;
         while row < ctx.m {
             let rows = (ctx.m - row).min(height);
             let x = &xs[row * xk..(row + rows) * xk];
             let mut acc = [[0.0f32; PANEL]; DIRECT_MAX_ROWS];
-            tile_rows::<L, T, false>(true, rows, x, x, w, k, xk, &mut acc[..rows]);
+            tile_rows::<L, T, false>(true, rows, x, x, w, pairs, k, xk, &mut acc[..rows]);
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
@@ -360,22 +501,98 @@ fn run_direct_wide<T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) 
     let mut acc = [[0.0f32; PANEL]; 4 * TILE_ROWS];
     let mut p = panels.start;
     while p < panels.end {
-        let g = if panels.end - p >= group { group } else { 1 };
-        let w = &ctx.w[p * k * PANEL..(p + g) * k * PANEL];
+        let side_by_side = panels.end - p >= group && ctx.side_by_side(p, group);
+        let g = if side_by_side { group } else { 1 };
+        let ((start, pairs), stride) = (ctx.panel_at(p), ctx.panel_stride());
+        let w = &ctx.w[start..start + (g - 1) * stride + pairs_extent(k, pairs.stride)];
         let sums = &mut acc[..g * m];
         sums.fill([0.0; PANEL]);
         // SAFETY: AVX512_BF16 runs only inside `run_avx512_bf16`, on a CPU with AVX-512
-        // F/BW/VL and BF16; x holds m rows of xk pairs, w g panels of k steps, sums g * m rows
-        // (g is wide_panels(m) or 1).
+        // F/BW/VL and BF16; x holds m rows of xk pairs, w g panels of k steps (sliced to what
+        // the tile reads), sums g * m rows (g is wide_panels(m) or 1).
         unsafe {
+            let (x, w) = (xs.as_ptr(), w.as_ptr());
             if g == 1 {
-                linear_avx512::tile_pairs_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+                linear_avx512::tile_pairs_direct(m, x, w, pairs, k, xk, sums);
             } else {
-                linear_avx512::tile_pairs_wide_direct(m, xs.as_ptr(), w.as_ptr(), k, xk, sums);
+                linear_avx512::tile_pairs_wide_direct(m, x, w, stride, pairs, k, xk, sums);
             }
         }
         for j in 0..g {
             store(ctx, &sums[j * m..(j + 1) * m], 0, (p + j) * PANEL);
+        }
+        p += g;
+    }
+}
+
+// a grouped weight's group is as wide as the widest decode tile (`run_direct_grouped`)
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(PANEL_GROUP == 4 && 4 * TILE_ROWS <= 32);
+
+/// `run_direct_over` at AVX512_BF16 over grouped panels (`ctx.group > 1`, up to
+/// `DIRECT_MAX_ROWS` rows): each whole group by tiles as wide as the group, so its weights are
+/// one stream; the rows in tiles of at most `TILE_ROWS` (the wide tile's 24 sums), and with more
+/// than one tile the group in `K_BLOCK`-step slices that stay in L1 while every tile passes over
+/// them (the tiles continue their sums slice after slice). Panels outside whole groups (a range
+/// not starting at one) run one at a time. The same sums as plain panels, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn run_direct_grouped<T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
+    let (k, m, g) = (ctx.k, ctx.m, ctx.group);
+    let xk = x_width::<AVX512_BF16>(k);
+    debug_assert!(xs.len() == m * xk && m <= DIRECT_MAX_ROWS && k.is_multiple_of(2));
+    let slice = if m <= TILE_ROWS { k } else { K_BLOCK };
+    let stride = ctx.panel_stride();
+    let mut acc = [[0.0f32; PANEL]; PANEL_GROUP * DIRECT_MAX_ROWS];
+    let mut p = panels.start;
+    while p < panels.end {
+        let (start, pairs) = ctx.panel_at(p);
+        if panels.end - p < g || !ctx.side_by_side(p, g) {
+            let w = &ctx.w[start..start + pairs_extent(k, pairs.stride)];
+            let sums = &mut acc[..m];
+            sums.fill([0.0; PANEL]);
+            // SAFETY: AVX512_BF16 runs only inside `run_avx512_bf16` (the CPU has AVX-512
+            // F/BW/VL and BF16); x holds m rows of xk pairs, w the panel's k steps, sums m rows.
+            unsafe {
+                linear_avx512::tile_pairs_direct(m, xs.as_ptr(), w.as_ptr(), pairs, k, xk, sums)
+            };
+            store(ctx, sums, 0, p * PANEL);
+            p += 1;
+            continue;
+        }
+        // tile t (rows `row..row + rows`) keeps panel j's sums at acc[row * g + j * rows..]
+        acc[..g * m].fill([0.0; PANEL]);
+        for k0 in (0..k).step_by(slice) {
+            let depth = slice.min(k - k0);
+            let at = start + k0 / 2 * pairs.stride;
+            let w = &ctx.w[at..at + (g - 1) * stride + pairs_extent(depth, pairs.stride)];
+            for row in (0..m).step_by(TILE_ROWS) {
+                let rows = TILE_ROWS.min(m - row);
+                let x = &xs[row * xk + k0 / 2..];
+                let sums = &mut acc[row * g..(row + rows) * g];
+                // SAFETY: as above; x holds the tile's rows from pair k0 / 2 (rows of xk
+                // pairs, depth / 2 of them read), w the group's slice, sums g * rows rows
+                // (wide_panels(rows) == g for rows <= TILE_ROWS).
+                unsafe {
+                    linear_avx512::tile_pairs_wide_direct(
+                        rows,
+                        x.as_ptr(),
+                        w.as_ptr(),
+                        stride,
+                        pairs,
+                        depth,
+                        xk,
+                        sums,
+                    )
+                };
+            }
+        }
+        for row in (0..m).step_by(TILE_ROWS) {
+            let rows = TILE_ROWS.min(m - row);
+            let sums = &acc[row * g..(row + rows) * g];
+            for j in 0..g {
+                store(ctx, &sums[j * rows..(j + 1) * rows], row, (p + j) * PANEL);
+            }
         }
         p += g;
     }
@@ -428,14 +645,16 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
             let count = (end - first).div_ceil(TILE_ROWS);
             let mut p = panels.start;
             while p < panels.end {
-                let g = if panels.end - p >= wide { wide } else { 1 };
+                let side_by_side = panels.end - p >= wide && ctx.side_by_side(p, wide);
+                let g = if side_by_side { wide } else { 1 };
+                let (start, pairs) = ctx.panel_at(p);
                 let tiles = &mut acc[..g * count];
                 tiles.fill([[0.0; PANEL]; TILE_ROWS]);
                 let (ta, tb) = tiles.split_at_mut(count);
                 let mut k0 = 0;
                 while k0 < k {
                     let depth = (k - k0).min(K_BLOCK);
-                    let w = &ctx.w[p * k * PANEL + k0 * PANEL..];
+                    let w = &ctx.w[start + k0 / 2 * pairs.stride..];
                     // the tiles `step` at a time (AVX-512: two, a full one and the next)
                     for s in 0..count.div_ceil(step) {
                         let row = s * step * TILE_ROWS;
@@ -461,7 +680,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                                 xa,
                                 xb,
                                 w,
-                                k,
+                                (ctx.panel_stride(), pairs),
                                 depth,
                                 xk,
                                 sums,
@@ -475,7 +694,8 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                             rows,
                             xa,
                             xb,
-                            &w[..depth * PANEL],
+                            &w[..pairs_extent(depth, pairs.stride)],
+                            pairs,
                             depth,
                             xk,
                             &mut sums[..rows],
@@ -499,7 +719,8 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
 
 /// One K slice of two panels for a tile pair of `rows` packed rows at AVX512_BF16
 /// (`linear_avx512::tile_pairs_wide_packed`): `w` starts at the first panel's slice, the second
-/// `k * PANEL` elements on; the sums continue `sums_a` (first panel) and `sums_b`'s rows.
+/// `stride` elements on, its pairs of weight rows lying as `pairs` says; the sums continue
+/// `sums_a` (first panel) and `sums_b`'s rows.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -508,13 +729,13 @@ fn wide_slice<T: Elem>(
     xa: &[f32],
     xb: &[f32],
     w: &[T],
-    k: usize,
+    (stride, pairs): (usize, Pairs),
     depth: usize,
     xk: usize,
     sums_a: &mut [[f32; PANEL]],
     sums_b: &mut [[f32; PANEL]],
 ) {
-    assert!(w.len() >= k * PANEL + depth * PANEL);
+    assert!(w.len() >= stride + pairs_extent(depth, pairs.stride));
     // SAFETY: called only at AVX512_BF16 (inside `run_avx512_bf16`: the CPU has AVX-512
     // F/BW/VL and BF16); w holds both slices (asserted), x the tiles' packed pairs; the sums'
     // rows are checked by the tile.
@@ -524,7 +745,8 @@ fn wide_slice<T: Elem>(
             xa.as_ptr(),
             xb.as_ptr(),
             w.as_ptr(),
-            k * PANEL,
+            stride,
+            pairs,
             depth,
             xk,
             sums_a,
@@ -597,7 +819,9 @@ fn pack_pairs(x: &[f32], k: usize, packed: &mut [f32]) {
 
 /// The level `L`'s tile for a runtime row count `rows` (1..=TILE_ROWS; at AVX-512 up to
 /// DIRECT_MAX_ROWS in place, or two packed tiles: `xa` a full one, `xb` the next). `k` is the
-/// width of a row of x in place (`x_width`), `depth` the weight rows (k steps) to run.
+/// width of a row of x in place (`x_width`), `depth` the weight rows (k steps) to run, their
+/// pairs lying as `pairs` says (other than `Pairs::PLAIN` in grouped panels only, which
+/// AVX512_BF16 alone reads).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
@@ -606,11 +830,13 @@ fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
     xa: &[f32],
     xb: &[f32],
     w: &[T],
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
 ) {
-    debug_assert!(acc.len() == rows && w.len() == depth * PANEL);
+    debug_assert!(acc.len() == rows && w.len() == pairs_extent(depth, pairs.stride));
+    debug_assert!(L == AVX512_BF16 || pairs == Pairs::PLAIN);
     #[cfg(target_arch = "x86_64")]
     if L >= AVX512 {
         let steps = x_width::<L>(depth);
@@ -630,8 +856,12 @@ fn tile_rows<const L: u8, T: Elem, const PACKED: bool>(
                 (false, true) => {
                     linear_avx512::tile_packed(prefetch, rows, xa, xb, w, depth, k, acc)
                 }
-                (true, false) => linear_avx512::tile_pairs_direct(rows, xa, w, depth, k, acc),
-                (true, true) => linear_avx512::tile_pairs_packed(rows, xa, xb, w, depth, k, acc),
+                (true, false) => {
+                    linear_avx512::tile_pairs_direct(rows, xa, w, pairs, depth, k, acc)
+                }
+                (true, true) => {
+                    linear_avx512::tile_pairs_packed(rows, xa, xb, w, pairs, depth, k, acc)
+                }
             }
         }
         return;
@@ -942,6 +1172,57 @@ mod tests {
                     all.row(r),
                     "tile set {tiles}, {m}x{k}x{n}, row {r}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_panels_give_the_plain_panels_bits_for_every_row_count_and_run_of_panels() {
+        // two groups of panels, K over two K_BLOCK slices; runs of panels that start and end
+        // inside groups as well as whole ones
+        let (k, n) = (600, 2 * PANEL_GROUP * PANEL);
+        let group = panel_group::<Bf16>(n / PANEL, k);
+        if tiles_at::<Bf16>(isa::level()) != AVX512_BF16 {
+            assert_eq!(group, 1, "only AVX-512 BF16's tiles read grouped panels");
+            return;
+        }
+        assert_eq!(group, PANEL_GROUP);
+        assert_eq!(
+            panel_group::<Bf16>(n / PANEL, k + 1),
+            1,
+            "an odd K stays plain"
+        );
+        assert_eq!(
+            panel_group::<Bf16>(n / PANEL + 1, k),
+            1,
+            "a part group stays plain"
+        );
+        assert_eq!(panel_group::<f32>(n / PANEL, k), 1, "f32 stays plain");
+        let w = Array2::from_shape_vec((n, k), values(n * k, 7.0)).unwrap();
+        let plain = pack_panels(w.mapv(Bf16::from_f32).view());
+        let grouped = group_panels(&plain, k, group);
+        let runs = [0..8, 0..4, 4..8, 1..7, 3..5, 2..3, 5..8];
+        for m in [1, 2, 5, 6, 7, 8, 12, 13, 16, 17, 40] {
+            let x = values(m * k, m as f32);
+            let x: Vec<f32> = x.iter().map(|v| Bf16::from_f32(*v).to_f32()).collect();
+            for run_of in runs.clone() {
+                let product = |w: &[Bf16], group: usize| {
+                    let mut out = vec![Bf16::from_f32(f32::NAN); m * n];
+                    // SAFETY: out holds m * n elements and outlives the product
+                    let ctx = unsafe { Ctx::new(&x, w, group, out.as_mut_ptr(), m, k, n) };
+                    run(&ctx, run_of.clone());
+                    out
+                };
+                let (want, got) = (product(&plain, 1), product(&grouped, group));
+                let cols = run_of.start * PANEL..run_of.end * PANEL;
+                for r in 0..m {
+                    let row = r * n..(r + 1) * n;
+                    let (want, got) = (&want[row.clone()][cols.clone()], &got[row][cols.clone()]);
+                    assert!(
+                        want.iter().zip(got).all(|(a, b)| a.0 == b.0),
+                        "{m} rows, panels {run_of:?}, row {r}"
+                    );
+                }
             }
         }
     }

@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 
 use super::elem::Elem;
-use super::linear::{DIRECT_MAX_ROWS, PANEL, TILE_ROWS};
+use super::linear::{Pairs, DIRECT_MAX_ROWS, PANEL, TILE_ROWS};
 
 /// How many steps (weight rows of a panel, one 64-byte line each in f32) ahead a tile that
 /// reads its weights from memory prefetches them: a step of a 12-row tile is ~6 cycles of FMAs,
@@ -217,21 +217,24 @@ pub(super) fn bf16_pair(a: f32, b: f32) -> f32 {
 
 /// `tile` over bf16 weights with `vdpbf16ps`: each lane adds the products of the pair `i` of
 /// steps, `x(r, 2i) w[2i][j]` and `x(r, 2i + 1) w[2i + 1][j]`, for the pairs of `0..depth`
-/// steps in order (an odd depth's last pair is `(x, 0)` by `(w, 0)`). x is `bf16_pairs` (one
+/// steps in order (an odd depth's last pair is `(x, 0)` by `(w, 0)`). A pair of weight rows is
+/// 32 bf16 at `w + i * pairs.stride`, row after row (a `vpermw` pairs them) or, in a group of
+/// panels, already `paired` (`linear::Pairs`). x is `bf16_pairs` (one
 /// 32-bit lane a pair; `x_ptr` with `k` the pairs per row of x), so it must hold bf16 values:
 /// the products are then exact, and only the sums differ from the widening tiles' (two adds a
 /// pair in the instruction's order, subnormal inputs and outputs flushed to zero).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VL and BF16 (`isa::has(Extension::Avx512Bf16)`); `w` holds
-/// `depth * PANEL` bf16, `acc` at least `R` rows, x the pairs `x_ptr` names for `r < R`, `i <
-/// ceil(depth / 2)`.
+/// `linear::pairs_extent(depth, pairs.stride)` bf16, `acc` at least `R` rows, x the pairs
+/// `x_ptr` names for `r < R`, `i < ceil(depth / 2)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
 unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
     xa: *const f32,
     xb: *const f32,
     w: *const T,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
@@ -244,7 +247,12 @@ unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
     }
     let w = w as *const u16;
     let step = |sums: &mut [__m512; R], i: usize, rows: __m512i| {
-        let wv = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(idx, rows));
+        let wv = if pairs.paired {
+            rows
+        } else {
+            _mm512_permutexvar_epi16(idx, rows)
+        };
+        let wv = std::mem::transmute::<__m512i, __m512bh>(wv);
         for (r, s) in sums.iter_mut().enumerate() {
             let x = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
             let xv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(x));
@@ -255,11 +263,11 @@ unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
         step(
             &mut sums,
             i,
-            _mm512_loadu_si512(w.add(2 * i * PANEL) as *const __m512i),
+            _mm512_loadu_si512(w.add(i * pairs.stride) as *const __m512i),
         );
     }
     if depth % 2 == 1 {
-        let last = _mm256_loadu_si256(w.add((depth - 1) * PANEL) as *const __m256i);
+        let last = _mm256_loadu_si256(w.add(depth / 2 * pairs.stride) as *const __m256i);
         step(&mut sums, depth / 2, _mm512_zextsi256_si512(last));
     }
     for (dst, s) in acc.iter_mut().zip(&sums) {
@@ -267,7 +275,8 @@ unsafe fn tile_pairs<T: Elem, const R: usize, const PACKED: bool>(
     }
 }
 
-/// `tile_direct` with `tile_pairs` (x: `bf16_pairs` rows of `k` pairs; `depth` weight steps).
+/// `tile_direct` with `tile_pairs` (x: `bf16_pairs` rows of `k` pairs; `depth` weight steps,
+/// their pairs lying as `pairs` says).
 ///
 /// # Safety
 /// As `tile_pairs`, with x holding `rows * k` pairs.
@@ -277,6 +286,7 @@ pub(super) unsafe fn tile_pairs_direct<T: Elem>(
     rows: usize,
     x: *const f32,
     w: *const T,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
@@ -284,7 +294,7 @@ pub(super) unsafe fn tile_pairs_direct<T: Elem>(
     macro_rules! rows {
         ($($r:literal)*) => {
             match rows {
-                $($r => tile_pairs::<T, $r, false>(x, x, w, depth, k, acc),)*
+                $($r => tile_pairs::<T, $r, false>(x, x, w, pairs, depth, k, acc),)*
                 _ => unreachable!("a direct tile has 1..=16 rows, not {rows}"),
             }
         };
@@ -292,17 +302,20 @@ pub(super) unsafe fn tile_pairs_direct<T: Elem>(
     rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
 }
 
-/// `tile_packed` with `tile_pairs` (x: packed tiles of `bf16_pairs`).
+/// `tile_packed` with `tile_pairs` (x: packed tiles of `bf16_pairs`; the weights' pairs lying
+/// as `pairs` says).
 ///
 /// # Safety
 /// As `tile_pairs` and `tile_packed`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile_pairs_packed<T: Elem>(
     rows: usize,
     xa: *const f32,
     xb: *const f32,
     w: *const T,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
@@ -310,7 +323,7 @@ pub(super) unsafe fn tile_pairs_packed<T: Elem>(
     macro_rules! rows {
         ($($r:literal)*) => {
             match rows {
-                $($r => tile_pairs::<T, $r, true>(xa, xb, w, depth, k, acc),)*
+                $($r => tile_pairs::<T, $r, true>(xa, xb, w, pairs, depth, k, acc),)*
                 _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
             }
         };
@@ -328,25 +341,29 @@ pub(super) fn wide_panels(rows: usize) -> usize {
     }
 }
 
-/// `tile_pairs` over `G` adjacent panels at once (`w`: their slices of `depth * PANEL` bf16,
-/// `stride` elements apart), for `R` rows of x (in place or packed: `x_ptr`): each step's pair
-/// of x is broadcast once for the `G` panels, and `G * R` independent sums cover `vdpbf16ps`'s
-/// latency where one panel's `R` rows (a few rows: an expert's tokens at decode) leave it
-/// waiting. Each weight stream is prefetched `PREFETCH_STEPS` steps ahead. Every lane is the
+/// `tile_pairs` over `G` adjacent panels at once (`w`: the first's pairs of weight rows, lying
+/// as `pairs` says; the next panel's `stride` elements on), for `R` rows of x (in place or
+/// packed: `x_ptr`): each step's pair of x is broadcast once for the `G` panels, and `G * R`
+/// independent sums cover `vdpbf16ps`'s latency where one panel's `R` rows (a few rows: an
+/// expert's tokens at decode) leave it waiting. Each weight stream is prefetched
+/// `PREFETCH_STEPS / 2` pairs ahead: plain panels are `G` streams, a group of panels
+/// (`linear::Ctx::panel_at`) read by a tile as wide as the group is one. Every lane is the
 /// same chain of pairs as `tile_pairs`'s, so the sums are the same bits. `acc[g]` points to
 /// panel `g`'s `R` rows of sums (continued in place).
 ///
 /// # Safety
-/// As `tile_pairs` (x: the pairs `x_ptr` names), with `w` holding `G` slices of `depth *
-/// PANEL` bf16 `stride` elements apart and each `acc[g]` `R` rows that nothing else accesses
-/// during the call.
+/// As `tile_pairs` (x: the pairs `x_ptr` names), with `w` holding `(G - 1) * stride +
+/// linear::pairs_extent(depth, pairs.stride)` bf16 and each `acc[g]` `R` rows that nothing
+/// else accesses during the call.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED: bool>(
     xa: *const f32,
     xb: *const f32,
     w: *const T,
     stride: usize,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: [*mut [f32; PANEL]; G],
@@ -363,7 +380,12 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
     let step = |sums: &mut [[__m512; R]; G], i: usize, rows: [__m512i; G]| {
         let mut wv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); G];
         for (v, r) in wv.iter_mut().zip(rows) {
-            *v = std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(idx, r));
+            let r = if pairs.paired {
+                r
+            } else {
+                _mm512_permutexvar_epi16(idx, r)
+            };
+            *v = std::mem::transmute::<__m512i, __m512bh>(r);
         }
         for r in 0..R {
             let xr = *(x_ptr::<R, PACKED>(xa, xb, r, i, k) as *const i32);
@@ -376,9 +398,9 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
     for i in 0..depth / 2 {
         let mut rows = [_mm512_setzero_si512(); G];
         for (g, r) in rows.iter_mut().enumerate() {
-            let at = w.add(g * stride + 2 * i * PANEL);
+            let at = w.add(g * stride + i * pairs.stride);
             // a hint only: an address past the weights' end does not fault
-            let ahead = at.wrapping_add(PREFETCH_STEPS * PANEL);
+            let ahead = at.wrapping_add(PREFETCH_STEPS / 2 * pairs.stride);
             prefetch_weights::<PACKED>(ahead.cast::<i8>());
             *r = _mm512_loadu_si512(at as *const __m512i);
         }
@@ -388,7 +410,7 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
         let mut rows = [_mm512_setzero_si512(); G];
         for (g, r) in rows.iter_mut().enumerate() {
             let last =
-                _mm256_loadu_si256(w.add(g * stride + (depth - 1) * PANEL) as *const __m256i);
+                _mm256_loadu_si256(w.add(g * stride + depth / 2 * pairs.stride) as *const __m256i);
             *r = _mm512_zextsi256_si512(last);
         }
         step(&mut sums, depth / 2, rows);
@@ -400,17 +422,21 @@ unsafe fn tile_pairs_wide<T: Elem, const R: usize, const G: usize, const PACKED:
     }
 }
 
-/// `tile_pairs_wide` for `rows` rows of x in place (1..=12) over `wide_panels(rows)` panels.
+/// `tile_pairs_wide` for `rows` rows of x in place (1..=12) over `wide_panels(rows)` panels
+/// (`stride` elements apart, their pairs of weight rows lying as `pairs` says).
 ///
 /// # Safety
 /// As `tile_pairs_wide`, with `G = wide_panels(rows)` and `acc` holding `G * rows` rows (panel
 /// `g`'s from row `g * rows`; asserted).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
     rows: usize,
     x: *const f32,
     w: *const T,
+    stride: usize,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc: &mut [[f32; PANEL]],
@@ -423,7 +449,7 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
             match rows {
                 $($r => {
                     let acc = std::array::from_fn::<_, $g, _>(|g| at.add(g * $r));
-                    return tile_pairs_wide::<T, $r, $g, false>(x, x, w, depth * PANEL, depth, k, acc);
+                    return tile_pairs_wide::<T, $r, $g, false>(x, x, w, stride, pairs, depth, k, acc);
                 })*
                 _ => {}
             }
@@ -434,7 +460,8 @@ pub(super) unsafe fn tile_pairs_wide_direct<T: Elem>(
     unreachable!("a wide direct tile has 1..=12 rows, not {rows}")
 }
 
-/// `tile_pairs_wide` over two panels' slices (`stride` elements apart) for `rows` rows of
+/// `tile_pairs_wide` over two panels' slices (`stride` elements apart, pairs of weight rows
+/// lying as `pairs` says) for `rows` rows of
 /// packed x (1..=2 * TILE_ROWS: one tile at `xa`, or a full one at `xa` and the next one's
 /// rows at `xb`), the blocked path's tiles: each pair of x read once for both panels, up to 24
 /// independent sums, continuing `acc_a` (the first panel's rows) and `acc_b` (the second's).
@@ -450,6 +477,7 @@ pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
     xb: *const f32,
     w: *const T,
     stride: usize,
+    pairs: Pairs,
     depth: usize,
     k: usize,
     acc_a: &mut [[f32; PANEL]],
@@ -460,7 +488,7 @@ pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
     macro_rules! rows {
         ($($r:literal)*) => {
             match rows {
-                $($r => tile_pairs_wide::<T, $r, 2, true>(xa, xb, w, stride, depth, k, acc),)*
+                $($r => tile_pairs_wide::<T, $r, 2, true>(xa, xb, w, stride, pairs, depth, k, acc),)*
                 _ => unreachable!("a packed tile pair has 1..=12 rows, not {rows}"),
             }
         };

@@ -25,6 +25,11 @@
 //! quantized products (`quant::quant_linear_with`), the activation and the weighted sum as above;
 //! at one token the chosen experts' gate/up rows are one product.
 //!
+//! Each expert's panels may be grouped (`linear::panel_group`: bf16 at AVX-512 BF16), the
+//! array's last axis then `PANEL_GROUP` panels wide (`[E, P / G, K, G * PANEL]`, each group
+//! `[K / 2, G, PANEL, 2]`): a decode tile then streams a group of panels as one run of memory,
+//! the same products in the same order.
+//!
 //! The products are `linear.rs`'s tiles (`linear::run`), so a row's result does not depend on
 //! the batch it runs in, and bf16 rounds where torch's bf16 ops round (gate/up output, the
 //! activation, the down output). At AVX-512 BF16 those tiles take bf16 weights with `vdpbf16ps`
@@ -58,7 +63,8 @@ const MIN_SUM_PER_THREAD: usize = 1 << 16;
 
 /// `out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`,
 /// for x `[M, H]`, the experts' gate/up panels `[E, ceil(2I / PANEL), H, PANEL]` and down panels
-/// `[E, ceil(H / PANEL), I, PANEL]`, expert ids (in `0..E`, or `NOT_HELD`: skipped) and f32
+/// `[E, ceil(H / PANEL), I, PANEL]` (either in groups where `linear::panel_group` says so: `[E,
+/// P / G, K, G * PANEL]`, `experts_grouped`), expert ids (in `0..E`, or `NOT_HELD`: skipped) and f32
 /// weights `[M, K]`. All contiguous; `num_threads` threads at most.
 pub fn moe_experts<T: Elem>(
     x: ArrayView2<T>,
@@ -90,6 +96,7 @@ fn experts_in_batches<T: Elem>(
         hidden,
         width,
         k,
+        groups: (gate_up_group, down_group),
     } = check_shapes(&x, &gate_up, &down, &ids, &weights, &out)?;
     let x = x
         .to_slice()
@@ -147,6 +154,7 @@ fn experts_in_batches<T: Elem>(
             let gate_up_dims = Dims {
                 k: hidden,
                 n: 2 * width,
+                group: gate_up_group,
             };
             groups.products(batch, xs, gate_up, gate_up_dims, gate_ups, threads);
             let acts = typed::<T>(acts, rows * width);
@@ -173,6 +181,7 @@ fn experts_in_batches<T: Elem>(
             let down_dims = Dims {
                 k: width,
                 n: hidden,
+                group: down_group,
             };
             groups.products(batch, acts, down, down_dims, ys, threads);
             let sum = Sum {
@@ -513,9 +522,18 @@ struct Shape {
     width: usize,
     /// Experts per token.
     k: usize,
+    /// Panels per group of gate/up and of down (1: plain panels).
+    groups: (usize, usize),
 }
 
-fn check_shapes<T>(
+/// The panels per group of a stacked panel array `[E, P / G, k, G * PANEL]` of a weight with
+/// `n` output columns (`linear::grouping`).
+fn grouping<T: Elem>(dims: (usize, usize, usize, usize), n: usize, k: usize) -> Option<usize> {
+    let (_, groups, depth, width) = dims;
+    linear::grouping::<T>((groups, depth, width), n, k)
+}
+
+fn check_shapes<T: Elem>(
     x: &ArrayView2<T>,
     gate_up: &ArrayView4<T>,
     down: &ArrayView4<T>,
@@ -524,23 +542,24 @@ fn check_shapes<T>(
     out: &ArrayViewMut2<T>,
 ) -> Result<Shape> {
     let (m, hidden) = x.dim();
-    let (experts, down_panels, width, down_panel) = down.dim();
-    if down_panel != PANEL || down_panels != hidden.div_ceil(PANEL) {
+    let (experts, _, width, _) = down.dim();
+    let Some(down_group) = grouping::<T>(down.dim(), hidden, width) else {
         return Err(invalid(format!(
             "down panels have shape {:?}, expected [experts, {}, I, {PANEL}] (x has {hidden} \
-             columns)",
+             columns), or those panels in groups (`panel_group`)",
             down.shape(),
             hidden.div_ceil(PANEL)
         )));
-    }
-    let want = (experts, (2 * width).div_ceil(PANEL), hidden, PANEL);
-    if gate_up.dim() != want {
+    };
+    let gate_up_group = grouping::<T>(gate_up.dim(), 2 * width, hidden);
+    let Some(gate_up_group) = gate_up_group.filter(|_| gate_up.dim().0 == experts) else {
+        let want = (experts, (2 * width).div_ceil(PANEL), hidden, PANEL);
         return Err(invalid(format!(
             "gate_up panels have shape {:?}, expected {want:?} (down's experts and width I = \
-             {width}, x's {hidden} columns)",
+             {width}, x's {hidden} columns), or those panels in groups (`panel_group`)",
             gate_up.shape()
         )));
-    }
+    };
     if ids.nrows() != m || weights.dim() != ids.dim() {
         return Err(invalid(format!(
             "ids {:?} and weights {:?} must both be [{m}, k] (x's rows)",
@@ -559,14 +578,16 @@ fn check_shapes<T>(
         hidden,
         width,
         k: ids.ncols(),
+        groups: (gate_up_group, down_group),
     })
 }
 
-/// A product's inner (`k`) and output (`n`) sizes.
+/// A product's inner (`k`) and output (`n`) sizes, and its panels per group.
 #[derive(Clone, Copy)]
 struct Dims {
     k: usize,
     n: usize,
+    group: usize,
 }
 
 /// The `(token, choice)` pairs of a call (pair `p = t * k + j`) sorted by expert, stably (batch
@@ -689,7 +710,7 @@ impl Groups {
         out: &mut [T],
         threads: usize,
     ) {
-        let Dims { k, n } = dims;
+        let Dims { k, n, group } = dims;
         let num_panels = n.div_ceil(PANEL);
         let per_expert = num_panels * k * PANEL;
         let base = out.as_mut_ptr();
@@ -706,6 +727,7 @@ impl Groups {
                     Ctx::new(
                         &input[first * k..end * k],
                         &panels[e * per_expert..(e + 1) * per_expert],
+                        group,
                         base.add(first * n),
                         end - first,
                         k,
@@ -714,11 +736,13 @@ impl Groups {
                 }
             })
             .collect();
-        // runs of panels: a few per thread over all the products, at least MIN_SHARE_ELEMS each
+        // runs of panels: a few per thread over all the products, at least MIN_SHARE_ELEMS each,
+        // whole groups (a run starting inside a group would read it as separate streams)
         let per_share = (MIN_SHARE_ELEMS / (k * PANEL).max(1)).max(1);
         let chunk = (products.len() * num_panels)
             .div_ceil(threads * CHUNKS_PER_THREAD)
-            .max(per_share);
+            .max(per_share)
+            .next_multiple_of(group);
         let runs_per_product = num_panels.div_ceil(chunk);
         let items = products.len() * runs_per_product;
         let run = |i: usize| {
@@ -1109,6 +1133,76 @@ mod tests {
             );
             assert_eq!(row.row(0), batch.row(t), "token {t}");
         }
+    }
+
+    /// Stacked plain panels `[E, P, K, PANEL]` in groups of `g`: `[E, P / g, K, g * PANEL]`.
+    fn grouped<T: Elem>(plain: &Array4<T>, g: usize) -> Array4<T> {
+        let (e, p, k, _) = plain.dim();
+        let flat = plain.as_slice().unwrap();
+        let all: Vec<T> = flat
+            .chunks_exact(p * k * PANEL)
+            .flat_map(|expert| linear::group_panels(expert, k, g))
+            .collect();
+        Array4::from_shape_vec((e, p / g, k, g * PANEL), all).unwrap()
+    }
+
+    #[test]
+    fn grouped_bf16_experts_give_the_plain_panels_bits() {
+        // one group of gate/up and of down panels an expert; decode rows (one tile, two
+        // tiles over K slices) and a prefill's (the blocked path)
+        let (h, i, experts) = (64, 32, 8);
+        let g = linear::panel_group::<Bf16>(h / PANEL, i);
+        if g == 1 {
+            return; // no AVX-512 BF16 here: grouped panels are refused (the test below)
+        }
+        for (m, k) in [(1, 2), (3, 8), (8, 2), (40, 4)] {
+            let case = Case::new(m, h, i, experts);
+            let (ids, w) = routing(m, k, experts);
+            let x =
+                Array2::from_shape_vec((m, h), case.x.iter().map(|v| Bf16::from_f32(*v)).collect())
+                    .unwrap();
+            let gate_up = stacked_panels::<Bf16>(&case.gate_up, 2 * i, h);
+            let down = stacked_panels::<Bf16>(&case.down, h, i);
+            let run = |gate_up: &Array4<Bf16>, down: &Array4<Bf16>| {
+                let mut out = Array2::from_elem((m, h), Bf16::ZERO);
+                let (x, ids, w) = (x.view(), ids.view(), w.view());
+                moe_experts(x, gate_up.view(), down.view(), ids, w, out.view_mut(), 2).unwrap();
+                out.mapv(|v| v.0)
+            };
+            let want = run(&gate_up, &down);
+            assert_eq!(
+                run(&grouped(&gate_up, g), &grouped(&down, g)),
+                want,
+                "{m} tokens"
+            );
+            assert_eq!(
+                run(&gate_up, &grouped(&down, g)),
+                want,
+                "{m} tokens, down grouped"
+            );
+        }
+    }
+
+    #[test]
+    fn grouped_panels_the_tiles_do_not_read_are_refused() {
+        // f32 tiles read plain panels only
+        let case = Case::new(2, 64, 32, 2);
+        let (ids, w) = routing(2, 1, 2);
+        let gate_up = grouped(
+            &stacked_panels::<f32>(&case.gate_up, 64, 64),
+            linear::PANEL_GROUP,
+        );
+        let down = stacked_panels::<f32>(&case.down, 64, 32);
+        let x = Array2::from_shape_vec((2, 64), case.x.clone()).unwrap();
+        let mut out = Array2::zeros((2, 64));
+        let (x, ids, w) = (x.view(), ids.view(), w.view());
+        let err = moe_experts(x, gate_up.view(), down.view(), ids, w, out.view_mut(), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gate_up panels have shape [2, 1, 64, 64]"),
+            "{err}"
+        );
     }
 
     #[test]
