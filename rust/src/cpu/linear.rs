@@ -610,7 +610,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
     let k = ctx.k;
     // M blocks of at most X_BLOCK_BYTES, as even as whole tiles allow (a last block of a few
     // rows would stream the whole run of weights for little work)
-    let step = if L >= AVX512 { 2 } else { 1 };
+    let tiles_at_once = if L >= AVX512 { 2 } else { 1 };
     let xk = x_width::<L>(k);
     let most = (X_BLOCK_BYTES / (4 * xk)).max(TILE_ROWS);
     let block = ctx
@@ -633,8 +633,13 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
             pack_rows(ctx.x, k, packed);
             *call = ctx.call;
         }
-        // AVX512_BF16: two panels side by side (each pair of x read once for both, 24 sums)
-        let wide = if L == AVX512_BF16 { 2 } else { 1 };
+        // AVX512_BF16: two panels side by side (each pair of x read once for both, 24 sums), or
+        // a whole group of grouped panels (one tile: its K slice is one run of memory)
+        let wide = match L {
+            AVX512_BF16 if ctx.group > 1 => ctx.group,
+            AVX512_BF16 => 2,
+            _ => 1,
+        };
         let ntiles = block.min(ctx.m).div_ceil(TILE_ROWS);
         acc.resize(wide * ntiles, [[0.0; PANEL]; TILE_ROWS]);
         let mut first = 0;
@@ -648,9 +653,10 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                 let side_by_side = panels.end - p >= wide && ctx.side_by_side(p, wide);
                 let g = if side_by_side { wide } else { 1 };
                 let (start, pairs) = ctx.panel_at(p);
+                // panel j's tile t sums in tiles[j * count + t]
                 let tiles = &mut acc[..g * count];
                 tiles.fill([[0.0; PANEL]; TILE_ROWS]);
-                let (ta, tb) = tiles.split_at_mut(count);
+                let step = if g > 2 { 1 } else { tiles_at_once };
                 let mut k0 = 0;
                 while k0 < k {
                     let depth = (k - k0).min(K_BLOCK);
@@ -671,8 +677,15 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                         } else {
                             xa
                         };
-                        let tiles = s * step..((s + 1) * step).min(count);
-                        let sums = ta[tiles.clone()].as_flattened_mut();
+                        let at = s * step..((s + 1) * step).min(count);
+                        #[cfg(target_arch = "x86_64")]
+                        if g > 2 {
+                            let stride = ctx.panel_stride();
+                            group_slice(rows, xa, w, (stride, pairs), depth, xk, tiles, s, count);
+                            continue;
+                        }
+                        let (ta, tb) = tiles.split_at_mut(count);
+                        let sums = ta[at.clone()].as_flattened_mut();
                         if g == 2 {
                             #[cfg(target_arch = "x86_64")]
                             wide_slice(
@@ -684,7 +697,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                                 depth,
                                 xk,
                                 sums,
-                                tb[tiles].as_flattened_mut(),
+                                tb[at].as_flattened_mut(),
                             );
                             continue;
                         }
@@ -703,7 +716,7 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
                     }
                     k0 += depth;
                 }
-                for (j, part) in [&*ta, &*tb].into_iter().enumerate().take(g) {
+                for (j, part) in tiles.chunks(count).enumerate() {
                     for (t, sums) in part.iter().enumerate() {
                         let row = t * TILE_ROWS;
                         let rows = (end - first - row).min(TILE_ROWS);
@@ -715,6 +728,46 @@ fn run_blocked<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, panels: Range<usize>) {
             first = end;
         }
     });
+}
+
+/// One K slice of a whole group of grouped panels for packed tile `t` (`rows` rows, up to
+/// `TILE_ROWS`) at AVX512_BF16 (`linear_avx512::tile_pairs_group_packed`): `w` starts at the
+/// group's slice, its panels `stride` elements apart; the sums continue panel j's
+/// `tiles[j * count + t]`.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn group_slice<T: Elem>(
+    rows: usize,
+    xa: &[f32],
+    w: &[T],
+    (stride, pairs): (usize, Pairs),
+    depth: usize,
+    xk: usize,
+    tiles: &mut [TileSums],
+    t: usize,
+    count: usize,
+) {
+    assert!(rows <= TILE_ROWS && tiles.len() == PANEL_GROUP * count && t < count);
+    assert!(w.len() >= (PANEL_GROUP - 1) * stride + pairs_extent(depth, pairs.stride));
+    let base = tiles.as_mut_ptr();
+    // SAFETY: each pointer is a distinct tile of `tiles` (j * count + t < its length, asserted)
+    // whose first `rows` rows the tile continues; called only at AVX512_BF16 (inside
+    // `run_avx512_bf16`: the CPU has AVX-512 F/BW/VL and BF16); w holds the group's slice
+    // (asserted), xa the tile's packed pairs.
+    unsafe {
+        let acc = std::array::from_fn(|j| base.add(j * count + t).cast::<[f32; PANEL]>());
+        linear_avx512::tile_pairs_group_packed(
+            rows,
+            xa.as_ptr(),
+            w.as_ptr(),
+            stride,
+            pairs,
+            depth,
+            xk,
+            acc,
+        );
+    }
 }
 
 /// One K slice of two panels for a tile pair of `rows` packed rows at AVX512_BF16

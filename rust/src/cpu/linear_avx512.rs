@@ -495,3 +495,34 @@ pub(super) unsafe fn tile_pairs_wide_packed<T: Elem>(
     }
     rows!(1 2 3 4 5 6 7 8 9 10 11 12)
 }
+
+/// `tile_pairs_wide` over a whole group of `linear::PANEL_GROUP` grouped panels (`stride`
+/// elements apart, pairs of weight rows lying as `pairs` says) for one packed tile of `rows`
+/// rows (1..=TILE_ROWS) at `xa`: the blocked path's tile over grouped panels, each K slice of the
+/// group one run of memory; continues `acc[g]` (panel `g`'s rows).
+///
+/// # Safety
+/// As `tile_pairs_wide` with `G = 4` and `tile_pairs_packed` (x: one packed tile).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile_pairs_group_packed<T: Elem>(
+    rows: usize,
+    xa: *const f32,
+    w: *const T,
+    stride: usize,
+    pairs: Pairs,
+    depth: usize,
+    k: usize,
+    acc: [*mut [f32; PANEL]; 4],
+) {
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match rows {
+                $($r => tile_pairs_wide::<T, $r, 4, true>(xa, xa, w, stride, pairs, depth, k, acc),)*
+                _ => unreachable!("a packed tile has 1..=6 rows, not {rows}"),
+            }
+        };
+    }
+    rows!(1 2 3 4 5 6)
+}
