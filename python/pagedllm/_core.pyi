@@ -873,9 +873,10 @@ def cpu_linear(
 ) -> None:
     """``out [M, N] = x [M, K] @ W.T (+ bias [N])`` with the weight ``W [N, K]`` given as its
     column panels ``[ceil(N / 16), K, 16]`` (the last zero-padded), or those in groups where
-    ``cpu_panel_group`` says so; every array contiguous and of one dtype. Sums in float32 (one FMA chain per output in ``k`` order, so a row's result does
-    not depend on the rows beside it); a bfloat16 ``out`` is rounded once. ``num_threads``
-    workers at most. ``ValueError`` for shapes that do not fit together."""
+    ``cpu_panel_group`` says so; every array contiguous and of one dtype. Sums in float32 (one
+    FMA chain per output in ``k`` order, so a row's result does not depend on the rows beside
+    it); a bfloat16 ``out`` is rounded once. ``num_threads`` workers at most. ``ValueError`` for
+    shapes that do not fit together."""
 
 def cpu_panel_group(dtype: str, panels: int, k: int) -> int:
     """The panels per group (4, or 1: plain panels) in which ``cpu_linear`` and
@@ -903,9 +904,8 @@ def cpu_moe_experts(
     ``x``, the panels and ``out`` of one dtype; all contiguous; ``num_threads`` workers at most.
     Either panel array may be in groups of ``G`` panels where ``cpu_panel_group`` says so:
     ``[E, P / G, K, G * 16]``, each group ``[K / 2, G, 16, 2]`` (the same products, read as one
-    stream). An id of -1 (another expert-parallel rank's expert) adds nothing. ``ValueError`` for another
-    id outside ``0..E`` or shapes that do not fit together."""
-
+    stream). An id of -1 (another expert-parallel rank's expert) adds nothing. ``ValueError``
+    for another id outside ``0..E`` or shapes that do not fit together."""
 
 class CpuMoeQuantExperts:
     """Experts kept in their GGUF types, registered once: ``buffers`` (uint8, 1-D, held, never
