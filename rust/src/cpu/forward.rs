@@ -808,22 +808,25 @@ mod tests {
     use super::{head_logits, Linear, Options, Weight, HEAD_COLS};
     use crate::cpu::{linear, pack_panels, quant::Activations, Bf16, Elem, PANEL};
 
-    #[test]
-    fn a_bf16_head_wider_than_a_block_gives_the_whole_products_bits_widened() {
-        let (rows, hidden, vocab) = (5, 48, HEAD_COLS + 3 * PANEL + 5);
+    /// A bf16 head of `vocab` columns run block by block (`head_logits`) over panels in groups
+    /// of `group` gives the plain panels' whole product, widened.
+    fn check_head(vocab: usize, group: usize) {
+        let (rows, hidden) = (5, 48);
         let value = |i: usize| Bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 64.0);
         let x = Array2::from_shape_fn((rows, hidden), |(r, c)| value(r * hidden + c + 7));
         let w = Array2::from_shape_fn((vocab, hidden), |(r, c)| value(r * 3 + c * 11));
         let packed = pack_panels(w.view());
-        let panels =
-            ndarray::ArrayView3::from_shape((vocab.div_ceil(PANEL), hidden, PANEL), &packed)
-                .unwrap();
+        let num_panels = vocab.div_ceil(PANEL);
+        let plain = ndarray::ArrayView3::from_shape((num_panels, hidden, PANEL), &packed).unwrap();
+        let grouped = linear::group_panels(&packed, hidden, group);
+        let shape = (num_panels / group, hidden, group * PANEL);
+        let panels = ndarray::ArrayView3::from_shape(shape, &grouped).unwrap();
         let opts = Options {
             num_threads: 2,
             activations: Activations::F32,
         };
         let mut whole = Array2::from_elem((rows, vocab), Bf16::ZERO);
-        linear(x.view(), panels, None, whole.view_mut(), 2).unwrap();
+        linear::linear(x.view(), plain, None, whole.view_mut(), 2).unwrap();
         let head = Linear {
             weight: Weight::Panels { panels, n: vocab },
             bias: None,
@@ -832,7 +835,26 @@ mod tests {
         head_logits(x.view(), &[3, 1], &head, logits.view_mut(), opts).unwrap();
         for (got, want) in logits.rows().into_iter().zip([3, 1]) {
             let want: Vec<f32> = whole.row(want).iter().map(|b| b.to_f32()).collect();
-            assert_eq!(got.to_vec(), want);
+            assert_eq!(
+                got.to_vec(),
+                want,
+                "vocab {vocab}, panels in groups of {group}"
+            );
         }
+    }
+
+    #[test]
+    fn a_bf16_head_wider_than_a_block_gives_the_whole_products_bits_widened() {
+        check_head(HEAD_COLS + 3 * PANEL + 5, 1);
+    }
+
+    #[test]
+    fn a_grouped_bf16_head_wider_than_a_block_gives_the_plain_products_bits() {
+        // 260 panels: whole groups, the last panel ragged; plain where the tiles read no groups
+        let vocab = HEAD_COLS + 4 * PANEL - 5;
+        check_head(
+            vocab,
+            linear::panel_group::<Bf16>(vocab.div_ceil(PANEL), 48),
+        );
     }
 }

@@ -246,8 +246,12 @@ pub fn pack_panels<T: Elem>(w: ArrayView2<T>) -> Vec<T> {
 }
 
 /// Plain panels `[P, K, PANEL]` (`pack_panels`) in groups of `group` (`panel_group`): `[P /
-/// group, K / 2, group, PANEL, 2]` (the Python side groups with torch the same way).
+/// group, K / 2, group, PANEL, 2]` (the Python side groups with torch the same way); a group of
+/// 1 is the plain panels as they are.
 pub fn group_panels<T: Copy>(panels: &[T], k: usize, group: usize) -> Vec<T> {
+    if group == 1 {
+        return panels.to_vec();
+    }
     assert!(panels.len().is_multiple_of(group * k * PANEL) && k.is_multiple_of(2));
     let mut grouped = Vec::with_capacity(panels.len());
     for chunk in panels.chunks_exact(group * k * PANEL) {
