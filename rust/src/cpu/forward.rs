@@ -213,8 +213,9 @@ impl Act for Bf16 {
 }
 
 /// Vocabulary columns of bf16 logits made at a time before their widening (`Act::head_f32`):
-/// a multiple of a group of panels (`linear::PANEL_GROUP * PANEL`), small enough to stay in the cache between the two (64 rows x 4,096 x
-/// 2 bytes = 512 KiB) and wide enough for every thread's share of panels.
+/// a multiple of a group of panels (`linear::PANEL_GROUP * PANEL`), small enough to stay in the
+/// cache between the two (64 rows x 4,096 x 2 bytes = 512 KiB) and wide enough for every
+/// thread's share of panels.
 const HEAD_COLS: usize = 4096;
 const _: () = assert!(HEAD_COLS.is_multiple_of(linear::PANEL_GROUP * PANEL));
 

@@ -476,50 +476,48 @@ fn run_direct_over<const L: u8, T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: R
     } else {
         TILE_ROWS
     };
+    debug_assert!(ctx.group == 1, "grouped panels run in run_direct_grouped");
     for p in panels {
-        let (start, pairs) = ctx.panel_at(p);
-        let w = &ctx.w[start..start + pairs_extent(k, pairs.stride)];
+        let w = &ctx.w[p * k * PANEL..(p + 1) * k * PANEL];
         let mut row = 0;
         while row < ctx.m {
             let rows = (ctx.m - row).min(height);
             let x = &xs[row * xk..(row + rows) * xk];
             let mut acc = [[0.0f32; PANEL]; DIRECT_MAX_ROWS];
-            tile_rows::<L, T, false>(true, rows, x, x, w, pairs, k, xk, &mut acc[..rows]);
+            tile_rows::<L, T, false>(true, rows, x, x, w, Pairs::PLAIN, k, xk, &mut acc[..rows]);
             store(ctx, &acc[..rows], row, p * PANEL);
             row += rows;
         }
     }
 }
 
-/// `run_direct_over` at AVX512_BF16 for up to `2 * TILE_ROWS` rows: the panels a few at a time
-/// (`linear_avx512::wide_panels`), each step's x broadcast once for all of them (the last
-/// panels of the range, fewer than a group, one at a time). The same sums as one panel at a
-/// time, bit for bit.
+/// `run_direct_over` at AVX512_BF16 for up to `2 * TILE_ROWS` rows of plain panels: the panels
+/// a few at a time (`linear_avx512::wide_panels`), each step's x broadcast once for all of them
+/// (the last panels of the range, fewer than a group, one at a time). The same sums as one
+/// panel at a time, bit for bit.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn run_direct_wide<T: Elem>(ctx: &Ctx<'_, T>, xs: &[f32], panels: Range<usize>) {
     let (k, m) = (ctx.k, ctx.m);
     let xk = x_width::<AVX512_BF16>(k);
-    debug_assert!(xs.len() == m * xk && (1..=2 * TILE_ROWS).contains(&m));
+    debug_assert!(xs.len() == m * xk && (1..=2 * TILE_ROWS).contains(&m) && ctx.group == 1);
     let group = linear_avx512::wide_panels(m);
     let mut acc = [[0.0f32; PANEL]; 4 * TILE_ROWS];
     let mut p = panels.start;
     while p < panels.end {
-        let side_by_side = panels.end - p >= group && ctx.side_by_side(p, group);
-        let g = if side_by_side { group } else { 1 };
-        let ((start, pairs), stride) = (ctx.panel_at(p), ctx.panel_stride());
-        let w = &ctx.w[start..start + (g - 1) * stride + pairs_extent(k, pairs.stride)];
+        let g = if panels.end - p >= group { group } else { 1 };
+        let w = &ctx.w[p * k * PANEL..(p + g) * k * PANEL];
         let sums = &mut acc[..g * m];
         sums.fill([0.0; PANEL]);
         // SAFETY: AVX512_BF16 runs only inside `run_avx512_bf16`, on a CPU with AVX-512
-        // F/BW/VL and BF16; x holds m rows of xk pairs, w g panels of k steps (sliced to what
-        // the tile reads), sums g * m rows (g is wide_panels(m) or 1).
+        // F/BW/VL and BF16; x holds m rows of xk pairs, w g plain panels of k steps, sums g * m
+        // rows (g is wide_panels(m) or 1).
         unsafe {
-            let (x, w) = (xs.as_ptr(), w.as_ptr());
+            let (x, w, plain) = (xs.as_ptr(), w.as_ptr(), Pairs::PLAIN);
             if g == 1 {
-                linear_avx512::tile_pairs_direct(m, x, w, pairs, k, xk, sums);
+                linear_avx512::tile_pairs_direct(m, x, w, plain, k, xk, sums);
             } else {
-                linear_avx512::tile_pairs_wide_direct(m, x, w, stride, pairs, k, xk, sums);
+                linear_avx512::tile_pairs_wide_direct(m, x, w, k * PANEL, plain, k, xk, sums);
             }
         }
         for j in 0..g {

@@ -64,8 +64,9 @@ const MIN_SUM_PER_THREAD: usize = 1 << 16;
 /// `out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with `e = ids[t, j]`,
 /// for x `[M, H]`, the experts' gate/up panels `[E, ceil(2I / PANEL), H, PANEL]` and down panels
 /// `[E, ceil(H / PANEL), I, PANEL]` (either in groups where `linear::panel_group` says so: `[E,
-/// P / G, K, G * PANEL]`, `experts_grouped`), expert ids (in `0..E`, or `NOT_HELD`: skipped) and f32
-/// weights `[M, K]`. All contiguous; `num_threads` threads at most.
+/// P / G, K, G * PANEL]`, each expert's as `linear::group_panels` lays them out), expert ids (in
+/// `0..E`, or `NOT_HELD`: skipped) and f32 weights `[M, K]`. All contiguous; `num_threads`
+/// threads at most.
 pub fn moe_experts<T: Elem>(
     x: ArrayView2<T>,
     gate_up: ArrayView4<T>,
@@ -1147,14 +1148,13 @@ mod tests {
     }
 
     #[test]
-    fn grouped_bf16_experts_give_the_plain_panels_bits() {
+    fn grouped_bf16_experts_give_the_plain_panels_bits_where_the_tiles_read_groups() {
         // one group of gate/up and of down panels an expert; decode rows (one tile, two
-        // tiles over K slices) and a prefill's (the blocked path)
+        // tiles over K slices) and a prefill's (the blocked path). Without AVX-512 BF16 such
+        // panels are refused instead.
         let (h, i, experts) = (64, 32, 8);
-        let g = linear::panel_group::<Bf16>(h / PANEL, i);
-        if g == 1 {
-            return; // no AVX-512 BF16 here: grouped panels are refused (the test below)
-        }
+        let reads_groups = linear::panel_group::<Bf16>(h / PANEL, i) == linear::PANEL_GROUP;
+        let g = linear::PANEL_GROUP;
         for (m, k) in [(1, 2), (3, 8), (8, 2), (40, 4)] {
             let case = Case::new(m, h, i, experts);
             let (ids, w) = routing(m, k, experts);
@@ -1166,17 +1166,25 @@ mod tests {
             let run = |gate_up: &Array4<Bf16>, down: &Array4<Bf16>| {
                 let mut out = Array2::from_elem((m, h), Bf16::ZERO);
                 let (x, ids, w) = (x.view(), ids.view(), w.view());
-                moe_experts(x, gate_up.view(), down.view(), ids, w, out.view_mut(), 2).unwrap();
-                out.mapv(|v| v.0)
+                moe_experts(x, gate_up.view(), down.view(), ids, w, out.view_mut(), 2)
+                    .map(|()| out.mapv(|v| v.0))
             };
-            let want = run(&gate_up, &down);
+            let want = run(&gate_up, &down).unwrap();
+            if !reads_groups {
+                let err = run(&grouped(&gate_up, g), &down).unwrap_err().to_string();
+                assert!(
+                    err.contains("gate_up panels have shape [8, 1, 64, 64]"),
+                    "{err}"
+                );
+                continue;
+            }
             assert_eq!(
-                run(&grouped(&gate_up, g), &grouped(&down, g)),
+                run(&grouped(&gate_up, g), &grouped(&down, g)).unwrap(),
                 want,
                 "{m} tokens"
             );
             assert_eq!(
-                run(&gate_up, &grouped(&down, g)),
+                run(&gate_up, &grouped(&down, g)).unwrap(),
                 want,
                 "{m} tokens, down grouped"
             );
