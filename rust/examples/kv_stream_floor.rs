@@ -16,36 +16,12 @@ const BLOCK: usize = 16;
 const KV_HEADS: usize = 4;
 const HEAD_DIM: usize = 64;
 const BLOCK_FLOATS: usize = BLOCK * KV_HEADS * HEAD_DIM;
-const HUGE: usize = 2 << 20;
+#[path = "huge_mapping.rs"]
+mod huge_mapping;
 
-/// `floats` zeros-then-filled floats in an anonymous mapping aligned to 2 MiB, advised to use
-/// huge pages or not. Leaked: the process ends after the measurement.
+/// `floats` floats filled with a pattern in a mapping advised onto huge pages or not.
 fn mapping(floats: usize, huge: bool) -> &'static [f32] {
-    let bytes = floats * 4 + HUGE;
-    // SAFETY: a fresh private anonymous mapping of `bytes`, used only through the slice below.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
-        let start = (p as usize).next_multiple_of(HUGE) as *mut f32;
-        let advice = if huge {
-            libc::MADV_HUGEPAGE
-        } else {
-            libc::MADV_NOHUGEPAGE
-        };
-        libc::madvise(start.cast(), floats * 4, advice);
-        let s = std::slice::from_raw_parts_mut(start, floats);
-        for (i, x) in s.iter_mut().enumerate() {
-            *x = (i % 7) as f32;
-        }
-        s
-    }
+    huge_mapping::filled(floats, huge, |i| (i % 7) as f32)
 }
 
 /// Sum of one block, four independent accumulators (the adds never wait on each other).

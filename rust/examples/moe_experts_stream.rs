@@ -9,36 +9,20 @@ use ndarray::{ArrayView2, ArrayView4, ArrayViewMut2};
 use pagedllm::cpu::{moe_experts, Bf16, Elem};
 use std::time::Instant;
 
-const HUGE: usize = 2 << 20;
+#[path = "huge_mapping.rs"]
+mod huge_mapping;
+
 const EXPERTS: usize = 64;
 const HIDDEN: usize = 1024;
 const WIDTH: usize = 512;
 const TOP_K: usize = 8;
 const LAYERS: usize = 4;
 
-/// `n` bf16 in an anonymous mapping on transparent huge pages (as the engine places experts).
-/// Leaked: the process ends after the measurement.
+/// `n` bf16 weights on huge pages (as the engine places experts).
 fn mapping(n: usize) -> &'static [Bf16] {
-    let bytes = n * 2 + HUGE;
-    // SAFETY: a fresh private anonymous mapping, used only through the slice below.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
-        let start = (p as usize).next_multiple_of(HUGE) as *mut Bf16;
-        libc::madvise(start.cast(), n * 2, libc::MADV_HUGEPAGE);
-        let s = std::slice::from_raw_parts_mut(start, n);
-        for (i, x) in s.iter_mut().enumerate() {
-            *x = Bf16::from_f32(((i * 7919 % 1000) as f32 - 500.0) * 1e-4);
-        }
-        s
-    }
+    huge_mapping::filled(n, true, |i| {
+        Bf16::from_f32(((i * 7919 % 1000) as f32 - 500.0) * 1e-4)
+    })
 }
 
 fn main() {

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from bf16_tiles import avx512_bf16
 
 from pagedllm import _core
 from pagedllm.distributed.layers import Linear
@@ -166,14 +167,9 @@ def test_a_packed_layers_state_dict_holds_its_weight_unpacked():
         assert torch.equal(state[name], tensor), name
 
 
-def _avx512_bf16() -> bool:
-    level, flags = _core.cpu_isa()
-    return level in ("avx512", "amx") and "avx512bf16" in flags
-
-
 def test_bfloat16_weights_are_grouped_where_avx512_bf16_reads_them_and_plain_elsewhere():
     weight = torch.randn(128, 96).bfloat16()
-    g = 4 if _avx512_bf16() else 1
+    g = 4 if avx512_bf16() else 1
     assert cpu_linear.pack(weight).panels.shape == (8 // g, 96, 16 * g)
     assert cpu_linear.pack(weight.float()).panels.shape == (8, 96, 16)  # float32 stays plain
     assert cpu_linear.pack(weight[:120]).panels.shape == (8 // g, 96, 16 * g)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bf16_tiles import avx512_bf16
 from torch import Tensor
 
 from pagedllm import _core
@@ -275,16 +276,11 @@ def test_quantized_experts_repacked_onto_a_buffer_give_the_same_outputs_bit_for_
         assert torch.equal(got, want), f"{tokens} tokens, {activations}"
 
 
-def _avx512_bf16() -> bool:
-    level, flags = _core.cpu_isa()
-    return level in ("avx512", "amx") and "avx512bf16" in flags
-
-
 def test_bfloat16_experts_are_grouped_where_avx512_bf16_reads_them_and_plain_elsewhere():
     grouped = cpu_moe.pack_experts(*experts(torch.bfloat16, seed=8, hidden=64, width=32))
     plain = cpu_moe.pack_experts(*experts(seed=8, hidden=64, width=32))
     assert plain.gate_up.shape == (EXPERTS, 4, 64, 16)  # float32 panels stay plain
-    g = 4 if _avx512_bf16() else 1
+    g = 4 if avx512_bf16() else 1
     assert grouped.gate_up.shape == (EXPERTS, 4 // g, 64, 16 * g)
     assert grouped.down.shape == (EXPERTS, 4 // g, 32, 16 * g)
     assert _core.cpu_panel_group("bfloat16", 6, 64) == 1  # not whole groups
